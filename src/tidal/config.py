@@ -1,0 +1,188 @@
+"""The configuration tree (pydantic v2, ``extra="forbid"``), loaded from YAML files in
+``configs/``. Any error becomes a ``ConfigError`` whose message names the offending field as a
+dotted path, e.g. ``policy.args.deactivate_ratio: must be in [0, 1], got -0.1``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tidal.errors import ConfigError
+from tidal.types import CellKind
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CellSpec(Strict):
+    gpus: int = Field(8, ge=1)
+    slots: int = Field(128, ge=1, description="concurrent executions in rollout")
+    kind: CellKind = CellKind.ELASTIC
+
+
+class ClusterConfig(Strict):
+    cell_count: int = Field(4, ge=0)
+    cell_gpus: int = Field(8, ge=1)
+    cell_slots: int = Field(128, ge=1)
+    cell_kind: CellKind = CellKind.ELASTIC
+    cells: list[CellSpec] | None = Field(None, description="explicit cells; overrides cell_*")
+    standalone_count: int = Field(0, ge=0)
+    standalone_gpus: int = Field(8, ge=1)
+    standalone_slots: int = Field(128, ge=1)
+    start_training: list[int] | None = Field(
+        None, description="cells that start in training; must be a prefix 0..k-1 of the order")
+
+    def cell_specs(self) -> list[CellSpec]:
+        if self.cells is not None:
+            return list(self.cells)
+        return [CellSpec(gpus=self.cell_gpus, slots=self.cell_slots, kind=self.cell_kind)
+                for _ in range(self.cell_count)]
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        specs = self.cell_specs()
+        if not specs and self.standalone_count == 0:
+            raise ValueError("a cluster needs at least one cell or standalone engine")
+        seen_elastic = False
+        for i, c in enumerate(specs):
+            if c.kind is CellKind.ELASTIC:
+                seen_elastic = True
+            elif seen_elastic:
+                raise _FieldError(f"cells.{i}.kind", "hybrid cells must lead the cell order")
+        if self.start_training is not None:
+            want = list(range(len(self.start_training)))
+            if sorted(self.start_training) != want or len(want) > len(specs):
+                raise _FieldError("start_training",
+                                  f"{self.start_training} is not a prefix of the cell order "
+                                  f"(the training set must be cells 0..k-1, e.g. {want})")
+        return self
+
+
+class ControlConfig(Strict):
+    group_size: int = Field(8, ge=1, description="executions per prompt (GRPO n)")
+    batch_groups: int = Field(16, ge=1, description="groups per optimizer step")
+    updates_per_burst: int = Field(4, ge=1, description="optimizer steps per weight version")
+    bursts: int | None = Field(None, ge=1, description="bursts in the run (None: unbounded)")
+    quota_groups: int | None = Field(None, ge=1,
+                                     description="groups dispatched per burst (default: "
+                                                 "batch_groups * updates_per_burst)")
+    supply_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    supply_hold_s: float = Field(0.0, ge=0.0)
+    kv_handoff: bool = False
+    step_timeout_s: float = Field(600.0, gt=0.0)
+    max_step_retries: int = Field(2, ge=0)
+
+    @property
+    def quota_executions(self) -> int:
+        groups = self.quota_groups or self.batch_groups * self.updates_per_burst
+        return groups * self.group_size
+
+
+class PolicyConfig(Strict):
+    name: str = "waterlevel"
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from tidal.control.policy import registered
+
+        if v not in registered():
+            raise ValueError(f"unknown policy {v!r} (known: {', '.join(registered())})")
+        return v
+
+    @model_validator(mode="after")
+    def _args(self) -> PolicyConfig:
+        from tidal.control.policy import make_policy
+
+        try:
+            make_policy(self.name, dict(self.args))
+        except ConfigError as exc:
+            raise _FieldError(exc.field.removeprefix("policy."), exc.message) from None
+        return self
+
+    @classmethod
+    def from_spec(cls, spec: str) -> PolicyConfig:
+        from tidal.control.policy import parse_policy_spec
+
+        name, args = parse_policy_spec(spec)
+        return validate_model(cls, {"name": name, "args": args}, "policy")
+
+
+class RunConfig(Strict):
+    name: str = "run"
+    seed: int = 0
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+
+
+    @model_validator(mode="after")
+    def _policy_fits_cluster(self) -> RunConfig:
+        from tidal.control.factory import build_policy
+
+        try:
+            build_policy(self)
+        except ConfigError as exc:
+            raise _FieldError(exc.field, exc.message) from None
+        return self
+
+
+class _FieldError(ValueError):
+    """A validator error that names a sub-field of the model it was raised in."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+def _format(exc: ValidationError, prefix: str) -> ConfigError:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    msg = err["msg"]
+    ctx_err = (err.get("ctx") or {}).get("error")
+    if isinstance(ctx_err, _FieldError):
+        loc.append(ctx_err.field)
+        msg = ctx_err.message
+    elif msg.startswith("Value error, "):
+        msg = msg.removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    field = ".".join(p for p in [prefix, *loc] if p)
+    more = len(exc.errors()) - 1
+    return ConfigError(field, msg + (f" (and {more} more error(s))" if more else ""))
+
+
+def validate_model(model: type[M], data: Any, prefix: str = "") -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _format(exc, prefix) from None
+
+
+def load_yaml(path: str | Path, model: type[M] = RunConfig) -> M:  # type: ignore[assignment]
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("", f"{p}: no such config file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{p}: the top level must be a mapping")
+    try:
+        return validate_model(model, data)
+    except ConfigError as exc:
+        raise ConfigError(exc.field, f"{exc.message} (in {p})") from None
+
+
+def dump_yaml(cfg: BaseModel) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,410 @@
+"""The controller: events in, transition plans out.
+
+In: control-plane events (``tidal.types``) from the runtime or the simulator. Out: transition
+plans, executed one step at a time by an ``Actuator`` that acknowledges each step back as a
+``TransitionStepDone`` event; a decision log line for every decision with its inputs.
+
+Keeps invariants 1-3 (DESIGN.md): the ledger owns the counters; at most one plan is in flight;
+a plan moves a contiguous block at the edge of the training prefix; for a ``waterlevel_safe``
+policy a move to training is a single cell with capacity after the move >= waterlevel and the
+ready supply held — a policy asking for anything else raises ``InvariantViolation``.
+Events may be delivered re-entrantly (an actuator acknowledging inside ``execute``): they are
+queued and processed in order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tidal.clock import Clock
+from tidal.control.cells import CellSet
+from tidal.control.decision_log import DecisionLog
+from tidal.control.ledger import Ledger
+from tidal.control.metrics import MetricsTracker, RoleTimeline
+from tidal.control.plans import PlanStep, TransitionPlan, build_plan
+from tidal.control.policy import Action, CellView, Decision, Observation, PlanStyle, Policy
+from tidal.control.supply import SupplyTracker
+from tidal.errors import InvariantViolation
+from tidal.types import (
+    BurstStarted,
+    Direction,
+    EngineCapacityChanged,
+    Event,
+    ExecutionClosed,
+    ExecutionDispatched,
+    ExecutionLaunched,
+    ExecutionScored,
+    GroupsAssigned,
+    RequestRetried,
+    Role,
+    Tick,
+    TrainerReady,
+    TrainerStepDone,
+    TransitionStepDone,
+    WeightSyncDone,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Actuator(Protocol):
+    """Executes plan steps. Must eventually deliver ``TransitionStepDone`` for each step."""
+
+    def execute(self, plan: TransitionPlan, step: PlanStep) -> None: ...
+
+    def abort(self, plan: TransitionPlan, failed: PlanStep, error: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    batch_groups: int
+    updates_per_burst: int = 1
+    supply_fraction: float = 0.5
+    supply_hold_s: float = 0.0
+    kv_handoff: bool = False
+    next_burst_quota: int = 0
+    total_bursts: int | None = None
+    max_concurrency: int | None = None
+    step_timeout_s: float = 600.0
+    max_step_retries: int = 2
+
+
+@dataclass
+class _InFlight:
+    plan: TransitionPlan
+    step: int
+    issued_s: float
+    attempts: int = 1
+
+
+class Controller:
+    def __init__(self, cells: CellSet, policy: Policy, clock: Clock, actuator: Actuator,
+                 settings: ControllerSettings, log_: DecisionLog | None = None,
+                 initial_prefix: int | None = None) -> None:
+        self.cells = cells
+        self.policy = policy
+        self.clock = clock
+        self.actuator = actuator
+        self.settings = settings
+        self.log = log_ or DecisionLog()
+        self.ledger = Ledger()
+        self.supply = SupplyTracker(settings.batch_groups, settings.supply_fraction,
+                                    settings.supply_hold_s)
+        now = clock.now()
+        n = policy.initial_prefix(self._cell_views()) if initial_prefix is None \
+            else initial_prefix
+        for c in cells.cells:
+            c.role = Role.TRAINING if c.index < n else Role.ROLLOUT
+        cells.check_prefix()
+        self.timeline = RoleTimeline(cells.roles(), now)
+        self.metrics = MetricsTracker(
+            hybrid_gpus=sum(c.gpus for c in cells.cells),
+            standalone_gpus=sum(s.gpus for s in cells.standalone.values()),
+            max_required=settings.max_concurrency, start_s=now)
+        self.version = 0
+        self.trainer_step = 0
+        self.steps_in_version = 0
+        self.trainer_waiting = False
+        self.assigned_in_batch = 0
+        self.bursts_ended = 0
+        self.bursts_started = 0
+        self._announced: dict[int, int] = {}
+        self._expect_next_burst = False
+        self._cycle_waits: list[float] = []
+        self._cycle_queue: list[int] = []
+        self._cycle_stale = False
+        self.last_activate_s = 0.0
+        self.last_deactivate_s = 0.0
+        self.switch_cycle = -1
+        self.inflight: _InFlight | None = None
+        self._next_plan_id = 1
+        self.plans_done: list[tuple[TransitionPlan, float]] = []
+        self.plans_aborted = 0
+        self.stale_acks = 0
+        self._queue: deque[Event] = deque()
+        self._busy = False
+        self.events_handled = 0
+
+    # ------------------------------------------------------------------ input
+    def handle(self, event: Event) -> None:
+        self._queue.append(event)
+        if self._busy:
+            return
+        self._busy = True
+        try:
+            while self._queue:
+                ev = self._queue.popleft()
+                self._apply(ev)
+                self.events_handled += 1
+                self._record_rollout(ev.t_s)
+                self._consult(ev)
+        finally:
+            self._busy = False
+
+    def _apply(self, ev: Event) -> None:
+        lg = self.ledger
+        if isinstance(ev, ExecutionDispatched):
+            lg.dispatch(ev.execution_id, ev.group_id, ev.group_size, ev.burst)
+        elif isinstance(ev, ExecutionLaunched):
+            lg.launch(ev.execution_id)
+        elif isinstance(ev, ExecutionClosed):
+            before = lg.groups_ready_total
+            lg.close(ev.execution_id, ev.reason, ev.reward)
+            self._count_generated(before)
+        elif isinstance(ev, ExecutionScored):
+            before = lg.groups_ready_total
+            lg.score(ev.execution_id, ev.reward)
+            self._count_generated(before)
+        elif isinstance(ev, RequestRetried):
+            lg.retry(ev.execution_id)
+        elif isinstance(ev, GroupsAssigned):
+            lg.assign(ev.group_ids)
+            self.assigned_in_batch += len(ev.group_ids)
+        elif isinstance(ev, BurstStarted):
+            self._announced[ev.burst] = ev.quota_executions
+            self.bursts_started += 1
+            self._expect_next_burst = False
+        elif isinstance(ev, TrainerReady):
+            self.trainer_waiting = True
+        elif isinstance(ev, TrainerStepDone):
+            self._trainer_step_done(ev)
+        elif isinstance(ev, WeightSyncDone):
+            self.version = max(self.version, ev.version)
+            self.steps_in_version = 0
+            self.metrics.close_cycle(ev.t_s, self.version)
+            self._cycle_stale = True
+        elif isinstance(ev, TransitionStepDone):
+            self._step_done(ev)
+        elif isinstance(ev, EngineCapacityChanged):
+            self.cells.set_standalone(ev.engine_id, ev.slots)
+        elif isinstance(ev, Tick):
+            self._check_step_timeout(ev.t_s)
+
+    def _count_generated(self, before: int) -> None:
+        for _ in range(self.ledger.groups_ready_total - before):
+            self.metrics.group_generated()
+
+    def _trainer_step_done(self, ev: TrainerStepDone) -> None:
+        if self._cycle_stale:
+            self._cycle_waits, self._cycle_queue, self._cycle_stale = [], [], False
+        self.trainer_waiting = False
+        self.trainer_step = max(self.trainer_step, ev.step + 1)
+        self.steps_in_version += 1
+        self.assigned_in_batch = 0
+        self._cycle_waits.append(ev.wait_s)
+        self._cycle_queue.append(ev.queue_at_start)
+        self.metrics.trainer_step(ev.compute_s, ev.alloc_s, ev.wait_s, ev.wait_for_samples_s,
+                                  self.ledger.ready_unassigned)
+        if ev.final_of_burst:
+            self.bursts_ended += 1
+            total = self.settings.total_bursts
+            self._expect_next_burst = total is None or self.bursts_ended < total
+
+    def _record_rollout(self, t_s: float) -> None:
+        self.metrics.rollout_point(t_s, self.ledger.total.running, self.cells.rollout_capacity)
+
+    # ---------------------------------------------------------- observation
+    def _cell_views(self) -> tuple[CellView, ...]:
+        return tuple(CellView(c.index, c.slots, c.gpus, c.kind, c.role) for c in self.cells.cells)
+
+    @property
+    def pending_dispatch(self) -> int:
+        pending = sum(max(0, q - self.ledger.bursts[b].dispatched if b in self.ledger.bursts
+                          else q) for b, q in self._announced.items())
+        if self._expect_next_burst:
+            pending += self.settings.next_burst_quota
+        return pending
+
+    def observation(self, trigger: str) -> Observation:
+        lg, now = self.ledger, self.clock.now()
+        return Observation(
+            now_s=now,
+            trigger=trigger,
+            cells=self._cell_views(),
+            standalone_slots=self.cells.standalone_slots,
+            standalone_gpus=sum(s.gpus for s in self.cells.standalone.values()),
+            rollout_capacity=self.cells.rollout_capacity,
+            waterlevel=lg.waterlevel,
+            queued=lg.total.queued,
+            running=lg.total.running,
+            pending_dispatch=self.pending_dispatch,
+            supply=self.supply.view(now, lg.ready_unassigned, self.assigned_in_batch),
+            ready_groups=lg.ready_unassigned,
+            groups_generated=lg.groups_ready_total,
+            batch_groups=self.settings.batch_groups,
+            updates_per_burst=self.settings.updates_per_burst,
+            trainer_waiting=self.trainer_waiting,
+            trainer_step=self.trainer_step,
+            steps_in_version=self.steps_in_version,
+            version=self.version,
+            bursts_ended=self.bursts_ended,
+            in_flight=self.inflight is not None,
+            cycle_wait_times_s=() if self._cycle_stale else tuple(self._cycle_waits),
+            cycle_queue_at_start=() if self._cycle_stale else tuple(self._cycle_queue),
+            last_activate_duration_s=self.last_activate_s,
+            last_deactivate_duration_s=self.last_deactivate_s,
+            switch_cycle=self.switch_cycle,
+        )
+
+    # --------------------------------------------------------------- decide
+    def _consult(self, ev: Event) -> None:
+        obs = self.observation(ev.kind)
+        if obs.in_flight:
+            return
+        decision = self.policy.decide(obs)
+        self.log.decision(self._record(obs, decision))
+        if decision.action is not Action.HOLD:
+            self._validate(obs, decision)
+            self._start(decision, obs)
+
+    def _record(self, obs: Observation, d: Decision) -> dict[str, Any]:
+        return {
+            "t": round(obs.now_s, 6),
+            "trigger": obs.trigger,
+            "policy": self.policy.name,
+            "action": d.action.value,
+            "cells": list(d.cells),
+            "reason": d.reason,
+            "inputs": {
+                "waterlevel": obs.waterlevel,
+                "queued": obs.queued,
+                "running": obs.running,
+                "capacity": obs.rollout_capacity,
+                "pending_dispatch": obs.pending_dispatch,
+                "supply": obs.supply.supply,
+                "supply_held_s": round(obs.supply.held_s, 6),
+                "ready_groups": obs.ready_groups,
+                "version": obs.version,
+                "trainer_step": obs.trainer_step,
+                "roles": self.cells.describe(),
+            },
+            "state": self.policy.state(),
+        }
+
+    def _validate(self, obs: Observation, d: Decision) -> None:
+        n, k = obs.prefix_len, len(d.cells)
+        if k == 0:
+            raise InvariantViolation(f"{self.policy.name}: a move without cells")
+        if d.action is Action.TO_TRAINING:
+            want, role = tuple(range(n, n + k)), Role.ROLLOUT
+        else:
+            want, role = tuple(range(n - k, n)), Role.TRAINING
+        if d.cells != want or any(obs.cells[i].role is not role for i in d.cells
+                                  if 0 <= i < len(obs.cells)):
+            raise InvariantViolation(
+                f"{self.policy.name}: {d.action.value} {list(d.cells)} breaks the prefix order "
+                f"(roles {self.cells.describe()}, expected cells {list(want)})")
+        if self.policy.waterlevel_safe and d.action is Action.TO_TRAINING:
+            cell = obs.cells[d.cells[0]]
+            after = obs.rollout_capacity - cell.slots
+            if k != 1 or after < obs.waterlevel or not obs.supply.ok:
+                raise InvariantViolation(
+                    f"{self.policy.name}: unsafe move of {list(d.cells)}: capacity after "
+                    f"{after}, waterlevel {obs.waterlevel}, supply ok {obs.supply.ok}")
+
+    # ---------------------------------------------------------------- plans
+    def _start(self, d: Decision, obs: Observation) -> None:
+        src = d.cells[0] if d.action is Action.TO_TRAINING else None
+        plan = build_plan(self._next_plan_id, d, obs.now_s,
+                          destinations=self.cells.destination_order(src), version=self.version,
+                          kv_handoff=self.settings.kv_handoff)
+        self._next_plan_id += 1
+        moving = (Role.MOVING_TO_TRAINING if plan.direction is Direction.TO_TRAINING
+                  else Role.MOVING_TO_ROLLOUT)
+        for i in plan.cells:
+            self.cells.set_role(i, moving)
+            self.timeline.change(i, moving, obs.now_s)
+        self.inflight = _InFlight(plan, 0, obs.now_s)
+        self.log.write({"type": "plan_start", "t": round(obs.now_s, 6), **plan.to_json()})
+        log.info("plan %d: %s %s (%s)", plan.plan_id, plan.direction.value, list(plan.cells),
+                 plan.reason)
+        self.actuator.execute(plan, plan.steps[0])
+
+    def _step_done(self, ev: TransitionStepDone) -> None:
+        fl = self.inflight
+        if fl is None or ev.plan_id != fl.plan.plan_id or ev.step_index != fl.step:
+            self.stale_acks += 1
+            return
+        plan = fl.plan
+        if not ev.ok:
+            self._step_failed(ev.t_s, ev.error or "step failed")
+            return
+        if fl.step + 1 < len(plan.steps):
+            fl.step += 1
+            fl.issued_s = ev.t_s
+            fl.attempts = 1
+            self.actuator.execute(plan, plan.steps[fl.step])
+            return
+        self._finish(ev.t_s)
+
+    def _step_failed(self, t_s: float, error: str) -> None:
+        fl = self.inflight
+        assert fl is not None
+        plan, step = fl.plan, fl.plan.steps[fl.step]
+        self.log.write({"type": "step_failed", "t": round(t_s, 6), "plan_id": plan.plan_id,
+                        "step": step.kind.value, "attempt": fl.attempts, "error": error})
+        if fl.attempts <= self.settings.max_step_retries:
+            fl.attempts += 1
+            fl.issued_s = t_s
+            self.actuator.execute(plan, step)
+            return
+        source = Role.ROLLOUT if plan.direction is Direction.TO_TRAINING else Role.TRAINING
+        for i in reversed(plan.cells) if source is Role.ROLLOUT else plan.cells:
+            self.cells.set_role(i, source)
+            self.timeline.change(i, source, t_s)
+        self.inflight = None
+        self.plans_aborted += 1
+        self.log.write({"type": "plan_aborted", "t": round(t_s, 6), "plan_id": plan.plan_id,
+                        "step": step.kind.value, "error": error})
+        log.warning("plan %d aborted at %s: %s", plan.plan_id, step.kind.value, error)
+        self.actuator.abort(plan, step, error)
+
+    def _check_step_timeout(self, now_s: float) -> None:
+        fl = self.inflight
+        if fl is not None and now_s - fl.issued_s > self.settings.step_timeout_s:
+            self._step_failed(now_s, f"timed out after {self.settings.step_timeout_s:g}s")
+
+    def _finish(self, t_s: float) -> None:
+        fl = self.inflight
+        assert fl is not None
+        plan = fl.plan
+        target = Role.TRAINING if plan.direction is Direction.TO_TRAINING else Role.ROLLOUT
+        order = plan.cells if target is Role.TRAINING else tuple(reversed(plan.cells))
+        for i in order:
+            self.cells.set_role(i, target)
+            self.timeline.change(i, target, t_s)
+        duration = t_s - plan.created_s
+        if plan.style is PlanStyle.VERL:
+            if target is Role.ROLLOUT:
+                self.last_activate_s = duration
+            else:
+                self.last_deactivate_s = duration
+                self.switch_cycle = self.version
+        self.inflight = None
+        self.plans_done.append((plan, duration))
+        self.log.write({"type": "plan_done", "t": round(t_s, 6), "plan_id": plan.plan_id,
+                        "duration_s": round(duration, 6), "roles": self.cells.describe()})
+
+    # -------------------------------------------------------------- summary
+    def summary(self) -> dict[str, Any]:
+        lg = self.ledger
+        to_t = sum(1 for p, _ in self.plans_done if p.direction is Direction.TO_TRAINING)
+        return {
+            "policy": self.policy.name,
+            "switches": len(self.plans_done),
+            "switches_to_training": to_t,
+            "switches_to_rollout": len(self.plans_done) - to_t,
+            "plans_aborted": self.plans_aborted,
+            "dispatched": lg.total.dispatched,
+            "finished": lg.total.finished,
+            "waterlevel": lg.waterlevel,
+            "duplicate_closes": lg.duplicate_closes,
+            "request_retries": lg.retries,
+            "close_reasons": {r.value: n for r, n in lg.close_reasons.items()},
+            "groups_ready": lg.groups_ready_total,
+            "trainer_steps": self.trainer_step,
+            "version": self.version,
+        }

@@ -1,0 +1,198 @@
+"""The policy protocol, what a policy sees and what it may answer, and the registry.
+
+In: an ``Observation`` (a frozen snapshot the controller builds after every event).
+Out: a ``Decision`` (hold, move cells to training, move cells to rollout) with a reason.
+
+Policies are small objects with one decision method and bounded state; they never read a clock
+or do I/O, so the simulator and production run the very same objects. The registry fails loudly
+on unknown names and bad arguments (``ConfigError`` naming the field).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from tidal.control.supply import SupplyView
+from tidal.errors import ConfigError, UnknownPolicyError
+from tidal.types import CellIndex, CellKind, Role
+
+
+class Action(str, enum.Enum):
+    HOLD = "hold"
+    TO_TRAINING = "to_training"
+    TO_ROLLOUT = "to_rollout"
+
+
+class PlanStyle(str, enum.Enum):
+    """Which step sequence a move runs: QwenGyre's harness-preserving change or verl's
+    activate / deactivate."""
+
+    QWENGYRE = "qwengyre"
+    VERL = "verl"
+
+
+@dataclass(frozen=True)
+class CellView:
+    index: CellIndex
+    slots: int
+    gpus: int
+    kind: CellKind
+    role: Role
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything a policy may look at. Counts are executions unless named ``*_groups``."""
+
+    now_s: float
+    trigger: str
+    cells: tuple[CellView, ...]
+    standalone_slots: int
+    standalone_gpus: int
+    rollout_capacity: int
+    waterlevel: int
+    queued: int
+    running: int
+    pending_dispatch: int
+    supply: SupplyView
+    ready_groups: int
+    groups_generated: int
+    batch_groups: int
+    updates_per_burst: int
+    trainer_waiting: bool
+    trainer_step: int
+    steps_in_version: int
+    version: int
+    bursts_ended: int
+    in_flight: bool
+    cycle_wait_times_s: tuple[float, ...] = ()
+    cycle_queue_at_start: tuple[int, ...] = ()
+    last_activate_duration_s: float = 0.0
+    last_deactivate_duration_s: float = 0.0
+    switch_cycle: int = -1
+
+    @property
+    def prefix_len(self) -> int:
+        n = 0
+        for c in self.cells:
+            if not c.role.training_side:
+                break
+            n += 1
+        return n
+
+    def next_to_train(self) -> CellView | None:
+        n = self.prefix_len
+        return self.cells[n] if n < len(self.cells) else None
+
+    def last_training(self) -> CellView | None:
+        n = self.prefix_len
+        return self.cells[n - 1] if n else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    cells: tuple[CellIndex, ...] = ()
+    reason: str = ""
+    style: PlanStyle = PlanStyle.QWENGYRE
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def hold(reason: str) -> Decision:
+        return Decision(Action.HOLD, (), reason)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+    #: True if the controller must enforce invariant 3 (capacity after a move >= waterlevel
+    #: and ready supply held) on every move to training this policy asks for.
+    waterlevel_safe: bool
+
+    def initial_prefix(self, cells: tuple[CellView, ...]) -> int:
+        """How many leading cells start on the training side."""
+        ...
+
+    def decide(self, obs: Observation) -> Decision: ...
+
+    def state(self) -> dict[str, Any]:
+        """Bounded internal state, logged with every decision."""
+        ...
+
+
+def default_prefix(cells: tuple[CellView, ...]) -> int:
+    """Hybrid cells (home = training) lead the order and start there; elastic cells don't."""
+    n = 0
+    for c in cells:
+        if c.kind is not CellKind.HYBRID:
+            break
+        n += 1
+    return n
+
+
+# ------------------------------------------------------------------------ registry
+
+PolicyFactory = Callable[..., Policy]
+_REGISTRY: dict[str, tuple[PolicyFactory, str]] = {}
+
+
+def register_policy(name: str, summary: str) -> Callable[[PolicyFactory], PolicyFactory]:
+    def deco(factory: PolicyFactory) -> PolicyFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"policy {name!r} registered twice")
+        _REGISTRY[name] = (factory, summary)
+        return factory
+
+    return deco
+
+
+def registered() -> dict[str, str]:
+    """Name -> one-line summary of every registered policy."""
+    _load_builtin()
+    return {k: v[1] for k, v in sorted(_REGISTRY.items())}
+
+
+def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME[:k=v,k=v]`` -> (name, args). Values become int, float, bool or str."""
+    name, _, rest = spec.strip().partition(":")
+    args: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, sep, raw = part.partition("=")
+        if not sep or not key:
+            raise ConfigError("policy", f"bad argument {part!r} in {spec!r} (want key=value)")
+        args[key.strip()] = _parse_value(raw.strip())
+    return name, args
+
+
+def _parse_value(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    for conv in (int, float):
+        try:
+            return conv(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def make_policy(name: str, args: dict[str, Any] | None = None) -> Policy:
+    _load_builtin()
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        known = ", ".join(sorted(_REGISTRY))
+        raise UnknownPolicyError("policy.name", f"unknown policy {name!r} (known: {known})")
+    try:
+        return entry[0](**(args or {}))
+    except TypeError as exc:
+        raise ConfigError("policy.args", f"{name}: {exc}") from None
+
+
+def _load_builtin() -> None:
+    # Importing the modules runs their @register_policy decorators.
+    from tidal.control import policies_simple, verl, waterlevel  # noqa: F401
