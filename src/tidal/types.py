@@ -16,7 +16,7 @@ CellIndex = int
 EngineId = str
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     """What a cell is doing. The two MOVING states hold a cell between roles during a plan."""
 
     ROLLOUT = "rollout"
@@ -30,27 +30,27 @@ class Role(str, enum.Enum):
         return self is not Role.ROLLOUT
 
 
-class CellKind(str, enum.Enum):
+class CellKind(enum.StrEnum):
     """ELASTIC cells start in rollout (QwenGyre); HYBRID cells live on trainer GPUs (verl)."""
 
     ELASTIC = "elastic"
     HYBRID = "hybrid"
 
 
-class ExecState(str, enum.Enum):
+class ExecState(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     CLOSED = "closed"
 
 
-class CloseReason(str, enum.Enum):
+class CloseReason(enum.StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
 
 
-class Direction(str, enum.Enum):
+class Direction(enum.StrEnum):
     TO_TRAINING = "to_training"
     TO_ROLLOUT = "to_rollout"
 

@@ -22,7 +22,7 @@ from tidal.control.policy import Action, Decision, PlanStyle
 from tidal.types import CellIndex, Direction
 
 
-class StepKind(str, enum.Enum):
+class StepKind(enum.StrEnum):
     STOP_ADMISSION = "stop_admission"
     RESERVE_AND_REROUTE = "reserve_and_reroute"
     CANCEL_AND_RETRY = "cancel_and_retry"

@@ -20,13 +20,13 @@ from tidal.errors import ConfigError, UnknownPolicyError
 from tidal.types import CellIndex, CellKind, Role
 
 
-class Action(str, enum.Enum):
+class Action(enum.StrEnum):
     HOLD = "hold"
     TO_TRAINING = "to_training"
     TO_ROLLOUT = "to_rollout"
 
 
-class PlanStyle(str, enum.Enum):
+class PlanStyle(enum.StrEnum):
     """Which step sequence a move runs: QwenGyre's harness-preserving change or verl's
     activate / deactivate."""
 
