@@ -51,7 +51,14 @@ class CellSet:
                 raise InvariantViolation(f"cell at position {i} has index {c.index}")
         self.cells = cells
         self.standalone: dict[EngineId, Standalone] = {s.engine_id: s for s in standalone or []}
+        # Bumped on every role or membership change; caches below are keyed on it.
+        self.revision = 0
+        self._cap: tuple[int, int] = (-1, 0)
         self.check_prefix()
+
+    def touch(self) -> None:
+        """Call after changing a role without ``set_role`` (e.g. initial roles)."""
+        self.revision += 1
 
     # ---------------------------------------------------------------- queries
     @property
@@ -81,7 +88,11 @@ class CellSet:
     @property
     def rollout_capacity(self) -> int:
         """Slots admitting work now: rollout cells plus standalone engines."""
-        return sum(c.slots for c in self.rollout_cells()) + self.standalone_slots
+        rev, cap = self._cap
+        if rev != self.revision:
+            cap = sum(c.slots for c in self.rollout_cells()) + self.standalone_slots
+            self._cap = (self.revision, cap)
+        return cap
 
     def next_to_train(self) -> Cell | None:
         n = self.prefix_len
@@ -115,6 +126,7 @@ class CellSet:
     def set_role(self, index: CellIndex, role: Role) -> None:
         old = self.cells[index].role
         self.cells[index].role = role
+        self.revision += 1
         try:
             self.check_prefix()
         except InvariantViolation:
@@ -122,6 +134,7 @@ class CellSet:
             raise
 
     def set_standalone(self, engine_id: EngineId, slots: int, gpus: int = 1) -> None:
+        self.revision += 1
         if slots <= 0:
             self.standalone.pop(engine_id, None)
         else:

@@ -94,10 +94,12 @@ class Controller:
         self.supply = SupplyTracker(settings.batch_groups, settings.supply_fraction,
                                     settings.supply_hold_s)
         now = clock.now()
+        self._views: tuple[int, tuple[CellView, ...]] = (-1, ())
         n = policy.initial_prefix(self._cell_views()) if initial_prefix is None \
             else initial_prefix
         for c in cells.cells:
             c.role = Role.TRAINING if c.index < n else Role.ROLLOUT
+        cells.touch()
         cells.check_prefix()
         self.timeline = RoleTimeline(cells.roles(), now)
         self.metrics = MetricsTracker(
@@ -148,6 +150,9 @@ class Controller:
         lg = self.ledger
         if isinstance(ev, ExecutionDispatched):
             lg.dispatch(ev.execution_id, ev.group_id, ev.group_size, ev.burst)
+            quota = self._announced.get(ev.burst)
+            if quota is not None and lg.bursts[ev.burst].dispatched >= quota:
+                del self._announced[ev.burst]  # fully dispatched: nothing pending from it
         elif isinstance(ev, ExecutionLaunched):
             lg.launch(ev.execution_id)
         elif isinstance(ev, ExecutionClosed):
@@ -164,7 +169,8 @@ class Controller:
             lg.assign(ev.group_ids)
             self.assigned_in_batch += len(ev.group_ids)
         elif isinstance(ev, BurstStarted):
-            self._announced[ev.burst] = ev.quota_executions
+            if ev.quota_executions > 0:
+                self._announced[ev.burst] = ev.quota_executions
             self.bursts_started += 1
             self._expect_next_burst = False
         elif isinstance(ev, TrainerReady):
@@ -208,7 +214,12 @@ class Controller:
 
     # ---------------------------------------------------------- observation
     def _cell_views(self) -> tuple[CellView, ...]:
-        return tuple(CellView(c.index, c.slots, c.gpus, c.kind, c.role) for c in self.cells.cells)
+        rev, views = self._views
+        if rev != self.cells.revision:
+            views = tuple(CellView(c.index, c.slots, c.gpus, c.kind, c.role)
+                          for c in self.cells.cells)
+            self._views = (self.cells.revision, views)
+        return views
 
     @property
     def pending_dispatch(self) -> int:
@@ -255,7 +266,8 @@ class Controller:
         if obs.in_flight:
             return
         decision = self.policy.decide(obs)
-        self.log.decision(self._record(obs, decision))
+        if decision.action is not Action.HOLD or self.log.would_log(decision.reason):
+            self.log.decision(self._record(obs, decision))
         if decision.action is not Action.HOLD:
             self._validate(obs, decision)
             self._start(decision, obs)

@@ -30,6 +30,10 @@ class DecisionLog:
         if self._sink is not None:
             self._sink(record)
 
+    def would_log(self, hold_reason: str) -> bool:
+        """False if a hold with this reason would be folded into the previous one."""
+        return _DIGITS.sub("#", hold_reason) != self._last_hold_key
+
     def decision(self, record: dict[str, Any]) -> None:
         if record.get("action") == "hold":
             key = _DIGITS.sub("#", str(record.get("reason", "")))

@@ -1,0 +1,119 @@
+"""Rollout engines: processor sharing of decode throughput, advanced analytically.
+
+In: sequences (one model request each) added with an amount of work in decode-token
+equivalents, removed when rerouted or aborted; pauses (weight sync, sleep). Out: the time of
+the engine's next completion and the sequences finished by a given time.
+
+Every active sequence gets the same speed ``min(seq_cap, throughput / n_active)``, so one
+cumulative per-sequence service counter ``v`` describes them all: a sequence added with work
+``w`` at counter ``v0`` finishes when ``v`` reaches ``v0 + w``. Thresholds sit in a heap;
+removal is lazy. Between events nothing is computed (no per-token events).
+An engine holds ``slots`` executions (sticky sessions, in tool waits too); only executions
+with a request in flight share the throughput.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+EPS_TOKENS = 1e-6
+
+
+class Engine:
+    __slots__ = ("_heap", "_thr", "admitting", "busy_work", "cell", "epoch", "gpus", "members",
+                 "name", "paused", "seq_cap", "slots", "t", "throughput", "v")
+
+    def __init__(self, name: str, gpus: int, slots: int, throughput_tok_s: float,
+                 seq_cap_tok_s: float, cell: int | None = None) -> None:
+        self.name = name
+        self.gpus = gpus
+        self.slots = slots
+        self.throughput = throughput_tok_s
+        self.seq_cap = seq_cap_tok_s
+        self.cell = cell
+        self.admitting = cell is None
+        self.paused = False
+        self.members: set = set()  # executions bound here (they hold a slot)
+        self.v = 0.0
+        self.t = 0.0
+        self.busy_work = 0.0  # decode-token equivalents processed (utilization)
+        self.epoch = 0
+        self._heap: list[tuple[float, int]] = []
+        self._thr: dict[int, float] = {}
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def active(self) -> int:
+        return len(self._thr)
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - len(self.members)
+
+    def rate(self) -> float:
+        n = len(self._thr)
+        if n == 0 or self.paused:
+            return 0.0
+        r = self.throughput / n
+        return r if r < self.seq_cap else self.seq_cap
+
+    def remaining(self, seq: int) -> float:
+        return max(0.0, self._thr[seq] - self.v)
+
+    def next_finish(self) -> float | None:
+        r = self.rate()
+        if r <= 0.0:
+            return None
+        heap, thr = self._heap, self._thr
+        while heap and thr.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        if not heap:
+            return None
+        return self.t + max(0.0, heap[0][0] - self.v) / r
+
+    # --------------------------------------------------------------- updates
+    def advance(self, now: float) -> None:
+        dt = now - self.t
+        if dt > 0.0:
+            r = self.rate()
+            if r > 0.0:
+                self.v += r * dt
+                self.busy_work += r * dt * len(self._thr)
+            self.t = now
+
+    def add(self, seq: int, work: float, now: float) -> None:
+        self.advance(now)
+        thr = self.v + max(work, 0.0)
+        self._thr[seq] = thr
+        heapq.heappush(self._heap, (thr, seq))
+        self.epoch += 1
+
+    def remove(self, seq: int, now: float) -> float:
+        """Takes a sequence out; returns its remaining work."""
+        self.advance(now)
+        thr = self._thr.pop(seq)
+        self.epoch += 1
+        return max(0.0, thr - self.v)
+
+    def pop_finished(self, now: float) -> list[int]:
+        self.advance(now)
+        out = []
+        heap, thr = self._heap, self._thr
+        lim = self.v + EPS_TOKENS + 1e-9 * abs(self.v)
+        while heap and heap[0][0] <= lim:
+            t_, seq = heapq.heappop(heap)
+            if thr.get(seq) == t_:
+                del thr[seq]
+                out.append(seq)
+        if out:
+            self.epoch += 1
+        return out
+
+    def set_paused(self, paused: bool, now: float) -> None:
+        if paused != self.paused:
+            self.advance(now)
+            self.paused = paused
+            self.epoch += 1
+
+    def sequences(self) -> list[int]:
+        return list(self._thr)

@@ -1,0 +1,280 @@
+"""Simulator scenarios: the YAML schema, lookup by name, per-policy run configs, scaling.
+
+In: a scenario name (a file in ``configs/scenarios/``, shipped as package data too) or a path.
+Out: a validated ``Scenario`` (pydantic, ``extra="forbid"``); for each policy spec a
+``RunConfig`` for the real control plane plus the ``Profile`` (the system mechanics of the
+policy's family: dispatch style, trainer style, weight-sync style, KV handoff).
+
+Every number here is a modelling assumption, named with its unit; REFERENCE.md §3 gives the
+calibration guidance the shipped scenarios follow.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, model_validator
+
+from tidal.config import (
+    ClusterConfig,
+    ControlConfig,
+    PolicyConfig,
+    RunConfig,
+    Strict,
+    validate_model,
+)
+from tidal.control.policy import parse_policy_spec
+from tidal.errors import ConfigError
+
+
+class Dist(Strict):
+    """A capped lognormal: ``median * exp(sigma * z)``, clipped to [lo, cap]."""
+
+    median: float = Field(..., ge=0.0)
+    sigma: float = Field(0.0, ge=0.0)
+    cap: float | None = Field(None, gt=0.0)
+    lo: float = Field(0.0, ge=0.0)
+
+
+class ExecutionClass(Strict):
+    """One kind of execution (math answer, search agent, coding agent...)."""
+
+    name: str = "default"
+    weight: float = Field(1.0, gt=0.0, description="share of groups of this class")
+    turns: Dist = Field(default_factory=lambda: Dist(median=1.0))
+    decode_tokens: Dist = Field(default_factory=lambda: Dist(median=9000.0, sigma=0.75,
+                                                             cap=64000.0))
+    tool_s: Dist = Field(default_factory=lambda: Dist(median=0.0))
+    tool_output_tokens: Dist = Field(default_factory=lambda: Dist(median=0.0))
+    prompt_tokens: int = Field(300, ge=0)
+    group_share: float = Field(0.3, ge=0.0, le=1.0,
+                               description="share of log-variance common to a GRPO group")
+    timeout_s: float | None = Field(None, gt=0.0)
+    success_rate: float = Field(0.5, ge=0.0, le=1.0)
+
+
+class WorkloadConfig(Strict):
+    classes: list[ExecutionClass] = Field(default_factory=lambda: [ExecutionClass()])
+    trace: str | None = Field(None, description="JSONL trace to replay instead of classes")
+
+
+class EngineConfig(Strict):
+    decode_tok_s_per_gpu: float = Field(800.0, gt=0.0,
+                                        description="aggregate decode throughput per GPU")
+    seq_cap_tok_s: float = Field(100.0, gt=0.0, description="per-sequence speed cap")
+    prefill_equiv: float = Field(0.02, ge=0.0,
+                                 description="decode-token equivalents per prefilled token")
+
+
+class TrainerConfig(Strict):
+    train_tok_s_per_gpu: float = Field(1600.0, gt=0.0,
+                                       description="training tokens/s per GPU on one cell")
+    scaling_efficiency: float = Field(0.9, gt=0.0, le=1.0,
+                                      description="share of linear speed-up kept per "
+                                                  "doubling of training cells")
+    optimizer_s: float = Field(2.0, ge=0.0)
+
+
+class CostConfig(Strict):
+    weight_gb: float = Field(70.0, ge=0.0, description="bytes of one weight copy (GB)")
+    sync_latency_s: float = Field(1.0, ge=0.0)
+    sync_gb_s: float = Field(12.5, gt=0.0, description="weight-sync bandwidth (GB/s)")
+    sleep_s: float = Field(3.0, ge=0.0)
+    wake_s: float = Field(3.0, ge=0.0)
+    offload_s: float = Field(5.0, ge=0.0)
+    onload_s: float = Field(5.0, ge=0.0)
+    admission_s: float = Field(0.1, ge=0.0)
+    reroute_s: float = Field(0.5, ge=0.0)
+    release_s: float = Field(1.0, ge=0.0)
+    kv_kb_per_token: float = Field(80.0, ge=0.0)
+    kv_gb_s: float = Field(25.0, gt=0.0)
+    kv_latency_s: float = Field(0.2, ge=0.0)
+
+    @property
+    def sync_s(self) -> float:
+        return self.sync_latency_s + self.weight_gb / self.sync_gb_s
+
+
+class DispatchStyle(enum.StrEnum):
+    ON_DEMAND = "on_demand"  # verl rollouter: a group whenever a slot is free, within budget
+    BURST = "burst"  # QwenGyre: the burst's whole quota is dispatched when it starts
+
+
+class TrainerStyle(enum.StrEnum):
+    BATCH = "batch"  # verl: collect a full batch from the queue, then train
+    STREAMING = "streaming"  # QwenGyre: claim micro-steps as groups become ready
+
+
+class SyncStyle(enum.StrEnum):
+    ABORT = "abort"  # verl: a sync aborts in-flight requests (partial rollout re-prefills)
+    KEEP = "keep"  # pause in place, KV kept
+
+
+class Profile(Strict):
+    """The system mechanics a policy family runs with (reported in every summary)."""
+
+    dispatch: DispatchStyle = DispatchStyle.ON_DEMAND
+    trainer: TrainerStyle = TrainerStyle.BATCH
+    sync: SyncStyle = SyncStyle.ABORT
+    kv_handoff: bool = False
+    staleness_threshold: float | None = Field(None, ge=0.0)
+
+
+FAMILY_PROFILES: dict[str, Profile] = {
+    "verl": Profile(),
+    "waterlevel": Profile(dispatch=DispatchStyle.BURST, trainer=TrainerStyle.STREAMING,
+                          sync=SyncStyle.KEEP, kv_handoff=True),
+    "tidal": Profile(trainer=TrainerStyle.STREAMING, sync=SyncStyle.KEEP, kv_handoff=True),
+    "colocate": Profile(dispatch=DispatchStyle.BURST, sync=SyncStyle.KEEP,
+                        staleness_threshold=0.0),
+}
+
+
+def family_of(policy: str) -> str:
+    if policy.startswith("verl") or policy == "static":
+        return "verl"
+    return policy if policy in FAMILY_PROFILES else "verl"
+
+
+class SimConfig(Strict):
+    staleness_threshold: float = Field(0.5, ge=0.0, description="verl dispatch budget slack")
+    max_policy_lag: int | None = Field(None, ge=1,
+                                       description="executions older than this many versions "
+                                                   "restart at a sync")
+    tick_s: float = Field(10.0, gt=0.0)
+    max_virtual_s: float = Field(30 * 86400.0, gt=0.0)
+
+
+class Scenario(Strict):
+    name: str
+    description: str = ""
+    seed: int = 0
+    cluster: ClusterConfig
+    control: ControlConfig
+    sim: SimConfig = Field(default_factory=SimConfig)
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    costs: CostConfig = Field(default_factory=CostConfig)
+    policies: list[str] = Field(default_factory=lambda: ["static", "verl-default",
+                                                         "waterlevel", "tidal"])
+    policy_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    profiles: dict[str, Profile] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> Scenario:
+        if self.control.bursts is None:
+            raise ValueError("control.bursts must be set: a simulation needs an end")
+        return self
+
+    @property
+    def total_steps(self) -> int:
+        assert self.control.bursts is not None
+        return self.control.bursts * self.control.updates_per_burst
+
+    def profile_for(self, policy: str) -> Profile:
+        if policy in self.profiles:
+            return self.profiles[policy]
+        return FAMILY_PROFILES[family_of(policy)]
+
+    def staleness_for(self, profile: Profile) -> float:
+        if profile.staleness_threshold is not None:
+            return profile.staleness_threshold
+        return self.sim.staleness_threshold
+
+    def run_config(self, spec: str) -> tuple[RunConfig, Profile]:
+        """The control-plane config for one ``NAME[:ARGS]`` policy spec on this scenario.
+
+        Arguments given in the spec replace the scenario's defaults for that policy.
+        """
+        name, args = parse_policy_spec(spec)
+        merged = {**self.policy_args.get(name, {}), **args}
+        profile = self.profile_for(name)
+        policy = validate_model(PolicyConfig, {"name": name, "args": merged}, "policy")
+        control = self.control.model_copy(update={"kv_handoff": profile.kv_handoff})
+        cfg = validate_model(RunConfig, {
+            "name": f"{self.name}/{spec}", "seed": self.seed,
+            "cluster": self.cluster.model_dump(mode="json"),
+            "control": control.model_dump(mode="json"),
+            "policy": policy.model_dump(mode="json")})
+        return cfg, profile
+
+    def scaled(self, factor: float = 1.0, bursts: int | None = None,
+               cells: int | None = None) -> Scenario:
+        """A copy with cluster and batch scaled by ``factor`` (cells, standalone engines and
+        batch groups) and optionally another number of bursts."""
+        cl = self.cluster
+        n_cells = cells if cells is not None else max(1, round(len(cl.cell_specs()) * factor))
+        specs = cl.cell_specs()
+        new_cells = [specs[min(i * len(specs) // n_cells, len(specs) - 1)]
+                     for i in range(n_cells)]
+        cluster = cl.model_copy(update={
+            "cells": new_cells, "cell_count": n_cells,
+            "standalone_count": max(0, round(cl.standalone_count * factor)),
+            "start_training": None})
+        ctrl = self.control
+        control = ctrl.model_copy(update={
+            "batch_groups": max(1, round(ctrl.batch_groups * factor)),
+            "quota_groups": (None if ctrl.quota_groups is None
+                             else max(1, round(ctrl.quota_groups * factor))),
+            "bursts": bursts if bursts is not None else ctrl.bursts})
+        data = self.model_dump(mode="json")
+        data["cluster"] = cluster.model_dump(mode="json")
+        data["control"] = control.model_dump(mode="json")
+        return validate_model(Scenario, data, "scenario")
+
+
+# ------------------------------------------------------------------------ lookup
+
+def scenario_dirs() -> list[Path]:
+    """Where scenario names are looked up: the package data, then ``configs/scenarios`` of a
+    source checkout (the working directory's, then the one beside the package)."""
+    here = Path(__file__).resolve()
+    dirs = [here.parent.parent / "configs" / "scenarios", Path.cwd() / "configs" / "scenarios",
+            here.parents[3] / "configs" / "scenarios" if len(here.parents) > 3 else None]
+    out: list[Path] = []
+    for d in dirs:
+        if d is not None and d.is_dir() and d not in out:
+            out.append(d)
+    return out
+
+
+def available() -> list[str]:
+    names: set[str] = set()
+    for d in scenario_dirs():
+        names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def resolve(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.is_file():
+        if not p.is_file():
+            raise ConfigError("scenario", f"{p}: no such scenario file")
+        return p
+    for d in scenario_dirs():
+        cand = d / f"{name_or_path}.yaml"
+        if cand.is_file():
+            return cand
+    raise ConfigError("scenario", f"unknown scenario {name_or_path!r} "
+                                  f"(known: {', '.join(available()) or 'none'})")
+
+
+def load(name_or_path: str) -> Scenario:
+    path = resolve(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError("scenario", f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError("scenario", f"{path}: the top level must be a mapping")
+    wl = data.get("workload") or {}
+    if isinstance(wl, dict) and wl.get("trace") and not Path(wl["trace"]).is_absolute():
+        wl["trace"] = str((path.parent / wl["trace"]).resolve())
+    try:
+        return validate_model(Scenario, data, "")
+    except ConfigError as exc:
+        raise ConfigError(exc.field, f"{exc.message} (in {path})") from None

@@ -1,0 +1,164 @@
+"""Workloads: GRPO groups of executions, drawn from classes or replayed from a JSONL trace.
+
+Out: ``ExecSpec`` objects (prompt tokens, turns of decode tokens + tool seconds + tool output
+tokens, timeout, reward), one list per group. Lengths are capped lognormals; a share of the
+log-variance is common to the group (the prompt's difficulty), the rest per execution.
+Randomness comes from one seeded ``random.Random``: the same seed gives the same workload.
+
+Trace format (one JSON object per line, one line per execution; lines of a group adjacent)::
+
+    {"group": "g1", "prompt_tokens": 400, "reward": 1.0,
+     "turns": [{"decode_tokens": 900, "tool_s": 2.5, "tool_output_tokens": 300}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.errors import ConfigError
+from tidal.sim.scenario import Dist, ExecutionClass, WorkloadConfig
+
+Turn = tuple[int, float, int]  # decode tokens, tool seconds after the turn, tool output tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ExecSpec:
+    prompt_tokens: int
+    turns: tuple[Turn, ...]
+    timeout_s: float | None
+    reward: float
+    cls: str = "default"
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(t[0] for t in self.turns)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens prefilled once if nothing is ever recomputed (prompt + tool outputs)."""
+        return self.prompt_tokens + sum(t[2] for t in self.turns[:-1])
+
+    @property
+    def train_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+    def min_duration_s(self, seq_cap_tok_s: float) -> float:
+        """The fastest this execution can possibly run (decode at the cap, tools as drawn)."""
+        return self.decode_tokens / seq_cap_tok_s + sum(t[1] for t in self.turns[:-1])
+
+
+def draw(d: Dist, z: float) -> float:
+    v = d.median * math.exp(d.sigma * z) if d.median > 0 else 0.0
+    if d.cap is not None:
+        v = min(v, d.cap)
+    return max(v, d.lo)
+
+
+class ClassWorkload:
+    """Groups drawn from weighted execution classes."""
+
+    def __init__(self, classes: list[ExecutionClass], seed: int) -> None:
+        self.classes = classes
+        self.rng = random.Random(seed)
+        total = sum(c.weight for c in classes)
+        self._cum = []
+        acc = 0.0
+        for c in classes:
+            acc += c.weight / total
+            self._cum.append(acc)
+
+    def _pick(self) -> ExecutionClass:
+        u = self.rng.random()
+        for c, edge in zip(self.classes, self._cum, strict=True):
+            if u <= edge:
+                return c
+        return self.classes[-1]
+
+    def group(self, size: int) -> list[ExecSpec]:
+        c = self._pick()
+        g = self.rng.gauss
+        share = c.group_share
+        a, b = math.sqrt(share), math.sqrt(1.0 - share)
+        zg_len, zg_turns = g(0, 1), g(0, 1)
+        p_ok = min(1.0, max(0.0, c.success_rate + 0.3 * g(0, 1)))
+        out = []
+        for _ in range(size):
+            n_turns = max(1, round(draw(c.turns, a * zg_turns + b * g(0, 1))))
+            z_len = a * zg_len + b * g(0, 1)
+            turns = []
+            for k in range(n_turns):
+                # Turns of one execution vary around its own length level.
+                z = z_len if n_turns == 1 else 0.7 * z_len + 0.71 * g(0, 1)
+                dec = max(1, round(draw(c.decode_tokens, z)))
+                last = k == n_turns - 1
+                tool = 0.0 if last else draw(c.tool_s, g(0, 1))
+                tout = 0 if last else round(draw(c.tool_output_tokens, g(0, 1)))
+                turns.append((dec, tool, tout))
+            reward = 1.0 if self.rng.random() < p_ok else 0.0
+            out.append(ExecSpec(c.prompt_tokens, tuple(turns), c.timeout_s, reward, c.name))
+        return out
+
+
+class TraceWorkload:
+    """Replays a JSONL trace group by group, cycling when it runs out."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.groups = load_trace(path)
+        if not self.groups:
+            raise ConfigError("workload.trace", f"{path}: the trace holds no executions")
+        self._next = 0
+
+    def group(self, size: int) -> list[ExecSpec]:
+        g = self.groups[self._next % len(self.groups)]
+        self._next += 1
+        return g
+
+
+def load_trace(path: str | Path) -> list[list[ExecSpec]]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("workload.trace", f"{p}: no such trace file")
+    groups: list[list[ExecSpec]] = []
+    last_gid: object = object()
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            turns = tuple((int(t["decode_tokens"]), float(t.get("tool_s", 0.0)),
+                           int(t.get("tool_output_tokens", 0))) for t in rec["turns"])
+            if not turns or any(t[0] < 1 or t[1] < 0 or t[2] < 0 for t in turns):
+                raise ValueError("turns must be non-empty with decode_tokens >= 1")
+            spec = ExecSpec(int(rec.get("prompt_tokens", 0)), turns,
+                            rec.get("timeout_s"), float(rec.get("reward", 0.0)),
+                            str(rec.get("class", "trace")))
+            gid = rec["group"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError("workload.trace", f"{p}:{n}: bad trace line ({exc})") from None
+        if gid != last_gid:
+            groups.append([])
+            last_gid = gid
+        groups[-1].append(spec)
+    return groups
+
+
+def make_workload(cfg: WorkloadConfig, seed: int) -> ClassWorkload | TraceWorkload:
+    if cfg.trace:
+        return TraceWorkload(cfg.trace)
+    return ClassWorkload(cfg.classes, seed)
+
+
+def write_trace(path: str | Path, groups: list[list[ExecSpec]]) -> None:
+    """Writes groups in the trace format (used to export a drawn workload)."""
+    with open(path, "w") as fh:
+        for gi, group in enumerate(groups):
+            for spec in group:
+                fh.write(json.dumps({
+                    "group": f"g{gi}", "prompt_tokens": spec.prompt_tokens,
+                    "reward": spec.reward, "class": spec.cls,
+                    "turns": [{"decode_tokens": d, "tool_s": t, "tool_output_tokens": o}
+                              for d, t, o in spec.turns]}) + "\n")

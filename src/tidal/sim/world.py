@@ -1,0 +1,590 @@
+"""The discrete-event world: executions, engines, dispatcher and trainer around the REAL
+control plane, in virtual time.
+
+In: a ``Scenario`` and one policy spec. Out: the run's makespan and counters, the controller's
+decision log, time series for plots. The world holds no scheduling logic: it builds the
+controller with ``tidal.control.factory.build_controller`` (on a ``ManualClock``), feeds it the
+events a runtime would (dispatched, launched, closed, retried, groups assigned, trainer ready /
+step done, weight sync done, step acknowledgements, ticks), and obeys its decisions: engines of
+cells admit work only in ``Role.ROLLOUT``; the trainer uses only cells in ``Role.TRAINING``.
+
+Event loop: one heap of (time, seq, code, a, b); processor sharing inside engines is advanced
+analytically between events (see ``engines``). With ``check=True`` the DESIGN.md invariants
+are checked after every event (``check_invariants``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidal.clock import ManualClock
+from tidal.control.decision_log import DecisionLog, Sink
+from tidal.control.factory import build_controller
+from tidal.control.plans import PlanStep, TransitionPlan
+from tidal.control.verl import dispatch_budget
+from tidal.errors import InvariantViolation, TidalError
+from tidal.sim.actuator import SimActuator
+from tidal.sim.engines import Engine
+from tidal.sim.scenario import DispatchStyle, Scenario, SyncStyle
+from tidal.sim.trainer import Trainer
+from tidal.sim.workloads import ExecSpec, make_workload
+from tidal.types import (
+    BurstStarted,
+    CloseReason,
+    Event,
+    ExecutionClosed,
+    ExecutionDispatched,
+    ExecutionLaunched,
+    RequestRetried,
+    Role,
+    Tick,
+    WeightSyncDone,
+)
+
+ENGINE, TOOL, TIMEOUT, TRAINER, STEP, ACK, SYNC, TICK = range(8)
+
+
+class SimulationError(TidalError):
+    """The simulated run cannot finish (deadlock, runaway time)."""
+
+
+class ExecRec:
+    """A simulated execution (the harness side: it survives engine and role changes)."""
+
+    __slots__ = ("burst", "closed", "ctx", "decoded", "eid", "engine", "first_version", "gen",
+                 "gid", "hold", "in_tool", "launched", "need_prefill", "pending", "seg",
+                 "seq_no", "spec", "turn")
+
+    def __init__(self, eid: str, gid: str, spec: ExecSpec, burst: int, seq_no: int) -> None:
+        self.eid, self.gid, self.spec, self.burst, self.seq_no = eid, gid, spec, burst, seq_no
+        self.turn = 0
+        self.ctx = spec.prompt_tokens
+        self.decoded = 0
+        self.engine: Engine | None = None
+        self.seg: int | None = None
+        self.pending: float | None = None  # work waiting for an engine (decode-token equiv.)
+        self.in_tool = False
+        self.hold = False
+        self.need_prefill = 0
+        self.first_version = 0
+        self.gen = 0
+        self.launched = False
+        self.closed = False
+
+    def context_now(self) -> int:
+        return self.ctx
+
+
+@dataclass
+class Series:
+    t: list[float] = field(default_factory=list)
+    waterlevel: list[int] = field(default_factory=list)
+    queued: list[int] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    ready_groups: list[int] = field(default_factory=list)
+    capacity: list[int] = field(default_factory=list)
+    train_gpus: list[int] = field(default_factory=list)
+
+
+class World:
+    def __init__(self, scenario: Scenario, policy_spec: str, *, check: bool = False,
+                 log_sink: Sink | None = None, keep_log: bool = True) -> None:
+        self.scenario = scenario
+        self.spec = policy_spec
+        self.cfg, self.profile = scenario.run_config(policy_spec)
+        self.check = check
+        self.clock = ManualClock()
+        self.now = 0.0
+        self.log = DecisionLog(log_sink, keep=keep_log)
+        self.actuator = SimActuator(self)
+        self.controller = build_controller(self.cfg, self.clock, self.actuator, self.log)
+        self.ledger = self.controller.ledger
+        self.waterlevel_safe = self.controller.policy.waterlevel_safe
+        ctrl, eng = scenario.control, scenario.engine
+        self.group_size = ctrl.group_size
+        self.budget_groups = dispatch_budget(ctrl.batch_groups,
+                                             scenario.staleness_for(self.profile),
+                                             ctrl.updates_per_burst)
+        self.workload = make_workload(scenario.workload, scenario.seed)
+        # Engines: one per cell (its rollout role) and one per standalone engine.
+        self.cell_engines: list[Engine] = []
+        self.engine_by_name: dict[str, Engine] = {}
+        for c in self.controller.cells.cells:
+            e = Engine(c.name, c.gpus, c.slots, eng.decode_tok_s_per_gpu * c.gpus,
+                       eng.seq_cap_tok_s, cell=c.index)
+            self.cell_engines.append(e)
+            self.engine_by_name[c.name] = e
+        for s in self.controller.cells.standalone.values():
+            self.engine_by_name[s.engine_id] = Engine(
+                s.engine_id, s.gpus, s.slots, eng.decode_tok_s_per_gpu * s.gpus,
+                eng.seq_cap_tok_s)
+        self.engines = list(self.engine_by_name.values())
+        self.trainer = Trainer(self, self.profile.trainer, scenario.trainer, ctrl.batch_groups,
+                               ctrl.updates_per_burst, scenario.total_steps)
+        self._heap: list[tuple[float, int, int, Any, Any]] = []
+        self._seq = 0
+        self._seg = 0
+        self._sched: dict[int, int] = {}
+        self.seqs: dict[int, ExecRec] = {}
+        self.live: dict[str, ExecRec] = {}
+        self.queue: deque[ExecRec] = deque()  # dispatched, not launched
+        self.waiting: dict[ExecRec, None] = {}  # launched, displaced, no slot yet
+        self.groups: dict[str, list[ExecRec]] = {}
+        self.group_open: dict[str, int] = {}
+        self.burst = -1
+        self.quota_left = 0
+        self.n_exec = 0
+        self.syncing = False
+        self.pending_rebalance = False
+        self.done = False
+        self.makespan_s = 0.0
+        self._sig: tuple[int, int, int] = (-1, -1, -1)
+        self._filling = False
+        self._refill = False
+        self.series = Series()
+        self.events = 0
+        # Counters for the summary.
+        self.reroutes = 0
+        self.reprefill_tokens = 0
+        self.wasted_tokens = 0
+        self.sync_s_total = 0.0
+        self.timeouts = 0
+
+    # ------------------------------------------------------------- plumbing
+    @property
+    def version(self) -> int:
+        return self.controller.version
+
+    def push(self, t: float, code: int, a: Any = None, b: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (max(t, self.now), self._seq, code, a, b))
+
+    def emit(self, ev: Event) -> None:
+        self.controller.handle(ev)
+        self._sync_roles()
+
+    def schedule_trainer(self, t: float, epoch: int) -> None:
+        self.push(t, TRAINER, None, epoch)
+
+    def schedule_step(self, plan: TransitionPlan, step: PlanStep) -> None:
+        self.push(self.now, STEP, plan, step)
+
+    def schedule_ack(self, plan: TransitionPlan, step: PlanStep, dur: float) -> None:
+        self.push(self.now + dur, ACK, (plan, step), dur)
+
+    def _resched(self, e: Engine) -> None:
+        key = id(e)
+        if self._sched.get(key) == e.epoch:
+            return
+        self._sched[key] = e.epoch
+        nf = e.next_finish()
+        if nf is not None:
+            self.push(nf, ENGINE, e, e.epoch)
+
+    # ------------------------------------------------------------- main loop
+    def run(self) -> World:
+        self._start()
+        heap, handlers = self._heap, self._handlers()
+        limit = self.scenario.sim.max_virtual_s
+        while not self.done:
+            if not heap:
+                raise SimulationError(self._stuck("no event left"))
+            t, _, code, a, b = heapq.heappop(heap)
+            if code == ENGINE and a.epoch != b:
+                continue
+            if t > limit:
+                raise SimulationError(self._stuck(f"virtual time passed {limit:g}s"))
+            if t > self.now:
+                self.now = t
+                self.clock.set(t)
+            self.events += 1
+            handlers[code](a, b)
+            if self.check:
+                self.check_invariants()
+        return self
+
+    def _handlers(self) -> list:
+        return [self._on_engine, self._on_tool, self._on_timeout,
+                lambda a, b: self.trainer.on_timer(b, self.now),
+                lambda a, b: self.actuator.start(a, b),
+                lambda a, b: self.actuator.finish(a[0], a[1], b),
+                self._on_sync_done, self._on_tick]
+
+    def _stuck(self, why: str) -> str:
+        c = self.controller
+        return (f"{self.spec}: the run cannot finish ({why}) at t={self.now:.0f}s: trainer "
+                f"step {self.trainer.step}/{self.trainer.total_steps} ({self.trainer.state.name},"
+                f" {self.trainer.gpus} GPUs), roles {c.cells.describe()}, waterlevel "
+                f"{self.ledger.waterlevel}, ready groups {self.ledger.ready_unassigned}")
+
+    def _start(self) -> None:
+        self._sync_roles(force=True)
+        self._start_burst()
+        self.trainer.begin_step(self.now)
+        self.push(self.scenario.sim.tick_s, TICK)
+
+    def finish(self, now: float) -> None:
+        self.done = True
+        self.makespan_s = now
+
+    # ------------------------------------------------------------ cell roles
+    def _sync_roles(self, force: bool = False) -> None:
+        c = self.controller
+        fl = c.inflight
+        sig = (fl.plan.plan_id if fl else 0, len(c.plans_done), c.plans_aborted)
+        if sig == self._sig and not force:
+            return
+        self._sig = sig
+        gpus = cells = 0
+        for cell, eng in zip(c.cells.cells, self.cell_engines, strict=True):
+            eng.admitting = cell.role is Role.ROLLOUT
+            if cell.role is Role.TRAINING:
+                gpus += cell.gpus
+                cells += 1
+        if self.pending_rebalance and fl is None:
+            self.pending_rebalance = False
+            self._rebalance()
+        self.trainer.set_gpus(gpus, cells, self.now)
+        self._fill()
+
+    # -------------------------------------------------------------- dispatch
+    def _start_burst(self) -> None:
+        self.burst += 1
+        carried = len(self.group_open) + self.ledger.ready_unassigned
+        quota = max(0, self.budget_groups - carried)
+        self.quota_left = quota
+        self.emit(BurstStarted(self.now, self.burst, quota * self.group_size, self.version))
+        if self.profile.dispatch is DispatchStyle.BURST:
+            while self.quota_left > 0:
+                self._dispatch_group()
+        self._fill()
+
+    def _dispatch_group(self) -> None:
+        self.quota_left -= 1
+        specs = self.workload.group(self.group_size)
+        gid = f"b{self.burst}g{self.quota_left}"
+        members = []
+        for j, spec in enumerate(specs):
+            self.n_exec += 1
+            ex = ExecRec(f"{gid}e{j}", gid, spec, self.burst, self.n_exec)
+            members.append(ex)
+        self.groups[gid] = members
+        self.group_open[gid] = len(members)
+        for ex in members:
+            self.queue.append(ex)
+            self.emit(ExecutionDispatched(self.now, ex.eid, gid, len(members), self.burst))
+
+    def _fill(self) -> None:
+        """Launches displaced, then queued executions into free admitting slots; dispatches
+        more groups on demand within the burst's budget."""
+        if self._filling:
+            self._refill = True
+            return
+        self._filling = True
+        try:
+            self._refill = True
+            while self._refill:
+                self._refill = False
+                self._fill_once()
+        finally:
+            self._filling = False
+
+    def _fill_once(self) -> None:
+        heap = [(-e.free_slots, i, e) for i, e in enumerate(self.engines)
+                if e.admitting and e.free_slots > 0]
+        if not heap:
+            return
+        heapq.heapify(heap)
+        on_demand = self.profile.dispatch is DispatchStyle.ON_DEMAND
+        while heap:
+            if self.waiting:
+                ex = next(iter(self.waiting))
+            elif self.queue:
+                ex = self.queue[0]
+            elif on_demand and self.quota_left > 0 and not self.syncing:
+                self._dispatch_group()
+                continue
+            else:
+                return
+            _, i, e = heapq.heappop(heap)
+            if not e.admitting or e.free_slots <= 0:
+                continue
+            if ex.launched:
+                del self.waiting[ex]
+                self._bind(ex, e)
+            else:
+                self.queue.popleft()
+                self._launch(ex, e)
+            if e.admitting and e.free_slots > 0:
+                heapq.heappush(heap, (-e.free_slots, i, e))
+
+    def _launch(self, ex: ExecRec, e: Engine) -> None:
+        ex.launched = True
+        ex.first_version = self.version
+        self.live[ex.eid] = ex
+        if ex.spec.timeout_s is not None:
+            self.push(self.now + ex.spec.timeout_s, TIMEOUT, ex, ex.gen)
+        ex.engine = e
+        e.members.add(ex)
+        self.emit(ExecutionLaunched(self.now, ex.eid))
+        if not ex.closed:
+            self._begin_turn(ex, ex.spec.prompt_tokens)
+
+    def _bind(self, ex: ExecRec, e: Engine) -> None:
+        ex.engine = e
+        e.members.add(ex)
+        if ex.pending is not None and not ex.in_tool and not ex.hold:
+            work, ex.pending = ex.pending, None
+            self._start_seq(ex, work)
+
+    # ------------------------------------------------------------ executions
+    def _begin_turn(self, ex: ExecRec, prefill_tokens: int) -> None:
+        pre = prefill_tokens + ex.need_prefill
+        self.reprefill_tokens += ex.need_prefill
+        ex.need_prefill = 0
+        work = ex.spec.turns[ex.turn][0] + pre * self.scenario.engine.prefill_equiv
+        if ex.engine is None or ex.hold:
+            ex.pending = work
+        else:
+            self._start_seq(ex, work)
+
+    def _start_seq(self, ex: ExecRec, work: float) -> None:
+        self._seg += 1
+        ex.seg = self._seg
+        self.seqs[self._seg] = ex
+        e = ex.engine
+        assert e is not None
+        e.add(self._seg, work, self.now)
+        self._resched(e)
+
+    def _stop_seq(self, ex: ExecRec) -> float:
+        e = ex.engine
+        assert e is not None and ex.seg is not None
+        rem = e.remove(ex.seg, self.now)
+        del self.seqs[ex.seg]
+        ex.seg = None
+        self._resched(e)
+        return rem
+
+    def _on_engine(self, e: Engine, _epoch: Any) -> None:
+        done = e.pop_finished(self.now)
+        if not done:
+            nf = e.next_finish()
+            if nf is not None and nf <= self.now + 1e-9:
+                # Rounding left a hair of work: finish the sequence that is due.
+                done = [min(e.sequences(), key=e.remaining)]
+                e.remove(done[0], self.now)
+        for seg in done:
+            ex = self.seqs.pop(seg)
+            ex.seg = None
+            self._turn_done(ex)
+        self._sched.pop(id(e), None)  # this engine's timer has fired: always re-arm it
+        self._resched(e)
+
+    def _turn_done(self, ex: ExecRec) -> None:
+        dec, tool_s, _ = ex.spec.turns[ex.turn]
+        ex.ctx += dec
+        ex.decoded += dec
+        if ex.turn == len(ex.spec.turns) - 1:
+            self._close(ex, CloseReason.COMPLETED, ex.spec.reward)
+            return
+        ex.in_tool = True
+        self.push(self.now + tool_s, TOOL, ex, (ex.gen, ex.turn))
+
+    def _on_tool(self, ex: ExecRec, token: Any) -> None:
+        if ex.closed or not ex.in_tool or token != (ex.gen, ex.turn):
+            return
+        ex.in_tool = False
+        tout = ex.spec.turns[ex.turn][2]
+        ex.ctx += tout
+        ex.turn += 1
+        self._begin_turn(ex, tout)
+
+    def _on_timeout(self, ex: ExecRec, gen: Any) -> None:
+        if not ex.closed and gen == ex.gen:
+            self.timeouts += 1
+            self._close(ex, CloseReason.TIMEOUT, 0.0)
+
+    def _close(self, ex: ExecRec, reason: CloseReason, reward: float) -> None:
+        if ex.seg is not None:
+            self._stop_seq(ex)
+        if ex.engine is not None:
+            ex.engine.members.discard(ex)
+            ex.engine = None
+        self.waiting.pop(ex, None)
+        ex.closed = True
+        ex.pending = None
+        self.live.pop(ex.eid, None)
+        left = self.group_open[ex.gid] - 1
+        if left:
+            self.group_open[ex.gid] = left
+        else:
+            del self.group_open[ex.gid]
+        self.emit(ExecutionClosed(self.now, ex.eid, reason, reward))
+        if not left:
+            self.trainer.pull(self.now)
+        self._fill()
+
+    def consume_group(self, gid: str, version: int) -> tuple[float, int, int]:
+        """Training tokens of a group taken by the trainer, its staleness sum and size."""
+        members = self.groups.pop(gid)
+        return (float(sum(ex.ctx for ex in members)),
+                sum(version - ex.first_version for ex in members), len(members))
+
+    # ------------------------------------------------------- moves (actuator)
+    def pick_destination(self, dests: list[Engine], ordered: bool) -> Engine | None:
+        ok = [d for d in dests if d.admitting and d.free_slots > 0]
+        if not ok:
+            return None
+        return ok[0] if ordered else max(ok, key=lambda d: d.free_slots)
+
+    def move(self, ex: ExecRec, dest: Engine | None, kv: bool, hold: bool) -> None:
+        """Moves an execution off its engine (a reroute or abort); its harness lives on."""
+        self.reroutes += 1
+        if ex.seg is not None:
+            rem = self._stop_seq(ex)
+            if not kv:
+                rem += ex.ctx * self.scenario.engine.prefill_equiv
+                self.reprefill_tokens += ex.ctx
+            ex.pending = rem
+            self.emit(RequestRetried(self.now, ex.eid))
+        elif not kv:
+            # Its cache stays behind: the next request prefills the whole context.
+            if ex.pending is not None:
+                ex.pending += ex.ctx * self.scenario.engine.prefill_equiv
+                self.reprefill_tokens += ex.ctx
+            else:
+                ex.need_prefill = ex.ctx
+        if ex.engine is not None:
+            ex.engine.members.discard(ex)
+            ex.engine = None
+        if dest is None:
+            ex.hold = False
+            self.waiting[ex] = None
+            return
+        ex.hold = hold
+        self._bind(ex, dest)
+
+    def release_hold(self, ex: ExecRec, kv: bool) -> None:
+        if not ex.hold:
+            return
+        ex.hold = False
+        if not kv and ex.pending is not None:
+            ex.pending += ex.ctx * self.scenario.engine.prefill_equiv
+            self.reprefill_tokens += ex.ctx
+        if ex.engine is not None and ex.pending is not None and not ex.in_tool:
+            work, ex.pending = ex.pending, None
+            self._start_seq(ex, work)
+
+    def _rebalance(self) -> None:
+        """verl rebalance: abort in-flight everywhere, resume least-loaded."""
+        ready = [e for e in self.engines if e.admitting]
+        if not ready:
+            return
+        execs = sorted((ex for e in ready for ex in e.members), key=lambda x: x.seq_no)
+        per = -(-len(execs) // len(ready)) if execs else 0
+        for ex in execs:
+            e = ex.engine
+            if e is not None and len(e.members) > per:
+                self.move(ex, self.pick_destination(ready, ordered=False), kv=False,
+                          hold=False)
+            elif ex.seg is not None:
+                rem = self._stop_seq(ex) + ex.ctx * self.scenario.engine.prefill_equiv
+                self.reprefill_tokens += ex.ctx
+                self.emit(RequestRetried(self.now, ex.eid))
+                self._start_seq(ex, rem)
+
+    # ------------------------------------------------------------ weight sync
+    def start_sync(self, now: float) -> None:
+        self.syncing = True
+        dur = self.scenario.costs.sync_s
+        abort = self.profile.sync is SyncStyle.ABORT
+        targets = [e for e in self.engines if e.admitting or e.members]
+        for e in targets:
+            if abort:
+                for ex in sorted(e.members, key=lambda x: x.seq_no):
+                    if ex.seg is not None:
+                        ex.pending = self._stop_seq(ex)
+                        self.emit(RequestRetried(now, ex.eid))
+                    ex.need_prefill = ex.ctx  # the engine's cache is flushed by the update
+            e.set_paused(True, now)
+            self._resched(e)
+        self.sync_s_total += dur
+        self.push(now + dur, SYNC, targets, dur)
+
+    def _on_sync_done(self, targets: list[Engine], dur: float) -> None:
+        for e in targets:
+            e.set_paused(False, self.now)
+            for ex in sorted(e.members, key=lambda x: x.seq_no):
+                if ex.pending is not None and ex.seg is None and not ex.in_tool and not ex.hold:
+                    work = ex.pending + ex.need_prefill * self.scenario.engine.prefill_equiv
+                    self.reprefill_tokens += ex.need_prefill
+                    ex.need_prefill, ex.pending = 0, None
+                    self._start_seq(ex, work)
+            self._resched(e)
+        self.syncing = False
+        version = self.version + 1
+        self.emit(WeightSyncDone(self.now, version, dur))
+        if self.scenario.sim.max_policy_lag is not None:
+            self._restart_lagging(version, self.scenario.sim.max_policy_lag)
+        self._start_burst()
+        self.trainer.begin_step(self.now)
+
+    def _restart_lagging(self, version: int, lag: int) -> None:
+        for ex in sorted(self.live.values(), key=lambda x: x.seq_no):
+            if ex.first_version >= version - lag:
+                continue
+            if ex.seg is not None:
+                self._stop_seq(ex)
+            self.wasted_tokens += ex.ctx - ex.spec.prompt_tokens
+            ex.gen += 1
+            ex.turn, ex.ctx, ex.in_tool, ex.pending, ex.need_prefill = (
+                0, ex.spec.prompt_tokens, False, None, 0)
+            ex.first_version = version
+            self._begin_turn(ex, ex.spec.prompt_tokens)
+
+    # ----------------------------------------------------------------- ticks
+    def _on_tick(self, _a: Any, _b: Any) -> None:
+        self.emit(Tick(self.now))
+        s, lg = self.series, self.ledger
+        s.t.append(self.now)
+        s.waterlevel.append(lg.waterlevel)
+        s.queued.append(lg.total.queued)
+        s.running.append(lg.total.running)
+        s.ready_groups.append(lg.ready_unassigned)
+        s.capacity.append(self.controller.cells.rollout_capacity)
+        s.train_gpus.append(self.trainer.gpus)
+        self.push(self.now + self.scenario.sim.tick_s, TICK)
+
+    # ------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """DESIGN.md invariants 1, 2, 3 and 7 plus the world's own bookkeeping."""
+        c = self.controller
+        self.ledger.check()
+        c.cells.check_prefix()
+        fl = c.inflight
+        for cell, e in zip(c.cells.cells, self.cell_engines, strict=True):
+            if e.admitting != (cell.role is Role.ROLLOUT):
+                raise InvariantViolation(f"{e.name} admits={e.admitting} in role {cell.role}")
+            if cell.role is Role.TRAINING and e.members:
+                raise InvariantViolation(f"{e.name} trains while holding executions")
+        for e in self.engines:
+            if len(e.members) > e.slots:
+                raise InvariantViolation(f"{e.name} holds {len(e.members)} > {e.slots} slots")
+        running = sum(len(e.members) for e in self.engines) + len(self.waiting)
+        if running != self.ledger.total.running or running != len(self.live):
+            raise InvariantViolation(f"executions lost: {running} bound or waiting, ledger "
+                                     f"running {self.ledger.total.running}, live "
+                                     f"{len(self.live)}")
+        if len(self.queue) != self.ledger.total.queued:
+            raise InvariantViolation("dispatch queue disagrees with the ledger")
+        if self.waterlevel_safe and fl is not None and fl.step == 0 \
+                and fl.plan.direction.value == "to_training":
+            cell = c.cells.cells[fl.plan.cells[0]]
+            if len(fl.plan.cells) != 1 or cell.role is not Role.MOVING_TO_TRAINING:
+                raise InvariantViolation(f"unsafe plan {fl.plan.to_json()}")
+        if self.trainer.gpus != c.cells.training_gpus:
+            raise InvariantViolation("the trainer uses GPUs of cells not in training")
