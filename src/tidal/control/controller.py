@@ -253,8 +253,11 @@ class Controller:
             version=self.version,
             bursts_ended=self.bursts_ended,
             in_flight=self.inflight is not None,
-            cycle_wait_times_s=() if self._cycle_stale else tuple(self._cycle_waits),
-            cycle_queue_at_start=() if self._cycle_stale else tuple(self._cycle_queue),
+            # After a weight sync these still describe the cycle that just closed (verl's
+            # should_activate_after_step / update_after_step read it); the next cycle's first
+            # step replaces them.
+            cycle_wait_times_s=tuple(self._cycle_waits),
+            cycle_queue_at_start=tuple(self._cycle_queue),
             last_activate_duration_s=self.last_activate_s,
             last_deactivate_duration_s=self.last_deactivate_s,
             switch_cycle=self.switch_cycle,

@@ -195,4 +195,4 @@ def make_policy(name: str, args: dict[str, Any] | None = None) -> Policy:
 
 def _load_builtin() -> None:
     # Importing the modules runs their @register_policy decorators.
-    from tidal.control import policies_simple, verl, waterlevel  # noqa: F401
+    from tidal.control import policies_simple, tidal_policy, verl, waterlevel  # noqa: F401

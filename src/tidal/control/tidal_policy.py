@@ -1,0 +1,174 @@
+"""tidal's own policy: a rate model of production against consumption, decided on every event.
+
+Rule (evaluated after every event and tick while no transition is in flight):
+- Measure two rates with bounded state (exponentially weighted, one time constant ``tau_s``):
+  production ``p`` = ready groups generated per running-execution-second, and consumption
+  ``c`` = groups trained per training-GPU-second (measured only while the trainer had data).
+- For the current split, the ready-queue drift is ``S - D`` with supply
+  ``S = p * min(C_R, w + pending_dispatch)`` (rollout can only run what is dispatched or still to
+  be dispatched) and demand ``D = c * training_gpus``. The same formulas give the drift after a
+  candidate move.
+- Lend the next cell of the order to training (partial lending, one cell at a time, prefix
+  order) iff the move is waterlevel-safe (capacity after the move >= w, ready supply held —
+  invariant 3, enforced again by the controller) and the queue projected over the horizon
+  ``H`` under the new split stays at or above ``high_batches`` batches.
+- Return the last training cell to rollout (never below ``min_train_cells``) iff the queue
+  projected over ``H`` under the current split falls below ``low_batches`` batches and the
+  returned cell would be used (more executions to run than rollout slots).
+- Hysteresis: the two thresholds are apart, and no move starts within ``dwell_s`` of the last
+  one's start (a move costs one switch each way; ``H`` covers at least that dwell).
+Before the rates are known the policy holds. State: two rate estimates, their integration
+points, the time of the last move (all bounded, logged with every decision).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tidal.control.policy import (
+    Action,
+    CellView,
+    Decision,
+    Observation,
+    register_policy,
+)
+from tidal.control.waterlevel import capacity_after_move
+from tidal.errors import ConfigError
+from tidal.types import Role
+
+
+class RateEstimate:
+    """An exponentially weighted rate of ``d(count) / d(exposure)`` with time constant tau."""
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau_s = tau_s
+        self.count = 0.0
+        self.exposure = 0.0
+
+    def add(self, count: float, exposure: float, dt_s: float) -> None:
+        decay = math.exp(-dt_s / self.tau_s) if dt_s > 0 else 1.0
+        self.count = self.count * decay + count
+        self.exposure = self.exposure * decay + exposure
+
+    @property
+    def rate(self) -> float | None:
+        return self.count / self.exposure if self.exposure > 1e-9 and self.count > 0 else None
+
+
+@register_policy("tidal", "rate model of production vs consumption, decided on every event: "
+                 "partial lending in prefix order, waterlevel-safe, hysteresis; args "
+                 "horizon_s, dwell_s, low_batches, high_batches, min_train_cells, tau_s")
+class TidalPolicy:
+    name = "tidal"
+    waterlevel_safe = True
+
+    def __init__(self, horizon_s: float = 300.0, dwell_s: float = 60.0,
+                 low_batches: float = 0.5, high_batches: float = 0.0,
+                 min_train_cells: int = 1, tau_s: float = 600.0) -> None:
+        for key, val in (("horizon_s", horizon_s), ("dwell_s", dwell_s),
+                         ("tau_s", tau_s), ("low_batches", low_batches),
+                         ("high_batches", high_batches)):
+            if isinstance(val, bool) or not isinstance(val, int | float) or val < 0:
+                raise ConfigError(f"policy.args.{key}", f"must be a number >= 0, got {val!r}")
+        if isinstance(min_train_cells, bool) or not isinstance(min_train_cells, int) \
+                or min_train_cells < 0:
+            raise ConfigError("policy.args.min_train_cells",
+                              f"must be a non-negative integer, got {min_train_cells!r}")
+        if tau_s <= 0:
+            raise ConfigError("policy.args.tau_s", "must be > 0")
+        self.horizon_s = float(horizon_s)
+        self.dwell_s = float(dwell_s)
+        self.low_batches = float(low_batches)
+        self.high_batches = float(high_batches)
+        self.min_train_cells = min_train_cells
+        self.production = RateEstimate(tau_s)  # groups per running-execution-second
+        self.consumption = RateEstimate(tau_s)  # groups per training-GPU-second
+        self._last: tuple[float, int, int, int, int, int] | None = None
+        self._last_move_s = -math.inf
+
+    # ---------------------------------------------------------------- protocol
+    def initial_prefix(self, cells: tuple[CellView, ...]) -> int:
+        return min(self.min_train_cells, len(cells))
+
+    def state(self) -> dict[str, Any]:
+        p, c = self.production.rate, self.consumption.rate
+        return {"p_groups_per_exec_s": None if p is None else round(p, 9),
+                "c_groups_per_gpu_s": None if c is None else round(c, 9),
+                "last_move_s": None if self._last_move_s == -math.inf
+                else round(self._last_move_s, 6)}
+
+    def decide(self, obs: Observation) -> Decision:
+        self._observe(obs)
+        if obs.in_flight:
+            return Decision.hold("transition in flight")
+        p, c = self.production.rate, self.consumption.rate
+        if p is None or c is None:
+            return Decision.hold("measuring rates")
+        if obs.now_s - self._last_move_s < self.dwell_s:
+            return Decision.hold("dwell after the last move")
+        gpus = _training_gpus(obs)
+        queue = obs.ready_groups
+        todo = obs.waterlevel + obs.pending_dispatch
+        batch = obs.batch_groups
+        cap = obs.rollout_capacity
+        # Return the last training cell when rollout is short of slots and the trainer would
+        # run dry within the horizon anyway.
+        last = obs.last_training()
+        if last is not None and obs.prefix_len > self.min_train_cells \
+                and last.role is Role.TRAINING and todo > cap:
+            drift = p * min(cap, todo) - c * gpus
+            projected = queue + drift * self.horizon_s
+            if projected < self.low_batches * batch:
+                return self._move(obs, Action.TO_ROLLOUT, last,
+                                  f"rollout short: {todo} executions to run > {cap} slots; "
+                                  f"queue {queue} -> {projected:.1f} groups in "
+                                  f"{self.horizon_s:g}s < {self.low_batches * batch:g}")
+        # Lend the next cell to training when rollout does not need its slots, the move is
+        # waterlevel-safe and the trainer has data to keep it busy.
+        nxt = obs.next_to_train()
+        if nxt is None or nxt.role is not Role.ROLLOUT:
+            return Decision.hold("balanced")
+        after = capacity_after_move(obs, nxt)
+        if after < obs.waterlevel:
+            return Decision.hold(f"capacity after move {after} < waterlevel {obs.waterlevel}")
+        if todo > after:
+            return Decision.hold(f"rollout needs the slots: {todo} executions to run > {after}")
+        if not obs.supply.ok:
+            return Decision.hold(f"supply {obs.supply.supply} not ok")
+        drift_after = p * min(after, todo) - c * (gpus + nxt.gpus)
+        projected = queue + drift_after * self.dwell_s
+        if projected < self.high_batches * batch:
+            return Decision.hold(f"projected queue {projected:.1f} < "
+                                 f"{self.high_batches * batch:g} with one more cell")
+        return self._move(obs, Action.TO_TRAINING, nxt,
+                          f"rollout has spare slots ({todo} executions to run <= {after}); "
+                          f"queue {queue} -> {projected:.1f} groups in {self.dwell_s:g}s")
+
+    # ---------------------------------------------------------------- internals
+    def _move(self, obs: Observation, action: Action, cell: CellView, why: str) -> Decision:
+        self._last_move_s = obs.now_s
+        return Decision(action, (cell.index,), why)
+
+    def _observe(self, obs: Observation) -> None:
+        now = obs.now_s
+        cur = (now, obs.groups_generated, obs.trainer_step, obs.running,
+               _training_gpus(obs), obs.ready_groups)
+        if self._last is None:
+            self._last = cur
+            return
+        t0, gen0, step0, run0, gpus0, ready0 = self._last
+        dt = now - t0
+        if dt < 0:
+            return
+        self._last = cur
+        self.production.add(obs.groups_generated - gen0, run0 * dt, dt)
+        consumed = (obs.trainer_step - step0) * obs.batch_groups
+        # Trainer exposure counts only while it had data (a starving trainer says nothing
+        # about its speed).
+        exposure = gpus0 * dt if ready0 > 0 or consumed > 0 else 0.0
+        self.consumption.add(consumed, exposure, dt)
+
+
+def _training_gpus(obs: Observation) -> int:
+    return sum(c.gpus for c in obs.cells if c.role is Role.TRAINING)
