@@ -4,8 +4,9 @@ In: the number of ready, unassigned groups, the groups already assigned to the c
 and the injected clock's time. Out: ``SupplyView`` (supply, threshold, held seconds, ok).
 
 supply = min(ready unassigned groups, groups the current batch still needs); it passes when it
-reaches ``fraction * batch_groups`` and passes "held" once it has passed continuously for
-``hold_s`` seconds on the injected clock (REFERENCE.md §1).
+reaches ``fraction * batch_groups`` (or everything the batch still needs, if that is less; a
+batch fully assigned but untrained passes) and passes "held" once it has passed continuously
+for ``hold_s`` seconds on the injected clock (REFERENCE.md §1).
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ class SupplyTracker:
     def view(self, now_s: float, ready_unassigned: int, assigned_in_batch: int) -> SupplyView:
         needed = max(0, self.batch_groups - assigned_in_batch)
         supply = min(ready_unassigned, needed)
-        threshold = self.fraction * self.batch_groups
-        passing = supply >= threshold and supply > 0
+        # A batch already partly assigned may need fewer groups than the threshold; then all it
+        # still needs suffices (else no cell could ever move to finish it). A batch fully
+        # assigned but not yet trained needs cells, not data: it passes.
+        threshold = min(self.fraction * self.batch_groups, needed)
+        passing = supply >= threshold and (supply > 0 or needed == 0)
         if not passing:
             self._since = None
         elif self._since is None:

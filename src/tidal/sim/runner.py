@@ -29,9 +29,11 @@ class RunResult:
 
 def run_policy(scenario: Scenario, spec: str, *, check: bool = False,
                oracle: OracleBound | None = None, log_sink: Sink | None = None,
-               keep_log: bool = True) -> RunResult:
+               keep_log: bool = True,
+               progress: Callable[[int, int], None] | None = None) -> RunResult:
     t0 = time.perf_counter()
-    world = World(scenario, spec, check=check, log_sink=log_sink, keep_log=keep_log).run()
+    world = World(scenario, spec, check=check, log_sink=log_sink, keep_log=keep_log)
+    world.run(progress)
     wall = time.perf_counter() - t0
     oracle = oracle or oracle_bound(scenario)
     return RunResult(spec, summarize(world, oracle, wall), world, world.log.records)
@@ -101,13 +103,17 @@ def _ratio(a: float, b: float) -> float:
 
 def compare(scenario: Scenario, specs: list[str], *, check: bool = False,
             on_done: Callable[[RunResult], None] | None = None,
-            log_sink_for: Callable[[str], Sink | None] | None = None) -> list[RunResult]:
+            log_sink_for: Callable[[str], Sink | None] | None = None,
+            progress_for: Callable[[str], Callable[[int, int], None] | None] | None = None,
+            keep_log: bool = True) -> list[RunResult]:
     """Runs every spec; adds ``speedup_vs`` (other makespan / this makespan) to each summary."""
     oracle = oracle_bound(scenario)
     results = []
     for spec in specs:
         sink = log_sink_for(spec) if log_sink_for else None
-        res = run_policy(scenario, spec, check=check, oracle=oracle, log_sink=sink)
+        res = run_policy(scenario, spec, check=check, oracle=oracle, log_sink=sink,
+                         keep_log=keep_log,
+                         progress=progress_for(spec) if progress_for else None)
         results.append(res)
         if on_done:
             on_done(res)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,11 +186,16 @@ class World:
             self.push(nf, ENGINE, e, e.epoch)
 
     # ------------------------------------------------------------- main loop
-    def run(self) -> World:
+    def run(self, progress: Callable[[int, int], None] | None = None,
+            every: int = 5000) -> World:
+        """Runs to the last optimizer step; ``progress(step, total)`` every ``every``
+        events."""
         self._start()
         heap, handlers = self._heap, self._handlers()
         limit = self.scenario.sim.max_virtual_s
         while not self.done:
+            if progress is not None and self.events % every == 0:
+                progress(self.trainer.step, self.trainer.total_steps)
             if not heap:
                 raise SimulationError(self._stuck("no event left"))
             t, _, code, a, b = heapq.heappop(heap)

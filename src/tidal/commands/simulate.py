@@ -1,0 +1,137 @@
+"""``tidal simulate SCENARIO [--policy NAME[:ARGS]]... [--out DIR]``: policies side by side.
+
+In: a scenario name (``configs/scenarios/*.yaml``, shipped with the package) or a YAML path, and
+policy specs. Out: a table on stdout (makespan, speed-up against each other run, ratio to the
+oracle bound, utilizations, switches, reroutes, re-prefilled tokens, mean staleness) and, with
+``--out``: ``summary.json``, ``decisions.jsonl`` (every decision and plan record, each tagged
+with its run), ``scenario.yaml`` (the resolved scenario) and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+@click.command(help="Simulate scheduling policies on a scenario, side by side, in virtual "
+                    "time, with the real control plane.")
+@click.argument("scenario")
+@click.option("--policy", "-p", "policies", multiple=True, metavar="NAME[:ARGS]",
+              help="Policy spec, e.g. static:train=16 or verl-default:deactivate_ratio=0.6 "
+                   "(repeatable; default: the scenario's list).")
+@click.option("--out", "-o", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Directory for summary.json, decisions.jsonl and plots.")
+@click.option("--bursts", type=int, default=None, help="Override the number of bursts.")
+@click.option("--scale", type=float, default=1.0, show_default=True,
+              help="Scale cells, standalone engines and batch size by this factor.")
+@click.option("--check", is_flag=True, help="Check the invariants after every event (slow).")
+@click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
+def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, bursts: int | None,
+            scale: float, check: bool, no_plots: bool) -> None:
+    from tidal.sim import scenario as scenarios
+
+    sc = scenarios.load(scenario)
+    if scale != 1.0 or bursts is not None:
+        sc = sc.scaled(scale, bursts=bursts)
+    run_and_report(sc, list(policies) or list(sc.policies), out_dir, check=check,
+                   plots=not no_plots)
+
+
+def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
+                   check: bool = False, plots: bool = True) -> list[Any]:
+    """Runs the specs with a progress bar, prints the table, writes the run directory."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tidal.config import dump_yaml
+    from tidal.control.decision_log import jsonl_file_sink
+    from tidal.sim.runner import compare
+
+    for spec in specs:  # fail on a bad spec before anything runs
+        sc.run_config(spec)
+    console = Console(width=None if Console().is_terminal else 160)
+    out = Path(out_dir) if out_dir else None
+    fh = None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scenario.yaml").write_text(dump_yaml(sc))
+        fh = open(out / "decisions.jsonl", "w")  # noqa: SIM115
+    base_sink = jsonl_file_sink(fh) if fh else None
+
+    def sink_for(spec: str):
+        if base_sink is None:
+            return None
+        return lambda rec: base_sink({"run": spec, **rec})
+
+    try:
+        with Progress(TextColumn("{task.description:<28}"), BarColumn(),
+                      TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+                      TimeElapsedColumn(), console=console, transient=False) as bar:
+            tasks = {s: bar.add_task(s, total=sc.total_steps) for s in specs}
+
+            def progress_for(spec: str):
+                return lambda step, total: bar.update(tasks[spec], completed=step)
+
+            def done(res):
+                bar.update(tasks[res.spec], completed=res.summary["trainer_steps"])
+
+            results = compare(sc, specs, check=check, on_done=done, log_sink_for=sink_for,
+                              progress_for=progress_for, keep_log=False)
+    finally:
+        if fh is not None:
+            fh.close()
+    console.print(render_table(sc, results))
+    if len(results) > 1:
+        console.print(render_speedups(results))
+    if out is not None:
+        summary = {"scenario": sc.name, "description": sc.description,
+                   "oracle_makespan_s": results[0].summary["oracle_makespan_s"],
+                   "runs": [r.summary for r in results]}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        written = ["summary.json", "decisions.jsonl", "scenario.yaml"]
+        if plots:
+            from tidal.viz.plots import plot_all
+
+            written += [p.name for p in plot_all(results, out)]
+        console.print(f"wrote {', '.join(written)} to {out}/")
+    return results
+
+
+def render_table(sc: Any, results: list[Any]) -> Any:
+    """One row per run; the speed-ups against every other run follow in ``render_speedups``."""
+    from rich.table import Table
+
+    oracle_h = results[0].summary["oracle_makespan_s"] / 3600 if results else 0.0
+    table = Table(title=f"{sc.name}: {sc.total_steps} optimizer steps, oracle bound "
+                        f"{oracle_h:.3f} h", title_justify="left")
+    for name in ("policy", "makespan h", "/oracle", "train", "rollout", "cluster", "switches",
+                 "reroutes", "re-prefill Mtok", "staleness"):
+        table.add_column(name, justify="left" if name == "policy" else "right",
+                         no_wrap=name == "policy")
+    for r in results:
+        s = r.summary
+        table.add_row(r.spec, f"{s['makespan_h']:.3f}", f"{s['oracle_ratio']:.3f}",
+                      f"{s['train_utilization']:.3f}", f"{s['rollout_utilization']:.3f}",
+                      f"{s['cluster_utilization']:.3f}", str(s["switches"]),
+                      str(s["reroutes"]), f"{s['reprefill_tokens'] / 1e6:.2f}",
+                      f"{s['mean_staleness']:.2f}")
+    return table
+
+
+def render_speedups(results: list[Any]) -> Any:
+    """Speed-up of each row's run against each column's run (column makespan / row's)."""
+    from rich.table import Table
+
+    table = Table(title="speed-up (row vs column: column makespan / row makespan)",
+                  title_justify="left")
+    table.add_column("policy", no_wrap=True)
+    for r in results:
+        table.add_column(r.spec, justify="right")
+    for r in results:
+        table.add_row(r.spec, *[("-" if o is r else
+                                 f"{o.summary['makespan_s'] / r.summary['makespan_s']:.3f}x")
+                                for o in results])
+    return table

@@ -1,0 +1,1 @@
+"""Plots of simulated (and, later, real) runs: PNG files via matplotlib's Agg backend."""
