@@ -1,0 +1,91 @@
+"""tidal's own policy: rate model, partial lending in prefix order, waterlevel safety."""
+
+import pytest
+
+from tidal.control.policy import Action, CellView, Observation, make_policy, registered
+from tidal.control.supply import SupplyView
+from tidal.errors import ConfigError
+from tidal.types import CellKind, Role
+
+
+def obs(t=100.0, roles=("training", "rollout"), waterlevel=10, pending=0, ready=20,
+        generated=0, step=0, running=None, supply_ok=True, in_flight=False, slots=128):
+    cells = tuple(CellView(i, slots, 8, CellKind.HYBRID, Role(r)) for i, r in enumerate(roles))
+    cap = sum(c.slots for c in cells if c.role is Role.ROLLOUT) + 256
+    return Observation(
+        now_s=t, trigger="Tick", cells=cells, standalone_slots=256, standalone_gpus=16,
+        rollout_capacity=cap, waterlevel=waterlevel, queued=0,
+        running=waterlevel if running is None else running, pending_dispatch=pending,
+        supply=SupplyView(min(ready, 16), 16, 8.0, supply_ok, 0.0, supply_ok),
+        ready_groups=ready, groups_generated=generated, batch_groups=16, updates_per_burst=4,
+        trainer_waiting=True, trainer_step=step, steps_in_version=0, version=0,
+        bursts_ended=0, in_flight=in_flight)
+
+
+def warmed(policy, **kw):
+    """Feeds two observations so both rates are known (1 group/100 exec-s, 16 per GPU-h)."""
+    policy.decide(obs(t=0.0, generated=0, step=0, running=100, ready=20))
+    return policy.decide(obs(**{"t": 100.0, "generated": 100, "step": 1, "running": 100,
+                                "ready": 20, **kw}))
+
+
+def test_registered_with_a_docstring_rule():
+    assert "tidal" in registered()
+    from tidal.control import tidal_policy
+
+    assert "Rule" in tidal_policy.__doc__
+
+
+@pytest.mark.parametrize("args", [{"dwell_s": -1}, {"min_train_cells": 1.5},
+                                  {"tau_s": 0}, {"nope": 1}])
+def test_bad_arguments_are_config_errors(args):
+    with pytest.raises(ConfigError):
+        make_policy("tidal", args)
+
+
+def test_holds_until_rates_are_measured():
+    p = make_policy("tidal")
+    assert p.decide(obs(t=0.0)).reason == "measuring rates"
+
+
+def test_lends_the_next_cell_when_rollout_has_spare_slots():
+    p = make_policy("tidal")
+    d = warmed(p, waterlevel=50, pending=0)
+    assert d.action is Action.TO_TRAINING and d.cells == (1,)
+    assert p.waterlevel_safe
+
+
+def test_never_lends_when_capacity_after_the_move_is_below_the_waterlevel():
+    p = make_policy("tidal")
+    d = warmed(p, waterlevel=300, pending=0)  # capacity after move 256 < 300
+    assert d.action is Action.HOLD and "waterlevel" in d.reason
+
+
+def test_never_lends_without_held_supply():
+    p = make_policy("tidal")
+    d = warmed(p, waterlevel=10, supply_ok=False)
+    assert d.action is Action.HOLD
+
+
+def test_returns_the_last_cell_when_rollout_is_short_and_the_queue_runs_dry():
+    p = make_policy("tidal")
+    d = warmed(p, roles=("training", "training"), waterlevel=256, pending=500, ready=2,
+               generated=1)
+    assert d.action is Action.TO_ROLLOUT and d.cells == (1,)
+
+
+def test_keeps_min_train_cells_and_waits_out_the_dwell():
+    p = make_policy("tidal", {"min_train_cells": 2})
+    d = warmed(p, roles=("training", "training"), waterlevel=256, pending=500, ready=0)
+    assert d.action is Action.HOLD
+    q = make_policy("tidal", {"dwell_s": 1000})
+    assert warmed(q, waterlevel=50).action is Action.TO_TRAINING
+    d2 = q.decide(obs(t=200.0, roles=("training", "training"), waterlevel=256, pending=500,
+                      ready=0, generated=100, step=1))
+    assert d2.action is Action.HOLD and "dwell" in d2.reason
+
+
+def test_initial_prefix_is_min_train_cells():
+    cells = tuple(CellView(i, 128, 8, CellKind.HYBRID, Role.ROLLOUT) for i in range(3))
+    assert make_policy("tidal").initial_prefix(cells) == 1
+    assert make_policy("tidal", {"min_train_cells": 5}).initial_prefix(cells) == 3
