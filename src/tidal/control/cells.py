@@ -54,6 +54,7 @@ class CellSet:
         # Bumped on every role or membership change; caches below are keyed on it.
         self.revision = 0
         self._cap: tuple[int, int] = (-1, 0)
+        self._sa: tuple[int, int, int] = (-1, 0, 0)
         self.check_prefix()
 
     def touch(self) -> None:
@@ -83,7 +84,19 @@ class CellSet:
 
     @property
     def standalone_slots(self) -> int:
-        return sum(s.slots for s in self.standalone.values())
+        return self._standalone_totals()[0]
+
+    @property
+    def standalone_gpus(self) -> int:
+        return self._standalone_totals()[1]
+
+    def _standalone_totals(self) -> tuple[int, int]:
+        rev, slots, gpus = self._sa
+        if rev != self.revision:
+            slots = sum(s.slots for s in self.standalone.values())
+            gpus = sum(s.gpus for s in self.standalone.values())
+            self._sa = (self.revision, slots, gpus)
+        return slots, gpus
 
     @property
     def rollout_capacity(self) -> int:

@@ -236,7 +236,7 @@ class Controller:
             trigger=trigger,
             cells=self._cell_views(),
             standalone_slots=self.cells.standalone_slots,
-            standalone_gpus=sum(s.gpus for s in self.cells.standalone.values()),
+            standalone_gpus=self.cells.standalone_gpus,
             rollout_capacity=self.cells.rollout_capacity,
             waterlevel=lg.waterlevel,
             queued=lg.total.queued,

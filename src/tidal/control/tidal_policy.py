@@ -170,5 +170,16 @@ class TidalPolicy:
         self.consumption.add(consumed, exposure, dt)
 
 
+_GPUS_CACHE: dict[int, tuple[tuple[CellView, ...], int]] = {}
+
+
 def _training_gpus(obs: Observation) -> int:
-    return sum(c.gpus for c in obs.cells if c.role is Role.TRAINING)
+    # The controller hands out the same cells tuple until a role changes: count it once.
+    hit = _GPUS_CACHE.get(id(obs.cells))
+    if hit is not None and hit[0] is obs.cells:
+        return hit[1]
+    gpus = sum(c.gpus for c in obs.cells if c.role is Role.TRAINING)
+    if len(_GPUS_CACHE) > 64:
+        _GPUS_CACHE.clear()
+    _GPUS_CACHE[id(obs.cells)] = (obs.cells, gpus)
+    return gpus

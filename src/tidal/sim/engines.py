@@ -21,7 +21,8 @@ EPS_TOKENS = 1e-6
 
 class Engine:
     __slots__ = ("_heap", "_thr", "admitting", "busy_work", "cell", "epoch", "gpus", "members",
-                 "name", "paused", "seq_cap", "slots", "t", "throughput", "v")
+                 "name", "paused", "seq_cap", "slots", "t", "throughput", "timer", "timer_t",
+                 "v")
 
     def __init__(self, name: str, gpus: int, slots: int, throughput_tok_s: float,
                  seq_cap_tok_s: float, cell: int | None = None) -> None:
@@ -38,6 +39,8 @@ class Engine:
         self.t = 0.0
         self.busy_work = 0.0  # decode-token equivalents processed (utilization)
         self.epoch = 0
+        self.timer = 0  # token of the world's pending completion timer for this engine
+        self.timer_t: float | None = None
         self._heap: list[tuple[float, int]] = []
         self._thr: dict[int, float] = {}
 
@@ -61,9 +64,12 @@ class Engine:
         return max(0.0, self._thr[seq] - self.v)
 
     def next_finish(self) -> float | None:
-        r = self.rate()
-        if r <= 0.0:
+        n = len(self._thr)
+        if n == 0 or self.paused:
             return None
+        r = self.throughput / n
+        if r > self.seq_cap:
+            r = self.seq_cap
         heap, thr = self._heap, self._thr
         while heap and thr.get(heap[0][1]) != heap[0][0]:
             heapq.heappop(heap)

@@ -3,7 +3,7 @@
 Out: ``ExecSpec`` objects (prompt tokens, turns of decode tokens + tool seconds + tool output
 tokens, timeout, reward), one list per group. Lengths are capped lognormals; a share of the
 log-variance is common to the group (the prompt's difficulty), the rest per execution.
-Randomness comes from one seeded ``random.Random``: the same seed gives the same workload.
+Randomness comes from one seeded numpy ``Generator``: the same seed gives the same workload.
 
 Trace format (one JSON object per line, one line per execution; lines of a group adjacent)::
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,11 +58,13 @@ def draw(d: Dist, z: float) -> float:
 
 
 class ClassWorkload:
-    """Groups drawn from weighted execution classes."""
+    """Groups drawn from weighted execution classes (vectorised per group with numpy)."""
 
     def __init__(self, classes: list[ExecutionClass], seed: int) -> None:
+        import numpy as np
+
         self.classes = classes
-        self.rng = random.Random(seed)
+        self.rng = np.random.default_rng(seed)
         total = sum(c.weight for c in classes)
         self._cum = []
         acc = 0.0
@@ -72,35 +73,52 @@ class ClassWorkload:
             self._cum.append(acc)
 
     def _pick(self) -> ExecutionClass:
-        u = self.rng.random()
+        u = float(self.rng.random())
         for c, edge in zip(self.classes, self._cum, strict=True):
             if u <= edge:
                 return c
         return self.classes[-1]
 
     def group(self, size: int) -> list[ExecSpec]:
+        import numpy as np
+
         c = self._pick()
-        g = self.rng.gauss
-        share = c.group_share
-        a, b = math.sqrt(share), math.sqrt(1.0 - share)
-        zg_len, zg_turns = g(0, 1), g(0, 1)
-        p_ok = min(1.0, max(0.0, c.success_rate + 0.3 * g(0, 1)))
-        out = []
-        for _ in range(size):
-            n_turns = max(1, round(draw(c.turns, a * zg_turns + b * g(0, 1))))
-            z_len = a * zg_len + b * g(0, 1)
-            turns = []
-            for k in range(n_turns):
-                # Turns of one execution vary around its own length level.
-                z = z_len if n_turns == 1 else 0.7 * z_len + 0.71 * g(0, 1)
-                dec = max(1, round(draw(c.decode_tokens, z)))
-                last = k == n_turns - 1
-                tool = 0.0 if last else draw(c.tool_s, g(0, 1))
-                tout = 0 if last else round(draw(c.tool_output_tokens, g(0, 1)))
-                turns.append((dec, tool, tout))
-            reward = 1.0 if self.rng.random() < p_ok else 0.0
-            out.append(ExecSpec(c.prompt_tokens, tuple(turns), c.timeout_s, reward, c.name))
+        rng = self.rng
+        a, b = math.sqrt(c.group_share), math.sqrt(1.0 - c.group_share)
+        zg_len, zg_turns, z_ok = rng.standard_normal(3)
+        p_ok = min(1.0, max(0.0, c.success_rate + 0.3 * float(z_ok)))
+        z_exec = rng.standard_normal((2, size))
+        n_turns = np.maximum(1, np.rint(_draw_np(c.turns, a * zg_turns + b * z_exec[0])))
+        z_len = a * zg_len + b * z_exec[1]
+        counts = n_turns.astype(int)
+        total = int(counts.sum())
+        z_turn = rng.standard_normal((3, total))
+        owner = np.repeat(np.arange(size), counts)
+        # Turns of one execution vary around its own length level.
+        z_dec = np.where(counts[owner] == 1, z_len[owner], 0.7 * z_len[owner] + 0.71 * z_turn[0])
+        dec = np.maximum(1, np.rint(_draw_np(c.decode_tokens, z_dec))).astype(int).tolist()
+        tool = _draw_np(c.tool_s, z_turn[1]).tolist()
+        tout = np.rint(_draw_np(c.tool_output_tokens, z_turn[2])).astype(int).tolist()
+        rewards = (rng.random(size) < p_ok).tolist()
+        out, k = [], 0
+        for i, n in enumerate(counts.tolist()):
+            turns = [(dec[j], tool[j], tout[j]) for j in range(k, k + n - 1)]
+            turns.append((dec[k + n - 1], 0.0, 0))  # nothing follows the last turn
+            k += n
+            out.append(ExecSpec(c.prompt_tokens, tuple(turns), c.timeout_s,
+                                1.0 if rewards[i] else 0.0, c.name))
         return out
+
+
+def _draw_np(d: Dist, z):
+    import numpy as np
+
+    if d.median <= 0:
+        return np.full(np.shape(z), d.lo, dtype=float)
+    v = d.median * np.exp(d.sigma * z)
+    if d.cap is not None:
+        v = np.minimum(v, d.cap)
+    return np.maximum(v, d.lo)
 
 
 class TraceWorkload:

@@ -128,7 +128,6 @@ class World:
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
         self._seg = 0
-        self._sched: dict[int, int] = {}
         self.seqs: dict[int, ExecRec] = {}
         self.live: dict[str, ExecRec] = {}
         self.queue: deque[ExecRec] = deque()  # dispatched, not launched
@@ -177,13 +176,18 @@ class World:
         self.push(self.now + dur, ACK, (plan, step), dur)
 
     def _resched(self, e: Engine) -> None:
-        key = id(e)
-        if self._sched.get(key) == e.epoch:
-            return
-        self._sched[key] = e.epoch
+        """Arms the engine's completion timer. A pending timer that fires no later than the
+        new completion is kept (it re-arms when it finds nothing due): adding work only ever
+        delays completions, so most changes cost no heap push."""
         nf = e.next_finish()
-        if nf is not None:
-            self.push(nf, ENGINE, e, e.epoch)
+        if nf is None:
+            return
+        t = e.timer_t
+        if t is not None and self.now <= t <= nf:
+            return
+        e.timer += 1
+        e.timer_t = nf
+        self.push(nf, ENGINE, e, e.timer)
 
     # ------------------------------------------------------------- main loop
     def run(self, progress: Callable[[int, int], None] | None = None,
@@ -199,7 +203,7 @@ class World:
             if not heap:
                 raise SimulationError(self._stuck("no event left"))
             t, _, code, a, b = heapq.heappop(heap)
-            if code == ENGINE and a.epoch != b:
+            if code == ENGINE and a.timer != b:
                 continue
             if t > limit:
                 raise SimulationError(self._stuck(f"virtual time passed {limit:g}s"))
@@ -299,12 +303,18 @@ class World:
             self._filling = False
 
     def _fill_once(self) -> None:
-        heap = [(-e.free_slots, i, e) for i, e in enumerate(self.engines)
-                if e.admitting and e.free_slots > 0]
+        on_demand = self.profile.dispatch is DispatchStyle.ON_DEMAND
+        if not self.waiting and not self.queue and not (
+                on_demand and self.quota_left > 0 and not self.syncing):
+            return  # nothing to launch or dispatch
+        heap = []
+        for i, e in enumerate(self.engines):
+            free = e.slots - len(e.members)
+            if e.admitting and free > 0:
+                heap.append((-free, i, e))
         if not heap:
             return
         heapq.heapify(heap)
-        on_demand = self.profile.dispatch is DispatchStyle.ON_DEMAND
         while heap:
             if self.waiting:
                 ex = next(iter(self.waiting))
@@ -375,7 +385,8 @@ class World:
         self._resched(e)
         return rem
 
-    def _on_engine(self, e: Engine, _epoch: Any) -> None:
+    def _on_engine(self, e: Engine, _timer: Any) -> None:
+        e.timer_t = None
         done = e.pop_finished(self.now)
         if not done:
             nf = e.next_finish()
@@ -387,7 +398,6 @@ class World:
             ex = self.seqs.pop(seg)
             ex.seg = None
             self._turn_done(ex)
-        self._sched.pop(id(e), None)  # this engine's timer has fired: always re-arm it
         self._resched(e)
 
     def _turn_done(self, ex: ExecRec) -> None:

@@ -1,0 +1,48 @@
+"""Simulator speed: events per second and wall time for swe-agent-long-tail at 1024 GPUs.
+
+The scenario (128 GPUs: 8 hybrid cells + 8 standalone engines) is scaled 8x: 64 hybrid
+cells + 64 standalone engines, 8x the batch, same bursts. Prints one line per policy.
+
+    .venv/bin/python benchmarks/sim_speed.py                 # tidal, 1024 GPUs
+    .venv/bin/python benchmarks/sim_speed.py --policy verl-default --policy waterlevel
+    .venv/bin/python benchmarks/sim_speed.py --scale 1       # the 128-GPU original
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from tidal.sim import scenario as S
+from tidal.sim.world import World
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenario", default="swe-agent-long-tail")
+    ap.add_argument("--scale", type=float, default=8.0)
+    ap.add_argument("--policy", action="append", default=None)
+    args = ap.parse_args(argv)
+    sc = S.load(args.scenario)
+    if args.scale != 1.0:
+        sc = sc.scaled(args.scale)
+    gpus = sum(c.gpus for c in sc.cluster.cell_specs()) + \
+        sc.cluster.standalone_count * sc.cluster.standalone_gpus
+    print(f"{sc.name} x{args.scale:g}: {gpus} GPUs, {len(sc.cluster.cell_specs())} cells, "
+          f"{sc.cluster.standalone_count} standalone engines, batch {sc.control.batch_groups} "
+          f"groups, {sc.total_steps} steps")
+    for spec in args.policy or ["tidal"]:
+        t0 = time.perf_counter()
+        world = World(sc, spec, keep_log=False).run()
+        wall = time.perf_counter() - t0
+        n_exec = world.ledger.total.dispatched
+        print(f"{spec:<14} wall {wall:6.1f} s  events {world.events:>9,}  "
+              f"{world.events / wall:>9,.0f} events/s  controller events "
+              f"{world.controller.events_handled:>8,}  executions {n_exec:,}  "
+              f"virtual {world.makespan_s / 3600:.2f} h")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
