@@ -27,15 +27,21 @@ import click
 @click.option("--bursts", type=int, default=None, help="Override the number of bursts.")
 @click.option("--scale", type=float, default=1.0, show_default=True,
               help="Scale cells, standalone engines and batch size by this factor.")
+@click.option("--trace", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Replay this JSONL trace (one line per execution) instead of the "
+                   "scenario's workload classes.")
 @click.option("--check", is_flag=True, help="Check the invariants after every event (slow).")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, bursts: int | None,
-            scale: float, check: bool, no_plots: bool) -> None:
+            scale: float, trace: str | None, check: bool, no_plots: bool) -> None:
     from tidal.sim import scenario as scenarios
 
     sc = scenarios.load(scenario)
     if scale != 1.0 or bursts is not None:
         sc = sc.scaled(scale, bursts=bursts)
+    if trace is not None:
+        sc = sc.model_copy(update={"workload": scenarios.WorkloadConfig(
+            trace=str(Path(trace).resolve()))})
     run_and_report(sc, list(policies) or list(sc.policies), out_dir, check=check,
                    plots=not no_plots)
 

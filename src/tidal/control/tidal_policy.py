@@ -12,11 +12,12 @@ Rule (evaluated after every event and tick while no transition is in flight):
   order) iff the move is waterlevel-safe (capacity after the move >= w, ready supply held —
   invariant 3, enforced again by the controller) and the queue projected over the horizon
   ``H`` under the new split stays at or above ``high_batches`` batches.
-- Return the last training cell to rollout (never below ``min_train_cells``) iff the queue
-  projected over ``H`` under the current split falls below ``low_batches`` batches and the
-  returned cell would be used (more executions to run than rollout slots).
-- Hysteresis: the two thresholds are apart, and no move starts within ``dwell_s`` of the last
-  one's start (a move costs one switch each way; ``H`` covers at least that dwell).
+- Return training cells to rollout (the last ones of the prefix, as one block just large
+  enough to cover the missing slots, never below ``min_train_cells``) iff rollout is short of
+  slots (more executions to run, ``w + pending_dispatch``, than rollout slots) and the queue
+  projected over ``H`` under the current split falls below ``low_batches`` batches.
+- Hysteresis: a move against the direction of the previous one waits ``dwell_s`` after it
+  (a reversal costs a switch each way); moves in the same direction chain without delay.
 Before the rates are known the policy holds. State: two rate estimates, their integration
 points, the time of the last move (all bounded, logged with every decision).
 """
@@ -86,6 +87,7 @@ class TidalPolicy:
         self.consumption = RateEstimate(tau_s)  # groups per training-GPU-second
         self._last: tuple[float, int, int, int, int, int] | None = None
         self._last_move_s = -math.inf
+        self._last_action = Action.HOLD
 
     # ---------------------------------------------------------------- protocol
     def initial_prefix(self, cells: tuple[CellView, ...]) -> int:
@@ -105,22 +107,29 @@ class TidalPolicy:
         p, c = self.production.rate, self.consumption.rate
         if p is None or c is None:
             return Decision.hold("measuring rates")
-        if obs.now_s - self._last_move_s < self.dwell_s:
-            return Decision.hold("dwell after the last move")
         gpus = _training_gpus(obs)
         queue = obs.ready_groups
         todo = obs.waterlevel + obs.pending_dispatch
         batch = obs.batch_groups
         cap = obs.rollout_capacity
-        # Return the last training cell when rollout is short of slots and the trainer would
-        # run dry within the horizon anyway.
-        last = obs.last_training()
-        if last is not None and obs.prefix_len > self.min_train_cells \
-                and last.role is Role.TRAINING and todo > cap:
+        # Return training cells (the last ones, as a block) when rollout is short of slots and
+        # the trainer would run dry within the horizon anyway.
+        movable = [v for v in obs.cells[self.min_train_cells:obs.prefix_len]
+                   if v.role is Role.TRAINING]
+        if movable and len(movable) == obs.prefix_len - self.min_train_cells and todo > cap:
             drift = p * min(cap, todo) - c * gpus
             projected = queue + drift * self.horizon_s
             if projected < self.low_batches * batch:
-                return self._move(obs, Action.TO_ROLLOUT, last,
+                if self._dwelling(obs, Action.TO_ROLLOUT):
+                    return Decision.hold("dwell before reversing the last move")
+                block, slots = [], 0
+                for v in reversed(movable):  # enough cells for the missing slots
+                    block.append(v)
+                    slots += v.slots
+                    if cap + slots >= todo:
+                        break
+                cells = tuple(sorted(v.index for v in block))
+                return self._move(obs, Action.TO_ROLLOUT, cells,
                                   f"rollout short: {todo} executions to run > {cap} slots; "
                                   f"queue {queue} -> {projected:.1f} groups in "
                                   f"{self.horizon_s:g}s < {self.low_batches * batch:g}")
@@ -141,14 +150,22 @@ class TidalPolicy:
         if projected < self.high_batches * batch:
             return Decision.hold(f"projected queue {projected:.1f} < "
                                  f"{self.high_batches * batch:g} with one more cell")
-        return self._move(obs, Action.TO_TRAINING, nxt,
+        if self._dwelling(obs, Action.TO_TRAINING):
+            return Decision.hold("dwell before reversing the last move")
+        return self._move(obs, Action.TO_TRAINING, (nxt.index,),
                           f"rollout has spare slots ({todo} executions to run <= {after}); "
                           f"queue {queue} -> {projected:.1f} groups in {self.dwell_s:g}s")
 
     # ---------------------------------------------------------------- internals
-    def _move(self, obs: Observation, action: Action, cell: CellView, why: str) -> Decision:
+    def _dwelling(self, obs: Observation, action: Action) -> bool:
+        """Hysteresis: a move against the direction of the last one waits ``dwell_s``."""
+        return action is not self._last_action and obs.now_s - self._last_move_s < self.dwell_s
+
+    def _move(self, obs: Observation, action: Action, cells: tuple[int, ...],
+              why: str) -> Decision:
         self._last_move_s = obs.now_s
-        return Decision(action, (cell.index,), why)
+        self._last_action = action
+        return Decision(action, cells, why)
 
     def _observe(self, obs: Observation) -> None:
         now = obs.now_s

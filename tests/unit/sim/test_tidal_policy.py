@@ -78,11 +78,21 @@ def test_keeps_min_train_cells_and_waits_out_the_dwell():
     p = make_policy("tidal", {"min_train_cells": 2})
     d = warmed(p, roles=("training", "training"), waterlevel=256, pending=500, ready=0)
     assert d.action is Action.HOLD
-    q = make_policy("tidal", {"dwell_s": 1000})
+    q = make_policy("tidal", {"dwell_s": 1000, "tau_s": 1})
     assert warmed(q, waterlevel=50).action is Action.TO_TRAINING
     d2 = q.decide(obs(t=200.0, roles=("training", "training"), waterlevel=256, pending=500,
-                      ready=0, generated=100, step=1))
+                      ready=0, generated=101, step=2))
     assert d2.action is Action.HOLD and "dwell" in d2.reason
+    d3 = q.decide(obs(t=1200.0, roles=("training", "training"), waterlevel=256, pending=500,
+                      ready=0, generated=102, step=3))
+    assert d3.action is Action.TO_ROLLOUT and d3.cells == (1,)
+
+
+def test_returns_a_block_large_enough_for_the_missing_slots():
+    p = make_policy("tidal")
+    d = warmed(p, roles=("training",) * 4, waterlevel=256, pending=300, ready=0,
+               generated=1)  # 556 to run, 256 slots: 300 missing = 3 cells of 128
+    assert d.action is Action.TO_ROLLOUT and d.cells == (1, 2, 3)
 
 
 def test_initial_prefix_is_min_train_cells():

@@ -50,5 +50,5 @@ def test_trace_round_trip_and_cycling(tmp_path):
 def test_bad_trace_line_names_the_line(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"group": "g", "turns": []}) + "\n")
-    with pytest.raises(ConfigError, match="t.jsonl:1"):
+    with pytest.raises(ConfigError, match=r"t\.jsonl:1"):
         load_trace(path)

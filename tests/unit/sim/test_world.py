@@ -7,7 +7,6 @@ from tidal.sim.oracle import oracle_bound
 from tidal.sim.runner import compare, run_policy
 from tidal.sim.scenario import FAMILY_PROFILES
 from tidal.sim.world import SimulationError, World
-
 from tidal.testing.sim_scenarios import tiny_scenario as tiny
 
 SUMMARY_FIELDS = ("policy", "makespan_s", "oracle_makespan_s", "train_utilization",
@@ -99,8 +98,8 @@ def test_a_run_that_cannot_train_reports_why():
 
 
 def test_trace_replay(tmp_path):
-    from tidal.sim.workloads import ClassWorkload, write_trace
     from tidal.sim.scenario import ExecutionClass
+    from tidal.sim.workloads import ClassWorkload, write_trace
 
     groups = [ClassWorkload([ExecutionClass()], 4).group(4) for _ in range(5)]
     path = tmp_path / "trace.jsonl"
