@@ -26,10 +26,11 @@ from tidal.control.decision_log import DecisionLog, Sink
 from tidal.control.factory import build_controller
 from tidal.control.plans import PlanStep, TransitionPlan
 from tidal.control.verl import dispatch_budget
-from tidal.errors import InvariantViolation, TidalError
+from tidal.errors import TidalError
+from tidal.sim import invariants, moves, sync
 from tidal.sim.actuator import SimActuator
 from tidal.sim.engines import Engine
-from tidal.sim.scenario import DispatchStyle, Scenario, SyncStyle
+from tidal.sim.scenario import DispatchStyle, Scenario
 from tidal.sim.trainer import Trainer
 from tidal.sim.workloads import ExecSpec, make_workload
 from tidal.types import (
@@ -39,10 +40,8 @@ from tidal.types import (
     ExecutionClosed,
     ExecutionDispatched,
     ExecutionLaunched,
-    RequestRetried,
     Role,
     Tick,
-    WeightSyncDone,
 )
 
 ENGINE, TOOL, TIMEOUT, TRAINER, STEP, ACK, SYNC, TICK = range(8)
@@ -221,7 +220,7 @@ class World:
                 lambda a, b: self.trainer.on_timer(b, self.now),
                 lambda a, b: self.actuator.start(a, b),
                 lambda a, b: self.actuator.finish(a[0], a[1], b),
-                self._on_sync_done, self._on_tick]
+                lambda a, b: sync.on_sync_done(self, a, b), self._on_tick]
 
     def _stuck(self, why: str) -> str:
         c = self.controller
@@ -232,7 +231,7 @@ class World:
 
     def _start(self) -> None:
         self._sync_roles(force=True)
-        self._start_burst()
+        self.start_burst()
         self.trainer.begin_step(self.now)
         self.push(self.scenario.sim.tick_s, TICK)
 
@@ -256,12 +255,12 @@ class World:
                 cells += 1
         if self.pending_rebalance and fl is None:
             self.pending_rebalance = False
-            self._rebalance()
+            moves.rebalance(self)
         self.trainer.set_gpus(gpus, cells, self.now)
         self._fill()
 
     # -------------------------------------------------------------- dispatch
-    def _start_burst(self) -> None:
+    def start_burst(self) -> None:
         self.burst += 1
         carried = len(self.group_open) + self.ledger.ready_unassigned
         quota = max(0, self.budget_groups - carried)
@@ -330,7 +329,7 @@ class World:
                 continue
             if ex.launched:
                 del self.waiting[ex]
-                self._bind(ex, e)
+                self.bind(ex, e)
             else:
                 self.queue.popleft()
                 self._launch(ex, e)
@@ -347,17 +346,17 @@ class World:
         e.members.add(ex)
         self.emit(ExecutionLaunched(self.now, ex.eid))
         if not ex.closed:
-            self._begin_turn(ex, ex.spec.prompt_tokens)
+            self.begin_turn(ex, ex.spec.prompt_tokens)
 
-    def _bind(self, ex: ExecRec, e: Engine) -> None:
+    def bind(self, ex: ExecRec, e: Engine) -> None:
         ex.engine = e
         e.members.add(ex)
         if ex.pending is not None and not ex.in_tool and not ex.hold:
             work, ex.pending = ex.pending, None
-            self._start_seq(ex, work)
+            self.start_seq(ex, work)
 
     # ------------------------------------------------------------ executions
-    def _begin_turn(self, ex: ExecRec, prefill_tokens: int) -> None:
+    def begin_turn(self, ex: ExecRec, prefill_tokens: int) -> None:
         pre = prefill_tokens + ex.need_prefill
         self.reprefill_tokens += ex.need_prefill
         ex.need_prefill = 0
@@ -365,9 +364,9 @@ class World:
         if ex.engine is None or ex.hold:
             ex.pending = work
         else:
-            self._start_seq(ex, work)
+            self.start_seq(ex, work)
 
-    def _start_seq(self, ex: ExecRec, work: float) -> None:
+    def start_seq(self, ex: ExecRec, work: float) -> None:
         self._seg += 1
         ex.seg = self._seg
         self.seqs[self._seg] = ex
@@ -376,7 +375,7 @@ class World:
         e.add(self._seg, work, self.now)
         self._resched(e)
 
-    def _stop_seq(self, ex: ExecRec) -> float:
+    def stop_seq(self, ex: ExecRec) -> float:
         e = ex.engine
         assert e is not None and ex.seg is not None
         rem = e.remove(ex.seg, self.now)
@@ -417,7 +416,7 @@ class World:
         tout = ex.spec.turns[ex.turn][2]
         ex.ctx += tout
         ex.turn += 1
-        self._begin_turn(ex, tout)
+        self.begin_turn(ex, tout)
 
     def _on_timeout(self, ex: ExecRec, gen: Any) -> None:
         if not ex.closed and gen == ex.gen:
@@ -426,7 +425,7 @@ class World:
 
     def _close(self, ex: ExecRec, reason: CloseReason, reward: float) -> None:
         if ex.seg is not None:
-            self._stop_seq(ex)
+            self.stop_seq(ex)
         if ex.engine is not None:
             ex.engine.members.discard(ex)
             ex.engine = None
@@ -450,118 +449,6 @@ class World:
         return (float(sum(ex.ctx for ex in members)),
                 sum(version - ex.first_version for ex in members), len(members))
 
-    # ------------------------------------------------------- moves (actuator)
-    def pick_destination(self, dests: list[Engine], ordered: bool) -> Engine | None:
-        ok = [d for d in dests if d.admitting and d.free_slots > 0]
-        if not ok:
-            return None
-        return ok[0] if ordered else max(ok, key=lambda d: d.free_slots)
-
-    def move(self, ex: ExecRec, dest: Engine | None, kv: bool, hold: bool) -> None:
-        """Moves an execution off its engine (a reroute or abort); its harness lives on."""
-        self.reroutes += 1
-        if ex.seg is not None:
-            rem = self._stop_seq(ex)
-            if not kv:
-                rem += ex.ctx * self.scenario.engine.prefill_equiv
-                self.reprefill_tokens += ex.ctx
-            ex.pending = rem
-            self.emit(RequestRetried(self.now, ex.eid))
-        elif not kv:
-            # Its cache stays behind: the next request prefills the whole context.
-            if ex.pending is not None:
-                ex.pending += ex.ctx * self.scenario.engine.prefill_equiv
-                self.reprefill_tokens += ex.ctx
-            else:
-                ex.need_prefill = ex.ctx
-        if ex.engine is not None:
-            ex.engine.members.discard(ex)
-            ex.engine = None
-        if dest is None:
-            ex.hold = False
-            self.waiting[ex] = None
-            return
-        ex.hold = hold
-        self._bind(ex, dest)
-
-    def release_hold(self, ex: ExecRec, kv: bool) -> None:
-        if not ex.hold:
-            return
-        ex.hold = False
-        if not kv and ex.pending is not None:
-            ex.pending += ex.ctx * self.scenario.engine.prefill_equiv
-            self.reprefill_tokens += ex.ctx
-        if ex.engine is not None and ex.pending is not None and not ex.in_tool:
-            work, ex.pending = ex.pending, None
-            self._start_seq(ex, work)
-
-    def _rebalance(self) -> None:
-        """verl rebalance: abort in-flight everywhere, resume least-loaded."""
-        ready = [e for e in self.engines if e.admitting]
-        if not ready:
-            return
-        execs = sorted((ex for e in ready for ex in e.members), key=lambda x: x.seq_no)
-        per = -(-len(execs) // len(ready)) if execs else 0
-        for ex in execs:
-            e = ex.engine
-            if e is not None and len(e.members) > per:
-                self.move(ex, self.pick_destination(ready, ordered=False), kv=False,
-                          hold=False)
-            elif ex.seg is not None:
-                rem = self._stop_seq(ex) + ex.ctx * self.scenario.engine.prefill_equiv
-                self.reprefill_tokens += ex.ctx
-                self.emit(RequestRetried(self.now, ex.eid))
-                self._start_seq(ex, rem)
-
-    # ------------------------------------------------------------ weight sync
-    def start_sync(self, now: float) -> None:
-        self.syncing = True
-        dur = self.scenario.costs.sync_s
-        abort = self.profile.sync is SyncStyle.ABORT
-        targets = [e for e in self.engines if e.admitting or e.members]
-        for e in targets:
-            if abort:
-                for ex in sorted(e.members, key=lambda x: x.seq_no):
-                    if ex.seg is not None:
-                        ex.pending = self._stop_seq(ex)
-                        self.emit(RequestRetried(now, ex.eid))
-                    ex.need_prefill = ex.ctx  # the engine's cache is flushed by the update
-            e.set_paused(True, now)
-            self._resched(e)
-        self.sync_s_total += dur
-        self.push(now + dur, SYNC, targets, dur)
-
-    def _on_sync_done(self, targets: list[Engine], dur: float) -> None:
-        for e in targets:
-            e.set_paused(False, self.now)
-            for ex in sorted(e.members, key=lambda x: x.seq_no):
-                if ex.pending is not None and ex.seg is None and not ex.in_tool and not ex.hold:
-                    work = ex.pending + ex.need_prefill * self.scenario.engine.prefill_equiv
-                    self.reprefill_tokens += ex.need_prefill
-                    ex.need_prefill, ex.pending = 0, None
-                    self._start_seq(ex, work)
-            self._resched(e)
-        self.syncing = False
-        version = self.version + 1
-        self.emit(WeightSyncDone(self.now, version, dur))
-        if self.scenario.sim.max_policy_lag is not None:
-            self._restart_lagging(version, self.scenario.sim.max_policy_lag)
-        self._start_burst()
-        self.trainer.begin_step(self.now)
-
-    def _restart_lagging(self, version: int, lag: int) -> None:
-        for ex in sorted(self.live.values(), key=lambda x: x.seq_no):
-            if ex.first_version >= version - lag:
-                continue
-            if ex.seg is not None:
-                self._stop_seq(ex)
-            self.wasted_tokens += ex.ctx - ex.spec.prompt_tokens
-            ex.gen += 1
-            ex.turn, ex.ctx, ex.in_tool, ex.pending, ex.need_prefill = (
-                0, ex.spec.prompt_tokens, False, None, 0)
-            ex.first_version = version
-            self._begin_turn(ex, ex.spec.prompt_tokens)
-
     # ----------------------------------------------------------------- ticks
     def _on_tick(self, _a: Any, _b: Any) -> None:
         self.emit(Tick(self.now))
@@ -575,32 +462,18 @@ class World:
         s.train_gpus.append(self.trainer.gpus)
         self.push(self.now + self.scenario.sim.tick_s, TICK)
 
-    # ------------------------------------------------------------ invariants
+    # ------------------------------------------------- delegated (moves, sync, checks)
+    def pick_destination(self, dests: list[Engine], ordered: bool) -> Engine | None:
+        return moves.pick_destination(self, dests, ordered)
+
+    def move(self, ex: ExecRec, dest: Engine | None, kv: bool, hold: bool) -> None:
+        moves.move(self, ex, dest, kv, hold)
+
+    def release_hold(self, ex: ExecRec, kv: bool) -> None:
+        moves.release_hold(self, ex, kv)
+
+    def start_sync(self, now: float) -> None:
+        sync.start_sync(self, now)
+
     def check_invariants(self) -> None:
-        """DESIGN.md invariants 1, 2, 3 and 7 plus the world's own bookkeeping."""
-        c = self.controller
-        self.ledger.check()
-        c.cells.check_prefix()
-        fl = c.inflight
-        for cell, e in zip(c.cells.cells, self.cell_engines, strict=True):
-            if e.admitting != (cell.role is Role.ROLLOUT):
-                raise InvariantViolation(f"{e.name} admits={e.admitting} in role {cell.role}")
-            if cell.role is Role.TRAINING and e.members:
-                raise InvariantViolation(f"{e.name} trains while holding executions")
-        for e in self.engines:
-            if len(e.members) > e.slots:
-                raise InvariantViolation(f"{e.name} holds {len(e.members)} > {e.slots} slots")
-        running = sum(len(e.members) for e in self.engines) + len(self.waiting)
-        if running != self.ledger.total.running or running != len(self.live):
-            raise InvariantViolation(f"executions lost: {running} bound or waiting, ledger "
-                                     f"running {self.ledger.total.running}, live "
-                                     f"{len(self.live)}")
-        if len(self.queue) != self.ledger.total.queued:
-            raise InvariantViolation("dispatch queue disagrees with the ledger")
-        if self.waterlevel_safe and fl is not None and fl.step == 0 \
-                and fl.plan.direction.value == "to_training":
-            cell = c.cells.cells[fl.plan.cells[0]]
-            if len(fl.plan.cells) != 1 or cell.role is not Role.MOVING_TO_TRAINING:
-                raise InvariantViolation(f"unsafe plan {fl.plan.to_json()}")
-        if self.trainer.gpus != c.cells.training_gpus:
-            raise InvariantViolation("the trainer uses GPUs of cells not in training")
+        invariants.check(self)

@@ -1,0 +1,49 @@
+"""Invariant checks over the simulated world, run after every event with ``check=True``.
+
+DESIGN.md invariants 1 (ledger counters, via ``Ledger.check``), 2 (training prefix, via
+``CellSet.check_prefix``), 3 (a waterlevel-safe policy's move to training is one cell) and 7
+(no execution lost: every launched, unfinished execution is bound to exactly one engine or
+waiting for a slot), plus the world's own: engines of cells admit only in ``Role.ROLLOUT``, a
+training cell holds no execution, no engine holds more executions than slots, the trainer
+uses exactly the GPUs of cells in ``Role.TRAINING``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tidal.errors import InvariantViolation
+from tidal.types import Role
+
+if TYPE_CHECKING:
+    from tidal.sim.world import World
+
+
+def check(w: World) -> None:
+    """DESIGN.md invariants 1, 2, 3 and 7 plus the world's own bookkeeping."""
+    c = w.controller
+    w.ledger.check()
+    c.cells.check_prefix()
+    fl = c.inflight
+    for cell, e in zip(c.cells.cells, w.cell_engines, strict=True):
+        if e.admitting != (cell.role is Role.ROLLOUT):
+            raise InvariantViolation(f"{e.name} admits={e.admitting} in role {cell.role}")
+        if cell.role is Role.TRAINING and e.members:
+            raise InvariantViolation(f"{e.name} trains while holding executions")
+    for e in w.engines:
+        if len(e.members) > e.slots:
+            raise InvariantViolation(f"{e.name} holds {len(e.members)} > {e.slots} slots")
+    running = sum(len(e.members) for e in w.engines) + len(w.waiting)
+    if running != w.ledger.total.running or running != len(w.live):
+        raise InvariantViolation(f"executions lost: {running} bound or waiting, ledger "
+                                 f"running {w.ledger.total.running}, live "
+                                 f"{len(w.live)}")
+    if len(w.queue) != w.ledger.total.queued:
+        raise InvariantViolation("dispatch queue disagrees with the ledger")
+    if w.waterlevel_safe and fl is not None and fl.step == 0 \
+            and fl.plan.direction.value == "to_training":
+        cell = c.cells.cells[fl.plan.cells[0]]
+        if len(fl.plan.cells) != 1 or cell.role is not Role.MOVING_TO_TRAINING:
+            raise InvariantViolation(f"unsafe plan {fl.plan.to_json()}")
+    if w.trainer.gpus != c.cells.training_gpus:
+        raise InvariantViolation("the trainer uses GPUs of cells not in training")

@@ -1,0 +1,83 @@
+"""Moving executions between engines: reroutes, aborts, KV holds and verl's rebalance.
+
+In: an execution and a destination engine (or none: it waits for a free slot, keeping its
+progress). Out: the execution bound to its new engine; re-prefill of its context paid unless
+its KV cache was handed off; a ``RequestRetried`` event when a request was in flight (the
+harness sees one normal answer: invariant 4). Counts reroutes and re-prefilled tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tidal.types import RequestRetried
+
+if TYPE_CHECKING:
+    from tidal.sim.engines import Engine
+    from tidal.sim.world import ExecRec, World
+
+
+def pick_destination(w: World, dests: list[Engine], ordered: bool) -> Engine | None:
+    ok = [d for d in dests if d.admitting and d.free_slots > 0]
+    if not ok:
+        return None
+    return ok[0] if ordered else max(ok, key=lambda d: d.free_slots)
+
+
+def move(w: World, ex: ExecRec, dest: Engine | None, kv: bool, hold: bool) -> None:
+    """Moves an execution off its engine (a reroute or abort); its harness lives on."""
+    w.reroutes += 1
+    if ex.seg is not None:
+        rem = w.stop_seq(ex)
+        if not kv:
+            rem += ex.ctx * w.scenario.engine.prefill_equiv
+            w.reprefill_tokens += ex.ctx
+        ex.pending = rem
+        w.emit(RequestRetried(w.now, ex.eid))
+    elif not kv:
+        # Its cache stays behind: the next request prefills the whole context.
+        if ex.pending is not None:
+            ex.pending += ex.ctx * w.scenario.engine.prefill_equiv
+            w.reprefill_tokens += ex.ctx
+        else:
+            ex.need_prefill = ex.ctx
+    if ex.engine is not None:
+        ex.engine.members.discard(ex)
+        ex.engine = None
+    if dest is None:
+        ex.hold = False
+        w.waiting[ex] = None
+        return
+    ex.hold = hold
+    w.bind(ex, dest)
+
+
+def release_hold(w: World, ex: ExecRec, kv: bool) -> None:
+    if not ex.hold:
+        return
+    ex.hold = False
+    if not kv and ex.pending is not None:
+        ex.pending += ex.ctx * w.scenario.engine.prefill_equiv
+        w.reprefill_tokens += ex.ctx
+    if ex.engine is not None and ex.pending is not None and not ex.in_tool:
+        work, ex.pending = ex.pending, None
+        w.start_seq(ex, work)
+
+
+def rebalance(w: World) -> None:
+    """verl rebalance: abort in-flight everywhere, resume least-loaded."""
+    ready = [e for e in w.engines if e.admitting]
+    if not ready:
+        return
+    execs = sorted((ex for e in ready for ex in e.members), key=lambda x: x.seq_no)
+    per = -(-len(execs) // len(ready)) if execs else 0
+    for ex in execs:
+        e = ex.engine
+        if e is not None and len(e.members) > per:
+            w.move(ex, w.pick_destination(ready, ordered=False), kv=False,
+                      hold=False)
+        elif ex.seg is not None:
+            rem = w.stop_seq(ex) + ex.ctx * w.scenario.engine.prefill_equiv
+            w.reprefill_tokens += ex.ctx
+            w.emit(RequestRetried(w.now, ex.eid))
+            w.start_seq(ex, rem)

@@ -1,0 +1,71 @@
+"""Weight publication in the simulated world.
+
+After the final update of a burst the trainer publishes weights: every rollout engine pauses
+for ``costs.sync_s``. verl-style syncs (``SyncStyle.ABORT``) abort in-flight requests and flush
+the engines' caches (partial rollout: the client keeps its tokens and re-prefills the context);
+``KEEP`` syncs pause in place. Then ``WeightSyncDone`` goes to the controller, executions past
+the maximum policy lag restart, the next burst starts and the trainer begins its next step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tidal.sim.scenario import SyncStyle
+from tidal.types import RequestRetried, WeightSyncDone
+
+if TYPE_CHECKING:
+    from tidal.sim.engines import Engine
+    from tidal.sim.world import World
+
+def start_sync(w: World, now: float) -> None:
+    w.syncing = True
+    dur = w.scenario.costs.sync_s
+    abort = w.profile.sync is SyncStyle.ABORT
+    targets = [e for e in w.engines if e.admitting or e.members]
+    for e in targets:
+        if abort:
+            for ex in sorted(e.members, key=lambda x: x.seq_no):
+                if ex.seg is not None:
+                    ex.pending = w.stop_seq(ex)
+                    w.emit(RequestRetried(now, ex.eid))
+                ex.need_prefill = ex.ctx  # the engine's cache is flushed by the update
+        e.set_paused(True, now)
+        w._resched(e)
+    w.sync_s_total += dur
+    from tidal.sim.world import SYNC
+
+    w.push(now + dur, SYNC, targets, dur)
+
+
+def on_sync_done(w: World, targets: list[Engine], dur: float) -> None:
+    for e in targets:
+        e.set_paused(False, w.now)
+        for ex in sorted(e.members, key=lambda x: x.seq_no):
+            if ex.pending is not None and ex.seg is None and not ex.in_tool and not ex.hold:
+                work = ex.pending + ex.need_prefill * w.scenario.engine.prefill_equiv
+                w.reprefill_tokens += ex.need_prefill
+                ex.need_prefill, ex.pending = 0, None
+                w.start_seq(ex, work)
+        w._resched(e)
+    w.syncing = False
+    version = w.version + 1
+    w.emit(WeightSyncDone(w.now, version, dur))
+    if w.scenario.sim.max_policy_lag is not None:
+        restart_lagging(version, w.scenario.sim.max_policy_lag)
+    w.start_burst()
+    w.trainer.begin_step(w.now)
+
+
+def restart_lagging(w: World, version: int, lag: int) -> None:
+    for ex in sorted(w.live.values(), key=lambda x: x.seq_no):
+        if ex.first_version >= version - lag:
+            continue
+        if ex.seg is not None:
+            w.stop_seq(ex)
+        w.wasted_tokens += ex.ctx - ex.spec.prompt_tokens
+        ex.gen += 1
+        ex.turn, ex.ctx, ex.in_tool, ex.pending, ex.need_prefill = (
+            0, ex.spec.prompt_tokens, False, None, 0)
+        ex.first_version = version
+        w.begin_turn(ex, ex.spec.prompt_tokens)
