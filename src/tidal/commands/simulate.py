@@ -131,7 +131,7 @@ def render_speedups(results: list[Any]) -> Any:
     """Speed-up of each row's run against each column's run (column makespan / row's)."""
     from rich.table import Table
 
-    table = Table(title="speed-up (row vs column: column makespan / row makespan)",
+    table = Table(title="speed-up of row over column (column makespan / row makespan)",
                   title_justify="left")
     table.add_column("policy", no_wrap=True)
     for r in results:

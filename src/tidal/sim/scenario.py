@@ -76,6 +76,8 @@ class TrainerConfig(Strict):
                                       description="share of linear speed-up kept per "
                                                   "doubling of training cells")
     optimizer_s: float = Field(2.0, ge=0.0)
+    aggregate_s_per_cell: float = Field(0.5, ge=0.0,
+                                        description="gradient aggregation per extra cell")
 
 
 class CostConfig(Strict):

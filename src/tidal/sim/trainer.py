@@ -8,7 +8,8 @@ Two styles (``TrainerStyle``): BATCH (verl fully-async: wait until the queue hol
 batch and the trainer has GPUs, take it, train) and STREAMING (QwenGyre: claim ready groups as
 they come, micro-step by micro-step, whoever is in training). Compute is a fluid: tokens of the
 claimed groups processed at ``train_rate_tok_s(gpus, cells)``, re-rated whenever cells join or
-leave; then an optimizer step. Weights are fixed during a step (one version per step).
+leave; then gradient aggregation (per extra cell) and the optimizer step. Weights are fixed
+during a step (one version per step).
 """
 
 from __future__ import annotations
@@ -157,11 +158,13 @@ class Trainer:
             self._finish_step(now)
 
     def _start_optimizer(self, now: float) -> None:
+        # The core gathers and normalises the satellites' gradients, then one update.
+        dur = self.cfg.optimizer_s + self.cfg.aggregate_s_per_cell * max(0, self.cells - 1)
         self.state = TState.OPTIM
         self.epoch += 1
-        self.busy_gpu_s += self.cfg.optimizer_s * self.gpus
-        self.compute_s += self.cfg.optimizer_s
-        self.w.schedule_trainer(now + self.cfg.optimizer_s, self.epoch)
+        self.busy_gpu_s += dur * self.gpus
+        self.compute_s += dur
+        self.w.schedule_trainer(now + dur, self.epoch)
 
     def _finish_step(self, now: float) -> None:
         final = (self.step + 1) % self.updates_per_burst == 0
