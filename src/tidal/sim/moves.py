@@ -74,8 +74,7 @@ def rebalance(w: World) -> None:
     for ex in execs:
         e = ex.engine
         if e is not None and len(e.members) > per:
-            w.move(ex, w.pick_destination(ready, ordered=False), kv=False,
-                      hold=False)
+            move(w, ex, pick_destination(w, ready, ordered=False), kv=False, hold=False)
         elif ex.seg is not None:
             rem = w.stop_seq(ex) + ex.ctx * w.scenario.engine.prefill_equiv
             w.reprefill_tokens += ex.ctx

@@ -31,7 +31,7 @@ def start_sync(w: World, now: float) -> None:
                     w.emit(RequestRetried(now, ex.eid))
                 ex.need_prefill = ex.ctx  # the engine's cache is flushed by the update
         e.set_paused(True, now)
-        w._resched(e)
+        w.resched(e)
     w.sync_s_total += dur
     from tidal.sim.world import SYNC
 
@@ -47,17 +47,19 @@ def on_sync_done(w: World, targets: list[Engine], dur: float) -> None:
                 w.reprefill_tokens += ex.need_prefill
                 ex.need_prefill, ex.pending = 0, None
                 w.start_seq(ex, work)
-        w._resched(e)
+        w.resched(e)
     w.syncing = False
     version = w.version + 1
     w.emit(WeightSyncDone(w.now, version, dur))
     if w.scenario.sim.max_policy_lag is not None:
-        restart_lagging(version, w.scenario.sim.max_policy_lag)
+        restart_lagging(w, version, w.scenario.sim.max_policy_lag)
     w.start_burst()
     w.trainer.begin_step(w.now)
 
 
 def restart_lagging(w: World, version: int, lag: int) -> None:
+    """Executions whose first token is more than ``lag`` versions old start over (their
+    tokens are wasted, counted), so no trained sample lags further."""
     for ex in sorted(w.live.values(), key=lambda x: x.seq_no):
         if ex.first_version >= version - lag:
             continue
@@ -68,4 +70,6 @@ def restart_lagging(w: World, version: int, lag: int) -> None:
         ex.turn, ex.ctx, ex.in_tool, ex.pending, ex.need_prefill = (
             0, ex.spec.prompt_tokens, False, None, 0)
         ex.first_version = version
+        if ex.spec.timeout_s is not None:
+            w.arm_timeout(ex)
         w.begin_turn(ex, ex.spec.prompt_tokens)

@@ -174,7 +174,7 @@ class World:
     def schedule_ack(self, plan: TransitionPlan, step: PlanStep, dur: float) -> None:
         self.push(self.now + dur, ACK, (plan, step), dur)
 
-    def _resched(self, e: Engine) -> None:
+    def resched(self, e: Engine) -> None:
         """Arms the engine's completion timer. A pending timer that fires no later than the
         new completion is kept (it re-arms when it finds nothing due): adding work only ever
         delays completions, so most changes cost no heap push."""
@@ -341,12 +341,16 @@ class World:
         ex.first_version = self.version
         self.live[ex.eid] = ex
         if ex.spec.timeout_s is not None:
-            self.push(self.now + ex.spec.timeout_s, TIMEOUT, ex, ex.gen)
+            self.arm_timeout(ex)
         ex.engine = e
         e.members.add(ex)
         self.emit(ExecutionLaunched(self.now, ex.eid))
         if not ex.closed:
             self.begin_turn(ex, ex.spec.prompt_tokens)
+
+    def arm_timeout(self, ex: ExecRec) -> None:
+        assert ex.spec.timeout_s is not None
+        self.push(self.now + ex.spec.timeout_s, TIMEOUT, ex, ex.gen)
 
     def bind(self, ex: ExecRec, e: Engine) -> None:
         ex.engine = e
@@ -373,7 +377,7 @@ class World:
         e = ex.engine
         assert e is not None
         e.add(self._seg, work, self.now)
-        self._resched(e)
+        self.resched(e)
 
     def stop_seq(self, ex: ExecRec) -> float:
         e = ex.engine
@@ -381,7 +385,7 @@ class World:
         rem = e.remove(ex.seg, self.now)
         del self.seqs[ex.seg]
         ex.seg = None
-        self._resched(e)
+        self.resched(e)
         return rem
 
     def _on_engine(self, e: Engine, _timer: Any) -> None:
@@ -397,7 +401,7 @@ class World:
             ex = self.seqs.pop(seg)
             ex.seg = None
             self._turn_done(ex)
-        self._resched(e)
+        self.resched(e)
 
     def _turn_done(self, ex: ExecRec) -> None:
         dec, tool_s, _ = ex.spec.turns[ex.turn]

@@ -107,3 +107,24 @@ def test_trace_replay(tmp_path):
     sc = tiny(workload={"trace": str(path)})
     res = run_policy(sc, "tidal", check=True)
     assert res.summary["trainer_steps"] == sc.total_steps
+
+
+def test_max_policy_lag_restarts_executions_that_fall_too_far_behind():
+    agents = {"classes": [{"turns": {"median": 8, "sigma": 0.8},
+                           "decode_tokens": {"median": 300, "sigma": 0.8},
+                           "tool_s": {"median": 20.0, "sigma": 1.0, "cap": 300},
+                           "tool_output_tokens": {"median": 200}}]}
+    free = run_policy(tiny(workload=agents), "tidal", check=True).summary
+    bounded = run_policy(tiny(workload=agents, sim={"max_policy_lag": 1}), "tidal",
+                         check=True).summary
+    assert free["wasted_tokens"] == 0
+    assert bounded["wasted_tokens"] > 0
+    assert bounded["trainer_steps"] == free["trainer_steps"]
+
+
+def test_verl_rebalance_spreads_executions_over_the_activated_replicas():
+    plain = run_policy(tiny(), "verl-default", check=True).summary
+    rebal = run_policy(tiny(), "verl-default:rebalance=true", check=True).summary
+    assert rebal["trainer_steps"] == plain["trainer_steps"]
+    assert rebal["reroutes"] > plain["reroutes"]
+    assert rebal["reprefill_tokens"] > plain["reprefill_tokens"]
