@@ -70,6 +70,7 @@ class ControllerSettings:
     max_concurrency: int | None = None
     step_timeout_s: float = 600.0
     max_step_retries: int = 2
+    abort_backoff_s: float = 30.0
 
 
 @dataclass
@@ -123,6 +124,7 @@ class Controller:
         self._next_plan_id = 1
         self.plans_done: list[tuple[TransitionPlan, float]] = []
         self.plans_aborted = 0
+        self._backoff_until = float("-inf")
         self.stale_acks = 0
         self._queue: deque[Event] = deque()
         self._busy = False
@@ -242,8 +244,8 @@ class Controller:
             version=self.version,
             bursts_ended=self.bursts_ended,
             in_flight=self.inflight is not None,
-            cycle_wait_times_s=() if self._cycle_stale else tuple(self._cycle_waits),
-            cycle_queue_at_start=() if self._cycle_stale else tuple(self._cycle_queue),
+            cycle_wait_times_s=tuple(self._cycle_waits),
+            cycle_queue_at_start=tuple(self._cycle_queue),
             last_activate_duration_s=self.last_activate_s,
             last_deactivate_duration_s=self.last_deactivate_s,
             switch_cycle=self.switch_cycle,
@@ -253,6 +255,9 @@ class Controller:
     def _consult(self, ev: Event) -> None:
         obs = self.observation(ev.kind)
         if obs.in_flight:
+            return
+        if obs.now_s < self._backoff_until:
+            # A plan just failed: don't let the policy re-issue it in a tight loop.
             return
         decision = self.policy.decide(obs)
         self.log.decision(self._record(obs, decision))
@@ -357,6 +362,7 @@ class Controller:
             self.timeline.change(i, source, t_s)
         self.inflight = None
         self.plans_aborted += 1
+        self._backoff_until = t_s + self.settings.abort_backoff_s
         self.log.write({"type": "plan_aborted", "t": round(t_s, 6), "plan_id": plan.plan_id,
                         "step": step.kind.value, "error": error})
         log.warning("plan %d aborted at %s: %s", plan.plan_id, step.kind.value, error)
