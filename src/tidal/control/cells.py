@@ -51,18 +51,29 @@ class CellSet:
                 raise InvariantViolation(f"cell at position {i} has index {c.index}")
         self.cells = cells
         self.standalone: dict[EngineId, Standalone] = {s.engine_id: s for s in standalone or []}
+        self._cache: dict[str, object] = {}
         self.check_prefix()
 
     # ---------------------------------------------------------------- queries
+    # Derived values are cached: the controller asks for them after every event, and roles
+    # change only through set_role / reset_roles / set_standalone, which clear the cache.
+    def _cached(self, key: str, compute):  # type: ignore[no-untyped-def]
+        val = self._cache.get(key)
+        if val is None:
+            val = self._cache[key] = compute()
+        return val
+
     @property
     def prefix_len(self) -> int:
         """Number of cells on the training side (they form a prefix)."""
-        n = 0
-        for c in self.cells:
-            if not c.role.training_side:
-                break
-            n += 1
-        return n
+        def compute() -> int:
+            n = 0
+            for c in self.cells:
+                if not c.role.training_side:
+                    break
+                n += 1
+            return n
+        return self._cached("prefix", compute)
 
     def training_cells(self) -> list[Cell]:
         return [c for c in self.cells if c.role is Role.TRAINING]
@@ -76,12 +87,13 @@ class CellSet:
 
     @property
     def standalone_slots(self) -> int:
-        return sum(s.slots for s in self.standalone.values())
+        return self._cached("sa_slots", lambda: sum(s.slots for s in self.standalone.values()))
 
     @property
     def rollout_capacity(self) -> int:
         """Slots admitting work now: rollout cells plus standalone engines."""
-        return sum(c.slots for c in self.rollout_cells()) + self.standalone_slots
+        return self._cached("capacity", lambda: sum(c.slots for c in self.rollout_cells())
+                            + self.standalone_slots)
 
     def next_to_train(self) -> Cell | None:
         n = self.prefix_len
@@ -109,25 +121,38 @@ class CellSet:
         return order
 
     def roles(self) -> tuple[Role, ...]:
-        return tuple(c.role for c in self.cells)
+        return self._cached("roles", lambda: tuple(c.role for c in self.cells))
 
     # -------------------------------------------------------------- mutation
     def set_role(self, index: CellIndex, role: Role) -> None:
         old = self.cells[index].role
         self.cells[index].role = role
+        self._cache.clear()
         try:
             self.check_prefix()
         except InvariantViolation:
             self.cells[index].role = old
+            self._cache.clear()
             raise
 
+    def reset_roles(self, training_prefix: int) -> None:
+        """The first ``training_prefix`` cells train, the rest serve rollout."""
+        if not 0 <= training_prefix <= len(self.cells):
+            raise InvariantViolation(
+                f"training prefix {training_prefix} outside 0..{len(self.cells)}")
+        for c in self.cells:
+            c.role = Role.TRAINING if c.index < training_prefix else Role.ROLLOUT
+        self._cache.clear()
+
     def set_standalone(self, engine_id: EngineId, slots: int, gpus: int = 1) -> None:
+        self._cache.clear()
         if slots <= 0:
             self.standalone.pop(engine_id, None)
         else:
             self.standalone[engine_id] = Standalone(engine_id, slots, gpus)
 
     def check_prefix(self) -> None:
+        self._cache.clear()
         n = self.prefix_len
         for c in self.cells[n:]:
             if c.role.training_side:

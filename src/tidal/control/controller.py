@@ -95,11 +95,11 @@ class Controller:
         self.supply = SupplyTracker(settings.batch_groups, settings.supply_fraction,
                                     settings.supply_hold_s)
         now = clock.now()
+        self._views: tuple[CellView, ...] | None = None
+        self._views_roles: tuple[Role, ...] = ()
         n = policy.initial_prefix(self._cell_views()) if initial_prefix is None \
             else initial_prefix
-        for c in cells.cells:
-            c.role = Role.TRAINING if c.index < n else Role.ROLLOUT
-        cells.check_prefix()
+        cells.reset_roles(n)
         self.timeline = RoleTimeline(cells.roles(), now)
         self.metrics = MetricsTracker(
             hybrid_gpus=sum(c.gpus for c in cells.cells),
@@ -210,12 +210,22 @@ class Controller:
 
     # ---------------------------------------------------------- observation
     def _cell_views(self) -> tuple[CellView, ...]:
-        return tuple(CellView(c.index, c.slots, c.gpus, c.kind, c.role) for c in self.cells.cells)
+        roles = self.cells.roles()
+        if self._views is None or self._views_roles != roles:
+            self._views = tuple(CellView(c.index, c.slots, c.gpus, c.kind, c.role)
+                                for c in self.cells.cells)
+            self._views_roles = roles
+        return self._views
 
     @property
     def pending_dispatch(self) -> int:
-        pending = sum(max(0, q - self.ledger.bursts[b].dispatched if b in self.ledger.bursts
-                          else q) for b, q in self._announced.items())
+        pending = 0
+        for b, q in list(self._announced.items()):
+            done = self.ledger.bursts[b].dispatched if b in self.ledger.bursts else 0
+            if done >= q:
+                del self._announced[b]  # fully dispatched: never pending again
+            else:
+                pending += q - done
         if self._expect_next_burst:
             pending += self.settings.next_burst_quota
         return pending
@@ -249,6 +259,7 @@ class Controller:
             last_activate_duration_s=self.last_activate_s,
             last_deactivate_duration_s=self.last_deactivate_s,
             switch_cycle=self.switch_cycle,
+            training_prefix=self.cells.prefix_len,
         )
 
     # --------------------------------------------------------------- decide
@@ -260,7 +271,8 @@ class Controller:
             # A plan just failed: don't let the policy re-issue it in a tight loop.
             return
         decision = self.policy.decide(obs)
-        self.log.decision(self._record(obs, decision))
+        if self.log.wants(decision.action.value, decision.reason):
+            self.log.write({"type": "decision", **self._record(obs, decision)})
         if decision.action is not Action.HOLD:
             self._validate(obs, decision)
             self._start(decision, obs)

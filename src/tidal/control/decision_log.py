@@ -30,15 +30,21 @@ class DecisionLog:
         if self._sink is not None:
             self._sink(record)
 
-    def decision(self, record: dict[str, Any]) -> None:
-        if record.get("action") == "hold":
-            key = _DIGITS.sub("#", str(record.get("reason", "")))
-            if key == self._last_hold_key:
-                return
-            self._last_hold_key = key
-        else:
+    def wants(self, action: str, reason: str) -> bool:
+        """False for a hold that repeats the previous one up to its numbers (callers skip
+        building the record); True otherwise. Updates the dedupe state."""
+        if action != "hold":
             self._last_hold_key = None
-        self.write({"type": "decision", **record})
+            return True
+        key = _DIGITS.sub("#", reason)
+        if key == self._last_hold_key:
+            return False
+        self._last_hold_key = key
+        return True
+
+    def decision(self, record: dict[str, Any]) -> None:
+        if self.wants(str(record.get("action")), str(record.get("reason", ""))):
+            self.write({"type": "decision", **record})
 
 
 def jsonl_file_sink(fh: Any) -> Sink:
