@@ -4,8 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 # Extras the test suite needs. torch==2.13.0 is the CPU wheel that lies on disk.
 EXTRAS ?= sim,torch,serve,ray,hf,dev
-STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 comma  := ,
+STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 OUT    ?= runs/demo
 
 .PHONY: venv demo test test-unit lint fmt clean

@@ -78,6 +78,8 @@ class ControlConfig(Strict):
     kv_handoff: bool = False
     step_timeout_s: float = Field(600.0, gt=0.0)
     max_step_retries: int = Field(2, ge=0)
+    abort_backoff_s: float = Field(30.0, ge=0.0,
+                                   description="no new plan this long after an aborted one")
 
     @property
     def quota_executions(self) -> int:

@@ -51,26 +51,29 @@ class CellSet:
                 raise InvariantViolation(f"cell at position {i} has index {c.index}")
         self.cells = cells
         self.standalone: dict[EngineId, Standalone] = {s.engine_id: s for s in standalone or []}
-        # Bumped on every role or membership change; caches below are keyed on it.
-        self.revision = 0
-        self._cap: tuple[int, int] = (-1, 0)
-        self._sa: tuple[int, int, int] = (-1, 0, 0)
+        self._cache: dict[str, object] = {}
         self.check_prefix()
 
-    def touch(self) -> None:
-        """Call after changing a role without ``set_role`` (e.g. initial roles)."""
-        self.revision += 1
-
     # ---------------------------------------------------------------- queries
+    # Derived values are cached: the controller asks for them after every event, and roles
+    # change only through set_role / reset_roles / set_standalone, which clear the cache.
+    def _cached(self, key: str, compute):  # type: ignore[no-untyped-def]
+        val = self._cache.get(key)
+        if val is None:
+            val = self._cache[key] = compute()
+        return val
+
     @property
     def prefix_len(self) -> int:
         """Number of cells on the training side (they form a prefix)."""
-        n = 0
-        for c in self.cells:
-            if not c.role.training_side:
-                break
-            n += 1
-        return n
+        def compute() -> int:
+            n = 0
+            for c in self.cells:
+                if not c.role.training_side:
+                    break
+                n += 1
+            return n
+        return self._cached("prefix", compute)
 
     def training_cells(self) -> list[Cell]:
         return [c for c in self.cells if c.role is Role.TRAINING]
@@ -84,28 +87,17 @@ class CellSet:
 
     @property
     def standalone_slots(self) -> int:
-        return self._standalone_totals()[0]
+        return self._cached("sa_slots", lambda: sum(s.slots for s in self.standalone.values()))
 
     @property
     def standalone_gpus(self) -> int:
-        return self._standalone_totals()[1]
-
-    def _standalone_totals(self) -> tuple[int, int]:
-        rev, slots, gpus = self._sa
-        if rev != self.revision:
-            slots = sum(s.slots for s in self.standalone.values())
-            gpus = sum(s.gpus for s in self.standalone.values())
-            self._sa = (self.revision, slots, gpus)
-        return slots, gpus
+        return self._cached("sa_gpus", lambda: sum(s.gpus for s in self.standalone.values()))
 
     @property
     def rollout_capacity(self) -> int:
         """Slots admitting work now: rollout cells plus standalone engines."""
-        rev, cap = self._cap
-        if rev != self.revision:
-            cap = sum(c.slots for c in self.rollout_cells()) + self.standalone_slots
-            self._cap = (self.revision, cap)
-        return cap
+        return self._cached("capacity", lambda: sum(c.slots for c in self.rollout_cells())
+                            + self.standalone_slots)
 
     def next_to_train(self) -> Cell | None:
         n = self.prefix_len
@@ -133,27 +125,38 @@ class CellSet:
         return order
 
     def roles(self) -> tuple[Role, ...]:
-        return tuple(c.role for c in self.cells)
+        return self._cached("roles", lambda: tuple(c.role for c in self.cells))
 
     # -------------------------------------------------------------- mutation
     def set_role(self, index: CellIndex, role: Role) -> None:
         old = self.cells[index].role
         self.cells[index].role = role
-        self.revision += 1
+        self._cache.clear()
         try:
             self.check_prefix()
         except InvariantViolation:
             self.cells[index].role = old
+            self._cache.clear()
             raise
 
+    def reset_roles(self, training_prefix: int) -> None:
+        """The first ``training_prefix`` cells train, the rest serve rollout."""
+        if not 0 <= training_prefix <= len(self.cells):
+            raise InvariantViolation(
+                f"training prefix {training_prefix} outside 0..{len(self.cells)}")
+        for c in self.cells:
+            c.role = Role.TRAINING if c.index < training_prefix else Role.ROLLOUT
+        self._cache.clear()
+
     def set_standalone(self, engine_id: EngineId, slots: int, gpus: int = 1) -> None:
-        self.revision += 1
+        self._cache.clear()
         if slots <= 0:
             self.standalone.pop(engine_id, None)
         else:
             self.standalone[engine_id] = Standalone(engine_id, slots, gpus)
 
     def check_prefix(self) -> None:
+        self._cache.clear()
         n = self.prefix_len
         for c in self.cells[n:]:
             if c.role.training_side:

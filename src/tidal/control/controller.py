@@ -70,6 +70,7 @@ class ControllerSettings:
     max_concurrency: int | None = None
     step_timeout_s: float = 600.0
     max_step_retries: int = 2
+    abort_backoff_s: float = 30.0
 
 
 @dataclass
@@ -94,13 +95,11 @@ class Controller:
         self.supply = SupplyTracker(settings.batch_groups, settings.supply_fraction,
                                     settings.supply_hold_s)
         now = clock.now()
-        self._views: tuple[int, tuple[CellView, ...]] = (-1, ())
+        self._views: tuple[CellView, ...] | None = None
+        self._views_roles: tuple[Role, ...] = ()
         n = policy.initial_prefix(self._cell_views()) if initial_prefix is None \
             else initial_prefix
-        for c in cells.cells:
-            c.role = Role.TRAINING if c.index < n else Role.ROLLOUT
-        cells.touch()
-        cells.check_prefix()
+        cells.reset_roles(n)
         self.timeline = RoleTimeline(cells.roles(), now)
         self.metrics = MetricsTracker(
             hybrid_gpus=sum(c.gpus for c in cells.cells),
@@ -125,6 +124,7 @@ class Controller:
         self._next_plan_id = 1
         self.plans_done: list[tuple[TransitionPlan, float]] = []
         self.plans_aborted = 0
+        self._backoff_until = float("-inf")
         self.stale_acks = 0
         self._queue: deque[Event] = deque()
         self._busy = False
@@ -150,9 +150,6 @@ class Controller:
         lg = self.ledger
         if isinstance(ev, ExecutionDispatched):
             lg.dispatch(ev.execution_id, ev.group_id, ev.group_size, ev.burst)
-            quota = self._announced.get(ev.burst)
-            if quota is not None and lg.bursts[ev.burst].dispatched >= quota:
-                del self._announced[ev.burst]  # fully dispatched: nothing pending from it
         elif isinstance(ev, ExecutionLaunched):
             lg.launch(ev.execution_id)
         elif isinstance(ev, ExecutionClosed):
@@ -169,8 +166,7 @@ class Controller:
             lg.assign(ev.group_ids)
             self.assigned_in_batch += len(ev.group_ids)
         elif isinstance(ev, BurstStarted):
-            if ev.quota_executions > 0:
-                self._announced[ev.burst] = ev.quota_executions
+            self._announced[ev.burst] = ev.quota_executions
             self.bursts_started += 1
             self._expect_next_burst = False
         elif isinstance(ev, TrainerReady):
@@ -214,17 +210,22 @@ class Controller:
 
     # ---------------------------------------------------------- observation
     def _cell_views(self) -> tuple[CellView, ...]:
-        rev, views = self._views
-        if rev != self.cells.revision:
-            views = tuple(CellView(c.index, c.slots, c.gpus, c.kind, c.role)
-                          for c in self.cells.cells)
-            self._views = (self.cells.revision, views)
-        return views
+        roles = self.cells.roles()
+        if self._views is None or self._views_roles != roles:
+            self._views = tuple(CellView(c.index, c.slots, c.gpus, c.kind, c.role)
+                                for c in self.cells.cells)
+            self._views_roles = roles
+        return self._views
 
     @property
     def pending_dispatch(self) -> int:
-        pending = sum(max(0, q - self.ledger.bursts[b].dispatched if b in self.ledger.bursts
-                          else q) for b, q in self._announced.items())
+        pending = 0
+        for b, q in list(self._announced.items()):
+            done = self.ledger.bursts[b].dispatched if b in self.ledger.bursts else 0
+            if done >= q:
+                del self._announced[b]  # fully dispatched: never pending again
+            else:
+                pending += q - done
         if self._expect_next_burst:
             pending += self.settings.next_burst_quota
         return pending
@@ -253,14 +254,12 @@ class Controller:
             version=self.version,
             bursts_ended=self.bursts_ended,
             in_flight=self.inflight is not None,
-            # After a weight sync these still describe the cycle that just closed (verl's
-            # should_activate_after_step / update_after_step read it); the next cycle's first
-            # step replaces them.
             cycle_wait_times_s=tuple(self._cycle_waits),
             cycle_queue_at_start=tuple(self._cycle_queue),
             last_activate_duration_s=self.last_activate_s,
             last_deactivate_duration_s=self.last_deactivate_s,
             switch_cycle=self.switch_cycle,
+            training_prefix=self.cells.prefix_len,
         )
 
     # --------------------------------------------------------------- decide
@@ -268,9 +267,12 @@ class Controller:
         obs = self.observation(ev.kind)
         if obs.in_flight:
             return
+        if obs.now_s < self._backoff_until:
+            # A plan just failed: don't let the policy re-issue it in a tight loop.
+            return
         decision = self.policy.decide(obs)
-        if decision.action is not Action.HOLD or self.log.would_log(decision.reason):
-            self.log.decision(self._record(obs, decision))
+        if self.log.wants(decision.action.value, decision.reason):
+            self.log.write({"type": "decision", **self._record(obs, decision)})
         if decision.action is not Action.HOLD:
             self._validate(obs, decision)
             self._start(decision, obs)
@@ -372,6 +374,7 @@ class Controller:
             self.timeline.change(i, source, t_s)
         self.inflight = None
         self.plans_aborted += 1
+        self._backoff_until = t_s + self.settings.abort_backoff_s
         self.log.write({"type": "plan_aborted", "t": round(t_s, 6), "plan_id": plan.plan_id,
                         "step": step.kind.value, "error": error})
         log.warning("plan %d aborted at %s: %s", plan.plan_id, step.kind.value, error)

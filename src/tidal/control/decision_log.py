@@ -30,19 +30,21 @@ class DecisionLog:
         if self._sink is not None:
             self._sink(record)
 
-    def would_log(self, hold_reason: str) -> bool:
-        """False if a hold with this reason would be folded into the previous one."""
-        return _DIGITS.sub("#", hold_reason) != self._last_hold_key
+    def wants(self, action: str, reason: str) -> bool:
+        """False for a hold that repeats the previous one up to its numbers (callers skip
+        building the record); True otherwise. Updates the dedupe state."""
+        if action != "hold":
+            self._last_hold_key = None
+            return True
+        key = _DIGITS.sub("#", reason)
+        if key == self._last_hold_key:
+            return False
+        self._last_hold_key = key
+        return True
 
     def decision(self, record: dict[str, Any]) -> None:
-        if record.get("action") == "hold":
-            key = _DIGITS.sub("#", str(record.get("reason", "")))
-            if key == self._last_hold_key:
-                return
-            self._last_hold_key = key
-        else:
-            self._last_hold_key = None
-        self.write({"type": "decision", **record})
+        if self.wants(str(record.get("action")), str(record.get("reason", ""))):
+            self.write({"type": "decision", **record})
 
 
 def jsonl_file_sink(fh: Any) -> Sink:

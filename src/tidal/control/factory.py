@@ -40,6 +40,7 @@ def settings_from(cfg: RunConfig) -> ControllerSettings:
         total_bursts=c.bursts,
         step_timeout_s=c.step_timeout_s,
         max_step_retries=c.max_step_retries,
+        abort_backoff_s=c.abort_backoff_s,
     )
 
 

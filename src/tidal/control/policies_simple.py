@@ -84,7 +84,7 @@ class ColocatePolicy:
                 return Decision(Action.TO_ROLLOUT, tuple(range(obs.prefix_len)),
                                 "burst end: all cells return to rollout")
         if obs.prefix_len == 0 and obs.waterlevel == 0 and obs.pending_dispatch == 0 \
-                and obs.ready_groups > 0:
+                and obs.supply.supply > 0:
             return Decision(Action.TO_TRAINING, tuple(c.index for c in obs.cells),
                             "rollout phase over: all cells switch to training")
         return Decision.hold("rollout phase" if obs.prefix_len == 0 else "training phase")

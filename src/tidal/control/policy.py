@@ -11,6 +11,7 @@ on unknown names and bad arguments (``ConfigError`` naming the field).
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -74,8 +75,12 @@ class Observation:
     last_deactivate_duration_s: float = 0.0
     switch_cycle: int = -1
 
-    @property
+    training_prefix: int | None = None  # filled in by the controller (cheap); else computed
+
+    @functools.cached_property
     def prefix_len(self) -> int:
+        if self.training_prefix is not None:
+            return self.training_prefix
         n = 0
         for c in self.cells:
             if not c.role.training_side:

@@ -2,8 +2,9 @@
 
 Rule, evaluated after every event while no transition is in flight:
 1. Move the next cell of the order (core first) to training iff the rollout capacity left after
-   the move covers the waterlevel (``C_R - C_e >= w``) and the ready supply has reached its
-   threshold and held for the configured interval.
+   the move covers the waterlevel (``C_R - C_e >= w``; executions announced but not yet
+   dispatched count too) and the ready supply has reached its threshold and held for the
+   configured interval.
 2. Burst end (the final update of a burst has happened): satellites return to rollout one at a
    time, last first, so the training set stays a prefix. The core stays in training for the
    next batch only if the ready supply passes and the rollout capacity without it covers the
@@ -63,9 +64,9 @@ class WaterlevelPolicy:
             self._returning = True
         if self._returning:
             decision = self._burst_end(obs)
-            if decision.action is not Action.HOLD:
-                return decision
-            self._returning = False
+            if decision.action is Action.HOLD:
+                self._returning = False
+            return decision
         return self._advance(obs)
 
     def _burst_end(self, obs: Observation) -> Decision:
@@ -89,8 +90,10 @@ class WaterlevelPolicy:
         if nxt is None:
             return Decision.hold("every cell is training")
         after = capacity_after_move(obs, nxt)
-        if after < obs.waterlevel:
-            return Decision.hold(f"capacity after move {after} < waterlevel {obs.waterlevel}")
+        need = obs.waterlevel + obs.pending_dispatch
+        if after < need:
+            return Decision.hold(f"capacity after move {after} < waterlevel {obs.waterlevel} "
+                                 f"+ pending {obs.pending_dispatch}")
         if not obs.supply.passing:
             return Decision.hold(f"supply {obs.supply.supply} < {obs.supply.threshold:g}")
         if not obs.supply.ok:

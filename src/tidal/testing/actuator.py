@@ -49,13 +49,12 @@ class FakeActuator:
                                                   error="" if good else "injected failure"))
 
     def ack_pending(self) -> int:
-        """Acknowledge every step waiting (manual mode); returns how many."""
-        n = 0
-        while self.pending:
-            plan, step = self.pending.pop(0)
+        """Acknowledge the steps waiting now (manual mode; steps those acks issue stay
+        pending); returns how many."""
+        batch, self.pending = self.pending, []
+        for plan, step in batch:
             self.ack(plan, step)
-            n += 1
-        return n
+        return len(batch)
 
     def abort(self, plan: TransitionPlan, failed: PlanStep, error: str) -> None:
         self.aborted.append((plan.plan_id, failed.kind, error))
