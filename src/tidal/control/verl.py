@@ -190,6 +190,7 @@ class VerlScheduler:
         self.hooks = hooks
         self.rebalance = rebalance
         self._hybrid: tuple[int, ...] = ()
+        self._hybrid_of = -1
         self._started = False
         self._synced_version = 0
         self._cycle_checked_step = -1
@@ -210,7 +211,10 @@ class VerlScheduler:
         return any(obs.cells[i].role is Role.ROLLOUT for i in self._hybrid)
 
     def decide(self, obs: Observation) -> Decision:
-        self._hybrid = tuple(c.index for c in obs.cells if c.kind is CellKind.HYBRID)
+        if self._hybrid_of != len(obs.cells):
+            # Cell kinds never change: find the hybrid cells once per cluster layout.
+            self._hybrid = tuple(c.index for c in obs.cells if c.kind is CellKind.HYBRID)
+            self._hybrid_of = len(obs.cells)
         if obs.in_flight or not self._hybrid:
             return Decision.hold("transition in flight" if obs.in_flight else "no hybrid cells")
         active = self._active(obs)
