@@ -1,7 +1,8 @@
 """Simulator speed: events per second and wall time for swe-agent-long-tail at 1024 GPUs.
 
 The scenario (128 GPUs: 8 hybrid cells + 8 standalone engines) is scaled 8x: 64 hybrid
-cells + 64 standalone engines, 8x the batch, same bursts. Prints one line per policy.
+cells + 64 standalone engines, 8x the batch, same bursts. Prints one line per policy: wall and
+CPU seconds (the machine may be shared: CPU time is the figure that does not depend on load).
 
     .venv/bin/python benchmarks/sim_speed.py                 # tidal, 1024 GPUs
     .venv/bin/python benchmarks/sim_speed.py --policy verl-default --policy waterlevel
@@ -33,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{sc.cluster.standalone_count} standalone engines, batch {sc.control.batch_groups} "
           f"groups, {sc.total_steps} steps")
     for spec in args.policy or ["tidal"]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         world = World(sc, spec, keep_log=False).run()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         n_exec = world.ledger.total.dispatched
-        print(f"{spec:<14} wall {wall:6.1f} s  events {world.events:>9,}  "
+        print(f"{spec:<14} wall {wall:6.1f} s  cpu {cpu:6.1f} s  events {world.events:>9,}  "
               f"{world.events / wall:>9,.0f} events/s  controller events "
               f"{world.controller.events_handled:>8,}  executions {n_exec:,}  "
               f"virtual {world.makespan_s / 3600:.2f} h")

@@ -81,15 +81,19 @@ class Engine:
     def advance(self, now: float) -> None:
         dt = now - self.t
         if dt > 0.0:
-            r = self.rate()
-            if r > 0.0:
+            n = len(self._thr)
+            if n and not self.paused:
+                r = self.throughput / n
+                if r > self.seq_cap:
+                    r = self.seq_cap
                 self.v += r * dt
-                self.busy_work += r * dt * len(self._thr)
+                self.busy_work += r * dt * n
             self.t = now
 
     def add(self, seq: int, work: float, now: float) -> None:
-        self.advance(now)
-        thr = self.v + max(work, 0.0)
+        if now > self.t:
+            self.advance(now)
+        thr = self.v + (work if work > 0.0 else 0.0)
         self._thr[seq] = thr
         heapq.heappush(self._heap, (thr, seq))
         self.epoch += 1

@@ -159,7 +159,7 @@ class World:
 
     def push(self, t: float, code: int, a: Any = None, b: Any = None) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (max(t, self.now), self._seq, code, a, b))
+        heapq.heappush(self._heap, (t if t > self.now else self.now, self._seq, code, a, b))
 
     def emit(self, ev: Event) -> None:
         self.controller.handle(ev)
@@ -196,22 +196,23 @@ class World:
         self._start()
         heap, handlers = self._heap, self._handlers()
         limit = self.scenario.sim.max_virtual_s
+        pop, clock, check = heapq.heappop, self.clock, self.check
         while not self.done:
             if progress is not None and self.events % every == 0:
                 progress(self.trainer.step, self.trainer.total_steps)
             if not heap:
                 raise SimulationError(self._stuck("no event left"))
-            t, _, code, a, b = heapq.heappop(heap)
+            t, _, code, a, b = pop(heap)
             if code == ENGINE and a.timer != b:
                 continue
-            if t > limit:
-                raise SimulationError(self._stuck(f"virtual time passed {limit:g}s"))
             if t > self.now:
+                if t > limit:
+                    raise SimulationError(self._stuck(f"virtual time passed {limit:g}s"))
                 self.now = t
-                self.clock.set(t)
+                clock.set(t)
             self.events += 1
             handlers[code](a, b)
-            if self.check:
+            if check:
                 self.check_invariants()
         return self
 
