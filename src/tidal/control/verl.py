@@ -218,6 +218,9 @@ class VerlScheduler:
         if obs.in_flight or not self._hybrid:
             return Decision.hold("transition in flight" if obs.in_flight else "no hybrid cells")
         active = self._active(obs)
+        if self._wait_target is not None and all(
+                obs.cells[i].role is Role.TRAINING for i in self._hybrid):
+            self._wait_target = None  # the deactivation completed
         ctx = context_from(obs)
         if not self._started or obs.version > self._synced_version:
             # After a weight sync (and once at start-up, after the initial sync).
@@ -242,9 +245,10 @@ class VerlScheduler:
                 self._wait_target = self.hooks.deactivate_wait_samples(ctx)
         if active and self._wait_target is not None:
             if obs.ready_groups >= self._wait_target:
-                target, self._wait_target = self._wait_target, None
+                # The target stays until the hybrids are back in training: if the deactivation
+                # plan aborts, they are active again and it is re-issued.
                 return Decision(Action.TO_TRAINING, self._hybrid,
-                                f"deactivate: queue {obs.ready_groups} >= {target}",
+                                f"deactivate: queue {obs.ready_groups} >= {self._wait_target}",
                                 PlanStyle.VERL)
             return Decision.hold(f"deactivate waits: queue {obs.ready_groups} < "
                                  f"{self._wait_target}")

@@ -12,10 +12,12 @@ the executions wait at the destination until the handoff completes); abort_infli
 least-loaded with re-prefill (verl's partial rollout); rebalance aborts in-flight requests
 everywhere once the activated replicas admit, and spreads executions least-loaded.
 Admission itself follows the cell roles the controller sets (a cell admits only in ROLLOUT).
+``sim.step_failure_rate`` injects step failures (seeded) to exercise retries and aborts.
 """
 
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING
 
 from tidal.control.plans import PlanStep, StepKind, TransitionPlan
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 class SimActuator:
     def __init__(self, world: World) -> None:
         self.w = world
+        self._faults = random.Random(world.scenario.seed + 1)
+        self.failures = 0
         self.executed: list[tuple[int, StepKind]] = []
         self.aborted: list[tuple[int, StepKind, str]] = []
         self._held: dict[int, list[ExecRec]] = {}  # plan id -> executions awaiting KV
@@ -64,6 +68,13 @@ class SimActuator:
         w.schedule_ack(plan, step, dur)
 
     def finish(self, plan: TransitionPlan, step: PlanStep, dur: float) -> None:
+        rate = self.w.scenario.sim.step_failure_rate
+        if rate > 0.0 and self._faults.random() < rate:
+            # Injected fault: the step had no lasting effect; the controller retries or aborts.
+            self.failures += 1
+            self.w.emit(TransitionStepDone(self.w.now, plan.plan_id, step.index, ok=False,
+                                           duration_s=dur, error="injected failure"))
+            return
         if step.kind is StepKind.KV_HANDOFF:
             for ex in self._held.pop(plan.plan_id, []):
                 self.w.release_hold(ex, kv=True)

@@ -60,6 +60,9 @@ class Engine:
         r = self.throughput / n
         return r if r < self.seq_cap else self.seq_cap
 
+    def has(self, seq: int) -> bool:
+        return seq in self._thr
+
     def remaining(self, seq: int) -> float:
         return max(0.0, self._thr[seq] - self.v)
 

@@ -1,11 +1,12 @@
 """Invariant checks over the simulated world, run after every event with ``check=True``.
 
 DESIGN.md invariants 1 (ledger counters, via ``Ledger.check``), 2 (training prefix, via
-``CellSet.check_prefix``), 3 (a waterlevel-safe policy's move to training is one cell) and 7
-(no execution lost: every launched, unfinished execution is bound to exactly one engine or
-waiting for a slot), plus the world's own: engines of cells admit only in ``Role.ROLLOUT``, a
-training cell holds no execution, no engine holds more executions than slots, the trainer
-uses exactly the GPUs of cells in ``Role.TRAINING``.
+``CellSet.check_prefix``), 3 (a waterlevel-safe policy's move to training is one cell), 4 (a
+live execution's request is in flight on one engine, pending retry or between turns — never
+dropped, never twice) and 7 (no execution lost: every launched, unfinished execution is bound to
+exactly one engine or waiting for a slot), plus the world's own: engines of cells admit only
+in ``Role.ROLLOUT``, a training cell holds no execution, no engine holds more executions than
+slots, the trainer uses exactly the GPUs of cells in ``Role.TRAINING``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def check(w: World) -> None:
-    """DESIGN.md invariants 1, 2, 3 and 7 plus the world's own bookkeeping."""
+    """DESIGN.md invariants 1, 2, 3, 4 and 7 plus the world's own bookkeeping."""
     c = w.controller
     w.ledger.check()
     c.cells.check_prefix()
@@ -47,3 +48,17 @@ def check(w: World) -> None:
             raise InvariantViolation(f"unsafe plan {fl.plan.to_json()}")
     if w.trainer.gpus != c.cells.training_gpus:
         raise InvariantViolation("the trainer uses GPUs of cells not in training")
+    in_flight = 0
+    for ex in w.live.values():
+        # Invariant 4: a live execution's model request is in flight on exactly one engine,
+        # or waiting to be retried, or it is between requests (tool wait) — never dropped.
+        if ex.seg is not None:
+            in_flight += 1
+            if w.seqs.get(ex.seg) is not ex or ex.engine is None or not ex.engine.has(ex.seg):
+                raise InvariantViolation(f"{ex.eid}: request not on its engine")
+            if ex.pending is not None:
+                raise InvariantViolation(f"{ex.eid}: request both in flight and pending")
+        elif not ex.in_tool and ex.pending is None:
+            raise InvariantViolation(f"{ex.eid}: its model request was dropped")
+    if in_flight != len(w.seqs):
+        raise InvariantViolation(f"{len(w.seqs)} requests on engines, {in_flight} expected")

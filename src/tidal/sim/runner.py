@@ -78,6 +78,8 @@ def summarize(world: World, oracle: OracleBound, wall_s: float) -> dict[str, Any
         "switches": ctl["switches"],
         "switches_to_training": ctl["switches_to_training"],
         "switches_to_rollout": ctl["switches_to_rollout"],
+        "plans_aborted": ctl["plans_aborted"],
+        "step_failures": world.actuator.failures,
         "reroutes": world.reroutes,
         "request_retries": ctl["request_retries"],
         "reprefill_tokens": world.reprefill_tokens,

@@ -147,6 +147,9 @@ class SimConfig(Strict):
                                        description="executions older than this many versions "
                                                    "restart at a sync")
     tick_s: float = Field(10.0, gt=0.0)
+    step_failure_rate: float = Field(0.0, ge=0.0, le=1.0,
+                                     description="probability that a plan step fails "
+                                                 "(fault injection; seeded)")
     max_virtual_s: float = Field(30 * 86400.0, gt=0.0)
 
 

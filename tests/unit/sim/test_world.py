@@ -128,3 +128,16 @@ def test_verl_rebalance_spreads_executions_over_the_activated_replicas():
     assert rebal["trainer_steps"] == plain["trainer_steps"]
     assert rebal["reroutes"] > plain["reroutes"]
     assert rebal["reprefill_tokens"] > plain["reprefill_tokens"]
+
+
+@pytest.mark.parametrize("spec", ["tidal", "waterlevel", "verl-default"])
+def test_failing_plan_steps_are_retried_or_aborted_and_nothing_is_lost(spec):
+    from tidal.sim.scenario import load
+
+    base = load("dapo-math-32gpu").scaled(1.0, bursts=3)
+    sc = base.model_copy(update={"sim": base.sim.model_copy(
+        update={"step_failure_rate": 0.35})})
+    res = run_policy(sc, spec, check=True)
+    assert res.summary["trainer_steps"] == sc.total_steps
+    assert res.world.actuator.failures > 0
+    assert res.summary["plans_aborted"] > 0 or res.summary["switches"] > 0
