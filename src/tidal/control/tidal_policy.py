@@ -3,19 +3,23 @@
 Rule (evaluated after every event and tick while no transition is in flight):
 - Measure two rates with bounded state (exponentially weighted, one time constant ``tau_s``):
   production ``p`` = ready groups generated per running-execution-second, and consumption
-  ``c`` = groups trained per training-GPU-second (measured only while the trainer had data).
+  ``c`` = groups taken by the trainer per training-GPU-second (measured only while the
+  trainer had data).
 - For the current split, the ready-queue drift is ``S - D`` with supply
   ``S = p * min(C_R, w + pending_dispatch)`` (rollout can only run what is dispatched or still to
   be dispatched) and demand ``D = c * training_gpus``. The same formulas give the drift after a
   candidate move.
 - Lend the next cell of the order to training (partial lending, one cell at a time, prefix
-  order) iff the move is waterlevel-safe (capacity after the move >= w, ready supply held —
-  invariant 3, enforced again by the controller) and the queue projected over the horizon
-  ``H`` under the new split stays at or above ``high_batches`` batches.
-- Return training cells to rollout (the last ones of the prefix, as one block just large
-  enough to cover the missing slots, never below ``min_train_cells``) iff rollout is short of
-  slots (more executions to run, ``w + pending_dispatch``, than rollout slots) and the queue
-  projected over ``H`` under the current split falls below ``low_batches`` batches.
+  order) iff rollout does not need its slots (``w + pending_dispatch <= C_R - C_cell``: all
+  work dispatched or still to dispatch fits without it) or production still outpaces
+  consumption with one more training cell (drift after the move >= 0), the move is waterlevel-safe
+  (capacity after the move >= w and ready supply held — invariant 3, enforced again by the
+  controller) and the queue projected over ``dwell_s`` under the new split stays at or above
+  ``high_batches`` batches (the lent cell will have data).
+- Return training cells to rollout (the last ones of the prefix, as one block: the smallest
+  that makes the drift non-negative or covers the missing slots; never below
+  ``min_train_cells``) iff rollout is short of slots (``w + pending_dispatch > C_R``) and the
+  queue projected over ``H`` under the current split falls below ``low_batches`` batches.
 - Hysteresis: a move against the direction of the previous one waits ``dwell_s`` after it
   (a reversal costs a switch each way); moves in the same direction chain without delay.
 Before the rates are known the policy holds. State: two rate estimates, their integration
@@ -122,11 +126,14 @@ class TidalPolicy:
             if projected < self.low_batches * batch:
                 if self._dwelling(obs, Action.TO_ROLLOUT):
                     return Decision.hold("dwell before reversing the last move")
-                block, slots = [], 0
-                for v in reversed(movable):  # enough cells for the missing slots
+                block, slots, lent = [], 0, 0
+                for v in reversed(movable):
+                    # The smallest block that balances the rates or covers the missing slots.
                     block.append(v)
                     slots += v.slots
-                    if cap + slots >= todo:
+                    lent += v.gpus
+                    drift_k = p * min(cap + slots, todo) - c * (gpus - lent)
+                    if cap + slots >= todo or drift_k >= 0:
                         break
                 cells = tuple(sorted(v.index for v in block))
                 return self._move(obs, Action.TO_ROLLOUT, cells,
@@ -141,20 +148,24 @@ class TidalPolicy:
         after = capacity_after_move(obs, nxt)
         if after < obs.waterlevel:
             return Decision.hold(f"capacity after move {after} < waterlevel {obs.waterlevel}")
-        if todo > after:
-            return Decision.hold(f"rollout needs the slots: {todo} executions to run > {after}")
+        drift_after = p * min(after, todo) - c * (gpus + nxt.gpus)
+        if todo > after and drift_after < 0:
+            return Decision.hold(f"rollout needs the slots: {todo} executions to run > {after} "
+                                 f"and the queue would drain ({drift_after:.4f} groups/s)")
         if not obs.supply.ok:
             return Decision.hold(f"supply {obs.supply.supply} not ok")
-        drift_after = p * min(after, todo) - c * (gpus + nxt.gpus)
         projected = queue + drift_after * self.dwell_s
         if projected < self.high_batches * batch:
             return Decision.hold(f"projected queue {projected:.1f} < "
                                  f"{self.high_batches * batch:g} with one more cell")
         if self._dwelling(obs, Action.TO_TRAINING):
             return Decision.hold("dwell before reversing the last move")
+        why = (f"rollout has spare slots ({todo} executions to run <= {after})"
+               if todo <= after else
+               f"the queue still grows with one more cell ({drift_after:.4f} groups/s)")
         return self._move(obs, Action.TO_TRAINING, (nxt.index,),
-                          f"rollout has spare slots ({todo} executions to run <= {after}); "
-                          f"queue {queue} -> {projected:.1f} groups in {self.dwell_s:g}s")
+                          f"{why}; queue {queue} -> {projected:.1f} groups in "
+                          f"{self.dwell_s:g}s")
 
     # ---------------------------------------------------------------- internals
     def _dwelling(self, obs: Observation, action: Action) -> bool:
@@ -169,18 +180,21 @@ class TidalPolicy:
 
     def _observe(self, obs: Observation) -> None:
         now = obs.now_s
-        cur = (now, obs.groups_generated, obs.trainer_step, obs.running,
+        # Groups taken by the trainer so far: whole steps plus this step's claimed groups (a
+        # streaming trainer claims them as it processes them).
+        taken = obs.trainer_step * obs.batch_groups + (obs.batch_groups - obs.supply.needed)
+        cur = (now, obs.groups_generated, taken, obs.running,
                _training_gpus(obs), obs.ready_groups)
         if self._last is None:
             self._last = cur
             return
-        t0, gen0, step0, run0, gpus0, ready0 = self._last
+        t0, gen0, taken0, run0, gpus0, ready0 = self._last
         dt = now - t0
         if dt < 0:
             return
         self._last = cur
         self.production.add(obs.groups_generated - gen0, run0 * dt, dt)
-        consumed = (obs.trainer_step - step0) * obs.batch_groups
+        consumed = max(0, taken - taken0)
         # Trainer exposure counts only while it had data (a starving trainer says nothing
         # about its speed).
         exposure = gpus0 * dt if ready0 > 0 or consumed > 0 else 0.0
