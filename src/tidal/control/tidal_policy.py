@@ -18,12 +18,15 @@ Rule (evaluated after every event and tick while no transition is in flight):
   ``high_batches`` batches (the lent cell will have data).
 - Return training cells to rollout (the last ones of the prefix, as one block: the smallest
   that makes the drift non-negative or covers the missing slots; never below
-  ``min_train_cells``) iff rollout is short of slots (``w + pending_dispatch > C_R``) and the
-  queue projected over ``H`` under the current split falls below ``low_batches`` batches.
+  ``min_train_cells`` unless no rollout capacity is left at all) iff rollout is short of
+  slots (``w + pending_dispatch > C_R``) and the queue projected over ``H`` under the
+  current split falls below ``low_batches`` batches.
 - Hysteresis: a move against the direction of the previous one waits ``dwell_s`` after it
   (a reversal costs a switch each way); moves in the same direction chain without delay.
-Before the rates are known the policy holds. State: two rate estimates, their integration
-points, the time of the last move (all bounded, logged with every decision).
+Before the rates are known the policy holds, unless one side is empty (no training cell, or no
+rollout slot): then the unknown rate counts as zero, so a cluster of one cell alternates.
+State: two rate estimates, their integration points, the time and direction of the last move
+(all bounded, logged with every decision).
 """
 
 from __future__ import annotations
@@ -108,22 +111,27 @@ class TidalPolicy:
         self._observe(obs)
         if obs.in_flight:
             return Decision.hold("transition in flight")
-        p, c = self.production.rate, self.consumption.rate
-        if p is None or c is None:
-            return Decision.hold("measuring rates")
         gpus = _training_gpus(obs)
         queue = obs.ready_groups
         todo = obs.waterlevel + obs.pending_dispatch
         batch = obs.batch_groups
         cap = obs.rollout_capacity
+        p, c = self.production.rate, self.consumption.rate
+        if (p is None or c is None) and gpus > 0 and cap > 0:
+            return Decision.hold("measuring rates")
+        # With nothing training, or nothing to roll out on, a side is stuck: the unknown rate
+        # counts as zero and the moves below follow from slots and supply alone.
+        p = 0.0 if p is None else p
+        c = 0.0 if c is None else c
         # Return training cells (the last ones, as a block) when rollout is short of slots and
         # the trainer would run dry within the horizon anyway.
-        movable = [v for v in obs.cells[self.min_train_cells:obs.prefix_len]
-                   if v.role is Role.TRAINING]
-        if movable and len(movable) == obs.prefix_len - self.min_train_cells and todo > cap:
+        # With no rollout capacity at all the floor goes: someone must produce data.
+        floor = self.min_train_cells if cap > 0 else 0
+        movable = [v for v in obs.cells[floor:obs.prefix_len] if v.role is Role.TRAINING]
+        if movable and len(movable) == obs.prefix_len - floor and todo > cap:
             drift = p * min(cap, todo) - c * gpus
             projected = queue + drift * self.horizon_s
-            if projected < self.low_batches * batch:
+            if projected < self.low_batches * batch or cap == 0:
                 if self._dwelling(obs, Action.TO_ROLLOUT):
                     return Decision.hold("dwell before reversing the last move")
                 block, slots, lent = [], 0, 0

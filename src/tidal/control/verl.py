@@ -99,7 +99,10 @@ class DefaultHooks:
         return is_hybrid_active
 
     def deactivate_wait_samples(self, ctx: VerlContext) -> int:
-        return int(ctx.step_required_samples * self.deactivate_ratio)
+        # only_hybrid forces r = 1 from the first cycle on: with no standalone engine nothing
+        # produces while the hybrids train, so the queue must hold the whole version first.
+        ratio = 1.0 if (self.only_hybrid or ctx.only_hybrid) else self.deactivate_ratio
+        return int(ctx.step_required_samples * ratio)
 
     def switch_cost_s(self) -> float:
         if not self.switch_costs:
@@ -170,7 +173,8 @@ class StaticHooks(DefaultHooks):
     standalone replicas (only_hybrid), which is the colocated fallback."""
 
     def deactivate_wait_samples(self, ctx: VerlContext) -> int:
-        return 0
+        # Colocated fallback (no standalone engine): roll out the whole version, then train.
+        return ctx.step_required_samples if (self.only_hybrid or ctx.only_hybrid) else 0
 
     def should_activate_after_step(self, global_steps: int, is_hybrid_active: bool,
                                    ctx: VerlContext) -> bool:
