@@ -107,4 +107,4 @@ def grpo_loss_sum(
     with torch.no_grad():
         is_clipped = (ratio != clipped) & mask
         mean_ratio = float((ratio * mask).sum() / max(n, 1))
-    return loss, LossStats(float(loss), n, int(is_clipped.sum()), mean_ratio, kl_sum)
+    return loss, LossStats(float(loss.detach()), n, int(is_clipped.sum()), mean_ratio, kl_sum)

@@ -249,6 +249,14 @@ class PackingBuffer:
                     "claimed": len(self._leases), "done": len(self._done),
                     "groups": len(self._groups), "sealed": int(self._sealed)}
 
+    def holdings(self) -> dict[str, dict[int, str]]:
+        """``claimed`` and ``done`` micro-steps of the open batch, index -> worker."""
+        with self._lock:
+            if self._batch_id is None:
+                return {"claimed": {}, "done": {}}
+            return {"claimed": {i: lease.worker for i, lease in self._leases.items()},
+                    "done": dict(self._done)}
+
     def n_groups(self) -> int:
         with self._lock:
             return len(self._groups) if self._batch_id is not None else 0
