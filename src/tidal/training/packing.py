@@ -19,7 +19,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -249,13 +249,14 @@ class PackingBuffer:
                     "claimed": len(self._leases), "done": len(self._done),
                     "groups": len(self._groups), "sealed": int(self._sealed)}
 
-    def holdings(self) -> dict[str, dict[int, str]]:
-        """``claimed`` and ``done`` micro-steps of the open batch, index -> worker."""
+    def holdings(self) -> dict[str, Any]:
+        """``claimed`` and ``done`` micro-steps of the open batch (index -> worker), and the
+        batch id (-1 when none is open)."""
         with self._lock:
             if self._batch_id is None:
-                return {"claimed": {}, "done": {}}
+                return {"claimed": {}, "done": {}, "batch_id": -1}
             return {"claimed": {i: lease.worker for i, lease in self._leases.items()},
-                    "done": dict(self._done)}
+                    "done": dict(self._done), "batch_id": self._batch_id}
 
     def n_groups(self) -> int:
         with self._lock:
