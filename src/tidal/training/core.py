@@ -74,6 +74,7 @@ class StepReport:
     mean_reward: float
     max_staleness: int
     members: list[int] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
 
 
 class CoreTrainer:
@@ -216,6 +217,7 @@ class CoreTrainer:
             step, version, final, len(summary.groups), summary.n_executions,
             summary.n_trainable_tokens, by_cell, summary.reclaimed, summary.reopened, norm, loss,
             sum(rewards) / len(rewards), summary.max_staleness, [c for c, _ in members],
+            [g.group_id for g in summary.groups],
         )
         log.info("step %d v%d->v%d: %d groups, micro-steps by cell %s, |g|=%.4f", step, version,
                  self.version, report.n_groups, by_cell, norm)
