@@ -17,11 +17,14 @@ reader asking for ``min_version`` waits (bounded) instead of returning older wei
 
 from __future__ import annotations
 
+import _posixshmem
 import json
 import logging
+import mmap
+import os
 import struct
 import time
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Protocol
 
 import torch
@@ -68,14 +71,23 @@ class SharedMemoryTransport:
         self.name, self.layout, self._owner = name, layout, create
         self._data_off = _HEADER.size + _META_MAX
         size = self._data_off + layout.nbytes
+        self._shm: shared_memory.SharedMemory | None = None
+        self._mmap: mmap.mmap | None = None
         try:
-            self._shm = shared_memory.SharedMemory(name=name, create=create, size=size)
+            if create:
+                self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+                self._buf = self._shm.buf
+            else:
+                # Readers map the segment directly: ``SharedMemory`` would register it with a
+                # resource tracker that unlinks the writer's segment when the reader exits.
+                fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+                try:
+                    self._mmap = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+                self._buf = memoryview(self._mmap)
         except (FileExistsError, FileNotFoundError) as exc:
             raise TransportError(f"shared memory {name!r}: {exc}") from exc
-        if not create:
-            # The reader must not unlink the writer's segment when it exits (Python < 3.13).
-            resource_tracker.unregister(self._shm._name, "shared_memory")
-        self._buf = self._shm.buf
         self._data = torch.frombuffer(self._buf, dtype=torch.float32, offset=self._data_off,
                                       count=layout.numel)
         if create:
@@ -125,10 +137,13 @@ class SharedMemoryTransport:
 
     def close(self) -> None:
         del self._data
-        self._buf = None
-        self._shm.close()
-        if self._owner:
+        if self._shm is not None:
+            self._buf = None
+            self._shm.close()
             self._shm.unlink()
+        elif self._mmap is not None:
+            self._buf.release()
+            self._mmap.close()
 
 
 class BroadcastTransport:
