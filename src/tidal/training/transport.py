@@ -95,6 +95,27 @@ class SharedMemoryTransport:
             self._buf[_HEADER.size : _HEADER.size + len(meta)] = meta
             self._write_header(0, -1, len(meta))
 
+    @classmethod
+    def attach(cls, name: str) -> SharedMemoryTransport:
+        """A reader for a segment whose layout is not known locally (read from its header)."""
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+        try:
+            with mmap.mmap(fd, _HEADER.size + _META_MAX, prot=mmap.PROT_READ) as mm:
+                _, _, numel, meta_len, _ = _HEADER.unpack_from(mm, 0)
+                meta = json.loads(bytes(mm[_HEADER.size : _HEADER.size + meta_len]))
+        finally:
+            os.close(fd)
+        layout = ParamLayout(tuple(meta["names"]), tuple(tuple(s) for s in meta["shapes"]),
+                             tuple(meta["offsets"]), numel)
+        return cls(name, layout, create=False)
+
+    def named_views(self, min_version: int = 0, timeout_s: float = 60.0
+                    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """A stable private copy of the vector, as name -> tensor views (for ``load_weights``)."""
+        flat = torch.empty(self.layout.numel, dtype=torch.float32)
+        version = self.pull(flat, min_version, timeout_s)
+        return version, self.layout.views(flat)
+
     def _write_header(self, seq: int, version: int, meta_len: int) -> None:
         _HEADER.pack_into(self._buf, 0, seq, version, self.layout.numel, meta_len,
                           self.layout.fingerprint().encode())
