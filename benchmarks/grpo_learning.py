@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -35,10 +36,10 @@ from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferC
 from tidal.training.transport import SharedMemoryTransport, load_into
 
 PRESETS = {
-    "tiny": {"groups": 16, "group_size": 8, "max_new": 3, "lr": 1e-3, "steps": 150,
+    "tiny": {"groups": 16, "group_size": 8, "max_new": 3, "lr": 1e-3, "steps": 300,
              "minutes": 3.0, "budget": 4096, "chat": False},
-    "smollm2": {"groups": 4, "group_size": 6, "max_new": 6, "lr": 1e-5, "steps": 40,
-                "minutes": 6.0, "budget": 1024, "chat": True},
+    "smollm2": {"groups": 4, "group_size": 6, "max_new": 6, "lr": 3e-6, "steps": 60,
+                "minutes": 8.0, "budget": 1024, "chat": True},
 }
 
 
@@ -87,11 +88,12 @@ def rollout(model, tok, problems: list[Problem], group_size: int, version: int, 
     return records
 
 
-def greedy_accuracy(model, tok, problems, chat, max_new) -> float:
+def greedy_eval(model, tok, problems, chat, max_new) -> tuple[float, float]:
+    """(mean reward, accuracy) of greedy answers on held-out problems."""
     outs, _ = sample(model, [encode(tok, p, chat) for p in problems], max_new, tok.eos_id, None)
     rewards = [reward(tok.decode([t for t in o if t != tok.eos_id]), p.answer)
                for o, p in zip(outs, problems, strict=True)]
-    return sum(r == 1.0 for r in rewards) / len(rewards)
+    return sum(rewards) / len(rewards), sum(r == 1.0 for r in rewards) / len(rewards)
 
 
 def model_dir(name: str, tmp: Path) -> Path:
@@ -111,7 +113,7 @@ def plot(metrics: dict, path: Path) -> None:
 
     steps = [m["step"] for m in metrics["steps"]]
     rewards = [m["mean_reward"] for m in metrics["steps"]]
-    k = max(1, len(rewards) // 15)
+    k = max(3, len(rewards) // 10)
     smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
               for i in range(len(rewards))]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -119,8 +121,11 @@ def plot(metrics: dict, path: Path) -> None:
     ax.plot(steps, smooth, label=f"moving average ({k} steps)")
     ax.set_xlabel("optimizer step (= weight version)")
     ax.set_ylabel("mean reward")
-    ax.set_title(f"GRPO on addition, {metrics['model']} "
-                 f"(greedy acc {metrics['greedy_before']:.2f} -> {metrics['greedy_after']:.2f})")
+    ax.axhline(metrics["greedy_reward_before"], color="gray", ls=":",
+               label="held-out greedy reward, before")
+    ax.axhline(metrics["greedy_reward_after"], color="black", ls="--",
+               label="held-out greedy reward, after")
+    ax.set_title(f"GRPO on addition, {metrics['model']}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -158,8 +163,9 @@ def main() -> None:
     clock = WallClock()
     buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=preset["group_size"],
                                                   max_policy_lag=1), clock)
-    shm = SharedMemoryTransport(f"tidal-grpo-{label}", ParamLayout.of(policy), create=True)
-    reader = SharedMemoryTransport(f"tidal-grpo-{label}", ParamLayout.of(engine), create=False)
+    shm_name = f"tidal-grpo-{os.getpid()}"
+    shm = SharedMemoryTransport(shm_name, ParamLayout.of(policy), create=True)
+    reader = SharedMemoryTransport(shm_name, ParamLayout.of(engine), create=False)
     cfg = TrainerConfig(lr=preset["lr"], groups_per_step=preset["groups"], max_grad_norm=1.0,
                         loss=GRPOLossConfig(), packing=PackingConfig(token_budget=preset["budget"]))
     core = CoreTrainer(policy, cfg, buf, clock, publishers=[shm], pad_id=tok.eos_id)
@@ -167,10 +173,12 @@ def main() -> None:
     held_out = AdditionTask(seed=10_000 + args.seed).sample(64)
     gen = torch.Generator().manual_seed(args.seed)
     chat, max_new = preset["chat"], preset["max_new"]
-    metrics = {"model": label, "preset": preset, "steps": [],
-               "greedy_before": greedy_accuracy(engine, tok, held_out, chat, max_new)}
-    print(f"{label}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, "
-          f"greedy accuracy before {metrics['greedy_before']:.3f}")
+    metrics = {"model": label, "preset": preset, "steps": []}
+    metrics["greedy_reward_before"], metrics["greedy_acc_before"] = greedy_eval(
+        engine, tok, held_out, chat, max_new)
+    print(f"{label}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, held-out "
+          f"greedy reward {metrics['greedy_reward_before']:.3f} "
+          f"(accuracy {metrics['greedy_acc_before']:.3f})")
     t0 = time.monotonic()
     try:
         for step in range(preset["steps"]):
@@ -195,7 +203,8 @@ def main() -> None:
         core.close()
         reader.close()
         shm.close()
-    metrics["greedy_after"] = greedy_accuracy(engine, tok, held_out, chat, max_new)
+    metrics["greedy_reward_after"], metrics["greedy_acc_after"] = greedy_eval(
+        engine, tok, held_out, chat, max_new)
     metrics["wall_s"] = time.monotonic() - t0
     rewards = [m["mean_reward"] for m in metrics["steps"]]
     k = max(1, min(10, len(rewards) // 4))
@@ -205,8 +214,10 @@ def main() -> None:
     plot(metrics, out / f"{label}_reward.png")
     print(f"\n{label}: {len(rewards)} steps in {metrics['wall_s'] / 60:.1f} min; mean sampled "
           f"reward first {k} steps {metrics['reward_first']:.3f} -> last {k} steps "
-          f"{metrics['reward_last']:.3f}; greedy accuracy {metrics['greedy_before']:.3f} -> "
-          f"{metrics['greedy_after']:.3f}; curve: {out / f'{label}_reward.png'}")
+          f"{metrics['reward_last']:.3f}; held-out greedy reward "
+          f"{metrics['greedy_reward_before']:.3f} -> {metrics['greedy_reward_after']:.3f} "
+          f"(accuracy {metrics['greedy_acc_before']:.3f} -> {metrics['greedy_acc_after']:.3f}); "
+          f"curve: {out / f'{label}_reward.png'}")
 
 
 if __name__ == "__main__":

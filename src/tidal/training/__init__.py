@@ -13,6 +13,6 @@ Satellites (``satellite.Satellite``, cells 1..K-1, separate processes) talk to t
 ``groups.GroupRegistry`` (one link per satellite, one group per training prefix).
 ``tasks`` holds the bundled addition task used by ``benchmarks/grpo_learning.py``.
 
-torch is imported by every module here except ``records``, ``trajectory_buffer`` and ``tasks``;
-import the submodules you need (this package imports nothing eagerly).
+``records``, ``trajectory_buffer``, ``packing``, ``rpc`` and ``tasks`` do not import torch; the
+others do. Import the submodules you need (this package imports nothing eagerly).
 """

@@ -16,7 +16,13 @@ from torch import nn
 
 from tidal.training.aggregate import Contribution
 from tidal.training.flat import ParamLayout
-from tidal.training.loss import GRPOLossConfig, grpo_loss_sum, micro_step_tensors, target_logprobs
+from tidal.training.loss import (
+    GRPOLossConfig,
+    MicroStepTensors,
+    grpo_loss_sum,
+    micro_step_tensors,
+    target_logprobs,
+)
 from tidal.training.packing import MicroStep
 
 
@@ -64,6 +70,9 @@ class GradientWorker:
 
     def compute(self, step: MicroStep) -> StepResult:
         t = micro_step_tensors(step, self.pad_id)
+        device = next(self.model.parameters()).device
+        if device.type != "cpu":
+            t = MicroStepTensors(*(x.to(device) for x in vars(t).values()))
         self.model.zero_grad(set_to_none=True)
         logits = forward_logits(self.model, t.input_ids)
         logprobs = target_logprobs(logits, t.input_ids)
@@ -75,7 +84,7 @@ class GradientWorker:
         loss.backward()
         self.layout.grads_to_flat(self.model, self._pending)
         self.model.zero_grad(set_to_none=True)
-        stale = int((t.staleness * t.mask).max()) if t.mask.any() else 0
+        stale = int((t.staleness * t.mask).max()) if bool(t.mask.any()) else 0
         result = StepResult(stats.loss_sum, stats.n_tokens, stats.clipped_tokens,
                             stats.mean_ratio, stale)
         self._pending_stats = (step, result)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from satellite_harness import GROUP_SIZE, TINY, build_model, params
 
@@ -12,6 +14,8 @@ from tidal.training.packing import PackingConfig
 from tidal.training.records import single_call_record
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
 from tidal.training.transport import SharedMemoryTransport, load_into
+
+SHM = f"tidal-test-pub-{os.getpid()}"
 
 torch.set_num_threads(1)
 
@@ -56,7 +60,7 @@ def test_data_older_than_the_max_lag_is_never_trained():
 
 def test_stream_close_drains_a_partial_batch_and_publishes_in_place():
     layout = ParamLayout.of(build_model(0))
-    shm = SharedMemoryTransport("tidal-test-pub", layout, create=True)
+    shm = SharedMemoryTransport(SHM, layout, create=True)
     core, buf = make(max_lag=4, groups_per_step=4, initial_version=0, publishers=[shm])
     try:
         add_group(buf, "a", 0)
@@ -68,7 +72,7 @@ def test_stream_close_drains_a_partial_batch_and_publishes_in_place():
         # An engine-side model picks up v1 without being rebuilt.
         engine = build_model(seed=5)
         ptr = engine.wte.weight.data_ptr()
-        reader = SharedMemoryTransport("tidal-test-pub", ParamLayout.of(engine), create=False)
+        reader = SharedMemoryTransport(SHM, ParamLayout.of(engine), create=False)
         assert load_into(engine, reader, min_version=1) == 1
         assert engine.wte.weight.data_ptr() == ptr
         assert torch.equal(params(engine), params(core.model))

@@ -11,6 +11,8 @@ from tidal.training.flat import ParamLayout
 from tidal.training.groups import GroupRegistry
 from tidal.training.transport import BroadcastTransport, SharedMemoryTransport
 
+SHM = f"tidal-test-shm-{os.getpid()}"
+
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 torch.set_num_threads(1)
 CTX = mp.get_context("spawn")
@@ -33,9 +35,9 @@ def _shm_reader(name: str, q) -> None:
 
 def test_shared_memory_reader_waits_for_the_version_it_needs():
     layout = ParamLayout.of(Vec())
-    shm = SharedMemoryTransport("tidal-test-shm", layout, create=True)
+    shm = SharedMemoryTransport(SHM, layout, create=True)
     q = CTX.Queue()
-    proc = CTX.Process(target=_shm_reader, args=("tidal-test-shm", q))
+    proc = CTX.Process(target=_shm_reader, args=(SHM, q))
     try:
         shm.publish(1, torch.full((N,), 1.0))
         proc.start()

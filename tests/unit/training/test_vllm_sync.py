@@ -18,6 +18,8 @@ from tidal.training.flat import ParamLayout
 from tidal.training.transport import SharedMemoryTransport
 from tidal.training.vllm_sync import TidalWorkerExtension, VLLMWeightPublisher
 
+SHM = f"tidal-test-vllm-{os.getpid()}"
+
 CFG = GPTConfig(vocab_size=64, n_layers=1, n_heads=2, d_model=32, d_ff=64, max_seq_len=32)
 
 
@@ -41,12 +43,12 @@ def test_extension_loads_a_published_version_from_shared_memory():
     torch.manual_seed(0)
     trainer = TinyGPT(CFG)
     layout = ParamLayout.of(trainer)
-    shm = SharedMemoryTransport("tidal-test-vllm", layout, create=True)
+    shm = SharedMemoryTransport(SHM, layout, create=True)
     try:
         shm.publish(7, layout.params_to_flat(trainer))
         torch.manual_seed(1)
         served = VLLMStyleModel(CFG)
-        assert Worker(served).tidal_load_shm("tidal-test-vllm", min_version=7) == 7
+        assert Worker(served).tidal_load_shm(SHM, min_version=7) == 7
         for (n, a), (_, b) in zip(trainer.named_parameters(), served.named_parameters(),
                                   strict=True):
             assert torch.equal(a, b), n
