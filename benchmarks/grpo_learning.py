@@ -38,8 +38,8 @@ from tidal.training.transport import SharedMemoryTransport, load_into
 PRESETS = {
     "tiny": {"groups": 16, "group_size": 8, "max_new": 3, "lr": 1e-3, "steps": 300,
              "minutes": 3.0, "budget": 4096, "chat": False},
-    "smollm2": {"groups": 4, "group_size": 6, "max_new": 6, "lr": 3e-6, "steps": 60,
-                "minutes": 8.0, "budget": 1024, "chat": True},
+    "smollm2": {"groups": 4, "group_size": 6, "max_new": 6, "lr": 3e-6, "steps": 20,
+                "minutes": 15.0, "budget": 1024, "chat": True},
 }
 
 
