@@ -84,6 +84,8 @@ class Coordinator:
         self._shutdown = False
         self.numel = 0
         self.fingerprint = ""
+        self.loss: dict[str, Any] = {}  # the core's GRPOLossConfig; satellites must use it
+        self.pad_id = 0
         self.join_log: list[tuple[int, int, float]] = []  # (step, cell, time)
 
     # ----- core side -----------------------------------------------------------------------
@@ -187,7 +189,8 @@ class Coordinator:
                 self._lose(old)
             self._sats[cell] = _Sat(cell, inc)
             session["cell"] = cell
-        return {"shm_name": self.shm_name, "numel": self.numel}
+        return {"shm_name": self.shm_name, "numel": self.numel, "loss": self.loss,
+                "pad_id": self.pad_id}
 
     def _op_link(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
         self.registry.link(sat.cell, sat.incarnation)

@@ -114,6 +114,8 @@ class CoreTrainer:
                                        shm_name)
         self.coordinator.numel = self.layout.numel
         self.coordinator.fingerprint = self.layout.fingerprint()
+        self.coordinator.loss = config.loss.model_dump()
+        self.coordinator.pad_id = pad_id
         self._authkey = secrets.token_bytes(16)
         self.rpc = RpcServer(self.coordinator.handle, self.coordinator.on_disconnect,
                              self._authkey, config.host)

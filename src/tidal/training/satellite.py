@@ -59,8 +59,8 @@ class SatelliteConfig(BaseModel):
     authkey: str
     backend: Backend = "gloo"
     model: ModelSpec
-    loss: GRPOLossConfig = GRPOLossConfig()
-    pad_id: int = 0
+    # The frozen reference for the KL term (needed when the core's loss has kl_coef > 0).
+    reference: ModelSpec | None = None
     timeout_s: float = Field(default=120.0, gt=0)
     start_delay_s: float = Field(default=0.0, ge=0)
     max_steps: int | None = None
@@ -72,13 +72,19 @@ class Satellite:
         self.config = config
         self.incarnation = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.model = config.model.build()
-        self.worker = GradientWorker(config.cell, self.model, config.loss, None, config.pad_id)
-        self.layout: ParamLayout = self.worker.layout
+        self.layout = ParamLayout.of(self.model)
         self.version = -1
         self._flat = torch.empty(self.layout.numel, dtype=torch.float32)
         self.client = RpcClient((config.host, config.rpc_port), bytes.fromhex(config.authkey))
         hello = self.client.call("hello", cell=config.cell, incarnation=self.incarnation,
                                  fingerprint=self.layout.fingerprint())
+        # The loss is the core's, never a local copy: the invariance of the update depends on it.
+        loss = GRPOLossConfig.model_validate(hello["loss"])
+        reference = config.reference.build().eval() if config.reference else None
+        if loss.kl_coef > 0 and reference is None:
+            raise ValueError(f"cell {config.cell}: the core's loss has a KL term; "
+                             "SatelliteConfig.reference is required")
+        self.worker = GradientWorker(config.cell, self.model, loss, reference, hello["pad_id"])
         self.registry = GroupRegistry(config.cell, config.host, config.store_port,
                                       self.incarnation, config.backend, config.timeout_s)
         self.client.call_with("link", lambda: self.registry.link(config.cell, self.incarnation))

@@ -75,7 +75,7 @@ def spawn_satellite(core: CoreTrainer, cell: int, delay_s: float = 0.0,
     cfg = SatelliteConfig(
         cell=cell, rpc_port=addr["rpc_port"], store_port=addr["store_port"],
         authkey=addr["authkey"], model=ModelSpec(tiny=TINY, seed=100 + cell),
-        loss=core.config.loss, start_delay_s=delay_s, max_steps=max_steps, timeout_s=60.0,
+        start_delay_s=delay_s, max_steps=max_steps, timeout_s=60.0,
     )
     proc = mp.get_context("spawn").Process(target=run_satellite, args=(cfg.model_dump_json(),),
                                            daemon=True)

@@ -48,21 +48,23 @@ def expected(records):
         core.close()
 
 
-def holding(core, cell: int, seen: dict) -> bool:
-    """True (and ``seen`` filled) once ``cell`` holds a claim in step 0, or a claim plus a
-    completed micro-step in step 1."""
+def holding(core, cell: int, seen: dict, need_done: bool) -> bool:
+    """True (and ``seen`` filled) once ``cell`` holds a claim (and, with ``need_done``, has a
+    completed micro-step whose gradient it has not delivered yet)."""
     h = core.packing.holdings()
     prefix = f"cell{cell}:"
     claimed = sum(w.startswith(prefix) for w in h["claimed"].values())
     done = sum(w.startswith(prefix) for w in h["done"].values())
-    if claimed and (done or h["batch_id"] == 0):
+    if claimed and (done or not need_done):
         seen.update(step=h["batch_id"], claimed=claimed, done=done)
         return True
     return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected, sig):
+@pytest.mark.parametrize(("sig", "need_done"), [
+    (signal.SIGKILL, False), (signal.SIGKILL, True), (signal.SIGSTOP, False)],
+    ids=["killed-holding-a-claim", "killed-with-undelivered-work", "hung"])
+def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected, sig, need_done):
     core, buf = make_core(trainer_config(claim_timeout_s=2.0, gather_timeout_s=4.0))
     procs = [spawn_satellite(core, 1), spawn_satellite(core, 2)]
     reports = []
@@ -78,7 +80,7 @@ def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected,
     trainer.start()
     try:
         seen: dict = {}
-        wait_for(lambda: holding(core, 2, seen), 90, "satellite 2 to hold a claim")
+        wait_for(lambda: holding(core, 2, seen, need_done), 90, "satellite 2 to hold a claim")
         os.kill(procs[1].pid, sig)
         t_signal = time.monotonic()
         trainer.join(timeout=120)
@@ -94,6 +96,8 @@ def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected,
           f"{hit.reopened}, micro-steps by cell {hit.micro_steps_by_cell}, recovered in "
           f"{time.monotonic() - t_signal:.1f}s")
     assert hit.reclaimed + hit.reopened >= seen["claimed"] + seen["done"]
+    if need_done:
+        assert hit.reopened >= seen["done"] >= 1, "completed, undelivered work must be redone"
     if sig == signal.SIGSTOP:
         assert hit.reclaimed >= 1, "a hung worker's claim must be reclaimed by the lease timeout"
     assert 2 not in hit.micro_steps_by_cell, "no gradient of the lost worker may be counted"
