@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -41,6 +41,16 @@ class LlamaConfig(BaseModel):
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    rope_parameters: dict | None = None
+
+    @model_validator(mode="after")
+    def _rope_from_parameters(self) -> LlamaConfig:
+        # transformers >= 5 nests rope settings under ``rope_parameters``
+        if self.rope_parameters:
+            self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
+            if self.rope_parameters.get("rope_type", "default") != "default":
+                self.rope_scaling = self.rope_parameters
+        return self
 
 
 class RMSNorm(nn.Module):

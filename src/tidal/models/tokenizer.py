@@ -154,6 +154,8 @@ class HFTokenizer:
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         self._template = cfg.get("chat_template")
+        if not self._template and (model_dir / "chat_template.jinja").is_file():
+            self._template = (model_dir / "chat_template.jinja").read_text()
         eos = cfg.get("eos_token") or "<|im_end|>"
         eos = eos["content"] if isinstance(eos, dict) else eos
         eos_id = self._tok.token_to_id(eos)
