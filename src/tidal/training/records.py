@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tidal.errors import TidalError
 
@@ -30,13 +30,23 @@ class RecordError(TidalError):
 
 
 class OutputSegment(BaseModel):
-    """Output tokens ``[start, end)`` of one call were sampled with ``weight_version``."""
+    """Output tokens ``[start, end)`` of one call were sampled with ``weight_version``.
+
+    Engines label versions ``"v<n>"`` (vLLM, SGLang, the built-in engine); both forms are read.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     start: int = Field(ge=0)
     end: int = Field(ge=0)
     weight_version: int = Field(ge=0)
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _parse_label(cls, v: object) -> object:
+        if isinstance(v, str) and v.startswith("v") and v[1:].isdigit():
+            return int(v[1:])
+        return v
 
 
 class ModelCall(BaseModel):

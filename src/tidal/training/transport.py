@@ -2,7 +2,7 @@
 
 The core publishes ``(version, flat)``; readers (satellites pulling a snapshot, the built-in
 engine loading a new version in place, a vLLM worker extension) obtain the same vector. Two
-paths behind one interface:
+paths behind one interface (plus ``FilePublisher`` for engines that load from a path):
 
 - ``SharedMemoryTransport``: one machine. A named POSIX shared-memory segment holds a header
   (sequence counter, version, layout fingerprint, layout JSON) and the data. The writer bumps the
@@ -18,6 +18,7 @@ reader asking for ``min_version`` waits (bounded) instead of returning older wei
 from __future__ import annotations
 
 import _posixshmem
+import contextlib
 import json
 import logging
 import mmap
@@ -188,6 +189,36 @@ class BroadcastTransport:
         if version < min_version:
             raise TransportError(f"received v{version}, wanted >= v{min_version}")
         return version
+
+
+class FilePublisher:
+    """Writes ``<dir>/v<version>.safetensors`` (atomically: temp file, then rename) for engines
+    that load a weight version from a path (the built-in engine's ``update_weights(path,
+    "v<version>")``); keeps the newest ``keep`` files."""
+
+    def __init__(self, directory: str | os.PathLike, layout: ParamLayout, keep: int = 2) -> None:
+        from pathlib import Path
+
+        self.dir, self.layout, self.keep = Path(directory), layout, keep
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.published: list[tuple[int, str]] = []
+
+    def path(self, version: int) -> str:
+        return str(self.dir / f"v{version}.safetensors")
+
+    def publish(self, version: int, flat: torch.Tensor) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {n: t.clone() for n, t in self.layout.views(flat).items()}
+        final = self.path(version)
+        tmp = final + ".tmp"
+        save_file(tensors, tmp, metadata={"weight_version": f"v{version}"})
+        os.replace(tmp, final)
+        self.published.append((version, final))
+        while len(self.published) > self.keep:
+            _, old = self.published.pop(0)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(old)
 
 
 def load_into(module: torch.nn.Module, reader: WeightReader, min_version: int = 0,

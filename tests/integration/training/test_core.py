@@ -13,7 +13,7 @@ from tidal.training.flat import ParamLayout
 from tidal.training.packing import PackingConfig
 from tidal.training.records import single_call_record
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
-from tidal.training.transport import SharedMemoryTransport, load_into
+from tidal.training.transport import FilePublisher, SharedMemoryTransport, load_into
 
 SHM = f"tidal-test-pub-{os.getpid()}"
 
@@ -80,6 +80,20 @@ def test_stream_close_drains_a_partial_batch_and_publishes_in_place():
     finally:
         core.close()
         shm.close()
+
+
+def test_file_publisher_feeds_engines_that_load_from_a_path(tmp_path):
+    from tidal.models import read_weights
+
+    policy = build_model(0)
+    layout = ParamLayout.of(policy)
+    pub = FilePublisher(tmp_path, layout, keep=1)
+    pub.publish(1, layout.params_to_flat(policy))
+    pub.publish(2, layout.params_to_flat(policy))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2.safetensors"]
+    engine = build_model(seed=9)
+    engine.load_weights(read_weights(pub.path(2)))
+    assert torch.equal(params(engine), params(policy))
 
 
 def test_tiny_spec_matches_the_models_module():

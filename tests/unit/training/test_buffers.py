@@ -55,6 +55,11 @@ def test_multi_turn_record_chains_calls_and_masks_injected_tokens():
     assert r.min_version() == 3 and r.trainable_tokens() == 4
 
 
+def test_engine_version_labels_are_read():
+    seg = OutputSegment.model_validate({"start": 0, "end": 2, "weight_version": "v12"})
+    assert seg.weight_version == 12
+
+
 def test_segments_must_tile_the_output():
     with pytest.raises(RecordError):
         ModelCall(prompt_token_ids=[1], output_token_ids=[2, 3], output_logprobs=[0.0, 0.0],
