@@ -95,6 +95,12 @@ def joined(core: CoreTrainer, cell: int, step: int = 0) -> bool:
     return any(s == step and c == cell for s, c, _ in core.coordinator.join_log)
 
 
+def ready(core: CoreTrainer, cell: int, step: int = 0) -> bool:
+    """Joined ``step`` and holds its snapshot (can claim micro-steps now)."""
+    sat = core.coordinator._sats.get(cell)
+    return joined(core, cell, step) and sat is not None and sat.version == core.version
+
+
 class Feeder(threading.Thread):
     """Streams records into the buffer in chunks of ``chunks[i]`` groups; ``gate(i)`` may hold
     chunk i back (e.g. until a satellite joined)."""

@@ -17,10 +17,10 @@ import torch
 from satellite_harness import (
     Feeder,
     build_model,
-    joined,
     make_core,
     make_records,
     params,
+    ready,
     spawn_satellite,
     trainer_config,
     wait_for,
@@ -71,7 +71,7 @@ def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected,
 
     def gate(chunk: int) -> None:
         if chunk == 1:
-            wait_for(lambda: joined(core, 1) and joined(core, 2), 90, "both satellites to join")
+            wait_for(lambda: ready(core, 1) and ready(core, 2), 90, "both satellites to join")
 
     Feeder(buf, records, chunks=[2, 6, 8], gate=gate, pause_s=0.3).start()
     trainer = threading.Thread(
