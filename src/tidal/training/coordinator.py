@@ -117,7 +117,8 @@ class Coordinator:
                             self._lose(x)
                     break
                 self._cv.wait(0.05)
-            return [self._contribs[x.cell] for x in self._joined() if x.cell in self._contribs]
+            # A satellite lost after delivering still counts: its gradient is in hand.
+            return [self._contribs[c] for c in sorted(self._contribs)]
 
     def members(self) -> list[tuple[int, str]]:
         with self._cv:
@@ -151,8 +152,10 @@ class Coordinator:
         if sat.lost:
             return
         sat.lost = True
-        reopened = self.packing.reopen(sat.worker)
-        self._contribs.pop(sat.cell, None)
+        if sat.cell in self._contribs:
+            reopened = 0  # delivered: its micro-steps are accounted for by its contribution
+        else:
+            reopened = self.packing.reopen(sat.worker)
         self.registry.forget(f"{sat.cell}:{sat.incarnation}")
         self.registry.forget(GroupRegistry.link_key(sat.cell, sat.incarnation))
         log.warning("cell %d (%s) lost; %d micro-steps reopened", sat.cell, sat.incarnation,
