@@ -50,12 +50,14 @@ def make_records(model: TinyGPT, n_groups: int, seed: int = 1) -> list[Execution
 
 
 def trainer_config(normalization: str = "global", claim_timeout_s: float = 30.0,
-                   gather_timeout_s: float = 60.0, groups_per_step: int = 8) -> TrainerConfig:
+                   gather_timeout_s: float = 60.0, groups_per_step: int = 8,
+                   snapshot_transport: str = "link") -> TrainerConfig:
     return TrainerConfig(
         optimizer="sgd", lr=0.5, max_grad_norm=None, groups_per_step=groups_per_step,
         normalization=normalization,
         packing=PackingConfig(token_budget=160, claim_timeout_s=claim_timeout_s),
-        coordinator=CoordinatorConfig(gather_timeout_s=gather_timeout_s),
+        coordinator=CoordinatorConfig(gather_timeout_s=gather_timeout_s,
+                                      snapshot_transport=snapshot_transport),
     )
 
 

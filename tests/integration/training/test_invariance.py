@@ -47,8 +47,8 @@ def core_alone(records, normalization="global"):
         core.close()
 
 
-def with_satellites(records, normalization="global"):
-    core, buf = make_core(trainer_config(normalization))
+def with_satellites(records, normalization="global", snapshot_transport="link"):
+    core, buf = make_core(trainer_config(normalization, snapshot_transport=snapshot_transport))
     procs = [spawn_satellite(core, 1)]
 
     def gate(chunk: int) -> None:
@@ -84,9 +84,16 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs()[big] / b.abs()[big]).max())
 
 
-def test_satellites_joining_mid_step_give_the_core_alone_update(records):
-    expected, alone = core_alone(records)
-    got, reports, join_times = with_satellites(records)
+@pytest.fixture(scope="module")
+def alone(records):
+    return core_alone(records)
+
+
+@pytest.mark.parametrize("snapshot_transport", ["link", "shm"])
+def test_satellites_joining_mid_step_give_the_core_alone_update(records, alone,
+                                                                snapshot_transport):
+    expected, alone = alone
+    got, reports, join_times = with_satellites(records, snapshot_transport=snapshot_transport)
     assert join_times[1] < join_times[2], "satellites must join at different moments, in order"
     for r, a in zip(reports, alone, strict=True):
         assert r.n_executions == a.n_executions == 32
@@ -99,13 +106,13 @@ def test_satellites_joining_mid_step_give_the_core_alone_update(records):
     before = params(build_model(0))
     assert not torch.allclose(expected, before), "the update must change the parameters"
     rel = max_rel_diff(got, expected)
-    print(f"max relative parameter difference: {rel:.3g}; micro-steps by cell "
+    print(f"[{snapshot_transport}] max relative parameter difference: {rel:.3g}; by cell "
           f"{[r.micro_steps_by_cell for r in reports]}")
     assert torch.allclose(got, expected, rtol=RTOL, atol=ATOL), rel
 
 
-def test_naive_per_worker_normalisation_is_caught(records):
-    expected, _ = core_alone(records, "global")
+def test_naive_per_worker_normalisation_is_caught(records, alone):
+    expected, _ = alone
     got, reports, _ = with_satellites(records, "local_mean")
     assert sum(r.micro_steps_by_cell.get(1, 0) for r in reports) > 0
     print(f"per-worker normalisation: max relative difference {max_rel_diff(got, expected):.3g}")
