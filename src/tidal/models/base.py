@@ -1,0 +1,181 @@
+"""The causal-LM surface shared by the tiny GPT and the Llama family, and their attention layer.
+
+In: token ids (a padded batch for training, or ragged per-sequence lists plus KV caches for
+serving). Out: logits. Subclasses build ``embed`` / ``blocks`` / ``final_norm`` / ``lm_head``; this
+module owns full-sequence forward, cached incremental forward, in-place weight loading, and
+freeing / re-materialising weights (engine sleep and wake).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.errors import TidalError
+from tidal.models.kv import KVCache, RaggedBatch
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, ``rotate_half`` convention; ``x`` is ``[B, T, H, D]``."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads, optional RoPE, HF parameter names."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool,
+                 rope_theta: float | None) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = d_model // n_heads
+        self.rope_theta = rope_theta
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int,
+                batch: RaggedBatch | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if self.rope_theta is not None:
+            q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+        gqa = self.n_kv_heads != self.n_heads
+        if batch is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                enable_gqa=gqa)
+        else:
+            keys, values = batch.attend_keys(layer, k, v)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=batch.mask[:, None], enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class CausalLM(nn.Module):
+    """Base class. Subclasses set ``n_layers``, ``n_kv_heads``, ``head_dim``, ``max_seq_len``,
+    ``vocab_size`` and implement ``_embed``, ``_block`` and ``_head``."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    vocab_size: int
+    model_type: str
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _block(self, i: int, h: torch.Tensor, positions: torch.Tensor,
+               batch: RaggedBatch | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence forward: ``[B, T]`` ids (right-padded is fine) -> ``[B, T, V]`` logits."""
+        b, t = input_ids.shape
+        if t > self.max_seq_len:
+            raise TidalError(f"sequence of {t} tokens exceeds max_seq_len {self.max_seq_len}")
+        positions = torch.arange(t).expand(b, t)
+        h = self._embed(input_ids, positions)
+        for i in range(self.n_layers):
+            h = self._block(i, h, positions, None)
+        return self._head(h)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self._param_dtype())
+
+    def cache_from_tensors(self, tensors: dict[str, torch.Tensor]) -> KVCache:
+        return KVCache.from_tensors(tensors, self.n_layers, self.n_kv_heads, self.head_dim)
+
+    @torch.no_grad()
+    def forward_cached(self, tokens: list[list[int]], caches: list[KVCache]) -> torch.Tensor:
+        """Feed ``tokens[i]`` to sequence ``i`` (appending to ``caches[i]``); return the logits at
+        each sequence's last new token, ``[B, V]``. Sequences may have any cache length."""
+        if not tokens or len(tokens) != len(caches) or any(not t for t in tokens):
+            raise TidalError("forward_cached needs one non-empty token list per cache")
+        batch = RaggedBatch(caches, [len(t) for t in tokens])
+        if batch.max_total > self.max_seq_len:
+            raise TidalError(f"sequence of {batch.max_total} tokens exceeds max_seq_len "
+                             f"{self.max_seq_len}")
+        ids = torch.zeros((len(tokens), batch.max_new), dtype=torch.long)
+        for i, t in enumerate(tokens):
+            ids[i, : len(t)] = torch.tensor(t)
+        h = self._embed(ids, batch.positions)
+        for i in range(self.n_layers):
+            h = self._block(i, h, batch.positions, batch)
+        last = torch.tensor(batch.new_tokens) - 1
+        h = h[torch.arange(len(tokens)), last]
+        batch.commit()
+        return self._head(h[:, None, :])[:, 0, :]
+
+    def _param_dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    # -- weights ------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy ``state_dict`` into the existing parameters (same storage; no re-allocation)."""
+        own = dict(self.named_parameters())
+        missing = [n for n in own if n not in state_dict and not self._is_tied(n)]
+        unknown = [n for n in state_dict if n not in own]
+        if strict and (missing or unknown):
+            raise TidalError(f"weights do not fit: missing {missing[:3]}, unknown {unknown[:3]}")
+        for name, tensor in state_dict.items():
+            if name in own:
+                if own[name].shape != tensor.shape:
+                    raise TidalError(f"weight {name}: shape {tuple(tensor.shape)} "
+                                     f"!= {tuple(own[name].shape)}")
+                own[name].copy_(tensor)
+
+    def _is_tied(self, name: str) -> bool:
+        return False
+
+    def weights_nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
+
+    def free_weights(self) -> None:
+        """Release parameter memory (engine sleep); ``materialize`` + ``load_weights`` undo it."""
+        self.to("meta")
+        self._retie()
+
+    def materialize(self) -> None:
+        self.to_empty(device="cpu")
+        self._retie()
+
+    def _retie(self) -> None:
+        """Subclasses with tied embeddings re-point the head at the embedding."""
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def save(self, out_dir: str | Path) -> None:
+        raise NotImplementedError
+
+
+def init_normal(module: nn.Module, std: float = 0.02) -> None:
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)
+
+
+def residual_scale(n_layers: int) -> float:
+    return 0.02 / math.sqrt(2 * n_layers)

@@ -1,0 +1,162 @@
+"""Llama-family causal LM in plain torch, loading a Hugging Face directory (e.g. SmolLM2).
+
+In: a directory with ``config.json`` (``LlamaForCausalLM``) and ``*.safetensors``. Out: a
+``CausalLM`` whose parameter names equal the HF checkpoint's, so HF state dicts load as they are.
+Supports grouped KV heads, RMSNorm, SwiGLU, RoPE (no scaling) and tied embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, model_validator
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tidal.errors import TidalError
+from tidal.models.base import Attention, CausalLM
+from tidal.models.kv import RaggedBatch
+
+log = logging.getLogger(__name__)
+
+
+class LlamaConfig(BaseModel):
+    """The fields of an HF Llama ``config.json`` this implementation reads (others ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_parameters: dict | None = None
+
+    @model_validator(mode="after")
+    def _rope_from_parameters(self) -> LlamaConfig:
+        # transformers >= 5 nests rope settings under ``rope_parameters``
+        if self.rope_parameters:
+            self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
+            if self.rope_parameters.get("rope_type", "default") != "default":
+                self.rope_scaling = self.rope_parameters
+        return self
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads,
+                                   cfg.num_key_value_heads or cfg.num_attention_heads,
+                                   bias=cfg.attention_bias, rope_theta=cfg.rope_theta)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = _MLP(cfg)
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(CausalLM):
+    model_type = "llama"
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        if cfg.rope_scaling:
+            raise TidalError(f"rope_scaling {cfg.rope_scaling} is not supported")
+        self.cfg = cfg
+        self.n_layers = cfg.num_hidden_layers
+        self.n_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.max_seq_len, self.vocab_size = cfg.max_position_embeddings, cfg.vocab_size
+        self.model = _Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._retie()
+
+    def _retie(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _is_tied(self, name: str) -> bool:
+        return self.cfg.tie_word_embeddings and name == "lm_head.weight"
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def _block(self, i: int, h: torch.Tensor, positions: torch.Tensor,
+               batch: RaggedBatch | None) -> torch.Tensor:
+        layer = self.model.layers[i]
+        h = h + layer.self_attn(layer.input_layernorm(h), positions, i, batch)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h))
+
+    def save(self, out_dir: str | Path) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.contiguous() for k, v in self.state_dict().items()}
+        if self.cfg.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        save_file(sd, str(out / "model.safetensors"))
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+        model_dir = Path(model_dir)
+        raw = json.loads((model_dir / "config.json").read_text())
+        cfg = LlamaConfig.model_validate(raw)
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.materialize()
+        model.to(dtype)
+        model.load_weights(load_hf_state_dict(model_dir, dtype))
+        log.info("loaded %s: %d params", model_dir, model.num_params())
+        return model.eval()
+
+
+def load_hf_state_dict(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise TidalError(f"{model_dir}: no *.safetensors file")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+    return sd

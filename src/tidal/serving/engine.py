@@ -1,0 +1,321 @@
+"""The built-in engine: continuous batching over a ``CausalLM`` with per-request KV caches.
+
+In: ``GenerateRequest`` (prompt token ids + sampling params, optionally an imported KV handle) and
+control calls (pause/resume, abort, sleep/wake, load weights, KV export/import). Out: a stream of
+``TokenChunk`` per request; every token carries its log-prob and the weight version that made it.
+
+State lives on the asyncio loop; only the model forward runs in a worker thread, under
+``_step_lock``, so weight loads and sleeps happen between steps, never inside one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.clock import Clock, WallClock
+from tidal.models import CausalLM, Tokenizer, read_weights
+from tidal.serving.engine_state import KVStore, RateMeter, Request
+from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, TokenChunk
+
+log = logging.getLogger(__name__)
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "tidal"
+    max_batch: int = Field(32, ge=1)
+    max_waiting: int = Field(1024, ge=0)
+    kv_lease_s: float = Field(30.0, gt=0)
+    wait_timeout_s: float = Field(60.0, gt=0)
+    seed: int = 0
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, model_dir: str | Path,
+                 config: EngineConfig | None = None, clock: Clock | None = None,
+                 weight_version: str = "v0") -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config or EngineConfig()
+        self.clock = clock or WallClock()
+        self.weight_version = weight_version
+        self._weights_source = Path(model_dir)
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self.kv = KVStore(model, self.clock, self.config.kv_lease_s)
+        self._paused = False
+        self._sleeping = False
+        self._spill: Path | None = None
+        self._wakeup = asyncio.Event()
+        self._step_lock = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+        self._rng = torch.Generator().manual_seed(self.config.seed)
+        self.meter = RateMeter(self.clock)
+        self.totals = {"generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
+                       "requests": 0, "aborted": 0}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name=f"engine-{self.config.name}")
+
+    async def stop(self) -> None:
+        self.abort(None)
+        self._stopped = True
+        self._wakeup.set()
+        if self._task:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), 5.0)
+            except TimeoutError:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+
+    # -- requests --------------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """Stream chunks for ``req``; the last chunk has a finish reason. Closing the iterator
+        early (client gone) aborts the request."""
+        r = self._admit(req)
+        try:
+            sent = 0
+            first = True
+            while True:
+                await r.changed.wait()
+                r.changed.clear()
+                n = len(r.tokens)
+                chunk = TokenChunk(r.tokens[sent:n], r.logprobs[sent:n], r.versions[sent:n],
+                                   text=self._text(r, sent, n))
+                if first:
+                    chunk.prompt_token_ids, chunk.cached_tokens = r.prompt, r.cached_tokens
+                    first = False
+                sent = n
+                if r.finish_reason is not None and sent == len(r.tokens):
+                    chunk.finish_reason = r.finish_reason
+                    yield chunk
+                    return
+                if chunk.token_ids or chunk.prompt_token_ids is not None:
+                    yield chunk
+        finally:
+            if r.finish_reason is None:
+                self.abort([r.id])
+            self._requests.pop(r.id, None)
+
+    def _text(self, r: Request, start: int, end: int) -> str:
+        return self.tokenizer.decode(r.tokens[:end])[len(self.tokenizer.decode(r.tokens[:start])):]
+
+    def _admit(self, req: GenerateRequest) -> Request:
+        if req.request_id in self._requests:
+            raise BadRequest(f"request id {req.request_id!r} is already in flight")
+        if not req.prompt_token_ids:
+            raise BadRequest("prompt is empty")
+        if len(req.prompt_token_ids) >= self.model.max_seq_len:
+            raise BadRequest(f"prompt of {len(req.prompt_token_ids)} tokens does not fit the "
+                             f"context of {self.model.max_seq_len}")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} outside vocabulary of {self.model.vocab_size}")
+        if len(self._waiting) >= self.config.max_waiting:
+            raise Overloaded(f"engine {self.config.name}: {len(self._waiting)} requests waiting")
+        r = Request(req.request_id, list(req.prompt_token_ids), req.params, self.clock.now())
+        if req.kv_handle is not None:
+            r.cache, _ = self.kv.adopt(req.kv_handle, r.prompt)
+        if r.params.seed is not None:
+            r.rng = torch.Generator().manual_seed(r.params.seed)
+        self._requests[r.id] = r
+        self._waiting.append(r)
+        self.totals["requests"] += 1
+        self._wakeup.set()
+        return r
+
+    # -- control ---------------------------------------------------------------------------
+    def abort(self, request_ids: list[str] | None, keep_kv: bool = False) -> int:
+        """Finish the named requests (all when None) with ``abort``; they keep their partial
+        tokens. With ``keep_kv`` their caches stay pinned for export (lease ``kv_lease_s``)."""
+        targets = list(self._requests.values()) if request_ids is None else [
+            self._requests[i] for i in request_ids if i in self._requests]
+        n = 0
+        for r in targets:
+            if r.finish_reason is None:
+                if keep_kv and r.cache is not None:
+                    self.kv.pin(r.id, r.prompt + r.tokens, r.cache)
+                self._finish(r, "abort")
+                self.totals["aborted"] += 1
+                n += 1
+        return n
+
+    async def pause(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"pause mode must be one of {PAUSE_MODES}, not {mode!r}")
+        if mode == "abort":
+            self.abort(None)
+        elif mode == "wait":
+            self._paused_admission = True
+            try:
+                await asyncio.wait_for(self._drained(), self.config.wait_timeout_s)
+            finally:
+                self._paused_admission = False
+        self._paused = True
+        async with self._step_lock:  # a step in flight completes before pause returns
+            pass
+        log.info("engine %s paused (%s)", self.config.name, mode)
+
+    async def _drained(self) -> None:
+        while self._running:
+            await asyncio.sleep(0.005)
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._wakeup.set()
+        log.info("engine %s resumed", self.config.name)
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    async def sleep(self, level: int = 1) -> None:
+        """Abort everything, drop every KV cache and free the weights. Level 1 spills the current
+        weights to disk first; level 2 reloads from the last weight source on wake."""
+        if level not in (1, 2):
+            raise BadRequest("sleep level must be 1 or 2")
+        async with self._step_lock:
+            self.abort(None)
+            self.kv.clear()
+            if level == 1 and not self._sleeping:
+                from safetensors.torch import save_file
+
+                self._spill = Path(f"/tmp/tidal-spill-{id(self)}.safetensors")
+                sd = {k: v.contiguous() for k, v in self.model.state_dict().items()}
+                save_file(sd, str(self._spill))
+            self.model.free_weights()
+            self._sleeping = True
+        log.info("engine %s asleep (level %d)", self.config.name, level)
+
+    async def wake_up(self) -> None:
+        async with self._step_lock:
+            if not self._sleeping:
+                return
+            source = self._spill or self._weights_source
+            sd = await asyncio.to_thread(read_weights, source)
+            self.model.materialize()
+            self.model.load_weights(sd, strict=False)
+            if self._spill:
+                self._spill.unlink(missing_ok=True)
+                self._spill = None
+            self._sleeping = False
+            self._wakeup.set()
+        log.info("engine %s awake", self.config.name)
+
+    async def update_weights(self, path: str | Path, version: str) -> None:
+        """Load weights of ``version`` from ``path`` between two steps; later tokens carry it."""
+        sd = await asyncio.to_thread(read_weights, path)
+        async with self._step_lock:
+            if self._sleeping:
+                self.model.materialize()
+                self._sleeping = False
+                self._spill = None
+            self.model.load_weights(sd, strict=False)
+            self._weights_source = Path(path)
+            self.weight_version = version
+        log.info("engine %s loaded weights %s from %s", self.config.name, version, path)
+
+    async def export_kv(self, request_id: str) -> bytes:
+        async with self._step_lock:  # the cache may still be written by a running step
+            return self.kv.export(request_id)
+
+    async def import_kv(self, blob: bytes) -> tuple[str, int]:
+        return await asyncio.to_thread(self.kv.import_, blob)
+
+    def release_kv(self, key: str) -> bool:
+        return self.kv.release(key)
+
+    def stats(self) -> dict:
+        return {"name": self.config.name, "running": len(self._running),
+                "waiting": len(self._waiting), "capacity": self.config.max_batch,
+                "paused": self._paused, "sleeping": self._sleeping,
+                "weight_version": self.weight_version,
+                "tokens_per_s": round(self.meter.rate(), 2),
+                "kv_bytes": sum(r.cache.nbytes() for r in self._running if r.cache)
+                + self.kv.nbytes(),
+                "weights_bytes": self.model.weights_nbytes(), "pinned_kv": len(self.kv),
+                **self.totals}
+
+    # -- the loop --------------------------------------------------------------------------
+    _paused_admission = False
+    _stopped = False
+
+    async def _loop(self) -> None:
+        while not self._stopped:
+            if self._paused or self._sleeping or not (self._running or self._waiting):
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), 1.0)
+                except TimeoutError:
+                    self.kv.expire()
+                continue
+            try:
+                await self._step()
+            except Exception:  # a failing step must not kill the loop silently
+                log.exception("engine %s: step failed; aborting its requests", self.config.name)
+                for r in list(self._running):
+                    self._finish(r, "abort")
+            await asyncio.sleep(0)
+
+    async def _step(self) -> None:
+        self._running = [r for r in self._running if r.finish_reason is None]
+        while (self._waiting and len(self._running) < self.config.max_batch
+               and not self._paused_admission):
+            r = self._waiting.popleft()
+            if r.finish_reason is None:
+                r.start(self.model)
+                self.totals["prefill_tokens"] += len(r.pending)
+                self.totals["cached_tokens"] += r.cached_tokens
+                self._running.append(r)
+        batch = [r for r in self._running if r.finish_reason is None]
+        if not batch:
+            return
+        async with self._step_lock:
+            if self._sleeping or self._paused:
+                return
+            feeds = [list(r.pending) for r in batch]
+            logits = await asyncio.to_thread(
+                self.model.forward_cached, feeds, [r.cache for r in batch])
+            self._apply(batch, logits, self.weight_version)
+
+    def _apply(self, batch: list[Request], logits: torch.Tensor, version: str) -> None:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        for i, r in enumerate(batch):
+            r.pending = []
+            if r.finish_reason is not None:  # aborted while the step ran
+                continue
+            token = r.sample(logits[i], self._rng)
+            r.tokens.append(token)
+            r.logprobs.append(float(logp[i, token]))
+            r.versions.append(version)
+            r.pending = [token]
+            self.totals["generated_tokens"] += 1
+            reason = r.stop_reason(self.tokenizer.eos_id, self.model.max_seq_len)
+            if reason:
+                self._finish(r, reason)
+            else:
+                r.changed.set()
+        self.meter.add(len(batch))
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.finish_reason = reason
+        r.cache = None
+        if r in self._running:
+            self._running.remove(r)
+        elif r in self._waiting:
+            self._waiting.remove(r)
+        r.changed.set()

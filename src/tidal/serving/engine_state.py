@@ -1,0 +1,176 @@
+"""Per-request state of the built-in engine, its store of pinned / imported KV caches, and a
+token-rate meter.
+
+In: requests admitted by ``Engine``; KV caches pinned at abort time or imported from another
+engine (safetensors bytes whose metadata names the covered token ids). Out: caches adopted by new
+requests whose prompt starts with the covered tokens. Pinned and imported entries expire after a
+lease so nothing is held forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import uuid
+from collections import deque
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from tidal.clock import Clock
+from tidal.models import CausalLM, KVCache
+from tidal.serving.protocol import BadRequest, NotFound, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 created_s: float) -> None:
+        self.id, self.prompt, self.params, self.created_s = request_id, prompt, params, created_s
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[str] = []
+        self.cache: KVCache | None = None
+        self.pending: list[int] = []
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.changed = asyncio.Event()
+        self.rng: torch.Generator | None = None
+
+    def start(self, model: CausalLM) -> None:
+        """Decide what to feed first: the prompt minus what an imported cache already covers
+        (at least one token, so the step yields logits for the next one)."""
+        if self.cache is None:
+            self.cache = model.new_cache()
+        self.cache.length = min(self.cache.length, len(self.prompt) - 1)
+        self.cached_tokens = self.cache.length
+        self.pending = self.prompt[self.cache.length:]
+
+    def sample(self, logits: torch.Tensor, default_rng: torch.Generator) -> int:
+        p = self.params
+        if p.temperature == 0.0:
+            return int(torch.argmax(logits))
+        scaled = logits.float() / p.temperature
+        if p.top_k:
+            kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.rng or default_rng))
+
+    def stop_reason(self, eos_id: int, max_seq_len: int) -> str | None:
+        last = self.tokens[-1]
+        if not self.params.ignore_eos and (last == eos_id or last in self.params.stop_token_ids):
+            return "stop"
+        if len(self.tokens) >= self.params.max_tokens:
+            return "length"
+        if len(self.prompt) + len(self.tokens) >= max_seq_len:
+            return "length"
+        return None
+
+
+class KVStore:
+    """Pinned caches (keyed by request id) and imported ones (keyed by handle), each with the
+    token ids it covers and a lease deadline."""
+
+    def __init__(self, model: CausalLM, clock: Clock, lease_s: float) -> None:
+        self.model, self.clock, self.lease_s = model, clock, lease_s
+        self._entries: dict[str, tuple[list[int], KVCache, float]] = {}
+
+    def fingerprint(self) -> str:
+        m = self.model
+        return f"{m.model_type}:{m.n_layers}:{m.n_kv_heads}:{m.head_dim}:{m.vocab_size}"
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for _, c, _ in self._entries.values())
+
+    def pin(self, request_id: str, all_tokens: list[int], cache: KVCache) -> None:
+        self._entries[request_id] = (all_tokens[: cache.length], cache,
+                                     self.clock.now() + self.lease_s)
+
+    def release(self, key: str) -> bool:
+        return self._entries.pop(key, None) is not None
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def expire(self) -> None:
+        now = self.clock.now()
+        for key in [k for k, (_, _, t) in self._entries.items() if t < now]:
+            log.info("KV lease of %s expired", key)
+            del self._entries[key]
+
+    def export(self, request_id: str) -> bytes:
+        if request_id not in self._entries:
+            raise NotFound(f"no pinned KV cache for request {request_id!r}")
+        tokens, cache, _ = self._entries[request_id]
+        meta = {"tokens": json.dumps(tokens), "fingerprint": self.fingerprint()}
+        return st_save(cache.export_tensors(), metadata=meta)
+
+    def import_(self, blob: bytes) -> tuple[str, int]:
+        meta = _metadata(blob)
+        if meta.get("fingerprint") != self.fingerprint():
+            raise BadRequest(f"KV cache of model {meta.get('fingerprint')!r} does not fit "
+                             f"{self.fingerprint()!r}")
+        tokens = json.loads(meta["tokens"])
+        cache = self.model.cache_from_tensors(st_load(blob))
+        handle = f"kv-{uuid.uuid4().hex[:16]}"
+        self._entries[handle] = (tokens, cache, self.clock.now() + self.lease_s)
+        return handle, len(tokens)
+
+    def adopt(self, handle: str, prompt: list[int]) -> tuple[KVCache | None, int]:
+        """Take an imported cache for ``prompt``; it covers the common prefix. An unknown or
+        expired handle falls back to a full prefill (``None``), never to an error."""
+        entry = self._entries.pop(handle, None)
+        if entry is None:
+            log.warning("KV handle %s unknown or expired: full prefill", handle)
+            return None, 0
+        tokens, cache, _ = entry
+        common = 0
+        for a, b in zip(tokens, prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        cache.length = min(cache.length, common)
+        return cache, cache.length
+
+
+def _metadata(blob: bytes) -> dict[str, str]:
+    try:
+        (n,) = struct.unpack("<Q", blob[:8])
+        header = json.loads(blob[8: 8 + n])
+        return header.get("__metadata__") or {}
+    except (struct.error, ValueError) as exc:
+        raise BadRequest(f"not a safetensors KV blob: {exc}") from exc
+
+
+class RateMeter:
+    """Tokens per second over a sliding window."""
+
+    def __init__(self, clock: Clock, window_s: float = 5.0) -> None:
+        self.clock, self.window_s = clock, window_s
+        self._events: deque[tuple[float, int]] = deque()
+
+    def add(self, n: int) -> None:
+        now = self.clock.now()
+        self._events.append((now, n))
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+    def rate(self) -> float:
+        now = self.clock.now()
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+        if not self._events:
+            return 0.0
+        span = max(now - self._events[0][0], 1e-3)
+        return sum(n for _, n in self._events) / span

@@ -1,0 +1,297 @@
+"""The core's side of membership: who joined which step, who delivered, who was lost.
+
+In: satellite requests (``hello``, ``join``, ``pull``, ``claim``, ``complete``, ``deliver``,
+``await_update``) arriving on RPC handler threads, and the core trainer's step calls
+(``open_step``, ``close_window``, ``wait_deliveries``, ``post_outcome``) on its main thread.
+Out: replies, gradient ``Contribution``s received over each satellite's link group, and the
+list of members that must receive the parameter broadcast after a non-final update.
+
+Keeps: satellites join in cell order (a join waits until every registered lower cell joined the
+step); the join window closes before the optimizer update and a late join waits for the next
+step; a claim is served only to a satellite holding the step's weight version, so nobody mixes
+versions within an accumulation window (invariant 5); a lost satellite's claimed and completed
+micro-steps go back to the packing buffer before the update. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.clock import Clock
+from tidal.errors import TidalError, TimeoutExpired
+from tidal.training.aggregate import Contribution
+from tidal.training.groups import CommError, GroupRegistry
+from tidal.training.packing import PackingBuffer
+from tidal.training.transport import BroadcastTransport
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    join_timeout_s: float = Field(default=120.0, gt=0)
+    gather_timeout_s: float = Field(default=60.0, gt=0)
+    claim_wait_s: float = Field(default=0.2, gt=0)
+    snapshot_transport: Literal["link", "shm"] = "link"
+
+
+class MembershipError(TidalError):
+    """A satellite request that does not fit its state (lost, wrong version, not joined)."""
+
+
+@dataclass
+class _Sat:
+    cell: int
+    incarnation: str
+    joined_step: int | None = None
+    delivered: bool = False
+    lost: bool = False
+    version: int = -1
+
+    @property
+    def worker(self) -> str:
+        return f"cell{self.cell}:{self.incarnation}"
+
+
+@dataclass
+class StepInfo:
+    step: int
+    batch_id: int
+    version: int
+    final: bool
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, packing: PackingBuffer,
+                 registry: GroupRegistry, clock: Clock, shm_name: str | None = None) -> None:
+        self.config, self.packing, self.registry, self.clock = config, packing, registry, clock
+        self.shm_name = shm_name
+        self._cv = threading.Condition()
+        self._sats: dict[int, _Sat] = {}
+        self._step: StepInfo | None = None
+        self._window_open = False
+        self._snapshot: torch.Tensor | None = None
+        self._contribs: dict[int, Contribution] = {}
+        self._outcomes: dict[int, dict[str, Any]] = {}
+        self._shutdown = False
+        self.numel = 0
+        self.fingerprint = ""
+        self.loss: dict[str, Any] = {}  # the core's GRPOLossConfig; satellites must use it
+        self.pad_id = 0
+        self.join_log: list[tuple[int, int, float]] = []  # (step, cell, time)
+
+    # ----- core side -----------------------------------------------------------------------
+    def open_step(self, info: StepInfo, snapshot: torch.Tensor) -> None:
+        with self._cv:
+            self._step, self._snapshot = info, snapshot
+            self._contribs, self._window_open = {}, True
+            self._cv.notify_all()
+
+    def close_window(self) -> None:
+        with self._cv:
+            self._window_open = False
+            self._cv.notify_all()
+
+    def _joined(self) -> list[_Sat]:
+        s = self._step
+        return [x for x in self._sats.values() if s and x.joined_step == s.step and not x.lost]
+
+    def wait_deliveries(self) -> list[Contribution]:
+        """Block until every satellite that joined this step delivered or was lost."""
+        deadline = self.clock.now() + self.config.gather_timeout_s
+        with self._cv:
+            while any(not x.delivered for x in self._joined()):
+                if self.clock.now() > deadline:
+                    for x in self._joined():
+                        if not x.delivered:
+                            log.warning("cell %d did not deliver within %.1fs: lost", x.cell,
+                                        self.config.gather_timeout_s)
+                            self._lose(x)
+                    break
+                self._cv.wait(0.05)
+            # A satellite lost after delivering still counts: its gradient is in hand.
+            return [self._contribs[c] for c in sorted(self._contribs)]
+
+    def members(self) -> list[tuple[int, str]]:
+        with self._cv:
+            return [(x.cell, x.incarnation) for x in sorted(self._joined(), key=lambda x: x.cell)]
+
+    def post_outcome(self, step: int, outcome: dict[str, Any]) -> None:
+        with self._cv:
+            self._outcomes[step] = outcome
+            if outcome["next"] == "continue":
+                for x in self._joined():
+                    x.version = outcome["version"]
+            self._cv.notify_all()
+
+    def mark_stale(self, cells: list[int]) -> None:
+        with self._cv:
+            for c in cells:
+                if c in self._sats:
+                    self._sats[c].version = -1
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._shutdown = True
+            self._cv.notify_all()
+
+    def lose(self, cell: int) -> None:
+        with self._cv:
+            if cell in self._sats:
+                self._lose(self._sats[cell])
+
+    def _lose(self, sat: _Sat) -> None:
+        if sat.lost:
+            return
+        sat.lost = True
+        if sat.cell in self._contribs:
+            reopened = 0  # delivered: its micro-steps are accounted for by its contribution
+        else:
+            reopened = self.packing.reopen(sat.worker)
+        self.registry.forget(f"{sat.cell}:{sat.incarnation}")
+        self.registry.forget(GroupRegistry.link_key(sat.cell, sat.incarnation))
+        log.warning("cell %d (%s) lost; %d micro-steps reopened", sat.cell, sat.incarnation,
+                    reopened)
+        self._cv.notify_all()
+
+    # ----- satellite requests (RPC handler threads) --------------------------------------------
+    def on_disconnect(self, session: dict[str, Any]) -> None:
+        if "cell" in session:
+            log.info("connection of cell %d closed", session["cell"])
+            self.lose(session["cell"])
+
+    def handle(self, req: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
+        op = req["op"]
+        if op == "hello":
+            return self._hello(req, session)
+        sat = self._sats[session["cell"]]
+        if op == "bye":
+            session["closing"] = True
+            return {}
+        if sat.lost:
+            raise MembershipError(f"cell {sat.cell} was declared lost; restart it")
+        return getattr(self, f"_op_{op}")(sat, req)
+
+    def _hello(self, req: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
+        cell, inc = int(req["cell"]), str(req["incarnation"])
+        if cell < 1:
+            raise MembershipError("satellites are cells 1..K-1")
+        if req["fingerprint"] != self.fingerprint:
+            raise MembershipError(f"cell {cell} runs another model ({req['fingerprint']})")
+        with self._cv:
+            old = self._sats.get(cell)
+            if old is not None and not old.lost:
+                self._lose(old)
+            self._sats[cell] = _Sat(cell, inc)
+            session["cell"] = cell
+        return {"shm_name": self.shm_name, "numel": self.numel, "loss": self.loss,
+                "pad_id": self.pad_id}
+
+    def _op_link(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
+        self.registry.link(sat.cell, sat.incarnation)
+        return {}
+
+    def _op_join(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
+        deadline = self.clock.now() + self.config.join_timeout_s
+        with self._cv:
+            while True:
+                if self._shutdown:
+                    return {"next": "shutdown"}
+                s = self._step
+                if (s and self._window_open and sat.joined_step != s.step
+                        and self._order_ok(sat.cell, s.step)):
+                    sat.joined_step, sat.delivered = s.step, False
+                    self.join_log.append((s.step, sat.cell, self.clock.now()))
+                    log.info("cell %d joined step %d (v%d)", sat.cell, s.step, s.version)
+                    self._cv.notify_all()
+                    return {"next": "train", "step": s.step, "batch_id": s.batch_id,
+                            "version": s.version, "final": s.final,
+                            "pull": sat.version != s.version}
+                if self.clock.now() > deadline:
+                    raise TimeoutExpired(f"cell {sat.cell}: no join window within "
+                                         f"{self.config.join_timeout_s}s")
+                self._cv.wait(0.05)
+
+    def _order_ok(self, cell: int, step: int) -> bool:
+        return all(x.joined_step == step for x in self._sats.values()
+                   if x.cell < cell and not x.lost)
+
+    def _op_pull(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
+        with self._cv:
+            s, snap = self._step, self._snapshot
+        if s is None or snap is None:
+            raise MembershipError("no snapshot exposed")
+        if self.config.snapshot_transport == "link":
+            link = self.registry.link(sat.cell, sat.incarnation)
+            try:
+                BroadcastTransport(self.registry, link).publish(s.version, snap)
+            except CommError:
+                self.lose(sat.cell)
+                raise
+        return {"version": s.version}
+
+    def _op_pulled(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
+        with self._cv:
+            sat.version = int(req["version"])
+        return {}
+
+    def _op_claim(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
+        s = self._step
+        if s is None or sat.joined_step != s.step or sat.delivered:
+            return {"kind": "drained"}
+        if sat.version != s.version:
+            raise MembershipError(f"cell {sat.cell} holds v{sat.version}, step trains v{s.version}")
+        deadline = self.clock.now() + self.config.claim_wait_s
+        while True:
+            claim = self.packing.claim(sat.worker)
+            if claim.kind != "wait" or self.clock.now() > deadline:
+                return {"kind": claim.kind, "micro_step": claim.micro_step}
+            time.sleep(0.01)
+
+    def _op_complete(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
+        return {"accepted": self.packing.complete(sat.worker, req["batch_id"], req["index"])}
+
+    def _op_deliver_begin(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
+        s = self._step
+        if s is None or sat.joined_step != s.step or s.step != req["step"]:
+            raise MembershipError(f"cell {sat.cell}: no delivery expected for step {req['step']}")
+        return {}
+
+    def _op_deliver(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
+        grad = torch.empty(self.numel, dtype=torch.float32)
+        link = self.registry.link(sat.cell, sat.incarnation)
+        try:
+            self.registry.broadcast(link, grad, 1)
+        except CommError:
+            self.lose(sat.cell)
+            raise
+        c = req["counts"]
+        with self._cv:
+            if sat.lost:
+                raise MembershipError(f"cell {sat.cell} was lost before its delivery completed")
+            self._contribs[sat.cell] = Contribution(
+                sat.cell, grad, c["n_micro_steps"], c["n_tokens"], c["n_executions"],
+                c["loss_sum"])
+            sat.delivered = True
+            self._cv.notify_all()
+        return {}
+
+    def _op_await_update(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
+        step = int(req["step"])
+        deadline = self.clock.now() + self.config.gather_timeout_s + self.config.join_timeout_s
+        with self._cv:
+            while step not in self._outcomes:
+                if sat.lost:
+                    raise MembershipError(f"cell {sat.cell} was lost during step {step}")
+                if self.clock.now() > deadline:
+                    raise TimeoutExpired(f"cell {sat.cell}: update of step {step} not announced")
+                self._cv.wait(0.05)
+            return dict(self._outcomes[step])

@@ -1,0 +1,255 @@
+"""The core trainer: owns the authoritative weights and the only optimizer state.
+
+In: ready groups from the ``TrajectoryBuffer`` (staleness enforced at ``take``), satellites'
+gradient contributions (via the ``Coordinator``). Out: one optimizer update per step; after a
+non-final update the new parameters go to the step's satellites over their prefix group; after
+the final update of a burst the new version goes to every ``WeightPublisher`` (engines).
+
+Per step: expose snapshot v (satellites may join and pull it while the core computes) -> stream
+groups into the packing buffer and process micro-steps -> when every micro-step is done, close
+the join window -> collect contributions (a lost satellite's micro-steps are reopened and done
+here) -> aggregate with the global execution count, clip, step -> broadcast or publish.
+Keeps invariant 5 (weights fixed during accumulation, each micro-step once, only the core holds
+optimizer state) and invariant 6 (the version counter every published vector carries).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from tidal.clock import Clock
+from tidal.errors import TimeoutExpired
+from tidal.training.aggregate import Normalization, aggregate, clip_
+from tidal.training.coordinator import Coordinator, CoordinatorConfig, StepInfo
+from tidal.training.groups import Backend, CommError, GroupRegistry
+from tidal.training.loss import GRPOLossConfig
+from tidal.training.packing import PackingBuffer, PackingConfig
+from tidal.training.rpc import RpcServer
+from tidal.training.trajectory_buffer import TrajectoryBuffer
+from tidal.training.transport import BroadcastTransport, SharedMemoryTransport, WeightPublisher
+from tidal.training.worker import GradientWorker
+
+log = logging.getLogger(__name__)
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(default=1e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float | None = 1.0
+    groups_per_step: int = Field(default=8, ge=1)
+    normalization: Normalization = "global"
+    step_data_timeout_s: float = Field(default=600.0, gt=0)
+    data_poll_s: float = Field(default=0.05, gt=0)
+    backend: Backend = "gloo"
+    host: str = "127.0.0.1"
+    loss: GRPOLossConfig = GRPOLossConfig()
+    packing: PackingConfig = PackingConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+
+
+@dataclass
+class StepReport:
+    step: int
+    version: int  # the version trained on; the update produced version + 1
+    final: bool
+    n_groups: int
+    n_executions: int
+    n_tokens: int
+    micro_steps_by_cell: dict[int, int]
+    reclaimed: int
+    reopened: int
+    grad_norm: float
+    loss: float
+    mean_reward: float
+    max_staleness: int
+    members: list[int] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
+
+
+class CoreTrainer:
+    """Cell 0. Construct, hand ``address()`` to satellites, then call ``train_step``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TrainerConfig,
+        trajectories: TrajectoryBuffer,
+        clock: Clock,
+        publishers: list[WeightPublisher] | None = None,
+        reference: nn.Module | None = None,
+        pad_id: int = 0,
+        initial_version: int = 0,
+    ) -> None:
+        self.model, self.config, self.trajectories, self.clock = model, config, trajectories, clock
+        self.publishers = list(publishers or [])
+        self.version = initial_version
+        self.worker = GradientWorker(0, model, config.loss, reference, pad_id)
+        self.layout = self.worker.layout
+        params = [p for p in model.parameters() if p.requires_grad]
+        if config.optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(params, lr=config.lr,
+                                               weight_decay=config.weight_decay)
+        else:
+            self.optimizer = torch.optim.SGD(params, lr=config.lr,
+                                             weight_decay=config.weight_decay)
+        self.registry = GroupRegistry(0, config.host, 0, "core", config.backend)
+        self.packing = PackingBuffer(config.packing, clock)
+        self._snap_shm: SharedMemoryTransport | None = None
+        shm_name = None
+        if config.coordinator.snapshot_transport == "shm":
+            shm_name = f"tidal-snap-{secrets.token_hex(4)}"
+            self._snap_shm = SharedMemoryTransport(shm_name, self.layout, create=True)
+        self.coordinator = Coordinator(config.coordinator, self.packing, self.registry, clock,
+                                       shm_name)
+        self.coordinator.numel = self.layout.numel
+        self.coordinator.fingerprint = self.layout.fingerprint()
+        self.coordinator.loss = config.loss.model_dump()
+        self.coordinator.pad_id = pad_id
+        self._authkey = secrets.token_bytes(16)
+        self.rpc = RpcServer(self.coordinator.handle, self.coordinator.on_disconnect,
+                             self._authkey, config.host)
+        self._step = 0
+        self._worker_id = "cell0:core"
+
+    def address(self) -> dict[str, object]:
+        """What a satellite needs to reach this core."""
+        return {"host": self.config.host, "rpc_port": self.rpc.address[1],
+                "store_port": self.registry.port, "authkey": self._authkey.hex(),
+                "backend": self.config.backend}
+
+    def _pump(self) -> None:
+        """Move fresh ready groups into the open batch; seal it when full or the stream ended."""
+        want = self.config.groups_per_step - self.packing.n_groups()
+        if want > 0:
+            timeout = self.config.data_poll_s if not self.packing.progress()["pending"] else 0.0
+            groups = self.trajectories.take(want, self.version, timeout_s=timeout)
+            if groups:
+                self.packing.add_groups(groups)
+                self._groups_in_step += len(groups)
+                self._last_data_s = self.clock.now()
+        if self.packing.n_groups() >= self.config.groups_per_step or (
+            self.trajectories.exhausted()
+        ):
+            self.packing.seal()
+            self._sealed = True
+
+    def _process_batch(self) -> None:
+        while True:
+            if not self._sealed:
+                self._pump()
+            claim = self.packing.claim(self._worker_id)
+            if claim.kind == "micro_step":
+                assert claim.micro_step is not None
+                self.worker.compute(claim.micro_step)
+                ms = claim.micro_step
+                if self.packing.complete(self._worker_id, ms.batch_id, ms.index):
+                    self.worker.commit()
+                    self._last_data_s = self.clock.now()
+                else:
+                    self.worker.discard()
+                continue
+            if self.packing.all_done():
+                self.coordinator.close_window()
+                self._contribs = self.coordinator.wait_deliveries()
+                if self.packing.all_done():
+                    return
+                continue
+            if self._sealed:
+                # Data paused: satellites hold the remaining claims; wait at this point.
+                self.clock_wait(self.config.data_poll_s)
+            if self.clock.now() - self._last_data_s > self.config.step_data_timeout_s:
+                raise TimeoutExpired(
+                    f"step {self._step}: no progress for {self.config.step_data_timeout_s}s "
+                    f"({self.packing.progress()})"
+                )
+
+    def clock_wait(self, seconds: float) -> None:
+        # Waiting is not reading the clock; an Event gives a bounded, interruptible sleep.
+        threading.Event().wait(seconds)
+
+    def train_step(self, final: bool = True) -> StepReport | None:
+        """One optimizer update over ``groups_per_step`` groups; None if the stream was empty."""
+        step, version = self._step, self.version
+        snapshot = self.layout.params_to_flat(self.model)
+        if self._snap_shm is not None:
+            self._snap_shm.publish(version, snapshot)
+        self.packing.open_batch(step, version)
+        self.worker.reset()
+        self._contribs = []
+        self._sealed, self._groups_in_step = False, 0
+        self._last_data_s = self.clock.now()
+        self.coordinator.open_step(StepInfo(step, step, version, final), snapshot)
+        self._process_batch()
+        summary = self.packing.finish()
+        self._step += 1
+        if summary.n_executions == 0:
+            self.coordinator.post_outcome(step, {"next": "leave", "version": version})
+            return None
+        contribs = [self.worker.contribution(), *self._contribs]
+        grad = aggregate(contribs, summary.n_executions, self.config.normalization)
+        norm = clip_(grad, self.config.max_grad_norm)
+        self.layout.flat_to_grads_(self.model, grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        members = self.coordinator.members()
+        if final:
+            self.coordinator.post_outcome(step, {"next": "leave", "version": self.version})
+            self.publish()
+        else:
+            self._broadcast_update(step, members)
+        by_cell: dict[int, int] = {}
+        for worker in summary.done_by.values():
+            cell = int(worker.split(":")[0][4:])
+            by_cell[cell] = by_cell.get(cell, 0) + 1
+        rewards = [g.mean_reward() for g in summary.groups]
+        loss = sum(c.loss_sum for c in contribs) / summary.n_executions
+        report = StepReport(
+            step, version, final, len(summary.groups), summary.n_executions,
+            summary.n_trainable_tokens, by_cell, summary.reclaimed, summary.reopened, norm, loss,
+            sum(rewards) / len(rewards), summary.max_staleness, [c for c, _ in members],
+            [g.group_id for g in summary.groups],
+        )
+        log.info("step %d v%d->v%d: %d groups, micro-steps by cell %s, |g|=%.4f", step, version,
+                 self.version, report.n_groups, by_cell, norm)
+        return report
+
+    def _broadcast_update(self, step: int, members: list[tuple[int, str]]) -> None:
+        group = [(0, "core"), *members]
+        self.coordinator.post_outcome(
+            step, {"next": "continue", "version": self.version, "members": group})
+        if not members:
+            return
+        flat = self.layout.params_to_flat(self.model)
+        try:
+            pg = self.registry.prefix(group)
+            BroadcastTransport(self.registry, pg).publish(self.version, flat)
+        except CommError:
+            log.exception("parameter broadcast to %s failed; they will pull again", members)
+            self.registry.forget(GroupRegistry.prefix_key(group))
+            self.coordinator.mark_stale([c for c, _ in members])
+
+    def publish(self) -> None:
+        """Hand the current version to every engine-facing publisher."""
+        flat = self.layout.params_to_flat(self.model)
+        for pub in self.publishers:
+            pub.publish(self.version, flat)
+        log.info("published v%d to %d publishers", self.version, len(self.publishers))
+
+    def close(self) -> None:
+        self.coordinator.shutdown()
+        self.rpc.close()
+        if self._snap_shm is not None:
+            self._snap_shm.close()
+        self.registry.close()

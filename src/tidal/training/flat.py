@@ -1,0 +1,96 @@
+"""Flat parameter and gradient vectors of a module, so weights travel as one contiguous buffer.
+
+In: an ``nn.Module``. Out: a ``ParamLayout`` (names, shapes, offsets: the wire format every
+transport and the satellite agree on) that copies parameters or gradients into one flat float32
+tensor and back, in place. Keeps: the layout is derived from ``named_parameters`` order and is
+checked by a fingerprint on both ends, so a satellite never loads a buffer of another model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tidal.errors import TidalError
+
+
+class LayoutMismatch(TidalError):
+    """A flat buffer whose layout fingerprint differs from the local model's."""
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ParamLayout:
+        names, shapes, offsets, pos = [], [], [], 0
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            names.append(name)
+            shapes.append(tuple(p.shape))
+            offsets.append(pos)
+            pos += p.numel()
+        return cls(tuple(names), tuple(shapes), tuple(offsets), pos)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * 4
+
+    def fingerprint(self) -> str:
+        text = ";".join(f"{n}:{s}" for n, s in zip(self.names, self.shapes, strict=True))
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    def _params(self, module: nn.Module) -> list[nn.Parameter]:
+        named = dict(module.named_parameters())
+        return [named[n] for n in self.names]
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Name -> view into ``flat`` with the parameter's shape (no copy)."""
+        out = {}
+        for name, shape, off in zip(self.names, self.shapes, self.offsets, strict=True):
+            n = 1
+            for d in shape:
+                n *= d
+            out[name] = flat[off : off + n].view(shape)
+        return out
+
+    def params_to_flat(self, module: nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(self.numel, dtype=torch.float32)
+        with torch.no_grad():
+            for p, off in zip(self._params(module), self.offsets, strict=True):
+                out[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        return out
+
+    def flat_to_params_(self, module: nn.Module, flat: torch.Tensor) -> None:
+        if flat.numel() != self.numel:
+            raise LayoutMismatch(f"flat buffer has {flat.numel()} values, model {self.numel}")
+        with torch.no_grad():
+            for p, off in zip(self._params(module), self.offsets, strict=True):
+                p.copy_(flat[off : off + p.numel()].view_as(p))
+
+    def grads_to_flat(self, module: nn.Module, out: torch.Tensor) -> torch.Tensor:
+        """Copy ``.grad`` into ``out`` (a parameter without gradient contributes zeros)."""
+        for p, off in zip(self._params(module), self.offsets, strict=True):
+            seg = out[off : off + p.numel()]
+            if p.grad is None:
+                seg.zero_()
+            else:
+                seg.copy_(p.grad.reshape(-1))
+        return out
+
+    def flat_to_grads_(self, module: nn.Module, flat: torch.Tensor) -> None:
+        for p, off in zip(self._params(module), self.offsets, strict=True):
+            g = flat[off : off + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)

@@ -1,0 +1,172 @@
+"""Execution records as the proxy writes them, and their conversion to training sequences.
+
+In: one ``ExecutionRecord`` per closed execution - the model calls the OpenAI-compatible proxy
+answered (prompt token ids, output token ids, output log-probs, and the weight version of each
+output segment, as vLLM's ``weight_versions`` spans give them) plus the reward at close.
+Out: ``TrainSequence`` objects - one token stream per chain of calls whose prompts extend each
+other, with a trainable mask that is true only for tokens the policy sampled (harness-injected
+tokens between calls are context), and the behaviour log-prob and weight version of every
+trainable token.
+
+Invariant 6: every trainable token carries the weight version that produced it. A record whose
+segments do not tile its output tokens is rejected here (``RecordError``) and never trained.
+Timed-out and cancelled executions are kept: they are scored on what they produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tidal.errors import TidalError
+
+NO_VERSION = -1
+
+
+class RecordError(TidalError):
+    """An execution record that cannot be trained on (inconsistent lengths or versions)."""
+
+
+class OutputSegment(BaseModel):
+    """Output tokens ``[start, end)`` of one call were sampled with ``weight_version``.
+
+    Engines label versions ``"v<n>"`` (vLLM, SGLang, the built-in engine); both forms are read.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    weight_version: int = Field(ge=0)
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _parse_label(cls, v: object) -> object:
+        if isinstance(v, str) and v.startswith("v") and v[1:].isdigit():
+            return int(v[1:])
+        return v
+
+
+class ModelCall(BaseModel):
+    """One model request answered by the proxy (retries inside it are already folded in)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    segments: list[OutputSegment]
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelCall:
+        n = len(self.output_token_ids)
+        if len(self.output_logprobs) != n:
+            raise RecordError(f"{n} output tokens but {len(self.output_logprobs)} log-probs")
+        pos = 0
+        for seg in self.segments:
+            if seg.start != pos or seg.end <= seg.start:
+                raise RecordError(f"segments must tile the output: gap or overlap at {pos}")
+            pos = seg.end
+        if pos != n:
+            raise RecordError(f"segments cover {pos} of {n} output tokens")
+        return self
+
+    def versions(self) -> list[int]:
+        out: list[int] = []
+        for seg in self.segments:
+            out.extend([seg.weight_version] * (seg.end - seg.start))
+        return out
+
+
+class ExecutionRecord(BaseModel):
+    """A closed execution: its model calls in order and the reward it was scored with."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    execution_id: str
+    group_id: str
+    calls: list[ModelCall]
+    reward: float
+    status: Literal["completed", "failed", "timed_out", "cancelled"] = "completed"
+
+    def min_version(self) -> int:
+        versions = [s.weight_version for c in self.calls for s in c.segments]
+        return min(versions) if versions else NO_VERSION
+
+    def trainable_tokens(self) -> int:
+        return sum(len(c.output_token_ids) for c in self.calls)
+
+
+@dataclass
+class TrainSequence:
+    """One token stream of an execution; position ``i`` is trainable iff the policy sampled it."""
+
+    execution_id: str
+    group_id: str
+    token_ids: list[int] = field(default_factory=list)
+    trainable: list[bool] = field(default_factory=list)
+    behaviour_logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def n_trainable(self) -> int:
+        return sum(self.trainable)
+
+    def _append(self, tokens: list[int], logprobs: list[float] | None, versions: list[int] | None):
+        self.token_ids.extend(tokens)
+        if logprobs is None:
+            self.trainable.extend([False] * len(tokens))
+            self.behaviour_logprobs.extend([0.0] * len(tokens))
+            self.versions.extend([NO_VERSION] * len(tokens))
+        else:
+            assert versions is not None
+            self.trainable.extend([True] * len(tokens))
+            self.behaviour_logprobs.extend(logprobs)
+            self.versions.extend(versions)
+
+
+def record_to_sequences(record: ExecutionRecord) -> list[TrainSequence]:
+    """Chain calls whose prompt extends the previous stream; start a new stream otherwise.
+
+    A prompt that does not start with the stream so far (context compaction, re-tokenisation by
+    the harness) cannot share a forward pass with it, so it opens a new sequence.
+    """
+    sequences: list[TrainSequence] = []
+    current: TrainSequence | None = None
+    for call in record.calls:
+        prompt = call.prompt_token_ids
+        if current is not None and prompt[: len(current)] == current.token_ids:
+            current._append(prompt[len(current) :], None, None)
+        else:
+            current = TrainSequence(record.execution_id, record.group_id)
+            sequences.append(current)
+            current._append(list(prompt), None, None)
+        current._append(list(call.output_token_ids), list(call.output_logprobs), call.versions())
+    return [s for s in sequences if s.n_trainable() > 0 and len(s) > 1]
+
+
+def single_call_record(
+    execution_id: str,
+    group_id: str,
+    prompt_token_ids: list[int],
+    output_token_ids: list[int],
+    output_logprobs: list[float],
+    weight_version: int,
+    reward: float,
+) -> ExecutionRecord:
+    """The record of a one-call execution sampled entirely with one weight version."""
+    n = len(output_token_ids)
+    segments = [OutputSegment(start=0, end=n, weight_version=weight_version)] if n else []
+    call = ModelCall(
+        prompt_token_ids=list(prompt_token_ids),
+        output_token_ids=list(output_token_ids),
+        output_logprobs=list(output_logprobs),
+        segments=segments,
+    )
+    return ExecutionRecord(
+        execution_id=execution_id, group_id=group_id, calls=[call], reward=reward
+    )

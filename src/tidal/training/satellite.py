@@ -1,0 +1,171 @@
+"""A satellite cell's training loop (runs in its own process; cells 1..K-1).
+
+In: the core's address (RPC port, store port, auth key) and a ``ModelSpec`` to build the same
+architecture. Per step: join (in cell order) -> pull snapshot v if it does not hold v -> claim,
+compute, complete micro-steps until the batch is drained (waiting at a consistent point when
+data pauses) -> deliver its gradient sum and counts over its link -> wait for the update: after a
+non-final update receive the new parameters over the prefix group and continue; after the final
+update leave. Out: gradient contributions; never an optimizer step (invariant 5: only the core
+holds optimizer state; weights change only between steps, by a pull or a broadcast).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from tidal.training.flat import ParamLayout
+from tidal.training.groups import Backend, GroupRegistry
+from tidal.training.loss import GRPOLossConfig
+from tidal.training.rpc import RpcClient
+from tidal.training.transport import BroadcastTransport, SharedMemoryTransport
+from tidal.training.worker import GradientWorker
+
+log = logging.getLogger(__name__)
+
+
+class ModelSpec(BaseModel):
+    """How a process builds the policy: a saved model directory, or a fresh tiny GPT."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_dir: str | None = None
+    tiny: dict[str, int] | None = None
+    seed: int = 0
+
+    def build(self) -> nn.Module:
+        from tidal.models import GPTConfig, TinyGPT, load_model
+
+        torch.manual_seed(self.seed)
+        if self.model_dir is not None:
+            return load_model(self.model_dir)[0]
+        return TinyGPT(GPTConfig(**(self.tiny or {})))
+
+
+class SatelliteConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cell: int = Field(ge=1)
+    host: str = "127.0.0.1"
+    rpc_port: int
+    store_port: int
+    authkey: str
+    backend: Backend = "gloo"
+    model: ModelSpec
+    # The frozen reference for the KL term (needed when the core's loss has kl_coef > 0).
+    reference: ModelSpec | None = None
+    timeout_s: float = Field(default=120.0, gt=0)
+    start_delay_s: float = Field(default=0.0, ge=0)
+    max_steps: int | None = None
+    torch_threads: int = 1
+
+
+class Satellite:
+    def __init__(self, config: SatelliteConfig) -> None:
+        self.config = config
+        self.incarnation = f"{os.getpid()}-{secrets.token_hex(3)}"
+        self.model = config.model.build()
+        self.layout = ParamLayout.of(self.model)
+        self.version = -1
+        self._flat = torch.empty(self.layout.numel, dtype=torch.float32)
+        self.client = RpcClient((config.host, config.rpc_port), bytes.fromhex(config.authkey))
+        hello = self.client.call("hello", cell=config.cell, incarnation=self.incarnation,
+                                 fingerprint=self.layout.fingerprint())
+        # The loss is the core's, never a local copy: the invariance of the update depends on it.
+        loss = GRPOLossConfig.model_validate(hello["loss"])
+        reference = config.reference.build().eval() if config.reference else None
+        if loss.kl_coef > 0 and reference is None:
+            raise ValueError(f"cell {config.cell}: the core's loss has a KL term; "
+                             "SatelliteConfig.reference is required")
+        self.worker = GradientWorker(config.cell, self.model, loss, reference, hello["pad_id"])
+        self.registry = GroupRegistry(config.cell, config.host, config.store_port,
+                                      self.incarnation, config.backend, config.timeout_s)
+        self.client.call_with("link", lambda: self.registry.link(config.cell, self.incarnation))
+        self.shm: SharedMemoryTransport | None = None
+        if hello["shm_name"]:
+            self.shm = SharedMemoryTransport(hello["shm_name"], self.layout, create=False)
+
+    @property
+    def link(self):
+        return self.registry.link(self.config.cell, self.incarnation)
+
+    def _pull(self, version: int) -> None:
+        if self.shm is not None:
+            got = self.shm.pull(self._flat, version, self.config.timeout_s)
+        else:
+            reader = BroadcastTransport(self.registry, self.link)
+            _, got = self.client.call_with("pull", lambda: reader.pull(self._flat, version))
+        if got != version:
+            raise RuntimeError(f"cell {self.config.cell}: pulled v{got}, step trains v{version}")
+        self.layout.flat_to_params_(self.model, self._flat)
+        self.version = version
+        self.client.call("pulled", version=version)
+
+    def run_step(self, join: dict[str, Any]) -> dict[str, Any]:
+        step, version = join["step"], join["version"]
+        if join["pull"] or self.version != version:
+            self._pull(version)
+        self.worker.reset()
+        while True:
+            claim = self.client.call("claim", timeout_s=self.config.timeout_s)
+            if claim["kind"] == "drained":
+                break
+            if claim["kind"] == "wait":
+                continue
+            ms = claim["micro_step"]
+            self.worker.compute(ms)
+            done = self.client.call("complete", batch_id=ms.batch_id, index=ms.index)
+            if done["accepted"]:
+                self.worker.commit()
+            else:
+                self.worker.discard()
+        self.client.call("deliver_begin", step=step)
+        grad = self.worker.grad_sum
+        self.client.call_with("deliver", lambda: self.registry.broadcast(self.link, grad, 1),
+                              counts=self.worker.counts())
+        outcome = self.client.call("await_update", step=step, timeout_s=self.config.timeout_s * 3)
+        if outcome["next"] == "continue":
+            members = [tuple(m) for m in outcome["members"]]
+            pg = self.registry.prefix(members)
+            got = BroadcastTransport(self.registry, pg).pull(self._flat, outcome["version"])
+            self.layout.flat_to_params_(self.model, self._flat)
+            self.version = got
+        log.info("cell %d: step %d done (%d micro-steps), next=%s", self.config.cell, step,
+                 self.worker.n_micro_steps, outcome["next"])
+        return outcome
+
+    def run(self) -> int:
+        steps = 0
+        while self.config.max_steps is None or steps < self.config.max_steps:
+            join = self.client.call("join", timeout_s=self.config.timeout_s * 2)
+            if join["next"] == "shutdown":
+                break
+            self.run_step(join)
+            steps += 1
+        self.client.call("bye")
+        self.client.close()
+        return steps
+
+
+def run_satellite(config_json: str) -> None:
+    """Process entry point (``multiprocessing`` spawn target or ``python -m``)."""
+    config = SatelliteConfig.model_validate_json(config_json)
+    torch.set_num_threads(config.torch_threads)
+    logging.basicConfig(level=os.environ.get("TIDAL_LOG", "WARNING"),
+                        format=f"%(asctime)s cell{config.cell} %(levelname)s %(name)s: %(message)s")
+    if config.start_delay_s:
+        time.sleep(config.start_delay_s)
+    Satellite(config).run()
+
+
+if __name__ == "__main__":
+    import sys
+
+    run_satellite(sys.argv[1])

@@ -1,0 +1,206 @@
+"""Trajectory buffer: closed execution records in, ready GRPO groups out.
+
+In: ``ExecutionRecord`` objects (any thread; the proxy's record stream). Records are grouped by
+``group_id``; a group is ready once ``group_size`` records are in. Out: ``ReadyGroup`` objects
+with group-normalised advantages and per-token staleness, handed to the trainer by ``take``.
+
+Invariant 6: the staleness bound is enforced when data is consumed. ``take(..., version=v)``
+never returns a group holding a token older than ``v - max_policy_lag``; such groups are
+discarded and counted (their ids are kept so a dispatcher can run them again). ``on_stale``
+decides what the consumer does about the shortfall: ``drop`` streams whatever fresh groups there
+are, ``wait`` hands out nothing until the full request can be met with fresh groups (the batch
+stays complete at the cost of streaming; the core's step timeout bounds the wait).
+The buffer is bounded (``capacity_groups``); a full buffer makes ``add`` wait, then fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.clock import Clock
+from tidal.errors import TidalError, TimeoutExpired
+from tidal.training.records import ExecutionRecord, TrainSequence, record_to_sequences
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+class TrajectoryBufferConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    group_size: int = Field(default=4, ge=1)
+    max_policy_lag: int = Field(default=1, ge=0)
+    on_stale: Literal["drop", "wait"] = "drop"
+    capacity_groups: int = Field(default=1024, ge=1)
+    advantage_eps: float = Field(default=1e-6, gt=0)
+    # Groups whose rewards are all equal carry no GRPO signal; dropping them saves compute.
+    drop_uniform_groups: bool = False
+
+
+class BufferClosed(TidalError):
+    """The trajectory stream was closed; nothing more will arrive."""
+
+
+def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """GRPO advantage: reward minus the group mean, over the group's (population) std."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+@dataclass
+class ReadyGroup:
+    """A complete GRPO group: records, their advantages and token sequences."""
+
+    group_id: str
+    records: list[ExecutionRecord]
+    advantages: list[float]
+    sequences: list[list[TrainSequence]]  # per record
+    staleness: list[list[list[int]]] = field(default_factory=list)  # per record, seq, token
+    consumed_version: int | None = None
+
+    def min_version(self) -> int:
+        return min(r.min_version() for r in self.records)
+
+    def mean_reward(self) -> float:
+        return sum(r.reward for r in self.records) / len(self.records)
+
+
+@dataclass
+class BufferStats:
+    records_in: int = 0
+    groups_ready: int = 0
+    groups_taken: int = 0
+    groups_dropped_stale: int = 0
+    groups_dropped_uniform: int = 0
+    tokens_dropped_stale: int = 0
+    max_staleness_taken: int = 0
+    dropped_group_ids: list[str] = field(default_factory=list)
+
+
+class TrajectoryBuffer:
+    """Thread-safe; one owner (the core trainer) calls ``take``, any thread calls ``add``."""
+
+    def __init__(self, config: TrajectoryBufferConfig, clock: Clock) -> None:
+        self.config = config
+        self._clock = clock
+        self._cv = threading.Condition()
+        self._partial: dict[str, list[ExecutionRecord]] = {}
+        self._ready: list[ReadyGroup] = []
+        self._closed = False
+        self.stats = BufferStats()
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._ready)
+
+    def _held_groups(self) -> int:
+        return len(self._ready) + len(self._partial)
+
+    def add(self, record: ExecutionRecord, timeout_s: float = 30.0) -> None:
+        deadline = self._clock.now() + timeout_s
+        with self._cv:
+            if self._closed:
+                raise BufferClosed(f"trajectory buffer closed; record {record.execution_id} lost")
+            while record.group_id not in self._partial and self._held_groups() >= (
+                self.config.capacity_groups
+            ):
+                if self._clock.now() >= deadline:
+                    raise TimeoutExpired(
+                        f"trajectory buffer full ({self.config.capacity_groups} groups) for "
+                        f"{timeout_s}s; the trainer is not consuming"
+                    )
+                self._cv.wait(_POLL_S)
+            members = self._partial.setdefault(record.group_id, [])
+            if any(m.execution_id == record.execution_id for m in members):
+                log.warning("duplicate record %s ignored", record.execution_id)
+                return
+            members.append(record)
+            self.stats.records_in += 1
+            if len(members) == self.config.group_size:
+                del self._partial[record.group_id]
+                self._make_ready(record.group_id, members)
+            self._cv.notify_all()
+
+    def _make_ready(self, group_id: str, records: list[ExecutionRecord]) -> None:
+        rewards = [r.reward for r in records]
+        if self.config.drop_uniform_groups and max(rewards) == min(rewards):
+            self.stats.groups_dropped_uniform += 1
+            return
+        advantages = group_advantages(rewards, self.config.advantage_eps)
+        sequences = [record_to_sequences(r) for r in records]
+        self._ready.append(ReadyGroup(group_id, list(records), advantages, sequences))
+        self.stats.groups_ready += 1
+
+    def close(self) -> None:
+        """End of stream: partial groups can never complete and are discarded."""
+        with self._cv:
+            self._closed = True
+            if self._partial:
+                log.info("closing with %d incomplete groups", len(self._partial))
+            self._partial.clear()
+            self._cv.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        with self._cv:
+            return self._closed
+
+    def exhausted(self) -> bool:
+        """Closed and nothing ready: no ``take`` can return data again."""
+        with self._cv:
+            return self._closed and not self._ready
+
+    def _evict_stale(self, version: int) -> None:
+        oldest_ok = version - self.config.max_policy_lag
+        fresh = []
+        for g in self._ready:
+            if g.min_version() >= oldest_ok:
+                fresh.append(g)
+                continue
+            self.stats.groups_dropped_stale += 1
+            self.stats.tokens_dropped_stale += sum(r.trainable_tokens() for r in g.records)
+            self.stats.dropped_group_ids.append(g.group_id)
+            log.info("dropped stale group %s (min version %d < %d)", g.group_id,
+                     g.min_version(), oldest_ok)
+        self._ready = fresh
+
+    def take(self, max_groups: int, version: int, timeout_s: float = 0.0) -> list[ReadyGroup]:
+        """Up to ``max_groups`` fresh groups for training at ``version``, oldest first.
+
+        Waits up to ``timeout_s``: under ``drop`` for at least one fresh group, under ``wait``
+        for all ``max_groups`` (fewer only once the stream is closed; none on timeout).
+        """
+        need = max_groups if self.config.on_stale == "wait" else 1
+        deadline = self._clock.now() + timeout_s
+        with self._cv:
+            while True:
+                self._evict_stale(version)
+                if len(self._ready) >= need or self._closed:
+                    break
+                if self._clock.now() >= deadline:
+                    if self.config.on_stale == "wait":
+                        return []
+                    break
+                self._cv.wait(_POLL_S)
+            out, self._ready = self._ready[:max_groups], self._ready[max_groups:]
+            for g in out:
+                g.consumed_version = version
+                g.staleness = [
+                    [[version - v if t else 0 for v, t in zip(s.versions, s.trainable, strict=True)]
+                     for s in seqs]
+                    for seqs in g.sequences
+                ]
+                lag = version - g.min_version()
+                self.stats.max_staleness_taken = max(self.stats.max_staleness_taken, lag)
+            self.stats.groups_taken += len(out)
+            self._cv.notify_all()
+            return out

@@ -1,0 +1,191 @@
+"""Weight publication to a vLLM server (the adapter's path; vLLM itself runs elsewhere).
+
+In: ``(version, flat)`` from the core (a ``WeightPublisher``). Out: the new weights inside every
+vLLM worker and the server's weight version label, without restarting the server. Pattern 1 of
+ENGINES.md 1.1d: the server runs with ``VLLM_SERVER_DEV_MODE=1`` and
+``--worker-extension-cls tidal.training.vllm_sync.TidalWorkerExtension``; the trainer drives it
+over HTTP ``POST /collective_rpc``. Two carriers:
+
+- ``shm`` (same machine): the core writes the vector into a shared-memory segment and each
+  worker's ``tidal_load_shm`` maps it and calls ``model.load_weights``;
+- ``broadcast`` (across machines, NCCL on GPUs): each worker joins a side group once
+  (``tidal_init_group``: TCPStore + PrefixStore, trainer = rank 0) and ``tidal_receive`` takes
+  the broadcast while the trainer sends it.
+
+Keeps invariant 6: after the load the server's label is set to ``v<version>`` (``/update_weight
+_version``), so every token it generates afterwards is attributed to the version it came from.
+Generation is paused around the load (``pause_mode``, default ``keep``) so no step runs on
+half-loaded weights. Routes are probed once (``/openapi.json``), since they move between
+releases.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from typing import Any, Literal
+
+import torch
+
+from tidal.training.flat import ParamLayout
+from tidal.training.transport import SharedMemoryTransport, TransportError
+
+log = logging.getLogger(__name__)
+
+_REQUIRED = ("/collective_rpc",)
+
+
+class TidalWorkerExtension:
+    """Mixed into every vLLM GPU worker by ``--worker-extension-cls``; uses ``model_runner``."""
+
+    model_runner: Any
+
+    def _load(self, named: dict[str, torch.Tensor]) -> None:
+        model = self.model_runner.model
+        device = next(model.parameters()).device
+        model.load_weights(weights=[(n, t.to(device)) for n, t in named.items()])
+
+    def tidal_load_shm(self, shm_name: str, min_version: int, timeout_s: float = 60.0) -> int:
+        reader = SharedMemoryTransport.attach(shm_name)
+        try:
+            version, named = reader.named_views(min_version, timeout_s)
+            self._load(named)
+        finally:
+            reader.close()
+        return version
+
+    def tidal_init_group(self, host: str, port: int, rank_offset: int, world_size: int, key: str,
+                         backend: str = "nccl", timeout_s: float = 300.0) -> bool:
+        """Join the trainer's side group as ``rank_offset + <this worker's rank>``."""
+        import torch.distributed as dist
+
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        store = dist.TCPStore(host, port, None, False, dt.timedelta(seconds=timeout_s))
+        prefixed = dist.PrefixStore(key, store)
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            self._tidal_pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+            self._tidal_device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._tidal_pg = dist.ProcessGroupGloo(prefixed, rank, world_size,
+                                                   dt.timedelta(seconds=timeout_s))
+            self._tidal_device = torch.device("cpu")
+        return True
+
+    def tidal_receive(self, layout: dict[str, Any]) -> int:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        header = torch.zeros(2, dtype=torch.float64, device=self._tidal_device)
+        self._tidal_pg.broadcast([header], opts).wait()
+        version, numel = int(header[0]), int(header[1])
+        flat = torch.empty(numel, dtype=torch.float32, device=self._tidal_device)
+        self._tidal_pg.broadcast([flat], opts).wait()
+        lay = ParamLayout(tuple(layout["names"]), tuple(tuple(s) for s in layout["shapes"]),
+                          tuple(layout["offsets"]), numel)
+        self._load(lay.views(flat))
+        return version
+
+
+class VLLMWeightPublisher:
+    """A ``WeightPublisher`` for one vLLM server (all its TP/DP workers)."""
+
+    def __init__(self, base_url: str, layout: ParamLayout, carrier: Literal["shm", "broadcast"],
+                 shm_name: str | None = None, pause_mode: str | None = "keep",
+                 api_key: str | None = None, timeout_s: float = 300.0) -> None:
+        import httpx
+
+        self.base_url, self.layout, self.carrier = base_url.rstrip("/"), layout, carrier
+        self.pause_mode, self.timeout_s = pause_mode, timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        routes = set(self._get("/openapi.json").get("paths", {}))
+        missing = [r for r in _REQUIRED if r not in routes]
+        if missing:
+            raise TransportError(f"{base_url} lacks {missing}: start vLLM with "
+                                 "VLLM_SERVER_DEV_MODE=1 and the tidal worker extension")
+        self._has_version = "/update_weight_version" in routes
+        self._has_pause = "/pause" in routes and "/resume" in routes
+        self._shm = (SharedMemoryTransport(shm_name or "tidal-vllm", layout, create=True)
+                     if carrier == "shm" else None)
+        self._group: tuple[Any, Any] | None = None
+
+    def _get(self, path: str) -> dict[str, Any]:
+        resp = self._http.get(path)
+        resp.raise_for_status()
+        return resp.json()
+
+    def _post(self, path: str, json: dict[str, Any] | None = None,
+              params: dict[str, Any] | None = None) -> dict[str, Any]:
+        import httpx
+
+        try:
+            resp = self._http.post(path, json=json, params=params)
+        except httpx.HTTPError as exc:
+            raise TransportError(f"vLLM {path}: {exc}") from exc
+        if resp.status_code >= 400:
+            raise TransportError(f"vLLM {path}: HTTP {resp.status_code}: {resp.text[:300]}")
+        return resp.json() if resp.content else {}
+
+    def rpc(self, method: str, *args: Any) -> list[Any]:
+        body = {"method": method, "args": list(args), "kwargs": {}, "timeout": self.timeout_s}
+        return self._post("/collective_rpc", body)["results"]
+
+    def init_group(self, registry: Any, world_size: int, key: str = "tidal-vllm/") -> None:
+        """Form the trainer(rank 0) + workers side group once; ``registry`` is the core's."""
+        out: dict[str, Any] = {}
+        call = threading.Thread(target=lambda: out.update(r=self.rpc(
+            "tidal_init_group", registry.host, registry.port, 1, world_size, key,
+            registry.backend)))
+        call.start()
+        pg = registry._create(key, 0, world_size)
+        call.join(self.timeout_s)
+        if "r" not in out:
+            raise TransportError("vLLM workers did not join the weight group")
+        self._group = (registry, pg)
+
+    def publish(self, version: int, flat: torch.Tensor) -> None:
+        if self.pause_mode and self._has_pause:
+            self._post("/pause", params={"mode": self.pause_mode})
+        try:
+            if self._shm is not None:
+                self._shm.publish(version, flat)
+                self.rpc("tidal_load_shm", self._shm.name, version)
+            else:
+                self._broadcast(version, flat)
+            if self._has_version:
+                self._post("/update_weight_version", {"new_version": f"v{version}"})
+        finally:
+            if self.pause_mode and self._has_pause:
+                self._post("/resume")
+        log.info("vLLM %s now serves v%d", self.base_url, version)
+
+    def _broadcast(self, version: int, flat: torch.Tensor) -> None:
+        from tidal.training.transport import BroadcastTransport
+
+        if self._group is None:
+            raise TransportError("broadcast carrier needs init_group() first")
+        registry, pg = self._group
+        meta = {"names": self.layout.names, "shapes": self.layout.shapes,
+                "offsets": self.layout.offsets}
+        errors: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                self.rpc("tidal_receive", meta)
+            except BaseException as exc:  # reported below, after the broadcast
+                errors.append(exc)
+
+        call = threading.Thread(target=receive)
+        call.start()
+        BroadcastTransport(registry, pg).publish(version, flat)
+        call.join(self.timeout_s)
+        if errors or call.is_alive():
+            raise TransportError(f"vLLM workers did not load v{version}: {errors}")
+
+    def close(self) -> None:
+        self._http.close()
+        if self._shm is not None:
+            self._shm.close()

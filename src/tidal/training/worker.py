@@ -1,0 +1,112 @@
+"""Micro-step execution shared by the core and the satellites: forward, backward, commit.
+
+In: a ``MicroStep`` and a model whose weights are fixed for the step. Out: the gradient of the
+micro-step's un-normalised GRPO loss, held aside until the packing buffer confirms the claim
+(``commit``) and then added to the worker's running sum; a refused claim's gradient is dropped
+(``discard``), so a reclaimed micro-step is counted only by the worker that completed it
+(invariant 5). The worker never changes weights: ``load_flat`` is called only between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tidal.training.aggregate import Contribution
+from tidal.training.flat import ParamLayout
+from tidal.training.loss import (
+    GRPOLossConfig,
+    MicroStepTensors,
+    grpo_loss_sum,
+    micro_step_tensors,
+    target_logprobs,
+)
+from tidal.training.packing import MicroStep
+
+
+def forward_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Full-sequence logits [B, L, V] from a plain module or an HF-style output object."""
+    out = model(input_ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+@dataclass
+class StepResult:
+    loss_sum: float
+    n_tokens: int
+    clipped_tokens: int
+    mean_ratio: float
+    max_staleness: int
+
+
+class GradientWorker:
+    """Accumulates committed micro-step gradients for one participant and one batch."""
+
+    def __init__(
+        self,
+        cell: int,
+        model: nn.Module,
+        loss_config: GRPOLossConfig,
+        reference: nn.Module | None = None,
+        pad_id: int = 0,
+    ) -> None:
+        self.cell = cell
+        self.model = model
+        self.reference = reference
+        self.loss_config = loss_config
+        self.pad_id = pad_id
+        self.layout = ParamLayout.of(model)
+        self._pending = torch.zeros(self.layout.numel, dtype=torch.float32)
+        self._pending_stats: tuple[MicroStep, StepResult] | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.grad_sum = torch.zeros(self.layout.numel, dtype=torch.float32)
+        self.n_micro_steps = self.n_tokens = 0
+        self.loss_sum = 0.0
+        self.executions: set[str] = set()
+
+    def compute(self, step: MicroStep) -> StepResult:
+        t = micro_step_tensors(step, self.pad_id)
+        device = next(self.model.parameters()).device
+        if device.type != "cpu":
+            t = MicroStepTensors(*(x.to(device) for x in vars(t).values()))
+        self.model.zero_grad(set_to_none=True)
+        logits = forward_logits(self.model, t.input_ids)
+        logprobs = target_logprobs(logits, t.input_ids)
+        ref = None
+        if self.loss_config.kl_coef > 0 and self.reference is not None:
+            with torch.no_grad():
+                ref = target_logprobs(forward_logits(self.reference, t.input_ids), t.input_ids)
+        loss, stats = grpo_loss_sum(logprobs, t, self.loss_config, ref)
+        loss.backward()
+        self.layout.grads_to_flat(self.model, self._pending)
+        self.model.zero_grad(set_to_none=True)
+        stale = int((t.staleness * t.mask).max()) if bool(t.mask.any()) else 0
+        result = StepResult(stats.loss_sum, stats.n_tokens, stats.clipped_tokens,
+                            stats.mean_ratio, stale)
+        self._pending_stats = (step, result)
+        return result
+
+    def commit(self) -> None:
+        assert self._pending_stats is not None, "commit without compute"
+        step, result = self._pending_stats
+        self.grad_sum += self._pending
+        self.n_micro_steps += 1
+        self.n_tokens += result.n_tokens
+        self.loss_sum += result.loss_sum
+        self.executions |= step.execution_ids()
+        self._pending_stats = None
+
+    def discard(self) -> None:
+        self._pending_stats = None
+
+    def contribution(self) -> Contribution:
+        return Contribution(self.cell, self.grad_sum, self.n_micro_steps, self.n_tokens,
+                            len(self.executions), self.loss_sum)
+
+    def counts(self) -> dict[str, int | float]:
+        return {"n_micro_steps": self.n_micro_steps, "n_tokens": self.n_tokens,
+                "n_executions": len(self.executions), "loss_sum": self.loss_sum}

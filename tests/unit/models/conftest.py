@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from tidal.models import create_tiny
+
+    return create_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=1, max_seq_len=256)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from tidal.errors import TidalError
+    from tidal.models import fetch
+
+    try:
+        return fetch("smollm2-135m")
+    except TidalError as exc:  # the wheel or the hf extra is missing: nothing to compare
+        pytest.skip(f"SmolLM2 cannot be converted here: {exc}")

@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from tidal.models import create_tiny
+
+    return create_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=1, max_seq_len=512)

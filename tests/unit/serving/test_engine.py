@@ -1,0 +1,163 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tidal.models import TinyGPT, load_model
+from tidal.serving.engine import Engine, EngineConfig
+from tidal.serving.protocol import BadRequest, GenerateRequest, SamplingParams
+
+
+def _engine(tiny_dir, **cfg) -> Engine:
+    model, tok = load_model(tiny_dir)
+    return Engine(model, tok, tiny_dir, EngineConfig(**cfg))
+
+
+async def _collect(engine, rid, prompt, **params):
+    req = GenerateRequest(rid, prompt, SamplingParams(**params))
+    chunks = [c async for c in engine.generate(req)]
+    toks = [t for c in chunks for t in c.token_ids]
+    return chunks, toks
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_concurrent_requests_match_unbatched_greedy(tiny_dir):
+    async def main():
+        eng = _engine(tiny_dir, max_batch=8)
+        await eng.start()
+        prompts = [[5 + i] * (3 + 2 * i) for i in range(6)]
+        results = await asyncio.gather(*[
+            _collect(eng, f"r{i}", p, max_tokens=12, temperature=0, ignore_eos=True)
+            for i, p in enumerate(prompts)])
+        await eng.stop()
+        return eng, prompts, results
+
+    eng, prompts, results = run(main())
+    model = eng.model
+    for p, (chunks, toks) in zip(prompts, results, strict=True):
+        assert len(toks) == 12 and chunks[-1].finish_reason == "length"
+        assert chunks[0].prompt_token_ids == p
+        seq = list(p)
+        for t in toks:  # greedy reference without any cache
+            nxt = int(model(torch.tensor([seq]))[0, -1].argmax())
+            assert nxt == t
+            seq.append(nxt)
+        lps = [lp for c in chunks for lp in c.logprobs]
+        assert all(lp <= 0 for lp in lps) and len(lps) == 12
+        assert {v for c in chunks for v in c.versions} == {"v0"}
+
+
+def test_abort_returns_partial_tokens_and_pins_kv_for_handoff(tiny_dir):
+    async def main():
+        a, b = _engine(tiny_dir), _engine(tiny_dir)
+        await a.start()
+        await b.start()
+        prompt = [7, 8, 9, 10]
+        task = asyncio.create_task(_collect(a, "x", prompt, max_tokens=400, temperature=0,
+                                            ignore_eos=True))
+        while len(a._requests.get("x").tokens if "x" in a._requests else []) < 5:
+            await asyncio.sleep(0.005)
+        assert a.abort(["x"], keep_kv=True) == 1
+        chunks, partial = await task
+        assert chunks[-1].finish_reason == "abort" and 5 <= len(partial) < 400
+        blob = await a.export_kv("x")
+        handle, covered = await b.import_kv(blob)
+        assert covered == len(prompt) + len(partial) - 1
+        assert a.release_kv("x")
+        req = GenerateRequest("y", prompt + partial,
+                              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                              kv_handle=handle)
+        cont = [c async for c in b.generate(req)]
+        _ref, ref_toks = await _collect(a, "z", prompt, max_tokens=len(partial) + 5,
+                                       temperature=0, ignore_eos=True)
+        await a.stop()
+        await b.stop()
+        return partial, cont, ref_toks, b
+
+    partial, cont, ref_toks, b = run(main())
+    assert cont[0].cached_tokens == len(partial) + 3  # 0 re-prefilled tokens
+    assert partial + [t for c in cont for t in c.token_ids] == ref_toks
+    assert b.stats()["prefill_tokens"] == 1
+
+
+def test_pause_modes_and_resume(tiny_dir):
+    async def main():
+        eng = _engine(tiny_dir)
+        await eng.start()
+        t1 = asyncio.create_task(_collect(eng, "k", [3, 4], max_tokens=30, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        await eng.pause("keep")
+        n = len(eng._requests["k"].tokens)
+        await asyncio.sleep(0.1)
+        assert len(eng._requests["k"].tokens) == n and eng.is_paused
+        await eng.resume()
+        chunks, toks = await t1
+        assert chunks[-1].finish_reason == "length" and len(toks) == 30
+        t2 = asyncio.create_task(_collect(eng, "w", [3, 4], max_tokens=20, ignore_eos=True))
+        await asyncio.sleep(0.02)
+        await eng.pause("wait")
+        chunks, toks = await t2
+        assert chunks[-1].finish_reason == "length" and eng.is_paused
+        t3 = asyncio.create_task(_collect(eng, "q", [3], max_tokens=5, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        assert eng.stats()["waiting"] == 1  # admitted but held while paused
+        await eng.resume()
+        assert len((await t3)[1]) == 5
+        t4 = asyncio.create_task(_collect(eng, "a", [3], max_tokens=300, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        await eng.pause("abort")
+        chunks, toks = await t4
+        assert chunks[-1].finish_reason == "abort" and len(toks) < 300
+        with pytest.raises(BadRequest):
+            await eng.pause("freeze")
+        await eng.stop()
+
+    run(main())
+
+
+def test_sleep_frees_memory_and_weight_versions_tag_tokens(tiny_dir, tmp_path):
+    async def main():
+        eng = _engine(tiny_dir)
+        await eng.start()
+        before = await _collect(eng, "a", [1, 2, 3], max_tokens=8, temperature=0,
+                                ignore_eos=True)
+        await eng.sleep(1)
+        s = eng.stats()
+        assert eng.is_sleeping and s["weights_bytes"] == 0 and s["kv_bytes"] == 0
+        await eng.wake_up()
+        again = await _collect(eng, "b", [1, 2, 3], max_tokens=8, temperature=0,
+                               ignore_eos=True)
+        assert again[1] == before[1]
+        other = TinyGPT(eng.model.cfg)
+        other.save(tmp_path / "w2")
+        task = asyncio.create_task(_collect(eng, "c", [1, 2, 3], max_tokens=200,
+                                            ignore_eos=True))
+        await asyncio.sleep(0.05)
+        await eng.update_weights(tmp_path / "w2" / "model.safetensors", "v2")
+        chunks, _toks = await task
+        versions = [v for c in chunks for v in c.versions]
+        assert versions[0] == "v0" and versions[-1] == "v2" and len(versions) == 200
+        assert versions == sorted(versions)  # one switch, never back
+        await eng.sleep(2)
+        await eng.wake_up()  # level 2 reloads from the last weight source (v2)
+        assert eng.weight_version == "v2"
+        await eng.stop()
+
+    run(main())
+
+
+def test_bad_requests_are_rejected(tiny_dir):
+    async def main():
+        eng = _engine(tiny_dir)
+        await eng.start()
+        for prompt in ([], [10**6], [1] * 600):
+            with pytest.raises(BadRequest):
+                await _collect(eng, "bad", prompt)
+        await eng.stop()
+
+    run(main())
