@@ -27,7 +27,7 @@ from tidal.control.metrics import MetricsTracker, RoleTimeline
 from tidal.control.plans import PlanStep, TransitionPlan, build_plan
 from tidal.control.policy import Action, CellView, Decision, Observation, PlanStyle, Policy
 from tidal.control.supply import SupplyTracker
-from tidal.errors import InvariantViolation
+from tidal.errors import ConfigError, InvariantViolation
 from tidal.types import (
     BurstStarted,
     Direction,
@@ -100,6 +100,12 @@ class Controller:
         n = policy.initial_prefix(self._cell_views()) if initial_prefix is None \
             else initial_prefix
         cells.reset_roles(n)
+        if getattr(policy, "requires_rollout_at_start", False) and cells.rollout_capacity == 0:
+            # Every cell starts training and nothing else serves: the waterlevel could never
+            # fall and no burst would ever end. Refuse instead of deadlocking.
+            raise ConfigError("cluster", f"policy {policy.name!r} would start with no rollout "
+                              "capacity (every cell hybrid, no standalone engine); use elastic "
+                              "cells or add standalone engines")
         self.timeline = RoleTimeline(cells.roles(), now)
         self.metrics = MetricsTracker(
             hybrid_gpus=sum(c.gpus for c in cells.cells),

@@ -42,6 +42,9 @@ def move_is_safe(obs: Observation, cell: CellView) -> bool:
 class WaterlevelPolicy:
     name = "waterlevel"
     waterlevel_safe = True
+    # Cells return to rollout only at a burst end: with no rollout capacity at the start (all
+    # cells hybrid, no standalone engine) no burst could ever end. The controller refuses that.
+    requires_rollout_at_start = True
 
     def __init__(self, core_may_stay: bool = True) -> None:
         if not isinstance(core_may_stay, bool):

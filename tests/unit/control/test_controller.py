@@ -269,3 +269,10 @@ def test_decision_log_jsonl_has_inputs(tmp_path):
     # consecutive holds that differ only in numbers are logged once
     holds = [r["reason"] for r in lines if r.get("action") == "hold"]
     assert len(holds) == len(set(holds))
+
+
+def test_waterlevel_without_any_rollout_capacity_is_a_config_error():
+    from tidal.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no rollout capacity"):
+        make("waterlevel", cells=2, kind=CellKind.HYBRID)

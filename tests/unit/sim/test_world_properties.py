@@ -21,9 +21,9 @@ def test_random_worlds_finish_with_invariants_held(seed, policy, cells, standalo
                                                    turns, failure, kv, timeout):
     # A static split with every cell training and no standalone engine can never roll out.
     assume(not (policy.startswith("static") and cells == 1 and standalone == 0))
-    # Known (reported): waterlevel with hybrid cells only and no standalone engine starts with
-    # every cell training and zero rollout capacity; it returns cells only at a burst end,
-    # which never comes.
+    # waterlevel with hybrid cells only and no standalone engine would start with zero rollout
+    # capacity and never reach a burst end: the controller refuses it (a ConfigError, tested
+    # in tests/unit/control/test_controller.py).
     assume(not (policy == "waterlevel" and standalone == 0))
     sc = tiny_scenario(
         seed=seed,
