@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tidal.serving.engine import Engine
 from tidal.serving.openai_api import (
     SSE_DONE,
+    ChatMessage,
     ChatRequest,
     CompletionRequest,
     Result,
@@ -39,6 +40,14 @@ class AbortBody(BaseModel):
 
     request_ids: list[str] | None = None
     keep_kv: bool = False
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=4_000_000)
+    messages: list[ChatMessage] | None = None
 
 
 class WeightsBody(BaseModel):
@@ -108,6 +117,17 @@ def build_engine_app(engine: Engine, served_name: str) -> FastAPI:
         prompt = tok.apply_chat_template([m.model_dump() for m in body.messages])
         rid = body.request_id or x_request_id or uuid.uuid4().hex
         return await run(rid, prompt, body, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        check_model(body.model)
+        if body.messages:
+            ids = tok.apply_chat_template([m.model_dump() for m in body.messages])
+        elif body.prompt is not None:
+            ids = tok.encode(body.prompt)
+        else:
+            raise BadRequest("tokenize needs prompt or messages")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.max_seq_len}
 
     @app.get("/v1/models")
     async def models():
