@@ -145,10 +145,12 @@ class BuiltinAdapter(HTTPEngineBase):
     """The built-in engine (``tidal engine``): every control and KV handoff."""
 
     supports_kv_handoff = True
+    stream_interval_ms = 20.0  # the proxy needs tokens so far, not every token at once
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         body = {"prompt": req.prompt_token_ids, "stream": True, "request_id": req.request_id,
-                "kv_handle": req.kv_handle, **req.params.model_dump()}
+                "kv_handle": req.kv_handle, "stream_interval_ms": self.stream_interval_ms,
+                **req.params.model_dump()}
         async for event in self._sse("/v1/completions", body):
             yield TokenChunk.from_json(event["tidal"])
 

@@ -11,6 +11,7 @@ State lives on the asyncio loop; only the model forward runs in a worker thread,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
@@ -79,15 +80,20 @@ class Engine:
                 await asyncio.gather(self._task, return_exceptions=True)
 
     # -- requests --------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        """Stream chunks for ``req``; the last chunk has a finish reason. Closing the iterator
-        early (client gone) aborts the request."""
+    async def generate(self, req: GenerateRequest,
+                       min_interval_s: float = 0.0) -> AsyncIterator[TokenChunk]:
+        """Stream chunks for ``req``; the last chunk has a finish reason. With
+        ``min_interval_s`` tokens are coalesced into at most one chunk per interval (an abort
+        or finish is sent at once). Closing the iterator early aborts the request."""
         r = self._admit(req)
         try:
             sent = 0
             first = True
             while True:
                 await r.changed.wait()
+                if min_interval_s and not first and r.finish_reason is None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(r.finished.wait(), min_interval_s)
                 r.changed.clear()
                 n = len(r.tokens)
                 chunk = TokenChunk(r.tokens[sent:n], r.logprobs[sent:n], r.versions[sent:n],
@@ -98,6 +104,8 @@ class Engine:
                 sent = n
                 if r.finish_reason is not None and sent == len(r.tokens):
                     chunk.finish_reason = r.finish_reason
+                    if r.finish_reason == "abort":
+                        chunk.kv_tokens = r.kv_tokens
                     yield chunk
                     return
                 if chunk.token_ids or chunk.prompt_token_ids is not None:
@@ -313,6 +321,8 @@ class Engine:
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
+        r.finished.set()
+        r.kv_tokens = r.cache.length if r.cache is not None else 0
         r.cache = None
         if r in self._running:
             self._running.remove(r)

@@ -80,7 +80,7 @@ def build_engine_app(engine: Engine, served_name: str) -> FastAPI:
 
     async def run(rid: str, prompt: list[int], body, chat: bool):
         req = GenerateRequest(rid, prompt, body.sampling(), kv_handle=body.kv_handle)
-        stream = engine.generate(req)
+        stream = engine.generate(req, min_interval_s=body.stream_interval_ms / 1000.0)
         first = await anext(stream)  # admission errors surface here, before any byte is sent
         if body.stream:
             async def events() -> AsyncIterator[bytes]:

@@ -37,8 +37,10 @@ class Request:
         self.cache: KVCache | None = None
         self.pending: list[int] = []
         self.cached_tokens = 0
+        self.kv_tokens = 0
         self.finish_reason: str | None = None
         self.changed = asyncio.Event()
+        self.finished = asyncio.Event()
         self.rng: torch.Generator | None = None
 
     def start(self, model: CausalLM) -> None:

@@ -37,6 +37,8 @@ class _Body(BaseModel):
     return_token_ids: bool = False
     request_id: str | None = Field(None, max_length=256)
     kv_handle: str | None = Field(None, max_length=256)
+    stream_interval_ms: float = Field(0.0, ge=0.0, le=1000.0,
+                                      description="coalesce streamed tokens (tidal extension)")
 
     def sampling(self, default_max_tokens: int = 16) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens,

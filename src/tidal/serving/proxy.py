@@ -62,6 +62,8 @@ class Attempt:
     member: Member
     cancelled: bool = False
     started: bool = False
+    used_handoff: bool = False
+    kv_tokens: int | None = None
     abort_sent: bool = False
     keep_kv: bool = False
 
@@ -126,13 +128,10 @@ class Proxy:
             if a.execution_id is not None:
                 self.router.reserve(a.execution_id, engine_id)
             a.cancelled, a.keep_kv = True, use_kv
-        # attempts whose first chunk has not arrived abort themselves when it does
-        started = [a for a in attempts if a.started and not a.abort_sent]
-        for a in started:
-            a.abort_sent = True
-        if started:
+        if attempts:  # ids the engine does not know yet are ignored there; their runners
+            # abort them when the first chunk arrives (``cancelled`` is set)
             try:
-                await member.adapter.abort([a.request_id for a in started], keep_kv=use_kv)
+                await member.adapter.abort([a.request_id for a in attempts], keep_kv=use_kv)
             except ServingError as exc:  # a dead engine: its calls retry on their own
                 log.warning("drain %s: abort failed (%s)", engine_id, exc)
         await self._wait_empty(member)
@@ -176,6 +175,7 @@ class Proxy:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.request_timeout_s
         handoff: Attempt | None = None
+        prior_kv = 0  # tokens some earlier engine held KV for: what a re-prefill redoes
         for attempt_no in range(1, self.config.max_attempts + 1):
             remaining = params.max_tokens - len(res.token_ids)
             if remaining <= 0:
@@ -187,14 +187,14 @@ class Proxy:
             seg = Segment(member.engine_id, attempt.request_id)
             try:
                 reason = await self._run_attempt(attempt, seg, res, prompt, params, remaining,
-                                                 handoff, attempt_no, on_chunk)
+                                                 handoff, prior_kv, on_chunk)
             except BadRequest:
                 if attempt_no == 1 and not res.token_ids:
                     raise
-                reason = None  # e.g. a refused KV import: retry plainly
+                reason, seg.ended_by = None, "error"  # e.g. a refused KV import: retry plainly
                 log.exception("call %s: retrying after a refused request", call.call_id)
             except (EngineUnavailable, Overloaded) as exc:
-                reason = None
+                reason, seg.ended_by = None, "error"
                 await self._check_engine(member, exc)
             finally:
                 member.inflight.pop(attempt.request_id, None)
@@ -204,8 +204,14 @@ class Proxy:
             if reason in ("stop", "length"):
                 res.finish_reason = reason
                 break
-            seg.ended_by = seg.ended_by or "retry"
-            handoff = attempt if attempt.keep_kv else None
+            if attempt.started:
+                prior_kv = attempt.kv_tokens if attempt.kv_tokens is not None else \
+                    len(prompt) + len(res.token_ids) - 1
+            if attempt.keep_kv:  # drained with its KV pinned at the source
+                handoff = attempt
+            elif attempt.used_handoff or seg.token_ids:
+                handoff = None  # consumed, or superseded by newer tokens without KV
+            # else: the attempt failed before using the handoff; the next one tries again
             self.totals["retries"] += 1
         else:
             raise EngineUnavailable(f"call {call.call_id}: no engine finished it in "
@@ -217,10 +223,11 @@ class Proxy:
 
     async def _run_attempt(self, attempt: Attempt, seg: Segment, res: Result,
                            prompt: list[int], params: SamplingParams, remaining: int,
-                           handoff: Attempt | None, attempt_no: int,
+                           handoff: Attempt | None, prior_kv: int,
                            on_chunk: Callable[[TokenChunk], None] | None) -> str | None:
         member = attempt.member
         kv_handle = await self._handoff(handoff, member) if handoff else None
+        attempt.used_handoff = kv_handle is not None
         prompt_now = prompt + res.token_ids
         req = GenerateRequest(attempt.request_id, prompt_now,
                               params.model_copy(update={"max_tokens": remaining}), kv_handle)
@@ -229,9 +236,11 @@ class Proxy:
             attempt.started = True
             if chunk.prompt_token_ids is not None:
                 seg.cached_tokens = chunk.cached_tokens or 0
-                if attempt_no > 1:  # tokens the source had computed and this engine redoes
-                    seg.reprefill_tokens = max(0, len(prompt_now) - 1 - seg.cached_tokens)
-                    self.totals["reprefill_tokens"] += seg.reprefill_tokens
+                # tokens an earlier engine had computed and this one computes again
+                seg.reprefill_tokens = max(0, min(prior_kv, len(prompt_now) - 1)
+                                           - seg.cached_tokens)
+                self.totals["reprefill_tokens"] += seg.reprefill_tokens
+                if kv_handle is not None:
                     self.totals["saved_prefill_tokens"] += seg.cached_tokens
             if attempt.cancelled and not attempt.abort_sent:  # drained before it started
                 attempt.abort_sent = True
@@ -246,6 +255,7 @@ class Proxy:
                     on_chunk(chunk)
             if chunk.finish_reason:
                 reason = chunk.finish_reason
+                attempt.kv_tokens = chunk.kv_tokens
         seg.ended_by = reason or "lost"
         return reason
 
@@ -280,10 +290,11 @@ class Proxy:
 
     async def _check_engine(self, member: Member, exc: Exception) -> None:
         if member.alive and not await member.adapter.health():
-            self.totals["engine_failures"] += 1
-            log.warning("engine %s is down (%s): it leaves, its calls retry elsewhere",
-                        member.engine_id, exc)
-            self.router.leave(member.engine_id)
+            if self.router.members.get(member.engine_id) is member:
+                self.router.leave(member.engine_id)
+                self.totals["engine_failures"] += 1
+                log.warning("engine %s is down (%s): it leaves, its calls retry elsewhere",
+                            member.engine_id, exc)
         else:
             await asyncio.sleep(0.05)
 
