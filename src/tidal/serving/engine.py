@@ -295,10 +295,18 @@ class Engine:
         async with self._step_lock:
             if self._sleeping or self._paused:
                 return
-            feeds = [list(r.pending) for r in batch]
-            logits = await asyncio.to_thread(
-                self.model.forward_cached, feeds, [r.cache for r in batch])
-            self._apply(batch, logits, self.weight_version)
+            # prefills and one-token decodes run as separate ragged calls: no padding of
+            # decodes up to prompt length
+            prefill = [r for r in batch if len(r.pending) > 1]
+            decode = [r for r in batch if len(r.pending) == 1]
+            groups = [g for g in (prefill, decode) if g]
+            outs = await asyncio.to_thread(self._forward_groups, groups)
+            for group, logits in zip(groups, outs, strict=True):
+                self._apply(group, logits, self.weight_version)
+
+    def _forward_groups(self, groups: list[list[Request]]) -> list[torch.Tensor]:
+        return [self.model.forward_cached([list(r.pending) for r in g], [r.cache for r in g])
+                for g in groups]
 
     def _apply(self, batch: list[Request], logits: torch.Tensor, version: str) -> None:
         logp = torch.log_softmax(logits.float(), dim=-1)

@@ -32,7 +32,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", *args],
+        verbosity = os.environ.get("TIDAL_CHILD_LOG", "")  # e.g. "-vv" for DEBUG
+        self.proc = subprocess.Popen([sys.executable, "-m", "tidal.cli",
+                                      *([verbosity] if verbosity else []), *args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
 
     def wait_healthy(self, timeout_s: float = 60.0) -> ServerProcess:

@@ -201,6 +201,9 @@ class Proxy:
                 self._capacity.set()
                 if seg.token_ids or seg.ended_by:
                     call.segments.append(seg)
+            log.debug("call %s attempt %d on %s: %s after %d tokens (kv %s, cancelled %s)",
+                      call.call_id, attempt_no, member.engine_id, reason or seg.ended_by,
+                      len(seg.token_ids), attempt.kv_tokens, attempt.cancelled)
             if reason in ("stop", "length"):
                 res.finish_reason = reason
                 break

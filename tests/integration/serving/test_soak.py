@@ -8,6 +8,7 @@ TIDAL_SOAK_EXECUTIONS=200 TIDAL_SOAK_DRAINS=20 TIDAL_SOAK_KILLS=5.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -111,7 +112,7 @@ def test_executions_survive_drains_and_kills(cluster, tmp_path):
     rerouted = [s for s in segments if len(s) > 1]
     # a drained request is handed off to the next attempt, unless that attempt's engine
     # died under it (ended_by "error") or the source itself was killed meanwhile
-    handed_off = [b for s in rerouted for a, b in zip(s, s[1:], strict=False)
+    handed_off = [b for s in rerouted for a, b in itertools.pairwise(s)
                   if a["ended_by"] == "abort" and b["ended_by"] != "error"
                   and a["engine_id"] not in killed]
     print(f"\nchaos: {log}\nstats: { {k: v for k, v in stats.items() if k != 'engines'} }"
