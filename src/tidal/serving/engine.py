@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.clock import Clock, WallClock
 from tidal.models import CausalLM, Tokenizer, read_weights
-from tidal.serving.engine_state import KVStore, RateMeter, Request
+from tidal.serving.engine_state import KVStore, RateMeter, Request, sample_batch
 from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, TokenChunk
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,9 @@ class EngineConfig(BaseModel):
     kv_lease_s: float = Field(30.0, gt=0)
     wait_timeout_s: float = Field(60.0, gt=0)
     seed: int = 0
+    # a model step of a tiny model is mostly Python holding the GIL: running it in a worker
+    # thread only adds GIL hand-offs; big models release the GIL in their kernels
+    step_in_thread: bool = False
 
 
 class Engine:
@@ -116,7 +119,7 @@ class Engine:
             self._requests.pop(r.id, None)
 
     def _text(self, r: Request, start: int, end: int) -> str:
-        return self.tokenizer.decode(r.tokens[:end])[len(self.tokenizer.decode(r.tokens[:start])):]
+        return self.tokenizer.decode(r.tokens[start:end]) if end > start else ""
 
     def _admit(self, req: GenerateRequest) -> Request:
         if req.request_id in self._requests:
@@ -300,7 +303,10 @@ class Engine:
             prefill = [r for r in batch if len(r.pending) > 1]
             decode = [r for r in batch if len(r.pending) == 1]
             groups = [g for g in (prefill, decode) if g]
-            outs = await asyncio.to_thread(self._forward_groups, groups)
+            if self.config.step_in_thread:
+                outs = await asyncio.to_thread(self._forward_groups, groups)
+            else:
+                outs = self._forward_groups(groups)
             for group, logits in zip(groups, outs, strict=True):
                 self._apply(group, logits, self.weight_version)
 
@@ -310,13 +316,15 @@ class Engine:
 
     def _apply(self, batch: list[Request], logits: torch.Tensor, version: str) -> None:
         logp = torch.log_softmax(logits.float(), dim=-1)
+        tokens = sample_batch(batch, logits, logp, self._rng)
+        chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
         for i, r in enumerate(batch):
             r.pending = []
             if r.finish_reason is not None:  # aborted while the step ran
                 continue
-            token = r.sample(logits[i], self._rng)
+            token = tokens[i]
             r.tokens.append(token)
-            r.logprobs.append(float(logp[i, token]))
+            r.logprobs.append(chosen[i])
             r.versions.append(version)
             r.pending = [token]
             self.totals["generated_tokens"] += 1

@@ -74,6 +74,24 @@ class Request:
         return None
 
 
+def sample_batch(batch: list[Request], logits: torch.Tensor, logp: torch.Tensor,
+                 rng: torch.Generator) -> list[int]:
+    """One token per request: greedy rows by argmax; plain temperature-1 rows (no top-k, no
+    seed) in one batched draw; the rest one by one."""
+    greedy = logits.argmax(dim=-1).tolist()
+    plain = [i for i, r in enumerate(batch) if r.params.temperature == 1.0
+             and not r.params.top_k and r.rng is None]
+    out = list(greedy)
+    if plain:
+        draws = torch.multinomial(logp[plain].exp(), 1, generator=rng)[:, 0].tolist()
+        for i, t in zip(plain, draws, strict=True):
+            out[i] = t
+    for i, r in enumerate(batch):
+        if r.params.temperature != 0.0 and i not in plain:
+            out[i] = r.sample(logits[i], rng)
+    return out
+
+
 class KVStore:
     """Pinned caches (keyed by request id) and imported ones (keyed by handle), each with the
     token ids it covers and a lease deadline."""

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,6 +66,7 @@ class Attempt:
     started: bool = False
     used_handoff: bool = False
     kv_tokens: int | None = None
+    upstream_s: float = 0.0
     abort_sent: bool = False
     keep_kv: bool = False
 
@@ -75,6 +78,7 @@ class Proxy:
         self.router = Router()
         self.records = RecordStore()
         self._capacity = asyncio.Event()
+        self.overhead_s: deque[float] = deque(maxlen=20_000)
         self.totals = {"calls": 0, "retries": 0, "drains": 0, "kv_handoffs": 0,
                        "engine_failures": 0, "reprefill_tokens": 0, "saved_prefill_tokens": 0}
 
@@ -169,6 +173,8 @@ class Proxy:
         if len(prompt) > self.config.max_prompt_tokens:
             raise BadRequest(f"prompt of {len(prompt)} tokens exceeds the limit of "
                              f"{self.config.max_prompt_tokens}")
+        t_start = time.perf_counter()
+        waited_s = 0.0  # upstream streaming + admission waits: not the proxy's own cost
         call = ModelCall(uuid.uuid4().hex[:16], list(prompt), params.max_tokens)
         self.totals["calls"] += 1
         res = Result(list(prompt))
@@ -181,13 +187,16 @@ class Proxy:
             if remaining <= 0:
                 res.finish_reason = "length"
                 break
+            t_wait = time.perf_counter()
             member = await self._acquire(execution_id, deadline)
+            waited_s += time.perf_counter() - t_wait
             attempt = Attempt(execution_id, f"{call.call_id}-{attempt_no}", member)
             member.inflight[attempt.request_id] = attempt
             seg = Segment(member.engine_id, attempt.request_id)
             try:
                 reason = await self._run_attempt(attempt, seg, res, prompt, params, remaining,
                                                  handoff, prior_kv, on_chunk)
+                waited_s += attempt.upstream_s
             except BadRequest:
                 if attempt_no == 1 and not res.token_ids:
                     raise
@@ -219,6 +228,7 @@ class Proxy:
         else:
             raise EngineUnavailable(f"call {call.call_id}: no engine finished it in "
                                     f"{self.config.max_attempts} attempts")
+        self.overhead_s.append(time.perf_counter() - t_start - waited_s)
         call.finish_reason = res.finish_reason
         if execution_id is not None:
             self.records.add(execution_id, call)
@@ -235,7 +245,15 @@ class Proxy:
         req = GenerateRequest(attempt.request_id, prompt_now,
                               params.model_copy(update={"max_tokens": remaining}), kv_handle)
         reason = None
-        async for chunk in member.adapter.generate(req):
+        stream = member.adapter.generate(req)
+        while True:
+            t_up = time.perf_counter()
+            try:
+                chunk = await anext(stream)
+            except StopAsyncIteration:
+                break
+            finally:
+                attempt.upstream_s += time.perf_counter() - t_up
             attempt.started = True
             if chunk.prompt_token_ids is not None:
                 seg.cached_tokens = chunk.cached_tokens or 0
@@ -302,7 +320,13 @@ class Proxy:
             await asyncio.sleep(0.05)
 
     def stats(self) -> dict:
-        return {"engines": [m.describe() for m in self.router.members.values()],
+        lat = sorted(self.overhead_s)
+        overhead = {"n": len(lat)}
+        if lat:
+            overhead.update({"p50_ms": 1e3 * lat[len(lat) // 2],
+                             "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]})
+        return {"overhead": overhead,
+                "engines": [m.describe() for m in self.router.members.values()],
                 "capacity": self.router.capacity(),
                 "inflight": sum(len(m.inflight) for m in self.router.members.values()),
                 "executions_recorded": len(self.records), **self.totals}
