@@ -78,10 +78,13 @@ def start_engine(model_dir: str | Path, port: int | None = None, name: str = "ti
 
 def start_proxy(engines: list[str], cells: list[str], admin_token: str,
                 port: int | None = None, cap: int = 64, kv_handoff: bool = True,
+                require_registration: bool = False,
                 log_path: Path | None = None) -> ServerProcess:
     port = port or free_port()
     args = ["proxy", "--port", str(port), "--cap", str(cap),
             "--kv-handoff" if kv_handoff else "--no-kv-handoff"]
+    if require_registration:
+        args.append("--require-registration")
     for url in engines:
         args += ["--engine", url]
     for url in cells:

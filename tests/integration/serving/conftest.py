@@ -19,6 +19,7 @@ class Cluster:
             e.wait_healthy(120)
         self.proxy = start_proxy([self.engines["s0"].url],
                                  [self.engines["c0"].url, self.engines["c1"].url], TOKEN,
+                                 require_registration=True,
                                  log_path=log_dir / "proxy.log").wait_healthy(60)
         self.url = self.proxy.url
         self.admin = {"Authorization": f"Bearer {TOKEN}"}
