@@ -84,8 +84,8 @@ def test_unknown_or_closed_execution_and_admin_auth(cluster, client):
 
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-10**12, 10**12)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
                                                                max_size=5),
     max_leaves=12)
