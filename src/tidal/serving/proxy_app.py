@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -144,7 +145,7 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
                                                            chunk.versions, chunk.text), chat)
                 if task.exception() is not None:
                     err = task.exception()
-                    yield f"data: {{\"error\": {{\"message\": {str(err)!r}}}}}\n\n".encode()
+                    yield f"data: {json.dumps({'error': {'message': str(err)}})}\n\n".encode()
                 else:
                     res = task.result()
                     yield sse_chunk(rid, model, TokenChunk(finish_reason=res.finish_reason), chat)

@@ -113,12 +113,12 @@ def test_drain_vllm_to_builtin_and_back_is_one_answer(servers):
             call = asyncio.create_task(c.post("/v1/chat/completions", headers={
                 "X-Tidal-Execution": "vt"}, json={
                 "messages": [{"role": "user", "content": "Tell me about Paris."}],
-                "max_tokens": 48, "ignore_eos": True, "temperature": 0, "logprobs": True}))
-            await asyncio.sleep(3.0)
+                "max_tokens": 100, "ignore_eos": True, "temperature": 0, "logprobs": True}))
+            await asyncio.sleep(1.5)
             await c.post("/tidal/engines/builtin/undrain", headers=H)
             moved = (await c.post("/tidal/engines/vllm/drain", headers=H)).json()
             await c.post("/tidal/engines/vllm/undrain", headers=H)
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(1.0)
             back = (await c.post("/tidal/engines/builtin/drain", headers=H)).json()
             resp = await call
             records = (await c.get("/tidal/executions/vt/records", headers=H)).json()
@@ -128,9 +128,9 @@ def test_drain_vllm_to_builtin_and_back_is_one_answer(servers):
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"]["completion_tokens"] == 48 and body["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] == 100 and body["choices"][0]["message"]["content"]
     segments = records["calls"][0]["segments"]
     print("segments:", [(s["engine_id"], len(s["token_ids"]), s["ended_by"]) for s in segments])
     assert moved["moved"] == 1 and back["moved"] == 1
     assert [s["engine_id"] for s in segments if s["token_ids"]][:3] == ["vllm", "builtin", "vllm"]
-    assert sum(len(s["token_ids"]) for s in segments) == 48
+    assert sum(len(s["token_ids"]) for s in segments) == 100
