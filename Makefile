@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 venv: $(STAMP)
 
-# The main job on the embedded default (until the runtime lands: the simulator showcase).
+# The main job on the embedded default (until the runtime lands: the simulator showcase:
+# several policies side by side on a scaled-down dapo-math scenario, table + plots).
 demo: $(STAMP)
 	$(BIN)/tidal demo --out $(OUT)
 
