@@ -9,6 +9,7 @@ caller's fault". vLLM and SGLang implementations live in ``vllm_adapter`` / ``sg
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -77,6 +78,17 @@ class HTTPEngineBase:
     async def close(self) -> None:
         await self._client.aclose()
 
+    async def _prometheus(self, prefix: str) -> dict[str, float]:
+        """``GET /metrics`` as {name: value summed over labels} for names under ``prefix``."""
+        text = (await self._call("GET", "/metrics")).text
+        pattern = re.compile(rf"^({re.escape(prefix)}[a-z_]+)(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$",
+                             re.M)
+        metrics: dict[str, float] = {}
+        for name, value in pattern.findall(text):
+            metrics[name] = metrics.get(name, 0.0) + float(value)
+        return metrics
+
+
     async def _call(self, method: str, path: str, **kw) -> httpx.Response:
         try:
             resp = await self._client.request(method, path, **kw)
@@ -139,6 +151,21 @@ def raise_for(resp: httpx.Response, path: str) -> None:
     if resp.status_code < 500:
         raise BadRequest(msg)
     raise EngineUnavailable(msg)
+
+
+class NoKVHandoff:
+    """For servers whose HTTP API cannot move one request's KV cache (vLLM, SGLang)."""
+
+    backend_name = "this engine"
+
+    async def export_kv(self, request_id: str) -> bytes:
+        raise BadRequest(f"{self.backend_name} adapter: KV export is not supported")
+
+    async def import_kv(self, blob: bytes) -> tuple[str, int]:
+        raise BadRequest(f"{self.backend_name} adapter: KV import is not supported")
+
+    async def release_kv(self, key: str) -> None:
+        return None
 
 
 class BuiltinAdapter(HTTPEngineBase):

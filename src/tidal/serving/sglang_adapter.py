@@ -11,19 +11,18 @@ memory occupation (weights + KV), wake = resume it.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator
 
 from tidal.errors import TimeoutExpired
-from tidal.serving.adapters import EngineStats, HTTPEngineBase
+from tidal.serving.adapters import EngineStats, HTTPEngineBase, NoKVHandoff
 from tidal.serving.protocol import BadRequest, GenerateRequest, TokenChunk
 
-_METRIC = re.compile(r"^(sglang:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
 _MODES = {"abort": "abort", "keep": "in_place"}
 
 
-class SGLangAdapter(HTTPEngineBase):
+class SGLangAdapter(NoKVHandoff, HTTPEngineBase):
     supports_kv_handoff = False
+    backend_name = "SGLang"
 
     def __init__(self, url: str, capacity: int = 32, wait_timeout_s: float = 60.0,
                  **kw) -> None:
@@ -109,20 +108,9 @@ class SGLangAdapter(HTTPEngineBase):
     async def weight_version(self) -> str:
         return self._version
 
-    async def export_kv(self, request_id: str) -> bytes:
-        raise BadRequest("SGLang adapter: KV export is not supported over HTTP")
-
-    async def import_kv(self, blob: bytes) -> tuple[str, int]:
-        raise BadRequest("SGLang adapter: KV import is not supported over HTTP")
-
-    async def release_kv(self, key: str) -> None:
-        return None
 
     async def stats(self) -> EngineStats:
-        text = (await self._call("GET", "/metrics")).text
-        metrics: dict[str, float] = {}
-        for name, value in _METRIC.findall(text):
-            metrics[name] = metrics.get(name, 0.0) + float(value)
+        metrics = await self._prometheus("sglang:")
         return EngineStats(int(metrics.get("sglang:num_running_reqs", 0)),
                            int(metrics.get("sglang:num_queue_reqs", 0)), self.capacity,
                            float(metrics.get("sglang:gen_throughput", 0.0)), self._version)

@@ -10,17 +10,15 @@ vLLM has no KV export over HTTP here, so ``supports_kv_handoff`` is False.
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator
 
-from tidal.serving.adapters import EngineStats, HTTPEngineBase
-from tidal.serving.protocol import BadRequest, GenerateRequest, TokenChunk
-
-_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+from tidal.serving.adapters import EngineStats, HTTPEngineBase, NoKVHandoff
+from tidal.serving.protocol import GenerateRequest, TokenChunk
 
 
-class VLLMAdapter(HTTPEngineBase):
+class VLLMAdapter(NoKVHandoff, HTTPEngineBase):
     supports_kv_handoff = False
+    backend_name = "vLLM"
 
     def __init__(self, url: str, model: str | None = None, capacity: int = 32, **kw) -> None:
         super().__init__(url, **kw)
@@ -96,20 +94,9 @@ class VLLMAdapter(HTTPEngineBase):
             self._version = str(data.get("weight_version") or "v0")
         return self._version
 
-    async def export_kv(self, request_id: str) -> bytes:
-        raise BadRequest("vLLM adapter: KV export is not supported")
-
-    async def import_kv(self, blob: bytes) -> tuple[str, int]:
-        raise BadRequest("vLLM adapter: KV import is not supported")
-
-    async def release_kv(self, key: str) -> None:
-        return None
 
     async def stats(self) -> EngineStats:
-        text = (await self._call("GET", "/metrics")).text
-        metrics: dict[str, float] = {}
-        for name, value in _METRIC.findall(text):
-            metrics[name] = metrics.get(name, 0.0) + float(value)
+        metrics = await self._prometheus("vllm:")
         return EngineStats(int(metrics.get("vllm:num_requests_running", 0)),
                            int(metrics.get("vllm:num_requests_waiting", 0)), self.capacity,
                            0.0, self._version)
