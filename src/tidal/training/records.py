@@ -99,6 +99,44 @@ class ExecutionRecord(BaseModel):
         return sum(len(c.output_token_ids) for c in self.calls)
 
 
+_STATUS = {"completed": "completed", "failed": "failed", "timeout": "timed_out",
+           "timed_out": "timed_out", "cancelled": "cancelled"}
+
+
+def record_from_proxy(execution_id: str, group_id: str, calls: list[dict], reward: float,
+                      reason: str = "completed") -> ExecutionRecord:
+    """Builds a training record from the proxy's per-execution call records (the JSON of
+    ``tidal.serving.records.ModelCall.to_json``: prompt ids and the segments each engine
+    produced, with a log-prob and a weight version per token). ``reason`` is the execution's
+    close reason (``tidal.types.CloseReason`` values)."""
+    if reason not in _STATUS:
+        raise RecordError(f"execution {execution_id!r}: unknown close reason {reason!r}")
+    out = []
+    for call in calls:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[str] = []
+        for seg in call.get("segments", []):
+            n = len(seg["token_ids"])
+            if len(seg["logprobs"]) != n or len(seg["versions"]) != n:
+                raise RecordError(f"execution {execution_id!r}: a segment of {n} tokens has "
+                                  f"{len(seg['logprobs'])} log-probs, {len(seg['versions'])} "
+                                  "versions")
+            tokens += seg["token_ids"]
+            logprobs += seg["logprobs"]
+            versions += seg["versions"]
+        spans: list[OutputSegment] = []
+        start = 0
+        for i in range(1, len(versions) + 1):
+            if i == len(versions) or versions[i] != versions[start]:
+                spans.append(OutputSegment(start=start, end=i, weight_version=versions[start]))
+                start = i
+        out.append(ModelCall(prompt_token_ids=list(call["prompt_token_ids"]),
+                             output_token_ids=tokens, output_logprobs=logprobs, segments=spans))
+    return ExecutionRecord(execution_id=execution_id, group_id=group_id, calls=out,
+                           reward=reward, status=_STATUS[reason])
+
+
 @dataclass
 class TrainSequence:
     """One token stream of an execution; position ``i`` is trainable iff the policy sampled it."""
