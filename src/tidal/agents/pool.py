@@ -1,0 +1,121 @@
+"""The harness pool: runs executions concurrently (asyncio), each in its own workspace, talking
+to models only through the proxy's OpenAI-compatible HTTP API.
+
+In: tasks (an ``Environment`` factory per execution) and a proxy URL. Out: one
+``ExecutionResult`` per task, and ledger events ``dispatched`` (queued), ``launched`` (started)
+and ``closed`` (completed / failed / timeout, with the reward) on the injected ``LedgerEvents``.
+A timeout closes the execution with reason ``timeout`` and scores what it produced. Workspaces
+persist on local disk whatever engine serves the execution.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.agents.environments import Environment
+from tidal.agents.events import EventLog, ExecutionRegistry, LedgerEvents
+
+log = logging.getLogger(__name__)
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    proxy_url: str
+    model: str | None = None
+    max_concurrent: int = Field(64, ge=1)
+    max_turns: int = Field(8, ge=1)
+    max_tokens_per_turn: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    timeout_s: float = Field(300.0, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0)
+
+
+@dataclass
+class ExecutionResult:
+    execution_id: str
+    group_id: str
+    reason: str
+    reward: float
+    turns: int
+    workspace: Path
+    transcript: list[dict] = field(default_factory=list)
+
+
+class HarnessPool:
+    def __init__(self, config: PoolConfig, workspace_root: Path,
+                 events: LedgerEvents | None = None) -> None:
+        self.config = config
+        self.workspace_root = Path(workspace_root)
+        self.registry = ExecutionRegistry(events or EventLog())
+        self._slots = asyncio.Semaphore(config.max_concurrent)
+
+    async def run(self, tasks: list[tuple[str, Callable[[], Environment]]]
+                  ) -> list[ExecutionResult]:
+        """Run ``(group_id, make_env)`` tasks; every one returns a result (never raises)."""
+        limits = httpx.Limits(max_connections=self.config.max_concurrent + 4)
+        async with httpx.AsyncClient(base_url=self.config.proxy_url, limits=limits,
+                                     timeout=self.config.request_timeout_s) as client:
+            states = [self.registry.dispatch(group) for group, _ in tasks]
+            return list(await asyncio.gather(*[
+                self._execute(client, st.execution_id, st.group_id, make_env)
+                for st, (_, make_env) in zip(states, tasks, strict=True)]))
+
+    async def _execute(self, client: httpx.AsyncClient, eid: str, group: str,
+                       make_env: Callable[[], Environment]) -> ExecutionResult:
+        async with self._slots:
+            self.registry.launch(eid)
+            env = make_env()
+            result = ExecutionResult(eid, group, "completed", 0.0, 0,
+                                     self.workspace_root / eid)
+            try:
+                await client.post("/tidal/executions", json={"execution_id": eid,
+                                                              "group_id": group})
+                await asyncio.wait_for(self._turns(client, eid, env, result),
+                                       self.config.timeout_s)
+            except TimeoutError:
+                result.reason = "timeout"
+                result.reward = env.score()  # timed-out executions are scored as they stand
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                log.warning("execution %s failed: %s", eid, exc)
+                result.reason = "failed"
+                result.reward = env.score()
+            self.registry.close(eid, result.reason, result.reward)
+            try:
+                await client.post(f"/tidal/executions/{eid}/close",
+                                  json={"reward": result.reward, "reason": result.reason})
+            except httpx.HTTPError as exc:
+                log.warning("execution %s: close not reported to the proxy: %s", eid, exc)
+            return result
+
+    async def _turns(self, client: httpx.AsyncClient, eid: str, env: Environment,
+                     result: ExecutionResult) -> None:
+        obs = await env.reset(result.workspace)
+        messages = [{"role": "system", "content": env.system_prompt},
+                    {"role": "user", "content": obs}]
+        for turn in range(self.config.max_turns):
+            body = {"messages": messages, "max_tokens": self.config.max_tokens_per_turn,
+                    "temperature": self.config.temperature, "logprobs": True}
+            if self.config.model:
+                body["model"] = self.config.model
+            resp = await client.post("/v1/chat/completions", json=body,
+                                     headers={"X-Tidal-Execution": eid})
+            if resp.status_code != 200:
+                raise ValueError(f"proxy answered {resp.status_code}: {resp.text[:200]}")
+            text = resp.json()["choices"][0]["message"]["content"]
+            step = await env.step(text)
+            result.turns = turn + 1
+            result.transcript.append({"action": text, "observation": step.observation})
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": step.observation or "ok"}]
+            if step.done:
+                result.reward = step.reward
+                return
+        result.reward = env.score()

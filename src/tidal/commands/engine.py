@@ -1,0 +1,40 @@
+"""``tidal engine``: serve a model directory with the built-in engine over HTTP (loopback).
+
+In: a model directory (tiny GPT or HF Llama). Out: an OpenAI-compatible server with vLLM-shaped
+control routes; runs until interrupted.
+"""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("engine")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--port", default=8100, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--name", default=None, help="Served model name (default: directory name).")
+@click.option("--max-batch", default=32, show_default=True)
+@click.option("--max-waiting", default=1024, show_default=True)
+@click.option("--threads", default=1, show_default=True, help="torch threads")
+@click.option("--weight-version", default="v0", show_default=True)
+def command(model_dir: str, port: int, host: str, name: str | None, max_batch: int,
+            max_waiting: int, threads: int, weight_version: str) -> None:
+    """Serve MODEL on HOST:PORT with continuous batching."""
+    from pathlib import Path
+
+    import torch
+    import uvicorn
+
+    from tidal.models import load_model
+    from tidal.serving.engine import Engine, EngineConfig
+    from tidal.serving.engine_server import build_engine_app
+
+    torch.set_num_threads(threads)
+    served = name or Path(model_dir).name
+    model, tok = load_model(model_dir)
+    engine = Engine(model, tok, model_dir, EngineConfig(name=served, max_batch=max_batch,
+                                                        max_waiting=max_waiting),
+                    weight_version=weight_version)
+    app = build_engine_app(engine, served)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

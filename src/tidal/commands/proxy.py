@@ -1,0 +1,48 @@
+"""``tidal proxy``: the OpenAI-compatible front door that routes, drains and records.
+
+In: engine URLs (standalone ``--engine``, rollout cells ``--cell`` in cell order). Out: an HTTP
+server on loopback; admin routes need ``--admin-token`` (or ``$TIDAL_ADMIN_TOKEN``).
+"""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("proxy")
+@click.option("--port", default=8200, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--engine", "engines", multiple=True, help="Standalone engine URL (repeatable).")
+@click.option("--cell", "cells", multiple=True, help="Rollout-cell engine URL, in cell order.")
+@click.option("--backend", default="builtin", type=click.Choice(["builtin", "vllm", "sglang"]))
+@click.option("--cap", default=32, show_default=True, help="Admission cap per engine.")
+@click.option("--admin-token", envvar="TIDAL_ADMIN_TOKEN", default=None,
+              help="Bearer token of the admin routes (env TIDAL_ADMIN_TOKEN).")
+@click.option("--kv-handoff/--no-kv-handoff", default=True, show_default=True)
+@click.option("--wait-s", default=120.0, show_default=True,
+              help="How long to wait for the engines to become healthy at start.")
+@click.option("--require-registration", is_flag=True,
+              help="Refuse requests of executions not registered via POST /tidal/executions.")
+def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ...],
+            backend: str, cap: int, admin_token: str | None, kv_handoff: bool,
+            wait_s: float, require_registration: bool) -> None:
+    """Run the proxy in front of ENGINE / CELL URLs."""
+    import uvicorn
+
+    from tidal.serving.proxy import Proxy, ProxyConfig
+    from tidal.serving.proxy_app import build_proxy_app
+
+    if not admin_token:
+        click.echo("tidal proxy: no --admin-token: admin routes are disabled", err=True)
+    proxy = Proxy(ProxyConfig(host=host, port=port, admin_token=admin_token,
+                              kv_handoff=kv_handoff, require_registration=require_registration))
+
+    async def join_all() -> None:
+        for i, url in enumerate(engines):
+            await proxy.join(f"s{i}", url, backend, "standalone", 0, cap,
+                             wait_healthy_s=wait_s)
+        for i, url in enumerate(cells):
+            await proxy.join(f"c{i}", url, backend, "cell", i, cap, wait_healthy_s=wait_s)
+
+    app = build_proxy_app(proxy, on_startup=join_all)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

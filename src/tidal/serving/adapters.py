@@ -1,0 +1,208 @@
+"""One protocol for every engine the router drives, and its built-in-engine implementation.
+
+In: ``GenerateRequest`` and control calls. Out: ``TokenChunk`` streams and control results, over
+HTTP. Foreign failures (connection refused, reset, timeouts, 5xx) become ``EngineUnavailable``;
+a 4xx from the engine becomes ``BadRequest`` so the proxy can tell "retry elsewhere" from "the
+caller's fault". vLLM and SGLang implementations live in ``vllm_adapter`` / ``sglang_adapter``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import httpx
+
+from tidal.serving.protocol import (
+    BadRequest,
+    EngineUnavailable,
+    GenerateRequest,
+    NotFound,
+    Overloaded,
+    TokenChunk,
+)
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    capacity: int
+    tokens_per_s: float
+    weight_version: str | None = None
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    url: str
+    supports_kv_handoff: bool
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]: ...
+    async def tokenize(self, prompt: str | None = None,
+                       messages: list[dict] | None = None) -> list[int]: ...
+    async def pause(self, mode: str) -> None: ...
+    async def resume(self) -> None: ...
+    async def abort(self, request_ids: list[str] | None, keep_kv: bool = False) -> int: ...
+    async def sleep(self, level: int) -> None: ...
+    async def wake_up(self) -> None: ...
+    async def load_weights(self, path: str, version: str) -> None: ...
+    async def weight_version(self) -> str: ...
+    async def export_kv(self, request_id: str) -> bytes: ...
+    async def import_kv(self, blob: bytes) -> tuple[str, int]: ...
+    async def release_kv(self, key: str) -> None: ...
+    async def stats(self) -> EngineStats: ...
+    async def served_model(self) -> str: ...
+    async def health(self) -> bool: ...
+    async def close(self) -> None: ...
+
+
+class HTTPEngineBase:
+    """Shared HTTP plumbing: one pooled client, error translation, SSE line parsing."""
+
+    supports_kv_handoff = False
+
+    def __init__(self, url: str, control_timeout_s: float = 30.0,
+                 connect_timeout_s: float = 2.0, api_key: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
+        self._client = httpx.AsyncClient(
+            base_url=self.url, headers=headers, limits=limits,
+            timeout=httpx.Timeout(control_timeout_s, connect=connect_timeout_s))
+        # generation streams can run for minutes; reads between chunks are bounded instead
+        self.stream_timeout = httpx.Timeout(None, connect=connect_timeout_s, read=300.0)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        try:
+            resp = await self._client.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        raise_for(resp, path)
+        return resp
+
+    async def _sse(self, path: str, body: dict, headers: dict | None = None
+                   ) -> AsyncIterator[dict]:
+        try:
+            async with self._client.stream("POST", path, json=body, headers=headers,
+                                           timeout=self.stream_timeout) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise_for(resp, path)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    yield json.loads(data)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+
+    async def tokenize(self, prompt: str | None = None,
+                       messages: list[dict] | None = None) -> list[int]:
+        """Prompt ids via the engine's ``/tokenize`` (same shape on vLLM and the built-in)."""
+        body: dict = {"messages": messages, "add_generation_prompt": True} if messages else {
+            "prompt": prompt}
+        model = getattr(self, "model", None)
+        if model:
+            body["model"] = model
+        return list((await self._call("POST", "/tokenize", json=body)).json()["tokens"])
+
+    async def served_model(self) -> str:
+        return str((await self._call("GET", "/v1/models")).json()["data"][0]["id"])
+
+    async def health(self) -> bool:
+        try:
+            resp = await self._client.get("/health", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+
+def raise_for(resp: httpx.Response, path: str) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        msg = resp.json().get("error", {}).get("message") or resp.text
+    except (ValueError, AttributeError):
+        msg = resp.text
+    msg = f"{path}: {msg}"[:500]
+    if resp.status_code == 404:
+        raise NotFound(msg)
+    if resp.status_code == 503:
+        raise Overloaded(msg)
+    if resp.status_code < 500:
+        raise BadRequest(msg)
+    raise EngineUnavailable(msg)
+
+
+class BuiltinAdapter(HTTPEngineBase):
+    """The built-in engine (``tidal engine``): every control and KV handoff."""
+
+    supports_kv_handoff = True
+    stream_interval_ms = 20.0  # the proxy needs tokens so far, not every token at once
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        body = {"prompt": req.prompt_token_ids, "stream": True, "request_id": req.request_id,
+                "kv_handle": req.kv_handle, "stream_interval_ms": self.stream_interval_ms,
+                **req.params.model_dump()}
+        async for event in self._sse("/v1/completions", body):
+            yield TokenChunk.from_json(event["tidal"])
+
+    async def pause(self, mode: str) -> None:
+        await self._call("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume")
+
+    async def abort(self, request_ids: list[str] | None, keep_kv: bool = False) -> int:
+        resp = await self._call("POST", "/abort_requests",
+                                json={"request_ids": request_ids, "keep_kv": keep_kv})
+        return int(resp.json()["aborted"])
+
+    async def sleep(self, level: int) -> None:
+        await self._call("POST", "/sleep", params={"level": level})
+
+    async def wake_up(self) -> None:
+        await self._call("POST", "/wake_up")
+
+    async def load_weights(self, path: str, version: str) -> None:
+        await self._call("POST", "/update_weights",
+                         json={"path": path, "weight_version": version})
+
+    async def weight_version(self) -> str:
+        return (await self._call("GET", "/weight_info")).json()["weight_version"]
+
+    async def export_kv(self, request_id: str) -> bytes:
+        return (await self._call("GET", f"/tidal/kv/{request_id}")).content
+
+    async def import_kv(self, blob: bytes) -> tuple[str, int]:
+        data = (await self._call("POST", "/tidal/kv", content=blob)).json()
+        return data["handle"], int(data["tokens"])
+
+    async def release_kv(self, key: str) -> None:
+        await self._call("DELETE", f"/tidal/kv/{key}")
+
+    async def stats(self) -> EngineStats:
+        s = (await self._call("GET", "/stats")).json()
+        return EngineStats(s["running"], s["waiting"], s["capacity"], s["tokens_per_s"],
+                           s["weight_version"])
+
+
+def make_adapter(backend: str, url: str, **kw) -> EngineAdapter:
+    if backend == "builtin":
+        return BuiltinAdapter(url, **kw)
+    if backend == "vllm":
+        from tidal.serving.vllm_adapter import VLLMAdapter
+
+        return VLLMAdapter(url, **kw)
+    if backend == "sglang":
+        from tidal.serving.sglang_adapter import SGLangAdapter
+
+        return SGLangAdapter(url, **kw)
+    raise BadRequest(f"unknown engine backend {backend!r} (builtin, vllm, sglang)")

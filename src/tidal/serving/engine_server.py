@@ -1,0 +1,220 @@
+"""HTTP face of the built-in engine: the OpenAI subset plus vLLM-shaped control routes.
+
+In: HTTP requests on loopback (``tidal engine``). Out: completions (JSON or SSE), control
+results, KV blobs. Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/pause?mode=``, ``/resume``, ``/is_paused``, ``/abort_requests``, ``/sleep?level=``, ``/wake_up``,
+``/is_sleeping``, ``/update_weights``, ``/update_weight_version``, ``/weight_info``, ``/stats``,
+``/health``, ``/load``, and ``/tidal/kv`` (export / import / release one request's KV cache).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.serving.engine import Engine
+from tidal.serving.openai_api import (
+    SSE_DONE,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    Result,
+    chat_response,
+    completion_response,
+    install_error_handlers,
+    sse_chunk,
+)
+from tidal.serving.protocol import BadRequest, GenerateRequest, NotFound
+
+MAX_KV_BLOB_BYTES = 1 << 30
+
+
+class AbortBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_ids: list[str] | None = None
+    keep_kv: bool = False
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=4_000_000)
+    messages: list[ChatMessage] | None = None
+
+
+class WeightsBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(..., min_length=1)
+    weight_version: str = Field(..., min_length=1, max_length=128)
+
+
+class VersionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    new_version: str = Field(..., min_length=1, max_length=128)
+
+
+def build_engine_app(engine: Engine, served_name: str) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await engine.start()
+        yield
+        await engine.stop()
+
+    app = FastAPI(title=f"tidal engine {served_name}", lifespan=lifespan)
+    install_error_handlers(app)
+    tok = engine.tokenizer
+
+    def check_model(name: str | None) -> None:
+        if name not in (None, served_name):
+            raise NotFound(f"model {name!r} is not served here (serving {served_name!r})")
+
+    async def run(rid: str, prompt: list[int], body, chat: bool):
+        req = GenerateRequest(rid, prompt, body.sampling(), kv_handle=body.kv_handle)
+        stream = engine.generate(req, min_interval_s=body.stream_interval_ms / 1000.0)
+        first = await anext(stream)  # admission errors surface here, before any byte is sent
+        if body.stream:
+            async def events() -> AsyncIterator[bytes]:
+                try:
+                    yield sse_chunk(rid, served_name, first, chat)
+                    async for chunk in stream:
+                        yield sse_chunk(rid, served_name, chunk, chat)
+                    yield SSE_DONE
+                finally:
+                    await stream.aclose()
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        res = Result(prompt)
+        res.cached_tokens = first.cached_tokens or 0
+        res.add(first)
+        async for chunk in stream:
+            res.add(chunk)
+        texts = [tok.decode([t]) for t in res.token_ids]
+        if chat:
+            return chat_response(rid, served_name, res, body.logprobs, texts)
+        return completion_response(rid, served_name, res, body.logprobs is not None, texts)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest,
+                          x_request_id: str | None = Header(None, max_length=256)):
+        check_model(body.model)
+        prompt = body.prompt if isinstance(body.prompt, list) else tok.encode(body.prompt)
+        rid = body.request_id or x_request_id or uuid.uuid4().hex
+        return await run(rid, prompt, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, x_request_id: str | None = Header(None, max_length=256)):
+        check_model(body.model)
+        prompt = tok.apply_chat_template([m.model_dump() for m in body.messages])
+        rid = body.request_id or x_request_id or uuid.uuid4().hex
+        return await run(rid, prompt, body, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        check_model(body.model)
+        if body.messages:
+            ids = tok.apply_chat_template([m.model_dump() for m in body.messages])
+        elif body.prompt is not None:
+            ids = tok.encode(body.prompt)
+        else:
+            raise BadRequest("tokenize needs prompt or messages")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.max_seq_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_name, "object": "model",
+                                            "owned_by": "tidal",
+                                            "max_model_len": engine.model.max_seq_len}]}
+
+    @app.post("/pause")
+    async def pause(mode: str = Query("abort")):
+        await engine.pause(mode)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        await engine.resume()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": engine.is_paused}
+
+    @app.post("/abort_requests")
+    async def abort_requests(body: AbortBody | None = None):
+        body = body or AbortBody()
+        n = engine.abort(body.request_ids, keep_kv=body.keep_kv)
+        return {"status": "aborted", "aborted": n}
+
+    @app.post("/sleep")
+    async def sleep(level: int = Query(1)):
+        await engine.sleep(level)
+        return {"status": "sleeping", "level": level}
+
+    @app.post("/wake_up")
+    async def wake_up():
+        await engine.wake_up()
+        return {"status": "awake"}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": engine.is_sleeping}
+
+    @app.post("/update_weights")
+    async def update_weights(body: WeightsBody):
+        if not Path(body.path).exists():
+            raise BadRequest(f"weights not found: {body.path}")
+        await engine.update_weights(body.path, body.weight_version)
+        return {"status": "ok", "weight_version": engine.weight_version}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: VersionBody):
+        engine.weight_version = body.new_version
+        return {"status": "ok", "weight_version": engine.weight_version}
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": engine.weight_version}
+
+    @app.get("/tidal/kv/{request_id}")
+    async def export_kv(request_id: str):
+        blob = await engine.export_kv(request_id)
+        return Response(blob, media_type="application/octet-stream")
+
+    @app.post("/tidal/kv")
+    async def import_kv(request: Request):
+        blob = await request.body()
+        if not blob or len(blob) > MAX_KV_BLOB_BYTES:
+            raise BadRequest("KV import needs a safetensors body of at most 1 GiB")
+        handle, tokens = await engine.import_kv(blob)
+        return {"handle": handle, "tokens": tokens}
+
+    @app.delete("/tidal/kv/{key}")
+    async def release_kv(key: str):
+        if not engine.release_kv(key):
+            raise NotFound(f"no KV cache held under {key!r}")
+        return {"status": "released"}
+
+    @app.get("/stats")
+    async def stats():
+        return engine.stats()
+
+    @app.get("/load")
+    async def load():
+        s = engine.stats()
+        return {"server_load": s["running"] + s["waiting"]}
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"status": "ok"})
+
+    return app

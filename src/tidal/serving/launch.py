@@ -1,0 +1,92 @@
+"""Start and stop ``tidal engine`` / ``tidal proxy`` as real child processes on loopback.
+
+In: a model directory or engine URLs, a port. Out: a handle that waits until ``/health``
+answers (bounded) and stops the process (terminate, then kill). Used by the integration tests,
+the benchmarks and local runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tidal.errors import TimeoutExpired
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], port: int, log_path: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.port, self.args = port, args
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        verbosity = os.environ.get("TIDAL_CHILD_LOG", "")  # e.g. "-vv" for DEBUG
+        self.proc = subprocess.Popen([sys.executable, "-m", "tidal.cli",
+                                      *([verbosity] if verbosity else []), *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise TimeoutExpired(f"{self.args[0]} on port {self.port} exited with "
+                                     f"{self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutExpired(f"{self.args[0]} on port {self.port} not healthy in {timeout_s} s")
+
+    def kill(self) -> None:
+        """Crash it (SIGKILL): what an engine failure looks like to the proxy."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+
+
+def start_engine(model_dir: str | Path, port: int | None = None, name: str = "tiny",
+                 max_batch: int = 64, log_path: Path | None = None) -> ServerProcess:
+    port = port or free_port()
+    return ServerProcess(["engine", "--model", str(model_dir), "--port", str(port),
+                          "--name", name, "--max-batch", str(max_batch)], port, log_path)
+
+
+def start_proxy(engines: list[str], cells: list[str], admin_token: str,
+                port: int | None = None, cap: int = 64, kv_handoff: bool = True,
+                require_registration: bool = False,
+                log_path: Path | None = None) -> ServerProcess:
+    port = port or free_port()
+    args = ["proxy", "--port", str(port), "--cap", str(cap),
+            "--kv-handoff" if kv_handoff else "--no-kv-handoff"]
+    if require_registration:
+        args.append("--require-registration")
+    for url in engines:
+        args += ["--engine", url]
+    for url in cells:
+        args += ["--cell", url]
+    return ServerProcess(args, port, log_path, env={"TIDAL_ADMIN_TOKEN": admin_token})

@@ -1,0 +1,336 @@
+"""The proxy's core: runs each model call to completion across engine changes, and drains.
+
+In: model calls (execution id, prompt ids, sampling params) from the HTTP front; engine joins,
+leaves, drains. Out: one finished result per call, and a token record per execution.
+
+Invariant 4 (DESIGN.md): every admitted call is answered exactly once. A call whose engine is
+drained (its request aborted) or dies is retried at another engine with prompt + tokens so far
+and the remaining budget, reusing the source's KV cache when both engines can hand it off.
+Every wait is bounded; exhausting a bound raises a ``ServingError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.clock import Clock, WallClock
+from tidal.errors import TimeoutExpired
+from tidal.serving.adapters import make_adapter
+from tidal.serving.openai_api import Result
+from tidal.serving.protocol import (
+    BadRequest,
+    EngineUnavailable,
+    GenerateRequest,
+    NotFound,
+    Overloaded,
+    SamplingParams,
+    ServingError,
+    TokenChunk,
+)
+from tidal.serving.records import ModelCall, RecordStore, Segment
+from tidal.serving.router import Kind, Member, Router
+
+log = logging.getLogger(__name__)
+
+
+class ProxyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8200, ge=0, le=65535)
+    admin_token: str | None = None
+    kv_handoff: bool = True
+    max_attempts: int = Field(64, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0)
+    admission_timeout_s: float = Field(60.0, gt=0)
+    drain_timeout_s: float = Field(120.0, gt=0)
+    max_prompt_tokens: int = Field(32768, ge=1)
+    require_registration: bool = False
+
+
+@dataclass
+class Attempt:
+    execution_id: str | None
+    request_id: str
+    member: Member
+    cancelled: bool = False
+    started: bool = False
+    used_handoff: bool = False
+    kv_tokens: int | None = None
+    upstream_s: float = 0.0
+    abort_sent: bool = False
+    keep_kv: bool = False
+
+
+class Proxy:
+    def __init__(self, config: ProxyConfig | None = None, clock: Clock | None = None) -> None:
+        self.config = config or ProxyConfig()
+        self.clock = clock or WallClock()
+        self.router = Router()
+        self.records = RecordStore()
+        self._capacity = asyncio.Event()
+        self.overhead_s: deque[float] = deque(maxlen=20_000)
+        self.totals = {"calls": 0, "retries": 0, "drains": 0, "kv_handoffs": 0,
+                       "engine_failures": 0, "reprefill_tokens": 0, "saved_prefill_tokens": 0}
+
+    # -- membership ------------------------------------------------------------------------
+    async def join(self, engine_id: str, url: str, backend: str = "builtin",
+                   kind: Kind = "standalone", cell_index: int = 0, cap: int = 32,
+                   model: str | None = None, wait_healthy_s: float = 0.0) -> Member:
+        if engine_id in self.router.members:
+            raise BadRequest(f"engine {engine_id!r} is already a member")
+        adapter = make_adapter(backend, url)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_healthy_s
+        while not await adapter.health() and loop.time() < deadline:
+            await asyncio.sleep(0.25)
+        if not await adapter.health():
+            await adapter.close()
+            raise BadRequest(f"engine {engine_id!r} at {url} is not healthy")
+        if model is None:
+            try:
+                model = await adapter.served_model()
+            except ServingError:
+                model = ""
+        member = Member(engine_id, adapter, kind, cell_index, cap, backend, model)
+        self.router.join(member)
+        self._capacity.set()
+        return member
+
+    async def leave(self, engine_id: str, drain: bool = True) -> None:
+        if engine_id not in self.router.members:
+            raise NotFound(f"unknown engine {engine_id!r}")
+        if drain:
+            await self.drain(engine_id)
+        member = self.router.leave(engine_id)
+        if member is not None:
+            await member.adapter.close()
+
+    def undrain(self, engine_id: str) -> Member:
+        member = self.router.set_admitting(engine_id, True)
+        self._capacity.set()
+        return member
+
+    async def drain(self, engine_id: str, handoff: bool | None = None) -> dict:
+        """Stop admission, reserve destinations, re-route, cancel at the source; return once
+        the source holds no request of ours (REFERENCE.md §1, harness-preserving change)."""
+        t0 = self.clock.now()
+        member = self.router.set_admitting(engine_id, False)
+        use_kv = (self.config.kv_handoff if handoff is None else handoff) and \
+            member.adapter.supports_kv_handoff
+        attempts = [a for a in member.inflight.values() if isinstance(a, Attempt)]
+        for a in attempts:
+            if a.execution_id is not None:
+                self.router.reserve(a.execution_id, engine_id)
+            a.cancelled, a.keep_kv = True, use_kv
+        if attempts:  # ids the engine does not know yet are ignored there; their runners
+            # abort them when the first chunk arrives (``cancelled`` is set)
+            try:
+                await member.adapter.abort([a.request_id for a in attempts], keep_kv=use_kv)
+            except ServingError as exc:  # a dead engine: its calls retry on their own
+                log.warning("drain %s: abort failed (%s)", engine_id, exc)
+        await self._wait_empty(member)
+        self.totals["drains"] += 1
+        took = self.clock.now() - t0
+        log.info("drained %s: %d calls moved in %.3f s (kv handoff %s)", engine_id,
+                 len(attempts), took, use_kv)
+        return {"engine": engine_id, "moved": len(attempts), "kv_handoff": use_kv,
+                "duration_s": took}
+
+    async def _wait_empty(self, member: Member) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        while member.inflight:
+            if loop.time() > deadline:
+                raise TimeoutExpired(f"drain {member.engine_id}: {len(member.inflight)} "
+                                     f"requests still running after "
+                                     f"{self.config.drain_timeout_s} s")
+            await asyncio.sleep(0.002)
+
+    # -- model calls -----------------------------------------------------------------------
+    async def tokenize(self, prompt: str | None = None,
+                       messages: list[dict] | None = None) -> list[int]:
+        for member in list(self.router.members.values()):
+            if member.alive:
+                try:
+                    return await member.adapter.tokenize(prompt=prompt, messages=messages)
+                except EngineUnavailable:
+                    continue
+        raise Overloaded("no engine available to tokenize the prompt")
+
+    async def complete(self, execution_id: str | None, prompt: list[int],
+                       params: SamplingParams,
+                       on_chunk: Callable[[TokenChunk], None] | None = None) -> Result:
+        if len(prompt) > self.config.max_prompt_tokens:
+            raise BadRequest(f"prompt of {len(prompt)} tokens exceeds the limit of "
+                             f"{self.config.max_prompt_tokens}")
+        t_start = time.perf_counter()
+        waited_s = 0.0  # upstream streaming + admission waits: not the proxy's own cost
+        call = ModelCall(uuid.uuid4().hex[:16], list(prompt), params.max_tokens)
+        self.totals["calls"] += 1
+        res = Result(list(prompt))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.request_timeout_s
+        handoff: Attempt | None = None
+        prior_kv = 0  # tokens some earlier engine held KV for: what a re-prefill redoes
+        for attempt_no in range(1, self.config.max_attempts + 1):
+            remaining = params.max_tokens - len(res.token_ids)
+            if remaining <= 0:
+                res.finish_reason = "length"
+                break
+            t_wait = time.perf_counter()
+            member = await self._acquire(execution_id, deadline)
+            waited_s += time.perf_counter() - t_wait
+            attempt = Attempt(execution_id, f"{call.call_id}-{attempt_no}", member)
+            member.inflight[attempt.request_id] = attempt
+            seg = Segment(member.engine_id, attempt.request_id)
+            try:
+                reason = await self._run_attempt(attempt, seg, res, prompt, params, remaining,
+                                                 handoff, prior_kv, on_chunk)
+                waited_s += attempt.upstream_s
+            except BadRequest:
+                if attempt_no == 1 and not res.token_ids:
+                    raise
+                reason, seg.ended_by = None, "error"  # e.g. a refused KV import: retry plainly
+                log.exception("call %s: retrying after a refused request", call.call_id)
+            except (EngineUnavailable, Overloaded) as exc:
+                reason, seg.ended_by = None, "error"
+                await self._check_engine(member, exc)
+            finally:
+                member.inflight.pop(attempt.request_id, None)
+                self._capacity.set()
+                if seg.token_ids or seg.ended_by:
+                    call.segments.append(seg)
+            log.debug("call %s attempt %d on %s: %s after %d tokens (kv %s, cancelled %s)",
+                      call.call_id, attempt_no, member.engine_id, reason or seg.ended_by,
+                      len(seg.token_ids), attempt.kv_tokens, attempt.cancelled)
+            if reason in ("stop", "length"):
+                res.finish_reason = reason
+                break
+            if attempt.started:
+                prior_kv = attempt.kv_tokens if attempt.kv_tokens is not None else \
+                    len(prompt) + len(res.token_ids) - 1
+            if attempt.keep_kv:  # drained with its KV pinned at the source
+                handoff = attempt
+            elif attempt.used_handoff or seg.token_ids:
+                handoff = None  # consumed, or superseded by newer tokens without KV
+            # else: the attempt failed before using the handoff; the next one tries again
+            self.totals["retries"] += 1
+        else:
+            raise EngineUnavailable(f"call {call.call_id}: no engine finished it in "
+                                    f"{self.config.max_attempts} attempts")
+        self.overhead_s.append(time.perf_counter() - t_start - waited_s)
+        call.finish_reason = res.finish_reason
+        if execution_id is not None:
+            self.records.add(execution_id, call)
+        return res
+
+    async def _run_attempt(self, attempt: Attempt, seg: Segment, res: Result,
+                           prompt: list[int], params: SamplingParams, remaining: int,
+                           handoff: Attempt | None, prior_kv: int,
+                           on_chunk: Callable[[TokenChunk], None] | None) -> str | None:
+        member = attempt.member
+        kv_handle = await self._handoff(handoff, member) if handoff else None
+        attempt.used_handoff = kv_handle is not None
+        prompt_now = prompt + res.token_ids
+        req = GenerateRequest(attempt.request_id, prompt_now,
+                              params.model_copy(update={"max_tokens": remaining}), kv_handle)
+        reason = None
+        stream = member.adapter.generate(req)
+        while True:
+            t_up = time.perf_counter()
+            try:
+                chunk = await anext(stream)
+            except StopAsyncIteration:
+                break
+            finally:
+                attempt.upstream_s += time.perf_counter() - t_up
+            attempt.started = True
+            if chunk.prompt_token_ids is not None:
+                seg.cached_tokens = chunk.cached_tokens or 0
+                # tokens an earlier engine had computed and this one computes again
+                seg.reprefill_tokens = max(0, min(prior_kv, len(prompt_now) - 1)
+                                           - seg.cached_tokens)
+                self.totals["reprefill_tokens"] += seg.reprefill_tokens
+                if kv_handle is not None:
+                    self.totals["saved_prefill_tokens"] += seg.cached_tokens
+            if attempt.cancelled and not attempt.abort_sent:  # drained before it started
+                attempt.abort_sent = True
+                await member.adapter.abort([attempt.request_id], keep_kv=attempt.keep_kv)
+            if chunk.token_ids:
+                seg.token_ids += chunk.token_ids
+                seg.logprobs += chunk.logprobs
+                seg.versions += chunk.versions
+                res.add(TokenChunk(chunk.token_ids, chunk.logprobs, chunk.versions,
+                                   chunk.text))
+                if on_chunk is not None:
+                    on_chunk(chunk)
+            if chunk.finish_reason:
+                reason = chunk.finish_reason
+                attempt.kv_tokens = chunk.kv_tokens
+        seg.ended_by = reason or "lost"
+        return reason
+
+    async def _handoff(self, source: Attempt, dest: Member) -> str | None:
+        src = source.member
+        if not (src.adapter.supports_kv_handoff and dest.adapter.supports_kv_handoff):
+            return None
+        try:
+            blob = await src.adapter.export_kv(source.request_id)
+            handle, _ = await dest.adapter.import_kv(blob)
+        except ServingError as exc:
+            log.warning("KV handoff %s -> %s failed (%s): full prefill", src.engine_id,
+                        dest.engine_id, exc)
+            return None
+        with contextlib.suppress(ServingError):  # destination acknowledged: source releases
+            await src.adapter.release_kv(source.request_id)
+        self.totals["kv_handoffs"] += 1
+        return handle
+
+    async def _acquire(self, execution_id: str | None, deadline: float) -> Member:
+        loop = asyncio.get_running_loop()
+        limit = min(deadline, loop.time() + self.config.admission_timeout_s)
+        while True:
+            member = self.router.pick(execution_id)
+            if member is not None:
+                return member
+            if loop.time() > limit:
+                raise Overloaded("no engine has capacity for this request")
+            self._capacity.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._capacity.wait(), 0.25)
+
+    async def _check_engine(self, member: Member, exc: Exception) -> None:
+        if member.alive and not await member.adapter.health():
+            if self.router.members.get(member.engine_id) is member:
+                self.router.leave(member.engine_id)
+                self.totals["engine_failures"] += 1
+                log.warning("engine %s is down (%s): it leaves, its calls retry elsewhere",
+                            member.engine_id, exc)
+        else:
+            await asyncio.sleep(0.05)
+
+    def stats(self) -> dict:
+        lat = sorted(self.overhead_s)
+        overhead = {"n": len(lat)}
+        if lat:
+            overhead.update({"p50_ms": 1e3 * lat[len(lat) // 2],
+                             "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]})
+        return {"overhead": overhead,
+                "engines": [m.describe() for m in self.router.members.values()],
+                "capacity": self.router.capacity(),
+                "inflight": sum(len(m.inflight) for m in self.router.members.values()),
+                "executions_recorded": len(self.records), **self.totals}
+
+    async def close(self) -> None:
+        for member in list(self.router.members.values()):
+            await member.adapter.close()

