@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import time
 from collections.abc import Callable
 from functools import partial
@@ -36,6 +37,7 @@ from tidal.errors import ConfigError, TimeoutExpired
 from tidal.runtime.actuator import RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.cell import EngineHost, RuntimeFailure
+from tidal.runtime.supervisor import CellSupervisor
 from tidal.types import (
     BurstStarted,
     GroupsAssigned,
@@ -114,14 +116,12 @@ class Runtime:
                 ray.init(num_cpus=rt.ray_num_cpus, include_dashboard=False,
                          _node_ip_address="127.0.0.1", log_to_driver=False)
             self._ray_started = True
-        actor = ray.remote(num_cpus=0)(EngineHost).options(
+        self._actor_cls = ray.remote(num_cpus=0)(EngineHost).options(
             runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}})
         names = [f"s{j}" for j in range(self.cfg.cluster.standalone_count)]
         names += [f"c{i}" for i in range(len(self.cfg.cluster.cell_specs()))]
-        logs = str(self.out / "logs")
         for name in names:
-            self.actors[name] = actor.remote(name, str(self.model_dir), rt.engine_max_batch,
-                                             logs)
+            self.actors[name] = self.new_actor(name)
         self.proxy = start_proxy([], [], self.token, kv_handoff=self.cfg.control.kv_handoff,
                                  log_path=self.out / "logs" / "proxy.log")
         urls = ray.get([a.start.remote(rt.start_timeout_s) for a in self.actors.values()],
@@ -129,14 +129,31 @@ class Runtime:
         self.urls = dict(zip(self.actors, urls, strict=True))
         self.start_pids = {d["name"]: d["pid"] for d in
                            ray.get([a.describe.remote() for a in self.actors.values()])}
+        self.pids = dict(self.start_pids)
         self.proxy.wait_healthy(rt.start_timeout_s)
+
+    def new_actor(self, name: str):
+        return self._actor_cls.remote(name, str(self.model_dir), self.rt.engine_max_batch,
+                                      str(self.out / "logs"))
+
+    def join_body(self, name: str, url: str) -> dict[str, Any]:
+        cl = self.cfg.cluster
+        if name.startswith("s"):
+            return {"id": name, "url": url, "kind": "standalone", "cap": cl.standalone_slots}
+        i = int(name[1:])
+        return {"id": name, "url": url, "kind": "cell", "cell_index": i,
+                "cap": cl.cell_specs()[i].slots}
 
     def _stop_parts(self, ray) -> None:
         if self.actors:
             try:
-                ray.get([a.stop.remote() for a in self.actors.values()], timeout=60)
+                ray.wait([a.stop.remote() for a in self.actors.values()],
+                         num_returns=len(self.actors), timeout=60)
             except Exception:
                 log.exception("stopping engines")
+            for pid in getattr(self, "pids", {}).values():  # engines this runtime started
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         if self.proxy is not None:
             self.proxy.stop()
         if self._ray_started:
@@ -179,6 +196,8 @@ class Runtime:
                                     DecisionLog(jsonl_file_sink(decisions), keep=False))
         self.actuator.bind(self.ctl)
         self.bridge = LedgerBridge(self.ctl, self.clock, admin, self.buffer, c.group_size)
+        self.admin = admin
+        self.supervisor = CellSupervisor(self)
         try:
             await self._join_engines(admin, specs)
             cl = cfg.cluster
@@ -190,6 +209,7 @@ class Runtime:
             self._published = asyncio.Condition()
             self._bursts_published = 0
             ticks = asyncio.create_task(self._ticks())
+            watch = asyncio.create_task(self.supervisor.run())
             trainer = asyncio.create_task(self._trainer())
             runs = []
             quota_groups = c.quota_executions // c.group_size
@@ -207,8 +227,11 @@ class Runtime:
             await self.bridge.flush(60.0)
             await self._settle(self.cfg.control.step_timeout_s)
             ticks.cancel()
+            watch.cancel()
             stats = (await admin.get("/tidal/stats")).json()
-            engines = await asyncio.gather(*[a.describe.remote() for a in self.actors.values()])
+            engines = await asyncio.gather(*[a.describe.remote() for a in self.actors.values()],
+                                           return_exceptions=True)
+            engines = [e for e in engines if isinstance(e, dict)]
             return self._summary(results, stats, engines)
         finally:
             self.buffer.close()
@@ -219,12 +242,8 @@ class Runtime:
                 fh.writelines(json.dumps(s) + "\n" for s in self.actuator.step_log)
 
     async def _join_engines(self, admin: httpx.AsyncClient, specs) -> None:
-        cl = self.cfg.cluster
-        joins = [{"id": f"s{j}", "url": self.urls[f"s{j}"], "kind": "standalone",
-                  "cap": cl.standalone_slots} for j in range(cl.standalone_count)]
-        joins += [{"id": f"c{i}", "url": self.urls[f"c{i}"], "kind": "cell", "cell_index": i,
-                   "cap": s.slots} for i, s in enumerate(specs)]
-        for body in joins:
+        for name, url in self.urls.items():
+            body = self.join_body(name, url)
             resp = await admin.post("/tidal/engines", json=body)
             if resp.status_code != 200:
                 raise RuntimeFailure(f"proxy refused engine {body['id']}: {resp.text[:200]}")
@@ -241,7 +260,7 @@ class Runtime:
         """Bounded wait until no transition plan is in flight (the run ends in a known
         state: every engine either serving or asleep with its cell training)."""
         deadline = self.clock.now() + timeout_s
-        while self.ctl.inflight is not None:
+        while self.ctl.inflight is not None or self.supervisor.busy:
             if self.clock.now() > deadline:
                 raise TimeoutExpired(f"plan {self.ctl.inflight.plan.plan_id} still in flight "
                                      f"{timeout_s} s after the last step")
@@ -313,7 +332,12 @@ class Runtime:
             targets = [a for n, a in self.actors.items() if n.startswith("s")]
             targets += [a for i, a in enumerate(self.actuator.cells)
                         if i not in self.actuator.asleep]
-            await asyncio.gather(*[a.load_weights.remote(w.path, w.label) for a in targets])
+            outs = await asyncio.gather(*[a.load_weights.remote(w.path, w.label)
+                                          for a in targets], return_exceptions=True)
+        for out in outs:  # a lost engine is replaced by the supervisor with this version
+            if isinstance(out, BaseException):
+                log.warning("publishing %s: an engine did not load it: %s", w.label,
+                            str(out).splitlines()[0])
         self.ctl.handle(WeightSyncDone(self.clock.now(), w.version, self.clock.now() - t0))
 
     def _record_step(self, burst: int, step: int, report, dt: float, wait_s: float) -> None:
@@ -365,6 +389,7 @@ class Runtime:
             "engines": {e["name"]: {"state": e["state"], "version": e["version"],
                                     "restarted": e["pid"] != self.start_pids[e["name"]]}
                         for e in engines},
+            "cells_replaced": [r["name"] for r in self.supervisor.replaced],
             "mean_reward_per_step": [round(m["mean_reward"], 4) for m in self.metrics],
             "mean_reward": (sum(r.reward for r in results) / len(results)) if results else 0.0,
         }
