@@ -130,6 +130,8 @@ class RuntimeConfig(Strict):
     max_tokens: int = Field(24, ge=1, description="tokens per model call")
     temperature: float = Field(1.0, ge=0.0)
     execution_timeout_s: float = Field(120.0, gt=0.0)
+    dispatch_interval_s: float = Field(0.0, ge=0.0, description="a burst's groups are "
+                                       "dispatched this far apart (0: all at once)")
     engine_max_batch: int = Field(16, ge=1)
     lr: float = Field(1e-3, gt=0.0)
     token_budget: int = Field(4096, ge=16, description="tokens per training micro-step")

@@ -218,10 +218,12 @@ class Runtime:
                 self.bridge.burst = b
                 self.ctl.handle(BurstStarted(self.clock.now(), b, c.quota_executions,
                                              self.weights.version))
-                tasks = [(f"b{b}-g{g}", partial(ArithmeticTask, cfg.seed * 1_000_003
-                                                + b * 1000 + g))
-                         for g in range(quota_groups) for _ in range(c.group_size)]
-                runs.append(asyncio.create_task(pool.run(tasks)))
+                for g in range(quota_groups):  # group by group, dispatch_interval_s apart
+                    if g and rt.dispatch_interval_s:
+                        await asyncio.sleep(rt.dispatch_interval_s)
+                    seed = cfg.seed * 1_000_003 + b * 1000 + g
+                    tasks = [(f"b{b}-g{g}", partial(ArithmeticTask, seed))] * c.group_size
+                    runs.append(asyncio.create_task(pool.run(tasks)))
             await trainer
             results = [r for batch in await asyncio.gather(*runs) for r in batch]
             await self.bridge.flush(60.0)
