@@ -37,4 +37,6 @@ def command(model_dir: str, port: int, host: str, name: str | None, max_batch: i
                                                         max_waiting=max_waiting),
                     weight_version=weight_version)
     app = build_engine_app(engine, served)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    # idle keep-alive connections outlive client pools' reuse (uvicorn closes them after 5 s)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+                timeout_keep_alive=120, backlog=4096)

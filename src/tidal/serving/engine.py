@@ -206,7 +206,8 @@ class Engine:
                 from safetensors.torch import save_file
 
                 self._spill = Path(f"/tmp/tidal-spill-{id(self)}.safetensors")
-                sd = {k: v.contiguous() for k, v in self.model.state_dict().items()}
+                # parameters, not state_dict(): a tied head must not appear twice
+                sd = {k: v.contiguous() for k, v in self.model.named_parameters()}
                 save_file(sd, str(self._spill))
             self.model.free_weights()
             self._sleeping = True
@@ -219,7 +220,7 @@ class Engine:
             source = self._spill or self._weights_source
             sd = await asyncio.to_thread(read_weights, source)
             self.model.materialize()
-            self.model.load_weights(sd, strict=False)
+            self.model.load_weights(sd)  # strict: materialised memory is garbage until loaded
             if self._spill:
                 self._spill.unlink(missing_ok=True)
                 self._spill = None
@@ -235,7 +236,7 @@ class Engine:
                 self.model.materialize()
                 self._sleeping = False
                 self._spill = None
-            self.model.load_weights(sd, strict=False)
+            self.model.load_weights(sd)
             self._weights_source = Path(path)
             self.weight_version = version
         log.info("engine %s loaded weights %s from %s", self.config.name, version, path)

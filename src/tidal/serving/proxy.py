@@ -55,6 +55,7 @@ class ProxyConfig(BaseModel):
     drain_timeout_s: float = Field(120.0, gt=0)
     max_prompt_tokens: int = Field(32768, ge=1)
     require_registration: bool = False
+    health_probes: int = Field(3, ge=1)
 
 
 @dataclass
@@ -196,7 +197,6 @@ class Proxy:
             try:
                 reason = await self._run_attempt(attempt, seg, res, prompt, params, remaining,
                                                  handoff, prior_kv, on_chunk)
-                waited_s += attempt.upstream_s
             except BadRequest:
                 if attempt_no == 1 and not res.token_ids:
                     raise
@@ -204,8 +204,11 @@ class Proxy:
                 log.exception("call %s: retrying after a refused request", call.call_id)
             except (EngineUnavailable, Overloaded) as exc:
                 reason, seg.ended_by = None, "error"
+                t_check = time.perf_counter()
                 await self._check_engine(member, exc)
+                waited_s += time.perf_counter() - t_check
             finally:
+                waited_s += attempt.upstream_s
                 member.inflight.pop(attempt.request_id, None)
                 self._capacity.set()
                 if seg.token_ids or seg.ended_by:
@@ -239,7 +242,9 @@ class Proxy:
                            handoff: Attempt | None, prior_kv: int,
                            on_chunk: Callable[[TokenChunk], None] | None) -> str | None:
         member = attempt.member
+        t_up = time.perf_counter()
         kv_handle = await self._handoff(handoff, member) if handoff else None
+        attempt.upstream_s += time.perf_counter() - t_up
         attempt.used_handoff = kv_handle is not None
         prompt_now = prompt + res.token_ids
         req = GenerateRequest(attempt.request_id, prompt_now,
@@ -265,7 +270,9 @@ class Proxy:
                     self.totals["saved_prefill_tokens"] += seg.cached_tokens
             if attempt.cancelled and not attempt.abort_sent:  # drained before it started
                 attempt.abort_sent = True
+                t_up = time.perf_counter()
                 await member.adapter.abort([attempt.request_id], keep_kv=attempt.keep_kv)
+                attempt.upstream_s += time.perf_counter() - t_up
             if chunk.token_ids:
                 seg.token_ids += chunk.token_ids
                 seg.logprobs += chunk.logprobs
@@ -309,8 +316,17 @@ class Proxy:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._capacity.wait(), 0.25)
 
+    async def _is_down(self, member: Member) -> bool:
+        """Down only if several health probes fail: a loaded engine may miss one."""
+        for probe in range(self.config.health_probes):
+            if await member.adapter.health():
+                return False
+            if probe + 1 < self.config.health_probes:
+                await asyncio.sleep(0.5)
+        return True
+
     async def _check_engine(self, member: Member, exc: Exception) -> None:
-        if member.alive and not await member.adapter.health():
+        if member.alive and await self._is_down(member):
             if self.router.members.get(member.engine_id) is member:
                 self.router.leave(member.engine_id)
                 self.totals["engine_failures"] += 1
