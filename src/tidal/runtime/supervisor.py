@@ -2,8 +2,8 @@
 
 In: the runtime's actor handles, polled every ``interval_s`` (``describe`` with a timeout).
 Out: for a dead actor or a dead engine: the old actor killed and its engine process ended by
-pid (it would otherwise outlive its actor), the engine removed from the proxy without a drain
-(its live requests fail over to other engines there: invariant 4), a new actor + engine that
+pid (it would otherwise outlive its actor), the engine gone from the proxy (which retries its
+live requests on other engines: invariant 4, and drops it), a new actor + engine that
 loads the current weight version, rejoins the proxy under the same id, and, if its cell is on
 the training side, is drained and put to sleep again. The controller's view of the cell does
 not change: a replaced cell keeps its role and its place in the order.
@@ -57,6 +57,22 @@ class CellSupervisor:
             return False
         return True
 
+    async def _leave_proxy(self, name: str, grace_s: float = 5.0) -> None:
+        """Let the proxy notice the failure through the calls it had there (it retries them
+        and drops the engine); only an engine it still lists after ``grace_s`` (no traffic
+        showed the failure) is removed here. Removing it at once would close its client
+        under the proxy's own health probes of those calls."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace_s
+        while loop.time() < end:
+            engines = (await self.rt.admin.get("/tidal/engines")).json()["engines"]
+            if not any(e["id"] == name for e in engines):
+                return
+            await asyncio.sleep(0.2)
+        resp = await self.rt.admin.delete(f"/tidal/engines/{name}", params={"drain": "false"})
+        if resp.status_code not in (200, 404):  # 404: the proxy dropped it meanwhile
+            log.warning("proxy leave %s: HTTP %s", name, resp.status_code)
+
     async def replace(self, name: str) -> None:
         import ray
 
@@ -67,9 +83,7 @@ class CellSupervisor:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # the engine process this runtime started
-        resp = await rt.admin.delete(f"/tidal/engines/{name}", params={"drain": "false"})
-        if resp.status_code not in (200, 404):  # 404: the proxy already saw it fail
-            log.warning("proxy leave %s: HTTP %s", name, resp.status_code)
+        await self._leave_proxy(name)
         new = rt.new_actor(name)
         url = await new.start.remote(rt.rt.start_timeout_s)
         rt.actors[name] = new
