@@ -212,6 +212,7 @@ class Runtime:
             watch = asyncio.create_task(self.supervisor.run())
             trainer = asyncio.create_task(self._trainer())
             runs = []
+            t_first = self.clock.now()
             quota_groups = c.quota_executions // c.group_size
             for b in range(c.bursts):
                 await self._wait_published(b, trainer)
@@ -225,6 +226,7 @@ class Runtime:
                     tasks = [(f"b{b}-g{g}", partial(ArithmeticTask, seed))] * c.group_size
                     runs.append(asyncio.create_task(pool.run(tasks)))
             await trainer
+            self.bursts_s = self.clock.now() - t_first  # first dispatch to last publication
             results = [r for batch in await asyncio.gather(*runs) for r in batch]
             await self.bridge.flush(60.0)
             await self._settle(self.cfg.control.step_timeout_s)
@@ -368,6 +370,7 @@ class Runtime:
             "policy": s["policy"],
             "bursts": self.cfg.control.bursts,
             "trainer_steps": len(self.metrics),
+            "bursts_s": round(self.bursts_s, 2),
             "version": self.weights.version,
             "switches_to_training": s["switches_to_training"],
             "switches_to_rollout": s["switches_to_rollout"],
