@@ -1,7 +1,8 @@
-"""Killing a cell actor in the middle of a burst, while its engine serves live requests: the
-supervisor replaces it (new actor, new engine with the current weights, same proxy id and
-role), the proxy retries the lost requests elsewhere, and the run completes with no failed
-request and no execution lost or trained twice."""
+"""Killing a cell actor in the middle of a burst, while its engine serves live requests, and
+then the standalone engine's process under its live actor: the supervisor replaces both (new
+actor, new engine with the current weights, same proxy id and role), the proxy retries the
+lost requests elsewhere, and the run completes with no failed request and no execution lost
+or trained twice."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def _kill_when_busy(runtime: Runtime, name: str, seen: dict, deadline_s: float =
             if busy.get(name, 0) > 0:
                 seen["inflight_at_kill"] = busy[name]
                 ray.kill(runtime.actors[name], no_restart=True)
+                time.sleep(0.5)
+                # and an engine process under a live actor (the standalone engine)
+                ray.get(runtime.actors["s0"].kill_engine.remote(), timeout=30)
                 return
         time.sleep(0.02)
 
@@ -48,8 +52,9 @@ def test_a_killed_cell_actor_is_replaced_and_nothing_is_lost(tmp_path):
                                                "rerouted_requests", "engine_failures")}))
 
     assert seen.get("inflight_at_kill", 0) > 0
-    assert summary["cells_replaced"] == ["c1"]
-    assert summary["engines"]["c1"]["restarted"]
+    assert summary["cells_replaced"] == ["c1", "s0"]
+    assert summary["engines"]["c1"]["restarted"] and summary["engines"]["s0"]["restarted"]
+    assert summary["engines"]["s0"]["version"] == "v4"  # the replacement got the weights
     assert summary["rerouted_requests"] >= seen["inflight_at_kill"]
     assert summary["failed_requests"] == 0 and summary["timed_out_executions"] == 0
     assert summary["lost_executions"] == 0 and summary["record_errors"] == []
