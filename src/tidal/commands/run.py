@@ -18,6 +18,9 @@ import click
 def command(config: str, out: str | None, policy: str | None, address: str | None) -> None:
     import json
 
+    from rich.console import Console
+    from rich.live import Live
+
     from tidal.config import PolicyConfig, RunConfig, load_yaml, validate_model
     from tidal.runtime.driver import Runtime
 
@@ -34,7 +37,32 @@ def command(config: str, out: str | None, policy: str | None, address: str | Non
                    f"reward {line['mean_reward']:.3f} loss {line['loss']:+.4f} "
                    f"w {line['waterlevel']:3d} roles {' '.join(line['roles'])}")
 
-    summary = Runtime(cfg, out or f"runs/{cfg.name}", on_step=show).run()
+    console = Console()
+    if console.is_terminal:  # a live panel; plain lines when piped (logs, CI)
+        with Live(_panel({}), console=console, refresh_per_second=4) as live:
+            summary = Runtime(cfg, out or f"runs/{cfg.name}",
+                              on_state=lambda st: live.update(_panel(st))).run()
+    else:
+        summary = Runtime(cfg, out or f"runs/{cfg.name}", on_step=show).run()
     keys = ("policy", "run_time_s", "trainer_steps", "switches_to_training",
             "switches_to_rollout", "rerouted_requests", "failed_requests", "lost_executions")
     click.echo(json.dumps({k: summary[k] for k in keys}))
+
+
+def _panel(st: dict):
+    from rich.table import Table
+
+    table = Table(title="tidal run", show_header=False)
+    if not st:
+        table.add_row("starting", "Ray, engines, proxy, model")
+        return table
+    reward = "-" if st["reward"] is None else f"{st['reward']:.3f}"
+    for key, val in (("burst / step / version", f"{st['burst']} / {st['step']} / v{st['version']}"),
+                     ("mean reward (last step)", reward),
+                     ("waterlevel (queued + running)",
+                      f"{st['waterlevel']} ({st['queued']} + {st['running']})"),
+                     ("ready groups", str(st["ready_groups"])),
+                     ("cells", "  ".join(f"{i}:{r}" for i, r in enumerate(st["roles"]))),
+                     ("transitions / replaced", f"{st['switches']} / {st['replaced']}")):
+        table.add_row(key, val)
+    return table

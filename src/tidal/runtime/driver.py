@@ -65,9 +65,10 @@ def _check(cfg: RunConfig) -> None:
 
 class Runtime:
     def __init__(self, cfg: RunConfig, out: str | Path,
-                 on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_step: Callable[[dict[str, Any]], None] | None = None,
+                 on_state: Callable[[dict[str, Any]], None] | None = None) -> None:
         _check(cfg)
-        self.cfg, self.out, self.on_step = cfg, Path(out), on_step
+        self.cfg, self.out, self.on_step, self.on_state = cfg, Path(out), on_step, on_state
         self.rt = cfg.runtime
         self.clock = WallClock()
         self.token = secrets.token_hex(16)
@@ -271,9 +272,25 @@ class Runtime:
             await asyncio.sleep(0.05)
 
     async def _ticks(self) -> None:
+        n = 0
         while True:
             await asyncio.sleep(self.rt.tick_s)
             self.ctl.handle(Tick(self.clock.now()))
+            n += 1
+            if self.on_state is not None and n % max(1, round(0.5 / self.rt.tick_s)) == 0:
+                self.on_state(self.state())
+
+    def state(self) -> dict[str, Any]:
+        """What the live display shows (read on the loop; cheap)."""
+        lg = self.ctl.ledger
+        return {"burst": self.bridge.burst, "step": len(self.metrics),
+                "version": self.weights.version,
+                "reward": self.metrics[-1]["mean_reward"] if self.metrics else None,
+                "waterlevel": lg.waterlevel, "queued": lg.total.queued,
+                "running": lg.total.running, "ready_groups": lg.ready_unassigned,
+                "roles": [r.value for r in self.ctl.cells.roles()],
+                "switches": len(self.ctl.plans_done),
+                "replaced": len(self.supervisor.replaced)}
 
     async def _wait_published(self, burst: int, trainer: asyncio.Task) -> None:
         async with self._published:
