@@ -118,12 +118,38 @@ class PolicyConfig(Strict):
         return validate_model(cls, {"name": name, "args": args}, "policy")
 
 
+class RuntimeConfig(Strict):
+    """What ``tidal run`` needs beyond the control plane: model, engines, task, trainer."""
+
+    model: str = Field("tiny", description="'tiny' (created in the run directory) or a "
+                                           "model directory")
+    tiny_layers: int = Field(2, ge=1)
+    tiny_d_model: int = Field(64, ge=8)
+    tiny_max_seq_len: int = Field(256, ge=16)
+    task: str = Field("arithmetic", pattern="^arithmetic$")
+    max_tokens: int = Field(24, ge=1, description="tokens per model call")
+    temperature: float = Field(1.0, ge=0.0)
+    execution_timeout_s: float = Field(120.0, gt=0.0)
+    dispatch_interval_s: float = Field(0.0, ge=0.0, description="a burst's groups are "
+                                       "dispatched this far apart (0: all at once)")
+    engine_max_batch: int = Field(16, ge=1)
+    lr: float = Field(1e-3, gt=0.0)
+    token_budget: int = Field(4096, ge=16, description="tokens per training micro-step")
+    step_data_timeout_s: float = Field(120.0, gt=0.0)
+    tick_s: float = Field(0.2, gt=0.0, description="controller tick period")
+    ray_address: str | None = Field(None, description="join this Ray cluster (None: local)")
+    ray_num_cpus: int = Field(2, ge=1)
+    start_timeout_s: float = Field(120.0, gt=0.0)
+    run_timeout_s: float = Field(900.0, gt=0.0)
+
+
 class RunConfig(Strict):
     name: str = "run"
     seed: int = 0
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
 
     @model_validator(mode="after")

@@ -131,7 +131,9 @@ class HTTPEngineBase:
     async def health(self) -> bool:
         try:
             resp = await self._client.get("/health", timeout=2.0)
-        except httpx.HTTPError:
+        except (httpx.HTTPError, RuntimeError):
+            # RuntimeError: httpx refuses to send on a client closed by a concurrent leave;
+            # a probe must answer "unhealthy", never raise into a harness's request.
             return False
         return resp.status_code == 200
 

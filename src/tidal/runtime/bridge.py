@@ -1,0 +1,98 @@
+"""From the harness side to the control and training planes.
+
+In: the harness pool's ledger callbacks (``dispatched`` / ``launched`` / ``closed``, on the
+driver's event loop) and, for each closed execution, its token records from the proxy's admin
+API. Out: ``ExecutionDispatched`` / ``ExecutionLaunched`` / ``ExecutionClosed`` events into the
+controller, and one ``ExecutionRecord`` per closed execution into the trajectory buffer.
+Invariant 7 is counted here: ``lost`` = executions dispatched whose record never reached the
+trajectory buffer (it must end at 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+
+from tidal.clock import Clock
+from tidal.serving.protocol import version_spans
+from tidal.training.records import ExecutionRecord, ModelCall, OutputSegment
+from tidal.training.trajectory_buffer import TrajectoryBuffer
+from tidal.types import CloseReason, ExecutionClosed, ExecutionDispatched, ExecutionLaunched
+
+log = logging.getLogger(__name__)
+_STATUS = {"completed": "completed", "failed": "failed", "timeout": "timed_out",
+           "cancelled": "cancelled"}
+
+
+def record_from_proxy(execution_id: str, group_id: str, calls: list[dict[str, Any]],
+                      reward: float, reason: str) -> ExecutionRecord:
+    """The proxy's per-call segments (engine, tokens, log-probs, versions) as a training
+    record: one output segment per run of equal weight versions (invariant 6)."""
+    out = []
+    for call in calls:
+        tokens = [t for s in call["segments"] for t in s["token_ids"]]
+        logprobs = [lp for s in call["segments"] for lp in s["logprobs"]]
+        versions = [v for s in call["segments"] for v in s["versions"]]
+        segs = [OutputSegment(start=a, end=b, weight_version=v)
+                for a, b, v in version_spans(versions)]
+        out.append(ModelCall(prompt_token_ids=call["prompt_token_ids"], output_token_ids=tokens,
+                             output_logprobs=logprobs, segments=segs))
+    return ExecutionRecord(execution_id=execution_id, group_id=group_id, calls=out,
+                           reward=reward, status=_STATUS[reason])
+
+
+class LedgerBridge:
+    """A ``tidal.agents.events.LedgerEvents`` feeding the controller and the buffer."""
+
+    def __init__(self, controller, clock: Clock, admin: httpx.AsyncClient,
+                 buffer: TrajectoryBuffer, group_size: int) -> None:
+        self.controller, self.clock, self.admin = controller, clock, admin
+        self.buffer, self.group_size = buffer, group_size
+        self.burst = 0
+        self.n_dispatched = 0
+        self.close_counts: dict[str, int] = {}
+        self.recorded = 0
+        self.record_errors: list[str] = []
+        self.rewards: list[float] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    def dispatched(self, execution_id: str, group_id: str) -> None:
+        self.n_dispatched += 1
+        self.controller.handle(ExecutionDispatched(self.clock.now(), execution_id, group_id,
+                                                   self.group_size, self.burst))
+
+    def launched(self, execution_id: str, group_id: str) -> None:
+        self.controller.handle(ExecutionLaunched(self.clock.now(), execution_id))
+
+    def closed(self, execution_id: str, group_id: str, reason: str,
+               reward: float | None) -> None:
+        self.close_counts[reason] = self.close_counts.get(reason, 0) + 1
+        self.rewards.append(reward or 0.0)
+        self.controller.handle(ExecutionClosed(self.clock.now(), execution_id,
+                                               CloseReason(reason), reward))
+        task = asyncio.get_running_loop().create_task(
+            self._record(execution_id, group_id, reason, reward or 0.0))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _record(self, eid: str, gid: str, reason: str, reward: float) -> None:
+        try:
+            resp = await self.admin.get(f"/tidal/executions/{eid}/records")
+            resp.raise_for_status()
+            rec = record_from_proxy(eid, gid, resp.json()["calls"], reward, reason)
+            await asyncio.to_thread(self.buffer.add, rec)
+            self.recorded += 1
+        except Exception as exc:
+            log.error("execution %s: record not delivered to training: %s", eid, exc)
+            self.record_errors.append(f"{eid}: {exc}")
+
+    @property
+    def lost(self) -> int:
+        return self.n_dispatched - self.recorded
+
+    async def flush(self, timeout_s: float) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)

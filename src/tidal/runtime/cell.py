@@ -1,0 +1,96 @@
+"""The cell actor: a Ray actor that owns one built-in engine process and changes its state.
+
+In: calls from the actuator (``sleep``, ``wake``, ``load_weights``) and the driver (``start``,
+``stop``, ``kill_engine``). Out: the engine's URL and its state. Standalone engines use the same
+actor; they are simply never asked to sleep. The engine keeps its process, port and model
+across role changes: sleeping frees its weights and KV cache, waking restores them
+(REFERENCE.md §1: backend processes stay alive across the change).
+Foreign errors (HTTP) become ``RuntimeFailure`` with one readable line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import httpx
+
+from tidal.errors import TidalError
+
+log = logging.getLogger(__name__)
+
+
+class RuntimeFailure(TidalError):
+    """A runtime part (engine process, actor, proxy) did not do what it was asked."""
+
+
+class EngineHost:
+    """Plain class; ``driver`` wraps it with ``ray.remote``. One engine process per instance."""
+
+    def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str) -> None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.name, self.model_dir, self.max_batch = name, model_dir, max_batch
+        self.log_path = Path(log_dir) / f"engine-{name}.log"
+        self.proc = None
+        self.state = "stopped"
+        self.loaded_version = "v0"
+
+    def start(self, timeout_s: float) -> str:
+        from tidal.serving.launch import start_engine
+
+        self.proc = start_engine(self.model_dir, name="tiny", max_batch=self.max_batch,
+                                 log_path=self.log_path)
+        try:
+            self.proc.wait_healthy(timeout_s)
+        except TidalError as exc:
+            raise RuntimeFailure(f"engine {self.name}: {exc}") from None
+        self.state = "awake"
+        return self.proc.url
+
+    def _post(self, path: str, timeout_s: float = 60.0, **kw) -> dict:
+        if self.proc is None:
+            raise RuntimeFailure(f"engine {self.name} is not started")
+        try:
+            resp = httpx.post(f"{self.proc.url}{path}", timeout=timeout_s, **kw)
+        except httpx.HTTPError as exc:
+            raise RuntimeFailure(f"engine {self.name} {path}: {exc!r}") from None
+        if resp.status_code != 200:
+            raise RuntimeFailure(f"engine {self.name} {path}: HTTP {resp.status_code} "
+                                 f"{resp.text[:200]}")
+        return resp.json()
+
+    def sleep(self) -> str:
+        """Release rollout memory: KV caches and weights (spilled to disk, level 1)."""
+        self._post("/sleep", params={"level": 1})
+        self.state = "asleep"
+        return self.state
+
+    def wake(self) -> str:
+        self._post("/wake_up")
+        self.state = "awake"
+        return self.state
+
+    def load_weights(self, path: str, version: str) -> str:
+        """Load a published version in place (no restart); later tokens carry ``version``."""
+        out = self._post("/update_weights", json={"path": path, "weight_version": version})
+        self.loaded_version = out["weight_version"]
+        self.state = "awake"
+        return self.loaded_version
+
+    def describe(self) -> dict:
+        alive = self.proc is not None and self.proc.proc.poll() is None
+        return {"name": self.name, "state": self.state, "version": self.loaded_version,
+                "alive": alive, "url": self.proc.url if self.proc else None,
+                "pid": self.proc.proc.pid if self.proc else None}
+
+    def kill_engine(self) -> None:
+        """Crash the engine process (SIGKILL): fault injection for tests."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.state = "dead"
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+            self.state = "stopped"

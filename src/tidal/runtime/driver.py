@@ -1,0 +1,417 @@
+"""The driver of ``tidal run``: wires the real parts together and runs bursts to the end.
+
+In: a validated ``RunConfig`` and a run directory. Out: in the run directory ``config.yaml``
+(resolved), ``metrics.jsonl`` (one line per optimizer step), ``decisions.jsonl`` (every
+scheduling decision and plan record of the controller), ``steps.jsonl`` (every plan step the
+actuator ran, with its duration) and ``summary.json``; engine and proxy logs under ``logs/``.
+
+Data flow: dispatcher (one quota per burst) -> harness pool -> proxy (a process) -> engines
+(processes owned by Ray actors: standalone engines and cells) ; ledger callbacks ->
+controller (real ``tidal.control`` objects on the wall clock) -> plans -> ``RayActuator`` ;
+closed executions -> proxy records -> trajectory buffer -> ``CoreTrainer`` (in the driver, active
+only while cell 0 holds the training role) -> ``FilePublisher`` -> engines load the new version
+in place. Everything runs on one asyncio loop; blocking work (optimizer steps, Ray calls) is
+awaited off the loop, so controller events are handled in order on one thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tidal.clock import WallClock
+from tidal.config import RunConfig, dump_yaml
+from tidal.errors import ConfigError, TimeoutExpired
+from tidal.runtime.actuator import RayActuator, Weights
+from tidal.runtime.bridge import LedgerBridge
+from tidal.runtime.cell import EngineHost, RuntimeFailure
+from tidal.runtime.supervisor import CellSupervisor
+from tidal.types import (
+    BurstStarted,
+    GroupsAssigned,
+    Role,
+    Tick,
+    TrainerReady,
+    TrainerStepDone,
+    WeightSyncDone,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _check(cfg: RunConfig) -> None:
+    c = cfg.control
+    if c.bursts is None:
+        raise ConfigError("control.bursts", "tidal run needs a number of bursts")
+    if c.quota_groups is not None and c.quota_groups != c.batch_groups * c.updates_per_burst:
+        raise ConfigError("control.quota_groups", "this runtime trains every dispatched group: "
+                          "quota_groups must equal batch_groups * updates_per_burst")
+    if any(s.kind.value != "elastic" for s in cfg.cluster.cell_specs()):
+        raise ConfigError("cluster.cell_kind", "hybrid (verl) cells are not supported by the "
+                          "runtime yet")
+
+
+class Runtime:
+    def __init__(self, cfg: RunConfig, out: str | Path,
+                 on_step: Callable[[dict[str, Any]], None] | None = None,
+                 on_state: Callable[[dict[str, Any]], None] | None = None) -> None:
+        _check(cfg)
+        self.cfg, self.out, self.on_step, self.on_state = cfg, Path(out), on_step, on_state
+        self.rt = cfg.runtime
+        self.clock = WallClock()
+        self.token = secrets.token_hex(16)
+        self.actors: dict[str, Any] = {}
+        self.proxy = None
+        self.metrics: list[dict[str, Any]] = []
+        self._ray_started = False
+
+    # ------------------------------------------------------------------ setup / teardown
+    def run(self) -> dict[str, Any]:
+        import ray
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "logs").mkdir(exist_ok=True)
+        (self.out / "config.yaml").write_text(dump_yaml(self.cfg))
+        t0 = time.perf_counter()
+        try:
+            self._start_parts(ray)
+            summary = asyncio.run(asyncio.wait_for(self._main(), self.rt.run_timeout_s))
+        except TimeoutError:
+            raise TimeoutExpired(f"run not finished in runtime.run_timeout_s = "
+                                 f"{self.rt.run_timeout_s} s") from None
+        finally:
+            self._stop_parts(ray)
+        summary["run_time_s"] = round(time.perf_counter() - t0, 2)
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _start_parts(self, ray) -> None:
+        from tidal.models import create_tiny
+        from tidal.serving.launch import start_proxy
+
+        rt = self.rt
+        if rt.model == "tiny":
+            self.model_dir = create_tiny(self.out / "model", seed=self.cfg.seed,
+                                         n_layers=rt.tiny_layers, d_model=rt.tiny_d_model,
+                                         n_heads=4, d_ff=4 * rt.tiny_d_model,
+                                         max_seq_len=rt.tiny_max_seq_len)
+        else:
+            self.model_dir = Path(rt.model)
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if not ray.is_initialized():
+            if rt.ray_address:
+                ray.init(address=rt.ray_address)
+            else:
+                ray.init(num_cpus=rt.ray_num_cpus, include_dashboard=False,
+                         _node_ip_address="127.0.0.1", log_to_driver=False)
+            self._ray_started = True
+        self._actor_cls = ray.remote(num_cpus=0)(EngineHost).options(
+            runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}})
+        names = [f"s{j}" for j in range(self.cfg.cluster.standalone_count)]
+        names += [f"c{i}" for i in range(len(self.cfg.cluster.cell_specs()))]
+        for name in names:
+            self.actors[name] = self.new_actor(name)
+        self.proxy = start_proxy([], [], self.token, kv_handoff=self.cfg.control.kv_handoff,
+                                 log_path=self.out / "logs" / "proxy.log")
+        urls = ray.get([a.start.remote(rt.start_timeout_s) for a in self.actors.values()],
+                       timeout=rt.start_timeout_s + 30)
+        self.urls = dict(zip(self.actors, urls, strict=True))
+        self.start_pids = {d["name"]: d["pid"] for d in
+                           ray.get([a.describe.remote() for a in self.actors.values()])}
+        self.pids = dict(self.start_pids)
+        self.proxy.wait_healthy(rt.start_timeout_s)
+
+    def new_actor(self, name: str):
+        return self._actor_cls.remote(name, str(self.model_dir), self.rt.engine_max_batch,
+                                      str(self.out / "logs"))
+
+    def join_body(self, name: str, url: str) -> dict[str, Any]:
+        cl = self.cfg.cluster
+        if name.startswith("s"):
+            return {"id": name, "url": url, "kind": "standalone", "cap": cl.standalone_slots}
+        i = int(name[1:])
+        return {"id": name, "url": url, "kind": "cell", "cell_index": i,
+                "cap": cl.cell_specs()[i].slots}
+
+    def _stop_parts(self, ray) -> None:
+        if self.actors:
+            try:
+                ray.wait([a.stop.remote() for a in self.actors.values()],
+                         num_returns=len(self.actors), timeout=60)
+            except Exception:
+                log.exception("stopping engines")
+            for pid in getattr(self, "pids", {}).values():  # engines this runtime started
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self._ray_started:
+            ray.shutdown()
+
+    # ------------------------------------------------------------------ the run
+    async def _main(self) -> dict[str, Any]:
+        import torch
+
+        from tidal.agents import ArithmeticTask, HarnessPool, PoolConfig
+        from tidal.control.decision_log import DecisionLog, jsonl_file_sink
+        from tidal.control.factory import build_controller
+        from tidal.models import load_model
+        from tidal.training.core import CoreTrainer, TrainerConfig
+        from tidal.training.flat import ParamLayout
+        from tidal.training.packing import PackingConfig
+        from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
+        from tidal.training.transport import FilePublisher
+
+        cfg, rt, c = self.cfg, self.rt, self.cfg.control
+        torch.manual_seed(cfg.seed)
+        torch.set_num_threads(1)
+        specs = cfg.cluster.cell_specs()
+        admin = httpx.AsyncClient(base_url=self.proxy.url, timeout=300.0,
+                                  headers={"Authorization": f"Bearer {self.token}"})
+        decisions = open(self.out / "decisions.jsonl", "w")  # noqa: SIM115 - closed below
+        self.buffer = TrajectoryBuffer(TrajectoryBufferConfig(
+            group_size=c.group_size, max_policy_lag=c.updates_per_burst), self.clock)
+        model, tok = load_model(self.model_dir)
+        model.train()
+        self.publisher = FilePublisher(self.out / "weights", ParamLayout.of(model), keep=2)
+        self.core = CoreTrainer(model, TrainerConfig(
+            lr=rt.lr, groups_per_step=c.batch_groups, step_data_timeout_s=rt.step_data_timeout_s,
+            packing=PackingConfig(token_budget=rt.token_budget)), self.buffer, self.clock,
+            publishers=[self.publisher], pad_id=tok.eos_id)
+        self.weights = Weights()
+        cells = [self.actors[f"c{i}"] for i in range(len(specs))]
+        self.actuator = RayActuator(self.clock, admin, cells, self.weights, c.kv_handoff)
+        self.ctl = build_controller(cfg, self.clock, self.actuator,
+                                    DecisionLog(jsonl_file_sink(decisions), keep=False))
+        self.actuator.bind(self.ctl)
+        self.bridge = LedgerBridge(self.ctl, self.clock, admin, self.buffer, c.group_size)
+        self.admin = admin
+        self.supervisor = CellSupervisor(self)
+        try:
+            await self._join_engines(admin, specs)
+            cl = cfg.cluster
+            slots = cl.standalone_count * cl.standalone_slots + sum(s.slots for s in specs)
+            pool = HarnessPool(PoolConfig(
+                proxy_url=self.proxy.url, max_concurrent=slots,
+                max_turns=1, max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
+                timeout_s=rt.execution_timeout_s), self.out / "workspaces", self.bridge)
+            self._published = asyncio.Condition()
+            self._bursts_published = 0
+            ticks = asyncio.create_task(self._ticks())
+            watch = asyncio.create_task(self.supervisor.run())
+            trainer = asyncio.create_task(self._trainer())
+            runs = []
+            t_first = self.clock.now()
+            quota_groups = c.quota_executions // c.group_size
+            for b in range(c.bursts):
+                await self._wait_published(b, trainer)
+                self.bridge.burst = b
+                self.ctl.handle(BurstStarted(self.clock.now(), b, c.quota_executions,
+                                             self.weights.version))
+                for g in range(quota_groups):  # group by group, dispatch_interval_s apart
+                    if g and rt.dispatch_interval_s:
+                        await asyncio.sleep(rt.dispatch_interval_s)
+                    seed = cfg.seed * 1_000_003 + b * 1000 + g
+                    tasks = [(f"b{b}-g{g}", partial(ArithmeticTask, seed))] * c.group_size
+                    runs.append(asyncio.create_task(pool.run(tasks)))
+            await trainer
+            self.bursts_s = self.clock.now() - t_first  # first dispatch to last publication
+            results = [r for batch in await asyncio.gather(*runs) for r in batch]
+            await self.bridge.flush(60.0)
+            await self._settle(self.cfg.control.step_timeout_s)
+            ticks.cancel()
+            watch.cancel()
+            stats = (await admin.get("/tidal/stats")).json()
+            engines = await asyncio.gather(*[a.describe.remote() for a in self.actors.values()],
+                                           return_exceptions=True)
+            engines = [e for e in engines if isinstance(e, dict)]
+            return self._summary(results, stats, engines)
+        finally:
+            self.buffer.close()
+            self.core.close()
+            await admin.aclose()
+            decisions.close()
+            with open(self.out / "steps.jsonl", "w") as fh:
+                fh.writelines(json.dumps(s) + "\n" for s in self.actuator.step_log)
+
+    async def _join_engines(self, admin: httpx.AsyncClient, specs) -> None:
+        for name, url in self.urls.items():
+            body = self.join_body(name, url)
+            resp = await admin.post("/tidal/engines", json=body)
+            if resp.status_code != 200:
+                raise RuntimeFailure(f"proxy refused engine {body['id']}: {resp.text[:200]}")
+        # Cells the policy starts in training (e.g. static): out of routing, engine asleep.
+        for i in range(self.ctl.cells.prefix_len):
+            resp = await admin.post(f"/tidal/engines/c{i}/drain")
+            if resp.status_code != 200:
+                raise RuntimeFailure(f"drain of c{i} at start: {resp.text[:200]}")
+            await self.actuator.cells[i].sleep.remote()
+            self.actuator.asleep.add(i)
+            self.actuator.training.add(i)
+
+    async def _settle(self, timeout_s: float) -> None:
+        """Bounded wait until no transition plan is in flight (the run ends in a known
+        state: every engine either serving or asleep with its cell training)."""
+        deadline = self.clock.now() + timeout_s
+        while self.ctl.inflight is not None or self.supervisor.busy:
+            if self.clock.now() > deadline:
+                raise TimeoutExpired(f"plan {self.ctl.inflight.plan.plan_id} still in flight "
+                                     f"{timeout_s} s after the last step")
+            await asyncio.sleep(0.05)
+
+    async def _ticks(self) -> None:
+        n = 0
+        while True:
+            await asyncio.sleep(self.rt.tick_s)
+            self.ctl.handle(Tick(self.clock.now()))
+            n += 1
+            if self.on_state is not None and n % max(1, round(0.5 / self.rt.tick_s)) == 0:
+                self.on_state(self.state())
+
+    def state(self) -> dict[str, Any]:
+        """What the live display shows (read on the loop; cheap)."""
+        lg = self.ctl.ledger
+        return {"burst": self.bridge.burst, "step": len(self.metrics),
+                "version": self.weights.version,
+                "reward": self.metrics[-1]["mean_reward"] if self.metrics else None,
+                "waterlevel": lg.waterlevel, "queued": lg.total.queued,
+                "running": lg.total.running, "ready_groups": lg.ready_unassigned,
+                "roles": [r.value for r in self.ctl.cells.roles()],
+                "switches": len(self.ctl.plans_done),
+                "replaced": len(self.supervisor.replaced)}
+
+    async def _wait_published(self, burst: int, trainer: asyncio.Task) -> None:
+        async with self._published:
+            while self._bursts_published < burst:
+                if trainer.done():
+                    trainer.result()  # raises the trainer's error
+                    raise RuntimeFailure("the trainer ended before the run did")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._published.wait(), 1.0)
+
+    async def _core_active(self) -> float:
+        """Wait until cell 0's trainer worker is active and a full batch of groups is ready
+        (so a step never holds the trainer lock while waiting for data, which would keep the
+        core from returning to rollout); returns the wait."""
+        t0, need = self.clock.now(), self.cfg.control.batch_groups
+        while 0 not in self.actuator.training or len(self.buffer) < need:
+            self.actuator.training_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.actuator.training_changed.wait(), 0.05)
+        return self.clock.now() - t0
+
+    async def _trainer(self) -> None:
+        c, step = self.cfg.control, 0
+        for b in range(c.bursts or 0):
+            for u in range(c.updates_per_burst):
+                final = u == c.updates_per_burst - 1
+                wait_s = 0.0
+                while True:
+                    wait_s += await self._core_active()
+                    async with self.actuator.trainer_lock:
+                        if 0 not in self.actuator.training:
+                            continue  # offloaded between the check and the lock
+                        queue = len(self.buffer)
+                        self.ctl.handle(TrainerReady(self.clock.now(), step))
+                        t0 = self.clock.now()
+                        report = await asyncio.to_thread(self.core.train_step, final)
+                        break
+                dt = self.clock.now() - t0
+                if report is None:
+                    raise RuntimeFailure(f"step {step}: the trainer got no data")
+                self.ctl.handle(GroupsAssigned(self.clock.now(), tuple(report.group_ids)))
+                self.ctl.handle(TrainerStepDone(self.clock.now(), step, wait_s=wait_s,
+                                                queue_at_start=queue, compute_s=dt, alloc_s=dt,
+                                                final_of_burst=final))
+                if final:
+                    await self._publish()
+                self._record_step(b, step, report, dt, wait_s)
+                step += 1
+            async with self._published:
+                self._bursts_published = b + 1
+                self._published.notify_all()
+
+    async def _publish(self) -> None:
+        """The core already wrote the new version (FilePublisher); awake engines load it."""
+        t0 = self.clock.now()
+        w = self.weights
+        async with w.lock:
+            w.version = self.core.version
+            w.path = self.publisher.path(w.version)
+            targets = [a for n, a in self.actors.items() if n.startswith("s")]
+            targets += [a for i, a in enumerate(self.actuator.cells)
+                        if i not in self.actuator.asleep]
+            outs = await asyncio.gather(*[a.load_weights.remote(w.path, w.label)
+                                          for a in targets], return_exceptions=True)
+        for out in outs:  # a lost engine is replaced by the supervisor with this version
+            if isinstance(out, BaseException):
+                log.warning("publishing %s: an engine did not load it: %s", w.label,
+                            str(out).splitlines()[0])
+        self.ctl.handle(WeightSyncDone(self.clock.now(), w.version, self.clock.now() - t0))
+
+    def _record_step(self, burst: int, step: int, report, dt: float, wait_s: float) -> None:
+        roles = self.ctl.cells.roles()
+        line = {"t": round(self.clock.now(), 3), "burst": burst, "step": step,
+                "version": self.core.version, "mean_reward": report.mean_reward,
+                "loss": report.loss, "grad_norm": report.grad_norm,
+                "n_groups": report.n_groups, "n_tokens": report.n_tokens,
+                "max_staleness": report.max_staleness, "step_s": round(dt, 3),
+                "wait_s": round(wait_s, 3), "waterlevel": self.ctl.ledger.waterlevel,
+                "ready_groups": self.ctl.ledger.ready_unassigned,
+                "roles": [r.value for r in roles],
+                "training_cells": sum(r is Role.TRAINING for r in roles)}
+        self.metrics.append(line)
+        with open(self.out / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+        if self.on_step is not None:
+            self.on_step(line)
+
+    def _summary(self, results, stats: dict[str, Any], engines: list[dict]) -> dict[str, Any]:
+        s = self.ctl.summary()
+        reasons: dict[str, int] = {}
+        for r in results:
+            reasons[r.reason] = reasons.get(r.reason, 0) + 1
+        return {
+            "policy": s["policy"],
+            "bursts": self.cfg.control.bursts,
+            "trainer_steps": len(self.metrics),
+            "bursts_s": round(self.bursts_s, 2),
+            "version": self.weights.version,
+            "switches_to_training": s["switches_to_training"],
+            "switches_to_rollout": s["switches_to_rollout"],
+            "plans_aborted": s["plans_aborted"],
+            "final_roles": self.ctl.cells.describe(),
+            "rerouted_requests": stats["retries"],
+            "drained_requests": sum(d["moved"] for d in self.actuator.drains),
+            "kv_handoffs": stats["kv_handoffs"],
+            "engine_failures": stats["engine_failures"],
+            "failed_requests": reasons.get("failed", 0),
+            "timed_out_executions": reasons.get("timeout", 0),
+            "dispatched": self.bridge.n_dispatched,
+            "closed": len(results),
+            "close_reasons": reasons,
+            "trained_executions": sum(m["n_groups"] for m in self.metrics)
+            * self.cfg.control.group_size,
+            "lost_executions": self.bridge.lost,
+            "record_errors": self.bridge.record_errors[:10],
+            "ledger_waterlevel_end": s["waterlevel"],
+            "duplicate_closes": s["duplicate_closes"],
+            "engines": {e["name"]: {"state": e["state"], "version": e["version"],
+                                    "restarted": e["pid"] != self.start_pids[e["name"]]}
+                        for e in engines},
+            "cells_replaced": [r["name"] for r in self.supervisor.replaced],
+            "mean_reward_per_step": [round(m["mean_reward"], 4) for m in self.metrics],
+            "mean_reward": (sum(r.reward for r in results) / len(results)) if results else 0.0,
+        }
