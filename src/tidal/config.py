@@ -196,7 +196,8 @@ def validate_model(model: type[M], data: Any, prefix: str = "") -> M:
         raise _format(exc, prefix) from None
 
 
-def load_yaml(path: str | Path, model: type[M] = RunConfig) -> M:  # type: ignore[assignment]
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """The top-level mapping of a YAML file, or a one-line ``ConfigError``."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError("", f"{p}: no such config file")
@@ -206,10 +207,19 @@ def load_yaml(path: str | Path, model: type[M] = RunConfig) -> M:  # type: ignor
         raise ConfigError("", f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ConfigError("", f"{p}: the top level must be a mapping")
+    return data
+
+
+def validate_file_data(model: type[M], data: dict[str, Any], path: str | Path) -> M:
+    """``validate_model`` with the file named in the error message."""
     try:
         return validate_model(model, data)
     except ConfigError as exc:
-        raise ConfigError(exc.field, f"{exc.message} (in {p})") from None
+        raise ConfigError(exc.field, f"{exc.message} (in {path})") from None
+
+
+def load_yaml(path: str | Path, model: type[M] = RunConfig) -> M:  # type: ignore[assignment]
+    return validate_file_data(model, read_yaml_mapping(path), path)
 
 
 def dump_yaml(cfg: BaseModel) -> str:

@@ -15,7 +15,6 @@ import enum
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import Field, model_validator
 
 from tidal.config import (
@@ -24,6 +23,8 @@ from tidal.config import (
     PolicyConfig,
     RunConfig,
     Strict,
+    read_yaml_mapping,
+    validate_file_data,
     validate_model,
 )
 from tidal.control.policy import parse_policy_spec
@@ -270,16 +271,8 @@ def resolve(name_or_path: str) -> Path:
 
 def load(name_or_path: str) -> Scenario:
     path = resolve(name_or_path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError("scenario", f"{path}: not valid YAML ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError("scenario", f"{path}: the top level must be a mapping")
+    data = read_yaml_mapping(path)
     wl = data.get("workload") or {}
     if isinstance(wl, dict) and wl.get("trace") and not Path(wl["trace"]).is_absolute():
         wl["trace"] = str((path.parent / wl["trace"]).resolve())
-    try:
-        return validate_model(Scenario, data, "")
-    except ConfigError as exc:
-        raise ConfigError(exc.field, f"{exc.message} (in {path})") from None
+    return validate_file_data(Scenario, data, path)
