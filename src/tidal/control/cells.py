@@ -10,10 +10,21 @@ engines never move; their capacity changes only when engines join or leave.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tidal.errors import InvariantViolation
 from tidal.types import CellIndex, CellKind, EngineId, Role
+
+
+def training_prefix(roles: Iterable[Role]) -> int:
+    """How many leading roles are on the training side (TRAINING or MOVING)."""
+    n = 0
+    for role in roles:
+        if not role.training_side:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -66,14 +77,7 @@ class CellSet:
     @property
     def prefix_len(self) -> int:
         """Number of cells on the training side (they form a prefix)."""
-        def compute() -> int:
-            n = 0
-            for c in self.cells:
-                if not c.role.training_side:
-                    break
-                n += 1
-            return n
-        return self._cached("prefix", compute)
+        return self._cached("prefix", lambda: training_prefix(c.role for c in self.cells))
 
     def training_cells(self) -> list[Cell]:
         return [c for c in self.cells if c.role is Role.TRAINING]
@@ -98,14 +102,6 @@ class CellSet:
         """Slots admitting work now: rollout cells plus standalone engines."""
         return self._cached("capacity", lambda: sum(c.slots for c in self.rollout_cells())
                             + self.standalone_slots)
-
-    def next_to_train(self) -> Cell | None:
-        n = self.prefix_len
-        return self.cells[n] if n < len(self.cells) else None
-
-    def last_training(self) -> Cell | None:
-        n = self.prefix_len
-        return self.cells[n - 1] if n else None
 
     @property
     def training_gpus(self) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from tidal.control.cells import training_prefix
 from tidal.control.supply import SupplyView
 from tidal.errors import ConfigError, UnknownPolicyError
 from tidal.types import CellIndex, CellKind, Role
@@ -81,12 +82,7 @@ class Observation:
     def prefix_len(self) -> int:
         if self.training_prefix is not None:
             return self.training_prefix
-        n = 0
-        for c in self.cells:
-            if not c.role.training_side:
-                break
-            n += 1
-        return n
+        return training_prefix(c.role for c in self.cells)
 
     def next_to_train(self) -> CellView | None:
         n = self.prefix_len
