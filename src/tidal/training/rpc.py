@@ -88,17 +88,7 @@ class RpcClient:
         self._lock = threading.Lock()
 
     def call(self, op: str, timeout_s: float = 120.0, **kwargs: Any) -> dict[str, Any]:
-        with self._lock:
-            try:
-                self._conn.send({"op": op, **kwargs})
-                if not self._conn.poll(timeout_s):
-                    raise TimeoutExpired(f"core did not answer {op!r} within {timeout_s}s")
-                reply = self._conn.recv()
-            except (EOFError, OSError) as exc:
-                raise RpcError(f"connection to the core lost during {op!r}: {exc}") from exc
-        if "error" in reply:
-            raise RpcError(f"core refused {op!r}: {reply['error']}: {reply['message']}")
-        return reply
+        return self.call_with(op, lambda: None, timeout_s, **kwargs)[0]
 
     def call_with(self, op: str, during: Callable[[], Any], timeout_s: float = 120.0,
                   **kwargs: Any) -> tuple[dict[str, Any], Any]:
