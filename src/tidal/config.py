@@ -137,6 +137,8 @@ class RuntimeConfig(Strict):
     token_budget: int = Field(4096, ge=16, description="tokens per training micro-step")
     step_data_timeout_s: float = Field(120.0, gt=0.0)
     tick_s: float = Field(0.2, gt=0.0, description="controller tick period")
+    state_every_s: float = Field(0.5, gt=0.0, description="live state sample period "
+                                 "(state.jsonl and the live display)")
     ray_address: str | None = Field(None, description="join this Ray cluster (None: local)")
     ray_num_cpus: int = Field(2, ge=1)
     start_timeout_s: float = Field(120.0, gt=0.0)

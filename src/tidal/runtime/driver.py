@@ -1,9 +1,13 @@
 """The driver of ``tidal run``: wires the real parts together and runs bursts to the end.
 
 In: a validated ``RunConfig`` and a run directory. Out: in the run directory ``config.yaml``
-(resolved), ``metrics.jsonl`` (one line per optimizer step), ``decisions.jsonl`` (every
+(resolved), ``metrics.jsonl`` (one line per optimizer step; the final step of a burst also
+carries verl's ``dynamic_resource/*`` metrics of that weight version), ``decisions.jsonl`` (every
 scheduling decision and plan record of the controller), ``steps.jsonl`` (every plan step the
-actuator ran, with its duration) and ``summary.json``; engine and proxy logs under ``logs/``.
+actuator ran, with its duration), ``state.jsonl`` (a sample of the live state every
+``runtime.state_every_s``: time since the first dispatch, waterlevel, queue, running, ready
+groups, roles), ``timeline.json`` (per cell, the ``[start_s, end_s, role]`` segments, in seconds
+since the first dispatch) and ``summary.json``; engine and proxy logs under ``logs/``.
 
 Data flow: dispatcher (one quota per burst) -> harness pool -> proxy (a process) -> engines
 (processes owned by Ray actors: standalone engines and cells) ; ledger callbacks ->
@@ -209,11 +213,11 @@ class Runtime:
                 timeout_s=rt.execution_timeout_s), self.out / "workspaces", self.bridge)
             self._published = asyncio.Condition()
             self._bursts_published = 0
+            self.t_first = self.clock.now()
             ticks = asyncio.create_task(self._ticks())
             watch = asyncio.create_task(self.supervisor.run())
             trainer = asyncio.create_task(self._trainer())
             runs = []
-            t_first = self.clock.now()
             quota_groups = c.quota_executions // c.group_size
             for b in range(c.bursts):
                 await self._wait_published(b, trainer)
@@ -227,12 +231,13 @@ class Runtime:
                     tasks = [(f"b{b}-g{g}", partial(ArithmeticTask, seed))] * c.group_size
                     runs.append(asyncio.create_task(pool.run(tasks)))
             await trainer
-            self.bursts_s = self.clock.now() - t_first  # first dispatch to last publication
+            self.bursts_s = self.clock.now() - self.t_first  # first dispatch to last publish
             results = [r for batch in await asyncio.gather(*runs) for r in batch]
             await self.bridge.flush(60.0)
             await self._settle(self.cfg.control.step_timeout_s)
             ticks.cancel()
             watch.cancel()
+            self._write_timeline()
             stats = (await admin.get("/tidal/stats")).json()
             engines = await asyncio.gather(*[a.describe.remote() for a in self.actors.values()],
                                            return_exceptions=True)
@@ -272,13 +277,27 @@ class Runtime:
             await asyncio.sleep(0.05)
 
     async def _ticks(self) -> None:
-        n = 0
-        while True:
-            await asyncio.sleep(self.rt.tick_s)
-            self.ctl.handle(Tick(self.clock.now()))
-            n += 1
-            if self.on_state is not None and n % max(1, round(0.5 / self.rt.tick_s)) == 0:
-                self.on_state(self.state())
+        n, every = 0, max(1, round(self.rt.state_every_s / self.rt.tick_s))
+        with open(self.out / "state.jsonl", "a") as fh:
+            while True:
+                await asyncio.sleep(self.rt.tick_s)
+                self.ctl.handle(Tick(self.clock.now()))
+                n += 1
+                if n % every:
+                    continue
+                st = self.state()
+                fh.write(json.dumps({"t": round(self.clock.now() - self.t_first, 3), **st})
+                         + "\n")
+                fh.flush()
+                if self.on_state is not None:
+                    self.on_state(st)
+
+    def _write_timeline(self) -> None:
+        t0 = self.t_first
+        segs = self.ctl.timeline.close(self.clock.now())
+        cells = [[[round(max(0.0, a - t0), 3), round(b - t0, 3), r.value] for a, b, r in cell]
+                 for cell in segs]
+        (self.out / "timeline.json").write_text(json.dumps({"cells": cells}))
 
     def state(self) -> dict[str, Any]:
         """What the live display shows (read on the loop; cheap)."""
@@ -363,7 +382,7 @@ class Runtime:
 
     def _record_step(self, burst: int, step: int, report, dt: float, wait_s: float) -> None:
         roles = self.ctl.cells.roles()
-        line = {"t": round(self.clock.now(), 3), "burst": burst, "step": step,
+        line = {"t": round(self.clock.now() - self.t_first, 3), "burst": burst, "step": step,
                 "version": self.core.version, "mean_reward": report.mean_reward,
                 "loss": report.loss, "grad_norm": report.grad_norm,
                 "n_groups": report.n_groups, "n_tokens": report.n_tokens,
@@ -372,6 +391,9 @@ class Runtime:
                 "ready_groups": self.ctl.ledger.ready_unassigned,
                 "roles": [r.value for r in roles],
                 "training_cells": sum(r is Role.TRAINING for r in roles)}
+        rows = self.ctl.metrics.rows
+        if report.final and rows:  # the weight version just closed: verl's metric names
+            line.update({k: round(v, 4) for k, v in rows[-1].items() if "/" in k})
         self.metrics.append(line)
         with open(self.out / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(line) + "\n")
