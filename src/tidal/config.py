@@ -136,6 +136,10 @@ class RuntimeConfig(Strict):
     lr: float = Field(1e-3, gt=0.0)
     token_budget: int = Field(4096, ge=16, description="tokens per training micro-step")
     step_data_timeout_s: float = Field(120.0, gt=0.0)
+    satellites: bool = Field(True, description="training cells other than the core run "
+                             "satellite trainers that join the core's steps")
+    satellite_timeout_s: float = Field(600.0, gt=0.0, description="bound on a satellite's "
+                                       "waits (join window, pulls, claims)")
     tick_s: float = Field(0.2, gt=0.0, description="controller tick period")
     state_every_s: float = Field(0.5, gt=0.0, description="live state sample period "
                                  "(state.jsonl and the live display)")

@@ -6,17 +6,17 @@ engine state changes in the cell actors; drains and undrains in the proxy (admin
 
 Rollout -> training (QwenGyre): STOP_ADMISSION runs the proxy's drain, which stops admission,
 reserves destinations (standalone first, then rollout cells in descending order), cancels the
-source's requests and waits until the proxy retried each of them elsewhere (optionally with a
-KV handoff); RESERVE_AND_REROUTE, CANCEL_AND_RETRY and KV_HANDOFF check in the proxy's view that
-this really happened (source not admitting, a routable destination, nothing in flight at the
-source); RELEASE_ROLLOUT_MEMORY puts the engine to sleep; RESTORE_TRAINING_STATE activates the
-cell's trainer worker. Training -> rollout: OFFLOAD_TRAINING_STATE waits for a running trainer
-step to finish and deactivates the worker; WAKE_ENGINE, LOAD_WEIGHTS (the current published
-version, not the one at plan time), RESUME_ADMISSION (undrain).
-Invariant 4 is the proxy's; this module keeps the ordering: an engine sleeps only after its
-drain returned, and rejoins routing only after it loaded the current weights.
-verl plan styles are not executed by this slice: their steps fail with a clear error.
-"""
+source's requests and waits until the proxy retried each of them elsewhere (optionally with a KV
+handoff); RESERVE_AND_REROUTE, CANCEL_AND_RETRY and KV_HANDOFF check in the proxy's view that this
+really happened (source not admitting, a routable destination, nothing in flight at the source);
+RELEASE_ROLLOUT_MEMORY puts the engine to sleep; RESTORE_TRAINING_STATE activates the cell's
+trainer worker (cell 0: the core in the driver; cells 1..K-1: a satellite process in the cell actor
+that joins the core's steps). Training -> rollout: OFFLOAD_TRAINING_STATE waits for a running
+trainer step to finish and deactivates the worker (a satellite process ends); WAKE_ENGINE,
+LOAD_WEIGHTS (the current published version, not the one at plan time), RESUME_ADMISSION (undrain).
+Invariant 4 is the proxy's; this module keeps the ordering: an engine sleeps only after its drain
+returned, and rejoins routing only after it loaded the current weights. verl plan styles are not
+executed by this slice: their steps fail with a clear error."""
 
 from __future__ import annotations
 
@@ -58,6 +58,10 @@ class RayActuator:
         self.weights = weights
         self.kv_handoff = kv_handoff
         self.controller = None
+        self.core_address: dict | None = None  # set by the driver: satellites connect here
+        self.satellite_timeout_s = 120.0
+        self.satellite_starts = 0
+        self.satellite_pids: dict[int, int] = {}  # cell -> pid (ended by pid if its actor dies)
         self.training: set[int] = set()  # cells whose trainer worker is active
         self.asleep: set[int] = set()
         self.trainer_lock = asyncio.Lock()  # held by the trainer during an optimizer step
@@ -91,7 +95,7 @@ class RayActuator:
     async def _back_to_rollout(self, cells: tuple[int, ...]) -> None:
         for i in cells:
             try:
-                self.training.discard(i)
+                await self._deactivate(i)
                 await self._wake(i)
                 await self._load(i)
                 await self._admin("post", f"/tidal/engines/{self.engine_id(i)}/undrain")
@@ -143,12 +147,9 @@ class RayActuator:
                 await self.cells[cell].sleep.remote()
                 self.asleep.add(cell)
         elif kind is StepKind.RESTORE_TRAINING_STATE:
-            self.training.add(cell)
-            self.training_changed.set()
+            await self.activate(cell)
         elif kind is StepKind.OFFLOAD_TRAINING_STATE:
-            async with self.trainer_lock:  # a running step finishes first
-                self.training.discard(cell)
-            self.training_changed.set()
+            await self._deactivate(cell)
         elif kind is StepKind.WAKE_ENGINE:
             await self._wake(cell)
         elif kind is StepKind.LOAD_WEIGHTS:
@@ -158,6 +159,37 @@ class RayActuator:
         else:
             raise RuntimeFailure(f"step {kind.value} is not supported by this runtime yet "
                                  f"(verl plan styles)")
+
+    async def activate(self, cell: int) -> None:
+        """The cell's trainer worker joins training: the core, or a satellite process."""
+        if cell > 0 and self.core_address is not None:
+            self.satellite_pids[cell] = await self.cells[cell].start_satellite.remote(
+                cell, self.core_address, self.satellite_timeout_s)
+            self.satellite_starts += 1
+        self.training.add(cell)
+        self.training_changed.set()
+
+    async def revive_satellites(self) -> int:
+        """Restart the satellite of any training cell whose process ended (a crash, or a join
+        that timed out during a long rollout phase); returns how many were restarted."""
+        n = 0
+        for cell in sorted(self.training - {0}):
+            if self.core_address is None or await self.cells[cell].satellite_alive.remote():
+                continue
+            log.warning("cell %d: satellite process ended while training; restarting it", cell)
+            self.satellite_pids[cell] = await self.cells[cell].start_satellite.remote(
+                cell, self.core_address, self.satellite_timeout_s)
+            self.satellite_starts += 1
+            n += 1
+        return n
+
+    async def _deactivate(self, cell: int) -> None:
+        async with self.trainer_lock:  # a running step finishes first: leave between steps
+            self.training.discard(cell)
+            if cell > 0:
+                await self.cells[cell].stop_satellite.remote()
+                self.satellite_pids.pop(cell, None)
+        self.training_changed.set()
 
     async def _wake(self, cell: int) -> None:
         async with self.weights.lock:

@@ -1,17 +1,24 @@
-"""The cell actor: a Ray actor that owns one built-in engine process and changes its state.
+"""The cell actor: a Ray actor that owns one built-in engine process and, while its cell trains as
+a satellite, one satellite trainer process; it changes their state.
 
-In: calls from the actuator (``sleep``, ``wake``, ``load_weights``) and the driver (``start``,
-``stop``, ``kill_engine``). Out: the engine's URL and its state. Standalone engines use the same
-actor; they are simply never asked to sleep. The engine keeps its process, port and model
-across role changes: sleeping frees its weights and KV cache, waking restores them
-(REFERENCE.md §1: backend processes stay alive across the change).
-Foreign errors (HTTP) become ``RuntimeFailure`` with one readable line.
-"""
+In: calls from the actuator (``sleep``, ``wake``, ``load_weights``, ``start_satellite``,
+``stop_satellite``) and the driver (``start``, ``stop``, ``kill_engine``). Out: the engine's URL
+and its state. A satellite (cells 1..K-1, ``tidal.training.satellite``) connects to the core's
+coordinator, joins its steps in cell order, pulls the step's weights and claims micro-steps;
+stopping it between steps is safe (the coordinator reopens a lost satellite's micro-steps).
+Standalone engines use the same actor; they are simply never asked to sleep. The engine keeps its
+process, port and model across role changes: sleeping frees its weights and KV cache, waking
+restores them (REFERENCE.md §1: backend processes stay alive across the change). Foreign errors
+(HTTP) become ``RuntimeFailure`` with one readable line."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -35,6 +42,8 @@ class EngineHost:
         self.proc = None
         self.state = "stopped"
         self.loaded_version = "v0"
+        self.satellite: subprocess.Popen | None = None
+        self.satellite_starts = 0
 
     def start(self, timeout_s: float) -> str:
         from tidal.serving.launch import start_engine
@@ -78,11 +87,52 @@ class EngineHost:
         self.state = "awake"
         return self.loaded_version
 
+    def start_satellite(self, cell: int, core: dict, timeout_s: float) -> int:
+        """Start this cell's satellite trainer against the core at ``core`` (its
+        ``CoreTrainer.address()``); returns the process id."""
+        from tidal.training.satellite import ModelSpec, SatelliteConfig
+
+        self.stop_satellite()
+        cfg = SatelliteConfig(cell=cell, host=str(core["host"]), rpc_port=int(core["rpc_port"]),
+                              store_port=int(core["store_port"]), authkey=str(core["authkey"]),
+                              backend=core["backend"], model=ModelSpec(model_dir=self.model_dir),
+                              timeout_s=timeout_s)
+        log_fh = open(self.log_path.with_name(f"satellite-{self.name}.log"), "ab")  # noqa: SIM115
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+               "TIDAL_LOG": os.environ.get("TIDAL_LOG", "INFO")}
+        self.satellite = subprocess.Popen(
+            [sys.executable, "-m", "tidal.training.satellite", json.dumps(cfg.model_dump())],
+            stdout=log_fh, stderr=subprocess.STDOUT, env=env)
+        log_fh.close()
+        self.satellite_starts += 1
+        return self.satellite.pid
+
+    def satellite_alive(self) -> bool:
+        return self.satellite is not None and self.satellite.poll() is None
+
+    def stop_satellite(self, timeout_s: float = 10.0) -> bool:
+        """End the satellite process (between steps); True if one was running."""
+        if self.satellite is None:
+            return False
+        running = self.satellite.poll() is None
+        if running:
+            self.satellite.terminate()
+            try:
+                self.satellite.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.satellite.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.satellite.wait(timeout_s)
+        self.satellite = None
+        return running
+
     def describe(self) -> dict:
         alive = self.proc is not None and self.proc.proc.poll() is None
         return {"name": self.name, "state": self.state, "version": self.loaded_version,
                 "alive": alive, "url": self.proc.url if self.proc else None,
-                "pid": self.proc.proc.pid if self.proc else None}
+                "pid": self.proc.proc.pid if self.proc else None,
+                "satellite_pid": self.satellite.pid if self.satellite_alive() else None,
+                "satellite_starts": self.satellite_starts}
 
     def kill_engine(self) -> None:
         """Crash the engine process (SIGKILL): fault injection for tests."""
@@ -91,6 +141,7 @@ class EngineHost:
             self.state = "dead"
 
     def stop(self) -> None:
+        self.stop_satellite()
         if self.proc is not None:
             self.proc.stop()
             self.state = "stopped"

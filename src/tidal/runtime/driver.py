@@ -10,13 +10,13 @@ groups, roles), ``timeline.json`` (per cell, the ``[start_s, end_s, role]`` segm
 since the first dispatch) and ``summary.json``; engine and proxy logs under ``logs/``.
 
 Data flow: dispatcher (one quota per burst) -> harness pool -> proxy (a process) -> engines
-(processes owned by Ray actors: standalone engines and cells) ; ledger callbacks ->
-controller (real ``tidal.control`` objects on the wall clock) -> plans -> ``RayActuator`` ;
-closed executions -> proxy records -> trajectory buffer -> ``CoreTrainer`` (in the driver, active
-only while cell 0 holds the training role) -> ``FilePublisher`` -> engines load the new version
-in place. Everything runs on one asyncio loop; blocking work (optimizer steps, Ray calls) is
-awaited off the loop, so controller events are handled in order on one thread.
-"""
+(processes owned by Ray actors: standalone engines and cells) ; ledger callbacks -> controller
+(real ``tidal.control`` objects on the wall clock) -> plans -> ``RayActuator`` ; closed executions
+-> proxy records -> trajectory buffer -> ``CoreTrainer`` (in the driver, active only while cell 0
+holds the training role; the other training cells run satellite processes that join its steps, pull
+its weights and claim micro-steps) -> ``FilePublisher`` -> engines load the new version in place.
+Everything runs on one asyncio loop; blocking work (optimizer steps, Ray calls) is awaited off the
+loop, so controller events are handled in order on one thread."""
 
 from __future__ import annotations
 
@@ -156,7 +156,10 @@ class Runtime:
                          num_returns=len(self.actors), timeout=60)
             except Exception:
                 log.exception("stopping engines")
-            for pid in getattr(self, "pids", {}).values():  # engines this runtime started
+            pids = list(getattr(self, "pids", {}).values())
+            if getattr(self, "actuator", None) is not None:
+                pids += list(self.actuator.satellite_pids.values())
+            for pid in pids:  # engines and satellites this runtime started
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         if self.proxy is not None:
@@ -172,6 +175,7 @@ class Runtime:
         from tidal.control.decision_log import DecisionLog, jsonl_file_sink
         from tidal.control.factory import build_controller
         from tidal.models import load_model
+        from tidal.training.coordinator import CoordinatorConfig
         from tidal.training.core import CoreTrainer, TrainerConfig
         from tidal.training.flat import ParamLayout
         from tidal.training.packing import PackingConfig
@@ -192,11 +196,15 @@ class Runtime:
         self.publisher = FilePublisher(self.out / "weights", ParamLayout.of(model), keep=2)
         self.core = CoreTrainer(model, TrainerConfig(
             lr=rt.lr, groups_per_step=c.batch_groups, step_data_timeout_s=rt.step_data_timeout_s,
-            packing=PackingConfig(token_budget=rt.token_budget)), self.buffer, self.clock,
-            publishers=[self.publisher], pad_id=tok.eos_id)
+            packing=PackingConfig(token_budget=rt.token_budget),
+            coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s)),
+            self.buffer, self.clock, publishers=[self.publisher], pad_id=tok.eos_id)
         self.weights = Weights()
         cells = [self.actors[f"c{i}"] for i in range(len(specs))]
         self.actuator = RayActuator(self.clock, admin, cells, self.weights, c.kv_handoff)
+        if rt.satellites:
+            self.actuator.core_address = self.core.address()
+            self.actuator.satellite_timeout_s = rt.satellite_timeout_s
         self.ctl = build_controller(cfg, self.clock, self.actuator,
                                     DecisionLog(jsonl_file_sink(decisions), keep=False))
         self.actuator.bind(self.ctl)
@@ -264,7 +272,7 @@ class Runtime:
                 raise RuntimeFailure(f"drain of c{i} at start: {resp.text[:200]}")
             await self.actuator.cells[i].sleep.remote()
             self.actuator.asleep.add(i)
-            self.actuator.training.add(i)
+            await self.actuator.activate(i)
 
     async def _settle(self, timeout_s: float) -> None:
         """Bounded wait until no transition plan is in flight (the run ends in a known
@@ -339,6 +347,7 @@ class Runtime:
                 wait_s = 0.0
                 while True:
                     wait_s += await self._core_active()
+                    await self.actuator.revive_satellites()
                     async with self.actuator.trainer_lock:
                         if 0 not in self.actuator.training:
                             continue  # offloaded between the check and the lock
@@ -390,7 +399,10 @@ class Runtime:
                 "wait_s": round(wait_s, 3), "waterlevel": self.ctl.ledger.waterlevel,
                 "ready_groups": self.ctl.ledger.ready_unassigned,
                 "roles": [r.value for r in roles],
-                "training_cells": sum(r is Role.TRAINING for r in roles)}
+                "training_cells": sum(r is Role.TRAINING for r in roles),
+                "satellites": list(report.members),
+                "micro_steps_by_cell": {str(k): v for k, v in
+                                        sorted(report.micro_steps_by_cell.items())}}
         rows = self.ctl.metrics.rows
         if report.final and rows:  # the weight version just closed: verl's metric names
             line.update({k: round(v, 4) for k, v in rows[-1].items() if "/" in k})
@@ -434,6 +446,17 @@ class Runtime:
                                     "restarted": e["pid"] != self.start_pids[e["name"]]}
                         for e in engines},
             "cells_replaced": [r["name"] for r in self.supervisor.replaced],
+            "satellite_joins": sum(len(m["satellites"]) for m in self.metrics),
+            "satellite_starts": self.actuator.satellite_starts,
+            "micro_steps_by_cell": _sum_by_cell(self.metrics),
             "mean_reward_per_step": [round(m["mean_reward"], 4) for m in self.metrics],
             "mean_reward": (sum(r.reward for r in results) / len(results)) if results else 0.0,
         }
+
+
+def _sum_by_cell(metrics: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in metrics:
+        for cell, n in m["micro_steps_by_cell"].items():
+            out[cell] = out.get(cell, 0) + n
+    return dict(sorted(out.items()))

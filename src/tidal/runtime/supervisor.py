@@ -79,16 +79,19 @@ class CellSupervisor:
         rt, old = self.rt, self.rt.actors[name]
         with contextlib.suppress(Exception):
             ray.kill(old, no_restart=True)
-        pid = rt.pids.get(name)
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # the engine process this runtime started
+        cell = int(name[1:]) if name.startswith("c") else None
+        pids = [rt.pids.get(name)]
+        if cell is not None:  # and its satellite trainer, if it had one
+            pids.append(rt.actuator.satellite_pids.pop(cell, None))
+        for pid in pids:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)  # a process this runtime started
         await self._leave_proxy(name)
         new = rt.new_actor(name)
         url = await new.start.remote(rt.rt.start_timeout_s)
         rt.actors[name] = new
         rt.pids[name] = (await new.describe.remote())["pid"]
-        cell = int(name[1:]) if name.startswith("c") else None
         if cell is not None:
             rt.actuator.cells[cell] = new
         w = rt.weights
