@@ -126,7 +126,11 @@ class RuntimeConfig(Strict):
     tiny_layers: int = Field(2, ge=1)
     tiny_d_model: int = Field(64, ge=8)
     tiny_max_seq_len: int = Field(256, ge=16)
-    task: str = Field("arithmetic", pattern="^arithmetic$")
+    task: str = Field("arithmetic", pattern="^(arithmetic|workspace)$",
+                      description="'arithmetic' (single-turn) or 'workspace' (multi-turn tools)")
+    max_turns: int = Field(1, ge=1, description="model calls per execution at most")
+    tool_latency_s: float = Field(0.2, ge=0.0, description="median tool-call latency "
+                                  "(workspace task; lognormal, long-tailed)")
     max_tokens: int = Field(24, ge=1, description="tokens per model call")
     temperature: float = Field(1.0, ge=0.0)
     execution_timeout_s: float = Field(120.0, gt=0.0)
@@ -136,6 +140,8 @@ class RuntimeConfig(Strict):
     lr: float = Field(1e-3, gt=0.0)
     token_budget: int = Field(4096, ge=16, description="tokens per training micro-step")
     step_data_timeout_s: float = Field(120.0, gt=0.0)
+    checkpoint_every_steps: int = Field(1, ge=0, description="write DIR/checkpoint every N "
+                                        "optimizer steps and at each burst end (0: never)")
     satellites: bool = Field(True, description="training cells other than the core run "
                              "satellite trainers that join the core's steps")
     satellite_timeout_s: float = Field(600.0, gt=0.0, description="bound on a satellite's "

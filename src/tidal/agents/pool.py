@@ -57,13 +57,18 @@ class HarnessPool:
         self.registry = ExecutionRegistry(events or EventLog())
         self._slots = asyncio.Semaphore(config.max_concurrent)
 
-    async def run(self, tasks: list[tuple[str, Callable[[], Environment]]]
-                  ) -> list[ExecutionResult]:
-        """Run ``(group_id, make_env)`` tasks; every one returns a result (never raises)."""
+    async def run(self, tasks: list[tuple[str, Callable[[], Environment]]],
+                  execution_ids: list[str] | None = None) -> list[ExecutionResult]:
+        """Run ``(group_id, make_env)`` tasks; every one returns a result (never raises).
+        ``execution_ids`` names the executions (default: fresh unique ids)."""
+        if execution_ids is not None and len(execution_ids) != len(tasks):
+            raise ValueError(f"{len(execution_ids)} execution ids for {len(tasks)} tasks")
+        ids = execution_ids or [None] * len(tasks)
         limits = httpx.Limits(max_connections=self.config.max_concurrent + 4)
         async with httpx.AsyncClient(base_url=self.config.proxy_url, limits=limits,
                                      timeout=self.config.request_timeout_s) as client:
-            states = [self.registry.dispatch(group) for group, _ in tasks]
+            states = [self.registry.dispatch(group, execution_id=eid)
+                      for (group, _), eid in zip(tasks, ids, strict=True)]
             return list(await asyncio.gather(*[
                 self._execute(client, st.execution_id, st.group_id, make_env)
                 for st, (_, make_env) in zip(states, tasks, strict=True)]))

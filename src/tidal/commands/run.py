@@ -1,7 +1,8 @@
 """``tidal run CONFIG [--out DIR]``: a real elastic RL run on Ray (see ``tidal.runtime``).
 
-In: a YAML run config (``configs/tiny.yaml``). Out: the run directory (resolved config,
-metrics.jsonl, decisions.jsonl, steps.jsonl, summary.json) and one line per optimizer step.
+In: a YAML run config (``configs/tiny.yaml``), or ``--resume DIR`` (an interrupted run's
+directory). Out: the run directory (resolved config, metrics.jsonl, decisions.jsonl, steps.jsonl,
+state.jsonl, timeline.json, checkpoint/, summary.json) and a live panel or one line per step.
 """
 
 from __future__ import annotations
@@ -10,20 +11,35 @@ import click
 
 
 @click.command("run", help="Run an elastic RL job on Ray (embedded local Ray by default).")
-@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.argument("config", type=click.Path(exists=True, dir_okay=False), required=False)
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Run directory (default: runs/<config name>).")
+@click.option("--resume", "resume", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Continue the interrupted run in this directory (its config.yaml and "
+                   "checkpoint); nothing trained twice, nothing lost.")
 @click.option("--policy", default=None, help="Override the policy, e.g. 'static:cells=1'.")
 @click.option("--address", default=None, help="Join an existing Ray cluster at this address.")
-def command(config: str, out: str | None, policy: str | None, address: str | None) -> None:
+def command(config: str | None, out: str | None, resume: str | None, policy: str | None,
+            address: str | None) -> None:
     import json
+    from pathlib import Path
 
     from rich.console import Console
     from rich.live import Live
 
     from tidal.config import PolicyConfig, RunConfig, load_yaml, validate_model
+    from tidal.errors import ConfigError
     from tidal.runtime.driver import Runtime
 
+    if resume is not None:
+        if config is not None or out is not None or policy is not None:
+            raise ConfigError("--resume", "takes the run directory only (its config.yaml "
+                              "holds the config, policy and output place)")
+        if not (Path(resume) / "config.yaml").is_file():
+            raise ConfigError("--resume", f"{resume} is not a run directory (no config.yaml)")
+        config, out = str(Path(resume) / "config.yaml"), resume
+    elif config is None:
+        raise ConfigError("config", "give a run config (e.g. configs/tiny.yaml) or --resume DIR")
     cfg = load_yaml(config)
     data = cfg.model_dump(mode="json")
     if policy is not None:
@@ -40,12 +56,14 @@ def command(config: str, out: str | None, policy: str | None, address: str | Non
     console = Console()
     if console.is_terminal:  # a live panel; plain lines when piped (logs, CI)
         with Live(_panel({}), console=console, refresh_per_second=4) as live:
-            summary = Runtime(cfg, out or f"runs/{cfg.name}",
+            summary = Runtime(cfg, out or f"runs/{cfg.name}", resume=resume is not None,
                               on_state=lambda st: live.update(_panel(st))).run()
     else:
-        summary = Runtime(cfg, out or f"runs/{cfg.name}", on_step=show).run()
+        summary = Runtime(cfg, out or f"runs/{cfg.name}", on_step=show,
+                          resume=resume is not None).run()
     keys = ("policy", "run_time_s", "trainer_steps", "switches_to_training",
-            "switches_to_rollout", "rerouted_requests", "failed_requests", "lost_executions")
+            "switches_to_rollout", "rerouted_requests", "failed_requests", "lost_executions",
+            "satellite_joins")
     click.echo(json.dumps({k: summary[k] for k in keys}))
 
 

@@ -57,6 +57,7 @@ class LedgerBridge:
         self.recorded = 0
         self.record_errors: list[str] = []
         self.rewards: list[float] = []
+        self.restored: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
 
     def dispatched(self, execution_id: str, group_id: str) -> None:
@@ -77,6 +78,19 @@ class LedgerBridge:
             self._record(execution_id, group_id, reason, reward or 0.0))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def restore(self, record: ExecutionRecord) -> None:
+        """An execution closed before a resume (its record came from the checkpoint): the
+        ledger sees it dispatched, launched and closed again, the buffer gets its record."""
+        eid, gid = record.execution_id, record.group_id
+        reason = {"timed_out": "timeout"}.get(record.status, record.status)
+        self.dispatched(eid, gid)
+        self.launched(eid, gid)
+        self.controller.handle(ExecutionClosed(self.clock.now(), eid, CloseReason(reason),
+                                               record.reward))
+        self.buffer.add(record)
+        self.recorded += 1
+        self.restored.add(eid)
 
     async def _record(self, eid: str, gid: str, reason: str, reward: float) -> None:
         try:

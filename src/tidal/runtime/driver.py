@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import secrets
 import signal
 import time
@@ -38,6 +39,7 @@ import httpx
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
 from tidal.errors import ConfigError, TimeoutExpired
+from tidal.runtime import checkpoint
 from tidal.runtime.actuator import RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.cell import EngineHost, RuntimeFailure
@@ -70,7 +72,8 @@ def _check(cfg: RunConfig) -> None:
 class Runtime:
     def __init__(self, cfg: RunConfig, out: str | Path,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
-                 on_state: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_state: Callable[[dict[str, Any]], None] | None = None,
+                 resume: bool = False) -> None:
         _check(cfg)
         self.cfg, self.out, self.on_step, self.on_state = cfg, Path(out), on_step, on_state
         self.rt = cfg.runtime
@@ -80,6 +83,8 @@ class Runtime:
         self.proxy = None
         self.metrics: list[dict[str, Any]] = []
         self._ray_started = False
+        self.ck = checkpoint.load(self.out) if resume else None
+        self.trained_groups: list[str] = list(self.ck.state.trained_groups) if self.ck else []
 
     # ------------------------------------------------------------------ setup / teardown
     def run(self) -> dict[str, Any]:
@@ -87,7 +92,11 @@ class Runtime:
 
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(exist_ok=True)
-        (self.out / "config.yaml").write_text(dump_yaml(self.cfg))
+        if self.ck is None:  # a fresh run: nothing of an earlier run in this directory
+            checkpoint.clear(self.out)
+            (self.out / "config.yaml").write_text(dump_yaml(self.cfg))
+        else:
+            checkpoint.end_stale_processes(self.out)
         t0 = time.perf_counter()
         try:
             self._start_parts(ray)
@@ -136,6 +145,7 @@ class Runtime:
                            ray.get([a.describe.remote() for a in self.actors.values()])}
         self.pids = dict(self.start_pids)
         self.proxy.wait_healthy(rt.start_timeout_s)
+        checkpoint.record_processes(self.out)
 
     def new_actor(self, name: str):
         return self._actor_cls.remote(name, str(self.model_dir), self.rt.engine_max_batch,
@@ -171,7 +181,7 @@ class Runtime:
     async def _main(self) -> dict[str, Any]:
         import torch
 
-        from tidal.agents import ArithmeticTask, HarnessPool, PoolConfig
+        from tidal.agents import HarnessPool, PoolConfig
         from tidal.control.decision_log import DecisionLog, jsonl_file_sink
         from tidal.control.factory import build_controller
         from tidal.models import load_model
@@ -188,7 +198,8 @@ class Runtime:
         specs = cfg.cluster.cell_specs()
         admin = httpx.AsyncClient(base_url=self.proxy.url, timeout=300.0,
                                   headers={"Authorization": f"Bearer {self.token}"})
-        decisions = open(self.out / "decisions.jsonl", "w")  # noqa: SIM115 - closed below
+        mode = "a" if self.ck else "w"  # a resumed run continues the logs
+        decisions = open(self.out / "decisions.jsonl", mode)  # noqa: SIM115 - closed below
         self.buffer = TrajectoryBuffer(TrajectoryBufferConfig(
             group_size=c.group_size, max_policy_lag=c.updates_per_burst), self.clock)
         model, tok = load_model(self.model_dir)
@@ -200,6 +211,8 @@ class Runtime:
             coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s)),
             self.buffer, self.clock, publishers=[self.publisher], pad_id=tok.eos_id)
         self.weights = Weights()
+        if self.ck is not None:
+            self._restore_trainer()
         cells = [self.actors[f"c{i}"] for i in range(len(specs))]
         self.actuator = RayActuator(self.clock, admin, cells, self.weights, c.kv_handoff)
         if rt.satellites:
@@ -212,34 +225,51 @@ class Runtime:
         self.admin = admin
         self.supervisor = CellSupervisor(self)
         try:
+            if self.ck is not None:
+                await self._load_published()
             await self._join_engines(admin, specs)
             cl = cfg.cluster
             slots = cl.standalone_count * cl.standalone_slots + sum(s.slots for s in specs)
             pool = HarnessPool(PoolConfig(
                 proxy_url=self.proxy.url, max_concurrent=slots,
-                max_turns=1, max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
+                max_turns=rt.max_turns, max_tokens_per_turn=rt.max_tokens,
+                temperature=rt.temperature,
                 timeout_s=rt.execution_timeout_s), self.out / "workspaces", self.bridge)
             self._published = asyncio.Condition()
-            self._bursts_published = 0
+            first_step = self.ck.state.step if self.ck else 0
+            self._bursts_published = first_step // c.updates_per_burst
             self.t_first = self.clock.now()
+            self.t_offset = self.ck.state.elapsed_s if self.ck else 0.0
             ticks = asyncio.create_task(self._ticks())
             watch = asyncio.create_task(self.supervisor.run())
-            trainer = asyncio.create_task(self._trainer())
+            trainer = asyncio.create_task(self._trainer(first_step))
             runs = []
+            held = {r.execution_id: r for r in self.ck.records} if self.ck else {}
+            trained = set(self.trained_groups)
             quota_groups = c.quota_executions // c.group_size
-            for b in range(c.bursts):
+            for b in range(self._bursts_published, c.bursts):
                 await self._wait_published(b, trainer)
                 self.bridge.burst = b
-                self.ctl.handle(BurstStarted(self.clock.now(), b, c.quota_executions,
-                                             self.weights.version))
+                done = sum(f"b{b}-g{g}" in trained for g in range(quota_groups))
+                quota = c.quota_executions - done * c.group_size  # less, after a resume
+                self.ctl.handle(BurstStarted(self.clock.now(), b, quota, self.weights.version))
                 for g in range(quota_groups):  # group by group, dispatch_interval_s apart
+                    gid = f"b{b}-g{g}"
+                    if gid in trained:
+                        continue  # trained before the resume
+                    ids = [f"{gid}-e{k}" for k in range(c.group_size)]
+                    for eid in ids:  # closed before the resume: its record goes back
+                        if eid in held:
+                            self.bridge.restore(held.pop(eid))
+                    ids = [e for e in ids if e not in self.bridge.restored]
+                    if not ids:
+                        continue
                     if g and rt.dispatch_interval_s:
                         await asyncio.sleep(rt.dispatch_interval_s)
-                    seed = cfg.seed * 1_000_003 + b * 1000 + g
-                    tasks = [(f"b{b}-g{g}", partial(ArithmeticTask, seed))] * c.group_size
-                    runs.append(asyncio.create_task(pool.run(tasks)))
+                    make = self._task(cfg.seed * 1_000_003 + b * 1000 + g)
+                    runs.append(asyncio.create_task(pool.run([(gid, make)] * len(ids), ids)))
             await trainer
-            self.bursts_s = self.clock.now() - self.t_first  # first dispatch to last publish
+            self.bursts_s = self.elapsed()  # first dispatch to last publish
             results = [r for batch in await asyncio.gather(*runs) for r in batch]
             await self.bridge.flush(60.0)
             await self._settle(self.cfg.control.step_timeout_s)
@@ -256,8 +286,57 @@ class Runtime:
             self.core.close()
             await admin.aclose()
             decisions.close()
-            with open(self.out / "steps.jsonl", "w") as fh:
+            with open(self.out / "steps.jsonl", mode) as fh:
                 fh.writelines(json.dumps(s) + "\n" for s in self.actuator.step_log)
+
+    def _task(self, seed: int) -> Callable[[], Any]:
+        """The environment factory of one group (every execution of a group gets the same
+        problem: GRPO compares answers to one prompt)."""
+        from tidal.agents import ArithmeticTask, WorkspaceTask
+        from tidal.agents.environments import ToolLatency
+
+        if self.rt.task == "arithmetic":
+            return partial(ArithmeticTask, seed)
+        latency = partial(ToolLatency, median_s=self.rt.tool_latency_s)
+        return lambda: WorkspaceTask(seed, latency=latency(random.Random(seed + 1)))
+
+    def elapsed(self) -> float:
+        """Run time since the first dispatch, over every incarnation of a resumed run."""
+        return self.t_offset + self.clock.now() - self.t_first
+
+    def _restore_trainer(self) -> None:
+        st = self.ck.state
+        self.core.load_state_dict(self.ck.trainer)
+        self.weights.version, self.weights.path = st.published_version, st.published_path
+        if st.published_path is not None and not Path(st.published_path).is_file():
+            raise ConfigError("--resume", f"published weights {st.published_path} are gone")
+        lines = (self.out / "metrics.jsonl").read_text().splitlines()[:st.metrics_lines]
+        (self.out / "metrics.jsonl").write_text("".join(x + "\n" for x in lines))
+        self.metrics = [json.loads(x) for x in lines]
+        log.warning("resuming %s at step %d (v%d trained, v%d published, %d records held)",
+                    self.out, st.step, self.core.version, st.published_version,
+                    len(self.ck.records))
+
+    async def _load_published(self) -> None:
+        """A resumed run's engines serve the version published before the interruption."""
+        w = self.weights
+        if w.path is not None:
+            await asyncio.gather(*[a.load_weights.remote(w.path, w.label)
+                                   for a in self.actors.values()])
+
+    async def _checkpoint(self, step: int, final: bool) -> None:
+        every = self.rt.checkpoint_every_steps
+        if not every or ((step + 1) % every and not final):
+            return
+        st = checkpoint.RunState(
+            step=step + 1, bursts_published=self._bursts_published + int(final),
+            published_version=self.weights.version, published_path=self.weights.path,
+            trained_groups=list(self.trained_groups), metrics_lines=len(self.metrics),
+            elapsed_s=round(self.elapsed(), 3),
+            resumes=(self.ck.state.resumes + 1) if self.ck else 0)
+        records, trainer = self.buffer.held_records(), self.core.state_dict()
+        await asyncio.to_thread(checkpoint.save, self.out, st, records, trainer)
+        await asyncio.to_thread(checkpoint.record_processes, self.out)
 
     async def _join_engines(self, admin: httpx.AsyncClient, specs) -> None:
         for name, url in self.urls.items():
@@ -294,14 +373,14 @@ class Runtime:
                 if n % every:
                     continue
                 st = self.state()
-                fh.write(json.dumps({"t": round(self.clock.now() - self.t_first, 3), **st})
+                fh.write(json.dumps({"t": round(self.elapsed(), 3), **st})
                          + "\n")
                 fh.flush()
                 if self.on_state is not None:
                     self.on_state(st)
 
     def _write_timeline(self) -> None:
-        t0 = self.t_first
+        t0 = self.t_first - self.t_offset
         segs = self.ctl.timeline.close(self.clock.now())
         cells = [[[round(max(0.0, a - t0), 3), round(b - t0, 3), r.value] for a, b, r in cell]
                  for cell in segs]
@@ -339,10 +418,11 @@ class Runtime:
                 await asyncio.wait_for(self.actuator.training_changed.wait(), 0.05)
         return self.clock.now() - t0
 
-    async def _trainer(self) -> None:
-        c, step = self.cfg.control, 0
-        for b in range(c.bursts or 0):
-            for u in range(c.updates_per_burst):
+    async def _trainer(self, step: int) -> None:
+        c = self.cfg.control
+        first_b, first_u = divmod(step, c.updates_per_burst)
+        for b in range(first_b, c.bursts or 0):
+            for u in range(first_u if b == first_b else 0, c.updates_per_burst):
                 final = u == c.updates_per_burst - 1
                 wait_s = 0.0
                 while True:
@@ -365,7 +445,9 @@ class Runtime:
                                                 final_of_burst=final))
                 if final:
                     await self._publish()
+                self.trained_groups += report.group_ids
                 self._record_step(b, step, report, dt, wait_s)
+                await self._checkpoint(step, final)
                 step += 1
             async with self._published:
                 self._bursts_published = b + 1
@@ -391,7 +473,7 @@ class Runtime:
 
     def _record_step(self, burst: int, step: int, report, dt: float, wait_s: float) -> None:
         roles = self.ctl.cells.roles()
-        line = {"t": round(self.clock.now() - self.t_first, 3), "burst": burst, "step": step,
+        line = {"t": round(self.elapsed(), 3), "burst": burst, "step": step,
                 "version": self.core.version, "mean_reward": report.mean_reward,
                 "loss": report.loss, "grad_norm": report.grad_norm,
                 "n_groups": report.n_groups, "n_tokens": report.n_tokens,
@@ -400,7 +482,7 @@ class Runtime:
                 "ready_groups": self.ctl.ledger.ready_unassigned,
                 "roles": [r.value for r in roles],
                 "training_cells": sum(r is Role.TRAINING for r in roles),
-                "satellites": list(report.members),
+                "satellites": list(report.members), "groups": list(report.group_ids),
                 "micro_steps_by_cell": {str(k): v for k, v in
                                         sorted(report.micro_steps_by_cell.items())}}
         rows = self.ctl.metrics.rows
@@ -445,6 +527,8 @@ class Runtime:
             "engines": {e["name"]: {"state": e["state"], "version": e["version"],
                                     "restarted": e["pid"] != self.start_pids[e["name"]]}
                         for e in engines},
+            "resumed": ({"at_step": self.ck.state.step, "restored_records": len(self.ck.records),
+                         "resumes": self.ck.state.resumes + 1} if self.ck else None),
             "cells_replaced": [r["name"] for r in self.supervisor.replaced],
             "satellite_joins": sum(len(m["satellites"]) for m in self.metrics),
             "satellite_starts": self.actuator.satellite_starts,

@@ -247,6 +247,17 @@ class CoreTrainer:
             pub.publish(self.version, flat)
         log.info("published v%d to %d publishers", self.version, len(self.publishers))
 
+    def state_dict(self) -> dict[str, object]:
+        """Everything a resumed core needs: weights, optimizer state, version, step counter."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "version": self.version, "step": self._step}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore ``state_dict()`` output (between steps, before any satellite joins)."""
+        self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
+        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+        self.version, self._step = int(state["version"]), int(state["step"])  # type: ignore[call-overload]
+
     def close(self) -> None:
         self.coordinator.shutdown()
         self.rpc.close()

@@ -140,6 +140,14 @@ class TrajectoryBuffer:
         self._ready.append(ReadyGroup(group_id, list(records), advantages, sequences))
         self.stats.groups_ready += 1
 
+    def held_records(self) -> list[ExecutionRecord]:
+        """Every record in the buffer not yet taken (ready and incomplete groups), for a
+        checkpoint; ``add`` them back to restore."""
+        with self._cv:
+            out = [r for g in self._ready for r in g.records]
+            out += [r for members in self._partial.values() for r in members]
+            return out
+
     def close(self) -> None:
         """End of stream: partial groups can never complete and are discarded."""
         with self._cv:

@@ -12,9 +12,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import yaml
+
 from tidal.cli import main
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
+
+
+def expected_groups(cfg: dict) -> list[str]:
+    """Every group an uninterrupted run of ``cfg`` trains: all groups of all bursts."""
+    c = cfg["control"]
+    per_burst = c.get("quota_groups") or c["batch_groups"] * c["updates_per_burst"]
+    return sorted(f"b{b}-g{g}" for b in range(c["bursts"]) for g in range(per_burst))
 
 
 def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path):
@@ -42,6 +51,9 @@ def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path):
 
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    trained = [g for m in metrics for g in m["groups"]]  # each group once, all of them
+    assert sorted(trained) == expected_groups(yaml.safe_load(CONFIG.read_text()))
+    assert (out / "checkpoint" / "state.json").is_file() and (out / "timeline.json").is_file()
     assert all(m["max_staleness"] <= 2 for m in metrics)
     records = [json.loads(x) for x in (out / "decisions.jsonl").read_text().splitlines()]
     done = [r for r in records if r["type"] == "plan_done"]
