@@ -211,6 +211,8 @@ def training_cells(run: RunData) -> tuple[list[float], list[int]]:
                        | {b for segs in run.timeline for _, b, _ in segs})
         count = [sum(1 for segs in run.timeline for a, b, r in segs
                      if r == "training" and a <= e < b) for e in edges]
+        if len(count) > 1:  # the timeline's end closes the last segments: hold their count
+            count[-1] = count[-2]
         return edges, count
     st = run.states or []
     return ([float(s["t"]) for s in st],
