@@ -63,6 +63,14 @@ class RunData:
         steps = self.summary.get("trainer_steps")
         return int(steps) if isinstance(steps, int) else len(self.rewards()[1])
 
+    def relative_times(self) -> bool:
+        """Whether metrics.jsonl's ``t`` counts from the first dispatch (runs written before the
+        runtime did so carry the wall clock; no step can come after the whole run's time)."""
+        run_s = self.summary.get("run_time_s")
+        if not self.metrics or not isinstance(run_s, int | float):
+            return True
+        return max(float(m["t"]) for m in self.metrics) <= run_s + 1.0
+
     def cell_names(self) -> list[str]:
         """Names from the summary's ``final_roles`` (``core:R sat1:T``), else ``cell i``."""
         n = len(self.timeline) if self.timeline is not None else self.cell_count()
@@ -122,7 +130,7 @@ def burst_rows(run: RunData) -> list[dict[str, Any]]:
     """Per burst: steps, the time from the previous burst's final optimizer step (or the first
     dispatch) to this burst's final step, and verl's utilization of the burst's last version."""
     rows: list[dict[str, Any]] = []
-    prev_end = 0.0
+    prev_end: float | None = 0.0 if run.relative_times() else None
     by_burst: dict[int, list[dict[str, Any]]] = {}
     for m in run.metrics or []:
         by_burst.setdefault(int(m["burst"]), []).append(m)
@@ -131,7 +139,8 @@ def burst_rows(run: RunData) -> list[dict[str, Any]]:
         end = max(float(m["t"]) for m in lines)
         final = next((m for m in reversed(lines) if UTIL_KEYS["train"] in m), None)
         row: dict[str, Any] = {"burst": burst, "steps": len(lines), "start_s": prev_end,
-                               "end_s": end, "time_s": end - prev_end,
+                               "end_s": end,
+                               "time_s": None if prev_end is None else end - prev_end,
                                "version": final.get("version") if final else None}
         for name, key in UTIL_KEYS.items():
             row[f"{name}_utilization"] = final.get(key) if final else None

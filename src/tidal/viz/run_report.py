@@ -95,12 +95,16 @@ def render_report(run: RunData, shown: list[tuple[str, str]],
                 "rollout util | cluster util | generated samples |",
                 "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for b in bursts:
-            out.append(f"| {b['burst']} | {b['steps']} | {b['start_s']:.2f} | {b['end_s']:.2f} "
-                       f"| {b['time_s']:.2f} | {_num(b['version'])} "
+            out.append(f"| {b['burst']} | {b['steps']} | {_num(b['start_s'], 2)} "
+                       f"| {b['end_s']:.2f} | {_num(b['time_s'], 2)} | {_num(b['version'])} "
                        f"| {_num(b['train_utilization'], 3)} "
                        f"| {_num(b['rollout_utilization'], 3)} "
                        f"| {_num(b['cluster_utilization'], 3)} "
                        f"| {_num(b['generated_samples'], 0)} |")
+        if not run.relative_times():
+            out += ["", "metrics.jsonl's `t` is not counted from the first dispatch (a run "
+                    "written before the runtime recorded relative times): the first burst's "
+                    "start and time are unknown."]
     else:
         out.append("No metrics.jsonl lines: no per-burst figures.")
     out += ["", "## Plots", ""]

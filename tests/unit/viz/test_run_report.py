@@ -174,3 +174,18 @@ def test_corrupt_lines_name_file_and_line(run_copy):
     (run / "timeline.json").write_text(json.dumps({"cells": [[[0.0, "x"]]]}))
     with pytest.raises(ConfigError, match=r"timeline\.json: cells\.0"):
         write_report(run)
+
+
+def test_wall_clock_step_times_of_older_runs_leave_the_first_burst_unknown(run_copy):
+    run = run_copy("tiny-waterlevel")
+    metrics = read_jsonl(run / "metrics.jsonl")
+    for m in metrics:
+        m["t"] += 10_000.0  # the driver before 7d65262 wrote the wall clock
+    write_jsonl(run / "metrics.jsonl", metrics)
+    rows = burst_rows(load_run(run))
+    assert rows[0]["time_s"] is None and rows[0]["start_s"] is None
+    assert rows[1]["time_s"] == pytest.approx(metrics[3]["t"] - metrics[1]["t"])
+    write_report(run)
+    text = (run / "report.md").read_text()
+    assert "the first burst's start and time are unknown" in text
+    assert f"| 0 | 2 | – | {metrics[1]['t']:.2f} | – |" in text
