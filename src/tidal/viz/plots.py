@@ -22,7 +22,8 @@ ROLE_COLOURS = {Role.ROLLOUT: "#4C72B0", Role.TRAINING: "#DD8452",
                 Role.MOVING_TO_TRAINING: "#C44E52", Role.MOVING_TO_ROLLOUT: "#8172B3"}
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (shared with ``run_report``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,7 +41,7 @@ def plot_all(results: list[RunResult], out_dir: str | Path) -> list[Path]:
 
 
 def plot_roles(results: list[RunResult], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.2 + 0.9 * len(results) *
                                                       max(1, _cells(results) / 4)),
                              squeeze=False)
@@ -71,7 +72,7 @@ def _cells(results: list[RunResult]) -> int:
 
 
 def plot_waterlevel(results: list[RunResult], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.2 * len(results)), squeeze=False)
     for ax, r in zip(axes[:, 0], results, strict=True):
         s = r.world.series
@@ -93,7 +94,7 @@ def plot_waterlevel(results: list[RunResult], path: Path) -> Path:
 
 
 def plot_utilization(results: list[RunResult], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
     for r in results:
         steps = r.world.trainer.steps_log

@@ -1,0 +1,123 @@
+"""``compare_runs`` and ``tidal report`` on copies of real static and waterlevel runs."""
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from tidal.cli import cli, main
+from tidal.errors import ConfigError
+from tidal.viz.run_compare import compare_runs
+
+
+def summary(run):
+    return json.loads((run / "summary.json").read_text())
+
+
+def test_compare_writes_plot_markdown_json_with_the_right_ratio(run_copy, tmp_path):
+    static, elastic = run_copy("tiny-static"), run_copy("tiny-waterlevel")
+    s, w = summary(static), summary(elastic)
+    comp = compare_runs([static, elastic], tmp_path / "cmp")
+    assert [p.name for p in comp.files] == ["reward_compare.png", "compare.md", "compare.json"]
+    assert (tmp_path / "cmp" / "reward_compare.png").stat().st_size > 5000
+    assert [r["label"] for r in comp.rows] == ["static", "waterlevel"]
+    (pair,) = comp.ratios
+    assert (pair["numerator"], pair["denominator"]) == ("static", "waterlevel")
+    assert pair["run_time_s"] == pytest.approx(s["run_time_s"] / w["run_time_s"])
+    assert pair["bursts_s"] == pytest.approx(s["bursts_s"] / w["bursts_s"])
+    data = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert data["ratios"][0]["bursts_s"] == pytest.approx(s["bursts_s"] / w["bursts_s"])
+    assert data["rows"][1]["switches_to_training"] == w["switches_to_training"]
+    assert data["rows"][1]["rerouted_requests"] == w["rerouted_requests"]
+    assert data["notes"] == []  # same config apart from the policy
+    text = (tmp_path / "cmp" / "compare.md").read_text()
+    assert (f"| static / waterlevel | {s['run_time_s'] / w['run_time_s']:.3f} | "
+            f"{s['bursts_s'] / w['bursts_s']:.3f} |") in text
+    assert f"| waterlevel | {w['run_time_s']:.2f} | {w['bursts_s']:.2f} | 4 |" in text
+    assert "](reward_compare.png)" in text
+
+
+def test_ratio_follows_the_order_given_and_three_runs_give_three_pairs(run_copy, tmp_path):
+    static, elastic = run_copy("tiny-static"), run_copy("tiny-waterlevel")
+    other = run_copy("tiny-static", "static-again")
+    back = compare_runs([elastic, static], tmp_path / "a")
+    fwd = compare_runs([static, elastic], tmp_path / "b")
+    assert back.ratios[0]["run_time_s"] == pytest.approx(1 / fwd.ratios[0]["run_time_s"])
+    three = compare_runs([static, elastic, other], tmp_path / "c")
+    assert [(p["numerator"], p["denominator"]) for p in three.ratios] == [
+        ("static (tiny-static)", "waterlevel"),
+        ("static (tiny-static)", "static (static-again)"),
+        ("waterlevel", "static (static-again)")]
+    assert three.ratios[1]["run_time_s"] == pytest.approx(1.0)
+
+
+def test_reward_quarters_per_run(run_copy, tmp_path):
+    static, elastic = run_copy("tiny-static"), run_copy("tiny-waterlevel")
+    lines = [json.loads(x) for x in (elastic / "metrics.jsonl").read_text().splitlines()]
+    for m, r in zip(lines, (0.25, 0.5, 0.5, 0.75), strict=True):
+        m["mean_reward"] = r
+    (elastic / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    comp = compare_runs([static, elastic], tmp_path / "cmp")
+    assert (comp.rows[0]["reward_first_quarter"], comp.rows[0]["reward_last_quarter"]) == (0, 0)
+    assert (comp.rows[1]["reward_first_quarter"], comp.rows[1]["reward_last_quarter"]) == (
+        0.25, 0.75)
+
+
+def test_configs_that_differ_beyond_the_policy_are_noted(run_copy, tmp_path):
+    static, elastic = run_copy("tiny-static"), run_copy("tiny-waterlevel")
+    cfg = yaml.safe_load((elastic / "config.yaml").read_text())
+    cfg["control"]["bursts"] = 3
+    (elastic / "config.yaml").write_text(yaml.safe_dump(cfg))
+    comp = compare_runs([static, elastic], tmp_path / "cmp")
+    assert comp.notes == ["tiny-waterlevel differs from tiny-static beyond the policy: "
+                          "control.bursts"]
+    assert "control.bursts" in (tmp_path / "cmp" / "compare.md").read_text()
+
+
+def test_compare_rejects_one_run_the_same_run_twice_and_bad_dirs(run_copy, tmp_path):
+    static = run_copy("tiny-static")
+    with pytest.raises(ConfigError, match="at least two runs"):
+        compare_runs([static], tmp_path / "cmp")
+    with pytest.raises(ConfigError, match="the same run given twice"):
+        compare_runs([static, tmp_path / "tiny-static"], tmp_path / "cmp")
+    with pytest.raises(ConfigError, match=r"no summary\.json"):
+        compare_runs([static, tmp_path], tmp_path / "cmp")
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_cli_report_one_run(run_copy):
+    run = run_copy("tiny-waterlevel")
+    result = CliRunner().invoke(cli, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "roles.png, reward.png, waterlevel.png, utilization.png, report.md" in result.output
+    assert (run / "report.md").is_file()
+
+
+def test_cli_report_compares_into_the_default_and_a_given_dir(run_copy, tmp_path):
+    static, elastic = run_copy("tiny-static"), run_copy("tiny-waterlevel")
+    s, w = summary(static), summary(elastic)
+    result = CliRunner().invoke(cli, ["report", str(static), str(elastic)])
+    assert result.exit_code == 0, result.output
+    assert "static / waterlevel" in result.output
+    assert f"{s['bursts_s'] / w['bursts_s']:.3f}" in result.output
+    assert (tmp_path / "compare" / "compare.json").is_file()  # the first run's parent
+    for run in (static, elastic):
+        assert (run / "report.md").is_file()
+    result = CliRunner().invoke(cli, ["report", str(static), str(elastic), "--out",
+                                      str(tmp_path / "elsewhere")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "elsewhere" / "reward_compare.png").stat().st_size > 5000
+
+
+def test_cli_errors_are_one_line(run_copy, tmp_path, capsys):
+    static = run_copy("tiny-static")
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"tidal: error: {tmp_path / 'missing'}: no such run directory"
+    # a bad second directory: nothing is written for the good first one either
+    assert main(["report", str(static), str(tmp_path)]) == 2
+    assert "no summary.json" in capsys.readouterr().err
+    assert not (static / "report.md").exists()
+    assert main(["report", str(static), "--out", str(tmp_path / "x")]) == 2
+    assert "two or more runs" in capsys.readouterr().err
