@@ -61,6 +61,11 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     else:
         summary = Runtime(cfg, out or f"runs/{cfg.name}", on_step=show,
                           resume=resume is not None).run()
+    from tidal.viz.run_report import write_report
+
+    run_dir = Path(out or f"runs/{cfg.name}")
+    written = write_report(run_dir)
+    click.echo(f"report: {run_dir / 'report.md'} ({len(written)} files)")
     keys = ("policy", "run_time_s", "trainer_steps", "switches_to_training",
             "switches_to_rollout", "rerouted_requests", "failed_requests", "lost_executions",
             "satellite_joins")

@@ -90,18 +90,18 @@ class EngineHost:
     def start_satellite(self, cell: int, core: dict, timeout_s: float) -> int:
         """Start this cell's satellite trainer against the core at ``core`` (its
         ``CoreTrainer.address()``); returns the process id."""
-        from tidal.training.satellite import ModelSpec, SatelliteConfig
-
         self.stop_satellite()
-        cfg = SatelliteConfig(cell=cell, host=str(core["host"]), rpc_port=int(core["rpc_port"]),
-                              store_port=int(core["store_port"]), authkey=str(core["authkey"]),
-                              backend=core["backend"], model=ModelSpec(model_dir=self.model_dir),
-                              timeout_s=timeout_s)
+        # The satellite process validates this as ``SatelliteConfig`` (importing that here
+        # would load torch into the actor: seconds on the cell's critical path).
+        cfg = {"cell": cell, "host": str(core["host"]), "rpc_port": int(core["rpc_port"]),
+               "store_port": int(core["store_port"]), "authkey": str(core["authkey"]),
+               "backend": core["backend"], "model": {"model_dir": self.model_dir},
+               "timeout_s": timeout_s}
         log_fh = open(self.log_path.with_name(f"satellite-{self.name}.log"), "ab")  # noqa: SIM115
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                "TIDAL_LOG": os.environ.get("TIDAL_LOG", "INFO")}
         self.satellite = subprocess.Popen(
-            [sys.executable, "-m", "tidal.training.satellite", json.dumps(cfg.model_dump())],
+            [sys.executable, "-m", "tidal.training.satellite", json.dumps(cfg)],
             stdout=log_fh, stderr=subprocess.STDOUT, env=env)
         log_fh.close()
         self.satellite_starts += 1
