@@ -122,9 +122,13 @@ class RayActuator:
     # -- steps ------------------------------------------------------------------------------
     async def _do(self, kind: StepKind, cell: int) -> None:
         eid = self.engine_id(cell)
-        if kind is StepKind.STOP_ADMISSION:
+        if kind in (StepKind.STOP_ADMISSION, StepKind.REMOVE_FROM_LOAD_BALANCER):
+            # verl's remove-from-load-balancer is followed by its abort of in-flight requests
+            # (retried elsewhere with prompt + tokens so far, re-prefilled: no KV handoff); the
+            # proxy's drain does both, so ABORT_INFLIGHT then checks that it happened.
+            handoff = self.kv_handoff and kind is StepKind.STOP_ADMISSION
             out = await self._admin("post", f"/tidal/engines/{eid}/drain",
-                                    params={"handoff": str(self.kv_handoff).lower()})
+                                    params={"handoff": str(handoff).lower()})
             self.drains.append({"cell": cell, **out})
             log.info("cell %d drained: %d requests moved in %.3f s", cell, out["moved"],
                      out["duration_s"])
@@ -134,7 +138,7 @@ class RayActuator:
                 raise RuntimeFailure(f"{eid} still admits requests after its drain")
             if not any(e["admitting"] and e["alive"] for k, e in engines.items() if k != eid):
                 raise RuntimeFailure(f"no routable engine left to take {eid}'s requests")
-        elif kind is StepKind.CANCEL_AND_RETRY:
+        elif kind in (StepKind.CANCEL_AND_RETRY, StepKind.ABORT_INFLIGHT):
             engines = await self._engines()
             if engines[eid]["inflight"]:
                 raise RuntimeFailure(f"{eid} still holds {engines[eid]['inflight']} requests")
@@ -142,7 +146,7 @@ class RayActuator:
             last = next((d for d in reversed(self.drains) if d["cell"] == cell), None)
             if last is None or last["kv_handoff"] != self.kv_handoff:
                 raise RuntimeFailure(f"{eid}: the drain did not use the KV handoff")
-        elif kind is StepKind.RELEASE_ROLLOUT_MEMORY:
+        elif kind in (StepKind.RELEASE_ROLLOUT_MEMORY, StepKind.SLEEP_ENGINE):
             async with self.weights.lock:  # never interleave with a publication's loads
                 await self.cells[cell].sleep.remote()
                 self.asleep.add(cell)
@@ -152,13 +156,16 @@ class RayActuator:
             await self._deactivate(cell)
         elif kind is StepKind.WAKE_ENGINE:
             await self._wake(cell)
-        elif kind is StepKind.LOAD_WEIGHTS:
+        elif kind in (StepKind.LOAD_WEIGHTS, StepKind.SYNC_WEIGHTS):
             await self._load(cell)
-        elif kind is StepKind.RESUME_ADMISSION:
+        elif kind in (StepKind.RESUME_ADMISSION, StepKind.ADD_TO_LOAD_BALANCER):
             await self._admin("post", f"/tidal/engines/{eid}/undrain")
+        elif kind is StepKind.RESUME_GENERATION:
+            engines = await self._engines()  # engines are never paused here: check it serves
+            if not (engines[eid]["admitting"] and engines[eid]["alive"]):
+                raise RuntimeFailure(f"{eid} does not serve after its activation")
         else:
-            raise RuntimeFailure(f"step {kind.value} is not supported by this runtime yet "
-                                 f"(verl plan styles)")
+            raise RuntimeFailure(f"step {kind.value} is not supported by this runtime")
 
     async def activate(self, cell: int) -> None:
         """The cell's trainer worker joins training: the core, or a satellite process."""

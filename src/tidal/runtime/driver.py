@@ -64,9 +64,9 @@ def _check(cfg: RunConfig) -> None:
     if c.quota_groups is not None and c.quota_groups != c.batch_groups * c.updates_per_burst:
         raise ConfigError("control.quota_groups", "this runtime trains every dispatched group: "
                           "quota_groups must equal batch_groups * updates_per_burst")
-    if any(s.kind.value != "elastic" for s in cfg.cluster.cell_specs()):
-        raise ConfigError("cluster.cell_kind", "hybrid (verl) cells are not supported by the "
-                          "runtime yet")
+    if cfg.policy.args.get("rebalance"):
+        raise ConfigError("policy.args.rebalance", "verl's rebalance (abort every in-flight "
+                          "request to re-spread load) is not supported by the runtime")
 
 
 class Runtime:
@@ -228,6 +228,7 @@ class Runtime:
             if self.ck is not None:
                 await self._load_published()
             await self._join_engines(admin, specs)
+            await self._satellites_up(rt.start_timeout_s)
             cl = cfg.cluster
             slots = cl.standalone_count * cl.standalone_slots + sum(s.slots for s in specs)
             pool = HarnessPool(PoolConfig(
@@ -353,6 +354,17 @@ class Runtime:
             self.actuator.asleep.add(i)
             await self.actuator.activate(i)
 
+    async def _satellites_up(self, timeout_s: float) -> None:
+        """Cells that train from the start (e.g. ``static``) begin the run with their
+        satellites connected (bounded wait), so the first steps can use them."""
+        want = set(self.actuator.satellite_pids)
+        deadline = self.clock.now() + timeout_s
+        while not want <= set(self.core.coordinator.registered()):
+            if self.clock.now() > deadline:
+                raise TimeoutExpired(f"satellites of cells {sorted(want)} not connected within "
+                                     f"{timeout_s} s (see logs/satellite-c*.log)")
+            await asyncio.sleep(0.1)
+
     async def _settle(self, timeout_s: float) -> None:
         """Bounded wait until no transition plan is in flight (the run ends in a known
         state: every engine either serving or asleep with its cell training)."""
@@ -424,15 +436,14 @@ class Runtime:
         for b in range(first_b, c.bursts or 0):
             for u in range(first_u if b == first_b else 0, c.updates_per_burst):
                 final = u == c.updates_per_burst - 1
-                wait_s = 0.0
+                wait_s, queue = 0.0, len(self.buffer)
+                self.ctl.handle(TrainerReady(self.clock.now(), step))  # wants the next batch
                 while True:
                     wait_s += await self._core_active()
                     await self.actuator.revive_satellites()
                     async with self.actuator.trainer_lock:
                         if 0 not in self.actuator.training:
                             continue  # offloaded between the check and the lock
-                        queue = len(self.buffer)
-                        self.ctl.handle(TrainerReady(self.clock.now(), step))
                         t0 = self.clock.now()
                         report = await asyncio.to_thread(self.core.train_step, final)
                         break

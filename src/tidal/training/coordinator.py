@@ -120,6 +120,11 @@ class Coordinator:
             # A satellite lost after delivering still counts: its gradient is in hand.
             return [self._contribs[c] for c in sorted(self._contribs)]
 
+    def registered(self) -> list[int]:
+        """Cells whose satellite said hello and is not lost."""
+        with self._cv:
+            return sorted(c for c, x in self._sats.items() if not x.lost)
+
     def members(self) -> list[tuple[int, str]]:
         with self._cv:
             return [(x.cell, x.incarnation) for x in sorted(self._joined(), key=lambda x: x.cell)]
