@@ -151,6 +151,12 @@ class RuntimeConfig(Strict):
                                  "(state.jsonl and the live display)")
     ray_address: str | None = Field(None, description="join this Ray cluster (None: local)")
     ray_num_cpus: int = Field(2, ge=1)
+    ray_num_gpus: int | None = Field(None, ge=0, description="GPUs a local Ray declares "
+                                     "(None: detected)")
+    use_gpus: bool = Field(False, description="each cell / standalone engine reserves its "
+                           "cluster.*_gpus GPUs in a placement-group bundle")
+    cpus_per_engine: float = Field(0.25, gt=0.0, description="CPUs reserved per engine actor")
+    placement_strategy: str = Field("PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
     start_timeout_s: float = Field(120.0, gt=0.0)
     run_timeout_s: float = Field(900.0, gt=0.0)
 

@@ -132,7 +132,7 @@ class EngineHost:
                 "alive": alive, "url": self.proc.url if self.proc else None,
                 "pid": self.proc.proc.pid if self.proc else None,
                 "satellite_pid": self.satellite.pid if self.satellite_alive() else None,
-                "satellite_starts": self.satellite_starts}
+                "satellite_starts": self.satellite_starts, "gpu_ids": _gpu_ids()}
 
     def kill_engine(self) -> None:
         """Crash the engine process (SIGKILL): fault injection for tests."""
@@ -145,3 +145,11 @@ class EngineHost:
         if self.proc is not None:
             self.proc.stop()
             self.state = "stopped"
+
+
+def _gpu_ids() -> list[str]:
+    """The GPUs Ray assigned to this actor (its engine and satellite inherit
+    ``CUDA_VISIBLE_DEVICES``); empty on CPU."""
+    import ray
+
+    return [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []

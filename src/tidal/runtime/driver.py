@@ -43,6 +43,7 @@ from tidal.runtime import checkpoint
 from tidal.runtime.actuator import RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.cell import EngineHost, RuntimeFailure
+from tidal.runtime.placement import Placement
 from tidal.runtime.supervisor import CellSupervisor
 from tidal.types import (
     BurstStarted,
@@ -127,13 +128,14 @@ class Runtime:
             if rt.ray_address:
                 ray.init(address=rt.ray_address)
             else:
-                ray.init(num_cpus=rt.ray_num_cpus, include_dashboard=False,
-                         _node_ip_address="127.0.0.1", log_to_driver=False)
+                ray.init(num_cpus=rt.ray_num_cpus, num_gpus=rt.ray_num_gpus,
+                         include_dashboard=False, _node_ip_address="127.0.0.1",
+                         log_to_driver=False)
             self._ray_started = True
-        self._actor_cls = ray.remote(num_cpus=0)(EngineHost).options(
-            runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}})
+        self._actor_cls = ray.remote(EngineHost)
         names = [f"s{j}" for j in range(self.cfg.cluster.standalone_count)]
         names += [f"c{i}" for i in range(len(self.cfg.cluster.cell_specs()))]
+        self.placement = Placement(ray, self.cfg, names, rt.start_timeout_s)
         for name in names:
             self.actors[name] = self.new_actor(name)
         self.proxy = start_proxy([], [], self.token, kv_handoff=self.cfg.control.kv_handoff,
@@ -148,8 +150,11 @@ class Runtime:
         checkpoint.record_processes(self.out)
 
     def new_actor(self, name: str):
-        return self._actor_cls.remote(name, str(self.model_dir), self.rt.engine_max_batch,
-                                      str(self.out / "logs"))
+        """An engine actor pinned to its reserved bundle (a replacement reuses it)."""
+        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        return self._actor_cls.options(runtime_env={"env_vars": env},
+                                       **self.placement.options(name)).remote(
+            name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"))
 
     def join_body(self, name: str, url: str) -> dict[str, Any]:
         cl = self.cfg.cluster
@@ -174,6 +179,8 @@ class Runtime:
                     os.kill(pid, signal.SIGKILL)
         if self.proxy is not None:
             self.proxy.stop()
+        if getattr(self, "placement", None) is not None:
+            self.placement.remove()
         if self._ray_started:
             ray.shutdown()
 
@@ -536,6 +543,7 @@ class Runtime:
             "ledger_waterlevel_end": s["waterlevel"],
             "duplicate_closes": s["duplicate_closes"],
             "engines": {e["name"]: {"state": e["state"], "version": e["version"],
+                                    "gpu_ids": e["gpu_ids"],
                                     "restarted": e["pid"] != self.start_pids[e["name"]]}
                         for e in engines},
             "resumed": ({"at_step": self.ck.state.step, "restored_records": len(self.ck.records),

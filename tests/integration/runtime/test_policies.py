@@ -41,13 +41,31 @@ def test_verl_default_on_hybrid_cells(tmp_path):
     assert (out / "report.md").is_file() and (out / "roles.png").stat().st_size > 0
 
 
-def test_static_split_trains_with_a_satellite(tmp_path):
+def test_static_split_trains_with_a_satellite_on_reserved_gpus(tmp_path):
+    # GPUs declared to the local Ray (none exist here): each engine actor reserves its
+    # bundle's GPU through the placement group; torch on CPU ignores CUDA_VISIBLE_DEVICES.
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["runtime"].update(use_gpus=True, ray_num_gpus=3)
+    config = tmp_path / "gpus.yaml"
+    config.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "run"
-    assert main(["run", str(CONFIG), "--policy", "static:cells=2", "--out", str(out)]) == 0
+    assert main(["run", str(config), "--policy", "static:cells=2", "--out", str(out)]) == 0
     s = json.loads((out / "summary.json").read_text())
+    gpus = [e["gpu_ids"] for e in s["engines"].values()]
+    assert sorted(g for ids in gpus for g in ids) == ["0", "1", "2"], gpus
     assert s["switches_to_training"] == s["switches_to_rollout"] == 0
     assert s["satellite_joins"] >= 1, s
     assert s["failed_requests"] == 0 and s["lost_executions"] == 0
     assert _trained(out) == expected_groups(yaml.safe_load(CONFIG.read_text()))
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(m["satellites"] == [1] for m in metrics)
+
+
+def test_a_cluster_without_the_gpus_is_one_clear_error(tmp_path, capsys):
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["runtime"].update(use_gpus=True, ray_num_gpus=1, start_timeout_s=5)
+    config = tmp_path / "gpus.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(config), "--out", str(tmp_path / "run")]) == 1  # runtime failure
+    err = capsys.readouterr().err
+    assert "cannot place 3 engine bundles" in err and "3 GPU" in err, err
