@@ -121,8 +121,8 @@ class PolicyConfig(Strict):
 class RuntimeConfig(Strict):
     """What ``tidal run`` needs beyond the control plane: model, engines, task, trainer."""
 
-    model: str = Field("tiny", description="'tiny' (created in the run directory) or a "
-                                           "model directory")
+    model: str = Field("tiny", description="'tiny' (created in the run directory), "
+                       "'smollm2-135m' (bundled, converted once) or a model directory")
     tiny_layers: int = Field(2, ge=1)
     tiny_d_model: int = Field(64, ge=8)
     tiny_max_seq_len: int = Field(256, ge=16)
@@ -142,6 +142,7 @@ class RuntimeConfig(Strict):
     step_data_timeout_s: float = Field(120.0, gt=0.0)
     checkpoint_every_steps: int = Field(1, ge=0, description="write DIR/checkpoint every N "
                                         "optimizer steps and at each burst end (0: never)")
+    torch_threads: int = Field(1, ge=1, description="threads of the core trainer (driver)")
     satellites: bool = Field(True, description="training cells other than the core run "
                              "satellite trainers that join the core's steps")
     satellite_timeout_s: float = Field(600.0, gt=0.0, description="bound on a satellite's "

@@ -113,6 +113,7 @@ class Runtime:
 
     def _start_parts(self, ray) -> None:
         from tidal.models import create_tiny
+        from tidal.models.fetch import KNOWN, fetch
         from tidal.serving.launch import start_proxy
 
         rt = self.rt
@@ -121,8 +122,13 @@ class Runtime:
                                          n_layers=rt.tiny_layers, d_model=rt.tiny_d_model,
                                          n_heads=4, d_ff=4 * rt.tiny_d_model,
                                          max_seq_len=rt.tiny_max_seq_len)
+        elif rt.model in KNOWN:  # a bundled pretrained model, converted once (no download)
+            self.model_dir = fetch(rt.model)
         else:
             self.model_dir = Path(rt.model)
+            if not (self.model_dir / "config.json").is_file():
+                raise ConfigError("runtime.model", f"{rt.model}: not 'tiny', a bundled model "
+                                  f"({', '.join(KNOWN)}) or a model directory with config.json")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if not ray.is_initialized():
             if rt.ray_address:
@@ -152,7 +158,9 @@ class Runtime:
     def new_actor(self, name: str):
         """An engine actor pinned to its reserved bundle (a replacement reuses it)."""
         env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-        return self._actor_cls.options(runtime_env={"env_vars": env},
+        # Threaded (max_concurrency): a health probe is answered while a long sleep, wake or
+        # weight load runs; the actuator never sends one cell two state changes at once.
+        return self._actor_cls.options(runtime_env={"env_vars": env}, max_concurrency=4,
                                        **self.placement.options(name)).remote(
             name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"))
 
@@ -201,7 +209,7 @@ class Runtime:
 
         cfg, rt, c = self.cfg, self.rt, self.cfg.control
         torch.manual_seed(cfg.seed)
-        torch.set_num_threads(1)
+        torch.set_num_threads(rt.torch_threads)
         specs = cfg.cluster.cell_specs()
         admin = httpx.AsyncClient(base_url=self.proxy.url, timeout=300.0,
                                   headers={"Authorization": f"Bearer {self.token}"})

@@ -22,9 +22,14 @@ log = logging.getLogger(__name__)
 
 
 class CellSupervisor:
-    def __init__(self, runtime: Any, interval_s: float = 0.5, probe_timeout_s: float = 10.0):
+    def __init__(self, runtime: Any, interval_s: float = 0.5, probe_timeout_s: float = 10.0,
+                 missed_probes: int = 6):
         self.rt = runtime
         self.interval_s, self.probe_timeout_s = interval_s, probe_timeout_s
+        # An actor that answers no probe for missed_probes x probe_timeout_s is lost; one slow
+        # answer is not (a loaded machine, a long call ahead of the probe).
+        self.missed_probes = missed_probes
+        self._missed: dict[str, int] = {}
         self.replaced: list[dict[str, Any]] = []
         self.failures = 0
         self.busy = False
@@ -49,9 +54,15 @@ class CellSupervisor:
         try:
             info = await asyncio.wait_for(self.rt.actors[name].describe.remote(),
                                           self.probe_timeout_s)
-        except (ray.exceptions.RayActorError, TimeoutError) as exc:
+        except ray.exceptions.RayActorError as exc:
             log.warning("cell actor %s lost: %s", name, type(exc).__name__)
             return False
+        except TimeoutError:
+            self._missed[name] = self._missed.get(name, 0) + 1
+            log.warning("cell actor %s: no answer within %.0f s (%d of %d)", name,
+                        self.probe_timeout_s, self._missed[name], self.missed_probes)
+            return self._missed[name] < self.missed_probes
+        self._missed[name] = 0
         if not info["alive"] and info["state"] != "stopped":
             log.warning("engine of %s is down (state %s)", name, info["state"])
             return False
