@@ -35,10 +35,10 @@ def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path):
     assert summary["switches_to_training"] >= 1 and summary["switches_to_rollout"] >= 1
     assert summary["plans_aborted"] == 0
     # Whether the core still holds a live request when it leaves rollout is a race at this
-    # toy scale (most runs drain 2-6; CI once saw 0), so the count is not asserted here; every
-    # drained request must have been rerouted. Drains of live requests are asserted
-    # deterministically in tests/integration/serving/test_soak.py.
-    assert summary["rerouted_requests"] >= summary["drained_requests"] >= 0
+    # toy scale (most runs drain 2-6; CI once saw 0), so the count is not asserted here; nor
+    # is rerouted >= drained: a drained request that finishes at the source before its cancel
+    # lands needs no retry. Every one was answered (no failed request, below). Drains of live
+    # requests are asserted deterministically in tests/integration/serving/test_soak.py.
     assert summary["failed_requests"] == 0 and summary["timed_out_executions"] == 0
     assert summary["lost_executions"] == 0 and summary["record_errors"] == []
     assert summary["dispatched"] == summary["closed"] == summary["trained_executions"] == 48

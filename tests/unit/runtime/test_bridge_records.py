@@ -45,7 +45,8 @@ def test_tiny_config_loads_and_the_runtime_accepts_it():
     ({"control": {"bursts": 1, "batch_groups": 2, "updates_per_burst": 1, "quota_groups": 3}},
      "control.quota_groups"),
     ({"control": {"bursts": 1}, "cluster": {"cell_count": 1, "cell_kind": "hybrid"},
-      "policy": {"name": "verl-default"}}, "cluster.cell_kind"),
+      "policy": {"name": "verl-default", "args": {"rebalance": True}}},
+     "policy.args.rebalance"),
 ])
 def test_what_the_runtime_cannot_run_is_refused_by_field(data, field):
     with pytest.raises(ConfigError) as info:
