@@ -55,9 +55,10 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
 
     console = Console()
     if console.is_terminal:  # a live panel; plain lines when piped (logs, CI)
-        with Live(_panel({}), console=console, refresh_per_second=4) as live:
+        total = (cfg.control.bursts or 0) * cfg.control.updates_per_burst
+        with Live(_panel({}, total), console=console, refresh_per_second=4) as live:
             summary = Runtime(cfg, out or f"runs/{cfg.name}", resume=resume is not None,
-                              on_state=lambda st: live.update(_panel(st))).run()
+                              on_state=lambda st: live.update(_panel(st, total))).run()
     else:
         summary = Runtime(cfg, out or f"runs/{cfg.name}", on_step=show,
                           resume=resume is not None).run()
@@ -72,7 +73,9 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     click.echo(json.dumps({k: summary[k] for k in keys}))
 
 
-def _panel(st: dict):
+def _panel(st: dict, total_steps: int):
+    from rich.console import Group
+    from rich.progress_bar import ProgressBar
     from rich.table import Table
 
     table = Table(title="tidal run", show_header=False)
@@ -80,12 +83,16 @@ def _panel(st: dict):
         table.add_row("starting", "Ray, engines, proxy, model")
         return table
     reward = "-" if st["reward"] is None else f"{st['reward']:.3f}"
-    for key, val in (("burst / step / version", f"{st['burst']} / {st['step']} / v{st['version']}"),
+    colour = {"rollout": "blue", "training": "dark_orange", "moving_to_training": "red",
+              "moving_to_rollout": "magenta"}
+    cells = "  ".join(f"[{colour.get(r, 'white')}]{i}:{r}[/]" for i, r in enumerate(st["roles"]))
+    for key, val in (("burst / step / version",
+                      f"{st['burst']} / {st['step']} of {total_steps} / v{st['version']}"),
                      ("mean reward (last step)", reward),
                      ("waterlevel (queued + running)",
                       f"{st['waterlevel']} ({st['queued']} + {st['running']})"),
                      ("ready groups", str(st["ready_groups"])),
-                     ("cells", "  ".join(f"{i}:{r}" for i, r in enumerate(st["roles"]))),
+                     ("cells", cells),
                      ("transitions / replaced", f"{st['switches']} / {st['replaced']}")):
         table.add_row(key, val)
-    return table
+    return Group(table, ProgressBar(total=max(1, total_steps), completed=st["step"], width=60))
