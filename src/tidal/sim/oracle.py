@@ -25,6 +25,11 @@ Facts every run obeys (each is a property of the simulated system, not of a poli
      process ``r * g * e**log2(k)`` tokens/s, so a token costs ``1 / (r * e**log2(k))``
      GPU-seconds; standalone engines never train. Rollout work runs at ``decode_tok_s_per_gpu``
      per GPU at best; during every weight sync all standalone engines are paused.
+(F6) A step's compute ends with at least one cell in training (the rate must be > 0). That
+     cell neither trains during the optimizer step (nor, after a version's last step, during
+     the sync) nor decodes before a return to rollout completes (``tau_r``, the shortest
+     return plan: a role changes only when its plan's last step is done). Those windows of
+     distinct steps are disjoint, and disjoint from compute.
 
 The bounds (``R`` = the N smallest rollout GPU-seconds among the K candidates, ``T`` = the N
 smallest training-token totals; every real run does at least this work):
@@ -32,24 +37,29 @@ smallest training-token totals; every real run does at least this work):
 - critical path: the N-th fastest group at the cap, then one batch on the whole cluster; and
   the chain of optimizer steps (as before this module grew the two bounds below).
 - slots: every execution holds a slot for at least its fastest duration, over all slots.
-- trainer LP (F4, F5): the trainer computes for ``C(M) = M - (V-1)*sync_s - steps*optimizer_s
+- trainer LP (F4-F6): the trainer computes for ``C(M) = M - (V-1)*sync_s - steps*optimizer_s
   - t_first`` at most; processing ``T`` tokens in time ``C`` costs at least ``C * h(T / C)``
-  GPU-seconds, ``h`` the lower convex hull of (rate, GPUs) over "k fastest cells train"
-  (time-sharing between configurations is allowed). So ``G * M >= R + C * h(T / C) +
-  G_standalone * (V-1) * sync_s``; the left side grows with M and the right side shrinks
-  (``h`` is convex through 0), so the least feasible M is found by bisection.
-- pipeline (F2-F4): ``S_0 = 0``; for each version ``v`` the completion of group ``k`` is at
-  least ``c_k = S_{v(k)} + d_k`` (``v(k) <= v``); each step ``s`` of the version ends at
-  ``E_s >= max(E_{s-1} + t_step, c_(b*(s+1)) + t_group) + optimizer_s`` (``c_(n)`` the n-th
-  smallest lower bound, ``t_step``/``t_group`` the fewest tokens of a batch / group at
-  ``rho_max``; ``E_{s-1}`` is ``S_v`` for a version's first step); ``S_{v+1} = E_last +
-  sync_s``. Every quantity is a lower bound on its real counterpart and the recursion is
-  monotone, so ``E`` of the final step bounds the makespan.
-Timeouts: the bounds assume no execution times out (a timed-out execution does less work). A
-run in which one does lasts at least the smallest ``timeout_s``, so the reported bound is
-``min(max(bounds), smallest timeout)``.
-Not bounded (a policy can avoid each): switch costs, re-prefill, rollout engines below
-saturation, training on two cells at once when one would do.
+  GPU-seconds, ``h`` the lower convex hull of (rate, GPUs) over "the k largest cells train"
+  (for k cells the cost per token is fixed, the largest are fastest; time-sharing between
+  configurations is allowed). So ``G * M >= R + C * h(T / C) + G_standalone * (V-1) * sync_s
+  + g_min * (steps * min(optimizer_s, tau_r) + (V-1) * (min(optimizer_s + sync_s, tau_r) -
+  min(optimizer_s, tau_r)))``; the left side grows with M and the right side shrinks (``h`` is
+  convex through 0), so the least feasible M is found by bisection.
+- pipeline (F2-F4): ``S_0 = 0``; in version ``v`` the completion of group ``k`` is at least
+  ``c_k = S_{v(k)} + d_k`` for every released group (``v(k) <= v``). Let ``c_(1) <= c_(2) ...``
+  be these bounds sorted: the i-th completion among any groups is no earlier than ``c_(i)``.
+  Step ``s`` trains ``n = b*(s+1)`` groups by its end; those completing from the i-th on are
+  all trained after ``c_(i)``, so ``E_s >= max_i (c_(i) + train(n - i + 1)) + optimizer_s``
+  (``train(m)``: the fewest seconds in which any m groups train at ``rho_max``), and
+  ``E_s >= E_{s-1} + train(b) + optimizer_s`` (``E_{s-1}`` is ``S_v`` for a version's first
+  step); ``S_{v+1} = E_last + sync_s``. Every quantity bounds its real counterpart from below
+  and the recursion is monotone, so ``E`` of the final step bounds the makespan.
+Timeouts only shorten executions and cut their tokens. The pipeline uses durations cut at the
+timeout and a timed-out execution's fewest tokens (its prompt), so it holds either way; the
+other bounds assume that no timeout fires, and a run in which one fires lasts at least the
+smallest ``timeout_s``: each of them is reported as ``min(bound, smallest timeout)``.
+Not bounded (no policy is forced to pay them): switch costs, re-prefill, rollout engines below
+saturation, training cells waiting for data.
 """
 
 from __future__ import annotations
@@ -124,13 +134,21 @@ def draw_candidates(sc: Scenario) -> Candidates:
     for _ in range(candidate_groups(sc)):
         roll = tokens = tokens_to = longest = longest_to = held = 0.0
         for spec in wl.group(sc.control.group_size):
-            work = spec.decode_tokens + spec.prefill_tokens * eng.prefill_equiv
+            dec = pre = 0
+            tools_s = 0.0
+            for d_tok, tool_s, out_tok in spec.turns:
+                dec += d_tok
+                pre += out_tok
+                tools_s += tool_s
+            # Nothing follows the last turn: no tool wait, no tool output to prefill.
+            pre += spec.prompt_tokens - spec.turns[-1][2]
+            tools_s -= spec.turns[-1][1]
+            work = dec + pre * eng.prefill_equiv
             roll += work / eng.decode_tok_s_per_gpu
-            tokens += spec.train_tokens
-            tokens_to += spec.train_tokens if spec.timeout_s is None else spec.prompt_tokens
-            d = work / eng.seq_cap_tok_s + sum(t[1] for t in spec.turns[:-1])
-            longest = max(longest, d)
-            d_to = spec.min_duration_s(eng.seq_cap_tok_s)
+            tokens += dec + pre
+            tokens_to += dec + pre if spec.timeout_s is None else spec.prompt_tokens
+            longest = max(longest, work / eng.seq_cap_tok_s + tools_s)
+            d_to = dec / eng.seq_cap_tok_s + tools_s
             if spec.timeout_s is not None:
                 d_to = min(d_to, spec.timeout_s)
                 min_timeout = min(min_timeout, spec.timeout_s)
