@@ -25,7 +25,8 @@ from tidal.sim.costs import kv_handoff_s, step_duration_s
 from tidal.types import TransitionStepDone
 
 if TYPE_CHECKING:
-    from tidal.sim.world import ExecRec, World
+    from tidal.sim.dispatch import ExecRec
+    from tidal.sim.world import World
 
 
 class SimActuator:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tidal.sim import dispatch
 from tidal.types import RequestRetried
 
 if TYPE_CHECKING:
+    from tidal.sim.dispatch import ExecRec
     from tidal.sim.engines import Engine
-    from tidal.sim.world import ExecRec, World
+    from tidal.sim.world import World
 
 
 def pick_destination(w: World, dests: list[Engine], ordered: bool) -> Engine | None:
@@ -49,7 +51,7 @@ def move(w: World, ex: ExecRec, dest: Engine | None, kv: bool, hold: bool) -> No
         w.waiting[ex] = None
         return
     ex.hold = hold
-    w.bind(ex, dest)
+    dispatch.bind(w, ex, dest)
 
 
 def release_hold(w: World, ex: ExecRec, kv: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tidal.sim import dispatch
 from tidal.sim.scenario import SyncStyle
 from tidal.types import RequestRetried, WeightSyncDone
 
@@ -53,7 +54,7 @@ def on_sync_done(w: World, targets: list[Engine], dur: float) -> None:
     w.emit(WeightSyncDone(w.now, version, dur))
     if w.scenario.sim.max_policy_lag is not None:
         restart_lagging(w, version, w.scenario.sim.max_policy_lag)
-    w.start_burst()
+    dispatch.start_burst(w)
     w.trainer.begin_step(w.now)
 
 

@@ -7,6 +7,8 @@ controller with ``tidal.control.factory.build_controller`` (on a ``ManualClock``
 events a runtime would (dispatched, launched, closed, retried, groups assigned, trainer ready /
 step done, weight sync done, step acknowledgements, ticks), and obeys its decisions: engines of
 cells admit work only in ``Role.ROLLOUT``; the trainer uses only cells in ``Role.TRAINING``.
+The dispatcher (budget, draw order, launches) lives in ``dispatch``, moves in ``moves``,
+weight publication in ``sync``.
 
 Event loop: one heap of (time, seq, code, a, b); processor sharing inside engines is advanced
 analytically between events (see ``engines``). With ``check=True`` the DESIGN.md invariants
@@ -27,19 +29,17 @@ from tidal.control.factory import build_controller
 from tidal.control.plans import PlanStep, TransitionPlan
 from tidal.control.verl import dispatch_budget
 from tidal.errors import TidalError
-from tidal.sim import invariants, moves, sync
+from tidal.sim import dispatch, invariants, moves, sync
 from tidal.sim.actuator import SimActuator
+from tidal.sim.dispatch import ExecRec
 from tidal.sim.engines import Engine
-from tidal.sim.scenario import DispatchStyle, Scenario
+from tidal.sim.scenario import Scenario
 from tidal.sim.trainer import Trainer
-from tidal.sim.workloads import ExecSpec, make_workload
+from tidal.sim.workloads import make_workload
 from tidal.types import (
-    BurstStarted,
     CloseReason,
     Event,
     ExecutionClosed,
-    ExecutionDispatched,
-    ExecutionLaunched,
     Role,
     Tick,
 )
@@ -49,33 +49,6 @@ ENGINE, TOOL, TIMEOUT, TRAINER, STEP, ACK, SYNC, TICK = range(8)
 
 class SimulationError(TidalError):
     """The simulated run cannot finish (deadlock, runaway time)."""
-
-
-class ExecRec:
-    """A simulated execution (the harness side: it survives engine and role changes)."""
-
-    __slots__ = ("burst", "closed", "ctx", "decoded", "eid", "engine", "first_version", "gen",
-                 "gid", "hold", "in_tool", "launched", "need_prefill", "pending", "seg",
-                 "seq_no", "spec", "turn")
-
-    def __init__(self, eid: str, gid: str, spec: ExecSpec, burst: int, seq_no: int) -> None:
-        self.eid, self.gid, self.spec, self.burst, self.seq_no = eid, gid, spec, burst, seq_no
-        self.turn = 0
-        self.ctx = spec.prompt_tokens
-        self.decoded = 0
-        self.engine: Engine | None = None
-        self.seg: int | None = None
-        self.pending: float | None = None  # work waiting for an engine (decode-token equiv.)
-        self.in_tool = False
-        self.hold = False
-        self.need_prefill = 0
-        self.first_version = 0
-        self.gen = 0
-        self.launched = False
-        self.closed = False
-
-    def context_now(self) -> int:
-        return self.ctx
 
 
 @dataclass
@@ -232,7 +205,7 @@ class World:
 
     def _start(self) -> None:
         self._sync_roles(force=True)
-        self.start_burst()
+        dispatch.start_burst(self)
         self.trainer.begin_step(self.now)
         self.push(self.scenario.sim.tick_s, TICK)
 
@@ -258,107 +231,11 @@ class World:
             self.pending_rebalance = False
             moves.rebalance(self)
         self.trainer.set_gpus(gpus, cells, self.now)
-        self._fill()
-
-    # -------------------------------------------------------------- dispatch
-    def start_burst(self) -> None:
-        self.burst += 1
-        carried = len(self.group_open) + self.ledger.ready_unassigned
-        quota = max(0, self.budget_groups - carried)
-        self.quota_left = quota
-        self.emit(BurstStarted(self.now, self.burst, quota * self.group_size, self.version))
-        if self.profile.dispatch is DispatchStyle.BURST:
-            while self.quota_left > 0:
-                self._dispatch_group()
-        self._fill()
-
-    def _dispatch_group(self) -> None:
-        self.quota_left -= 1
-        specs = self.workload.group(self.group_size)
-        gid = f"b{self.burst}g{self.quota_left}"
-        members = []
-        for j, spec in enumerate(specs):
-            self.n_exec += 1
-            ex = ExecRec(f"{gid}e{j}", gid, spec, self.burst, self.n_exec)
-            members.append(ex)
-        self.groups[gid] = members
-        self.group_open[gid] = len(members)
-        for ex in members:
-            self.queue.append(ex)
-            self.emit(ExecutionDispatched(self.now, ex.eid, gid, len(members), self.burst))
-
-    def _fill(self) -> None:
-        """Launches displaced, then queued executions into free admitting slots; dispatches
-        more groups on demand within the burst's budget."""
-        if self._filling:
-            self._refill = True
-            return
-        self._filling = True
-        try:
-            self._refill = True
-            while self._refill:
-                self._refill = False
-                self._fill_once()
-        finally:
-            self._filling = False
-
-    def _fill_once(self) -> None:
-        on_demand = self.profile.dispatch is DispatchStyle.ON_DEMAND
-        if not self.waiting and not self.queue and not (
-                on_demand and self.quota_left > 0 and not self.syncing):
-            return  # nothing to launch or dispatch
-        heap = []
-        for i, e in enumerate(self.engines):
-            free = e.slots - len(e.members)
-            if e.admitting and free > 0:
-                heap.append((-free, i, e))
-        if not heap:
-            return
-        heapq.heapify(heap)
-        while heap:
-            if self.waiting:
-                ex = next(iter(self.waiting))
-            elif self.queue:
-                ex = self.queue[0]
-            elif on_demand and self.quota_left > 0 and not self.syncing:
-                self._dispatch_group()
-                continue
-            else:
-                return
-            _, i, e = heapq.heappop(heap)
-            if not e.admitting or e.free_slots <= 0:
-                continue
-            if ex.launched:
-                del self.waiting[ex]
-                self.bind(ex, e)
-            else:
-                self.queue.popleft()
-                self._launch(ex, e)
-            if e.admitting and e.free_slots > 0:
-                heapq.heappush(heap, (-e.free_slots, i, e))
-
-    def _launch(self, ex: ExecRec, e: Engine) -> None:
-        ex.launched = True
-        ex.first_version = self.version
-        self.live[ex.eid] = ex
-        if ex.spec.timeout_s is not None:
-            self.arm_timeout(ex)
-        ex.engine = e
-        e.members.add(ex)
-        self.emit(ExecutionLaunched(self.now, ex.eid))
-        if not ex.closed:
-            self.begin_turn(ex, ex.spec.prompt_tokens)
+        dispatch.fill(self)
 
     def arm_timeout(self, ex: ExecRec) -> None:
         assert ex.spec.timeout_s is not None
         self.push(self.now + ex.spec.timeout_s, TIMEOUT, ex, ex.gen)
-
-    def bind(self, ex: ExecRec, e: Engine) -> None:
-        ex.engine = e
-        e.members.add(ex)
-        if ex.pending is not None and not ex.in_tool and not ex.hold:
-            work, ex.pending = ex.pending, None
-            self.start_seq(ex, work)
 
     # ------------------------------------------------------------ executions
     def begin_turn(self, ex: ExecRec, prefill_tokens: int) -> None:
@@ -446,7 +323,7 @@ class World:
         self.emit(ExecutionClosed(self.now, ex.eid, reason, reward))
         if not left:
             self.trainer.pull(self.now)
-        self._fill()
+        dispatch.fill(self)
 
     def consume_group(self, gid: str, version: int) -> tuple[float, int, int]:
         """Training tokens of a group taken by the trainer, its staleness sum and size."""

@@ -1,0 +1,147 @@
+"""The dispatcher: per-version budget, groups drawn and dispatched, executions launched.
+
+In: the world (its engines, roles, ledger and workload) at a version start or whenever slots
+free up. Out: ``ExecRec`` records for the drawn groups, ``BurstStarted``,
+``ExecutionDispatched`` and ``ExecutionLaunched`` events to the controller, sequences started
+on engines. Keeps verl's budget: a version dispatches at most ``budget - carried`` groups
+(carried: dispatched, not yet consumed), in the workload's draw order; ``ON_DEMAND`` dispatches
+a group only when an admitting slot is free (never during a weight sync), ``BURST`` the whole
+quota at the version start. Displaced executions are placed before queued ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+from tidal.sim.scenario import DispatchStyle
+from tidal.sim.workloads import ExecSpec
+from tidal.types import BurstStarted, ExecutionDispatched, ExecutionLaunched
+
+if TYPE_CHECKING:
+    from tidal.sim.engines import Engine
+    from tidal.sim.world import World
+
+
+class ExecRec:
+    """A simulated execution (the harness side: it survives engine and role changes)."""
+
+    __slots__ = ("burst", "closed", "ctx", "decoded", "eid", "engine", "first_version", "gen",
+                 "gid", "hold", "in_tool", "launched", "need_prefill", "pending", "seg",
+                 "seq_no", "spec", "turn")
+
+    def __init__(self, eid: str, gid: str, spec: ExecSpec, burst: int, seq_no: int) -> None:
+        self.eid, self.gid, self.spec, self.burst, self.seq_no = eid, gid, spec, burst, seq_no
+        self.turn = 0
+        self.ctx = spec.prompt_tokens
+        self.decoded = 0
+        self.engine: Engine | None = None
+        self.seg: int | None = None
+        self.pending: float | None = None  # work waiting for an engine (decode-token equiv.)
+        self.in_tool = False
+        self.hold = False
+        self.need_prefill = 0
+        self.first_version = 0
+        self.gen = 0
+        self.launched = False
+        self.closed = False
+
+    def context_now(self) -> int:
+        return self.ctx
+
+
+def start_burst(w: World) -> None:
+    w.burst += 1
+    carried = len(w.group_open) + w.ledger.ready_unassigned
+    quota = max(0, w.budget_groups - carried)
+    w.quota_left = quota
+    w.emit(BurstStarted(w.now, w.burst, quota * w.group_size, w.version))
+    if w.profile.dispatch is DispatchStyle.BURST:
+        while w.quota_left > 0:
+            dispatch_group(w)
+    fill(w)
+
+def dispatch_group(w: World) -> None:
+    w.quota_left -= 1
+    specs = w.workload.group(w.group_size)
+    gid = f"b{w.burst}g{w.quota_left}"
+    members = []
+    for j, spec in enumerate(specs):
+        w.n_exec += 1
+        ex = ExecRec(f"{gid}e{j}", gid, spec, w.burst, w.n_exec)
+        members.append(ex)
+    w.groups[gid] = members
+    w.group_open[gid] = len(members)
+    for ex in members:
+        w.queue.append(ex)
+        w.emit(ExecutionDispatched(w.now, ex.eid, gid, len(members), w.burst))
+
+def fill(w: World) -> None:
+    """Launches displaced, then queued executions into free admitting slots; dispatches
+    more groups on demand within the burst's budget."""
+    if w._filling:
+        w._refill = True
+        return
+    w._filling = True
+    try:
+        w._refill = True
+        while w._refill:
+            w._refill = False
+            _fill_once(w)
+    finally:
+        w._filling = False
+
+def _fill_once(w: World) -> None:
+    on_demand = w.profile.dispatch is DispatchStyle.ON_DEMAND
+    if not w.waiting and not w.queue and not (
+            on_demand and w.quota_left > 0 and not w.syncing):
+        return  # nothing to launch or dispatch
+    heap = []
+    for i, e in enumerate(w.engines):
+        free = e.slots - len(e.members)
+        if e.admitting and free > 0:
+            heap.append((-free, i, e))
+    if not heap:
+        return
+    heapq.heapify(heap)
+    while heap:
+        if w.waiting:
+            ex = next(iter(w.waiting))
+        elif w.queue:
+            ex = w.queue[0]
+        elif on_demand and w.quota_left > 0 and not w.syncing:
+            dispatch_group(w)
+            continue
+        else:
+            return
+        _, i, e = heapq.heappop(heap)
+        if not e.admitting or e.free_slots <= 0:
+            continue
+        if ex.launched:
+            del w.waiting[ex]
+            bind(w, ex, e)
+        else:
+            w.queue.popleft()
+            launch(w, ex, e)
+        if e.admitting and e.free_slots > 0:
+            heapq.heappush(heap, (-e.free_slots, i, e))
+
+def launch(w: World, ex: ExecRec, e: Engine) -> None:
+    ex.launched = True
+    ex.first_version = w.version
+    w.live[ex.eid] = ex
+    if ex.spec.timeout_s is not None:
+        w.arm_timeout(ex)
+    ex.engine = e
+    e.members.add(ex)
+    w.emit(ExecutionLaunched(w.now, ex.eid))
+    if not ex.closed:
+        w.begin_turn(ex, ex.spec.prompt_tokens)
+
+
+def bind(w: World, ex: ExecRec, e: Engine) -> None:
+    ex.engine = e
+    e.members.add(ex)
+    if ex.pending is not None and not ex.in_tool and not ex.hold:
+        work, ex.pending = ex.pending, None
+        w.start_seq(ex, work)
