@@ -136,7 +136,10 @@ class Engine:
             raise Overloaded(f"engine {self.config.name}: {len(self._waiting)} requests waiting")
         r = Request(req.request_id, list(req.prompt_token_ids), req.params, self.clock.now())
         if req.kv_handle is not None:
-            r.cache, _ = self.kv.adopt(req.kv_handle, r.prompt)
+            r.cache, adopted = self.kv.adopt(req.kv_handle, r.prompt)
+            # what start() will reuse; reported as is if an abort comes first (nothing is
+            # computed, the adopted cache is what an abort with keep_kv pins)
+            r.cached_tokens = min(adopted, len(r.prompt) - 1)
         if r.params.seed is not None:
             r.rng = torch.Generator().manual_seed(r.params.seed)
         self._requests[r.id] = r
