@@ -315,14 +315,14 @@ class Proxy:
         t_up = time.perf_counter()
         try:
             blob = await src.adapter.export_kv(attempt.request_id)
+            with contextlib.suppress(ServingError):
+                await src.adapter.release_kv(attempt.request_id)
         except ServingError as exc:
             log.warning("KV export from %s failed (%s): the next engine prefills",
                         src.engine_id, exc)
             return None
         finally:
             attempt.upstream_s += time.perf_counter() - t_up
-        with contextlib.suppress(ServingError):
-            await src.adapter.release_kv(attempt.request_id)
         return blob
 
     async def _import(self, blob: bytes, attempt: Attempt) -> tuple[str | None, bytes | None]:
@@ -343,8 +343,10 @@ class Proxy:
 
     async def _release(self, attempt: Attempt, handle: str | None) -> None:
         if handle is not None:
+            t_up = time.perf_counter()
             with contextlib.suppress(ServingError):
                 await attempt.member.adapter.release_kv(handle)
+            attempt.upstream_s += time.perf_counter() - t_up
         log.debug("call attempt %s re-routed before it was sent to %s (draining)",
                   attempt.request_id, attempt.member.engine_id)
 
