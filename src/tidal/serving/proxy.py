@@ -183,7 +183,11 @@ class Proxy:
 
     async def complete(self, execution_id: str | None, prompt: list[int],
                        params: SamplingParams,
-                       on_chunk: Callable[[TokenChunk], None] | None = None) -> Result:
+                       on_chunk: Callable[[TokenChunk], None] | None = None,
+                       record_overhead: bool = True) -> Result:
+        """Run one model call to its end across engine changes. ``res.upstream_s`` is the time
+        spent waiting on engines and admission; the rest is the proxy's own (recorded in
+        ``overhead_s`` unless the caller measures a wider span itself)."""
         if len(prompt) > self.config.max_prompt_tokens:
             raise BadRequest(f"prompt of {len(prompt)} tokens exceeds the limit of "
                              f"{self.config.max_prompt_tokens}")
@@ -252,7 +256,9 @@ class Proxy:
         else:
             raise EngineUnavailable(f"call {call.call_id}: no engine finished it in "
                                     f"{self.config.max_attempts} attempts")
-        self.overhead_s.append(time.perf_counter() - t_start - waited_s)
+        res.upstream_s = waited_s
+        if record_overhead:
+            self.overhead_s.append(time.perf_counter() - t_start - waited_s)
         call.finish_reason = res.finish_reason
         if execution_id is not None:
             self.records.add(execution_id, call)
@@ -265,7 +271,8 @@ class Proxy:
         member = attempt.member
         prompt_now = prompt + res.token_ids
         req = GenerateRequest(attempt.request_id, prompt_now,
-                              params.model_copy(update={"max_tokens": remaining}), kv_handle)
+                              params.model_copy(update={"max_tokens": remaining}), kv_handle,
+                              stream=on_chunk is not None)
         reason = None
         attempt.sent = True
         stream = member.adapter.generate(req)
@@ -287,7 +294,8 @@ class Proxy:
                 if kv_handle is not None:
                     self.totals["kv_handoffs"] += 1
                     self.totals["saved_prefill_tokens"] += seg.cached_tokens
-            if attempt.cancelled and not attempt.abort_sent:  # drained before it started
+            if attempt.cancelled and not attempt.abort_sent and not chunk.finish_reason:
+                # drained before the engine knew the request
                 attempt.abort_sent = True
                 t_up = time.perf_counter()
                 await member.adapter.abort([attempt.request_id], keep_kv=attempt.keep_kv)
@@ -382,8 +390,10 @@ class Proxy:
         else:
             await asyncio.sleep(0.05)
 
-    def stats(self) -> dict:
+    def stats(self, reset_overhead: bool = False) -> dict:
         lat = sorted(self.overhead_s)
+        if reset_overhead:
+            self.overhead_s.clear()
         overhead = {"n": len(lat)}
         if lat:
             overhead.update({"p50_ms": 1e3 * lat[len(lat) // 2],

@@ -71,12 +71,19 @@ async def _proxy(engines) -> Proxy:
     return proxy
 
 
-async def _start_call(proxy: Proxy, eid: str) -> asyncio.Task:
+async def _start_call(proxy: Proxy, eid: str, a_url: str, stream: bool) -> asyncio.Task:
+    """The call runs on A with a few tokens generated there (seen in its chunks when streamed,
+    in A's own token count otherwise: A serves nothing else)."""
     got: list[int] = []
     params = SamplingParams(max_tokens=BUDGET, temperature=0.0, ignore_eos=True)
-    task = asyncio.create_task(proxy.complete(eid, PROMPT, params,
-                                              on_chunk=lambda c: got.extend(c.token_ids)))
-    await _until(lambda: len(got) >= 5 or task.done(), "the call produced tokens on A")
+    base = (await _engine_stats(a_url))["generated_tokens"]
+    task = asyncio.create_task(proxy.complete(
+        eid, PROMPT, params, on_chunk=(lambda c: got.extend(c.token_ids)) if stream else None))
+    if stream:
+        await _until(lambda: len(got) >= 5 or task.done(), "the call produced tokens on A")
+    else:
+        await _until_stats(a_url, lambda s: s["generated_tokens"] - base >= 5 or task.done(),
+                           "the call produced tokens on A")
     assert not task.done() and proxy.router.members["A"].inflight
     return task
 
@@ -106,7 +113,8 @@ def _check_call(proxy: Proxy, eid: str, res, reference: list[int]) -> list:
     return segs
 
 
-def test_drain_of_the_destination_during_the_kv_import(engines):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "one-piece"])
+def test_drain_of_the_destination_during_the_kv_import(engines, stream):
     """B's drain begins while the KV exported from A is being imported into B: the call moves
     on to C with the same KV and never runs on B."""
 
@@ -117,7 +125,7 @@ def test_drain_of_the_destination_during_the_kv_import(engines):
         try:
             reference = await _reference(engines["C"].url)
             b_before = await _engine_stats(engines["B"].url)
-            task = await _start_call(proxy, "x1")
+            task = await _start_call(proxy, "x1", engines["A"].url, stream)
             drain_a = asyncio.create_task(proxy.drain("A"))
             await asyncio.wait_for(gate.entered.wait(), 30)  # handoff A -> B in flight
             assert [type(a) for a in proxy.router.members["B"].inflight.values()] == [Attempt]
@@ -141,7 +149,8 @@ def test_drain_of_the_destination_during_the_kv_import(engines):
     assert proxy.totals["kv_handoffs"] == 1 and proxy.totals["reprefill_tokens"] == 0
 
 
-def test_drain_of_the_destination_while_the_continuation_waits_there(engines):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "one-piece"])
+def test_drain_of_the_destination_while_the_continuation_waits_there(engines, stream):
     """The continuation was sent to B with its KV but waits in B's queue (B is busy with another
     client's request) when B's drain aborts it: B pins the adopted KV, the next hop takes it
     from B (a chained handoff), and no hop re-prefills."""
@@ -156,7 +165,7 @@ def test_drain_of_the_destination_while_the_continuation_waits_there(engines):
             reference = await _reference(engines["C"].url)
             b_url = engines["B"].url
             await _until_stats(b_url, lambda s: s["running"] == 1, "the hog runs on B")
-            task = await _start_call(proxy, "x2")
+            task = await _start_call(proxy, "x2", engines["A"].url, stream)
             drain_a = asyncio.create_task(proxy.drain("A"))
             await _until_stats(b_url, lambda s: s["waiting"] == 1 and s["running"] == 1,
                                "the continuation waits at B")
