@@ -55,6 +55,9 @@ async def _chaos(client, cluster, stop):
     actions = ["drain"] * N_DRAINS + ["kill"] * N_KILLS
     rng.shuffle(actions)
     log = []
+    # replacement engines start with the chaos, not after each kill: a process start (torch
+    # import) takes seconds on 2 loaded cores and would stretch the run, not test anything
+    spares = [cluster.replacement() for _ in range(N_KILLS)]
     for action in actions:
         await asyncio.sleep(rng.uniform(0.1, 0.4))
         members = (await client.get("/tidal/engines", headers=cluster.admin)).json()["engines"]
@@ -73,8 +76,8 @@ async def _chaos(client, cluster, stop):
                              if p.url == next(m["url"] for m in members if m["id"] == victim))
             cluster.engines[proc_name].kill()
             log.append(("kill", victim))
-            name, proc = cluster.replacement()
-            await asyncio.to_thread(proc.wait_healthy, 60)
+            name, proc = spares.pop(0)
+            await asyncio.to_thread(proc.wait_healthy, 120)
             r = await client.post("/tidal/engines", headers=cluster.admin, json={
                 "id": name, "url": proc.url, "kind": "cell", "cell_index": 10 + len(log)})
             assert r.status_code == 200, r.text
