@@ -63,8 +63,11 @@ class HTTPEngineBase:
 
     supports_kv_handoff = False
 
+    # A dead engine on loopback refuses at once; a connect or probe timeout mostly means this
+    # process is saturated (a thousand calls opening connections together), which must not
+    # get a live engine declared down: the bounds are generous.
     def __init__(self, url: str, control_timeout_s: float = 30.0,
-                 connect_timeout_s: float = 2.0, api_key: str | None = None) -> None:
+                 connect_timeout_s: float = 10.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._pool = HTTPPool(self.url, headers, connect_timeout_s=connect_timeout_s,
@@ -130,7 +133,7 @@ class HTTPEngineBase:
 
     async def health(self) -> bool:
         try:
-            resp = await self._pool.request("GET", "/health", timeout_s=2.0)
+            resp = await self._pool.request("GET", "/health", timeout_s=5.0)
         except HTTPFailure:
             # also on a pool closed by a concurrent leave: a probe must answer "unhealthy",
             # never raise into a harness's request
