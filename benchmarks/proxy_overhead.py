@@ -49,7 +49,7 @@ def cpu_s(pid: int) -> float:
 async def load(url: str, concurrency: int, calls_per_exec: int, max_tokens: int,
                tag: str) -> list[float]:
     lat: list[float] = []
-    pool = HTTPPool(url, max_idle=concurrency, timeout_s=600)
+    pool = HTTPPool(url, max_idle=concurrency, timeout_s=600, connect_timeout_s=120)
 
     async def one(i: int) -> None:
         for k in range(calls_per_exec):

@@ -55,7 +55,7 @@ class _Stale(Exception):
 
 class HTTPPool:
     def __init__(self, url: str, headers: dict[str, str] | None = None, max_idle: int = 256,
-                 connect_timeout_s: float = 2.0, timeout_s: float = 30.0) -> None:
+                 connect_timeout_s: float = 10.0, timeout_s: float = 30.0) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"only http://host:port origins are supported, not {url!r}")
