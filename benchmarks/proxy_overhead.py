@@ -1,4 +1,4 @@
-"""Latency the proxy adds over calling an engine directly, at 64 / 256 / 1024 concurrent
+"""Latency the proxy adds over calling an engine directly, at 1 / 64 / 256 / 1024 concurrent
 executions, and where that time goes.
 
 Starts one built-in engine process (tiny GPT, batch wide enough for every call) and a
@@ -15,7 +15,7 @@ the same for both. Per level it prints:
   CPU per call times the calls queued ahead (``concurrency x proxy CPU / cores``), not the
   in-proxy time of one call.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/proxy_overhead.py --levels 64 256 1024
+    .venv/bin/python benchmarks/proxy_overhead.py                # levels 1 64 256 1024
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ async def phase(url: str, level: int, args, tag: str, pids: dict[str, int]
                 ) -> tuple[list[float], dict[str, float]]:
     before = {k: cpu_s(p) for k, p in pids.items()}
     c0 = time.process_time()
-    lat = await load(url, level, args.calls, args.max_tokens, tag)
+    calls = max(args.calls, -(-args.min_samples // level))  # enough samples at low levels
+    lat = await load(url, level, calls, args.max_tokens, tag)
     n = len(lat)
     cpu = {k: 1e3 * (cpu_s(p) - before[k]) / n for k, p in pids.items()}
     cpu["client"] = 1e3 * (time.process_time() - c0) / n
@@ -92,8 +93,9 @@ async def main(args: argparse.Namespace) -> None:
             await load(engine.url, 16, 2, args.max_tokens, "warm")
             await load(proxy.url, 16, 2, args.max_tokens, "warm")
             print(f"cores: {os.cpu_count()}, load average at start: "
-                  f"{os.getloadavg()[0]:.1f}; {args.calls} calls x {args.rounds} rounds per "
-                  f"execution and path; max_tokens {args.max_tokens}")
+                  f"{os.getloadavg()[0]:.1f}; per level and path {args.rounds} rounds of at "
+                  f"least {args.calls} calls per execution and {args.min_samples} calls; "
+                  f"max_tokens {args.max_tokens}")
             print(f"{'concurrent':>10} {'direct p50/p99 ms':>19} {'proxy p50/p99 ms':>19}"
                   f" {'added p50/p99 ms':>19} {'in-proxy p50/p99 ms':>21}"
                   f"   CPU ms/call: proxy, engine (direct/via), client (direct/via)")
@@ -134,8 +136,10 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--levels", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 64, 256, 1024])
     ap.add_argument("--calls", type=int, default=3, help="calls per execution per phase")
     ap.add_argument("--rounds", type=int, default=2, help="direct/proxy phase pairs per level")
+    ap.add_argument("--min-samples", type=int, default=150,
+                    help="calls per phase at least (more calls per execution at low levels)")
     ap.add_argument("--max-tokens", type=int, default=4)
     asyncio.run(main(ap.parse_args()))
