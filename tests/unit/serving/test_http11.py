@@ -60,6 +60,7 @@ def test_keep_alive_reuse_and_a_connection_closed_while_idle():
             assert r.status_code == 200 and r.json() == {"got": 13}  # {"a":[1,2,3]}
         reused = state["connections"]
         await pool.close()
+        await asyncio.sleep(0.05)
         server.close()
 
         async def one_then_close(reader, writer, st):
@@ -71,6 +72,7 @@ def test_keep_alive_reuse_and_a_connection_closed_while_idle():
         await asyncio.sleep(0.05)  # the server has closed the idle connection
         r = await pool2.request("GET", "/b", params={"flag": True})
         await pool2.close()
+        await asyncio.sleep(0.05)  # the server's handlers see the hang-up and end
         server2.close()
         return reused, r.status_code, state2["connections"]
 
@@ -101,6 +103,7 @@ def test_chunked_stream_lines_and_the_connection_goes_back_idle():
                 assert resp.status_code == 200
                 got.append([line async for line in resp.lines()])
         await pool.close()
+        await asyncio.sleep(0.05)
         server.close()
         return got, state["connections"]
 
@@ -128,6 +131,7 @@ def test_refused_and_silent_servers_fail_within_their_bounds():
         await closed.close()
         with pytest.raises(HTTPFailure):
             await closed.request("GET", "/x")
+        await asyncio.sleep(0.05)
         server.close()
         return waited
 
