@@ -37,6 +37,8 @@ def command(model_dir: str, port: int, host: str, name: str | None, max_batch: i
                                                         max_waiting=max_waiting),
                     weight_version=weight_version)
     app = build_engine_app(engine, served)
-    # idle keep-alive connections outlive client pools' reuse (uvicorn closes them after 5 s)
+    # idle keep-alive connections outlive client pools' reuse (uvicorn closes them after 5 s).
+    # The stdlib loop, never uvloop: model steps run on the loop, and under uvloop streamed
+    # chunks were seen held up to ~1 s behind them (benchmarks/proxy_overhead.py).
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
-                timeout_keep_alive=120, backlog=4096)
+                timeout_keep_alive=120, backlog=4096, loop="asyncio")

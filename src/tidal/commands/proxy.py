@@ -45,6 +45,7 @@ def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ..
             await proxy.join(f"c{i}", url, backend, "cell", i, cap, wait_healthy_s=wait_s)
 
     app = build_proxy_app(proxy, on_startup=join_all)
-    # idle keep-alive connections outlive client pools' reuse (uvicorn closes them after 5 s)
+    # idle keep-alive connections outlive client pools' reuse (uvicorn closes them after 5 s);
+    # uvloop and httptools are used when installed (the ``serve`` extra)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
                 timeout_keep_alive=120, backlog=4096)

@@ -8,14 +8,13 @@ caller's fault". vLLM and SGLang implementations live in ``vllm_adapter`` / ``sg
 
 from __future__ import annotations
 
-import json
+import json as _json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import httpx
-
+from tidal.serving.http11 import HTTPFailure, HTTPPool, Response
 from tidal.serving.protocol import (
     BadRequest,
     EngineUnavailable,
@@ -60,23 +59,24 @@ class EngineAdapter(Protocol):
 
 
 class HTTPEngineBase:
-    """Shared HTTP plumbing: one pooled client, error translation, SSE line parsing."""
+    """Shared HTTP plumbing: one keep-alive connection pool, error translation, SSE parsing."""
 
     supports_kv_handoff = False
 
+    # A dead engine on loopback refuses at once; a connect or probe timeout mostly means this
+    # process is saturated (a thousand calls opening connections together), which must not
+    # get a live engine declared down: the bounds are generous.
     def __init__(self, url: str, control_timeout_s: float = 30.0,
-                 connect_timeout_s: float = 2.0, api_key: str | None = None) -> None:
+                 connect_timeout_s: float = 10.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
-        self._client = httpx.AsyncClient(
-            base_url=self.url, headers=headers, limits=limits,
-            timeout=httpx.Timeout(control_timeout_s, connect=connect_timeout_s))
+        self._pool = HTTPPool(self.url, headers, connect_timeout_s=connect_timeout_s,
+                              timeout_s=control_timeout_s)
         # generation streams can run for minutes; reads between chunks are bounded instead
-        self.stream_timeout = httpx.Timeout(None, connect=connect_timeout_s, read=300.0)
+        self.stream_read_timeout_s = 300.0
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._pool.close()
 
     async def _prometheus(self, prefix: str) -> dict[str, float]:
         """``GET /metrics`` as {name: value summed over labels} for names under ``prefix``."""
@@ -88,32 +88,35 @@ class HTTPEngineBase:
             metrics[name] = metrics.get(name, 0.0) + float(value)
         return metrics
 
-
-    async def _call(self, method: str, path: str, **kw) -> httpx.Response:
+    async def _call(self, method: str, path: str, *, params: dict | None = None,
+                    json=None, content: bytes | None = None,
+                    timeout_s: float | None = None) -> Response:
         try:
-            resp = await self._client.request(method, path, **kw)
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+            resp = await self._pool.request(method, path, body=content, json_body=json,
+                                            params=params, timeout_s=timeout_s)
+        except HTTPFailure as exc:
+            raise EngineUnavailable(f"{self.url}{path}: {exc}") from exc
         raise_for(resp, path)
         return resp
 
     async def _sse(self, path: str, body: dict, headers: dict | None = None
                    ) -> AsyncIterator[dict]:
         try:
-            async with self._client.stream("POST", path, json=body, headers=headers,
-                                           timeout=self.stream_timeout) as resp:
+            async with self._pool.stream("POST", path, json_body=body, headers=headers,
+                                         read_timeout_s=self.stream_read_timeout_s) as resp:
                 if resp.status_code >= 400:
-                    await resp.aread()
-                    raise_for(resp, path)
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                    raise_for(Response(resp.status_code, resp.headers, await resp.read()),
+                              path)
+                async for line in resp.lines():
+                    if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
-                    if data == "[DONE]":
+                    if data == b"[DONE]":
+                        await resp.read()  # the body's end: the connection goes back idle
                         return
-                    yield json.loads(data)
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+                    yield _json.loads(data)
+        except HTTPFailure as exc:
+            raise EngineUnavailable(f"{self.url}{path}: {exc}") from exc
 
     async def tokenize(self, prompt: str | None = None,
                        messages: list[dict] | None = None) -> list[int]:
@@ -130,15 +133,15 @@ class HTTPEngineBase:
 
     async def health(self) -> bool:
         try:
-            resp = await self._client.get("/health", timeout=2.0)
-        except (httpx.HTTPError, RuntimeError):
-            # RuntimeError: httpx refuses to send on a client closed by a concurrent leave;
-            # a probe must answer "unhealthy", never raise into a harness's request.
+            resp = await self._pool.request("GET", "/health", timeout_s=5.0)
+        except HTTPFailure:
+            # also on a pool closed by a concurrent leave: a probe must answer "unhealthy",
+            # never raise into a harness's request
             return False
         return resp.status_code == 200
 
 
-def raise_for(resp: httpx.Response, path: str) -> None:
+def raise_for(resp: Response, path: str) -> None:
     if resp.status_code < 400:
         return
     try:
@@ -174,14 +177,31 @@ class BuiltinAdapter(HTTPEngineBase):
     """The built-in engine (``tidal engine``): every control and KV handoff."""
 
     supports_kv_handoff = True
-    stream_interval_ms = 20.0  # the proxy needs tokens so far, not every token at once
+    stream_interval_ms = 20.0  # a streaming caller needs tokens so far, not every token
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        body = {"prompt": req.prompt_token_ids, "stream": True, "request_id": req.request_id,
-                "kv_handle": req.kv_handle, "stream_interval_ms": self.stream_interval_ms,
-                **req.params.model_dump()}
-        async for event in self._sse("/v1/completions", body):
-            yield TokenChunk.from_json(event["tidal"])
+        p = req.params
+        body = {"prompt": req.prompt_token_ids, "stream": req.stream,
+                "request_id": req.request_id, "kv_handle": req.kv_handle,
+                "stream_interval_ms": self.stream_interval_ms, "logprobs": 0,
+                "max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
+                "seed": p.seed, "ignore_eos": p.ignore_eos, "stop_token_ids": p.stop_token_ids}
+        if req.stream:
+            async for event in self._sse("/v1/completions", body):
+                yield TokenChunk.from_json(event["tidal"])
+            return
+        # one piece: the engine's answer to a plain completion (an abort of an id it does not
+        # know yet is remembered there, so a drain needs no first chunk to cancel it)
+        data = (await self._call("POST", "/v1/completions", json=body,
+                                 timeout_s=self.stream_read_timeout_s)).json()
+        choice = data["choices"][0]
+        versions: list[str] = []
+        for start, end, version in choice["weight_versions"]:
+            versions += [version] * (end - start)
+        yield TokenChunk(choice["token_ids"], choice["logprobs"]["token_logprobs"], versions,
+                         choice["text"], choice["finish_reason"], choice["prompt_token_ids"],
+                         data["usage"]["prompt_tokens_details"]["cached_tokens"],
+                         choice.get("kv_tokens"))
 
     async def pause(self, mode: str) -> None:
         await self._call("POST", "/pause", params={"mode": mode})

@@ -27,6 +27,7 @@ from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, Toke
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
+MAX_EARLY_ABORTS = 4096
 
 
 class EngineConfig(BaseModel):
@@ -55,6 +56,7 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._requests: dict[str, Request] = {}
+        self._aborted_early: dict[str, bool] = {}  # id -> keep_kv, oldest first
         self.kv = KVStore(model, self.clock, self.config.kv_lease_s)
         self._paused = False
         self._sleeping = False
@@ -135,20 +137,35 @@ class Engine:
         if len(self._waiting) >= self.config.max_waiting:
             raise Overloaded(f"engine {self.config.name}: {len(self._waiting)} requests waiting")
         r = Request(req.request_id, list(req.prompt_token_ids), req.params, self.clock.now())
+        tombstone = self._aborted_early.pop(r.id, None)
         if req.kv_handle is not None:
-            r.cache, _ = self.kv.adopt(req.kv_handle, r.prompt)
+            r.cache, adopted = self.kv.adopt(req.kv_handle, r.prompt)
+            # what start() will reuse; reported as is if an abort comes first (nothing is
+            # computed, the adopted cache is what an abort with keep_kv pins)
+            r.cached_tokens = min(adopted, len(r.prompt) - 1)
         if r.params.seed is not None:
             r.rng = torch.Generator().manual_seed(r.params.seed)
         self._requests[r.id] = r
-        self._waiting.append(r)
         self.totals["requests"] += 1
+        if tombstone is not None:  # aborted before it arrived: it ends at once
+            self.abort([r.id], keep_kv=tombstone)
+            return r
+        self._waiting.append(r)
         self._wakeup.set()
         return r
 
     # -- control ---------------------------------------------------------------------------
     def abort(self, request_ids: list[str] | None, keep_kv: bool = False) -> int:
         """Finish the named requests (all when None) with ``abort``; they keep their partial
-        tokens. With ``keep_kv`` their caches stay pinned for export (lease ``kv_lease_s``)."""
+        tokens. With ``keep_kv`` their caches stay pinned for export (lease ``kv_lease_s``).
+        A named id not seen yet is remembered (bounded): that request is aborted on arrival,
+        so a caller's abort never loses a race with its own request on another connection."""
+        if request_ids is not None:
+            for rid in request_ids:
+                if rid not in self._requests:
+                    self._aborted_early[rid] = keep_kv
+            while len(self._aborted_early) > MAX_EARLY_ABORTS:
+                self._aborted_early.pop(next(iter(self._aborted_early)))
         targets = list(self._requests.values()) if request_ids is None else [
             self._requests[i] for i in request_ids if i in self._requests]
         n = 0

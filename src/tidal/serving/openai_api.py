@@ -83,6 +83,8 @@ class Result:
         self.text = ""
         self.finish_reason: str | None = None
         self.cached_tokens = 0
+        self.upstream_s = 0.0  # proxy: time spent waiting on engines (not its own cost)
+        self.kv_tokens: int | None = None  # engine: on an abort, the tokens it holds KV for
 
     def add(self, chunk: TokenChunk) -> None:
         self.token_ids += chunk.token_ids
@@ -91,6 +93,7 @@ class Result:
         self.text += chunk.text
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
+            self.kv_tokens = chunk.kv_tokens
 
 
 def completion_response(rid: str, model: str, res: Result, want_logprobs: bool,
@@ -105,6 +108,8 @@ def completion_response(rid: str, model: str, res: Result, want_logprobs: bool,
               "logprobs": {"tokens": token_texts, "token_logprobs": res.logprobs,
                            "top_logprobs": None, "text_offset": offsets}
               if want_logprobs else None}
+    if res.kv_tokens is not None:
+        choice["kv_tokens"] = res.kv_tokens
     return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice], "usage": _usage(res)}
 
@@ -152,16 +157,20 @@ def error_body(message: str, status: int, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "code": code or status}}
 
 
+def validation_message(errors) -> str:
+    parts = []
+    for err in list(errors)[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Translate every failure at the HTTP boundary into an OpenAI-style error envelope."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for err in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc or 'body'}: {err.get('msg')}")
-        return JSONResponse(error_body("; ".join(parts) or "invalid request", 400), 400)
+        return JSONResponse(error_body(validation_message(exc.errors()), 400), 400)
 
     @app.exception_handler(ServingError)
     async def _serving(_: Request, exc: ServingError) -> JSONResponse:

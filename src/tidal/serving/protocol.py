@@ -32,6 +32,9 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     kv_handle: str | None = None
+    # False: the caller needs no chunk before the last (which carries every token, also on an
+    # abort); an engine may then answer in one piece
+    stream: bool = True
 
 
 @dataclass

@@ -7,6 +7,14 @@ Invariant 4 (DESIGN.md): every admitted call is answered exactly once. A call wh
 drained (its request aborted) or dies is retried at another engine with prompt + tokens so far
 and the remaining budget, reusing the source's KV cache when both engines can hand it off.
 Every wait is bounded; exhausting a bound raises a ``ServingError``.
+
+KV handoff: a drained attempt exports its pinned KV before it leaves the source's in-flight set
+(so a drain returns only once the source holds nothing of ours, and the engine may sleep at
+once); the call then holds the blob until an engine has adopted it. An attempt is in the
+destination's in-flight set while the blob is imported; if that destination's drain begins
+before the request is sent, the attempt releases the import and moves on with the same blob
+(re-routed, never sent to a draining engine); once sent, the destination pins the adopted cache
+on abort and the next hop exports it from there (a chained handoff).
 """
 
 from __future__ import annotations
@@ -64,8 +72,9 @@ class Attempt:
     request_id: str
     member: Member
     cancelled: bool = False
-    started: bool = False
-    used_handoff: bool = False
+    sent: bool = False  # the generate request may have reached the engine
+    started: bool = False  # a chunk came back: the engine admitted it
+    ended: bool = False  # the engine's stream ended; a KV export may still run
     kv_tokens: int | None = None
     upstream_s: float = 0.0
     abort_sent: bool = False
@@ -123,20 +132,24 @@ class Proxy:
 
     async def drain(self, engine_id: str, handoff: bool | None = None) -> dict:
         """Stop admission, reserve destinations, re-route, cancel at the source; return once
-        the source holds no request of ours (REFERENCE.md §1, harness-preserving change)."""
+        the source holds no request of ours and no KV a call still has to export from it
+        (REFERENCE.md §1, harness-preserving change)."""
         t0 = self.clock.now()
         member = self.router.set_admitting(engine_id, False)
         use_kv = (self.config.kv_handoff if handoff is None else handoff) and \
             member.adapter.supports_kv_handoff
-        attempts = [a for a in member.inflight.values() if isinstance(a, Attempt)]
+        attempts = [a for a in member.inflight.values()
+                    if isinstance(a, Attempt) and not a.ended]
         for a in attempts:
             if a.execution_id is not None:
                 self.router.reserve(a.execution_id, engine_id)
             a.cancelled, a.keep_kv = True, use_kv
-        if attempts:  # ids the engine does not know yet are ignored there; their runners
-            # abort them when the first chunk arrives (``cancelled`` is set)
+        # unsent attempts (importing a handed-off KV) see ``cancelled`` and go elsewhere; ids
+        # the engine does not know yet are ignored there and aborted at their first chunk
+        sent = [a.request_id for a in attempts if a.sent]
+        if sent:
             try:
-                await member.adapter.abort([a.request_id for a in attempts], keep_kv=use_kv)
+                await member.adapter.abort(sent, keep_kv=use_kv)
             except ServingError as exc:  # a dead engine: its calls retry on their own
                 log.warning("drain %s: abort failed (%s)", engine_id, exc)
         await self._wait_empty(member)
@@ -170,7 +183,11 @@ class Proxy:
 
     async def complete(self, execution_id: str | None, prompt: list[int],
                        params: SamplingParams,
-                       on_chunk: Callable[[TokenChunk], None] | None = None) -> Result:
+                       on_chunk: Callable[[TokenChunk], None] | None = None,
+                       record_overhead: bool = True) -> Result:
+        """Run one model call to its end across engine changes. ``res.upstream_s`` is the time
+        spent waiting on engines and admission; the rest is the proxy's own (recorded in
+        ``overhead_s`` unless the caller measures a wider span itself)."""
         if len(prompt) > self.config.max_prompt_tokens:
             raise BadRequest(f"prompt of {len(prompt)} tokens exceeds the limit of "
                              f"{self.config.max_prompt_tokens}")
@@ -181,7 +198,7 @@ class Proxy:
         res = Result(list(prompt))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.request_timeout_s
-        handoff: Attempt | None = None
+        blob: bytes | None = None  # a drained attempt's KV, held until an engine adopts it
         prior_kv = 0  # tokens some earlier engine held KV for: what a re-prefill redoes
         for attempt_no in range(1, self.config.max_attempts + 1):
             remaining = params.max_tokens - len(res.token_ids)
@@ -191,19 +208,29 @@ class Proxy:
             t_wait = time.perf_counter()
             member = await self._acquire(execution_id, deadline)
             waited_s += time.perf_counter() - t_wait
+            # no await between the pick and this line: a drain that begins later sees it
             attempt = Attempt(execution_id, f"{call.call_id}-{attempt_no}", member)
             member.inflight[attempt.request_id] = attempt
             seg = Segment(member.engine_id, attempt.request_id)
+            reason = None
             try:
-                reason = await self._run_attempt(attempt, seg, res, prompt, params, remaining,
-                                                 handoff, prior_kv, on_chunk)
+                handle = None
+                if blob is not None:
+                    handle, blob = await self._import(blob, attempt)
+                if attempt.cancelled:  # its drain began before anything was sent: go on
+                    await self._release(attempt, handle)
+                else:
+                    reason = await self._run_attempt(attempt, seg, res, prompt, params,
+                                                     remaining, handle, prior_kv, on_chunk)
+                    if reason is None and attempt.keep_kv:
+                        blob = await self._export(attempt)
             except BadRequest:
                 if attempt_no == 1 and not res.token_ids:
                     raise
-                reason, seg.ended_by = None, "error"  # e.g. a refused KV import: retry plainly
+                seg.ended_by = "error"  # e.g. a refused request: retry plainly
                 log.exception("call %s: retrying after a refused request", call.call_id)
             except (EngineUnavailable, Overloaded) as exc:
-                reason, seg.ended_by = None, "error"
+                seg.ended_by = "error"
                 t_check = time.perf_counter()
                 await self._check_engine(member, exc)
                 waited_s += time.perf_counter() - t_check
@@ -220,18 +247,18 @@ class Proxy:
                 res.finish_reason = reason
                 break
             if attempt.started:
-                prior_kv = attempt.kv_tokens if attempt.kv_tokens is not None else \
+                held = attempt.kv_tokens if attempt.kv_tokens is not None else \
                     len(prompt) + len(res.token_ids) - 1
-            if attempt.keep_kv:  # drained with its KV pinned at the source
-                handoff = attempt
-            elif attempt.used_handoff or seg.token_ids:
-                handoff = None  # consumed, or superseded by newer tokens without KV
-            # else: the attempt failed before using the handoff; the next one tries again
+                prior_kv = max(prior_kv, held)
+                if not attempt.keep_kv:
+                    blob = None  # the engine adopted it (or newer tokens have no KV)
             self.totals["retries"] += 1
         else:
             raise EngineUnavailable(f"call {call.call_id}: no engine finished it in "
                                     f"{self.config.max_attempts} attempts")
-        self.overhead_s.append(time.perf_counter() - t_start - waited_s)
+        res.upstream_s = waited_s
+        if record_overhead:
+            self.overhead_s.append(time.perf_counter() - t_start - waited_s)
         call.finish_reason = res.finish_reason
         if execution_id is not None:
             self.records.add(execution_id, call)
@@ -239,17 +266,15 @@ class Proxy:
 
     async def _run_attempt(self, attempt: Attempt, seg: Segment, res: Result,
                            prompt: list[int], params: SamplingParams, remaining: int,
-                           handoff: Attempt | None, prior_kv: int,
+                           kv_handle: str | None, prior_kv: int,
                            on_chunk: Callable[[TokenChunk], None] | None) -> str | None:
         member = attempt.member
-        t_up = time.perf_counter()
-        kv_handle = await self._handoff(handoff, member) if handoff else None
-        attempt.upstream_s += time.perf_counter() - t_up
-        attempt.used_handoff = kv_handle is not None
         prompt_now = prompt + res.token_ids
         req = GenerateRequest(attempt.request_id, prompt_now,
-                              params.model_copy(update={"max_tokens": remaining}), kv_handle)
+                              params.model_copy(update={"max_tokens": remaining}), kv_handle,
+                              stream=on_chunk is not None)
         reason = None
+        attempt.sent = True
         stream = member.adapter.generate(req)
         while True:
             t_up = time.perf_counter()
@@ -267,8 +292,10 @@ class Proxy:
                                            - seg.cached_tokens)
                 self.totals["reprefill_tokens"] += seg.reprefill_tokens
                 if kv_handle is not None:
+                    self.totals["kv_handoffs"] += 1
                     self.totals["saved_prefill_tokens"] += seg.cached_tokens
-            if attempt.cancelled and not attempt.abort_sent:  # drained before it started
+            if attempt.cancelled and not attempt.abort_sent and not chunk.finish_reason:
+                # drained before the engine knew the request
                 attempt.abort_sent = True
                 t_up = time.perf_counter()
                 await member.adapter.abort([attempt.request_id], keep_kv=attempt.keep_kv)
@@ -284,24 +311,52 @@ class Proxy:
             if chunk.finish_reason:
                 reason = chunk.finish_reason
                 attempt.kv_tokens = chunk.kv_tokens
+        attempt.ended = True
         seg.ended_by = reason or "lost"
-        return reason
+        return reason if reason != "abort" else None
 
-    async def _handoff(self, source: Attempt, dest: Member) -> str | None:
-        src = source.member
-        if not (src.adapter.supports_kv_handoff and dest.adapter.supports_kv_handoff):
+    async def _export(self, attempt: Attempt) -> bytes | None:
+        """The KV a drained attempt left pinned at its engine, which then releases it."""
+        src = attempt.member
+        if not src.adapter.supports_kv_handoff or attempt.kv_tokens == 0:
             return None
+        t_up = time.perf_counter()
         try:
-            blob = await src.adapter.export_kv(source.request_id)
-            handle, _ = await dest.adapter.import_kv(blob)
+            blob = await src.adapter.export_kv(attempt.request_id)
+            with contextlib.suppress(ServingError):
+                await src.adapter.release_kv(attempt.request_id)
         except ServingError as exc:
-            log.warning("KV handoff %s -> %s failed (%s): full prefill", src.engine_id,
-                        dest.engine_id, exc)
+            log.warning("KV export from %s failed (%s): the next engine prefills",
+                        src.engine_id, exc)
             return None
-        with contextlib.suppress(ServingError):  # destination acknowledged: source releases
-            await src.adapter.release_kv(source.request_id)
-        self.totals["kv_handoffs"] += 1
-        return handle
+        finally:
+            attempt.upstream_s += time.perf_counter() - t_up
+        return blob
+
+    async def _import(self, blob: bytes, attempt: Attempt) -> tuple[str | None, bytes | None]:
+        """(handle at the attempt's engine or None, the blob if still worth holding). A dead
+        destination raises (the call retries elsewhere with the blob); a refusal drops it."""
+        dest = attempt.member
+        if not dest.adapter.supports_kv_handoff:
+            return None, blob
+        t_up = time.perf_counter()
+        try:
+            handle, _ = await dest.adapter.import_kv(blob)
+        except BadRequest as exc:
+            log.warning("KV import at %s refused (%s): full prefill", dest.engine_id, exc)
+            return None, None
+        finally:
+            attempt.upstream_s += time.perf_counter() - t_up
+        return handle, blob
+
+    async def _release(self, attempt: Attempt, handle: str | None) -> None:
+        if handle is not None:
+            t_up = time.perf_counter()
+            with contextlib.suppress(ServingError):
+                await attempt.member.adapter.release_kv(handle)
+            attempt.upstream_s += time.perf_counter() - t_up
+        log.debug("call attempt %s re-routed before it was sent to %s (draining)",
+                  attempt.request_id, attempt.member.engine_id)
 
     async def _acquire(self, execution_id: str | None, deadline: float) -> Member:
         loop = asyncio.get_running_loop()
@@ -335,8 +390,10 @@ class Proxy:
         else:
             await asyncio.sleep(0.05)
 
-    def stats(self) -> dict:
+    def stats(self, reset_overhead: bool = False) -> dict:
         lat = sorted(self.overhead_s)
+        if reset_overhead:
+            self.overhead_s.clear()
         overhead = {"n": len(lat)}
         if lat:
             overhead.update({"p50_ms": 1e3 * lat[len(lat) // 2],

@@ -14,15 +14,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, ClassVar
 
-from fastapi import Depends, FastAPI, Header, Query
-from fastapi.responses import StreamingResponse
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tidal.agents.events import CLOSE_REASONS, ExecutionRegistry
 from tidal.errors import LedgerError, TimeoutExpired
@@ -32,8 +36,10 @@ from tidal.serving.openai_api import (
     CompletionRequest,
     chat_response,
     completion_response,
+    error_body,
     install_error_handlers,
     sse_chunk,
+    validation_message,
 )
 from tidal.serving.protocol import BadRequest, NotFound, ServingError, TokenChunk
 from tidal.serving.proxy import Proxy
@@ -48,6 +54,14 @@ class Unauthorized(ServingError):
 
 class Conflict(ServingError):
     status = 409
+
+
+class PayloadTooLarge(ServingError):
+    status = 413
+
+
+MAX_BODY_BYTES = 64 << 20
+log = logging.getLogger(__name__)
 
 
 class JoinBody(BaseModel):
@@ -78,8 +92,34 @@ class CloseBody(BaseModel):
     reason: str = Field("completed", pattern="^(" + "|".join(CLOSE_REASONS) + ")$")
 
 
+def _json(body: dict) -> Response:
+    """Serialised once with the stdlib (FastAPI's encoder walks every token id again)."""
+    return Response(json.dumps(body, separators=(",", ":")).encode(),
+                    media_type="application/json")
+
+
+def _validate(raw: bytes, model: type[BaseModel]):
+    """The body validated straight from its bytes; errors take the 400 path of FastAPI's."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False, include_context=False)
+                                     ) from None
+
+
+_EXECUTION_HEADER = {"name": "X-Tidal-Execution", "in": "header", "required": False,
+                     "schema": {"type": "string", "maxLength": 128}}
+
+
+def _body_spec(model: type[BaseModel]) -> dict:
+    """OpenAPI of a route that parses its body itself (the document stays complete)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"parameters": [_EXECUTION_HEADER],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
 def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
-                    on_startup: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+                    on_startup: Callable[[], Awaitable[None]] | None = None) -> FastPath:
     registry = registry or ExecutionRegistry()
 
     @asynccontextmanager
@@ -123,17 +163,20 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         if name is not None and served and name not in served:
             raise NotFound(f"model {name!r} is not served (serving {sorted(served)})")
 
-    async def answer(eid: str | None, prompt: list[int], body, chat: bool):
+    async def answer(eid: str | None, prompt: list[int], body, chat: bool, t_entry: float):
         params = body.sampling()
         rid = uuid.uuid4().hex
         model = body.model or next((m.model for m in proxy.router.members.values()), "tidal")
         texts = None
         if not body.stream:
-            res = await proxy.complete(eid, prompt, params)
+            res = await proxy.complete(eid, prompt, params, record_overhead=False)
             texts = [f"token_id:{t}" for t in res.token_ids]
             build = chat_response if chat else completion_response
             want = body.logprobs if chat else body.logprobs is not None
-            return build(rid, model, res, want, texts)
+            out = _json(build(rid, model, res, want, texts))
+            # the handler's own time: parsing, routing, records, serialising the answer
+            proxy.overhead_s.append(time.perf_counter() - t_entry - res.upstream_s)
+            return out
         queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
         task = asyncio.create_task(proxy.complete(eid, prompt, params, on_chunk=queue.put_nowait))
         task.add_done_callback(lambda _: queue.put_nowait(None))
@@ -155,24 +198,36 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest,
-                          x_tidal_execution: str | None = Header(None, max_length=128)):
-        eid = execution_of(x_tidal_execution, body.user)
+    async def serve(raw: bytes, header_eid: str | None, chat: bool):
+        """One OpenAI call from its raw body: the hot path, shared by the FastAPI routes (and
+        their OpenAPI document) and the ASGI fast path in front of the framework."""
+        t_entry = time.perf_counter()
+        body = _validate(raw, ChatRequest if chat else CompletionRequest)
+        if header_eid is not None and len(header_eid) > 128:
+            raise BadRequest("X-Tidal-Execution: at most 128 characters")
+        eid = execution_of(header_eid, body.user)
         check_model(body.model)
-        prompt = body.prompt if isinstance(body.prompt, list) else \
-            await proxy.tokenize(prompt=body.prompt)
+        t_up = time.perf_counter()
+        if chat:
+            prompt = await proxy.tokenize(messages=[m.model_dump() for m in body.messages])
+        elif isinstance(body.prompt, list):
+            prompt = body.prompt
+        else:
+            prompt = await proxy.tokenize(prompt=body.prompt)
+        t_entry += time.perf_counter() - t_up  # an engine's time, not the proxy's
         if not prompt:
             raise BadRequest("prompt is empty")
-        return await answer(eid, prompt, body, chat=False)
+        return await answer(eid, prompt, body, chat, t_entry)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest,
-                   x_tidal_execution: str | None = Header(None, max_length=128)):
-        eid = execution_of(x_tidal_execution, body.user)
-        check_model(body.model)
-        prompt = await proxy.tokenize(messages=[m.model_dump() for m in body.messages])
-        return await answer(eid, prompt, body, chat=True)
+    @app.post("/v1/completions", openapi_extra=_body_spec(CompletionRequest))
+    async def completions(request: Request):
+        return await serve(await request.body(), request.headers.get("x-tidal-execution"),
+                           False)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_spec(ChatRequest))
+    async def chat(request: Request):
+        return await serve(await request.body(), request.headers.get("x-tidal-execution"),
+                           True)
 
     @app.get("/v1/models")
     async def models():
@@ -237,8 +292,70 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         return proxy.undrain(engine_id).describe()
 
     @app.get("/tidal/stats", dependencies=[Depends(admin)])
-    async def stats():
-        return {**proxy.stats(), "open_executions": registry.open_count(),
+    async def stats(reset_overhead: bool = Query(False)):
+        return {**proxy.stats(reset_overhead), "open_executions": registry.open_count(),
                 "duplicate_closes": registry.duplicate_closes}
 
-    return app
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatRequest):
+                spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(spec.pop("$defs", {}))
+                schemas[model.__name__] = spec
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return FastPath(app, serve)
+
+
+class FastPath:
+    """ASGI front: ``POST /v1/completions`` and ``/v1/chat/completions`` go straight to the
+    shared handler, without the framework's middleware, routing and dependency layers (most of
+    the proxy's CPU per call); every other request goes to the FastAPI app."""
+
+    ROUTES: ClassVar[dict[str, bool]] = {"/v1/completions": False,
+                                         "/v1/chat/completions": True}
+
+    def __init__(self, app: FastAPI, serve) -> None:
+        self.app, self.serve = app, serve
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        chat = self.ROUTES.get(scope.get("path", ""))
+        if scope["type"] != "http" or chat is None or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        try:
+            raw = await _read_body(receive)
+            eid = next((v.decode("latin-1") for k, v in scope["headers"]
+                        if k == b"x-tidal-execution"), None)
+            response = await self.serve(raw, eid, chat)
+        except RequestValidationError as exc:
+            response = _error(validation_message(exc.errors()), 400)
+        except ServingError as exc:
+            response = _error(str(exc), exc.status)
+        except Exception as exc:  # what the framework's error middleware would answer
+            log.exception("proxy: %s failed", scope["path"])
+            response = _error(f"internal error: {type(exc).__name__}", 500)
+        await response(scope, receive, send)
+
+
+async def _read_body(receive) -> bytes:
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise BadRequest("the client went away before sending its body")
+        parts.append(message.get("body", b""))
+        size += len(parts[-1])
+        if size > MAX_BODY_BYTES:
+            raise PayloadTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def _error(message: str, status: int) -> Response:
+    return Response(json.dumps(error_body(message, status)).encode(), status,
+                    media_type="application/json")

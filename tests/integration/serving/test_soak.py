@@ -55,6 +55,9 @@ async def _chaos(client, cluster, stop):
     actions = ["drain"] * N_DRAINS + ["kill"] * N_KILLS
     rng.shuffle(actions)
     log = []
+    # replacement engines start with the chaos, not after each kill: a process start (torch
+    # import) takes seconds on 2 loaded cores and would stretch the run, not test anything
+    spares = [cluster.replacement() for _ in range(N_KILLS)]
     for action in actions:
         await asyncio.sleep(rng.uniform(0.1, 0.4))
         members = (await client.get("/tidal/engines", headers=cluster.admin)).json()["engines"]
@@ -73,8 +76,8 @@ async def _chaos(client, cluster, stop):
                              if p.url == next(m["url"] for m in members if m["id"] == victim))
             cluster.engines[proc_name].kill()
             log.append(("kill", victim))
-            name, proc = cluster.replacement()
-            await asyncio.to_thread(proc.wait_healthy, 60)
+            name, proc = spares.pop(0)
+            await asyncio.to_thread(proc.wait_healthy, 120)
             r = await client.post("/tidal/engines", headers=cluster.admin, json={
                 "id": name, "url": proc.url, "kind": "cell", "cell_index": 10 + len(log)})
             assert r.status_code == 200, r.text
@@ -122,13 +125,9 @@ def test_executions_survive_drains_and_kills(cluster, tmp_path):
         if any(b in handed_off and b["reprefill_tokens"] for b in s):
             print([(x["engine_id"], x["request_id"][-3:], len(x["token_ids"]),
                     x["cached_tokens"], x["reprefill_tokens"], x["ended_by"]) for x in s])
-    # Known race (noted for the serving plane): when the destination is itself drained while
-    # the handed-off KV is being imported, the import is abandoned, that hop re-prefills and
-    # ends with 0 tokens, and the next hop receives the KV again (cached tokens > 0). Such
-    # interrupted hops are counted, not asserted; every completed handoff re-prefills nothing.
-    interrupted = [b for b in handed_off if b["ended_by"] == "abort" and not b["token_ids"]]
-    print(f"handoffs interrupted by a second drain: {len(interrupted)}")
-    assert all(b["reprefill_tokens"] == 0 for b in handed_off if b not in interrupted)
+    # every handed-off hop reuses the KV, also when its destination was drained while the
+    # handoff was in flight (test_handoff_race.py stages that race deterministically)
+    assert all(b["reprefill_tokens"] == 0 for b in handed_off)
     assert sum(b["cached_tokens"] for b in handed_off) > 0
     assert stats["drains"] >= 1 and stats["kv_handoffs"] >= len(handed_off)
     if any(a[0] == "kill" for a in log):

@@ -161,3 +161,42 @@ def test_bad_requests_are_rejected(tiny_dir):
         await eng.stop()
 
     run(main())
+
+
+def test_abort_of_an_id_not_seen_yet_ends_that_request_on_arrival(tiny_dir):
+    """A caller's abort may overtake its own request (two connections): the engine remembers
+    it, and the request ends at once with 0 tokens; with keep_kv its adopted KV stays pinned
+    and is reported as cached (nothing was computed again)."""
+
+    async def main():
+        a, b = _engine(tiny_dir), _engine(tiny_dir)
+        await a.start()
+        await b.start()
+        assert a.abort(["late"]) == 0
+        chunks, toks = await _collect(a, "late", [5, 6, 7], max_tokens=8, ignore_eos=True)
+        assert toks == [] and [c.finish_reason for c in chunks] == ["abort"]
+        _, again = await _collect(a, "late", [5, 6, 7], max_tokens=8, ignore_eos=True)
+        assert len(again) == 8  # the memory is used once
+        # a handed-off request aborted (keep_kv) before it arrived at its destination
+        prompt = [7, 8, 9, 10, 11, 12]
+        task = asyncio.create_task(_collect(a, "x", prompt, max_tokens=400, temperature=0,
+                                            ignore_eos=True))
+        while len(a._requests["x"].tokens if "x" in a._requests else []) < 3:
+            await asyncio.sleep(0.005)
+        a.abort(["x"], keep_kv=True)
+        _, partial = await task
+        handle, covered = await b.import_kv(await a.export_kv("x"))
+        b.abort(["y"], keep_kv=True)
+        req = GenerateRequest("y", prompt + partial,
+                              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                              kv_handle=handle)
+        cont = [c async for c in b.generate(req)]
+        pinned = b.kv.export("y")
+        await a.stop()
+        await b.stop()
+        return cont, covered, pinned, b.stats()
+
+    cont, covered, pinned, stats = run(main())
+    assert [c.finish_reason for c in cont] == ["abort"] and not cont[0].token_ids
+    assert cont[0].cached_tokens == covered and cont[0].kv_tokens == covered
+    assert pinned and stats["prefill_tokens"] == 0 and stats["generated_tokens"] == 0
