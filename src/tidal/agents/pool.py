@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,14 +111,19 @@ class HarnessPool:
                     "temperature": self.config.temperature, "logprobs": True}
             if self.config.model:
                 body["model"] = self.config.model
+            t_call = time.monotonic()
             resp = await client.post("/v1/chat/completions", json=body,
                                      headers={"X-Tidal-Execution": eid})
             if resp.status_code != 200:
                 raise ValueError(f"proxy answered {resp.status_code}: {resp.text[:200]}")
             text = resp.json()["choices"][0]["message"]["content"]
+            t_tool = time.monotonic()
             step = await env.step(text)
             result.turns = turn + 1
-            result.transcript.append({"action": text, "observation": step.observation})
+            # timings (monotonic clock) for `tidal calibrate`: call start, call and tool seconds
+            result.transcript.append({"action": text, "observation": step.observation,
+                                      "t_call": t_call, "call_s": t_tool - t_call,
+                                      "tool_s": time.monotonic() - t_tool})
             messages += [{"role": "assistant", "content": text},
                          {"role": "user", "content": step.observation or "ok"}]
             if step.done:

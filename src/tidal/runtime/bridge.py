@@ -11,7 +11,9 @@ trajectory buffer (it must end at 0).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -58,20 +60,24 @@ class LedgerBridge:
         self.record_errors: list[str] = []
         self.rewards: list[float] = []
         self.restored: set[str] = set()
+        self.timing: dict[str, dict[str, Any]] = {}  # per execution, for executions.jsonl
         self._tasks: set[asyncio.Task] = set()
 
     def dispatched(self, execution_id: str, group_id: str) -> None:
         self.n_dispatched += 1
+        self.timing[execution_id] = {"burst": self.burst, "dispatched": self.clock.now()}
         self.controller.handle(ExecutionDispatched(self.clock.now(), execution_id, group_id,
                                                    self.group_size, self.burst))
 
     def launched(self, execution_id: str, group_id: str) -> None:
+        self.timing.setdefault(execution_id, {})["launched"] = self.clock.now()
         self.controller.handle(ExecutionLaunched(self.clock.now(), execution_id))
 
     def closed(self, execution_id: str, group_id: str, reason: str,
                reward: float | None) -> None:
         self.close_counts[reason] = self.close_counts.get(reason, 0) + 1
         self.rewards.append(reward or 0.0)
+        self.timing.setdefault(execution_id, {})["closed"] = self.clock.now()
         self.controller.handle(ExecutionClosed(self.clock.now(), execution_id,
                                                CloseReason(reason), reward))
         task = asyncio.get_running_loop().create_task(
@@ -96,12 +102,39 @@ class LedgerBridge:
         try:
             resp = await self.admin.get(f"/tidal/executions/{eid}/records")
             resp.raise_for_status()
-            rec = record_from_proxy(eid, gid, resp.json()["calls"], reward, reason)
+            calls = resp.json()["calls"]
+            rec = record_from_proxy(eid, gid, calls, reward, reason)
+            self.timing.setdefault(eid, {})["calls"] = [{
+                "prompt_tokens": len(c["prompt_token_ids"]),
+                "output_tokens": sum(len(s["token_ids"]) for s in c["segments"]),
+                "cached_tokens": sum(s.get("cached_tokens", 0) for s in c["segments"]),
+                "reprefill_tokens": sum(s.get("reprefill_tokens", 0) for s in c["segments"]),
+                "engines": [s["engine_id"] for s in c["segments"]]} for c in calls]
             await asyncio.to_thread(self.buffer.add, rec)
             self.recorded += 1
         except Exception as exc:
             log.error("execution %s: record not delivered to training: %s", eid, exc)
             self.record_errors.append(f"{eid}: {exc}")
+
+    def write_executions(self, path: Path, results: list[Any], t0: float,
+                         mode: str = "w") -> None:
+        """One line per closed execution (``tidal calibrate`` fits the simulator on them):
+        times in seconds since ``t0`` (the first dispatch), the proxy's token counts per model
+        call joined with the harness's timings of that call and of the tool step after it."""
+        with open(path, mode) as fh:
+            for r in results:
+                t = self.timing.get(r.execution_id, {})
+                calls = [dict(c) for c in t.get("calls", [])]
+                for c, turn in zip(calls, r.transcript, strict=False):
+                    c.update({"start_s": round(turn["t_call"] - t0, 4),
+                              "call_s": round(turn["call_s"], 4),
+                              "tool_s": round(turn["tool_s"], 4)})
+                fh.write(json.dumps({
+                    "execution": r.execution_id, "group": r.group_id, "burst": t.get("burst"),
+                    "reason": r.reason, "reward": r.reward,
+                    **{f"{k}_s": round(t[k] - t0, 4) for k in ("dispatched", "launched",
+                                                                "closed") if k in t},
+                    "calls": calls}) + "\n")
 
     @property
     def lost(self) -> int:

@@ -7,7 +7,9 @@ scheduling decision and plan record of the controller), ``steps.jsonl`` (every p
 actuator ran, with its duration), ``state.jsonl`` (a sample of the live state every
 ``runtime.state_every_s``: time since the first dispatch, waterlevel, queue, running, ready
 groups, roles), ``timeline.json`` (per cell, the ``[start_s, end_s, role]`` segments, in seconds
-since the first dispatch) and ``summary.json``; engine and proxy logs under ``logs/``.
+since the first dispatch), ``executions.jsonl`` (per execution: times, and per model call its
+tokens and timings; ``tidal calibrate`` fits the simulator on it) and ``summary.json``; engine
+and proxy logs under ``logs/``.
 
 Data flow: dispatcher (one quota per burst) -> harness pool -> proxy (a process) -> engines
 (processes owned by Ray actors: standalone engines and cells) ; ledger callbacks -> controller
@@ -288,6 +290,8 @@ class Runtime:
             self.bursts_s = self.elapsed()  # first dispatch to last publish
             results = [r for batch in await asyncio.gather(*runs) for r in batch]
             await self.bridge.flush(60.0)
+            self.bridge.write_executions(self.out / "executions.jsonl", results,
+                                         self.t_first - self.t_offset, mode)
             await self._settle(self.cfg.control.step_timeout_s)
             ticks.cancel()
             watch.cancel()

@@ -30,7 +30,7 @@ def step_duration_s(kind: StepKind, costs: CostConfig, kv_tokens: int = 0) -> fl
         StepKind.WAKE_ENGINE: c.wake_s,
         StepKind.RESTORE_TRAINING_STATE: c.onload_s,
         StepKind.OFFLOAD_TRAINING_STATE: c.offload_s,
-        StepKind.LOAD_WEIGHTS: c.sync_s,
+        StepKind.LOAD_WEIGHTS: c.sync_s if c.load_weights_s is None else c.load_weights_s,
         StepKind.SYNC_WEIGHTS: c.sync_s,
     }
     if kind is StepKind.KV_HANDOFF:

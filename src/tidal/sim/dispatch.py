@@ -6,7 +6,8 @@ free up. Out: ``ExecRec`` records for the drawn groups, ``BurstStarted``,
 on engines. Keeps verl's budget: a version dispatches at most ``budget - carried`` groups
 (carried: dispatched, not yet consumed), in the workload's draw order; ``ON_DEMAND`` dispatches
 a group only when an admitting slot is free (never during a weight sync), ``BURST`` the whole
-quota at the version start. Displaced executions are placed before queued ones.
+quota at the version start (group by group ``sim.dispatch_interval_s`` apart when set, as the
+runtime's dispatcher). Displaced executions are placed before queued ones.
 """
 
 from __future__ import annotations
@@ -57,8 +58,24 @@ def start_burst(w: World) -> None:
     w.quota_left = quota
     w.emit(BurstStarted(w.now, w.burst, quota * w.group_size, w.version))
     if w.profile.dispatch is DispatchStyle.BURST:
+        if w.scenario.sim.dispatch_interval_s > 0:
+            on_dispatch(w, w.burst)
+            return
         while w.quota_left > 0:
             dispatch_group(w)
+    fill(w)
+
+
+def on_dispatch(w: World, burst: int) -> None:
+    """Paced burst dispatch (``sim.dispatch_interval_s``, as the runtime's dispatcher): one
+    group now, the next one interval later, until the burst's quota is out."""
+    if burst != w.burst or w.quota_left <= 0:
+        return
+    dispatch_group(w)
+    if w.quota_left > 0:
+        from tidal.sim.world import DISPATCH
+
+        w.push(w.now + w.scenario.sim.dispatch_interval_s, DISPATCH, None, burst)
     fill(w)
 
 def dispatch_group(w: World) -> None:

@@ -8,6 +8,8 @@ Every active sequence gets the same speed ``min(seq_cap, throughput / n_active)`
 cumulative per-sequence service counter ``v`` describes them all: a sequence added with work
 ``w`` at counter ``v0`` finishes when ``v`` reaches ``v0 + w``. Thresholds sit in a heap;
 removal is lazy. Between events nothing is computed (no per-token events).
+On a shared host (CPU runs: every engine on the same cores) the world caps an engine's
+throughput at its share of the host's (``limit``).
 An engine holds ``slots`` executions (sticky sessions, in tool waits too); only executions
 with a request in flight share the throughput.
 """
@@ -20,9 +22,9 @@ EPS_TOKENS = 1e-6
 
 
 class Engine:
-    __slots__ = ("_heap", "_thr", "admitting", "busy_work", "cell", "epoch", "gpus", "members",
-                 "name", "paused", "seq_cap", "slots", "t", "throughput", "timer", "timer_t",
-                 "v")
+    __slots__ = ("_heap", "_thr", "admitting", "busy_work", "cell", "epoch", "gpus", "limit",
+                 "members", "name", "paused", "seq_cap", "slots", "t", "throughput", "timer",
+                 "timer_t", "v")
 
     def __init__(self, name: str, gpus: int, slots: int, throughput_tok_s: float,
                  seq_cap_tok_s: float, cell: int | None = None) -> None:
@@ -30,6 +32,7 @@ class Engine:
         self.gpus = gpus
         self.slots = slots
         self.throughput = throughput_tok_s
+        self.limit = float("inf")  # the engine's share of a shared host (``World``), if any
         self.seq_cap = seq_cap_tok_s
         self.cell = cell
         self.admitting = cell is None
@@ -57,7 +60,7 @@ class Engine:
         n = len(self._thr)
         if n == 0 or self.paused:
             return 0.0
-        r = self.throughput / n
+        r = min(self.throughput, self.limit) / n
         return r if r < self.seq_cap else self.seq_cap
 
     def has(self, seq: int) -> bool:
@@ -70,7 +73,7 @@ class Engine:
         n = len(self._thr)
         if n == 0 or self.paused:
             return None
-        r = self.throughput / n
+        r = min(self.throughput, self.limit) / n
         if r > self.seq_cap:
             r = self.seq_cap
         heap, thr = self._heap, self._thr
@@ -86,7 +89,7 @@ class Engine:
         if dt > 0.0:
             n = len(self._thr)
             if n and not self.paused:
-                r = self.throughput / n
+                r = min(self.throughput, self.limit) / n
                 if r > self.seq_cap:
                     r = self.seq_cap
                 self.v += r * dt

@@ -68,6 +68,9 @@ class EngineConfig(Strict):
     seq_cap_tok_s: float = Field(100.0, gt=0.0, description="per-sequence speed cap")
     prefill_equiv: float = Field(0.02, ge=0.0,
                                  description="decode-token equivalents per prefilled token")
+    host_tok_s: float | None = Field(None, gt=0.0,
+                                     description="every engine shares one host's decode "
+                                                 "throughput (CPU runs; None: no sharing)")
 
 
 class TrainerConfig(Strict):
@@ -85,6 +88,9 @@ class CostConfig(Strict):
     weight_gb: float = Field(70.0, ge=0.0, description="bytes of one weight copy (GB)")
     sync_latency_s: float = Field(1.0, ge=0.0)
     sync_gb_s: float = Field(12.5, gt=0.0, description="weight-sync bandwidth (GB/s)")
+    load_weights_s: float | None = Field(None, ge=0.0,
+                                         description="a waking cell's weight load (None: "
+                                                     "sync_s, the burst-end publication)")
     sleep_s: float = Field(3.0, ge=0.0)
     wake_s: float = Field(3.0, ge=0.0)
     offload_s: float = Field(5.0, ge=0.0)
@@ -148,6 +154,9 @@ class SimConfig(Strict):
                                        description="executions older than this many versions "
                                                    "restart at a sync")
     tick_s: float = Field(10.0, gt=0.0)
+    dispatch_interval_s: float = Field(0.0, ge=0.0,
+                                       description="burst dispatch: groups this far apart "
+                                                   "(0: the whole quota at once)")
     step_failure_rate: float = Field(0.0, ge=0.0, le=1.0,
                                      description="probability that a plan step fails "
                                                  "(fault injection; seeded)")

@@ -44,7 +44,7 @@ from tidal.types import (
     Tick,
 )
 
-ENGINE, TOOL, TIMEOUT, TRAINER, STEP, ACK, SYNC, TICK = range(8)
+ENGINE, TOOL, TIMEOUT, TRAINER, STEP, ACK, SYNC, TICK, DISPATCH = range(9)
 
 
 class SimulationError(TidalError):
@@ -150,7 +150,21 @@ class World:
     def resched(self, e: Engine) -> None:
         """Arms the engine's completion timer. A pending timer that fires no later than the
         new completion is kept (it re-arms when it finds nothing due): adding work only ever
-        delays completions, so most changes cost no heap push."""
+        delays completions, so most changes cost no heap push. On a shared host
+        (``engine.host_tok_s``) every engine's share changes with the sequences in flight."""
+        host = self.scenario.engine.host_tok_s
+        if host is not None:
+            n = sum(x.active for x in self.engines if not x.paused)
+            for x in self.engines:
+                lim = host * x.active / n if n else float("inf")
+                if lim != x.limit:
+                    x.advance(self.now)
+                    x.limit = lim
+                    if x is not e:
+                        self._arm(x)
+        self._arm(e)
+
+    def _arm(self, e: Engine) -> None:
         nf = e.next_finish()
         if nf is None:
             return
@@ -194,7 +208,8 @@ class World:
                 lambda a, b: self.trainer.on_timer(b, self.now),
                 lambda a, b: self.actuator.start(a, b),
                 lambda a, b: self.actuator.finish(a[0], a[1], b),
-                lambda a, b: sync.on_sync_done(self, a, b), self._on_tick]
+                lambda a, b: sync.on_sync_done(self, a, b), self._on_tick,
+                lambda a, b: dispatch.on_dispatch(self, b)]
 
     def _stuck(self, why: str) -> str:
         c = self.controller

@@ -1,0 +1,66 @@
+"""``tidal calibrate RUN_DIR [--out SCENARIO.yaml] [--check | --against RUN]``.
+
+In: a run directory of ``tidal run``. Out: a simulator scenario fitted on it (``--out``, else on
+stdout) whose engine, trainer and transition costs are the run's (``tidal.sim.from_run``);
+with ``--check`` the scenario is simulated under the run's policy and its burst times are
+compared with the run's (``tidal.sim.vs_real``); ``--against RUN`` describes another run (its
+config: cluster, control, policy, bursts) with the speeds fitted here and compares with it: a
+prediction, not a refit. Exit 1 when the error is beyond ``--tolerance``.
+"""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command(help="Fit a simulator scenario on a tidal run directory; optionally check "
+                    "the simulated burst times against a real run.")
+@click.argument("run_dir", type=click.Path())
+@click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
+              help="Write the scenario YAML here (default: print it, unless checking).")
+@click.option("--check", is_flag=True, help="Simulate the scenario and compare its burst "
+                                            "times with RUN_DIR's.")
+@click.option("--against", type=click.Path(), default=None, metavar="RUN",
+              help="Describe this other run (its config.yaml) with RUN_DIR's speeds and "
+                   "compare with its burst times.")
+@click.option("--tolerance", type=float, default=0.15, show_default=True,
+              help="Largest relative error of the mean time per burst.")
+@click.option("--per-burst", is_flag=True, help="Apply the tolerance to every burst.")
+@click.option("--seeds", type=click.IntRange(1, 100), default=3, show_default=True,
+              help="Simulated workloads to average.")
+def command(run_dir: str, out: str | None, check: bool, against: str | None, tolerance: float,
+            per_burst: bool, seeds: int) -> None:
+    import json
+    from pathlib import Path
+
+    from tidal.config import dump_yaml
+    from tidal.errors import ConfigError
+    from tidal.sim.from_run import scenario_from_run
+    from tidal.sim.vs_real import PredictionOff, compare
+
+    describe = None
+    if against is not None:
+        describe = Path(against) / "config.yaml"
+        if not describe.is_file():
+            raise ConfigError("--against", f"{against} is not a run directory (no config.yaml)")
+    sc, notes = scenario_from_run(run_dir, describe)
+    text = dump_yaml(sc)
+    if out is not None:
+        Path(out).write_text(text)
+        click.echo(f"scenario: {out}")
+    elif not (check or against):
+        click.echo(text, nl=False)
+        return
+    click.echo(f"fit on {run_dir}: " + json.dumps(notes))
+    if not (check or against):
+        return
+    target = against or run_dir
+    cmp = compare(sc, sc.policies[0], target, seeds=seeds)
+    click.echo(f"{sc.policies[0]} on {target}: simulated vs real burst times "
+               f"({seeds} seed{'s' if seeds > 1 else ''})")
+    click.echo(cmp.table())
+    if not cmp.within(tolerance, per_burst):
+        what = "worst burst" if per_burst else "mean time per burst"
+        err = cmp.worst_burst_error if per_burst else cmp.error
+        raise PredictionOff(f"{what} off by {err:+.1%}, beyond the tolerance ±{tolerance:.0%}")
+    click.echo(f"within ±{tolerance:.0%}")

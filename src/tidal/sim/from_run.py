@@ -1,0 +1,343 @@
+"""A simulator scenario fitted on a real run directory (``tidal calibrate``).
+
+In: a directory written by ``tidal run`` (``config.yaml``, ``metrics.jsonl``, ``steps.jsonl``,
+``executions.jsonl``, ``summary.json``) and optionally the ``config.yaml`` of another run to
+describe (a prediction: its cluster, control, policy and bursts; the speeds stay those of the
+calibration run). Out: a validated ``Scenario`` and ``notes`` (every fitted number with how it
+was measured). Pure: reads files, no Ray, no torch, no clock.
+
+What is fitted, and from what (times are seconds of the run's wall clock):
+
+- **Cluster, control, policy** are copied from ``config.yaml``. Every cell and standalone engine
+  is one "GPU"; slots are the concurrency caps.
+- **Runtime mechanics** (``profiles``): the runtime dispatches a burst's whole quota
+  (``dispatch: burst``, groups ``runtime.dispatch_interval_s`` apart: ``sim.dispatch_interval_s``),
+  its trainer waits for a full batch (``trainer: batch``), weights load in place (``sync:
+  keep``), every dispatched group is trained (``staleness_threshold: 0``); ``sim.tick_s`` =
+  ``runtime.tick_s``.
+- **Workload** (``executions.jsonl``, completed executions; a "call" is one model call):
+  ``turns`` = calls per execution, ``decode_tokens`` = output tokens per call, ``tool_s`` = the
+  harness's tool step after every call but the last, ``tool_output_tokens`` = prompt growth
+  between calls minus the previous output (``P[k] - P[k-1] - O[k-1]``), ``prompt_tokens`` =
+  median first prompt. Each is a capped lognormal: median, sigma = std of the logs, cap = the
+  maximum, lo = the minimum. ``group_share`` = between-group share of the variance of the
+  executions' mean log decode tokens; ``success_rate`` = share of rewards > 0.
+- **Engine** (``fit_engine``): processor sharing, a call on engine ``e`` decoding at
+  ``min(C, T / n_e, H / n_h)`` where ``n_e`` counts the calls in flight on ``e`` (its last
+  segment's engine) and ``n_h`` those on every engine (one host: on CPU all engines share the
+  cores). A call's work is ``O + pe * Q`` (``Q`` its simulated prefill: the prompt for the first
+  call, the tool output after). ``(T, C, H, pe)`` minimise the squared relative error of
+  ``(O + pe * Q) / min(C, T / nbar_e, H / nbar_h)`` against the call's measured time ``call_s``
+  (``nbar``: time-averages over the call): a log grid over ``T``, ``C`` and ``H`` (each also
+  unbounded), ``pe >= 0`` in closed form. ``decode_tok_s_per_gpu`` = T, ``seq_cap_tok_s`` = C,
+  ``host_tok_s`` = H (None when unbounded fits best), ``prefill_equiv`` = pe (it also absorbs
+  per-call latency).
+- **Trainer** (``fit_trainer``, ``metrics.jsonl``): a step trains ``W`` simulated tokens (the
+  final context, last prompt + last output, of every execution of its groups) in
+  ``step_s = a + W / (R * speedup(cells))`` (``cells`` = 1 + satellites that joined): least
+  squares for ``a >= 0`` and ``R``. Between two steps the trainer spends
+  ``gap = t[k] - t[k-1] - wait_s[k] - step_s[k]`` off the step (checkpoint, satellites): ``o`` =
+  mean gap of non-final steps; a burst's final step also publishes, ``publish_s`` = mean of
+  ``gap - o`` over final steps. ``train_tok_s_per_gpu`` = R, ``optimizer_s`` = a + o,
+  ``aggregate_s_per_cell`` = 0, ``scaling_efficiency`` = the simulator's default unless steps
+  ran with different numbers of cells (then ``R`` per cell count gives it).
+- **Costs** (``steps.jsonl``, successful steps): the mean duration per step kind (the mean,
+  not the median: the simulator charges one value per step, and a run's time is their sum;
+  on a shared CPU host waking under load takes seconds, idle a tenth): admission
+  (stop/resume admission, load-balancer changes), reroute (reserve/cancel/abort/rebalance),
+  release, sleep, wake, onload (restore training state), offload, ``load_weights_s``
+  (load/sync weights of a waking cell), ``kv_latency_s`` (kv_handoff; ``kv_kb_per_token`` 0).
+  The burst-end publication is ``sync_latency_s = publish_s`` (``weight_gb`` 0). A kind never
+  run keeps the simulator's default (noted).
+
+Burst time, the same on both sides (``burst_ends``): a burst ends when its weights are
+published; a burst's time runs from the previous end (or the first dispatch) to its end.
+Invariant: a directory without the files the fit needs is one ``ConfigError`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics as st
+from pathlib import Path
+from typing import Any
+
+from tidal.config import RunConfig, load_yaml
+from tidal.errors import ConfigError
+from tidal.sim.costs import speedup
+from tidal.sim.scenario import Scenario, TrainerConfig
+from tidal.viz.run_data import load_run
+
+COST_KINDS = {
+    "admission_s": ("stop_admission", "resume_admission", "remove_from_load_balancer",
+                    "add_to_load_balancer", "resume_generation"),
+    "reroute_s": ("reserve_and_reroute", "cancel_and_retry", "abort_inflight", "rebalance"),
+    "release_s": ("release_rollout_memory",), "sleep_s": ("sleep_engine",),
+    "wake_s": ("wake_engine",), "onload_s": ("restore_training_state",),
+    "offload_s": ("offload_training_state",),
+    "load_weights_s": ("load_weights", "sync_weights"), "kv_latency_s": ("kv_handoff",)}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise ConfigError(str(path), "missing: calibration needs it (written by `tidal run`)")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{n}", f"not valid JSON: {exc.msg}") from None
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{path}:{n}", "not a JSON object")
+            out.append(obj)
+    return out
+
+
+def dist(values: list[float], integer: bool = False) -> dict[str, float]:
+    """A capped lognormal describing ``values`` (median, std of the logs, max, min)."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return {"median": 0.0, "sigma": 0.0}
+    pos = [math.log(x) for x in xs if x > 0]
+    sigma = st.pstdev(pos) if len(pos) > 1 else 0.0
+    med = st.median(xs)
+    return {"median": round(med, 4), "sigma": round(sigma, 4),
+            "cap": round(max(max(xs), 1.0 if integer else 1e-6), 4), "lo": round(min(xs), 4)}
+
+
+# ------------------------------------------------------------------------ workload
+
+def prefill_tokens(calls: list[dict[str, Any]]) -> list[int]:
+    """Per call, the tokens the simulator prefills: the prompt, then each tool output."""
+    out = []
+    for k, c in enumerate(calls):
+        if k == 0:
+            out.append(int(c["prompt_tokens"]))
+        else:
+            prev = calls[k - 1]
+            out.append(max(0, int(c["prompt_tokens"]) - int(prev["prompt_tokens"])
+                           - int(prev["output_tokens"])))
+    return out
+
+
+def fit_workload(execs: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+    done = [e for e in execs if e.get("reason") == "completed" and e.get("calls")]
+    if not done:
+        raise ConfigError("executions.jsonl", "no completed execution with model calls")
+    decode, tools, touts, logs_by_group = [], [], [], {}
+    for e in done:
+        calls = e["calls"]
+        decode += [c["output_tokens"] for c in calls]
+        tools += [c["tool_s"] for c in calls[:-1] if "tool_s" in c]
+        touts += prefill_tokens(calls)[1:]
+        mean_log = st.fmean(math.log(max(1, c["output_tokens"])) for c in calls)
+        logs_by_group.setdefault(e["group"], []).append(mean_log)
+    all_logs = [x for g in logs_by_group.values() for x in g]
+    total_var = st.pvariance(all_logs) if len(all_logs) > 1 else 0.0
+    grand = st.fmean(all_logs)
+    between = sum(len(g) * (st.fmean(g) - grand) ** 2 for g in logs_by_group.values())
+    share = between / len(all_logs) / total_var if total_var > 0 else 1.0
+    turns = dist([len(e["calls"]) for e in done], integer=True)
+    turns["lo"] = 1.0
+    return {"name": "run", "turns": turns, "decode_tokens": dist(decode, integer=True),
+            "tool_s": dist(tools), "tool_output_tokens": dist(touts, integer=True),
+            "prompt_tokens": int(st.median(c["calls"][0]["prompt_tokens"] for c in done)),
+            "group_share": round(min(1.0, max(0.0, share)), 4), "timeout_s": timeout_s,
+            "success_rate": round(sum(e.get("reward", 0) > 0 for e in done) / len(done), 4)}
+
+
+# ------------------------------------------------------------------------ engine
+
+def call_rows(execs: list[dict[str, Any]]) -> list[tuple[str, float, float, int, int]]:
+    """(engine, start_s, call_s, output tokens, simulated prefill tokens) per timed call."""
+    rows = []
+    for e in execs:
+        calls = e.get("calls") or []
+        for c, q in zip(calls, prefill_tokens(calls), strict=True):
+            if c.get("call_s", 0) > 0 and c.get("engines") and c["output_tokens"] > 0:
+                rows.append((c["engines"][-1], float(c["start_s"]), float(c["call_s"]),
+                             int(c["output_tokens"]), q))
+    return rows
+
+
+def mean_concurrency(rows: list[tuple[str, float, float, int, int]],
+                     same_engine: bool = True) -> list[float]:
+    """Per call, the time-average number of calls in flight (itself included) on its engine,
+    or on the whole host with ``same_engine=False``."""
+    out = []
+    for eng, s, d, _, _ in rows:
+        busy = 0.0
+        for eng2, s2, d2, _, _ in rows:
+            if eng2 == eng or not same_engine:
+                busy += max(0.0, min(s + d, s2 + d2) - max(s, s2))
+        out.append(busy / d)
+    return out
+
+
+def fit_engine(execs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    import numpy as np
+
+    rows = call_rows(execs)
+    if len(rows) < 3:
+        raise ConfigError("executions.jsonl", f"{len(rows)} timed model calls: too few to fit "
+                          "the engine (need call_s, start_s and engines per call)")
+    n_e = np.array(mean_concurrency(rows))
+    n_h = np.array(mean_concurrency(rows, same_engine=False))
+    d = np.array([r[2] for r in rows])
+    o = np.array([r[3] for r in rows], dtype=float)
+    q = np.array([r[4] for r in rows], dtype=float)
+    rate = o / d
+    grid = 32
+    cs = np.geomspace(rate.min(), 4 * rate.max(), grid)
+    ts = np.append(np.geomspace((rate * n_e).min(), 4 * (rate * n_e).max(), grid), np.inf)
+    hs = np.append(np.geomspace((rate * n_h).min(), 4 * (rate * n_h).max(), grid), np.inf)
+    w = 1.0 / d ** 2
+    best = (math.inf, 0.0, 0.0, 0.0, 0.0)
+    per_t = n_e[None, :] / ts[:, None]  # seconds per token at each engine throughput
+    for c in cs:
+        for h in hs:
+            u = np.maximum(np.maximum(1.0 / c, n_h / h)[None, :], per_t)
+            a, b = d - u * o, u * q
+            pe = np.clip((w * a * b).sum(1) / np.maximum((w * b * b).sum(1), 1e-12), 0.0, None)
+            err = (w * (a - pe[:, None] * b) ** 2).sum(1)
+            i = int(err.argmin())
+            if err[i] < best[0]:
+                best = (float(err[i]), float(ts[i]), float(c), float(h), float(pe[i]))
+    err, t_, c_, h_, pe_ = best
+    if math.isinf(t_):  # the host or the per-sequence cap binds everywhere
+        t_ = float(4 * (rate * n_e).max())
+    fit = {"decode_tok_s_per_gpu": round(t_, 3), "seq_cap_tok_s": round(c_, 3),
+           "prefill_equiv": round(pe_, 5), "host_tok_s": None if math.isinf(h_) else round(h_, 3)}
+    return fit, {"calls": len(rows), "rms_rel_err": round(math.sqrt(err / len(rows)), 4),
+                 "mean_engine_concurrency": round(float(n_e.mean()), 3),
+                 "mean_host_concurrency": round(float(n_h.mean()), 3)}
+
+
+# ------------------------------------------------------------------------ trainer
+
+def fit_trainer(metrics: list[dict[str, Any]], execs: list[dict[str, Any]],
+                updates_per_burst: int) -> tuple[dict[str, float], float, dict[str, Any]]:
+    """Trainer speed, per-step overhead and the burst-end publication time."""
+    ctx_by_group: dict[str, float] = {}
+    for e in execs:
+        if e.get("calls"):
+            last = e["calls"][-1]
+            ctx_by_group[e["group"]] = (ctx_by_group.get(e["group"], 0.0)
+                                        + last["prompt_tokens"] + last["output_tokens"])
+    eff = TrainerConfig().scaling_efficiency
+    xs, ys, cells = [], [], []
+    for m in metrics:
+        if "groups" not in m or any(g not in ctx_by_group for g in m["groups"]):
+            raise ConfigError("metrics.jsonl", f"step {m.get('step')}: its groups are not all "
+                              "in executions.jsonl (a run written before calibration existed?)")
+        work = sum(ctx_by_group[g] for g in m["groups"])
+        n = 1 + len(m.get("satellites") or [])
+        xs.append(work)
+        cells.append(n)
+        ys.append(float(m["step_s"]))
+    if len(set(cells)) > 1:  # rates per cell count give the efficiency per doubling
+        r1 = _rate([x for x, n in zip(xs, cells, strict=True) if n == 1],
+                   [y for y, n in zip(ys, cells, strict=True) if n == 1])
+        rn = [(n, x / y) for x, y, n in zip(xs, ys, cells, strict=True) if n > 1 and y > 0]
+        if r1 and rn:
+            e = [(r / r1 / n) ** (1 / math.log2(n)) for n, r in rn]
+            eff = round(min(1.0, max(0.3, st.median(e))), 4)
+    xe = [x / speedup(n, eff) for x, n in zip(xs, cells, strict=True)]
+    a, slope = _line(xe, ys)
+    rate = 1.0 / slope
+    gaps, finals, prev_t = [], [], 0.0
+    for k, m in enumerate(metrics):
+        gap = max(0.0, float(m["t"]) - prev_t - float(m["wait_s"]) - float(m["step_s"]))
+        prev_t = float(m["t"])
+        (finals if (k + 1) % updates_per_burst == 0 else gaps).append(gap)
+    o = st.fmean(gaps) if gaps else 0.0
+    publish = max(0.0, st.fmean(finals) - o) if finals else 0.0
+    fit = {"train_tok_s_per_gpu": round(rate, 3), "optimizer_s": round(a + o, 4),
+           "aggregate_s_per_cell": 0.0, "scaling_efficiency": eff}
+    return fit, round(publish, 4), {"steps": len(ys), "step_intercept_s": round(a, 4),
+                                    "between_steps_s": round(o, 4)}
+
+
+def _rate(xs: list[float], ys: list[float]) -> float | None:
+    return sum(xs) / sum(ys) if xs and sum(ys) > 0 else None
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """``y = a + b x`` by least squares with ``a`` in [0, min y]; a flat ratio when the points
+    do not determine a line."""
+    n, mx, my = len(xs), st.fmean(xs), st.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if n >= 3 and sxx > 0:
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+        a = my - b * mx
+        if b > 0 and 0.0 <= a <= min(ys):
+            return a, b
+    return 0.0, sum(ys) / sum(xs)
+
+
+# ------------------------------------------------------------------------ costs
+
+def fit_costs(steps: list[dict[str, Any]], publish_s: float) -> tuple[dict[str, float], list[str]]:
+    by_kind: dict[str, list[float]] = {}
+    for s in steps:
+        if s.get("ok", True):
+            by_kind.setdefault(str(s["step"]), []).append(float(s["duration_s"]))
+    out: dict[str, float] = {"weight_gb": 0.0, "sync_latency_s": publish_s,
+                             "kv_kb_per_token": 0.0}
+    unseen = []
+    for field, kinds in COST_KINDS.items():
+        vals = [v for k in kinds for v in by_kind.get(k, [])]
+        if vals:
+            out[field] = round(st.fmean(vals), 4)
+        else:
+            unseen.append(field)
+    return out, unseen
+
+
+# ------------------------------------------------------------------------ the scenario
+
+def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
+                      seed: int | None = None) -> tuple[Scenario, dict[str, Any]]:
+    """The scenario of ``describe`` (a config.yaml; default: the run's own) with every speed
+    fitted on ``run_dir``; and the notes (fitted values and fit diagnostics)."""
+    root = Path(run_dir)
+    run = load_run(root)  # one-line error when it is not a run directory
+    if not (root / "config.yaml").is_file():
+        raise ConfigError(str(root), "no config.yaml: calibration needs the resolved config")
+    own = load_yaml(root / "config.yaml", RunConfig)
+    cfg = load_yaml(describe, RunConfig) if describe is not None else own
+    execs = read_jsonl(root / "executions.jsonl")
+    metrics = run.metrics or []
+    if not metrics:
+        raise ConfigError(str(root / "metrics.jsonl"), "missing or empty: no optimizer step")
+    engine, engine_notes = fit_engine(execs)
+    trainer, publish_s, trainer_notes = fit_trainer(metrics, execs,
+                                                    own.control.updates_per_burst)
+    costs, unseen = fit_costs(read_jsonl(root / "steps.jsonl"), publish_s)
+    workload = fit_workload(execs, cfg.runtime.execution_timeout_s)
+    rt, ctl = cfg.runtime, cfg.control
+    name = cfg.policy.name
+    data = {
+        "name": f"{cfg.name}-calibrated", "seed": cfg.seed if seed is None else seed,
+        "description": f"fitted on {root} by tidal calibrate; describes {describe or root}",
+        "cluster": cfg.cluster.model_dump(mode="json"),
+        "control": ctl.model_dump(mode="json"),
+        "sim": {"tick_s": rt.tick_s, "dispatch_interval_s": rt.dispatch_interval_s},
+        "workload": {"classes": [workload]}, "engine": engine, "trainer": trainer,
+        "costs": costs, "policies": [_spec(cfg)],
+        "policy_args": {name: dict(cfg.policy.args)} if cfg.policy.args else {},
+        "profiles": {name: {"dispatch": "burst", "trainer": "batch", "sync": "keep",
+                            "kv_handoff": ctl.kv_handoff, "staleness_threshold": 0.0}}}
+    from tidal.config import validate_model
+
+    sc = validate_model(Scenario, data, "scenario")
+    notes = {"engine": engine_notes, "trainer": trainer_notes, "publish_s": publish_s,
+             "costs_not_observed": unseen, "executions": len(execs)}
+    return sc, notes
+
+
+def _spec(cfg: RunConfig) -> str:
+    args = ",".join(f"{k}={v}" for k, v in sorted(cfg.policy.args.items()))
+    return f"{cfg.policy.name}:{args}" if args else cfg.policy.name
