@@ -29,7 +29,9 @@ What is fitted, and from what (times are seconds of the run's wall clock):
   call, the tool output after). ``(T, C, H, pe)`` minimise the squared relative error of
   ``(O + pe * Q) / min(C, T / nbar_e, H / nbar_h)`` against the call's measured time ``call_s``
   (``nbar``: time-averages over the call): a log grid over ``T``, ``C`` and ``H`` (each also
-  unbounded), ``pe >= 0`` in closed form. ``decode_tok_s_per_gpu`` = T, ``seq_cap_tok_s`` = C,
+  unbounded), ``pe >= 0`` in closed form (0 when the calls' prefill/output ratios vary by less than
+  ``PE_MIN_SPREAD``: then a prefill cost is indistinguishable from a slower decode, and the
+  rates absorb it). ``decode_tok_s_per_gpu`` = T, ``seq_cap_tok_s`` = C,
   ``host_tok_s`` = H (None when unbounded fits best), ``prefill_equiv`` = pe (it also absorbs
   per-call latency).
 - **Trainer** (``fit_trainer``, ``metrics.jsonl``): a step trains ``W`` simulated tokens (the
@@ -47,8 +49,10 @@ What is fitted, and from what (times are seconds of the run's wall clock):
   (stop/resume admission, load-balancer changes), reroute (reserve/cancel/abort/rebalance),
   release, sleep, wake, onload (restore training state), offload, ``load_weights_s``
   (load/sync weights of a waking cell), ``kv_latency_s`` (kv_handoff; ``kv_kb_per_token`` 0).
-  The burst-end publication is ``sync_latency_s = publish_s`` (``weight_gb`` 0). A kind never
-  run keeps the simulator's default (noted).
+  The burst-end publication is ``sync_latency_s = publish_s`` (``weight_gb`` 0). Only plans
+  started before the last publication count (``decisions.jsonl`` places them: seconds since the
+  first ``BurstStarted``): later ones are the runtime settling, which no burst waits for. A
+  kind never run keeps the simulator's default (noted).
 
 Burst time, the same on both sides (``burst_ends``): a burst ends when its weights are
 published; a burst's time runs from the previous end (or the first dispatch) to its end.
@@ -69,6 +73,7 @@ from tidal.sim.costs import speedup
 from tidal.sim.scenario import Scenario, TrainerConfig
 from tidal.viz.run_data import load_run
 
+PE_MIN_SPREAD = 0.25  # coefficient of variation of prefill/output below which pe is 0
 COST_KINDS = {
     "admission_s": ("stop_admission", "resume_admission", "remove_from_load_balancer",
                     "add_to_load_balancer", "resume_generation"),
@@ -190,10 +195,15 @@ def fit_engine(execs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, A
     q = np.array([r[4] for r in rows], dtype=float)
     rate = o / d
     grid = 32
-    cs = np.geomspace(rate.min(), 4 * rate.max(), grid)
-    ts = np.append(np.geomspace((rate * n_e).min(), 4 * (rate * n_e).max(), grid), np.inf)
-    hs = np.append(np.geomspace((rate * n_h).min(), 4 * (rate * n_h).max(), grid), np.inf)
+    # Descending, unbounded first: of equally good fits the one with the fewest binding limits
+    # wins (a limit the data never reached must not bind a longer run).
+    cs = np.geomspace(4 * rate.max(), rate.min(), grid)
+    ts = np.append(np.inf, np.geomspace(4 * (rate * n_e).max(), (rate * n_e).min(), grid))
+    hs = np.append(np.inf, np.geomspace(4 * (rate * n_h).max(), (rate * n_h).min(), grid))
     w = 1.0 / d ** 2
+    ratio = q / o
+    # Prefill cost is told apart from decode speed only when calls differ in prompt/output mix
+    free_pe = ratio.mean() > 0 and ratio.std() / ratio.mean() > PE_MIN_SPREAD
     best = (math.inf, 0.0, 0.0, 0.0, 0.0)
     per_t = n_e[None, :] / ts[:, None]  # seconds per token at each engine throughput
     for c in cs:
@@ -201,9 +211,11 @@ def fit_engine(execs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, A
             u = np.maximum(np.maximum(1.0 / c, n_h / h)[None, :], per_t)
             a, b = d - u * o, u * q
             pe = np.clip((w * a * b).sum(1) / np.maximum((w * b * b).sum(1), 1e-12), 0.0, None)
+            if not free_pe:
+                pe[:] = 0.0
             err = (w * (a - pe[:, None] * b) ** 2).sum(1)
-            i = int(err.argmin())
-            if err[i] < best[0]:
+            i = int(err.argmin())  # the first of equal minima: the least binding T
+            if err[i] < best[0] * (1 - 1e-6):
                 best = (float(err[i]), float(ts[i]), float(c), float(h), float(pe[i]))
     err, t_, c_, h_, pe_ = best
     if math.isinf(t_):  # the host or the per-sequence cap binds everywhere
@@ -279,10 +291,22 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------ costs
 
-def fit_costs(steps: list[dict[str, Any]], publish_s: float) -> tuple[dict[str, float], list[str]]:
+def plans_before(decisions: list[dict[str, Any]], end_s: float) -> set[int]:
+    """Ids of the plans started before ``end_s`` (seconds since the first dispatch: the
+    controller's first ``BurstStarted`` decision)."""
+    t0 = next((float(d["t"]) for d in decisions if d.get("trigger") == "BurstStarted"), None)
+    if t0 is None:
+        raise ConfigError("decisions.jsonl", "no BurstStarted decision: cannot place plans")
+    return {int(d["plan_id"]) for d in decisions
+            if d.get("type") == "plan_start" and float(d["t"]) - t0 < end_s}
+
+
+def fit_costs(steps: list[dict[str, Any]], publish_s: float,
+              plans: set[int] | None = None) -> tuple[dict[str, float], list[str]]:
+    """Mean duration per cost field over the successful steps of ``plans`` (None: all)."""
     by_kind: dict[str, list[float]] = {}
     for s in steps:
-        if s.get("ok", True):
+        if s.get("ok", True) and (plans is None or int(s["plan_id"]) in plans):
             by_kind.setdefault(str(s["step"]), []).append(float(s["duration_s"]))
     out: dict[str, float] = {"weight_gb": 0.0, "sync_latency_s": publish_s,
                              "kv_kb_per_token": 0.0}
@@ -315,7 +339,9 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
     engine, engine_notes = fit_engine(execs)
     trainer, publish_s, trainer_notes = fit_trainer(metrics, execs,
                                                     own.control.updates_per_burst)
-    costs, unseen = fit_costs(read_jsonl(root / "steps.jsonl"), publish_s)
+    # Plans after the last publication are the runtime settling: no burst waits for them.
+    plans = plans_before(read_jsonl(root / "decisions.jsonl"), float(metrics[-1]["t"]))
+    costs, unseen = fit_costs(read_jsonl(root / "steps.jsonl"), publish_s, plans)
     workload = fit_workload(execs, cfg.runtime.execution_timeout_s)
     rt, ctl = cfg.runtime, cfg.control
     name = cfg.policy.name

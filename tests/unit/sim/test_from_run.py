@@ -1,0 +1,190 @@
+"""``tidal calibrate``: a scenario fitted on a real run directory, and sim against real.
+
+The fixture ``tests/fixtures/runs/tiny-calibration`` is a real ``tidal run configs/tiny.yaml``
+(waterlevel, 2 bursts of 2 updates, 48 single-call executions); the expected numbers below are
+worked out by hand from its files.
+"""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tidal.cli import main
+from tidal.errors import ConfigError
+from tidal.sim.from_run import dist, fit_engine, scenario_from_run
+from tidal.sim.vs_real import compare, real_burst_times, sim_burst_times
+
+RUNS = Path(__file__).resolve().parents[2] / "fixtures" / "runs"
+CAL = RUNS / "tiny-calibration"
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    return scenario_from_run(CAL)
+
+
+def test_cluster_control_and_mechanics_come_from_the_config(fitted):
+    sc, _ = fitted
+    assert sc.cluster.cell_count == 2 and sc.cluster.standalone_count == 1
+    assert sc.cluster.cell_slots == 4 and sc.cluster.standalone_slots == 4
+    assert (sc.control.group_size, sc.control.batch_groups, sc.control.updates_per_burst,
+            sc.control.bursts) == (4, 3, 2, 2)
+    assert sc.control.supply_fraction == 0.6 and sc.control.supply_hold_s == 0.2
+    assert sc.policies == ["waterlevel"]
+    prof = sc.profile_for("waterlevel")
+    assert (prof.dispatch.value, prof.trainer.value, prof.sync.value) == ("burst", "batch", "keep")
+    assert prof.kv_handoff and prof.staleness_threshold == 0.0
+    assert sc.sim.dispatch_interval_s == 0.4 and sc.sim.tick_s == 0.2
+
+
+def test_trainer_overheads_and_publication_by_hand(fitted):
+    sc, notes = fitted
+    # gap = t[k] - t[k-1] - wait_s[k] - step_s[k], from metrics.jsonl
+    gaps = [5.349 - 0 - 4.92 - 0.428, 9.215 - 6.263 - 2.545 - 0.357]  # non-final steps
+    finals = [6.263 - 5.349 - 0.34 - 0.285, 13.234 - 9.215 - 3.48 - 0.277]
+    o = sum(gaps) / 2
+    assert notes["trainer"]["between_steps_s"] == pytest.approx(o, abs=1e-4)
+    assert notes["publish_s"] == pytest.approx(sum(finals) / 2 - o, abs=1e-4)
+    assert sc.costs.sync_s == pytest.approx(sum(finals) / 2 - o, abs=1e-4)
+    # The four steps do not fit a line with a positive intercept: the flat ratio is used.
+    # Work = final context (last prompt + last output) of every execution: 4164 tokens.
+    tokens = sum(json.loads(x)["calls"][-1]["prompt_tokens"]
+                 + json.loads(x)["calls"][-1]["output_tokens"]
+                 for x in (CAL / "executions.jsonl").read_text().splitlines())
+    assert tokens == 4164
+    assert sc.trainer.train_tok_s_per_gpu == pytest.approx(4164 / (0.428 + 0.285 + 0.357 + 0.277),
+                                                           rel=1e-4)
+    assert sc.trainer.optimizer_s == pytest.approx(o, abs=1e-4)
+
+
+def test_transition_costs_are_means_of_plans_before_the_last_publication(fitted):
+    sc, notes = fitted
+    # wake_engine ran in plans 3, 4, 7 (started before t = 13.234 s) and 8 (after: excluded)
+    assert sc.costs.wake_s == pytest.approx((3.9234 + 2.3528 + 0.3119) / 3, abs=1e-4)
+    assert sc.costs.load_weights_s == pytest.approx((0.0806 + 0.0781 + 0.1132) / 3, abs=1e-4)
+    assert sc.costs.weight_gb == 0.0 and sc.costs.kv_kb_per_token == 0.0
+    assert notes["costs_not_observed"] == ["sleep_s"]  # the waterlevel plans never sleep
+
+
+def test_workload_from_the_executions(fitted):
+    sc, _ = fitted
+    (cls,) = sc.workload.classes
+    assert cls.prompt_tokens == 26
+    assert cls.turns.median == 1 and cls.turns.cap == 1
+    assert cls.decode_tokens.median == 64 and cls.decode_tokens.cap == 64  # max_tokens 64
+    assert cls.decode_tokens.lo == 23
+    assert cls.tool_s.median == 0.0  # single-call arithmetic: no tool step
+    assert cls.success_rate == 0.0 and cls.timeout_s == 120.0
+
+
+def test_dist_is_median_log_std_max_min():
+    d = dist([1.0, math.e, math.e ** 2])
+    assert d["median"] == pytest.approx(math.e, abs=1e-4)
+    assert d["sigma"] == pytest.approx(math.sqrt(2 / 3), abs=1e-4)
+    assert (d["cap"], d["lo"]) == (pytest.approx(math.e ** 2, abs=1e-4), 1.0)
+
+
+def _calls(t_s: float, c_s: float, h_s: float, pe: float = 0.0, prompts=(10,)):
+    """Calls in flight on two engines, timed by the model being fitted: each call's work
+    ``60 + pe * prompt`` at min(C, T / n_engine, H / n_host), the counts constant over its
+    life (batches of calls that start and end together)."""
+    execs, t, k = [], 0.0, 0
+    for prompt in prompts:
+        for n_a, n_b in [(1, 0), (2, 0), (4, 0), (1, 1), (2, 2), (4, 4), (3, 1)]:
+            n_h = n_a + n_b
+            longest = 0.0
+            for eng, n in (("a", n_a), ("b", n_b)):
+                d = (60 + pe * prompt) / min(c_s, t_s / max(n, 1), h_s / n_h)
+                longest = max(longest, d)
+                for _ in range(n):
+                    k += 1
+                    execs.append({"execution": f"e{k}", "group": f"g{k}",
+                                  "reason": "completed",
+                                  "calls": [{"prompt_tokens": prompt, "output_tokens": 60,
+                                             "engines": [eng], "start_s": t, "call_s": d}]})
+            t += longest + 1.0
+    return execs
+
+
+def test_engine_fit_recovers_a_known_processor_sharing_model():
+    fit, notes = fit_engine(_calls(t_s=200.0, c_s=80.0, h_s=300.0))
+    assert fit["seq_cap_tok_s"] == pytest.approx(80.0, rel=0.1)
+    assert fit["decode_tok_s_per_gpu"] == pytest.approx(200.0, rel=0.1)
+    assert fit["host_tok_s"] == pytest.approx(300.0, rel=0.1)
+    assert fit["prefill_equiv"] < 0.05
+    assert notes["rms_rel_err"] < 0.1
+
+
+def test_engine_fit_recovers_the_prefill_cost_when_prompts_vary():
+    fit, notes = fit_engine(_calls(t_s=200.0, c_s=80.0, h_s=300.0, pe=0.2,
+                                   prompts=(10, 100, 400)))
+    assert fit["prefill_equiv"] == pytest.approx(0.2, rel=0.15)
+    assert fit["seq_cap_tok_s"] == pytest.approx(80.0, rel=0.1)
+    assert fit["host_tok_s"] == pytest.approx(300.0, rel=0.1)
+    assert notes["rms_rel_err"] < 0.1
+
+
+def test_engine_fit_without_a_binding_host_leaves_it_unbounded():
+    fit, _ = fit_engine(_calls(t_s=200.0, c_s=80.0, h_s=1e9))
+    assert fit["host_tok_s"] is None or fit["host_tok_s"] > 1000
+    assert fit["decode_tok_s_per_gpu"] == pytest.approx(200.0, rel=0.1)
+
+
+def test_the_scenario_simulates_and_compares_burst_by_burst(fitted):
+    sc, _ = fitted
+    real = real_burst_times(CAL)
+    assert real == pytest.approx([6.263, 13.234 - 6.263])
+    sim = sim_burst_times(sc, "waterlevel")
+    assert len(sim) == 2 and all(s > sc.costs.sync_s for s in sim)
+    cmp = compare(sc, "waterlevel", CAL, seeds=2)
+    assert [r["burst"] for r in cmp.rows] == [0, 1]
+    for r in cmp.rows:
+        assert r["error"] == pytest.approx((r["sim_s"] - r["real_s"]) / r["real_s"])
+    assert cmp.error == pytest.approx((cmp.sim_total_s - sum(real)) / sum(real))
+    assert cmp.within(abs(cmp.error) + 1e-9) and not cmp.within(abs(cmp.error) / 2)
+
+
+def test_describing_another_run_takes_its_config(tmp_path):
+    cfg = (CAL / "config.yaml").read_text().replace("bursts: 2", "bursts: 3")
+    (tmp_path / "config.yaml").write_text(cfg)
+    sc, _ = scenario_from_run(CAL, tmp_path / "config.yaml")
+    assert sc.control.bursts == 3
+    assert sc.engine == scenario_from_run(CAL)[0].engine  # speeds from the calibration run
+
+
+def test_cli_writes_a_scenario_that_tidal_simulate_accepts(tmp_path, capsys):
+    out = tmp_path / "cal.yaml"
+    assert main(["calibrate", str(CAL), "--out", str(out)]) == 0
+    assert main(["simulate", str(out), "--no-plots"]) == 0
+    assert "waterlevel" in capsys.readouterr().out
+
+
+def test_cli_check_prints_the_table_and_fails_beyond_the_tolerance(capsys):
+    assert main(["calibrate", str(CAL), "--check", "--seeds", "1", "--tolerance", "10"]) == 0
+    text = capsys.readouterr().out
+    assert "real s" in text and "sim s" in text and "within" in text
+    assert main(["calibrate", str(CAL), "--check", "--seeds", "1", "--tolerance", "0"]) == 1
+    assert "beyond the tolerance" in capsys.readouterr().err
+
+
+def test_not_a_run_directory_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["calibrate", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a run directory" in err and "\n" not in err
+    assert main(["calibrate", str(tmp_path / "missing")]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+
+
+def test_a_run_without_executions_jsonl_names_the_file(tmp_path):
+    run = tmp_path / "old"
+    shutil.copytree(RUNS / "tiny-waterlevel", run)  # written before executions.jsonl existed
+    with pytest.raises(ConfigError, match=r"executions\.jsonl"):
+        scenario_from_run(run)
+
+
+def test_against_a_directory_without_config_is_a_config_error(tmp_path, capsys):
+    assert main(["calibrate", str(CAL), "--against", str(tmp_path)]) == 2
+    assert "--against" in capsys.readouterr().err
