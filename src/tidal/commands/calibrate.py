@@ -27,30 +27,49 @@ import click
               help="Largest relative error of the mean time per burst.")
 @click.option("--per-burst", is_flag=True, help="Apply the tolerance to every burst.")
 @click.option("--seeds", type=click.IntRange(1, 100), default=3, show_default=True,
-              help="Simulated workloads to average.")
+              help="Simulated runs to average (seeds; they matter with --fitted-workload).")
+@click.option("--fitted-workload", is_flag=True,
+              help="Draw executions from the fitted lognormals instead of replaying the run's "
+                   "own (written beside --out as SCENARIO.trace.jsonl).")
 def command(run_dir: str, out: str | None, check: bool, against: str | None, tolerance: float,
-            per_burst: bool, seeds: int) -> None:
-    import json
+            per_burst: bool, seeds: int, fitted_workload: bool) -> None:
+    import tempfile
     from pathlib import Path
 
-    from tidal.config import dump_yaml
+    import yaml
+
     from tidal.errors import ConfigError
     from tidal.sim.from_run import scenario_from_run
-    from tidal.sim.vs_real import PredictionOff, compare
 
     describe = None
     if against is not None:
         describe = Path(against) / "config.yaml"
         if not describe.is_file():
             raise ConfigError("--against", f"{against} is not a run directory (no config.yaml)")
-    sc, notes = scenario_from_run(run_dir, describe)
-    text = dump_yaml(sc)
-    if out is not None:
-        Path(out).write_text(text)
-        click.echo(f"scenario: {out}")
-    elif not (check or against):
-        click.echo(text, nl=False)
-        return
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = None
+        if not fitted_workload and (out or check or against):
+            trace = Path(out).with_suffix(".trace.jsonl") if out else Path(tmp) / "trace.jsonl"
+        sc, notes = scenario_from_run(run_dir, describe, trace)
+        data = sc.model_dump(mode="json")
+        if trace is not None and out is not None:  # beside the scenario: they move together
+            data["workload"]["trace"] = trace.name
+        text = yaml.safe_dump(data, sort_keys=False)
+        if out is not None:
+            Path(out).write_text(text)
+            click.echo(f"scenario: {out}" + (f" (workload: {trace})" if trace else ""))
+        elif not (check or against):
+            click.echo(text, nl=False)
+            return
+        _check(sc, notes, run_dir, against, check, tolerance, per_burst, seeds)
+
+
+def _check(sc, notes, run_dir: str, against: str | None, check: bool, tolerance: float,
+           per_burst: bool, seeds: int) -> None:
+    import json
+
+    from tidal.sim.vs_real import PredictionOff, compare
+
     click.echo(f"fit on {run_dir}: " + json.dumps(notes))
     if not (check or against):
         return

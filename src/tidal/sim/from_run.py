@@ -11,29 +11,25 @@ What is fitted, and from what (times are seconds of the run's wall clock):
 - **Cluster, control, policy** are copied from ``config.yaml``. Every cell and standalone engine
   is one "GPU"; slots are the concurrency caps.
 - **Runtime mechanics** (``profiles``): the runtime dispatches a burst's whole quota
-  (``dispatch: burst``, groups ``runtime.dispatch_interval_s`` apart: ``sim.dispatch_interval_s``),
-  its trainer waits for a full batch (``trainer: batch``), weights load in place (``sync:
-  keep``), every dispatched group is trained (``staleness_threshold: 0``); ``sim.tick_s`` =
-  ``runtime.tick_s``.
-- **Workload** (``executions.jsonl``, completed executions; a "call" is one model call):
-  ``turns`` = calls per execution, ``decode_tokens`` = output tokens per call, ``tool_s`` = the
-  harness's tool step after every call but the last, ``tool_output_tokens`` = prompt growth
-  between calls minus the previous output (``P[k] - P[k-1] - O[k-1]``), ``prompt_tokens`` =
-  median first prompt. Each is a capped lognormal: median, sigma = std of the logs, cap = the
-  maximum, lo = the minimum. ``group_share`` = between-group share of the variance of the
-  executions' mean log decode tokens; ``success_rate`` = share of rewards > 0.
-- **Engine** (``fit_engine``): processor sharing, a call on engine ``e`` decoding at
-  ``min(C, T / n_e, H / n_h)`` where ``n_e`` counts the calls in flight on ``e`` (its last
-  segment's engine) and ``n_h`` those on every engine (one host: on CPU all engines share the
-  cores). A call's work is ``O + pe * Q`` (``Q`` its simulated prefill: the prompt for the first
-  call, the tool output after). ``(T, C, H, pe)`` minimise the squared relative error of
-  ``(O + pe * Q) / min(C, T / nbar_e, H / nbar_h)`` against the call's measured time ``call_s``
-  (``nbar``: time-averages over the call): a log grid over ``T``, ``C`` and ``H`` (each also
-  unbounded), ``pe >= 0`` in closed form (0 when the calls' prefill/output ratios vary by less than
-  ``PE_MIN_SPREAD``: then a prefill cost is indistinguishable from a slower decode, and the
-  rates absorb it). ``decode_tok_s_per_gpu`` = T, ``seq_cap_tok_s`` = C,
-  ``host_tok_s`` = H (None when unbounded fits best), ``prefill_equiv`` = pe (it also absorbs
-  per-call latency).
+  (``dispatch: burst``) group by group, its trainer waits for a full batch (``trainer: batch``),
+  weights load in place (``sync: keep``), every dispatched group is trained
+  (``staleness_threshold: 0``); ``sim.tick_s`` = ``runtime.tick_s``. ``sim.dispatch_interval_s``
+  = the described run's ``runtime.dispatch_interval_s`` plus the lateness measured here: the
+  mean gap between consecutive groups' first dispatch in a burst minus the configured interval
+  (the dispatcher's sleep ends late on a busy event loop).
+- **Workload** (``run_workload``; ``executions.jsonl``): with a trace path (what ``tidal
+  calibrate`` does) the run's own executions are replayed, group by group, cycling: the
+  empirical distribution, e.g. the mass of outputs at ``max_tokens``. The parametric class is
+  fitted either way (and used without a trace): ``turns`` = calls per execution,
+  ``decode_tokens`` = output tokens per call, ``tool_s`` = the harness's tool step after every
+  call but the last, ``tool_output_tokens`` = prompt growth between calls minus the previous
+  output (``P[k] - P[k-1] - O[k-1]``), ``prompt_tokens`` = median first prompt; each a capped
+  lognormal (median, sigma = std of the logs, cap = max, lo = min); ``group_share`` =
+  between-group share of the variance of the executions' mean log output; ``success_rate`` =
+  share of rewards > 0.
+- **Engine** (``engine_fit``): processor sharing fitted on throughput: per-engine ``T``,
+  per-sequence cap ``C`` and a shared host's ``H`` (CPU runs: all engines on the same cores);
+  the method is in ``engine_fit``'s docstring. ``prefill_equiv`` is 0 (the rates include it).
 - **Trainer** (``fit_trainer``, ``metrics.jsonl``): a step trains ``W`` simulated tokens (the
   final context, last prompt + last output, of every execution of its groups) in
   ``step_s = a + W / (R * speedup(cells))`` (``cells`` = 1 + satellites that joined): least
@@ -70,6 +66,8 @@ from typing import Any
 from tidal.config import RunConfig, load_yaml
 from tidal.errors import ConfigError
 from tidal.sim.costs import speedup
+from tidal.sim.engine_fit import fit_engine
+from tidal.sim.run_workload import dispatch_interval_s, fit_workload, trace_lines
 from tidal.sim.scenario import Scenario, TrainerConfig
 from tidal.viz.run_data import load_run
 
@@ -98,133 +96,6 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
                 raise ConfigError(f"{path}:{n}", "not a JSON object")
             out.append(obj)
     return out
-
-
-def dist(values: list[float], integer: bool = False) -> dict[str, float]:
-    """A capped lognormal describing ``values`` (median, std of the logs, max, min)."""
-    xs = [float(v) for v in values if v is not None]
-    if not xs:
-        return {"median": 0.0, "sigma": 0.0}
-    pos = [math.log(x) for x in xs if x > 0]
-    sigma = st.pstdev(pos) if len(pos) > 1 else 0.0
-    med = st.median(xs)
-    return {"median": round(med, 4), "sigma": round(sigma, 4),
-            "cap": round(max(max(xs), 1.0 if integer else 1e-6), 4), "lo": round(min(xs), 4)}
-
-
-# ------------------------------------------------------------------------ workload
-
-def prefill_tokens(calls: list[dict[str, Any]]) -> list[int]:
-    """Per call, the tokens the simulator prefills: the prompt, then each tool output."""
-    out = []
-    for k, c in enumerate(calls):
-        if k == 0:
-            out.append(int(c["prompt_tokens"]))
-        else:
-            prev = calls[k - 1]
-            out.append(max(0, int(c["prompt_tokens"]) - int(prev["prompt_tokens"])
-                           - int(prev["output_tokens"])))
-    return out
-
-
-def fit_workload(execs: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
-    done = [e for e in execs if e.get("reason") == "completed" and e.get("calls")]
-    if not done:
-        raise ConfigError("executions.jsonl", "no completed execution with model calls")
-    decode, tools, touts, logs_by_group = [], [], [], {}
-    for e in done:
-        calls = e["calls"]
-        decode += [c["output_tokens"] for c in calls]
-        tools += [c["tool_s"] for c in calls[:-1] if "tool_s" in c]
-        touts += prefill_tokens(calls)[1:]
-        mean_log = st.fmean(math.log(max(1, c["output_tokens"])) for c in calls)
-        logs_by_group.setdefault(e["group"], []).append(mean_log)
-    all_logs = [x for g in logs_by_group.values() for x in g]
-    total_var = st.pvariance(all_logs) if len(all_logs) > 1 else 0.0
-    grand = st.fmean(all_logs)
-    between = sum(len(g) * (st.fmean(g) - grand) ** 2 for g in logs_by_group.values())
-    share = between / len(all_logs) / total_var if total_var > 0 else 1.0
-    turns = dist([len(e["calls"]) for e in done], integer=True)
-    turns["lo"] = 1.0
-    return {"name": "run", "turns": turns, "decode_tokens": dist(decode, integer=True),
-            "tool_s": dist(tools), "tool_output_tokens": dist(touts, integer=True),
-            "prompt_tokens": int(st.median(c["calls"][0]["prompt_tokens"] for c in done)),
-            "group_share": round(min(1.0, max(0.0, share)), 4), "timeout_s": timeout_s,
-            "success_rate": round(sum(e.get("reward", 0) > 0 for e in done) / len(done), 4)}
-
-
-# ------------------------------------------------------------------------ engine
-
-def call_rows(execs: list[dict[str, Any]]) -> list[tuple[str, float, float, int, int]]:
-    """(engine, start_s, call_s, output tokens, simulated prefill tokens) per timed call."""
-    rows = []
-    for e in execs:
-        calls = e.get("calls") or []
-        for c, q in zip(calls, prefill_tokens(calls), strict=True):
-            if c.get("call_s", 0) > 0 and c.get("engines") and c["output_tokens"] > 0:
-                rows.append((c["engines"][-1], float(c["start_s"]), float(c["call_s"]),
-                             int(c["output_tokens"]), q))
-    return rows
-
-
-def mean_concurrency(rows: list[tuple[str, float, float, int, int]],
-                     same_engine: bool = True) -> list[float]:
-    """Per call, the time-average number of calls in flight (itself included) on its engine,
-    or on the whole host with ``same_engine=False``."""
-    out = []
-    for eng, s, d, _, _ in rows:
-        busy = 0.0
-        for eng2, s2, d2, _, _ in rows:
-            if eng2 == eng or not same_engine:
-                busy += max(0.0, min(s + d, s2 + d2) - max(s, s2))
-        out.append(busy / d)
-    return out
-
-
-def fit_engine(execs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    import numpy as np
-
-    rows = call_rows(execs)
-    if len(rows) < 3:
-        raise ConfigError("executions.jsonl", f"{len(rows)} timed model calls: too few to fit "
-                          "the engine (need call_s, start_s and engines per call)")
-    n_e = np.array(mean_concurrency(rows))
-    n_h = np.array(mean_concurrency(rows, same_engine=False))
-    d = np.array([r[2] for r in rows])
-    o = np.array([r[3] for r in rows], dtype=float)
-    q = np.array([r[4] for r in rows], dtype=float)
-    rate = o / d
-    grid = 32
-    # Descending, unbounded first: of equally good fits the one with the fewest binding limits
-    # wins (a limit the data never reached must not bind a longer run).
-    cs = np.geomspace(4 * rate.max(), rate.min(), grid)
-    ts = np.append(np.inf, np.geomspace(4 * (rate * n_e).max(), (rate * n_e).min(), grid))
-    hs = np.append(np.inf, np.geomspace(4 * (rate * n_h).max(), (rate * n_h).min(), grid))
-    w = 1.0 / d ** 2
-    ratio = q / o
-    # Prefill cost is told apart from decode speed only when calls differ in prompt/output mix
-    free_pe = ratio.mean() > 0 and ratio.std() / ratio.mean() > PE_MIN_SPREAD
-    best = (math.inf, 0.0, 0.0, 0.0, 0.0)
-    per_t = n_e[None, :] / ts[:, None]  # seconds per token at each engine throughput
-    for c in cs:
-        for h in hs:
-            u = np.maximum(np.maximum(1.0 / c, n_h / h)[None, :], per_t)
-            a, b = d - u * o, u * q
-            pe = np.clip((w * a * b).sum(1) / np.maximum((w * b * b).sum(1), 1e-12), 0.0, None)
-            if not free_pe:
-                pe[:] = 0.0
-            err = (w * (a - pe[:, None] * b) ** 2).sum(1)
-            i = int(err.argmin())  # the first of equal minima: the least binding T
-            if err[i] < best[0] * (1 - 1e-6):
-                best = (float(err[i]), float(ts[i]), float(c), float(h), float(pe[i]))
-    err, t_, c_, h_, pe_ = best
-    if math.isinf(t_):  # the host or the per-sequence cap binds everywhere
-        t_ = float(4 * (rate * n_e).max())
-    fit = {"decode_tok_s_per_gpu": round(t_, 3), "seq_cap_tok_s": round(c_, 3),
-           "prefill_equiv": round(pe_, 5), "host_tok_s": None if math.isinf(h_) else round(h_, 3)}
-    return fit, {"calls": len(rows), "rms_rel_err": round(math.sqrt(err / len(rows)), 4),
-                 "mean_engine_concurrency": round(float(n_e.mean()), 3),
-                 "mean_host_concurrency": round(float(n_h.mean()), 3)}
 
 
 # ------------------------------------------------------------------------ trainer
@@ -323,9 +194,11 @@ def fit_costs(steps: list[dict[str, Any]], publish_s: float,
 # ------------------------------------------------------------------------ the scenario
 
 def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
-                      seed: int | None = None) -> tuple[Scenario, dict[str, Any]]:
+                      trace: str | Path | None = None) -> tuple[Scenario, dict[str, Any]]:
     """The scenario of ``describe`` (a config.yaml; default: the run's own) with every speed
-    fitted on ``run_dir``; and the notes (fitted values and fit diagnostics)."""
+    fitted on ``run_dir``; and the notes (fitted values and fit diagnostics). With ``trace``
+    the run's executions are written there and replayed (the empirical workload) instead of
+    drawn from the fitted class."""
     root = Path(run_dir)
     run = load_run(root)  # one-line error when it is not a run directory
     if not (root / "config.yaml").is_file():
@@ -344,14 +217,22 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
     costs, unseen = fit_costs(read_jsonl(root / "steps.jsonl"), publish_s, plans)
     workload = fit_workload(execs, cfg.runtime.execution_timeout_s)
     rt, ctl = cfg.runtime, cfg.control
+    late = dispatch_interval_s(execs, own.runtime.dispatch_interval_s) \
+        - own.runtime.dispatch_interval_s
+    interval = rt.dispatch_interval_s + late if rt.dispatch_interval_s > 0 else 0.0
+    wl: dict[str, Any] = {"classes": [workload]}
+    if trace is not None:
+        lines = trace_lines(execs)
+        Path(trace).write_text("".join(json.dumps(x) + "\n" for x in lines))
+        wl["trace"] = str(trace)
     name = cfg.policy.name
     data = {
-        "name": f"{cfg.name}-calibrated", "seed": cfg.seed if seed is None else seed,
+        "name": f"{cfg.name}-calibrated", "seed": cfg.seed,
         "description": f"fitted on {root} by tidal calibrate; describes {describe or root}",
         "cluster": cfg.cluster.model_dump(mode="json"),
         "control": ctl.model_dump(mode="json"),
-        "sim": {"tick_s": rt.tick_s, "dispatch_interval_s": rt.dispatch_interval_s},
-        "workload": {"classes": [workload]}, "engine": engine, "trainer": trainer,
+        "sim": {"tick_s": rt.tick_s, "dispatch_interval_s": round(interval, 4)},
+        "workload": wl, "engine": engine, "trainer": trainer,
         "costs": costs, "policies": [_spec(cfg)],
         "policy_args": {name: dict(cfg.policy.args)} if cfg.policy.args else {},
         "profiles": {name: {"dispatch": "burst", "trainer": "batch", "sync": "keep",
@@ -360,6 +241,7 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
 
     sc = validate_model(Scenario, data, "scenario")
     notes = {"engine": engine_notes, "trainer": trainer_notes, "publish_s": publish_s,
+             "dispatch_late_s": round(late, 4),
              "costs_not_observed": unseen, "executions": len(execs)}
     return sc, notes
 

@@ -10,7 +10,8 @@ burst's final line in ``metrics.jsonl`` (written right after the publication, in
 the first dispatch; ``tidal.viz.run_data.burst_rows``). Simulated: the virtual time of the
 burst's final optimizer step plus the publication (``costs.sync_s``); the world starts the next
 burst then (its last burst ends the simulation without one, so it is added here too). With
-several seeds the simulated times are means over the seeds (workloads drawn anew each time).
+several seeds the simulated times are means over the seeds (workloads drawn anew each time;
+a replayed trace is simulated once).
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ def compare(scenario: Scenario, spec: str, run_dir: str | Path, seeds: int = 1) 
     if scenario.control.bursts != len(real):
         raise ConfigError("control.bursts", f"the scenario has {scenario.control.bursts} "
                           f"bursts, the run {run_dir} finished {len(real)}")
+    n = 1 if scenario.workload.trace else max(1, seeds)  # a replayed trace draws nothing
     runs = [sim_burst_times(scenario.model_copy(update={"seed": scenario.seed + k}), spec)
-            for k in range(max(1, seeds))]
+            for k in range(n)]
     sim = [st.fmean(r[b] for r in runs) for b in range(len(real))]
     rows = [{"burst": b, "real_s": r, "sim_s": s, "error": (s - r) / r if r > 0 else 0.0}
             for b, (r, s) in enumerate(zip(real, sim, strict=True))]
