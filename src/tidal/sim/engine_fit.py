@@ -12,8 +12,9 @@ the calls in flight per engine ``n_e`` are constant. The model rate there is
 ``sum_e min(n_e * C, T, n_e * H / n_h)`` (every call at ``min(C, T / n_e, H / n_h)``, ``n_h``
 the calls on the host). ``(C, T, H)`` minimise the time-weighted squared error against the
 measured rate: a log grid, each also unbounded; of fits within ``PARSIMONY`` of the rate
-variance the least binding wins (a limit the run never reached must not bind the simulation). Calls queued in front of an engine count as
-in flight: their wait is part of the measured duration, as it is of the rate.
+variance the least binding wins (a limit the run never reached must not bind the simulation).
+Calls queued in front of an engine count as in flight: their wait is part of the measured
+duration, as it is of the rate.
 
 Prefill is not fitted separately (``prefill_equiv`` 0): the rates are output tokens per second
 of calls with their prompts, which holds while the prompt/output mix is the calibration run's.
