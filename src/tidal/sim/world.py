@@ -95,6 +95,7 @@ class World:
                 s.engine_id, s.gpus, s.slots, eng.decode_tok_s_per_gpu * s.gpus,
                 eng.seq_cap_tok_s)
         self.engines = list(self.engine_by_name.values())
+        self._host_tok_s = eng.host_tok_s
         self.trainer = Trainer(self, self.profile.trainer, scenario.trainer, ctrl.batch_groups,
                                ctrl.updates_per_burst, scenario.total_steps)
         self._heap: list[tuple[float, int, int, Any, Any]] = []
@@ -152,7 +153,7 @@ class World:
         new completion is kept (it re-arms when it finds nothing due): adding work only ever
         delays completions, so most changes cost no heap push. On a shared host
         (``engine.host_tok_s``) every engine's share changes with the sequences in flight."""
-        host = self.scenario.engine.host_tok_s
+        host = self._host_tok_s
         if host is not None:
             n = sum(x.active for x in self.engines if not x.paused)
             for x in self.engines:
