@@ -50,7 +50,7 @@ What is fitted, and from what (times are seconds of the run's wall clock):
   first ``BurstStarted``): later ones are the runtime settling, which no burst waits for. A
   kind never run keeps the simulator's default (noted).
 
-Burst time, the same on both sides (``burst_ends``): a burst ends when its weights are
+Burst time, the same on both sides (``vs_real``): a burst ends when its weights are
 published; a burst's time runs from the previous end (or the first dispatch) to its end.
 Invariant: a directory without the files the fit needs is one ``ConfigError`` line.
 """
@@ -71,7 +71,6 @@ from tidal.sim.run_workload import dispatch_interval_s, fit_workload, trace_line
 from tidal.sim.scenario import Scenario, TrainerConfig
 from tidal.viz.run_data import load_run
 
-PE_MIN_SPREAD = 0.25  # coefficient of variation of prefill/output below which pe is 0
 COST_KINDS = {
     "admission_s": ("stop_admission", "resume_admission", "remove_from_load_balancer",
                     "add_to_load_balancer", "resume_generation"),
