@@ -17,7 +17,8 @@ What is fitted, and from what (times are seconds of the run's wall clock):
   = the described run's ``runtime.dispatch_interval_s`` plus the lateness measured here: the
   mean gap between consecutive groups' first dispatch in a burst minus the configured interval
   (the dispatcher's sleep ends late on a busy event loop).
-- **Workload** (``run_workload``; ``executions.jsonl``): with a trace path (what ``tidal
+- **Workload** (``run_workload``; ``executions.jsonl``, every execution that made model calls,
+  whatever closed it): with a trace path (what ``tidal
   calibrate`` does) the run's own executions are replayed, group by group, cycling: the
   empirical distribution, e.g. the mass of outputs at ``max_tokens``. The parametric class is
   fitted either way (and used without a trace): ``turns`` = calls per execution,

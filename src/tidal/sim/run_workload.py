@@ -45,9 +45,10 @@ def prefill_tokens(calls: list[dict[str, Any]]) -> list[int]:
 
 
 def fit_workload(execs: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
-    done = [e for e in execs if e.get("reason") == "completed" and e.get("calls")]
+    # Whatever closed it (completed, failed, timed out), an execution's calls took their time.
+    done = [e for e in execs if e.get("calls")]
     if not done:
-        raise ConfigError("executions.jsonl", "no completed execution with model calls")
+        raise ConfigError("executions.jsonl", "no execution with model calls")
     decode, tools, touts, logs_by_group = [], [], [], {}
     for e in done:
         calls = e["calls"]
