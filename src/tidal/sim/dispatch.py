@@ -152,7 +152,14 @@ def launch(w: World, ex: ExecRec, e: Engine) -> None:
     ex.engine = e
     e.members.add(ex)
     w.emit(ExecutionLaunched(w.now, ex.eid))
-    if not ex.closed:
+    if ex.closed:
+        return
+    if ex.spec.setup_s > 0:  # the harness prepares before the first call
+        from tidal.sim.world import TOOL
+
+        ex.in_tool = True
+        w.push(w.now + ex.spec.setup_s, TOOL, ex, (ex.gen, -1))
+    else:
         w.begin_turn(ex, ex.spec.prompt_tokens)
 
 

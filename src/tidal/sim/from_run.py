@@ -18,16 +18,17 @@ What is fitted, and from what (times are seconds of the run's wall clock):
   mean gap between consecutive groups' first dispatch in a burst minus the configured interval
   (the dispatcher's sleep ends late on a busy event loop).
 - **Workload** (``run_workload``; ``executions.jsonl``, every execution that made model calls,
-  whatever closed it): with a trace path (what ``tidal
-  calibrate`` does) the run's own executions are replayed, group by group, cycling: the
-  empirical distribution, e.g. the mass of outputs at ``max_tokens``. The parametric class is
-  fitted either way (and used without a trace): ``turns`` = calls per execution,
-  ``decode_tokens`` = output tokens per call, ``tool_s`` = the harness's tool step after every
-  call but the last, ``tool_output_tokens`` = prompt growth between calls minus the previous
-  output (``P[k] - P[k-1] - O[k-1]``), ``prompt_tokens`` = median first prompt; each a capped
-  lognormal (median, sigma = std of the logs, cap = max, lo = min); ``group_share`` =
-  between-group share of the variance of the executions' mean log output; ``success_rate`` =
-  share of rewards > 0.
+  whatever closed it): with a trace path (what ``tidal calibrate`` does) the run's own
+  executions are replayed, group by group, cycling: the empirical distribution (e.g. the mass
+  of outputs at ``max_tokens``) with the harness time around the calls (``setup_s`` before
+  the first call; after each call the time to the next call or to the close). The parametric
+  class is fitted either way (and used without a trace; it has no setup or final step):
+  ``turns`` = calls per execution, ``decode_tokens`` = output tokens per call, ``tool_s`` = the
+  time from the end of a call to the start of the next, ``tool_output_tokens`` = prompt growth
+  between calls minus the previous output (``P[k] - P[k-1] - O[k-1]``), ``prompt_tokens`` =
+  median first prompt; each a capped lognormal (median, sigma = std of the logs, cap = max,
+  lo = min); ``group_share`` = between-group share of the variance of the executions' mean log
+  output; ``success_rate`` = share of rewards > 0.
 - **Engine** (``engine_fit``): processor sharing fitted on throughput: per-engine ``T``,
   per-sequence cap ``C`` and a shared host's ``H`` (CPU runs: all engines on the same cores);
   the method is in ``engine_fit``'s docstring. ``prefill_equiv`` is 0 (the rates include it).

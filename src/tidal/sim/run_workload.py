@@ -53,7 +53,7 @@ def fit_workload(execs: list[dict[str, Any]], timeout_s: float) -> dict[str, Any
     for e in done:
         calls = e["calls"]
         decode += [c["output_tokens"] for c in calls]
-        tools += [c["tool_s"] for c in calls[:-1] if "tool_s" in c]
+        tools += gaps_s(e)[1][:-1]
         touts += prefill_tokens(calls)[1:]
         mean_log = st.fmean(math.log(max(1, c["output_tokens"])) for c in calls)
         logs_by_group.setdefault(e["group"], []).append(mean_log)
@@ -86,19 +86,34 @@ def dispatch_interval_s(execs: list[dict[str, Any]], configured: float) -> float
     return round(st.fmean(gaps), 4) if gaps and configured > 0 else configured
 
 
+def gaps_s(e: dict[str, Any]) -> tuple[float, list[float]]:
+    """An execution's harness time before its first call (launch to call), and after each
+    call (to the next call, or to its close: tool steps, the final step, the harness's own
+    work); the tool step alone where the calls carry no start times."""
+    calls = e.get("calls") or []
+    timed = all("start_s" in c and "call_s" in c for c in calls)
+    if not calls or not timed or "launched_s" not in e or "closed_s" not in e:
+        return 0.0, [float(c.get("tool_s", 0.0)) for c in calls]
+    ends = [c["start_s"] + c["call_s"] for c in calls]
+    nexts = [c["start_s"] for c in calls[1:]] + [e["closed_s"]]
+    return (max(0.0, calls[0]["start_s"] - e["launched_s"]),
+            [max(0.0, n - x) for x, n in zip(ends, nexts, strict=True)])
+
+
 def trace_lines(execs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The run's executions in the simulator's trace format (``workloads.load_trace``)."""
+    """The run's executions in the simulator's trace format (``workloads.load_trace``), with
+    the harness time around the calls (``gaps_s``) as setup and tool steps."""
     out = []
     for e in sorted(execs, key=lambda e: (str(e["group"]), str(e["execution"]))):
         calls = e.get("calls") or []
         if not calls or any(c["output_tokens"] < 1 for c in calls):
             continue
         pre = prefill_tokens(calls)
-        out.append({"group": e["group"], "prompt_tokens": pre[0],
+        setup, after = gaps_s(e)
+        out.append({"group": e["group"], "prompt_tokens": pre[0], "setup_s": round(setup, 4),
                     "reward": float(e.get("reward") or 0.0),
                     "turns": [{"decode_tokens": int(c["output_tokens"]),
-                               "tool_s": float(c.get("tool_s", 0.0)) if k < len(calls) - 1
-                               else 0.0,
+                               "tool_s": round(after[k], 4),
                                "tool_output_tokens": pre[k + 1] if k < len(calls) - 1 else 0}
                               for k, c in enumerate(calls)]})
     return out

@@ -9,6 +9,9 @@ Trace format (one JSON object per line, one line per execution; lines of a group
 
     {"group": "g1", "prompt_tokens": 400, "reward": 1.0,
      "turns": [{"decode_tokens": 900, "tool_s": 2.5, "tool_output_tokens": 300}, ...]}
+
+Optional per line: ``setup_s`` (harness time before the first call). A last turn's ``tool_s``
+is the harness's final step (e.g. scoring) before the execution closes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class ExecSpec:
     timeout_s: float | None
     reward: float
     cls: str = "default"
+    setup_s: float = 0.0  # harness time before the first call (workspace, registration)
 
     @property
     def decode_tokens(self) -> int:
@@ -47,7 +51,7 @@ class ExecSpec:
 
     def min_duration_s(self, seq_cap_tok_s: float) -> float:
         """The fastest this execution can possibly run (decode at the cap, tools as drawn)."""
-        return self.decode_tokens / seq_cap_tok_s + sum(t[1] for t in self.turns[:-1])
+        return self.decode_tokens / seq_cap_tok_s + self.setup_s + sum(t[1] for t in self.turns)
 
 
 def draw(d: Dist, z: float) -> float:
@@ -153,7 +157,9 @@ def load_trace(path: str | Path) -> list[list[ExecSpec]]:
                 raise ValueError("turns must be non-empty with decode_tokens >= 1")
             spec = ExecSpec(int(rec.get("prompt_tokens", 0)), turns,
                             rec.get("timeout_s"), float(rec.get("reward", 0.0)),
-                            str(rec.get("class", "trace")))
+                            str(rec.get("class", "trace")), float(rec.get("setup_s", 0.0)))
+            if spec.setup_s < 0:
+                raise ValueError("setup_s must be >= 0")
             gid = rec["group"]
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError("workload.trace", f"{p}:{n}: bad trace line ({exc})") from None
@@ -177,6 +183,7 @@ def write_trace(path: str | Path, groups: list[list[ExecSpec]]) -> None:
             for spec in group:
                 fh.write(json.dumps({
                     "group": f"g{gi}", "prompt_tokens": spec.prompt_tokens,
+                    **({"setup_s": spec.setup_s} if spec.setup_s else {}),
                     "reward": spec.reward, "class": spec.cls,
                     "turns": [{"decode_tokens": d, "tool_s": t, "tool_output_tokens": o}
                               for d, t, o in spec.turns]}) + "\n")

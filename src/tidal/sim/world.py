@@ -301,16 +301,25 @@ class World:
         dec, tool_s, _ = ex.spec.turns[ex.turn]
         ex.ctx += dec
         ex.decoded += dec
-        if ex.turn == len(ex.spec.turns) - 1:
+        if ex.turn == len(ex.spec.turns) - 1 and tool_s <= 0:
             self._close(ex, CloseReason.COMPLETED, ex.spec.reward)
             return
-        ex.in_tool = True
+        ex.in_tool = True  # a tool step (after the last call: the harness's final step)
         self.push(self.now + tool_s, TOOL, ex, (ex.gen, ex.turn))
 
     def _on_tool(self, ex: ExecRec, token: Any) -> None:
-        if ex.closed or not ex.in_tool or token != (ex.gen, ex.turn):
+        if ex.closed or not ex.in_tool:
+            return
+        if token == (ex.gen, -1) and ex.turn == 0:  # setup done: the first call
+            ex.in_tool = False
+            self.begin_turn(ex, ex.spec.prompt_tokens)
+            return
+        if token != (ex.gen, ex.turn):
             return
         ex.in_tool = False
+        if ex.turn == len(ex.spec.turns) - 1:
+            self._close(ex, CloseReason.COMPLETED, ex.spec.reward)
+            return
         tout = ex.spec.turns[ex.turn][2]
         ex.ctx += tout
         ex.turn += 1

@@ -57,10 +57,16 @@ def test_trace_lines_replay_the_calls_of_each_execution():
     execs = [{"execution": "e0", "group": "g", "reward": 1.0, "calls": [
         {"prompt_tokens": 100, "output_tokens": 20, "tool_s": 0.5},
         {"prompt_tokens": 150, "output_tokens": 10, "tool_s": 0.1}]}]
-    (line,) = trace_lines(execs)
-    assert line["prompt_tokens"] == 100 and line["reward"] == 1.0
+    (line,) = trace_lines(execs)  # untimed calls: their tool steps, no setup
+    assert line["prompt_tokens"] == 100 and line["reward"] == 1.0 and line["setup_s"] == 0.0
     assert line["turns"] == [{"decode_tokens": 20, "tool_s": 0.5, "tool_output_tokens": 30},
-                             {"decode_tokens": 10, "tool_s": 0.0, "tool_output_tokens": 0}]
+                             {"decode_tokens": 10, "tool_s": 0.1, "tool_output_tokens": 0}]
+    timed = [{**execs[0], "launched_s": 1.0, "closed_s": 6.0, "calls": [
+        {**execs[0]["calls"][0], "start_s": 1.25, "call_s": 2.0},
+        {**execs[0]["calls"][1], "start_s": 4.0, "call_s": 1.5}]}]
+    (line,) = trace_lines(timed)  # launch 1.0, calls 1.25-3.25 and 4.0-5.5, close 6.0
+    assert line["setup_s"] == 0.25
+    assert [t["tool_s"] for t in line["turns"]] == [0.75, 0.5]
 
 
 def test_trainer_overheads_and_publication_by_hand(fitted):

@@ -2,6 +2,7 @@
 dispatch, a shared host's decode throughput, a separate weight-load cost for a waking cell."""
 
 import itertools
+import json
 
 import pytest
 
@@ -57,6 +58,20 @@ def test_paced_burst_dispatch_spaces_the_groups_of_a_burst(interval_s):
         assert len(ts) == quota
         assert [b - a for a, b in itertools.pairwise(ts)] == pytest.approx(
             [interval_s] * (quota - 1))
+
+
+def test_setup_and_final_step_hold_an_execution_open(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    line = {"group": "g", "prompt_tokens": 0, "setup_s": 0.5, "reward": 0.0,
+            "turns": [{"decode_tokens": 100, "tool_s": 0.25, "tool_output_tokens": 0}]}
+    trace.write_text((json.dumps(line) + "\n") * 2)
+    bare = {**line, "setup_s": 0.0, "turns": [{**line["turns"][0], "tool_s": 0.0}]}
+    (tmp_path / "bare.jsonl").write_text((json.dumps(bare) + "\n") * 2)
+    t_bare = World(_exact(workload={"trace": str(tmp_path / "bare.jsonl")}),
+                   "static:cells=1").run().makespan_s
+    t_full = World(_exact(workload={"trace": str(trace)}), "static:cells=1").run().makespan_s
+    assert t_bare == pytest.approx(1.0, abs=1e-3)
+    assert t_full == pytest.approx(1.0 + 0.5 + 0.25, abs=1e-3)
 
 
 def test_load_weights_has_its_own_cost_when_given():
