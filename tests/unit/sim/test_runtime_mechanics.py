@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tidal.control.plans import StepKind
+from tidal.sim import dispatch
 from tidal.sim.costs import step_duration_s
 from tidal.sim.scenario import CostConfig
 from tidal.sim.world import World
@@ -38,20 +39,19 @@ def test_a_shared_host_splits_its_throughput_among_engines():
 
 
 @pytest.mark.parametrize("interval_s", [5.0, 0.0])
-def test_paced_burst_dispatch_spaces_the_groups_of_a_burst(interval_s):
+def test_paced_burst_dispatch_spaces_the_groups_of_a_burst(interval_s, monkeypatch):
     sc = tiny_scenario(sim={"dispatch_interval_s": interval_s},
                        profiles={"waterlevel": {"dispatch": "burst", "trainer": "batch",
                                                 "sync": "keep", "staleness_threshold": 0.0}})
-    w = World(sc, "waterlevel")
     times: list[tuple[int, float]] = []
-    orig = w._dispatch_group
+    orig = dispatch.dispatch_group
 
-    def record() -> None:
+    def record(w) -> None:
         times.append((w.burst, w.now))
-        orig()
+        orig(w)
 
-    w._dispatch_group = record
-    w.run()
+    monkeypatch.setattr(dispatch, "dispatch_group", record)
+    World(sc, "waterlevel").run()
     quota = sc.control.batch_groups * sc.control.updates_per_burst
     for burst in range(sc.control.bursts):
         ts = [t for b, t in times if b == burst]
