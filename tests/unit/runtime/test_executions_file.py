@@ -1,0 +1,45 @@
+"""``executions.jsonl``: the bridge joins its ledger times, the proxy's token counts and the
+harness's call timings, one line per execution (what ``tidal calibrate`` fits on)."""
+
+import json
+from types import SimpleNamespace
+
+from tidal.clock import ManualClock
+from tidal.runtime.bridge import LedgerBridge
+
+
+class _Controller:
+    def __init__(self) -> None:
+        self.events = []
+
+    def handle(self, ev) -> None:
+        self.events.append(ev)
+
+
+def test_one_line_per_execution_with_times_tokens_and_timings(tmp_path):
+    clock = ManualClock(100.0)
+    bridge = LedgerBridge(_Controller(), clock, admin=None, buffer=None, group_size=2)
+    bridge.burst = 1
+    bridge.dispatched("b1-g0-e0", "b1-g0")
+    clock.advance(0.5)
+    bridge.launched("b1-g0-e0", "b1-g0")
+    bridge.timing["b1-g0-e0"]["closed"] = 104.0  # closed() needs a running loop
+    bridge.timing["b1-g0-e0"]["calls"] = [
+        {"prompt_tokens": 20, "output_tokens": 8, "cached_tokens": 0, "reprefill_tokens": 0,
+         "engines": ["s0"]},
+        {"prompt_tokens": 40, "output_tokens": 5, "cached_tokens": 0, "reprefill_tokens": 0,
+         "engines": ["c1", "s0"]}]
+    result = SimpleNamespace(execution_id="b1-g0-e0", group_id="b1-g0", reason="completed",
+                             reward=1.0, transcript=[
+                                 {"t_call": 100.75, "call_s": 1.0, "tool_s": 0.25},
+                                 {"t_call": 102.25, "call_s": 1.25, "tool_s": 0.5}])
+    path = tmp_path / "executions.jsonl"
+    bridge.write_executions(path, [result], t0=100.0)
+    (line,) = [json.loads(x) for x in path.read_text().splitlines()]
+    assert line["burst"] == 1 and line["reason"] == "completed" and line["reward"] == 1.0
+    assert (line["dispatched_s"], line["launched_s"], line["closed_s"]) == (0.0, 0.5, 4.0)
+    assert [c["start_s"] for c in line["calls"]] == [0.75, 2.25]
+    assert [(c["call_s"], c["tool_s"]) for c in line["calls"]] == [(1.0, 0.25), (1.25, 0.5)]
+    assert line["calls"][1]["engines"] == ["c1", "s0"]
+    bridge.write_executions(path, [result], t0=100.0, mode="a")  # a resumed run appends
+    assert len(path.read_text().splitlines()) == 2
