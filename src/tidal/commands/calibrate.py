@@ -30,7 +30,7 @@ import click
               help="Simulated runs to average (seeds; they matter with --fitted-workload).")
 @click.option("--fitted-workload", is_flag=True,
               help="Draw executions from the fitted lognormals instead of replaying the run's "
-                   "own (written beside --out as SCENARIO.trace.jsonl).")
+                   "own (by default written beside --out as SCENARIO.trace.jsonl).")
 def command(run_dir: str, out: str | None, check: bool, against: str | None, tolerance: float,
             per_burst: bool, seeds: int, fitted_workload: bool) -> None:
     import tempfile
