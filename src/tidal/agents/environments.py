@@ -11,22 +11,25 @@ tool latency (``ToolLatency``: lognormal, long-tailed, seeded):
 
 - ``read FILE...``: ``FILE: <content>`` for each file; ``write FILE TEXT``: writes TEXT to a new
   file of the workspace; writing ``answer.txt`` submits the answer and ends the task;
-  ``ls``: the file names; ``done``: ends the task.
+  ``ls``: the file names; ``done``: ends the task. The first observation names the files, the
+  task and the first command to type.
 - Commands are found leniently (a small model rarely writes a clean line): a line may carry
   prose, markdown backticks or a ``$``; its first word ``read`` or ``write`` (any case) starts
   the command, and file names are the following words containing a dot (quotes and
-  punctuation around them ignored). A line is an *exact* command if it is nothing but a
-  well-formed, successful command (``read data0.txt``, ``write answer.txt 7``, ``ls``,
-  ``done``). Paths must name a file directly inside the workspace (``..``, absolute paths and
-  subdirectories are refused) and data files cannot be overwritten.
+  punctuation around them ignored); ``write`` targets ``answer.txt`` if it is among them (else
+  the first file name) and writes the other words (``write 8 to answer.txt`` writes ``8 to``).
+  A line is an *exact* command if it is nothing but a well-formed, successful command
+  (``read data0.txt``, ``write answer.txt 7``, ``ls``, ``done``). Paths must name a file
+  directly inside the workspace (``..``, absolute paths and subdirectories are refused) and
+  data files cannot be overwritten.
 - Observations: each command's output; after an invalid command, the command list with the
   real file names; once every data file was read, "Now write their sum to answer.txt.".
 
 Reward (``score``; deterministic, computed from the workspace and the commands the agent ran,
-also for executions that time out): ``1.0`` if ``answer.txt`` holds the sum of the data files'
-numbers as its first integer; otherwise partial credit for verifiable progress, at most 0.5:
-``0.1 * exact commands / commands + 0.3 * data files read / n_files + 0.1 if answer.txt holds an
-integer``. An execution that sent no command line scores 0.
+also for executions that time out): ``1.0`` if the last integer in ``answer.txt`` is the sum of
+the data files' numbers (``3 + 5 = 8`` counts); otherwise partial credit for verifiable
+progress, at most 0.5: ``0.1 * exact commands / commands + 0.3 * data files read / n_files +
+0.1 if answer.txt holds an integer``. An execution that sent no command line scores 0.
 
 ``ArithmeticTask`` (single-turn): "What is a plus b?"; reward 1 if the answer has the sum.
 """
@@ -101,8 +104,9 @@ class WorkspaceTask:
         for name, n in zip(self.data_files, numbers, strict=True):
             (workspace / name).write_text(f"{n}\n")
         self.expected = sum(numbers)
-        return (f"Files: {' '.join(self.data_files)}\n"
-                f"Write the sum of their numbers to answer.txt.")
+        files = " ".join(self.data_files)
+        return (f"Files: {files}\nTask: write the sum of their numbers to answer.txt.\n"
+                f"First command:\nread {files}")
 
     async def step(self, action: str) -> StepResult:
         assert self.workspace is not None, "reset first"
@@ -160,8 +164,10 @@ class WorkspaceTask:
                     self.read_files.add(path.name)
                     outs.append(f"{path.name}: {path.read_text()[:100].strip()}")
             return "\n".join(outs), exact and len(names) == len(words), False
-        at = next((i for i, w in enumerate(words) if "." in w), None)
-        text = " ".join(line[m.end():].split()[at + 1:]) if at is not None else ""
+        dotted = [i for i, w in enumerate(words) if "." in w]
+        at = words.index("answer.txt") if "answer.txt" in words else (dotted or [None])[0]
+        raw = line[m.end():].split()
+        text = " ".join(raw[:at] + raw[at + 1:]) if at is not None else ""
         if at is None or not text:
             return f"invalid: {line[:30]}", False, False
         path = self._path(words[at])
@@ -177,7 +183,7 @@ class WorkspaceTask:
             return 0.0
         answer = self.workspace / "answer.txt"
         found = _NUMBER.findall(answer.read_text()) if answer.is_file() else []
-        if found and int(found[0]) == self.expected:
+        if found and int(found[-1]) == self.expected:
             return 1.0
         read = len(self.read_files.intersection(self.data_files)) / self.n_files
         return round(0.1 * self.exact_commands / self.commands + 0.3 * read
