@@ -80,6 +80,15 @@ def test_right_sum_in_a_sloppy_line_still_scores_one(tmp_path):
     env = _fast(5)
     _, steps = _play(env, ws, [f"I write answer.txt: {total}, done"])
     assert steps[0].done and steps[0].reward == 1.0
+    a, b = _numbers(ws, env)
+    lines = [f"write {a + b} to answer.txt", f"write answer.txt {a} + {b} = {a + b}"]
+    for i, line in enumerate(lines):
+        env = _fast(5)
+        _, steps = _play(env, tmp_path / f"v{i}", [line])
+        assert steps[0].reward == 1.0 and env.exact_commands == i  # only the second is exact
+    env = _fast(5)  # the last integer is the answer: a wrong result after the right one fails
+    _, steps = _play(env, tmp_path / "w", [f"write answer.txt {a + b} or {a + b + 1}"])
+    assert steps[0].reward == pytest.approx(0.2)
 
 
 def test_bad_commands_and_path_escapes_are_refused(tmp_path):
