@@ -204,7 +204,7 @@ async def train(args, model, tok, pool, admin, eng, mk, tmp: Path, metrics: dict
         publishers=[publisher], pad_id=tok.eos_id)
     t0 = time.monotonic()
     step = 0
-    rollout_rewards = []
+    rollout_rewards: list[float] = []
     try:
         for b in range(args.bursts):
             tb = time.monotonic()
@@ -217,6 +217,13 @@ async def train(args, model, tok, pool, admin, eng, mk, tmp: Path, metrics: dict
             t_roll = time.monotonic() - tb
             stats = describe(results)
             rollout_rewards.append(stats["mean_reward"])
+            if b == 0 and "baseline" not in metrics:  # the untrained model's first burst
+                metrics["baseline"] = {**stats, "from": "burst 0 (weights v0)",
+                                       "transcripts": [{"reward": r.reward,
+                                                        "transcript": r.transcript}
+                                                       for r in results[::len(results) // 8]]}
+                print(f"burst 0 (untrained): mean reward {stats['mean_reward']:.3f}, histogram "
+                      f"{stats['histogram']}", flush=True)
             out_tokens = sum(len(c.output_token_ids) for rec in records for c in rec.calls)
             for u in range(args.updates_per_burst):
                 ts = time.monotonic()

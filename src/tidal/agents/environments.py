@@ -10,7 +10,8 @@ answers with commands, one per line, at most ``max_commands`` per turn; each com
 tool latency (``ToolLatency``: lognormal, long-tailed, seeded):
 
 - ``read FILE...``: ``FILE: <content>`` for each file; ``write FILE TEXT``: writes TEXT to a new
-  file of the workspace; writing ``answer.txt`` submits the answer and ends the task;
+  file of the workspace; writing ``answer.txt`` (TEXT must hold an integer) submits the answer
+  and ends the task;
   ``ls``: the file names; ``done``: ends the task. The first observation names the files, the
   task and the first command to type.
 - Commands are found leniently (a small model rarely writes a clean line): a line may carry
@@ -105,7 +106,7 @@ class WorkspaceTask:
             (workspace / name).write_text(f"{n}\n")
         self.expected = sum(numbers)
         files = " ".join(self.data_files)
-        return (f"Files: {files}\nTask: write the sum of their numbers to answer.txt.\n"
+        return (f"Files: {files}\nGoal: the sum of their numbers in answer.txt.\n"
                 f"First command:\nread {files}")
 
     async def step(self, action: str) -> StepResult:
@@ -173,6 +174,8 @@ class WorkspaceTask:
         path = self._path(words[at])
         if path is None or path.name in self.data_files:
             return "write: only new files in this folder", False, False
+        if path.name == "answer.txt" and not _NUMBER.search(text):
+            return "write: answer.txt needs a NUMBER", False, False
         path.write_text(text + "\n")
         if path.name == "answer.txt":
             return "answer submitted", exact and at == 0, True

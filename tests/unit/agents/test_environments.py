@@ -98,16 +98,17 @@ def test_bad_commands_and_path_escapes_are_refused(tmp_path):
     (tmp_path / "w" / "secret.txt").write_text("42\n")
     _, steps = _play(env, ws, ["read ../secret.txt /etc/passwd",
                                "write ../evil.txt 5\nwrite data0.txt 99\nwrite answer.txt",
-                               "readme please\nls"])
+                               "readme please\nls\nWrite the sum to answer.txt."])
     obs = [s.observation for s in steps]
     assert "no such file" in obs[0] and "42" not in obs[0] and "root" not in obs[0]
     assert obs[1].count("only new files") == 2 and "invalid: write answer.txt" in obs[1]
     assert not (tmp_path / "w" / "evil.txt").exists()
     assert (ws / "data0.txt").read_text() != "99\n" and not (ws / "answer.txt").exists()
-    assert obs[2].splitlines()[:2] == ["invalid: readme please", "data0.txt data1.txt"]
+    assert obs[2].splitlines()[:3] == ["invalid: readme please", "data0.txt data1.txt",
+                                       "write: answer.txt needs a NUMBER"]
     assert not any(s.done for s in steps)
-    # 6 command lines, one exact (ls), nothing read, no answer
-    assert env.score() == pytest.approx(0.1 / 6, abs=1e-6)
+    # 7 command lines, one exact (ls), nothing read, no answer
+    assert env.score() == pytest.approx(0.1 / 7, abs=1e-6)
 
 
 def test_commands_per_turn_are_capped_and_done_ends(tmp_path):
