@@ -22,7 +22,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
+import resource
 import secrets
 import statistics
 import tempfile
@@ -64,6 +66,15 @@ async def run_executions(pool: HarnessPool, admin: httpx.AsyncClient,
     return results, records
 
 
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) of a child process, or of this process."""
+    if pid is None:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def describe(results: list) -> dict:
     rewards = [r.reward for r in results]
     hist: dict[str, int] = {}
@@ -76,8 +87,9 @@ def describe(results: list) -> dict:
             "histogram": dict(sorted(hist.items()))}
 
 
-async def speed(engine_url: str, tok, max_new: int = 64) -> dict:
-    """Decode tokens/s at batch 1, 4, 8 (ignore_eos) and prefill cost (s per prompt token)."""
+async def speed(engine_url: str, tok, pid: int, max_new: int = 64) -> dict:
+    """Decode tokens/s at batch 1, 4, 8 (ignore_eos) and prefill cost (s per prompt token),
+    in wall time and per CPU-second of the engine process (one thread)."""
     out: dict = {}
     prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}])
     async with httpx.AsyncClient(base_url=engine_url, timeout=600) as c:
@@ -89,19 +101,22 @@ async def speed(engine_url: str, tok, max_new: int = 64) -> dict:
 
         await one(4, prompt)  # warm-up
         for batch in (1, 4, 8):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_s(pid)
             await asyncio.gather(*[one(max_new, prompt) for _ in range(batch)])
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, cpu_s(pid) - c0
             out[f"decode_tok_s_batch{batch}"] = round(batch * max_new / dt, 1)
+            out[f"decode_tok_per_cpu_s_batch{batch}"] = round(batch * max_new / max(dc, 1e-3), 1)
         # prefill: a long prompt with 1 new token minus a short prompt with 1 new token
         long_prompt = (prompt * 40)[:1000]
-        times = {}
+        times, cpus = {}, {}
         for name, ids in (("short", prompt[:20]), ("long", long_prompt)):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_s(pid)
             await one(1, ids)
-            times[name] = time.perf_counter() - t0
+            times[name], cpus[name] = time.perf_counter() - t0, cpu_s(pid) - c0
         out["prefill_s_per_1000_tokens"] = round((times["long"] - times["short"]) * 1000
                                                  / (len(long_prompt) - 20), 3)
+        out["prefill_cpu_s_per_1000_tokens"] = round((cpus["long"] - cpus["short"]) * 1000
+                                                     / (len(long_prompt) - 20), 3)
     return out
 
 
@@ -145,12 +160,12 @@ async def main_async(args, out: Path) -> dict:
     t_start = time.monotonic()
     try:
         engine.wait_healthy(300)
-        proxy = start_proxy([engine.url], [], token, cap=args.engine_max_batch,
+        proxy = start_proxy([engine.url], [], token, cap=args.concurrency,
                             log_path=logs / f"proxy-{label}-{args.seed}.log").wait_healthy(60)
         metrics["startup_s"] = round(time.monotonic() - t_start, 1)
         model, tok = load_model(mdir)
         if args.speed:
-            metrics["speed"] = await speed(engine.url, tok)
+            metrics["speed"] = await speed(engine.url, tok, engine.proc.pid)
             print("engine speed:", metrics["speed"], flush=True)
         admin = httpx.AsyncClient(base_url=proxy.url, timeout=600,
                                   headers={"Authorization": f"Bearer {token}"})
@@ -181,7 +196,7 @@ async def main_async(args, out: Path) -> dict:
                     print(json.dumps(t, indent=1)[:1500])
             if args.bursts:
                 metrics.update(await train(args, model, tok, pool, admin, eng, mk, Path(tmp),
-                                           metrics))
+                                           metrics, engine.proc.pid))
         await admin.aclose()
         await eng.aclose()
     finally:
@@ -192,7 +207,8 @@ async def main_async(args, out: Path) -> dict:
     return metrics
 
 
-async def train(args, model, tok, pool, admin, eng, mk, tmp: Path, metrics: dict) -> dict:
+async def train(args, model, tok, pool, admin, eng, mk, tmp: Path, metrics: dict,
+                engine_pid: int) -> dict:
     model.train()
     clock = WallClock()
     buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=args.group_size,
@@ -207,7 +223,7 @@ async def train(args, model, tok, pool, admin, eng, mk, tmp: Path, metrics: dict
     rollout_rewards: list[float] = []
     try:
         for b in range(args.bursts):
-            tb = time.monotonic()
+            tb, eng_c0 = time.monotonic(), cpu_s(engine_pid)
             n_groups = args.groups * args.updates_per_burst
             tasks = [(f"b{b}-g{g}", partial(mk, args.seed * 1_000_003 + b * 1000 + g))
                      for g in range(n_groups) for _ in range(args.group_size)]
@@ -215,6 +231,7 @@ async def train(args, model, tok, pool, admin, eng, mk, tmp: Path, metrics: dict
             for rec in records:
                 buf.add(rec)
             t_roll = time.monotonic() - tb
+            roll_cpu = cpu_s(engine_pid) - eng_c0
             stats = describe(results)
             rollout_rewards.append(stats["mean_reward"])
             if b == 0 and "baseline" not in metrics:  # the untrained model's first burst
@@ -226,10 +243,10 @@ async def train(args, model, tok, pool, admin, eng, mk, tmp: Path, metrics: dict
                       f"{stats['histogram']}", flush=True)
             out_tokens = sum(len(c.output_token_ids) for rec in records for c in rec.calls)
             for u in range(args.updates_per_burst):
-                ts = time.monotonic()
+                ts, tc0 = time.monotonic(), cpu_s()
                 final = u == args.updates_per_burst - 1
                 report = await asyncio.to_thread(core.train_step, final)
-                t_train = time.monotonic() - ts
+                t_train, train_cpu = time.monotonic() - ts, cpu_s() - tc0
                 t_load = 0.0
                 if final:
                     tl = time.monotonic()
@@ -241,7 +258,9 @@ async def train(args, model, tok, pool, admin, eng, mk, tmp: Path, metrics: dict
                 line = {"step": step, "burst": b, "version": core.version,
                         "mean_reward": report.mean_reward, "loss": report.loss,
                         "grad_norm": report.grad_norm, "n_tokens": report.n_tokens,
-                        "train_s": round(t_train, 2), "load_s": round(t_load, 2),
+                        "train_s": round(t_train, 2), "train_cpu_s": round(train_cpu, 1),
+                        "load_s": round(t_load, 2),
+                        "rollout_engine_cpu_s": round(roll_cpu, 1) if u == 0 else 0.0,
                         "rollout_s": round(t_roll, 2) if u == 0 else 0.0,
                         "burst_solved": stats["solved"], "burst_turns": stats["mean_turns"],
                         "burst_output_tokens": out_tokens if u == 0 else 0,
