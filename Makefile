@@ -6,9 +6,9 @@ BIN    := $(VENV)/bin
 EXTRAS ?= sim,torch,serve,ray,hf,dev
 comma  := ,
 STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
-OUT    ?= runs/demo
+OUT    ?= runs/quickstart
 
-.PHONY: venv demo test test-unit test-vllm lint fmt clean
+.PHONY: venv demo sim-demo test test-unit test-vllm lint fmt clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,10 +21,15 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 venv: $(STAMP)
 
-# The main job on the embedded default (until the runtime lands: the simulator showcase:
-# several policies side by side on a scaled-down dapo-math scenario, table + plots).
+# The main job on the embedded default: a real elastic RL run (configs/quickstart.yaml: SmolLM2
+# on the built-in engine, the multi-turn workspace task, one standalone engine + three cells,
+# waterlevel policy; ~10 min on 2 cores). Writes $(OUT)/{summary.json,report.md,*.png,...}.
 demo: $(STAMP)
-	$(BIN)/tidal demo --out $(OUT)
+	$(BIN)/tidal run configs/quickstart.yaml --out $(OUT)
+
+# The simulator showcase: several policies side by side on a scaled-down dapo-math scenario.
+sim-demo: $(STAMP)
+	$(BIN)/tidal demo --out runs/sim-demo
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

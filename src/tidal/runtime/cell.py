@@ -48,8 +48,9 @@ class EngineHost:
     def start(self, timeout_s: float) -> str:
         from tidal.serving.launch import start_engine
 
+        # Model steps in a thread: a long prefill never stalls the engine's control routes.
         self.proc = start_engine(self.model_dir, name="tiny", max_batch=self.max_batch,
-                                 log_path=self.log_path)
+                                 log_path=self.log_path, step_in_thread=True)
         try:
             self.proc.wait_healthy(timeout_s)
         except TidalError as exc:

@@ -70,10 +70,14 @@ class ServerProcess:
 
 
 def start_engine(model_dir: str | Path, port: int | None = None, name: str = "tiny",
-                 max_batch: int = 64, log_path: Path | None = None) -> ServerProcess:
+                 max_batch: int = 64, log_path: Path | None = None,
+                 step_in_thread: bool = False) -> ServerProcess:
     port = port or free_port()
-    return ServerProcess(["engine", "--model", str(model_dir), "--port", str(port),
-                          "--name", name, "--max-batch", str(max_batch)], port, log_path)
+    args = ["engine", "--model", str(model_dir), "--port", str(port), "--name", name,
+            "--max-batch", str(max_batch)]
+    if step_in_thread:
+        args.append("--step-in-thread")
+    return ServerProcess(args, port, log_path)
 
 
 def start_proxy(engines: list[str], cells: list[str], admin_token: str,

@@ -71,6 +71,7 @@ from tidal.sim.costs import speedup
 from tidal.sim.engine_fit import fit_engine
 from tidal.sim.run_workload import dispatch_interval_s, fit_workload, trace_lines
 from tidal.sim.scenario import Scenario, TrainerConfig
+from tidal.viz import run_data
 from tidal.viz.run_data import load_run
 
 COST_KINDS = {
@@ -84,18 +85,9 @@ COST_KINDS = {
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
+    out = run_data.read_jsonl(path)
+    if out is None:
         raise ConfigError(str(path), "missing: calibration needs it (written by `tidal run`)")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{n}", f"not valid JSON: {exc.msg}") from None
-            if not isinstance(obj, dict):
-                raise ConfigError(f"{path}:{n}", "not a JSON object")
-            out.append(obj)
     return out
 
 

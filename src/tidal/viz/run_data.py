@@ -164,8 +164,8 @@ def load_run(path: str | Path) -> RunData:
     if not isinstance(summary, dict):
         raise ConfigError(str(root / "summary.json"), "not a JSON object")
     return RunData(path=root, summary=summary, config=_read_config(root / "config.yaml"),
-                   metrics=_read_jsonl(root / "metrics.jsonl", _METRIC_KEYS),
-                   states=_read_jsonl(root / "state.jsonl", _STATE_KEYS),
+                   metrics=read_jsonl(root / "metrics.jsonl", _METRIC_KEYS),
+                   states=read_jsonl(root / "state.jsonl", _STATE_KEYS),
                    timeline=_read_timeline(root / "timeline.json"))
 
 
@@ -178,7 +178,9 @@ def _read_json(path: Path) -> Any:
         raise ConfigError(str(path), f"not valid JSON: {exc.msg} (line {exc.lineno})") from None
 
 
-def _read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict[str, Any]] | None:
+def read_jsonl(path: Path, required: tuple[str, ...] = ()) -> list[dict[str, Any]] | None:
+    """The objects of a JSONL file of a run directory (None if it is absent); a bad line or a
+    missing ``required`` key is a ``ConfigError`` naming the file and line."""
     if not path.is_file():
         return None
     try:
