@@ -54,7 +54,7 @@ class CellSupervisor:
         try:
             info = await asyncio.wait_for(self.rt.actors[name].describe.remote(),
                                           self.probe_timeout_s)
-        except ray.exceptions.RayActorError as exc:
+        except ray.exceptions.RayError as exc:  # died, killed by Ray's memory monitor, ...
             log.warning("cell actor %s lost: %s", name, type(exc).__name__)
             return False
         except TimeoutError:
