@@ -539,7 +539,11 @@ class Runtime:
             "switches_to_rollout": s["switches_to_rollout"],
             "plans_aborted": s["plans_aborted"],
             "final_roles": self.ctl.cells.describe(),
-            "rerouted_requests": stats["retries"],
+            # live model requests that went to another engine: in-flight ones retried
+            # elsewhere, and next calls of executions whose engine left routing between calls
+            "rerouted_requests": stats["retries"] + stats["rerouted_executions"],
+            "retried_inflight_requests": stats["retries"],
+            "rerouted_executions": stats["rerouted_executions"],
             "drained_requests": sum(d["moved"] for d in self.actuator.drains),
             "kv_handoffs": stats["kv_handoffs"],
             "engine_failures": stats["engine_failures"],

@@ -402,7 +402,8 @@ class Proxy:
                 "engines": [m.describe() for m in self.router.members.values()],
                 "capacity": self.router.capacity(),
                 "inflight": sum(len(m.inflight) for m in self.router.members.values()),
-                "executions_recorded": len(self.records), **self.totals}
+                "executions_recorded": len(self.records),
+                "rerouted_executions": self.router.rerouted_executions, **self.totals}
 
     async def close(self) -> None:
         for member in list(self.router.members.values()):

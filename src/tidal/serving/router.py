@@ -53,6 +53,10 @@ class Router:
         self.members: dict[str, Member] = {}
         self.routes: dict[str, str] = {}
         self.reservations: dict[str, str] = {}
+        # live executions whose engine left routing (drained) between two of their calls and
+        # whose next call went to another engine: rerouted without their harness noticing
+        self.rerouted_executions = 0
+        self._displaced: set[str] = set()  # routes a drain removed, until the next call
 
     def join(self, member: Member) -> None:
         if member.engine_id in self.members and self.members[member.engine_id].alive:
@@ -92,6 +96,9 @@ class Router:
         best = min(candidates, key=lambda m: (m.load / m.cap, m.kind != "standalone",
                                               -m.cell_index))
         if execution_id is not None:
+            if execution_id in self._displaced:
+                self._displaced.discard(execution_id)
+                self.rerouted_executions += 1
             self.routes[execution_id] = best.engine_id
         return best
 
@@ -106,6 +113,7 @@ class Router:
 
     def reserve(self, execution_id: str, source: str) -> Member | None:
         """Reserve a slot for ``execution_id`` away from ``source`` and point its route there."""
+        self._displaced.discard(execution_id)  # its in-flight call is retried (counted there)
         for member in self.destinations(source):
             if member.load < member.cap:
                 member.reserved += 1
@@ -125,6 +133,7 @@ class Router:
         if not admitting:
             for ex in [e for e, m in self.routes.items() if m == engine_id]:
                 del self.routes[ex]
+                self._displaced.add(ex)
         return member
 
     def capacity(self) -> int:

@@ -51,3 +51,16 @@ def test_drained_engine_is_never_picked_and_reservations_are_honoured():
         assert r.pick(None).engine_id != "s0"
     r.leave("c1")
     assert r.pick("ex").engine_id == "c0"  # the route to a departed engine is dropped
+
+
+def test_a_live_execution_whose_engine_left_routing_is_counted_as_rerouted():
+    r = _router(("s0", "standalone", 0, 1), ("c0", "cell", 0, 4))
+    r.members["s0"].inflight["busy"] = object()  # full: ex-1 goes to c0
+    assert r.pick("ex-1").engine_id == "c0"
+    r.pick("ex-2").inflight["x"] = object()  # a spill for room is not a reroute
+    assert r.rerouted_executions == 0
+    r.set_admitting("c0", False)  # c0 drained between two calls of ex-1
+    del r.members["s0"].inflight["busy"]
+    assert r.pick("ex-1").engine_id == "s0"
+    assert r.rerouted_executions == 1
+    assert r.pick("ex-1").engine_id == "s0" and r.rerouted_executions == 1  # sticky again
