@@ -120,7 +120,8 @@ class LedgerBridge:
                          mode: str = "w") -> None:
         """One line per closed execution (``tidal calibrate`` fits the simulator on them):
         times in seconds since ``t0`` (the first dispatch), the proxy's token counts per model
-        call joined with the harness's timings of that call and of the tool step after it."""
+        call joined with the harness's timings of that call and of the tool step after it, and
+        the transcript (actions and observations)."""
         with open(path, mode) as fh:
             for r in results:
                 t = self.timing.get(r.execution_id, {})
@@ -134,7 +135,11 @@ class LedgerBridge:
                     "reason": r.reason, "reward": r.reward,
                     **{f"{k}_s": round(t[k] - t0, 4) for k in ("dispatched", "launched",
                                                                 "closed") if k in t},
-                    "calls": calls}) + "\n")
+                    "calls": calls,
+                    # what the agent did: its text actions and what the tools answered
+                    "transcript": [{"action": turn.get("action", ""),
+                                    "observation": turn.get("observation", "")}
+                                   for turn in r.transcript]}) + "\n")
 
     @property
     def lost(self) -> int:
