@@ -8,7 +8,7 @@ comma  := ,
 STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 OUT    ?= runs/demo
 
-.PHONY: venv demo test test-unit test-vllm lint fmt clean
+.PHONY: venv demo test test-unit test-vllm vllm-venv lint fmt clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,9 +43,12 @@ $(VLLM_VENV)/.stamp:
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
+vllm-venv: $(VLLM_VENV)/.stamp
+
+# ... and `tidal run configs/vllm.yaml` with a vLLM standalone engine next to built-in cells.
 test-vllm: $(STAMP) $(VLLM_VENV)/.stamp
 	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
-		tests/integration/serving/test_vllm_tier.py
+		tests/integration/serving/test_vllm_tier.py tests/integration/runtime/test_vllm_run.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -58,6 +58,8 @@ class LedgerBridge:
         self.record_errors: list[str] = []
         self.rewards: list[float] = []
         self.restored: set[str] = set()
+        # engine id -> weight version -> output tokens it generated (what each engine served)
+        self.tokens_by_engine_version: dict[str, dict[str, int]] = {}
         self._tasks: set[asyncio.Task] = set()
 
     def dispatched(self, execution_id: str, group_id: str) -> None:
@@ -96,7 +98,12 @@ class LedgerBridge:
         try:
             resp = await self.admin.get(f"/tidal/executions/{eid}/records")
             resp.raise_for_status()
-            rec = record_from_proxy(eid, gid, resp.json()["calls"], reward, reason)
+            calls = resp.json()["calls"]
+            rec = record_from_proxy(eid, gid, calls, reward, reason)
+            for seg in (s for call in calls for s in call["segments"]):
+                served = self.tokens_by_engine_version.setdefault(seg["engine_id"], {})
+                for v in seg["versions"]:
+                    served[v] = served.get(v, 0) + 1
             await asyncio.to_thread(self.buffer.add, rec)
             self.recorded += 1
         except Exception as exc:

@@ -21,9 +21,11 @@ releases.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -54,6 +56,17 @@ class TidalWorkerExtension:
         finally:
             reader.close()
         return version
+
+    def tidal_load_file(self, path: str) -> str:
+        """Load a ``FilePublisher`` file (safetensors, the trainer's parameter names); returns
+        the version label stored in it."""
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            label = (f.metadata() or {}).get("weight_version", "")
+            named = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118 - not a dict
+        self._load(named)
+        return label
 
     def tidal_init_group(self, host: str, port: int, rank_offset: int, world_size: int, key: str,
                          backend: str = "nccl", timeout_s: float = 300.0) -> bool:
@@ -90,13 +103,17 @@ class TidalWorkerExtension:
 
 
 class VLLMWeightPublisher:
-    """A ``WeightPublisher`` for one vLLM server (all its TP/DP workers)."""
+    """A ``WeightPublisher`` for one vLLM server (all its TP/DP workers); ``load_file`` loads a
+    version another publisher wrote (``FilePublisher``), e.g. in ``tidal run``."""
 
-    def __init__(self, base_url: str, layout: ParamLayout, carrier: Literal["shm", "broadcast"],
+    def __init__(self, base_url: str, layout: ParamLayout | None,
+                 carrier: Literal["shm", "broadcast", "file"],
                  shm_name: str | None = None, pause_mode: str | None = "keep",
                  api_key: str | None = None, timeout_s: float = 300.0) -> None:
         import httpx
 
+        if layout is None and carrier != "file":
+            raise TransportError(f"the {carrier} carrier needs the parameter layout")
         self.base_url, self.layout, self.carrier = base_url.rstrip("/"), layout, carrier
         self.pause_mode, self.timeout_s = pause_mode, timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -146,10 +163,30 @@ class VLLMWeightPublisher:
             raise TransportError("vLLM workers did not join the weight group")
         self._group = (registry, pg)
 
-    def publish(self, version: int, flat: torch.Tensor) -> None:
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
         if self.pause_mode and self._has_pause:
             self._post("/pause", params={"mode": self.pause_mode})
         try:
+            yield
+        finally:
+            if self.pause_mode and self._has_pause:
+                self._post("/resume")
+
+    def set_version(self, label: str) -> None:
+        """The server's weight version label: what its tokens are attributed to."""
+        if not self._has_version:
+            raise TransportError(f"{self.base_url} lacks /update_weight_version (vLLM >= 0.32 "
+                                 "with VLLM_SERVER_DEV_MODE=1)")
+        self._post("/update_weight_version", {"new_version": label})
+
+    def version(self) -> str:
+        return str(self._get("/weight_info").get("weight_version"))
+
+    def publish(self, version: int, flat: torch.Tensor) -> None:
+        if self.carrier == "file":
+            raise TransportError("the file carrier loads published files: use load_file()")
+        with self._paused():
             if self._shm is not None:
                 self._shm.publish(version, flat)
                 self.rpc("tidal_load_shm", self._shm.name, version)
@@ -157,10 +194,18 @@ class VLLMWeightPublisher:
                 self._broadcast(version, flat)
             if self._has_version:
                 self._post("/update_weight_version", {"new_version": f"v{version}"})
-        finally:
-            if self.pause_mode and self._has_pause:
-                self._post("/resume")
         log.info("vLLM %s now serves v%d", self.base_url, version)
+
+    def load_file(self, path: str, label: str) -> str:
+        """Load the version a ``FilePublisher`` wrote at ``path`` into every worker (no
+        restart), then label the server ``label``; generation is paused meanwhile."""
+        with self._paused():
+            stored = self.rpc("tidal_load_file", str(path))
+            if any(s and s != label for s in stored):
+                raise TransportError(f"{path} holds {stored[0]}, not {label}")
+            self.set_version(label)
+        log.info("vLLM %s now serves %s (%s)", self.base_url, label, path)
+        return label
 
     def _broadcast(self, version: int, flat: torch.Tensor) -> None:
         from tidal.training.transport import BroadcastTransport
