@@ -11,6 +11,7 @@ trajectory buffer (it must end at 0).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import Any
 
@@ -60,6 +61,8 @@ class LedgerBridge:
         self.restored: set[str] = set()
         # engine id -> weight version -> output tokens it generated (what each engine served)
         self.tokens_by_engine_version: dict[str, dict[str, int]] = {}
+        # "<from>-><to>" -> calls that continued on another engine (a drain, a lost engine)
+        self.engine_handoffs: dict[str, int] = {}
         self._tasks: set[asyncio.Task] = set()
 
     def dispatched(self, execution_id: str, group_id: str) -> None:
@@ -100,15 +103,24 @@ class LedgerBridge:
             resp.raise_for_status()
             calls = resp.json()["calls"]
             rec = record_from_proxy(eid, gid, calls, reward, reason)
-            for seg in (s for call in calls for s in call["segments"]):
-                served = self.tokens_by_engine_version.setdefault(seg["engine_id"], {})
-                for v in seg["versions"]:
-                    served[v] = served.get(v, 0) + 1
+            self._count(calls)
             await asyncio.to_thread(self.buffer.add, rec)
             self.recorded += 1
         except Exception as exc:
             log.error("execution %s: record not delivered to training: %s", eid, exc)
             self.record_errors.append(f"{eid}: {exc}")
+
+    def _count(self, calls: list[dict[str, Any]]) -> None:
+        for call in calls:
+            for seg in call["segments"]:
+                served = self.tokens_by_engine_version.setdefault(seg["engine_id"], {})
+                for v in seg["versions"]:
+                    served[v] = served.get(v, 0) + 1
+            path = [seg["engine_id"] for seg in call["segments"]]
+            for a, b in itertools.pairwise(path):
+                if a != b:
+                    key = f"{a}->{b}"
+                    self.engine_handoffs[key] = self.engine_handoffs.get(key, 0) + 1
 
     @property
     def lost(self) -> int:

@@ -566,6 +566,7 @@ class Runtime:
                          "resumes": self.ck.state.resumes + 1} if self.ck else None),
             "cells_replaced": [r["name"] for r in self.supervisor.replaced],
             "tokens_by_engine_version": self.bridge.tokens_by_engine_version,
+            "engine_handoffs": self.bridge.engine_handoffs,
             "satellite_joins": sum(len(m["satellites"]) for m in self.metrics),
             "satellite_starts": self.actuator.satellite_starts,
             "micro_steps_by_cell": _sum_by_cell(self.metrics),

@@ -44,6 +44,13 @@ class TidalWorkerExtension:
     model_runner: Any
 
     def _load(self, named: dict[str, torch.Tensor]) -> None:
+        reload = getattr(self, "reload_weights", None)
+        if reload is not None:
+            # vLLM's in-place reload (the worker's own): checkpoint-format weights through the
+            # model's loader, then its post-load processing. A plain ``model.load_weights``
+            # fails once kernels have repacked their parameters (the CPU backend empties them).
+            reload(weights_iterator=iter(named.items()), is_checkpoint_format=True)
+            return
         model = self.model_runner.model
         device = next(model.parameters()).device
         model.load_weights(weights=[(n, t.to(device)) for n, t in named.items()])
