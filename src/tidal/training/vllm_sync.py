@@ -50,10 +50,28 @@ class TidalWorkerExtension:
             # model's loader, then its post-load processing. A plain ``model.load_weights``
             # fails once kernels have repacked their parameters (the CPU backend empties them).
             reload(weights_iterator=iter(named.items()), is_checkpoint_format=True)
+            self._retie()
             return
         model = self.model_runner.model
         device = next(model.parameters()).device
         model.load_weights(weights=[(n, t.to(device)) for n, t in named.items()])
+
+    def _retie(self) -> None:
+        """A model with tied embeddings loads no ``lm_head`` weight: its head keeps the kernel
+        state made from the old embedding (the CPU backend packs it for its GEMM). Give the
+        head the new embedding and redo its post-load processing."""
+        model = self.model_runner.model
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        config = getattr(model, "config", None)
+        if head is None or embed is None or not getattr(config, "tie_word_embeddings", False):
+            return
+        with torch.no_grad():
+            if head.weight.data_ptr() != embed.weight.data_ptr():
+                head.weight.data.copy_(embed.weight.data)
+            method = getattr(head, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(head)
 
     def tidal_load_shm(self, shm_name: str, min_version: int, timeout_s: float = 60.0) -> int:
         reader = SharedMemoryTransport.attach(shm_name)
