@@ -149,8 +149,11 @@ class Runtime:
             self.actors[name] = self.new_actor(name)
         self.proxy = start_proxy([], [], self.token, kv_handoff=self.cfg.control.kv_handoff,
                                  log_path=self.out / "logs" / "proxy.log")
-        urls = ray.get([a.start.remote(rt.start_timeout_s) for a in self.actors.values()],
-                       timeout=rt.start_timeout_s + 30)
+        try:
+            urls = ray.get([a.start.remote(rt.start_timeout_s) for a in self.actors.values()],
+                           timeout=rt.start_timeout_s + 30)
+        except ray.exceptions.RayTaskError as exc:  # an engine's own one-line error
+            raise (exc.cause if isinstance(exc.cause, RuntimeFailure) else exc) from None
         self.urls = dict(zip(self.actors, urls, strict=True))
         self.start_pids = {d["name"]: d["pid"] for d in
                            ray.get([a.describe.remote() for a in self.actors.values()])}

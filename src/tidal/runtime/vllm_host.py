@@ -87,7 +87,7 @@ class VLLMEngineHost(EngineHost):
         port = free_port()
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE":
-               f"{self.settings['kv_cache_gb']:g}",
+               str(self.settings["kv_cache_gb"]),
                "PYTHONPATH": _tidal_path(self.log_path.parent / "vllm-pythonpath"),
                "TIDAL_VLLM_LAUNCHER_PID": str(os.getpid())}
         env.pop("VIRTUAL_ENV", None)
