@@ -2,7 +2,7 @@
 standalone engine next to two built-in cells, all serving SmolLM2.
 
 Checks: the run completes with nothing failed or lost while cells move both ways; the vLLM
-engine serves tokens of every published version it had loaded (v0 in burst 0, v2 in burst 1:
+engine serves tokens of every published version it had loaded (v0 in burst 0, v1 in burst 1:
 each burst's version goes into the live server, no restart) and ends at the final version;
 calls move between the vLLM and the built-in engines; and the log-probabilities vLLM reported
 for its tokens are those of the version their label names (recomputed here with tidal's model
@@ -49,6 +49,7 @@ def _logprobs(model, prompt: list[int], out: list[int]) -> list[float]:
     return [lps[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
 
 
+@pytest.mark.timeout(900)
 def test_vllm_standalone_run(smollm2, tmp_path, monkeypatch):
     from tidal.models import load_model
     from tidal.models.loading import read_weights
@@ -71,21 +72,24 @@ def test_vllm_standalone_run(smollm2, tmp_path, monkeypatch):
         "engines")}))
 
     c = cfg["control"]
-    n = c["bursts"] * c["batch_groups"] * c["updates_per_burst"] * c["group_size"]
+    u, bursts = c["updates_per_burst"], c["bursts"]
+    n = bursts * c["batch_groups"] * u * c["group_size"]
+    labels = [f"v{b * u}" for b in range(bursts)]  # the version each burst is served with
+    assert bursts >= 2, "the test needs a version published into the live vLLM server"
     assert summary["failed_requests"] == 0 and summary["timed_out_executions"] == 0
     assert summary["lost_executions"] == 0 and summary["record_errors"] == []
     assert summary["dispatched"] == summary["closed"] == summary["trained_executions"] == n
     assert summary["switches_to_training"] >= 1 and summary["switches_to_rollout"] >= 1
     assert summary["plans_aborted"] == 0
-    assert summary["version"] == 4
+    assert summary["version"] == bursts * u
     s0 = summary["engines"]["s0"]
-    assert s0 == {**s0, "state": "awake", "version": "v4", "restarted": False}, s0
+    assert s0 == {**s0, "state": "awake", "version": f"v{bursts * u}", "restarted": False}, s0
     # the vLLM engine served tokens of each version it had loaded, and of no other label
     served = summary["tokens_by_engine_version"]
-    assert set(served["s0"]) == {"v0", "v2"} and min(served["s0"].values()) > 0, served
+    assert set(served["s0"]) == set(labels) and min(served["s0"].values()) > 0, served
     assert any(name.startswith("c") for name in served), served
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["max_staleness"] for m in metrics] == [0, 1, 0, 1], metrics
+    assert [m["max_staleness"] for m in metrics] == [s % u for s in range(bursts * u)], metrics
     # calls moved between the vLLM engine and built-in ones (a cell's drain, a retry)
     moves = summary["engine_handoffs"]
     assert any("s0" in pair.split("->") for pair in moves), moves
@@ -93,7 +97,7 @@ def test_vllm_standalone_run(smollm2, tmp_path, monkeypatch):
     # vLLM's log-probabilities are those of the weights its label names
     model, _ = load_model(smollm2)
     model.eval()
-    weights = {"v0": None, "v2": out / "weights" / "v2.safetensors"}
+    weights = {"v0": None, labels[1]: out / "weights" / f"{labels[1]}.safetensors"}
     diffs: dict[str, dict[str, float]] = {}
     for label, path in weights.items():
         if path is not None:
@@ -113,6 +117,11 @@ def test_vllm_standalone_run(smollm2, tmp_path, monkeypatch):
             diffs.setdefault(want, {})[label] = sum(err) / len(err)
     print("mean |logprob(vLLM) - logprob(tidal, weights)| by label, weights:", diffs)
     for want in weights:
-        other = next(w for w in weights if w != want)
         assert diffs[want][want] < 0.02, diffs
-        assert diffs[want][other] > 3 * diffs[want][want], diffs
+    # Versions that differ (a non-zero GRPO gradient: some group's rewards varied) must be told
+    # apart; the load of different weights is also checked on its own in the serving tier
+    # (test_vllm_tier.py::test_published_weights_load_into_the_live_server).
+    if summary["mean_reward_per_step"][0] > 0:
+        for want in weights:
+            other = next(w for w in weights if w != want)
+            assert diffs[want][other] > 3 * diffs[want][want], diffs
