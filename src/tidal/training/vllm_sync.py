@@ -4,13 +4,21 @@ In: ``(version, flat)`` from the core (a ``WeightPublisher``). Out: the new weig
 vLLM worker and the server's weight version label, without restarting the server. Pattern 1 of
 ENGINES.md 1.1d: the server runs with ``VLLM_SERVER_DEV_MODE=1`` and
 ``--worker-extension-cls tidal.training.vllm_sync.TidalWorkerExtension``; the trainer drives it
-over HTTP ``POST /collective_rpc``. Two carriers:
+over HTTP ``POST /collective_rpc``. Three carriers:
 
 - ``shm`` (same machine): the core writes the vector into a shared-memory segment and each
   worker's ``tidal_load_shm`` maps it and calls ``model.load_weights``;
 - ``broadcast`` (across machines, NCCL on GPUs): each worker joins a side group once
   (``tidal_init_group``: TCPStore + PrefixStore, trainer = rank 0) and ``tidal_receive`` takes
-  the broadcast while the trainer sends it.
+  the broadcast while the trainer sends it;
+- ``file`` (``load_file``): a version another publisher wrote (``FilePublisher``: safetensors,
+  the trainer's parameter names), read by each worker's ``tidal_load_file``; what ``tidal run``
+  uses for vLLM standalone engines (``tidal.runtime.vllm_host``).
+
+Workers load through vLLM's in-place ``reload_weights`` (the checkpoint-format loader and the
+post-load processing: the CPU backend repacks weights for its GEMM kernels, so writing into
+parameters would not reach them); a tied ``lm_head`` is re-derived from the new embedding
+(vLLM loads no head weight for it and would keep the old packed one).
 
 Keeps invariant 6: after the load the server's label is set to ``v<version>`` (``/update_weight
 _version``), so every token it generates afterwards is attributed to the version it came from.
