@@ -2,7 +2,7 @@
 standalone engine next to two built-in cells, all serving SmolLM2.
 
 Checks: the run completes with nothing failed or lost while cells move both ways; the vLLM
-engine serves tokens of every published version it had loaded (v0 in burst 0, v1 in burst 1:
+engine serves tokens of every published version it had loaded (v0 in burst 0, v2 in burst 1:
 each burst's version goes into the live server, no restart) and ends at the final version;
 calls move between the vLLM and the built-in engines; and the log-probabilities vLLM reported
 for its tokens are those of the version their label names (recomputed here with tidal's model
