@@ -94,22 +94,24 @@ def test_vllm_standalone_run(smollm2, tmp_path, monkeypatch):
     moves = summary["engine_handoffs"]
     assert any("s0" in pair.split("->") for pair in moves), moves
 
-    # vLLM's log-probabilities are those of the weights its label names
+    # vLLM's log-probabilities are those of the weights its label names (and, when the two
+    # versions differ, not those of the other one)
     model, _ = load_model(smollm2)
     model.eval()
     weights = {"v0": None, labels[1]: out / "weights" / f"{labels[1]}.safetensors"}
+    moved = any(m["grad_norm"] > 0 for m in metrics[:u])  # a non-zero GRPO gradient
     diffs: dict[str, dict[str, float]] = {}
     for label, path in weights.items():
         if path is not None:
             model.load_weights(read_weights(path))
-        for want in weights:
+        for want in weights if moved else [label]:
             err = []
             for call in calls:
                 prompt = call["prompt_token_ids"]
                 done: list[int] = []
                 for seg in call["segments"]:
                     if seg["engine_id"] == "s0" and seg["token_ids"] and \
-                            set(seg["versions"]) == {want} and len(err) < 64:
+                            set(seg["versions"]) == {want} and len(err) < 32:
                         ref = _logprobs(model, prompt + done, seg["token_ids"])
                         err += [abs(a - b) for a, b in zip(ref, seg["logprobs"], strict=True)]
                     done += seg["token_ids"]
@@ -118,10 +120,11 @@ def test_vllm_standalone_run(smollm2, tmp_path, monkeypatch):
     print("mean |logprob(vLLM) - logprob(tidal, weights)| by label, weights:", diffs)
     for want in weights:
         assert diffs[want][want] < 0.02, diffs
-    # Versions that differ (a non-zero GRPO gradient: some group's rewards varied) must be told
-    # apart; the load of different weights is also checked on its own in the serving tier
+    # Versions that differ (some group's rewards varied) must be told apart; with SmolLM2's
+    # usual all-zero arithmetic rewards they are equal, and the load of different weights is
+    # checked on its own in the serving tier
     # (test_vllm_tier.py::test_published_weights_load_into_the_live_server).
-    if any(m["grad_norm"] > 0 for m in metrics[:u]):
+    if moved:
         for want in weights:
             other = next(w for w in weights if w != want)
             assert diffs[want][other] > 3 * diffs[want][want], diffs
