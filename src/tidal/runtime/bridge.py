@@ -11,6 +11,7 @@ trajectory buffer (it must end at 0).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -61,6 +62,10 @@ class LedgerBridge:
         self.rewards: list[float] = []
         self.restored: set[str] = set()
         self.timing: dict[str, dict[str, Any]] = {}  # per execution, for executions.jsonl
+        # engine id -> weight version -> output tokens it generated (what each engine served)
+        self.tokens_by_engine_version: dict[str, dict[str, int]] = {}
+        # "<from>-><to>" -> calls that continued on another engine (a drain, a lost engine)
+        self.engine_handoffs: dict[str, int] = {}
         self._tasks: set[asyncio.Task] = set()
 
     def dispatched(self, execution_id: str, group_id: str) -> None:
@@ -110,6 +115,7 @@ class LedgerBridge:
                 "cached_tokens": sum(s.get("cached_tokens", 0) for s in c["segments"]),
                 "reprefill_tokens": sum(s.get("reprefill_tokens", 0) for s in c["segments"]),
                 "engines": [s["engine_id"] for s in c["segments"]]} for c in calls]
+            self._count(calls)
             await asyncio.to_thread(self.buffer.add, rec)
             self.recorded += 1
         except Exception as exc:
@@ -140,6 +146,17 @@ class LedgerBridge:
                     "transcript": [{"action": turn.get("action", ""),
                                     "observation": turn.get("observation", "")}
                                    for turn in r.transcript]}) + "\n")
+    def _count(self, calls: list[dict[str, Any]]) -> None:
+        for call in calls:
+            for seg in call["segments"]:
+                served = self.tokens_by_engine_version.setdefault(seg["engine_id"], {})
+                for v in seg["versions"]:
+                    served[v] = served.get(v, 0) + 1
+            path = [seg["engine_id"] for seg in call["segments"]]
+            for a, b in itertools.pairwise(path):
+                if a != b:
+                    key = f"{a}->{b}"
+                    self.engine_handoffs[key] = self.engine_handoffs.get(key, 0) + 1
 
     @property
     def lost(self) -> int:

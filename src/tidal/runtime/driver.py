@@ -41,7 +41,7 @@ import httpx
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
 from tidal.errors import ConfigError, TimeoutExpired
-from tidal.runtime import checkpoint
+from tidal.runtime import checkpoint, vllm_host
 from tidal.runtime.actuator import RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.cell import EngineHost, RuntimeFailure
@@ -70,6 +70,8 @@ def _check(cfg: RunConfig) -> None:
     if cfg.policy.args.get("rebalance"):
         raise ConfigError("policy.args.rebalance", "verl's rebalance (abort every in-flight "
                           "request to re-spread load) is not supported by the runtime")
+    if cfg.runtime.standalone_backend == "vllm":
+        vllm_host.check(cfg)
 
 
 class Runtime:
@@ -141,6 +143,7 @@ class Runtime:
                          log_to_driver=False)
             self._ray_started = True
         self._actor_cls = ray.remote(EngineHost)
+        self._vllm = vllm_host.actor_class(ray, self.rt)  # None: built-in standalone engines
         names = [f"s{j}" for j in range(self.cfg.cluster.standalone_count)]
         names += [f"c{i}" for i in range(len(self.cfg.cluster.cell_specs()))]
         self.placement = Placement(ray, self.cfg, names, rt.start_timeout_s)
@@ -148,8 +151,11 @@ class Runtime:
             self.actors[name] = self.new_actor(name)
         self.proxy = start_proxy([], [], self.token, kv_handoff=self.cfg.control.kv_handoff,
                                  log_path=self.out / "logs" / "proxy.log")
-        urls = ray.get([a.start.remote(rt.start_timeout_s) for a in self.actors.values()],
-                       timeout=rt.start_timeout_s + 30)
+        try:
+            urls = ray.get([a.start.remote(rt.start_timeout_s) for a in self.actors.values()],
+                           timeout=rt.start_timeout_s + 30)
+        except ray.exceptions.RayTaskError as exc:  # an engine's own one-line error
+            raise (exc.cause if isinstance(exc.cause, RuntimeFailure) else exc) from None
         self.urls = dict(zip(self.actors, urls, strict=True))
         self.start_pids = {d["name"]: d["pid"] for d in
                            ray.get([a.describe.remote() for a in self.actors.values()])}
@@ -162,14 +168,18 @@ class Runtime:
         env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
         # Threaded (max_concurrency): a health probe is answered while a long sleep, wake or
         # weight load runs; the actuator never sends one cell two state changes at once.
-        return self._actor_cls.options(runtime_env={"env_vars": env}, max_concurrency=4,
-                                       **self.placement.options(name)).remote(
-            name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"))
+        cls, extra = ((self._vllm, [vllm_host.vllm_settings(self.rt)])
+                      if self._vllm is not None and name.startswith("s") else
+                      (self._actor_cls, []))
+        return cls.options(runtime_env={"env_vars": env}, max_concurrency=4,
+                           **self.placement.options(name)).remote(
+            name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra)
 
     def join_body(self, name: str, url: str) -> dict[str, Any]:
         cl = self.cfg.cluster
         if name.startswith("s"):
-            return {"id": name, "url": url, "kind": "standalone", "cap": cl.standalone_slots}
+            return {"id": name, "url": url, "kind": "standalone", "cap": cl.standalone_slots,
+                    "backend": self.rt.standalone_backend}
         i = int(name[1:])
         return {"id": name, "url": url, "kind": "cell", "cell_index": i,
                 "cap": cl.cell_specs()[i].slots}
@@ -490,11 +500,12 @@ class Runtime:
         async with w.lock:
             w.version = self.core.version
             w.path = self.publisher.path(w.version)
-            targets = [a for n, a in self.actors.items() if n.startswith("s")]
-            targets += [a for i, a in enumerate(self.actuator.cells)
+            targets = [(n, a) for n, a in self.actors.items() if n.startswith("s")]
+            targets += [(f"c{i}", a) for i, a in enumerate(self.actuator.cells)
                         if i not in self.actuator.asleep]
-            outs = await asyncio.gather(*[a.load_weights.remote(w.path, w.label)
-                                          for a in targets], return_exceptions=True)
+            outs = await asyncio.gather(*[vllm_host.load_weights(  # vLLM: out of routing
+                self.admin, n, a, w.path, w.label, drained=self._vllm is not None and n[0] == "s")
+                for n, a in targets], return_exceptions=True)
         for out in outs:  # a lost engine is replaced by the supervisor with this version
             if isinstance(out, BaseException):
                 log.warning("publishing %s: an engine did not load it: %s", w.label,
@@ -565,6 +576,8 @@ class Runtime:
             "resumed": ({"at_step": self.ck.state.step, "restored_records": len(self.ck.records),
                          "resumes": self.ck.state.resumes + 1} if self.ck else None),
             "cells_replaced": [r["name"] for r in self.supervisor.replaced],
+            "tokens_by_engine_version": self.bridge.tokens_by_engine_version,
+            "engine_handoffs": self.bridge.engine_handoffs,
             "satellite_joins": sum(len(m["satellites"]) for m in self.metrics),
             "satellite_starts": self.actuator.satellite_starts,
             "micro_steps_by_cell": _sum_by_cell(self.metrics),

@@ -4,7 +4,8 @@
 In: ``GenerateRequest`` / control calls. Out: ``TokenChunk`` streams built from vLLM's
 ``return_token_ids`` + ``logprobs`` chunks. The router's request id travels as ``X-Request-Id``;
 vLLM's engine-level id for a completion is then ``cmpl-<id>-0``, which is what ``/abort_requests``
-takes. Tokens are tagged with the weight version the adapter last read from ``/weight_info``.
+takes. Tokens are tagged with the weight version read from ``/weight_info`` at the start of each
+call.
 vLLM has no KV export over HTTP here, so ``supports_kv_handoff`` is False.
 """
 
@@ -41,7 +42,9 @@ class VLLMAdapter(NoKVHandoff, HTTPEngineBase):
             body["seed"] = p.seed
         if p.stop_token_ids:
             body["stop_token_ids"] = p.stop_token_ids
-        version = await self.weight_version()
+        # read per call: the label moves when a version is loaded into the live server (out of
+        # the proxy's routing, so no call of ours straddles a load: invariant 6)
+        version = await self._read_version()
         first = True
         async for event in self._sse("/v1/completions", body,
                                      headers={"X-Request-Id": req.request_id}):
@@ -90,8 +93,12 @@ class VLLMAdapter(NoKVHandoff, HTTPEngineBase):
 
     async def weight_version(self) -> str:
         if self._version is None:
-            data = (await self._call("GET", "/weight_info")).json()
-            self._version = str(data.get("weight_version") or "v0")
+            return await self._read_version()
+        return self._version
+
+    async def _read_version(self) -> str:
+        data = (await self._call("GET", "/weight_info")).json()
+        self._version = str(data.get("weight_version") or "v0")
         return self._version
 
 

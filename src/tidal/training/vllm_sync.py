@@ -4,13 +4,21 @@ In: ``(version, flat)`` from the core (a ``WeightPublisher``). Out: the new weig
 vLLM worker and the server's weight version label, without restarting the server. Pattern 1 of
 ENGINES.md 1.1d: the server runs with ``VLLM_SERVER_DEV_MODE=1`` and
 ``--worker-extension-cls tidal.training.vllm_sync.TidalWorkerExtension``; the trainer drives it
-over HTTP ``POST /collective_rpc``. Two carriers:
+over HTTP ``POST /collective_rpc``. Three carriers:
 
 - ``shm`` (same machine): the core writes the vector into a shared-memory segment and each
   worker's ``tidal_load_shm`` maps it and calls ``model.load_weights``;
 - ``broadcast`` (across machines, NCCL on GPUs): each worker joins a side group once
   (``tidal_init_group``: TCPStore + PrefixStore, trainer = rank 0) and ``tidal_receive`` takes
-  the broadcast while the trainer sends it.
+  the broadcast while the trainer sends it;
+- ``file`` (``load_file``): a version another publisher wrote (``FilePublisher``: safetensors,
+  the trainer's parameter names), read by each worker's ``tidal_load_file``; what ``tidal run``
+  uses for vLLM standalone engines (``tidal.runtime.vllm_host``).
+
+Workers load through vLLM's in-place ``reload_weights`` (the checkpoint-format loader and the
+post-load processing: the CPU backend repacks weights for its GEMM kernels, so writing into
+parameters would not reach them); a tied ``lm_head`` is re-derived from the new embedding
+(vLLM loads no head weight for it and would keep the old packed one).
 
 Keeps invariant 6: after the load the server's label is set to ``v<version>`` (``/update_weight
 _version``), so every token it generates afterwards is attributed to the version it came from.
@@ -21,9 +29,11 @@ releases.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -42,9 +52,34 @@ class TidalWorkerExtension:
     model_runner: Any
 
     def _load(self, named: dict[str, torch.Tensor]) -> None:
+        reload = getattr(self, "reload_weights", None)
+        if reload is not None:
+            # vLLM's in-place reload (the worker's own): checkpoint-format weights through the
+            # model's loader, then its post-load processing. A plain ``model.load_weights``
+            # fails once kernels have repacked their parameters (the CPU backend empties them).
+            reload(weights_iterator=iter(named.items()), is_checkpoint_format=True)
+            self._retie()
+            return
         model = self.model_runner.model
         device = next(model.parameters()).device
         model.load_weights(weights=[(n, t.to(device)) for n, t in named.items()])
+
+    def _retie(self) -> None:
+        """A model with tied embeddings loads no ``lm_head`` weight: its head keeps the kernel
+        state made from the old embedding (the CPU backend packs it for its GEMM). Give the
+        head the new embedding and redo its post-load processing."""
+        model = self.model_runner.model
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        config = getattr(model, "config", None)
+        if head is None or embed is None or not getattr(config, "tie_word_embeddings", False):
+            return
+        with torch.no_grad():
+            if head.weight.data_ptr() != embed.weight.data_ptr():
+                head.weight.data.copy_(embed.weight.data)
+            method = getattr(head, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(head)
 
     def tidal_load_shm(self, shm_name: str, min_version: int, timeout_s: float = 60.0) -> int:
         reader = SharedMemoryTransport.attach(shm_name)
@@ -54,6 +89,17 @@ class TidalWorkerExtension:
         finally:
             reader.close()
         return version
+
+    def tidal_load_file(self, path: str) -> str:
+        """Load a ``FilePublisher`` file (safetensors, the trainer's parameter names); returns
+        the version label stored in it."""
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            label = (f.metadata() or {}).get("weight_version", "")
+            named = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118 - not a dict
+        self._load(named)
+        return label
 
     def tidal_init_group(self, host: str, port: int, rank_offset: int, world_size: int, key: str,
                          backend: str = "nccl", timeout_s: float = 300.0) -> bool:
@@ -90,13 +136,17 @@ class TidalWorkerExtension:
 
 
 class VLLMWeightPublisher:
-    """A ``WeightPublisher`` for one vLLM server (all its TP/DP workers)."""
+    """A ``WeightPublisher`` for one vLLM server (all its TP/DP workers); ``load_file`` loads a
+    version another publisher wrote (``FilePublisher``), e.g. in ``tidal run``."""
 
-    def __init__(self, base_url: str, layout: ParamLayout, carrier: Literal["shm", "broadcast"],
+    def __init__(self, base_url: str, layout: ParamLayout | None,
+                 carrier: Literal["shm", "broadcast", "file"],
                  shm_name: str | None = None, pause_mode: str | None = "keep",
                  api_key: str | None = None, timeout_s: float = 300.0) -> None:
         import httpx
 
+        if layout is None and carrier != "file":
+            raise TransportError(f"the {carrier} carrier needs the parameter layout")
         self.base_url, self.layout, self.carrier = base_url.rstrip("/"), layout, carrier
         self.pause_mode, self.timeout_s = pause_mode, timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -146,10 +196,30 @@ class VLLMWeightPublisher:
             raise TransportError("vLLM workers did not join the weight group")
         self._group = (registry, pg)
 
-    def publish(self, version: int, flat: torch.Tensor) -> None:
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
         if self.pause_mode and self._has_pause:
             self._post("/pause", params={"mode": self.pause_mode})
         try:
+            yield
+        finally:
+            if self.pause_mode and self._has_pause:
+                self._post("/resume")
+
+    def set_version(self, label: str) -> None:
+        """The server's weight version label: what its tokens are attributed to."""
+        if not self._has_version:
+            raise TransportError(f"{self.base_url} lacks /update_weight_version (vLLM >= 0.32 "
+                                 "with VLLM_SERVER_DEV_MODE=1)")
+        self._post("/update_weight_version", {"new_version": label})
+
+    def version(self) -> str:
+        return str(self._get("/weight_info").get("weight_version"))
+
+    def publish(self, version: int, flat: torch.Tensor) -> None:
+        if self.carrier == "file":
+            raise TransportError("the file carrier loads published files: use load_file()")
+        with self._paused():
             if self._shm is not None:
                 self._shm.publish(version, flat)
                 self.rpc("tidal_load_shm", self._shm.name, version)
@@ -157,10 +227,18 @@ class VLLMWeightPublisher:
                 self._broadcast(version, flat)
             if self._has_version:
                 self._post("/update_weight_version", {"new_version": f"v{version}"})
-        finally:
-            if self.pause_mode and self._has_pause:
-                self._post("/resume")
         log.info("vLLM %s now serves v%d", self.base_url, version)
+
+    def load_file(self, path: str, label: str) -> str:
+        """Load the version a ``FilePublisher`` wrote at ``path`` into every worker (no
+        restart), then label the server ``label``; generation is paused meanwhile."""
+        with self._paused():
+            stored = self.rpc("tidal_load_file", str(path))
+            if any(s and s != label for s in stored):
+                raise TransportError(f"{path} holds {stored[0]}, not {label}")
+            self.set_version(label)
+        log.info("vLLM %s now serves %s (%s)", self.base_url, label, path)
+        return label
 
     def _broadcast(self, version: int, flat: torch.Tensor) -> None:
         from tidal.training.transport import BroadcastTransport

@@ -40,13 +40,18 @@ def smollm2():
 def servers(smollm2, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-logs")
     port = free_port()
+    from tidal.runtime.vllm_host import _tidal_path
+
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "PYTHONPATH": _tidal_path(logs / "pythonpath")}  # tidal's worker extension
     log = open(logs / "vllm.log", "wb")  # noqa: SIM115
     vllm = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
                              "--model", str(smollm2), "--served-model-name", "smollm2",
                              "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
-                             "2048", "--enforce-eager", "--dtype", "float32"],
+                             "2048", "--enforce-eager", "--dtype", "float32",
+                             "--worker-extension-cls",
+                             "tidal.training.vllm_sync.TidalWorkerExtension"],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     builtin = start_engine(smollm2, name="smollm2", log_path=logs / "builtin.log")
     proxy = start_proxy([], [], TOKEN, log_path=logs / "proxy.log")
@@ -134,3 +139,54 @@ def test_drain_vllm_to_builtin_and_back_is_one_answer(servers):
     assert moved["moved"] == 1 and back["moved"] == 1
     assert [s["engine_id"] for s in segments if s["token_ids"]][:3] == ["vllm", "builtin", "vllm"]
     assert sum(len(s["token_ids"]) for s in segments) == 100
+
+
+def test_published_weights_load_into_the_live_server(servers, smollm2, tmp_path):
+    """A ``FilePublisher`` version goes into the running server (``vllm_sync``'s file carrier,
+    as ``tidal run`` does it): the label moves and vLLM's log-probabilities become those of the
+    new weights (tidal's model as reference), tied head included; then the original is back."""
+    import torch
+
+    from tidal.models import load_model
+    from tidal.training.flat import ParamLayout
+    from tidal.training.transport import FilePublisher
+    from tidal.training.vllm_sync import VLLMWeightPublisher
+
+    url, _, _ = servers
+    model, tok = load_model(smollm2)
+    model.eval()
+    layout = ParamLayout.of(model)
+    prompt = tok.encode("The capital of France is")
+
+    def vllm_logprobs() -> tuple[list[int], list[float]]:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "logprobs": 0, "return_token_ids": True}).json()["choices"][0]
+        return r["token_ids"], r["logprobs"]["token_logprobs"]
+
+    def tidal_error(ids: list[int], lps: list[float]) -> float:
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt + ids]))[0].float(), -1)
+        return max(abs(ref[len(prompt) - 1 + i, t].item() - lp)
+                   for i, (t, lp) in enumerate(zip(ids, lps, strict=True)))
+
+    pub = FilePublisher(tmp_path / "w", layout)
+    sync = VLLMWeightPublisher(url, None, "file")
+    try:
+        pub.publish(0, layout.params_to_flat(model))
+        ids0, lps0 = vllm_logprobs()
+        assert tidal_error(ids0, lps0) < 1e-3
+        torch.manual_seed(0)
+        with torch.no_grad():  # a different version: every weight (the tied embedding too)
+            for p in model.parameters():
+                p.mul_(1 + 0.05 * torch.randn_like(p))
+        assert tidal_error(ids0, lps0) > 1e-2  # the reference tells the versions apart
+        pub.publish(1, layout.params_to_flat(model))
+        assert sync.load_file(pub.path(1), "v1") == "v1" and sync.version() == "v1"
+        ids1, lps1 = vllm_logprobs()
+        print("vLLM vs tidal at v1:", tidal_error(ids1, lps1))
+        assert tidal_error(ids1, lps1) < 1e-3
+    finally:
+        sync.load_file(pub.path(0), "v0")  # the other tests' server as it was
+        sync.close()
+    assert vllm_logprobs()[0] == ids0

@@ -1,0 +1,239 @@
+"""A standalone engine served by a real vLLM OpenAI server (``runtime.standalone_backend:
+vllm``); cells keep the built-in engine.
+
+In: the same calls as ``EngineHost`` from the driver and the supervisor (``start``, ``describe``,
+``load_weights``, ``kill_engine``, ``stop``). Out: the server's URL; the engine joins the proxy
+with backend ``vllm`` (``tidal.serving.vllm_adapter``). The server runs from the vLLM venv's
+python (``runtime.vllm_python``, default ``$TIDAL_VLLM_PYTHON``) on a free port, in its own
+process group (vLLM starts an engine-core child: both end together), with
+``VLLM_SERVER_DEV_MODE=1`` and tidal's worker extension (``tidal.training.vllm_sync``), so a
+published version is loaded into the live server without a restart: generation paused, every
+worker reads the ``FilePublisher`` file, the server's label becomes the version (invariant 6:
+the proxy tags each later token with it), generation resumed. Its log is
+``logs/engine-<name>.log``. A standalone engine never sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tidal.errors import TidalError
+from tidal.runtime.cell import EngineHost, RuntimeFailure
+
+SERVED_NAME = "tidal"
+
+
+def vllm_settings(rt: Any) -> dict[str, Any]:
+    """What a ``VLLMEngineHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``)."""
+    return {"python": rt.resolved_vllm_python(), "kv_cache_gb": rt.vllm_kv_cache_gb,
+            "max_model_len": rt.vllm_max_model_len}
+
+
+# In every process of the server but the server itself (``sitecustomize`` runs at each Python
+# start): die with the parent. vLLM's engine core and workers outlive a SIGKILLed server
+# otherwise (measured on 0.32), and a lost engine is ended by its pid.
+_SITECUSTOMIZE = """\
+import os
+if os.environ.get("TIDAL_VLLM_LAUNCHER_PID") not in (None, str(os.getppid())):
+    import ctypes, signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        os._exit(1)
+"""
+
+
+def _tidal_path(root: Path) -> str:
+    """A directory holding only the ``tidal`` package (a link) and ``sitecustomize.py``, for
+    the vLLM venv's ``PYTHONPATH``: its workers import the worker extension from it, and
+    nothing else of this venv leaks into vLLM's."""
+    import tidal
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    link = root / "tidal"
+    pkg = Path(tidal.__file__).resolve().parent
+    if not (link.is_symlink() and link.resolve() == pkg):
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        link.symlink_to(pkg, target_is_directory=True)
+    return str(root)
+
+
+class VLLMEngineHost(EngineHost):
+    """Plain class; ``driver`` wraps it with ``ray.remote``. One vLLM server per instance."""
+
+    def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
+                 settings: dict[str, Any]) -> None:
+        super().__init__(name, model_dir, max_batch, log_dir)
+        self.settings = settings
+        self.vllm: subprocess.Popen | None = None
+        self.url: str | None = None
+        self._sync = None
+
+    def start(self, timeout_s: float) -> str:
+        from tidal.serving.launch import free_port
+
+        port = free_port()
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE":
+               str(self.settings["kv_cache_gb"]),
+               "PYTHONPATH": _tidal_path(self.log_path.parent / "vllm-pythonpath"),
+               "TIDAL_VLLM_LAUNCHER_PID": str(os.getpid())}
+        env.pop("VIRTUAL_ENV", None)
+        args = [self.settings["python"], "-m", "vllm.entrypoints.openai.api_server",
+                "--model", self.model_dir, "--served-model-name", SERVED_NAME,
+                "--host", "127.0.0.1", "--port", str(port),
+                "--max-model-len", str(self.settings["max_model_len"]),
+                "--max-num-seqs", str(self.max_batch), "--enforce-eager", "--dtype", "float32",
+                "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension"]
+        with open(self.log_path, "ab") as log_fh:
+            self.vllm = subprocess.Popen(args, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        try:
+            self._wait_healthy(timeout_s)
+            from tidal.training.vllm_sync import VLLMWeightPublisher
+
+            self._sync = VLLMWeightPublisher(self.url, None, "file", timeout_s=timeout_s)
+            # vLLM calls its initial weights "default"; tidal's first version is v0
+            self._sync.set_version(self.loaded_version)
+        except TidalError as exc:
+            self._end()
+            raise RuntimeFailure(f"vLLM engine {self.name}: {exc}") from None
+        self.state = "awake"
+        return self.url
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.vllm.poll() is not None:
+                raise RuntimeFailure(f"the server exited with {self.vllm.returncode} during "
+                                     f"start-up: {self._log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeFailure(f"not healthy within {timeout_s:g} s (see {self.log_path})")
+
+    def _log_tail(self, lines: int = 3) -> str:
+        try:
+            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            return f"see {self.log_path}"
+        return " | ".join(tail) + f" (in {self.log_path})"
+
+    def sleep(self) -> str:
+        raise RuntimeFailure(f"vLLM engine {self.name} is a standalone engine: it never sleeps")
+
+    def wake(self) -> str:
+        return self.state
+
+    def load_weights(self, path: str, version: str) -> str:
+        """Load a published version into the live server; later tokens carry ``version``."""
+        if self._sync is None or not self.alive():
+            raise RuntimeFailure(f"vLLM engine {self.name} is not running")
+        try:
+            self.loaded_version = self._sync.load_file(path, version)
+        except TidalError as exc:
+            raise RuntimeFailure(f"vLLM engine {self.name}: loading {version}: {exc}") from None
+        return self.loaded_version
+
+    def start_satellite(self, cell: int, core: dict, timeout_s: float) -> int:
+        raise RuntimeFailure(f"{self.name} is a standalone engine: no satellite trainer")
+
+    def alive(self) -> bool:
+        return self.vllm is not None and self.vllm.poll() is None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "state": self.state, "version": self.loaded_version,
+                "alive": self.alive(), "url": self.url,
+                "pid": self.vllm.pid if self.vllm else None, "satellite_pid": None,
+                "satellite_starts": 0, "gpu_ids": _gpu_ids(), "backend": "vllm"}
+
+    def kill_engine(self) -> None:
+        """Crash the server (SIGKILL to its process group): fault injection for tests."""
+        if self.vllm is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.vllm.pid, signal.SIGKILL)
+            self.vllm.wait(30)
+            self.state = "dead"
+
+    def _end(self, timeout_s: float = 30.0) -> None:
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+        if self.vllm is None:
+            return
+        if self.vllm.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.vllm.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.vllm.wait(timeout_s)
+        # the engine-core child too, whatever became of the server
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.vllm.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.vllm.wait(5)
+
+    def stop(self) -> None:
+        self._end()
+        self.state = "stopped"
+
+
+def _gpu_ids() -> list[str]:
+    from tidal.runtime.cell import _gpu_ids as ids
+
+    return ids()
+
+
+def check(cfg: Any) -> None:
+    """``ConfigError`` unless this run can serve its standalone engines with vLLM."""
+    from tidal.errors import ConfigError
+
+    rt = cfg.runtime
+    if cfg.cluster.standalone_count == 0:
+        raise ConfigError("runtime.standalone_backend", "'vllm' serves standalone engines, "
+                          "and cluster.standalone_count is 0")
+    if rt.model == "tiny":
+        raise ConfigError("runtime.standalone_backend", "vLLM cannot serve the 'tiny' model "
+                          "(tidal's own format): use a Hugging Face model, e.g. "
+                          "runtime.model: smollm2-135m")
+    rt.resolved_vllm_python()
+
+
+def actor_class(ray: Any, rt: Any) -> Any:
+    """The Ray actor class of vLLM standalone engines, or None (built-in ones)."""
+    return ray.remote(VLLMEngineHost) if rt.standalone_backend == "vllm" else None
+
+
+async def load_weights(admin: Any, name: str, actor: Any, path: str, label: str,
+                       drained: bool) -> str:
+    """``actor.load_weights``; with ``drained``, the engine is out of the proxy's routing
+    meanwhile (its calls move, none starts), so no call of ours straddles the load and the
+    label the vLLM adapter reads at the start of each call is the version of all its tokens."""
+    if not drained:
+        return await actor.load_weights.remote(path, label)
+    resp = await admin.post(f"/tidal/engines/{name}/drain")
+    if resp.status_code != 200:
+        raise RuntimeFailure(f"drain of {name} before loading {label}: HTTP "
+                             f"{resp.status_code} {resp.text[:200]}")
+    try:
+        return await actor.load_weights.remote(path, label)
+    finally:
+        resp = await admin.post(f"/tidal/engines/{name}/undrain")
+        if resp.status_code != 200:
+            raise RuntimeFailure(f"undrain of {name} after loading {label}: HTTP "
+                                 f"{resp.status_code} {resp.text[:200]}")
