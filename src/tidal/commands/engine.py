@@ -18,11 +18,15 @@ import click
 @click.option("--max-waiting", default=1024, show_default=True)
 @click.option("--threads", default=1, show_default=True, help="torch threads")
 @click.option("--weight-version", default="v0", show_default=True)
+@click.option("--seed", default=0, show_default=True,
+              help="Sampling seed of requests without their own; give each engine of a "
+                   "cluster its own, or engines serving one GRPO group draw the same samples.")
 @click.option("--step-in-thread/--step-on-loop", default=False, show_default=True,
               help="Run model steps in a worker thread so the HTTP loop keeps answering "
                    "(control calls, tokenize) during long prefills.")
 def command(model_dir: str, port: int, host: str, name: str | None, max_batch: int,
-            max_waiting: int, threads: int, weight_version: str, step_in_thread: bool) -> None:
+            max_waiting: int, threads: int, weight_version: str, seed: int,
+            step_in_thread: bool) -> None:
     """Serve MODEL on HOST:PORT with continuous batching."""
     from pathlib import Path
 
@@ -38,6 +42,7 @@ def command(model_dir: str, port: int, host: str, name: str | None, max_batch: i
     model, tok = load_model(model_dir)
     engine = Engine(model, tok, model_dir, EngineConfig(name=served, max_batch=max_batch,
                                                         max_waiting=max_waiting,
+                                                        seed=seed,
                                                         step_in_thread=step_in_thread),
                     weight_version=weight_version)
     app = build_engine_app(engine, served)

@@ -49,8 +49,11 @@ class EngineHost:
         from tidal.serving.launch import start_engine
 
         # Model steps in a thread: a long prefill never stalls the engine's control routes.
+        # Each engine process samples with its own seed: engines that serve the executions of
+        # one GRPO group must not draw identical samples (no advantage, no learning).
+        seed = int.from_bytes(os.urandom(4), "little")
         self.proc = start_engine(self.model_dir, name="tiny", max_batch=self.max_batch,
-                                 log_path=self.log_path, step_in_thread=True)
+                                 log_path=self.log_path, step_in_thread=True, seed=seed)
         try:
             self.proc.wait_healthy(timeout_s)
         except TidalError as exc:
