@@ -199,6 +199,7 @@ class VerlScheduler:
         self._synced_version = 0
         self._cycle_checked_step = -1
         self._wait_target: int | None = None
+        self._activating = False  # an activation was decided and has not completed yet
         self.last_hook = ""
 
     def initial_prefix(self, cells: tuple[CellView, ...]) -> int:
@@ -222,6 +223,14 @@ class VerlScheduler:
         if obs.in_flight or not self._hybrid:
             return Decision.hold("transition in flight" if obs.in_flight else "no hybrid cells")
         active = self._active(obs)
+        if active:
+            self._activating = False
+        if self._activating and obs.version <= self._synced_version:
+            # The activation plan aborted (the controller restored the training role): issue it
+            # again, as the deactivation target is kept until it completes. Without it, a
+            # cluster of hybrid cells only would never roll out again.
+            return Decision(Action.TO_ROLLOUT, self._hybrid, "activate again after an abort",
+                            PlanStyle.VERL, {"rebalance": self.rebalance})
         if self._wait_target is not None and all(
                 obs.cells[i].role is Role.TRAINING for i in self._hybrid):
             self._wait_target = None  # the deactivation completed
@@ -237,11 +246,16 @@ class VerlScheduler:
                 self.hooks.update_after_step(obs.trainer_step, ctx)
             self.last_hook = "should_activate_after_step"
             if activate:
+                self._activating = True
                 return Decision(Action.TO_ROLLOUT, self._hybrid,
                                 "activate hybrid replicas after weight sync",
                                 PlanStyle.VERL, {"rebalance": self.rebalance})
             return Decision.hold("stay standalone-only after weight sync")
-        if active and obs.trainer_waiting and obs.steps_in_version == 0 \
+        # The first trainer step of a cycle checks deactivation (verl); so does any step that
+        # finds no cell training (an activation that completed after the version's first
+        # step, e.g. retried after an abort): the trainer could never run otherwise.
+        starved = not any(c.role is Role.TRAINING for c in obs.cells)
+        if active and obs.trainer_waiting and (obs.steps_in_version == 0 or starved) \
                 and self._cycle_checked_step != obs.trainer_step:
             self._cycle_checked_step = obs.trainer_step
             self.last_hook = "should_deactivate"

@@ -42,3 +42,25 @@ def test_random_worlds_finish_with_invariants_held(seed, policy, cells, standalo
     res = run_policy(sc, policy, check=True)
     assert res.summary["trainer_steps"] == sc.total_steps
     assert res.world.ledger.duplicate_closes == 0
+
+
+def test_verl_on_hybrid_cells_only_survives_aborted_activations():
+    # Found by the property test above: with no standalone engine, an aborted activation was
+    # never retried (the cell stayed training, nothing rolled out: stuck at step 4 of 6), and
+    # an activation retried after the version's first step was never undone (stuck at 5).
+    for seed in (31, 34):
+        sc = tiny_scenario(
+            seed=seed,
+            cluster={"cells": [{"gpus": 8, "slots": 8, "kind": "hybrid"}],
+                     "standalone_count": 0, "standalone_gpus": 8, "standalone_slots": 8},
+            control={"group_size": 4, "batch_groups": 3, "updates_per_burst": 2, "bursts": 3},
+            workload={"classes": [{"turns": {"median": 1, "sigma": 0.5},
+                                   "decode_tokens": {"median": 800, "sigma": 0.8, "cap": 8000},
+                                   "tool_s": {"median": 3.0, "sigma": 1.0, "cap": 60},
+                                   "tool_output_tokens": {"median": 100},
+                                   "timeout_s": 90.0}]},
+            sim={"step_failure_rate": 0.2, "max_virtual_s": 2 * 86400.0},
+        )
+        res = run_policy(sc, "verl-fixed-ratio", check=True)
+        assert res.summary["trainer_steps"] == sc.total_steps
+        assert res.summary["plans_aborted"] > 0
