@@ -31,17 +31,6 @@ pytestmark = [pytest.mark.vllm,
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "vllm.yaml"
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from tidal.errors import TidalError
-    from tidal.models import fetch
-
-    try:
-        return fetch("smollm2-135m")
-    except TidalError as exc:
-        pytest.skip(f"SmolLM2 cannot be converted: {exc}")
-
-
 def _logprobs(model, prompt: list[int], out: list[int]) -> list[float]:
     with torch.no_grad():
         logits = model(torch.tensor([prompt + out]))[0].float()

@@ -26,17 +26,6 @@ H = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from tidal.errors import TidalError
-    from tidal.models import fetch
-
-    try:
-        return fetch("smollm2-135m")
-    except TidalError as exc:
-        pytest.skip(f"SmolLM2 cannot be converted: {exc}")
-
-
-@pytest.fixture(scope="module")
 def servers(smollm2, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-logs")
     port = free_port()
