@@ -156,6 +156,10 @@ class RuntimeConfig(Strict):
                                      "(None: detected)")
     use_gpus: bool = Field(False, description="each cell / standalone engine reserves its "
                            "cluster.*_gpus GPUs in a placement-group bundle")
+    device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="where engines and "
+                        "trainers run: 'cuda' (each cell's first reserved GPU; the core trainer "
+                        "on cell 0's), 'cpu', or 'auto' (cuda when use_gpus is on and a GPU is "
+                        "seen, else cpu)")
     cpus_per_engine: float = Field(0.25, gt=0.0, description="CPUs reserved per engine actor")
     placement_strategy: str = Field("PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
     start_timeout_s: float = Field(120.0, gt=0.0)
@@ -187,6 +191,19 @@ class RuntimeConfig(Strict):
                               "the vLLM venv with 'make vllm-venv' and point "
                               "TIDAL_VLLM_PYTHON at vllm-venv/bin/python)")
         return exe
+
+    @model_validator(mode="after")
+    def _device_needs_gpus(self) -> RuntimeConfig:
+        if self.device == "cuda" and not self.use_gpus:
+            raise _FieldError("device", "'cuda' needs runtime.use_gpus: true (engines get their "
+                              "GPUs from their placement-group bundles)")
+        return self
+
+    def resolved_device(self, cuda_available: bool) -> str:
+        """``device`` with ``auto`` decided: what a process that sees (or not) a GPU uses."""
+        if self.device == "auto":
+            return "cuda" if self.use_gpus and cuda_available else "cpu"
+        return self.device
 
 
 class RunConfig(Strict):

@@ -1,16 +1,30 @@
-"""``tidal check CONFIG``: validate a run or scenario config and print it resolved."""
+"""``tidal check CONFIG``: validate a run or scenario config and print it resolved, then the
+device torch sees here and where ``runtime.device`` puts the trainer and engines (on stderr, so
+the YAML on stdout stays clean)."""
 
 from __future__ import annotations
 
 import click
 
 
-@click.command(help="Validate a config file (YAML); print the resolved config on success.")
+@click.command(help="Validate a config file (YAML); print the resolved config on success, and "
+                    "the device torch sees (stderr).")
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
 def command(config: str, quiet: bool) -> None:
     from tidal.config import RunConfig, dump_yaml, load_yaml
 
     cfg = load_yaml(config, RunConfig)
-    if not quiet:
-        click.echo(dump_yaml(cfg), nl=False)
+    if quiet:
+        return
+    click.echo(dump_yaml(cfg), nl=False)
+    rt = cfg.runtime
+    try:
+        import torch
+
+        from tidal.models.device import describe_devices
+    except ImportError:  # a simulator-only install
+        click.echo(f"# device: torch is not installed; runtime.device {rt.device}", err=True)
+        return
+    click.echo(f"# device: {describe_devices()}; runtime.device {rt.device} -> "
+               f"{rt.resolved_device(torch.cuda.is_available())} here", err=True)

@@ -1,6 +1,7 @@
 """``tidal engine``: serve a model directory with the built-in engine over HTTP (loopback).
 
-In: a model directory (tiny GPT or HF Llama). Out: an OpenAI-compatible server with vLLM-shaped
+In: a model directory (tiny GPT or HF Llama) and a device (``--device cpu|cuda|cuda:N``; the
+weights are read on the CPU and moved there). Out: an OpenAI-compatible server with vLLM-shaped
 control routes; runs until interrupted.
 """
 
@@ -24,9 +25,11 @@ import click
 @click.option("--step-in-thread/--step-on-loop", default=False, show_default=True,
               help="Run model steps in a worker thread so the HTTP loop keeps answering "
                    "(control calls, tokenize) during long prefills.")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the model and KV caches live: cpu, cuda or cuda:N.")
 def command(model_dir: str, port: int, host: str, name: str | None, max_batch: int,
             max_waiting: int, threads: int, weight_version: str, seed: int,
-            step_in_thread: bool) -> None:
+            step_in_thread: bool, device: str) -> None:
     """Serve MODEL on HOST:PORT with continuous batching."""
     from pathlib import Path
 
@@ -34,16 +37,19 @@ def command(model_dir: str, port: int, host: str, name: str | None, max_batch: i
     import uvicorn
 
     from tidal.models import load_model
+    from tidal.models.device import resolve_device
     from tidal.serving.engine import Engine, EngineConfig
     from tidal.serving.engine_server import build_engine_app
 
     torch.set_num_threads(threads)
     served = name or Path(model_dir).name
+    resolve_device(device)  # fail before the model is read
     model, tok = load_model(model_dir)
     engine = Engine(model, tok, model_dir, EngineConfig(name=served, max_batch=max_batch,
                                                         max_waiting=max_waiting,
                                                         seed=seed,
-                                                        step_in_thread=step_in_thread),
+                                                        step_in_thread=step_in_thread,
+                                                        device=device),
                     weight_version=weight_version)
     app = build_engine_app(engine, served)
     # idle keep-alive connections outlive client pools' reuse (uvicorn closes them after 5 s).

@@ -4,6 +4,11 @@ In: token ids (a padded batch for training, or ragged per-sequence lists plus KV
 serving). Out: logits. Subclasses build ``embed`` / ``blocks`` / ``final_norm`` / ``lm_head``; this
 module owns full-sequence forward, cached incremental forward, in-place weight loading, and
 freeing / re-materialising weights (engine sleep and wake).
+
+Device: a model moved with ``.to(device)`` keeps working; every tensor a forward builds (ids,
+positions, masks, rotary tables, new KV caches) is made on the parameters' device. A freed model
+remembers that device and ``materialize`` re-creates its parameters there; freeing on CUDA also
+hands the cached blocks back to the driver, so a sleeping engine really holds no weight memory.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.errors import TidalError
+from tidal.models.device import release_cached
 from tidal.models.kv import KVCache, RaggedBatch
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding, ``rotate_half`` convention; ``x`` is ``[B, T, H, D]``."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    steps = torch.arange(0, d, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = 1.0 / (theta ** (steps / d))
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -74,6 +81,13 @@ class CausalLM(nn.Module):
     max_seq_len: int
     vocab_size: int
     model_type: str
+    _weights_device: torch.device = torch.device("cpu")  # where freed weights come back
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (while freed: where ``materialize`` puts them back)."""
+        p = next(self.parameters())
+        return self._weights_device if p.is_meta else p.device
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -90,17 +104,20 @@ class CausalLM(nn.Module):
         b, t = input_ids.shape
         if t > self.max_seq_len:
             raise TidalError(f"sequence of {t} tokens exceeds max_seq_len {self.max_seq_len}")
-        positions = torch.arange(t).expand(b, t)
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
         h = self._embed(input_ids, positions)
         for i in range(self.n_layers):
             h = self._block(i, h, positions, None)
         return self._head(h)
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self._param_dtype())
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self._param_dtype(),
+                       self.device)
 
     def cache_from_tensors(self, tensors: dict[str, torch.Tensor]) -> KVCache:
-        return KVCache.from_tensors(tensors, self.n_layers, self.n_kv_heads, self.head_dim)
+        """An exported cache (CPU tensors) on this model's device, in its dtype."""
+        return KVCache.from_tensors(tensors, self.n_layers, self.n_kv_heads, self.head_dim,
+                                    self.device, self._param_dtype())
 
     @torch.no_grad()
     def forward_cached(self, tokens: list[list[int]], caches: list[KVCache]) -> torch.Tensor:
@@ -115,13 +132,14 @@ class CausalLM(nn.Module):
         ids = torch.zeros((len(tokens), batch.max_new), dtype=torch.long)
         for i, t in enumerate(tokens):
             ids[i, : len(t)] = torch.tensor(t)
+        ids = ids.to(batch.device)  # built on CPU: one copy, not one per sequence
         # padding rows of short sequences may run past the context; their outputs are unused
         positions = batch.positions.clamp_max(self.max_seq_len - 1)
         h = self._embed(ids, positions)
         for i in range(self.n_layers):
             h = self._block(i, h, positions, batch)
-        last = torch.tensor(batch.new_tokens) - 1
-        h = h[torch.arange(len(tokens)), last]
+        last = torch.tensor(batch.new_tokens, device=batch.device) - 1
+        h = h[torch.arange(len(tokens), device=batch.device), last]
         batch.commit()
         return self._head(h[:, None, :])[:, 0, :]
 
@@ -131,7 +149,8 @@ class CausalLM(nn.Module):
     # -- weights ------------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Copy ``state_dict`` into the existing parameters (same storage; no re-allocation)."""
+        """Copy ``state_dict`` into the existing parameters (same storage; no re-allocation);
+        tensors may be on another device or of another dtype (e.g. CPU reads into CUDA)."""
         own = dict(self.named_parameters())
         missing = [n for n in own if n not in state_dict and not self._is_tied(n)]
         unknown = [n for n in state_dict if n not in own]
@@ -151,12 +170,18 @@ class CausalLM(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
 
     def free_weights(self) -> None:
-        """Release parameter memory (engine sleep); ``materialize`` + ``load_weights`` undo it."""
+        """Release parameter memory (engine sleep); ``materialize`` + ``load_weights`` undo it.
+        Whoever calls this holds no other reference to the parameters (or they stay alive)."""
+        device = self.device
+        self._weights_device = device
         self.to("meta")
         self._retie()
+        release_cached(device)
 
-    def materialize(self) -> None:
-        self.to_empty(device="cpu")
+    def materialize(self, device: torch.device | str | None = None) -> None:
+        """Fresh, uninitialised parameters on ``device`` (default: where they were freed)."""
+        self._weights_device = torch.device(device) if device is not None else self.device
+        self.to_empty(device=self._weights_device)
         self._retie()
 
     def _retie(self) -> None:

@@ -2,7 +2,10 @@
 
 In: new keys/values per layer for a batch of sequences of different lengths. Out: padded key/value
 tensors plus a boolean mask, so one SDPA call serves the whole batch (continuous batching).
-A cache can be exported to plain tensors and rebuilt elsewhere (KV handoff between engines).
+A cache can be exported to plain tensors and rebuilt elsewhere (KV handoff between engines):
+exports are always CPU tensors (they become safetensors bytes), an import lands on the device the
+importing model runs on. A cache lives on one device; a ragged batch builds its positions and
+mask on its caches' device.
 
 Invariant: ``length`` positions are valid in every layer; positions beyond are zeros and masked.
 """
@@ -22,9 +25,11 @@ class KVCache:
     """Keys and values of one sequence: per layer ``[capacity, n_kv_heads, head_dim]``."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.dtype = dtype
+        self.device = torch.device(device)
         self.length = 0
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
@@ -37,8 +42,9 @@ class KVCache:
         while cap < tokens:
             cap *= 2
         shape = (cap, self.n_kv_heads, self.head_dim)
-        new_k = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
-        new_v = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
+        kw = {"dtype": self.dtype, "device": self.device}
+        new_k = [torch.zeros(shape, **kw) for _ in range(self.n_layers)]
+        new_v = [torch.zeros(shape, **kw) for _ in range(self.n_layers)]
         for layer in range(len(self._k)):
             new_k[layer][: self.length] = self._k[layer][: self.length]
             new_v[layer][: self.length] = self._v[layer][: self.length]
@@ -57,32 +63,37 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
 
     def export_tensors(self) -> dict[str, torch.Tensor]:
+        """The ``length`` valid positions per layer, as CPU tensors of the cache's dtype."""
         out: dict[str, torch.Tensor] = {}
         for layer in range(self.n_layers):
             k, v = self.buffers(layer, self.length)
-            out[f"k.{layer}"] = k.contiguous()
-            out[f"v.{layer}"] = v.contiguous()
+            out[f"k.{layer}"] = k.contiguous().cpu()
+            out[f"v.{layer}"] = v.contiguous().cpu()
         return out
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], n_layers: int, n_kv_heads: int,
-                     head_dim: int) -> KVCache:
+                     head_dim: int, device: torch.device | str = "cpu",
+                     dtype: torch.dtype | None = None) -> KVCache:
+        """A cache on ``device`` holding ``tensors`` (``dtype`` None: the tensors' own)."""
         if len(tensors) != 2 * n_layers:
             raise TidalError(f"KV import: {len(tensors)} tensors, model needs {2 * n_layers}")
         k0 = tensors["k.0"]
         if tuple(k0.shape[1:]) != (n_kv_heads, head_dim):
             raise TidalError(f"KV import: shape {tuple(k0.shape)} does not fit this model")
-        cache = cls(n_layers, n_kv_heads, head_dim, dtype=k0.dtype)
+        cache = cls(n_layers, n_kv_heads, head_dim, dtype=dtype or k0.dtype, device=device)
         cache.reserve(k0.shape[0])
         for layer in range(n_layers):
-            cache.write(layer, tensors[f"k.{layer}"], tensors[f"v.{layer}"])
+            cache.write(layer, tensors[f"k.{layer}"].to(cache.device),
+                        tensors[f"v.{layer}"].to(cache.device))
         cache.length = k0.shape[0]
         return cache
 
 
 @dataclass
 class RaggedBatch:
-    """A forward step over ``B`` sequences, sequence ``i`` adding ``new_tokens[i]`` tokens."""
+    """A forward step over ``B`` sequences, sequence ``i`` adding ``new_tokens[i]`` tokens; its
+    tensors live on the caches' device (every cache of a batch is on the same one)."""
 
     caches: list[KVCache]
     new_tokens: list[int]
@@ -92,13 +103,18 @@ class RaggedBatch:
         self.ends = [s + t for s, t in zip(self.starts, self.new_tokens, strict=True)]
         self.max_new = max(self.new_tokens)
         self.max_total = max(self.ends)
+        self.device = self.caches[0].device
+        if any(c.device != self.device for c in self.caches):
+            raise TidalError(f"a ragged batch over caches on several devices "
+                             f"{sorted({str(c.device) for c in self.caches})}")
         for c in self.caches:
             c.reserve(self.max_total)
-        t = torch.arange(self.max_new)
-        start = torch.tensor(self.starts)
+        dev = self.device
+        t = torch.arange(self.max_new, device=dev)
+        start = torch.tensor(self.starts, device=dev)
         self.positions = start[:, None] + t[None, :]
-        key = torch.arange(self.max_total)
-        end = torch.tensor(self.ends)
+        key = torch.arange(self.max_total, device=dev)
+        end = torch.tensor(self.ends, device=dev)
         # query t of sequence i sees keys j <= start_i + t that have been written (j < end_i)
         self.mask = (key[None, None, :] <= self.positions[:, :, None]) & (
             key[None, None, :] < end[:, None, None])

@@ -3,6 +3,8 @@
 In: a directory with ``config.json`` (``LlamaForCausalLM``) and ``*.safetensors``. Out: a
 ``CausalLM`` whose parameter names equal the HF checkpoint's, so HF state dicts load as they are.
 Supports grouped KV heads, RMSNorm, SwiGLU, RoPE (no scaling) and tied embeddings.
+``LlamaForCausalLM.random(SMOLLM2_135M)`` builds a randomly initialised model of a known shape
+without any file (GPU tests and cost benchmarks of the real size).
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ from tidal.models.base import Attention, CausalLM
 from tidal.models.kv import RaggedBatch
 
 log = logging.getLogger(__name__)
+
+# SmolLM2-135M(-Instruct)'s config.json, the fields this implementation reads
+SMOLLM2_135M = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+                "tie_word_embeddings": True}
 
 
 class LlamaConfig(BaseModel):
@@ -137,6 +145,25 @@ class LlamaForCausalLM(CausalLM):
         if self.cfg.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         save_file(sd, str(out / "model.safetensors"))
+
+    @classmethod
+    def random(cls, shape: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LlamaForCausalLM:
+        """A model of ``shape`` (``config.json`` fields) with N(0, 0.02) weights and unit norms,
+        no file; drawn on the CPU from ``seed`` alone, so every device gets the same values."""
+        with torch.device("meta"):
+            model = cls(LlamaConfig.model_validate(shape))
+        model.materialize("cpu")
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+        return model.to(device=device, dtype=dtype).eval()
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:

@@ -12,7 +12,8 @@ really happened (source not admitting, a routable destination, nothing in flight
 RELEASE_ROLLOUT_MEMORY puts the engine to sleep; RESTORE_TRAINING_STATE activates the cell's
 trainer worker (cell 0: the core in the driver; cells 1..K-1: a satellite process in the cell actor
 that joins the core's steps). Training -> rollout: OFFLOAD_TRAINING_STATE waits for a running
-trainer step to finish and deactivates the worker (a satellite process ends); WAKE_ENGINE,
+trainer step to finish and deactivates the worker (a satellite process ends; on a GPU the core's
+model and optimizer state move to CPU memory, and back on activation); WAKE_ENGINE,
 LOAD_WEIGHTS (the current published version, not the one at plan time), RESUME_ADMISSION (undrain).
 Invariant 4 is the proxy's; this module keeps the ordering: an engine sleeps only after its drain
 returned, and rejoins routing only after it loaded the current weights. verl plan styles are not
@@ -59,6 +60,7 @@ class RayActuator:
         self.kv_handoff = kv_handoff
         self.controller = None
         self.core_address: dict | None = None  # set by the driver: satellites connect here
+        self.core_memory: Any = None  # the core trainer when it shares cell 0's GPU
         self.satellite_timeout_s = 120.0
         self.satellite_starts = 0
         self.satellite_pids: dict[int, int] = {}  # cell -> pid (ended by pid if its actor dies)
@@ -173,6 +175,9 @@ class RayActuator:
             self.satellite_pids[cell] = await self.cells[cell].start_satellite.remote(
                 cell, self.core_address, self.satellite_timeout_s)
             self.satellite_starts += 1
+        if cell == 0 and self.core_memory is not None:
+            async with self.trainer_lock:
+                await asyncio.to_thread(self.core_memory.onload)
         self.training.add(cell)
         self.training_changed.set()
 
@@ -196,6 +201,8 @@ class RayActuator:
             if cell > 0:
                 await self.cells[cell].stop_satellite.remote()
                 self.satellite_pids.pop(cell, None)
+            elif self.core_memory is not None:  # the engine wakes on this GPU next
+                await asyncio.to_thread(self.core_memory.offload)
         self.training_changed.set()
 
     async def _wake(self, cell: int) -> None:

@@ -9,7 +9,13 @@ stopping it between steps is safe (the coordinator reopens a lost satellite's mi
 Standalone engines use the same actor; they are simply never asked to sleep. The engine keeps its
 process, port and model across role changes: sleeping frees its weights and KV cache, waking
 restores them (REFERENCE.md §1: backend processes stay alive across the change). Foreign errors
-(HTTP) become ``RuntimeFailure`` with one readable line."""
+(HTTP) become ``RuntimeFailure`` with one readable line.
+
+Device: the engine and the satellite of a cell run on the same device, decided here from
+``runtime.device`` and the GPUs Ray gave this actor (``auto``: cuda when it holds any). Both
+processes inherit the actor's ``CUDA_VISIBLE_DEVICES``, so ``cuda`` is the cell's first GPU; the
+engine sleeps before the satellite starts and the satellite ends before the engine wakes, so they
+never hold the GPU's memory at once."""
 
 from __future__ import annotations
 
@@ -35,9 +41,12 @@ class RuntimeFailure(TidalError):
 class EngineHost:
     """Plain class; ``driver`` wraps it with ``ray.remote``. One engine process per instance."""
 
-    def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str) -> None:
+    def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
+                 device: str = "cpu") -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.name, self.model_dir, self.max_batch = name, model_dir, max_batch
+        self.device_setting = device
+        self.device = "cpu"
         self.log_path = Path(log_dir) / f"engine-{name}.log"
         self.proc = None
         self.state = "stopped"
@@ -52,8 +61,10 @@ class EngineHost:
         # Each engine process samples with its own seed: engines that serve the executions of
         # one GRPO group must not draw identical samples (no advantage, no learning).
         seed = int.from_bytes(os.urandom(4), "little")
+        self.device = actor_device(self.device_setting, _gpu_ids())
         self.proc = start_engine(self.model_dir, name="tiny", max_batch=self.max_batch,
-                                 log_path=self.log_path, step_in_thread=True, seed=seed)
+                                 log_path=self.log_path, step_in_thread=True, seed=seed,
+                                 device=self.device)
         try:
             self.proc.wait_healthy(timeout_s)
         except TidalError as exc:
@@ -100,7 +111,7 @@ class EngineHost:
         cfg = {"cell": cell, "host": str(core["host"]), "rpc_port": int(core["rpc_port"]),
                "store_port": int(core["store_port"]), "authkey": str(core["authkey"]),
                "backend": core["backend"], "model": {"model_dir": self.model_dir},
-               "timeout_s": timeout_s}
+               "timeout_s": timeout_s, "device": self.device}
         log_fh = open(self.log_path.with_name(f"satellite-{self.name}.log"), "ab")  # noqa: SIM115
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                "TIDAL_LOG": os.environ.get("TIDAL_LOG", "INFO")}
@@ -136,7 +147,8 @@ class EngineHost:
                 "alive": alive, "url": self.proc.url if self.proc else None,
                 "pid": self.proc.proc.pid if self.proc else None,
                 "satellite_pid": self.satellite.pid if self.satellite_alive() else None,
-                "satellite_starts": self.satellite_starts, "gpu_ids": _gpu_ids()}
+                "satellite_starts": self.satellite_starts, "gpu_ids": _gpu_ids(),
+                "device": self.device}
 
     def kill_engine(self) -> None:
         """Crash the engine process (SIGKILL): fault injection for tests."""
@@ -149,6 +161,27 @@ class EngineHost:
         if self.proc is not None:
             self.proc.stop()
             self.state = "stopped"
+
+
+def actor_device(setting: str, gpu_ids: list[str]) -> str:
+    """The device of a cell's engine and satellite: ``auto`` is cuda when Ray gave the actor
+    GPUs; ``cuda`` without any fails in the engine with its own one-line error."""
+    if setting == "auto":
+        return "cuda" if gpu_ids else "cpu"
+    return setting
+
+
+def trainer_device(setting: str, cell0_gpu_ids: list[str], visible: str | None) -> str:
+    """The core trainer's device in the driver (``setting`` already resolved: cpu or cuda):
+    cell 0's first GPU, as an index among the GPUs the driver sees (``visible``: its
+    ``CUDA_VISIBLE_DEVICES``, None when unset, then Ray's ids are the physical indices)."""
+    if setting != "cuda" or not cell0_gpu_ids:
+        return setting
+    first = cell0_gpu_ids[0]
+    if visible is None:
+        return f"cuda:{int(first)}" if first.isdigit() else "cuda"
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    return f"cuda:{ids.index(first)}" if first in ids else "cuda"
 
 
 def _gpu_ids() -> list[str]:

@@ -103,7 +103,8 @@ def load(run_dir: str | Path) -> Checkpoint:
         raise ConfigError("--resume", f"{where}/state.json: {exc}") from None
     records = [ExecutionRecord.model_validate_json(line)
                for line in (where / "records.jsonl").read_text().splitlines() if line.strip()]
-    trainer = torch.load(where / "trainer.pt", weights_only=False)
+    # CPU whatever wrote it; the core copies the tensors onto its device
+    trainer = torch.load(where / "trainer.pt", weights_only=False, map_location="cpu")
     return Checkpoint(state, records, trainer)
 
 

@@ -18,7 +18,9 @@ Data flow: dispatcher (one quota per burst) -> harness pool -> proxy (a process)
 holds the training role; the other training cells run satellite processes that join its steps, pull
 its weights and claim micro-steps) -> ``FilePublisher`` -> engines load the new version in place.
 Everything runs on one asyncio loop; blocking work (optimizer steps, Ray calls) is awaited off the
-loop, so controller events are handled in order on one thread."""
+loop, so controller events are handled in order on one thread.
+Devices (``runtime.device``): each cell actor puts its engine and satellite on its own GPU; the
+core trainer runs on cell 0's GPU and is offloaded to CPU memory whenever cell 0 serves."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from tidal.errors import ConfigError, TimeoutExpired
 from tidal.runtime import checkpoint, vllm_host
 from tidal.runtime.actuator import RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
-from tidal.runtime.cell import EngineHost, RuntimeFailure
+from tidal.runtime.cell import EngineHost, RuntimeFailure, trainer_device
 from tidal.runtime.placement import Placement
 from tidal.runtime.supervisor import CellSupervisor
 from tidal.types import (
@@ -157,8 +159,9 @@ class Runtime:
         except ray.exceptions.RayTaskError as exc:  # an engine's own one-line error
             raise (exc.cause if isinstance(exc.cause, RuntimeFailure) else exc) from None
         self.urls = dict(zip(self.actors, urls, strict=True))
-        self.start_pids = {d["name"]: d["pid"] for d in
-                           ray.get([a.describe.remote() for a in self.actors.values()])}
+        described = ray.get([a.describe.remote() for a in self.actors.values()])
+        self.start_pids = {d["name"]: d["pid"] for d in described}
+        self.gpu_ids = {d["name"]: d["gpu_ids"] for d in described}
         self.pids = dict(self.start_pids)
         self.proxy.wait_healthy(rt.start_timeout_s)
         checkpoint.record_processes(self.out)
@@ -168,9 +171,10 @@ class Runtime:
         env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
         # Threaded (max_concurrency): a health probe is answered while a long sleep, wake or
         # weight load runs; the actuator never sends one cell two state changes at once.
+        engine_device = self.rt.device if self.rt.use_gpus else "cpu"
         cls, extra = ((self._vllm, [vllm_host.vllm_settings(self.rt)])
                       if self._vllm is not None and name.startswith("s") else
-                      (self._actor_cls, []))
+                      (self._actor_cls, [engine_device]))
         return cls.options(runtime_env={"env_vars": env}, max_concurrency=4,
                            **self.placement.options(name)).remote(
             name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra)
@@ -231,10 +235,13 @@ class Runtime:
             group_size=c.group_size, max_policy_lag=c.updates_per_burst), self.clock)
         model, tok = load_model(self.model_dir)
         model.train()
+        device = trainer_device(rt.resolved_device(torch.cuda.is_available()),
+                                getattr(self, "gpu_ids", {}).get("c0", []),
+                                os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.publisher = FilePublisher(self.out / "weights", ParamLayout.of(model), keep=2)
         self.core = CoreTrainer(model, TrainerConfig(
             lr=rt.lr, groups_per_step=c.batch_groups, step_data_timeout_s=rt.step_data_timeout_s,
-            packing=PackingConfig(token_budget=rt.token_budget),
+            packing=PackingConfig(token_budget=rt.token_budget), device=device,
             coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s)),
             self.buffer, self.clock, publishers=[self.publisher], pad_id=tok.eos_id)
         self.weights = Weights()
@@ -242,6 +249,9 @@ class Runtime:
             self._restore_trainer()
         cells = [self.actors[f"c{i}"] for i in range(len(specs))]
         self.actuator = RayActuator(self.clock, admin, cells, self.weights, c.kv_handoff)
+        if self.core.device.type == "cuda":  # cell 0's engine holds the GPU until it trains
+            self.core.offload()
+            self.actuator.core_memory = self.core
         if rt.satellites:
             self.actuator.core_address = self.core.address()
             self.actuator.satellite_timeout_s = rt.satellite_timeout_s

@@ -6,6 +6,12 @@ control calls (pause/resume, abort, sleep/wake, load weights, KV export/import).
 
 State lives on the asyncio loop; only the model forward runs in a worker thread, under
 ``_step_lock``, so weight loads and sleeps happen between steps, never inside one.
+
+Device: the model and every KV cache live on ``EngineConfig.device`` (CPU, or a CUDA device that
+must be visible); each step's ``[B, V]`` logits come back to the CPU once, so sampling, log-probs
+and the seeded CPU generators behave the same on every device. Sleep frees the weights and KV
+memory on the device (CUDA's cached blocks too); weight files are always read on the CPU and
+copied in.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.clock import Clock, WallClock
 from tidal.models import CausalLM, Tokenizer, read_weights
+from tidal.models.device import DEVICE_PATTERN, resolve_device
 from tidal.serving.engine_state import KVStore, RateMeter, Request, sample_batch
 from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, TokenChunk
 
@@ -42,14 +49,16 @@ class EngineConfig(BaseModel):
     # a model step of a tiny model is mostly Python holding the GIL: running it in a worker
     # thread only adds GIL hand-offs; big models release the GIL in their kernels
     step_in_thread: bool = False
+    device: str = Field("cpu", pattern=DEVICE_PATTERN, description="'cpu', 'cuda' or 'cuda:N'")
 
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, model_dir: str | Path,
                  config: EngineConfig | None = None, clock: Clock | None = None,
                  weight_version: str = "v0") -> None:
-        self.model, self.tokenizer = model, tokenizer
         self.config = config or EngineConfig()
+        self.device = resolve_device(self.config.device)  # a clear error if CUDA is missing
+        self.model, self.tokenizer = model.to(self.device), tokenizer
         self.clock = clock or WallClock()
         self.weight_version = weight_version
         self._weights_source = Path(model_dir)
@@ -224,8 +233,10 @@ class Engine:
 
                 self._spill = Path(f"/tmp/tidal-spill-{id(self)}.safetensors")
                 # parameters, not state_dict(): a tied head must not appear twice
-                sd = {k: v.contiguous() for k, v in self.model.named_parameters()}
+                sd = {k: v.detach().contiguous().cpu()
+                      for k, v in self.model.named_parameters()}
                 save_file(sd, str(self._spill))
+                del sd
             self.model.free_weights()
             self._sleeping = True
         log.info("engine %s asleep (level %d)", self.config.name, level)
@@ -236,7 +247,7 @@ class Engine:
                 return
             source = self._spill or self._weights_source
             sd = await asyncio.to_thread(read_weights, source)
-            self.model.materialize()
+            self.model.materialize(self.device)
             self.model.load_weights(sd)  # strict: materialised memory is garbage until loaded
             if self._spill:
                 self._spill.unlink(missing_ok=True)
@@ -250,7 +261,7 @@ class Engine:
         sd = await asyncio.to_thread(read_weights, path)
         async with self._step_lock:
             if self._sleeping:
-                self.model.materialize()
+                self.model.materialize(self.device)
                 self._sleeping = False
                 self._spill = None
             self.model.load_weights(sd)
@@ -333,6 +344,8 @@ class Engine:
                 for g in groups]
 
     def _apply(self, batch: list[Request], logits: torch.Tensor, version: str) -> None:
+        if logits.device.type != "cpu":  # one copy per step; sampling stays on the CPU
+            logits = logits.float().cpu()
         logp = torch.log_softmax(logits.float(), dim=-1)
         tokens = sample_batch(batch, logits, logp, self._rng)
         chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()

@@ -71,10 +71,13 @@ class ServerProcess:
 
 def start_engine(model_dir: str | Path, port: int | None = None, name: str = "tiny",
                  max_batch: int = 64, log_path: Path | None = None,
-                 step_in_thread: bool = False, seed: int = 0) -> ServerProcess:
+                 step_in_thread: bool = False, seed: int = 0,
+                 device: str = "cpu") -> ServerProcess:
     port = port or free_port()
     args = ["engine", "--model", str(model_dir), "--port", str(port), "--name", name,
             "--max-batch", str(max_batch), "--seed", str(seed)]
+    if device != "cpu":
+        args += ["--device", device]
     if step_in_thread:
         args.append("--step-in-thread")
     return ServerProcess(args, port, log_path)

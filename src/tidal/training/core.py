@@ -11,6 +11,12 @@ the join window -> collect contributions (a lost satellite's micro-steps are reo
 here) -> aggregate with the global execution count, clip, step -> broadcast or publish.
 Keeps invariant 5 (weights fixed during accumulation, each micro-step once, only the core holds
 optimizer state) and invariant 6 (the version counter every published vector carries).
+
+Device: the model, the optimizer state and the gradient sum live on ``TrainerConfig.device``;
+satellites' gradients (CPU, off gloo) are moved there before aggregation; snapshots, broadcasts,
+published vectors and ``state_dict`` (checkpoints) are CPU copies. While cell 0 serves rollout
+on a GPU, ``offload`` parks the model and optimizer state in CPU memory and frees the device
+cache; ``onload`` (or the next ``train_step``) brings them back unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -27,6 +33,7 @@ from torch import nn
 
 from tidal.clock import Clock
 from tidal.errors import TimeoutExpired
+from tidal.models.device import DEVICE_PATTERN, release_cached, resolve_device
 from tidal.training.aggregate import Normalization, aggregate, clip_
 from tidal.training.coordinator import Coordinator, CoordinatorConfig, StepInfo
 from tidal.training.groups import Backend, CommError, GroupRegistry
@@ -53,6 +60,7 @@ class TrainerConfig(BaseModel):
     data_poll_s: float = Field(default=0.05, gt=0)
     backend: Backend = "gloo"
     host: str = "127.0.0.1"
+    device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
     loss: GRPOLossConfig = GRPOLossConfig()
     packing: PackingConfig = PackingConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
@@ -91,7 +99,13 @@ class CoreTrainer:
         pad_id: int = 0,
         initial_version: int = 0,
     ) -> None:
+        self.device = resolve_device(config.device)
+        model.to(self.device)
+        if reference is not None:
+            reference.to(self.device)
         self.model, self.config, self.trajectories, self.clock = model, config, trajectories, clock
+        self._offloaded = False
+        self._memory_lock = threading.Lock()
         self.publishers = list(publishers or [])
         self.version = initial_version
         self.worker = GradientWorker(0, model, config.loss, reference, pad_id)
@@ -180,6 +194,7 @@ class CoreTrainer:
 
     def train_step(self, final: bool = True) -> StepReport | None:
         """One optimizer update over ``groups_per_step`` groups; None if the stream was empty."""
+        self.onload()
         step, version = self._step, self.version
         snapshot = self.layout.params_to_flat(self.model)
         if self._snap_shm is not None:
@@ -196,7 +211,8 @@ class CoreTrainer:
         if summary.n_executions == 0:
             self.coordinator.post_outcome(step, {"next": "leave", "version": version})
             return None
-        contribs = [self.worker.contribution(), *self._contribs]
+        contribs = [self.worker.contribution(),
+                    *(replace(c, grad=c.grad.to(self.device)) for c in self._contribs)]
         grad = aggregate(contribs, summary.n_executions, self.config.normalization)
         norm = clip_(grad, self.config.max_grad_norm)
         self.layout.flat_to_grads_(self.model, grad)
@@ -248,15 +264,54 @@ class CoreTrainer:
         log.info("published v%d to %d publishers", self.version, len(self.publishers))
 
     def state_dict(self) -> dict[str, object]:
-        """Everything a resumed core needs: weights, optimizer state, version, step counter."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        """Everything a resumed core needs: weights, optimizer state, version, step counter;
+        every tensor on the CPU (a checkpoint written on a GPU loads anywhere)."""
+        return {"model": _to_cpu(self.model.state_dict()),
+                "optimizer": _to_cpu(self.optimizer.state_dict()),
                 "version": self.version, "step": self._step}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore ``state_dict()`` output (between steps, before any satellite joins)."""
+        """Restore ``state_dict()`` output (between steps, before any satellite joins); tensors
+        are copied onto the model's device (the optimizer casts its state to its parameters')."""
         self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
         self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
         self.version, self._step = int(state["version"]), int(state["step"])  # type: ignore[call-overload]
+
+    # -- device memory --------------------------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded
+
+    def offload(self) -> None:
+        """Between steps: model and optimizer state to CPU memory, device cache released (cell
+        0 serves rollout on this GPU meanwhile). A no-op on the CPU."""
+        with self._memory_lock:
+            if self.device.type == "cpu" or self._offloaded:
+                return
+            self._move(torch.device("cpu"))
+            self.worker.release()
+            self._offloaded = True
+        release_cached(self.device)
+        log.info("core trainer offloaded to CPU memory")
+
+    def onload(self) -> None:
+        """Undo ``offload``: the same values back on the trainer's device."""
+        with self._memory_lock:
+            if not self._offloaded:
+                return
+            self._move(self.device)
+            self._offloaded = False
+        log.info("core trainer restored on %s", self.device)
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)  # parameters keep their identity: the optimizer still holds them
+        if self.worker.reference is not None:
+            self.worker.reference.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # AdamW keeps its non-capturable ``step`` counter on the CPU wherever it runs
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device)
 
     def close(self) -> None:
         self.coordinator.shutdown()
@@ -264,3 +319,17 @@ class CoreTrainer:
         if self._snap_shm is not None:
             self._snap_shm.close()
         self.registry.close()
+
+
+def _to_cpu(obj: object) -> object:
+    """``obj`` with every tensor in its dicts and lists on the CPU (CPU tensors as they are)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        out = type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):  # a module state dict's version record
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj

@@ -4,6 +4,8 @@ In: an ``nn.Module``. Out: a ``ParamLayout`` (names, shapes, offsets: the wire f
 transport and the satellite agree on) that copies parameters or gradients into one flat float32
 tensor and back, in place. Keeps: the layout is derived from ``named_parameters`` order and is
 checked by a fingerprint on both ends, so a satellite never loads a buffer of another model.
+A flat vector may live on another device than the module (CPU for transports, the model's
+device for gradient sums); copies in and out cross devices and cast dtypes as needed.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class ParamLayout:
         return out
 
     def params_to_flat(self, module: nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Parameters into ``out`` (default: a new CPU float32 vector, what transports send)."""
         if out is None:
             out = torch.empty(self.numel, dtype=torch.float32)
         with torch.no_grad():
@@ -91,6 +94,6 @@ class ParamLayout:
         for p, off in zip(self._params(module), self.offsets, strict=True):
             g = flat[off : off + p.numel()].view_as(p)
             if p.grad is None:
-                p.grad = g.clone()
+                p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
             else:
                 p.grad.copy_(g)

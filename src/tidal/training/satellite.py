@@ -7,6 +7,8 @@ data pauses) -> deliver its gradient sum and counts over its link -> wait for th
 non-final update receive the new parameters over the prefix group and continue; after the final
 update leave. Out: gradient contributions; never an optimizer step (invariant 5: only the core
 holds optimizer state; weights change only between steps, by a pull or a broadcast).
+The model (and the KL reference) run on ``SatelliteConfig.device``; pulled vectors arrive on the
+CPU and are copied in, and the gradient sum goes back as a CPU copy (gloo sends CPU tensors).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from tidal.models.device import DEVICE_PATTERN, resolve_device
 from tidal.training.flat import ParamLayout
 from tidal.training.groups import Backend, GroupRegistry
 from tidal.training.loss import GRPOLossConfig
@@ -65,13 +68,15 @@ class SatelliteConfig(BaseModel):
     start_delay_s: float = Field(default=0.0, ge=0)
     max_steps: int | None = None
     torch_threads: int = 1
+    device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
 
 
 class Satellite:
     def __init__(self, config: SatelliteConfig) -> None:
         self.config = config
         self.incarnation = f"{os.getpid()}-{secrets.token_hex(3)}"
-        self.model = config.model.build()
+        self.device = resolve_device(config.device)
+        self.model = config.model.build().to(self.device)
         self.layout = ParamLayout.of(self.model)
         self.version = -1
         self._flat = torch.empty(self.layout.numel, dtype=torch.float32)
@@ -80,7 +85,8 @@ class Satellite:
                                  fingerprint=self.layout.fingerprint())
         # The loss is the core's, never a local copy: the invariance of the update depends on it.
         loss = GRPOLossConfig.model_validate(hello["loss"])
-        reference = config.reference.build().eval() if config.reference else None
+        reference = (config.reference.build().to(self.device).eval()
+                     if config.reference else None)
         if loss.kl_coef > 0 and reference is None:
             raise ValueError(f"cell {config.cell}: the core's loss has a KL term; "
                              "SatelliteConfig.reference is required")
@@ -127,7 +133,7 @@ class Satellite:
             else:
                 self.worker.discard()
         self.client.call("deliver_begin", step=step)
-        grad = self.worker.grad_sum
+        grad = self.worker.cpu_grad_sum()
         self.client.call_with("deliver", lambda: self.registry.broadcast(self.link, grad, 1),
                               counts=self.worker.counts())
         outcome = self.client.call("await_update", step=step, timeout_s=self.config.timeout_s * 3)

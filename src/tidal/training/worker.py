@@ -5,6 +5,9 @@ micro-step's un-normalised GRPO loss, held aside until the packing buffer confir
 (``commit``) and then added to the worker's running sum; a refused claim's gradient is dropped
 (``discard``), so a reclaimed micro-step is counted only by the worker that completed it
 (invariant 5). The worker never changes weights: ``load_flat`` is called only between steps.
+Its gradient buffers live on the model's device (chosen at ``reset``, so a model moved between
+steps is followed); ``contribution`` hands out that device tensor, ``cpu_grad_sum`` the copy a
+gloo transport sends.
 """
 
 from __future__ import annotations
@@ -58,19 +61,26 @@ class GradientWorker:
         self.loss_config = loss_config
         self.pad_id = pad_id
         self.layout = ParamLayout.of(model)
-        self._pending = torch.zeros(self.layout.numel, dtype=torch.float32)
+        self._pending: torch.Tensor | None = None
         self._pending_stats: tuple[MicroStep, StepResult] | None = None
         self.reset()
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def reset(self) -> None:
-        self.grad_sum = torch.zeros(self.layout.numel, dtype=torch.float32)
+        device = self.device
+        if self._pending is None or self._pending.device != device:
+            self._pending = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
+        self.grad_sum = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
         self.n_micro_steps = self.n_tokens = 0
         self.loss_sum = 0.0
         self.executions: set[str] = set()
 
     def compute(self, step: MicroStep) -> StepResult:
         t = micro_step_tensors(step, self.pad_id)
-        device = next(self.model.parameters()).device
+        device = self.device
         if device.type != "cpu":
             t = MicroStepTensors(*(x.to(device) for x in vars(t).values()))
         self.model.zero_grad(set_to_none=True)
@@ -102,6 +112,16 @@ class GradientWorker:
 
     def discard(self) -> None:
         self._pending_stats = None
+
+    def release(self) -> None:
+        """Drop the gradient buffers (between steps: the trainer's device memory is offloaded);
+        the next ``reset`` allocates them again where the model is then."""
+        self._pending = None
+        self.grad_sum = torch.zeros(0, dtype=torch.float32)
+
+    def cpu_grad_sum(self) -> torch.Tensor:
+        """The committed gradient sum on the CPU (what a gloo broadcast sends)."""
+        return self.grad_sum.cpu()
 
     def contribution(self) -> Contribution:
         return Contribution(self.cell, self.grad_sum, self.n_micro_steps, self.n_tokens,

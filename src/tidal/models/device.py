@@ -1,0 +1,59 @@
+"""Which torch device a model runs on: names in, a checked ``torch.device`` out.
+
+In: a device name from a config or a flag (``"cpu"``, ``"cuda"``, ``"cuda:N"``). Out: a
+``torch.device`` that this process can really use, or one readable ``DeviceError`` (CUDA asked
+for but not seen, an index past the visible devices, an unknown name). Also what a process
+reports about the devices torch sees (``tidal check``), and the one place that hands freed
+CUDA memory back to the driver (engine sleep, trainer offload), so ``nvidia-smi`` and the
+other process sharing the GPU see it free.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from tidal.errors import TidalError
+
+DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
+_NAME = re.compile(DEVICE_PATTERN)
+
+
+class DeviceError(TidalError):
+    """A device was named that this process cannot use."""
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """``name`` as a usable device; ``cuda`` means the first visible GPU (``cuda:0``)."""
+    text = str(name)
+    if not _NAME.match(text):
+        raise DeviceError(f"device {text!r}: use 'cpu', 'cuda' or 'cuda:N'")
+    if text == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {text!r}: torch {torch.__version__} sees no CUDA device "
+                          f"(a CPU-only build, or CUDA_VISIBLE_DEVICES hides every GPU)")
+    dev = torch.device(text)
+    index = 0 if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise DeviceError(f"device {text!r}: only {torch.cuda.device_count()} CUDA "
+                          f"device(s) visible")
+    return torch.device("cuda", index)
+
+
+def release_cached(device: torch.device) -> None:
+    """Return the caching allocator's free blocks to the driver (no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def describe_devices() -> str:
+    """One line: what torch in this process sees (``tidal check``)."""
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__}: cpu only (no CUDA device visible)"
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return (f"torch {torch.__version__}: cuda, {len(names)} device(s): {', '.join(names)} "
+            f"({gib:.0f} GiB on cuda:0)")
