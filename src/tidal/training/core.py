@@ -304,7 +304,10 @@ class CoreTrainer:
         log.info("core trainer restored on %s", self.device)
 
     def _move(self, device: torch.device) -> None:
-        self.model.to(device)  # parameters keep their identity: the optimizer still holds them
+        # ``.data`` in place: the Parameter objects the optimizer holds stay the module's
+        with torch.no_grad():
+            for t in (*self.model.parameters(), *self.model.buffers()):
+                t.data = t.data.to(device)
         if self.worker.reference is not None:
             self.worker.reference.to(device)
         for state in self.optimizer.state.values():

@@ -78,3 +78,4 @@ def test_flat_gradients_are_copied_in_the_parameters_dtype():
     assert {p.grad.dtype for p in model.parameters()} == {torch.bfloat16}
     back = layout.grads_to_flat(model, torch.empty(layout.numel))
     torch.testing.assert_close(back, flat, atol=1e-2, rtol=1e-2)
+

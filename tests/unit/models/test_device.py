@@ -102,3 +102,30 @@ def test_a_ragged_batch_refuses_caches_on_two_devices():
         RaggedBatch([cpu, meta], [1, 1])
     meta.reserve(3)  # allocates where the cache lives
     assert meta.buffers(0, 3)[0].is_meta
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_every_tensor_a_forward_builds_is_on_the_models_device(kind):
+    """``meta`` stands in for a GPU: it refuses to mix with CPU tensors as CUDA does, so an id,
+    position, mask, rotary table or cache made on the CPU by mistake fails here."""
+    from tidal.models import GPTConfig, TinyGPT
+
+    model = (LlamaForCausalLM.random(SMALL_LLAMA) if kind == "llama" else
+             TinyGPT(GPTConfig(vocab_size=256, n_layers=2, n_heads=4, d_model=64, d_ff=128,
+                               max_seq_len=128)))
+    model.to("meta")
+    model._weights_device = torch.device("meta")  # meta means "freed" otherwise
+    assert model.device == torch.device("meta")
+    assert model(torch.tensor([[1, 2, 3]], device="meta")).shape == (1, 3, 256)
+    caches = [model.new_cache(), model.new_cache()]
+    assert {c.device for c in caches} == {torch.device("meta")}
+    out = model.forward_cached([[1, 2, 3], [4, 5]], caches)  # ragged prefill
+    out = model.forward_cached([[6], [7]], caches)  # decode
+    assert out.device == torch.device("meta") and out.shape == (2, 256)
+    model.forward_cached([[1] * 70], [caches[0]])  # the cache grows where it lives
+    assert caches[0].capacity == 128 and caches[0].buffers(0, 1)[0].is_meta
+    exported = {f"{kv}.{i}": torch.zeros(4, model.n_kv_heads, model.head_dim)
+                for kv in "kv" for i in range(model.n_layers)}
+    imported = model.cache_from_tensors(exported)  # CPU tensors in, device cache out
+    assert imported.device == torch.device("meta") and imported.length == 4
+    assert model.forward_cached([[8], [9]], [imported, caches[1]]).is_meta
