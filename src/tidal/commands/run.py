@@ -54,17 +54,21 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
                    f"w {line['waterlevel']:3d} roles {' '.join(line['roles'])}")
 
     console = Console()
-    if console.is_terminal:  # a live panel; plain lines when piped (logs, CI)
-        total = (cfg.control.bursts or 0) * cfg.control.updates_per_burst
-        with Live(_panel({}, total), console=console, refresh_per_second=4) as live:
-            summary = Runtime(cfg, out or f"runs/{cfg.name}", resume=resume is not None,
-                              on_state=lambda st: live.update(_panel(st, total))).run()
-    else:
-        summary = Runtime(cfg, out or f"runs/{cfg.name}", on_step=show,
-                          resume=resume is not None).run()
+    run_dir = Path(out or f"runs/{cfg.name}")
+    try:
+        if console.is_terminal:  # a live panel; plain lines when piped (logs, CI)
+            total = (cfg.control.bursts or 0) * cfg.control.updates_per_burst
+            with Live(_panel({}, total), console=console, refresh_per_second=4) as live:
+                summary = Runtime(cfg, run_dir, resume=resume is not None,
+                                  on_state=lambda st: live.update(_panel(st, total))).run()
+        else:
+            summary = Runtime(cfg, run_dir, on_step=show, resume=resume is not None).run()
+    except KeyboardInterrupt:
+        click.echo(f"tidal: run interrupted; its parts are stopped. Continue it with: "
+                   f"tidal run --resume {run_dir}", err=True)
+        raise SystemExit(130) from None
     from tidal.viz.run_report import write_report
 
-    run_dir = Path(out or f"runs/{cfg.name}")
     written = write_report(run_dir)
     click.echo(f"report: {run_dir / 'report.md'} ({len(written)} files)")
     keys = ("policy", "run_time_s", "trainer_steps", "switches_to_training",
