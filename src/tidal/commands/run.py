@@ -19,8 +19,10 @@ import click
                    "checkpoint); nothing trained twice, nothing lost.")
 @click.option("--policy", default=None, help="Override the policy, e.g. 'static:cells=1'.")
 @click.option("--address", default=None, help="Join an existing Ray cluster at this address.")
+@click.option("--bursts", type=click.IntRange(min=1), default=None,
+              help="Override control.bursts (e.g. 1 for a short calibration run).")
 def command(config: str | None, out: str | None, resume: str | None, policy: str | None,
-            address: str | None) -> None:
+            address: str | None, bursts: int | None) -> None:
     import json
     from pathlib import Path
 
@@ -32,7 +34,7 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     from tidal.runtime.driver import Runtime
 
     if resume is not None:
-        if config is not None or out is not None or policy is not None:
+        if config is not None or out is not None or policy is not None or bursts is not None:
             raise ConfigError("--resume", "takes the run directory only (its config.yaml "
                               "holds the config, policy and output place)")
         if not (Path(resume) / "config.yaml").is_file():
@@ -46,6 +48,8 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
         data["policy"] = PolicyConfig.from_spec(policy).model_dump(mode="json")
     if address is not None:
         data["runtime"]["ray_address"] = address
+    if bursts is not None:
+        data["control"]["bursts"] = bursts
     cfg = validate_model(RunConfig, data)
 
     def show(line: dict) -> None:

@@ -87,6 +87,8 @@ def test_resume_refuses_bad_input(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     assert main(["run", str(CONFIG), "--resume", str(tmp_path)]) == 2
     assert "run directory only" in capsys.readouterr().err
+    assert main(["run", "--resume", str(tmp_path), "--bursts", "1"]) == 2
+    assert "run directory only" in capsys.readouterr().err
 
 
 def test_sigterm_stops_every_part_and_points_to_resume(tmp_path):
