@@ -8,7 +8,7 @@ comma  := ,
 STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 OUT    ?= runs/quickstart
 
-.PHONY: venv demo sim-demo test test-unit test-vllm test-vllm-run vllm-venv lint fmt clean
+.PHONY: venv demo compare sim-vs-real sim-demo test test-unit test-vllm test-vllm-run vllm-venv lint fmt clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,20 @@ venv: $(STAMP)
 # waterlevel policy; ~10 min on 2 cores). Writes $(OUT)/{summary.json,report.md,*.png,...}.
 demo: $(STAMP)
 	$(BIN)/tidal run configs/quickstart.yaml --out $(OUT)
+
+# Elastic against static on the same config (the demo's run + static:cells=1), one plot and a
+# table of run-time ratios in runs/compare (~20 min on 2 cores).
+compare: $(STAMP)
+	$(BIN)/tidal run configs/quickstart.yaml --out runs/quickstart
+	$(BIN)/tidal run configs/quickstart.yaml --policy static:cells=1 --out runs/quickstart-static
+	$(BIN)/tidal report runs/quickstart runs/quickstart-static --out runs/compare
+
+# Sim against real: calibrate the simulator on a 1-burst run, predict the 3-burst run's time
+# per burst (exit 1 beyond 15 %).
+sim-vs-real: $(STAMP)
+	$(BIN)/tidal run configs/quickstart.yaml --bursts 1 --out runs/quickstart-cal
+	$(BIN)/tidal run configs/quickstart.yaml --out runs/quickstart
+	$(BIN)/tidal calibrate runs/quickstart-cal --against runs/quickstart
 
 # The simulator showcase: several policies side by side on a scaled-down dapo-math scenario.
 sim-demo: $(STAMP)

@@ -19,8 +19,10 @@ import click
                    "checkpoint); nothing trained twice, nothing lost.")
 @click.option("--policy", default=None, help="Override the policy, e.g. 'static:cells=1'.")
 @click.option("--address", default=None, help="Join an existing Ray cluster at this address.")
+@click.option("--bursts", type=click.IntRange(min=1), default=None,
+              help="Override control.bursts (e.g. 1 for a short calibration run).")
 def command(config: str | None, out: str | None, resume: str | None, policy: str | None,
-            address: str | None) -> None:
+            address: str | None, bursts: int | None) -> None:
     import json
     from pathlib import Path
 
@@ -32,7 +34,7 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     from tidal.runtime.driver import Runtime
 
     if resume is not None:
-        if config is not None or out is not None or policy is not None:
+        if config is not None or out is not None or policy is not None or bursts is not None:
             raise ConfigError("--resume", "takes the run directory only (its config.yaml "
                               "holds the config, policy and output place)")
         if not (Path(resume) / "config.yaml").is_file():
@@ -46,6 +48,8 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
         data["policy"] = PolicyConfig.from_spec(policy).model_dump(mode="json")
     if address is not None:
         data["runtime"]["ray_address"] = address
+    if bursts is not None:
+        data["control"]["bursts"] = bursts
     cfg = validate_model(RunConfig, data)
 
     def show(line: dict) -> None:
@@ -54,17 +58,21 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
                    f"w {line['waterlevel']:3d} roles {' '.join(line['roles'])}")
 
     console = Console()
-    if console.is_terminal:  # a live panel; plain lines when piped (logs, CI)
-        total = (cfg.control.bursts or 0) * cfg.control.updates_per_burst
-        with Live(_panel({}, total), console=console, refresh_per_second=4) as live:
-            summary = Runtime(cfg, out or f"runs/{cfg.name}", resume=resume is not None,
-                              on_state=lambda st: live.update(_panel(st, total))).run()
-    else:
-        summary = Runtime(cfg, out or f"runs/{cfg.name}", on_step=show,
-                          resume=resume is not None).run()
+    run_dir = Path(out or f"runs/{cfg.name}")
+    try:
+        if console.is_terminal:  # a live panel; plain lines when piped (logs, CI)
+            total = (cfg.control.bursts or 0) * cfg.control.updates_per_burst
+            with Live(_panel({}, total), console=console, refresh_per_second=4) as live:
+                summary = Runtime(cfg, run_dir, resume=resume is not None,
+                                  on_state=lambda st: live.update(_panel(st, total))).run()
+        else:
+            summary = Runtime(cfg, run_dir, on_step=show, resume=resume is not None).run()
+    except KeyboardInterrupt:
+        click.echo(f"tidal: run interrupted; its parts are stopped. Continue it with: "
+                   f"tidal run --resume {run_dir}", err=True)
+        raise SystemExit(130) from None
     from tidal.viz.run_report import write_report
 
-    run_dir = Path(out or f"runs/{cfg.name}")
     written = write_report(run_dir)
     click.echo(f"report: {run_dir / 'report.md'} ({len(written)} files)")
     keys = ("policy", "run_time_s", "trainer_steps", "switches_to_training",

@@ -32,6 +32,7 @@ import os
 import random
 import secrets
 import signal
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -76,6 +77,17 @@ def _check(cfg: RunConfig) -> None:
         vllm_host.check(cfg)
 
 
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _trap_sigterm() -> Any:
+    """Turn SIGTERM into KeyboardInterrupt (main thread only); returns the previous handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _interrupt)
+
 class Runtime:
     def __init__(self, cfg: RunConfig, out: str | Path,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
@@ -105,6 +117,9 @@ class Runtime:
         else:
             checkpoint.end_stale_processes(self.out)
         t0 = time.perf_counter()
+        # SIGTERM (kill, a scheduler's stop) ends the run like Ctrl-C: everything this run
+        # started is stopped, and the checkpoint lets `tidal run --resume` continue it
+        prev = _trap_sigterm()
         try:
             self._start_parts(ray)
             summary = asyncio.run(asyncio.wait_for(self._main(), self.rt.run_timeout_s))
@@ -112,7 +127,11 @@ class Runtime:
             raise TimeoutExpired(f"run not finished in runtime.run_timeout_s = "
                                  f"{self.rt.run_timeout_s} s") from None
         finally:
-            self._stop_parts(ray)
+            try:
+                self._stop_parts(ray)
+            finally:
+                if prev is not None:
+                    signal.signal(signal.SIGTERM, prev)
         summary["run_time_s"] = round(time.perf_counter() - t0, 2)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -144,6 +163,7 @@ class Runtime:
                          include_dashboard=False, _node_ip_address="127.0.0.1",
                          log_to_driver=False)
             self._ray_started = True
+            _trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
         self._actor_cls = ray.remote(EngineHost)
         self._vllm = vllm_host.actor_class(ray, self.rt)  # None: built-in standalone engines
         names = [f"s{j}" for j in range(self.cfg.cluster.standalone_count)]

@@ -30,6 +30,22 @@ Facts every run obeys (each is a property of the simulated system, not of a poli
      the sync) nor decodes before a return to rollout completes (``tau_r``, the shortest
      return plan: a role changes only when its plan's last step is done). Those windows of
      distinct steps are disjoint, and disjoint from compute.
+(F7) During a weight sync ``[a, a + sync_s)`` no cell does useful work, in a window of its own,
+     when (a) ``tau_r >= optimizer_s + sync_s``, (b) ``optimizer_s`` plus the fewest seconds
+     any step computes is ``>= sync_s`` and (c) no plan can abort (no injected step failures,
+     every step shorter than the step timeout; a KV handoff moves at most a full cell of the
+     longest contexts). Proof, per cell, by its role at ``a``: TRAINING: the trainer does
+     not compute during a sync, and a return to rollout started at ``a`` or later ends after
+     ``a + tau_r >= a + sync_s``; ROLLOUT: its engine admits, so the sync pauses it until
+     ``a + sync_s`` whatever its role becomes; MOVING_TO_TRAINING: it admits nothing (a plan
+     that cannot abort cannot bring it back before it trains), and paused if it still holds
+     executions; MOVING_TO_ROLLOUT: if its plan ends at ``y`` inside the sync it may decode
+     after ``y``, but it was moving during ``[y - tau_r, y)``: charge ``[y - sync_s, y)``
+     instead. The windows are disjoint from the F6 windows of the same cell: the cell that
+     ends a version's last compute at ``a - optimizer_s`` cannot finish a return before
+     ``a - optimizer_s + tau_r >= a + sync_s`` by (a), and every earlier F6 window ends by
+     ``a - optimizer_s - (fewest compute seconds) <= a - sync_s`` by (b); versions are
+     longer than a sync. So every GPU of the cluster is charged ``sync_s`` at every sync.
 
 The bounds (``R`` = the N smallest rollout GPU-seconds among the K candidates, ``T`` = the N
 smallest training-token totals; every real run does at least this work):
@@ -43,8 +59,9 @@ smallest training-token totals; every real run does at least this work):
   (for k cells the cost per token is fixed, the largest are fastest; time-sharing between
   configurations is allowed). So ``G * M >= R + C * h(T / C) + G_standalone * (V-1) * sync_s
   + g_min * (steps * min(optimizer_s, tau_r) + (V-1) * (min(optimizer_s + sync_s, tau_r) -
-  min(optimizer_s, tau_r)))``; the left side grows with M and the right side shrinks (``h`` is
-  convex through 0), so the least feasible M is found by bisection.
+  min(optimizer_s, tau_r)))``, and where F7 holds ``G * M >= R + C * h(T / C) + G * (V-1) *
+  sync_s + g_min * steps * min(optimizer_s, tau_r)``; the left side grows with M and the right
+  side shrinks (``h`` is convex through 0), so the least feasible M is found by bisection.
 - pipeline (F2-F4): ``S_0 = 0``; in version ``v`` the completion of group ``k`` is at least
   ``c_k = S_{v(k)} + d_k`` for every released group (``v(k) <= v``). Let ``c_(1) <= c_(2) ...``
   be these bounds sorted: the i-th completion among any groups is no earlier than ``c_(i)``.
@@ -70,7 +87,7 @@ from dataclasses import dataclass
 
 from tidal.control.plans import QWENGYRE_TO_ROLLOUT, VERL_ACTIVATE, StepKind
 from tidal.control.verl import dispatch_budget
-from tidal.sim.costs import step_duration_s, train_rate_tok_s
+from tidal.sim.costs import kv_handoff_s, step_duration_s, train_rate_tok_s
 from tidal.sim.scenario import FAMILY_PROFILES, Scenario
 from tidal.sim.workloads import make_workload
 
@@ -109,6 +126,7 @@ class Candidates:
     fastest_timeout_s: list[float]
     held_s: list[float]
     min_timeout_s: float
+    max_context_tokens: int = 0
 
 
 def dispatch_budget_groups(sc: Scenario) -> int:
@@ -131,6 +149,7 @@ def draw_candidates(sc: Scenario) -> Candidates:
     wl = make_workload(sc.workload, sc.seed)
     out = Candidates([], [], [], [], [], [], [], math.inf)
     min_timeout = math.inf
+    max_ctx = 0
     for _ in range(candidate_groups(sc)):
         roll = tokens = tokens_to = longest = longest_to = held = 0.0
         for spec in wl.group(sc.control.group_size):
@@ -141,6 +160,8 @@ def draw_candidates(sc: Scenario) -> Candidates:
                 pre += out_tok
                 tools_s += tool_s
             # Nothing follows the last turn: no tool wait, no tool output to prefill.
+            # The longest context an execution can reach: prompt, every turn and tool output.
+            max_ctx = max(max_ctx, spec.prompt_tokens + dec + pre)
             pre += spec.prompt_tokens - spec.turns[-1][2]
             tools_s -= spec.turns[-1][1]
             work = dec + pre * eng.prefill_equiv
@@ -162,7 +183,7 @@ def draw_candidates(sc: Scenario) -> Candidates:
         out.fastest_timeout_s.append(longest_to)
         out.held_s.append(held)
     return Candidates(out.roll_gpu_s, out.train_tok, out.train_tok_timeout, out.train_gpu_s,
-                      out.fastest_s, out.fastest_timeout_s, out.held_s, min_timeout)
+                      out.fastest_s, out.fastest_timeout_s, out.held_s, min_timeout, max_ctx)
 
 
 def training_configs(sc: Scenario) -> list[tuple[float, float]]:
@@ -174,6 +195,11 @@ def training_configs(sc: Scenario) -> list[tuple[float, float]]:
         gpus += g
         out.append((train_rate_tok_s(gpus, k, sc.trainer), float(gpus)))
     return out
+
+
+def hull_rate_max(sc: Scenario) -> float:
+    """The fastest training rate of any configuration (tokens/s)."""
+    return max(r for r, _ in training_configs(sc))
 
 
 def lower_hull(configs: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -211,9 +237,31 @@ def min_return_s(sc: Scenario) -> float:
                for kinds in (QWENGYRE_TO_ROLLOUT, VERL_ACTIVATE))
 
 
-def trainer_lp_bound(sc: Scenario, roll_gpu_s: float, tokens: float, t_first_s: float) -> float:
+def plans_never_abort(sc: Scenario, max_context_tokens: int) -> bool:
+    """No transition plan can abort: no injected step failures, and every step (a KV handoff
+    moves at most a full cell of the longest contexts) ends before the step timeout."""
+    if sc.sim.step_failure_rate > 0:
+        return False
+    slots = max(c.slots for c in sc.cluster.cell_specs())
+    longest = max([step_duration_s(k, sc.costs) for k in StepKind if k is not StepKind.KV_HANDOFF]
+                  + [kv_handoff_s(slots * max_context_tokens, sc.costs)])
+    return longest < sc.control.step_timeout_s
+
+
+def sync_stops_every_cell(sc: Scenario, step_compute_min_s: float,
+                          max_context_tokens: int) -> bool:
+    """(F7) holds: no cell does useful work during a weight sync (see the module docstring)."""
+    tau_r = min_return_s(sc)
+    sync_s, opt_s = sc.costs.sync_s, sc.trainer.optimizer_s
+    return (tau_r >= opt_s + sync_s and opt_s + step_compute_min_s >= sync_s
+            and plans_never_abort(sc, max_context_tokens))
+
+
+def trainer_lp_bound(sc: Scenario, roll_gpu_s: float, tokens: float, t_first_s: float,
+                     every_cell_syncs: bool = False) -> float:
     cl, tr = sc.cluster, sc.trainer
-    gpus = sum(c.gpus for c in cl.cell_specs()) + cl.standalone_count * cl.standalone_gpus
+    cell_gpus = sum(c.gpus for c in cl.cell_specs())
+    gpus = cell_gpus + cl.standalone_count * cl.standalone_gpus
     syncs = max(0, (sc.control.bursts or 1) - 1)
     sync_s = syncs * sc.costs.sync_s
     fixed_s = sync_s + sc.total_steps * tr.optimizer_s + t_first_s
@@ -221,12 +269,17 @@ def trainer_lp_bound(sc: Scenario, roll_gpu_s: float, tokens: float, t_first_s: 
     # cannot decode until a return to rollout completes (tau_r), nor train during the
     # optimizer step and, after a version's last step, the weight sync: these windows of
     # distinct steps are disjoint. The standalone engines are paused during every sync.
+    # (F7) Where it holds, every cell is idle for a sync's length at every sync, in windows
+    # disjoint from the F6 windows of optimizer steps: all GPUs are charged for the syncs.
     tau_r = min_return_s(sc)
     step_idle_s = min(tr.optimizer_s, tau_r)
     sync_idle_s = min(tr.optimizer_s + sc.costs.sync_s, tau_r) - step_idle_s
     g_min = min(c.gpus for c in cl.cell_specs())
-    loss_gpu_s = (cl.standalone_count * cl.standalone_gpus * sync_s
-                  + g_min * (sc.total_steps * step_idle_s + syncs * sync_idle_s))
+    if every_cell_syncs:
+        loss_gpu_s = gpus * sync_s + g_min * sc.total_steps * step_idle_s
+    else:
+        loss_gpu_s = (cl.standalone_count * cl.standalone_gpus * sync_s
+                      + g_min * (sc.total_steps * step_idle_s + syncs * sync_idle_s))
     hull = lower_hull(training_configs(sc))
     rho_max = hull[-1][0]
 
@@ -298,8 +351,12 @@ def oracle_bound(sc: Scenario) -> OracleBound:
     critical = max(nth_fastest + one_batch_s + tr.optimizer_s,
                    steps * (one_batch_s + tr.optimizer_s))
     slots_s = sum(sorted(cand.held_s)[:n]) / slots
+    # The fewest seconds any step computes: its b groups' fewest tokens at the fastest rate.
+    b = sc.control.batch_groups
+    step_min_s = sum(sorted(cand.train_tok_timeout)[:b]) / hull_rate_max(sc)
     lp_s = trainer_lp_bound(sc, sum(sorted(cand.roll_gpu_s)[:n]),
-                            sum(sorted(cand.train_tok)[:n]), min(cand.fastest_s))
+                            sum(sorted(cand.train_tok)[:n]), min(cand.fastest_s),
+                            sync_stops_every_cell(sc, step_min_s, cand.max_context_tokens))
     # Timeouts can only shorten durations and cut tokens: the pipeline with both cut holds
     # whether or not one fires; the rest holds for runs in which none fires, and a run in which
     # one fires lasts at least the smallest timeout.

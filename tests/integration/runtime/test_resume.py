@@ -87,3 +87,38 @@ def test_resume_refuses_bad_input(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     assert main(["run", str(CONFIG), "--resume", str(tmp_path)]) == 2
     assert "run directory only" in capsys.readouterr().err
+    assert main(["run", "--resume", str(tmp_path), "--bursts", "1"]) == 2
+    assert "run directory only" in capsys.readouterr().err
+
+
+def test_sigterm_stops_every_part_and_points_to_resume(tmp_path):
+    """SIGTERM (``kill``, a batch scheduler's stop) ends the run like Ctrl-C: the driver stops
+    its engines, proxy, satellites and Ray before it exits, and says how to continue."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "run", str(CONFIG), "--out",
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None \
+                and _checkpoint_step(out) is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        left = json.loads((out / "processes.json").read_text())["processes"]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert f"tidal run --resume {out}" in err
+    alive = []
+    for row in left:
+        try:
+            p = psutil.Process(row["pid"])
+            if abs(p.create_time() - row["create_time"]) < 1e-3 \
+                    and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append((row, p.cmdline()[:4]))
+        except psutil.NoSuchProcess:
+            pass
+    assert not alive, alive

@@ -11,10 +11,13 @@ import pytest
 from tidal.control.policy import registered
 from tidal.control.verl import dispatch_budget
 from tidal.sim.oracle import (
+    draw_candidates,
+    hull_rate_max,
     lower_hull,
     min_train_gpus,
     oracle_bound,
     pipeline_bound,
+    sync_stops_every_cell,
     training_configs,
 )
 from tidal.sim.runner import run_policy
@@ -86,6 +89,39 @@ def test_no_policy_finishes_below_the_bound(scenario, seed):
     for spec in specs(len(sc.cluster.cell_specs())):
         makespan = run_policy(sc, spec, oracle=bound, keep_log=False).summary["makespan_s"]
         assert makespan >= bound.makespan_s, (spec, makespan, bound)
+
+
+def sync_heavy(seed: int) -> Scenario:
+    """dapo-math scaled down with a slow weight sync (17 s), where F7 charges every GPU."""
+    base = load("dapo-math-32gpu").scaled(0.5, bursts=4)
+    return base.model_copy(update={"seed": seed, "costs": base.costs.model_copy(
+        update={"weight_gb": 200.0})})
+
+
+def f7_holds(sc: Scenario) -> bool:
+    cand = draw_candidates(sc)
+    step_min_s = sum(sorted(cand.train_tok_timeout)[:sc.control.batch_groups]) \
+        / hull_rate_max(sc)
+    return sync_stops_every_cell(sc, step_min_s, cand.max_context_tokens)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_no_policy_beats_the_bound_with_slow_syncs(seed):
+    sc = sync_heavy(seed)
+    assert f7_holds(sc)
+    bound = oracle_bound(sc)
+    for spec in specs(len(sc.cluster.cell_specs())):
+        makespan = run_policy(sc, spec, oracle=bound, keep_log=False).summary["makespan_s"]
+        assert makespan >= bound.makespan_s, (spec, makespan, bound)
+
+
+def test_f7_charges_every_gpu_only_when_no_plan_can_abort():
+    sc = load("dapo-math-32gpu")
+    assert f7_holds(sc)
+    faulty = sc.model_copy(update={"sim": sc.sim.model_copy(update={"step_failure_rate": 0.1})})
+    assert not f7_holds(faulty)
+    # Without F7 the syncs charge the standalone GPUs and one cell only: a lower bound.
+    assert oracle_bound(faulty).trainer_lp_s < oracle_bound(sc).trainer_lp_s
 
 
 def test_the_new_bounds_tighten_dapo_math():
