@@ -20,6 +20,7 @@ never hold the GPU's memory at once."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -163,12 +164,20 @@ class EngineHost:
             self.state = "stopped"
 
 
-def actor_device(setting: str, gpu_ids: list[str]) -> str:
+def actor_device(setting: str, gpu_ids: list[str], cuda_present: bool | None = None) -> str:
     """The device of a cell's engine and satellite: ``auto`` is cuda when Ray gave the actor
-    GPUs; ``cuda`` without any fails in the engine with its own one-line error."""
+    GPUs and the host has an NVIDIA driver (GPUs merely declared to Ray, as in tests, stay on
+    the CPU); ``cuda`` without any fails in the engine with its own one-line error."""
     if setting == "auto":
-        return "cuda" if gpu_ids else "cpu"
+        if cuda_present is None:
+            cuda_present = _nvidia_driver_present()
+        return "cuda" if gpu_ids and cuda_present else "cpu"
     return setting
+
+
+def _nvidia_driver_present() -> bool:
+    """Cheap (no torch import in the actor): the kernel driver or its device nodes exist."""
+    return os.path.exists("/proc/driver/nvidia/version") or bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def trainer_device(setting: str, cell0_gpu_ids: list[str], visible: str | None) -> str:

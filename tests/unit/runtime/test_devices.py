@@ -32,8 +32,9 @@ def test_cuda_without_use_gpus_names_the_field():
 
 
 def test_a_cell_actor_runs_on_cuda_when_ray_gave_it_gpus():
-    assert actor_device("auto", ["3"]) == "cuda"
-    assert actor_device("auto", []) == "cpu"
+    assert actor_device("auto", ["3"], cuda_present=True) == "cuda"
+    assert actor_device("auto", ["3"], cuda_present=False) == "cpu"  # GPUs declared to Ray only
+    assert actor_device("auto", [], cuda_present=True) == "cpu"
     assert actor_device("cpu", ["3"]) == "cpu"
     assert actor_device("cuda", []) == "cuda"  # the engine reports the missing GPU
 
