@@ -39,8 +39,9 @@ What is fitted, and from what (times are seconds of the run's wall clock):
   ``gap = t[k] - t[k-1] - wait_s[k] - step_s[k]`` off the step (checkpoint, satellites): ``o`` =
   mean gap of non-final steps; a burst's final step also publishes, ``publish_s`` = mean of
   ``gap - o`` over final steps. ``train_tok_s_per_gpu`` = R, ``optimizer_s`` = a + o,
-  ``aggregate_s_per_cell`` = 0, ``scaling_efficiency`` = the simulator's default unless steps
-  ran with different numbers of cells (then ``R`` per cell count gives it).
+  ``aggregate_s_per_cell`` = 0, ``scaling_efficiency`` = the simulator's default (on a shared
+  CPU host 0.5: more cells on the same cores add no training compute) unless steps ran with
+  different numbers of cells (then ``R`` per cell count gives it).
 - **Costs** (``steps.jsonl``, successful steps): the mean duration per step kind (the mean,
   not the median: the simulator charges one value per step, and a run's time is their sum;
   on a shared CPU host waking under load takes seconds, idle a tenth): admission
@@ -93,16 +94,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------ trainer
 
+# speed-up(n) = n * e**log2(n) = 1 for every n: training cells that share one host's cores
+SHARED_HOST_EFFICIENCY = 0.5
+
 def fit_trainer(metrics: list[dict[str, Any]], execs: list[dict[str, Any]],
-                updates_per_burst: int) -> tuple[dict[str, float], float, dict[str, Any]]:
-    """Trainer speed, per-step overhead and the burst-end publication time."""
+                updates_per_burst: int, shared_host: bool = False
+                ) -> tuple[dict[str, float], float, dict[str, Any]]:
+    """Trainer speed, per-step overhead and the burst-end publication time. On a shared host
+    (a CPU run: every cell trains on the same cores) more training cells bring no compute, so
+    unless the run itself measured otherwise the efficiency per doubling is 0.5 (speed-up 1)."""
     ctx_by_group: dict[str, float] = {}
     for e in execs:
         if e.get("calls"):
             last = e["calls"][-1]
             ctx_by_group[e["group"]] = (ctx_by_group.get(e["group"], 0.0)
                                         + last["prompt_tokens"] + last["output_tokens"])
-    eff = TrainerConfig().scaling_efficiency
+    eff = SHARED_HOST_EFFICIENCY if shared_host else TrainerConfig().scaling_efficiency
     xs, ys, cells = [], [], []
     for m in metrics:
         if "groups" not in m or any(g not in ctx_by_group for g in m["groups"]):
@@ -204,7 +211,8 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
         raise ConfigError(str(root / "metrics.jsonl"), "missing or empty: no optimizer step")
     engine, engine_notes = fit_engine(execs)
     trainer, publish_s, trainer_notes = fit_trainer(metrics, execs,
-                                                    own.control.updates_per_burst)
+                                                    own.control.updates_per_burst,
+                                                    shared_host=not own.runtime.use_gpus)
     # Plans after the last publication are the runtime settling: no burst waits for them.
     plans = plans_before(read_jsonl(root / "decisions.jsonl"), float(metrics[-1]["t"]))
     costs, unseen = fit_costs(read_jsonl(root / "steps.jsonl"), publish_s, plans)

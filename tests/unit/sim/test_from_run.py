@@ -223,3 +223,20 @@ def test_a_run_without_executions_jsonl_names_the_file(tmp_path):
 def test_against_a_directory_without_config_is_a_config_error(tmp_path, capsys):
     assert main(["calibrate", str(CAL), "--against", str(tmp_path)]) == 2
     assert "--against" in capsys.readouterr().err
+
+
+def test_training_cells_on_one_shared_host_add_no_compute(fitted):
+    """A CPU run (``use_gpus`` off): every cell trains on the same cores, so without a
+    measurement across cell counts the fit takes speed-up 1 for any number of cells
+    (efficiency 0.5 per doubling); on GPUs the simulator's default stands."""
+    from tidal.sim.costs import speedup
+    from tidal.sim.from_run import SHARED_HOST_EFFICIENCY, fit_trainer
+    from tidal.sim.scenario import TrainerConfig
+
+    sc, _ = fitted
+    assert sc.trainer.scaling_efficiency == SHARED_HOST_EFFICIENCY
+    assert speedup(1, SHARED_HOST_EFFICIENCY) == speedup(3, SHARED_HOST_EFFICIENCY) == 1.0
+    execs = [json.loads(x) for x in (CAL / "executions.jsonl").read_text().splitlines()]
+    metrics = [json.loads(x) for x in (CAL / "metrics.jsonl").read_text().splitlines()]
+    on_gpus, _, _ = fit_trainer(metrics, execs, 2, shared_host=False)
+    assert on_gpus["scaling_efficiency"] == TrainerConfig().scaling_efficiency
