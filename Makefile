@@ -48,6 +48,8 @@ sim-demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest tests
+	# tests/gpu skip without CUDA; dry-run them with the CPU as the device so they stay runnable
+	TIDAL_TEST_DEVICE=cpu $(BIN)/python -m pytest tests/gpu
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit
