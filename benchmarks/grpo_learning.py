@@ -111,11 +111,12 @@ def plot(metrics: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tidal.viz.run_report import moving_average
+
     steps = [m["step"] for m in metrics["steps"]]
     rewards = [m["mean_reward"] for m in metrics["steps"]]
     k = max(3, len(rewards) // 10)
-    smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
-              for i in range(len(rewards))]
+    smooth = moving_average(rewards, k)
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, rewards, alpha=0.35, label="mean reward per step (sampled)")
     ax.plot(steps, smooth, label=f"moving average ({k} steps)")
