@@ -161,6 +161,11 @@ class RuntimeConfig(Strict):
                         "on cell 0's), 'cpu', or 'auto' (cuda when use_gpus is on and a GPU is "
                         "seen, else cpu)")
     cpus_per_engine: float = Field(0.25, gt=0.0, description="CPUs reserved per engine actor")
+    cell_cpus: float | None = Field(None, gt=0.0, description="hold each cell and standalone "
+                                    "engine to this many cores (a Linux cgroup v1 CPU quota; "
+                                    "single host, built-in engines): on a CPU host cells then "
+                                    "own their compute as they own their GPUs on a cluster "
+                                    "(None: every process may use every core)")
     placement_strategy: str = Field("PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
     start_timeout_s: float = Field(120.0, gt=0.0)
     run_timeout_s: float = Field(900.0, gt=0.0)

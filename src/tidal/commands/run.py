@@ -21,8 +21,11 @@ import click
 @click.option("--address", default=None, help="Join an existing Ray cluster at this address.")
 @click.option("--bursts", type=click.IntRange(min=1), default=None,
               help="Override control.bursts (e.g. 1 for a short calibration run).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override one config value (a YAML scalar), e.g. "
+                   "'--set runtime.cell_cpus=0.5'; repeatable.")
 def command(config: str | None, out: str | None, resume: str | None, policy: str | None,
-            address: str | None, bursts: int | None) -> None:
+            address: str | None, bursts: int | None, sets: tuple[str, ...]) -> None:
     import json
     from pathlib import Path
 
@@ -34,7 +37,8 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     from tidal.runtime.driver import Runtime
 
     if resume is not None:
-        if config is not None or out is not None or policy is not None or bursts is not None:
+        if (config is not None or out is not None or policy is not None or bursts is not None
+                or sets):
             raise ConfigError("--resume", "takes the run directory only (its config.yaml "
                               "holds the config, policy and output place)")
         if not (Path(resume) / "config.yaml").is_file():
@@ -50,6 +54,8 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
         data["runtime"]["ray_address"] = address
     if bursts is not None:
         data["control"]["bursts"] = bursts
+    for item in sets:
+        apply_set(data, item)
     cfg = validate_model(RunConfig, data)
 
     def show(line: dict) -> None:
@@ -104,3 +110,30 @@ def _panel(st: dict, total_steps: int):
                      ("transitions / replaced", f"{st['switches']} / {st['replaced']}")):
         table.add_row(key, val)
     return Group(table, ProgressBar(total=max(1, total_steps), completed=st["step"], width=60))
+
+
+def apply_set(data: dict, item: str) -> None:
+    """``--set a.b.c=VALUE``: VALUE parsed as a YAML scalar into ``data['a']['b']['c']``; an
+    unknown section or a malformed item is a ``ConfigError`` (unknown fields are rejected when
+    the config is validated)."""
+    import yaml
+
+    from tidal.errors import ConfigError
+
+    key, sep, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError("--set", f"{item!r}: expected KEY=VALUE, e.g. runtime.cell_cpus=0.5")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError("--set", f"{item!r}: the value is not a YAML scalar") from None
+    if isinstance(value, dict | list):
+        raise ConfigError("--set", f"{item!r}: give one scalar value")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        if not isinstance(node.get(part), dict):
+            where = ".".join(parts[:i + 1])
+            raise ConfigError("--set", f"{item!r}: {where} is not a config section")
+        node = node[part]
+    node[parts[-1]] = value

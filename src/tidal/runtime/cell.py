@@ -15,7 +15,11 @@ Device: the engine and the satellite of a cell run on the same device, decided h
 ``runtime.device`` and the GPUs Ray gave this actor (``auto``: cuda when it holds any). Both
 processes inherit the actor's ``CUDA_VISIBLE_DEVICES``, so ``cuda`` is the cell's first GPU; the
 engine sleeps before the satellite starts and the satellite ends before the engine wakes, so they
-never hold the GPU's memory at once."""
+never hold the GPU's memory at once.
+
+CPU quota (``runtime.cell_cpus``): the actor joins its cell's cgroup first thing, so its engine and
+satellite processes are born there and together never use more than the cell's cores.
+"""
 
 from __future__ import annotations
 
@@ -43,8 +47,13 @@ class EngineHost:
     """Plain class; ``driver`` wraps it with ``ray.remote``. One engine process per instance."""
 
     def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", cgroup: str | None = None) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if cgroup is not None:  # runtime.cell_cpus: this actor, its engine and its satellite
+            from tidal.runtime.cpuquota import join_process
+
+            join_process(cgroup)  # processes started from here on are born in the group
+        self.cgroup = cgroup
         self.name, self.model_dir, self.max_batch = name, model_dir, max_batch
         self.device_setting = device
         self.device = "cpu"
@@ -149,7 +158,7 @@ class EngineHost:
                 "pid": self.proc.proc.pid if self.proc else None,
                 "satellite_pid": self.satellite.pid if self.satellite_alive() else None,
                 "satellite_starts": self.satellite_starts, "gpu_ids": _gpu_ids(),
-                "device": self.device}
+                "device": self.device, "cgroup": self.cgroup}
 
     def kill_engine(self) -> None:
         """Crash the engine process (SIGKILL): fault injection for tests."""

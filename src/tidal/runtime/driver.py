@@ -20,11 +20,15 @@ its weights and claim micro-steps) -> ``FilePublisher`` -> engines load the new 
 Everything runs on one asyncio loop; blocking work (optimizer steps, Ray calls) is awaited off the
 loop, so controller events are handled in order on one thread.
 Devices (``runtime.device``): each cell actor puts its engine and satellite on its own GPU; the
-core trainer runs on cell 0's GPU and is offloaded to CPU memory whenever cell 0 serves."""
+core trainer runs on cell 0's GPU and is offloaded to CPU memory whenever cell 0 serves.
+CPU quota (``runtime.cell_cpus``, ``cpuquota``): one cgroup per cell and standalone engine; the
+actors and their processes join theirs, the core trainer computes on one thread in cell 0's; the
+summary adds the seconds each group was throttled."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -75,6 +79,14 @@ def _check(cfg: RunConfig) -> None:
                           "request to re-spread load) is not supported by the runtime")
     if cfg.runtime.standalone_backend == "vllm":
         vllm_host.check(cfg)
+    rt = cfg.runtime
+    if rt.cell_cpus is not None:
+        for bad, why in ((rt.ray_address, "joins a Ray cluster (the quota is per host)"),
+                         (rt.use_gpus, "uses GPUs (cells already own their devices)"),
+                         (rt.standalone_backend == "vllm", "serves standalone engines with "
+                          "vLLM (the quota covers built-in engines)")):
+            if bad:
+                raise ConfigError("runtime.cell_cpus", f"not supported when the run {why}")
 
 
 
@@ -102,6 +114,9 @@ class Runtime:
         self.proxy = None
         self.metrics: list[dict[str, Any]] = []
         self._ray_started = False
+        self.cpu_groups = None  # runtime.cell_cpus: one CPU-quota cgroup per cell / engine
+        self.cpu_stats: dict[str, dict[str, float]] = {}
+        self.core_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.ck = checkpoint.load(self.out) if resume else None
         self.trained_groups: list[str] = list(self.ck.state.trained_groups) if self.ck else []
 
@@ -133,6 +148,9 @@ class Runtime:
                 if prev is not None:
                     signal.signal(signal.SIGTERM, prev)
         summary["run_time_s"] = round(time.perf_counter() - t0, 2)
+        if self.rt.cell_cpus is not None:
+            summary["cell_cpus"] = self.rt.cell_cpus
+            summary["cpu_throttled_s"] = {k: v["throttled_s"] for k, v in self.cpu_stats.items()}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
@@ -154,6 +172,12 @@ class Runtime:
             if not (self.model_dir / "config.json").is_file():
                 raise ConfigError("runtime.model", f"{rt.model}: not 'tiny', a bundled model "
                                   f"({', '.join(KNOWN)}) or a model directory with config.json")
+        names = [f"s{j}" for j in range(self.cfg.cluster.standalone_count)]
+        names += [f"c{i}" for i in range(len(self.cfg.cluster.cell_specs()))]
+        if rt.cell_cpus is not None:  # before Ray and any actor (their processes join it)
+            from tidal.runtime.cpuquota import CpuGroups
+
+            self.cpu_groups = CpuGroups(rt.cell_cpus, names)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if not ray.is_initialized():
             if rt.ray_address:
@@ -166,8 +190,6 @@ class Runtime:
             _trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
         self._actor_cls = ray.remote(EngineHost)
         self._vllm = vllm_host.actor_class(ray, self.rt)  # None: built-in standalone engines
-        names = [f"s{j}" for j in range(self.cfg.cluster.standalone_count)]
-        names += [f"c{i}" for i in range(len(self.cfg.cluster.cell_specs()))]
         self.placement = Placement(ray, self.cfg, names, rt.start_timeout_s)
         for name in names:
             self.actors[name] = self.new_actor(name)
@@ -192,9 +214,11 @@ class Runtime:
         # Threaded (max_concurrency): a health probe is answered while a long sleep, wake or
         # weight load runs; the actuator never sends one cell two state changes at once.
         engine_device = self.rt.device if self.rt.use_gpus else "cpu"
+        groups = self.cpu_groups
         cls, extra = ((self._vllm, [vllm_host.vllm_settings(self.rt)])
                       if self._vllm is not None and name.startswith("s") else
-                      (self._actor_cls, [engine_device]))
+                      (self._actor_cls, [engine_device,
+                                         groups.path(name) if groups is not None else None]))
         return cls.options(runtime_env={"env_vars": env}, max_concurrency=4,
                            **self.placement.options(name)).remote(
             name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra)
@@ -227,6 +251,13 @@ class Runtime:
             self.placement.remove()
         if self._ray_started:
             ray.shutdown()
+        if self.core_pool is not None:
+            self.core_pool.shutdown(wait=False, cancel_futures=True)
+        if self.cpu_groups is not None:
+            self.cpu_stats = self.cpu_groups.stats()
+            left = self.cpu_groups.remove()
+            if left:
+                log.warning("cgroups still busy, left in place: %s", ", ".join(left))
 
     # ------------------------------------------------------------------ the run
     async def _main(self) -> dict[str, Any]:
@@ -245,7 +276,20 @@ class Runtime:
 
         cfg, rt, c = self.cfg, self.rt, self.cfg.control
         torch.manual_seed(cfg.seed)
-        torch.set_num_threads(rt.torch_threads)
+        threads = rt.torch_threads
+        if self.cpu_groups is not None:
+            # the core trainer computes on one thread that lives in cell 0's group (its OpenMP
+            # team is born there too); more threads than cores would spin on the quota
+            threads = min(threads, max(1, int(rt.cell_cpus)))
+            from tidal.runtime.cpuquota import join_thread
+
+            self.core_pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tidal-core", initializer=join_thread,
+                initargs=(self.cpu_groups.path("c0"),))
+        else:
+            self.core_pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tidal-core")
+        torch.set_num_threads(threads)
         specs = cfg.cluster.cell_specs()
         admin = httpx.AsyncClient(base_url=self.proxy.url, timeout=300.0,
                                   headers={"Authorization": f"Bearer {self.token}"})
@@ -504,7 +548,8 @@ class Runtime:
                         if 0 not in self.actuator.training:
                             continue  # offloaded between the check and the lock
                         t0 = self.clock.now()
-                        report = await asyncio.to_thread(self.core.train_step, final)
+                        report = await asyncio.get_running_loop().run_in_executor(
+                            self.core_pool, self.core.train_step, final)
                         break
                 dt = self.clock.now() - t0
                 if report is None:

@@ -40,7 +40,8 @@ What is fitted, and from what (times are seconds of the run's wall clock):
   mean gap of non-final steps; a burst's final step also publishes, ``publish_s`` = mean of
   ``gap - o`` over final steps. ``train_tok_s_per_gpu`` = R, ``optimizer_s`` = a + o,
   ``aggregate_s_per_cell`` = 0, ``scaling_efficiency`` = the simulator's default (on a shared
-  CPU host 0.5: more cells on the same cores add no training compute) unless steps ran with
+  CPU host 0.5: more cells on the same cores add no training compute; a run with
+  ``runtime.cell_cpus`` gives each cell its own cores, so the default) unless steps ran with
   different numbers of cells (then ``R`` per cell count gives it).
 - **Costs** (``steps.jsonl``, successful steps): the mean duration per step kind (the mean,
   not the median: the simulator charges one value per step, and a run's time is their sum;
@@ -212,7 +213,8 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
     engine, engine_notes = fit_engine(execs)
     trainer, publish_s, trainer_notes = fit_trainer(metrics, execs,
                                                     own.control.updates_per_burst,
-                                                    shared_host=not own.runtime.use_gpus)
+                                                    shared_host=not own.runtime.use_gpus
+                                                    and own.runtime.cell_cpus is None)
     # Plans after the last publication are the runtime settling: no burst waits for them.
     plans = plans_before(read_jsonl(root / "decisions.jsonl"), float(metrics[-1]["t"]))
     costs, unseen = fit_costs(read_jsonl(root / "steps.jsonl"), publish_s, plans)

@@ -3,9 +3,11 @@
 In: two or more run directories (read by ``tidal.viz.run_data``) and an output directory. Out,
 written there: ``reward_compare.png`` (every run's reward per optimizer step, and against wall
 time since the first dispatch), ``compare.md`` and ``compare.json`` with one row per run
-(policy, run time, bursts time, steps, reward first/last quarter, switches, reroutes, failed,
-lost) and, for each pair in the order given, the ratios first / second of run time and bursts
-time (``static / waterlevel`` > 1: the elastic run finished sooner). ``comparison_table``
+(policy, run time, bursts time, steps, reward first/last quarter, mean reward over GRPO groups
++- its standard error, switches, reroutes, failed, lost) and, for each pair in the order given,
+the ratios first / second of run time and bursts time (``static / waterlevel`` > 1: the elastic
+run finished sooner) and the reward difference in standard errors (``z``; |z| < 2: the two
+runs' rewards are within seed noise of each other). ``comparison_table``
 renders the same rows for the terminal (rich).
 Invariant: numbers are read from the runs, never recomputed differently per output; configs
 that differ beyond the policy are compared anyway and the differing keys listed as a note.
@@ -71,10 +73,12 @@ def run_labels(runs: list[RunData]) -> list[str]:
 def run_row(run: RunData, label: str) -> dict[str, Any]:
     s = run.summary
     first, last = run.reward_quarters()
+    mean, se, n = run.reward_noise()
     return {"label": label, "policy": run.policy, "run_dir": str(run.path),
             "run_time_s": s.get("run_time_s"), "bursts_s": s.get("bursts_s"),
             "steps": run.n_steps(), "reward_first_quarter": first,
             "reward_last_quarter": last,
+            "reward_mean": mean, "reward_se": se, "reward_groups": n,
             "switches_to_training": s.get("switches_to_training"),
             "switches_to_rollout": s.get("switches_to_rollout"),
             "rerouted_requests": s.get("rerouted_requests"),
@@ -92,6 +96,12 @@ def pair_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 x, y = a.get(key), b.get(key)
                 ok = isinstance(x, int | float) and isinstance(y, int | float) and y > 0
                 pair[key] = x / y if ok else None
+            pair["reward_diff"] = pair["reward_z"] = None
+            if a.get("reward_mean") is not None and b.get("reward_mean") is not None:
+                pair["reward_diff"] = a["reward_mean"] - b["reward_mean"]
+                se = (a["reward_se"] or 0.0) ** 2 + (b["reward_se"] or 0.0) ** 2
+                if a["reward_se"] is not None and b["reward_se"] is not None and se > 0:
+                    pair["reward_z"] = pair["reward_diff"] / se ** 0.5
             out.append(pair)
     return out
 
@@ -124,24 +134,46 @@ COLUMNS = (("policy", "label", 0), ("run time s", "run_time_s", 2),
            ("bursts s", "bursts_s", 2), ("steps", "steps", 0),
            ("reward first q", "reward_first_quarter", 3),
            ("reward last q", "reward_last_quarter", 3),
+           ("reward mean ± se", "reward_mean_se", 0),
            ("to training", "switches_to_training", 0), ("to rollout", "switches_to_rollout", 0),
            ("reroutes", "rerouted_requests", 0), ("failed", "failed_requests", 0),
            ("lost", "lost_executions", 0))
 
 
+def _cell(row: dict[str, Any], key: str, digits: int) -> str:
+    if key == "reward_mean_se":
+        if row.get("reward_mean") is None:
+            return "–"
+        se = row.get("reward_se")
+        return f"{row['reward_mean']:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+    return _fmt(row.get(key), digits)
+
+
+def _z(p: dict[str, Any]) -> str:
+    if p.get("reward_diff") is None:
+        return "–"
+    z = p.get("reward_z")
+    return f"{p['reward_diff']:+.3f}" + (f" (z {z:+.2f})" if z is not None else "")
+
+
 def render_markdown(comp: Comparison) -> str:
     lines = ["# tidal run comparison", "",
              "Bursts time: first dispatch to the last publication (start-up excluded). Reward "
-             "quarters: mean reward of the first and last quarter of optimizer steps.", "",
+             "quarters: mean reward of the first and last quarter of optimizer steps. Reward "
+             "mean ± se: over the run's GRPO groups (executions.jsonl), with its standard "
+             "error.", "",
              "| " + " | ".join(h for h, _, _ in COLUMNS) + " |",
              "|---|" + "---:|" * (len(COLUMNS) - 1)]
     for row in comp.rows:
-        lines.append("| " + " | ".join(_fmt(row[k], d) for _, k, d in COLUMNS) + " |")
-    lines += ["", "## Ratios", "", "| pair | run time | bursts time |", "|---|---:|---:|"]
+        lines.append("| " + " | ".join(_cell(row, k, d) for _, k, d in COLUMNS) + " |")
+    lines += ["", "## Ratios", "", "| pair | run time | bursts time | reward difference |",
+              "|---|---:|---:|---:|"]
     for p in comp.ratios:
         lines.append(f"| {p['numerator']} / {p['denominator']} | {_fmt(p['run_time_s'], 3)} | "
-                     f"{_fmt(p['bursts_s'], 3)} |")
-    lines += ["", "A ratio above 1: the second run of the pair took less time.", "",
+                     f"{_fmt(p['bursts_s'], 3)} | {_z(p)} |")
+    lines += ["", "A ratio above 1: the second run of the pair took less time. Reward "
+              "difference: first minus second, and in standard errors (z); |z| < 2: within "
+              "seed noise.", "",
               "## Runs", ""]
     lines += [f"- {row['label']}: `{row['run_dir']}`" for row in comp.rows]
     if comp.notes:
@@ -159,13 +191,13 @@ def comparison_table(comp: Comparison) -> Any:
     for head, _, _ in COLUMNS:
         runs.add_column(head, justify="left" if head == "policy" else "right")
     for row in comp.rows:
-        runs.add_row(*(_fmt(row[k], d) for _, k, d in COLUMNS))
+        runs.add_row(*(_cell(row, k, d) for _, k, d in COLUMNS))
     ratios = Table(title="ratios (first / second)")
-    for head in ("pair", "run time", "bursts time"):
+    for head in ("pair", "run time", "bursts time", "reward diff (z)"):
         ratios.add_column(head, justify="left" if head == "pair" else "right")
     for p in comp.ratios:
         ratios.add_row(f"{p['numerator']} / {p['denominator']}", _fmt(p["run_time_s"], 3),
-                       _fmt(p["bursts_s"], 3))
+                       _fmt(p["bursts_s"], 3), _z(p))
     return Group(runs, ratios)
 
 

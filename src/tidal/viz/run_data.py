@@ -1,9 +1,10 @@
 """Reading a ``tidal run`` directory into plain values (no plotting, no Ray, no torch).
 
 In: a run directory as ``tidal run`` writes it (see ``tidal.runtime.driver``): ``summary.json``
-(required), ``config.yaml``, ``metrics.jsonl``, ``state.jsonl``, ``timeline.json`` (each
-optional). Out: ``RunData`` holding them, and the figures derived from them that the report
-and the comparison print: reward first/last-quarter means and per-burst times and utilization.
+(required), ``config.yaml``, ``metrics.jsonl``, ``state.jsonl``, ``timeline.json``,
+``executions.jsonl`` (each optional). Out: ``RunData`` holding them, and the figures derived
+from them that the report and the comparison print: reward first/last-quarter means, the mean
+reward over GRPO groups with its standard error, and per-burst times and utilization.
 Invariant: a missing optional file reads as ``None`` and its figures are skipped; a file that is
 present but malformed (bad JSON, a line that is not an object, a missing key) raises
 ``ConfigError`` naming the file and line, so a bad directory is one readable line, never a
@@ -37,6 +38,7 @@ class RunData:
     metrics: list[dict[str, Any]] | None
     states: list[dict[str, Any]] | None
     timeline: list[list[tuple[float, float, str]]] | None
+    group_rewards: dict[str, float] | None = None  # GRPO group -> mean reward of its executions
 
     @property
     def policy(self) -> str:
@@ -58,6 +60,17 @@ class RunData:
 
     def reward_quarters(self) -> tuple[float | None, float | None]:
         return quarter_means(self.rewards()[1])
+
+    def reward_noise(self) -> tuple[float | None, float | None, int]:
+        """Mean reward over the run's GRPO groups, its standard error (groups are the
+        independent units: the executions of one group share a prompt) and the group count;
+        (None, None, n) without executions.jsonl or with fewer than two groups."""
+        vals = list((self.group_rewards or {}).values())
+        if len(vals) < 2:
+            return (sum(vals) / len(vals) if vals else None), None, len(vals)
+        mean = sum(vals) / len(vals)
+        var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+        return mean, (var / len(vals)) ** 0.5, len(vals)
 
     def n_steps(self) -> int:
         steps = self.summary.get("trainer_steps")
@@ -166,7 +179,20 @@ def load_run(path: str | Path) -> RunData:
     return RunData(path=root, summary=summary, config=_read_config(root / "config.yaml"),
                    metrics=read_jsonl(root / "metrics.jsonl", _METRIC_KEYS),
                    states=read_jsonl(root / "state.jsonl", _STATE_KEYS),
-                   timeline=_read_timeline(root / "timeline.json"))
+                   timeline=_read_timeline(root / "timeline.json"),
+                   group_rewards=_group_rewards(root / "executions.jsonl"))
+
+
+def _group_rewards(path: Path) -> dict[str, float] | None:
+    rows = read_jsonl(path)
+    if rows is None:
+        return None
+    by: dict[str, list[float]] = {}
+    for i, r in enumerate(rows, 1):
+        if "group" not in r or not _is_number(r.get("reward")):
+            raise ConfigError(f"{path}:{i}", "needs a group and a numeric reward")
+        by.setdefault(str(r["group"]), []).append(float(r["reward"]))
+    return {g: sum(v) / len(v) for g, v in by.items()}
 
 
 def _read_json(path: Path) -> Any:

@@ -121,3 +121,41 @@ def test_cli_errors_are_one_line(run_copy, tmp_path, capsys):
     assert not (static / "report.md").exists()
     assert main(["report", str(static), "--out", str(tmp_path / "x")]) == 2
     assert "two or more runs" in capsys.readouterr().err
+
+
+def _write_executions(run, rewards_by_group):
+    lines = [{"execution": f"{g}-e{i}", "group": g, "reward": r}
+             for g, rs in rewards_by_group.items() for i, r in enumerate(rs)]
+    (run / "executions.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_reward_noise_is_the_standard_error_over_groups_and_pairs_get_z(run_copy, tmp_path):
+    static, elastic = run_copy("tiny-static"), run_copy("tiny-waterlevel")
+    # group means 0.25, 0.5, 0.75: mean 0.5, sd 0.25, se 0.25 / sqrt(3)
+    _write_executions(static, {"b0-g0": [0.0, 0.5], "b0-g1": [0.5, 0.5], "b0-g2": [1.0, 0.5]})
+    _write_executions(elastic, {"b0-g0": [0.5, 0.5], "b0-g1": [0.5, 0.5], "b0-g2": [0.5, 0.5]})
+    comp = compare_runs([static, elastic], tmp_path / "cmp")
+    se = 0.25 / 3 ** 0.5
+    assert comp.rows[0]["reward_mean"] == pytest.approx(0.5)
+    assert comp.rows[0]["reward_se"] == pytest.approx(se)
+    assert comp.rows[0]["reward_groups"] == 3
+    assert comp.rows[1]["reward_se"] == 0.0
+    (pair,) = comp.ratios
+    assert pair["reward_diff"] == pytest.approx(0.0) and pair["reward_z"] == pytest.approx(0.0)
+    _write_executions(elastic, {"b0-g0": [1.0, 1.0], "b0-g1": [1.0, 1.0]})
+    pair = compare_runs([static, elastic], tmp_path / "cmp2").ratios[0]
+    assert pair["reward_diff"] == pytest.approx(-0.5)
+    assert pair["reward_z"] == pytest.approx(-0.5 / se)
+    text = (tmp_path / "cmp2" / "compare.md").read_text()
+    assert f"| 0.500 ± {se:.3f} |" in text and f"-0.500 (z {-0.5 / se:+.2f})" in text
+
+
+def test_runs_without_executions_have_no_reward_noise_and_bad_lines_are_one_error(
+        run_copy, tmp_path):
+    static, elastic = run_copy("tiny-static"), run_copy("tiny-waterlevel")
+    comp = compare_runs([static, elastic], tmp_path / "cmp")
+    assert comp.rows[0]["reward_mean"] is None and comp.ratios[0]["reward_z"] is None
+    assert "| – |" in (tmp_path / "cmp" / "compare.md").read_text()
+    (elastic / "executions.jsonl").write_text('{"group": "g", "reward": "high"}\n')
+    with pytest.raises(ConfigError, match=r"executions\.jsonl:1"):
+        compare_runs([static, elastic], tmp_path / "cmp3")
