@@ -34,8 +34,16 @@ What is fitted, and from what (times are seconds of the run's wall clock):
   the method is in ``engine_fit``'s docstring. ``prefill_equiv`` is 0 (the rates include it).
 - **Trainer** (``fit_trainer``, ``metrics.jsonl``): a step trains ``W`` simulated tokens (the
   final context, last prompt + last output, of every execution of its groups) in
-  ``step_s = a + W / (R * speedup(cells))`` (``cells`` = 1 + satellites that joined): least
-  squares for ``a >= 0`` and ``R``. Between two steps the trainer spends
+  ``step_s = a + W / (R * speedup(cells))`` (``cells`` = 1 + satellites that joined). Runs that
+  time both parts of a step (``compute_s``: the micro-steps of every cell; ``update_s``:
+  aggregation, optimizer step, broadcast) give ``a`` = mean ``update_s`` of non-final steps
+  (a final step's extra ``update_s``, writing the version, goes to ``publish_s``) and
+  ``R = sum W / speedup / sum compute_s``; with the core's own micro-step time and token share
+  (``core_compute_s``, ``core_tokens`` of ``n_tokens``) ``R`` is one cell's speed,
+  ``sum W * share / sum core_compute_s``, and the steps with more cells give the efficiency
+  per doubling (median of ``(W / R / compute_s / n) ** (1 / log2 n)``, in [0.3, 1]: the
+  satellites' joins and weight pulls are in it); older runs: least squares for ``a >= 0``
+  and ``R``. Between two steps the trainer spends
   ``gap = t[k] - t[k-1] - wait_s[k] - step_s[k]`` off the step (checkpoint, satellites): ``o`` =
   mean gap of non-final steps; a burst's final step also publishes, ``publish_s`` = mean of
   ``gap - o`` over final steps. ``train_tok_s_per_gpu`` = R, ``optimizer_s`` = a + o,
@@ -129,19 +137,45 @@ def fit_trainer(metrics: list[dict[str, Any]], execs: list[dict[str, Any]],
             e = [(r / r1 / n) ** (1 / math.log2(n)) for n, r in rn]
             eff = round(min(1.0, max(0.3, st.median(e))), 4)
     xe = [x / speedup(n, eff) for x, n in zip(xs, cells, strict=True)]
-    a, slope = _line(xe, ys)
+    final_of = [(k + 1) % updates_per_burst == 0 for k in range(len(metrics))]
+    timed = all("compute_s" in m and "update_s" in m for m in metrics)
+    publish_extra = 0.0
+    if timed:  # the run timed both parts of a step: no line to fit
+        compute = [float(m["compute_s"]) for m in metrics]
+        update = [float(m["update_s"]) for m in metrics]
+        inner = [u for u, f in zip(update, final_of, strict=True) if not f] or update
+        a = st.fmean(inner)
+        slope = sum(compute) / sum(xe) if sum(xe) > 0 else 1.0
+        core = [(x * float(m["core_tokens"]) / float(m["n_tokens"]), float(m["core_compute_s"]))
+                for x, m in zip(xs, metrics, strict=True)
+                if m.get("core_compute_s") and m.get("core_tokens") and m.get("n_tokens")]
+        if len(core) == len(metrics) and sum(c for _, c in core) > 0:
+            # one cell's speed from the core's own micro-steps; the run's compute times with
+            # more cells then give the efficiency (joins, weight pulls, uneven micro-steps)
+            r1 = sum(w for w, _ in core) / sum(c for _, c in core)
+            e = [(x / r1 / c / n) ** (1 / math.log2(n))
+                 for x, c, n in zip(xs, compute, cells, strict=True) if n > 1 and c > 0]
+            if e:
+                eff = round(min(1.0, max(0.3, st.median(e))), 4)
+            slope = 1.0 / r1
+        finals_u = [u for u, f in zip(update, final_of, strict=True) if f]
+        if finals_u and len(inner) < len(update):  # a final step also writes the version
+            publish_extra = max(0.0, st.fmean(finals_u) - a)
+    else:
+        a, slope = _line(xe, ys)
     rate = 1.0 / slope
     gaps, finals, prev_t = [], [], 0.0
     for k, m in enumerate(metrics):
         gap = max(0.0, float(m["t"]) - prev_t - float(m["wait_s"]) - float(m["step_s"]))
         prev_t = float(m["t"])
-        (finals if (k + 1) % updates_per_burst == 0 else gaps).append(gap)
+        (finals if final_of[k] else gaps).append(gap)
     o = st.fmean(gaps) if gaps else 0.0
-    publish = max(0.0, st.fmean(finals) - o) if finals else 0.0
+    publish = (max(0.0, st.fmean(finals) - o) if finals else 0.0) + publish_extra
     fit = {"train_tok_s_per_gpu": round(rate, 3), "optimizer_s": round(a + o, 4),
            "aggregate_s_per_cell": 0.0, "scaling_efficiency": eff}
     return fit, round(publish, 4), {"steps": len(ys), "step_intercept_s": round(a, 4),
-                                    "between_steps_s": round(o, 4)}
+                                    "between_steps_s": round(o, 4),
+                                    "from": "timed steps" if timed else "step times"}
 
 
 def _rate(xs: list[float], ys: list[float]) -> float | None:

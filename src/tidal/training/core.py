@@ -83,6 +83,10 @@ class StepReport:
     max_staleness: int
     members: list[int] = field(default_factory=list)
     group_ids: list[str] = field(default_factory=list)
+    compute_s: float = 0.0  # the micro-steps of every training cell (until all are delivered)
+    update_s: float = 0.0  # aggregation, optimizer step, and the broadcast or publication
+    core_compute_s: float = 0.0  # the core's own micro-steps (one cell's speed)
+    core_tokens: int = 0  # trainable tokens of the core's own micro-steps
 
 
 class CoreTrainer:
@@ -205,7 +209,9 @@ class CoreTrainer:
         self._sealed, self._groups_in_step = False, 0
         self._last_data_s = self.clock.now()
         self.coordinator.open_step(StepInfo(step, step, version, final), snapshot)
+        t_compute = self.clock.now()
         self._process_batch()
+        t_update = self.clock.now()
         summary = self.packing.finish()
         self._step += 1
         if summary.n_executions == 0:
@@ -235,7 +241,8 @@ class CoreTrainer:
             step, version, final, len(summary.groups), summary.n_executions,
             summary.n_trainable_tokens, by_cell, summary.reclaimed, summary.reopened, norm, loss,
             sum(rewards) / len(rewards), summary.max_staleness, [c for c, _ in members],
-            [g.group_id for g in summary.groups],
+            [g.group_id for g in summary.groups], t_update - t_compute,
+            self.clock.now() - t_update, self.worker.compute_s, self.worker.n_tokens,
         )
         log.info("step %d v%d->v%d: %d groups, micro-steps by cell %s, |g|=%.4f", step, version,
                  self.version, report.n_groups, by_cell, norm)

@@ -12,6 +12,7 @@ gloo transport sends.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -76,9 +77,17 @@ class GradientWorker:
         self.grad_sum = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
         self.n_micro_steps = self.n_tokens = 0
         self.loss_sum = 0.0
+        self.compute_s = 0.0  # wall time in ``compute`` since the last reset (calibration)
         self.executions: set[str] = set()
 
     def compute(self, step: MicroStep) -> StepResult:
+        t0 = time.perf_counter()
+        try:
+            return self._compute(step)
+        finally:
+            self.compute_s += time.perf_counter() - t0
+
+    def _compute(self, step: MicroStep) -> StepResult:
         t = micro_step_tensors(step, self.pad_id)
         device = self.device
         if device.type != "cpu":

@@ -240,3 +240,57 @@ def test_training_cells_on_one_shared_host_add_no_compute(fitted):
     metrics = [json.loads(x) for x in (CAL / "metrics.jsonl").read_text().splitlines()]
     on_gpus, _, _ = fit_trainer(metrics, execs, 2, shared_host=False)
     assert on_gpus["scaling_efficiency"] == TrainerConfig().scaling_efficiency
+
+
+def test_timed_steps_give_the_optimizer_time_and_the_compute_rate_directly():
+    """A run that times both parts of a step (``compute_s``, ``update_s``): the per-step
+    overhead is the mean update of non-final steps (not a fitted intercept), the final
+    steps' extra update time is publication, and the rate comes from compute time alone."""
+    from tidal.sim.costs import speedup
+    from tidal.sim.from_run import fit_trainer
+
+    execs = [json.loads(x) for x in (CAL / "executions.jsonl").read_text().splitlines()]
+    metrics = [json.loads(x) for x in (CAL / "metrics.jsonl").read_text().splitlines()]
+    base, base_publish, _ = fit_trainer(metrics, execs, 2, shared_host=False)
+    timed = [dict(m, compute_s=c, update_s=u) for m, c, u in
+             zip(metrics, (0.3, 0.2, 0.25, 0.2), (0.1, 0.15, 0.12, 0.17), strict=True)]
+    fit, publish, notes = fit_trainer(timed, execs, 2, shared_host=False)
+    assert notes["from"] == "timed steps" and notes["step_intercept_s"] == pytest.approx(0.11)
+    assert fit["optimizer_s"] == pytest.approx(0.11 + notes["between_steps_s"], abs=1e-4)
+    assert publish == pytest.approx(base_publish + (0.16 - 0.11), abs=1e-4)
+    eff = fit["scaling_efficiency"]
+    work = sum(json.loads(x)["calls"][-1]["prompt_tokens"]
+               + json.loads(x)["calls"][-1]["output_tokens"]
+               for x in (CAL / "executions.jsonl").read_text().splitlines())
+    cells = [1 + len(m.get("satellites") or []) for m in metrics]
+    assert len(set(cells)) == 1  # one cell count in the fixture: the rate is a plain ratio
+    assert fit["train_tok_s_per_gpu"] == pytest.approx(
+        work / speedup(cells[0], eff) / 0.95, rel=1e-3)
+    assert base["train_tok_s_per_gpu"] != fit["train_tok_s_per_gpu"]
+
+
+def test_the_cores_micro_steps_give_one_cells_speed_and_more_cells_the_efficiency():
+    """With the core's own micro-step time and token share, ``R`` is one cell's speed and the
+    steps that ran on more cells give the efficiency per doubling."""
+    from tidal.sim.from_run import fit_trainer
+
+    execs = [json.loads(x) for x in (CAL / "executions.jsonl").read_text().splitlines()]
+    metrics = [json.loads(x) for x in (CAL / "metrics.jsonl").read_text().splitlines()]
+    ctx: dict[str, float] = {}
+    for e in execs:
+        last = e["calls"][-1]
+        ctx[e["group"]] = ctx.get(e["group"], 0.0) + last["prompt_tokens"] + last["output_tokens"]
+    work = [sum(ctx[g] for g in m["groups"]) for m in metrics]
+    r1 = 1000.0  # one cell: 1000 simulated tokens/s
+    steps = []
+    for k, (m, w) in enumerate(zip(metrics, work, strict=True)):
+        n = 2 if k % 2 else 1  # odd steps ran on the core + one satellite
+        # the core did half the work on two cells; two cells took 0.6 of one cell's time
+        share, compute = (0.5, 0.6 * w / r1) if n == 2 else (1.0, w / r1)
+        steps.append(dict(m, satellites=[1] if n == 2 else [], compute_s=compute,
+                          update_s=0.1, n_tokens=100, core_tokens=round(100 * share),
+                          core_compute_s=share * w / r1))
+    fit, _, _ = fit_trainer(steps, execs, 2, shared_host=False)
+    assert fit["train_tok_s_per_gpu"] == pytest.approx(r1, rel=1e-3)
+    # speed-up 1 / 0.6 on two cells = 2 * e: e = 0.8333
+    assert fit["scaling_efficiency"] == pytest.approx(1 / 0.6 / 2, abs=1e-3)
