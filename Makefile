@@ -41,11 +41,14 @@ compare: $(STAMP)
 	$(BIN)/tidal report runs/quickstart-elastic runs/quickstart-static --out runs/compare
 
 # Sim against real: calibrate the simulator on a 1-burst run, predict the 3-burst run's time
-# per burst (exit 1 beyond 15 %).
+# per burst (exit 1 beyond 15 %); cells held to CELL_CPUS cores as in `make compare`
+# (`make sim-vs-real CELL_CPUS=` on shared cores).
 sim-vs-real: $(STAMP)
-	$(BIN)/tidal run configs/quickstart.yaml --bursts 1 --out runs/quickstart-cal
-	$(BIN)/tidal run configs/quickstart.yaml --out runs/quickstart
-	$(BIN)/tidal calibrate runs/quickstart-cal --against runs/quickstart
+	$(BIN)/tidal run configs/quickstart.yaml --set runtime.cell_cpus=$(CELL_CPUS) --bursts 1 \
+		--out runs/quickstart-cal
+	$(BIN)/tidal run configs/quickstart.yaml --set runtime.cell_cpus=$(CELL_CPUS) \
+		--out runs/quickstart-elastic
+	$(BIN)/tidal calibrate runs/quickstart-cal --against runs/quickstart-elastic
 
 # The simulator showcase: several policies side by side on a scaled-down dapo-math scenario.
 sim-demo: $(STAMP)
