@@ -1,6 +1,7 @@
 """``tidal check CONFIG``: validate a run or scenario config and print it resolved, then the
-device torch sees here and where ``runtime.device`` puts the trainer and engines (on stderr, so
-the YAML on stdout stays clean)."""
+device torch sees here and where ``runtime.device`` puts the trainer and engines, and whether
+per-cell CPU quotas (``runtime.cell_cpus``) can be enforced on this host (on stderr, so the YAML
+on stdout stays clean)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ def command(config: str, quiet: bool) -> None:
         return
     click.echo(dump_yaml(cfg), nl=False)
     rt = cfg.runtime
+    from tidal.runtime.cpuquota import CpuQuotaError, cpu_cgroup_base
+
+    try:
+        where = f"can be enforced here (cgroup v1 cpu at {cpu_cgroup_base()})"
+    except CpuQuotaError as exc:
+        where = f"cannot be enforced here: {exc}"
+    click.echo(f"# runtime.cell_cpus {rt.cell_cpus}: per-cell CPU quotas {where}", err=True)
     try:
         import torch
 

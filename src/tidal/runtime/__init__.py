@@ -5,5 +5,6 @@ standalone engines), the proxy, the harness pool, the core trainer and the contr
 wall clock - and its run directory (resolved config, metrics, decisions, summary).
 Modules: ``cell`` (the engine-owning actor), ``actuator`` (plan steps against the proxy and the
 actors), ``bridge`` (harness ledger events and proxy records into the controller and the
-trajectory buffer), ``driver`` (wiring, bursts, trainer loop, outputs).
+trajectory buffer), ``driver`` (wiring, bursts, trainer loop, outputs), ``cpuquota`` (per-cell
+CPU quotas on a CPU host: cgroups, no Ray).
 """

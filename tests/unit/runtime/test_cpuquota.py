@@ -125,3 +125,13 @@ def test_set_overrides_one_value_and_rejects_bad_items():
                      ("runtime..x=1", "KEY=VALUE")):
         with pytest.raises(ConfigError, match=msg):
             apply_set(data, bad)
+
+
+def test_tidal_check_says_whether_cell_cpus_can_be_enforced(capsys):
+    from tidal.cli import main
+
+    config = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
+    assert main(["check", str(config)]) == 0
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("# runtime.cell_cpus"))
+    assert ("can be enforced here" in line) == _writable(), line
