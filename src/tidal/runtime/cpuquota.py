@@ -123,13 +123,12 @@ class CpuGroups:
                 _write(g / "cpu.cfs_period_us", str(period_us))
                 _write(g / "cpu.cfs_quota_us", str(self.quota_us))
                 self.groups[name] = g
-        except OSError as exc:
+        except (OSError, CpuQuotaError) as exc:
             self.remove()
+            if isinstance(exc, CpuQuotaError):
+                raise
             raise CpuQuotaError(f"runtime.cell_cpus: cannot create cgroups under "
                                 f"{self.base}: {exc.strerror}") from None
-        except CpuQuotaError:
-            self.remove()
-            raise
 
     def path(self, name: str) -> str:
         return str(self.groups[name])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -276,19 +277,16 @@ class Runtime:
 
         cfg, rt, c = self.cfg, self.rt, self.cfg.control
         torch.manual_seed(cfg.seed)
-        threads = rt.torch_threads
+        threads, join = rt.torch_threads, None
         if self.cpu_groups is not None:
             # the core trainer computes on one thread that lives in cell 0's group (its OpenMP
             # team is born there too); more threads than cores would spin on the quota
-            threads = min(threads, max(1, int(rt.cell_cpus)))
             from tidal.runtime.cpuquota import join_thread
 
-            self.core_pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="tidal-core", initializer=join_thread,
-                initargs=(self.cpu_groups.path("c0"),))
-        else:
-            self.core_pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="tidal-core")
+            threads = min(threads, max(1, int(rt.cell_cpus)))
+            join = functools.partial(join_thread, self.cpu_groups.path("c0"))
+        self.core_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tidal-core", initializer=join)
         torch.set_num_threads(threads)
         specs = cfg.cluster.cell_specs()
         admin = httpx.AsyncClient(base_url=self.proxy.url, timeout=300.0,

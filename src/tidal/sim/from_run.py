@@ -145,7 +145,6 @@ def fit_trainer(metrics: list[dict[str, Any]], execs: list[dict[str, Any]],
         update = [float(m["update_s"]) for m in metrics]
         inner = [u for u, f in zip(update, final_of, strict=True) if not f] or update
         a = st.fmean(inner)
-        slope = sum(compute) / sum(xe) if sum(xe) > 0 else 1.0
         core = [(x * float(m["core_tokens"]) / float(m["n_tokens"]), float(m["core_compute_s"]))
                 for x, m in zip(xs, metrics, strict=True)
                 if m.get("core_compute_s") and m.get("core_tokens") and m.get("n_tokens")]
@@ -158,6 +157,8 @@ def fit_trainer(metrics: list[dict[str, Any]], execs: list[dict[str, Any]],
             if e:
                 eff = round(min(1.0, max(0.3, st.median(e))), 4)
             slope = 1.0 / r1
+        else:  # all cells' compute time over the work at the assumed efficiency
+            slope = sum(compute) / sum(xe) if sum(xe) > 0 else 1.0
         finals_u = [u for u, f in zip(update, final_of, strict=True) if f]
         if finals_u and len(inner) < len(update):  # a final step also writes the version
             publish_extra = max(0.0, st.fmean(finals_u) - a)

@@ -14,6 +14,7 @@ traceback. Unknown keys are ignored, missing summary keys read as absent.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,11 +67,9 @@ class RunData:
         independent units: the executions of one group share a prompt) and the group count;
         (None, None, n) without executions.jsonl or with fewer than two groups."""
         vals = list((self.group_rewards or {}).values())
-        if len(vals) < 2:
-            return (sum(vals) / len(vals) if vals else None), None, len(vals)
-        mean = sum(vals) / len(vals)
-        var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
-        return mean, (var / len(vals)) ** 0.5, len(vals)
+        mean = statistics.fmean(vals) if vals else None
+        se = statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) >= 2 else None
+        return mean, se, len(vals)
 
     def n_steps(self) -> int:
         steps = self.summary.get("trainer_steps")
