@@ -22,8 +22,8 @@ def command(run_dirs: tuple[str, ...], out_dir: str | None) -> None:
 
     from rich.console import Console
 
+    from tidal.rundir import load_run
     from tidal.viz.run_compare import compare_runs, comparison_table
-    from tidal.viz.run_data import load_run
     from tidal.viz.run_report import write_report
 
     if len(run_dirs) == 1 and out_dir is not None:

@@ -75,14 +75,14 @@ import statistics as st
 from pathlib import Path
 from typing import Any
 
+from tidal import rundir as run_data
 from tidal.config import RunConfig, load_yaml
 from tidal.errors import ConfigError
+from tidal.rundir import load_run
 from tidal.sim.costs import speedup
 from tidal.sim.engine_fit import fit_engine
 from tidal.sim.run_workload import dispatch_interval_s, fit_workload, trace_lines
 from tidal.sim.scenario import Scenario, TrainerConfig
-from tidal.viz import run_data
-from tidal.viz.run_data import load_run
 
 COST_KINDS = {
     "admission_s": ("stop_admission", "resume_admission", "remove_from_load_balancer",

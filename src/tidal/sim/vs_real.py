@@ -7,7 +7,7 @@ describes. Out: per burst the real and the simulated time and the relative error
 Burst time, identical on both sides: a burst ends when its weights are published; its time runs
 from the previous burst's end (or the first dispatch, t = 0) to its end. Real: the ``t`` of the
 burst's final line in ``metrics.jsonl`` (written right after the publication, in seconds since
-the first dispatch; ``tidal.viz.run_data.burst_rows``). Simulated: the virtual time of the
+the first dispatch; ``tidal.rundir.burst_rows``). Simulated: the virtual time of the
 burst's final optimizer step plus the publication (``costs.sync_s``); the world starts the next
 burst then (its last burst ends the simulation without one, so it is added here too). With
 several seeds the simulated times are means over the seeds (workloads drawn anew each time;
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal.errors import ConfigError, TidalError
+from tidal.rundir import burst_rows, load_run
 from tidal.sim.scenario import Scenario
-from tidal.viz.run_data import burst_rows, load_run
 
 
 class PredictionOff(TidalError):

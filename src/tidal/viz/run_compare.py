@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal.errors import ConfigError
+from tidal.rundir import RunData, load_run
 from tidal.viz.plots import pyplot
-from tidal.viz.run_data import RunData, load_run
 
 RATIO_KEYS = ("run_time_s", "bursts_s")
 

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tidal.rundir import UTIL_KEYS, RunData, burst_rows, load_run
 from tidal.viz.plots import ROLE_COLOURS, pyplot
-from tidal.viz.run_data import UTIL_KEYS, RunData, burst_rows, load_run
 
 ROLE_COLOURS_BY_NAME = {role.value: colour for role, colour in ROLE_COLOURS.items()}
 UNKNOWN_ROLE_COLOUR = "#999999"

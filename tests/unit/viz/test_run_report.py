@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tidal.errors import ConfigError, TidalError
-from tidal.viz.run_data import burst_rows, load_run, quarter_means
+from tidal.rundir import burst_rows, load_run, quarter_means
 from tidal.viz.run_report import moving_average, training_cells, write_report
 
 PNGS = ("roles.png", "reward.png", "waterlevel.png", "utilization.png")

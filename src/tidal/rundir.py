@@ -1,4 +1,4 @@
-"""Reading a ``tidal run`` directory into plain values (no plotting, no Ray, no torch).
+"""The run directory: a ``tidal run`` directory read into plain values (no plots, Ray, torch).
 
 In: a run directory as ``tidal run`` writes it (see ``tidal.runtime.driver``): ``summary.json``
 (required), ``config.yaml``, ``metrics.jsonl``, ``state.jsonl``, ``timeline.json``,

@@ -1,0 +1,144 @@
+"""One owner for every background task and remote call of a run (an ``asyncio.TaskGroup``-style
+supervisor): nothing the run starts can die unseen (DESIGN.md: loops never die silently).
+
+In: coroutines started with ``Parts.spawn(part, coro)``; synchronous handlers wrapped with
+``Parts.guard(part, fn)`` (the controller's ``handle``, called from callbacks and tasks); Ray
+calls awaited through ``remote``. Out: ``Parts.run(main)`` returns ``main``'s result, or raises
+``PartFailed`` naming the part and the cause of the first failure (``main`` is then cancelled and
+the run stops cleanly through its ``finally`` blocks); ``Parts.aclose`` cancels what is left and
+awaits it (bounded), so no task outlives the run. ``remote`` bounds a Ray call and turns its
+errors into one readable line (``RuntimeFailure`` / ``TimeoutExpired``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from tidal.errors import TidalError, TimeoutExpired
+from tidal.runtime.cell import RuntimeFailure
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class PartFailed(TidalError):
+    """A part of the run (a background task, the controller handling an event) failed: the run
+    stops and this names the part and the cause."""
+
+    exit_code = 3
+
+    def __init__(self, part: str, cause: BaseException) -> None:
+        self.part, self.cause = part, cause
+        first = (str(cause).splitlines() or [""])[0]
+        super().__init__(f"run stopped: {part} failed: {type(cause).__name__}: {first}")
+
+
+class Parts:
+    """Owns the run's background tasks; the first failure is raised into the run."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[asyncio.Task, str] = {}
+        self._failure: PartFailed | None = None
+        self._failed = asyncio.Event()
+
+    @property
+    def failure(self) -> PartFailed | None:
+        return self._failure
+
+    def fail(self, part: str, exc: BaseException) -> PartFailed:
+        """Record a failure (the first one wins: later ones are consequences) and wake ``run``."""
+        if isinstance(exc, PartFailed):
+            failed = exc
+        else:
+            failed = PartFailed(part, exc)
+            failed.__cause__ = exc
+        if self._failure is None:
+            self._failure = failed
+            log.error("%s", failed, exc_info=(type(exc), exc, exc.__traceback__))
+            self._failed.set()
+        return failed
+
+    def check(self) -> None:
+        """Raise the recorded failure, if any (for loops that poll between awaits)."""
+        if self._failure is not None:
+            raise self._failure
+
+    def spawn(self, part: str, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Start ``coro`` as a task owned here; if it raises, the run fails with its cause."""
+        task = asyncio.get_running_loop().create_task(coro, name=part)
+        self._tasks[task] = part
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        part = self._tasks.pop(task, task.get_name())
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.fail(part, exc)
+
+    def guard(self, part: str, fn: Callable[..., T]) -> Callable[..., T]:
+        """``fn`` whose exceptions are recorded as this run's failure (and re-raised, so the
+        caller does not go on as if it had succeeded)."""
+
+        def guarded(*args: Any, **kw: Any) -> T:
+            try:
+                return fn(*args, **kw)
+            except Exception as exc:
+                raise self.fail(part, exc) from exc
+
+        return guarded
+
+    async def run(self, main: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """``main``'s result; ``PartFailed`` as soon as any owned part fails; ``TimeoutExpired``
+        after ``timeout_s``. ``main`` is cancelled (and awaited) in both error cases."""
+        task = asyncio.get_running_loop().create_task(main, name="run")
+        failed = asyncio.get_running_loop().create_task(self._failed.wait())
+        try:
+            await asyncio.wait({task, failed}, timeout=timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+        if task.done() and self._failure is None:
+            return task.result()  # main's own error propagates as itself
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task  # its finally blocks run: files closed, clients shut
+        if self._failure is not None:
+            raise self._failure
+        raise TimeoutExpired(f"run not finished within {timeout_s} s (runtime.run_timeout_s)")
+
+    async def aclose(self, timeout_s: float = 30.0) -> None:
+        """Cancel every task still owned and wait (bounded) until each has ended."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            for task in pending:
+                log.error("task %s did not end within %.0f s of its cancellation",
+                          task.get_name(), timeout_s)
+
+
+async def remote(call: Awaitable[T], what: str, timeout_s: float) -> T:
+    """Await a Ray call (an ``ObjectRef``) at most ``timeout_s``; its errors become one line:
+    ``TimeoutExpired`` when no answer came, ``RuntimeFailure`` naming ``what`` and the cause
+    (an actor's own ``RuntimeFailure`` keeps its message)."""
+    import ray
+
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except TimeoutError:
+        raise TimeoutExpired(f"{what}: no answer within {timeout_s:.0f} s") from None
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, Exception) else exc
+        first = (str(cause).splitlines() or [""])[0]
+        raise RuntimeFailure(f"{what}: {type(cause).__name__}: {first}") from None
+    except ray.exceptions.RayError as exc:  # actor died, killed, unreachable
+        first = (str(exc).splitlines() or [""])[0]
+        raise RuntimeFailure(f"{what}: {type(exc).__name__}: {first}") from None
