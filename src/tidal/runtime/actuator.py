@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,9 @@ import httpx
 from tidal.clock import Clock
 from tidal.control.plans import PlanStep, StepKind, TransitionPlan
 from tidal.runtime.cell import RuntimeFailure
-from tidal.types import Direction, TransitionStepDone
+from tidal.runtime.engines import EngineId, Engines
+from tidal.runtime.tasks import Parts, remote
+from tidal.types import Direction, Event, TransitionStepDone
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +53,29 @@ class Weights:
         return f"v{self.version}"
 
 
+@dataclass(frozen=True)
+class CoreLink:
+    """How training cells reach the core trainer: satellites connect to ``address`` (None: no
+    satellites); ``memory`` is the core when it shares cell 0's GPU (offloaded while it serves)."""
+
+    address: dict | None = None
+    memory: Any = None
+    satellite_timeout_s: float = 120.0
+
+
 class RayActuator:
-    def __init__(self, clock: Clock, admin: httpx.AsyncClient, cells: list[Any],
-                 weights: Weights, kv_handoff: bool) -> None:
+    def __init__(self, clock: Clock, admin: httpx.AsyncClient, engines: Engines,
+                 weights: Weights, kv_handoff: bool, parts: Parts, core: CoreLink,
+                 call_timeout_s: float = 180.0) -> None:
         self.clock = clock
         self.admin = admin  # base_url = proxy, bearer header set
-        self.cells = cells  # Ray actor handles of EngineHost, by cell index
+        self.engines = engines  # the actors, by id (the cell supervisor replaces them)
         self.weights = weights
         self.kv_handoff = kv_handoff
-        self.controller = None
-        self.core_address: dict | None = None  # set by the driver: satellites connect here
-        self.core_memory: Any = None  # the core trainer when it shares cell 0's GPU
-        self.satellite_timeout_s = 120.0
+        self.parts = parts  # owns every step task: a failure there stops the run
+        self.core = core
+        self.call_timeout_s = call_timeout_s  # bound on each Ray call (engine ops are 60 s)
+        self._handle: Callable[[Event], None] | None = None
         self.satellite_starts = 0
         self.satellite_pids: dict[int, int] = {}  # cell -> pid (ended by pid if its actor dies)
         self.training: set[int] = set()  # cells whose trainer worker is active
@@ -70,29 +84,37 @@ class RayActuator:
         self.training_changed = asyncio.Event()
         self.drains: list[dict] = []
         self.step_log: list[dict] = []
-        self._tasks: set[asyncio.Task] = set()
 
-    def bind(self, controller) -> RayActuator:
-        self.controller = controller
+    def bind(self, handle: Callable[[Event], None]) -> RayActuator:
+        """Where step results go: the controller's (guarded) ``handle``."""
+        self._handle = handle
         return self
 
-    @staticmethod
-    def engine_id(cell: int) -> str:
-        return f"c{cell}"
+    def _cell(self, cell: int) -> Any:
+        return self.engines.cell(cell)
+
+    async def _call(self, cell: int, method: str, *args: Any) -> Any:
+        """``method`` of cell ``cell``'s actor, bounded, with a one-line error."""
+        ref = getattr(self._cell(cell), method).remote(*args)
+        return await remote(ref, f"cell {cell} {method}", self.call_timeout_s)
+
+    # -- cell state the supervisor reads ----------------------------------------------------
+    def is_asleep(self, cell: int) -> bool:
+        return cell in self.asleep
+
+    def forget_satellite(self, cell: int) -> int | None:
+        """The satellite pid of a cell whose actor is being replaced (ended by the caller)."""
+        return self.satellite_pids.pop(cell, None)
 
     # -- Actuator protocol ----------------------------------------------------------------
     def execute(self, plan: TransitionPlan, step: PlanStep) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(plan, step))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.parts.spawn(f"plan {plan.plan_id} step {step.kind.value}", self._run(plan, step))
 
     def abort(self, plan: TransitionPlan, failed: PlanStep, error: str) -> None:
         log.warning("plan %d aborted at %s: %s; restoring the source role", plan.plan_id,
                     failed.kind.value, error)
         if plan.direction is Direction.TO_TRAINING:
-            task = asyncio.get_running_loop().create_task(self._back_to_rollout(plan.cells))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.parts.spawn(f"plan {plan.plan_id} restore", self._back_to_rollout(plan.cells))
 
     async def _back_to_rollout(self, cells: tuple[int, ...]) -> None:
         for i in cells:
@@ -100,7 +122,7 @@ class RayActuator:
                 await self._deactivate(i)
                 await self._wake(i)
                 await self._load(i)
-                await self._admin("post", f"/tidal/engines/{self.engine_id(i)}/undrain")
+                await self._admin("post", f"/tidal/engines/{EngineId.cell(i)}/undrain")
             except Exception:
                 log.exception("cell %d: could not restore rollout after an abort", i)
 
@@ -118,66 +140,92 @@ class RayActuator:
         self.step_log.append({"plan_id": plan.plan_id, "step": step.kind.value,
                               "cells": list(step.cells), "ok": ok, "duration_s": round(took, 4),
                               "error": error})
-        self.controller.handle(TransitionStepDone(self.clock.now(), plan.plan_id, step.index,
+        assert self._handle is not None, "bind() before execute()"
+        self._handle(TransitionStepDone(self.clock.now(), plan.plan_id, step.index,
                                                   ok=ok, duration_s=took, error=error))
 
     # -- steps ------------------------------------------------------------------------------
     async def _do(self, kind: StepKind, cell: int) -> None:
-        eid = self.engine_id(cell)
-        if kind in (StepKind.STOP_ADMISSION, StepKind.REMOVE_FROM_LOAD_BALANCER):
-            # verl's remove-from-load-balancer is followed by its abort of in-flight requests
-            # (retried elsewhere with prompt + tokens so far, re-prefilled: no KV handoff); the
-            # proxy's drain does both, so ABORT_INFLIGHT then checks that it happened.
-            handoff = self.kv_handoff and kind is StepKind.STOP_ADMISSION
-            out = await self._admin("post", f"/tidal/engines/{eid}/drain",
-                                    params={"handoff": str(handoff).lower()})
-            self.drains.append({"cell": cell, **out})
-            log.info("cell %d drained: %d requests moved in %.3f s", cell, out["moved"],
-                     out["duration_s"])
-        elif kind is StepKind.RESERVE_AND_REROUTE:
-            engines = await self._engines()
-            if engines[eid]["admitting"]:
-                raise RuntimeFailure(f"{eid} still admits requests after its drain")
-            if not any(e["admitting"] and e["alive"] for k, e in engines.items() if k != eid):
-                raise RuntimeFailure(f"no routable engine left to take {eid}'s requests")
-        elif kind in (StepKind.CANCEL_AND_RETRY, StepKind.ABORT_INFLIGHT):
-            engines = await self._engines()
-            if engines[eid]["inflight"]:
-                raise RuntimeFailure(f"{eid} still holds {engines[eid]['inflight']} requests")
-        elif kind is StepKind.KV_HANDOFF:
-            last = next((d for d in reversed(self.drains) if d["cell"] == cell), None)
-            if last is None or last["kv_handoff"] != self.kv_handoff:
-                raise RuntimeFailure(f"{eid}: the drain did not use the KV handoff")
-        elif kind in (StepKind.RELEASE_ROLLOUT_MEMORY, StepKind.SLEEP_ENGINE):
-            async with self.weights.lock:  # never interleave with a publication's loads
-                await self.cells[cell].sleep.remote()
-                self.asleep.add(cell)
-        elif kind is StepKind.RESTORE_TRAINING_STATE:
-            await self.activate(cell)
-        elif kind is StepKind.OFFLOAD_TRAINING_STATE:
-            await self._deactivate(cell)
-        elif kind is StepKind.WAKE_ENGINE:
-            await self._wake(cell)
-        elif kind in (StepKind.LOAD_WEIGHTS, StepKind.SYNC_WEIGHTS):
-            await self._load(cell)
-        elif kind in (StepKind.RESUME_ADMISSION, StepKind.ADD_TO_LOAD_BALANCER):
-            await self._admin("post", f"/tidal/engines/{eid}/undrain")
-        elif kind is StepKind.RESUME_GENERATION:
-            engines = await self._engines()  # engines are never paused here: check it serves
-            if not (engines[eid]["admitting"] and engines[eid]["alive"]):
-                raise RuntimeFailure(f"{eid} does not serve after its activation")
-        else:
+        op = self._ops().get(kind)
+        if op is None:
             raise RuntimeFailure(f"step {kind.value} is not supported by this runtime")
+        await op(cell, kind)
+
+    def _ops(self) -> dict[StepKind, Callable[[int, StepKind], Any]]:
+        """Each plan step kind (QwenGyre's and verl's names for the same act) -> its op."""
+        return {StepKind.STOP_ADMISSION: self._drain,
+                StepKind.REMOVE_FROM_LOAD_BALANCER: self._drain,
+                StepKind.RESERVE_AND_REROUTE: self._check_rerouted,
+                StepKind.CANCEL_AND_RETRY: self._check_empty,
+                StepKind.ABORT_INFLIGHT: self._check_empty,
+                StepKind.KV_HANDOFF: self._check_handoff,
+                StepKind.RELEASE_ROLLOUT_MEMORY: self._sleep,
+                StepKind.SLEEP_ENGINE: self._sleep,
+                StepKind.RESTORE_TRAINING_STATE: lambda c, _: self.activate(c),
+                StepKind.OFFLOAD_TRAINING_STATE: lambda c, _: self._deactivate(c),
+                StepKind.WAKE_ENGINE: lambda c, _: self._wake(c),
+                StepKind.LOAD_WEIGHTS: lambda c, _: self._load(c),
+                StepKind.SYNC_WEIGHTS: lambda c, _: self._load(c),
+                StepKind.RESUME_ADMISSION: self._undrain,
+                StepKind.ADD_TO_LOAD_BALANCER: self._undrain,
+                StepKind.RESUME_GENERATION: self._check_serving}
+
+    async def _drain(self, cell: int, kind: StepKind) -> None:
+        # verl's remove-from-load-balancer is followed by its abort of in-flight requests
+        # (retried elsewhere with prompt + tokens so far, re-prefilled: no KV handoff); the
+        # proxy's drain does both, so ABORT_INFLIGHT then checks that it happened.
+        handoff = self.kv_handoff and kind is StepKind.STOP_ADMISSION
+        out = await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/drain",
+                                params={"handoff": str(handoff).lower()})
+        self.drains.append({"cell": cell, **out})
+        log.info("cell %d drained: %d requests moved in %.3f s", cell, out["moved"],
+                 out["duration_s"])
+
+    async def _undrain(self, cell: int, kind: StepKind) -> None:
+        await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/undrain")
+
+    async def _check_rerouted(self, cell: int, kind: StepKind) -> None:
+        eid, engines = str(EngineId.cell(cell)), await self._engines()
+        if engines[eid]["admitting"]:
+            raise RuntimeFailure(f"{eid} still admits requests after its drain")
+        if not any(e["admitting"] and e["alive"] for k, e in engines.items() if k != eid):
+            raise RuntimeFailure(f"no routable engine left to take {eid}'s requests")
+
+    async def _check_empty(self, cell: int, kind: StepKind) -> None:
+        eid, engines = str(EngineId.cell(cell)), await self._engines()
+        if engines[eid]["inflight"]:
+            raise RuntimeFailure(f"{eid} still holds {engines[eid]['inflight']} requests")
+
+    async def _check_handoff(self, cell: int, kind: StepKind) -> None:
+        last = next((d for d in reversed(self.drains) if d["cell"] == cell), None)
+        if last is None or last["kv_handoff"] != self.kv_handoff:
+            raise RuntimeFailure(f"{EngineId.cell(cell)}: the drain did not use the KV handoff")
+
+    async def _check_serving(self, cell: int, kind: StepKind) -> None:
+        eid, engines = str(EngineId.cell(cell)), await self._engines()
+        # engines are never paused here: check it serves
+        if not (engines[eid]["admitting"] and engines[eid]["alive"]):
+            raise RuntimeFailure(f"{eid} does not serve after its activation")
+
+    async def _sleep(self, cell: int, kind: StepKind) -> None:
+        async with self.weights.lock:  # never interleave with a publication's loads
+            await self._call(cell, "sleep")
+            self.asleep.add(cell)
+
+    async def begin_in_training(self, cell: int) -> None:
+        """A cell the policy starts in training (e.g. static): out of routing (its drain
+        moves nothing yet), engine asleep, trainer worker active."""
+        await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/drain")
+        await self._sleep(cell, StepKind.SLEEP_ENGINE)
+        await self.activate(cell)
 
     async def activate(self, cell: int) -> None:
         """The cell's trainer worker joins training: the core, or a satellite process."""
-        if cell > 0 and self.core_address is not None:
-            self.satellite_pids[cell] = await self.cells[cell].start_satellite.remote(
-                cell, self.core_address, self.satellite_timeout_s)
-            self.satellite_starts += 1
-        if cell == 0 and self.core_memory is not None:
+        if cell > 0 and self.core.address is not None:
+            await self._start_satellite(cell)
+        if cell == 0 and self.core.memory is not None:
             async with self.trainer_lock:
-                await asyncio.to_thread(self.core_memory.onload)
+                await asyncio.to_thread(self.core.memory.onload)
         self.training.add(cell)
         self.training_changed.set()
 
@@ -186,35 +234,39 @@ class RayActuator:
         that timed out during a long rollout phase); returns how many were restarted."""
         n = 0
         for cell in sorted(self.training - {0}):
-            if self.core_address is None or await self.cells[cell].satellite_alive.remote():
+            if self.core.address is None or await self._call(cell, "satellite_alive"):
                 continue
             log.warning("cell %d: satellite process ended while training; restarting it", cell)
-            self.satellite_pids[cell] = await self.cells[cell].start_satellite.remote(
-                cell, self.core_address, self.satellite_timeout_s)
-            self.satellite_starts += 1
+            await self._start_satellite(cell)
             n += 1
         return n
+
+    async def _start_satellite(self, cell: int) -> None:
+        self.satellite_pids[cell] = await self._call(cell, "start_satellite", cell,
+                                                     self.core.address,
+                                                     self.core.satellite_timeout_s)
+        self.satellite_starts += 1
 
     async def _deactivate(self, cell: int) -> None:
         async with self.trainer_lock:  # a running step finishes first: leave between steps
             self.training.discard(cell)
             if cell > 0:
-                await self.cells[cell].stop_satellite.remote()
+                await self._call(cell, "stop_satellite")
                 self.satellite_pids.pop(cell, None)
-            elif self.core_memory is not None:  # the engine wakes on this GPU next
-                await asyncio.to_thread(self.core_memory.offload)
+            elif self.core.memory is not None:  # the engine wakes on this GPU next
+                await asyncio.to_thread(self.core.memory.offload)
         self.training_changed.set()
 
     async def _wake(self, cell: int) -> None:
         async with self.weights.lock:
-            await self.cells[cell].wake.remote()
+            await self._call(cell, "wake")
             self.asleep.discard(cell)
 
     async def _load(self, cell: int) -> None:
         async with self.weights.lock:
             if self.weights.path is not None:
-                await self.cells[cell].load_weights.remote(self.weights.path,
-                                                           self.weights.label)
+                await self._call(cell, "load_weights", self.weights.path,
+                                 self.weights.label)
 
     # -- proxy admin ------------------------------------------------------------------------
     async def _admin(self, method: str, path: str, **kw) -> dict:
@@ -229,8 +281,3 @@ class RayActuator:
     async def _engines(self) -> dict[str, dict]:
         out = await self._admin("get", "/tidal/engines")
         return {e["id"]: e for e in out["engines"]}
-
-    async def wait_idle(self, timeout_s: float) -> None:
-        """Bounded wait for step tasks still running (shutdown)."""
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=timeout_s)

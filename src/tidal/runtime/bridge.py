@@ -14,45 +14,31 @@ import asyncio
 import itertools
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tidal.clock import Clock
-from tidal.serving.protocol import version_spans
-from tidal.training.records import ExecutionRecord, ModelCall, OutputSegment
+from tidal.runtime.tasks import Parts
+from tidal.training.records import ExecutionRecord, record_from_proxy
 from tidal.training.trajectory_buffer import TrajectoryBuffer
-from tidal.types import CloseReason, ExecutionClosed, ExecutionDispatched, ExecutionLaunched
+from tidal.types import (
+    CloseReason,
+    Event,
+    ExecutionClosed,
+    ExecutionDispatched,
+    ExecutionLaunched,
+)
 
 log = logging.getLogger(__name__)
-_STATUS = {"completed": "completed", "failed": "failed", "timeout": "timed_out",
-           "cancelled": "cancelled"}
-
-
-def record_from_proxy(execution_id: str, group_id: str, calls: list[dict[str, Any]],
-                      reward: float, reason: str) -> ExecutionRecord:
-    """The proxy's per-call segments (engine, tokens, log-probs, versions) as a training
-    record: one output segment per run of equal weight versions (invariant 6)."""
-    out = []
-    for call in calls:
-        tokens = [t for s in call["segments"] for t in s["token_ids"]]
-        logprobs = [lp for s in call["segments"] for lp in s["logprobs"]]
-        versions = [v for s in call["segments"] for v in s["versions"]]
-        segs = [OutputSegment(start=a, end=b, weight_version=v)
-                for a, b, v in version_spans(versions)]
-        out.append(ModelCall(prompt_token_ids=call["prompt_token_ids"], output_token_ids=tokens,
-                             output_logprobs=logprobs, segments=segs))
-    return ExecutionRecord(execution_id=execution_id, group_id=group_id, calls=out,
-                           reward=reward, status=_STATUS[reason])
-
-
 class LedgerBridge:
     """A ``tidal.agents.events.LedgerEvents`` feeding the controller and the buffer."""
 
-    def __init__(self, controller, clock: Clock, admin: httpx.AsyncClient,
-                 buffer: TrajectoryBuffer, group_size: int) -> None:
-        self.controller, self.clock, self.admin = controller, clock, admin
+    def __init__(self, handle: Callable[[Event], None], clock: Clock, admin: httpx.AsyncClient,
+                 buffer: TrajectoryBuffer, group_size: int, parts: Parts) -> None:
+        self.handle, self.clock, self.admin, self.parts = handle, clock, admin, parts
         self.buffer, self.group_size = buffer, group_size
         self.burst = 0
         self.n_dispatched = 0
@@ -71,22 +57,22 @@ class LedgerBridge:
     def dispatched(self, execution_id: str, group_id: str) -> None:
         self.n_dispatched += 1
         self.timing[execution_id] = {"burst": self.burst, "dispatched": self.clock.now()}
-        self.controller.handle(ExecutionDispatched(self.clock.now(), execution_id, group_id,
+        self.handle(ExecutionDispatched(self.clock.now(), execution_id, group_id,
                                                    self.group_size, self.burst))
 
     def launched(self, execution_id: str, group_id: str) -> None:
         self.timing.setdefault(execution_id, {})["launched"] = self.clock.now()
-        self.controller.handle(ExecutionLaunched(self.clock.now(), execution_id))
+        self.handle(ExecutionLaunched(self.clock.now(), execution_id))
 
     def closed(self, execution_id: str, group_id: str, reason: str,
                reward: float | None) -> None:
         self.close_counts[reason] = self.close_counts.get(reason, 0) + 1
         self.rewards.append(reward or 0.0)
         self.timing.setdefault(execution_id, {})["closed"] = self.clock.now()
-        self.controller.handle(ExecutionClosed(self.clock.now(), execution_id,
+        self.handle(ExecutionClosed(self.clock.now(), execution_id,
                                                CloseReason(reason), reward))
-        task = asyncio.get_running_loop().create_task(
-            self._record(execution_id, group_id, reason, reward or 0.0))
+        task = self.parts.spawn(f"record of {execution_id}",
+                                self._record(execution_id, group_id, reason, reward or 0.0))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -97,7 +83,7 @@ class LedgerBridge:
         reason = {"timed_out": "timeout"}.get(record.status, record.status)
         self.dispatched(eid, gid)
         self.launched(eid, gid)
-        self.controller.handle(ExecutionClosed(self.clock.now(), eid, CloseReason(reason),
+        self.handle(ExecutionClosed(self.clock.now(), eid, CloseReason(reason),
                                                record.reward))
         self.buffer.add(record)
         self.recorded += 1

@@ -1,6 +1,6 @@
 """Cell supervision: a lost cell actor or engine process is replaced while the run goes on.
 
-In: the runtime's actor handles, polled every ``interval_s`` (``describe`` with a timeout).
+In: the run's engine actors (``Engines``), polled every ``interval_s`` (``describe``, bounded).
 Out: for a dead actor or a dead engine: the old actor killed and its engine process ended by
 pid (it would otherwise outlive its actor), the engine gone from the proxy (which retries its
 live requests on other engines: invariant 4, and drops it), a new actor + engine that
@@ -16,20 +16,37 @@ import contextlib
 import logging
 import os
 import signal
-from typing import Any
+from typing import Any, Protocol
+
+import httpx
+
+from tidal.clock import Clock
+from tidal.runtime.engines import EngineId, Engines
+from tidal.runtime.tasks import remote
 
 log = logging.getLogger(__name__)
 
 
+class CellView(Protocol):
+    """What the supervisor reads of the actuator's view of the cells."""
+
+    def is_asleep(self, cell: int) -> bool: ...
+
+    def forget_satellite(self, cell: int) -> int | None: ...
+
+
 class CellSupervisor:
-    def __init__(self, runtime: Any, interval_s: float = 0.5, probe_timeout_s: float = 10.0,
-                 missed_probes: int = 6):
-        self.rt = runtime
+    def __init__(self, engines: Engines, cells: CellView, admin: httpx.AsyncClient,
+                 weights: Any, clock: Clock, start_timeout_s: float,
+                 interval_s: float = 0.5, probe_timeout_s: float = 10.0,
+                 missed_probes: int = 6) -> None:
+        self.engines, self.cells, self.admin = engines, cells, admin
+        self.weights, self.clock, self.start_timeout_s = weights, clock, start_timeout_s
         self.interval_s, self.probe_timeout_s = interval_s, probe_timeout_s
         # An actor that answers no probe for missed_probes x probe_timeout_s is lost; one slow
         # answer is not (a loaded machine, a long call ahead of the probe).
         self.missed_probes = missed_probes
-        self._missed: dict[str, int] = {}
+        self._missed: dict[EngineId, int] = {}
         self.replaced: list[dict[str, Any]] = []
         self.failures = 0
         self.busy = False
@@ -37,38 +54,38 @@ class CellSupervisor:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            for name in list(self.rt.actors):
+            for eid in list(self.engines.actors):
                 try:
-                    if not await self._healthy(name):
+                    if not await self._healthy(eid):
                         self.busy = True
-                        await self.replace(name)
+                        await self.replace(eid)
                 except Exception:
-                    log.exception("replacing %s failed; trying again", name)
+                    log.exception("replacing %s failed; trying again", eid)
                     self.failures += 1
                 finally:
                     self.busy = False
 
-    async def _healthy(self, name: str) -> bool:
+    async def _healthy(self, eid: EngineId) -> bool:
         import ray
 
         try:
-            info = await asyncio.wait_for(self.rt.actors[name].describe.remote(),
+            info = await asyncio.wait_for(self.engines.actors[eid].describe.remote(),
                                           self.probe_timeout_s)
         except ray.exceptions.RayError as exc:  # died, killed by Ray's memory monitor, ...
-            log.warning("cell actor %s lost: %s", name, type(exc).__name__)
+            log.warning("cell actor %s lost: %s", eid, type(exc).__name__)
             return False
         except TimeoutError:
-            self._missed[name] = self._missed.get(name, 0) + 1
-            log.warning("cell actor %s: no answer within %.0f s (%d of %d)", name,
-                        self.probe_timeout_s, self._missed[name], self.missed_probes)
-            return self._missed[name] < self.missed_probes
-        self._missed[name] = 0
+            self._missed[eid] = self._missed.get(eid, 0) + 1
+            log.warning("cell actor %s: no answer within %.0f s (%d of %d)", eid,
+                        self.probe_timeout_s, self._missed[eid], self.missed_probes)
+            return self._missed[eid] < self.missed_probes
+        self._missed[eid] = 0
         if not info["alive"] and info["state"] != "stopped":
-            log.warning("engine of %s is down (state %s)", name, info["state"])
+            log.warning("engine of %s is down (state %s)", eid, info["state"])
             return False
         return True
 
-    async def _leave_proxy(self, name: str, grace_s: float = 5.0) -> None:
+    async def _leave_proxy(self, eid: EngineId, grace_s: float = 5.0) -> None:
         """Let the proxy notice the failure through the calls it had there (it retries them
         and drops the engine); only an engine it still lists after ``grace_s`` (no traffic
         showed the failure) is removed here. Removing it at once would close its client
@@ -76,43 +93,44 @@ class CellSupervisor:
         loop = asyncio.get_running_loop()
         end = loop.time() + grace_s
         while loop.time() < end:
-            engines = (await self.rt.admin.get("/tidal/engines")).json()["engines"]
-            if not any(e["id"] == name for e in engines):
+            engines = (await self.admin.get("/tidal/engines")).json()["engines"]
+            if not any(e["id"] == str(eid) for e in engines):
                 return
             await asyncio.sleep(0.2)
-        resp = await self.rt.admin.delete(f"/tidal/engines/{name}", params={"drain": "false"})
+        resp = await self.admin.delete(f"/tidal/engines/{eid}", params={"drain": "false"})
         if resp.status_code not in (200, 404):  # 404: the proxy dropped it meanwhile
-            log.warning("proxy leave %s: HTTP %s", name, resp.status_code)
+            log.warning("proxy leave %s: HTTP %s", eid, resp.status_code)
 
-    async def replace(self, name: str) -> None:
+    def _end_old(self, eid: EngineId) -> None:
+        """The old actor killed, its engine (and a cell's satellite) ended by pid."""
         import ray
 
-        rt, old = self.rt, self.rt.actors[name]
         with contextlib.suppress(Exception):
-            ray.kill(old, no_restart=True)
-        cell = int(name[1:]) if name.startswith("c") else None
-        pids = [rt.pids.get(name)]
-        if cell is not None:  # and its satellite trainer, if it had one
-            pids.append(rt.actuator.satellite_pids.pop(cell, None))
+            ray.kill(self.engines.actors[eid], no_restart=True)
+        pids = [self.engines.pids.get(eid)]
+        if not eid.standalone:
+            pids.append(self.cells.forget_satellite(eid.index))
         for pid in pids:
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)  # a process this runtime started
-        await self._leave_proxy(name)
-        new = rt.new_actor(name)
-        url = await new.start.remote(rt.rt.start_timeout_s)
-        rt.actors[name] = new
-        rt.pids[name] = (await new.describe.remote())["pid"]
-        if cell is not None:
-            rt.actuator.cells[cell] = new
-        w = rt.weights
+
+    async def replace(self, eid: EngineId) -> None:
+        self._end_old(eid)
+        await self._leave_proxy(eid)
+        new = self.engines.new_actor(eid)
+        t = self.start_timeout_s
+        url = await remote(new.start.remote(t), f"{eid} start", t + 30)
+        self.engines.actors[eid] = new
+        self.engines.pids[eid] = (await remote(new.describe.remote(), f"{eid} describe", t))["pid"]
+        w = self.weights
         async with w.lock:
             if w.path is not None:
-                await new.load_weights.remote(w.path, w.label)
-            resp = await rt.admin.post("/tidal/engines", json=rt.join_body(name, url))
+                await remote(new.load_weights.remote(w.path, w.label), f"{eid} load", t)
+            resp = await self.admin.post("/tidal/engines", json=self.engines.join_body(eid, url))
             resp.raise_for_status()
-            if cell is not None and cell in rt.actuator.asleep:
-                await rt.admin.post(f"/tidal/engines/{name}/drain")
-                await new.sleep.remote()
-        self.replaced.append({"name": name, "t": rt.clock.now(), "version": w.label})
-        log.warning("cell actor %s replaced (engine at %s, weights %s)", name, url, w.label)
+            if not eid.standalone and self.cells.is_asleep(eid.index):
+                await self.admin.post(f"/tidal/engines/{eid}/drain")
+                await remote(new.sleep.remote(), f"{eid} sleep", t)
+        self.replaced.append({"name": str(eid), "t": self.clock.now(), "version": w.label})
+        log.warning("cell actor %s replaced (engine at %s, weights %s)", eid, url, w.label)

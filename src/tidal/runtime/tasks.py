@@ -2,7 +2,7 @@
 supervisor): nothing the run starts can die unseen (DESIGN.md: loops never die silently).
 
 In: coroutines started with ``Parts.spawn(part, coro)``; synchronous handlers wrapped with
-``Parts.guard(part, fn)`` (the controller's ``handle``, called from callbacks and tasks); Ray
+``Parts.guard_handler`` (the controller's ``handle``, called from callbacks and tasks); Ray
 calls awaited through ``remote``. Out: ``Parts.run(main)`` returns ``main``'s result, or raises
 ``PartFailed`` naming the part and the cause of the first failure (``main`` is then cancelled and
 the run stops cleanly through its ``finally`` blocks); ``Parts.aclose`` cancels what is left and
@@ -82,15 +82,16 @@ class Parts:
         if exc is not None:
             self.fail(part, exc)
 
-    def guard(self, part: str, fn: Callable[..., T]) -> Callable[..., T]:
-        """``fn`` whose exceptions are recorded as this run's failure (and re-raised, so the
-        caller does not go on as if it had succeeded)."""
+    def guard_handler(self, handle: Callable[[Any], None]) -> Callable[[Any], None]:
+        """The controller's ``handle`` whose exceptions become this run's failure, named
+        ``controller handling <EventType>`` (and re-raised, so the caller does not go on as if
+        the event had been handled)."""
 
-        def guarded(*args: Any, **kw: Any) -> T:
+        def guarded(event: Any) -> None:
             try:
-                return fn(*args, **kw)
+                handle(event)
             except Exception as exc:
-                raise self.fail(part, exc) from exc
+                raise self.fail(f"controller handling {type(event).__name__}", exc) from exc
 
         return guarded
 

@@ -14,6 +14,7 @@ import httpx
 
 from tidal.config import load_yaml
 from tidal.runtime.driver import Runtime
+from tidal.runtime.engines import EngineId
 
 from .test_tiny_run import CONFIG
 
@@ -23,8 +24,8 @@ def _kill_when_busy(runtime: Runtime, name: str, seen: dict, deadline_s: float =
 
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        bridge = getattr(runtime, "bridge", None)
-        if bridge is not None and bridge.n_dispatched > 0:
+        wired = runtime.wired
+        if wired is not None and wired.bridge.n_dispatched > 0:
             try:
                 engines = httpx.get(f"{runtime.proxy.url}/tidal/engines", timeout=5,
                                     headers={"Authorization": f"Bearer {runtime.token}"}).json()
@@ -33,10 +34,11 @@ def _kill_when_busy(runtime: Runtime, name: str, seen: dict, deadline_s: float =
             busy = {e["id"]: e["inflight"] for e in engines["engines"]}
             if busy.get(name, 0) > 0:
                 seen["inflight_at_kill"] = busy[name]
-                ray.kill(runtime.actors[name], no_restart=True)
+                ray.kill(runtime.engines.actors[EngineId.parse(name)], no_restart=True)
                 time.sleep(0.5)
                 # and an engine process under a live actor (the standalone engine)
-                ray.get(runtime.actors["s0"].kill_engine.remote(), timeout=30)
+                ray.get(runtime.engines.actors[EngineId("s", 0)].kill_engine.remote(),
+                        timeout=30)
                 return
         time.sleep(0.02)
 

@@ -61,8 +61,9 @@ def test_each_cell_runs_in_its_own_cpu_quota(tmp_path):
 
 
 def _membership(runtime: Runtime) -> dict[str, str]:
-    out = {name: _group_of(Path(f"/proc/{pid}/cgroup")) for name, pid in runtime.pids.items()}
-    for cell, pid in runtime.actuator.satellite_pids.items():
+    out = {str(eid): _group_of(Path(f"/proc/{pid}/cgroup"))
+           for eid, pid in runtime.engines.pids.items()}
+    for cell, pid in runtime.wired.actuator.satellite_pids.items():
         if Path(f"/proc/{pid}").exists():
             out[f"c{cell}:satellite"] = _group_of(Path(f"/proc/{pid}/cgroup"))
     for th in runtime.core_pool._threads:  # the core trainer's one thread

@@ -1,0 +1,143 @@
+"""The engines of a run: typed ids and the Ray actors that own the engine processes.
+
+In: the run config, the model directory, the placement (one reserved bundle per engine) and
+the optional CPU-quota groups. Out: ``Engines``, holding one actor per ``EngineId`` (standalone
+engines ``s<j>``, cells ``c<i>``), their URLs and process ids, the body each one joins the proxy
+with, and a fresh actor for an id (a replacement reuses the id's bundle). Every Ray call here is
+bounded (``start_timeout_s``). Invariant: an engine id is parsed once (``EngineId.parse``);
+nothing else splits the string.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidal.config import RunConfig
+from tidal.runtime import vllm_host
+from tidal.runtime.cell import EngineHost, RuntimeFailure
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, order=True)
+class EngineId:
+    """``s<j>``: the j-th standalone engine; ``c<i>``: the engine of cell i."""
+
+    kind: str  # "s" | "c"
+    index: int
+
+    @classmethod
+    def parse(cls, name: str) -> EngineId:
+        if len(name) < 2 or name[0] not in "sc" or not name[1:].isdigit():
+            raise RuntimeFailure(f"engine id {name!r}: expected s<j> or c<i>")
+        return cls(name[0], int(name[1:]))
+
+    @classmethod
+    def cell(cls, index: int) -> EngineId:
+        return cls("c", index)
+
+    @property
+    def standalone(self) -> bool:
+        return self.kind == "s"
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.index}"
+
+
+def engine_ids(cfg: RunConfig) -> list[EngineId]:
+    """Standalone engines first, then cells in order."""
+    return ([EngineId("s", j) for j in range(cfg.cluster.standalone_count)]
+            + [EngineId.cell(i) for i in range(len(cfg.cluster.cell_specs()))])
+
+
+class Engines:
+    """One actor per engine id; each actor's engine process is started, probed and stopped
+    through it. Handles change only through ``replace`` (the cell supervisor)."""
+
+    def __init__(self, ray: Any, cfg: RunConfig, out: Path, model_dir: Path, placement: Any,
+                 cpu_groups: Any) -> None:
+        self.ray, self.cfg, self.rt = ray, cfg, cfg.runtime
+        self.out, self.model_dir = out, model_dir
+        self.placement, self.cpu_groups = placement, cpu_groups
+        self.ids = engine_ids(cfg)
+        self._actor_cls = ray.remote(EngineHost)
+        self._vllm = vllm_host.actor_class(ray, self.rt)  # None: built-in standalone engines
+        self.actors: dict[EngineId, Any] = {}
+        self.urls: dict[EngineId, str] = {}
+        self.start_pids: dict[EngineId, int] = {}
+        self.pids: dict[EngineId, int] = {}
+        self.gpu_ids: dict[EngineId, list[int]] = {}
+
+    @property
+    def vllm(self) -> bool:
+        """Standalone engines are vLLM servers (a load takes them out of routing)."""
+        return self._vllm is not None
+
+    def cell(self, index: int) -> Any:
+        return self.actors[EngineId.cell(index)]
+
+    def new_actor(self, eid: EngineId) -> Any:
+        """An engine actor pinned to its reserved bundle (a replacement reuses it)."""
+        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        # Threaded (max_concurrency): a health probe is answered while a long sleep, wake or
+        # weight load runs; the actuator never sends one cell two state changes at once.
+        device = self.rt.device if self.rt.use_gpus else "cpu"
+        groups, name = self.cpu_groups, str(eid)
+        cls, extra = ((self._vllm, [vllm_host.vllm_settings(self.rt)])
+                      if self._vllm is not None and eid.standalone else
+                      (self._actor_cls, [device,
+                                         groups.path(name) if groups is not None else None]))
+        return cls.options(runtime_env={"env_vars": env}, max_concurrency=4,
+                           **self.placement.options(name)).remote(
+            name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra)
+
+    def start(self) -> None:
+        """Every actor created and its engine started (bounded); an engine's own one-line
+        error is raised as itself."""
+        ray, timeout_s = self.ray, self.rt.start_timeout_s
+        for eid in self.ids:
+            self.actors[eid] = self.new_actor(eid)
+        try:
+            urls = ray.get([a.start.remote(timeout_s) for a in self.actors.values()],
+                           timeout=timeout_s + 30)
+            described = ray.get([a.describe.remote() for a in self.actors.values()],
+                                timeout=timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            raise (exc.cause if isinstance(exc.cause, RuntimeFailure) else exc) from None
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeFailure(f"engines not started within {timeout_s} s "
+                                 "(runtime.start_timeout_s; see logs/engine-*.log)") from None
+        self.urls = dict(zip(self.actors, urls, strict=True))
+        for d in described:
+            eid = EngineId.parse(d["name"])
+            self.start_pids[eid], self.gpu_ids[eid] = d["pid"], d["gpu_ids"]
+        self.pids = dict(self.start_pids)
+
+    def join_body(self, eid: EngineId, url: str) -> dict[str, Any]:
+        """What the proxy's ``POST /tidal/engines`` gets for this engine."""
+        cl = self.cfg.cluster
+        if eid.standalone:
+            return {"id": str(eid), "url": url, "kind": "standalone",
+                    "cap": cl.standalone_slots, "backend": self.rt.standalone_backend}
+        return {"id": str(eid), "url": url, "kind": "cell", "cell_index": eid.index,
+                "cap": cl.cell_specs()[eid.index].slots}
+
+    def stop(self, extra_pids: list[int]) -> None:
+        """Stop every engine (bounded), then end by pid what this run started and is still
+        there (engines, and the satellites in ``extra_pids``)."""
+        if not self.actors:
+            return
+        try:
+            self.ray.wait([a.stop.remote() for a in self.actors.values()],
+                          num_returns=len(self.actors), timeout=60)
+        except Exception:
+            log.exception("stopping engines")
+        for pid in [*self.pids.values(), *extra_pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

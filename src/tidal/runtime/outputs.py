@@ -1,0 +1,173 @@
+"""The files a run writes while it runs, and its summary.
+
+In: trainer steps (``step``), live-state samples (``sample_state``, every
+``runtime.state_every_s``), the controller's timeline and the actuator's step log at the end,
+and the figures of every part for ``summary``. Out, in the run directory: ``metrics.jsonl`` (one
+line per optimizer step; the final step of a burst also carries verl's ``dynamic_resource/*``
+metrics of that weight version), ``state.jsonl``, ``timeline.json`` (per cell,
+``[start_s, end_s, role]`` segments since the first dispatch), ``steps.jsonl`` and
+``summary.json``. Times are seconds since the first dispatch over every incarnation of a resumed
+run (``elapsed``). Invariant: a resumed run's ``metrics.jsonl`` holds exactly the lines of the
+steps its checkpoint covers, then the new ones (no step twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tidal.clock import Clock
+from tidal.types import Role
+
+
+class RunOutputs:
+    def __init__(self, out: Path, clock: Clock, resumed_elapsed_s: float, append: bool,
+                 on_step: Callable[[dict[str, Any]], None] | None = None,
+                 on_state: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.out, self.clock = out, clock
+        self.mode = "a" if append else "w"  # a resumed run continues its logs
+        self.on_step, self.on_state = on_step, on_state
+        self.metrics: list[dict[str, Any]] = []
+        self.t_offset = resumed_elapsed_s
+        self.t_first = clock.now()
+
+    def start_clock(self) -> None:
+        """The first dispatch of this incarnation: time zero of its lines."""
+        self.t_first = self.clock.now()
+
+    def elapsed(self) -> float:
+        """Run time since the first dispatch, over every incarnation of a resumed run."""
+        return self.t_offset + self.clock.now() - self.t_first
+
+    @property
+    def t0(self) -> float:
+        """The first dispatch of the first incarnation, on this incarnation's clock."""
+        return self.t_first - self.t_offset
+
+    def restore_metrics(self, n_lines: int) -> None:
+        """Keep the first ``n_lines`` of ``metrics.jsonl`` (the steps the checkpoint covers)."""
+        path = self.out / "metrics.jsonl"
+        lines = path.read_text().splitlines()[:n_lines]
+        path.write_text("".join(x + "\n" for x in lines))
+        self.metrics = [json.loads(x) for x in lines]
+
+    def step(self, line: dict[str, Any]) -> None:
+        self.metrics.append(line)
+        with open(self.out / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+        if self.on_step is not None:
+            self.on_step(line)
+
+    async def sample_state(self, tick: Callable[[], None], state: Callable[[], dict[str, Any]],
+                           tick_s: float, every_s: float) -> None:
+        """Forever: ``tick()`` every ``tick_s``, a ``state()`` line every ``every_s``."""
+        n, every = 0, max(1, round(every_s / tick_s))
+        with open(self.out / "state.jsonl", "a") as fh:
+            while True:
+                await asyncio.sleep(tick_s)
+                tick()
+                n += 1
+                if n % every:
+                    continue
+                st = state()
+                fh.write(json.dumps({"t": round(self.elapsed(), 3), **st}) + "\n")
+                fh.flush()
+                if self.on_state is not None:
+                    self.on_state(st)
+
+    def write_timeline(self, segments: list[list[tuple[float, float, Role]]]) -> None:
+        t0 = self.t0
+        cells = [[[round(max(0.0, a - t0), 3), round(b - t0, 3), r.value] for a, b, r in cell]
+                 for cell in segments]
+        (self.out / "timeline.json").write_text(json.dumps({"cells": cells}))
+
+    def write_steps(self, step_log: list[dict[str, Any]]) -> None:
+        with open(self.out / "steps.jsonl", self.mode) as fh:
+            fh.writelines(json.dumps(s) + "\n" for s in step_log)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def step_line(ctl: Any, burst: int, step: int, version: int, report: Any, dt: float,
+              wait_s: float, elapsed_s: float) -> dict[str, Any]:
+    """One ``metrics.jsonl`` line: the trainer's report and the controller's view at its end."""
+    roles = ctl.cells.roles()
+    line = {"t": round(elapsed_s, 3), "burst": burst, "step": step,
+            "version": version, "mean_reward": report.mean_reward,
+            "loss": report.loss, "grad_norm": report.grad_norm,
+            "n_groups": report.n_groups, "n_tokens": report.n_tokens,
+            "max_staleness": report.max_staleness, "step_s": round(dt, 3),
+            "compute_s": round(report.compute_s, 3), "update_s": round(report.update_s, 3),
+            "core_compute_s": round(report.core_compute_s, 3),
+            "core_tokens": report.core_tokens,
+            "wait_s": round(wait_s, 3), "waterlevel": ctl.ledger.waterlevel,
+            "ready_groups": ctl.ledger.ready_unassigned,
+            "roles": [r.value for r in roles],
+            "training_cells": sum(r is Role.TRAINING for r in roles),
+            "satellites": list(report.members), "groups": list(report.group_ids),
+            "micro_steps_by_cell": {str(k): v for k, v in
+                                    sorted(report.micro_steps_by_cell.items())}}
+    rows = ctl.metrics.rows
+    if report.final and rows:  # the weight version just closed: verl's metric names
+        line.update({k: round(v, 4) for k, v in rows[-1].items() if "/" in k})
+    return line
+
+
+def sum_by_cell(metrics: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in metrics:
+        for cell, n in m["micro_steps_by_cell"].items():
+            out[cell] = out.get(cell, 0) + n
+    return dict(sorted(out.items()))
+
+
+def close_reasons(results: list[Any]) -> dict[str, int]:
+    reasons: dict[str, int] = {}
+    for r in results:
+        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+    return reasons
+
+
+def summary(*, ctl: Any, bursts: int, metrics: list[dict[str, Any]], version: int,
+            bursts_s: float, group_size: int, results: list[Any], stats: dict[str, Any],
+            engines: list[dict], start_pids: dict[str, int], bridge: Any, actuator: Any,
+            replaced: list[dict[str, Any]], resumed: dict[str, int] | None) -> dict[str, Any]:
+    """``summary.json``: what the run did, from the figures of each part."""
+    s, reasons = ctl.summary(), close_reasons(results)
+    return {
+        "policy": s["policy"], "bursts": bursts, "trainer_steps": len(metrics),
+        "bursts_s": round(bursts_s, 2), "version": version,
+        "switches_to_training": s["switches_to_training"],
+        "switches_to_rollout": s["switches_to_rollout"], "plans_aborted": s["plans_aborted"],
+        "final_roles": ctl.cells.describe(),
+        # live model requests that went to another engine: in-flight ones retried
+        # elsewhere, and next calls of executions whose engine left routing between calls
+        "rerouted_requests": stats["retries"] + stats["rerouted_executions"],
+        "retried_inflight_requests": stats["retries"],
+        "rerouted_executions": stats["rerouted_executions"],
+        "drained_requests": sum(d["moved"] for d in actuator.drains),
+        "kv_handoffs": stats["kv_handoffs"], "engine_failures": stats["engine_failures"],
+        "failed_requests": reasons.get("failed", 0),
+        "timed_out_executions": reasons.get("timeout", 0),
+        "dispatched": bridge.n_dispatched, "closed": len(results), "close_reasons": reasons,
+        "trained_executions": sum(m["n_groups"] for m in metrics) * group_size,
+        "lost_executions": bridge.lost, "record_errors": bridge.record_errors[:10],
+        "ledger_waterlevel_end": s["waterlevel"], "duplicate_closes": s["duplicate_closes"],
+        "engines": {e["name"]: {"state": e["state"], "version": e["version"],
+                                "gpu_ids": e["gpu_ids"],
+                                "restarted": e["pid"] != start_pids[e["name"]]}
+                    for e in engines},
+        "resumed": resumed,
+        "cells_replaced": [r["name"] for r in replaced],
+        "tokens_by_engine_version": bridge.tokens_by_engine_version,
+        "engine_handoffs": bridge.engine_handoffs,
+        "satellite_joins": sum(len(m["satellites"]) for m in metrics),
+        "satellite_starts": actuator.satellite_starts,
+        "micro_steps_by_cell": sum_by_cell(metrics),
+        "mean_reward_per_step": [round(m["mean_reward"], 4) for m in metrics],
+        "mean_reward": (sum(r.reward for r in results) / len(results)) if results else 0.0,
+    }

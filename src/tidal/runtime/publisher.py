@@ -1,0 +1,72 @@
+"""Publication: each new weight version the core wrote is loaded by the engines that serve.
+
+In: ``publish(version)`` from the trainer loop after the final step of a burst (the core's
+``FilePublisher`` already wrote the file); ``load_published`` once at the start of a resumed run.
+Out: every standalone engine and every awake cell loads the version in place (no restart; vLLM
+standalone engines out of routing meanwhile), ``Weights`` names it (a cell that wakes later, or a
+replaced engine, loads it from there), and one ``WeightSyncDone`` goes to the controller.
+Invariant 6 is kept by the engines (each later token carries the new label); an engine lost during
+a load is the cell supervisor's to replace, with this version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from tidal.clock import Clock
+from tidal.errors import ConfigError
+from tidal.runtime import vllm_host
+from tidal.runtime.actuator import Weights
+from tidal.runtime.engines import Engines
+from tidal.runtime.supervisor import CellView
+from tidal.runtime.tasks import remote
+from tidal.types import Event, WeightSyncDone
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    def __init__(self, engines: Engines, cells: CellView, admin: httpx.AsyncClient,
+                 weights: Weights, path_of: Callable[[int], str],
+                 handle: Callable[[Event], None], clock: Clock,
+                 call_timeout_s: float = 180.0) -> None:
+        self.engines, self.cells, self.admin, self.weights = engines, cells, admin, weights
+        self.path_of, self.handle, self.clock = path_of, handle, clock
+        self.call_timeout_s = call_timeout_s
+
+    def restore(self, version: int, path: str | None) -> None:
+        """A resumed run serves what was published before its interruption."""
+        if path is not None and not Path(path).is_file():
+            raise ConfigError("--resume", f"published weights {path} are gone")
+        self.weights.version, self.weights.path = version, path
+
+    async def load_published(self) -> None:
+        """Every engine loads the restored version (a resumed run, before its first dispatch)."""
+        w = self.weights
+        if w.path is not None:
+            await asyncio.gather(*[
+                remote(a.load_weights.remote(w.path, w.label), f"{eid} load {w.label}",
+                       self.call_timeout_s) for eid, a in self.engines.actors.items()])
+
+    async def publish(self, version: int) -> None:
+        """Awake engines load ``version``; a failed load is logged (its engine is replaced)."""
+        t0 = self.clock.now()
+        w = self.weights
+        async with w.lock:
+            w.version, w.path = version, self.path_of(version)
+            targets = [(eid, a) for eid, a in self.engines.actors.items()
+                       if eid.standalone or not self.cells.is_asleep(eid.index)]
+            outs = await asyncio.gather(*[remote(vllm_host.load_weights(  # vLLM: out of routing
+                self.admin, str(eid), a, w.path, w.label,
+                drained=self.engines.vllm and eid.standalone), f"{eid} load {w.label}",
+                self.call_timeout_s) for eid, a in targets], return_exceptions=True)
+        for out in outs:  # a lost engine is replaced by the supervisor with this version
+            if isinstance(out, BaseException):
+                log.warning("publishing %s: an engine did not load it: %s", w.label,
+                            str(out).splitlines()[0])
+        self.handle(WeightSyncDone(self.clock.now(), w.version, self.clock.now() - t0))

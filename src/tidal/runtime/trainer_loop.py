@@ -1,0 +1,119 @@
+"""The trainer loop: every optimizer step of the run, in order, on the core trainer.
+
+In: ready groups in the trajectory buffer, the actuator's view of which cells train (a step runs
+only while cell 0 holds the training role, under the actuator's trainer lock). Out: per step a
+``TrainerReady`` / ``GroupsAssigned`` / ``TrainerStepDone`` to the controller, a ``metrics.jsonl``
+line, a checkpoint (every ``runtime.checkpoint_every_steps`` and at each burst end); after the
+final step of a burst the publisher loads the new version and ``bursts_published`` advances
+(the dispatcher waits on it). Invariant 7's second half: each group is trained exactly once
+(``trained_groups``, restored from the checkpoint on a resume).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from tidal.clock import Clock
+from tidal.config import RunConfig
+from tidal.runtime import checkpoint
+from tidal.runtime.actuator import RayActuator
+from tidal.runtime.cell import RuntimeFailure
+from tidal.runtime.outputs import RunOutputs, step_line
+from tidal.runtime.publisher import Publisher
+from tidal.types import Event, GroupsAssigned, TrainerReady, TrainerStepDone
+
+
+class TrainerLoop:
+    def __init__(self, cfg: RunConfig, core: Any, buffer: Any, actuator: RayActuator,
+                 publisher: Publisher, outputs: RunOutputs, ctl: Any,
+                 handle: Callable[[Event], None], clock: Clock,
+                 pool: concurrent.futures.ThreadPoolExecutor,
+                 ck: checkpoint.Checkpoint | None) -> None:
+        self.cfg, self.core, self.buffer, self.actuator = cfg, core, buffer, actuator
+        self.publisher, self.outputs, self.ctl, self.clock = publisher, outputs, ctl, clock
+        self.handle = handle  # the run's guarded controller.handle (a failure stops the run)
+        self.pool, self.ck = pool, ck
+        self.trained_groups: list[str] = list(ck.state.trained_groups) if ck else []
+        self.first_step = ck.state.step if ck else 0
+        self.bursts_published = self.first_step // cfg.control.updates_per_burst
+        self._published = asyncio.Condition()
+
+    async def wait_published(self, burst: int, trainer: asyncio.Task) -> None:
+        """Until ``burst`` bursts are published (the dispatcher starts the next one then)."""
+        async with self._published:
+            while self.bursts_published < burst:
+                if trainer.done():
+                    trainer.result()  # raises the trainer's error
+                    raise RuntimeFailure("the trainer ended before the run did")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._published.wait(), 1.0)
+
+    async def run(self) -> None:
+        c = self.cfg.control
+        step = self.first_step
+        first_b, first_u = divmod(step, c.updates_per_burst)
+        for b in range(first_b, c.bursts or 0):
+            for u in range(first_u if b == first_b else 0, c.updates_per_burst):
+                await self._step(b, step, final=u == c.updates_per_burst - 1)
+                step += 1
+            async with self._published:
+                self.bursts_published = b + 1
+                self._published.notify_all()
+
+    async def _step(self, burst: int, step: int, final: bool) -> None:
+        wait_s, queue = 0.0, len(self.buffer)
+        self.handle(TrainerReady(self.clock.now(), step))  # wants the next batch
+        while True:
+            wait_s += await self._core_active()
+            await self.actuator.revive_satellites()
+            async with self.actuator.trainer_lock:
+                if 0 not in self.actuator.training:
+                    continue  # offloaded between the check and the lock
+                t0 = self.clock.now()
+                report = await asyncio.get_running_loop().run_in_executor(
+                    self.pool, self.core.train_step, final)
+                break
+        dt = self.clock.now() - t0
+        if report is None:
+            raise RuntimeFailure(f"step {step}: the trainer got no data")
+        self.handle(GroupsAssigned(self.clock.now(), tuple(report.group_ids)))
+        self.handle(TrainerStepDone(self.clock.now(), step, wait_s=wait_s, queue_at_start=queue,
+                                    compute_s=dt, alloc_s=dt, final_of_burst=final))
+        if final:
+            await self.publisher.publish(self.core.version)
+        self.trained_groups += report.group_ids
+        self.outputs.step(step_line(self.ctl, burst, step, self.core.version, report, dt,
+                                    wait_s, self.outputs.elapsed()))
+        await self._checkpoint(step, final)
+
+    async def _core_active(self) -> float:
+        """Wait until cell 0's trainer worker is active and a full batch of groups is ready
+        (so a step never holds the trainer lock while waiting for data, which would keep the
+        core from returning to rollout); returns the wait."""
+        t0, need = self.clock.now(), self.cfg.control.batch_groups
+        while 0 not in self.actuator.training or len(self.buffer) < need:
+            self.actuator.training_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.actuator.training_changed.wait(), 0.05)
+        return self.clock.now() - t0
+
+    async def _checkpoint(self, step: int, final: bool) -> None:
+        every = self.cfg.runtime.checkpoint_every_steps
+        if not every or ((step + 1) % every and not final):
+            return
+        w = self.publisher.weights
+        st = checkpoint.RunState(
+            step=step + 1, bursts_published=self.bursts_published + int(final),
+            published_version=w.version, published_path=w.path,
+            trained_groups=list(self.trained_groups),
+            metrics_lines=len(self.outputs.metrics),
+            elapsed_s=round(self.outputs.elapsed(), 3),
+            resumes=(self.ck.state.resumes + 1) if self.ck else 0)
+        records, trainer = self.buffer.held_records(), self.core.state_dict()
+        out = self.outputs.out
+        await asyncio.to_thread(checkpoint.save, out, st, records, trainer)
+        await asyncio.to_thread(checkpoint.record_processes, out)

@@ -1,0 +1,145 @@
+"""The parts of a run, built in one place and wired through narrow interfaces.
+
+In: the run config, the run directory, a checkpoint (resume) or None, the started engines and
+proxy, the run's ``Parts`` (task owner). Out: ``Wired``: the trajectory buffer and core trainer,
+the Ray actuator, the controller (real ``tidal.control`` objects on the wall clock) and its
+guarded ``handle`` (every event goes through it: a failure stops the run with its cause), the
+harness bridge, the publisher, the trainer loop, the cell supervisor, the dispatcher and the run
+outputs. Data flow: dispatcher -> harness pool -> proxy -> engines; ledger callbacks -> bridge ->
+controller -> plans -> actuator; closed executions -> bridge -> buffer -> trainer loop ->
+publisher -> engines. A resumed run's trainer, weights and metrics are restored here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from tidal.clock import Clock
+from tidal.config import RunConfig
+from tidal.runtime.actuator import CoreLink, RayActuator, Weights
+from tidal.runtime.bridge import LedgerBridge
+from tidal.runtime.cell import trainer_device
+from tidal.runtime.checkpoint import Checkpoint
+from tidal.runtime.dispatcher import Dispatcher
+from tidal.runtime.engines import EngineId, Engines
+from tidal.runtime.outputs import RunOutputs
+from tidal.runtime.publisher import Publisher
+from tidal.runtime.supervisor import CellSupervisor
+from tidal.runtime.tasks import Parts
+from tidal.runtime.trainer_loop import TrainerLoop
+
+
+@dataclass
+class Wired:
+    admin: httpx.AsyncClient
+    decisions: IO[str]
+    buffer: Any
+    core: Any
+    outputs: RunOutputs
+    actuator: RayActuator
+    ctl: Any
+    handle: Any
+    bridge: LedgerBridge
+    publisher: Publisher
+    trainer: TrainerLoop
+    supervisor: CellSupervisor
+    dispatcher: Dispatcher
+
+    def state(self) -> dict[str, Any]:
+        """What the live display shows (read on the loop; cheap)."""
+        lg, m = self.ctl.ledger, self.outputs.metrics
+        return {"burst": self.bridge.burst, "step": len(m),
+                "version": self.publisher.weights.version,
+                "reward": m[-1]["mean_reward"] if m else None,
+                "waterlevel": lg.waterlevel, "queued": lg.total.queued,
+                "running": lg.total.running, "ready_groups": lg.ready_unassigned,
+                "roles": [r.value for r in self.ctl.cells.roles()],
+                "switches": len(self.ctl.plans_done),
+                "replaced": len(self.supervisor.replaced)}
+
+    async def close(self) -> None:
+        self.buffer.close()
+        self.core.close()
+        await self.admin.aclose()
+        self.decisions.close()
+        self.outputs.write_steps(self.actuator.step_log)
+
+
+def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: list[int]):
+    """The trajectory buffer, the core trainer and the file publisher it writes versions to."""
+    import torch
+
+    from tidal.models import load_model
+    from tidal.training.coordinator import CoordinatorConfig
+    from tidal.training.core import CoreTrainer, TrainerConfig
+    from tidal.training.flat import ParamLayout
+    from tidal.training.packing import PackingConfig
+    from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
+    from tidal.training.transport import FilePublisher
+
+    rt, c = cfg.runtime, cfg.control
+    buffer = TrajectoryBuffer(TrajectoryBufferConfig(
+        group_size=c.group_size, max_policy_lag=c.updates_per_burst), clock)
+    model, tok = load_model(model_dir)
+    model.train()
+    device = trainer_device(rt.resolved_device(torch.cuda.is_available()), gpu_ids,
+                            os.environ.get("CUDA_VISIBLE_DEVICES"))
+    files = FilePublisher(out / "weights", ParamLayout.of(model), keep=2)
+    core = CoreTrainer(model, TrainerConfig(
+        lr=rt.lr, groups_per_step=c.batch_groups, step_data_timeout_s=rt.step_data_timeout_s,
+        packing=PackingConfig(token_budget=rt.token_budget), device=device,
+        coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s)),
+        buffer, clock, publishers=[files], pad_id=tok.eos_id)
+    return buffer, core, files
+
+
+def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: Parts,
+         engines: Engines, proxy_url: str, token: str,
+         core_pool: concurrent.futures.ThreadPoolExecutor, outputs: RunOutputs) -> Wired:
+    from tidal.agents import HarnessPool, PoolConfig
+    from tidal.control.decision_log import DecisionLog, jsonl_file_sink
+    from tidal.control.factory import build_controller
+
+    rt, c = cfg.runtime, cfg.control
+    buffer, core, files = _core(cfg, out, engines.model_dir, clock,
+                                engines.gpu_ids.get(EngineId.cell(0), []))
+    admin = httpx.AsyncClient(base_url=proxy_url, timeout=300.0,
+                              headers={"Authorization": f"Bearer {token}"})
+    decisions = open(out / "decisions.jsonl", outputs.mode)  # noqa: SIM115 - Wired.close
+    if ck is not None:
+        core.load_state_dict(ck.trainer)
+    if core.device.type == "cuda":  # cell 0's engine holds the GPU until it trains
+        core.offload()
+    link = CoreLink(core.address() if rt.satellites else None,
+                    core if core.device.type == "cuda" else None, rt.satellite_timeout_s)
+    weights = Weights()
+    actuator = RayActuator(clock, admin, engines, weights, c.kv_handoff, parts, link)
+    ctl = build_controller(cfg, clock, actuator, DecisionLog(jsonl_file_sink(decisions),
+                                                             keep=False))
+    handle = parts.guard_handler(ctl.handle)
+    actuator.bind(handle)
+    bridge = LedgerBridge(handle, clock, admin, buffer, c.group_size, parts)
+    publisher = Publisher(engines, actuator, admin, weights, files.path, handle, clock)
+    if ck is not None:
+        publisher.restore(ck.state.published_version, ck.state.published_path)
+        outputs.restore_metrics(ck.state.metrics_lines)
+    trainer = TrainerLoop(cfg, core, buffer, actuator, publisher, outputs, ctl, handle, clock,
+                          core_pool, ck)
+    cl = cfg.cluster
+    slots = cl.standalone_count * cl.standalone_slots + sum(s.slots for s in cl.cell_specs())
+    pool = HarnessPool(PoolConfig(
+        proxy_url=proxy_url, max_concurrent=slots, max_turns=rt.max_turns,
+        max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
+        timeout_s=rt.execution_timeout_s), out / "workspaces", bridge)
+    held = {r.execution_id: r for r in ck.records} if ck else {}
+    return Wired(admin, decisions, buffer, core, outputs, actuator, ctl, handle, bridge,
+                 publisher, trainer,
+                 CellSupervisor(engines, actuator, admin, weights, clock, rt.start_timeout_s),
+                 Dispatcher(cfg, pool, bridge, handle, clock, parts,
+                            set(trainer.trained_groups), held))
