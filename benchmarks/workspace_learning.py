@@ -4,7 +4,7 @@ Each burst: ``groups * updates_per_burst`` workspace tasks (``group_size`` execu
 seed per group) run concurrently in the harness pool, which talks to a real built-in engine
 process through a real proxy process (every call's tokens, log-probs and weight versions are
 recorded there); the proxy's records become ``ExecutionRecord`` objects
-(``tidal.runtime.bridge.record_from_proxy``) in the trajectory buffer; ``CoreTrainer`` takes
+(``tidal.training.records.record_from_proxy``) in the trajectory buffer; ``CoreTrainer`` takes
 ``updates_per_burst`` GRPO steps of ``groups`` groups each, publishes the last version with a
 ``FilePublisher``, and the engine loads it in place (``/update_weights``) before the next burst.
 This is the quickstart's data path without Ray and without role switches.
@@ -39,11 +39,11 @@ from tidal.agents import HarnessPool, PoolConfig, WorkspaceTask
 from tidal.agents.environments import ToolLatency
 from tidal.clock import WallClock
 from tidal.models import fetch, load_model
-from tidal.runtime.bridge import record_from_proxy
 from tidal.serving.launch import start_engine, start_proxy
 from tidal.training.core import CoreTrainer, TrainerConfig
 from tidal.training.flat import ParamLayout
 from tidal.training.packing import PackingConfig
+from tidal.training.records import record_from_proxy
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
 from tidal.training.transport import FilePublisher
 

@@ -1,26 +1,16 @@
-"""The driver of ``tidal run``: wires the real parts together and runs bursts to the end.
+"""The driver of ``tidal run``: starts the real parts, runs the bursts to the end, stops them.
 
 In: a validated ``RunConfig`` and a run directory. Out: in the run directory ``config.yaml``
-(resolved), ``metrics.jsonl`` (one line per optimizer step; the final step of a burst also
-carries verl's ``dynamic_resource/*`` metrics of that weight version), ``decisions.jsonl`` (every
-scheduling decision and plan record of the controller), ``steps.jsonl`` (every plan step the
-actuator ran, with its duration), ``state.jsonl`` (a sample of the live state every
-``runtime.state_every_s``: time since the first dispatch, waterlevel, queue, running, ready
-groups, roles), ``timeline.json`` (per cell, the ``[start_s, end_s, role]`` segments, in seconds
-since the first dispatch), ``executions.jsonl`` (per execution: times, and per model call its
-tokens and timings; ``tidal calibrate`` fits the simulator on it) and ``summary.json``; engine
-and proxy logs under ``logs/``.
+(resolved), the files of ``outputs`` (metrics, state, timeline, steps, summary),
+``decisions.jsonl`` (every scheduling decision and plan record of the controller),
+``executions.jsonl`` (per execution: times, and per model call its tokens and timings; ``tidal
+calibrate`` fits the simulator on it), the checkpoint, and engine and proxy logs under ``logs/``.
 
-The parts (built in ``wiring``; this module starts and stops what lives outside the event loop:
-Ray, the placement, the engines, the proxy, the CPU-quota groups): dispatcher (one quota per
-burst) -> harness pool -> proxy (a process) -> engines
-(processes owned by Ray actors: standalone engines and cells) ; ledger callbacks -> controller
-(real ``tidal.control`` objects on the wall clock) -> plans -> ``RayActuator`` ; closed executions
--> proxy records -> trajectory buffer -> ``CoreTrainer`` (in the driver, active only while cell 0
-holds the training role; the other training cells run satellite processes that join its steps, pull
-its weights and claim micro-steps) -> ``FilePublisher`` -> engines load the new version in place.
-Everything runs on one asyncio loop; blocking work (optimizer steps, Ray calls) is awaited off the
-loop, so controller events are handled in order on one thread.
+This module owns what lives outside the event loop (Ray, the placement, the engines, the proxy,
+the CPU-quota groups, the core trainer's thread); the parts on the loop are built in ``wiring``
+and every background task runs under one owner (``tasks.Parts``): the first failure of any part
+ends the run with its cause. Everything runs on one asyncio loop; blocking work (optimizer steps,
+Ray calls) is awaited off the loop, so controller events are handled in order on one thread.
 Devices (``runtime.device``): each cell actor puts its engine and satellite on its own GPU; the
 core trainer runs on cell 0's GPU and is offloaded to CPU memory whenever cell 0 serves.
 CPU quota (``runtime.cell_cpus``, ``cpuquota``): one cgroup per cell and standalone engine; the
@@ -45,39 +35,16 @@ from typing import Any
 
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
-from tidal.errors import ConfigError, TimeoutExpired
-from tidal.runtime import checkpoint, vllm_host
-from tidal.runtime.engines import Engines, engine_ids
+from tidal.runtime import checkpoint
+from tidal.runtime.engines import Engines, engine_ids, model_path
 from tidal.runtime.outputs import RunOutputs, summary
 from tidal.runtime.placement import Placement
 from tidal.runtime.tasks import Parts, remote
-from tidal.runtime.wiring import Wired, wire
+from tidal.runtime.trainer_loop import core_pool
+from tidal.runtime.wiring import Wired, check_config, wire
 from tidal.types import Tick
 
 log = logging.getLogger(__name__)
-
-
-def _check(cfg: RunConfig) -> None:
-    c = cfg.control
-    if c.bursts is None:
-        raise ConfigError("control.bursts", "tidal run needs a number of bursts")
-    if c.quota_groups is not None and c.quota_groups != c.batch_groups * c.updates_per_burst:
-        raise ConfigError("control.quota_groups", "this runtime trains every dispatched group: "
-                          "quota_groups must equal batch_groups * updates_per_burst")
-    if cfg.policy.args.get("rebalance"):
-        raise ConfigError("policy.args.rebalance", "verl's rebalance (abort every in-flight "
-                          "request to re-spread load) is not supported by the runtime")
-    if cfg.runtime.standalone_backend == "vllm":
-        vllm_host.check(cfg)
-    rt = cfg.runtime
-    if rt.cell_cpus is not None:
-        for bad, why in ((rt.ray_address, "joins a Ray cluster (the quota is per host)"),
-                         (rt.use_gpus, "uses GPUs (cells already own their devices)"),
-                         (rt.standalone_backend == "vllm", "serves standalone engines with "
-                          "vLLM (the quota covers built-in engines)")):
-            if bad:
-                raise ConfigError("runtime.cell_cpus", f"not supported when the run {why}")
-
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -106,7 +73,7 @@ class Runtime:
                  on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_state: Callable[[dict[str, Any]], None] | None = None,
                  resume: bool = False) -> None:
-        _check(cfg)
+        check_config(cfg)
         self.cfg, self.out, self.on_step, self.on_state = cfg, Path(out), on_step, on_state
         self.rt = cfg.runtime
         self.clock = WallClock()
@@ -153,27 +120,11 @@ class Runtime:
         (self.out / "summary.json").write_text(json.dumps(out, indent=2))
         return out
 
-    def _model_dir(self) -> Path:
-        from tidal.models import create_tiny
-        from tidal.models.fetch import KNOWN, fetch
-
-        rt = self.rt
-        if rt.model == "tiny":
-            return create_tiny(self.out / "model", seed=self.cfg.seed, n_layers=rt.tiny_layers,
-                               d_model=rt.tiny_d_model, n_heads=4, d_ff=4 * rt.tiny_d_model,
-                               max_seq_len=rt.tiny_max_seq_len)
-        if rt.model in KNOWN:  # a bundled pretrained model, converted once (no download)
-            return fetch(rt.model)
-        if not (Path(rt.model) / "config.json").is_file():
-            raise ConfigError("runtime.model", f"{rt.model}: not 'tiny', a bundled model "
-                              f"({', '.join(KNOWN)}) or a model directory with config.json")
-        return Path(rt.model)
-
     def _start_parts(self, ray: Any) -> None:
         from tidal.serving.launch import start_proxy
 
         rt = self.rt
-        model_dir = self._model_dir()
+        model_dir = model_path(self.cfg, self.out)
         names = [str(e) for e in engine_ids(self.cfg)]
         if rt.cell_cpus is not None:  # before Ray and any actor (their processes join it)
             from tidal.runtime.cpuquota import CpuGroups
@@ -224,25 +175,9 @@ class Runtime:
         finally:
             await self.parts.aclose()
 
-    def _core_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        import torch
-
-        rt, threads, join = self.rt, self.rt.torch_threads, None
-        torch.manual_seed(self.cfg.seed)
-        if self.cpu_groups is not None:
-            # the core trainer computes on one thread that lives in cell 0's group (its OpenMP
-            # team is born there too); more threads than cores would spin on the quota
-            from tidal.runtime.cpuquota import join_thread
-
-            threads = min(threads, max(1, int(rt.cell_cpus or 1)))
-            join = functools.partial(join_thread, self.cpu_groups.path("c0"))
-        torch.set_num_threads(threads)
-        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidal-core",
-                                                     initializer=join)
-
     async def _main(self) -> dict[str, Any]:
         assert self.engines is not None and self.proxy is not None, "_start_parts first"
-        self.core_pool = self._core_pool()
+        self.core_pool = core_pool(self.cfg, self.cpu_groups)
         outputs = RunOutputs(self.out, self.clock, self.ck.state.elapsed_s if self.ck else 0.0,
                              self.ck is not None, self.on_step, self.on_state)
         w = self.wired = wire(self.cfg, self.out, self.ck, self.clock, self.parts,
@@ -255,7 +190,7 @@ class Runtime:
             if self.ck is not None:
                 await w.publisher.load_published()
             await self._join_engines(w)
-            await self._satellites_up(w, self.rt.start_timeout_s)
+            await w.satellites_up(self.rt.start_timeout_s)
             outputs.start_clock()
             self.parts.spawn("controller ticks", outputs.sample_state(
                 lambda: w.handle(Tick(self.clock.now())), w.state, self.rt.tick_s,
@@ -276,7 +211,7 @@ class Runtime:
         await w.bridge.flush(60.0)
         w.bridge.write_executions(self.out / "executions.jsonl", results, w.outputs.t0,
                                   w.outputs.mode)
-        await self._settle(w, self.cfg.control.step_timeout_s)
+        await w.settle(self.cfg.control.step_timeout_s)
         w.outputs.write_timeline(w.ctl.timeline.close(self.clock.now()))
         stats = (await w.admin.get("/tidal/stats")).json()
         engines = await asyncio.gather(*[remote(a.describe.remote(), f"{eid} describe", 30.0)
@@ -302,24 +237,3 @@ class Runtime:
                 raise RuntimeFailure(f"proxy refused engine {eid}: {resp.text[:200]}")
         for i in range(w.ctl.cells.prefix_len):  # cells the policy starts in training
             await w.actuator.begin_in_training(i)
-
-    async def _satellites_up(self, w: Wired, timeout_s: float) -> None:
-        """Cells that train from the start (e.g. ``static``) begin the run with their
-        satellites connected (bounded wait), so the first steps can use them."""
-        want = set(w.actuator.satellite_pids)
-        deadline = self.clock.now() + timeout_s
-        while not want <= set(w.core.coordinator.registered()):
-            if self.clock.now() > deadline:
-                raise TimeoutExpired(f"satellites of cells {sorted(want)} not connected within "
-                                     f"{timeout_s} s (see logs/satellite-c*.log)")
-            await asyncio.sleep(0.1)
-
-    async def _settle(self, w: Wired, timeout_s: float) -> None:
-        """Bounded wait until no transition plan is in flight (the run ends in a known
-        state: every engine either serving or asleep with its cell training)."""
-        deadline = self.clock.now() + timeout_s
-        while w.ctl.inflight is not None or w.supervisor.busy:
-            if self.clock.now() > deadline:
-                raise TimeoutExpired(f"plan {w.ctl.inflight.plan.plan_id} still in flight "
-                                     f"{timeout_s} s after the last step")
-            await asyncio.sleep(0.05)

@@ -50,6 +50,26 @@ class EngineId:
         return f"{self.kind}{self.index}"
 
 
+def model_path(cfg: RunConfig, out: Path) -> Path:
+    """The model every engine serves and the core trains: ``tiny`` (created in the run
+    directory), a bundled model (converted once, no download) or a model directory."""
+    from tidal.errors import ConfigError
+    from tidal.models import create_tiny
+    from tidal.models.fetch import KNOWN, fetch
+
+    rt = cfg.runtime
+    if rt.model == "tiny":
+        return create_tiny(out / "model", seed=cfg.seed, n_layers=rt.tiny_layers,
+                           d_model=rt.tiny_d_model, n_heads=4, d_ff=4 * rt.tiny_d_model,
+                           max_seq_len=rt.tiny_max_seq_len)
+    if rt.model in KNOWN:
+        return fetch(rt.model)
+    if not (Path(rt.model) / "config.json").is_file():
+        raise ConfigError("runtime.model", f"{rt.model}: not 'tiny', a bundled model "
+                          f"({', '.join(KNOWN)}) or a model directory with config.json")
+    return Path(rt.model)
+
+
 def engine_ids(cfg: RunConfig) -> list[EngineId]:
     """Standalone engines first, then cells in order."""
     return ([EngineId("s", j) for j in range(cfg.cluster.standalone_count)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,23 @@ from tidal.runtime.cell import RuntimeFailure
 from tidal.runtime.outputs import RunOutputs, step_line
 from tidal.runtime.publisher import Publisher
 from tidal.types import Event, GroupsAssigned, TrainerReady, TrainerStepDone
+
+
+def core_pool(cfg: RunConfig, cpu_groups: Any) -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread the core trainer computes on (seeded torch; with ``runtime.cell_cpus``
+    it lives in cell 0's CPU group, and its OpenMP team is born there too)."""
+    import torch
+
+    rt, threads, join = cfg.runtime, cfg.runtime.torch_threads, None
+    torch.manual_seed(cfg.seed)
+    if cpu_groups is not None:  # more threads than cores would spin on the quota
+        from tidal.runtime.cpuquota import join_thread
+
+        threads = min(threads, max(1, int(rt.cell_cpus or 1)))
+        join = functools.partial(join_thread, cpu_groups.path("c0"))
+    torch.set_num_threads(threads)
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidal-core",
+                                                 initializer=join)
 
 
 class TrainerLoop:

@@ -12,6 +12,7 @@ publisher -> engines. A resumed run's trainer, weights and metrics are restored 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import httpx
 
 from tidal.clock import Clock
 from tidal.config import RunConfig
+from tidal.errors import ConfigError, TimeoutExpired
+from tidal.runtime import vllm_host
 from tidal.runtime.actuator import CoreLink, RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.cell import trainer_device
@@ -33,6 +36,29 @@ from tidal.runtime.publisher import Publisher
 from tidal.runtime.supervisor import CellSupervisor
 from tidal.runtime.tasks import Parts
 from tidal.runtime.trainer_loop import TrainerLoop
+
+
+def check_config(cfg: RunConfig) -> None:
+    """What ``tidal run`` refuses before it starts anything (one line naming the field)."""
+    c = cfg.control
+    if c.bursts is None:
+        raise ConfigError("control.bursts", "tidal run needs a number of bursts")
+    if c.quota_groups is not None and c.quota_groups != c.batch_groups * c.updates_per_burst:
+        raise ConfigError("control.quota_groups", "this runtime trains every dispatched group: "
+                          "quota_groups must equal batch_groups * updates_per_burst")
+    if cfg.policy.args.get("rebalance"):
+        raise ConfigError("policy.args.rebalance", "verl's rebalance (abort every in-flight "
+                          "request to re-spread load) is not supported by the runtime")
+    if cfg.runtime.standalone_backend == "vllm":
+        vllm_host.check(cfg)
+    rt = cfg.runtime
+    if rt.cell_cpus is not None:
+        for bad, why in ((rt.ray_address, "joins a Ray cluster (the quota is per host)"),
+                         (rt.use_gpus, "uses GPUs (cells already own their devices)"),
+                         (rt.standalone_backend == "vllm", "serves standalone engines with "
+                          "vLLM (the quota covers built-in engines)")):
+            if bad:
+                raise ConfigError("runtime.cell_cpus", f"not supported when the run {why}")
 
 
 @dataclass
@@ -50,6 +76,7 @@ class Wired:
     trainer: TrainerLoop
     supervisor: CellSupervisor
     dispatcher: Dispatcher
+    clock: Clock
 
     def state(self) -> dict[str, Any]:
         """What the live display shows (read on the loop; cheap)."""
@@ -62,6 +89,27 @@ class Wired:
                 "roles": [r.value for r in self.ctl.cells.roles()],
                 "switches": len(self.ctl.plans_done),
                 "replaced": len(self.supervisor.replaced)}
+
+    async def satellites_up(self, timeout_s: float) -> None:
+        """Cells that train from the start (e.g. ``static``) begin the run with their
+        satellites connected (bounded wait), so the first steps can use them."""
+        want = set(self.actuator.satellite_pids)
+        deadline = self.clock.now() + timeout_s
+        while not want <= set(self.core.coordinator.registered()):
+            if self.clock.now() > deadline:
+                raise TimeoutExpired(f"satellites of cells {sorted(want)} not connected within "
+                                     f"{timeout_s} s (see logs/satellite-c*.log)")
+            await asyncio.sleep(0.1)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Bounded wait until no transition plan is in flight (the run ends in a known
+        state: every engine either serving or asleep with its cell training)."""
+        deadline = self.clock.now() + timeout_s
+        while self.ctl.inflight is not None or self.supervisor.busy:
+            if self.clock.now() > deadline:
+                raise TimeoutExpired(f"plan {self.ctl.inflight.plan.plan_id} still in flight "
+                                     f"{timeout_s} s after the last step")
+            await asyncio.sleep(0.05)
 
     async def close(self) -> None:
         self.buffer.close()
@@ -142,4 +190,4 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
                  publisher, trainer,
                  CellSupervisor(engines, actuator, admin, weights, clock, rt.start_timeout_s),
                  Dispatcher(cfg, pool, bridge, handle, clock, parts,
-                            set(trainer.trained_groups), held))
+                            set(trainer.trained_groups), held), clock)

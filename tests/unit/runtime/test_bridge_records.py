@@ -7,9 +7,8 @@ import pytest
 
 from tidal.config import RunConfig, load_yaml, validate_model
 from tidal.errors import ConfigError
-from tidal.runtime.bridge import record_from_proxy
-from tidal.runtime.driver import _check
-from tidal.training.records import record_to_sequences
+from tidal.runtime.wiring import check_config as _check
+from tidal.training.records import record_from_proxy, record_to_sequences
 
 
 def _seg(engine, tokens, versions):

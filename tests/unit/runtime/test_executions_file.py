@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from tidal.clock import ManualClock
 from tidal.runtime.bridge import LedgerBridge
+from tidal.runtime.tasks import Parts
 
 
 class _Controller:
@@ -18,7 +19,8 @@ class _Controller:
 
 def test_one_line_per_execution_with_times_tokens_and_timings(tmp_path):
     clock = ManualClock(100.0)
-    bridge = LedgerBridge(_Controller(), clock, admin=None, buffer=None, group_size=2)
+    bridge = LedgerBridge(_Controller().handle, clock, admin=None, buffer=None, group_size=2,
+                          parts=Parts())
     bridge.burst = 1
     bridge.dispatched("b1-g0-e0", "b1-g0")
     clock.advance(0.5)

@@ -15,7 +15,8 @@ import pytest
 from tidal.config import RunConfig, load_yaml, validate_model
 from tidal.errors import ConfigError
 from tidal.runtime.bridge import LedgerBridge
-from tidal.runtime.driver import _check
+from tidal.runtime.tasks import Parts
+from tidal.runtime.wiring import check_config as _check
 
 
 def _cfg(**runtime) -> RunConfig:
@@ -85,7 +86,7 @@ def test_the_bridge_counts_tokens_by_engine_and_version_and_moves_between_engine
         {"prompt_token_ids": [1], "segments": [
             {"engine_id": "s0", "token_ids": [8], "logprobs": [-1.0], "versions": ["v2"],
              "ended_by": "stop"}]}]
-    b = LedgerBridge(None, None, httpx.AsyncClient(), None, 4)
+    b = LedgerBridge(None, None, httpx.AsyncClient(), None, 4, Parts())
     b._count(calls)
     assert b.tokens_by_engine_version == {"c0": {"v0": 2}, "s0": {"v2": 2}}
     assert b.engine_handoffs == {"c0->s0": 1}
