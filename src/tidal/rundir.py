@@ -1,6 +1,6 @@
 """The run directory: a ``tidal run`` directory read into plain values (no plots, Ray, torch).
 
-In: a run directory as ``tidal run`` writes it (see ``tidal.runtime.driver``): ``summary.json``
+In: a run directory as ``tidal run`` writes it (schema: ``tidal.run_schema``): ``summary.json``
 (required), ``config.yaml``, ``metrics.jsonl``, ``state.jsonl``, ``timeline.json``,
 ``executions.jsonl`` (each optional). Out: ``RunData`` holding them, and the figures derived
 from them that the report and the comparison print: reward first/last-quarter means, the mean
@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
+from tidal import run_schema as schema
 from tidal.errors import ConfigError
 
 # verl's per-version metrics, on the final step of each burst (``dynamic_resource/*``)
@@ -175,15 +178,16 @@ def load_run(path: str | Path) -> RunData:
     summary = _read_json(root / "summary.json")
     if not isinstance(summary, dict):
         raise ConfigError(str(root / "summary.json"), "not a JSON object")
+    schema.check(schema.Summary, summary, str(root / "summary.json"))
     return RunData(path=root, summary=summary, config=_read_config(root / "config.yaml"),
-                   metrics=read_jsonl(root / "metrics.jsonl", _METRIC_KEYS),
-                   states=read_jsonl(root / "state.jsonl", _STATE_KEYS),
+                   metrics=read_jsonl(root / "metrics.jsonl", _METRIC_KEYS, schema.MetricsLine),
+                   states=read_jsonl(root / "state.jsonl", _STATE_KEYS, schema.StateLine),
                    timeline=_read_timeline(root / "timeline.json"),
                    group_rewards=_group_rewards(root / "executions.jsonl"))
 
 
 def _group_rewards(path: Path) -> dict[str, float] | None:
-    rows = read_jsonl(path)
+    rows = read_jsonl(path, model=schema.ExecutionLine)
     if rows is None:
         return None
     by: dict[str, list[float]] = {}
@@ -203,9 +207,11 @@ def _read_json(path: Path) -> Any:
         raise ConfigError(str(path), f"not valid JSON: {exc.msg} (line {exc.lineno})") from None
 
 
-def read_jsonl(path: Path, required: tuple[str, ...] = ()) -> list[dict[str, Any]] | None:
-    """The objects of a JSONL file of a run directory (None if it is absent); a bad line or a
-    missing ``required`` key is a ``ConfigError`` naming the file and line."""
+def read_jsonl(path: Path, required: tuple[str, ...] = (),
+               model: type[BaseModel] | None = None) -> list[dict[str, Any]] | None:
+    """The objects of a JSONL file of a run directory (None if it is absent); a bad line, a
+    missing ``required`` key or a value ``model`` (``tidal.run_schema``) refuses is a
+    ``ConfigError`` naming the file and line."""
     if not path.is_file():
         return None
     try:
@@ -228,7 +234,7 @@ def read_jsonl(path: Path, required: tuple[str, ...] = ()) -> list[dict[str, Any
         bad = [k for k in required if not _is_number(obj[k])]
         if bad:
             raise ConfigError(f"{path}:{n}", f"key(s) {', '.join(bad)} must be numbers")
-        out.append(obj)
+        out.append(obj if model is None else schema.check(model, obj, f"{path}:{n}"))
     return out
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from tidal import run_schema as schema
 from tidal.clock import Clock
 from tidal.runtime.tasks import Parts
 from tidal.training.records import ExecutionRecord, record_from_proxy
@@ -122,7 +123,7 @@ class LedgerBridge:
                     c.update({"start_s": round(turn["t_call"] - t0, 4),
                               "call_s": round(turn["call_s"], 4),
                               "tool_s": round(turn["tool_s"], 4)})
-                fh.write(json.dumps({
+                fh.write(json.dumps(schema.check(schema.ExecutionLine, {
                     "execution": r.execution_id, "group": r.group_id, "burst": t.get("burst"),
                     "reason": r.reason, "reward": r.reward,
                     **{f"{k}_s": round(t[k] - t0, 4) for k in ("dispatched", "launched",
@@ -131,7 +132,8 @@ class LedgerBridge:
                     # what the agent did: its text actions and what the tools answered
                     "transcript": [{"action": turn.get("action", ""),
                                     "observation": turn.get("observation", "")}
-                                   for turn in r.transcript]}) + "\n")
+                                   for turn in r.transcript]}, "executions.jsonl (written)"))
+                         + "\n")
     def _count(self, calls: list[dict[str, Any]]) -> None:
         for call in calls:
             for seg in call["segments"]:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tidal import run_schema as schema
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
 from tidal.runtime import checkpoint
@@ -117,6 +118,7 @@ class Runtime:
         if self.rt.cell_cpus is not None:
             out["cell_cpus"] = self.rt.cell_cpus
             out["cpu_throttled_s"] = {k: v["throttled_s"] for k, v in self.cpu_stats.items()}
+        schema.check(schema.Summary, out, "summary.json (written)")
         (self.out / "summary.json").write_text(json.dumps(out, indent=2))
         return out
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tidal import run_schema as schema
 from tidal.clock import Clock
 from tidal.types import Role
 
@@ -55,6 +56,7 @@ class RunOutputs:
         self.metrics = [json.loads(x) for x in lines]
 
     def step(self, line: dict[str, Any]) -> None:
+        schema.check(schema.MetricsLine, line, "metrics.jsonl (written)")
         self.metrics.append(line)
         with open(self.out / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(line) + "\n")
@@ -73,7 +75,9 @@ class RunOutputs:
                 if n % every:
                     continue
                 st = state()
-                fh.write(json.dumps({"t": round(self.elapsed(), 3), **st}) + "\n")
+                line = schema.check(schema.StateLine, {"t": round(self.elapsed(), 3), **st},
+                                    "state.jsonl (written)")
+                fh.write(json.dumps(line) + "\n")
                 fh.flush()
                 if self.on_state is not None:
                     self.on_state(st)
@@ -82,13 +86,16 @@ class RunOutputs:
         t0 = self.t0
         cells = [[[round(max(0.0, a - t0), 3), round(b - t0, 3), r.value] for a, b, r in cell]
                  for cell in segments]
-        (self.out / "timeline.json").write_text(json.dumps({"cells": cells}))
+        data = schema.check(schema.Timeline, {"cells": cells}, "timeline.json (written)")
+        (self.out / "timeline.json").write_text(json.dumps(data))
 
     def write_steps(self, step_log: list[dict[str, Any]]) -> None:
         with open(self.out / "steps.jsonl", self.mode) as fh:
-            fh.writelines(json.dumps(s) + "\n" for s in step_log)
+            fh.writelines(json.dumps(schema.check(schema.StepLine, s, "steps.jsonl (written)"))
+                          + "\n" for s in step_log)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        schema.check(schema.Summary, summary, "summary.json (written)")
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
 
 

@@ -75,6 +75,9 @@ import statistics as st
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
+from tidal import run_schema as schema
 from tidal import rundir as run_data
 from tidal.config import RunConfig, load_yaml
 from tidal.errors import ConfigError
@@ -94,8 +97,9 @@ COST_KINDS = {
     "load_weights_s": ("load_weights", "sync_weights"), "kv_latency_s": ("kv_handoff",)}
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out = run_data.read_jsonl(path)
+def read_jsonl(path: Path, model: type[BaseModel]) -> list[dict[str, Any]]:
+    """The lines of a run-directory file, each checked against its ``tidal.run_schema`` model."""
+    out = run_data.read_jsonl(path, model=model)
     if out is None:
         raise ConfigError(str(path), "missing: calibration needs it (written by `tidal run`)")
     return out
@@ -241,7 +245,7 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
         raise ConfigError(str(root), "no config.yaml: calibration needs the resolved config")
     own = load_yaml(root / "config.yaml", RunConfig)
     cfg = load_yaml(describe, RunConfig) if describe is not None else own
-    execs = read_jsonl(root / "executions.jsonl")
+    execs = read_jsonl(root / "executions.jsonl", schema.ExecutionLine)
     metrics = run.metrics or []
     if not metrics:
         raise ConfigError(str(root / "metrics.jsonl"), "missing or empty: no optimizer step")
@@ -251,8 +255,10 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
                                                     shared_host=not own.runtime.use_gpus
                                                     and own.runtime.cell_cpus is None)
     # Plans after the last publication are the runtime settling: no burst waits for them.
-    plans = plans_before(read_jsonl(root / "decisions.jsonl"), float(metrics[-1]["t"]))
-    costs, unseen = fit_costs(read_jsonl(root / "steps.jsonl"), publish_s, plans)
+    plans = plans_before(read_jsonl(root / "decisions.jsonl", schema.DecisionLine),
+                         float(metrics[-1]["t"]))
+    costs, unseen = fit_costs(read_jsonl(root / "steps.jsonl", schema.StepLine), publish_s,
+                              plans)
     workload = fit_workload(execs, cfg.runtime.execution_timeout_s)
     rt, ctl = cfg.runtime, cfg.control
     late = dispatch_interval_s(execs, own.runtime.dispatch_interval_s) \

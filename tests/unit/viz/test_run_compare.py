@@ -124,7 +124,8 @@ def test_cli_errors_are_one_line(run_copy, tmp_path, capsys):
 
 
 def _write_executions(run, rewards_by_group):
-    lines = [{"execution": f"{g}-e{i}", "group": g, "reward": r}
+    lines = [{"execution": f"{g}-e{i}", "group": g, "burst": 0, "reason": "completed",
+              "reward": r, "calls": []}
              for g, rs in rewards_by_group.items() for i, r in enumerate(rs)]
     (run / "executions.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 

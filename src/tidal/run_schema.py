@@ -1,0 +1,163 @@
+"""The run directory's schema: one pydantic model per file line, used by the writer
+(``tidal.runtime``) and by every reader (``tidal.rundir`` for ``tidal report`` and the plots,
+``tidal.sim.from_run`` for ``tidal calibrate``).
+
+In: dicts as the runtime builds them, or as a reader parsed them from a file. Out: the same
+dicts, checked: ``check(model, obj, where)`` raises ``ConfigError`` naming the file, line and
+field of the first wrong value (one line, never a traceback). Fields a newer runtime added are
+optional (older run directories stay readable); keys no model names are kept (verl's
+``dynamic_resource/*`` metrics ride on the final step of each burst). Close reasons are defined
+once here (``CLOSE_REASONS``), from ``tidal.types.CloseReason``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tidal.errors import ConfigError
+from tidal.types import CloseReason
+
+CLOSE_REASONS: tuple[str, ...] = tuple(r.value for r in CloseReason)
+
+
+class _Line(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class MetricsLine(_Line):
+    """``metrics.jsonl``: one optimizer step."""
+
+    t: float
+    burst: int
+    step: int
+    version: int
+    mean_reward: float
+    loss: float
+    grad_norm: float
+    n_groups: int
+    n_tokens: int
+    max_staleness: int
+    step_s: float
+    wait_s: float
+    waterlevel: int
+    ready_groups: int
+    roles: list[str]
+    training_cells: int
+    groups: list[str] | None = None
+    satellites: list[int] | None = None
+    micro_steps_by_cell: dict[str, int] | None = None
+    compute_s: float | None = None
+    update_s: float | None = None
+    core_compute_s: float | None = None
+    core_tokens: int | None = None
+
+
+class StateLine(_Line):
+    """``state.jsonl``: a sample of the live state."""
+
+    t: float
+    burst: int
+    step: int
+    version: int
+    reward: float | None
+    waterlevel: int
+    queued: int
+    running: int
+    ready_groups: int
+    roles: list[str]
+    switches: int
+    replaced: int
+
+
+class StepLine(_Line):
+    """``steps.jsonl``: one plan step the actuator ran."""
+
+    plan_id: int
+    step: str
+    cells: list[int]
+    ok: bool
+    duration_s: float
+    error: str
+
+
+class CallLine(_Line):
+    """One model call of an execution (``executions.jsonl``)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+    reprefill_tokens: int = 0
+    engines: list[str]
+    start_s: float | None = None
+    call_s: float | None = None
+    tool_s: float | None = None
+
+
+class ExecutionLine(_Line):
+    """``executions.jsonl``: one closed execution."""
+
+    execution: str
+    group: str
+    burst: int | None
+    reason: str
+    reward: float
+    dispatched_s: float | None = None
+    launched_s: float | None = None
+    closed_s: float | None = None
+    calls: list[CallLine]
+    transcript: list[dict[str, Any]] | None = None
+
+
+class DecisionLine(_Line):
+    """``decisions.jsonl``: a scheduling decision or a plan record of the controller."""
+
+    t: float
+    type: str
+
+
+class Timeline(BaseModel):
+    """``timeline.json``: per cell, ``[start_s, end_s, role]`` segments."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cells: list[list[tuple[float, float, str]]]
+
+
+class Summary(_Line):
+    """``summary.json`` as a reader may rely on it (a summary-only directory is still a run;
+    every figure is optional to a reader, and checked when present)."""
+
+    policy: str | None = None
+    bursts: int | None = None
+    trainer_steps: int | None = None
+    run_time_s: float | None = None
+    bursts_s: float | None = None
+    version: int | None = None
+    switches_to_training: int | None = None
+    switches_to_rollout: int | None = None
+    failed_requests: int | None = None
+    lost_executions: int | None = None
+    dispatched: int | None = None
+    closed: int | None = None
+    trained_executions: int | None = None
+    close_reasons: dict[str, int] | None = None
+    mean_reward_per_step: list[float] | None = None
+    mean_reward: float | None = None
+    final_roles: str | None = None
+
+
+def check(model: type[BaseModel], obj: Any, where: str) -> dict[str, Any]:
+    """``obj`` checked against ``model``; returned unchanged (extra keys kept). A wrong or
+    missing value is a ``ConfigError`` at ``where`` naming the field."""
+    try:
+        model.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "(line)"
+        raise ConfigError(where, f"field {field}: {err['msg']}") from None
+    if isinstance(obj, dict) and model is ExecutionLine and obj["reason"] not in CLOSE_REASONS:
+        raise ConfigError(where, f"field reason: {obj['reason']!r} is not one of "
+                          f"{', '.join(CLOSE_REASONS)}")
+    return obj
