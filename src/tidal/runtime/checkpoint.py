@@ -4,14 +4,18 @@ trained twice.
 In: after an optimizer step, the core's state (weights, optimizer, version, step counter), the
 published weight version engines serve, the groups trained so far and every closed execution
 whose record is still in the trajectory buffer (in-flight training data). Out: ``DIR/checkpoint/``
-holding ``trainer.pt`` and ``state.json`` + ``records.jsonl``; ``load`` reads them back.
+holding ``trainer.safetensors`` (every tensor of the core's state) + ``trainer.json`` (the rest of
+that state, tensors named by key), ``state.json`` and ``records.jsonl``: no pickle, so loading a
+checkpoint runs no code; ``load`` reads them back, and a damaged checkpoint is one ``ConfigError``
+line.
 
 Consistency: a checkpoint is written between optimizer steps, so "trained" and "held" are a cut:
 every closed execution is either in a trained group or in ``records.jsonl``; executions still
 running at the cut (and any closed after it) are run again on resume under the same execution
 id, so the set of trained executions is the same as an uninterrupted run's. Writing is atomic:
-a new checkpoint is built in ``checkpoint.tmp`` and swapped in by rename; a crash in between
-leaves the previous one (``checkpoint.old``) readable.
+a new checkpoint is built in ``checkpoint.tmp`` (every file and the directory fsynced) and swapped
+in by rename (the run directory fsynced); a crash in between leaves the previous one
+(``checkpoint.old``) readable.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidal.errors import ConfigError
+from tidal.errors import ConfigError, TidalError
 from tidal.training.records import ExecutionRecord
 
-FORMAT = 1
+FORMAT = 2  # 2: no pickle (trainer.safetensors + trainer.json)
+TENSORS = "trainer.safetensors"
 
 
 @dataclass
@@ -52,24 +57,79 @@ class Checkpoint:
     trainer: dict[str, Any]
 
 
+def _flatten(obj: Any, path: str, tensors: dict[str, Any]) -> Any:
+    """``obj`` as JSON, each tensor replaced by ``{"tensor": key}`` (its bytes go to
+    ``tensors``); tuples and dicts with non-string keys keep their type."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach().to("cpu").contiguous().clone()  # no shared storage
+        return {"tensor": key}
+    if isinstance(obj, dict):
+        items = [[k, _flatten(v, f"{path}.{k}", tensors)] for k, v in obj.items()]
+        if all(isinstance(k, str) for k in obj):
+            return {"dict": dict(items)}
+        return {"items": items}
+    if isinstance(obj, list | tuple):
+        vals = [_flatten(v, f"{path}[{i}]", tensors) for i, v in enumerate(obj)]
+        return {"tuple": vals} if isinstance(obj, tuple) else vals
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    raise TidalError(f"checkpoint: {path} is a {type(obj).__name__}: not a tensor or JSON value")
+
+
+def _unflatten(obj: Any, tensors: dict[str, Any]) -> Any:
+    if isinstance(obj, list):
+        return [_unflatten(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "tensor" in obj:
+        return tensors[obj["tensor"]]
+    if "tuple" in obj:
+        return tuple(_unflatten(v, tensors) for v in obj["tuple"])
+    if "items" in obj:
+        return {k: _unflatten(v, tensors) for k, v in obj["items"]}
+    return {k: _unflatten(v, tensors) for k, v in obj["dict"].items()}
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save(run_dir: str | Path, state: RunState, records: list[ExecutionRecord],
          trainer: dict[str, Any]) -> Path:
-    import torch
+    """Write the checkpoint (no pickle: tensors as safetensors, the rest JSON); every file and
+    both directories fsynced, swapped in by rename."""
+    from safetensors.torch import save as save_tensors
 
     root = Path(run_dir)
     tmp, final, old = root / "checkpoint.tmp", root / "checkpoint", root / "checkpoint.old"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    torch.save(trainer, tmp / "trainer.pt")
-    with open(tmp / "records.jsonl", "w") as fh:
-        fh.writelines(r.model_dump_json() + "\n" for r in records)
-    (tmp / "state.json").write_text(json.dumps({"format": FORMAT, **asdict(state)}, indent=1))
-    with open(tmp / "state.json", "rb") as fh:
-        os.fsync(fh.fileno())
+    tensors: dict[str, Any] = {}
+    skeleton = _flatten(trainer, "trainer", tensors)
+    _write(tmp / TENSORS, save_tensors(tensors))
+    _write(tmp / "trainer.json", json.dumps(skeleton).encode())
+    _write(tmp / "records.jsonl", "".join(r.model_dump_json() + "\n" for r in records).encode())
+    _write(tmp / "state.json", json.dumps({"format": FORMAT, **asdict(state)}, indent=1).encode())
+    _fsync_dir(tmp)
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
+    _fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -78,34 +138,56 @@ def find(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint directory of a run, or None."""
     root = Path(run_dir)
     for name in ("checkpoint", "checkpoint.old"):
-        if (root / name / "state.json").is_file() and (root / name / "trainer.pt").is_file():
+        if (root / name / "state.json").is_file():
             return root / name
     return None
 
 
 def load(run_dir: str | Path) -> Checkpoint:
-    import torch
-
+    """The checkpoint of ``run_dir``; a missing or damaged one is one ``ConfigError`` line."""
     where = find(run_dir)
     if where is None:
         raise ConfigError("--resume", f"{run_dir}: no checkpoint (checkpoint/state.json); "
                           "was the run started with runtime.checkpoint_every_steps > 0 and "
                           "did it finish a step?")
-    try:
-        raw = json.loads((where / "state.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError("--resume", f"{where}/state.json is not valid JSON: {exc}") from None
-    if raw.pop("format", None) != FORMAT:
-        raise ConfigError("--resume", f"{where}: checkpoint format is not {FORMAT}")
+    raw = _read_json(where / "state.json")
+    if not isinstance(raw, dict) or raw.pop("format", None) != FORMAT:
+        raise ConfigError("--resume", f"{where}: checkpoint format is not {FORMAT} (written by "
+                          "another tidal version?)")
     try:
         state = RunState(**raw)
     except TypeError as exc:
-        raise ConfigError("--resume", f"{where}/state.json: {exc}") from None
-    records = [ExecutionRecord.model_validate_json(line)
-               for line in (where / "records.jsonl").read_text().splitlines() if line.strip()]
-    # CPU whatever wrote it; the core copies the tensors onto its device
-    trainer = torch.load(where / "trainer.pt", weights_only=False, map_location="cpu")
-    return Checkpoint(state, records, trainer)
+        raise ConfigError("--resume", f"{where}/state.json is damaged: {exc}") from None
+    try:
+        records = [ExecutionRecord.model_validate_json(line) for line in
+                   (where / "records.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--resume", f"{where}/records.jsonl is damaged: "
+                          f"{_first_line(exc)}") from None
+    return Checkpoint(state, records, _load_trainer(where))
+
+
+def _load_trainer(where: Path) -> dict[str, Any]:
+    from safetensors.torch import load as load_tensors
+
+    skeleton = _read_json(where / "trainer.json")
+    try:
+        tensors = load_tensors((where / TENSORS).read_bytes())
+        return _unflatten(skeleton, tensors)
+    except Exception as exc:  # safetensors' own errors, a skeleton naming a missing tensor
+        raise ConfigError("--resume", f"{where}/{TENSORS} is damaged: "
+                          f"{type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError("--resume", f"{path} is damaged: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 def clear(run_dir: str | Path) -> None:
