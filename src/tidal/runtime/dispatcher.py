@@ -96,7 +96,7 @@ class Dispatcher:
             if not grp.run:
                 continue
             if not first and interval_s:
-                await asyncio.sleep(interval_s)
+                await self.clock.asleep(interval_s)
             first = False
             make = task_factory(self.cfg, grp.seed)
             self.runs.append(self.parts.spawn(

@@ -13,7 +13,6 @@ steps its checkpoint covers, then the new ones (no step twice).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -69,7 +68,7 @@ class RunOutputs:
         n, every = 0, max(1, round(every_s / tick_s))
         with open(self.out / "state.jsonl", "a") as fh:
             while True:
-                await asyncio.sleep(tick_s)
+                await self.clock.asleep(tick_s)
                 tick()
                 n += 1
                 if n % every:

@@ -53,7 +53,7 @@ class CellSupervisor:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
+            await self.clock.asleep(self.interval_s)
             for eid in list(self.engines.actors):
                 try:
                     if not await self._healthy(eid):
@@ -90,13 +90,12 @@ class CellSupervisor:
         and drops the engine); only an engine it still lists after ``grace_s`` (no traffic
         showed the failure) is removed here. Removing it at once would close its client
         under the proxy's own health probes of those calls."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + grace_s
-        while loop.time() < end:
+        end = self.clock.now() + grace_s
+        while self.clock.now() < end:
             engines = (await self.admin.get("/tidal/engines")).json()["engines"]
             if not any(e["id"] == str(eid) for e in engines):
                 return
-            await asyncio.sleep(0.2)
+            await self.clock.asleep(0.2)
         resp = await self.admin.delete(f"/tidal/engines/{eid}", params={"drain": "false"})
         if resp.status_code not in (200, 404):  # 404: the proxy dropped it meanwhile
             log.warning("proxy leave %s: HTTP %s", eid, resp.status_code)

@@ -12,7 +12,6 @@ publisher -> engines. A resumed run's trainer, weights and metrics are restored 
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import os
 from dataclasses import dataclass
@@ -21,9 +20,9 @@ from typing import IO, Any
 
 import httpx
 
-from tidal.clock import Clock
+from tidal.clock import Clock, await_until
 from tidal.config import RunConfig
-from tidal.errors import ConfigError, TimeoutExpired
+from tidal.errors import ConfigError
 from tidal.runtime import vllm_host
 from tidal.runtime.actuator import CoreLink, RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
@@ -94,22 +93,16 @@ class Wired:
         """Cells that train from the start (e.g. ``static``) begin the run with their
         satellites connected (bounded wait), so the first steps can use them."""
         want = set(self.actuator.satellite_pids)
-        deadline = self.clock.now() + timeout_s
-        while not want <= set(self.core.coordinator.registered()):
-            if self.clock.now() > deadline:
-                raise TimeoutExpired(f"satellites of cells {sorted(want)} not connected within "
-                                     f"{timeout_s} s (see logs/satellite-c*.log)")
-            await asyncio.sleep(0.1)
+        await await_until(self.clock, lambda: want <= set(self.core.coordinator.registered()),
+                          timeout_s, f"satellites of cells {sorted(want)} connected (see "
+                          "logs/satellite-c*.log)", every_s=0.1)
 
     async def settle(self, timeout_s: float) -> None:
         """Bounded wait until no transition plan is in flight (the run ends in a known
         state: every engine either serving or asleep with its cell training)."""
-        deadline = self.clock.now() + timeout_s
-        while self.ctl.inflight is not None or self.supervisor.busy:
-            if self.clock.now() > deadline:
-                raise TimeoutExpired(f"plan {self.ctl.inflight.plan.plan_id} still in flight "
-                                     f"{timeout_s} s after the last step")
-            await asyncio.sleep(0.05)
+        await await_until(self.clock, lambda: self.ctl.inflight is None
+                          and not self.supervisor.busy, timeout_s,
+                          "every transition plan and cell replacement done after the last step")
 
     async def close(self) -> None:
         self.buffer.close()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -116,7 +115,7 @@ class Coordinator:
                                         self.config.gather_timeout_s)
                             self._lose(x)
                     break
-                self._cv.wait(0.05)
+                self.clock.wait(self._cv, 0.05)
             # A satellite lost after delivering still counts: its gradient is in hand.
             return [self._contribs[c] for c in sorted(self._contribs)]
 
@@ -223,7 +222,7 @@ class Coordinator:
                 if self.clock.now() > deadline:
                     raise TimeoutExpired(f"cell {sat.cell}: no join window within "
                                          f"{self.config.join_timeout_s}s")
-                self._cv.wait(0.05)
+                self.clock.wait(self._cv, 0.05)
 
     def _order_ok(self, cell: int, step: int) -> bool:
         return all(x.joined_step == step for x in self._sats.values()
@@ -259,7 +258,7 @@ class Coordinator:
             claim = self.packing.claim(sat.worker)
             if claim.kind != "wait" or self.clock.now() > deadline:
                 return {"kind": claim.kind, "micro_step": claim.micro_step}
-            time.sleep(0.01)
+            self.clock.sleep(0.01)
 
     def _op_complete(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
         return {"accepted": self.packing.complete(sat.worker, req["batch_id"], req["index"])}
@@ -298,5 +297,5 @@ class Coordinator:
                     raise MembershipError(f"cell {sat.cell} was lost during step {step}")
                 if self.clock.now() > deadline:
                     raise TimeoutExpired(f"cell {sat.cell}: update of step {step} not announced")
-                self._cv.wait(0.05)
+                self.clock.wait(self._cv, 0.05)
             return dict(self._outcomes[step])

@@ -24,13 +24,13 @@ import logging
 import mmap
 import os
 import struct
-import time
 from multiprocessing import shared_memory
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from tidal.clock import Clock, WallClock
 from tidal.errors import TidalError, TimeoutExpired
 from tidal.training.flat import LayoutMismatch, ParamLayout
 from tidal.training.groups import GroupRegistry
@@ -68,7 +68,9 @@ def _layout_meta(layout: ParamLayout) -> bytes:
 class SharedMemoryTransport:
     """Single-writer, many-reader weight vector in ``/dev/shm/<name>``."""
 
-    def __init__(self, name: str, layout: ParamLayout, create: bool) -> None:
+    def __init__(self, name: str, layout: ParamLayout, create: bool,
+                 clock: Clock | None = None) -> None:
+        self.clock: Clock = clock or WallClock()  # pulls wait on it (virtual time in tests)
         self.name, self.layout, self._owner = name, layout, create
         self._data_off = _HEADER.size + _META_MAX
         size = self._data_off + layout.nbytes
@@ -141,7 +143,7 @@ class SharedMemoryTransport:
         return json.loads(bytes(self._buf[_HEADER.size : _HEADER.size + meta_len]))
 
     def pull(self, out: torch.Tensor, min_version: int = 0, timeout_s: float = 60.0) -> int:
-        deadline = time.monotonic() + timeout_s
+        deadline = self.clock.now() + timeout_s
         while True:
             seq, version, numel, _, fp = self._read_header()
             if fp != self.layout.fingerprint() or numel != self.layout.numel:
@@ -150,12 +152,12 @@ class SharedMemoryTransport:
                 out.copy_(self._data)
                 if self._read_header()[0] == seq:
                     return version
-            if time.monotonic() > deadline:
+            if self.clock.now() > deadline:
                 raise TimeoutExpired(
                     f"no stable weights >= v{min_version} in {self.name} after {timeout_s}s "
                     f"(have v{version})"
                 )
-            time.sleep(0.001)
+            self.clock.sleep(0.001)  # a seqlock across processes: nothing to be notified by
 
     def close(self) -> None:
         del self._data
