@@ -47,6 +47,9 @@ class RunState:
     dispatched_groups: list[str] = field(default_factory=list)
     metrics_lines: int = 0
     elapsed_s: float = 0.0  # run time (first dispatch to this checkpoint) over incarnations
+    # close reasons of the executions closed before this cut, over incarnations (a resumed
+    # run's summary counts them: a failure before a driver crash is not forgotten)
+    close_reasons: dict[str, int] = field(default_factory=dict)
     resumes: int = 0
 
 

@@ -228,7 +228,8 @@ class Runtime:
             start_pids={str(k): v for k, v in self.engines.start_pids.items()},
             bridge=w.bridge, actuator=w.actuator, replaced=w.supervisor.replaced,
             resumed=({"at_step": st.step, "restored_records": len(self.ck.records),
-                      "resumes": st.resumes + 1} if st else None))
+                      "resumes": st.resumes + 1} if st else None),
+            closed_before=dict(st.close_reasons) if st else {})
 
     async def _join_engines(self, w: Wired) -> None:
         from tidal.runtime.cell import RuntimeFailure

@@ -138,12 +138,22 @@ def close_reasons(results: list[Any]) -> dict[str, int]:
     return reasons
 
 
+def merge_counts(*counts: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, n in c.items():
+            out[k] = out.get(k, 0) + n
+    return dict(sorted(out.items()))
+
+
 def summary(*, ctl: Any, bursts: int, metrics: list[dict[str, Any]], version: int,
             bursts_s: float, group_size: int, results: list[Any], stats: dict[str, Any],
             engines: list[dict], start_pids: dict[str, int], bridge: Any, actuator: Any,
-            replaced: list[dict[str, Any]], resumed: dict[str, int] | None) -> dict[str, Any]:
-    """``summary.json``: what the run did, from the figures of each part."""
-    s, reasons = ctl.summary(), close_reasons(results)
+            replaced: list[dict[str, Any]], resumed: dict[str, int] | None,
+            closed_before: dict[str, int]) -> dict[str, Any]:
+    """``summary.json``: what the run did, from the figures of each part; the close reasons
+    count the executions an earlier incarnation closed before the checkpoint it resumed."""
+    s, reasons = ctl.summary(), merge_counts(close_reasons(results), closed_before)
     return {
         "policy": s["policy"], "bursts": bursts, "trainer_steps": len(metrics),
         "bursts_s": round(bursts_s, 2), "version": version,

@@ -50,11 +50,13 @@ class TrainerLoop:
                  publisher: Publisher, outputs: RunOutputs, ctl: Any,
                  handle: Callable[[Event], None], clock: Clock,
                  pool: concurrent.futures.ThreadPoolExecutor,
-                 ck: checkpoint.Checkpoint | None) -> None:
+                 ck: checkpoint.Checkpoint | None,
+                 close_reasons: Callable[[], dict[str, int]]) -> None:
         self.cfg, self.core, self.buffer, self.actuator = cfg, core, buffer, actuator
         self.publisher, self.outputs, self.ctl, self.clock = publisher, outputs, ctl, clock
         self.handle = handle  # the run's guarded controller.handle (a failure stops the run)
         self.pool, self.ck = pool, ck
+        self.close_reasons = close_reasons  # over incarnations, up to now (the checkpoint's cut)
         self.trained_groups: list[str] = list(ck.state.trained_groups) if ck else []
         self.first_step = ck.state.step if ck else 0
         self.bursts_published = self.first_step // cfg.control.updates_per_burst
@@ -130,7 +132,8 @@ class TrainerLoop:
             trained_groups=list(self.trained_groups),
             metrics_lines=len(self.outputs.metrics),
             elapsed_s=round(self.outputs.elapsed(), 3),
-            resumes=(self.ck.state.resumes + 1) if self.ck else 0)
+            resumes=(self.ck.state.resumes + 1) if self.ck else 0,
+            close_reasons=self.close_reasons())
         records, trainer = self.buffer.held_records(), self.core.state_dict()
         out = self.outputs.out
         await asyncio.to_thread(checkpoint.save, out, st, records, trainer)

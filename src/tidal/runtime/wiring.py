@@ -30,7 +30,7 @@ from tidal.runtime.cell import trainer_device
 from tidal.runtime.checkpoint import Checkpoint
 from tidal.runtime.dispatcher import Dispatcher
 from tidal.runtime.engines import EngineId, Engines
-from tidal.runtime.outputs import RunOutputs
+from tidal.runtime.outputs import RunOutputs, merge_counts
 from tidal.runtime.publisher import Publisher
 from tidal.runtime.supervisor import CellSupervisor
 from tidal.runtime.tasks import Parts
@@ -170,8 +170,9 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     if ck is not None:
         publisher.restore(ck.state.published_version, ck.state.published_path)
         outputs.restore_metrics(ck.state.metrics_lines)
+    carried = dict(ck.state.close_reasons) if ck else {}
     trainer = TrainerLoop(cfg, core, buffer, actuator, publisher, outputs, ctl, handle, clock,
-                          core_pool, ck)
+                          core_pool, ck, lambda: merge_counts(carried, bridge.close_counts))
     cl = cfg.cluster
     slots = cl.standalone_count * cl.standalone_slots + sum(s.slots for s in cl.cell_specs())
     pool = HarnessPool(PoolConfig(

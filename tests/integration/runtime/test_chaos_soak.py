@@ -1,0 +1,164 @@
+"""The chaos soak (bounded, loopback only): 200 executions of the multi-turn workspace task on the
+tiny model under ``waterlevel``, through at least 20 drains, while 5 engine processes and 2 cell
+actors are SIGKILLed one at a time and the driver itself is SIGKILLed once and resumed with
+``tidal run --resume``. Nothing may be lost: 0 failed requests, 0 lost executions, every group
+trained exactly once, and the trained set equal to an uninterrupted run's (every group of every
+burst). The counts are printed (``-s`` shows them); the CI wall time is stated in the module's
+test below (about 3-4 min on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+from .test_resume import _checkpoint_step
+from .test_tiny_run import CONFIG, expected_groups
+
+GROUP_SIZE, BATCH_GROUPS, UPDATES, BURSTS = 4, 2, 5, 5  # 5 bursts x 40 = 200 executions
+# before the driver's SIGKILL: 3 engines, 1 cell actor; after the resume: 2 engines, 1 actor
+FIRST = [("engine", "s0"), ("engine", "c1"), ("actor", "c1"), ("engine", "s0")]
+SECOND = [("engine", "c1"), ("actor", "c1"), ("engine", "s0")]
+
+
+def _soak_config(tmp: Path) -> tuple[Path, dict]:
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["name"] = "soak"
+    cfg["control"].update(group_size=GROUP_SIZE, batch_groups=BATCH_GROUPS,
+                          updates_per_burst=UPDATES, bursts=BURSTS)
+    cfg["runtime"].update(task="workspace", max_turns=2, max_tokens=24, tool_latency_s=0.05,
+                          dispatch_interval_s=0.3, run_timeout_s=600)
+    path = tmp / "soak.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, cfg
+
+
+def _engines(driver: int) -> dict[str, psutil.Process]:
+    """The engine processes under ``driver``, by engine id (each writes logs/engine-<id>.log)."""
+    out = {}
+    try:
+        procs = psutil.Process(driver).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            if "engine" not in p.cmdline()[3:4]:  # python -m tidal.cli engine ...
+                continue
+            log = os.readlink(f"/proc/{p.pid}/fd/1")
+        except (psutil.Error, OSError, IndexError):
+            continue
+        name = Path(log).name
+        if name.startswith("engine-") and name.endswith(".log"):
+            out[name[len("engine-"):-len(".log")]] = p
+    return out
+
+
+class Chaos(threading.Thread):
+    """SIGKILLs ``plan`` one at a time under ``driver``: an engine process, or the cell actor
+    that owns it; each next kill waits until the supervisor replaced the last one."""
+
+    def __init__(self, driver: int, plan: list[tuple[str, str]], gap_s: float = 4.0) -> None:
+        super().__init__(daemon=True)
+        self.driver, self.plan, self.gap_s = driver, plan, gap_s
+        self.done: list[tuple[str, str]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        for kind, name in self.plan:
+            victim = self._wait(lambda n=name: _engines(self.driver).get(n), 120.0)
+            if victim is None or self.stop.wait(self.gap_s):
+                return
+            try:
+                target = victim if kind == "engine" else victim.parent()
+                target.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                continue
+            self.done.append((kind, name))
+            # replaced: a live engine process of that id again, not the killed one
+            self._wait(lambda n=name, v=victim.pid: (e := _engines(self.driver).get(n))
+                       and e.pid != v and e, 120.0)
+
+    def _wait(self, found, timeout_s: float):
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and not self.stop.is_set():
+            got = found()
+            if got:
+                return got
+            time.sleep(0.2)
+        return None
+
+
+def _run(args: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "ab") as fh:
+        return subprocess.Popen([sys.executable, "-m", "tidal.cli", *args], stdout=fh,
+                                stderr=subprocess.STDOUT)
+
+
+def test_chaos_soak_loses_nothing(tmp_path):
+    t0 = time.monotonic()
+    config, cfg = _soak_config(tmp_path)
+    out, log = tmp_path / "run", tmp_path / "soak.log"
+    first = _run(["run", str(config), "--out", str(out)], log)
+    chaos = Chaos(first.pid, FIRST)
+    chaos.start()
+    killed_at = None
+    try:
+        end = time.monotonic() + 400
+        while time.monotonic() < end and first.poll() is None:
+            step = _checkpoint_step(out)
+            if not chaos.is_alive() and step is not None and step >= 8 and step % UPDATES:
+                os.kill(first.pid, signal.SIGKILL)  # mid-burst, after the first kills
+                killed_at = step
+                break
+            time.sleep(0.05)
+        first.wait(30)
+    finally:
+        chaos.stop.set()
+        if first.poll() is None:
+            first.kill()
+    assert killed_at is not None, log.read_text()[-3000:]
+    kills = list(chaos.done)
+
+    second = _run(["run", "--resume", str(out)], log)
+    chaos = Chaos(second.pid, SECOND)
+    chaos.start()
+    try:
+        assert second.wait(420) == 0, log.read_text()[-3000:]
+    finally:
+        chaos.stop.set()
+        if second.poll() is None:
+            second.kill()
+    kills += chaos.done
+
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [g for m in metrics for g in m["groups"]]
+    drains = sum(1 for d in (out / "decisions.jsonl").read_text().splitlines()
+                 if '"plan_start"' in d and '"to_training"' in d)
+    counts = {"executions": len(trained) * GROUP_SIZE, "drains": drains,
+              "engine_kills": sum(k == "engine" for k, _ in kills),
+              "actor_kills": sum(k == "actor" for k, _ in kills), "driver_kills": 1,
+              "resumed_at_step": killed_at, "failed_requests": summary["failed_requests"],
+              "lost_executions": summary["lost_executions"],
+              "cells_replaced": len(summary["cells_replaced"]),
+              "rerouted_requests": summary["rerouted_requests"],
+              "close_reasons": summary["close_reasons"],
+              "wall_s": round(time.monotonic() - t0, 1)}
+    print("chaos soak:", json.dumps(counts))
+
+    assert counts["engine_kills"] == 5 and counts["actor_kills"] == 2, kills
+    assert drains >= 20, counts
+    assert summary["failed_requests"] == 0 and summary["timed_out_executions"] == 0, counts
+    assert summary["lost_executions"] == 0 and summary["record_errors"] == [], counts
+    assert [m["step"] for m in metrics] == list(range(BURSTS * UPDATES))
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert sorted(trained) == expected_groups(cfg)  # = an uninterrupted run's trained set
+    assert counts["executions"] == 200
