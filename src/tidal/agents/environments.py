@@ -135,8 +135,11 @@ class WorkspaceTask:
     def _path(self, name: str) -> Path | None:
         ws = self.workspace
         assert ws is not None
-        path = (ws / name).resolve()
-        return path if path.parent == ws.resolve() else None
+        try:  # a sampled name may hold anything, a NUL byte included: then no such file
+            path = (ws / name).resolve()
+            return path if path.parent == ws.resolve() else None
+        except (OSError, ValueError):
+            return None
 
     def _run(self, line: str) -> tuple[str, bool, bool]:
         """(observation, an exact and successful command, task ended)."""

@@ -165,3 +165,14 @@ def test_registry_closes_exactly_once_and_emits_events():
         reg.close("nope")
     with pytest.raises(LedgerError):
         reg.close(st.execution_id, "exploded")
+
+
+def test_a_sampled_name_with_a_nul_byte_is_no_such_file(tmp_path):
+    """A model can sample any byte; a name the OS refuses is an observation, never a failed
+    execution (the chaos soak found one: ``embedded null byte``)."""
+    env = _fast(4)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    _, steps = _play(env, ws, ["read data\x000.txt", "write ans\x00wer.txt 5"])
+    assert "no such file" in steps[0].observation
+    assert not steps[1].done and not (ws / "answer.txt").exists()
