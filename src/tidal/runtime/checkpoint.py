@@ -60,22 +60,26 @@ class Checkpoint:
     trainer: dict[str, Any]
 
 
-def _flatten(obj: Any, path: str, tensors: dict[str, Any]) -> Any:
+def _flatten(obj: Any, path: str, tensors: dict[str, Any], seen: set[int]) -> Any:
     """``obj`` as JSON, each tensor replaced by ``{"tensor": key}`` (its bytes go to
-    ``tensors``); tuples and dicts with non-string keys keep their type."""
+    ``tensors``); tuples and dicts with non-string keys keep their type. Only a tensor whose
+    storage another one already uses (tied weights) is copied: safetensors stores no aliases,
+    and copying the whole state would double the driver's memory at every checkpoint."""
     import torch
 
     if isinstance(obj, torch.Tensor):
-        key = f"t{len(tensors)}"
-        tensors[key] = obj.detach().to("cpu").contiguous().clone()  # no shared storage
+        key, t = f"t{len(tensors)}", obj.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        tensors[key] = t.clone() if ptr in seen and t.numel() else t
+        seen.add(ptr)
         return {"tensor": key}
     if isinstance(obj, dict):
-        items = [[k, _flatten(v, f"{path}.{k}", tensors)] for k, v in obj.items()]
+        items = [[k, _flatten(v, f"{path}.{k}", tensors, seen)] for k, v in obj.items()]
         if all(isinstance(k, str) for k in obj):
             return {"dict": dict(items)}
         return {"items": items}
     if isinstance(obj, list | tuple):
-        vals = [_flatten(v, f"{path}[{i}]", tensors) for i, v in enumerate(obj)]
+        vals = [_flatten(v, f"{path}[{i}]", tensors, seen) for i, v in enumerate(obj)]
         return {"tuple": vals} if isinstance(obj, tuple) else vals
     if obj is None or isinstance(obj, bool | int | float | str):
         return obj
@@ -115,15 +119,17 @@ def save(run_dir: str | Path, state: RunState, records: list[ExecutionRecord],
          trainer: dict[str, Any]) -> Path:
     """Write the checkpoint (no pickle: tensors as safetensors, the rest JSON); every file and
     both directories fsynced, swapped in by rename."""
-    from safetensors.torch import save as save_tensors
+    from safetensors.torch import save_file
 
     root = Path(run_dir)
     tmp, final, old = root / "checkpoint.tmp", root / "checkpoint", root / "checkpoint.old"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors: dict[str, Any] = {}
-    skeleton = _flatten(trainer, "trainer", tensors)
-    _write(tmp / TENSORS, save_tensors(tensors))
+    skeleton = _flatten(trainer, "trainer", tensors, set())
+    save_file(tensors, tmp / TENSORS)  # streamed from the tensors' memory, then fsynced
+    with open(tmp / TENSORS, "rb") as fh:
+        os.fsync(fh.fileno())
     _write(tmp / "trainer.json", json.dumps(skeleton).encode())
     _write(tmp / "records.jsonl", "".join(r.model_dump_json() + "\n" for r in records).encode())
     _write(tmp / "state.json", json.dumps({"format": FORMAT, **asdict(state)}, indent=1).encode())
@@ -171,11 +177,11 @@ def load(run_dir: str | Path) -> Checkpoint:
 
 
 def _load_trainer(where: Path) -> dict[str, Any]:
-    from safetensors.torch import load as load_tensors
+    from safetensors.torch import load_file
 
     skeleton = _read_json(where / "trainer.json")
     try:
-        tensors = load_tensors((where / TENSORS).read_bytes())
+        tensors = load_file(where / TENSORS, device="cpu")
         return _unflatten(skeleton, tensors)
     except Exception as exc:  # safetensors' own errors, a skeleton naming a missing tensor
         raise ConfigError("--resume", f"{where}/{TENSORS} is damaged: "

@@ -80,3 +80,16 @@ def test_an_older_format_is_refused_by_name(tmp_path):
     (where / "state.json").write_text(json.dumps({**data, "format": 1}))
     with pytest.raises(ConfigError, match="checkpoint format is not 2"):
         checkpoint.load(tmp_path)
+
+
+def test_tied_and_view_tensors_are_stored_once_each(tmp_path):
+    """Tied weights (one tensor under two names) and views into one flat buffer: safetensors
+    stores no aliases, so each later alias is copied; values survive."""
+    flat = torch.arange(12, dtype=torch.float32)
+    emb = torch.randn(3, 4)
+    state = {"model": {"embed": emb, "head": emb, "a": flat[:6].view(2, 3), "b": flat[6:]},
+             "optimizer": {"state": {}, "param_groups": []}, "version": 1, "step": 1}
+    _save(tmp_path, state)
+    got = checkpoint.load(tmp_path).trainer["model"]
+    assert torch.equal(got["embed"], emb) and torch.equal(got["head"], emb)
+    assert torch.equal(got["a"], flat[:6].view(2, 3)) and torch.equal(got["b"], flat[6:])
