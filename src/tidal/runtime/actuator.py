@@ -32,6 +32,7 @@ import httpx
 
 from tidal.clock import Clock
 from tidal.control.plans import PlanStep, StepKind, TransitionPlan
+from tidal.errors import TimeoutExpired
 from tidal.runtime.cell import RuntimeFailure
 from tidal.runtime.engines import EngineId, Engines
 from tidal.runtime.tasks import Parts, remote
@@ -234,11 +235,18 @@ class RayActuator:
         that timed out during a long rollout phase); returns how many were restarted."""
         n = 0
         for cell in sorted(self.training - {0}):
-            if self.core.address is None or await self._call(cell, "satellite_alive"):
+            if self.core.address is None:
                 continue
-            log.warning("cell %d: satellite process ended while training; restarting it", cell)
-            await self._start_satellite(cell)
-            n += 1
+            try:
+                if await self._call(cell, "satellite_alive"):
+                    continue
+                log.warning("cell %d: satellite process ended while training; restarting it",
+                            cell)
+                await self._start_satellite(cell)
+                n += 1
+            except (RuntimeFailure, TimeoutExpired) as exc:  # its actor is lost: the cell
+                # supervisor replaces it, and the next step restarts the satellite there
+                log.warning("cell %d: satellite not revived now: %s", cell, exc)
         return n
 
     async def _start_satellite(self, cell: int) -> None:
