@@ -81,6 +81,7 @@ class World:
         self.budget_groups = dispatch_budget(ctrl.batch_groups,
                                              scenario.staleness_for(self.profile),
                                              ctrl.updates_per_burst)
+        self.controller.metrics.budget_groups = self.budget_groups  # verl's capacity cap
         self.workload = make_workload(scenario.workload, scenario.seed)
         # Engines: one per cell (its rollout role) and one per standalone engine.
         self.cell_engines: list[Engine] = []
