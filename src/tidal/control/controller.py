@@ -158,10 +158,12 @@ class Controller:
     def _apply(self, ev: Event) -> None:
         lg = self.ledger
         if isinstance(ev, ExecutionDispatched):
+            self.metrics.group_size = ev.group_size  # verl counts prompt groups
             lg.dispatch(ev.execution_id, ev.group_id, ev.group_size, ev.burst)
         elif isinstance(ev, ExecutionLaunched):
             if lg.launch(ev.execution_id):
-                self.metrics.launched(lg.executions[ev.execution_id].group_id)
+                group = lg.groups[lg.executions[ev.execution_id].group_id]
+                self.metrics.launched(group.group_id, group.size)
         elif isinstance(ev, ExecutionClosed):
             before = lg.groups_ready_total
             if lg.close(ev.execution_id, ev.reason, ev.reward):

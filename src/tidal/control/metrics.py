@@ -168,15 +168,16 @@ class VerlMetrics:
         self._generated = 0
         self._points: list[tuple[float, int, int]] = []
         self._open_groups: dict[str, int] = {}  # group -> members closed, once one launched
-        self._group_size = 1
+        self.group_size = 1
         self._slots = 0
 
     # ------------------------------------------------------------------ rollouter
-    def launched(self, group_id: str) -> None:
+    def launched(self, group_id: str, group_size: int) -> None:
+        self.group_size = group_size
         self._open_groups.setdefault(group_id, 0)
 
     def closed(self, group_id: str, group_size: int) -> None:
-        self._group_size = group_size
+        self.group_size = group_size
         n = self._open_groups.get(group_id, 0) + 1
         if n >= group_size:
             self._open_groups.pop(group_id, None)
@@ -191,7 +192,7 @@ class VerlMetrics:
         return len(self._open_groups)
 
     def capacity_groups(self, slots: int) -> int:
-        cap = slots // max(1, self._group_size)
+        cap = slots // max(1, self.group_size)
         return min(cap, self.budget_groups) if self.budget_groups is not None else cap
 
     def rollout(self, t_s: float, slots: int, idle: bool) -> None:

@@ -48,6 +48,7 @@ import httpx
 
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
+from tidal.control.step_inputs import StepInputs
 from tidal.errors import ConfigError, TimeoutExpired
 from tidal.runtime import checkpoint, vllm_host
 from tidal.runtime.actuator import RayActuator, Weights
@@ -320,6 +321,8 @@ class Runtime:
         self.ctl = build_controller(cfg, self.clock, self.actuator,
                                     DecisionLog(jsonl_file_sink(decisions), keep=False))
         self.actuator.bind(self.ctl)
+        self.ctl.metrics.budget_groups = c.batch_groups * c.updates_per_burst  # per burst
+        self._rows_logged = 0
         self.bridge = LedgerBridge(self.ctl, self.clock, admin, self.buffer, c.group_size)
         self.admin = admin
         self.supervisor = CellSupervisor(self)
@@ -520,12 +523,13 @@ class Runtime:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._published.wait(), 1.0)
 
-    async def _core_active(self) -> float:
+    async def _core_active(self, inputs: StepInputs) -> float:
         """Wait until cell 0's trainer worker is active and a full batch of groups is ready
         (so a step never holds the trainer lock while waiting for data, which would keep the
         core from returning to rollout); returns the wait."""
         t0, need = self.clock.now(), self.cfg.control.batch_groups
         while 0 not in self.actuator.training or len(self.buffer) < need:
+            inputs.gpus(self.clock.now(), 0 in self.actuator.training, len(self.buffer))
             self.actuator.training_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.actuator.training_changed.wait(), 0.05)
@@ -537,15 +541,17 @@ class Runtime:
         for b in range(first_b, c.bursts or 0):
             for u in range(first_u if b == first_b else 0, c.updates_per_burst):
                 final = u == c.updates_per_burst - 1
-                wait_s, queue = 0.0, len(self.buffer)
+                wait_s, inputs = 0.0, StepInputs()  # verl's: from the GPUs' return
+                inputs.ready(self.clock.now(), 0 in self.actuator.training, len(self.buffer))
                 self.ctl.handle(TrainerReady(self.clock.now(), step))  # wants the next batch
                 while True:
-                    wait_s += await self._core_active()
+                    wait_s += await self._core_active(inputs)
                     await self.actuator.revive_satellites()
                     async with self.actuator.trainer_lock:
                         if 0 not in self.actuator.training:
                             continue  # offloaded between the check and the lock
                         t0 = self.clock.now()
+                        inputs.collected(t0, len(self.buffer))
                         report = await asyncio.get_running_loop().run_in_executor(
                             self.core_pool, self.core.train_step, final)
                         break
@@ -553,9 +559,11 @@ class Runtime:
                 if report is None:
                     raise RuntimeFailure(f"step {step}: the trainer got no data")
                 self.ctl.handle(GroupsAssigned(self.clock.now(), tuple(report.group_ids)))
-                self.ctl.handle(TrainerStepDone(self.clock.now(), step, wait_s=wait_s,
-                                                queue_at_start=queue, compute_s=dt, alloc_s=dt,
-                                                final_of_burst=final))
+                tm = inputs.done(self.clock.now())
+                self.ctl.handle(TrainerStepDone(
+                    self.clock.now(), step, wait_s=tm.wait_s, queue_at_start=tm.queue_at_start,
+                    compute_s=report.compute_s + report.update_s, alloc_s=tm.alloc_s,
+                    final_of_burst=final, wait_for_samples_s=tm.no_gpu_s))
                 if final:
                     await self._publish()
                 self.trained_groups += report.group_ids
@@ -603,8 +611,9 @@ class Runtime:
                 "micro_steps_by_cell": {str(k): v for k, v in
                                         sorted(report.micro_steps_by_cell.items())}}
         rows = self.ctl.metrics.rows
-        if report.final and rows:  # the weight version just closed: verl's metric names
+        if len(rows) > self._rows_logged:  # a weight version closed: verl's metric names
             line.update({k: round(v, 4) for k, v in rows[-1].items() if "/" in k})
+            self._rows_logged = len(rows)
         self.metrics.append(line)
         with open(self.out / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(line) + "\n")

@@ -69,12 +69,12 @@ def test_one_version_through_verl_metrics():
     and done at 8, batch complete at 10, ends at 20. Step 2: 20..30, then the sync and the
     activation end at 40. verl logs the row before it adds the step that synced."""
     m = VerlMetrics(hybrid_gpus=16, standalone_gpus=16, budget_groups=6)
-    m.launched("g0")
+    m.launched("g0", 8)
     for _ in range(8):  # a group of 8 completes: no longer in generation
         m.closed("g0", 8)
     m.rollout(0.0, slots=128, idle=False)  # 16 groups of capacity, capped at the budget 6
-    m.launched("g1")
-    m.launched("g2")
+    m.launched("g1", 8)
+    m.launched("g2", 8)
     m.rollout(0.0, slots=128, idle=False)
     m.step_begin(0.0)
     m.rollout(5.0, slots=64, idle=False)  # the hybrids leave: still 8 >= 6 groups
