@@ -3,7 +3,8 @@
 In: a scenario name (``configs/scenarios/*.yaml``, shipped with the package) or a YAML path, and
 policy specs. Out: a table on stdout (makespan, speed-up against each other run, ratio to the
 oracle bound, utilizations, switches, reroutes, re-prefilled tokens, mean staleness) and, with
-``--out``: ``summary.json``, ``decisions.jsonl`` (every decision and plan record, each tagged
+``--out``: ``summary.json``, ``verl_metrics.jsonl`` (verl's metrics per weight version, each
+tagged with its run), ``decisions.jsonl`` (every decision and plan record, each tagged
 with its run), ``scenario.yaml`` (the resolved scenario) and PNG plots.
 """
 
@@ -97,7 +98,11 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
                    "oracle_makespan_s": results[0].summary["oracle_makespan_s"],
                    "runs": [r.summary for r in results]}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        written = ["summary.json", "decisions.jsonl", "scenario.yaml"]
+        with open(out / "verl_metrics.jsonl", "w") as fh:  # verl's rows, one per version
+            for r in results:
+                for row in r.world.controller.metrics.rows:
+                    fh.write(json.dumps({"run": r.spec, **row}) + "\n")
+        written = ["summary.json", "verl_metrics.jsonl", "decisions.jsonl", "scenario.yaml"]
         if plots:
             from tidal.viz.plots import plot_all
 

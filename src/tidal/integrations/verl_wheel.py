@@ -91,7 +91,7 @@ def _index_urls() -> list[str]:
                 urls += val.strip().strip("'\"").split()
     for var in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
         urls += os.environ.get(var, "").split()
-    urls = [u for u in urls if u.startswith(("http://", "https://"))]
+    urls = list(dict.fromkeys(u for u in urls if u.startswith(("http://", "https://"))))
     return urls or ["https://pypi.org/simple/"]
 
 
