@@ -1,8 +1,8 @@
 """The driver of ``tidal run``: wires the real parts together and runs bursts to the end.
 
 In: a validated ``RunConfig`` and a run directory. Out: in the run directory ``config.yaml``
-(resolved), ``metrics.jsonl`` (one line per optimizer step; the final step of a burst also
-carries verl's ``dynamic_resource/*`` metrics of that weight version), ``decisions.jsonl`` (every
+(resolved), ``metrics.jsonl`` (one line per optimizer step; the first step after a weight
+version closed also carries verl's metrics of that version), ``decisions.jsonl`` (every
 scheduling decision and plan record of the controller), ``steps.jsonl`` (every plan step the
 actuator ran, with its duration), ``state.jsonl`` (a sample of the live state every
 ``runtime.state_every_s``: time since the first dispatch, waterlevel, queue, running, ready
@@ -667,6 +667,8 @@ class Runtime:
             "satellite_starts": self.actuator.satellite_starts,
             "micro_steps_by_cell": _sum_by_cell(self.metrics),
             "mean_reward_per_step": [round(m["mean_reward"], 4) for m in self.metrics],
+            "verl_metrics": [{k: round(v, 4) for k, v in row.items()}  # one per version
+                             for row in self.ctl.metrics.rows],
             "mean_reward": (sum(r.reward for r in results) / len(results)) if results else 0.0,
         }
 
