@@ -130,3 +130,15 @@ def test_driven_by_recorded_contexts(verl, bridge):
         assert len(acts) == 12
         if name == "waterlevel":
             assert any(acts) and waits, "the core never went back and forth"
+
+
+def test_tidal_is_a_verl_plugin():
+    """verl 0.9.1 imports every ``verl.plugins`` entry point when it is imported (Ray workers
+    included): tidal's points at the bridge, which registers the policies."""
+    from importlib.metadata import entry_points
+
+    eps = [ep for ep in entry_points(group="verl.plugins") if ep.name == "tidal"]
+    if not eps:
+        pytest.skip("tidal is not installed as a distribution here (pip install -e .)")
+    assert eps[0].value == "tidal.integrations.verl"
+    assert eps[0].load().register is not None
