@@ -87,6 +87,7 @@ from dataclasses import dataclass
 
 from tidal.control.plans import QWENGYRE_TO_ROLLOUT, VERL_ACTIVATE, StepKind
 from tidal.control.verl import dispatch_budget
+from tidal.sim import perf
 from tidal.sim.costs import kv_handoff_s, step_duration_s, train_rate_tok_s
 from tidal.sim.scenario import FAMILY_PROFILES, Scenario
 from tidal.sim.workloads import make_workload
@@ -146,7 +147,7 @@ def candidate_groups(sc: Scenario) -> int:
 
 def draw_candidates(sc: Scenario) -> Candidates:
     eng, tr = sc.engine, sc.trainer
-    wl = make_workload(sc.workload, sc.seed)
+    wl = make_workload(sc.workload, sc.seed, sc.control.batch_groups)
     out = Candidates([], [], [], [], [], [], [], math.inf)
     min_timeout = math.inf
     max_ctx = 0
@@ -334,6 +335,7 @@ def pipeline_bound(sc: Scenario, fastest_s: list[float], train_tok: list[float])
 
 
 def oracle_bound(sc: Scenario) -> OracleBound:
+    sc = perf.resolve(sc)  # with a cost model: peak decode and the cap are upper bounds
     cl, tr = sc.cluster, sc.trainer
     cells = cl.cell_specs()
     gpus = sum(c.gpus for c in cells) + cl.standalone_count * cl.standalone_gpus
