@@ -77,13 +77,14 @@ Makespans = Callable[[str, str, int], float]  # (scenario, policy, seed) -> hour
 
 
 def scenario_for(name: str, efficiencies: dict[str, float] | None, seed: int) -> scenarios.Scenario:
-    """The row's scenario with the given efficiencies (``None``: as shipped) and seed."""
+    """The row's scenario with the given efficiencies (``None``: as shipped) and seed (0: the
+    scenario's own)."""
     sc = scenarios.load(name)
     if efficiencies and sc.costmodel is not None:
         eff = sc.costmodel.efficiency.model_copy(update=efficiencies)
         sc = sc.model_copy(update={"costmodel": sc.costmodel.model_copy(
             update={"efficiency": eff})})
-    return sc.model_copy(update={"seed": seed}) if seed != sc.seed else sc
+    return sc.model_copy(update={"seed": seed}) if seed else sc
 
 
 def makespan_runner(efficiencies: dict[str, float] | None = None) -> Makespans:
