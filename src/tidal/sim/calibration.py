@@ -38,8 +38,10 @@ class Fit:
 
 
 def fit(pf: P.PublishedFile, params: tuple[str, ...] = ("decode", "mfu"), seeds: int = 4,
-        tol: float = 0.003, rounds: int = 8,
-        echo: Callable[[str], None] | None = None) -> Fit:
+        tol: float = 0.003, rounds: int = 8, echo: Callable[[str], None] | None = None,
+        runner_for: Callable[[dict[str, float]], P.Makespans] = P.makespan_runner) -> Fit:
+    """``runner_for(efficiencies)`` gives the makespans at those efficiencies (the simulator
+    by default)."""
     import numpy as np
 
     rows = [r for r in pf.rows if r.calibrate]
@@ -70,7 +72,7 @@ def fit(pf: P.PublishedFile, params: tuple[str, ...] = ("decode", "mfu"), seeds:
 
     def logm(xv, seed: int = 0) -> np.ndarray:
         eff = {p: min(1.0, float(math.exp(v))) for p, v in zip(params, xv, strict=True)}
-        run = P.makespan_runner(eff)
+        run = runner_for(eff)
         return np.log([run(name, r.policy, seed) for r in rows])
 
     f0 = logm(x)
