@@ -24,7 +24,10 @@ Facts every run obeys (each is a property of the simulated system, not of a poli
 (F5) Only cells train, with the speed of ``train_rate_tok_s``: ``k`` cells of ``g`` GPUs
      process ``r * g * e**log2(k)`` tokens/s, so a token costs ``1 / (r * e**log2(k))``
      GPU-seconds; standalone engines never train. Rollout work runs at ``decode_tok_s_per_gpu``
-     per GPU at best; during every weight sync all standalone engines are paused.
+     per GPU at best, and with a cost model whose peak is memory-bound every decoded token
+     also reads its context's KV cache (``kv_gpu_s_per_ctx_token`` per context token: a
+     step lasts at least its bytes over the bandwidth, ``tidal.sim.perf``); during every
+     weight sync all standalone engines are paused.
 (F6) A step's compute ends with at least one cell in training (the rate must be > 0). That
      cell neither trains during the optimizer step (nor, after a version's last step, during
      the sync) nor decodes before a return to rollout completes (``tau_r``, the shortest
@@ -156,17 +159,20 @@ def draw_candidates(sc: Scenario) -> Candidates:
         for spec in wl.group(sc.control.group_size):
             dec = pre = 0
             tools_s = 0.0
+            ctx, ctx_sum = spec.prompt_tokens, 0.0
             for d_tok, tool_s, out_tok in spec.turns:
                 dec += d_tok
                 pre += out_tok
                 tools_s += tool_s
+                ctx_sum += d_tok * ctx + d_tok * (d_tok - 1) / 2  # context of each token
+                ctx += d_tok + out_tok
             # Nothing follows the last turn: no tool wait, no tool output to prefill.
             # The longest context an execution can reach: prompt, every turn and tool output.
             max_ctx = max(max_ctx, spec.prompt_tokens + dec + pre)
             pre += spec.prompt_tokens - spec.turns[-1][2]
             tools_s -= spec.turns[-1][1]
             work = dec + pre * eng.prefill_equiv
-            roll += work / eng.decode_tok_s_per_gpu
+            roll += work / eng.decode_tok_s_per_gpu + ctx_sum * eng.kv_gpu_s_per_ctx_token
             tokens += dec + pre
             tokens_to += dec + pre if spec.timeout_s is None else spec.prompt_tokens
             longest = max(longest, work / eng.seq_cap_tok_s + tools_s)

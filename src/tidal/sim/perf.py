@@ -57,6 +57,13 @@ class EngineModel:
         comp = n * self.flops_per_token / self.flops_s
         return (mem if mem > comp else comp) + self.overhead_s
 
+    def memory_bound(self, n: float) -> bool:
+        """Whether a step of ``n`` sequences at zero context is bound by memory, not FLOPs."""
+        touched = 1.0 - self.keep_prob ** n if self.expert_bytes else 0.0
+        mem = (self.dense_bytes + self.expert_bytes * touched
+               + self.state_bytes_per_seq * n) / self.bytes_s
+        return mem >= n * self.flops_per_token / self.flops_s
+
     def seq_rate(self, n: float, ctx_tokens: float) -> float:
         """Tokens/s of each of ``n`` sequences (``ctx_tokens`` in all) sharing the replica;
         when the KV cache holds only a share of them they take turns."""
@@ -137,6 +144,10 @@ def resolve(sc: Scenario) -> Scenario:
     peak = max(e.throughput_tok_s(max(1, n), 0.0) for e, n in engines) / cm.engine_tp
     cap = std.seq_rate(1, 0.0)
     nominal = std.throughput_tok_s(max(1, engines[0][1]), float(cm.nominal_context_tokens))
+    # The oracle may add the KV reads per context token only where the peak is memory-bound
+    # (then every decode step's time is at least its bytes over the bandwidth).
+    kv_term = (model.kv_bytes_per_token / (gpu.hbm_bytes_s * cm.efficiency.decode)
+               if all(e.memory_bound(max(1, n)) for e, n in engines) else 0.0)
     link = cm.efficiency.link
     core_gpus = min(s.gpus for s in cl.cell_specs())
     state_gb = model.total_params * TRAIN_STATE_BYTES_PER_PARAM / core_gpus / 1e9
@@ -145,6 +156,7 @@ def resolve(sc: Scenario) -> Scenario:
     return sc.model_copy(update={
         "engine": sc.engine.model_copy(update={
             "decode_tok_s_per_gpu": peak, "seq_cap_tok_s": cap,
+            "kv_gpu_s_per_ctx_token": kv_term,
             "prefill_equiv": std.prefill_s(1.0) * nominal}),
         "trainer": sc.trainer.model_copy(update={
             "train_tok_s_per_gpu": gpu.flops * cm.efficiency.mfu / train_flops_per_token(cm),

@@ -81,6 +81,10 @@ class EngineConfig(Strict):
     seq_cap_tok_s: float = Field(100.0, gt=0.0, description="per-sequence speed cap")
     prefill_equiv: float = Field(0.02, ge=0.0,
                                  description="decode-token equivalents per prefilled token")
+    kv_gpu_s_per_ctx_token: float = Field(0.0, ge=0.0,
+                                          description="GPU-seconds a decoded token costs per "
+                                                      "token of its context (reading the KV "
+                                                      "cache; set by the cost model)")
     host_tok_s: float | None = Field(None, gt=0.0,
                                      description="every engine shares one host's decode "
                                                  "throughput (CPU runs; None: no sharing)")

@@ -35,6 +35,15 @@ CASES = {  # scenario: (scale factor, bursts)
 SEEDS = (1, 2, 3)
 
 
+def kv_context_tokens(spec) -> float:
+    """Sum over decoded tokens of the context each one reads (the cost model's KV term)."""
+    ctx, total = spec.prompt_tokens, 0.0
+    for d, _, out in spec.turns:
+        total += sum(ctx + i for i in range(d))
+        ctx += d + out
+    return total
+
+
 def bound_before(sc: Scenario) -> float:
     """The oracle as it stood before the trainer LP and the pipeline (frozen copy)."""
     sc = perf.resolve(sc)
@@ -54,7 +63,7 @@ def bound_before(sc: Scenario) -> float:
         roll = train = longest = slot_s = tok = 0.0
         for spec in wl.group(ctrl.group_size):
             roll += (spec.decode_tokens + spec.prefill_tokens * eng.prefill_equiv) \
-                / eng.decode_tok_s_per_gpu
+                / eng.decode_tok_s_per_gpu + kv_context_tokens(spec) * eng.kv_gpu_s_per_ctx_token
             train += spec.train_tokens / tr.train_tok_s_per_gpu
             d = spec.min_duration_s(eng.seq_cap_tok_s)
             if spec.timeout_s is not None:
