@@ -174,3 +174,22 @@ def engine_models(sc: Scenario) -> tuple[EngineModel, EngineModel] | None:
     if cm is None:
         return None
     return engine_model(cm, cm.mem_fraction), engine_model(cm, cm.hybrid_mem_fraction)
+
+
+def saturation_point(sc: Scenario, ctx_per_seq: float, hybrid: bool = False,
+                     fraction: float = 0.9) -> int:
+    """Sequences per engine (all its replicas) beyond which a standalone (or hybrid) engine of
+    the scenario gains less than ``1 - fraction`` of its best throughput, within its slots:
+    where admission control should stop adding work. Needs a cost model."""
+    models = engine_models(sc)
+    if models is None or sc.costmodel is None:
+        from tidal.errors import ConfigError
+
+        raise ConfigError("costmodel", f"{sc.name}: the saturation point needs a cost model")
+    cl, tp = sc.cluster, sc.costmodel.engine_tp
+    specs = [s for s in cl.cell_specs() if s.kind == "hybrid"] if hybrid else []
+    gpus, slots = (specs[0].gpus, specs[0].slots) if specs else (cl.standalone_gpus,
+                                                                 cl.standalone_slots)
+    replicas = max(1, gpus // tp)
+    model = models[1] if hybrid else models[0]
+    return replicas * model.saturation_batch(ctx_per_seq, max(1, slots // replicas), fraction)

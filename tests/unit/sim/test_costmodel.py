@@ -74,6 +74,15 @@ def test_kv_capacity_limits_concurrency_and_the_saturation_point_is_queryable():
     assert e.saturation_batch(ctx, 512) <= int(cap)
 
 
+def test_the_saturation_point_of_a_scenario_is_within_its_slots():
+    sc = load("dapo-math-32gpu")
+    sat = perf.saturation_point(sc, 6000)
+    assert 1 <= sat <= sc.cluster.standalone_slots
+    assert perf.saturation_point(sc, 6000, hybrid=True) <= sc.cluster.cell_specs()[0].slots
+    with pytest.raises(ConfigError, match="costmodel"):
+        perf.saturation_point(tiny_scenario(), 6000)
+
+
 def test_resolve_derives_speeds_and_is_idempotent():
     sc = load("dapo-math-32gpu")
     r = perf.resolve(sc)
