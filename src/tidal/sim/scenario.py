@@ -138,6 +138,17 @@ class CostModelConfig(Strict):
                                                     "decode-token equivalents")
     efficiency: Efficiencies
 
+    @model_validator(mode="after")
+    def _known(self) -> CostModelConfig:
+        from tidal.sim.profiles import load_gpu, load_model
+
+        try:
+            load_gpu(self.gpu)
+            load_model(self.model)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
 
 class CostConfig(Strict):
     weight_gb: float = Field(70.0, ge=0.0, description="bytes of one weight copy (GB)")

@@ -128,3 +128,14 @@ def test_without_partial_rollout_an_aborted_turn_starts_over():
     kept = run_policy(base, "verl-default", keep_log=False).summary
     lost = run_policy(off, "verl-default", keep_log=False).summary
     assert kept["wasted_tokens"] == 0 < lost["wasted_tokens"]
+
+
+def test_a_scenario_with_an_unknown_gpu_is_refused_at_load(tmp_path):
+    from tidal.sim.scenario import load as load_scenario
+
+    f = tmp_path / "bad.yaml"
+    f.write_text("name: bad\ncluster: {cell_count: 1}\ncontrol: {bursts: 1}\n"
+                 "costmodel: {gpu: Z9, model: qwen2.5-7b, "
+                 "efficiency: {decode: 0.3, mfu: 0.4}}\n")
+    with pytest.raises(ConfigError, match="unknown GPU 'Z9'"):
+        load_scenario(str(f))
