@@ -200,10 +200,13 @@ class Profile(Strict):
     staleness_threshold: float | None = Field(None, ge=0.0)
 
     def label(self) -> str:
-        """The mechanics in a few words, for table rows."""
-        return "/".join([self.dispatch.value, self.trainer.value, f"sync={self.sync.value}",
-                         "kv" if self.kv_handoff else "re-prefill",
-                         "partial" if self.partial_rollout else "restart"])
+        """The mechanics in a few words, for table rows: dispatch (on demand / burst), trainer
+        (batch / streaming), weight sync (abort / keep), KV handoff or re-prefill, and
+        ``restart`` when an aborted turn starts over (no partial rollout)."""
+        parts = ["demand" if self.dispatch is DispatchStyle.ON_DEMAND else "burst",
+                 "stream" if self.trainer is TrainerStyle.STREAMING else "batch",
+                 self.sync.value, "kv" if self.kv_handoff else "prefill"]
+        return "/".join(parts + ([] if self.partial_rollout else ["restart"]))
 
 
 FAMILY_PROFILES: dict[str, Profile] = {

@@ -62,7 +62,7 @@ def test_simulate_runs_every_policy_with_the_mechanics_asked(tmp_path, capsys):
     rc = main(["simulate", "dapo-math-32gpu", "--bursts", "1", "-p", "static:train=16",
                "-p", "verl-default", "--mechanics", "tidal", "--no-plots", "--out", str(out)])
     assert rc == 0
-    assert "streaming" in capsys.readouterr().out
+    assert "demand/stream/keep/kv" in capsys.readouterr().out
     runs = json.loads((out / "summary.json").read_text())["runs"]
     assert {r["profile"]["trainer"] for r in runs} == {"streaming"}
     assert {r["profile"]["kv_handoff"] for r in runs} == {True}
