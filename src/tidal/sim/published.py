@@ -121,15 +121,17 @@ def evaluate(pf: PublishedFile, run: Makespans, seeds: int = 1) -> list[Outcome]
 
 def table(pf: PublishedFile, outcomes: list[Outcome]) -> str:
     lines = [f"{pf.name}: {pf.source}",
-             f"{'row':<24} {'role':<11} {'metric':<11} {'published':>9} {'predicted':>10} "
-             f"{'error':>8} {'seeds sd':>9}"]
+             f"{'row':<24} {'role':<11} {'mechanics':<26} {'metric':<11} {'published':>9} "
+             f"{'predicted':>10} {'error':>8} {'seeds sd':>9}"]
     for o in outcomes:
         r = o.row
         role = "calibrated" if r.calibrate else "prediction"
         metric = r.metric if r.baseline is None else f"vs {r.baseline.split(':')[-1]}"
         err = f"{o.error:+.1%}" if r.metric == "makespan_h" else f"{o.error * 100:+.1f}pt"
         fmt = "{:.3f}" if r.metric == "makespan_h" else "{:.1%}"
-        lines.append(f"{r.id:<24} {role:<11} {metric:<11} {fmt.format(r.published):>9} "
+        mech = scenarios.load(r.scenario).profile_for(r.policy.split(":")[0]).label()
+        lines.append(f"{r.id:<24} {role:<11} {mech:<26} {metric:<11} "
+                     f"{fmt.format(r.published):>9} "
                      f"{fmt.format(o.predicted):>10} {err:>8} "
                      f"{(fmt.format(o.spread) if o.spread else '-'):>9}")
     return "\n".join(lines)

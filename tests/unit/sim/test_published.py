@@ -30,8 +30,8 @@ def test_a_reduction_needs_a_baseline(tmp_path):
 
 def test_errors_are_relative_for_makespans_and_points_for_reductions():
     pf = P.PublishedFile(name="x", source="s", rows=[
-        P.Row(id="a", scenario="s", policy="p", published=2.0),
-        P.Row(id="b", scenario="s", policy="p", metric="reduction", baseline="q",
+        P.Row(id="a", scenario="mixed", policy="p", published=2.0),
+        P.Row(id="b", scenario="mixed", policy="p", metric="reduction", baseline="q",
               published=0.2)])
     hours = {"p": 2.2, "q": 2.5}
     out = P.evaluate(pf, lambda name, policy, seed: hours[policy])
