@@ -84,7 +84,9 @@ class Engine:
             self._r = r if r < self.seq_cap else self.seq_cap
         else:
             k = self.replicas
-            self._r = m.seq_rate(n / k, self.ctx_sum / k)
+            # Spread evenly over the replicas; fewer sequences than replicas run alone.
+            self._r = (m.seq_rate(n / k, self.ctx_sum / k) if n >= k
+                       else m.seq_rate(1, self.ctx_sum / n))
 
     def set_limit(self, limit: float, now: float) -> None:
         self.advance(now)

@@ -139,3 +139,21 @@ def test_a_scenario_with_an_unknown_gpu_is_refused_at_load(tmp_path):
                  "efficiency: {decode: 0.3, mfu: 0.4}}\n")
     with pytest.raises(ConfigError, match="unknown GPU 'Z9'"):
         load_scenario(str(f))
+
+
+def test_an_engine_of_two_tp4_replicas_shares_its_sequences_between_them():
+    from tidal.sim.engines import Engine
+
+    tp4 = engine(0.85, "H200", 4)
+    e = Engine("e", 8, 64, 1.0, 1.0, model=tp4)
+    assert e.replicas == 2
+    e.add(1, 100.0, 0.0, ctx_tokens=1000)
+    alone = e.rate()
+    assert alone == pytest.approx(tp4.seq_rate(1, 1050))  # alone on one replica
+    for seq in range(2, 33):
+        e.add(seq, 100.0, 0.0, ctx_tokens=1000)
+    assert e.rate() == pytest.approx(tp4.seq_rate(16, 16 * 1050)) and e.rate() < alone
+    e.remove(2, 0.0)
+    assert e.rate() == pytest.approx(tp4.seq_rate(15.5, 15.5 * 1050))
+    e.set_paused(True, 0.0)
+    assert e.rate() == 0.0 and e.next_finish() is None
