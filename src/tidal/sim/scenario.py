@@ -263,6 +263,13 @@ class Scenario(Strict):
     def _check(self) -> Scenario:
         if self.control.bursts is None:
             raise ValueError("control.bursts must be set: a simulation needs an end")
+        cm, cl = self.costmodel, self.cluster
+        if cm is not None:
+            sizes = [c.gpus for c in cl.cell_specs()]
+            sizes += [cl.standalone_gpus] if cl.standalone_count else []
+            if any(g % cm.engine_tp for g in sizes):
+                raise ValueError(f"costmodel.engine_tp: {cm.engine_tp} GPUs per replica must "
+                                 f"divide every cell and engine (GPUs: {sorted(set(sizes))})")
         if self.mechanics is not None and self.mechanics not in FAMILY_PROFILES:
             raise ValueError(f"mechanics: unknown {self.mechanics!r} (known: "
                              f"{', '.join(FAMILY_PROFILES)})")

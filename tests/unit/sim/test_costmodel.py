@@ -157,3 +157,11 @@ def test_an_engine_of_two_tp4_replicas_shares_its_sequences_between_them():
     assert e.rate() == pytest.approx(tp4.seq_rate(15.5, 15.5 * 1050))
     e.set_paused(True, 0.0)
     assert e.rate() == 0.0 and e.next_finish() is None
+
+
+def test_engine_tp_must_divide_every_engine():
+    sc = load("dapo-math-32gpu")
+    data = sc.model_dump(mode="json")
+    data["costmodel"]["engine_tp"] = 3
+    with pytest.raises(ValueError, match="engine_tp"):
+        type(sc).model_validate(data)
