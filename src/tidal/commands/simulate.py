@@ -31,13 +31,20 @@ import click
 @click.option("--trace", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Replay this JSONL trace (one line per execution) instead of the "
                    "scenario's workload classes.")
+@click.option("--mechanics", type=click.Choice(["own", "verl", "tidal", "waterlevel", "colocate"]),
+              default="own", show_default=True,
+              help="Run every policy with this system's mechanics (trainer, sync, KV handoff, "
+                   "dispatch, partial rollout); own: each policy its system's, as published.")
 @click.option("--check", is_flag=True, help="Check the invariants after every event (slow).")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, bursts: int | None,
-            scale: float, trace: str | None, check: bool, no_plots: bool) -> None:
+            scale: float, trace: str | None, mechanics: str, check: bool,
+            no_plots: bool) -> None:
     from tidal.sim import scenario as scenarios
 
     sc = scenarios.load(scenario)
+    if mechanics != "own":
+        sc = sc.model_copy(update={"mechanics": mechanics})
     if scale != 1.0 or bursts is not None:
         sc = sc.scaled(scale, bursts=bursts)
     if trace is not None:
@@ -118,13 +125,14 @@ def render_table(sc: Any, results: list[Any]) -> Any:
     oracle_h = results[0].summary["oracle_makespan_s"] / 3600 if results else 0.0
     table = Table(title=f"{sc.name}: {sc.total_steps} optimizer steps, oracle bound "
                         f"{oracle_h:.3f} h", title_justify="left")
-    for name in ("policy", "makespan h", "/oracle", "train", "rollout", "cluster", "switches",
-                 "reroutes", "re-prefill Mtok", "staleness"):
+    for name in ("policy", "mechanics", "makespan h", "/oracle", "train", "rollout", "cluster",
+                 "switches", "reroutes", "re-prefill Mtok", "staleness"):
         table.add_column(name, justify="left" if name == "policy" else "right",
                          no_wrap=name == "policy")
     for r in results:
         s = r.summary
-        table.add_row(r.spec, f"{s['makespan_h']:.3f}", f"{s['oracle_ratio']:.3f}",
+        table.add_row(r.spec, r.world.profile.label(), f"{s['makespan_h']:.3f}",
+                      f"{s['oracle_ratio']:.3f}",
                       f"{s['train_utilization']:.3f}", f"{s['rollout_utilization']:.3f}",
                       f"{s['cluster_utilization']:.3f}", str(s["switches"]),
                       str(s["reroutes"]), f"{s['reprefill_tokens'] / 1e6:.2f}",
