@@ -6,7 +6,7 @@ In: dicts as the runtime builds them, or as a reader parsed them from a file. Ou
 dicts, checked: ``check(model, obj, where)`` raises ``ConfigError`` naming the file, line and
 field of the first wrong value (one line, never a traceback). Fields a newer runtime added are
 optional (older run directories stay readable); keys no model names are kept (verl's
-``dynamic_resource/*`` metrics ride on the final step of each burst). Close reasons are defined
+metrics ride on the first step after a weight version closed). Close reasons are defined
 once here (``CLOSE_REASONS``), from ``tidal.types.CloseReason``.
 """
 
@@ -146,6 +146,7 @@ class Summary(_Line):
     mean_reward_per_step: list[float] | None = None
     mean_reward: float | None = None
     final_roles: str | None = None
+    verl_metrics: list[dict[str, float]] | None = None
 
 
 def check(model: type[BaseModel], obj: Any, where: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ CASES = {  # scenario: (scale factor, bursts)
     "dapo-math-32gpu": (1.0, 3),
     "mixed": (1.0, 2),
     "swe-agent-long-tail": (0.25, 2),
+    "qwengyre-long-tail": (0.25, 2),
 }
 POLICIES = ("verl-default", "waterlevel", "tidal")
 

@@ -6,6 +6,9 @@ with ``--check`` the scenario is simulated under the run's policy and its burst 
 compared with the run's (``tidal.sim.vs_real``); ``--against RUN`` describes another run (its
 config: cluster, control, policy, bursts) with the speeds fitted here and compares with it: a
 prediction, not a refit. Exit 1 when the error is beyond ``--tolerance``.
+``tidal calibrate --published FILE [--fit decode,mfu] [--write]`` instead fits the cost model's
+efficiencies on the rows of a file of published results marked ``calibrate`` (and on nothing
+else), prints each value with its uncertainty and the residuals (``tidal.sim.calibration``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ import click
 
 @click.command(help="Fit a simulator scenario on a tidal run directory; optionally check "
                     "the simulated burst times against a real run.")
-@click.argument("run_dir", type=click.Path())
+@click.argument("run_dir", type=click.Path(), required=False)
+@click.option("--published", default=None, metavar="FILE",
+              help="Fit the cost model's efficiencies on this file's calibration rows "
+                   "(a path or a shipped name, e.g. verl-dapo) instead of a run directory.")
+@click.option("--fit", "fit_params", default="decode,mfu", show_default=True,
+              help="With --published: the efficiencies to fit (decode, mfu, link).")
+@click.option("--write", is_flag=True, help="With --published: store the fit in the "
+                                            "scenario's costmodel.efficiency.")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
               help="Write the scenario YAML here (default: print it, unless checking).")
 @click.option("--check", is_flag=True, help="Simulate the scenario and compare its burst "
@@ -31,8 +41,17 @@ import click
 @click.option("--fitted-workload", is_flag=True,
               help="Draw executions from the fitted lognormals instead of replaying the run's "
                    "own (by default written beside --out as SCENARIO.trace.jsonl).")
-def command(run_dir: str, out: str | None, check: bool, against: str | None, tolerance: float,
+def command(run_dir: str | None, published: str | None, fit_params: str, write: bool,
+            out: str | None, check: bool, against: str | None, tolerance: float,
             per_burst: bool, seeds: int, fitted_workload: bool) -> None:
+    if published is not None:
+        _fit_published(published, tuple(p.strip() for p in fit_params.split(",") if p.strip()),
+                       seeds, write)
+        return
+    if run_dir is None:
+        from tidal.errors import ConfigError
+
+        raise ConfigError("RUN_DIR", "give a run directory, or --published FILE")
     import tempfile
     from pathlib import Path
 
@@ -83,3 +102,19 @@ def _check(sc, notes, run_dir: str, against: str | None, check: bool, tolerance:
         err = cmp.worst_burst_error if per_burst else cmp.error
         raise PredictionOff(f"{what} off by {err:+.1%}, beyond the tolerance ±{tolerance:.0%}")
     click.echo(f"within ±{tolerance:.0%}")
+
+
+def _fit_published(name: str, params: tuple[str, ...], seeds: int, write: bool) -> None:
+    from tidal.sim import calibration
+    from tidal.sim import published as P
+
+    pf = P.load(name)
+    fit = calibration.fit(pf, params, seeds=seeds, echo=click.echo)
+    click.echo(f"fitted on {', '.join(fit.residuals)} of {pf.name} ({fit.scenario}):")
+    for p, v in fit.values.items():
+        click.echo(f"  efficiency.{p} = {v:.4f} ± {fit.sd[p]:.4f}")
+    for p, v in fit.fixed.items():
+        click.echo(f"  efficiency.{p} = {v:g} (prior, not fitted)")
+    click.echo("residuals: " + ", ".join(f"{k} {v:+.2%}" for k, v in fit.residuals.items()))
+    if write:
+        click.echo(f"wrote {calibration.write_efficiencies(fit.scenario, fit.values)}")

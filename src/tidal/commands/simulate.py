@@ -3,7 +3,8 @@
 In: a scenario name (``configs/scenarios/*.yaml``, shipped with the package) or a YAML path, and
 policy specs. Out: a table on stdout (makespan, speed-up against each other run, ratio to the
 oracle bound, utilizations, switches, reroutes, re-prefilled tokens, mean staleness) and, with
-``--out``: ``summary.json``, ``decisions.jsonl`` (every decision and plan record, each tagged
+``--out``: ``summary.json``, ``verl_metrics.jsonl`` (verl's metrics per weight version, each
+tagged with its run), ``decisions.jsonl`` (every decision and plan record, each tagged
 with its run), ``scenario.yaml`` (the resolved scenario) and PNG plots.
 """
 
@@ -30,13 +31,20 @@ import click
 @click.option("--trace", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Replay this JSONL trace (one line per execution) instead of the "
                    "scenario's workload classes.")
+@click.option("--mechanics", type=click.Choice(["own", "verl", "tidal", "waterlevel", "colocate"]),
+              default="own", show_default=True,
+              help="Run every policy with this system's mechanics (trainer, sync, KV handoff, "
+                   "dispatch, partial rollout); own: each policy its system's, as published.")
 @click.option("--check", is_flag=True, help="Check the invariants after every event (slow).")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, bursts: int | None,
-            scale: float, trace: str | None, check: bool, no_plots: bool) -> None:
+            scale: float, trace: str | None, mechanics: str, check: bool,
+            no_plots: bool) -> None:
     from tidal.sim import scenario as scenarios
 
     sc = scenarios.load(scenario)
+    if mechanics != "own":
+        sc = sc.model_copy(update={"mechanics": mechanics})
     if scale != 1.0 or bursts is not None:
         sc = sc.scaled(scale, bursts=bursts)
     if trace is not None:
@@ -97,7 +105,11 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
                    "oracle_makespan_s": results[0].summary["oracle_makespan_s"],
                    "runs": [r.summary for r in results]}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        written = ["summary.json", "decisions.jsonl", "scenario.yaml"]
+        with open(out / "verl_metrics.jsonl", "w") as fh:  # verl's rows, one per version
+            for r in results:
+                for row in r.world.controller.metrics.rows:
+                    fh.write(json.dumps({"run": r.spec, **row}) + "\n")
+        written = ["summary.json", "verl_metrics.jsonl", "decisions.jsonl", "scenario.yaml"]
         if plots:
             from tidal.viz.plots import plot_all
 
@@ -113,13 +125,14 @@ def render_table(sc: Any, results: list[Any]) -> Any:
     oracle_h = results[0].summary["oracle_makespan_s"] / 3600 if results else 0.0
     table = Table(title=f"{sc.name}: {sc.total_steps} optimizer steps, oracle bound "
                         f"{oracle_h:.3f} h", title_justify="left")
-    for name in ("policy", "makespan h", "/oracle", "train", "rollout", "cluster", "switches",
-                 "reroutes", "re-prefill Mtok", "staleness"):
+    for name in ("policy", "mechanics", "makespan h", "/oracle", "train", "rollout", "cluster",
+                 "switches", "reroutes", "re-prefill Mtok", "staleness"):
         table.add_column(name, justify="left" if name == "policy" else "right",
                          no_wrap=name == "policy")
     for r in results:
         s = r.summary
-        table.add_row(r.spec, f"{s['makespan_h']:.3f}", f"{s['oracle_ratio']:.3f}",
+        table.add_row(r.spec, r.world.profile.label(), f"{s['makespan_h']:.3f}",
+                      f"{s['oracle_ratio']:.3f}",
                       f"{s['train_utilization']:.3f}", f"{s['rollout_utilization']:.3f}",
                       f"{s['cluster_utilization']:.3f}", str(s["switches"]),
                       str(s["reroutes"]), f"{s['reprefill_tokens'] / 1e6:.2f}",

@@ -23,7 +23,7 @@ from tidal.clock import Clock
 from tidal.control.cells import CellSet
 from tidal.control.decision_log import DecisionLog
 from tidal.control.ledger import Ledger
-from tidal.control.metrics import MetricsTracker, RoleTimeline
+from tidal.control.metrics import RoleTimeline, VerlMetrics
 from tidal.control.plans import PlanStep, TransitionPlan, build_plan
 from tidal.control.policy import Action, CellView, Decision, Observation, PlanStyle, Policy
 from tidal.control.supply import SupplyTracker
@@ -107,10 +107,11 @@ class Controller:
                               "capacity (every cell hybrid, no standalone engine); use elastic "
                               "cells or add standalone engines")
         self.timeline = RoleTimeline(cells.roles(), now)
-        self.metrics = MetricsTracker(
+        self.metrics = VerlMetrics(
             hybrid_gpus=sum(c.gpus for c in cells.cells),
             standalone_gpus=sum(s.gpus for s in cells.standalone.values()),
-            max_required=settings.max_concurrency, start_s=now)
+            budget_groups=settings.max_concurrency, start_s=now)
+        self._sync_end_pending = False
         self.version = 0
         self.trainer_step = 0
         self.steps_in_version = 0
@@ -149,18 +150,25 @@ class Controller:
                 self.events_handled += 1
                 self._record_rollout(ev.t_s)
                 self._consult(ev)
+                if self._sync_end_pending and not self._activating():
+                    self._end_sync(ev.t_s)
         finally:
             self._busy = False
 
     def _apply(self, ev: Event) -> None:
         lg = self.ledger
         if isinstance(ev, ExecutionDispatched):
+            self.metrics.group_size = ev.group_size  # verl counts prompt groups
             lg.dispatch(ev.execution_id, ev.group_id, ev.group_size, ev.burst)
         elif isinstance(ev, ExecutionLaunched):
-            lg.launch(ev.execution_id)
+            if lg.launch(ev.execution_id):
+                group = lg.groups[lg.executions[ev.execution_id].group_id]
+                self.metrics.launched(group.group_id, group.size)
         elif isinstance(ev, ExecutionClosed):
             before = lg.groups_ready_total
-            lg.close(ev.execution_id, ev.reason, ev.reward)
+            if lg.close(ev.execution_id, ev.reason, ev.reward):
+                group = lg.groups[lg.executions[ev.execution_id].group_id]
+                self.metrics.closed(group.group_id, group.size)
             self._count_generated(before)
         elif isinstance(ev, ExecutionScored):
             before = lg.groups_ready_total
@@ -177,12 +185,14 @@ class Controller:
             self._expect_next_burst = False
         elif isinstance(ev, TrainerReady):
             self.trainer_waiting = True
+            self.metrics.step_begin(ev.t_s)
         elif isinstance(ev, TrainerStepDone):
             self._trainer_step_done(ev)
         elif isinstance(ev, WeightSyncDone):
             self.version = max(self.version, ev.version)
             self.steps_in_version = 0
-            self.metrics.close_cycle(ev.t_s, self.version)
+            self.metrics.sync(self.version)
+            self._sync_end_pending = True  # after the activation the policy may start
             self._cycle_stale = True
         elif isinstance(ev, TransitionStepDone):
             self._step_done(ev)
@@ -193,7 +203,7 @@ class Controller:
 
     def _count_generated(self, before: int) -> None:
         for _ in range(self.ledger.groups_ready_total - before):
-            self.metrics.group_generated()
+            self.metrics.generated()
 
     def _trainer_step_done(self, ev: TrainerStepDone) -> None:
         if self._cycle_stale:
@@ -204,15 +214,28 @@ class Controller:
         self.assigned_in_batch = 0
         self._cycle_waits.append(ev.wait_s)
         self._cycle_queue.append(ev.queue_at_start)
-        self.metrics.trainer_step(ev.compute_s, ev.alloc_s, ev.wait_s, ev.wait_for_samples_s,
-                                  self.ledger.ready_unassigned)
+        self.metrics.step_done(ev.t_s, ev.wait_s, ev.compute_s, ev.alloc_s, ev.final_of_burst,
+                               self.ledger.ready_unassigned)
         if ev.final_of_burst:
             self.bursts_ended += 1
             total = self.settings.total_bursts
             self._expect_next_burst = total is None or self.bursts_ended < total
 
     def _record_rollout(self, t_s: float) -> None:
-        self.metrics.rollout_point(t_s, self.ledger.total.running, self.cells.rollout_capacity)
+        # verl's rollouter is idle once its budget is spent and nothing is in generation
+        idle = self.ledger.waterlevel == 0 and self.pending_dispatch == (
+            self.settings.next_burst_quota if self._expect_next_burst else 0)
+        self.metrics.rollout(t_s, self.cells.rollout_capacity, idle)
+
+    def _activating(self) -> bool:
+        fl = self.inflight
+        return fl is not None and fl.plan.style is PlanStyle.VERL \
+            and fl.plan.direction is Direction.TO_ROLLOUT
+
+    def _end_sync(self, t_s: float) -> None:
+        """verl's sync step ends after the activation that follows it (if any)."""
+        self._sync_end_pending = False
+        self.metrics.sync_end(t_s, self.ledger.ready_unassigned)
 
     # ---------------------------------------------------------- observation
     def _cell_views(self) -> tuple[CellView, ...]:
@@ -380,6 +403,8 @@ class Controller:
             self.timeline.change(i, source, t_s)
         self.inflight = None
         self.plans_aborted += 1
+        if self._sync_end_pending:
+            self._end_sync(t_s)
         self._backoff_until = t_s + self.settings.abort_backoff_s
         self.log.write({"type": "plan_aborted", "t": round(t_s, 6), "plan_id": plan.plan_id,
                         "step": step.kind.value, "error": error})
@@ -401,6 +426,8 @@ class Controller:
             self.cells.set_role(i, target)
             self.timeline.change(i, target, t_s)
         duration = t_s - plan.created_s
+        if target is Role.TRAINING:
+            self.metrics.moved_to_training(plan.created_s, t_s)
         if plan.style is PlanStyle.VERL:
             if target is Role.ROLLOUT:
                 self.last_activate_s = duration
@@ -409,6 +436,8 @@ class Controller:
                 self.switch_cycle = self.version
         self.inflight = None
         self.plans_done.append((plan, duration))
+        if self._sync_end_pending:
+            self._end_sync(t_s)
         self.log.write({"type": "plan_done", "t": round(t_s, 6), "plan_id": plan.plan_id,
                         "duration_s": round(duration, 6), "roles": self.cells.describe()})
 

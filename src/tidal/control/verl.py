@@ -1,19 +1,27 @@
-"""verl's dynamic resource scheduling (REFERENCE.md §2): hook policies and their scheduler.
+"""verl's dynamic resource scheduling as tidal policies: ``verl-default``, ``verl-fixed-ratio``,
+``verl-static`` (and ``verl-switch``, ``verl_switch``).
 
-The hook classes reproduce verl's ``default``, ``fixed_ratio`` and ``static_fully_async``
-policies formula for formula (including the missing lower bound on the ratio; ``clamp=True``
-clamps it to [1/trigger, 1]). ``VerlScheduler`` adapts them to tidal's Policy protocol and calls
-the hooks in verl's order once per cycle:
-``should_deactivate`` (first trainer step of a cycle) -> ``deactivate_wait_samples`` (if
-deactivating) -> ``should_activate_after_step`` (after the weight sync) -> ``request_rebalance``
-(if activating) -> ``update_after_step``. All hybrid cells switch together (STANDALONE_ONLY <->
-HYBRID_ACTIVE). Units: a "sample" is one prompt group.
+In: observations from the controller. Out: verl-style plans that switch every hybrid cell
+together (STANDALONE_ONLY <-> HYBRID_ACTIVE). The hooks themselves (``verl_hooks``) are verl's
+policy classes formula for formula; ``VerlScheduler`` calls them as verl 0.9.1's
+``FullyAsyncTrainer`` does, with the context verl builds:
+- at the parameter sync before training (version 0) and after every weight sync: the context
+  is refreshed (``expected_samples = SR x`` the rollouter's completed steps, which start at 1
+  and count the windows that generated anything; the cycle's wait times and wait samples),
+  then ``should_activate_after_step``; on True the hybrids activate (plus verl's rebalance with
+  ``rebalance=true``); once the activation has completed (its duration is part of the
+  context), ``update_after_step``, and the cycle's switch durations start again at 0;
+- at every trainer step (``TrainerReady``): ``should_deactivate`` (version, hybrids active);
+  on True ``deactivate_wait_samples``, and the hybrids deactivate once the ready queue holds
+  that many groups (verl's ``wait_for_enough_samples``); the deactivation's duration adds to
+  the cycle's.
+A "sample" is one prompt group. The wait times and queue sizes in the context are the
+trainer's own, taken when it has its GPUs back (see ``TrainerStepDone``).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
 from tidal.control.policy import (
@@ -25,271 +33,194 @@ from tidal.control.policy import (
     default_prefix,
     register_policy,
 )
+from tidal.control.verl_hooks import (
+    DEFAULT_SWITCH_COST_S,
+    INITIAL_PER_SAMPLE_TIME_S,
+    DefaultHooks,
+    FixedRatioHooks,
+    StaticHooks,
+    VerlContext,
+    dispatch_budget,
+)
 from tidal.errors import ConfigError
 from tidal.types import CellKind, Role
 
-DEFAULT_SWITCH_COST_S = 10.0
-INITIAL_PER_SAMPLE_TIME_S = 1000.0
-
-
-@dataclass(frozen=True)
-class VerlContext:
-    """verl's ``DynamicScheduleContext``, field for field."""
-
-    required_samples: int
-    trigger_parameter_sync_step: int
-    total_generated_samples: int
-    expected_samples: int
-    buffer_samples: int
-    step_wait_times: tuple[float, ...] = ()
-    step_wait_samples: tuple[int, ...] = ()
-    only_hybrid: bool = False
-    last_activate_duration_s: float = 0.0
-    last_deactivate_duration_s: float = 0.0
-    switch_cycle: int = -1
-
-    @property
-    def step_required_samples(self) -> int:
-        return self.required_samples * self.trigger_parameter_sync_step
-
-
-def context_from(obs: Observation) -> VerlContext:
-    required = obs.batch_groups
-    trigger = obs.updates_per_burst
-    return VerlContext(
-        required_samples=required,
-        trigger_parameter_sync_step=trigger,
-        total_generated_samples=obs.groups_generated,
-        expected_samples=required * trigger * obs.version,
-        buffer_samples=obs.ready_groups,
-        step_wait_times=obs.cycle_wait_times_s,
-        step_wait_samples=tuple(max(0, required - q) for q in obs.cycle_queue_at_start),
-        only_hybrid=obs.standalone_slots == 0,
-        last_activate_duration_s=obs.last_activate_duration_s,
-        last_deactivate_duration_s=obs.last_deactivate_duration_s,
-        switch_cycle=obs.switch_cycle,
-    )
-
-
-def dispatch_budget(required: int, staleness_threshold: float, trigger: int) -> int:
-    """verl's per-version dispatch budget (also the message-queue bound)."""
-    return int(required * (1 + staleness_threshold) * trigger)
-
-
-def _check_ratio(r: float) -> float:
-    if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 <= r <= 1.0:
-        raise ConfigError("policy.args.deactivate_ratio", f"must be in [0, 1], got {r!r}")
-    return float(r)
-
-
-class DefaultHooks:
-    """verl ``default``: adaptive ratio with a cost/benefit activation gate."""
-
-    def __init__(self, deactivate_ratio: float = 0.3, only_hybrid: bool = False,
-                 clamp: bool = False) -> None:
-        self.deactivate_ratio = _check_ratio(deactivate_ratio)
-        self.only_hybrid = only_hybrid
-        self.clamp = clamp
-        self.per_sample_time_s = INITIAL_PER_SAMPLE_TIME_S
-        self.switch_costs: deque[float] = deque(maxlen=3)
-        self._recorded_cycle = -1
-
-    def should_deactivate(self, global_steps: int, is_hybrid_active: bool,
-                          ctx: VerlContext) -> bool:
-        return is_hybrid_active
-
-    def deactivate_wait_samples(self, ctx: VerlContext) -> int:
-        # only_hybrid forces r = 1 from the first cycle on: with no standalone engine nothing
-        # produces while the hybrids train, so the queue must hold the whole version first.
-        ratio = 1.0 if (self.only_hybrid or ctx.only_hybrid) else self.deactivate_ratio
-        return int(ctx.step_required_samples * ratio)
-
-    def switch_cost_s(self) -> float:
-        if not self.switch_costs:
-            return DEFAULT_SWITCH_COST_S
-        return sum(self.switch_costs) / len(self.switch_costs)
-
-    def _observe(self, ctx: VerlContext) -> None:
-        if ctx.switch_cycle > self._recorded_cycle and ctx.last_activate_duration_s > 0 \
-                and ctx.last_deactivate_duration_s > 0:
-            self.switch_costs.append(ctx.last_activate_duration_s + ctx.last_deactivate_duration_s)
-            self._recorded_cycle = ctx.switch_cycle
-        waits, samples = sum(ctx.step_wait_times), sum(ctx.step_wait_samples)
-        if waits > 0 and samples > 0:
-            self.per_sample_time_s = waits / samples
-
-    def gap(self, ctx: VerlContext) -> float:
-        return self.deactivate_ratio * ctx.step_required_samples - (
-            ctx.total_generated_samples - ctx.expected_samples)
-
-    def should_activate_after_step(self, global_steps: int, is_hybrid_active: bool,
-                                   ctx: VerlContext) -> bool:
-        self._observe(ctx)
-        if self.only_hybrid or ctx.only_hybrid:
-            return True
-        gap = self.gap(ctx)
-        return gap > 0 and gap * self.per_sample_time_s > self.switch_cost_s()
-
-    def request_rebalance(self, global_steps: int, ctx: VerlContext) -> None:
-        return None
-
-    def update_after_step(self, global_steps: int, ctx: VerlContext) -> None:
-        if self.only_hybrid or ctx.only_hybrid:
-            self.deactivate_ratio = 1.0
-            return
-        wait = sum(ctx.step_wait_samples)
-        sr = ctx.step_required_samples
-        if wait > 0:
-            self.deactivate_ratio = min(1.0, self.deactivate_ratio
-                                        + min(0.1, max(0.02, wait / sr)))
-        else:
-            self.deactivate_ratio -= 0.02
-        if self.clamp:
-            lo = 1.0 / ctx.trigger_parameter_sync_step
-            self.deactivate_ratio = min(1.0, max(lo, self.deactivate_ratio))
-
-    def state(self) -> dict[str, Any]:
-        return {"deactivate_ratio": round(self.deactivate_ratio, 6),
-                "per_sample_time_s": round(self.per_sample_time_s, 6),
-                "switch_cost_s": round(self.switch_cost_s(), 6)}
-
-
-class FixedRatioHooks(DefaultHooks):
-    """verl ``fixed_ratio``: the ratio never adapts; activation is the pure gap check."""
-
-    def should_activate_after_step(self, global_steps: int, is_hybrid_active: bool,
-                                   ctx: VerlContext) -> bool:
-        if self.only_hybrid or ctx.only_hybrid:
-            return True
-        return (ctx.total_generated_samples - ctx.expected_samples) < (
-            self.deactivate_ratio * ctx.step_required_samples)
-
-    def update_after_step(self, global_steps: int, ctx: VerlContext) -> None:
-        return None
-
-
-class StaticHooks(DefaultHooks):
-    """verl ``static_fully_async``: deactivate at once, never activate — unless there are no
-    standalone replicas (only_hybrid), which is the colocated fallback."""
-
-    def deactivate_wait_samples(self, ctx: VerlContext) -> int:
-        # Colocated fallback (no standalone engine): roll out the whole version, then train.
-        return ctx.step_required_samples if (self.only_hybrid or ctx.only_hybrid) else 0
-
-    def should_activate_after_step(self, global_steps: int, is_hybrid_active: bool,
-                                   ctx: VerlContext) -> bool:
-        return self.only_hybrid or ctx.only_hybrid
-
-    def update_after_step(self, global_steps: int, ctx: VerlContext) -> None:
-        return None
+__all__ = ["DEFAULT_SWITCH_COST_S", "INITIAL_PER_SAMPLE_TIME_S", "DefaultHooks",
+           "FixedRatioHooks", "StaticHooks", "VerlContext", "VerlScheduler", "dispatch_budget"]
 
 
 class VerlScheduler:
-    """verl's ``DynamicResourceController`` state machine as a tidal Policy."""
+    """verl's ``DynamicResourceController`` driven as ``FullyAsyncTrainer`` drives it."""
 
     waterlevel_safe = False
 
-    def __init__(self, name: str, hooks: DefaultHooks, rebalance: bool = False) -> None:
+    def __init__(self, name: str, hooks: DefaultHooks, rebalance: bool = False,
+                 staleness_threshold: float = 1.0) -> None:
+        if not isinstance(rebalance, bool):
+            raise ConfigError("policy.args.rebalance", "must be true or false")
         self.name = name
         self.hooks = hooks
         self.rebalance = rebalance
-        self._hybrid: tuple[int, ...] = ()
-        self._hybrid_of = -1
-        self._started = False
-        self._synced_version = 0
-        self._cycle_checked_step = -1
+        self.staleness_threshold = float(staleness_threshold)
+        # verl's static_fully_async never activates: with no standalone engine nothing rolls
+        # out, so the controller refuses to start (unless the colocated fallback is on).
+        self.requires_rollout_at_start = (isinstance(hooks, StaticHooks)
+                                          and not hooks.colocated_fallback)
+        self._hybrid: tuple[int, ...] | None = None
+        self._synced_version = -1  # the parameter sync before training is version 0
+        self._checked_step = -1
         self._wait_target: int | None = None
-        self._activating = False  # an activation was decided and has not completed yet
+        self._moving: Role | None = None  # the target role of our plan in flight
+        self._update: tuple[int, VerlContext] | None = None  # update_after_step to run
+        self._ctx: VerlContext | None = None  # verl's persistent context, as of the last sync
+        self._activate_s = 0.0  # this cycle's switch durations (verl: += per switch)
+        self._deactivate_s = 0.0
+        self._completed_steps = 1  # the rollouter's counter (starts at 1)
+        self._generated_at_sync = 0
         self.last_hook = ""
 
     def initial_prefix(self, cells: tuple[CellView, ...]) -> int:
         n = default_prefix(cells)
         if any(c.kind is CellKind.HYBRID for c in cells[n:]):
             raise ConfigError("cluster.cells", "hybrid cells must lead the cell order")
-        return n
+        return n  # verl: the hybrid replicas sleep until the first activation
 
     def state(self) -> dict[str, Any]:
         return {**self.hooks.state(), "wait_target": self._wait_target,
                 "last_hook": self.last_hook}
 
-    def _active(self, obs: Observation) -> bool:
-        return any(obs.cells[i].role is Role.ROLLOUT for i in self._hybrid)
+    # ------------------------------------------------------------------ context
+    def _context(self, obs: Observation, expected: int) -> VerlContext:
+        r, t = obs.batch_groups, obs.updates_per_burst
+        return VerlContext(
+            required_samples=r, trigger_parameter_sync_step=t,
+            total_generated_samples=obs.groups_generated, expected_samples=expected,
+            buffer_samples=r * t * self.staleness_threshold,
+            step_wait_times=obs.cycle_wait_times_s,
+            step_wait_samples=tuple(max(0, r - q) for q in obs.cycle_queue_at_start),
+            only_hybrid=self.hooks.only_hybrid,
+            last_activate_duration_s=self._activate_s,
+            last_deactivate_duration_s=self._deactivate_s)
 
+    def _live_ctx(self) -> VerlContext:
+        assert self._ctx is not None
+        return dataclasses.replace(self._ctx, last_activate_duration_s=self._activate_s,
+                                   last_deactivate_duration_s=self._deactivate_s)
+
+    def _all(self, obs: Observation, role: Role) -> bool:
+        assert self._hybrid is not None
+        return all(obs.cells[i].role is role for i in self._hybrid)
+
+    def _plan(self, action: Action, reason: str) -> Decision:
+        self._moving = Role.TRAINING if action is Action.TO_TRAINING else Role.ROLLOUT
+        opts = {"rebalance": self.rebalance} if action is Action.TO_ROLLOUT else {}
+        assert self._hybrid is not None
+        return Decision(action, self._hybrid, reason, PlanStyle.VERL, opts)
+
+    # ------------------------------------------------------------------- decide
     def decide(self, obs: Observation) -> Decision:
-        if self._hybrid_of != len(obs.cells):
-            # Cell kinds never change: find the hybrid cells once per cluster layout.
+        if self._hybrid is None:
             self._hybrid = tuple(c.index for c in obs.cells if c.kind is CellKind.HYBRID)
-            self._hybrid_of = len(obs.cells)
-        if obs.in_flight or not self._hybrid:
-            return Decision.hold("transition in flight" if obs.in_flight else "no hybrid cells")
-        active = self._active(obs)
-        if active:
-            self._activating = False
-        if self._activating and obs.version <= self._synced_version:
-            # The activation plan aborted (the controller restored the training role): issue it
-            # again, as the deactivation target is kept until it completes. Without it, a
-            # cluster of hybrid cells only would never roll out again.
-            return Decision(Action.TO_ROLLOUT, self._hybrid, "activate again after an abort",
-                            PlanStyle.VERL, {"rebalance": self.rebalance})
-        if self._wait_target is not None and all(
-                obs.cells[i].role is Role.TRAINING for i in self._hybrid):
-            self._wait_target = None  # the deactivation completed
-        ctx = context_from(obs)
-        if not self._started or obs.version > self._synced_version:
-            # After a weight sync (and once at start-up, after the initial sync).
-            self._started = True
-            self._synced_version = obs.version
-            self._wait_target = None
-            activate = (not active) and self.hooks.should_activate_after_step(
-                obs.trainer_step, active, ctx)
-            if obs.version > 0:
-                self.hooks.update_after_step(obs.trainer_step, ctx)
-            self.last_hook = "should_activate_after_step"
-            if activate:
-                self._activating = True
-                return Decision(Action.TO_ROLLOUT, self._hybrid,
-                                "activate hybrid replicas after weight sync",
-                                PlanStyle.VERL, {"rebalance": self.rebalance})
-            return Decision.hold("stay standalone-only after weight sync")
-        # The first trainer step of a cycle checks deactivation (verl); so does any step that
-        # finds no cell training (an activation that completed after the version's first
-        # step, e.g. retried after an abort): the trainer could never run otherwise.
-        starved = not any(c.role is Role.TRAINING for c in obs.cells)
-        if active and obs.trainer_waiting and (obs.steps_in_version == 0 or starved) \
-                and self._cycle_checked_step != obs.trainer_step:
-            self._cycle_checked_step = obs.trainer_step
+            self.hooks.set_only_hybrid(obs.standalone_gpus == 0 or self.hooks.only_hybrid)
+        if obs.in_flight:
+            return Decision.hold("transition in flight")
+        if not self._hybrid:
+            return Decision.hold("no hybrid cells")
+        if self._moving is not None:
+            if self._all(obs, self._moving):  # our plan completed
+                if self._moving is Role.TRAINING:
+                    self._deactivate_s += obs.last_deactivate_duration_s
+                    self._wait_target = None
+                else:
+                    self._activate_s += obs.last_activate_duration_s
+                self._moving = None
+            elif self._moving is Role.ROLLOUT:
+                # The activation aborted (the controller restored training): issue it again;
+                # a cluster of hybrid cells only would never roll out otherwise.
+                return self._plan(Action.TO_ROLLOUT, "activate again after an abort")
+            else:
+                self._moving = None  # a deactivation aborted: the wait target stays
+        if self._update is not None:
+            version, ctx = self._update
+            self._update = None
+            self.hooks.update_after_step(version, dataclasses.replace(
+                ctx, last_activate_duration_s=self._activate_s,
+                last_deactivate_duration_s=self._deactivate_s))
+            self._activate_s = self._deactivate_s = 0.0
+            self.last_hook = "update_after_step"
+        active = self._all(obs, Role.ROLLOUT)
+        if obs.version > self._synced_version:
+            return self._after_sync(obs, active)
+        if obs.trainer_waiting and (self._checked_step != obs.trainer_step or (
+                active and self._wait_target is None
+                and not any(c.role is Role.TRAINING for c in obs.cells))):
+            # A trainer step begins (verl: every fit step asks). Asked again when the step
+            # finds the hybrids active with no target and nothing training (an activation
+            # retried after an abort completed mid-step): the trainer would never run.
+            self._checked_step = obs.trainer_step
             self.last_hook = "should_deactivate"
-            if self.hooks.should_deactivate(obs.trainer_step, active, ctx):
+            ctx = self._live_ctx()
+            if self.hooks.should_deactivate(obs.version, active, ctx) and active:
                 self._wait_target = self.hooks.deactivate_wait_samples(ctx)
         if active and self._wait_target is not None:
             if obs.ready_groups >= self._wait_target:
-                # The target stays until the hybrids are back in training: if the deactivation
-                # plan aborts, they are active again and it is re-issued.
-                return Decision(Action.TO_TRAINING, self._hybrid,
-                                f"deactivate: queue {obs.ready_groups} >= {self._wait_target}",
-                                PlanStyle.VERL)
+                return self._plan(Action.TO_TRAINING, f"deactivate: queue {obs.ready_groups} "
+                                  f">= {self._wait_target}")
             return Decision.hold(f"deactivate waits: queue {obs.ready_groups} < "
                                  f"{self._wait_target}")
         return Decision.hold("hybrid active" if active else "standalone only")
+
+    def _after_sync(self, obs: Observation, active: bool) -> Decision:
+        """verl's ``_fit_update_weights``: activation check, activation, then (once it has
+        completed) ``update_after_step``; the rollouter's completed steps move on."""
+        r, t = obs.batch_groups, obs.updates_per_burst
+        ctx = self._ctx = self._context(obs, r * t * self._completed_steps)
+        self._synced_version = obs.version
+        self._wait_target = None
+        self.last_hook = "should_activate_after_step"
+        activate = self.hooks.should_activate_after_step(obs.version, active, ctx)
+        if obs.groups_generated > self._generated_at_sync:  # verl's reset_staleness
+            self._completed_steps += 1
+        self._generated_at_sync = obs.groups_generated
+        self._update = (obs.version, ctx)
+        if activate and not active:
+            self.hooks.request_rebalance(obs.version, ctx)
+            return self._plan(Action.TO_ROLLOUT, f"activate hybrid replicas after the sync "
+                              f"of version {obs.version}")
+        return self.decide(obs)  # nothing to wait for: update_after_step now
+
+
+def _scheduler(name: str, hooks: DefaultHooks, rebalance: bool,
+               staleness_threshold: float) -> VerlScheduler:
+    if isinstance(staleness_threshold, bool) or not isinstance(staleness_threshold, int | float) \
+            or staleness_threshold < 0:
+        raise ConfigError("policy.args.staleness_threshold", "must be a number >= 0")
+    return VerlScheduler(name, hooks, rebalance, staleness_threshold)
 
 
 @register_policy("verl-default", "verl default: adaptive deactivate ratio (r0=0.3), "
                  "cost/benefit activation gate; args deactivate_ratio, clamp, rebalance")
 def verl_default(deactivate_ratio: float = 0.3, clamp: bool = False, rebalance: bool = False,
-                 only_hybrid: bool = False) -> VerlScheduler:
-    return VerlScheduler("verl-default", DefaultHooks(deactivate_ratio, only_hybrid, clamp),
-                         rebalance)
+                 only_hybrid: bool = False, staleness_threshold: float = 1.0) -> VerlScheduler:
+    return _scheduler("verl-default", DefaultHooks(deactivate_ratio, only_hybrid, clamp),
+                      rebalance, staleness_threshold)
 
 
 @register_policy("verl-fixed-ratio", "verl fixed_ratio: constant deactivate ratio, pure gap "
                  "activation check; args deactivate_ratio, rebalance")
 def verl_fixed_ratio(deactivate_ratio: float = 0.3, rebalance: bool = False,
-                     only_hybrid: bool = False) -> VerlScheduler:
-    return VerlScheduler("verl-fixed-ratio", FixedRatioHooks(deactivate_ratio, only_hybrid),
-                         rebalance)
+                     only_hybrid: bool = False,
+                     staleness_threshold: float = 1.0) -> VerlScheduler:
+    return _scheduler("verl-fixed-ratio", FixedRatioHooks(deactivate_ratio, only_hybrid),
+                      rebalance, staleness_threshold)
 
 
-@register_policy("verl-static", "verl static_fully_async: hybrid replicas never roll out "
-                 "(colocated fallback without standalone engines)")
-def verl_static(only_hybrid: bool = False) -> VerlScheduler:
-    return VerlScheduler("verl-static", StaticHooks(0.0, only_hybrid))
+@register_policy("verl-static", "verl static_fully_async: hybrid replicas never roll out; "
+                 "arg colocated_fallback (roll out on them when there is no standalone engine)")
+def verl_static(colocated_fallback: bool = False, only_hybrid: bool = False,
+                staleness_threshold: float = 1.0) -> VerlScheduler:
+    return _scheduler("verl-static", StaticHooks(0.3, only_hybrid, colocated_fallback), False,
+                      staleness_threshold)
+
+
+from tidal.control import verl_switch  # noqa: E402,F401  (registers verl-switch)

@@ -3,8 +3,8 @@
 In: trainer steps (``step``), live-state samples (``sample_state``, every
 ``runtime.state_every_s``), the controller's timeline and the actuator's step log at the end,
 and the figures of every part for ``summary``. Out, in the run directory: ``metrics.jsonl`` (one
-line per optimizer step; the final step of a burst also carries verl's ``dynamic_resource/*``
-metrics of that weight version), ``state.jsonl``, ``timeline.json`` (per cell,
+line per optimizer step; the first step after a weight version closed also carries verl's
+metrics of that version), ``state.jsonl``, ``timeline.json`` (per cell,
 ``[start_s, end_s, role]`` segments since the first dispatch), ``steps.jsonl`` and
 ``summary.json``. Times are seconds since the first dispatch over every incarnation of a resumed
 run (``elapsed``). Invariant: a resumed run's ``metrics.jsonl`` holds exactly the lines of the
@@ -117,9 +117,6 @@ def step_line(ctl: Any, burst: int, step: int, version: int, report: Any, dt: fl
             "satellites": list(report.members), "groups": list(report.group_ids),
             "micro_steps_by_cell": {str(k): v for k, v in
                                     sorted(report.micro_steps_by_cell.items())}}
-    rows = ctl.metrics.rows
-    if report.final and rows:  # the weight version just closed: verl's metric names
-        line.update({k: round(v, 4) for k, v in rows[-1].items() if "/" in k})
     return line
 
 
@@ -185,5 +182,7 @@ def summary(*, ctl: Any, bursts: int, metrics: list[dict[str, Any]], version: in
         "satellite_starts": actuator.satellite_starts,
         "micro_steps_by_cell": sum_by_cell(metrics),
         "mean_reward_per_step": [round(m["mean_reward"], 4) for m in metrics],
+        "verl_metrics": [{k: round(v, 4) for k, v in row.items()}  # one per version
+                         for row in ctl.metrics.rows],
         "mean_reward": (sum(r.reward for r in results) / len(results)) if results else 0.0,
     }

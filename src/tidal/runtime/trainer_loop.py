@@ -20,6 +20,7 @@ from typing import Any
 
 from tidal.clock import Clock
 from tidal.config import RunConfig
+from tidal.control.step_inputs import StepInputs
 from tidal.runtime import checkpoint
 from tidal.runtime.actuator import RayActuator
 from tidal.runtime.cell import RuntimeFailure
@@ -61,6 +62,7 @@ class TrainerLoop:
         self.first_step = ck.state.step if ck else 0
         self.bursts_published = self.first_step // cfg.control.updates_per_burst
         self._published = asyncio.Condition()
+        self._rows_logged = 0  # verl metric rows (one per closed version) already in a line
 
     async def wait_published(self, burst: int, trainer: asyncio.Task) -> None:
         """Until ``burst`` bursts are published (the dispatcher starts the next one then)."""
@@ -85,15 +87,17 @@ class TrainerLoop:
                 self._published.notify_all()
 
     async def _step(self, burst: int, step: int, final: bool) -> None:
-        wait_s, queue = 0.0, len(self.buffer)
+        wait_s, inputs = 0.0, StepInputs()  # verl's: from the GPUs' return
+        inputs.ready(self.clock.now(), 0 in self.actuator.training, len(self.buffer))
         self.handle(TrainerReady(self.clock.now(), step))  # wants the next batch
         while True:
-            wait_s += await self._core_active()
+            wait_s += await self._core_active(inputs)
             await self.actuator.revive_satellites()
             async with self.actuator.trainer_lock:
                 if 0 not in self.actuator.training:
                     continue  # offloaded between the check and the lock
                 t0 = self.clock.now()
+                inputs.collected(t0, len(self.buffer))
                 report = await asyncio.get_running_loop().run_in_executor(
                     self.pool, self.core.train_step, final)
                 break
@@ -101,21 +105,30 @@ class TrainerLoop:
         if report is None:
             raise RuntimeFailure(f"step {step}: the trainer got no data")
         self.handle(GroupsAssigned(self.clock.now(), tuple(report.group_ids)))
-        self.handle(TrainerStepDone(self.clock.now(), step, wait_s=wait_s, queue_at_start=queue,
-                                    compute_s=dt, alloc_s=dt, final_of_burst=final))
+        tm = inputs.done(self.clock.now())
+        self.handle(TrainerStepDone(
+            self.clock.now(), step, wait_s=tm.wait_s, queue_at_start=tm.queue_at_start,
+            compute_s=report.compute_s + report.update_s, alloc_s=tm.alloc_s,
+            final_of_burst=final, wait_for_samples_s=tm.no_gpu_s))
         if final:
             await self.publisher.publish(self.core.version)
         self.trained_groups += report.group_ids
-        self.outputs.step(step_line(self.ctl, burst, step, self.core.version, report, dt,
-                                    wait_s, self.outputs.elapsed()))
+        line = step_line(self.ctl, burst, step, self.core.version, report, dt, wait_s,
+                         self.outputs.elapsed())
+        rows = self.ctl.metrics.rows
+        if len(rows) > self._rows_logged:  # a weight version closed: verl's metric names
+            line.update({k: round(v, 4) for k, v in rows[-1].items() if "/" in k})
+            self._rows_logged = len(rows)
+        self.outputs.step(line)
         await self._checkpoint(step, final)
 
-    async def _core_active(self) -> float:
+    async def _core_active(self, inputs: StepInputs) -> float:
         """Wait until cell 0's trainer worker is active and a full batch of groups is ready
         (so a step never holds the trainer lock while waiting for data, which would keep the
         core from returning to rollout); returns the wait."""
         t0, need = self.clock.now(), self.cfg.control.batch_groups
         while 0 not in self.actuator.training or len(self.buffer) < need:
+            inputs.gpus(self.clock.now(), 0 in self.actuator.training, len(self.buffer))
             self.actuator.training_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.actuator.training_changed.wait(), 0.05)

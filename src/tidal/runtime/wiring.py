@@ -163,6 +163,7 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     actuator = RayActuator(clock, admin, engines, weights, c.kv_handoff, parts, link)
     ctl = build_controller(cfg, clock, actuator, DecisionLog(jsonl_file_sink(decisions),
                                                              keep=False))
+    ctl.metrics.budget_groups = c.batch_groups * c.updates_per_burst  # per burst
     handle = parts.guard_handler(ctl.handle)
     actuator.bind(handle)
     bridge = LedgerBridge(handle, clock, admin, buffer, c.group_size, parts)

@@ -12,22 +12,31 @@ On a shared host (CPU runs: every engine on the same cores) the world caps an en
 throughput at its share of the host's (``limit``).
 An engine holds ``slots`` executions (sticky sessions, in tool waits too); only executions
 with a request in flight share the throughput.
+With a cost model (``perf.EngineModel``) the engine is ``replicas`` tensor-parallel replicas
+with the load spread evenly, and the shared speed is the model's ``seq_rate`` of the active
+sequences and their context (each counted at its turn's mean: start + half its work); it is
+recomputed whenever the active set changes (``_rate``), so it is constant between events.
 """
 
 from __future__ import annotations
 
 import heapq
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tidal.sim.perf import EngineModel
 
 EPS_TOKENS = 1e-6
 
 
 class Engine:
-    __slots__ = ("_heap", "_thr", "admitting", "busy_work", "cell", "epoch", "gpus", "limit",
-                 "members", "name", "paused", "seq_cap", "slots", "t", "throughput", "timer",
-                 "timer_t", "v")
+    __slots__ = ("_ctx", "_heap", "_r", "_thr", "admitting", "busy_work", "cell", "ctx_sum",
+                 "epoch", "gpus", "limit", "members", "model", "name", "paused", "replicas",
+                 "seq_cap", "slots", "t", "throughput", "timer", "timer_t", "v")
 
     def __init__(self, name: str, gpus: int, slots: int, throughput_tok_s: float,
-                 seq_cap_tok_s: float, cell: int | None = None) -> None:
+                 seq_cap_tok_s: float, cell: int | None = None,
+                 model: EngineModel | None = None) -> None:
         self.name = name
         self.gpus = gpus
         self.slots = slots
@@ -46,6 +55,11 @@ class Engine:
         self.timer_t: float | None = None
         self._heap: list[tuple[float, int]] = []
         self._thr: dict[int, float] = {}
+        self.model = model
+        self.replicas = max(1, gpus // model.tp) if model is not None else 1
+        self._ctx: dict[int, float] = {}
+        self.ctx_sum = 0.0
+        self._r = 0.0  # the speed every active sequence gets now (tokens/s)
 
     # ---------------------------------------------------------------- queries
     @property
@@ -57,11 +71,27 @@ class Engine:
         return self.slots - len(self.members)
 
     def rate(self) -> float:
+        return self._r
+
+    def _rate(self) -> None:
         n = len(self._thr)
         if n == 0 or self.paused:
-            return 0.0
-        r = min(self.throughput, self.limit) / n
-        return r if r < self.seq_cap else self.seq_cap
+            self._r = 0.0
+            return
+        m = self.model
+        if m is None:
+            r = min(self.throughput, self.limit) / n
+            self._r = r if r < self.seq_cap else self.seq_cap
+        else:
+            k = self.replicas
+            # Spread evenly over the replicas; fewer sequences than replicas run alone.
+            self._r = (m.seq_rate(n / k, self.ctx_sum / k) if n >= k
+                       else m.seq_rate(1, self.ctx_sum / n))
+
+    def set_limit(self, limit: float, now: float) -> None:
+        self.advance(now)
+        self.limit = limit
+        self._rate()
 
     def has(self, seq: int) -> bool:
         return seq in self._thr
@@ -70,12 +100,9 @@ class Engine:
         return max(0.0, self._thr[seq] - self.v)
 
     def next_finish(self) -> float | None:
-        n = len(self._thr)
-        if n == 0 or self.paused:
+        r = self._r
+        if r <= 0.0:
             return None
-        r = min(self.throughput, self.limit) / n
-        if r > self.seq_cap:
-            r = self.seq_cap
         heap, thr = self._heap, self._thr
         while heap and thr.get(heap[0][1]) != heap[0][0]:
             heapq.heappop(heap)
@@ -87,28 +114,39 @@ class Engine:
     def advance(self, now: float) -> None:
         dt = now - self.t
         if dt > 0.0:
-            n = len(self._thr)
-            if n and not self.paused:
-                r = min(self.throughput, self.limit) / n
-                if r > self.seq_cap:
-                    r = self.seq_cap
+            r = self._r
+            if r > 0.0:
                 self.v += r * dt
-                self.busy_work += r * dt * n
+                self.busy_work += r * dt * len(self._thr)
             self.t = now
 
-    def add(self, seq: int, work: float, now: float) -> None:
+    def add(self, seq: int, work: float, now: float, ctx_tokens: float = 0.0) -> None:
+        """Starts a sequence of ``work`` decode-token equivalents at ``ctx_tokens`` context."""
         if now > self.t:
             self.advance(now)
-        thr = self.v + (work if work > 0.0 else 0.0)
+        w = work if work > 0.0 else 0.0
+        thr = self.v + w
         self._thr[seq] = thr
         heapq.heappush(self._heap, (thr, seq))
+        if self.model is not None:
+            c = ctx_tokens + 0.5 * w
+            self._ctx[seq] = c
+            self.ctx_sum += c
         self.epoch += 1
+        self._rate()
+
+    def _drop_ctx(self, seq: int) -> None:
+        c = self._ctx.pop(seq, None)
+        if c is not None:
+            self.ctx_sum = self.ctx_sum - c if self._ctx else 0.0
 
     def remove(self, seq: int, now: float) -> float:
         """Takes a sequence out; returns its remaining work."""
         self.advance(now)
         thr = self._thr.pop(seq)
+        self._drop_ctx(seq)
         self.epoch += 1
+        self._rate()
         return max(0.0, thr - self.v)
 
     def pop_finished(self, now: float) -> list[int]:
@@ -120,9 +158,11 @@ class Engine:
             t_, seq = heapq.heappop(heap)
             if thr.get(seq) == t_:
                 del thr[seq]
+                self._drop_ctx(seq)
                 out.append(seq)
         if out:
             self.epoch += 1
+            self._rate()
         return out
 
     def set_paused(self, paused: bool, now: float) -> None:
@@ -130,6 +170,7 @@ class Engine:
             self.advance(now)
             self.paused = paused
             self.epoch += 1
+            self._rate()
 
     def sequences(self) -> list[int]:
         return list(self._thr)

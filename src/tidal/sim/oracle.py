@@ -24,7 +24,10 @@ Facts every run obeys (each is a property of the simulated system, not of a poli
 (F5) Only cells train, with the speed of ``train_rate_tok_s``: ``k`` cells of ``g`` GPUs
      process ``r * g * e**log2(k)`` tokens/s, so a token costs ``1 / (r * e**log2(k))``
      GPU-seconds; standalone engines never train. Rollout work runs at ``decode_tok_s_per_gpu``
-     per GPU at best; during every weight sync all standalone engines are paused.
+     per GPU at best, and with a cost model whose peak is memory-bound every decoded token
+     also reads its context's KV cache (``kv_gpu_s_per_ctx_token`` per context token: a
+     step lasts at least its bytes over the bandwidth, ``tidal.sim.perf``); during every
+     weight sync all standalone engines are paused.
 (F6) A step's compute ends with at least one cell in training (the rate must be > 0). That
      cell neither trains during the optimizer step (nor, after a version's last step, during
      the sync) nor decodes before a return to rollout completes (``tau_r``, the shortest
@@ -87,6 +90,7 @@ from dataclasses import dataclass
 
 from tidal.control.plans import QWENGYRE_TO_ROLLOUT, VERL_ACTIVATE, StepKind
 from tidal.control.verl import dispatch_budget
+from tidal.sim import perf
 from tidal.sim.costs import kv_handoff_s, step_duration_s, train_rate_tok_s
 from tidal.sim.scenario import FAMILY_PROFILES, Scenario
 from tidal.sim.workloads import make_workload
@@ -146,7 +150,7 @@ def candidate_groups(sc: Scenario) -> int:
 
 def draw_candidates(sc: Scenario) -> Candidates:
     eng, tr = sc.engine, sc.trainer
-    wl = make_workload(sc.workload, sc.seed)
+    wl = make_workload(sc.workload, sc.seed, sc.control.batch_groups)
     out = Candidates([], [], [], [], [], [], [], math.inf)
     min_timeout = math.inf
     max_ctx = 0
@@ -155,17 +159,20 @@ def draw_candidates(sc: Scenario) -> Candidates:
         for spec in wl.group(sc.control.group_size):
             dec = pre = 0
             tools_s = 0.0
+            ctx, ctx_sum = spec.prompt_tokens, 0.0
             for d_tok, tool_s, out_tok in spec.turns:
                 dec += d_tok
                 pre += out_tok
                 tools_s += tool_s
+                ctx_sum += d_tok * ctx + d_tok * (d_tok - 1) / 2  # context of each token
+                ctx += d_tok + out_tok
             # Nothing follows the last turn: no tool wait, no tool output to prefill.
             # The longest context an execution can reach: prompt, every turn and tool output.
             max_ctx = max(max_ctx, spec.prompt_tokens + dec + pre)
             pre += spec.prompt_tokens - spec.turns[-1][2]
             tools_s -= spec.turns[-1][1]
             work = dec + pre * eng.prefill_equiv
-            roll += work / eng.decode_tok_s_per_gpu
+            roll += work / eng.decode_tok_s_per_gpu + ctx_sum * eng.kv_gpu_s_per_ctx_token
             tokens += dec + pre
             tokens_to += dec + pre if spec.timeout_s is None else spec.prompt_tokens
             longest = max(longest, work / eng.seq_cap_tok_s + tools_s)
@@ -334,6 +341,7 @@ def pipeline_bound(sc: Scenario, fastest_s: list[float], train_tok: list[float])
 
 
 def oracle_bound(sc: Scenario) -> OracleBound:
+    sc = perf.resolve(sc)  # with a cost model: peak decode and the cap are upper bounds
     cl, tr = sc.cluster, sc.trainer
     cells = cl.cell_specs()
     gpus = sum(c.gpus for c in cells) + cl.standalone_count * cl.standalone_gpus

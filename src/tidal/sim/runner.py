@@ -18,6 +18,11 @@ from tidal.sim.scenario import Scenario
 from tidal.sim.world import World
 from tidal.types import Role
 
+VERL_MEANS = ("dynamic_resource/train_resource_utilization",
+              "dynamic_resource/rollout_resource_utilization",
+              "dynamic_resource/resource_utilization", "dynamic_resource/mq_size",
+              "fully_async/trainer/idle_ratio", "fully_async/rollouter/idle_ratio")
+
 
 @dataclass
 class RunResult:
@@ -57,11 +62,10 @@ def summarize(world: World, oracle: OracleBound, wall_s: float) -> dict[str, Any
     ctl = c.summary()
     rows = c.metrics.rows
     verl = {}
-    if rows:
-        for key in ("dynamic_resource/train_resource_utilization",
-                    "dynamic_resource/rollout_resource_utilization",
-                    "dynamic_resource/resource_utilization", "dynamic_resource/mq_size"):
-            verl[key] = round(sum(r[key] for r in rows) / len(rows), 4)
+    for key in VERL_MEANS:  # means over the rows that have them (verl's first may not)
+        vals = [r[key] for r in rows if key in r]
+        if vals:
+            verl[key] = round(sum(vals) / len(vals), 4)
     return {
         "scenario": world.scenario.name,
         "policy": world.spec,

@@ -40,6 +40,18 @@ class Dist(Strict):
     lo: float = Field(0.0, ge=0.0)
 
 
+class Drift(Strict):
+    """A linear trend over the run, in optimizer steps' worth of groups drawn (draw order, so
+    every policy sees the same workload): the class's medians are multiplied by
+    ``max(floor, 1 + growth * groups_drawn / batch_groups)``."""
+
+    decode_growth_per_step: float = Field(0.0, description="relative growth of the decode "
+                                                           "median per optimizer step")
+    turns_growth_per_step: float = Field(0.0, description="relative growth of the turns "
+                                                          "median per optimizer step")
+    floor: float = Field(0.1, gt=0.0, description="smallest multiplier")
+
+
 class ExecutionClass(Strict):
     """One kind of execution (math answer, search agent, coding agent...)."""
 
@@ -55,6 +67,7 @@ class ExecutionClass(Strict):
                                description="share of log-variance common to a GRPO group")
     timeout_s: float | None = Field(None, gt=0.0)
     success_rate: float = Field(0.5, ge=0.0, le=1.0)
+    drift: Drift | None = Field(None, description="lengths that change over the run")
 
 
 class WorkloadConfig(Strict):
@@ -68,6 +81,10 @@ class EngineConfig(Strict):
     seq_cap_tok_s: float = Field(100.0, gt=0.0, description="per-sequence speed cap")
     prefill_equiv: float = Field(0.02, ge=0.0,
                                  description="decode-token equivalents per prefilled token")
+    kv_gpu_s_per_ctx_token: float = Field(0.0, ge=0.0,
+                                          description="GPU-seconds a decoded token costs per "
+                                                      "token of its context (reading the KV "
+                                                      "cache; set by the cost model)")
     host_tok_s: float | None = Field(None, gt=0.0,
                                      description="every engine shares one host's decode "
                                                  "throughput (CPU runs; None: no sharing)")
@@ -82,6 +99,55 @@ class TrainerConfig(Strict):
     optimizer_s: float = Field(2.0, ge=0.0)
     aggregate_s_per_cell: float = Field(0.5, ge=0.0,
                                         description="gradient aggregation per extra cell")
+
+
+class Efficiencies(Strict):
+    """The only fitted numbers of the cost model (``tidal calibrate --published``)."""
+
+    decode: float = Field(..., gt=0.0, le=1.0, description="share of the HBM-bandwidth / "
+                                                          "compute roofline a decode step gets")
+    mfu: float = Field(..., gt=0.0, le=1.0, description="model FLOPs utilization of training "
+                                                       "and prefill")
+    link: float = Field(0.25, gt=0.0, le=1.0, description="share of link bandwidth weight "
+                                                         "syncs, offload and KV moves get")
+
+
+class CostModelConfig(Strict):
+    """Speeds and costs from first principles (``tidal.sim.perf``) instead of given numbers:
+    ``engine.decode_tok_s_per_gpu``, ``seq_cap_tok_s``, ``prefill_equiv``,
+    ``trainer.train_tok_s_per_gpu``, ``optimizer_s`` and the sync / offload / KV costs are
+    derived (whatever the scenario states for them is replaced)."""
+
+    gpu: str = Field(..., description="a GPU of tidal/sim/data/hardware.yaml")
+    model: str = Field(..., description="a shipped model name or an HF config.json path")
+    engine_tp: int = Field(8, ge=1, description="GPUs per engine replica (tensor parallel); "
+                                                "a cell or engine of g GPUs runs g / tp")
+    mem_fraction: float = Field(0.85, gt=0.0, le=1.0,
+                                description="HBM share of a standalone engine (weights + KV)")
+    hybrid_mem_fraction: float = Field(0.6, gt=0.0, le=1.0,
+                                       description="HBM share of a hybrid cell's engine")
+    step_overhead_s: float = Field(0.003, ge=0.0,
+                                   description="per decode step: scheduling, launches")
+    optimizer_overhead_s: float = Field(2.0, ge=0.0, description="fixed part of a step's "
+                                                                 "update (gather, launch)")
+    recompute: bool = Field(True, description="activation checkpointing: one more forward")
+    old_log_prob: bool = Field(True, description="a forward pass for the old log-probs")
+    ref_log_prob: bool = Field(False, description="a forward pass of the reference model")
+    nominal_context_tokens: int = Field(4000, ge=0,
+                                        description="context at which prefill is priced in "
+                                                    "decode-token equivalents")
+    efficiency: Efficiencies
+
+    @model_validator(mode="after")
+    def _known(self) -> CostModelConfig:
+        from tidal.sim.profiles import load_gpu, load_model
+
+        try:
+            load_gpu(self.gpu)
+            load_model(self.model)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
 
 class CostConfig(Strict):
@@ -129,7 +195,18 @@ class Profile(Strict):
     trainer: TrainerStyle = TrainerStyle.BATCH
     sync: SyncStyle = SyncStyle.ABORT
     kv_handoff: bool = False
+    partial_rollout: bool = Field(True, description="an aborted request keeps its tokens "
+                                                    "(else its turn starts over)")
     staleness_threshold: float | None = Field(None, ge=0.0)
+
+    def label(self) -> str:
+        """The mechanics in a few words, for table rows: dispatch (on demand / burst), trainer
+        (batch / streaming), weight sync (abort / keep), KV handoff or re-prefill, and
+        ``restart`` when an aborted turn starts over (no partial rollout)."""
+        parts = ["demand" if self.dispatch is DispatchStyle.ON_DEMAND else "burst",
+                 "stream" if self.trainer is TrainerStyle.STREAMING else "batch",
+                 self.sync.value, "kv" if self.kv_handoff else "prefill"]
+        return "/".join(parts + ([] if self.partial_rollout else ["restart"]))
 
 
 FAMILY_PROFILES: dict[str, Profile] = {
@@ -178,11 +255,24 @@ class Scenario(Strict):
                                                          "waterlevel", "tidal"])
     policy_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
     profiles: dict[str, Profile] = Field(default_factory=dict)
+    mechanics: str | None = Field(None, description="run every policy with this family's "
+                                                    "mechanics (None: each its own)")
+    costmodel: CostModelConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Scenario:
         if self.control.bursts is None:
             raise ValueError("control.bursts must be set: a simulation needs an end")
+        cm, cl = self.costmodel, self.cluster
+        if cm is not None:
+            sizes = [c.gpus for c in cl.cell_specs()]
+            sizes += [cl.standalone_gpus] if cl.standalone_count else []
+            if any(g % cm.engine_tp for g in sizes):
+                raise ValueError(f"costmodel.engine_tp: {cm.engine_tp} GPUs per replica must "
+                                 f"divide every cell and engine (GPUs: {sorted(set(sizes))})")
+        if self.mechanics is not None and self.mechanics not in FAMILY_PROFILES:
+            raise ValueError(f"mechanics: unknown {self.mechanics!r} (known: "
+                             f"{', '.join(FAMILY_PROFILES)})")
         return self
 
     @property
@@ -193,6 +283,8 @@ class Scenario(Strict):
     def profile_for(self, policy: str) -> Profile:
         if policy in self.profiles:
             return self.profiles[policy]
+        if self.mechanics is not None:
+            return FAMILY_PROFILES[self.mechanics]
         return FAMILY_PROFILES[family_of(policy)]
 
     def staleness_for(self, profile: Profile) -> float:

@@ -29,6 +29,10 @@ def start_sync(w: World, now: float) -> None:
             for ex in sorted(e.members, key=lambda x: x.seq_no):
                 if ex.seg is not None:
                     ex.pending = w.stop_seq(ex)
+                    if not w.profile.partial_rollout:  # the turn starts over
+                        dec = float(ex.spec.turns[ex.turn][0])
+                        w.wasted_tokens += int(max(0.0, dec - ex.pending))
+                        ex.pending = dec
                     w.emit(RequestRetried(now, ex.eid))
                 ex.need_prefill = ex.ctx  # the engine's cache is flushed by the update
         e.set_paused(True, now)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from tidal.control.step_inputs import StepInputs
 from tidal.sim.costs import train_rate_tok_s
 from tidal.sim.scenario import TrainerConfig, TrainerStyle
 from tidal.types import GroupsAssigned, TrainerReady, TrainerStepDone
@@ -50,11 +51,7 @@ class Trainer:
         self.rate = 0.0
         self.epoch = 0
         self._last_t = 0.0
-        self._ready_t = 0.0
-        self._alloc_start = 0.0
-        self._queue_at_start = 0
-        self._gpus_at_ready = 0
-        self._wait_s = 0.0
+        self.inputs = StepInputs()  # wait, queue and allocation as verl measures them
         self.assigned = 0
         self.work_total = 0.0
         self.work_done = 0.0
@@ -68,9 +65,7 @@ class Trainer:
     # ------------------------------------------------------------------ flow
     def begin_step(self, now: float) -> None:
         self.state = TState.COLLECT
-        self._ready_t = now
-        self._queue_at_start = self.w.ledger.ready_unassigned
-        self._gpus_at_ready = self.gpus
+        self.inputs.ready(now, self.gpus > 0, self.w.ledger.ready_unassigned)
         self.assigned = 0
         self.work_total = self.work_done = self.compute_s = 0.0
         self._last_t = now
@@ -107,7 +102,7 @@ class Trainer:
             self.stale_n += n
         if self.state is TState.COLLECT:
             self.state = TState.COMPUTE
-            self._wait_s = now - self._ready_t
+            self.inputs.collected(now, lg.ready_unassigned + len(take))
         self._reschedule(now)
 
     def set_gpus(self, gpus: int, cells: int, now: float) -> None:
@@ -116,6 +111,7 @@ class Trainer:
         self._advance(now)
         self.gpus, self.cells = gpus, cells
         self.rate = train_rate_tok_s(gpus, cells, self.cfg)
+        self.inputs.gpus(now, gpus > 0, self.w.ledger.ready_unassigned)
         self._reschedule(now)
         self.pull(now)
 
@@ -168,17 +164,15 @@ class Trainer:
 
     def _finish_step(self, now: float) -> None:
         final = (self.step + 1) % self.updates_per_burst == 0
-        alloc = now - self._alloc_start
-        wait_samples_s = self._wait_s if self._gpus_at_ready == 0 else 0.0
-        self.steps_log.append({"step": self.step, "t": now, "wait_s": self._wait_s,
-                               "compute_s": self.compute_s, "alloc_s": alloc,
-                               "gpus": self.gpus, "queue_at_start": self._queue_at_start})
-        self.w.emit(TrainerStepDone(now, self.step, wait_s=self._wait_s,
-                                    queue_at_start=self._queue_at_start,
-                                    compute_s=self.compute_s, alloc_s=alloc,
-                                    final_of_burst=final, wait_for_samples_s=wait_samples_s))
+        tm = self.inputs.done(now)
+        self.steps_log.append({"step": self.step, "t": now, "wait_s": tm.wait_s,
+                               "compute_s": self.compute_s, "alloc_s": tm.alloc_s,
+                               "gpus": self.gpus, "queue_at_start": tm.queue_at_start})
+        self.w.emit(TrainerStepDone(now, self.step, wait_s=tm.wait_s,
+                                    queue_at_start=tm.queue_at_start,
+                                    compute_s=self.compute_s, alloc_s=tm.alloc_s,
+                                    final_of_burst=final, wait_for_samples_s=tm.no_gpu_s))
         self.step += 1
-        self._alloc_start = now
         if self.step >= self.total_steps:
             self.state = TState.DONE
             self.w.finish(now)

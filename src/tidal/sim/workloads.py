@@ -64,10 +64,12 @@ def draw(d: Dist, z: float) -> float:
 class ClassWorkload:
     """Groups drawn from weighted execution classes (vectorised per group with numpy)."""
 
-    def __init__(self, classes: list[ExecutionClass], seed: int) -> None:
+    def __init__(self, classes: list[ExecutionClass], seed: int, batch_groups: int = 1) -> None:
         import numpy as np
 
         self.classes = classes
+        self.batch_groups = max(1, batch_groups)
+        self.drawn = 0  # groups drawn so far: the clock of length drift
         self.rng = np.random.default_rng(seed)
         total = sum(c.weight for c in classes)
         self._cum = []
@@ -86,7 +88,8 @@ class ClassWorkload:
     def group(self, size: int) -> list[ExecSpec]:
         import numpy as np
 
-        c = self._pick()
+        c = _drifted(self._pick(), self.drawn / self.batch_groups)
+        self.drawn += 1
         rng = self.rng
         a, b = math.sqrt(c.group_share), math.sqrt(1.0 - c.group_share)
         zg_len, zg_turns, z_ok = rng.standard_normal(3)
@@ -112,6 +115,19 @@ class ClassWorkload:
             out.append(ExecSpec(c.prompt_tokens, tuple(turns), c.timeout_s,
                                 1.0 if rewards[i] else 0.0, c.name))
         return out
+
+
+def _drifted(c: ExecutionClass, steps: float) -> ExecutionClass:
+    """The class with its medians moved by its drift after ``steps`` steps' worth of groups."""
+    d = c.drift
+    if d is None or steps <= 0:
+        return c
+    dec = max(d.floor, 1.0 + d.decode_growth_per_step * steps)
+    turns = max(d.floor, 1.0 + d.turns_growth_per_step * steps)
+    return c.model_copy(update={
+        "decode_tokens": c.decode_tokens.model_copy(
+            update={"median": c.decode_tokens.median * dec}),
+        "turns": c.turns.model_copy(update={"median": c.turns.median * turns})})
 
 
 def _draw_np(d: Dist, z):
@@ -170,10 +186,12 @@ def load_trace(path: str | Path) -> list[list[ExecSpec]]:
     return groups
 
 
-def make_workload(cfg: WorkloadConfig, seed: int) -> ClassWorkload | TraceWorkload:
+def make_workload(cfg: WorkloadConfig, seed: int,
+                  batch_groups: int = 1) -> ClassWorkload | TraceWorkload:
+    """The scenario's workload; ``batch_groups`` (groups per optimizer step) clocks drift."""
     if cfg.trace:
         return TraceWorkload(cfg.trace)
-    return ClassWorkload(cfg.classes, seed)
+    return ClassWorkload(cfg.classes, seed, batch_groups)
 
 
 def write_trace(path: str | Path, groups: list[list[ExecSpec]]) -> None:

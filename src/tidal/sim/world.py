@@ -29,7 +29,7 @@ from tidal.control.factory import build_controller
 from tidal.control.plans import PlanStep, TransitionPlan
 from tidal.control.verl import dispatch_budget
 from tidal.errors import TidalError
-from tidal.sim import dispatch, invariants, moves, sync
+from tidal.sim import dispatch, invariants, moves, perf, sync
 from tidal.sim.actuator import SimActuator
 from tidal.sim.dispatch import ExecRec
 from tidal.sim.engines import Engine
@@ -65,6 +65,7 @@ class Series:
 class World:
     def __init__(self, scenario: Scenario, policy_spec: str, *, check: bool = False,
                  log_sink: Sink | None = None, keep_log: bool = True) -> None:
+        scenario = perf.resolve(scenario)
         self.scenario = scenario
         self.spec = policy_spec
         self.cfg, self.profile = scenario.run_config(policy_spec)
@@ -81,19 +82,25 @@ class World:
         self.budget_groups = dispatch_budget(ctrl.batch_groups,
                                              scenario.staleness_for(self.profile),
                                              ctrl.updates_per_burst)
-        self.workload = make_workload(scenario.workload, scenario.seed)
-        # Engines: one per cell (its rollout role) and one per standalone engine.
+        self.controller.metrics.budget_groups = self.budget_groups  # verl's capacity cap
+        self.workload = make_workload(scenario.workload, scenario.seed, ctrl.batch_groups)
+        # Engines: one per cell (its rollout role) and one per standalone engine; with a cost
+        # model each is g / tp replicas (hybrid cells with their smaller KV cache).
+        models = perf.engine_models(scenario)
+        std, hyb = models if models is not None else (None, None)
+        kinds = [spec.kind for spec in scenario.cluster.cell_specs()]
         self.cell_engines: list[Engine] = []
         self.engine_by_name: dict[str, Engine] = {}
         for c in self.controller.cells.cells:
             e = Engine(c.name, c.gpus, c.slots, eng.decode_tok_s_per_gpu * c.gpus,
-                       eng.seq_cap_tok_s, cell=c.index)
+                       eng.seq_cap_tok_s, cell=c.index,
+                       model=hyb if kinds[c.index] == "hybrid" else std)
             self.cell_engines.append(e)
             self.engine_by_name[c.name] = e
         for s in self.controller.cells.standalone.values():
             self.engine_by_name[s.engine_id] = Engine(
                 s.engine_id, s.gpus, s.slots, eng.decode_tok_s_per_gpu * s.gpus,
-                eng.seq_cap_tok_s)
+                eng.seq_cap_tok_s, model=std)
         self.engines = list(self.engine_by_name.values())
         self._host_tok_s = eng.host_tok_s
         self.trainer = Trainer(self, self.profile.trainer, scenario.trainer, ctrl.batch_groups,
@@ -159,8 +166,7 @@ class World:
             for x in self.engines:
                 lim = host * x.active / n if n else float("inf")
                 if lim != x.limit:
-                    x.advance(self.now)
-                    x.limit = lim
+                    x.set_limit(lim, self.now)
                     if x is not e:
                         self._arm(x)
         self._arm(e)
@@ -270,7 +276,7 @@ class World:
         self.seqs[self._seg] = ex
         e = ex.engine
         assert e is not None
-        e.add(self._seg, work, self.now)
+        e.add(self._seg, work, self.now, ex.ctx)
         self.resched(e)
 
     def stop_seq(self, ex: ExecRec) -> float:

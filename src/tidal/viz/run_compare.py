@@ -1,6 +1,6 @@
 """Side-by-side comparison of ``tidal run`` directories (one config, several policies).
 
-In: two or more run directories (read by ``tidal.viz.run_data``) and an output directory. Out,
+In: two or more run directories (read by ``tidal.rundir``) and an output directory. Out,
 written there: ``reward_compare.png`` (every run's reward per optimizer step, and against wall
 time since the first dispatch), ``compare.md`` and ``compare.json`` with one row per run
 (policy, run time, bursts time, steps, reward first/last quarter, mean reward over GRPO groups

@@ -1,6 +1,6 @@
 """The plots and the short report of one ``tidal run`` directory (files in, files out).
 
-In: a run directory (read by ``tidal.viz.run_data``). Out, written into that directory:
+In: a run directory (read by ``tidal.rundir``). Out, written into that directory:
 - ``roles.png``: cells x time coloured by role (``timeline.json``);
 - ``reward.png``: mean reward per optimizer step with a trailing moving average;
 - ``waterlevel.png``: waterlevel, queued, running and ready groups over time, and the number of

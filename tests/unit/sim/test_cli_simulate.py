@@ -55,3 +55,14 @@ def test_demo_runs(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert len(summary["runs"]) == 6
+
+
+def test_simulate_runs_every_policy_with_the_mechanics_asked(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["simulate", "dapo-math-32gpu", "--bursts", "1", "-p", "static:train=16",
+               "-p", "verl-default", "--mechanics", "tidal", "--no-plots", "--out", str(out)])
+    assert rc == 0
+    assert "demand/stream/keep/kv" in capsys.readouterr().out
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert {r["profile"]["trainer"] for r in runs} == {"streaming"}
+    assert {r["profile"]["kv_handoff"] for r in runs} == {True}

@@ -1,0 +1,84 @@
+"""Published results as a file: loading, errors per row, the efficiency fit and its
+uncertainty, ``tidal validate`` and ``tidal calibrate --published`` end to end."""
+
+import math
+
+import pytest
+import yaml
+
+from tidal.cli import main
+from tidal.errors import ConfigError
+from tidal.sim import calibration
+from tidal.sim import published as P
+from tidal.testing.sim_scenarios import tiny_scenario
+
+
+def test_the_shipped_file_marks_only_the_two_static_rows_for_calibration():
+    pf = P.load("verl-dapo")
+    assert [r.id for r in pf.rows if r.calibrate] == ["static-16+16", "static-8+24"]
+    assert {r.policy for r in pf.rows if not r.calibrate} == {"verl-default"}
+
+
+def test_a_reduction_needs_a_baseline(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({"name": "x", "source": "s", "rows": [
+        {"id": "r", "scenario": "mixed", "policy": "tidal", "metric": "reduction",
+         "published": 0.1}]}))
+    with pytest.raises(ConfigError, match=r"rows\.r\.baseline"):
+        P.load(str(f))
+
+
+def test_errors_are_relative_for_makespans_and_points_for_reductions():
+    pf = P.PublishedFile(name="x", source="s", rows=[
+        P.Row(id="a", scenario="mixed", policy="p", published=2.0),
+        P.Row(id="b", scenario="mixed", policy="p", metric="reduction", baseline="q",
+              published=0.2)])
+    hours = {"p": 2.2, "q": 2.5}
+    out = P.evaluate(pf, lambda name, policy, seed: hours[policy])
+    assert out[0].error == pytest.approx(0.1)
+    assert out[1].predicted == pytest.approx(0.12) and out[1].error == pytest.approx(-0.08)
+    assert "+10.0%" in P.table(pf, out) and "-8.0pt" in P.table(pf, out)
+
+
+def test_the_fit_recovers_known_efficiencies_with_their_spread():
+    # Makespans as power laws of two efficiencies (as the simulator's nearly are), with a
+    # seed-dependent wobble: the fit must land on the truth and report a nonzero spread.
+    truth = {"decode": 0.3, "mfu": 0.45}
+
+    def runner_for(eff):
+        def run(name, policy, seed=0):
+            wobble = 1 + 0.01 * math.sin(seed + len(policy))
+            if policy == "rollout-bound":
+                return 6.0 * (truth["decode"] / eff["decode"]) ** 0.9 * wobble
+            return 5.0 * (truth["mfu"] / eff["mfu"]) ** 0.7 * (
+                truth["decode"] / eff["decode"]) ** 0.2 * wobble
+        return run
+
+    pf = P.PublishedFile(name="x", source="s", rows=[
+        P.Row(id="r", scenario="dapo-math-32gpu", policy="rollout-bound", published=6.0,
+              calibrate=True),
+        P.Row(id="t", scenario="dapo-math-32gpu", policy="train-bound", published=5.0,
+              calibrate=True)])
+    fit = calibration.fit(pf, seeds=3, tol=1e-4, rounds=20, runner_for=runner_for)
+    assert fit.values["decode"] == pytest.approx(0.3, rel=0.02)
+    assert fit.values["mfu"] == pytest.approx(0.45, rel=0.02)
+    assert fit.sd["decode"] > 0 and fit.sd["mfu"] > 0 and "link" in fit.fixed
+
+
+def test_the_fit_refuses_more_unknowns_than_rows():
+    with pytest.raises(ConfigError, match="--fit"):
+        calibration.fit(P.load("verl-dapo"), ("decode", "mfu", "link"))
+
+
+def test_validate_prints_the_table(tmp_path, capsys):
+    sc = tmp_path / "tiny.yaml"
+    sc.write_text(yaml.safe_dump(tiny_scenario(control={"bursts": 2}).model_dump(mode="json")))
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({"name": "tiny-table", "source": "made up", "rows": [
+        {"id": "static", "scenario": str(sc), "policy": "static:train=8", "published": 0.1},
+        {"id": "gain", "scenario": str(sc), "policy": "tidal", "metric": "reduction",
+         "baseline": "static:train=8", "published": 0.05}]}))
+    assert main(["validate", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-table" in out and "prediction" in out and "vs train=8" in out
+    assert main(["validate", str(f), "--tolerance", "0.01"]) == 1
