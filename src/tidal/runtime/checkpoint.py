@@ -226,9 +226,27 @@ def record_processes(run_dir: str | Path) -> None:
     os.replace(tmp, Path(run_dir) / "processes.json")
 
 
+def _writing_logs_of(run_dir: Path) -> list[Any]:
+    """Processes whose output goes to this run's ``logs/`` (engines, satellites, the proxy):
+    one the killed driver started after it last recorded its processes (a replacement
+    engine) is found here; its actor's death left it orphaned, not ended."""
+    import psutil
+
+    logs, me, out = (run_dir / "logs").resolve(), os.getpid(), []
+    for p in psutil.process_iter():
+        try:
+            target = Path(os.readlink(f"/proc/{p.pid}/fd/1"))
+        except OSError:
+            continue
+        if p.pid != me and target.parent == logs:
+            out.append(p)
+    return out
+
+
 def end_stale_processes(run_dir: str | Path, timeout_s: float = 10.0) -> int:
     """Before a resume: refuse if the recorded driver still runs; otherwise kill what it left
-    (only processes whose pid *and* start time match the record). Returns how many."""
+    (processes whose pid *and* start time match the record, and any process still writing
+    to this run's ``logs/``). Returns how many."""
     import psutil
 
     path = Path(run_dir) / "processes.json"
@@ -246,6 +264,8 @@ def end_stale_processes(run_dir: str | Path, timeout_s: float = 10.0) -> int:
     if any(p.pid == data["driver"] for p in alive):
         raise ConfigError("--resume", f"{run_dir} is still being run by pid {data['driver']}; "
                           "stop it first")
+    known = {p.pid for p in alive}
+    alive += [p for p in _writing_logs_of(Path(run_dir)) if p.pid not in known]
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.kill()

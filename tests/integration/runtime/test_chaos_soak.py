@@ -20,6 +20,8 @@ from pathlib import Path
 import psutil
 import yaml
 
+from tidal.runtime import checkpoint
+
 from .test_resume import _checkpoint_step
 from .test_tiny_run import CONFIG, expected_groups
 
@@ -169,3 +171,6 @@ def test_chaos_soak_loses_nothing(tmp_path, capsys):
     assert len(trained) == len(set(trained)), "a group was trained twice"
     assert sorted(trained) == expected_groups(cfg)  # = an uninterrupted run's trained set
     assert counts["executions"] == 200
+    # nothing either incarnation started outlives the run (a replacement engine started by
+    # the killed driver after it last recorded its processes included)
+    assert checkpoint._writing_logs_of(out) == []
