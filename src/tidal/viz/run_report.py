@@ -7,6 +7,7 @@ In: a run directory (read by ``tidal.viz.run_data``). Out, written into that dir
   training cells as a step line (``state.jsonl``);
 - ``utilization.png``: verl's train / rollout / cluster utilization per weight version (the
   ``dynamic_resource/*`` metrics on each burst's final step);
+- ``trace.json``: the run as a Chrome trace-event file for Perfetto (``tidal.viz.trace``);
 - ``report.md``: the run in one line, its totals, reward first vs last quarter, a table of
   bursts, and the plots as relative image links.
 Invariant: everything shown is read from the files; a plot whose input is missing is skipped
@@ -54,6 +55,9 @@ def write_report(run_dir: str | Path) -> list[Path]:
         else:
             target.unlink(missing_ok=True)
             skipped.append((name, missing))
+    from tidal.viz import trace, trace_sources
+
+    written.append(trace.write([trace_sources.from_run_dir(run.path)], run.path / "trace.json"))
     report = run.path / "report.md"
     report.write_text(render_report(run, shown, skipped))
     written.append(report)
@@ -112,6 +116,9 @@ def render_report(run: RunData, shown: list[tuple[str, str]],
         out += [f"![{title}]({name})", ""]
     for name, why in skipped:
         out.append(f"- `{name}` skipped: {why}")
+    out += ["", "`trace.json`: the run as a Chrome trace (cells as tracks with their roles, "
+            "every move with its steps, reroutes as arrows, trainer steps, weight "
+            "publications); open it at https://ui.perfetto.dev."]
     return "\n".join(out).rstrip() + "\n"
 
 
