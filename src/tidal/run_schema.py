@@ -111,7 +111,9 @@ class ExecutionLine(_Line):
 
 
 class DecisionLine(_Line):
-    """``decisions.jsonl``: a scheduling decision or a plan record of the controller."""
+    """``decisions.jsonl``: a scheduling decision or a plan record of the controller; ``t`` in
+    seconds since the first dispatch (runs without the summary's ``t0_utc``: the monotonic
+    clock)."""
 
     t: float
     type: str
@@ -146,6 +148,7 @@ class Summary(_Line):
     mean_reward_per_step: list[float] | None = None
     mean_reward: float | None = None
     final_roles: str | None = None
+    t0_utc: str | None = None  # the first dispatch as UTC: every file's time zero
 
 
 def check(model: type[BaseModel], obj: Any, where: str) -> dict[str, Any]:

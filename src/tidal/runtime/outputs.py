@@ -6,15 +6,18 @@ and the figures of every part for ``summary``. Out, in the run directory: ``metr
 line per optimizer step; the final step of a burst also carries verl's ``dynamic_resource/*``
 metrics of that weight version), ``state.jsonl``, ``timeline.json`` (per cell,
 ``[start_s, end_s, role]`` segments since the first dispatch), ``steps.jsonl`` and
-``summary.json``. Times are seconds since the first dispatch over every incarnation of a resumed
-run (``elapsed``). Invariant: a resumed run's ``metrics.jsonl`` holds exactly the lines of the
-steps its checkpoint covers, then the new ones (no step twice).
+``summary.json``. Times (here and in ``decisions.jsonl``, through ``since_first_dispatch``) are
+seconds since the first dispatch over every incarnation of a resumed run (``elapsed``); the
+summary's ``t0_utc`` names that instant as UTC, once. Invariant: a resumed run's
+``metrics.jsonl`` holds exactly the lines of the steps its checkpoint covers, then the new ones
+(no step twice).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +95,22 @@ class RunOutputs:
         with open(self.out / "steps.jsonl", self.mode) as fh:
             fh.writelines(json.dumps(schema.check(schema.StepLine, s, "steps.jsonl (written)"))
                           + "\n" for s in step_log)
+
+    def since_first_dispatch(self, sink: Callable[[dict[str, Any]], None]
+                             ) -> Callable[[dict[str, Any]], None]:
+        """``sink`` for records stamped on this incarnation's clock (the controller's
+        ``decisions.jsonl``): their ``t`` becomes seconds since the run's first dispatch."""
+        def relative(rec: dict[str, Any]) -> None:
+            if "t" in rec:
+                rec = {**rec, "t": round(float(rec["t"]) - self.t0, 6)}
+            sink(rec)
+        return relative
+
+    def t0_utc(self) -> str:
+        """The run's first dispatch as ISO UTC: the one absolute time of the run directory
+        (the summary's ``t0_utc``); every file counts seconds from this instant."""
+        t0 = datetime.now(UTC) - timedelta(seconds=self.elapsed())
+        return t0.isoformat(timespec="milliseconds")
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         schema.check(schema.Summary, summary, "summary.json (written)")

@@ -161,8 +161,8 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
                     core if core.device.type == "cuda" else None, rt.satellite_timeout_s)
     weights = Weights()
     actuator = RayActuator(clock, admin, engines, weights, c.kv_handoff, parts, link)
-    ctl = build_controller(cfg, clock, actuator, DecisionLog(jsonl_file_sink(decisions),
-                                                             keep=False))
+    ctl = build_controller(cfg, clock, actuator, DecisionLog(
+        outputs.since_first_dispatch(jsonl_file_sink(decisions)), keep=False))
     handle = parts.guard_handler(ctl.handle)
     actuator.bind(handle)
     bridge = LedgerBridge(handle, clock, admin, buffer, c.group_size, parts)
