@@ -7,6 +7,8 @@ state.jsonl, timeline.json, checkpoint/, summary.json) and a live panel or one l
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 
@@ -30,11 +32,10 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     from pathlib import Path
 
     from rich.console import Console
-    from rich.live import Live
 
     from tidal.config import PolicyConfig, RunConfig, load_yaml, validate_model
     from tidal.errors import ConfigError
-    from tidal.runtime.driver import Runtime
+    from tidal.logcount import counting_warnings
 
     if resume is not None:
         if (config is not None or out is not None or policy is not None or bursts is not None
@@ -65,26 +66,38 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
 
     console = Console()
     run_dir = Path(out or f"runs/{cfg.name}")
-    try:
-        if console.is_terminal:  # a live panel; plain lines when piped (logs, CI)
-            total = (cfg.control.bursts or 0) * cfg.control.updates_per_burst
-            with Live(_panel({}, total), console=console, refresh_per_second=4) as live:
-                summary = Runtime(cfg, run_dir, resume=resume is not None,
-                                  on_state=lambda st: live.update(_panel(st, total))).run()
-        else:
-            summary = Runtime(cfg, run_dir, on_step=show, resume=resume is not None).run()
-    except KeyboardInterrupt:
-        click.echo(f"tidal: run interrupted; its parts are stopped. Continue it with: "
-                   f"tidal run --resume {run_dir}", err=True)
-        raise SystemExit(130) from None
-    from tidal.viz.run_report import write_report
+    with counting_warnings() as counter:  # the run ends with one line naming each warning
+        summary = _run(cfg, run_dir, console, resume is not None, show, counter)
+        from tidal.viz.run_report import write_report
 
-    written = write_report(run_dir)
+        written = write_report(run_dir)
     click.echo(f"report: {run_dir / 'report.md'} ({len(written)} files)")
     keys = ("policy", "run_time_s", "trainer_steps", "switches_to_training",
             "switches_to_rollout", "rerouted_requests", "failed_requests", "lost_executions",
             "satellite_joins")
     click.echo(json.dumps({k: summary[k] for k in keys}))
+    click.echo(counter.line())
+
+
+def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter: Any) -> dict:
+    """The run with a live panel in a terminal, one line per step when piped; Ctrl-C (or
+    SIGTERM) ends it with the warnings line and the resume command."""
+    from tidal.runtime.driver import Runtime
+
+    try:
+        if console.is_terminal:  # a live panel; plain lines when piped (logs, CI)
+            from rich.live import Live
+
+            total = (cfg.control.bursts or 0) * cfg.control.updates_per_burst
+            with Live(_panel({}, total), console=console, refresh_per_second=4) as live:
+                return Runtime(cfg, run_dir, resume=resume,
+                               on_state=lambda st: live.update(_panel(st, total))).run()
+        return Runtime(cfg, run_dir, on_step=show, resume=resume).run()
+    except KeyboardInterrupt:
+        click.echo(counter.line(), err=True)
+        click.echo(f"tidal: run interrupted; its parts are stopped. Continue it with: "
+                   f"tidal run --resume {run_dir}", err=True)
+        raise SystemExit(130) from None
 
 
 def _panel(st: dict, total_steps: int):

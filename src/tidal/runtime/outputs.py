@@ -36,10 +36,15 @@ class RunOutputs:
         self.metrics: list[dict[str, Any]] = []
         self.t_offset = resumed_elapsed_s
         self.t_first = clock.now()
+        self._held: list[tuple[Callable[[dict[str, Any]], None], dict[str, Any]]] | None = []
 
     def start_clock(self) -> None:
-        """The first dispatch of this incarnation: time zero of its lines."""
+        """The first dispatch of this incarnation: time zero of its lines (records stamped
+        before it are written now, counted from it: negative times)."""
         self.t_first = self.clock.now()
+        held, self._held = self._held or [], None
+        for sink, rec in held:
+            self._relative(sink, rec)
 
     def elapsed(self) -> float:
         """Run time since the first dispatch, over every incarnation of a resumed run."""
@@ -101,10 +106,14 @@ class RunOutputs:
         """``sink`` for records stamped on this incarnation's clock (the controller's
         ``decisions.jsonl``): their ``t`` becomes seconds since the run's first dispatch."""
         def relative(rec: dict[str, Any]) -> None:
-            if "t" in rec:
-                rec = {**rec, "t": round(float(rec["t"]) - self.t0, 6)}
-            sink(rec)
+            if self._held is not None:  # time zero is not known yet
+                self._held.append((sink, rec))
+            else:
+                self._relative(sink, rec)
         return relative
+
+    def _relative(self, sink: Callable[[dict[str, Any]], None], rec: dict[str, Any]) -> None:
+        sink({**rec, "t": round(float(rec["t"]) - self.t0, 6)} if "t" in rec else rec)
 
     def t0_utc(self) -> str:
         """The run's first dispatch as ISO UTC: the one absolute time of the run directory

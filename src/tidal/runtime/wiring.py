@@ -158,7 +158,8 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     if core.device.type == "cuda":  # cell 0's engine holds the GPU until it trains
         core.offload()
     link = CoreLink(core.address() if rt.satellites else None,
-                    core if core.device.type == "cuda" else None, rt.satellite_timeout_s)
+                    core if core.device.type == "cuda" else None, rt.satellite_timeout_s,
+                    core.coordinator.expect_departure)
     weights = Weights()
     actuator = RayActuator(clock, admin, engines, weights, c.kv_handoff, parts, link)
     ctl = build_controller(cfg, clock, actuator, DecisionLog(

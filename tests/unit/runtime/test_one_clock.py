@@ -12,16 +12,18 @@ from tidal.runtime.outputs import RunOutputs
 def test_decisions_count_from_the_first_dispatch_over_a_resume(tmp_path):
     clock = ManualClock(start_s=620.0)  # a monotonic clock far from zero
     out = RunOutputs(tmp_path, clock, resumed_elapsed_s=30.0, append=False)
-    clock.advance(5.0)
-    out.start_clock()  # the first dispatch of this incarnation, 30 s into the run
     with open(tmp_path / "decisions.jsonl", "w") as fh:
         log = DecisionLog(out.since_first_dispatch(jsonl_file_sink(fh)), keep=True)
+        clock.advance(4.0)
+        log.write({"type": "plan_start", "t": clock.now(), "plan_id": 1})  # before dispatch
+        clock.advance(1.0)
+        out.start_clock()  # the first dispatch of this incarnation, 30 s into the run
         clock.advance(2.5)
-        log.write({"type": "plan_start", "t": clock.now(), "plan_id": 1})
+        log.write({"type": "plan_done", "t": clock.now(), "plan_id": 1})
         log.write({"type": "note"})  # a record without a time passes unchanged
     lines = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
-    assert lines[0]["t"] == 32.5 and lines[1] == {"type": "note"}
-    assert log.records[0]["t"] == 627.5  # the controller's own record keeps its clock
+    assert [x.get("t") for x in lines] == [29.0, 32.5, None]
+    assert log.records[1]["t"] == 627.5  # the controller's own record keeps its clock
     assert out.elapsed() == 32.5
 
 
