@@ -134,7 +134,7 @@ def test_summary_only_run_uses_the_summarys_rewards(run_copy):
     assert "first quarter 0.000, last quarter 1.000" in text
     assert "| satellite joins | 3 |" in text
     assert "no config.yaml" in text and "No metrics.jsonl lines" in text
-    assert "- `utilization.png` skipped: no verl dynamic_resource/* metrics" in text
+    assert "- `utilization.png` skipped: no optimizer steps in metrics.jsonl" in text
 
 
 def test_not_a_run_directory_is_a_one_line_config_error(tmp_path):
