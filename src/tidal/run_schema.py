@@ -69,6 +69,7 @@ class StateLine(_Line):
     roles: list[str]
     switches: int
     replaced: int
+    closed: int | None = None  # executions closed so far (newer runtimes)
 
 
 class StepLine(_Line):

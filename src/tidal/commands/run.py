@@ -71,58 +71,56 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
         from tidal.viz.run_report import write_report
 
         written = write_report(run_dir)
-    click.echo(f"report: {run_dir / 'report.md'} ({len(written)} files)")
     keys = ("policy", "run_time_s", "trainer_steps", "switches_to_training",
             "switches_to_rollout", "rerouted_requests", "failed_requests", "lost_executions",
             "satellite_joins")
     click.echo(json.dumps({k: summary[k] for k in keys}))
     click.echo(counter.line())
+    click.echo(f"report: {run_dir / 'report.md'} ({len(written)} files; trace.json opens in "
+               f"https://ui.perfetto.dev)")
 
 
 def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter: Any) -> dict:
-    """The run with a live panel in a terminal, one line per step when piped; Ctrl-C (or
-    SIGTERM) ends it with the warnings line and the resume command."""
+    """The run with a live panel in a terminal (percentage, elapsed, ETA; its last frame the
+    final state), its step lines and a heartbeat at least every 10 s of silence when piped;
+    Ctrl-C (or SIGTERM) ends it with the warnings line and the resume command."""
     from tidal.runtime.driver import Runtime
+    from tidal.viz.progress import Heartbeat, RunProgress
 
+    c = cfg.control
+    progress = RunProgress((c.bursts or 0) * c.updates_per_burst,
+                           (c.bursts or 0) * c.quota_executions)
     try:
-        if console.is_terminal:  # a live panel; plain lines when piped (logs, CI)
+        if console.is_terminal:
             from rich.live import Live
 
-            total = (cfg.control.bursts or 0) * cfg.control.updates_per_burst
-            with Live(_panel({}, total), console=console, refresh_per_second=4) as live:
-                return Runtime(cfg, run_dir, resume=resume,
-                               on_state=lambda st: live.update(_panel(st, total))).run()
-        return Runtime(cfg, run_dir, on_step=show, resume=resume).run()
+            with Live(console=console, refresh_per_second=2,
+                      get_renderable=progress.panel) as live:
+                summary = Runtime(cfg, run_dir, resume=resume, on_state=progress.on_state,
+                                  on_step=progress.on_step).run()
+                progress.finish(summary)
+                live.refresh()
+            return summary
+        beat = Heartbeat(progress, click.echo).start()
+
+        def step(line: dict) -> None:
+            progress.on_step(line)
+            show(line)
+            beat.printed()
+
+        try:
+            summary = Runtime(cfg, run_dir, on_step=step, on_state=progress.on_state,
+                              resume=resume).run()
+        finally:
+            beat.stop()
+        progress.finish(summary)
+        click.echo(progress.line())
+        return summary
     except KeyboardInterrupt:
         click.echo(counter.line(), err=True)
         click.echo(f"tidal: run interrupted; its parts are stopped. Continue it with: "
                    f"tidal run --resume {run_dir}", err=True)
         raise SystemExit(130) from None
-
-
-def _panel(st: dict, total_steps: int):
-    from rich.console import Group
-    from rich.progress_bar import ProgressBar
-    from rich.table import Table
-
-    table = Table(title="tidal run", show_header=False)
-    if not st:
-        table.add_row("starting", "Ray, engines, proxy, model")
-        return table
-    reward = "-" if st["reward"] is None else f"{st['reward']:.3f}"
-    colour = {"rollout": "blue", "training": "dark_orange", "moving_to_training": "red",
-              "moving_to_rollout": "magenta"}
-    cells = "  ".join(f"[{colour.get(r, 'white')}]{i}:{r}[/]" for i, r in enumerate(st["roles"]))
-    for key, val in (("burst / step / version",
-                      f"{st['burst']} / {st['step']} of {total_steps} / v{st['version']}"),
-                     ("mean reward (last step)", reward),
-                     ("waterlevel (queued + running)",
-                      f"{st['waterlevel']} ({st['queued']} + {st['running']})"),
-                     ("ready groups", str(st["ready_groups"])),
-                     ("cells", cells),
-                     ("transitions / replaced", f"{st['switches']} / {st['replaced']}")):
-        table.add_row(key, val)
-    return Group(table, ProgressBar(total=max(1, total_steps), completed=st["step"], width=60))
 
 
 def apply_set(data: dict, item: str) -> None:

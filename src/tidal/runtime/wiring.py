@@ -87,7 +87,8 @@ class Wired:
                 "running": lg.total.running, "ready_groups": lg.ready_unassigned,
                 "roles": [r.value for r in self.ctl.cells.roles()],
                 "switches": len(self.ctl.plans_done),
-                "replaced": len(self.supervisor.replaced)}
+                "replaced": len(self.supervisor.replaced),
+                "closed": sum(self.bridge.close_counts.values())}
 
     async def satellites_up(self, timeout_s: float) -> None:
         """Cells that train from the start (e.g. ``static``) begin the run with their

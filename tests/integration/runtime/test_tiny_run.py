@@ -35,7 +35,9 @@ def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path, caplog, cap
         assert main(["run", str(CONFIG), "--out", str(out)]) == 0
     # a run where nothing went wrong warns about nothing (satellite departures are INFO)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
-    assert capsys.readouterr().out.rstrip().endswith("warnings: none")
+    printed = capsys.readouterr().out.splitlines()
+    assert "warnings: none" in printed and printed[-1].startswith(f"report: {out / 'report.md'}")
+    assert any(" 100% ETA 0:00:00" in x for x in printed)  # the final progress line
     summary = json.loads((out / "summary.json").read_text())
 
     assert summary["policy"] == "waterlevel"
