@@ -7,7 +7,8 @@ Out: the JSON object format ``{"traceEvents": [...], "displayTimeUnit": "ms"}``:
 process; each cell is a track (thread) with its role spans (rollout / moving / training), and
 ``moves`` (each plan with its steps nested inside), ``trainer`` (optimizer steps), ``weights``
 (publications) and one track per standalone engine. A reroute (a request that left one engine
-for another) is a flow arrow between the two engines' tracks.
+for another) is a flow arrow between the two engines' tracks; the ``executions`` counter track
+draws the waterlevel, running and queued executions and the rollout capacity over time.
 Invariant: on every track the events are in time order and complete spans nest (a child never
 outlasts its parent, siblings never overlap), so ``tidal.viz.trace_format.validate`` accepts it.
 """
@@ -50,6 +51,7 @@ class TraceRun:
     standalone: list[str] = field(default_factory=list)
     engine_track: dict[str, int] = field(default_factory=dict)  # engine name -> cell index
     reroutes: list[tuple[float, str, str, str]] = field(default_factory=list)  # t, from, to, ex
+    counters: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # executions
 
 
 def build(runs: list[TraceRun]) -> dict[str, Any]:
@@ -75,7 +77,9 @@ def build(runs: list[TraceRun]) -> dict[str, Any]:
                       "ts": _us(min(max(t, 0.0), run.end_s)), "args": {"execution": ex}}
             events.append({**common, "ph": "s", "tid": a})
             events.append({**common, "ph": "f", "bp": "e", "tid": b})
-    order = {"M": 0, "X": 1, "s": 2, "f": 2}
+        events += [{"ph": "C", "name": "executions", "cat": "state", "pid": pid, "tid": 0,
+                    "ts": _us(max(0.0, t)), "args": vals} for t, vals in run.counters]
+    order = {"M": 0, "X": 1, "s": 2, "f": 2, "C": 3}
     # stable: a parent span was added before its children, steps in their order
     events.sort(key=lambda e: (e["pid"], e.get("tid", 0), e.get("ts", -1), order[e["ph"]]))
     return {"traceEvents": events, "displayTimeUnit": "ms"}

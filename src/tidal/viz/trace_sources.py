@@ -18,6 +18,7 @@ from typing import Any
 
 from tidal import run_schema as schema
 from tidal.rundir import UTIL_KEYS, RunData, load_run, read_jsonl
+from tidal.viz.run_figures import capacity_at, rollout_capacity
 from tidal.viz.trace import Plan, TraceRun
 
 
@@ -46,6 +47,12 @@ def from_run_dir(path: str | Path) -> TraceRun:
                   engine_track={f"c{i}": i for i in range(len(run.cell_names()))})
     tr.reroutes = run_reroutes(read_jsonl(root / "executions.jsonl",
                                           model=schema.ExecutionLine) or [], tr.plans)
+    cap = rollout_capacity(run)
+    tr.counters = [(float(s["t"]), {"waterlevel": s["waterlevel"], "running": s["running"],
+                                    "queued": s["queued"],
+                                    **({"capacity": capacity_at(cap, float(s["t"]))}
+                                       if cap else {})})
+                   for s in run.states or []]
     return tr
 
 
@@ -143,7 +150,12 @@ def from_sim(result: Any, records: list[dict[str, Any]],
         pubs = [(b, min(end, b + sync_s), (s["step"] + 1) // per_burst)
                 for (_, b, s) in trainer if (s["step"] + 1) % per_burst == 0 and b < end]
     segs = [[(a, b, r.value) for a, b, r in cell] for cell in ctl.timeline.close(end)]
-    return TraceRun(name=f"simulate {result.spec}", cells=[c.name for c in ctl.cells.cells],
+    se = w.series
+    counters = [(t, {"waterlevel": wl, "running": run, "queued": q, "capacity": cap})
+                for t, wl, run, q, cap in zip(se.t, se.waterlevel, se.running, se.queued,
+                                              se.capacity, strict=False)]
+    return TraceRun(counters=counters, name=f"simulate {result.spec}",
+                    cells=[c.name for c in ctl.cells.cells],
                     segments=segs, end_s=end, plans=plans_of(records, [], end),
                     trainer_steps=trainer, publications=pubs,
                     standalone=[str(k) for k in ctl.cells.standalone],

@@ -44,6 +44,11 @@ def test_report_writes_a_valid_trace_showing_every_move(run_copy, name):
         ends = [e["ts"] + e["dur"] for e in roles if e["tid"] == tid]
         assert max(ends) == pytest.approx(segs[-1][1] * 1e6, abs=1.0)
     assert "trace.json" in (run / "report.md").read_text()
+    # the executions counter: one sample per state.jsonl line, with the rollout capacity
+    counters = _events(path, "C")
+    assert len(counters) == len(read_jsonl(run / "state.jsonl"))
+    assert all({"waterlevel", "running", "queued", "capacity"} <= set(c["args"])
+               for c in counters)
 
 
 def test_reroutes_are_flow_arrows_between_engine_tracks(run_copy):
@@ -80,6 +85,7 @@ def test_simulation_trace_is_valid_with_a_process_per_policy(tmp_path):
         assert n <= run["reroutes"]
         arrows += n
         assert [e for e in evs if e.get("cat") == "weights"]
+        assert [e for e in evs if e["ph"] == "C" and "capacity" in e["args"]]
     assert arrows > 0
 
 
