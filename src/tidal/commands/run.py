@@ -66,11 +66,11 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
 
     console = Console()
     run_dir = Path(out or f"runs/{cfg.name}")
-    with counting_warnings() as counter:  # the run ends with one line naming each warning
-        summary = _run(cfg, run_dir, console, resume is not None, show, counter)
-        from tidal.viz.run_report import write_report
+    from tidal.viz.run_report import write_report
 
-        written = write_report(run_dir)
+    with counting_warnings() as counter:  # the run ends with one line naming each warning
+        summary, written = _run(cfg, run_dir, console, resume is not None, show, counter,
+                                lambda: write_report(run_dir))
     keys = ("policy", "run_time_s", "trainer_steps", "switches_to_training",
             "switches_to_rollout", "rerouted_requests", "failed_requests", "lost_executions",
             "satellite_joins")
@@ -80,10 +80,12 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
                f"https://ui.perfetto.dev)")
 
 
-def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter: Any) -> dict:
-    """The run with a live panel in a terminal (percentage, elapsed, ETA; its last frame the
-    final state), its step lines and a heartbeat at least every 10 s of silence when piped;
-    Ctrl-C (or SIGTERM) ends it with the warnings line and the resume command."""
+def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter: Any,
+         report: Any) -> tuple[dict, Any]:
+    """The run, then ``report()``, with a live panel in a terminal (percentage, elapsed, ETA;
+    its last frame the final state), or when piped its step lines and a heartbeat at least every
+    10 s of silence (the report's plots included); Ctrl-C (or SIGTERM) ends it with the warnings
+    line and the resume command. Out: the summary and what ``report()`` returned."""
     from tidal.runtime.driver import Runtime
     from tidal.viz.progress import Heartbeat, RunProgress
 
@@ -100,7 +102,7 @@ def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter:
                                   on_step=progress.on_step).run()
                 progress.finish(summary)
                 live.refresh()
-            return summary
+                return summary, report()
         beat = Heartbeat(progress, click.echo).start()
 
         def step(line: dict) -> None:
@@ -111,11 +113,12 @@ def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter:
         try:
             summary = Runtime(cfg, run_dir, on_step=step, on_state=progress.on_state,
                               resume=resume).run()
+            progress.finish(summary)
+            click.echo(progress.line())
+            beat.printed()
+            return summary, report()
         finally:
             beat.stop()
-        progress.finish(summary)
-        click.echo(progress.line())
-        return summary
     except KeyboardInterrupt:
         click.echo(counter.line(), err=True)
         click.echo(f"tidal: run interrupted; its parts are stopped. Continue it with: "
