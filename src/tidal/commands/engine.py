@@ -10,15 +10,22 @@ from __future__ import annotations
 import click
 
 
-@click.command("engine")
-@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--port", default=8100, show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.command("engine", help="Serve a model directory with the built-in engine over HTTP "
+                              "(OpenAI-compatible, with vLLM-shaped control routes).")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Model directory (tiny GPT or HF Llama, e.g. from `tidal model`).")
+@click.option("--port", default=8100, show_default=True, type=click.IntRange(1, 65535),
+              help="TCP port to listen on.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--name", default=None, help="Served model name (default: directory name).")
-@click.option("--max-batch", default=32, show_default=True)
-@click.option("--max-waiting", default=1024, show_default=True)
-@click.option("--threads", default=1, show_default=True, help="torch threads")
-@click.option("--weight-version", default="v0", show_default=True)
+@click.option("--max-batch", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Sequences decoded together at most (continuous batching).")
+@click.option("--max-waiting", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Requests queued beyond the batch at most (more are refused with 503).")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
+              help="torch threads.")
+@click.option("--weight-version", default="v0", show_default=True,
+              help="Label of the loaded weights (each generated token carries it).")
 @click.option("--seed", default=0, show_default=True,
               help="Sampling seed of requests without their own; give each engine of a "
                    "cluster its own, or engines serving one GRPO group draw the same samples.")

@@ -9,16 +9,21 @@ from __future__ import annotations
 import click
 
 
-@click.command("proxy")
-@click.option("--port", default=8200, show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.command("proxy", help="The OpenAI-compatible front door: routes requests to engines, "
+                             "drains and reroutes them, records every call.")
+@click.option("--port", default=8200, show_default=True, type=click.IntRange(1, 65535),
+              help="TCP port to listen on.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--engine", "engines", multiple=True, help="Standalone engine URL (repeatable).")
 @click.option("--cell", "cells", multiple=True, help="Rollout-cell engine URL, in cell order.")
-@click.option("--backend", default="builtin", type=click.Choice(["builtin", "vllm", "sglang"]))
-@click.option("--cap", default=32, show_default=True, help="Admission cap per engine.")
+@click.option("--backend", default="builtin", type=click.Choice(["builtin", "vllm", "sglang"]),
+              show_default=True, help="What serves behind the engine URLs.")
+@click.option("--cap", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Admission cap per engine.")
 @click.option("--admin-token", envvar="TIDAL_ADMIN_TOKEN", default=None,
               help="Bearer token of the admin routes (env TIDAL_ADMIN_TOKEN).")
-@click.option("--kv-handoff/--no-kv-handoff", default=True, show_default=True)
+@click.option("--kv-handoff/--no-kv-handoff", default=True, show_default=True,
+              help="Move a rerouted request's KV cache to its new engine (else it prefills).")
 @click.option("--wait-s", default=120.0, show_default=True,
               help="How long to wait for the engines to become healthy at start.")
 @click.option("--require-registration", is_flag=True,

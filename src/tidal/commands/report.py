@@ -1,7 +1,8 @@
 """``tidal report RUN_DIR [RUN_DIR ...] [--out DIR]``: plots and report of finished runs.
 
 In: run directories written by ``tidal run``. Out: in each, ``roles.png``, ``reward.png``,
-``waterlevel.png``, ``utilization.png`` and ``report.md``; with several runs also
+``waterlevel.png``, ``utilization.png``, ``trace.json`` (Perfetto) and ``report.md``; with
+several runs also
 ``reward_compare.png``, ``compare.md`` and ``compare.json`` in DIR (default: the first run
 directory's parent / ``compare``) and the comparison table on stdout.
 """

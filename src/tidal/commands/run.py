@@ -7,6 +7,8 @@ state.jsonl, timeline.json, checkpoint/, summary.json) and a live panel or one l
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 
@@ -30,11 +32,10 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     from pathlib import Path
 
     from rich.console import Console
-    from rich.live import Live
 
     from tidal.config import PolicyConfig, RunConfig, load_yaml, validate_model
     from tidal.errors import ConfigError
-    from tidal.runtime.driver import Runtime
+    from tidal.logcount import counting_warnings
 
     if resume is not None:
         if (config is not None or out is not None or policy is not None or bursts is not None
@@ -65,51 +66,64 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
 
     console = Console()
     run_dir = Path(out or f"runs/{cfg.name}")
-    try:
-        if console.is_terminal:  # a live panel; plain lines when piped (logs, CI)
-            total = (cfg.control.bursts or 0) * cfg.control.updates_per_burst
-            with Live(_panel({}, total), console=console, refresh_per_second=4) as live:
-                summary = Runtime(cfg, run_dir, resume=resume is not None,
-                                  on_state=lambda st: live.update(_panel(st, total))).run()
-        else:
-            summary = Runtime(cfg, run_dir, on_step=show, resume=resume is not None).run()
-    except KeyboardInterrupt:
-        click.echo(f"tidal: run interrupted; its parts are stopped. Continue it with: "
-                   f"tidal run --resume {run_dir}", err=True)
-        raise SystemExit(130) from None
     from tidal.viz.run_report import write_report
 
-    written = write_report(run_dir)
-    click.echo(f"report: {run_dir / 'report.md'} ({len(written)} files)")
+    with counting_warnings() as counter:  # the run ends with one line naming each warning
+        summary, written = _run(cfg, run_dir, console, resume is not None, show, counter,
+                                lambda: write_report(run_dir))
     keys = ("policy", "run_time_s", "trainer_steps", "switches_to_training",
             "switches_to_rollout", "rerouted_requests", "failed_requests", "lost_executions",
             "satellite_joins")
     click.echo(json.dumps({k: summary[k] for k in keys}))
+    click.echo(counter.line())
+    click.echo(f"report: {run_dir / 'report.md'} ({len(written)} files; trace.json opens in "
+               f"https://ui.perfetto.dev)")
 
 
-def _panel(st: dict, total_steps: int):
-    from rich.console import Group
-    from rich.progress_bar import ProgressBar
-    from rich.table import Table
+def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter: Any,
+         report: Any) -> tuple[dict, Any]:
+    """The run, then ``report()``, with a live panel in a terminal (percentage, elapsed, ETA;
+    its last frame the final state), or when piped its step lines and a heartbeat at least every
+    10 s of silence (the report's plots included); Ctrl-C (or SIGTERM) ends it with the warnings
+    line and the resume command. Out: the summary and what ``report()`` returned."""
+    from tidal.runtime.driver import Runtime
+    from tidal.viz.progress import Heartbeat, RunProgress
 
-    table = Table(title="tidal run", show_header=False)
-    if not st:
-        table.add_row("starting", "Ray, engines, proxy, model")
-        return table
-    reward = "-" if st["reward"] is None else f"{st['reward']:.3f}"
-    colour = {"rollout": "blue", "training": "dark_orange", "moving_to_training": "red",
-              "moving_to_rollout": "magenta"}
-    cells = "  ".join(f"[{colour.get(r, 'white')}]{i}:{r}[/]" for i, r in enumerate(st["roles"]))
-    for key, val in (("burst / step / version",
-                      f"{st['burst']} / {st['step']} of {total_steps} / v{st['version']}"),
-                     ("mean reward (last step)", reward),
-                     ("waterlevel (queued + running)",
-                      f"{st['waterlevel']} ({st['queued']} + {st['running']})"),
-                     ("ready groups", str(st["ready_groups"])),
-                     ("cells", cells),
-                     ("transitions / replaced", f"{st['switches']} / {st['replaced']}")):
-        table.add_row(key, val)
-    return Group(table, ProgressBar(total=max(1, total_steps), completed=st["step"], width=60))
+    c = cfg.control
+    progress = RunProgress((c.bursts or 0) * c.updates_per_burst,
+                           (c.bursts or 0) * c.quota_executions)
+    try:
+        if console.is_terminal:
+            from rich.live import Live
+
+            with Live(console=console, refresh_per_second=2,
+                      get_renderable=progress.panel) as live:
+                summary = Runtime(cfg, run_dir, resume=resume, on_state=progress.on_state,
+                                  on_step=progress.on_step).run()
+                progress.finish(summary)
+                live.refresh()
+                return summary, report()
+        beat = Heartbeat(progress, click.echo).start()
+
+        def step(line: dict) -> None:
+            progress.on_step(line)
+            show(line)
+            beat.printed()
+
+        try:
+            summary = Runtime(cfg, run_dir, on_step=step, on_state=progress.on_state,
+                              resume=resume).run()
+            progress.finish(summary)
+            click.echo(progress.line())
+            beat.printed()
+            return summary, report()
+        finally:
+            beat.stop()
+    except KeyboardInterrupt:
+        click.echo(counter.line(), err=True)
+        click.echo(f"tidal: run interrupted; its parts are stopped. Continue it with: "
+                   f"tidal run --resume {run_dir}", err=True)
+        raise SystemExit(130) from None
 
 
 def apply_set(data: dict, item: str) -> None:

@@ -5,7 +5,8 @@ policy specs. Out: a table on stdout (makespan, speed-up against each other run,
 oracle bound, utilizations, switches, reroutes, re-prefilled tokens, mean staleness) and, with
 ``--out``: ``summary.json``, ``verl_metrics.jsonl`` (verl's metrics per weight version, each
 tagged with its run), ``decisions.jsonl`` (every decision and plan record, each tagged
-with its run), ``scenario.yaml`` (the resolved scenario) and PNG plots.
+with its run), ``scenario.yaml`` (the resolved scenario), ``trace.json`` (every policy's run as
+a Chrome trace for Perfetto, one process each) and PNG plots.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import click
               help="Policy spec, e.g. static:train=16 or verl-default:deactivate_ratio=0.6 "
                    "(repeatable; default: the scenario's list).")
 @click.option("--out", "-o", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Directory for summary.json, decisions.jsonl and plots.")
+              help="Directory for summary.json, decisions.jsonl, trace.json (Perfetto) and plots.")
 @click.option("--bursts", type=int, default=None, help="Override the number of bursts.")
 @click.option("--scale", type=float, default=1.0, show_default=True,
               help="Scale cells, standalone engines and batch size by this factor.")
@@ -63,6 +64,8 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
     from tidal.config import dump_yaml
     from tidal.control.decision_log import jsonl_file_sink
     from tidal.sim.runner import compare
+    from tidal.viz import trace
+    from tidal.viz.trace_sources import from_sim, recording_reroutes
 
     for spec in specs:  # fail on a bad spec before anything runs
         sc.run_config(spec)
@@ -75,10 +78,17 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
         fh = open(out / "decisions.jsonl", "w")  # noqa: SIM115
     base_sink = jsonl_file_sink(fh) if fh else None
 
+    kept: dict[str, list[dict[str, Any]]] = {s: [] for s in specs}  # for trace.json
+
     def sink_for(spec: str):
         if base_sink is None:
             return None
-        return lambda rec: base_sink({"run": spec, **rec})
+
+        def sink(rec: dict[str, Any]) -> None:
+            base_sink({"run": spec, **rec})
+            if rec.get("type") != "decision":
+                kept[spec].append(rec)
+        return sink
 
     try:
         with Progress(TextColumn("{task.description:<28}"), BarColumn(),
@@ -92,8 +102,9 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
             def done(res):
                 bar.update(tasks[res.spec], completed=res.summary["trainer_steps"])
 
-            results = compare(sc, specs, check=check, on_done=done, log_sink_for=sink_for,
-                              progress_for=progress_for, keep_log=False)
+            with recording_reroutes() as reroutes:
+                results = compare(sc, specs, check=check, on_done=done, log_sink_for=sink_for,
+                                  progress_for=progress_for, keep_log=False)
     finally:
         if fh is not None:
             fh.close()
@@ -109,7 +120,10 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
             for r in results:
                 for row in r.world.controller.metrics.rows:
                     fh.write(json.dumps({"run": r.spec, **row}) + "\n")
-        written = ["summary.json", "verl_metrics.jsonl", "decisions.jsonl", "scenario.yaml"]
+        trace.write([from_sim(r, kept[r.spec], reroutes.get(r.spec, [])) for r in results],
+                    out / "trace.json")
+        written = ["summary.json", "verl_metrics.jsonl", "decisions.jsonl", "scenario.yaml",
+                   "trace.json"]
         if plots:
             from tidal.viz.plots import plot_all
 

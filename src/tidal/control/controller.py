@@ -194,6 +194,8 @@ class Controller:
             self.metrics.sync(self.version)
             self._sync_end_pending = True  # after the activation the policy may start
             self._cycle_stale = True
+            self.log.write({"type": "weights_published", "t": round(ev.t_s, 6),
+                            "version": ev.version, "duration_s": round(ev.duration_s, 6)})
         elif isinstance(ev, TransitionStepDone):
             self._step_done(ev)
         elif isinstance(ev, EngineCapacityChanged):
@@ -378,6 +380,9 @@ class Controller:
         if not ev.ok:
             self._step_failed(ev.t_s, ev.error or "step failed")
             return
+        self.log.write({"type": "step_done", "t": round(ev.t_s, 6), "plan_id": plan.plan_id,
+                        "step": plan.steps[fl.step].kind.value,
+                        "duration_s": round(ev.duration_s, 6)})
         if fl.step + 1 < len(plan.steps):
             fl.step += 1
             fl.issued_s = ev.t_s

@@ -188,10 +188,26 @@ def make_policy(name: str, args: dict[str, Any] | None = None) -> Policy:
     if entry is None:
         known = ", ".join(sorted(_REGISTRY))
         raise UnknownPolicyError("policy.name", f"unknown policy {name!r} (known: {known})")
+    _check_args(name, entry[0], args or {})
     try:
         return entry[0](**(args or {}))
     except TypeError as exc:
         raise ConfigError("policy.args", f"{name}: {exc}") from None
+
+
+def _check_args(name: str, factory: Any, args: dict[str, Any]) -> None:
+    """An argument the policy does not take is one error naming it and the ones it takes."""
+    import inspect
+
+    params = inspect.signature(factory).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in args:
+        if key not in takes:
+            have = ", ".join(takes) if takes else "no arguments"
+            raise ConfigError(f"policy.args.{key}", f"{name} takes no argument {key!r} "
+                              f"(it takes: {have})")
 
 
 def _load_builtin() -> None:

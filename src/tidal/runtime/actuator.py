@@ -62,6 +62,7 @@ class CoreLink:
     address: dict | None = None
     memory: Any = None
     satellite_timeout_s: float = 120.0
+    expect_departure: Callable[[int], None] | None = None  # the core's coordinator, told first
 
 
 class RayActuator:
@@ -259,6 +260,8 @@ class RayActuator:
         async with self.trainer_lock:  # a running step finishes first: leave between steps
             self.training.discard(cell)
             if cell > 0:
+                if self.core.expect_departure is not None:
+                    self.core.expect_departure(cell)
                 await self._call(cell, "stop_satellite")
                 self.satellite_pids.pop(cell, None)
             elif self.core.memory is not None:  # the engine wakes on this GPU next

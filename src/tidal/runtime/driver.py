@@ -220,7 +220,7 @@ class Runtime:
                                          for eid, a in self.engines.actors.items()],
                                        return_exceptions=True)
         st = self.ck.state if self.ck else None
-        return summary(
+        return {"t0_utc": w.outputs.t0_utc(), **summary(
             ctl=w.ctl, bursts=self.cfg.control.bursts or 0, metrics=w.outputs.metrics,
             version=w.publisher.weights.version, bursts_s=bursts_s,
             group_size=self.cfg.control.group_size, results=results, stats=stats,
@@ -229,7 +229,7 @@ class Runtime:
             bridge=w.bridge, actuator=w.actuator, replaced=w.supervisor.replaced,
             resumed=({"at_step": st.step, "restored_records": len(self.ck.records),
                       "resumes": st.resumes + 1} if st else None),
-            closed_before=dict(st.close_reasons) if st else {})
+            closed_before=dict(st.close_reasons) if st else {})}
 
     async def _join_engines(self, w: Wired) -> None:
         from tidal.runtime.cell import RuntimeFailure

@@ -6,15 +6,18 @@ and the figures of every part for ``summary``. Out, in the run directory: ``metr
 line per optimizer step; the first step after a weight version closed also carries verl's
 metrics of that version), ``state.jsonl``, ``timeline.json`` (per cell,
 ``[start_s, end_s, role]`` segments since the first dispatch), ``steps.jsonl`` and
-``summary.json``. Times are seconds since the first dispatch over every incarnation of a resumed
-run (``elapsed``). Invariant: a resumed run's ``metrics.jsonl`` holds exactly the lines of the
-steps its checkpoint covers, then the new ones (no step twice).
+``summary.json``. Times (here and in ``decisions.jsonl``, through ``since_first_dispatch``) are
+seconds since the first dispatch over every incarnation of a resumed run (``elapsed``); the
+summary's ``t0_utc`` names that instant as UTC, once. Invariant: a resumed run's
+``metrics.jsonl`` holds exactly the lines of the steps its checkpoint covers, then the new ones
+(no step twice).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +36,15 @@ class RunOutputs:
         self.metrics: list[dict[str, Any]] = []
         self.t_offset = resumed_elapsed_s
         self.t_first = clock.now()
+        self._held: list[tuple[Callable[[dict[str, Any]], None], dict[str, Any]]] | None = []
 
     def start_clock(self) -> None:
-        """The first dispatch of this incarnation: time zero of its lines."""
+        """The first dispatch of this incarnation: time zero of its lines (records stamped
+        before it are written now, counted from it: negative times)."""
         self.t_first = self.clock.now()
+        held, self._held = self._held or [], None
+        for sink, rec in held:
+            self._relative(sink, rec)
 
     def elapsed(self) -> float:
         """Run time since the first dispatch, over every incarnation of a resumed run."""
@@ -92,6 +100,26 @@ class RunOutputs:
         with open(self.out / "steps.jsonl", self.mode) as fh:
             fh.writelines(json.dumps(schema.check(schema.StepLine, s, "steps.jsonl (written)"))
                           + "\n" for s in step_log)
+
+    def since_first_dispatch(self, sink: Callable[[dict[str, Any]], None]
+                             ) -> Callable[[dict[str, Any]], None]:
+        """``sink`` for records stamped on this incarnation's clock (the controller's
+        ``decisions.jsonl``): their ``t`` becomes seconds since the run's first dispatch."""
+        def relative(rec: dict[str, Any]) -> None:
+            if self._held is not None:  # time zero is not known yet
+                self._held.append((sink, rec))
+            else:
+                self._relative(sink, rec)
+        return relative
+
+    def _relative(self, sink: Callable[[dict[str, Any]], None], rec: dict[str, Any]) -> None:
+        sink({**rec, "t": round(float(rec["t"]) - self.t0, 6)} if "t" in rec else rec)
+
+    def t0_utc(self) -> str:
+        """The run's first dispatch as ISO UTC: the one absolute time of the run directory
+        (the summary's ``t0_utc``); every file counts seconds from this instant."""
+        t0 = datetime.now(UTC) - timedelta(seconds=self.elapsed())
+        return t0.isoformat(timespec="milliseconds")
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         schema.check(schema.Summary, summary, "summary.json (written)")

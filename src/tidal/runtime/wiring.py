@@ -87,7 +87,8 @@ class Wired:
                 "running": lg.total.running, "ready_groups": lg.ready_unassigned,
                 "roles": [r.value for r in self.ctl.cells.roles()],
                 "switches": len(self.ctl.plans_done),
-                "replaced": len(self.supervisor.replaced)}
+                "replaced": len(self.supervisor.replaced),
+                "closed": sum(self.bridge.close_counts.values())}
 
     async def satellites_up(self, timeout_s: float) -> None:
         """Cells that train from the start (e.g. ``static``) begin the run with their
@@ -158,11 +159,12 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     if core.device.type == "cuda":  # cell 0's engine holds the GPU until it trains
         core.offload()
     link = CoreLink(core.address() if rt.satellites else None,
-                    core if core.device.type == "cuda" else None, rt.satellite_timeout_s)
+                    core if core.device.type == "cuda" else None, rt.satellite_timeout_s,
+                    core.coordinator.expect_departure)
     weights = Weights()
     actuator = RayActuator(clock, admin, engines, weights, c.kv_handoff, parts, link)
-    ctl = build_controller(cfg, clock, actuator, DecisionLog(jsonl_file_sink(decisions),
-                                                             keep=False))
+    ctl = build_controller(cfg, clock, actuator, DecisionLog(
+        outputs.since_first_dispatch(jsonl_file_sink(decisions)), keep=False))
     ctl.metrics.budget_groups = c.batch_groups * c.updates_per_burst  # per burst
     handle = parts.guard_handler(ctl.handle)
     actuator.bind(handle)

@@ -75,6 +75,7 @@ class Coordinator:
         self.shm_name = shm_name
         self._cv = threading.Condition()
         self._sats: dict[int, _Sat] = {}
+        self._departing: set[int] = set()  # satellites the runtime is stopping (planned)
         self._step: StepInfo | None = None
         self._window_open = False
         self._snapshot: torch.Tensor | None = None
@@ -111,9 +112,8 @@ class Coordinator:
                 if self.clock.now() > deadline:
                     for x in self._joined():
                         if not x.delivered:
-                            log.warning("cell %d did not deliver within %.1fs: lost", x.cell,
-                                        self.config.gather_timeout_s)
-                            self._lose(x)
+                            self._lose(x, f"no delivery within "
+                                          f"{self.config.gather_timeout_s:.1f}s", False)
                     break
                 self.clock.wait(self._cv, 0.05)
             # A satellite lost after delivering still counts: its gradient is in hand.
@@ -147,12 +147,20 @@ class Coordinator:
             self._shutdown = True
             self._cv.notify_all()
 
-    def lose(self, cell: int) -> None:
+    def expect_departure(self, cell: int) -> None:
+        """The runtime is about to stop cell ``cell``'s satellite (the cell returns to rollout):
+        its disconnect is a planned departure (INFO), not a loss (WARNING)."""
+        with self._cv:
+            self._departing.add(cell)
+
+    def lose(self, cell: int, reason: str = "its link failed", planned: bool = False) -> None:
+        """Cell ``cell`` leaves the step; a planned departure (the satellite said bye) is
+        INFO, anything else a WARNING naming ``reason``."""
         with self._cv:
             if cell in self._sats:
-                self._lose(self._sats[cell])
+                self._lose(self._sats[cell], reason, planned)
 
-    def _lose(self, sat: _Sat) -> None:
+    def _lose(self, sat: _Sat, reason: str, planned: bool) -> None:
         if sat.lost:
             return
         sat.lost = True
@@ -162,15 +170,26 @@ class Coordinator:
             reopened = self.packing.reopen(sat.worker)
         self.registry.forget(f"{sat.cell}:{sat.incarnation}")
         self.registry.forget(GroupRegistry.link_key(sat.cell, sat.incarnation))
-        log.warning("cell %d (%s) lost; %d micro-steps reopened", sat.cell, sat.incarnation,
-                    reopened)
+        if planned:
+            log.info("cell %d (%s) left training: %s; %d micro-steps reopened", sat.cell,
+                     sat.incarnation, reason, reopened)
+        else:
+            log.warning("cell %d (%s) lost: %s; %d micro-steps reopened", sat.cell,
+                        sat.incarnation, reason, reopened)
         self._cv.notify_all()
 
     # ----- satellite requests (RPC handler threads) --------------------------------------------
     def on_disconnect(self, session: dict[str, Any]) -> None:
         if "cell" in session:
-            log.info("connection of cell %d closed", session["cell"])
-            self.lose(session["cell"])
+            cell = session["cell"]
+            with self._cv:
+                stopped = cell in self._departing
+                self._departing.discard(cell)
+            if stopped or session.get("closing"):
+                self.lose(cell, "the runtime stopped it (the cell returns to rollout)"
+                          if stopped else "it said bye", planned=True)
+            else:
+                self.lose(cell, "its connection closed without a bye")
 
     def handle(self, req: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
         op = req["op"]
@@ -193,7 +212,9 @@ class Coordinator:
         with self._cv:
             old = self._sats.get(cell)
             if old is not None and not old.lost:
-                self._lose(old)
+                planned = cell in self._departing
+                self._departing.discard(cell)
+                self._lose(old, f"incarnation {inc} joined in its place", planned)
             self._sats[cell] = _Sat(cell, inc)
             session["cell"] = cell
         return {"shm_name": self.shm_name, "numel": self.numel, "loss": self.loss,

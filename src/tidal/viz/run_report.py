@@ -2,13 +2,15 @@
 
 In: a run directory (read by ``tidal.rundir``). Out, written into that directory:
 - ``roles.png``: cells x time coloured by role (``timeline.json``);
-- ``reward.png``: mean reward per optimizer step with a trailing moving average;
-- ``waterlevel.png``: waterlevel, queued, running and ready groups over time, and the number of
-  training cells as a step line (``state.jsonl``);
-- ``utilization.png``: verl's train / rollout / cluster utilization per weight version (the
-  ``dynamic_resource/*`` metrics on each burst's final step);
-- ``report.md``: the run in one line, its totals, reward first vs last quarter, a table of
-  bursts, and the plots as relative image links.
+- ``reward.png``: mean reward per optimizer step with one standard deviation of its
+  executions' rewards as a band (``tidal.viz.run_figures``);
+- ``waterlevel.png``: the waterlevel against the rollout capacity over time, queued executions
+  only where there are any;
+- ``utilization.png``: train and rollout utilisation of every optimizer step;
+- ``trace.json``: the run as a Chrome trace-event file for Perfetto (``tidal.viz.trace``);
+- ``report.md``: the run in one line, its totals, reward first vs last quarter and its mean
+  over GRPO groups with the standard error, a table of bursts, and each plot as a relative image
+  link with one sentence saying what it shows.
 Invariant: everything shown is read from the files; a plot whose input is missing is skipped
 with a note in ``report.md`` (and a stale PNG of that name removed), never invented.
 Colours and backend are the simulator's (``tidal.viz.plots``).
@@ -20,14 +22,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tidal.rundir import UTIL_KEYS, RunData, burst_rows, load_run
+from tidal.rundir import RunData, burst_rows, load_run
+from tidal.viz import run_figures as figures
 from tidal.viz.plots import ROLE_COLOURS, pyplot
 
 ROLE_COLOURS_BY_NAME = {role.value: colour for role, colour in ROLE_COLOURS.items()}
 UNKNOWN_ROLE_COLOUR = "#999999"
-UTIL_COLOURS = {"train": ROLE_COLOURS_BY_NAME["training"],
-                "rollout": ROLE_COLOURS_BY_NAME["rollout"], "cluster": "#55A868"}
 DPI = 110
+EXPLAIN = {  # one sentence per figure in report.md
+    "roles.png": "Each cell's role over time: blue serves rollout, orange trains, red and "
+                 "magenta are moves between the two.",
+    "reward.png": "Mean reward of each optimizer step, the band one standard deviation of the "
+                  "rewards of the executions it trained.",
+    "waterlevel.png": "The waterlevel (executions queued or running) against the rollout "
+                      "capacity (slots of the cells in rollout plus the standalone engines): "
+                      "a cell may leave for training only while the capacity left covers the "
+                      "waterlevel.",
+    "utilization.png": "For each optimizer step, over the time since the previous one: the "
+                       "share the trainer computed (train) and the mean share of rollout slots "
+                       "busy (rollout).",
+}
 
 
 def write_report(run_dir: str | Path) -> list[Path]:
@@ -36,12 +50,12 @@ def write_report(run_dir: str | Path) -> list[Path]:
     plots: list[tuple[str, str, Callable[[RunData, Path], Path], str | None]] = [
         ("roles.png", "cell roles", plot_roles,
          None if run.timeline else "no timeline.json (or no cells in it)"),
-        ("reward.png", "mean reward per step", plot_reward,
+        ("reward.png", "mean reward per step", _fig(figures.plot_reward),
          None if run.rewards()[1] else "no optimizer steps in metrics.jsonl or summary.json"),
-        ("waterlevel.png", "waterlevel and queues", plot_waterlevel,
+        ("waterlevel.png", "waterlevel against rollout capacity", _fig(figures.plot_waterlevel),
          None if run.states else "no state.jsonl samples"),
-        ("utilization.png", "utilization per weight version", plot_utilization,
-         None if _util_lines(run) else "no verl dynamic_resource/* metrics in metrics.jsonl"),
+        ("utilization.png", "utilisation per optimizer step", _fig(figures.plot_utilization),
+         None if run.metrics else "no optimizer steps in metrics.jsonl"),
     ]
     written: list[Path] = []
     shown: list[tuple[str, str]] = []
@@ -54,6 +68,9 @@ def write_report(run_dir: str | Path) -> list[Path]:
         else:
             target.unlink(missing_ok=True)
             skipped.append((name, missing))
+    from tidal.viz import trace, trace_sources
+
+    written.append(trace.write([trace_sources.from_run_dir(run.path)], run.path / "trace.json"))
     report = run.path / "report.md"
     report.write_text(render_report(run, shown, skipped))
     written.append(report)
@@ -84,6 +101,11 @@ def render_report(run: RunData, shown: list[tuple[str, str]],
     q = max(1, len(run.rewards()[1]) // 4)
     rows.append(("mean reward", f"first quarter {_num(first, 3)}, last quarter {_num(last, 3)} "
                                 f"({q} step{'s' if q != 1 else ''} each)"))
+    mean_g, se, n_groups = run.reward_noise()
+    rows.append(("mean reward over GRPO groups",
+                 f"{mean_g:.3f} ± {se:.3f} (standard error over {n_groups} groups: the noise "
+                 f"a seed alone moves it by)" if se is not None else
+                 "– (needs executions.jsonl with two or more groups)"))
     out += ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     bursts = burst_rows(run)
     out += ["## Bursts", ""]
@@ -92,7 +114,7 @@ def render_report(run: RunData, shown: list[tuple[str, str]],
                 "burst 0) to this burst's final step. Utilization: verl's `dynamic_resource/*` "
                 "of the burst's last weight version.", "",
                 "| burst | steps | start s | end s | time s | version | train util | "
-                "rollout util | cluster util | generated samples |",
+                "rollout util | cluster util | groups generated |",
                 "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for b in bursts:
             out.append(f"| {b['burst']} | {b['steps']} | {_num(b['start_s'], 2)} "
@@ -109,9 +131,12 @@ def render_report(run: RunData, shown: list[tuple[str, str]],
         out.append("No metrics.jsonl lines: no per-burst figures.")
     out += ["", "## Plots", ""]
     for name, title in shown:
-        out += [f"![{title}]({name})", ""]
+        out += [f"![{title}]({name})", "", EXPLAIN[name], ""]
     for name, why in skipped:
         out.append(f"- `{name}` skipped: {why}")
+    out += ["", "`trace.json`: the run as a Chrome trace (cells as tracks with their roles, "
+            "every move with its steps, reroutes as arrows, trainer steps, weight "
+            "publications); open it at https://ui.perfetto.dev."]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -158,53 +183,6 @@ def plot_roles(run: RunData, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_reward(run: RunData, path: Path) -> Path:
-    plt = pyplot()
-    steps, rewards = run.rewards()
-    w = ma_window(len(rewards))
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.plot(steps, rewards, marker="o", ms=3, lw=0.8, label="mean reward")
-    ax.plot(steps, moving_average(rewards, w), lw=1.6, label=f"moving average ({w} steps)")
-    first, last = run.reward_quarters()
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean reward")
-    ax.set_title(f"{run.policy}: reward (first quarter {first:.3f}, last quarter {last:.3f})",
-                 fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def plot_waterlevel(run: RunData, path: Path) -> Path:
-    plt = pyplot()
-    st = run.states or []
-    t = [float(s["t"]) for s in st]
-    fig, (ax, ax_cells) = plt.subplots(2, 1, figsize=(11, 4.5), sharex=True,
-                                       gridspec_kw={"height_ratios": [3, 1]})
-    for key, label, style, colour, width in (
-            ("waterlevel", "waterlevel w (queued + running)", "-", "#4C72B0", 2.2),
-            ("running", "running", "--", "#937860", 1.0),
-            ("queued", "queued", ":", "#8172B3", 1.0)):
-        ax.plot(t, [s.get(key) for s in st], ls=style, lw=width, color=colour, label=label)
-    ax.set_ylabel("executions", fontsize=8)
-    ax2 = ax.twinx()
-    ax2.plot(t, [s.get("ready_groups") for s in st], lw=1.0, color="#55A868",
-             label="ready groups (right axis)")
-    ax2.set_ylabel("groups", fontsize=8)
-    for a in (ax, ax2):
-        a.set_ylim(0, a.get_ylim()[1] * 1.3 or 1)  # head-room for the legend
-    lines = ax.get_lines() + ax2.get_lines()
-    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="upper center", ncol=4)
-    ax.set_title(f"{run.policy}: waterlevel and queue depth", fontsize=9)
-    ct, count = training_cells(run)
-    ax_cells.step(ct, count, where="post", color=ROLE_COLOURS_BY_NAME["training"], lw=1.2)
-    ax_cells.set_ylabel("training\ncells", fontsize=8)
-    ax_cells.set_ylim(-0.2, max([*count, 1]) + 0.2)
-    ax_cells.yaxis.get_major_locator().set_params(integer=True)
-    ax_cells.set_xlabel("seconds since the first dispatch")
-    fig.tight_layout()
-    return _save(fig, path)
 
 
 def training_cells(run: RunData) -> tuple[list[float], list[int]]:
@@ -223,26 +201,9 @@ def training_cells(run: RunData) -> tuple[list[float], list[int]]:
             [sum(r == "training" for r in s.get("roles") or []) for s in st])
 
 
-def _util_lines(run: RunData) -> list[dict[str, Any]]:
-    return [m for m in run.metrics or [] if UTIL_KEYS["train"] in m]
 
-
-def plot_utilization(run: RunData, path: Path) -> Path:
-    plt = pyplot()
-    lines = _util_lines(run)
-    versions = [m.get("version", i + 1) for i, m in enumerate(lines)]
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for name, key in UTIL_KEYS.items():
-        ax.plot(versions, [m.get(key) for m in lines], marker="o", ms=4, lw=1,
-                color=UTIL_COLOURS[name], label=f"{name} ({key.split('/')[-1]})")
-    ax.set_ylim(0, 1.05)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("weight version (final step of a burst)")
-    ax.set_ylabel("utilization")
-    ax.set_title(f"{run.policy}: verl dynamic_resource utilization per version", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    return _save(fig, path)
+def _fig(plot: Callable[[RunData, Path, Any], Path]) -> Callable[[RunData, Path], Path]:
+    return lambda run, path: plot(run, path, pyplot())
 
 
 def _save(fig: Any, path: Path) -> Path:

@@ -10,11 +10,14 @@ version is loaded by the engines in place (no restart), and the run directory is
 from __future__ import annotations
 
 import json
+import logging
+from datetime import datetime
 from pathlib import Path
 
 import yaml
 
 from tidal.cli import main
+from tidal.viz.trace_format import validate
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
 
@@ -26,9 +29,15 @@ def expected_groups(cfg: dict) -> list[str]:
     return sorted(f"b{b}-g{g}" for b in range(c["bursts"]) for g in range(per_burst))
 
 
-def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path):
+def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path, caplog, capsys):
     out = tmp_path / "run"
-    assert main(["run", str(CONFIG), "--out", str(out)]) == 0
+    with caplog.at_level(logging.WARNING):
+        assert main(["run", str(CONFIG), "--out", str(out)]) == 0
+    # a run where nothing went wrong warns about nothing (satellite departures are INFO)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    printed = capsys.readouterr().out.splitlines()
+    assert "warnings: none" in printed and printed[-1].startswith(f"report: {out / 'report.md'}")
+    assert any(" 100% ETA 0:00:00" in x for x in printed)  # the final progress line
     summary = json.loads((out / "summary.json").read_text())
 
     assert summary["policy"] == "waterlevel"
@@ -65,4 +74,13 @@ def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path):
         assert r["inputs"]["capacity"] - 4 >= r["inputs"]["waterlevel"], (cell, r)
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert steps and all(s["ok"] for s in steps)
+    # one clock: decisions count from the first dispatch, as metrics.jsonl does
+    assert datetime.fromisoformat(summary["t0_utc"]).tzinfo is not None
+    assert all(-1.0 <= r["t"] <= summary["run_time_s"] for r in records)
+    # trace.json (Perfetto) passes the format and shows every move with its steps
+    trace = json.loads((out / "trace.json").read_text())
+    assert validate(trace) == []
+    moves = [e for e in trace["traceEvents"] if e.get("cat") == "move"]
+    assert len(moves) == len([r for r in records if r["type"] == "plan_start"]) == len(done)
+    assert len([e for e in trace["traceEvents"] if e.get("cat") == "step"]) == len(steps)
     assert (out / "config.yaml").is_file()

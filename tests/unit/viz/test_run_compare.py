@@ -90,7 +90,8 @@ def test_cli_report_one_run(run_copy):
     run = run_copy("tiny-waterlevel")
     result = CliRunner().invoke(cli, ["report", str(run)])
     assert result.exit_code == 0, result.output
-    assert "roles.png, reward.png, waterlevel.png, utilization.png, report.md" in result.output
+    assert ("roles.png, reward.png, waterlevel.png, utilization.png, trace.json, report.md"
+            in result.output)
     assert (run / "report.md").is_file()
 
 

@@ -24,7 +24,7 @@ def write_jsonl(path, lines):
 def test_report_writes_four_plots_and_the_markdown(run_copy, name):
     run = run_copy(name)
     files = write_report(run)
-    assert [p.name for p in files] == [*PNGS, "report.md"]
+    assert [p.name for p in files] == [*PNGS, "trace.json", "report.md"]
     for png in PNGS:
         data = (run / png).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000
@@ -112,7 +112,7 @@ def test_missing_optional_files_skip_their_plots_with_a_note(run_copy):
     (run / "timeline.json").unlink()
     (run / "state.jsonl").unlink()
     files = write_report(run)
-    assert [p.name for p in files] == ["reward.png", "utilization.png", "report.md"]
+    assert [p.name for p in files] == ["reward.png", "utilization.png", "trace.json", "report.md"]
     assert not (run / "roles.png").exists() and not (run / "waterlevel.png").exists()
     text = (run / "report.md").read_text()
     assert "- `roles.png` skipped: no timeline.json" in text
@@ -129,12 +129,12 @@ def test_summary_only_run_uses_the_summarys_rewards(run_copy):
     summary["satellite_joins"] = 3
     (run / "summary.json").write_text(json.dumps(summary))
     files = write_report(run)
-    assert [p.name for p in files] == ["reward.png", "report.md"]
+    assert [p.name for p in files] == ["reward.png", "trace.json", "report.md"]
     text = (run / "report.md").read_text()
     assert "first quarter 0.000, last quarter 1.000" in text
     assert "| satellite joins | 3 |" in text
     assert "no config.yaml" in text and "No metrics.jsonl lines" in text
-    assert "- `utilization.png` skipped: no verl dynamic_resource/* metrics" in text
+    assert "- `utilization.png` skipped: no optimizer steps in metrics.jsonl" in text
 
 
 def test_not_a_run_directory_is_a_one_line_config_error(tmp_path):

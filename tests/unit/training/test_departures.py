@@ -1,0 +1,53 @@
+"""Log levels that mean something: a satellite the runtime stops (its cell returns to rollout)
+leaves at INFO with its reason; one whose connection drops unannounced is a WARNING; and the
+run's last line counts every warning class (``tidal.logcount``)."""
+
+import logging
+
+from tidal.clock import ManualClock
+from tidal.logcount import counting_warnings
+from tidal.training.coordinator import Coordinator, CoordinatorConfig
+from tidal.training.groups import GroupRegistry
+from tidal.training.packing import PackingBuffer, PackingConfig
+
+
+def _coordinator() -> Coordinator:
+    clock = ManualClock()
+    coord = Coordinator(CoordinatorConfig(), PackingBuffer(PackingConfig(token_budget=64), clock),
+                        GroupRegistry(0, "127.0.0.1", 0, "core"), clock)
+    coord.fingerprint, coord.numel, coord.loss = "fp", 1, {}
+    return coord
+
+
+def _join(coord: Coordinator, cell: int) -> dict:
+    session: dict = {}
+    coord.handle({"op": "hello", "cell": cell, "incarnation": f"i{cell}", "fingerprint": "fp"},
+                 session)
+    return session
+
+
+def test_planned_departures_are_info_unannounced_losses_warnings(caplog):
+    coord = _coordinator()
+    stopped, said_bye, dropped = _join(coord, 1), _join(coord, 2), _join(coord, 3)
+    coord.expect_departure(1)  # what the runtime's actuator does before stopping cell 1
+    coord.handle({"op": "bye"}, said_bye)
+    with caplog.at_level(logging.INFO, logger="tidal.training.coordinator"), \
+            counting_warnings() as counter:
+        for session in (stopped, said_bye, dropped):
+            coord.on_disconnect(session)
+    by_level = {(r.levelno, r.getMessage()) for r in caplog.records if "cell" in r.getMessage()}
+    assert (logging.INFO, "cell 1 (i1) left training: the runtime stopped it (the cell returns "
+                          "to rollout); 0 micro-steps reopened") in by_level
+    assert (logging.INFO, "cell 2 (i2) left training: it said bye; 0 micro-steps reopened") \
+        in by_level
+    assert (logging.WARNING, "cell 3 (i3) lost: its connection closed without a bye; "
+                             "0 micro-steps reopened") in by_level
+    assert counter.total == 1
+    assert counter.line() == ('warnings: 1 (1 × tidal.training.coordinator '
+                              '"cell %d (%s) lost: %s; %d micro-steps reopened")')
+
+
+def test_no_warning_is_the_line_warnings_none():
+    with counting_warnings() as counter:
+        logging.getLogger("tidal.x").info("a normal event")
+    assert counter.line() == "warnings: none"
