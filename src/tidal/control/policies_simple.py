@@ -79,10 +79,11 @@ class ColocatePolicy:
         if obs.in_flight:
             return Decision.hold("transition in flight")
         if obs.bursts_ended > self._bursts_handled:
-            self._bursts_handled = obs.bursts_ended
+            # The burst end is handled once every cell is back: an aborted return is retried.
             if obs.prefix_len:
                 return Decision(Action.TO_ROLLOUT, tuple(range(obs.prefix_len)),
                                 "burst end: all cells return to rollout")
+            self._bursts_handled = obs.bursts_ended
         if obs.prefix_len == 0 and obs.waterlevel == 0 and obs.pending_dispatch == 0 \
                 and obs.supply.supply > 0:
             return Decision(Action.TO_TRAINING, tuple(c.index for c in obs.cells),

@@ -64,3 +64,22 @@ def test_verl_on_hybrid_cells_only_survives_aborted_activations():
         res = run_policy(sc, "verl-fixed-ratio", check=True)
         assert res.summary["trainer_steps"] == sc.total_steps
         assert res.summary["plans_aborted"] > 0
+
+
+def test_colocate_retries_an_aborted_return_to_rollout():
+    # Found by the property test above: a burst-end return aborted at wake_engine left both
+    # hybrid cells training with nothing rolling out (stuck at step 2 of 6).
+    sc = tiny_scenario(
+        seed=27,
+        cluster={"cells": [{"gpus": 8, "slots": 32, "kind": "hybrid"}] * 2,
+                 "standalone_count": 0, "standalone_gpus": 8, "standalone_slots": 32},
+        control={"group_size": 4, "batch_groups": 3, "updates_per_burst": 2, "bursts": 3},
+        workload={"classes": [{"turns": {"median": 4, "sigma": 0.5},
+                               "decode_tokens": {"median": 800, "sigma": 0.8, "cap": 8000},
+                               "tool_s": {"median": 3.0, "sigma": 1.0, "cap": 60},
+                               "tool_output_tokens": {"median": 100}}]},
+        sim={"step_failure_rate": 0.2, "max_virtual_s": 2 * 86400.0},
+    )
+    res = run_policy(sc, "colocate", check=True)
+    assert res.summary["trainer_steps"] == sc.total_steps
+    assert res.world.controller.plans_aborted >= 1
