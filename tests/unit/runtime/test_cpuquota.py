@@ -90,7 +90,8 @@ def test_a_group_holds_a_busy_process_and_a_busy_thread_to_its_share():
         th.join(60)
         assert used["cpu"] < 0.25 * wall + 0.1, used
         st = groups.stats()
-        assert st["proc"]["throttled_periods"] > 0 and st["thread"]["throttled_s"] > 0.5, st
+        # throttled, not merely slow: how long depends on how much CPU the loaded host gave it
+        assert st["proc"]["throttled_periods"] > 0 and st["thread"]["throttled_periods"] > 0, st
         assert str(threading.get_native_id()) not in \
             (groups.groups["thread"] / "tasks").read_text().split()
     finally:
