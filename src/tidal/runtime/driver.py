@@ -211,7 +211,8 @@ class Runtime:
 
     def new_actor(self, name: str):
         """An engine actor pinned to its reserved bundle (a replacement reuses it)."""
-        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+               "TIDAL_ENGINE_TOKEN": self.token}  # its engine takes calls with it only
         # Threaded (max_concurrency): a health probe is answered while a long sleep, wake or
         # weight load runs; the actuator never sends one cell two state changes at once.
         engine_device = self.rt.device if self.rt.use_gpus else "cpu"
@@ -333,7 +334,7 @@ class Runtime:
             pool = HarnessPool(PoolConfig(
                 proxy_url=self.proxy.url, max_concurrent=slots,
                 max_turns=rt.max_turns, max_tokens_per_turn=rt.max_tokens,
-                temperature=rt.temperature,
+                temperature=rt.temperature, token=self.token,
                 timeout_s=rt.execution_timeout_s), self.out / "workspaces", self.bridge)
             self._published = asyncio.Condition()
             first_step = self.ck.state.step if self.ck else 0
@@ -634,6 +635,7 @@ class Runtime:
             "drained_requests": sum(d["moved"] for d in self.actuator.drains),
             "kv_handoffs": stats["kv_handoffs"],
             "engine_failures": stats["engine_failures"],
+            "engine_step_failures": stats.get("engine_step_failures", 0),
             "failed_requests": reasons.get("failed", 0),
             "timed_out_executions": reasons.get("timeout", 0),
             "dispatched": self.bridge.n_dispatched,

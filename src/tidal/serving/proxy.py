@@ -6,7 +6,11 @@ leaves, drains. Out: one finished result per call, and a token record per execut
 Invariant 4 (DESIGN.md): every admitted call is answered exactly once. A call whose engine is
 drained (its request aborted) or dies is retried at another engine with prompt + tokens so far
 and the remaining budget, reusing the source's KV cache when both engines can hand it off.
-Every wait is bounded; exhausting a bound raises a ``ServingError``.
+Every wait is bounded; exhausting a bound raises a ``ServingError``, logged with the call's id.
+A call that finds no engine with room waits in the ``AdmissionQueue`` (first come, first served)
+until its own deadline; an engine that answers with a 5xx (or whose step failed) is retried a
+few times with back-off (``max_error_retries``), an engine that is gone is dropped at once
+(``health.HealthMonitor`` also finds the ones nobody calls, and re-admits those that return).
 
 KV handoff: a drained attempt exports its pinned KV before it leaves the source's in-flight set
 (so a drain returns only once the source holds nothing of ours, and the engine may sleep at
@@ -33,9 +37,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from tidal.clock import Clock, WallClock
 from tidal.errors import TimeoutExpired
 from tidal.serving.adapters import make_adapter
+from tidal.serving.admission import AdmissionQueue
+from tidal.serving.health import HealthMonitor
 from tidal.serving.openai_api import Result
 from tidal.serving.protocol import (
     BadRequest,
+    EngineError,
     EngineUnavailable,
     GenerateRequest,
     NotFound,
@@ -56,14 +63,19 @@ class ProxyConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8200, ge=0, le=65535)
     admin_token: str | None = None
+    # bearer token sent to every engine (None: the admin token, the run's one token)
+    engine_token: str | None = None
     kv_handoff: bool = True
     max_attempts: int = Field(64, ge=1)
+    # a call's whole life, queueing for a slot included (an execution may set its own)
     request_timeout_s: float = Field(600.0, gt=0)
-    admission_timeout_s: float = Field(60.0, gt=0)
     drain_timeout_s: float = Field(120.0, gt=0)
     max_prompt_tokens: int = Field(32768, ge=1)
     require_registration: bool = False
     health_probes: int = Field(3, ge=1)
+    health_interval_s: float = Field(1.0, gt=0)
+    max_error_retries: int = Field(3, ge=0)  # per call, on 5xx answers and failed steps
+    error_backoff_s: float = Field(0.1, ge=0)
 
 
 @dataclass
@@ -87,10 +99,18 @@ class Proxy:
         self.clock = clock or WallClock()
         self.router = Router()
         self.records = RecordStore()
-        self._capacity = asyncio.Event()
+        self.queue = AdmissionQueue()
+        self.health = HealthMonitor(self, self.config.health_interval_s,
+                                    self.config.health_probes)
+        self._released = asyncio.Condition()  # an attempt left an engine's in-flight set
         self.overhead_s: deque[float] = deque(maxlen=20_000)
         self.totals = {"calls": 0, "retries": 0, "drains": 0, "kv_handoffs": 0,
-                       "engine_failures": 0, "reprefill_tokens": 0, "saved_prefill_tokens": 0}
+                       "engine_failures": 0, "reprefill_tokens": 0, "saved_prefill_tokens": 0,
+                       "failed_calls": 0, "engine_errors": 0, "engine_step_failures": 0}
+
+    @property
+    def engine_token(self) -> str | None:
+        return self.config.engine_token or self.config.admin_token
 
     # -- membership ------------------------------------------------------------------------
     async def join(self, engine_id: str, url: str, backend: str = "builtin",
@@ -98,7 +118,7 @@ class Proxy:
                    model: str | None = None, wait_healthy_s: float = 0.0) -> Member:
         if engine_id in self.router.members:
             raise BadRequest(f"engine {engine_id!r} is already a member")
-        adapter = make_adapter(backend, url)
+        adapter = make_adapter(backend, url, api_key=self.engine_token)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_healthy_s
         while not await adapter.health() and loop.time() < deadline:
@@ -113,11 +133,14 @@ class Proxy:
                 model = ""
         member = Member(engine_id, adapter, kind, cell_index, cap, backend, model)
         self.router.join(member)
-        self._capacity.set()
+        self.health.forget(engine_id)  # a replacement under a lost engine's id
+        self.queue.notify()
         return member
 
     async def leave(self, engine_id: str, drain: bool = True) -> None:
         if engine_id not in self.router.members:
+            if self.health.forget(engine_id):  # a lost engine: no longer waited for
+                return
             raise NotFound(f"unknown engine {engine_id!r}")
         if drain:
             await self.drain(engine_id)
@@ -127,7 +150,7 @@ class Proxy:
 
     def undrain(self, engine_id: str) -> Member:
         member = self.router.set_admitting(engine_id, True)
-        self._capacity.set()
+        self.queue.notify()
         return member
 
     async def drain(self, engine_id: str, handoff: bool | None = None) -> dict:
@@ -161,14 +184,20 @@ class Proxy:
                 "duration_s": took}
 
     async def _wait_empty(self, member: Member) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_timeout_s
-        while member.inflight:
-            if loop.time() > deadline:
-                raise TimeoutExpired(f"drain {member.engine_id}: {len(member.inflight)} "
-                                     f"requests still running after "
-                                     f"{self.config.drain_timeout_s} s")
-            await asyncio.sleep(0.002)
+        try:
+            async with self._released:
+                await asyncio.wait_for(self._released.wait_for(lambda: not member.inflight),
+                                       self.config.drain_timeout_s)
+        except TimeoutError:
+            raise TimeoutExpired(f"drain {member.engine_id}: {len(member.inflight)} requests "
+                                 f"still running after {self.config.drain_timeout_s} s"
+                                 ) from None
+
+    async def _release_slot(self, member: Member, request_id: str) -> None:
+        member.inflight.pop(request_id, None)
+        self.queue.notify()
+        async with self._released:
+            self._released.notify_all()
 
     # -- model calls -----------------------------------------------------------------------
     async def tokenize(self, prompt: str | None = None,
@@ -184,20 +213,35 @@ class Proxy:
     async def complete(self, execution_id: str | None, prompt: list[int],
                        params: SamplingParams,
                        on_chunk: Callable[[TokenChunk], None] | None = None,
-                       record_overhead: bool = True) -> Result:
-        """Run one model call to its end across engine changes. ``res.upstream_s`` is the time
-        spent waiting on engines and admission; the rest is the proxy's own (recorded in
-        ``overhead_s`` unless the caller measures a wider span itself)."""
+                       record_overhead: bool = True, timeout_s: float | None = None) -> Result:
+        """Run one model call to its end across engine changes, within ``timeout_s`` (default
+        ``request_timeout_s``). ``res.upstream_s`` is the time spent waiting on engines and
+        admission; the rest is the proxy's own (recorded in ``overhead_s`` unless the caller
+        measures a wider span itself). A call that fails is logged with its id and reason."""
         if len(prompt) > self.config.max_prompt_tokens:
             raise BadRequest(f"prompt of {len(prompt)} tokens exceeds the limit of "
                              f"{self.config.max_prompt_tokens}")
-        t_start = time.perf_counter()
-        waited_s = 0.0  # upstream streaming + admission waits: not the proxy's own cost
         call = ModelCall(uuid.uuid4().hex[:16], list(prompt), params.max_tokens)
         self.totals["calls"] += 1
+        try:
+            return await self._complete(call, execution_id, prompt, params, on_chunk,
+                                        record_overhead, timeout_s)
+        except ServingError as exc:
+            self.totals["failed_calls"] += 1
+            log.warning("call %s (execution %s) failed after %d segments: %s: %s",
+                        call.call_id, execution_id, len(call.segments), type(exc).__name__,
+                        exc)
+            raise
+
+    async def _complete(self, call: ModelCall, execution_id: str | None, prompt: list[int],
+                        params: SamplingParams, on_chunk, record_overhead: bool,
+                        timeout_s: float | None) -> Result:
+        t_start = time.perf_counter()
+        waited_s = 0.0  # upstream streaming + admission waits: not the proxy's own cost
         res = Result(list(prompt))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.request_timeout_s
+        deadline = loop.time() + (timeout_s or self.config.request_timeout_s)
+        errors = 0  # 5xx answers and failed steps of live engines: retried a bounded number
         blob: bytes | None = None  # a drained attempt's KV, held until an engine adopts it
         prior_kv = 0  # tokens some earlier engine held KV for: what a re-prefill redoes
         for attempt_no in range(1, self.config.max_attempts + 1):
@@ -229,15 +273,23 @@ class Proxy:
                     raise
                 seg.ended_by = "error"  # e.g. a refused request: retry plainly
                 log.exception("call %s: retrying after a refused request", call.call_id)
+            except EngineError as exc:  # alive, but failed this call: a bounded few retries
+                seg.ended_by = "error"
+                errors += 1
+                t_back = time.perf_counter()
+                await self._after_error(call, member, exc, errors)
+                waited_s += time.perf_counter() - t_back
             except (EngineUnavailable, Overloaded) as exc:
                 seg.ended_by = "error"
+                if attempt.sent and isinstance(exc, EngineUnavailable):
+                    # it had the prompt (and the tokens so far): the next engine prefills again
+                    prior_kv = max(prior_kv, len(prompt) + len(res.token_ids) - 1)
                 t_check = time.perf_counter()
                 await self._check_engine(member, exc)
                 waited_s += time.perf_counter() - t_check
             finally:
                 waited_s += attempt.upstream_s
-                member.inflight.pop(attempt.request_id, None)
-                self._capacity.set()
+                await self._release_slot(member, attempt.request_id)
                 if seg.token_ids or seg.ended_by:
                     call.segments.append(seg)
             log.debug("call %s attempt %d on %s: %s after %d tokens (kv %s, cancelled %s)",
@@ -246,6 +298,13 @@ class Proxy:
             if reason in ("stop", "length"):
                 res.finish_reason = reason
                 break
+            if reason == "error":  # the engine's step failed under this call
+                errors += 1
+                self.totals["engine_step_failures"] += 1
+                t_back = time.perf_counter()
+                await self._after_error(call, member, EngineError(
+                    f"engine {member.engine_id}: a model step failed"), errors)
+                waited_s += time.perf_counter() - t_back
             if attempt.started:
                 held = attempt.kv_tokens if attempt.kv_tokens is not None else \
                     len(prompt) + len(res.token_ids) - 1
@@ -359,17 +418,20 @@ class Proxy:
                   attempt.request_id, attempt.member.engine_id)
 
     async def _acquire(self, execution_id: str | None, deadline: float) -> Member:
-        loop = asyncio.get_running_loop()
-        limit = min(deadline, loop.time() + self.config.admission_timeout_s)
-        while True:
-            member = self.router.pick(execution_id)
-            if member is not None:
-                return member
-            if loop.time() > limit:
-                raise Overloaded("no engine has capacity for this request")
-            self._capacity.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._capacity.wait(), 0.25)
+        """An engine with room, in queue order; ``Overloaded`` at the call's deadline."""
+        return await self.queue.acquire(lambda: self.router.pick(execution_id), deadline)
+
+    async def _after_error(self, call: ModelCall, member: Member, exc: Exception,
+                           errors: int) -> None:
+        """Count and log an engine's failure of this call; raise past ``max_error_retries``,
+        else back off (doubling) before the retry."""
+        self.totals["engine_errors"] += 1
+        log.warning("call %s: engine %s failed it (%s); %s", call.call_id, member.engine_id,
+                    exc, "giving up" if errors > self.config.max_error_retries else "retrying")
+        if errors > self.config.max_error_retries:
+            raise EngineError(f"call {call.call_id}: engines failed it {errors} times; "
+                              f"last: {exc}")
+        await asyncio.sleep(self.config.error_backoff_s * 2 ** (errors - 1))
 
     async def _is_down(self, member: Member) -> bool:
         """Down only if several health probes fail: a loaded engine may miss one."""
@@ -382,11 +444,7 @@ class Proxy:
 
     async def _check_engine(self, member: Member, exc: Exception) -> None:
         if member.alive and await self._is_down(member):
-            if self.router.members.get(member.engine_id) is member:
-                self.router.leave(member.engine_id)
-                self.totals["engine_failures"] += 1
-                log.warning("engine %s is down (%s): it leaves, its calls retry elsewhere",
-                            member.engine_id, exc)
+            self.health.mark_down(member, str(exc))
         else:
             await asyncio.sleep(0.05)
 
@@ -400,11 +458,19 @@ class Proxy:
                              "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]})
         return {"overhead": overhead,
                 "engines": [m.describe() for m in self.router.members.values()],
+                "lost_engines": sorted(self.health.lost),
+                "readmitted_engines": self.health.readmitted,
                 "capacity": self.router.capacity(),
                 "inflight": sum(len(m.inflight) for m in self.router.members.values()),
+                **self.queue.stats(),
                 "executions_recorded": len(self.records),
                 "rerouted_executions": self.router.rerouted_executions, **self.totals}
 
+    def serving(self) -> int:
+        """Engines that take calls now (routable)."""
+        return sum(m.routable() for m in self.router.members.values())
+
     async def close(self) -> None:
+        await self.health.stop()
         for member in list(self.router.members.values()):
             await member.adapter.close()

@@ -5,8 +5,14 @@ In: OpenAI requests naming their execution by ``X-Tidal-Execution`` (or ``user``
 Out: one normal answer per request (retries across engines are invisible), JSON or SSE.
 Admin: ``/tidal/engines`` (GET list, POST join), ``DELETE /tidal/engines/{id}``,
 ``/tidal/engines/{id}/drain``, ``/tidal/engines/{id}/undrain``, ``/tidal/stats``,
-``/tidal/executions/{id}/records``. Harness: ``POST /tidal/executions``,
-``POST /tidal/executions/{id}/close``.
+``/tidal/executions/{id}/records``. Harness: ``POST /tidal/executions`` (open, body at most 1 MiB),
+``POST /tidal/executions/{id}/close`` (the token: it sets the execution's reward).
+
+Access (``guard.Guard``): the OpenAI routes, ``/health`` and registration are open on loopback;
+bound elsewhere every route but ``/health`` / ``/live`` needs the token. ``/docs`` and
+``/openapi.json`` always need it. ``/health`` answers 503 while no engine serves; ``/live``
+says only that the process is up. A non-streamed caller that hangs up cancels its call (its
+engine request is aborted with it).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tidal.agents.events import CLOSE_REASONS, ExecutionRegistry
 from tidal.errors import LedgerError, TimeoutExpired
+from tidal.serving.guard import Guard, PayloadTooLarge, is_loopback
 from tidal.serving.openai_api import (
     SSE_DONE,
     ChatRequest,
@@ -56,11 +63,10 @@ class Conflict(ServingError):
     status = 409
 
 
-class PayloadTooLarge(ServingError):
-    status = 413
-
-
 MAX_BODY_BYTES = 64 << 20
+MAX_CONTROL_BODY_BYTES = 1 << 20  # registration, close, admin: small JSON bodies
+ALWAYS_OPEN = frozenset({"/health", "/live"})
+DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 log = logging.getLogger(__name__)
 
 
@@ -83,6 +89,8 @@ class RegisterBody(BaseModel):
                                      pattern=r"^[A-Za-z0-9_.:-]+$")
     group_id: str = Field("default", min_length=1, max_length=128)
     metadata: dict = Field(default_factory=dict)
+    timeout_s: float | None = Field(None, gt=0, le=86_400,
+                                    description="each model call's limit, queueing included")
 
 
 class CloseBody(BaseModel):
@@ -118,14 +126,26 @@ def _body_spec(model: type[BaseModel]) -> dict:
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+def needs_token(open_api: bool) -> Callable[[str], bool]:
+    """Which paths need the token: docs and close always, admin routes check it themselves;
+    with ``open_api`` False (bound beyond loopback) everything but the health routes."""
+    def check(path: str) -> bool:
+        if path in ALWAYS_OPEN:
+            return False
+        return path in DOCS or path.endswith("/close") or not open_api
+    return check
+
+
 def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
-                    on_startup: Callable[[], Awaitable[None]] | None = None) -> FastPath:
+                    on_startup: Callable[[], Awaitable[None]] | None = None) -> Guard:
+    """The proxy's ASGI app: ``Guard`` over the fast OpenAI path over FastAPI."""
     registry = registry or ExecutionRegistry()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         if on_startup is not None:
             await on_startup()
+        proxy.health.start()
         yield
         await proxy.close()
 
@@ -163,13 +183,21 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         if name is not None and served and name not in served:
             raise NotFound(f"model {name!r} is not served (serving {sorted(served)})")
 
+    def timeout_of(eid: str | None) -> float | None:
+        try:
+            return registry.get(eid).metadata.get("timeout_s") if eid is not None else None
+        except LedgerError:
+            return None
+
     async def answer(eid: str | None, prompt: list[int], body, chat: bool, t_entry: float):
         params = body.sampling()
+        timeout_s = timeout_of(eid)
         rid = uuid.uuid4().hex
         model = body.model or next((m.model for m in proxy.router.members.values()), "tidal")
         texts = None
         if not body.stream:
-            res = await proxy.complete(eid, prompt, params, record_overhead=False)
+            res = await proxy.complete(eid, prompt, params, record_overhead=False,
+                                       timeout_s=timeout_s)
             texts = [f"token_id:{t}" for t in res.token_ids]
             build = chat_response if chat else completion_response
             want = body.logprobs if chat else body.logprobs is not None
@@ -178,7 +206,8 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
             proxy.overhead_s.append(time.perf_counter() - t_entry - res.upstream_s)
             return out
         queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
-        task = asyncio.create_task(proxy.complete(eid, prompt, params, on_chunk=queue.put_nowait))
+        task = asyncio.create_task(proxy.complete(eid, prompt, params, on_chunk=queue.put_nowait,
+                                                  timeout_s=timeout_s))
         task.add_done_callback(lambda _: queue.put_nowait(None))
 
         async def events() -> AsyncIterator[bytes]:
@@ -237,14 +266,22 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "engines": len(proxy.router.members)}
+        serving = proxy.serving()
+        body = {"status": "ok" if serving else "no engine serves", "engines": serving,
+                "lost_engines": sorted(proxy.health.lost), "queued": len(proxy.queue)}
+        return _json(body) if serving else _error(body["status"], 503)
+
+    @app.get("/live")
+    async def live():
+        return {"status": "ok"}
 
     # -- harness registration ------------------------------------------------------------
     @app.post("/tidal/executions")
     async def register(body: RegisterBody | None = None):
         body = body or RegisterBody()
+        meta = {**body.metadata, **({"timeout_s": body.timeout_s} if body.timeout_s else {})}
         try:
-            state = registry.dispatch(body.group_id, body.execution_id, body.metadata)
+            state = registry.dispatch(body.group_id, body.execution_id, meta)
         except LedgerError as exc:
             raise Conflict(str(exc)) from None
         return {"execution_id": state.execution_id, "group_id": state.group_id}
@@ -308,7 +345,10 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    return FastPath(app, serve)
+    open_api = is_loopback(proxy.config.host)
+    return Guard(FastPath(app, serve), proxy.config.admin_token, needs_token(open_api),
+                 max_body=MAX_CONTROL_BODY_BYTES,
+                 body_limits={"/v1/": MAX_BODY_BYTES})
 
 
 class FastPath:
@@ -331,7 +371,9 @@ class FastPath:
             raw = await _read_body(receive)
             eid = next((v.decode("latin-1") for k, v in scope["headers"]
                         if k == b"x-tidal-execution"), None)
-            response = await self.serve(raw, eid, chat)
+            response = await _unless_gone(self.serve(raw, eid, chat), receive)
+            if response is None:  # the caller hung up: its call was cancelled
+                return
         except RequestValidationError as exc:
             response = _error(validation_message(exc.errors()), 400)
         except ServingError as exc:
@@ -340,6 +382,25 @@ class FastPath:
             log.exception("proxy: %s failed", scope["path"])
             response = _error(f"internal error: {type(exc).__name__}", 500)
         await response(scope, receive, send)
+
+
+async def _unless_gone(work, receive):
+    """``await work``, cancelled (None) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def hang_up() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    return None if task.cancelled() else task.result()
 
 
 async def _read_body(receive) -> bytes:
