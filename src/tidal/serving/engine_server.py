@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.serving.engine import Engine
-from tidal.serving.guard import Guard
+from tidal.serving.guard import CatchAll, Guard
 from tidal.serving.openai_api import (
     MAX_PROMPT_CHARS,
     SSE_DONE,
@@ -83,6 +83,7 @@ def build_engine_app(engine: Engine, served_name: str, token: str | None = None)
     app = FastAPI(title=f"tidal engine {served_name}", lifespan=lifespan)
     app.state.engine = engine
     install_error_handlers(app)
+    app.add_middleware(CatchAll)
     tok = engine.tokenizer
 
     def check_model(name: str | None) -> None:

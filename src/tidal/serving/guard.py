@@ -1,6 +1,6 @@
 """What both servers (``tidal engine``, ``tidal proxy``) put between a socket and their routes:
-bearer-token checks, body limits, a catch-all that answers 500 without dropping the connection,
-and a uvicorn protocol with a read deadline and a header-size limit.
+bearer-token checks and body limits (``Guard``), a catch-all that answers 500 without dropping
+the connection (``CatchAll``), and a uvicorn protocol with a read deadline and a head limit.
 
 In: raw ASGI requests; connections on uvicorn's HTTP parser. Out: the request handed to the app,
 or a one-line JSON error (401 missing / wrong token, 413 body too large, 431 head too large, 500
@@ -60,8 +60,7 @@ class Guard:
     """ASGI wrapper. ``needs_token(path)``: whether a path needs ``token`` (default: all;
     with no token configured such paths answer 401, disabled). ``max_body``: bytes per request
     body (``body_limits`` per path prefix overrides it); a larger Content-Length is refused
-    before the body is read, a longer chunked body when it gets there. Any exception a route
-    lets out becomes a 500 JSON answer on a live connection."""
+    before the body is read, a longer chunked body when it gets there."""
 
     def __init__(self, app, token: str | None, needs_token: Callable[[str], bool] | None = None,
                  max_body: int = 64 << 20, body_limits: dict[str, int] | None = None) -> None:
@@ -86,16 +85,48 @@ class Guard:
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is not None and (not length.isdigit() or int(length) > limit):
             return await send_error(send, f"content-length: at most {limit} bytes", 413)
-        started = False
-        seen = 0
+        if length is None:  # chunked (or no body): read it here, within the limit
+            parts, seen = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left
+                parts.append(message.get("body", b""))
+                seen += len(parts[-1])
+                if seen > limit:
+                    return await send_error(send, f"request body over {limit} bytes", 413)
+                if not message.get("more_body", False):
+                    break
+            receive = _replay(b"".join(parts), receive)
+        await self.app(scope, receive, send)
 
-        async def counted_receive():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise PayloadTooLarge(f"request body over {limit} bytes")
-            return message
+
+def _replay(body: bytes, receive):
+    """A receive that hands out ``body`` once, then the client's own messages."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+class CatchAll:
+    """FastAPI middleware (``app.add_middleware(CatchAll)``, inside Starlette's error layer):
+    an exception a route lets out becomes a 500 JSON answer naming its type, and the
+    connection stays open (Starlette's own layer answers, then re-raises: uvicorn drops it)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
 
         async def tracked_send(message):
             nonlocal started
@@ -103,13 +134,11 @@ class Guard:
             await send(message)
 
         try:
-            await self.app(scope, counted_receive if length is None else receive, tracked_send)
+            await self.app(scope, receive, tracked_send)
         except Exception as exc:
             if started:
                 raise  # nothing sensible left to answer: the server closes the connection
-            if isinstance(exc, ServingError):
-                return await send_error(send, str(exc), exc.status)
-            log.exception("%s %s failed", scope.get("method"), path)
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
             await send_error(send, f"internal error: {type(exc).__name__}", 500)
 
 

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tidal.agents.events import CLOSE_REASONS, ExecutionRegistry
 from tidal.errors import LedgerError, TimeoutExpired
-from tidal.serving.guard import Guard, PayloadTooLarge, is_loopback
+from tidal.serving.guard import CatchAll, Guard, PayloadTooLarge, is_loopback
 from tidal.serving.openai_api import (
     SSE_DONE,
     ChatRequest,
@@ -151,6 +151,7 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
 
     app = FastAPI(title="tidal proxy", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(CatchAll)
     app.state.proxy, app.state.registry = proxy, registry
 
     def admin(creds: AdminCreds) -> None:

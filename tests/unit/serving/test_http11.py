@@ -194,5 +194,5 @@ def test_repeated_headers_are_joined():
 @pytest.mark.parametrize("size", [100_000, 2_000_000])
 def test_an_oversized_response_head_is_a_failure_not_a_crash(size):
     raw = b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * size + b"\r\ncontent-length: 0\r\n\r\n"
-    with pytest.raises(HTTPFailure, match="header|limit|chunk|separator"):
+    with pytest.raises(HTTPFailure, match=r"header|limit|chunk|separator"):
         _fetch(raw)
