@@ -24,6 +24,7 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from tidal.errors import TidalError
 from tidal.serving.engine import Engine
 from tidal.serving.guard import CatchAll, Guard
 from tidal.serving.openai_api import (
@@ -193,7 +194,11 @@ def build_engine_app(engine: Engine, served_name: str, token: str | None = None)
     async def update_weights(body: WeightsBody):
         if not Path(body.path).exists():
             raise BadRequest(f"weights not found: {body.path}")
-        await engine.update_weights(body.path, body.weight_version)
+        try:
+            await engine.update_weights(body.path, body.weight_version)
+        except (TidalError, OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise BadRequest(f"path: no weights of this model at {body.path}: "
+                             f"{type(exc).__name__}: {str(exc)[:200]}") from None
         return {"status": "ok", "weight_version": engine.weight_version}
 
     @app.post("/update_weight_version")
