@@ -26,8 +26,8 @@ def serve_asgi():
     from tidal.serving.launch import free_port
 
     @contextlib.asynccontextmanager
-    async def serve(app, **limits):
-        port = free_port()
+    async def serve(app, port: int | None = None, **limits):
+        port = port or free_port()
         server = uvicorn.Server(uvicorn.Config(
             app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio",
             http=bounded_protocol(**limits), timeout_keep_alive=120))
