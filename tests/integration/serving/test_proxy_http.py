@@ -36,9 +36,11 @@ def test_openai_client_is_a_harness(cluster, client):
                                      stream=True, extra_body={"ignore_eos": True})
     pieces = list(streamed)
     assert pieces[-1].choices[0].finish_reason == "length"
-    closed = client.post(f"/tidal/executions/{eid}/close", json={"reward": 0.5}).json()
+    closed = client.post(f"/tidal/executions/{eid}/close", json={"reward": 0.5},
+                         headers=cluster.admin).json()
     assert closed["calls"] == 3 and not closed["duplicate"]
-    assert client.post(f"/tidal/executions/{eid}/close", json={}).json()["duplicate"]
+    assert client.post(f"/tidal/executions/{eid}/close", json={},
+                       headers=cluster.admin).json()["duplicate"]
     records = client.get(f"/tidal/executions/{eid}/records", headers=cluster.admin).json()
     call = records["calls"][1]
     seg = call["segments"][0]
@@ -68,14 +70,18 @@ def test_unknown_or_closed_execution_and_admin_auth(cluster, client):
                     json={"prompt": "x"})
     assert r.status_code == 404 and "unknown execution" in r.json()["error"]["message"]
     eid = _register(client)
-    client.post(f"/tidal/executions/{eid}/close", json={"reason": "timeout"})
+    client.post(f"/tidal/executions/{eid}/close", json={"reason": "timeout"},
+                headers=cluster.admin)
     r = client.post("/v1/completions", headers={"X-Tidal-Execution": eid}, json={"prompt": "x"})
     assert r.status_code == 409
-    assert client.post("/tidal/executions/nobody/close", json={}).status_code == 404
+    assert client.post("/tidal/executions/nobody/close", json={},
+                       headers=cluster.admin).status_code == 404
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}):
         for method, path in (("GET", "/tidal/engines"), ("GET", "/tidal/stats"),
                              ("POST", "/tidal/engines/s0/drain"),
-                             ("POST", "/tidal/engines/s0/undrain")):
+                             ("POST", "/tidal/engines/s0/undrain"),
+                             ("POST", f"/tidal/executions/{eid}/close"),
+                             ("GET", "/docs"), ("GET", "/openapi.json")):
             r = client.request(method, path, headers=headers)
             assert r.status_code == 401, (method, path, r.text)
     assert client.get("/tidal/engines", headers=cluster.admin).status_code == 200
@@ -95,8 +101,8 @@ _fields = {"prompt", "messages", "max_tokens", "temperature", "top_k", "seed", "
 _bodies = st.one_of(_json, st.dictionaries(st.sampled_from(sorted(_fields)), _json, max_size=6))
 
 
-def test_openapi_schema_is_published(client):
-    schema = client.get("/openapi.json").json()
+def test_openapi_schema_is_published(cluster, client):
+    schema = client.get("/openapi.json", headers=cluster.admin).json()
     assert {"/v1/completions", "/v1/chat/completions", "/tidal/engines",
             "/tidal/engines/{engine_id}/drain", "/tidal/executions"} <= set(schema["paths"])
 
