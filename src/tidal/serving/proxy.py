@@ -24,7 +24,6 @@ on abort and the next hop exports it from there (a chained handoff).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -39,6 +38,7 @@ from tidal.errors import TimeoutExpired
 from tidal.serving.adapters import make_adapter
 from tidal.serving.admission import AdmissionQueue
 from tidal.serving.health import HealthMonitor
+from tidal.serving.kv_handoff import export_kv, import_kv, release_import
 from tidal.serving.openai_api import Result
 from tidal.serving.protocol import (
     BadRequest,
@@ -260,14 +260,14 @@ class Proxy:
             try:
                 handle = None
                 if blob is not None:
-                    handle, blob = await self._import(blob, attempt)
+                    handle, blob = await import_kv(blob, attempt)
                 if attempt.cancelled:  # its drain began before anything was sent: go on
-                    await self._release(attempt, handle)
+                    await release_import(attempt, handle)
                 else:
                     reason = await self._run_attempt(attempt, seg, res, prompt, params,
                                                      remaining, handle, prior_kv, on_chunk)
                     if reason is None and attempt.keep_kv:
-                        blob = await self._export(attempt)
+                        blob = await export_kv(attempt)
             except BadRequest:
                 if attempt_no == 1 and not res.token_ids:
                     raise
@@ -373,49 +373,6 @@ class Proxy:
         attempt.ended = True
         seg.ended_by = reason or "lost"
         return reason if reason != "abort" else None
-
-    async def _export(self, attempt: Attempt) -> bytes | None:
-        """The KV a drained attempt left pinned at its engine, which then releases it."""
-        src = attempt.member
-        if not src.adapter.supports_kv_handoff or attempt.kv_tokens == 0:
-            return None
-        t_up = time.perf_counter()
-        try:
-            blob = await src.adapter.export_kv(attempt.request_id)
-            with contextlib.suppress(ServingError):
-                await src.adapter.release_kv(attempt.request_id)
-        except ServingError as exc:
-            log.warning("KV export from %s failed (%s): the next engine prefills",
-                        src.engine_id, exc)
-            return None
-        finally:
-            attempt.upstream_s += time.perf_counter() - t_up
-        return blob
-
-    async def _import(self, blob: bytes, attempt: Attempt) -> tuple[str | None, bytes | None]:
-        """(handle at the attempt's engine or None, the blob if still worth holding). A dead
-        destination raises (the call retries elsewhere with the blob); a refusal drops it."""
-        dest = attempt.member
-        if not dest.adapter.supports_kv_handoff:
-            return None, blob
-        t_up = time.perf_counter()
-        try:
-            handle, _ = await dest.adapter.import_kv(blob)
-        except BadRequest as exc:
-            log.warning("KV import at %s refused (%s): full prefill", dest.engine_id, exc)
-            return None, None
-        finally:
-            attempt.upstream_s += time.perf_counter() - t_up
-        return handle, blob
-
-    async def _release(self, attempt: Attempt, handle: str | None) -> None:
-        if handle is not None:
-            t_up = time.perf_counter()
-            with contextlib.suppress(ServingError):
-                await attempt.member.adapter.release_kv(handle)
-            attempt.upstream_s += time.perf_counter() - t_up
-        log.debug("call attempt %s re-routed before it was sent to %s (draining)",
-                  attempt.request_id, attempt.member.engine_id)
 
     async def _acquire(self, execution_id: str | None, deadline: float) -> Member:
         """An engine with room, in queue order; ``Overloaded`` at the call's deadline."""
