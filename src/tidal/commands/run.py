@@ -106,6 +106,7 @@ def _panel(st: dict, total_steps: int):
                      ("waterlevel (queued + running)",
                       f"{st['waterlevel']} ({st['queued']} + {st['running']})"),
                      ("ready groups", str(st["ready_groups"])),
+                     ("calls queued at the proxy", str(st.get("proxy_queued", "-"))),
                      ("cells", cells),
                      ("transitions / replaced", f"{st['switches']} / {st['replaced']}")):
         table.add_row(key, val)

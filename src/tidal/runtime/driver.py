@@ -479,6 +479,8 @@ class Runtime:
 
     async def _ticks(self) -> None:
         n, every = 0, max(1, round(self.rt.state_every_s / self.rt.tick_s))
+        probe: asyncio.Task | None = None  # the proxy's queue, for the live display
+        queued: int | None = None
         with open(self.out / "state.jsonl", "a") as fh:
             while True:
                 await asyncio.sleep(self.rt.tick_s)
@@ -487,11 +489,22 @@ class Runtime:
                 if n % every:
                     continue
                 st = self.state()
+                if probe is None or probe.done():  # never holds up the tick
+                    queued = probe.result() if probe else None
+                    probe = asyncio.create_task(self._proxy_queued())
+                st["proxy_queued"] = queued
                 fh.write(json.dumps({"t": round(self.elapsed(), 3), **st})
                          + "\n")
                 fh.flush()
                 if self.on_state is not None:
                     self.on_state(st)
+
+    async def _proxy_queued(self) -> int | None:
+        """Calls waiting at the proxy for an engine slot (its ``/health``); None: no answer."""
+        try:
+            return (await self.admin.get("/health", timeout=1.0)).json().get("queued")
+        except (httpx.HTTPError, ValueError):
+            return None
 
     def _write_timeline(self) -> None:
         t0 = self.t_first - self.t_offset

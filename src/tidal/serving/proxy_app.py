@@ -270,7 +270,10 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         serving = proxy.serving()
         body = {"status": "ok" if serving else "no engine serves", "engines": serving,
                 "lost_engines": sorted(proxy.health.lost), "queued": len(proxy.queue)}
-        return _json(body) if serving else _error(body["status"], 503)
+        if serving:
+            return _json(body)
+        return Response(json.dumps({**error_body(body["status"], 503), **body}).encode(), 503,
+                        media_type="application/json")
 
     @app.get("/live")
     async def live():

@@ -55,6 +55,10 @@ def test_openai_client_is_a_harness(cluster, client):
     ({"prompt": "x", "model": "no-such-model"}, 404, "not served"),
     ({"prompt": [10**9], "max_tokens": 2}, 400, "vocabulary"),
     ({"max_tokens": 2}, 400, "prompt"),
+    ({"prompt": [3, 4], "max_tokens": 2, "seed": 2**63}, 400, "seed"),
+    ({"prompt": [3, 4], "max_tokens": 2, "seed": -(2**63) - 1}, 400, "seed"),
+    ({"prompt": "a" * 200_000, "max_tokens": 2}, 400, "prompt"),
+    ({"prompt": [3, -4], "max_tokens": 2}, 400, "prompt"),
 ])
 def test_bad_input_gets_a_clear_4xx(client, body, status, needle):
     eid = _register(client)
@@ -87,6 +91,20 @@ def test_unknown_or_closed_execution_and_admin_auth(cluster, client):
     assert client.get("/tidal/engines", headers=cluster.admin).status_code == 200
     r = client.post("/tidal/engines/ghost/drain", headers=cluster.admin)
     assert r.status_code == 404
+
+
+def test_heads_and_bodies_are_bounded(cluster, client):
+    """Both servers (the proxy and an engine, real processes) run the bounded protocol: a 1 MB
+    header is a 431 (the read deadline of the same protocol: ``tests/unit/serving/
+    test_guard.py``); a 2 MB registration body is a 413; both go on serving."""
+    engine = cluster.engines["s0"].url
+    for url in (cluster.url, engine):
+        r = httpx.get(f"{url}/health", headers={**cluster.admin, "x-big": "a" * 1_000_000})
+        assert r.status_code == 431, (url, r.status_code)
+    r = client.post("/tidal/executions", json={"metadata": {"blob": "a" * 2_000_000}})
+    assert r.status_code == 413 and "content-length" in r.json()["error"]["message"]
+    assert client.get("/health").status_code == 200
+    assert httpx.get(f"{engine}/health", headers=cluster.admin).status_code == 200
 
 
 _json = st.recursive(

@@ -191,3 +191,28 @@ async def _until(cond, timeout_s: float) -> None:
     while not cond():
         assert time.monotonic() < end, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+def test_a_caller_hanging_up_on_the_proxy_aborts_the_engine_request(tiny_dir, serve_asgi):
+    import httpx
+
+    from tidal.serving.proxy_app import build_proxy_app
+
+    async def main():
+        eng = _engine(tiny_dir, step_in_thread=True)
+        async with serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as engine_url:
+            proxy = _proxy()
+            await proxy.join("e0", engine_url)
+            async with serve_asgi(build_proxy_app(proxy)) as url:
+                async with httpx.AsyncClient(base_url=url, timeout=0.5) as c:
+                    with contextlib.suppress(httpx.TimeoutException):
+                        await c.post("/v1/completions", json={
+                            "prompt": [3, 4], "max_tokens": 400, "ignore_eos": True})
+                t_gone = time.monotonic()
+                await _until(lambda: not eng.stats()["running"] and not proxy.stats()[
+                    "inflight"], 5)
+                took = time.monotonic() - t_gone
+            return eng.stats(), took
+
+    stats, took = asyncio.run(main())
+    assert stats["aborted"] == 1 and stats["generated_tokens"] < 400 and took < 2
