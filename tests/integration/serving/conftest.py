@@ -22,6 +22,7 @@ class Cluster:
                                  require_registration=True,
                                  log_path=log_dir / "proxy.log").wait_healthy(60)
         self.url = self.proxy.url
+        self.token = TOKEN
         self.admin = {"Authorization": f"Bearer {TOKEN}"}
         self.spawned = 0
 
