@@ -79,6 +79,18 @@ class HealthMonitor:
         if n >= self.probes:
             self.mark_down(member, f"{n} health probes failed")
 
+    async def check(self, member: Member, exc: Exception) -> None:
+        """A call failed to reach ``member``: down (it leaves at once) only if ``probes``
+        probes 0.5 s apart fail too, as a loaded engine may miss one; else a short pause."""
+        if member.alive:
+            for probe in range(self.probes):
+                if await member.adapter.health():
+                    await asyncio.sleep(0.05)
+                    return
+                if probe + 1 < self.probes:
+                    await asyncio.sleep(0.5)
+            self.mark_down(member, str(exc))
+
     def mark_down(self, member: Member, reason: str) -> None:
         """The member leaves routing (if it still is one) and is remembered as lost."""
         router = self.proxy.router

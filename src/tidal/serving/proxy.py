@@ -285,7 +285,7 @@ class Proxy:
                     # it had the prompt (and the tokens so far): the next engine prefills again
                     prior_kv = max(prior_kv, len(prompt) + len(res.token_ids) - 1)
                 t_check = time.perf_counter()
-                await self._check_engine(member, exc)
+                await self.health.check(member, exc)
                 waited_s += time.perf_counter() - t_check
             finally:
                 waited_s += attempt.upstream_s
@@ -389,21 +389,6 @@ class Proxy:
             raise EngineError(f"call {call.call_id}: engines failed it {errors} times; "
                               f"last: {exc}")
         await asyncio.sleep(self.config.error_backoff_s * 2 ** (errors - 1))
-
-    async def _is_down(self, member: Member) -> bool:
-        """Down only if several health probes fail: a loaded engine may miss one."""
-        for probe in range(self.config.health_probes):
-            if await member.adapter.health():
-                return False
-            if probe + 1 < self.config.health_probes:
-                await asyncio.sleep(0.5)
-        return True
-
-    async def _check_engine(self, member: Member, exc: Exception) -> None:
-        if member.alive and await self._is_down(member):
-            self.health.mark_down(member, str(exc))
-        else:
-            await asyncio.sleep(0.05)
 
     def stats(self, reset_overhead: bool = False) -> dict:
         lat = sorted(self.overhead_s)

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, ClassVar
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,7 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tidal.agents.events import CLOSE_REASONS, ExecutionRegistry
 from tidal.errors import LedgerError, TimeoutExpired
-from tidal.serving.guard import CatchAll, Guard, PayloadTooLarge, is_loopback
+from tidal.serving.fast_path import MAX_BODY_BYTES, FastPath
+from tidal.serving.guard import CatchAll, Guard, is_loopback
 from tidal.serving.openai_api import (
     SSE_DONE,
     ChatRequest,
@@ -46,7 +47,6 @@ from tidal.serving.openai_api import (
     error_body,
     install_error_handlers,
     sse_chunk,
-    validation_message,
 )
 from tidal.serving.protocol import BadRequest, NotFound, ServingError, TokenChunk
 from tidal.serving.proxy import Proxy
@@ -63,7 +63,6 @@ class Conflict(ServingError):
     status = 409
 
 
-MAX_BODY_BYTES = 64 << 20
 MAX_CONTROL_BODY_BYTES = 1 << 20  # registration, close, admin: small JSON bodies
 ALWAYS_OPEN = frozenset({"/health", "/live"})
 DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
@@ -353,74 +352,3 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
     return Guard(FastPath(app, serve), proxy.config.admin_token, needs_token(open_api),
                  max_body=MAX_CONTROL_BODY_BYTES,
                  body_limits={"/v1/": MAX_BODY_BYTES})
-
-
-class FastPath:
-    """ASGI front: ``POST /v1/completions`` and ``/v1/chat/completions`` go straight to the
-    shared handler, without the framework's middleware, routing and dependency layers (most of
-    the proxy's CPU per call); every other request goes to the FastAPI app."""
-
-    ROUTES: ClassVar[dict[str, bool]] = {"/v1/completions": False,
-                                         "/v1/chat/completions": True}
-
-    def __init__(self, app: FastAPI, serve) -> None:
-        self.app, self.serve = app, serve
-        self.state = app.state
-
-    async def __call__(self, scope, receive, send) -> None:
-        chat = self.ROUTES.get(scope.get("path", ""))
-        if scope["type"] != "http" or chat is None or scope["method"] != "POST":
-            return await self.app(scope, receive, send)
-        try:
-            raw = await _read_body(receive)
-            eid = next((v.decode("latin-1") for k, v in scope["headers"]
-                        if k == b"x-tidal-execution"), None)
-            response = await _unless_gone(self.serve(raw, eid, chat), receive)
-            if response is None:  # the caller hung up: its call was cancelled
-                return
-        except RequestValidationError as exc:
-            response = _error(validation_message(exc.errors()), 400)
-        except ServingError as exc:
-            response = _error(str(exc), exc.status)
-        except Exception as exc:  # what the framework's error middleware would answer
-            log.exception("proxy: %s failed", scope["path"])
-            response = _error(f"internal error: {type(exc).__name__}", 500)
-        await response(scope, receive, send)
-
-
-async def _unless_gone(work, receive):
-    """``await work``, cancelled (None) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-
-    async def hang_up() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    gone = asyncio.ensure_future(hang_up())
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, gone, return_exceptions=True)
-    return None if task.cancelled() else task.result()
-
-
-async def _read_body(receive) -> bytes:
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise BadRequest("the client went away before sending its body")
-        parts.append(message.get("body", b""))
-        size += len(parts[-1])
-        if size > MAX_BODY_BYTES:
-            raise PayloadTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
-        if not message.get("more_body", False):
-            return b"".join(parts)
-
-
-def _error(message: str, status: int) -> Response:
-    return Response(json.dumps(error_body(message, status)).encode(), status,
-                    media_type="application/json")
