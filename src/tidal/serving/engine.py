@@ -238,7 +238,8 @@ class Engine:
                 # parameters, not state_dict(): a tied head must not appear twice
                 sd = {k: v.detach().contiguous().cpu()
                       for k, v in self.model.named_parameters()}
-                save_file(sd, str(self._spill))
+                # off the loop: /health and control routes keep answering while it writes
+                await asyncio.to_thread(save_file, sd, str(self._spill))
                 del sd
             self.model.free_weights()
             self._sleeping = True

@@ -1,10 +1,11 @@
 """Background health of the proxy's engines: a member that stops answering leaves routing, an
 engine that answers again on its address comes back.
 
-In: the proxy's members (probed every ``interval_s``) and the engines it lost (address, backend,
-kind, cap, model). Out: ``mark_down`` (the member leaves; its calls retry elsewhere, invariant
-4) after ``probes`` failed probes in a row, and re-admission through ``Proxy.join`` of a lost
-engine whose ``/health`` answers. Invariant kept: an engine is either a member or lost, never
+In: the proxy's admitting members (probed every ``interval_s``; drained ones are their owner's)
+and the engines it lost (address, backend, kind, cap, model, admitting). Out: ``mark_down`` (the
+member leaves; its calls retry elsewhere, invariant 4) after ``probes`` failed probes in a row,
+and re-admission through ``Proxy.join`` of a lost engine whose ``/health`` answers, drained
+again if it was drained. Invariant kept: an engine is either a member or lost, never
 both, and an engine that nobody calls is noticed within ``probes x interval_s`` (+ probe
 timeouts) all the same.
 """
@@ -36,6 +37,7 @@ class Lost:
     cell_index: int
     cap: int
     model: str
+    admitting: bool  # a drained engine comes back drained: its owner undrains it
 
 
 class HealthMonitor:
@@ -66,8 +68,10 @@ class HealthMonitor:
             await asyncio.sleep(self.interval_s)
 
     async def sweep(self) -> None:
-        """Probe every member and every lost engine once (concurrently)."""
-        members = list(self.proxy.router.members.values())
+        """Probe every admitting member and every lost engine once (concurrently). A drained
+        member is left alone: it holds no calls, and its owner (the runtime puts drained
+        engines to sleep, which can hold their loop for seconds) undrains or removes it."""
+        members = [m for m in self.proxy.router.members.values() if m.admitting]
         await asyncio.gather(*[self._probe(m) for m in members],
                              *[self._retry(lost) for lost in list(self.lost.values())])
 
@@ -96,12 +100,12 @@ class HealthMonitor:
         router = self.proxy.router
         if router.members.get(member.engine_id) is not member:
             return
-        router.leave(member.engine_id)
+        lost = Lost(member.engine_id, member.adapter.url, member.backend, member.kind,
+                    member.cell_index, member.cap, member.model, member.admitting)
+        router.leave(member.engine_id)  # (which clears ``admitting``)
         self._misses.pop(member.engine_id, None)
         self.proxy.totals["engine_failures"] += 1
-        self.lost[member.engine_id] = Lost(member.engine_id, member.adapter.url,
-                                           member.backend, member.kind, member.cell_index,
-                                           member.cap, member.model)
+        self.lost[member.engine_id] = lost
         log.warning("engine %s at %s is down (%s): it leaves routing, its calls retry "
                     "elsewhere", member.engine_id, member.adapter.url, reason)
         asyncio.get_running_loop().create_task(member.adapter.close())
@@ -119,8 +123,10 @@ class HealthMonitor:
             return
         del self.lost[lost.engine_id]
         try:
-            await self.proxy.join(lost.engine_id, lost.url, lost.backend, lost.kind,  # type: ignore[arg-type]
-                                  lost.cell_index, lost.cap, lost.model or None)
+            member = await self.proxy.join(lost.engine_id, lost.url, lost.backend,
+                                           lost.kind, lost.cell_index, lost.cap,  # type: ignore[arg-type]
+                                           lost.model or None)
+            member.admitting = lost.admitting
         except ServingError as exc:  # e.g. joined meanwhile under its id
             log.info("engine %s answers again but was not re-admitted: %s",
                      lost.engine_id, exc)

@@ -216,3 +216,24 @@ def test_a_caller_hanging_up_on_the_proxy_aborts_the_engine_request(tiny_dir, se
 
     stats, took = asyncio.run(main())
     assert stats["aborted"] == 1 and stats["generated_tokens"] < 400 and took < 2
+
+
+def test_a_drained_engine_is_its_owners_and_comes_back_drained(tiny_dir, serve_asgi):
+    """The monitor leaves a drained member alone (the runtime puts it to sleep, which may hold
+    its loop); one lost while drained is re-admitted drained, never routed to while asleep."""
+    async def main():
+        port, proxy, seen = free_port(), _proxy(), []
+        async with serve_asgi(build_engine_app(_engine(tiny_dir), "tiny", TOKEN), port) as url:
+            await proxy.join("e0", url)
+            proxy.health.start()
+            await proxy.drain("e0")
+        await asyncio.sleep(0.8)  # gone for 8 sweeps
+        seen.append(("e0" in proxy.router.members, proxy.health.lost == {}))
+        proxy.health.mark_down(proxy.router.members["e0"], "a failed call")
+        async with serve_asgi(build_engine_app(_engine(tiny_dir), "tiny", TOKEN), port):
+            await _until(lambda: "e0" in proxy.router.members, 10)
+            seen.append((proxy.router.members["e0"].admitting, proxy.serving()))
+        await proxy.close()
+        return seen
+
+    assert asyncio.run(main()) == [(True, True), (False, 0)]
