@@ -256,7 +256,7 @@ class Proxy:
             attempt = Attempt(execution_id, f"{call.call_id}-{attempt_no}", member)
             member.inflight[attempt.request_id] = attempt
             seg = Segment(member.engine_id, attempt.request_id)
-            reason = None
+            reason, failure = None, None
             try:
                 handle = None
                 if blob is not None:
@@ -274,11 +274,7 @@ class Proxy:
                 seg.ended_by = "error"  # e.g. a refused request: retry plainly
                 log.exception("call %s: retrying after a refused request", call.call_id)
             except EngineError as exc:  # alive, but failed this call: a bounded few retries
-                seg.ended_by = "error"
-                errors += 1
-                t_back = time.perf_counter()
-                await self._after_error(call, member, exc, errors)
-                waited_s += time.perf_counter() - t_back
+                seg.ended_by, failure = "error", exc
             except (EngineUnavailable, Overloaded) as exc:
                 seg.ended_by = "error"
                 if attempt.sent and isinstance(exc, EngineUnavailable):
@@ -299,11 +295,12 @@ class Proxy:
                 res.finish_reason = reason
                 break
             if reason == "error":  # the engine's step failed under this call
-                errors += 1
                 self.totals["engine_step_failures"] += 1
+                failure = EngineError(f"engine {member.engine_id}: a model step failed")
+            if failure is not None:  # back off with the slot given back
+                errors += 1
                 t_back = time.perf_counter()
-                await self._after_error(call, member, EngineError(
-                    f"engine {member.engine_id}: a model step failed"), errors)
+                await self._after_error(call, member, failure, errors)
                 waited_s += time.perf_counter() - t_back
             if attempt.started:
                 held = attempt.kv_tokens if attempt.kv_tokens is not None else \
