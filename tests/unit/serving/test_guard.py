@@ -143,3 +143,29 @@ def test_an_oversized_head_is_a_431(serve_asgi):
                                        ("10.1.2.3", False), ("example.org", False)])
 def test_loopback_hosts(host, loop):
     assert is_loopback(host) is loop
+
+
+def test_which_proxy_paths_need_the_token():
+    from tidal.serving.proxy_app import needs_token
+
+    loopback, exposed = needs_token(True), needs_token(False)
+    assert [loopback(p) for p in ("/v1/completions", "/v1/chat/completions", "/health",
+                                  "/tidal/executions", "/tidal/executions/x/close", "/docs",
+                                  "/openapi.json")] == [False, False, False, False, True,
+                                                        True, True]
+    assert [exposed(p) for p in ("/v1/completions", "/tidal/executions", "/health",
+                                 "/live")] == [True, True, False, False]
+
+
+def test_binding_beyond_loopback_needs_a_token(tiny_dir, monkeypatch):
+    from click.testing import CliRunner
+
+    from tidal.commands.engine import command as engine
+    from tidal.commands.proxy import command as proxy
+
+    for var in ("TIDAL_ADMIN_TOKEN", "TIDAL_ENGINE_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    out = CliRunner().invoke(proxy, ["--host", "0.0.0.0"])
+    assert out.exit_code == 2 and "--admin-token" in out.output
+    out = CliRunner().invoke(engine, ["--model", str(tiny_dir), "--host", "0.0.0.0"])
+    assert out.exit_code == 2 and "--token" in out.output
