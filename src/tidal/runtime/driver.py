@@ -383,6 +383,9 @@ class Runtime:
             engines = await asyncio.gather(*[a.describe.remote() for a in self.actors.values()],
                                            return_exceptions=True)
             engines = [e for e in engines if isinstance(e, dict)]
+            if stats.get("engine_step_failures"):  # retried by the proxy, but never silent
+                log.warning("%d engine model steps failed (their calls were retried); see "
+                            "logs/engine-*.log", stats["engine_step_failures"])
             return self._summary(results, stats, engines)
         finally:
             self.buffer.close()
