@@ -17,6 +17,8 @@ import json
 import logging
 from collections.abc import Callable
 
+from starlette.requests import ClientDisconnect
+
 from tidal.serving.openai_api import error_body
 from tidal.serving.protocol import ServingError
 
@@ -135,6 +137,8 @@ class CatchAll:
 
         try:
             await self.app(scope, receive, tracked_send)
+        except ClientDisconnect:
+            return  # the client left (or was cut at the read deadline): no one to answer
         except Exception as exc:
             if started:
                 raise  # nothing sensible left to answer: the server closes the connection
