@@ -136,7 +136,9 @@ def test_tokenizing_a_long_prompt_leaves_the_loop_free(tiny_dir, serve_asgi):
 
     count, took, probes = asyncio.run(main())
     assert count > 1000 and took > 0.3, took  # the tokenizer worked a while
-    assert len(probes) >= 3 and max(probes) < 0.5, (took, probes)
+    # on the loop, one probe would wait for the whole tokenization; a loaded machine (other
+    # jobs on 2 cores) may delay a probe a little, never for a good part of it
+    assert len(probes) >= 3 and max(probes) < max(0.5, took / 5), (took, probes)
 
 
 def test_a_non_streamed_caller_that_hangs_up_aborts_its_request(tiny_dir, serve_asgi):
