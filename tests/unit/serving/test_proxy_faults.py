@@ -210,12 +210,12 @@ def test_a_caller_hanging_up_on_the_proxy_aborts_the_engine_request(tiny_dir, se
                             "prompt": [3, 4], "max_tokens": 400, "ignore_eos": True})
                 t_gone = time.monotonic()
                 await _until(lambda: not eng.stats()["running"] and not proxy.stats()[
-                    "inflight"], 5)
+                    "inflight"], 10)
                 took = time.monotonic() - t_gone
             return eng.stats(), took
 
     stats, took = asyncio.run(main())
-    assert stats["aborted"] == 1 and stats["generated_tokens"] < 400 and took < 2
+    assert stats["aborted"] == 1 and stats["generated_tokens"] < 400 and took < 8
 
 
 def test_a_drained_engine_is_its_owners_and_comes_back_drained(tiny_dir, serve_asgi):
