@@ -1,5 +1,6 @@
-"""KV handoff steps of one call attempt (the proxy's side): export the KV a drained attempt left
-pinned at its engine, import it at the next engine, release an import that was not used.
+"""One call attempt at one engine (``Attempt``) and its KV handoff steps (the proxy's side):
+export the KV a drained attempt left pinned at its engine, import it at the next engine, release
+an import that was not used.
 
 In: an ``Attempt`` (its engine's adapter, request id, KV token count). Out: the KV blob, or a
 handle at the destination; every failure degrades to a full prefill (``None``), never to a
@@ -11,14 +12,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from tidal.serving.protocol import BadRequest, ServingError
-
-if TYPE_CHECKING:
-    from tidal.serving.proxy import Attempt
+from tidal.serving.router import Member
 
 log = logging.getLogger("tidal.serving.proxy")
+
+
+@dataclass
+class Attempt:
+    execution_id: str | None
+    request_id: str
+    member: Member
+    cancelled: bool = False
+    sent: bool = False  # the generate request may have reached the engine
+    started: bool = False  # a chunk came back: the engine admitted it
+    ended: bool = False  # the engine's stream ended; a KV export may still run
+    kv_tokens: int | None = None
+    upstream_s: float = 0.0
+    abort_sent: bool = False
+    keep_kv: bool = False
 
 
 async def export_kv(attempt: Attempt) -> bytes | None:

@@ -24,12 +24,12 @@ on abort and the next hop exports it from there (a chained handoff).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,7 +38,7 @@ from tidal.errors import TimeoutExpired
 from tidal.serving.adapters import make_adapter
 from tidal.serving.admission import AdmissionQueue
 from tidal.serving.health import HealthMonitor
-from tidal.serving.kv_handoff import export_kv, import_kv, release_import
+from tidal.serving.kv_handoff import Attempt, export_kv, import_kv, release_import
 from tidal.serving.openai_api import Result
 from tidal.serving.protocol import (
     BadRequest,
@@ -78,21 +78,6 @@ class ProxyConfig(BaseModel):
     error_backoff_s: float = Field(0.1, ge=0)
 
 
-@dataclass
-class Attempt:
-    execution_id: str | None
-    request_id: str
-    member: Member
-    cancelled: bool = False
-    sent: bool = False  # the generate request may have reached the engine
-    started: bool = False  # a chunk came back: the engine admitted it
-    ended: bool = False  # the engine's stream ended; a KV export may still run
-    kv_tokens: int | None = None
-    upstream_s: float = 0.0
-    abort_sent: bool = False
-    keep_kv: bool = False
-
-
 class Proxy:
     def __init__(self, config: ProxyConfig | None = None, clock: Clock | None = None) -> None:
         self.config = config or ProxyConfig()
@@ -103,6 +88,7 @@ class Proxy:
         self.health = HealthMonitor(self, self.config.health_interval_s,
                                     self.config.health_probes)
         self._released = asyncio.Condition()  # an attempt left an engine's in-flight set
+        self._joined = asyncio.Event()  # an engine joined (tokenizing calls wait for one)
         self.overhead_s: deque[float] = deque(maxlen=20_000)
         self.totals = {"calls": 0, "retries": 0, "drains": 0, "kv_handoffs": 0,
                        "engine_failures": 0, "reprefill_tokens": 0, "saved_prefill_tokens": 0,
@@ -135,6 +121,7 @@ class Proxy:
         self.router.join(member)
         self.health.forget(engine_id)  # a replacement under a lost engine's id
         self.queue.notify()
+        self._joined.set()
         return member
 
     async def leave(self, engine_id: str, drain: bool = True) -> None:
@@ -200,15 +187,25 @@ class Proxy:
             self._released.notify_all()
 
     # -- model calls -----------------------------------------------------------------------
-    async def tokenize(self, prompt: str | None = None,
-                       messages: list[dict] | None = None) -> list[int]:
-        for member in list(self.router.members.values()):
-            if member.alive:
-                try:
-                    return await member.adapter.tokenize(prompt=prompt, messages=messages)
-                except EngineUnavailable:
-                    continue
-        raise Overloaded("no engine available to tokenize the prompt")
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       timeout_s: float | None = None) -> list[int]:
+        """Prompt ids from the first engine that answers; with none (all lost, replacements
+        starting) it waits for one to join, within the call's timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout_s or self.config.request_timeout_s)
+        while True:
+            for member in list(self.router.members.values()):
+                if member.alive:
+                    try:
+                        return await member.adapter.tokenize(prompt=prompt, messages=messages)
+                    except EngineUnavailable:
+                        continue
+            left = deadline - loop.time()
+            if left <= 0:
+                raise Overloaded("no engine available to tokenize the prompt")
+            self._joined.clear()
+            with contextlib.suppress(TimeoutError):  # 1 s: only bounds a missed join
+                await asyncio.wait_for(self._joined.wait(), min(left, 1.0))
 
     async def complete(self, execution_id: str | None, prompt: list[int],
                        params: SamplingParams,

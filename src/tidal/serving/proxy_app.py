@@ -238,11 +238,12 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         check_model(body.model)
         t_up = time.perf_counter()
         if chat:
-            prompt = await proxy.tokenize(messages=[m.model_dump() for m in body.messages])
+            prompt = await proxy.tokenize(messages=[m.model_dump() for m in body.messages],
+                                          timeout_s=timeout_of(eid))
         elif isinstance(body.prompt, list):
             prompt = body.prompt
         else:
-            prompt = await proxy.tokenize(prompt=body.prompt)
+            prompt = await proxy.tokenize(prompt=body.prompt, timeout_s=timeout_of(eid))
         t_entry += time.perf_counter() - t_up  # an engine's time, not the proxy's
         if not prompt:
             raise BadRequest("prompt is empty")

@@ -240,3 +240,23 @@ def test_a_drained_engine_is_its_owners_and_comes_back_drained(tiny_dir, serve_a
         return seen
 
     assert asyncio.run(main()) == [(True, True), (False, 0)]
+
+
+def test_tokenizing_waits_for_an_engine_to_join(tiny_dir, serve_asgi):
+    """Every engine lost (e.g. all replaced at once): a text call waits for one to join, within
+    its timeout, instead of failing at once."""
+    async def main():
+        proxy = _proxy()
+        with pytest.raises(Overloaded, match="tokenize"):
+            await proxy.tokenize(prompt="The agent", timeout_s=0.2)
+        async with serve_asgi(build_engine_app(_engine(tiny_dir), "tiny", TOKEN)) as url:
+            waiting = asyncio.create_task(proxy.tokenize(prompt="The agent", timeout_s=30))
+            await asyncio.sleep(0.3)
+            early = waiting.done()
+            await proxy.join("e0", url)
+            ids = await asyncio.wait_for(waiting, 10)
+        await proxy.close()
+        return early, ids
+
+    early, ids = asyncio.run(main())
+    assert not early and len(ids) > 0
