@@ -49,7 +49,9 @@ def cpu_s(pid: int) -> float:
 async def load(url: str, concurrency: int, calls_per_exec: int, max_tokens: int,
                tag: str) -> list[float]:
     lat: list[float] = []
-    pool = HTTPPool(url, max_idle=concurrency, timeout_s=600, connect_timeout_s=120)
+    # the engine takes calls with the run's token only; the proxy's OpenAI routes ignore it
+    pool = HTTPPool(url, {"Authorization": f"Bearer {TOKEN}"}, max_idle=concurrency,
+                    timeout_s=600, connect_timeout_s=120)
 
     async def one(i: int) -> None:
         for k in range(calls_per_exec):
@@ -84,7 +86,7 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = create_tiny(Path(tmp) / "m", max_seq_len=256)
         top = max(args.levels)
-        engine = start_engine(model, max_batch=top).wait_healthy(120)
+        engine = start_engine(model, max_batch=top, token=TOKEN).wait_healthy(120)
         proxy = start_proxy([engine.url], [], TOKEN, cap=top).wait_healthy(60)
         admin = {"Authorization": f"Bearer {TOKEN}"}
         pids = {"proxy": proxy.proc.pid, "engine": engine.proc.pid}

@@ -70,6 +70,7 @@ class StateLine(_Line):
     switches: int
     replaced: int
     closed: int | None = None  # executions closed so far (newer runtimes)
+    proxy_queued: int | None = None  # calls waiting at the proxy for an engine slot
 
 
 class StepLine(_Line):

@@ -37,6 +37,7 @@ class PoolConfig(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     timeout_s: float = Field(300.0, gt=0)
     request_timeout_s: float = Field(300.0, gt=0)
+    token: str | None = None  # the proxy's token: reporting a close (a reward) needs it
 
 
 @dataclass
@@ -66,8 +67,10 @@ class HarnessPool:
             raise ValueError(f"{len(execution_ids)} execution ids for {len(tasks)} tasks")
         ids = execution_ids or [None] * len(tasks)
         limits = httpx.Limits(max_connections=self.config.max_concurrent + 4)
+        auth = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
         async with httpx.AsyncClient(base_url=self.config.proxy_url, limits=limits,
-                                     timeout=self.config.request_timeout_s) as client:
+                                     timeout=self.config.request_timeout_s,
+                                     headers=auth) as client:
             states = [self.registry.dispatch(group, execution_id=eid)
                       for (group, _), eid in zip(tasks, ids, strict=True)]
             return list(await asyncio.gather(*[

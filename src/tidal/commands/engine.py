@@ -2,7 +2,8 @@
 
 In: a model directory (tiny GPT or HF Llama) and a device (``--device cpu|cuda|cuda:N``; the
 weights are read on the CPU and moved there). Out: an OpenAI-compatible server with vLLM-shaped
-control routes; runs until interrupted.
+control routes; runs until interrupted. With ``--token`` (or ``$TIDAL_ENGINE_TOKEN``) every route
+needs ``Authorization: Bearer <token>``; off loopback a token is required.
 """
 
 from __future__ import annotations
@@ -34,20 +35,34 @@ import click
                    "(control calls, tokenize) during long prefills.")
 @click.option("--device", default="cpu", show_default=True,
               help="Where the model and KV caches live: cpu, cuda or cuda:N.")
+@click.option("--token", envvar="TIDAL_ENGINE_TOKEN", default=None,
+              help="Bearer token every route requires (env TIDAL_ENGINE_TOKEN; the proxy "
+                   "passes its --engine-token).")
+@click.option("--read-timeout-s", default=30.0, show_default=True,
+              help="A request must arrive whole (head and body) within this time.")
 def command(model_dir: str, port: int, host: str, name: str | None, max_batch: int,
             max_waiting: int, threads: int, weight_version: str, seed: int,
-            step_in_thread: bool, device: str) -> None:
+            step_in_thread: bool, device: str, token: str | None,
+            read_timeout_s: float) -> None:
     """Serve MODEL on HOST:PORT with continuous batching."""
     from pathlib import Path
 
     import torch
-    import uvicorn
 
     from tidal.models import load_model
     from tidal.models.device import resolve_device
     from tidal.serving.engine import Engine, EngineConfig
     from tidal.serving.engine_server import build_engine_app
+    from tidal.serving.guard import is_loopback, run_server
 
+    if not token and not is_loopback(host):
+        raise click.UsageError(f"--host {host} is not loopback: give --token (or set "
+                               f"TIDAL_ENGINE_TOKEN) so that only the proxy can drive it")
+    if not is_loopback(host):
+        click.echo(f"tidal engine: listening on {host}, beyond this machine", err=True)
+    if not token:
+        click.echo("tidal engine: no --token: every local process can drive this engine",
+                   err=True)
     torch.set_num_threads(threads)
     served = name or Path(model_dir).name
     resolve_device(device)  # fail before the model is read
@@ -58,9 +73,7 @@ def command(model_dir: str, port: int, host: str, name: str | None, max_batch: i
                                                         step_in_thread=step_in_thread,
                                                         device=device),
                     weight_version=weight_version)
-    app = build_engine_app(engine, served)
-    # idle keep-alive connections outlive client pools' reuse (uvicorn closes them after 5 s).
+    app = build_engine_app(engine, served, token)
     # The stdlib loop, never uvloop: model steps run on the loop, and under uvloop streamed
     # chunks were seen held up to ~1 s behind them (benchmarks/proxy_overhead.py).
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
-                timeout_keep_alive=120, backlog=4096, loop="asyncio")
+    run_server(app, host, port, read_timeout_s=read_timeout_s, loop="asyncio")

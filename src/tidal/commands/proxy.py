@@ -1,7 +1,9 @@
 """``tidal proxy``: the OpenAI-compatible front door that routes, drains and records.
 
 In: engine URLs (standalone ``--engine``, rollout cells ``--cell`` in cell order). Out: an HTTP
-server on loopback; admin routes need ``--admin-token`` (or ``$TIDAL_ADMIN_TOKEN``).
+server on loopback; admin routes (and closing an execution, ``/docs``) need ``--admin-token``
+(or ``$TIDAL_ADMIN_TOKEN``), which is also the bearer token sent to the engines unless
+``--engine-token`` names another. Bound beyond loopback every route needs the token.
 """
 
 from __future__ import annotations
@@ -28,19 +30,37 @@ import click
               help="How long to wait for the engines to become healthy at start.")
 @click.option("--require-registration", is_flag=True,
               help="Refuse requests of executions not registered via POST /tidal/executions.")
+@click.option("--engine-token", envvar="TIDAL_ENGINE_TOKEN", default=None,
+              help="Bearer token sent to the engines (env TIDAL_ENGINE_TOKEN; default: the "
+                   "admin token).")
+@click.option("--request-timeout-s", default=600.0, show_default=True,
+              help="Limit of one model call, waiting for a free engine slot included "
+                   "(an execution may register its own timeout_s).")
+@click.option("--read-timeout-s", default=30.0, show_default=True,
+              help="A request must arrive whole (head and body) within this time.")
 def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ...],
             backend: str, cap: int, admin_token: str | None, kv_handoff: bool,
-            wait_s: float, require_registration: bool) -> None:
+            wait_s: float, require_registration: bool, engine_token: str | None,
+            request_timeout_s: float, read_timeout_s: float) -> None:
     """Run the proxy in front of ENGINE / CELL URLs."""
-    import uvicorn
-
+    from tidal.serving.guard import is_loopback, run_server
     from tidal.serving.proxy import Proxy, ProxyConfig
     from tidal.serving.proxy_app import build_proxy_app
 
+    if not is_loopback(host):
+        if not admin_token:
+            raise click.UsageError(f"--host {host} is not loopback: give --admin-token (or "
+                                   f"set TIDAL_ADMIN_TOKEN); every route will need it")
+        click.echo(f"tidal proxy: listening on {host}, beyond this machine: every route but "
+                   f"/health needs the admin token", err=True)
     if not admin_token:
         click.echo("tidal proxy: no --admin-token: admin routes are disabled", err=True)
+    if request_timeout_s <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--request-timeout-s")
     proxy = Proxy(ProxyConfig(host=host, port=port, admin_token=admin_token,
-                              kv_handoff=kv_handoff, require_registration=require_registration))
+                              engine_token=engine_token, kv_handoff=kv_handoff,
+                              require_registration=require_registration,
+                              request_timeout_s=request_timeout_s))
 
     async def join_all() -> None:
         for i, url in enumerate(engines):
@@ -50,7 +70,5 @@ def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ..
             await proxy.join(f"c{i}", url, backend, "cell", i, cap, wait_healthy_s=wait_s)
 
     app = build_proxy_app(proxy, on_startup=join_all)
-    # idle keep-alive connections outlive client pools' reuse (uvicorn closes them after 5 s);
     # uvloop and httptools are used when installed (the ``serve`` extra)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
-                timeout_keep_alive=120, backlog=4096)
+    run_server(app, host, port, read_timeout_s=read_timeout_s)

@@ -86,7 +86,8 @@ class EngineHost:
         if self.proc is None:
             raise RuntimeFailure(f"engine {self.name} is not started")
         try:
-            resp = httpx.post(f"{self.proc.url}{path}", timeout=timeout_s, **kw)
+            resp = httpx.post(f"{self.proc.url}{path}", timeout=timeout_s,
+                              headers=self.proc.headers, **kw)
         except httpx.HTTPError as exc:
             raise RuntimeFailure(f"engine {self.name} {path}: {exc!r}") from None
         if resp.status_code != 200:

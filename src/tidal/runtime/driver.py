@@ -144,7 +144,7 @@ class Runtime:
             _trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
         self.placement = Placement(ray, self.cfg, names, rt.start_timeout_s)
         self.engines = Engines(ray, self.cfg, self.out, model_dir, self.placement,
-                               self.cpu_groups)
+                               self.cpu_groups, self.token)
         self.proxy = start_proxy([], [], self.token, kv_handoff=self.cfg.control.kv_handoff,
                                  log_path=self.out / "logs" / "proxy.log")
         self.engines.start()
@@ -198,6 +198,7 @@ class Runtime:
                 lambda: w.handle(Tick(self.clock.now())), w.state, self.rt.tick_s,
                 self.rt.state_every_s))
             self.parts.spawn("cell supervisor", w.supervisor.run())
+            self.parts.spawn("proxy queue probe", w.probe_proxy_queue(self.rt.state_every_s))
             trainer = self.parts.spawn("trainer loop", w.trainer.run())
             await w.dispatcher.run(w.trainer.bursts_published, lambda: w.publisher.weights.version,
                                    functools.partial(w.trainer.wait_published, trainer=trainer))
@@ -216,6 +217,9 @@ class Runtime:
         await w.settle(self.cfg.control.step_timeout_s)
         w.outputs.write_timeline(w.ctl.timeline.close(self.clock.now()))
         stats = (await w.admin.get("/tidal/stats")).json()
+        if stats["engine_step_failures"]:  # retried by the proxy, but never silent
+            log.warning("%d engine model steps failed (their calls were retried); see "
+                        "logs/engine-*.log", stats["engine_step_failures"])
         engines = await asyncio.gather(*[remote(a.describe.remote(), f"{eid} describe", 30.0)
                                          for eid, a in self.engines.actors.items()],
                                        return_exceptions=True)

@@ -81,8 +81,8 @@ class Engines:
     through it. Handles change only through ``replace`` (the cell supervisor)."""
 
     def __init__(self, ray: Any, cfg: RunConfig, out: Path, model_dir: Path, placement: Any,
-                 cpu_groups: Any) -> None:
-        self.ray, self.cfg, self.rt = ray, cfg, cfg.runtime
+                 cpu_groups: Any, token: str) -> None:
+        self.ray, self.cfg, self.rt, self.token = ray, cfg, cfg.runtime, token
         self.out, self.model_dir = out, model_dir
         self.placement, self.cpu_groups = placement, cpu_groups
         self.ids = engine_ids(cfg)
@@ -104,7 +104,8 @@ class Engines:
 
     def new_actor(self, eid: EngineId) -> Any:
         """An engine actor pinned to its reserved bundle (a replacement reuses it)."""
-        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+               "TIDAL_ENGINE_TOKEN": self.token}  # its engine takes calls with it only
         # Threaded (max_concurrency): a health probe is answered while a long sleep, wake or
         # weight load runs; the actuator never sends one cell two state changes at once.
         device = self.rt.device if self.rt.use_gpus else "cpu"

@@ -192,6 +192,7 @@ def summary(*, ctl: Any, bursts: int, metrics: list[dict[str, Any]], version: in
         "rerouted_executions": stats["rerouted_executions"],
         "drained_requests": sum(d["moved"] for d in actuator.drains),
         "kv_handoffs": stats["kv_handoffs"], "engine_failures": stats["engine_failures"],
+        "engine_step_failures": stats["engine_step_failures"],
         "failed_requests": reasons.get("failed", 0),
         "timed_out_executions": reasons.get("timeout", 0),
         "dispatched": bridge.n_dispatched, "closed": len(results), "close_reasons": reasons,

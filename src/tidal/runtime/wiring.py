@@ -76,6 +76,7 @@ class Wired:
     supervisor: CellSupervisor
     dispatcher: Dispatcher
     clock: Clock
+    proxy_queued: int | None = None  # calls waiting at the proxy for a slot (None: unknown)
 
     def state(self) -> dict[str, Any]:
         """What the live display shows (read on the loop; cheap)."""
@@ -88,7 +89,19 @@ class Wired:
                 "roles": [r.value for r in self.ctl.cells.roles()],
                 "switches": len(self.ctl.plans_done),
                 "replaced": len(self.supervisor.replaced),
-                "closed": sum(self.bridge.close_counts.values())}
+                "closed": sum(self.bridge.close_counts.values()),
+                "proxy_queued": self.proxy_queued}
+
+    async def probe_proxy_queue(self, every_s: float) -> None:
+        """Forever: the proxy's admission queue (its ``/health``) for the live state; the
+        state sampler never waits on the proxy."""
+        while True:
+            try:
+                self.proxy_queued = (await self.admin.get("/health", timeout=2.0)
+                                     ).json().get("queued")
+            except (httpx.HTTPError, ValueError):
+                self.proxy_queued = None
+            await self.clock.asleep(every_s)
 
     async def satellites_up(self, timeout_s: float) -> None:
         """Cells that train from the start (e.g. ``static``) begin the run with their
@@ -181,7 +194,7 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     pool = HarnessPool(PoolConfig(
         proxy_url=proxy_url, max_concurrent=slots, max_turns=rt.max_turns,
         max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
-        timeout_s=rt.execution_timeout_s), out / "workspaces", bridge)
+        timeout_s=rt.execution_timeout_s, token=token), out / "workspaces", bridge)
     held = {r.execution_id: r for r in ck.records} if ck else {}
     return Wired(admin, decisions, buffer, core, outputs, actuator, ctl, handle, bridge,
                  publisher, trainer,

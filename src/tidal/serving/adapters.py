@@ -1,7 +1,8 @@
 """One protocol for every engine the router drives, and its built-in-engine implementation.
 
 In: ``GenerateRequest`` and control calls. Out: ``TokenChunk`` streams and control results, over
-HTTP. Foreign failures (connection refused, reset, timeouts, 5xx) become ``EngineUnavailable``;
+HTTP. Foreign failures (connection refused, reset, timeouts) become ``EngineUnavailable``, a 5xx
+answer its subclass ``EngineError`` (alive; the proxy retries it only a few times);
 a 4xx from the engine becomes ``BadRequest`` so the proxy can tell "retry elsewhere" from "the
 caller's fault". vLLM and SGLang implementations live in ``vllm_adapter`` / ``sglang_adapter``.
 """
@@ -17,6 +18,7 @@ from typing import Protocol, runtime_checkable
 from tidal.serving.http11 import HTTPFailure, HTTPPool, Response
 from tidal.serving.protocol import (
     BadRequest,
+    EngineError,
     EngineUnavailable,
     GenerateRequest,
     NotFound,
@@ -155,7 +157,7 @@ def raise_for(resp: Response, path: str) -> None:
         raise Overloaded(msg)
     if resp.status_code < 500:
         raise BadRequest(msg)
-    raise EngineUnavailable(msg)
+    raise EngineError(msg)  # it answered: alive, but failing this call
 
 
 class NoKVHandoff:

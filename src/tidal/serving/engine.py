@@ -5,7 +5,10 @@ control calls (pause/resume, abort, sleep/wake, load weights, KV export/import).
 ``TokenChunk`` per request; every token carries its log-prob and the weight version that made it.
 
 State lives on the asyncio loop; only the model forward runs in a worker thread, under
-``_step_lock``, so weight loads and sleeps happen between steps, never inside one.
+``_step_lock``, so weight loads and sleeps happen between steps, never inside one. A step owns
+its inputs: the pending tokens and KV caches of its batch are taken on the loop before it runs,
+so an abort during the step (which drops the request's cache) cannot pull them from under it.
+A step that fails anyway is counted (``step_failures``) and ends its requests with ``error``.
 
 Device: the model and every KV cache live on ``EngineConfig.device`` (CPU, or a CUDA device that
 must be visible); each step's ``[B, V]`` logits come back to the CPU once, so sampling, log-probs
@@ -76,7 +79,7 @@ class Engine:
         self._rng = torch.Generator().manual_seed(self.config.seed)
         self.meter = RateMeter(self.clock)
         self.totals = {"generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
-                       "requests": 0, "aborted": 0}
+                       "requests": 0, "aborted": 0, "step_failures": 0}
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -235,7 +238,8 @@ class Engine:
                 # parameters, not state_dict(): a tied head must not appear twice
                 sd = {k: v.detach().contiguous().cpu()
                       for k, v in self.model.named_parameters()}
-                save_file(sd, str(self._spill))
+                # off the loop: /health and control routes keep answering while it writes
+                await asyncio.to_thread(save_file, sd, str(self._spill))
                 del sd
             self.model.free_weights()
             self._sleeping = True
@@ -306,9 +310,11 @@ class Engine:
             try:
                 await self._step()
             except Exception:  # a failing step must not kill the loop silently
-                log.exception("engine %s: step failed; aborting its requests", self.config.name)
+                self.totals["step_failures"] += 1
+                log.exception("engine %s: step failed; ending its requests with 'error'",
+                              self.config.name)
                 for r in list(self._running):
-                    self._finish(r, "abort")
+                    self._finish(r, "error")
             await asyncio.sleep(0)
 
     async def _step(self) -> None:
@@ -332,16 +338,17 @@ class Engine:
             prefill = [r for r in batch if len(r.pending) > 1]
             decode = [r for r in batch if len(r.pending) == 1]
             groups = [g for g in (prefill, decode) if g]
+            work = [([list(r.pending) for r in g], [r.cache for r in g]) for g in groups]
             if self.config.step_in_thread:
-                outs = await asyncio.to_thread(self._forward_groups, groups)
+                outs = await asyncio.to_thread(self._forward_groups, work)
             else:
-                outs = self._forward_groups(groups)
+                outs = self._forward_groups(work)
             for group, logits in zip(groups, outs, strict=True):
                 self._apply(group, logits, self.weight_version)
 
-    def _forward_groups(self, groups: list[list[Request]]) -> list[torch.Tensor]:
-        return [self.model.forward_cached([list(r.pending) for r in g], [r.cache for r in g])
-                for g in groups]
+    def _forward_groups(self, work: list[tuple[list[list[int]], list]]) -> list[torch.Tensor]:
+        """One forward per group of (pending tokens, caches), both taken on the loop."""
+        return [self.model.forward_cached(pending, caches) for pending, caches in work]
 
     def _apply(self, batch: list[Request], logits: torch.Tensor, version: str) -> None:
         if logits.device.type != "cpu":  # one copy per step; sampling stays on the CPU

@@ -5,10 +5,16 @@ results, KV blobs. Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/
 ``/pause?mode=``, ``/resume``, ``/is_paused``, ``/abort_requests``, ``/sleep?level=``, ``/wake_up``,
 ``/is_sleeping``, ``/update_weights``, ``/update_weight_version``, ``/weight_info``, ``/stats``,
 ``/health``, ``/load``, and ``/tidal/kv`` (export / import / release one request's KV cache).
+
+Every route requires the run's bearer token when one is set (``guard.Guard``): without it any
+local process could relabel the served weights, abort calls, put the engine to sleep or load a
+file of its choosing. Prompts are tokenized in a worker thread (a long one never stalls the
+loop); a non-streamed caller that hangs up aborts its request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,8 +24,11 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from tidal.errors import TidalError
 from tidal.serving.engine import Engine
+from tidal.serving.guard import CatchAll, Guard
 from tidal.serving.openai_api import (
+    MAX_PROMPT_CHARS,
     SSE_DONE,
     ChatMessage,
     ChatRequest,
@@ -46,8 +55,8 @@ class TokenizeBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    prompt: str | None = Field(None, max_length=4_000_000)
-    messages: list[ChatMessage] | None = None
+    prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(None, max_length=4096)
 
 
 class WeightsBody(BaseModel):
@@ -63,7 +72,9 @@ class VersionBody(BaseModel):
     new_version: str = Field(..., min_length=1, max_length=128)
 
 
-def build_engine_app(engine: Engine, served_name: str) -> FastAPI:
+def build_engine_app(engine: Engine, served_name: str, token: str | None = None) -> Guard:
+    """The engine's ASGI app; with ``token`` every route needs ``Authorization: Bearer``."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await engine.start()
@@ -71,14 +82,23 @@ def build_engine_app(engine: Engine, served_name: str) -> FastAPI:
         await engine.stop()
 
     app = FastAPI(title=f"tidal engine {served_name}", lifespan=lifespan)
+    app.state.engine = engine
     install_error_handlers(app)
+    app.add_middleware(CatchAll)
     tok = engine.tokenizer
 
     def check_model(name: str | None) -> None:
         if name not in (None, served_name):
             raise NotFound(f"model {name!r} is not served here (serving {served_name!r})")
 
-    async def run(rid: str, prompt: list[int], body, chat: bool):
+    async def encode(text: str) -> list[int]:
+        return await asyncio.to_thread(tok.encode, text)
+
+    async def encode_chat(messages) -> list[int]:
+        return await asyncio.to_thread(tok.apply_chat_template,
+                                       [m.model_dump() for m in messages])
+
+    async def run(request: Request, rid: str, prompt: list[int], body, chat: bool):
         req = GenerateRequest(rid, prompt, body.sampling(), kv_handle=body.kv_handle)
         stream = engine.generate(req, min_interval_s=body.stream_interval_ms / 1000.0)
         first = await anext(stream)  # admission errors surface here, before any byte is sent
@@ -96,35 +116,36 @@ def build_engine_app(engine: Engine, served_name: str) -> FastAPI:
         res = Result(prompt)
         res.cached_tokens = first.cached_tokens or 0
         res.add(first)
-        async for chunk in stream:
-            res.add(chunk)
+        if not await _collect(request, stream, res):
+            return Response(status_code=499)  # the caller is gone; its request was aborted
         texts = [tok.decode([t]) for t in res.token_ids]
         if chat:
             return chat_response(rid, served_name, res, body.logprobs, texts)
         return completion_response(rid, served_name, res, body.logprobs is not None, texts)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest,
+    async def completions(request: Request, body: CompletionRequest,
                           x_request_id: str | None = Header(None, max_length=256)):
         check_model(body.model)
-        prompt = body.prompt if isinstance(body.prompt, list) else tok.encode(body.prompt)
+        prompt = body.prompt if isinstance(body.prompt, list) else await encode(body.prompt)
         rid = body.request_id or x_request_id or uuid.uuid4().hex
-        return await run(rid, prompt, body, chat=False)
+        return await run(request, rid, prompt, body, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, x_request_id: str | None = Header(None, max_length=256)):
+    async def chat(request: Request, body: ChatRequest,
+                   x_request_id: str | None = Header(None, max_length=256)):
         check_model(body.model)
-        prompt = tok.apply_chat_template([m.model_dump() for m in body.messages])
+        prompt = await encode_chat(body.messages)
         rid = body.request_id or x_request_id or uuid.uuid4().hex
-        return await run(rid, prompt, body, chat=True)
+        return await run(request, rid, prompt, body, chat=True)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):
         check_model(body.model)
         if body.messages:
-            ids = tok.apply_chat_template([m.model_dump() for m in body.messages])
+            ids = await encode_chat(body.messages)
         elif body.prompt is not None:
-            ids = tok.encode(body.prompt)
+            ids = await encode(body.prompt)
         else:
             raise BadRequest("tokenize needs prompt or messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.max_seq_len}
@@ -173,7 +194,11 @@ def build_engine_app(engine: Engine, served_name: str) -> FastAPI:
     async def update_weights(body: WeightsBody):
         if not Path(body.path).exists():
             raise BadRequest(f"weights not found: {body.path}")
-        await engine.update_weights(body.path, body.weight_version)
+        try:
+            await engine.update_weights(body.path, body.weight_version)
+        except (TidalError, OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise BadRequest(f"path: no weights of this model at {body.path}: "
+                             f"{type(exc).__name__}: {str(exc)[:200]}") from None
         return {"status": "ok", "weight_version": engine.weight_version}
 
     @app.post("/update_weight_version")
@@ -217,4 +242,32 @@ def build_engine_app(engine: Engine, served_name: str) -> FastAPI:
     async def health():
         return JSONResponse({"status": "ok"})
 
-    return app
+    return Guard(app, token, None if token else (lambda _: False),
+                 body_limits={"/tidal/kv": MAX_KV_BLOB_BYTES + 1})
+
+
+async def _collect(request: Request, stream, res: Result) -> bool:
+    """Read ``stream`` into ``res``; False if the caller hung up first (the stream is closed,
+    which aborts the engine request)."""
+
+    async def collect() -> None:
+        async for chunk in stream:
+            res.add(chunk)
+
+    async def hang_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+        await stream.aclose()
+    if work.cancelled():
+        return False
+    work.result()  # its error, if any
+    return True

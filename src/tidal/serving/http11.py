@@ -19,6 +19,10 @@ from collections import deque
 from collections.abc import AsyncIterator
 from urllib.parse import urlencode, urlsplit
 
+MAX_HEADER_BYTES = 64 << 10  # a longer response head is a broken server, not a response
+_LINE_LIMIT = 1 << 20  # the stream reader's buffer limit (a longer line fails the read)
+_BROKEN = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError)
+
 
 class HTTPFailure(Exception):
     """The origin could not be reached or broke the protocol (refused, reset, timeout)."""
@@ -97,7 +101,7 @@ class HTTPPool:
                     return Response(status, hdrs, content)
         except TimeoutError:
             raise HTTPFailure(f"{method} {path}: timed out") from None
-        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        except _BROKEN as exc:
             raise HTTPFailure(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         raise HTTPFailure(f"{method} {path}: connection closed by the server")
 
@@ -125,7 +129,7 @@ class HTTPPool:
             if conn is not None:
                 conn.close()
             raise HTTPFailure(f"{method} {path}: timed out") from None
-        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        except _BROKEN as exc:
             if conn is not None:
                 conn.close()
             raise HTTPFailure(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
@@ -161,7 +165,7 @@ class HTTPPool:
                 return conn
             conn.close()
         async with asyncio.timeout(self.connect_timeout_s):
-            reader, writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+            reader, writer = await asyncio.open_connection(self.host, self.port, limit=_LINE_LIMIT)
         return _Conn(reader, writer)
 
     def _release(self, conn: _Conn, headers: dict[str, str]) -> None:
@@ -172,6 +176,8 @@ class HTTPPool:
             self._idle.append(conn)
 
     async def _send(self, conn: _Conn, head: bytes, body: bytes) -> tuple[int, dict[str, str]]:
+        """Write the request, read the final status line and headers (1xx skipped)."""
+        method = head[: head.index(b" ")]
         try:
             conn.writer.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
@@ -186,16 +192,13 @@ class HTTPPool:
             if conn.reused:
                 raise _Stale from None
             raise
-        parts = line.split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-            raise ValueError(f"bad status line {line[:80]!r}")
-        status = int(parts[1])
-        raw = await conn.reader.readuntil(b"\r\n\r\n")
-        headers: dict[str, str] = {}
-        for hl in raw.decode("latin-1").split("\r\n"):
-            if hl:
-                k, _, v = hl.partition(":")
-                headers[k.strip().lower()] = v.strip()
+        while True:
+            status, headers = _status(line), _headers(await conn.reader.readuntil(b"\r\n\r\n"))
+            if not 100 <= status < 200 or status == 101:
+                break
+            line = await conn.reader.readuntil(b"\r\n")  # an interim answer: the next one
+        if status in (204, 304) or method == b"HEAD":
+            headers["content-length"] = "0"  # no body, whatever the headers say
         return status, headers
 
     async def _body(self, conn: _Conn, headers: dict[str, str]) -> bytes:
@@ -208,6 +211,26 @@ class HTTPPool:
             return await conn.reader.readexactly(int(headers["content-length"]))
         headers["connection"] = "close"
         return await conn.reader.read()
+
+
+def _status(line: bytes) -> int:
+    parts = line.split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise ValueError(f"bad status line {line[:80]!r}")
+    return int(parts[1])
+
+
+def _headers(raw: bytes) -> dict[str, str]:
+    """Lower-cased names; a repeated header's values joined by ", " (RFC 9110 5.3)."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(f"response headers over {MAX_HEADER_BYTES} bytes")
+    headers: dict[str, str] = {}
+    for hl in raw.decode("latin-1").split("\r\n"):
+        if hl:
+            k, _, v = hl.partition(":")
+            k, v = k.strip().lower(), v.strip()
+            headers[k] = f"{headers[k]}, {v}" if k in headers else v
+    return headers
 
 
 async def _chunk(reader: asyncio.StreamReader) -> bytes | None:
@@ -250,7 +273,7 @@ class StreamResponse:
                         self.headers["connection"] = "close"
         except TimeoutError:
             raise HTTPFailure(f"no data from the server for {self.read_timeout_s} s") from None
-        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        except _BROKEN as exc:
             raise HTTPFailure(f"stream broken: {type(exc).__name__}: {exc}") from exc
         if piece is None:
             self._done = True

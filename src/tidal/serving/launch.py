@@ -27,8 +27,10 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, args: list[str], port: int, log_path: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.port, self.args = port, args
+                 env: dict[str, str] | None = None, health_path: str = "/health",
+                 token: str | None = None) -> None:
+        self.port, self.args, self.health_path = port, args, health_path
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -44,7 +46,8 @@ class ServerProcess:
                 raise TimeoutExpired(f"{self.args[0]} on port {self.port} exited with "
                                      f"{self.proc.returncode}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.url}{self.health_path}", headers=self.headers,
+                             timeout=1.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -72,28 +75,40 @@ class ServerProcess:
 def start_engine(model_dir: str | Path, port: int | None = None, name: str = "tiny",
                  max_batch: int = 64, log_path: Path | None = None,
                  step_in_thread: bool = False, seed: int = 0,
-                 device: str = "cpu") -> ServerProcess:
+                 device: str = "cpu", token: str | None = None) -> ServerProcess:
+    """``tidal engine`` on ``port``; ``token`` (default ``$TIDAL_ENGINE_TOKEN``, the run's
+    token in a runtime actor) goes through the environment, never the command line."""
     port = port or free_port()
+    token = token if token is not None else os.environ.get("TIDAL_ENGINE_TOKEN")
     args = ["engine", "--model", str(model_dir), "--port", str(port), "--name", name,
             "--max-batch", str(max_batch), "--seed", str(seed)]
     if device != "cpu":
         args += ["--device", device]
     if step_in_thread:
         args.append("--step-in-thread")
-    return ServerProcess(args, port, log_path)
+    return ServerProcess(args, port, log_path, env={"TIDAL_ENGINE_TOKEN": token or ""},
+                         token=token)
 
 
 def start_proxy(engines: list[str], cells: list[str], admin_token: str,
                 port: int | None = None, cap: int = 64, kv_handoff: bool = True,
-                require_registration: bool = False,
-                log_path: Path | None = None) -> ServerProcess:
+                require_registration: bool = False, log_path: Path | None = None,
+                request_timeout_s: float | None = None,
+                engine_token: str | None = None) -> ServerProcess:
+    """``tidal proxy`` on ``port``; ready once ``/live`` answers (``/health`` is 503 until an
+    engine serves). ``engine_token``: default ``$TIDAL_ENGINE_TOKEN``, else the admin token."""
     port = port or free_port()
     args = ["proxy", "--port", str(port), "--cap", str(cap),
             "--kv-handoff" if kv_handoff else "--no-kv-handoff"]
     if require_registration:
         args.append("--require-registration")
+    if request_timeout_s is not None:
+        args += ["--request-timeout-s", str(request_timeout_s)]
     for url in engines:
         args += ["--engine", url]
     for url in cells:
         args += ["--cell", url]
-    return ServerProcess(args, port, log_path, env={"TIDAL_ADMIN_TOKEN": admin_token})
+    env = {"TIDAL_ADMIN_TOKEN": admin_token}
+    if engine_token is not None:
+        env["TIDAL_ENGINE_TOKEN"] = engine_token
+    return ServerProcess(args, port, log_path, env=env, health_path="/live")

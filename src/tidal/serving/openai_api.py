@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidal.serving.protocol import SamplingParams, ServingError, TokenChunk, version_spans
+
+MAX_PROMPT_CHARS = 131_072  # text prompts: bounds the tokenizer's work per call
+MAX_PROMPT_IDS = 131_072  # token-id prompts (the served context is checked by the engine)
+INT64 = {"ge": -(2**63), "le": 2**63 - 1}
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class _Body(BaseModel):
@@ -29,9 +34,9 @@ class _Body(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, **INT64)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     stream: bool = False
     user: str | None = Field(None, max_length=256)
     return_token_ids: bool = False
@@ -47,7 +52,9 @@ class _Body(BaseModel):
 
 
 class CompletionRequest(_Body):
-    prompt: str | list[int] = Field(..., description="text, or token ids")
+    prompt: (Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+             | Annotated[list[TokenId], Field(max_length=MAX_PROMPT_IDS)]) = Field(
+        ..., description="text, or token ids")
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -56,14 +63,21 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = Field(..., max_length=1_000_000)
+    content: str = Field(..., max_length=MAX_PROMPT_CHARS)
 
 
 class ChatRequest(_Body):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> ChatRequest:
+        chars = sum(len(m.content) for m in self.messages)
+        if chars > MAX_PROMPT_CHARS:
+            raise ValueError(f"messages: {chars} characters in all, at most {MAX_PROMPT_CHARS}")
+        return self
 
     def sampling(self, default_max_tokens: int = 16) -> SamplingParams:
         params = super().sampling(default_max_tokens)

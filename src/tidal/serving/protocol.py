@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.errors import TidalError
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the engine's step failed
 
 
 class SamplingParams(BaseModel):
@@ -21,7 +21,7 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(16, ge=1, le=1_000_000)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
 
@@ -108,3 +108,7 @@ class EngineUnavailable(ServingError):
     """The engine cannot be reached (crashed, stopped, network)."""
 
     status = 502
+
+
+class EngineError(EngineUnavailable):
+    """The engine answered, with a 5xx: it is alive, and the same call may fail there again."""

@@ -6,7 +6,11 @@ leaves, drains. Out: one finished result per call, and a token record per execut
 Invariant 4 (DESIGN.md): every admitted call is answered exactly once. A call whose engine is
 drained (its request aborted) or dies is retried at another engine with prompt + tokens so far
 and the remaining budget, reusing the source's KV cache when both engines can hand it off.
-Every wait is bounded; exhausting a bound raises a ``ServingError``.
+Every wait is bounded; exhausting a bound raises a ``ServingError``, logged with the call's id.
+A call that finds no engine with room waits in the ``AdmissionQueue`` (first come, first served)
+until its own deadline; an engine that answers with a 5xx (or whose step failed) is retried a
+few times with back-off (``max_error_retries``), an engine that is gone is dropped at once
+(``health.HealthMonitor`` also finds the ones nobody calls, and re-admits those that return).
 
 KV handoff: a drained attempt exports its pinned KV before it leaves the source's in-flight set
 (so a drain returns only once the source holds nothing of ours, and the engine may sleep at
@@ -26,16 +30,19 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.clock import Clock, WallClock
 from tidal.errors import TimeoutExpired
 from tidal.serving.adapters import make_adapter
+from tidal.serving.admission import AdmissionQueue
+from tidal.serving.health import HealthMonitor
+from tidal.serving.kv_handoff import Attempt, export_kv, import_kv, release_import
 from tidal.serving.openai_api import Result
 from tidal.serving.protocol import (
     BadRequest,
+    EngineError,
     EngineUnavailable,
     GenerateRequest,
     NotFound,
@@ -56,29 +63,19 @@ class ProxyConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8200, ge=0, le=65535)
     admin_token: str | None = None
+    # bearer token sent to every engine (None: the admin token, the run's one token)
+    engine_token: str | None = None
     kv_handoff: bool = True
     max_attempts: int = Field(64, ge=1)
+    # a call's whole life, queueing for a slot included (an execution may set its own)
     request_timeout_s: float = Field(600.0, gt=0)
-    admission_timeout_s: float = Field(60.0, gt=0)
     drain_timeout_s: float = Field(120.0, gt=0)
     max_prompt_tokens: int = Field(32768, ge=1)
     require_registration: bool = False
     health_probes: int = Field(3, ge=1)
-
-
-@dataclass
-class Attempt:
-    execution_id: str | None
-    request_id: str
-    member: Member
-    cancelled: bool = False
-    sent: bool = False  # the generate request may have reached the engine
-    started: bool = False  # a chunk came back: the engine admitted it
-    ended: bool = False  # the engine's stream ended; a KV export may still run
-    kv_tokens: int | None = None
-    upstream_s: float = 0.0
-    abort_sent: bool = False
-    keep_kv: bool = False
+    health_interval_s: float = Field(1.0, gt=0)
+    max_error_retries: int = Field(3, ge=0)  # per call, on 5xx answers and failed steps
+    error_backoff_s: float = Field(0.1, ge=0)
 
 
 class Proxy:
@@ -87,10 +84,19 @@ class Proxy:
         self.clock = clock or WallClock()
         self.router = Router()
         self.records = RecordStore()
-        self._capacity = asyncio.Event()
+        self.queue = AdmissionQueue()
+        self.health = HealthMonitor(self, self.config.health_interval_s,
+                                    self.config.health_probes)
+        self._released = asyncio.Condition()  # an attempt left an engine's in-flight set
+        self._joined = asyncio.Event()  # an engine joined (tokenizing calls wait for one)
         self.overhead_s: deque[float] = deque(maxlen=20_000)
         self.totals = {"calls": 0, "retries": 0, "drains": 0, "kv_handoffs": 0,
-                       "engine_failures": 0, "reprefill_tokens": 0, "saved_prefill_tokens": 0}
+                       "engine_failures": 0, "reprefill_tokens": 0, "saved_prefill_tokens": 0,
+                       "failed_calls": 0, "engine_errors": 0, "engine_step_failures": 0}
+
+    @property
+    def engine_token(self) -> str | None:
+        return self.config.engine_token or self.config.admin_token
 
     # -- membership ------------------------------------------------------------------------
     async def join(self, engine_id: str, url: str, backend: str = "builtin",
@@ -98,7 +104,7 @@ class Proxy:
                    model: str | None = None, wait_healthy_s: float = 0.0) -> Member:
         if engine_id in self.router.members:
             raise BadRequest(f"engine {engine_id!r} is already a member")
-        adapter = make_adapter(backend, url)
+        adapter = make_adapter(backend, url, api_key=self.engine_token)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_healthy_s
         while not await adapter.health() and loop.time() < deadline:
@@ -113,11 +119,15 @@ class Proxy:
                 model = ""
         member = Member(engine_id, adapter, kind, cell_index, cap, backend, model)
         self.router.join(member)
-        self._capacity.set()
+        self.health.forget(engine_id)  # a replacement under a lost engine's id
+        self.queue.notify()
+        self._joined.set()
         return member
 
     async def leave(self, engine_id: str, drain: bool = True) -> None:
         if engine_id not in self.router.members:
+            if self.health.forget(engine_id):  # a lost engine: no longer waited for
+                return
             raise NotFound(f"unknown engine {engine_id!r}")
         if drain:
             await self.drain(engine_id)
@@ -127,7 +137,7 @@ class Proxy:
 
     def undrain(self, engine_id: str) -> Member:
         member = self.router.set_admitting(engine_id, True)
-        self._capacity.set()
+        self.queue.notify()
         return member
 
     async def drain(self, engine_id: str, handoff: bool | None = None) -> dict:
@@ -161,43 +171,74 @@ class Proxy:
                 "duration_s": took}
 
     async def _wait_empty(self, member: Member) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_timeout_s
-        while member.inflight:
-            if loop.time() > deadline:
-                raise TimeoutExpired(f"drain {member.engine_id}: {len(member.inflight)} "
-                                     f"requests still running after "
-                                     f"{self.config.drain_timeout_s} s")
-            await asyncio.sleep(0.002)
+        try:
+            async with self._released:
+                await asyncio.wait_for(self._released.wait_for(lambda: not member.inflight),
+                                       self.config.drain_timeout_s)
+        except TimeoutError:
+            raise TimeoutExpired(f"drain {member.engine_id}: {len(member.inflight)} requests "
+                                 f"still running after {self.config.drain_timeout_s} s"
+                                 ) from None
+
+    async def _release_slot(self, member: Member, request_id: str) -> None:
+        member.inflight.pop(request_id, None)
+        self.queue.notify()
+        async with self._released:
+            self._released.notify_all()
 
     # -- model calls -----------------------------------------------------------------------
-    async def tokenize(self, prompt: str | None = None,
-                       messages: list[dict] | None = None) -> list[int]:
-        for member in list(self.router.members.values()):
-            if member.alive:
-                try:
-                    return await member.adapter.tokenize(prompt=prompt, messages=messages)
-                except EngineUnavailable:
-                    continue
-        raise Overloaded("no engine available to tokenize the prompt")
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       timeout_s: float | None = None) -> list[int]:
+        """Prompt ids from the first engine that answers; with none (all lost, replacements
+        starting) it waits for one to join, within the call's timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout_s or self.config.request_timeout_s)
+        while True:
+            for member in list(self.router.members.values()):
+                if member.alive:
+                    try:
+                        return await member.adapter.tokenize(prompt=prompt, messages=messages)
+                    except EngineUnavailable:
+                        continue
+            left = deadline - loop.time()
+            if left <= 0:
+                raise Overloaded("no engine available to tokenize the prompt")
+            self._joined.clear()
+            with contextlib.suppress(TimeoutError):  # 1 s: only bounds a missed join
+                await asyncio.wait_for(self._joined.wait(), min(left, 1.0))
 
     async def complete(self, execution_id: str | None, prompt: list[int],
                        params: SamplingParams,
                        on_chunk: Callable[[TokenChunk], None] | None = None,
-                       record_overhead: bool = True) -> Result:
-        """Run one model call to its end across engine changes. ``res.upstream_s`` is the time
-        spent waiting on engines and admission; the rest is the proxy's own (recorded in
-        ``overhead_s`` unless the caller measures a wider span itself)."""
+                       record_overhead: bool = True, timeout_s: float | None = None) -> Result:
+        """Run one model call to its end across engine changes, within ``timeout_s`` (default
+        ``request_timeout_s``). ``res.upstream_s`` is the time spent waiting on engines and
+        admission; the rest is the proxy's own (recorded in ``overhead_s`` unless the caller
+        measures a wider span itself). A call that fails is logged with its id and reason."""
         if len(prompt) > self.config.max_prompt_tokens:
             raise BadRequest(f"prompt of {len(prompt)} tokens exceeds the limit of "
                              f"{self.config.max_prompt_tokens}")
-        t_start = time.perf_counter()
-        waited_s = 0.0  # upstream streaming + admission waits: not the proxy's own cost
         call = ModelCall(uuid.uuid4().hex[:16], list(prompt), params.max_tokens)
         self.totals["calls"] += 1
+        try:
+            return await self._complete(call, execution_id, prompt, params, on_chunk,
+                                        record_overhead, timeout_s)
+        except ServingError as exc:
+            self.totals["failed_calls"] += 1
+            log.warning("call %s (execution %s) failed after %d segments: %s: %s",
+                        call.call_id, execution_id, len(call.segments), type(exc).__name__,
+                        exc)
+            raise
+
+    async def _complete(self, call: ModelCall, execution_id: str | None, prompt: list[int],
+                        params: SamplingParams, on_chunk, record_overhead: bool,
+                        timeout_s: float | None) -> Result:
+        t_start = time.perf_counter()
+        waited_s = 0.0  # upstream streaming + admission waits: not the proxy's own cost
         res = Result(list(prompt))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.request_timeout_s
+        deadline = loop.time() + (timeout_s or self.config.request_timeout_s)
+        errors = 0  # 5xx answers and failed steps of live engines: retried a bounded number
         blob: bytes | None = None  # a drained attempt's KV, held until an engine adopts it
         prior_kv = 0  # tokens some earlier engine held KV for: what a re-prefill redoes
         for attempt_no in range(1, self.config.max_attempts + 1):
@@ -212,32 +253,36 @@ class Proxy:
             attempt = Attempt(execution_id, f"{call.call_id}-{attempt_no}", member)
             member.inflight[attempt.request_id] = attempt
             seg = Segment(member.engine_id, attempt.request_id)
-            reason = None
+            reason, failure = None, None
             try:
                 handle = None
                 if blob is not None:
-                    handle, blob = await self._import(blob, attempt)
+                    handle, blob = await import_kv(blob, attempt)
                 if attempt.cancelled:  # its drain began before anything was sent: go on
-                    await self._release(attempt, handle)
+                    await release_import(attempt, handle)
                 else:
                     reason = await self._run_attempt(attempt, seg, res, prompt, params,
                                                      remaining, handle, prior_kv, on_chunk)
                     if reason is None and attempt.keep_kv:
-                        blob = await self._export(attempt)
+                        blob = await export_kv(attempt)
             except BadRequest:
                 if attempt_no == 1 and not res.token_ids:
                     raise
                 seg.ended_by = "error"  # e.g. a refused request: retry plainly
                 log.exception("call %s: retrying after a refused request", call.call_id)
+            except EngineError as exc:  # alive, but failed this call: a bounded few retries
+                seg.ended_by, failure = "error", exc
             except (EngineUnavailable, Overloaded) as exc:
                 seg.ended_by = "error"
+                if attempt.sent and isinstance(exc, EngineUnavailable):
+                    # it had the prompt (and the tokens so far): the next engine prefills again
+                    prior_kv = max(prior_kv, len(prompt) + len(res.token_ids) - 1)
                 t_check = time.perf_counter()
-                await self._check_engine(member, exc)
+                await self.health.check(member, exc)
                 waited_s += time.perf_counter() - t_check
             finally:
                 waited_s += attempt.upstream_s
-                member.inflight.pop(attempt.request_id, None)
-                self._capacity.set()
+                await self._release_slot(member, attempt.request_id)
                 if seg.token_ids or seg.ended_by:
                     call.segments.append(seg)
             log.debug("call %s attempt %d on %s: %s after %d tokens (kv %s, cancelled %s)",
@@ -246,6 +291,14 @@ class Proxy:
             if reason in ("stop", "length"):
                 res.finish_reason = reason
                 break
+            if reason == "error":  # the engine's step failed under this call
+                self.totals["engine_step_failures"] += 1
+                failure = EngineError(f"engine {member.engine_id}: a model step failed")
+            if failure is not None:  # back off with the slot given back
+                errors += 1
+                t_back = time.perf_counter()
+                await self._after_error(call, member, failure, errors)
+                waited_s += time.perf_counter() - t_back
             if attempt.started:
                 held = attempt.kv_tokens if attempt.kv_tokens is not None else \
                     len(prompt) + len(res.token_ids) - 1
@@ -315,80 +368,21 @@ class Proxy:
         seg.ended_by = reason or "lost"
         return reason if reason != "abort" else None
 
-    async def _export(self, attempt: Attempt) -> bytes | None:
-        """The KV a drained attempt left pinned at its engine, which then releases it."""
-        src = attempt.member
-        if not src.adapter.supports_kv_handoff or attempt.kv_tokens == 0:
-            return None
-        t_up = time.perf_counter()
-        try:
-            blob = await src.adapter.export_kv(attempt.request_id)
-            with contextlib.suppress(ServingError):
-                await src.adapter.release_kv(attempt.request_id)
-        except ServingError as exc:
-            log.warning("KV export from %s failed (%s): the next engine prefills",
-                        src.engine_id, exc)
-            return None
-        finally:
-            attempt.upstream_s += time.perf_counter() - t_up
-        return blob
-
-    async def _import(self, blob: bytes, attempt: Attempt) -> tuple[str | None, bytes | None]:
-        """(handle at the attempt's engine or None, the blob if still worth holding). A dead
-        destination raises (the call retries elsewhere with the blob); a refusal drops it."""
-        dest = attempt.member
-        if not dest.adapter.supports_kv_handoff:
-            return None, blob
-        t_up = time.perf_counter()
-        try:
-            handle, _ = await dest.adapter.import_kv(blob)
-        except BadRequest as exc:
-            log.warning("KV import at %s refused (%s): full prefill", dest.engine_id, exc)
-            return None, None
-        finally:
-            attempt.upstream_s += time.perf_counter() - t_up
-        return handle, blob
-
-    async def _release(self, attempt: Attempt, handle: str | None) -> None:
-        if handle is not None:
-            t_up = time.perf_counter()
-            with contextlib.suppress(ServingError):
-                await attempt.member.adapter.release_kv(handle)
-            attempt.upstream_s += time.perf_counter() - t_up
-        log.debug("call attempt %s re-routed before it was sent to %s (draining)",
-                  attempt.request_id, attempt.member.engine_id)
-
     async def _acquire(self, execution_id: str | None, deadline: float) -> Member:
-        loop = asyncio.get_running_loop()
-        limit = min(deadline, loop.time() + self.config.admission_timeout_s)
-        while True:
-            member = self.router.pick(execution_id)
-            if member is not None:
-                return member
-            if loop.time() > limit:
-                raise Overloaded("no engine has capacity for this request")
-            self._capacity.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._capacity.wait(), 0.25)
+        """An engine with room, in queue order; ``Overloaded`` at the call's deadline."""
+        return await self.queue.acquire(lambda: self.router.pick(execution_id), deadline)
 
-    async def _is_down(self, member: Member) -> bool:
-        """Down only if several health probes fail: a loaded engine may miss one."""
-        for probe in range(self.config.health_probes):
-            if await member.adapter.health():
-                return False
-            if probe + 1 < self.config.health_probes:
-                await asyncio.sleep(0.5)
-        return True
-
-    async def _check_engine(self, member: Member, exc: Exception) -> None:
-        if member.alive and await self._is_down(member):
-            if self.router.members.get(member.engine_id) is member:
-                self.router.leave(member.engine_id)
-                self.totals["engine_failures"] += 1
-                log.warning("engine %s is down (%s): it leaves, its calls retry elsewhere",
-                            member.engine_id, exc)
-        else:
-            await asyncio.sleep(0.05)
+    async def _after_error(self, call: ModelCall, member: Member, exc: Exception,
+                           errors: int) -> None:
+        """Count and log an engine's failure of this call; raise past ``max_error_retries``,
+        else back off (doubling) before the retry."""
+        self.totals["engine_errors"] += 1
+        log.warning("call %s: engine %s failed it (%s); %s", call.call_id, member.engine_id,
+                    exc, "giving up" if errors > self.config.max_error_retries else "retrying")
+        if errors > self.config.max_error_retries:
+            raise EngineError(f"call {call.call_id}: engines failed it {errors} times; "
+                              f"last: {exc}")
+        await asyncio.sleep(self.config.error_backoff_s * 2 ** (errors - 1))
 
     def stats(self, reset_overhead: bool = False) -> dict:
         lat = sorted(self.overhead_s)
@@ -400,11 +394,19 @@ class Proxy:
                              "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]})
         return {"overhead": overhead,
                 "engines": [m.describe() for m in self.router.members.values()],
+                "lost_engines": sorted(self.health.lost),
+                "readmitted_engines": self.health.readmitted,
                 "capacity": self.router.capacity(),
                 "inflight": sum(len(m.inflight) for m in self.router.members.values()),
+                **self.queue.stats(),
                 "executions_recorded": len(self.records),
                 "rerouted_executions": self.router.rerouted_executions, **self.totals}
 
+    def serving(self) -> int:
+        """Engines that take calls now (routable)."""
+        return sum(m.routable() for m in self.router.members.values())
+
     async def close(self) -> None:
+        await self.health.stop()
         for member in list(self.router.members.values()):
             await member.adapter.close()

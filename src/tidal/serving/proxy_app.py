@@ -5,8 +5,14 @@ In: OpenAI requests naming their execution by ``X-Tidal-Execution`` (or ``user``
 Out: one normal answer per request (retries across engines are invisible), JSON or SSE.
 Admin: ``/tidal/engines`` (GET list, POST join), ``DELETE /tidal/engines/{id}``,
 ``/tidal/engines/{id}/drain``, ``/tidal/engines/{id}/undrain``, ``/tidal/stats``,
-``/tidal/executions/{id}/records``. Harness: ``POST /tidal/executions``,
-``POST /tidal/executions/{id}/close``.
+``/tidal/executions/{id}/records``. Harness: ``POST /tidal/executions`` (open, body at most 1 MiB),
+``POST /tidal/executions/{id}/close`` (the token: it sets the execution's reward).
+
+Access (``guard.Guard``): the OpenAI routes, ``/health`` and registration are open on loopback;
+bound elsewhere every route but ``/health`` / ``/live`` needs the token. ``/docs`` and
+``/openapi.json`` always need it. ``/health`` answers 503 while no engine serves; ``/live``
+says only that the process is up. A non-streamed caller that hangs up cancels its call (its
+engine request is aborted with it).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, ClassVar
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tidal.agents.events import CLOSE_REASONS, ExecutionRegistry
 from tidal.errors import LedgerError, TimeoutExpired
+from tidal.serving.fast_path import MAX_BODY_BYTES, FastPath
+from tidal.serving.guard import CatchAll, Guard, is_loopback
 from tidal.serving.openai_api import (
     SSE_DONE,
     ChatRequest,
@@ -39,7 +47,6 @@ from tidal.serving.openai_api import (
     error_body,
     install_error_handlers,
     sse_chunk,
-    validation_message,
 )
 from tidal.serving.protocol import BadRequest, NotFound, ServingError, TokenChunk
 from tidal.serving.proxy import Proxy
@@ -56,11 +63,9 @@ class Conflict(ServingError):
     status = 409
 
 
-class PayloadTooLarge(ServingError):
-    status = 413
-
-
-MAX_BODY_BYTES = 64 << 20
+MAX_CONTROL_BODY_BYTES = 1 << 20  # registration, close, admin: small JSON bodies
+ALWAYS_OPEN = frozenset({"/health", "/live"})
+DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 log = logging.getLogger(__name__)
 
 
@@ -83,6 +88,8 @@ class RegisterBody(BaseModel):
                                      pattern=r"^[A-Za-z0-9_.:-]+$")
     group_id: str = Field("default", min_length=1, max_length=128)
     metadata: dict = Field(default_factory=dict)
+    timeout_s: float | None = Field(None, gt=0, le=86_400,
+                                    description="each model call's limit, queueing included")
 
 
 class CloseBody(BaseModel):
@@ -118,19 +125,32 @@ def _body_spec(model: type[BaseModel]) -> dict:
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+def needs_token(open_api: bool) -> Callable[[str], bool]:
+    """Which paths need the token: docs and close always, admin routes check it themselves;
+    with ``open_api`` False (bound beyond loopback) everything but the health routes."""
+    def check(path: str) -> bool:
+        if path in ALWAYS_OPEN:
+            return False
+        return path in DOCS or path.endswith("/close") or not open_api
+    return check
+
+
 def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
-                    on_startup: Callable[[], Awaitable[None]] | None = None) -> FastPath:
+                    on_startup: Callable[[], Awaitable[None]] | None = None) -> Guard:
+    """The proxy's ASGI app: ``Guard`` over the fast OpenAI path over FastAPI."""
     registry = registry or ExecutionRegistry()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         if on_startup is not None:
             await on_startup()
+        proxy.health.start()
         yield
         await proxy.close()
 
     app = FastAPI(title="tidal proxy", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(CatchAll)
     app.state.proxy, app.state.registry = proxy, registry
 
     def admin(creds: AdminCreds) -> None:
@@ -163,13 +183,21 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         if name is not None and served and name not in served:
             raise NotFound(f"model {name!r} is not served (serving {sorted(served)})")
 
+    def timeout_of(eid: str | None) -> float | None:
+        try:
+            return registry.get(eid).metadata.get("timeout_s") if eid is not None else None
+        except LedgerError:
+            return None
+
     async def answer(eid: str | None, prompt: list[int], body, chat: bool, t_entry: float):
         params = body.sampling()
+        timeout_s = timeout_of(eid)
         rid = uuid.uuid4().hex
         model = body.model or next((m.model for m in proxy.router.members.values()), "tidal")
         texts = None
         if not body.stream:
-            res = await proxy.complete(eid, prompt, params, record_overhead=False)
+            res = await proxy.complete(eid, prompt, params, record_overhead=False,
+                                       timeout_s=timeout_s)
             texts = [f"token_id:{t}" for t in res.token_ids]
             build = chat_response if chat else completion_response
             want = body.logprobs if chat else body.logprobs is not None
@@ -178,7 +206,8 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
             proxy.overhead_s.append(time.perf_counter() - t_entry - res.upstream_s)
             return out
         queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
-        task = asyncio.create_task(proxy.complete(eid, prompt, params, on_chunk=queue.put_nowait))
+        task = asyncio.create_task(proxy.complete(eid, prompt, params, on_chunk=queue.put_nowait,
+                                                  timeout_s=timeout_s))
         task.add_done_callback(lambda _: queue.put_nowait(None))
 
         async def events() -> AsyncIterator[bytes]:
@@ -209,11 +238,12 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         check_model(body.model)
         t_up = time.perf_counter()
         if chat:
-            prompt = await proxy.tokenize(messages=[m.model_dump() for m in body.messages])
+            prompt = await proxy.tokenize(messages=[m.model_dump() for m in body.messages],
+                                          timeout_s=timeout_of(eid))
         elif isinstance(body.prompt, list):
             prompt = body.prompt
         else:
-            prompt = await proxy.tokenize(prompt=body.prompt)
+            prompt = await proxy.tokenize(prompt=body.prompt, timeout_s=timeout_of(eid))
         t_entry += time.perf_counter() - t_up  # an engine's time, not the proxy's
         if not prompt:
             raise BadRequest("prompt is empty")
@@ -237,14 +267,25 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "engines": len(proxy.router.members)}
+        serving = proxy.serving()
+        body = {"status": "ok" if serving else "no engine serves", "engines": serving,
+                "lost_engines": sorted(proxy.health.lost), "queued": len(proxy.queue)}
+        if serving:
+            return _json(body)
+        return Response(json.dumps({**error_body(body["status"], 503), **body}).encode(), 503,
+                        media_type="application/json")
+
+    @app.get("/live")
+    async def live():
+        return {"status": "ok"}
 
     # -- harness registration ------------------------------------------------------------
     @app.post("/tidal/executions")
     async def register(body: RegisterBody | None = None):
         body = body or RegisterBody()
+        meta = {**body.metadata, **({"timeout_s": body.timeout_s} if body.timeout_s else {})}
         try:
-            state = registry.dispatch(body.group_id, body.execution_id, body.metadata)
+            state = registry.dispatch(body.group_id, body.execution_id, meta)
         except LedgerError as exc:
             raise Conflict(str(exc)) from None
         return {"execution_id": state.execution_id, "group_id": state.group_id}
@@ -308,54 +349,7 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    return FastPath(app, serve)
-
-
-class FastPath:
-    """ASGI front: ``POST /v1/completions`` and ``/v1/chat/completions`` go straight to the
-    shared handler, without the framework's middleware, routing and dependency layers (most of
-    the proxy's CPU per call); every other request goes to the FastAPI app."""
-
-    ROUTES: ClassVar[dict[str, bool]] = {"/v1/completions": False,
-                                         "/v1/chat/completions": True}
-
-    def __init__(self, app: FastAPI, serve) -> None:
-        self.app, self.serve = app, serve
-        self.state = app.state
-
-    async def __call__(self, scope, receive, send) -> None:
-        chat = self.ROUTES.get(scope.get("path", ""))
-        if scope["type"] != "http" or chat is None or scope["method"] != "POST":
-            return await self.app(scope, receive, send)
-        try:
-            raw = await _read_body(receive)
-            eid = next((v.decode("latin-1") for k, v in scope["headers"]
-                        if k == b"x-tidal-execution"), None)
-            response = await self.serve(raw, eid, chat)
-        except RequestValidationError as exc:
-            response = _error(validation_message(exc.errors()), 400)
-        except ServingError as exc:
-            response = _error(str(exc), exc.status)
-        except Exception as exc:  # what the framework's error middleware would answer
-            log.exception("proxy: %s failed", scope["path"])
-            response = _error(f"internal error: {type(exc).__name__}", 500)
-        await response(scope, receive, send)
-
-
-async def _read_body(receive) -> bytes:
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise BadRequest("the client went away before sending its body")
-        parts.append(message.get("body", b""))
-        size += len(parts[-1])
-        if size > MAX_BODY_BYTES:
-            raise PayloadTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
-        if not message.get("more_body", False):
-            return b"".join(parts)
-
-
-def _error(message: str, status: int) -> Response:
-    return Response(json.dumps(error_body(message, status)).encode(), status,
-                    media_type="application/json")
+    open_api = is_loopback(proxy.config.host)
+    return Guard(FastPath(app, serve), proxy.config.admin_token, needs_token(open_api),
+                 max_body=MAX_CONTROL_BODY_BYTES,
+                 body_limits={"/v1/": MAX_BODY_BYTES})

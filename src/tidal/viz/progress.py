@@ -118,6 +118,7 @@ class RunProgress:
                     ("mean reward (last step)", reward),
                     ("waterlevel (queued + running)",
                      f"{st.get('waterlevel')} ({st.get('queued')} + {st.get('running')})"),
+                    ("calls queued at the proxy", str(st.get("proxy_queued", "-"))),
                     ("cells", cells),
                     ("transitions / replaced", f"{st.get('switches')} / {st.get('replaced')}")):
                 table.add_row(key, val)

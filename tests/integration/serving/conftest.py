@@ -8,13 +8,13 @@ TOKEN = "test-admin-token"
 
 
 class Cluster:
-    """Three built-in engine processes (one standalone, two rollout cells) behind a proxy."""
+    """Three built-in engine processes (one standalone, two rollout cells) behind a proxy; the
+    engines take calls with the run's token only (the proxy's admin token)."""
 
     def __init__(self, model_dir, log_dir) -> None:
         self.model_dir, self.log_dir = model_dir, log_dir
-        self.engines = {"s0": start_engine(model_dir, log_path=log_dir / "s0.log"),
-                        "c0": start_engine(model_dir, log_path=log_dir / "c0.log"),
-                        "c1": start_engine(model_dir, log_path=log_dir / "c1.log")}
+        self.engines = {n: start_engine(model_dir, log_path=log_dir / f"{n}.log", token=TOKEN)
+                        for n in ("s0", "c0", "c1")}
         for e in self.engines.values():
             e.wait_healthy(120)
         self.proxy = start_proxy([self.engines["s0"].url],
@@ -22,13 +22,14 @@ class Cluster:
                                  require_registration=True,
                                  log_path=log_dir / "proxy.log").wait_healthy(60)
         self.url = self.proxy.url
+        self.token = TOKEN
         self.admin = {"Authorization": f"Bearer {TOKEN}"}
         self.spawned = 0
 
     def replacement(self):
         self.spawned += 1
         name = f"r{self.spawned}"
-        proc = start_engine(self.model_dir, log_path=self.log_dir / f"{name}.log")
+        proc = start_engine(self.model_dir, log_path=self.log_dir / f"{name}.log", token=TOKEN)
         self.engines[name] = proc
         return name, proc
 

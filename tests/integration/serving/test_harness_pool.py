@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import httpx
+
 from tidal.agents import ArithmeticTask, EventLog, HarnessPool, PoolConfig, WorkspaceTask
 from tidal.agents.environments import ToolLatency
 
@@ -13,7 +15,7 @@ from tidal.agents.environments import ToolLatency
 def test_pool_runs_executions_and_times_out_slow_ones(cluster, tmp_path):
     events = EventLog()
     pool = HarnessPool(PoolConfig(proxy_url=cluster.url, max_turns=3, max_tokens_per_turn=16,
-                                  timeout_s=20.0), tmp_path, events)
+                                  timeout_s=20.0, token=cluster.token), tmp_path, events)
     fast = ToolLatency(random.Random(0), median_s=0.005, cap_s=0.05)
     tasks = [("ws", lambda i=i: WorkspaceTask(i, fast)) for i in range(6)]
     tasks += [("math", lambda i=i: ArithmeticTask(i)) for i in range(6)]
@@ -23,8 +25,8 @@ def test_pool_runs_executions_and_times_out_slow_ones(cluster, tmp_path):
         assert 1 <= r.turns <= 3 and (r.workspace / "data0.txt").is_file()
     assert all(r.turns == 1 for r in results[6:])
 
-    slow_pool = HarnessPool(PoolConfig(proxy_url=cluster.url, max_turns=50, timeout_s=0.5),
-                            tmp_path, events)
+    slow_pool = HarnessPool(PoolConfig(proxy_url=cluster.url, max_turns=50, timeout_s=0.5,
+                                       token=cluster.token), tmp_path, events)
     slow = ToolLatency(random.Random(1), median_s=2.0, sigma=0.1, cap_s=5.0)
     (timed_out,) = asyncio.run(slow_pool.run([("slow", lambda: WorkspaceTask(99, slow))]))
     assert timed_out.reason == "timeout" and timed_out.reward == 0.0
@@ -34,3 +36,8 @@ def test_pool_runs_executions_and_times_out_slow_ones(cluster, tmp_path):
     for e in events.events:
         per_exec.setdefault(e[1], []).append(e[0])
     assert all(v == ["dispatched", "launched", "closed"] for v in per_exec.values())
+    # the closes reached the proxy (they need the token): closing again is a duplicate there
+    for r in [*results, timed_out]:
+        again = httpx.post(f"{cluster.url}/tidal/executions/{r.execution_id}/close",
+                           headers=cluster.admin, json={}).json()
+        assert again["duplicate"], again

@@ -36,9 +36,11 @@ def test_openai_client_is_a_harness(cluster, client):
                                      stream=True, extra_body={"ignore_eos": True})
     pieces = list(streamed)
     assert pieces[-1].choices[0].finish_reason == "length"
-    closed = client.post(f"/tidal/executions/{eid}/close", json={"reward": 0.5}).json()
+    closed = client.post(f"/tidal/executions/{eid}/close", json={"reward": 0.5},
+                         headers=cluster.admin).json()
     assert closed["calls"] == 3 and not closed["duplicate"]
-    assert client.post(f"/tidal/executions/{eid}/close", json={}).json()["duplicate"]
+    assert client.post(f"/tidal/executions/{eid}/close", json={},
+                       headers=cluster.admin).json()["duplicate"]
     records = client.get(f"/tidal/executions/{eid}/records", headers=cluster.admin).json()
     call = records["calls"][1]
     seg = call["segments"][0]
@@ -53,6 +55,10 @@ def test_openai_client_is_a_harness(cluster, client):
     ({"prompt": "x", "model": "no-such-model"}, 404, "not served"),
     ({"prompt": [10**9], "max_tokens": 2}, 400, "vocabulary"),
     ({"max_tokens": 2}, 400, "prompt"),
+    ({"prompt": [3, 4], "max_tokens": 2, "seed": 2**63}, 400, "seed"),
+    ({"prompt": [3, 4], "max_tokens": 2, "seed": -(2**63) - 1}, 400, "seed"),
+    ({"prompt": "a" * 200_000, "max_tokens": 2}, 400, "prompt"),
+    ({"prompt": [3, -4], "max_tokens": 2}, 400, "prompt"),
 ])
 def test_bad_input_gets_a_clear_4xx(client, body, status, needle):
     eid = _register(client)
@@ -68,19 +74,37 @@ def test_unknown_or_closed_execution_and_admin_auth(cluster, client):
                     json={"prompt": "x"})
     assert r.status_code == 404 and "unknown execution" in r.json()["error"]["message"]
     eid = _register(client)
-    client.post(f"/tidal/executions/{eid}/close", json={"reason": "timeout"})
+    client.post(f"/tidal/executions/{eid}/close", json={"reason": "timeout"},
+                headers=cluster.admin)
     r = client.post("/v1/completions", headers={"X-Tidal-Execution": eid}, json={"prompt": "x"})
     assert r.status_code == 409
-    assert client.post("/tidal/executions/nobody/close", json={}).status_code == 404
+    assert client.post("/tidal/executions/nobody/close", json={},
+                       headers=cluster.admin).status_code == 404
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}):
         for method, path in (("GET", "/tidal/engines"), ("GET", "/tidal/stats"),
                              ("POST", "/tidal/engines/s0/drain"),
-                             ("POST", "/tidal/engines/s0/undrain")):
+                             ("POST", "/tidal/engines/s0/undrain"),
+                             ("POST", f"/tidal/executions/{eid}/close"),
+                             ("GET", "/docs"), ("GET", "/openapi.json")):
             r = client.request(method, path, headers=headers)
             assert r.status_code == 401, (method, path, r.text)
     assert client.get("/tidal/engines", headers=cluster.admin).status_code == 200
     r = client.post("/tidal/engines/ghost/drain", headers=cluster.admin)
     assert r.status_code == 404
+
+
+def test_heads_and_bodies_are_bounded(cluster, client):
+    """Both servers (the proxy and an engine, real processes) run the bounded protocol: a 1 MB
+    header is a 431 (the read deadline of the same protocol: ``tests/unit/serving/
+    test_guard.py``); a 2 MB registration body is a 413; both go on serving."""
+    engine = cluster.engines["s0"].url
+    for url in (cluster.url, engine):
+        r = httpx.get(f"{url}/health", headers={**cluster.admin, "x-big": "a" * 1_000_000})
+        assert r.status_code == 431, (url, r.status_code)
+    r = client.post("/tidal/executions", json={"metadata": {"blob": "a" * 2_000_000}})
+    assert r.status_code == 413 and "content-length" in r.json()["error"]["message"]
+    assert client.get("/health").status_code == 200
+    assert httpx.get(f"{engine}/health", headers=cluster.admin).status_code == 200
 
 
 _json = st.recursive(
@@ -95,8 +119,8 @@ _fields = {"prompt", "messages", "max_tokens", "temperature", "top_k", "seed", "
 _bodies = st.one_of(_json, st.dictionaries(st.sampled_from(sorted(_fields)), _json, max_size=6))
 
 
-def test_openapi_schema_is_published(client):
-    schema = client.get("/openapi.json").json()
+def test_openapi_schema_is_published(cluster, client):
+    schema = client.get("/openapi.json", headers=cluster.admin).json()
     assert {"/v1/completions", "/v1/chat/completions", "/tidal/engines",
             "/tidal/engines/{engine_id}/drain", "/tidal/executions"} <= set(schema["paths"])
 

@@ -88,7 +88,9 @@ async def _chaos(client, cluster, stop):
 def test_executions_survive_drains_and_kills(cluster, tmp_path):
     async def main():
         limits = httpx.Limits(max_connections=N_EXEC + 8)
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=120, limits=limits) as client:
+        # the harness holds the token: closing an execution (its reward) needs it
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120, limits=limits,
+                                     headers=cluster.admin) as client:
             done: list = []
             stop = asyncio.Event()
             chaos = asyncio.create_task(_chaos(client, cluster, stop))

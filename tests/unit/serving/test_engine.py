@@ -89,15 +89,17 @@ def test_pause_modes_and_resume(tiny_dir):
     async def main():
         eng = _engine(tiny_dir)
         await eng.start()
-        t1 = asyncio.create_task(_collect(eng, "k", [3, 4], max_tokens=30, ignore_eos=True))
-        await asyncio.sleep(0.05)
+        # long enough not to finish before the pause on a fast machine (30 tokens took < 50 ms)
+        t1 = asyncio.create_task(_collect(eng, "k", [3, 4], max_tokens=300, ignore_eos=True))
+        while "k" not in eng._requests or len(eng._requests["k"].tokens) < 3:
+            await asyncio.sleep(0.002)
         await eng.pause("keep")
         n = len(eng._requests["k"].tokens)
         await asyncio.sleep(0.1)
         assert len(eng._requests["k"].tokens) == n and eng.is_paused
         await eng.resume()
         chunks, toks = await t1
-        assert chunks[-1].finish_reason == "length" and len(toks) == 30
+        assert chunks[-1].finish_reason == "length" and len(toks) == 300
         t2 = asyncio.create_task(_collect(eng, "w", [3, 4], max_tokens=20, ignore_eos=True))
         await asyncio.sleep(0.02)
         await eng.pause("wait")

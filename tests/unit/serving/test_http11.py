@@ -136,3 +136,63 @@ def test_refused_and_silent_servers_fail_within_their_bounds():
         return waited
 
     assert asyncio.run(main()) < 5
+
+
+async def _answer_once(raw: bytes):
+    """A server answering every request on a connection with the bytes ``raw``."""
+
+    async def handler(reader, writer, state):
+        while True:
+            await _read_request(reader)
+            writer.write(raw)
+            await writer.drain()
+
+    return await _serve(handler)
+
+
+def _fetch(raw: bytes, method: str = "GET", timeout_s: float = 3.0):
+    async def main():
+        server, url, _ = await _answer_once(raw)
+        pool = HTTPPool(url, timeout_s=timeout_s)
+        try:
+            first = await pool.request(method, "/x")
+            second = await pool.request(method, "/y")  # the connection is still in step
+            return first, second
+        finally:
+            await pool.close()
+            server.close()
+
+    return asyncio.run(main())
+
+
+def test_interim_answers_are_skipped():
+    raw = (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
+           b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    first, second = _fetch(raw)
+    assert (first.status_code, first.content) == (200, b"ok")
+    assert (second.status_code, second.content) == (200, b"ok")
+
+
+@pytest.mark.parametrize("status", [204, 304])
+def test_no_body_answers_without_length_return_at_once(status):
+    t0 = time.monotonic()
+    first, second = _fetch(b"HTTP/1.1 %d X\r\netag: a\r\n\r\n" % status, timeout_s=5.0)
+    assert first.status_code == second.status_code == status
+    assert first.content == b"" and time.monotonic() - t0 < 2.0
+
+
+def test_head_answers_have_no_body():
+    first, _ = _fetch(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n", method="HEAD")
+    assert first.status_code == 200 and first.content == b""
+
+
+def test_repeated_headers_are_joined():
+    first, _ = _fetch(b"HTTP/1.1 200 OK\r\nvary: a\r\nVary: b\r\ncontent-length: 0\r\n\r\n")
+    assert first.headers["vary"] == "a, b"
+
+
+@pytest.mark.parametrize("size", [100_000, 2_000_000])
+def test_an_oversized_response_head_is_a_failure_not_a_crash(size):
+    raw = b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * size + b"\r\ncontent-length: 0\r\n\r\n"
+    with pytest.raises(HTTPFailure, match=r"header|limit|chunk|separator"):
+        _fetch(raw)

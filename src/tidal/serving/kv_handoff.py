@@ -1,0 +1,82 @@
+"""One call attempt at one engine (``Attempt``) and its KV handoff steps (the proxy's side):
+export the KV a drained attempt left pinned at its engine, import it at the next engine, release
+an import that was not used.
+
+In: an ``Attempt`` (its engine's adapter, request id, KV token count). Out: the KV blob, or a
+handle at the destination; every failure degrades to a full prefill (``None``), never to a
+failed call. Time spent here is the engines' (``attempt.upstream_s``), not the proxy's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from tidal.serving.protocol import BadRequest, ServingError
+from tidal.serving.router import Member
+
+log = logging.getLogger("tidal.serving.proxy")
+
+
+@dataclass
+class Attempt:
+    execution_id: str | None
+    request_id: str
+    member: Member
+    cancelled: bool = False
+    sent: bool = False  # the generate request may have reached the engine
+    started: bool = False  # a chunk came back: the engine admitted it
+    ended: bool = False  # the engine's stream ended; a KV export may still run
+    kv_tokens: int | None = None
+    upstream_s: float = 0.0
+    abort_sent: bool = False
+    keep_kv: bool = False
+
+
+async def export_kv(attempt: Attempt) -> bytes | None:
+    """The KV a drained attempt left pinned at its engine, which then releases it."""
+    src = attempt.member
+    if not src.adapter.supports_kv_handoff or attempt.kv_tokens == 0:
+        return None
+    t_up = time.perf_counter()
+    try:
+        blob = await src.adapter.export_kv(attempt.request_id)
+        with contextlib.suppress(ServingError):
+            await src.adapter.release_kv(attempt.request_id)
+    except ServingError as exc:
+        log.warning("KV export from %s failed (%s): the next engine prefills",
+                    src.engine_id, exc)
+        return None
+    finally:
+        attempt.upstream_s += time.perf_counter() - t_up
+    return blob
+
+
+async def import_kv(blob: bytes, attempt: Attempt) -> tuple[str | None, bytes | None]:
+    """(handle at the attempt's engine or None, the blob if still worth holding). A dead
+    destination raises (the call retries elsewhere with the blob); a refusal drops it."""
+    dest = attempt.member
+    if not dest.adapter.supports_kv_handoff:
+        return None, blob
+    t_up = time.perf_counter()
+    try:
+        handle, _ = await dest.adapter.import_kv(blob)
+    except BadRequest as exc:
+        log.warning("KV import at %s refused (%s): full prefill", dest.engine_id, exc)
+        return None, None
+    finally:
+        attempt.upstream_s += time.perf_counter() - t_up
+    return handle, blob
+
+
+async def release_import(attempt: Attempt, handle: str | None) -> None:
+    """Give back an import the attempt will not use (its destination began draining)."""
+    if handle is not None:
+        t_up = time.perf_counter()
+        with contextlib.suppress(ServingError):
+            await attempt.member.adapter.release_kv(handle)
+        attempt.upstream_s += time.perf_counter() - t_up
+    log.debug("call attempt %s re-routed before it was sent to %s (draining)",
+              attempt.request_id, attempt.member.engine_id)
