@@ -267,7 +267,7 @@ class Runtime:
         from tidal.agents import HarnessPool, PoolConfig
         from tidal.control.decision_log import DecisionLog, jsonl_file_sink
         from tidal.control.factory import build_controller
-        from tidal.models import load_model
+        from tidal.models import HFTokenizer, load_training_model
         from tidal.training.coordinator import CoordinatorConfig
         from tidal.training.core import CoreTrainer, TrainerConfig
         from tidal.training.flat import ParamLayout
@@ -295,8 +295,8 @@ class Runtime:
         decisions = open(self.out / "decisions.jsonl", mode)  # noqa: SIM115 - closed below
         self.buffer = TrajectoryBuffer(TrajectoryBufferConfig(
             group_size=c.group_size, max_policy_lag=c.updates_per_burst), self.clock)
-        model, tok = load_model(self.model_dir)
-        model.train()
+        model = load_training_model(self.model_dir)  # transformers: any architecture
+        tok = HFTokenizer(self.model_dir)
         device = trainer_device(rt.resolved_device(torch.cuda.is_available()),
                                 getattr(self, "gpu_ids", {}).get("c0", []),
                                 os.environ.get("CUDA_VISIBLE_DEVICES"))

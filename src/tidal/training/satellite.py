@@ -35,21 +35,17 @@ log = logging.getLogger(__name__)
 
 
 class ModelSpec(BaseModel):
-    """How a process builds the policy: a saved model directory, or a fresh tiny GPT."""
+    """How a process builds the policy: a Hugging Face model directory, loaded with
+    ``transformers`` (the same architecture and parameter layout as the core's)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model_dir: str | None = None
-    tiny: dict[str, int] | None = None
-    seed: int = 0
+    model_dir: str
 
     def build(self) -> nn.Module:
-        from tidal.models import GPTConfig, TinyGPT, load_model
+        from tidal.models import load_training_model
 
-        torch.manual_seed(self.seed)
-        if self.model_dir is not None:
-            return load_model(self.model_dir)[0]
-        return TinyGPT(GPTConfig(**(self.tiny or {})))
+        return load_training_model(self.model_dir)
 
 
 class SatelliteConfig(BaseModel):

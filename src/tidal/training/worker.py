@@ -31,9 +31,11 @@ from tidal.training.packing import MicroStep
 
 
 def forward_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Full-sequence logits [B, L, V] from a plain module or an HF-style output object."""
-    out = model(input_ids)
-    return out if isinstance(out, torch.Tensor) else out.logits
+    """Full-sequence logits [B, L, V] of a ``transformers`` causal LM. Rows are right-padded,
+    so a causal mask over every position is exact for the real tokens; the explicit all-ones
+    mask keeps transformers from probing ``position_ids`` for packed sequences."""
+    out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+    return out.logits
 
 
 @dataclass

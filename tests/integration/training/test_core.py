@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 
 import torch
-from satellite_harness import GROUP_SIZE, TINY, build_model, params
+from satellite_harness import GROUP_SIZE, build_model, params, tiny_dir
 
 from tidal.clock import WallClock
+from tidal.models import LlamaForCausalLM
 from tidal.training.core import CoreTrainer, TrainerConfig
 from tidal.training.flat import ParamLayout
 from tidal.training.packing import PackingConfig
 from tidal.training.records import single_call_record
+from tidal.training.satellite import ModelSpec
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
 from tidal.training.transport import FilePublisher, SharedMemoryTransport, load_into
 
@@ -70,11 +72,11 @@ def test_stream_close_drains_a_partial_batch_and_publishes_in_place():
         assert report.n_groups == 2 and core.version == 1
         assert core.train_step(final=True) is None  # nothing left: no update
         # An engine-side model picks up v1 without being rebuilt.
-        engine = build_model(seed=5)
-        ptr = engine.wte.weight.data_ptr()
+        engine = LlamaForCausalLM.load(tiny_dir())  # the built-in engine's model
+        ptr = engine.model.embed_tokens.weight.data_ptr()
         reader = SharedMemoryTransport(SHM, ParamLayout.of(engine), create=False)
         assert load_into(engine, reader, min_version=1) == 1
-        assert engine.wte.weight.data_ptr() == ptr
+        assert engine.model.embed_tokens.weight.data_ptr() == ptr
         assert torch.equal(params(engine), params(core.model))
         reader.close()
     finally:
@@ -91,10 +93,12 @@ def test_file_publisher_feeds_engines_that_load_from_a_path(tmp_path):
     pub.publish(1, layout.params_to_flat(policy))
     pub.publish(2, layout.params_to_flat(policy))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v2.safetensors"]
-    engine = build_model(seed=9)
+    engine = LlamaForCausalLM.load(tiny_dir())
     engine.load_weights(read_weights(pub.path(2)))
     assert torch.equal(params(engine), params(policy))
 
 
-def test_tiny_spec_matches_the_models_module():
-    assert build_model(0).vocab_size == TINY["vocab_size"]
+def test_satellite_spec_builds_the_cores_layout():
+    spec = ModelSpec(model_dir=str(tiny_dir()))
+    theirs, ours = ParamLayout.of(spec.build()), ParamLayout.of(build_model(0))
+    assert theirs.fingerprint() == ours.fingerprint()

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from tidal.models import TinyGPT, load_model
+from tidal.models import LlamaForCausalLM, load_model
 from tidal.serving.engine import Engine, EngineConfig
 from tidal.serving.protocol import BadRequest, GenerateRequest, SamplingParams
 
@@ -89,7 +89,7 @@ def test_pause_modes_and_resume(tiny_dir):
     async def main():
         eng = _engine(tiny_dir)
         await eng.start()
-        t1 = asyncio.create_task(_collect(eng, "k", [3, 4], max_tokens=30, ignore_eos=True))
+        t1 = asyncio.create_task(_collect(eng, "k", [3, 4], max_tokens=300, ignore_eos=True))
         await asyncio.sleep(0.05)
         await eng.pause("keep")
         n = len(eng._requests["k"].tokens)
@@ -97,7 +97,7 @@ def test_pause_modes_and_resume(tiny_dir):
         assert len(eng._requests["k"].tokens) == n and eng.is_paused
         await eng.resume()
         chunks, toks = await t1
-        assert chunks[-1].finish_reason == "length" and len(toks) == 30
+        assert chunks[-1].finish_reason == "length" and len(toks) == 300
         t2 = asyncio.create_task(_collect(eng, "w", [3, 4], max_tokens=20, ignore_eos=True))
         await asyncio.sleep(0.02)
         await eng.pause("wait")
@@ -133,8 +133,7 @@ def test_sleep_frees_memory_and_weight_versions_tag_tokens(tiny_dir, tmp_path):
         again = await _collect(eng, "b", [1, 2, 3], max_tokens=8, temperature=0,
                                ignore_eos=True)
         assert again[1] == before[1]
-        other = TinyGPT(eng.model.cfg)
-        other.save(tmp_path / "w2")
+        LlamaForCausalLM.random(eng.model.cfg.model_dump(), seed=5).save(tmp_path / "w2")
         task = asyncio.create_task(_collect(eng, "c", [1, 2, 3], max_tokens=200,
                                             ignore_eos=True))
         await asyncio.sleep(0.05)
