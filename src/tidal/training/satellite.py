@@ -24,12 +24,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from tidal.models.device import DEVICE_PATTERN, resolve_device
+from tidal.training.cell_ranks import start_cell, stop_cell
 from tidal.training.flat import ParamLayout
 from tidal.training.groups import Backend, GroupRegistry
 from tidal.training.loss import GRPOLossConfig
 from tidal.training.rpc import RpcClient
+from tidal.training.sharded import ShardConfig
 from tidal.training.transport import BroadcastTransport, SharedMemoryTransport
-from tidal.training.worker import GradientWorker
+from tidal.training.worker import GradientWorker, ShardedWorker
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class SatelliteConfig(BaseModel):
     max_steps: int | None = None
     torch_threads: int = 1
     device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
+    # None: the plain module on one device; a ShardConfig: FSDP2 over this cell's ranks
+    shard: ShardConfig | None = None
 
 
 class Satellite:
@@ -72,8 +76,8 @@ class Satellite:
         self.config = config
         self.incarnation = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.device = resolve_device(config.device)
-        self.model = config.model.build().to(self.device)
-        self.layout = ParamLayout.of(self.model)
+        model = config.model.build()
+        self.layout = ParamLayout.of(model)
         self.version = -1
         self._flat = torch.empty(self.layout.numel, dtype=torch.float32)
         self.client = RpcClient((config.host, config.rpc_port), bytes.fromhex(config.authkey))
@@ -86,7 +90,21 @@ class Satellite:
         if loss.kl_coef > 0 and reference is None:
             raise ValueError(f"cell {config.cell}: the core's loss has a KL term; "
                              "SatelliteConfig.reference is required")
-        self.worker = GradientWorker(config.cell, self.model, loss, reference, hello["pad_id"])
+        self.sharded, self._cell_procs = None, []
+        if config.shard is not None and config.shard.fsdp:
+            if reference is not None:
+                raise ValueError(f"cell {config.cell}: shard: a KL reference model is not "
+                                 "supported on a sharded cell")
+            self.sharded, self._cell_procs = start_cell(
+                model, self.device, config.shard, loss, hello["pad_id"], None, config.backend,
+                config.host)
+            self.model = self.sharded.model
+            self.worker: GradientWorker | ShardedWorker = ShardedWorker(config.cell,
+                                                                         self.sharded)
+        else:
+            self.model = model.to(self.device)
+            self.worker = GradientWorker(config.cell, self.model, loss, reference,
+                                         hello["pad_id"])
         self.registry = GroupRegistry(config.cell, config.host, config.store_port,
                                       self.incarnation, config.backend, config.timeout_s)
         self.client.call_with("link", lambda: self.registry.link(config.cell, self.incarnation))
@@ -106,9 +124,16 @@ class Satellite:
             _, got = self.client.call_with("pull", lambda: reader.pull(self._flat, version))
         if got != version:
             raise RuntimeError(f"cell {self.config.cell}: pulled v{got}, step trains v{version}")
-        self.layout.flat_to_params_(self.model, self._flat)
+        self._load_flat()
         self.version = version
         self.client.call("pulled", version=version)
+
+    def _load_flat(self) -> None:
+        """The pulled full vector into the model (into every rank's shards on a sharded cell)."""
+        if self.sharded is not None:
+            self.sharded.load_params(self._flat)
+        else:
+            self.layout.flat_to_params_(self.model, self._flat)
 
     def run_step(self, join: dict[str, Any]) -> dict[str, Any]:
         step, version = join["step"], join["version"]
@@ -137,7 +162,7 @@ class Satellite:
             members = [tuple(m) for m in outcome["members"]]
             pg = self.registry.prefix(members)
             got = BroadcastTransport(self.registry, pg).pull(self._flat, outcome["version"])
-            self.layout.flat_to_params_(self.model, self._flat)
+            self._load_flat()
             self.version = got
         log.info("cell %d: step %d done (%d micro-steps), next=%s", self.config.cell, step,
                  self.worker.n_micro_steps, outcome["next"])
@@ -153,6 +178,8 @@ class Satellite:
             steps += 1
         self.client.call("bye")
         self.client.close()
+        if self.sharded is not None:
+            stop_cell(self.sharded, self._cell_procs)
         return steps
 
 

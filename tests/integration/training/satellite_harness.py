@@ -24,6 +24,7 @@ from tidal.training.loss import target_logprobs
 from tidal.training.packing import PackingConfig
 from tidal.training.records import ExecutionRecord, single_call_record
 from tidal.training.satellite import ModelSpec, SatelliteConfig, run_satellite
+from tidal.training.sharded import ShardConfig
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
 
 TINY = {"n_layers": 2, "n_heads": 2, "d_model": 64, "d_ff": 128, "max_seq_len": 128}
@@ -86,12 +87,13 @@ def params(model: torch.nn.Module) -> torch.Tensor:
 
 
 def spawn_satellite(core: CoreTrainer, cell: int, delay_s: float = 0.0,
-                    max_steps: int | None = None) -> mp.Process:
+                    max_steps: int | None = None, shard: ShardConfig | None = None
+                    ) -> mp.Process:
     addr = core.address()
     cfg = SatelliteConfig(
         cell=cell, rpc_port=addr["rpc_port"], store_port=addr["store_port"],
         authkey=addr["authkey"], model=ModelSpec(model_dir=str(tiny_dir())),
-        start_delay_s=delay_s, max_steps=max_steps, timeout_s=60.0,
+        start_delay_s=delay_s, max_steps=max_steps, timeout_s=60.0, shard=shard,
     )
     proc = mp.get_context("spawn").Process(target=run_satellite, args=(cfg.model_dump_json(),),
                                            daemon=True)
