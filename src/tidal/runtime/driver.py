@@ -272,6 +272,7 @@ class Runtime:
         from tidal.training.core import CoreTrainer, TrainerConfig
         from tidal.training.flat import ParamLayout
         from tidal.training.packing import PackingConfig
+        from tidal.training.sharded import ShardConfig
         from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
         from tidal.training.transport import FilePublisher
 
@@ -301,10 +302,14 @@ class Runtime:
                                 getattr(self, "gpu_ids", {}).get("c0", []),
                                 os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.publisher = FilePublisher(self.out / "weights", ParamLayout.of(model), keep=2)
+        if rt.fsdp == "on" and torch.device(device).type != "cpu":
+            raise ConfigError("runtime.fsdp", "'on' needs a CPU trainer (a sharded core cannot "
+                              "be offloaded while cell 0 serves); use 'auto'")
+        shard = ShardConfig(ranks=1) if rt.fsdp != "off" and device == "cpu" else None
         self.core = CoreTrainer(model, TrainerConfig(
             lr=rt.lr, groups_per_step=c.batch_groups, step_data_timeout_s=rt.step_data_timeout_s,
             packing=PackingConfig(token_budget=rt.token_budget), device=device,
-            coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s)),
+            coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s), shard=shard),
             self.buffer, self.clock, publishers=[self.publisher], pad_id=tok.eos_id)
         self.weights = Weights()
         if self.ck is not None:

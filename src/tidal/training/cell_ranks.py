@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -227,6 +227,13 @@ class ShardedCell:
             if sink is not None:
                 sink(name, full)
         return out
+
+    def stream_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full parameter) one at a time, in layout order, gathered by all ranks while
+        the caller consumes them: no full copy of the model beyond one parameter. The caller
+        must drain the iterator (the followers run the same gathers)."""
+        self._op(GATHER_PARAMS)
+        yield from self.layout.iter_full_params(self.model)
 
     def load_params(self, full: torch.Tensor) -> None:
         self._op(LOAD_PARAMS)

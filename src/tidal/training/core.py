@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -159,7 +160,8 @@ class CoreTrainer:
         """What a satellite needs to reach this core."""
         return {"host": self.config.host, "rpc_port": self.rpc.address[1],
                 "store_port": self.registry.port, "authkey": self._authkey.hex(),
-                "backend": self.config.backend}
+                "backend": self.config.backend,  # satellites shard the same way
+                "shard": self.config.shard.model_dump() if self.config.shard else None}
 
     def _pump(self) -> None:
         """Move fresh ready groups into the open batch; seal it when full or the stream ended."""
@@ -284,10 +286,14 @@ class CoreTrainer:
             self.coordinator.mark_stale([c for c, _ in members])
 
     def publish(self) -> None:
-        """Hand the current version to every engine-facing publisher."""
-        flat = self.full_params()
-        for pub in self.publishers:
-            pub.publish(self.version, flat)
+        """Hand the current version to every engine-facing publisher; a single streaming
+        publisher (``FilePublisher``) gets the parameters one at a time, never a full copy."""
+        if len(self.publishers) == 1 and hasattr(self.publishers[0], "publish_stream"):
+            self.publishers[0].publish_stream(self.version, self.stream_params())
+        else:
+            flat = self.full_params()
+            for pub in self.publishers:
+                pub.publish(self.version, flat)
         log.info("published v%d to %d publishers", self.version, len(self.publishers))
 
     def full_params(self) -> torch.Tensor:
@@ -296,6 +302,14 @@ class CoreTrainer:
         if self.sharded is not None:
             return self.sharded.gather_params()
         return self.layout.params_to_flat(self.model)
+
+    def stream_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full parameter) in layout order, one at a time (drain it: on a sharded core
+        every rank gathers along)."""
+        if self.sharded is not None:
+            return self.sharded.stream_params()
+        named = dict(self.model.named_parameters())
+        return ((n, named[n].detach()) for n in self.layout.names)
 
     def state_dict(self) -> dict[str, object]:
         """Everything a resumed core needs: weights, optimizer state, version, step counter;
