@@ -71,8 +71,7 @@ def one(variant: str, model_dir: str, args: argparse.Namespace) -> dict:
     else:
         ranks = int(variant[-1])
         cell, procs = start_cell(model, device, ShardConfig(ranks=ranks), GRPOLossConfig(), 0,
-                                 OptimizerSpec("adamw", 1e-5, 0.0),
-                                 "nccl" if device.type == "cuda" else "gloo")
+                                 OptimizerSpec("adamw", 1e-5, 0.0))
         worker = ShardedWorker(0, cell)
     times = []
     for i in range(args.repeats + 1):

@@ -152,10 +152,12 @@ class ShardedCell:
         self.model.zero_grad(set_to_none=True)
         stale = int((sub.staleness * sub.mask).max()) if bool(sub.mask.any()) else 0
         sums = torch.tensor([stats.loss_sum, stats.n_tokens, stats.clipped_tokens,
-                             stats.mean_ratio * stats.n_tokens], dtype=torch.float64)
+                             stats.mean_ratio * stats.n_tokens], dtype=torch.float64,
+                            device=self.comm)
         dist.all_reduce(sums)
-        top = torch.tensor([stale], dtype=torch.long)
+        top = torch.tensor([stale], dtype=torch.long, device=self.comm)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        sums, top = sums.cpu(), top.cpu()
         self._pending_ok, self._pending_stats = True, sums
         return torch.cat([sums, top.double()])
 
@@ -174,7 +176,7 @@ class ShardedCell:
         params = self._bcast(torch.tensor(
             [-1.0 if max_norm is None else max_norm], dtype=torch.float64))
         max_norm = None if float(params[0]) < 0 else float(params[0])
-        own_exec = self._bcast(torch.tensor([sats[0].n_executions if sats else 0]))
+        own_exec = self._bcast(torch.tensor([sats[0].n_executions if sats else 0])).cpu()
         counts = torch.zeros((n_sats, 3), dtype=torch.long)
         for i, c in enumerate(sats[1:]):
             counts[i] = torch.tensor([c.cell, c.n_micro_steps, c.n_executions])
@@ -187,7 +189,7 @@ class ShardedCell:
             cell, steps, execs = (int(x) for x in counts[i])
             contribs.append(Contribution(cell, local, steps, 0, execs, 0.0))
         grad = aggregate(contribs, n_executions, NORMALIZATIONS[norm_code])  # type: ignore[arg-type]
-        sq = grad.double().pow(2).sum().reshape(1).cpu()
+        sq = grad.double().pow(2).sum().reshape(1).to(self.comm)
         dist.all_reduce(sq)
         norm = float(sq[0].sqrt())
         if max_norm is not None and norm > max_norm:
@@ -264,10 +266,14 @@ class ShardedCell:
 
 # -- starting a cell -----------------------------------------------------------------------
 def start_cell(model: nn.Module, device: torch.device, cfg: ShardConfig, loss: GRPOLossConfig,
-               pad_id: int, optimizer: OptimizerSpec | None, backend: str = "gloo",
-               host: str = "127.0.0.1") -> tuple[ShardedCell, list[subprocess.Popen]]:
+               pad_id: int, optimizer: OptimizerSpec | None, host: str = "127.0.0.1"
+               ) -> tuple[ShardedCell, list[subprocess.Popen]]:
     """Rank 0 of a new cell: start ranks 1..k-1 (built from ``model.config``, then loaded with
-    ``model``'s weights), shard, return the cell and the follower processes."""
+    ``model``'s weights), shard, return the cell and the follower processes. The cell's group
+    is NCCL on CUDA and gloo on the CPU (whatever links the cells to each other)."""
+    if device.type == "cuda" and cfg.ranks > 1 and torch.cuda.device_count() < cfg.ranks:
+        raise TidalError(f"shard.ranks: {cfg.ranks} ranks, {torch.cuda.device_count()} GPUs seen")
+    backend = "nccl" if device.type == "cuda" else "gloo"
     full = ParamLayout.of(model).params_to_flat(model)
     store = cell_store(0, cfg.ranks, host, 0, cfg.timeout_s)
     spec = {"host": host, "port": store.port, "world": cfg.ranks, "backend": backend,
@@ -304,6 +310,11 @@ def run_follower(spec: dict) -> None:
 
     torch.set_num_threads(1)
     cfg = ShardConfig.model_validate(spec["shard"])
+    device = torch.device(spec["device"])
+    if device.type == "cuda":  # rank r takes the r-th GPU after rank 0's
+        device = torch.device("cuda", ((device.index or 0) + spec["rank"])
+                              % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     store = cell_store(spec["rank"], spec["world"], spec["host"], spec["port"], cfg.timeout_s)
     init_cell_group(store, spec["rank"], spec["world"], spec["backend"], cfg.timeout_s)
     mc = dict(spec["model_config"])
@@ -311,7 +322,7 @@ def run_follower(spec: dict) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.use_cache = False
     opt = OptimizerSpec(**spec["optimizer"]) if spec["optimizer"] else None
-    cell = ShardedCell(model, torch.device(spec["device"]), cfg,
+    cell = ShardedCell(model, device, cfg,
                        GRPOLossConfig.model_validate(spec["loss"]), spec["pad_id"], opt)
     cell.serve()
     close_cell_group()

@@ -121,8 +121,7 @@ class CoreTrainer:
                                  "sharded core (set loss.kl_coef to 0 or shard to null)")
             self.sharded, self._cell_procs = start_cell(
                 model, self.device, config.shard, config.loss, pad_id,
-                OptimizerSpec(config.optimizer, config.lr, config.weight_decay),
-                config.backend, config.host)
+                OptimizerSpec(config.optimizer, config.lr, config.weight_decay), config.host)
             self.model = self.sharded.model
             self.worker: GradientWorker | ShardedWorker = ShardedWorker(0, self.sharded)
             self.optimizer = self.sharded.optimizer

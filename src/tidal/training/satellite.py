@@ -96,8 +96,7 @@ class Satellite:
                 raise ValueError(f"cell {config.cell}: shard: a KL reference model is not "
                                  "supported on a sharded cell")
             self.sharded, self._cell_procs = start_cell(
-                model, self.device, config.shard, loss, hello["pad_id"], None, config.backend,
-                config.host)
+                model, self.device, config.shard, loss, hello["pad_id"], None, config.host)
             self.model = self.sharded.model
             self.worker: GradientWorker | ShardedWorker = ShardedWorker(config.cell,
                                                                          self.sharded)
