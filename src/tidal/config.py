@@ -130,6 +130,8 @@ class RuntimeConfig(Strict):
                       "model with FSDP2, one rank per cell: 'auto' = on a CPU trainer, off on a "
                       "GPU (cell 0 offloads its plain trainer while it serves); 'on' needs a "
                       "CPU trainer")
+    fsdp_ranks: int = Field(1, ge=1, description="FSDP2 ranks (processes) per training cell; "
+                            "rank 0 of each cell starts the others")
     task: str = Field("arithmetic", pattern="^(arithmetic|workspace)$",
                       description="'arithmetic' (single-turn) or 'workspace' (multi-turn tools)")
     max_turns: int = Field(1, ge=1, description="model calls per execution at most")

@@ -305,7 +305,11 @@ class Runtime:
         if rt.fsdp == "on" and torch.device(device).type != "cpu":
             raise ConfigError("runtime.fsdp", "'on' needs a CPU trainer (a sharded core cannot "
                               "be offloaded while cell 0 serves); use 'auto'")
-        shard = ShardConfig(ranks=1) if rt.fsdp != "off" and device == "cpu" else None
+        shard = (ShardConfig(ranks=rt.fsdp_ranks) if rt.fsdp != "off" and device == "cpu"
+                 else None)
+        if shard is None and rt.fsdp_ranks > 1:
+            raise ConfigError("runtime.fsdp_ranks", "more than one rank per cell needs FSDP2 "
+                              "(runtime.fsdp on a CPU trainer)")
         self.core = CoreTrainer(model, TrainerConfig(
             lr=rt.lr, groups_per_step=c.batch_groups, step_data_timeout_s=rt.step_data_timeout_s,
             packing=PackingConfig(token_budget=rt.token_budget), device=device,

@@ -44,7 +44,8 @@ from tidal.training.sharded import (
 
 log = logging.getLogger(__name__)
 
-COMPUTE, COMMIT, DISCARD, RESET, GATHER_PARAMS, LOAD_PARAMS, GATHER_GRADS, UPDATE, STOP = range(9)
+(COMPUTE, COMMIT, DISCARD, RESET, GATHER_PARAMS, LOAD_PARAMS, GATHER_GRADS, UPDATE, SAVE_STATE,
+ LOAD_STATE, STOP) = range(11)
 NORMALIZATIONS = ("global", "local_mean")
 
 
@@ -112,6 +113,10 @@ class ShardedCell:
                     pass
             elif op == UPDATE:
                 self._update(a, b, c, d, None, [])
+            elif op == SAVE_STATE:
+                self._save_state()
+            elif op == LOAD_STATE:
+                self._load_state({}, {})
             else:
                 raise TidalError(f"cell rank {self.rank}: unknown operation {op}")
 
@@ -200,7 +205,31 @@ class ShardedCell:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
+    def _save_state(self) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(self.model, self.optimizer,  # type: ignore[arg-type]
+                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def _load_state(self, model_sd: dict, optim_sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.model, self.optimizer,  # type: ignore[arg-type]
+                       model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=StateDictOptions(full_state_dict=True,
+                                                broadcast_from_rank0=self.world > 1))
+
     # -- rank 0's API ----------------------------------------------------------------------
+    def full_state(self) -> tuple[dict, dict]:
+        """Model and optimizer state as full (unsharded) CPU state dicts keyed by parameter
+        name, gathered from every rank (``torch.distributed.checkpoint.state_dict``)."""
+        self._op(SAVE_STATE)
+        return self._save_state()
+
+    def load_full_state(self, model_sd: dict, optim_sd: dict) -> None:
+        """Restore ``full_state`` output: rank 0 reads it, every rank takes its shards."""
+        self._op(LOAD_STATE)
+        self._load_state(model_sd, optim_sd)
     def compute(self, t: MicroStepTensors) -> torch.Tensor:
         self._op(COMPUTE, *t.input_ids.shape)
         self._send_step(t)

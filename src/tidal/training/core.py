@@ -313,12 +313,10 @@ class CoreTrainer:
     def state_dict(self) -> dict[str, object]:
         """Everything a resumed core needs: weights, optimizer state, version, step counter;
         every tensor on the CPU (a checkpoint written on a GPU loads anywhere). A sharded core
-        of one rank writes full (unsharded) state dicts keyed by parameter name."""
+        writes full (unsharded) state dicts keyed by parameter name, gathered from its ranks,
+        so a checkpoint loads into a core of any rank count."""
         if self.sharded is not None:
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
-                                                options=self._full_state_options())
+            model_sd, optim_sd = self.sharded.full_state()
             return {"model": _to_cpu(model_sd), "optimizer": _to_cpu(optim_sd),
                     "version": self.version, "step": self._step}
         return {"model": _to_cpu(self.model.state_dict()),
@@ -329,24 +327,11 @@ class CoreTrainer:
         """Restore ``state_dict()`` output (between steps, before any satellite joins); tensors
         are copied onto the model's device (the optimizer casts its state to its parameters')."""
         if self.sharded is not None:
-            from torch.distributed.checkpoint.state_dict import set_state_dict
-
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"],  # type: ignore[arg-type]
-                           options=self._full_state_options())
+            self.sharded.load_full_state(state["model"], state["optimizer"])  # type: ignore[arg-type]
         else:
             self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
             self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
         self.version, self._step = int(state["version"]), int(state["step"])  # type: ignore[call-overload]
-
-    def _full_state_options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        assert self.sharded is not None
-        if self.sharded.world > 1:  # every rank would have to join the collective
-            raise TidalError("trainer.shard.ranks: checkpoints of a core of more than one rank "
-                             "are not supported (use one rank per cell to checkpoint)")
-        return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     # -- device memory --------------------------------------------------------------------
     @property

@@ -1,6 +1,6 @@
 """A core cell sharded with FSDP2: the same update as the plain trainer (AdamW, clipping), its
 publication streamed parameter by parameter into a file the built-in engine loads, and the
-one-rank checkpoint round trip."""
+checkpoint of a 2-rank core restored into a 1-rank core."""
 
 from __future__ import annotations
 
@@ -58,9 +58,9 @@ def test_two_rank_core_matches_the_plain_trainer_and_streams_its_publication(tmp
     assert torch.equal(ParamLayout.of(engine).params_to_flat(engine), sharded)
 
 
-def test_one_rank_sharded_checkpoint_restores_the_same_trainer():
+def test_two_rank_checkpoint_restores_the_same_trainer_on_one_rank():
     records = make_records(build_model(0), 6, seed=4)
-    core, buf = make_core(adamw(ShardConfig(ranks=1)))
+    core, buf = make_core(adamw(ShardConfig(ranks=2)))
     try:
         for r in records[:12]:
             buf.add(r)
@@ -80,6 +80,6 @@ def test_one_rank_sharded_checkpoint_restores_the_same_trainer():
         for r in records[12:]:
             buf.add(r)
         again.train_step(final=True)
-        torch.testing.assert_close(again.full_params(), expected, rtol=0, atol=0)
+        torch.testing.assert_close(again.full_params(), expected, rtol=1e-5, atol=1e-7)
     finally:
         again.close()
