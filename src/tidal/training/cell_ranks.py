@@ -21,6 +21,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -333,11 +334,19 @@ def stop_cell(cell: ShardedCell, procs: list[subprocess.Popen], timeout_s: float
             p.kill()
 
 
+def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """A follower outlives no rank 0: it would wait for its next operation until the timeout."""
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    os._exit(1)
+
+
 def run_follower(spec: dict) -> None:
     """Ranks 1..k-1: build the architecture, join the cell, serve rank 0 until STOP."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.set_num_threads(1)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     cfg = ShardConfig.model_validate(spec["shard"])
     device = torch.device(spec["device"])
     if device.type == "cuda":  # rank r takes the r-th GPU after rank 0's

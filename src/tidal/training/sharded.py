@@ -43,7 +43,10 @@ class ShardConfig(BaseModel):
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
         default="auto", description="compute dtype: auto = bf16 on CUDA, fp32 on the CPU")
     activation_checkpointing: bool = False
-    timeout_s: float = Field(default=120.0, gt=0)
+    timeout_s: float = Field(default=3600.0, gt=0, description="every collective inside the "
+                             "cell, including a follower's wait for rank 0's next operation "
+                             "(a cell idles while it serves rollout); a follower whose rank 0 "
+                             "died exits at once")
 
 
 def cell_store(rank: int, world: int, host: str, port: int, timeout_s: float) -> dist.TCPStore:
