@@ -70,6 +70,7 @@ def alone(records):
     return run(records, "global", satellite=False)
 
 
+@pytest.mark.slow
 def test_two_rank_satellite_joining_mid_step_gives_the_two_rank_core_alone_update(records,
                                                                                   alone):
     expected, alone_reports = alone
@@ -86,6 +87,7 @@ def test_two_rank_satellite_joining_mid_step_gives_the_two_rank_core_alone_updat
     assert rel < RTOL, rel
 
 
+@pytest.mark.slow
 def test_per_worker_normalisation_is_caught_through_sharded_cells(records, alone):
     expected, _ = alone
     got, reports = run(records, "local_mean", satellite=True)
