@@ -17,6 +17,12 @@ satellites' gradients (CPU, off gloo) are moved there before aggregation; snapsh
 published vectors and ``state_dict`` (checkpoints) are CPU copies. While cell 0 serves rollout
 on a GPU, ``offload`` parks the model and optimizer state in CPU memory and frees the device
 cache; ``onload`` (or the next ``train_step``) brings them back unchanged.
+
+Sharded (``TrainerConfig.shard``): the core cell is k FSDP2 ranks (``cell_ranks``), this process
+rank 0; the gradient sum and the optimizer state stay sharded, satellites' full vectors are
+sliced into every rank's shards at the update, and snapshots, broadcasts and publications are
+gathered one parameter at a time (a single ``FilePublisher`` is streamed into, never handed a
+full copy). A sharded core is not offloaded (it trains on a CPU or on GPUs it does not share).
 """
 
 from __future__ import annotations

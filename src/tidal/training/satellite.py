@@ -9,6 +9,9 @@ update leave. Out: gradient contributions; never an optimizer step (invariant 5:
 holds optimizer state; weights change only between steps, by a pull or a broadcast).
 The model (and the KL reference) run on ``SatelliteConfig.device``; pulled vectors arrive on the
 CPU and are copied in, and the gradient sum goes back as a CPU copy (gloo sends CPU tensors).
+With ``shard`` the cell is k FSDP2 ranks (``cell_ranks``): this process is rank 0, pulled vectors
+are loaded into every rank's shards and the delivered sum is gathered from them; the wire format
+to the core is the same full vector, so cells of different rank counts work together.
 """
 
 from __future__ import annotations
