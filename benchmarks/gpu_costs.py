@@ -183,7 +183,7 @@ def trainer_costs(model, device: torch.device, repeats: int, seq_len: int) -> di
     core = CoreTrainer(model, TrainerConfig(device=str(device), lr=1e-5), buf, clock)
     out: dict = {}
     try:
-        ms = _micro_step(model.vocab_size, 4, seq_len)
+        ms = _micro_step(model.config.vocab_size, 4, seq_len)
         tokens = ms.n_tokens()
         w = core.worker
 
@@ -250,8 +250,14 @@ def run(dtype_name: str, shape: dict, device: torch.device, args: argparse.Names
            "build_s": time.perf_counter() - t0}
     res.update(asyncio.run(engine_costs(model, weights, device, args.decode_repeats)))
     res.update(prefill_and_kv(model, device, args.repeats))
-    res.update(trainer_costs(model, device, args.repeats, args.train_seq_len))
     del model
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)  # the trainer trains the transformers model of the same shape
+    trained = HFLlama(HFLlamaConfig(**shape)).to(device=device, dtype=dtype)
+    res.update(trainer_costs(trained, device, args.repeats, args.train_seq_len))
+    del trained
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return res

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tidal.clock import WallClock
-from tidal.models import create_tiny, fetch, load_model
+from tidal.models import create_tiny, fetch, load_model, load_training_model
 from tidal.training.core import CoreTrainer, TrainerConfig
 from tidal.training.flat import ParamLayout
 from tidal.training.loss import GRPOLossConfig
@@ -157,8 +157,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         mdir = model_dir(args.model, Path(tmp))
-        policy, tok = load_model(mdir)
-        engine, _ = load_model(mdir)  # the rollout engine's own copy
+        policy = load_training_model(mdir)  # transformers, as the runtime trains it
+        engine, tok = load_model(mdir)  # the rollout engine's own copy (built-in KV path)
     policy.train()
     engine.eval()
     clock = WallClock()

@@ -126,6 +126,12 @@ class RuntimeConfig(Strict):
     tiny_layers: int = Field(2, ge=1)
     tiny_d_model: int = Field(64, ge=8)
     tiny_max_seq_len: int = Field(256, ge=16)
+    fsdp: str = Field("auto", pattern="^(auto|on|off)$", description="train the transformers "
+                      "model with FSDP2, one rank per cell: 'auto' = on a CPU trainer, off on a "
+                      "GPU (cell 0 offloads its plain trainer while it serves); 'on' needs a "
+                      "CPU trainer")
+    fsdp_ranks: int = Field(1, ge=1, description="FSDP2 ranks (processes) per training cell; "
+                            "rank 0 of each cell starts the others")
     task: str = Field("arithmetic", pattern="^(arithmetic|workspace)$",
                       description="'arithmetic' (single-turn) or 'workspace' (multi-turn tools)")
     max_turns: int = Field(1, ge=1, description="model calls per execution at most")

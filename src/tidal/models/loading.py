@@ -1,7 +1,11 @@
-"""Load any supported model directory: the tiny GPT or an HF Llama-family checkpoint.
+"""Load a Hugging Face model directory for the built-in engine, or refuse it naming vLLM.
 
-In: a directory path. Out: ``(model, tokenizer)``; the model type is read from ``config.json``
-(``tidal-gpt`` or an HF ``LlamaForCausalLM``). Also reads weight files for in-place updates.
+In: a directory path. Out: ``(model, tokenizer)``: the built-in ``LlamaForCausalLM`` (its fast
+KV-cache path; architectures ``llama``, ``mistral``, ``qwen2``) and the directory's
+``transformers`` tokenizer. Any other architecture is a one-line ``TidalError`` naming vLLM
+(``runtime.engine: vllm``), which serves whatever transformers / vLLM support; the trainer
+(``tidal.models.hf.load_training_model``) trains them all. Also reads weight files for in-place
+updates.
 """
 
 from __future__ import annotations
@@ -14,29 +18,28 @@ from safetensors.torch import load_file
 
 from tidal.errors import TidalError
 from tidal.models.base import CausalLM
-from tidal.models.gpt import MODEL_TYPE as GPT_TYPE
-from tidal.models.gpt import TinyGPT
 from tidal.models.llama import LlamaForCausalLM, load_hf_state_dict
-from tidal.models.tokenizer import ByteBPETokenizer, HFTokenizer, Tokenizer
+from tidal.models.tokenizer import HFTokenizer
+
+BUILTIN_TYPES = ("llama", "mistral", "qwen2")
 
 
 def model_kind(model_dir: str | Path) -> str:
+    """The directory's ``model_type``, if the built-in engine implements it."""
     cfg_path = Path(model_dir) / "config.json"
     if not cfg_path.is_file():
         raise TidalError(f"{model_dir}: no config.json (not a model directory)")
-    raw = json.loads(cfg_path.read_text())
-    if raw.get("model_type") == GPT_TYPE:
-        return GPT_TYPE
-    if raw.get("model_type") in ("llama", "mistral") or "LlamaForCausalLM" in raw.get(
-            "architectures", []):
-        return "llama"
-    raise TidalError(f"{model_dir}: unsupported model_type {raw.get('model_type')!r}")
+    kind = json.loads(cfg_path.read_text()).get("model_type")
+    if kind not in BUILTIN_TYPES:
+        raise TidalError(f"{model_dir}: model_type {kind!r} has no built-in engine path "
+                         f"(it runs {', '.join(BUILTIN_TYPES)}); serve it with vLLM "
+                         "(runtime.engine: vllm)")
+    return kind
 
 
-def load_model(model_dir: str | Path) -> tuple[CausalLM, Tokenizer]:
+def load_model(model_dir: str | Path) -> tuple[CausalLM, HFTokenizer]:
     model_dir = Path(model_dir)
-    if model_kind(model_dir) == GPT_TYPE:
-        return TinyGPT.load(model_dir), ByteBPETokenizer.load(model_dir / "tokenizer.json")
+    model_kind(model_dir)
     return LlamaForCausalLM.load(model_dir), HFTokenizer(model_dir)
 
 

@@ -122,7 +122,7 @@ class EngineHost:
         cfg = {"cell": cell, "host": str(core["host"]), "rpc_port": int(core["rpc_port"]),
                "store_port": int(core["store_port"]), "authkey": str(core["authkey"]),
                "backend": core["backend"], "model": {"model_dir": self.model_dir},
-               "timeout_s": timeout_s, "device": self.device}
+               "timeout_s": timeout_s, "device": self.device, "shard": core.get("shard")}
         log_fh = open(self.log_path.with_name(f"satellite-{self.name}.log"), "ab")  # noqa: SIM115
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                "TIDAL_LOG": os.environ.get("TIDAL_LOG", "INFO")}

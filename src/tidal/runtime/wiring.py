@@ -130,26 +130,34 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
     """The trajectory buffer, the core trainer and the file publisher it writes versions to."""
     import torch
 
-    from tidal.models import load_model
+    from tidal.models import HFTokenizer, load_training_model
     from tidal.training.coordinator import CoordinatorConfig
     from tidal.training.core import CoreTrainer, TrainerConfig
     from tidal.training.flat import ParamLayout
     from tidal.training.packing import PackingConfig
+    from tidal.training.sharded import ShardConfig
     from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
     from tidal.training.transport import FilePublisher
 
     rt, c = cfg.runtime, cfg.control
     buffer = TrajectoryBuffer(TrajectoryBufferConfig(
         group_size=c.group_size, max_policy_lag=c.updates_per_burst), clock)
-    model, tok = load_model(model_dir)
-    model.train()
+    model = load_training_model(model_dir)  # transformers: any architecture
+    tok = HFTokenizer(model_dir)
     device = trainer_device(rt.resolved_device(torch.cuda.is_available()), gpu_ids,
                             os.environ.get("CUDA_VISIBLE_DEVICES"))
     files = FilePublisher(out / "weights", ParamLayout.of(model), keep=2)
+    if rt.fsdp == "on" and torch.device(device).type != "cpu":
+        raise ConfigError("runtime.fsdp", "'on' needs a CPU trainer (a sharded core cannot "
+                          "be offloaded while cell 0 serves); use 'auto'")
+    shard = ShardConfig(ranks=rt.fsdp_ranks) if rt.fsdp != "off" and device == "cpu" else None
+    if shard is None and rt.fsdp_ranks > 1:
+        raise ConfigError("runtime.fsdp_ranks", "more than one rank per cell needs FSDP2 "
+                          "(runtime.fsdp on a CPU trainer)")
     core = CoreTrainer(model, TrainerConfig(
         lr=rt.lr, groups_per_step=c.batch_groups, step_data_timeout_s=rt.step_data_timeout_s,
         packing=PackingConfig(token_budget=rt.token_budget), device=device,
-        coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s)),
+        coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s), shard=shard),
         buffer, clock, publishers=[files], pad_id=tok.eos_id)
     return buffer, core, files
 

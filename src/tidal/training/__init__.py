@@ -11,6 +11,9 @@ Data flow (each module's docstring says what flows in and out and which invarian
 Satellites (``satellite.Satellite``, cells 1..K-1, separate processes) talk to the core's
 ``coordinator.Coordinator`` over ``rpc`` and move weights and gradients over the side groups of
 ``groups.GroupRegistry`` (one link per satellite, one group per training prefix).
+A cell of k ranks shards the ``transformers`` model with FSDP2 (``sharded``: the cell's group,
+``fully_shard``, flat views of the shards; ``cell_ranks``: rank 0 leads, ranks 1..k-1 run its
+operations, ``worker.ShardedWorker`` is the cell's gradient worker).
 ``tasks`` holds the bundled addition task used by ``benchmarks/grpo_learning.py``.
 
 ``records``, ``trajectory_buffer``, ``packing``, ``rpc`` and ``tasks`` do not import torch; the

@@ -17,6 +17,12 @@ satellites' gradients (CPU, off gloo) are moved there before aggregation; snapsh
 published vectors and ``state_dict`` (checkpoints) are CPU copies. While cell 0 serves rollout
 on a GPU, ``offload`` parks the model and optimizer state in CPU memory and frees the device
 cache; ``onload`` (or the next ``train_step``) brings them back unchanged.
+
+Sharded (``TrainerConfig.shard``): the core cell is k FSDP2 ranks (``cell_ranks``), this process
+rank 0; the gradient sum and the optimizer state stay sharded, satellites' full vectors are
+sliced into every rank's shards at the update, and snapshots, broadcasts and publications are
+gathered one parameter at a time (a single ``FilePublisher`` is streamed into, never handed a
+full copy). A sharded core is not offloaded (it trains on a CPU or on GPUs it does not share).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -32,17 +39,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from tidal.clock import Clock
-from tidal.errors import TimeoutExpired
+from tidal.errors import TidalError, TimeoutExpired
 from tidal.models.device import DEVICE_PATTERN, release_cached, resolve_device
 from tidal.training.aggregate import Normalization, aggregate, clip_
+from tidal.training.cell_ranks import OptimizerSpec, start_cell, stop_cell
 from tidal.training.coordinator import Coordinator, CoordinatorConfig, StepInfo
 from tidal.training.groups import Backend, CommError, GroupRegistry
 from tidal.training.loss import GRPOLossConfig
 from tidal.training.packing import PackingBuffer, PackingConfig
 from tidal.training.rpc import RpcServer
+from tidal.training.sharded import ShardConfig
 from tidal.training.trajectory_buffer import TrajectoryBuffer
 from tidal.training.transport import BroadcastTransport, SharedMemoryTransport, WeightPublisher
-from tidal.training.worker import GradientWorker
+from tidal.training.worker import GradientWorker, ShardedWorker
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +73,8 @@ class TrainerConfig(BaseModel):
     loss: GRPOLossConfig = GRPOLossConfig()
     packing: PackingConfig = PackingConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
+    # None: the plain module on one device; a ShardConfig: FSDP2 over the cell's ranks
+    shard: ShardConfig | None = None
 
 
 @dataclass
@@ -104,23 +115,33 @@ class CoreTrainer:
         initial_version: int = 0,
     ) -> None:
         self.device = resolve_device(config.device)
-        model.to(self.device)
-        if reference is not None:
-            reference.to(self.device)
-        self.model, self.config, self.trajectories, self.clock = model, config, trajectories, clock
+        self.config, self.trajectories, self.clock = config, trajectories, clock
         self._offloaded = False
         self._memory_lock = threading.Lock()
         self.publishers = list(publishers or [])
         self.version = initial_version
-        self.worker = GradientWorker(0, model, config.loss, reference, pad_id)
-        self.layout = self.worker.layout
-        params = [p for p in model.parameters() if p.requires_grad]
-        if config.optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(params, lr=config.lr,
-                                               weight_decay=config.weight_decay)
+        self.sharded, self._cell_procs = None, []
+        if config.shard is not None and config.shard.fsdp:
+            if reference is not None:
+                raise TidalError("trainer.shard: a KL reference model is not supported on a "
+                                 "sharded core (set loss.kl_coef to 0 or shard to null)")
+            self.sharded, self._cell_procs = start_cell(
+                model, self.device, config.shard, config.loss, pad_id,
+                OptimizerSpec(config.optimizer, config.lr, config.weight_decay), config.host)
+            self.model = self.sharded.model
+            self.worker: GradientWorker | ShardedWorker = ShardedWorker(0, self.sharded)
+            self.optimizer = self.sharded.optimizer
         else:
-            self.optimizer = torch.optim.SGD(params, lr=config.lr,
-                                             weight_decay=config.weight_decay)
+            if config.shard is not None and config.shard.ranks > 1:
+                raise TidalError("trainer.shard.ranks: more than one rank needs fsdp: true")
+            self.model = model.to(self.device)
+            if reference is not None:
+                reference.to(self.device)
+            self.worker = GradientWorker(0, model, config.loss, reference, pad_id)
+            params = [p for p in model.parameters() if p.requires_grad]
+            cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
+            self.optimizer = cls(params, lr=config.lr, weight_decay=config.weight_decay)
+        self.layout = self.worker.layout
         self.registry = GroupRegistry(0, config.host, 0, "core", config.backend)
         self.packing = PackingBuffer(config.packing, clock)
         self._snap_shm: SharedMemoryTransport | None = None
@@ -144,7 +165,8 @@ class CoreTrainer:
         """What a satellite needs to reach this core."""
         return {"host": self.config.host, "rpc_port": self.rpc.address[1],
                 "store_port": self.registry.port, "authkey": self._authkey.hex(),
-                "backend": self.config.backend}
+                "backend": self.config.backend,  # satellites shard the same way
+                "shard": self.config.shard.model_dump() if self.config.shard else None}
 
     def _pump(self) -> None:
         """Move fresh ready groups into the open batch; seal it when full or the stream ended."""
@@ -200,7 +222,7 @@ class CoreTrainer:
         """One optimizer update over ``groups_per_step`` groups; None if the stream was empty."""
         self.onload()
         step, version = self._step, self.version
-        snapshot = self.layout.params_to_flat(self.model)
+        snapshot = self.full_params()
         if self._snap_shm is not None:
             self._snap_shm.publish(version, snapshot)
         self.packing.open_batch(step, version)
@@ -217,13 +239,18 @@ class CoreTrainer:
         if summary.n_executions == 0:
             self.coordinator.post_outcome(step, {"next": "leave", "version": version})
             return None
-        contribs = [self.worker.contribution(),
-                    *(replace(c, grad=c.grad.to(self.device)) for c in self._contribs)]
-        grad = aggregate(contribs, summary.n_executions, self.config.normalization)
-        norm = clip_(grad, self.config.max_grad_norm)
-        self.layout.flat_to_grads_(self.model, grad)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.sharded is not None:
+            contribs = [self.worker.contribution(), *self._contribs]
+            norm = self.sharded.update(contribs[0], contribs[1:], summary.n_executions,
+                                       self.config.normalization, self.config.max_grad_norm)
+        else:
+            contribs = [self.worker.contribution(),
+                        *(replace(c, grad=c.grad.to(self.device)) for c in self._contribs)]
+            grad = aggregate(contribs, summary.n_executions, self.config.normalization)
+            norm = clip_(grad, self.config.max_grad_norm)
+            self.layout.flat_to_grads_(self.model, grad)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         members = self.coordinator.members()
         if final:
@@ -254,7 +281,7 @@ class CoreTrainer:
             step, {"next": "continue", "version": self.version, "members": group})
         if not members:
             return
-        flat = self.layout.params_to_flat(self.model)
+        flat = self.full_params()
         try:
             pg = self.registry.prefix(group)
             BroadcastTransport(self.registry, pg).publish(self.version, flat)
@@ -264,15 +291,40 @@ class CoreTrainer:
             self.coordinator.mark_stale([c for c, _ in members])
 
     def publish(self) -> None:
-        """Hand the current version to every engine-facing publisher."""
-        flat = self.layout.params_to_flat(self.model)
-        for pub in self.publishers:
-            pub.publish(self.version, flat)
+        """Hand the current version to every engine-facing publisher; a single streaming
+        publisher (``FilePublisher``) gets the parameters one at a time, never a full copy."""
+        if len(self.publishers) == 1 and hasattr(self.publishers[0], "publish_stream"):
+            self.publishers[0].publish_stream(self.version, self.stream_params())
+        else:
+            flat = self.full_params()
+            for pub in self.publishers:
+                pub.publish(self.version, flat)
         log.info("published v%d to %d publishers", self.version, len(self.publishers))
+
+    def full_params(self) -> torch.Tensor:
+        """The full parameters as a CPU float32 vector (the wire format of every transport); on
+        a sharded core every rank gathers them with rank 0, one parameter at a time."""
+        if self.sharded is not None:
+            return self.sharded.gather_params()
+        return self.layout.params_to_flat(self.model)
+
+    def stream_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full parameter) in layout order, one at a time (drain it: on a sharded core
+        every rank gathers along)."""
+        if self.sharded is not None:
+            return self.sharded.stream_params()
+        named = dict(self.model.named_parameters())
+        return ((n, named[n].detach()) for n in self.layout.names)
 
     def state_dict(self) -> dict[str, object]:
         """Everything a resumed core needs: weights, optimizer state, version, step counter;
-        every tensor on the CPU (a checkpoint written on a GPU loads anywhere)."""
+        every tensor on the CPU (a checkpoint written on a GPU loads anywhere). A sharded core
+        writes full (unsharded) state dicts keyed by parameter name, gathered from its ranks,
+        so a checkpoint loads into a core of any rank count."""
+        if self.sharded is not None:
+            model_sd, optim_sd = self.sharded.full_state()
+            return {"model": _to_cpu(model_sd), "optimizer": _to_cpu(optim_sd),
+                    "version": self.version, "step": self._step}
         return {"model": _to_cpu(self.model.state_dict()),
                 "optimizer": _to_cpu(self.optimizer.state_dict()),
                 "version": self.version, "step": self._step}
@@ -280,8 +332,11 @@ class CoreTrainer:
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore ``state_dict()`` output (between steps, before any satellite joins); tensors
         are copied onto the model's device (the optimizer casts its state to its parameters')."""
-        self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
-        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+        if self.sharded is not None:
+            self.sharded.load_full_state(state["model"], state["optimizer"])  # type: ignore[arg-type]
+        else:
+            self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
+            self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
         self.version, self._step = int(state["version"]), int(state["step"])  # type: ignore[call-overload]
 
     # -- device memory --------------------------------------------------------------------
@@ -295,6 +350,9 @@ class CoreTrainer:
         with self._memory_lock:
             if self.device.type == "cpu" or self._offloaded:
                 return
+            if self.sharded is not None:
+                raise TidalError("trainer.shard: a sharded core cannot be offloaded while its "
+                                 "cell serves rollout; run it without shard on a shared GPU")
             self._move(torch.device("cpu"))
             self.worker.release()
             self._offloaded = True
@@ -324,6 +382,9 @@ class CoreTrainer:
                     state[key] = value.to(device)
 
     def close(self) -> None:
+        if self.sharded is not None:
+            stop_cell(self.sharded, self._cell_procs)
+            self.sharded = None
         self.coordinator.shutdown()
         self.rpc.close()
         if self._snap_shm is not None:

@@ -9,6 +9,9 @@ update leave. Out: gradient contributions; never an optimizer step (invariant 5:
 holds optimizer state; weights change only between steps, by a pull or a broadcast).
 The model (and the KL reference) run on ``SatelliteConfig.device``; pulled vectors arrive on the
 CPU and are copied in, and the gradient sum goes back as a CPU copy (gloo sends CPU tensors).
+With ``shard`` the cell is k FSDP2 ranks (``cell_ranks``): this process is rank 0, pulled vectors
+are loaded into every rank's shards and the delivered sum is gathered from them; the wire format
+to the core is the same full vector, so cells of different rank counts work together.
 """
 
 from __future__ import annotations
@@ -24,32 +27,30 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from tidal.models.device import DEVICE_PATTERN, resolve_device
+from tidal.training.cell_ranks import start_cell, stop_cell
 from tidal.training.flat import ParamLayout
 from tidal.training.groups import Backend, GroupRegistry
 from tidal.training.loss import GRPOLossConfig
 from tidal.training.rpc import RpcClient
+from tidal.training.sharded import ShardConfig
 from tidal.training.transport import BroadcastTransport, SharedMemoryTransport
-from tidal.training.worker import GradientWorker
+from tidal.training.worker import GradientWorker, ShardedWorker
 
 log = logging.getLogger(__name__)
 
 
 class ModelSpec(BaseModel):
-    """How a process builds the policy: a saved model directory, or a fresh tiny GPT."""
+    """How a process builds the policy: a Hugging Face model directory, loaded with
+    ``transformers`` (the same architecture and parameter layout as the core's)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model_dir: str | None = None
-    tiny: dict[str, int] | None = None
-    seed: int = 0
+    model_dir: str
 
     def build(self) -> nn.Module:
-        from tidal.models import GPTConfig, TinyGPT, load_model
+        from tidal.models import load_training_model
 
-        torch.manual_seed(self.seed)
-        if self.model_dir is not None:
-            return load_model(self.model_dir)[0]
-        return TinyGPT(GPTConfig(**(self.tiny or {})))
+        return load_training_model(self.model_dir)
 
 
 class SatelliteConfig(BaseModel):
@@ -69,6 +70,8 @@ class SatelliteConfig(BaseModel):
     max_steps: int | None = None
     torch_threads: int = 1
     device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
+    # None: the plain module on one device; a ShardConfig: FSDP2 over this cell's ranks
+    shard: ShardConfig | None = None
 
 
 class Satellite:
@@ -76,8 +79,8 @@ class Satellite:
         self.config = config
         self.incarnation = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.device = resolve_device(config.device)
-        self.model = config.model.build().to(self.device)
-        self.layout = ParamLayout.of(self.model)
+        model = config.model.build()
+        self.layout = ParamLayout.of(model)
         self.version = -1
         self._flat = torch.empty(self.layout.numel, dtype=torch.float32)
         self.client = RpcClient((config.host, config.rpc_port), bytes.fromhex(config.authkey))
@@ -90,7 +93,20 @@ class Satellite:
         if loss.kl_coef > 0 and reference is None:
             raise ValueError(f"cell {config.cell}: the core's loss has a KL term; "
                              "SatelliteConfig.reference is required")
-        self.worker = GradientWorker(config.cell, self.model, loss, reference, hello["pad_id"])
+        self.sharded, self._cell_procs = None, []
+        if config.shard is not None and config.shard.fsdp:
+            if reference is not None:
+                raise ValueError(f"cell {config.cell}: shard: a KL reference model is not "
+                                 "supported on a sharded cell")
+            self.sharded, self._cell_procs = start_cell(
+                model, self.device, config.shard, loss, hello["pad_id"], None, config.host)
+            self.model = self.sharded.model
+            self.worker: GradientWorker | ShardedWorker = ShardedWorker(config.cell,
+                                                                         self.sharded)
+        else:
+            self.model = model.to(self.device)
+            self.worker = GradientWorker(config.cell, self.model, loss, reference,
+                                         hello["pad_id"])
         self.registry = GroupRegistry(config.cell, config.host, config.store_port,
                                       self.incarnation, config.backend, config.timeout_s)
         self.client.call_with("link", lambda: self.registry.link(config.cell, self.incarnation))
@@ -110,9 +126,16 @@ class Satellite:
             _, got = self.client.call_with("pull", lambda: reader.pull(self._flat, version))
         if got != version:
             raise RuntimeError(f"cell {self.config.cell}: pulled v{got}, step trains v{version}")
-        self.layout.flat_to_params_(self.model, self._flat)
+        self._load_flat()
         self.version = version
         self.client.call("pulled", version=version)
+
+    def _load_flat(self) -> None:
+        """The pulled full vector into the model (into every rank's shards on a sharded cell)."""
+        if self.sharded is not None:
+            self.sharded.load_params(self._flat)
+        else:
+            self.layout.flat_to_params_(self.model, self._flat)
 
     def run_step(self, join: dict[str, Any]) -> dict[str, Any]:
         step, version = join["step"], join["version"]
@@ -141,7 +164,7 @@ class Satellite:
             members = [tuple(m) for m in outcome["members"]]
             pg = self.registry.prefix(members)
             got = BroadcastTransport(self.registry, pg).pull(self._flat, outcome["version"])
-            self.layout.flat_to_params_(self.model, self._flat)
+            self._load_flat()
             self.version = got
         log.info("cell %d: step %d done (%d micro-steps), next=%s", self.config.cell, step,
                  self.worker.n_micro_steps, outcome["next"])
@@ -157,6 +180,8 @@ class Satellite:
             steps += 1
         self.client.call("bye")
         self.client.close()
+        if self.sharded is not None:
+            stop_cell(self.sharded, self._cell_procs)
         return steps
 
 

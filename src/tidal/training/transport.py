@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 from typing import Protocol
 
@@ -209,13 +210,37 @@ class FilePublisher:
         return str(self.dir / f"v{version}.safetensors")
 
     def publish(self, version: int, flat: torch.Tensor) -> None:
-        from safetensors.torch import save_file
+        self.publish_stream(version, iter(self.layout.views(flat).items()))
 
-        tensors = {n: t.clone() for n, t in self.layout.views(flat).items()}
+    def publish_stream(self, version: int,
+                       params: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Write a version from (name, tensor) pairs arriving one at a time in layout order (a
+        sharded trainer gathers each parameter as it is written): the safetensors header is
+        known from the layout, so no full copy of the model is ever assembled."""
         final = self.path(version)
         tmp = final + ".tmp"
-        save_file(tensors, tmp, metadata={"weight_version": f"v{version}"})
-        os.replace(tmp, final)
+        header: dict[str, object] = {"__metadata__": {"weight_version": f"v{version}"}}
+        for name, shape, off in zip(self.layout.names, self.layout.shapes, self.layout.offsets,
+                                    strict=True):
+            n = 1
+            for d in shape:
+                n *= d
+            header[name] = {"dtype": "F32", "shape": list(shape),
+                            "data_offsets": [off * 4, (off + n) * 4]}
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        with contextlib.ExitStack() as cleanup, open(tmp, "wb") as f:
+            cleanup.callback(lambda: os.path.exists(tmp) and os.remove(tmp))
+            f.write(struct.pack("<Q", len(head)) + head)
+            names = iter(self.layout.names)
+            for name, tensor in params:
+                if name != next(names, None):
+                    raise TransportError(f"publication out of layout order at {name}")
+                f.write(tensor.detach().to("cpu", torch.float32).contiguous().numpy().data)
+            if next(names, None) is not None:
+                raise TransportError(f"publication of v{version} ended early")
+            f.close()
+            os.replace(tmp, final)
         self.published.append((version, final))
         while len(self.published) > self.keep:
             _, old = self.published.pop(0)

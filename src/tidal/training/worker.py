@@ -31,9 +31,11 @@ from tidal.training.packing import MicroStep
 
 
 def forward_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Full-sequence logits [B, L, V] from a plain module or an HF-style output object."""
-    out = model(input_ids)
-    return out if isinstance(out, torch.Tensor) else out.logits
+    """Full-sequence logits [B, L, V] of a ``transformers`` causal LM. Rows are right-padded,
+    so a causal mask over every position is exact for the real tokens; the explicit all-ones
+    mask keeps transformers from probing ``position_ids`` for packed sequences."""
+    out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+    return out.logits
 
 
 @dataclass
@@ -131,6 +133,67 @@ class GradientWorker:
     def cpu_grad_sum(self) -> torch.Tensor:
         """The committed gradient sum on the CPU (what a gloo broadcast sends)."""
         return self.grad_sum.cpu()
+
+    def contribution(self) -> Contribution:
+        return Contribution(self.cell, self.grad_sum, self.n_micro_steps, self.n_tokens,
+                            len(self.executions), self.loss_sum)
+
+    def counts(self) -> dict[str, int | float]:
+        return {"n_micro_steps": self.n_micro_steps, "n_tokens": self.n_tokens,
+                "n_executions": len(self.executions), "loss_sum": self.loss_sum}
+
+
+class ShardedWorker:
+    """``GradientWorker``'s surface for a cell of k FSDP2 ranks (rank 0 calls it): micro-steps
+    are computed by all ranks, the gradient sum stays sharded, ``cpu_grad_sum`` gathers it."""
+
+    reference = None
+
+    def __init__(self, cell: int, sharded) -> None:
+        self.cell, self.sharded = cell, sharded
+        self.model, self.layout = sharded.model, sharded.full_layout
+        self._pending: tuple[MicroStep, StepResult] | None = None
+        self.reset()
+
+    @property
+    def grad_sum(self) -> torch.Tensor:
+        return self.sharded.grad_sum
+
+    def reset(self) -> None:
+        self.sharded.reset()
+        self.n_micro_steps = self.n_tokens = 0
+        self.loss_sum = 0.0
+        self.compute_s = 0.0
+        self.executions: set[str] = set()
+
+    def compute(self, step: MicroStep) -> StepResult:
+        t0 = time.perf_counter()
+        stats = self.sharded.compute(micro_step_tensors(step, self.sharded.pad_id))
+        loss_sum, n, clipped, ratio_sum, stale = (float(x) for x in stats)
+        result = StepResult(loss_sum, int(n), int(clipped), ratio_sum / max(n, 1), int(stale))
+        self._pending = (step, result)
+        self.compute_s += time.perf_counter() - t0
+        return result
+
+    def commit(self) -> None:
+        assert self._pending is not None, "commit without compute"
+        step, result = self._pending
+        self.sharded.commit()
+        self.n_micro_steps += 1
+        self.n_tokens += result.n_tokens
+        self.loss_sum += result.loss_sum
+        self.executions |= step.execution_ids()
+        self._pending = None
+
+    def discard(self) -> None:
+        self.sharded.discard()
+        self._pending = None
+
+    def release(self) -> None:
+        """Nothing to drop: the shards' buffers are reused by the next ``reset``."""
+
+    def cpu_grad_sum(self) -> torch.Tensor:
+        return self.sharded.gather_grad_sum()
 
     def contribution(self) -> Contribution:
         return Contribution(self.cell, self.grad_sum, self.n_micro_steps, self.n_tokens,

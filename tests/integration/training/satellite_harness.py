@@ -1,47 +1,62 @@
-"""Shared set-up for the streaming-training integration tests: a tiny GPT, a fixed batch of
-execution records, a core in this process and satellites in spawned processes."""
+"""Shared set-up for the streaming-training integration tests: a tiny HF Llama, a fixed batch of
+execution records, a core in this process and satellites in spawned processes.
+
+The core's model is drawn in memory from a seed; satellites load an HF directory written with
+another seed, so their weights are right only after they pulled the core's snapshot."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import tempfile
 import threading
 import time
+from functools import cache
+from pathlib import Path
 
 import torch
 
 from tidal.clock import WallClock
-from tidal.models import TinyGPT
+from tidal.models.hf import create_tiny, tiny_model
 from tidal.training.coordinator import CoordinatorConfig
 from tidal.training.core import CoreTrainer, TrainerConfig
 from tidal.training.loss import target_logprobs
 from tidal.training.packing import PackingConfig
 from tidal.training.records import ExecutionRecord, single_call_record
 from tidal.training.satellite import ModelSpec, SatelliteConfig, run_satellite
+from tidal.training.sharded import ShardConfig
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
 
-TINY = {"vocab_size": 128, "n_layers": 2, "n_heads": 2, "d_model": 64, "d_ff": 128,
-        "max_seq_len": 128}
+TINY = {"n_layers": 2, "n_heads": 2, "d_model": 64, "d_ff": 128, "max_seq_len": 128}
+VOCAB = 512  # the tiny tokenizer's size (create_tiny trains it to exactly this)
 GROUP_SIZE = 4
 
 
-def build_model(seed: int = 0) -> TinyGPT:
-    return ModelSpec(tiny=TINY, seed=seed).build()
+def build_model(seed: int = 0) -> torch.nn.Module:
+    return tiny_model("llama", seed, VOCAB, **TINY)
 
 
-def make_records(model: TinyGPT, n_groups: int, seed: int = 1) -> list[ExecutionRecord]:
+@cache
+def tiny_dir() -> Path:
+    """An HF directory of the same shape (weights from seed 77), written once per process."""
+    out = Path(tempfile.mkdtemp(prefix="tidal-tiny-")) / "model"
+    create_tiny(out, seed=77, vocab_size=VOCAB, **TINY)
+    return out
+
+
+def make_records(model: torch.nn.Module, n_groups: int, seed: int = 1) -> list[ExecutionRecord]:
     """Random prompts and outputs; behaviour log-probs = the model's own plus noise, so the
     importance ratio is not 1 and clipping is exercised."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     records = []
     for g in range(n_groups):
-        prompt = [rng.randrange(1, TINY["vocab_size"]) for _ in range(rng.randint(4, 12))]
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(4, 12))]
         for i in range(GROUP_SIZE):
-            out = [rng.randrange(1, TINY["vocab_size"]) for _ in range(rng.randint(6, 40))]
+            out = [rng.randrange(1, VOCAB) for _ in range(rng.randint(6, 40))]
             ids = torch.tensor([prompt + out])
             with torch.no_grad():
-                lp = target_logprobs(model(ids), ids)[0, len(prompt) - 1 :]
+                lp = target_logprobs(model(ids).logits, ids)[0, len(prompt) - 1 :]
             behav = (lp + 0.3 * torch.randn(lp.shape, generator=gen)).tolist()
             records.append(single_call_record(
                 f"g{g}-e{i}", f"g{g}", prompt, out, behav, weight_version=0,
@@ -72,12 +87,13 @@ def params(model: torch.nn.Module) -> torch.Tensor:
 
 
 def spawn_satellite(core: CoreTrainer, cell: int, delay_s: float = 0.0,
-                    max_steps: int | None = None) -> mp.Process:
+                    max_steps: int | None = None, shard: ShardConfig | None = None
+                    ) -> mp.Process:
     addr = core.address()
     cfg = SatelliteConfig(
         cell=cell, rpc_port=addr["rpc_port"], store_port=addr["store_port"],
-        authkey=addr["authkey"], model=ModelSpec(tiny=TINY, seed=100 + cell),
-        start_delay_s=delay_s, max_steps=max_steps, timeout_s=60.0,
+        authkey=addr["authkey"], model=ModelSpec(model_dir=str(tiny_dir())),
+        start_delay_s=delay_s, max_steps=max_steps, timeout_s=60.0, shard=shard,
     )
     proc = mp.get_context("spawn").Process(target=run_satellite, args=(cfg.model_dump_json(),),
                                            daemon=True)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 
 import torch
-from satellite_harness import GROUP_SIZE, TINY, build_model, params
+from satellite_harness import GROUP_SIZE, build_model, params, tiny_dir
 
 from tidal.clock import WallClock
+from tidal.models import LlamaForCausalLM
 from tidal.training.core import CoreTrainer, TrainerConfig
 from tidal.training.flat import ParamLayout
 from tidal.training.packing import PackingConfig
 from tidal.training.records import single_call_record
+from tidal.training.satellite import ModelSpec
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
 from tidal.training.transport import FilePublisher, SharedMemoryTransport, load_into
 
@@ -70,11 +72,11 @@ def test_stream_close_drains_a_partial_batch_and_publishes_in_place():
         assert report.n_groups == 2 and core.version == 1
         assert core.train_step(final=True) is None  # nothing left: no update
         # An engine-side model picks up v1 without being rebuilt.
-        engine = build_model(seed=5)
-        ptr = engine.wte.weight.data_ptr()
+        engine = LlamaForCausalLM.load(tiny_dir())  # the built-in engine's model
+        ptr = engine.model.embed_tokens.weight.data_ptr()
         reader = SharedMemoryTransport(SHM, ParamLayout.of(engine), create=False)
         assert load_into(engine, reader, min_version=1) == 1
-        assert engine.wte.weight.data_ptr() == ptr
+        assert engine.model.embed_tokens.weight.data_ptr() == ptr
         assert torch.equal(params(engine), params(core.model))
         reader.close()
     finally:
@@ -91,10 +93,44 @@ def test_file_publisher_feeds_engines_that_load_from_a_path(tmp_path):
     pub.publish(1, layout.params_to_flat(policy))
     pub.publish(2, layout.params_to_flat(policy))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v2.safetensors"]
-    engine = build_model(seed=9)
+    engine = LlamaForCausalLM.load(tiny_dir())
     engine.load_weights(read_weights(pub.path(2)))
     assert torch.equal(params(engine), params(policy))
 
 
-def test_tiny_spec_matches_the_models_module():
-    assert build_model(0).vocab_size == TINY["vocab_size"]
+def test_satellite_spec_builds_the_cores_layout():
+    spec = ModelSpec(model_dir=str(tiny_dir()))
+    theirs, ours = ParamLayout.of(spec.build()), ParamLayout.of(build_model(0))
+    assert theirs.fingerprint() == ours.fingerprint()
+
+
+def test_a_qwen2_model_trains_and_its_published_weights_serve(tmp_path):
+    """The second architecture through the same path: transformers Qwen2 trained by the core,
+    published to a file, loaded in place by the built-in engine, which then agrees with the
+    trained model."""
+    from tidal.models import create_tiny, load_model, load_training_model, read_weights
+
+    qwen_dir = create_tiny(tmp_path / "qwen2", seed=3, arch="qwen2", n_layers=1, d_model=32,
+                           n_heads=2, max_seq_len=64)
+    policy = load_training_model(qwen_dir)
+    clock = WallClock()
+    buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=GROUP_SIZE, max_policy_lag=1), clock)
+    publisher = FilePublisher(tmp_path / "weights", ParamLayout.of(policy), keep=1)
+    core = CoreTrainer(policy, TrainerConfig(groups_per_step=2, lr=1e-2, data_poll_s=0.01,
+                                             packing=PackingConfig(token_budget=64)),
+                       buf, clock, publishers=[publisher])
+    try:
+        add_group(buf, "a", 0)
+        add_group(buf, "b", 0)
+        report = core.train_step(final=True)
+        assert report.n_groups == 2 and report.grad_norm > 0
+    finally:
+        core.close()
+    engine, _ = load_model(qwen_dir)
+    before = engine(torch.tensor([[1, 2, 3, 5]]))
+    engine.load_weights(read_weights(publisher.path(1)))
+    ids = torch.tensor([[1, 2, 3, 5]])
+    with torch.no_grad():
+        trained = policy.eval()(ids).logits
+    assert not torch.allclose(before, trained)
+    torch.testing.assert_close(engine(ids), trained, atol=1e-5, rtol=1e-4)

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from tidal.models import TinyGPT, load_model
+from tidal.models import LlamaForCausalLM, load_model
 from tidal.serving.engine import Engine, EngineConfig
 from tidal.serving.protocol import BadRequest, GenerateRequest, SamplingParams
 
@@ -135,8 +135,7 @@ def test_sleep_frees_memory_and_weight_versions_tag_tokens(tiny_dir, tmp_path):
         again = await _collect(eng, "b", [1, 2, 3], max_tokens=8, temperature=0,
                                ignore_eos=True)
         assert again[1] == before[1]
-        other = TinyGPT(eng.model.cfg)
-        other.save(tmp_path / "w2")
+        LlamaForCausalLM.random(eng.model.cfg.model_dump(), seed=5).save(tmp_path / "w2")
         task = asyncio.create_task(_collect(eng, "c", [1, 2, 3], max_tokens=200,
                                             ignore_eos=True))
         await asyncio.sleep(0.05)

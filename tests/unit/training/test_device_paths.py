@@ -1,30 +1,30 @@
-"""The training path's tensors follow the model's device: micro-step tensors, logits, the loss,
-gradients, the flat gradient buffer and AdamW's state. ``meta`` stands in for a GPU (it refuses
-to mix with CPU tensors as CUDA does); the parts that read values (loss statistics, norms) are
-left out, since a meta tensor has none."""
+"""The training path's tensors follow the model's device: micro-step tensors, the flat gradient
+buffer, the gradients and AdamW's state. ``meta`` stands in for a GPU (it refuses to mix with CPU
+tensors as CUDA does). The transformers forward itself reads mask values, which a meta tensor
+has none of: it runs on the CPU here and on a real GPU in ``tests/gpu``."""
 
 from __future__ import annotations
 
 import torch
 
-from tidal.models import GPTConfig, TinyGPT
+from tidal.models.hf import tiny_model
 from tidal.training.flat import ParamLayout
-from tidal.training.loss import MicroStepTensors, micro_step_tensors, target_logprobs
+from tidal.training.loss import micro_step_tensors, target_logprobs
 from tidal.training.packing import MicroStep, PackedSequence
 from tidal.training.worker import forward_logits
 
 
 def test_forward_backward_flat_gradients_and_adamw_stay_on_the_device():
-    model = TinyGPT(GPTConfig(vocab_size=64, n_layers=1, n_heads=2, d_model=16, d_ff=32,
-                              max_seq_len=32))
-    model.to("meta")
+    model = tiny_model("llama", 0, 64, n_layers=1, n_heads=2, d_model=16, d_ff=32,
+                       max_seq_len=32)
     seqs = [PackedSequence(f"e{i}", [1, 2, 3, 4, 5], [False, False, True, True, True],
                            [-1.0] * 5, [0] * 5, 1.0, 1 / 3) for i in range(2)]
     t = micro_step_tensors(MicroStep(0, 0, 0, seqs))
-    t = MicroStepTensors(*(x.to("meta") for x in vars(t).values()))  # as the worker does
+    assert {x.to("meta").device.type for x in vars(t).values()} == {"meta"}  # as the worker does
     logp = target_logprobs(forward_logits(model, t.input_ids), t.input_ids)
     ratio = torch.exp(torch.where(t.mask, logp - t.behaviour_logprobs, torch.zeros_like(logp)))
     (-(ratio * t.advantages) * t.token_weights * t.mask).sum().backward()
+    model.to("meta")  # gradients move along with their parameters
     layout = ParamLayout.of(model)
     flat = torch.zeros(layout.numel, device="meta")
     layout.grads_to_flat(model, flat)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tidal.clock import ManualClock
-from tidal.models import GPTConfig, TinyGPT
+from tidal.models.hf import tiny_model
 from tidal.training.aggregate import Contribution, aggregate, clip_
 from tidal.training.flat import ParamLayout
 from tidal.training.loss import GRPOLossConfig, MicroStepTensors, grpo_loss_sum
@@ -16,6 +16,8 @@ from tidal.training.packing import PackingBuffer, PackingConfig
 from tidal.training.records import single_call_record
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
 from tidal.training.worker import GradientWorker
+
+SHAPE = {"n_layers": 1, "n_heads": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 64}
 
 torch.set_num_threads(1)
 
@@ -79,9 +81,7 @@ def _grad_sum(model, groups, budget):
 
 
 def test_gradient_sum_does_not_depend_on_how_the_batch_is_packed():
-    torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(vocab_size=64, n_layers=1, n_heads=2, d_model=32, d_ff=64,
-                              max_seq_len=64))
+    model = tiny_model("llama", 0, 64, **SHAPE)
     groups = _batch(model)
     whole, n1 = _grad_sum(model, groups, budget=1000)
     split, n2 = _grad_sum(model, groups, budget=12)
@@ -102,16 +102,13 @@ def test_aggregation_divides_by_the_global_execution_count():
 
 
 def test_flat_layout_round_trips_and_detects_other_models():
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=64, n_layers=1, n_heads=2, d_model=32, d_ff=64, max_seq_len=64)
-    a, b = TinyGPT(cfg), TinyGPT(cfg)
+    a, b = tiny_model("qwen2", 0, 64, **SHAPE), tiny_model("qwen2", 1, 64, **SHAPE)
     la = ParamLayout.of(a)
     flat = la.params_to_flat(a)
     assert flat.numel() == sum(p.numel() for p in a.parameters())
-    ptr = b.wte.weight.data_ptr()
+    ptr = b.model.embed_tokens.weight.data_ptr()
     la.flat_to_params_(b, flat)
-    assert b.wte.weight.data_ptr() == ptr, "weights are loaded in place"
+    assert b.model.embed_tokens.weight.data_ptr() == ptr, "weights are loaded in place"
     assert torch.equal(ParamLayout.of(b).params_to_flat(b), flat)
-    other = TinyGPT(GPTConfig(vocab_size=64, n_layers=2, n_heads=2, d_model=32, d_ff=64,
-                              max_seq_len=64))
+    other = tiny_model("qwen2", 0, 64, **{**SHAPE, "n_layers": 2})
     assert ParamLayout.of(other).fingerprint() != la.fingerprint()

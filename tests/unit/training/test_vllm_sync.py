@@ -13,19 +13,25 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tidal.models import GPTConfig, TinyGPT
+from tidal.models.hf import tiny_model
 from tidal.training.flat import ParamLayout
 from tidal.training.transport import SharedMemoryTransport
 from tidal.training.vllm_sync import TidalWorkerExtension, VLLMWeightPublisher
 
 SHM = f"tidal-test-vllm-{os.getpid()}"
 
-CFG = GPTConfig(vocab_size=64, n_layers=1, n_heads=2, d_model=32, d_ff=64, max_seq_len=32)
+SHAPE = {"n_layers": 1, "n_heads": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 32}
 
 
-class VLLMStyleModel(TinyGPT):
-    def load_weights(self, weights):  # vLLM's model API: an iterable of (name, tensor)
-        named = dict(self.named_parameters())
+class VLLMStyleModel(torch.nn.Module):
+    """A transformers model behind vLLM's model API: ``load_weights`` of (name, tensor) pairs."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+
+    def load_weights(self, weights):
+        named = dict(self.inner.named_parameters())
         loaded = set()
         with torch.no_grad():
             for name, tensor in weights:
@@ -40,17 +46,15 @@ class Worker(TidalWorkerExtension):
 
 
 def test_extension_loads_a_published_version_from_shared_memory():
-    torch.manual_seed(0)
-    trainer = TinyGPT(CFG)
+    trainer = tiny_model("llama", 0, 64, **SHAPE)
     layout = ParamLayout.of(trainer)
     shm = SharedMemoryTransport(SHM, layout, create=True)
     try:
         shm.publish(7, layout.params_to_flat(trainer))
-        torch.manual_seed(1)
-        served = VLLMStyleModel(CFG)
+        served = VLLMStyleModel(tiny_model("llama", 1, 64, **SHAPE))
         assert Worker(served).tidal_load_shm(SHM, min_version=7) == 7
-        for (n, a), (_, b) in zip(trainer.named_parameters(), served.named_parameters(),
-                                  strict=True):
+        for (n, a), (_, b) in zip(trainer.named_parameters(),
+                                  served.inner.named_parameters(), strict=True):
             assert torch.equal(a, b), n
     finally:
         shm.close()
