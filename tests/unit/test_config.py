@@ -2,6 +2,7 @@ import pytest
 
 from tidal.cli import main
 from tidal.config import PolicyConfig, RunConfig, load_yaml, validate_model
+from tidal.control.factory import check_policy
 from tidal.errors import ConfigError
 
 
@@ -20,7 +21,7 @@ from tidal.errors import ConfigError
 ])
 def test_bad_config_names_the_field(data, field):
     with pytest.raises(ConfigError) as info:
-        validate_model(RunConfig, data)
+        check_policy(validate_model(RunConfig, data))  # the config, then its policy built
     assert info.value.field == field
     assert "\n" not in str(info.value)
 

@@ -14,8 +14,9 @@ import click
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
 def command(config: str, quiet: bool) -> None:
     from tidal.config import RunConfig, dump_yaml, load_yaml
+    from tidal.control.factory import check_policy
 
-    cfg = load_yaml(config, RunConfig)
+    cfg = check_policy(load_yaml(config, RunConfig))
     if quiet:
         return
     click.echo(dump_yaml(cfg), nl=False)

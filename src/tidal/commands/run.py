@@ -34,6 +34,7 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     from rich.console import Console
 
     from tidal.config import PolicyConfig, RunConfig, load_yaml, validate_model
+    from tidal.control.factory import check_policy
     from tidal.errors import ConfigError
     from tidal.logcount import counting_warnings
 
@@ -57,7 +58,7 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
         data["control"]["bursts"] = bursts
     for item in sets:
         apply_set(data, item)
-    cfg = validate_model(RunConfig, data)
+    cfg = check_policy(validate_model(RunConfig, data))
 
     def show(line: dict) -> None:
         click.echo(f"burst {line['burst']} step {line['step']:3d} v{line['version']:<3d} "

@@ -22,6 +22,15 @@ def cell_views(cells: CellSet) -> tuple[CellView, ...]:
     return tuple(CellView(c.index, c.slots, c.gpus, c.kind, Role.ROLLOUT) for c in cells.cells)
 
 
+def check_policy(cfg: RunConfig) -> RunConfig:
+    """``cfg`` once its policy is built against its cluster: a bad argument, or a policy that
+    cannot start on this cluster, is one ``ConfigError`` naming the field (``policy.args.X``).
+    The config layer names policies but never builds them; whoever turns a file or a spec into
+    a config to run calls this."""
+    build_policy(cfg)
+    return cfg
+
+
 def build_policy(cfg: RunConfig) -> Policy:
     policy = make_policy(cfg.policy.name, dict(cfg.policy.args))
     policy.initial_prefix(cell_views(build_cells(cfg.cluster)))  # validates against the cluster

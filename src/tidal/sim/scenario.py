@@ -27,6 +27,7 @@ from tidal.config import (
     validate_file_data,
     validate_model,
 )
+from tidal.control.factory import check_policy
 from tidal.control.policy import parse_policy_spec
 from tidal.errors import ConfigError
 
@@ -302,11 +303,11 @@ class Scenario(Strict):
         profile = self.profile_for(name)
         policy = validate_model(PolicyConfig, {"name": name, "args": merged}, "policy")
         control = self.control.model_copy(update={"kv_handoff": profile.kv_handoff})
-        cfg = validate_model(RunConfig, {
+        cfg = check_policy(validate_model(RunConfig, {
             "name": f"{self.name}/{spec}", "seed": self.seed,
             "cluster": self.cluster.model_dump(mode="json"),
             "control": control.model_dump(mode="json"),
-            "policy": policy.model_dump(mode="json")})
+            "policy": policy.model_dump(mode="json")}))
         return cfg, profile
 
     def scaled(self, factor: float = 1.0, bursts: int | None = None,
