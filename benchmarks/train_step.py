@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_costs import _micro_step  # one synthetic micro-step for both benchmarks
 
 VARIANTS = ("plain", "fsdp1", "fsdp2")
 
@@ -37,19 +38,6 @@ def vm_hwm_mib(pid: str | int = "self") -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def micro_step(vocab: int, n_seqs: int, length: int):
-    from tidal.training.packing import MicroStep, PackedSequence
-
-    g = torch.Generator().manual_seed(0)
-    seqs = []
-    for i in range(n_seqs):
-        ids = torch.randint(10, vocab, (length,), generator=g).tolist()
-        trainable = [j >= 64 for j in range(length)]
-        seqs.append(PackedSequence(f"e{i}", ids, trainable, [-3.0] * length, [0] * length,
-                                   1.0 if i % 2 else -1.0, 1.0 / (length - 64)))
-    return MicroStep(0, 0, 0, seqs)
 
 
 def one(variant: str, model_dir: str, args: argparse.Namespace) -> dict:
@@ -63,7 +51,7 @@ def one(variant: str, model_dir: str, args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     model = load_training_model(model_dir)
-    ms = micro_step(model.config.vocab_size, args.seqs, args.seq_len)
+    ms = _micro_step(model.config.vocab_size, args.seqs, args.seq_len)
     tokens = sum(sum(s.trainable) for s in ms.sequences)
     cell, procs = None, []
     if variant == "plain":

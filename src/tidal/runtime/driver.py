@@ -58,16 +58,6 @@ def _trap_sigterm() -> Any:
         return None
     return signal.signal(signal.SIGTERM, _interrupt)
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _trap_sigterm() -> Any:
-    """Turn SIGTERM into KeyboardInterrupt (main thread only); returns the previous handler."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _interrupt)
-
 
 class Runtime:
     def __init__(self, cfg: RunConfig, out: str | Path,

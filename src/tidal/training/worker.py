@@ -47,7 +47,19 @@ class StepResult:
     max_staleness: int
 
 
-class GradientWorker:
+class _Tally:
+    """What a worker reports of the micro-steps it committed (either kind of worker)."""
+
+    def contribution(self) -> Contribution:
+        return Contribution(self.cell, self.grad_sum, self.n_micro_steps, self.n_tokens,
+                            len(self.executions), self.loss_sum)
+
+    def counts(self) -> dict[str, int | float]:
+        return {"n_micro_steps": self.n_micro_steps, "n_tokens": self.n_tokens,
+                "n_executions": len(self.executions), "loss_sum": self.loss_sum}
+
+
+class GradientWorker(_Tally):
     """Accumulates committed micro-step gradients for one participant and one batch."""
 
     def __init__(
@@ -134,16 +146,8 @@ class GradientWorker:
         """The committed gradient sum on the CPU (what a gloo broadcast sends)."""
         return self.grad_sum.cpu()
 
-    def contribution(self) -> Contribution:
-        return Contribution(self.cell, self.grad_sum, self.n_micro_steps, self.n_tokens,
-                            len(self.executions), self.loss_sum)
 
-    def counts(self) -> dict[str, int | float]:
-        return {"n_micro_steps": self.n_micro_steps, "n_tokens": self.n_tokens,
-                "n_executions": len(self.executions), "loss_sum": self.loss_sum}
-
-
-class ShardedWorker:
+class ShardedWorker(_Tally):
     """``GradientWorker``'s surface for a cell of k FSDP2 ranks (rank 0 calls it): micro-steps
     are computed by all ranks, the gradient sum stays sharded, ``cpu_grad_sum`` gathers it."""
 
@@ -195,10 +199,3 @@ class ShardedWorker:
     def cpu_grad_sum(self) -> torch.Tensor:
         return self.sharded.gather_grad_sum()
 
-    def contribution(self) -> Contribution:
-        return Contribution(self.cell, self.grad_sum, self.n_micro_steps, self.n_tokens,
-                            len(self.executions), self.loss_sum)
-
-    def counts(self) -> dict[str, int | float]:
-        return {"n_micro_steps": self.n_micro_steps, "n_tokens": self.n_tokens,
-                "n_executions": len(self.executions), "loss_sum": self.loss_sum}
