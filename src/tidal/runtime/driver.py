@@ -136,7 +136,7 @@ class Runtime:
         self.engines = Engines(ray, self.cfg, self.out, model_dir, self.placement,
                                self.cpu_groups, self.token)
         self.proxy = start_proxy([], [], self.token, kv_handoff=self.cfg.control.kv_handoff,
-                                 log_path=self.out / "logs" / "proxy.log")
+                                 log_path=self.out / "logs" / "proxy.log", seed=self.cfg.seed)
         self.engines.start()
         self.proxy.wait_healthy(rt.start_timeout_s)
         checkpoint.record_processes(self.out)
