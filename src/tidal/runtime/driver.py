@@ -110,6 +110,11 @@ class Runtime:
             out["cpu_throttled_s"] = {k: v["throttled_s"] for k, v in self.cpu_stats.items()}
         schema.check(schema.Summary, out, "summary.json (written)")
         (self.out / "summary.json").write_text(json.dumps(out, indent=2))
+        # a successful run: nothing to resume, only what the user asked to keep stays
+        freed = checkpoint.retain(self.out, self.rt.keep_checkpoints, self.rt.keep_weights)
+        log.info("run directory: %.0f MB of checkpoints and weights deleted "
+                 "(runtime.keep_checkpoints %d, runtime.keep_weights %d)", freed / 1e6,
+                 self.rt.keep_checkpoints, self.rt.keep_weights)
         return out
 
     def _start_parts(self, ray: Any) -> None:
