@@ -138,6 +138,13 @@ class RuntimeConfig(Strict):
     step_data_timeout_s: float = Field(120.0, gt=0.0)
     checkpoint_every_steps: int = Field(1, ge=0, description="write DIR/checkpoint every N "
                                         "optimizer steps and at each burst end (0: never)")
+    keep_checkpoints: int = Field(0, ge=0, description="checkpoints left in DIR after a "
+                                  "successful run, newest first (0: none). During a run the "
+                                  "newest is always kept for --resume; with N > 1 the N - 1 "
+                                  "before it stay as DIR/checkpoint-step<k>")
+    keep_weights: int = Field(0, ge=0, description="published weight versions "
+                              "(DIR/weights/v<n>.safetensors) left after a successful run, "
+                              "newest first (0: none); during a run they stay for --resume")
     torch_threads: int = Field(1, ge=1, description="threads of the core trainer (driver)")
     satellites: bool = Field(True, description="training cells other than the core run "
                              "satellite trainers that join the core's steps")

@@ -38,10 +38,14 @@ import click
                    "(an execution may register its own timeout_s).")
 @click.option("--read-timeout-s", default=30.0, show_default=True,
               help="A request must arrive whole (head and body) within this time.")
+@click.option("--seed", default=None, type=click.IntRange(-(2**63), 2**63 - 1),
+              help="Run seed: a call of a named execution without its own seed samples with "
+                   "one derived from (seed, execution id, call index), the same on any engine "
+                   "(default: none, engines' own streams).")
 def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ...],
             backend: str, cap: int, admin_token: str | None, kv_handoff: bool,
             wait_s: float, require_registration: bool, engine_token: str | None,
-            request_timeout_s: float, read_timeout_s: float) -> None:
+            request_timeout_s: float, read_timeout_s: float, seed: int | None) -> None:
     """Run the proxy in front of ENGINE / CELL URLs."""
     from tidal.serving.guard import is_loopback, run_server
     from tidal.serving.proxy import Proxy, ProxyConfig
@@ -60,7 +64,7 @@ def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ..
     proxy = Proxy(ProxyConfig(host=host, port=port, admin_token=admin_token,
                               engine_token=engine_token, kv_handoff=kv_handoff,
                               require_registration=require_registration,
-                              request_timeout_s=request_timeout_s))
+                              request_timeout_s=request_timeout_s, seed=seed))
 
     async def join_all() -> None:
         for i, url in enumerate(engines):

@@ -47,7 +47,8 @@ class EngineHost:
     """Plain class; ``driver`` wraps it with ``ray.remote``. One engine process per instance."""
 
     def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
-                 device: str = "cpu", cgroup: str | None = None) -> None:
+                 device: str = "cpu", cgroup: str | None = None, served: str | None = None,
+                 seed: int = 0) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if cgroup is not None:  # runtime.cell_cpus: this actor, its engine and its satellite
             from tidal.runtime.cpuquota import join_process
@@ -55,6 +56,10 @@ class EngineHost:
             join_process(cgroup)  # processes started from here on are born in the group
         self.cgroup = cgroup
         self.name, self.model_dir, self.max_batch = name, model_dir, max_batch
+        # served: the model's name (engines are named for what they serve); seed: the
+        # engine's own stream for unseeded requests (tidal.seeding.engine_seed), which the
+        # proxy stamps with a per-call seed when the run has one
+        self.served, self.seed = served, seed
         self.device_setting = device
         self.device = "cpu"
         self.log_path = Path(log_dir) / f"engine-{name}.log"
@@ -68,12 +73,9 @@ class EngineHost:
         from tidal.serving.launch import start_engine
 
         # Model steps in a thread: a long prefill never stalls the engine's control routes.
-        # Each engine process samples with its own seed: engines that serve the executions of
-        # one GRPO group must not draw identical samples (no advantage, no learning).
-        seed = int.from_bytes(os.urandom(4), "little")
         self.device = actor_device(self.device_setting, _gpu_ids())
-        self.proc = start_engine(self.model_dir, name="tiny", max_batch=self.max_batch,
-                                 log_path=self.log_path, step_in_thread=True, seed=seed,
+        self.proc = start_engine(self.model_dir, name=self.served, max_batch=self.max_batch,
+                                 log_path=self.log_path, step_in_thread=True, seed=self.seed,
                                  device=self.device)
         try:
             self.proc.wait_healthy(timeout_s)

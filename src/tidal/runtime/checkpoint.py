@@ -16,6 +16,10 @@ id, so the set of trained executions is the same as an uninterrupted run's. Writ
 a new checkpoint is built in ``checkpoint.tmp`` (every file and the directory fsynced) and swapped
 in by rename (the run directory fsynced); a crash in between leaves the previous one
 (``checkpoint.old``) readable.
+
+Retention (``runtime.keep_checkpoints``, ``runtime.keep_weights``): while a run lasts the newest
+checkpoint is always there (more with ``keep_checkpoints`` > 1, as ``checkpoint-step<k>``);
+``retain`` runs after a successful run only and deletes what the user did not ask to keep.
 """
 
 from __future__ import annotations
@@ -116,9 +120,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save(run_dir: str | Path, state: RunState, records: list[ExecutionRecord],
-         trainer: dict[str, Any]) -> Path:
+         trainer: dict[str, Any], keep: int = 1) -> Path:
     """Write the checkpoint (no pickle: tensors as safetensors, the rest JSON); every file and
-    both directories fsynced, swapped in by rename."""
+    both directories fsynced, swapped in by rename. ``keep`` > 1: the previous one stays as
+    ``checkpoint-step<k>`` (by rename, no copy), the newest ``keep - 1`` of those kept."""
     from safetensors.torch import save_file
 
     root = Path(run_dir)
@@ -139,8 +144,47 @@ def save(run_dir: str | Path, state: RunState, records: list[ExecutionRecord],
         os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(root)
+    if keep > 1 and (old / "state.json").is_file():
+        step = json.loads((old / "state.json").read_text())["step"]
+        shutil.rmtree(root / f"checkpoint-step{step}", ignore_errors=True)
+        os.replace(old, root / f"checkpoint-step{step}")
     shutil.rmtree(old, ignore_errors=True)
+    for stale in _earlier(root)[max(0, keep - 1):]:
+        shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _earlier(root: Path) -> list[Path]:
+    """The ``checkpoint-step<k>`` directories, newest first."""
+    found = [(int(p.name.removeprefix("checkpoint-step")), p)
+             for p in root.glob("checkpoint-step*") if p.name[15:].isdigit()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def retain(run_dir: str | Path, keep_checkpoints: int, keep_weights: int) -> int:
+    """After a successful run (nothing left to resume): leave the newest ``keep_checkpoints``
+    checkpoints and ``keep_weights`` published weight files (``weights/v<n>.safetensors``),
+    delete the rest. Returns the bytes freed. An interrupted run never gets here: its
+    checkpoint and the weights it names stay for ``--resume``."""
+    root = Path(run_dir)
+    doomed = [root / "checkpoint.old", root / "checkpoint.tmp"]
+    if keep_checkpoints == 0:
+        doomed.append(root / "checkpoint")
+    doomed += _earlier(root)[max(0, keep_checkpoints - 1):]
+    weights = [(int(p.stem[1:]), p) for p in (root / "weights").glob("v*.safetensors")
+               if p.stem[1:].isdigit()]
+    doomed += [p for _, p in sorted(weights, reverse=True)[keep_weights:]]
+    freed = 0
+    for path in doomed:
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        freed += sum(f.stat().st_size for f in files if f.exists())
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # empty now: no directory left behind
+        (root / "weights").rmdir()
+    return freed
 
 
 def find(run_dir: str | Path) -> Path | None:
@@ -202,8 +246,9 @@ def _first_line(exc: BaseException) -> str:
 def clear(run_dir: str | Path) -> None:
     """A fresh run into ``run_dir``: drop an earlier run's checkpoint and appended logs."""
     root = Path(run_dir)
-    for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
-        shutil.rmtree(root / name, ignore_errors=True)
+    for path in [root / "checkpoint", root / "checkpoint.tmp", root / "checkpoint.old",
+                 *_earlier(root)]:
+        shutil.rmtree(path, ignore_errors=True)
     for name in ("metrics.jsonl", "state.jsonl", "processes.json"):
         (root / name).unlink(missing_ok=True)
 

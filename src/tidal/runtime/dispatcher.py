@@ -21,6 +21,7 @@ from typing import Any
 from tidal.clock import Clock
 from tidal.config import RunConfig
 from tidal.runtime.tasks import Parts
+from tidal.seeding import derive_seed
 from tidal.training.records import ExecutionRecord
 from tidal.types import BurstStarted, Event
 
@@ -65,7 +66,9 @@ def task_factory(cfg: RunConfig, seed: int) -> Callable[[], Any]:
     if rt.task == "arithmetic":
         return partial(ArithmeticTask, seed)
     latency = partial(ToolLatency, median_s=rt.tool_latency_s)
-    return lambda: WorkspaceTask(seed, latency=latency(random.Random(seed + 1)))
+    # its own stream: seed + 1 would be the next group's task seed
+    return lambda: WorkspaceTask(seed, latency=latency(random.Random(derive_seed("latency",
+                                                                              seed))))
 
 
 class Dispatcher:

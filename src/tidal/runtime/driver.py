@@ -110,6 +110,11 @@ class Runtime:
             out["cpu_throttled_s"] = {k: v["throttled_s"] for k, v in self.cpu_stats.items()}
         schema.check(schema.Summary, out, "summary.json (written)")
         (self.out / "summary.json").write_text(json.dumps(out, indent=2))
+        # a successful run: nothing to resume, only what the user asked to keep stays
+        freed = checkpoint.retain(self.out, self.rt.keep_checkpoints, self.rt.keep_weights)
+        log.info("run directory: %.0f MB of checkpoints and weights deleted "
+                 "(runtime.keep_checkpoints %d, runtime.keep_weights %d)", freed / 1e6,
+                 self.rt.keep_checkpoints, self.rt.keep_weights)
         return out
 
     def _start_parts(self, ray: Any) -> None:
@@ -136,7 +141,7 @@ class Runtime:
         self.engines = Engines(ray, self.cfg, self.out, model_dir, self.placement,
                                self.cpu_groups, self.token)
         self.proxy = start_proxy([], [], self.token, kv_handoff=self.cfg.control.kv_handoff,
-                                 log_path=self.out / "logs" / "proxy.log")
+                                 log_path=self.out / "logs" / "proxy.log", seed=self.cfg.seed)
         self.engines.start()
         self.proxy.wait_healthy(rt.start_timeout_s)
         checkpoint.record_processes(self.out)

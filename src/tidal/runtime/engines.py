@@ -21,6 +21,7 @@ from typing import Any
 from tidal.config import RunConfig
 from tidal.runtime import vllm_host
 from tidal.runtime.cell import EngineHost, RuntimeFailure
+from tidal.seeding import engine_seed
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,12 @@ def model_path(cfg: RunConfig, out: Path) -> Path:
     return Path(rt.model)
 
 
+def served_name(cfg: RunConfig) -> str:
+    """The name engines serve the model under: ``tiny``, the bundled model's name, or the
+    model directory's name."""
+    return Path(cfg.runtime.model).name
+
+
 def engine_ids(cfg: RunConfig) -> list[EngineId]:
     """Standalone engines first, then cells in order."""
     return ([EngineId("s", j) for j in range(cfg.cluster.standalone_count)]
@@ -113,7 +120,9 @@ class Engines:
         cls, extra = ((self._vllm, [vllm_host.vllm_settings(self.rt)])
                       if self._vllm is not None and eid.standalone else
                       (self._actor_cls, [device,
-                                         groups.path(name) if groups is not None else None]))
+                                         groups.path(name) if groups is not None else None,
+                                         served_name(self.cfg),
+                                         engine_seed(self.cfg.seed, name)]))
         return cls.options(runtime_env={"env_vars": env}, max_concurrency=4,
                            **self.placement.options(name)).remote(
             name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra)

@@ -149,5 +149,6 @@ class TrainerLoop:
             close_reasons=self.close_reasons())
         records, trainer = self.buffer.held_records(), self.core.state_dict()
         out = self.outputs.out
-        await asyncio.to_thread(checkpoint.save, out, st, records, trainer)
+        await asyncio.to_thread(checkpoint.save, out, st, records, trainer,
+                                max(1, self.cfg.runtime.keep_checkpoints))
         await asyncio.to_thread(checkpoint.record_processes, out)

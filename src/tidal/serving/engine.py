@@ -104,7 +104,7 @@ class Engine:
         or finish is sent at once). Closing the iterator early aborts the request."""
         r = self._admit(req)
         try:
-            sent = 0
+            sent = texted = 0  # tokens sent; tokens whose text is sent (it may lag)
             first = True
             while True:
                 await r.changed.wait()
@@ -113,8 +113,9 @@ class Engine:
                         await asyncio.wait_for(r.finished.wait(), min_interval_s)
                 r.changed.clear()
                 n = len(r.tokens)
+                text, texted = self._text(r, texted, n, final=r.finish_reason is not None)
                 chunk = TokenChunk(r.tokens[sent:n], r.logprobs[sent:n], r.versions[sent:n],
-                                   text=self._text(r, sent, n))
+                                   text=text)
                 if first:
                     chunk.prompt_token_ids, chunk.cached_tokens = r.prompt, r.cached_tokens
                     first = False
@@ -132,8 +133,19 @@ class Engine:
                 self.abort([r.id])
             self._requests.pop(r.id, None)
 
-    def _text(self, r: Request, start: int, end: int) -> str:
-        return self.tokenizer.decode(r.tokens[start:end]) if end > start else ""
+    def _text(self, r: Request, start: int, end: int, final: bool) -> tuple[str, int]:
+        """The text of tokens ``start:end`` and where the next chunk's text starts. Decoded
+        with a few tokens of context and held back while it ends in a partial character, so
+        the texts of a request's chunks add up to the same string however the tokens were
+        cut into chunks (byte-level tokens split characters)."""
+        if end <= start:
+            return "", start
+        ctx = max(0, start - 6)
+        prefix = self.tokenizer.decode(r.tokens[ctx:start])
+        full = self.tokenizer.decode(r.tokens[ctx:end])
+        if not final and (full.endswith("\ufffd") or not full.startswith(prefix)):
+            return "", start
+        return full[len(prefix):], end
 
     def _admit(self, req: GenerateRequest) -> Request:
         if req.request_id in self._requests:

@@ -22,6 +22,7 @@ from safetensors.torch import save as st_save
 
 from tidal.clock import Clock
 from tidal.models import CausalLM, KVCache
+from tidal.seeding import token_seed
 from tidal.serving.protocol import BadRequest, NotFound, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,12 @@ class Request:
             kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.rng or default_rng))
+        rng = default_rng
+        if self.rng is not None and p.seed is not None:
+            # keyed by position, not by draws so far: a call continued elsewhere after n tokens
+            # (seed + n, see tidal.seeding) draws exactly what it would have drawn here
+            rng = self.rng.manual_seed(token_seed(p.seed, len(self.tokens)))
+        return int(torch.multinomial(probs, 1, generator=rng))
 
     def stop_reason(self, eos_id: int, max_seq_len: int) -> str | None:
         last = self.tokens[-1]

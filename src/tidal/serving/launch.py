@@ -72,7 +72,7 @@ class ServerProcess:
             self._log.close()
 
 
-def start_engine(model_dir: str | Path, port: int | None = None, name: str = "tiny",
+def start_engine(model_dir: str | Path, port: int | None = None, name: str | None = None,
                  max_batch: int = 64, log_path: Path | None = None,
                  step_in_thread: bool = False, seed: int = 0,
                  device: str = "cpu", token: str | None = None) -> ServerProcess:
@@ -80,8 +80,10 @@ def start_engine(model_dir: str | Path, port: int | None = None, name: str = "ti
     token in a runtime actor) goes through the environment, never the command line."""
     port = port or free_port()
     token = token if token is not None else os.environ.get("TIDAL_ENGINE_TOKEN")
-    args = ["engine", "--model", str(model_dir), "--port", str(port), "--name", name,
+    args = ["engine", "--model", str(model_dir), "--port", str(port),
             "--max-batch", str(max_batch), "--seed", str(seed)]
+    if name is not None:  # else the engine serves the model under its directory's name
+        args += ["--name", name]
     if device != "cpu":
         args += ["--device", device]
     if step_in_thread:
@@ -94,9 +96,10 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
                 port: int | None = None, cap: int = 64, kv_handoff: bool = True,
                 require_registration: bool = False, log_path: Path | None = None,
                 request_timeout_s: float | None = None,
-                engine_token: str | None = None) -> ServerProcess:
+                engine_token: str | None = None, seed: int | None = None) -> ServerProcess:
     """``tidal proxy`` on ``port``; ready once ``/live`` answers (``/health`` is 503 until an
-    engine serves). ``engine_token``: default ``$TIDAL_ENGINE_TOKEN``, else the admin token."""
+    engine serves). ``engine_token``: default ``$TIDAL_ENGINE_TOKEN``, else the admin token.
+    ``seed``: the run's seed, from which unseeded calls of executions get theirs."""
     port = port or free_port()
     args = ["proxy", "--port", str(port), "--cap", str(cap),
             "--kv-handoff" if kv_handoff else "--no-kv-handoff"]
@@ -104,6 +107,8 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
         args.append("--require-registration")
     if request_timeout_s is not None:
         args += ["--request-timeout-s", str(request_timeout_s)]
+    if seed is not None:
+        args += ["--seed", str(seed)]
     for url in engines:
         args += ["--engine", url]
     for url in cells:

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.clock import Clock, WallClock
 from tidal.errors import TimeoutExpired
+from tidal.seeding import call_seed, continued_seed
 from tidal.serving.adapters import make_adapter
 from tidal.serving.admission import AdmissionQueue
 from tidal.serving.health import HealthMonitor
@@ -76,6 +77,9 @@ class ProxyConfig(BaseModel):
     health_interval_s: float = Field(1.0, gt=0)
     max_error_retries: int = Field(3, ge=0)  # per call, on 5xx answers and failed steps
     error_backoff_s: float = Field(0.1, ge=0)
+    # the run's seed: a call of a named execution that brings no seed of its own samples
+    # with tidal.seeding.call_seed(seed, execution id, call index); None: engines' own streams
+    seed: int | None = None
 
 
 class Proxy:
@@ -84,6 +88,7 @@ class Proxy:
         self.clock = clock or WallClock()
         self.router = Router()
         self.records = RecordStore()
+        self._call_counts: dict[str, int] = {}  # execution id -> calls seen (seed derivation)
         self.queue = AdmissionQueue()
         self.health = HealthMonitor(self, self.config.health_interval_s,
                                     self.config.health_probes)
@@ -220,6 +225,7 @@ class Proxy:
                              f"{self.config.max_prompt_tokens}")
         call = ModelCall(uuid.uuid4().hex[:16], list(prompt), params.max_tokens)
         self.totals["calls"] += 1
+        params = self._seeded(execution_id, params)
         try:
             return await self._complete(call, execution_id, prompt, params, on_chunk,
                                         record_overhead, timeout_s)
@@ -229,6 +235,21 @@ class Proxy:
                         call.call_id, execution_id, len(call.segments), type(exc).__name__,
                         exc)
             raise
+
+    def _seeded(self, execution_id: str | None, params: SamplingParams) -> SamplingParams:
+        """``params`` with the call's derived seed when the run has a seed, the call names its
+        execution and brings no seed of its own. The index counts the execution's calls in
+        the order they reach the proxy (a harness makes them one after another)."""
+        if execution_id is None or self.config.seed is None:
+            return params
+        index = self._call_counts.pop(execution_id, 0)
+        if len(self._call_counts) >= self.records.max_executions:  # bounded: oldest first
+            self._call_counts.pop(next(iter(self._call_counts)))
+        self._call_counts[execution_id] = index + 1
+        if params.seed is not None:
+            return params
+        return params.model_copy(update={"seed": call_seed(self.config.seed, execution_id,
+                                                           index)})
 
     async def _complete(self, call: ModelCall, execution_id: str | None, prompt: list[int],
                         params: SamplingParams, on_chunk, record_overhead: bool,
@@ -323,9 +344,11 @@ class Proxy:
                            on_chunk: Callable[[TokenChunk], None] | None) -> str | None:
         member = attempt.member
         prompt_now = prompt + res.token_ids
-        req = GenerateRequest(attempt.request_id, prompt_now,
-                              params.model_copy(update={"max_tokens": remaining}), kv_handle,
-                              stream=on_chunk is not None)
+        update: dict = {"max_tokens": remaining}
+        if params.seed is not None and res.token_ids:  # go on where the stream stood
+            update["seed"] = continued_seed(params.seed, len(res.token_ids))
+        req = GenerateRequest(attempt.request_id, prompt_now, params.model_copy(update=update),
+                              kv_handle, stream=on_chunk is not None)
         reason = None
         attempt.sent = True
         stream = member.adapter.generate(req)

@@ -57,6 +57,8 @@ def test_driver_killed_mid_burst_resumes_without_loss_or_repeats(tmp_path):
     left = json.loads((out / "processes.json").read_text())["processes"]
 
     assert main(["run", "--resume", str(out)]) == 0
+    # kept while the run could be resumed, deleted once it succeeded
+    assert not list(out.glob("checkpoint*")) and not (out / "weights").exists()
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed"]["at_step"] == killed_at

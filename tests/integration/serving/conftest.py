@@ -43,7 +43,7 @@ class Cluster:
 def tiny_model(tmp_path_factory):
     from tidal.models import create_tiny
 
-    return create_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=3, max_seq_len=1024)
+    return create_tiny(tmp_path_factory.mktemp("m") / "tiny", seed=3, max_seq_len=1024)
 
 
 @pytest.fixture(scope="package")
