@@ -249,7 +249,8 @@ class ShardedCell:
         dcp_state.load(self.model, self.optimizer, path, groups)  # type: ignore[arg-type]
 
     def load_full_state(self, model_sd: dict, optim_sd: dict) -> None:
-        """Restore ``full_state`` output: rank 0 reads it, every rank takes its shards."""
+        """Restore a full (unsharded) state, a plain core's checkpoint: rank 0 reads it, every
+        rank takes its shards."""
         self._op(LOAD_STATE)
         self._load_state(model_sd, optim_sd)
 

@@ -100,6 +100,7 @@ def test_two_rank_dcp_checkpoint_restores_the_same_trainer_on_two_and_one_ranks(
                 with pytest.raises(ConfigError) as err:
                     again.load_state_dict(checkpoint.load(damaged).trainer)
                 assert "\n" not in str(err.value) and shards[1].parent.name in str(err.value)
+                print(f"damaged shard: {err.value}")
             again.load_state_dict(checkpoint.load(tmp_path).trainer)
             assert again.version == 1
             rel = _max_rel(_next_step(again, buf, records[12:]), expected)
