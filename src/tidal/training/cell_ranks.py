@@ -246,7 +246,12 @@ class ShardedCell:
         msg = json.dumps({"path": str(path), "groups": groups})
         self._send_path(LOAD_DCP, msg)  # every rank takes the same (JSON) param_groups
         groups = json.loads(msg)["groups"]
-        dcp_state.load(self.model, self.optimizer, path, groups)  # type: ignore[arg-type]
+        try:
+            dcp_state.load(self.model, self.optimizer, path, groups)  # type: ignore[arg-type]
+        except Exception as exc:  # DCP's CheckpointException (every rank's failure), I/O
+            first = (str(exc).splitlines() or [""])[0]
+            raise TidalError(f"{path}: loading the shards failed: {type(exc).__name__}: "
+                             f"{first}") from None
 
     def load_full_state(self, model_sd: dict, optim_sd: dict) -> None:
         """Restore a full (unsharded) state, a plain core's checkpoint: rank 0 reads it, every
