@@ -5,9 +5,10 @@ In: after an optimizer step, the core's state (weights, optimizer, version, step
 published weight version engines serve, the groups trained so far and every closed execution
 whose record is still in the trajectory buffer (in-flight training data). Out: ``DIR/checkpoint/``
 holding ``trainer.safetensors`` (every tensor of the core's state) + ``trainer.json`` (the rest of
-that state, tensors named by key), ``state.json`` and ``records.jsonl``: no pickle, so loading a
-checkpoint runs no code; ``load`` reads them back, and a damaged checkpoint is one ``ConfigError``
-line.
+that state, tensors named by key; a sharded core's ranks write their own shards into
+``trainer.dcp/`` instead, see ``tidal.training.dcp_state``), ``state.json`` and
+``records.jsonl``: no pickle, so loading a checkpoint runs no code; ``load`` reads them back,
+and a damaged checkpoint is one ``ConfigError`` line.
 
 Consistency: a checkpoint is written between optimizer steps, so "trained" and "held" are a cut:
 every closed execution is either in a trained group or in ``records.jsonl``; executions still
@@ -37,6 +38,7 @@ from tidal.training.records import ExecutionRecord
 
 FORMAT = 2  # 2: no pickle (trainer.safetensors + trainer.json)
 TENSORS = "trainer.safetensors"
+SHARDED = "trainer.dcp"  # a sharded core's state: one safetensors file per rank (dcp_state)
 
 
 @dataclass
@@ -131,6 +133,8 @@ def save(run_dir: str | Path, state: RunState, records: list[ExecutionRecord],
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors: dict[str, Any] = {}
+    if callable(trainer.get("dcp")):  # a sharded core: its ranks write their shards here
+        trainer = {**trainer, **trainer["dcp"](tmp / SHARDED), "dcp": SHARDED}
     skeleton = _flatten(trainer, "trainer", tensors, set())
     save_file(tensors, tmp / TENSORS)  # streamed from the tensors' memory, then fsynced
     with open(tmp / TENSORS, "rb") as fh:
@@ -226,10 +230,13 @@ def _load_trainer(where: Path) -> dict[str, Any]:
     skeleton = _read_json(where / "trainer.json")
     try:
         tensors = load_file(where / TENSORS, device="cpu")
-        return _unflatten(skeleton, tensors)
+        trainer = _unflatten(skeleton, tensors)
     except Exception as exc:  # safetensors' own errors, a skeleton naming a missing tensor
         raise ConfigError("--resume", f"{where}/{TENSORS} is damaged: "
                           f"{type(exc).__name__}: {_first_line(exc)}") from None
+    if isinstance(trainer, dict) and trainer.get("dcp") == SHARDED:
+        trainer["dcp"] = str(where / SHARDED)  # read by the core's ranks (dcp_state.load)
+    return trainer
 
 
 def _read_json(path: Path) -> Any:

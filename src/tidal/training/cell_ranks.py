@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tidal.errors import TidalError
+from tidal.training import dcp_state
 from tidal.training.aggregate import Contribution, aggregate
 from tidal.training.flat import ParamLayout
 from tidal.training.loss import GRPOLossConfig, MicroStepTensors, grpo_loss_sum, target_logprobs
@@ -45,8 +46,8 @@ from tidal.training.sharded import (
 
 log = logging.getLogger(__name__)
 
-(COMPUTE, COMMIT, DISCARD, RESET, GATHER_PARAMS, LOAD_PARAMS, GATHER_GRADS, UPDATE, SAVE_STATE,
- LOAD_STATE, STOP) = range(11)
+(COMPUTE, COMMIT, DISCARD, RESET, GATHER_PARAMS, LOAD_PARAMS, GATHER_GRADS, UPDATE, SAVE_DCP,
+ LOAD_STATE, STOP, LOAD_DCP) = range(12)
 NORMALIZATIONS = ("global", "local_mean")
 
 
@@ -114,8 +115,10 @@ class ShardedCell:
                     pass
             elif op == UPDATE:
                 self._update(a, b, c, d, None, [])
-            elif op == SAVE_STATE:
-                self._save_state()
+            elif op == SAVE_DCP:
+                dcp_state.save(self.model, self.optimizer, self._recv_path(a))  # type: ignore[arg-type]
+            elif op == LOAD_DCP:
+                self._follow_load_dcp(a)
             elif op == LOAD_STATE:
                 self._load_state({}, {})
             else:
@@ -206,11 +209,20 @@ class ShardedCell:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def _save_state(self) -> tuple[dict, dict]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    def _send_path(self, op: int, text: str) -> None:
+        data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+        self._op(op, data.numel())
+        self._bcast(data)
 
-        return get_state_dict(self.model, self.optimizer,  # type: ignore[arg-type]
-                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def _recv_path(self, n: int) -> str:
+        return bytes(self._bcast(torch.zeros(n, dtype=torch.uint8)).cpu().tolist()).decode()
+
+    def _follow_load_dcp(self, n: int) -> None:
+        msg = json.loads(self._recv_path(n))
+        try:
+            dcp_state.load(self.model, self.optimizer, msg["path"], msg["groups"])  # type: ignore[arg-type]
+        except Exception:  # rank 0 raises the same failure (DCP gathers every rank's)
+            log.exception("cell rank %d: loading %s failed", self.rank, msg["path"])
 
     def _load_state(self, model_sd: dict, optim_sd: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -221,16 +233,32 @@ class ShardedCell:
                                                 broadcast_from_rank0=self.world > 1))
 
     # -- rank 0's API ----------------------------------------------------------------------
-    def full_state(self) -> tuple[dict, dict]:
-        """Model and optimizer state as full (unsharded) CPU state dicts keyed by parameter
-        name, gathered from every rank (``torch.distributed.checkpoint.state_dict``)."""
-        self._op(SAVE_STATE)
-        return self._save_state()
+    def save_dcp(self, path: str) -> list[dict]:
+        """Every rank writes its shards of the model and optimizer state under ``path``
+        (``dcp_state.save``); returns the optimizer's param_groups for the JSON part."""
+        self._send_path(SAVE_DCP, str(path))
+        return dcp_state.save(self.model, self.optimizer, path)  # type: ignore[arg-type]
+
+    def load_dcp(self, path: str, groups: list[dict]) -> None:
+        """Every rank reads its slices of ``save_dcp`` output, written by a cell of any rank
+        count; a damaged directory is refused on rank 0 before the cell is asked."""
+        dcp_state.check(path, self.model)
+        msg = json.dumps({"path": str(path), "groups": groups})
+        self._send_path(LOAD_DCP, msg)  # every rank takes the same (JSON) param_groups
+        groups = json.loads(msg)["groups"]
+        try:
+            dcp_state.load(self.model, self.optimizer, path, groups)  # type: ignore[arg-type]
+        except Exception as exc:  # DCP's CheckpointException (every rank's failure), I/O
+            first = (str(exc).splitlines() or [""])[0]
+            raise TidalError(f"{path}: loading the shards failed: {type(exc).__name__}: "
+                             f"{first}") from None
 
     def load_full_state(self, model_sd: dict, optim_sd: dict) -> None:
-        """Restore ``full_state`` output: rank 0 reads it, every rank takes its shards."""
+        """Restore a full (unsharded) state, a plain core's checkpoint: rank 0 reads it, every
+        rank takes its shards."""
         self._op(LOAD_STATE)
         self._load_state(model_sd, optim_sd)
+
     def compute(self, t: MicroStepTensors) -> torch.Tensor:
         self._op(COMPUTE, *t.input_ids.shape)
         self._send_step(t)

@@ -14,7 +14,8 @@ optimizer state) and invariant 6 (the version counter every published vector car
 
 Device: the model, the optimizer state and the gradient sum live on ``TrainerConfig.device``;
 satellites' gradients (CPU, off gloo) are moved there before aggregation; snapshots, broadcasts,
-published vectors and ``state_dict`` (checkpoints) are CPU copies. While cell 0 serves rollout
+published vectors and ``state_dict`` (checkpoints) are CPU copies (a sharded core's checkpoint
+is written by every rank, its own shards, through ``dcp_state``). While cell 0 serves rollout
 on a GPU, ``offload`` parks the model and optimizer state in CPU memory and frees the device
 cache; ``onload`` (or the next ``train_step``) brings them back unchanged.
 
@@ -39,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from tidal.clock import Clock
-from tidal.errors import TidalError, TimeoutExpired
+from tidal.errors import ConfigError, TidalError, TimeoutExpired
 from tidal.models.device import DEVICE_PATTERN, release_cached, resolve_device
 from tidal.training.aggregate import Normalization, aggregate, clip_
 from tidal.training.cell_ranks import OptimizerSpec, start_cell, stop_cell
@@ -319,11 +320,12 @@ class CoreTrainer:
     def state_dict(self) -> dict[str, object]:
         """Everything a resumed core needs: weights, optimizer state, version, step counter;
         every tensor on the CPU (a checkpoint written on a GPU loads anywhere). A sharded core
-        writes full (unsharded) state dicts keyed by parameter name, gathered from its ranks,
-        so a checkpoint loads into a core of any rank count."""
+        gathers nothing: ``"dcp"`` is a writer that has every rank write its own shards into
+        the checkpoint's directory (``torch.distributed.checkpoint``) and returns the JSON rest
+        (the optimizer's param_groups); call it between steps."""
         if self.sharded is not None:
-            model_sd, optim_sd = self.sharded.full_state()
-            return {"model": _to_cpu(model_sd), "optimizer": _to_cpu(optim_sd),
+            cell = self.sharded
+            return {"dcp": lambda path: {"param_groups": cell.save_dcp(str(path))},
                     "version": self.version, "step": self._step}
         return {"model": _to_cpu(self.model.state_dict()),
                 "optimizer": _to_cpu(self.optimizer.state_dict()),
@@ -331,8 +333,19 @@ class CoreTrainer:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore ``state_dict()`` output (between steps, before any satellite joins); tensors
-        are copied onto the model's device (the optimizer casts its state to its parameters')."""
-        if self.sharded is not None:
+        are copied onto the model's device (the optimizer casts its state to its parameters').
+        Sharded state (``"dcp"``: its directory) loads into a sharded core of any rank count;
+        a full state loads into either kind of core."""
+        if "dcp" in state:
+            if self.sharded is None:
+                raise ConfigError("runtime.fsdp", f"{state['dcp']} holds the state of a sharded "
+                                  "(FSDP2) core: resume with runtime.fsdp on or auto (any "
+                                  "runtime.fsdp_ranks)")
+            try:
+                self.sharded.load_dcp(str(state["dcp"]), state["param_groups"])  # type: ignore[arg-type]
+            except TidalError as exc:
+                raise ConfigError("--resume", str(exc)) from None
+        elif self.sharded is not None:
             self.sharded.load_full_state(state["model"], state["optimizer"])  # type: ignore[arg-type]
         else:
             self.model.load_state_dict(state["model"])  # type: ignore[arg-type]

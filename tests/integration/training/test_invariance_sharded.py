@@ -1,9 +1,9 @@
 """Invariant 5 with FSDP2 cells: a core of 2 ranks alone against the same core plus a satellite
-of 2 ranks that joins in the middle of step 0 (CPU, gloo). Every cell shards the transformers
-model over its own ranks and splits each micro-step by rows; the satellite delivers its gathered
-gradient sum and the core reduces it into its shards. The parameters after a non-final and a
-final update must agree to 1e-4 relative; the naive per-worker normalisation through the same
-sharded system must not."""
+of 2 ranks, or of 1 rank (cells of unequal size), that joins in the middle of step 0 (CPU,
+gloo). Every cell shards the transformers model over its own ranks and splits each micro-step by
+rows; the satellite delivers its gathered gradient sum and the core reduces it into its shards.
+The parameters after a non-final and a final update must agree to 1e-4 relative; the naive
+per-worker normalisation through the same sharded system must not."""
 
 from __future__ import annotations
 
@@ -33,15 +33,15 @@ TWO = ShardConfig(ranks=2)
 RTOL, ATOL = 1e-4, 1e-8
 
 
-def run(records, normalization: str, satellite: bool):
+def run(records, normalization: str, satellite: bool, sat_shard: ShardConfig = TWO):
     cfg = trainer_config(normalization, groups_per_step=6).model_copy(update={"shard": TWO})
     core, buf = make_core(cfg)
     procs = []
 
     def gate(chunk: int) -> None:
         if chunk == 1 and satellite:
-            procs.append(spawn_satellite(core, 1, shard=TWO))
-            wait_for(lambda: ready(core, 1), 120, "the 2-rank satellite to join step 0")
+            procs.append(spawn_satellite(core, 1, shard=sat_shard))
+            wait_for(lambda: ready(core, 1), 120, "the satellite to join step 0")
 
     try:
         Feeder(buf, records, chunks=[2, 4, 6], gate=gate, pause_s=0.05).start()
@@ -84,6 +84,20 @@ def test_two_rank_satellite_joining_mid_step_gives_the_two_rank_core_alone_updat
     rel = max_rel_diff(got, expected)
     print(f"[fsdp2 2+2 ranks] max relative parameter difference: {rel:.3g}; by cell "
           f"{[r.micro_steps_by_cell for r in reports]}")
+    assert rel < RTOL, rel
+
+
+@pytest.mark.slow
+def test_cells_of_unequal_size_one_rank_satellite_gives_the_two_rank_core_alone_update(
+        records, alone):
+    """A satellite's rank count is its own: it pulls and delivers full flat vectors, which
+    each cell slices into its own shards."""
+    expected, _ = alone
+    got, reports = run(records, "global", satellite=True, sat_shard=ShardConfig(ranks=1))
+    assert sum(r.micro_steps_by_cell.get(1, 0) for r in reports) > 0, reports
+    rel = max_rel_diff(got, expected)
+    print(f"[fsdp2 2-rank core + 1-rank satellite] max relative parameter difference: "
+          f"{rel:.3g}; by cell {[r.micro_steps_by_cell for r in reports]}")
     assert rel < RTOL, rel
 
 

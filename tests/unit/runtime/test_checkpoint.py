@@ -93,3 +93,24 @@ def test_tied_and_view_tensors_are_stored_once_each(tmp_path):
     got = checkpoint.load(tmp_path).trainer["model"]
     assert torch.equal(got["embed"], emb) and torch.equal(got["head"], emb)
     assert torch.equal(got["a"], flat[:6].view(2, 3)) and torch.equal(got["b"], flat[6:])
+
+
+def test_sharded_state_is_written_inside_the_atomic_checkpoint(tmp_path):
+    """A sharded core's writer gets ``checkpoint.tmp/trainer.dcp`` (its ranks write there) and
+    its JSON rest joins ``trainer.json``; the swapped-in checkpoint names its directory."""
+    seen = []
+
+    def write(path):
+        seen.append(path)
+        path.mkdir()
+        (path / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"shard")
+        return {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": ["w"]}]}
+
+    where = _save(tmp_path, {"dcp": write, "version": 2, "step": 5})
+    assert seen == [tmp_path / "checkpoint.tmp" / checkpoint.SHARDED]
+    got = checkpoint.load(tmp_path).trainer
+    assert got["dcp"] == str(where / checkpoint.SHARDED)
+    assert (where / checkpoint.SHARDED / "shard-00001-model-00001-of-00001.safetensors"
+            ).read_bytes() == b"shard"
+    assert got["param_groups"][0]["betas"] == (0.9, 0.95) and (got["version"], got["step"]) == (
+        2, 5)
