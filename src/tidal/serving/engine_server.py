@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.errors import TidalError
 from tidal.serving.engine import Engine
+from tidal.serving.fast_path import unless_gone
 from tidal.serving.guard import CatchAll, Guard
 from tidal.serving.openai_api import (
     MAX_PROMPT_CHARS,
@@ -250,24 +251,12 @@ async def _collect(request: Request, stream, res: Result) -> bool:
     """Read ``stream`` into ``res``; False if the caller hung up first (the stream is closed,
     which aborts the engine request)."""
 
-    async def collect() -> None:
+    async def collect() -> bool:
         async for chunk in stream:
             res.add(chunk)
+        return True
 
-    async def hang_up() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(hang_up())
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return await unless_gone(collect(), request.receive) is not None  # raises its error
     finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-        await asyncio.gather(work, gone, return_exceptions=True)
         await stream.aclose()
-    if work.cancelled():
-        return False
-    work.result()  # its error, if any
-    return True

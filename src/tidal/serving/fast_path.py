@@ -45,7 +45,7 @@ class FastPath:
             raw = await _read_body(receive)
             eid = next((v.decode("latin-1") for k, v in scope["headers"]
                         if k == b"x-tidal-execution"), None)
-            response = await _unless_gone(self.serve(raw, eid, chat), receive)
+            response = await unless_gone(self.serve(raw, eid, chat), receive)
             if response is None:  # the caller hung up: its call was cancelled
                 return
         except RequestValidationError as exc:
@@ -58,7 +58,7 @@ class FastPath:
         await response(scope, receive, send)
 
 
-async def _unless_gone(work, receive):
+async def unless_gone(work, receive):
     """``await work``, cancelled (None) if the client disconnects first."""
     task = asyncio.ensure_future(work)
 
