@@ -200,6 +200,9 @@ class Runtime:
             await trainer
             return await self._finish(w, bursts_s=outputs.elapsed())
         finally:
+            # the background parts end before the clients they use are closed (a probe that
+            # wakes after ``w.close()`` would fail the run on a closed client)
+            await self.parts.aclose()
             await w.close()
 
     async def _finish(self, w: Wired, bursts_s: float) -> dict[str, Any]:

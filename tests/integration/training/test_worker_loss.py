@@ -49,13 +49,15 @@ def expected(records):
 
 
 def holding(core, cell: int, seen: dict, need_done: bool) -> bool:
-    """True (and ``seen`` filled) once ``cell`` holds a claim (and, with ``need_done``, has a
-    completed micro-step whose gradient it has not delivered yet)."""
+    """True (and ``seen`` filled) once ``cell`` holds a claim, or, with ``need_done``, once it
+    has a completed micro-step whose gradient it has not delivered yet (some worker still holds
+    a claim, so the batch has not reached its gather: the window is the batch's whole length,
+    not the instant between two of the cell's micro-steps)."""
     h = core.packing.holdings()
     prefix = f"cell{cell}:"
     claimed = sum(w.startswith(prefix) for w in h["claimed"].values())
     done = sum(w.startswith(prefix) for w in h["done"].values())
-    if claimed and (done or not need_done):
+    if (done and h["claimed"]) if need_done else claimed:
         seen.update(step=h["batch_id"], claimed=claimed, done=done)
         return True
     return False
