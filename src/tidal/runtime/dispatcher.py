@@ -50,7 +50,7 @@ def plan_burst(cfg: RunConfig, burst: int, trained: set[str],
         if gid in trained:
             continue  # trained before the resume
         ids = [f"{gid}-e{k}" for k in range(c.group_size)]
-        plans.append(GroupPlan(gid, cfg.seed * 1_000_003 + burst * 1000 + g,
+        plans.append(GroupPlan(gid, derive_seed("group", cfg.seed, burst, g),
                                tuple(e for e in ids if e not in held),
                                tuple(held[e] for e in ids if e in held)))
     return quota, plans
@@ -66,7 +66,7 @@ def task_factory(cfg: RunConfig, seed: int) -> Callable[[], Any]:
     if rt.task == "arithmetic":
         return partial(ArithmeticTask, seed)
     latency = partial(ToolLatency, median_s=rt.tool_latency_s)
-    # its own stream: seed + 1 would be the next group's task seed
+    # its own stream, independent of the task drawn from the same group seed
     return lambda: WorkspaceTask(seed, latency=latency(random.Random(derive_seed("latency",
                                                                               seed))))
 

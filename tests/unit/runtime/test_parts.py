@@ -60,6 +60,17 @@ def test_a_burst_plan_covers_every_execution_once(burst, trained, held):
                                                  key=lambda g: int(g.rsplit("g", 1)[1]))
 
 
+def test_group_task_seeds_never_repeat_across_bursts():
+    """Every group of every burst draws its task from its own seed, however many groups a
+    burst has (a burst of 1500 groups once gave group 1000 of burst b burst b+1's group 0)."""
+    big = CFG.model_copy(update={"control": CFG.control.model_copy(
+        update={"batch_groups": 750, "updates_per_burst": 2})})
+    seeds = [p.seed for b in range(3) for p in plan_burst(big, b, set(), {})[1]]
+    assert len(seeds) == 3 * 1500 and len(set(seeds)) == len(seeds)
+    again = [p.seed for p in plan_burst(big, 1, set(), {})[1]]
+    assert again == seeds[1500:3000]  # a pure function of (run seed, burst, group)
+
+
 class _Pool:
     """The harness pool's interface: runs executions, returns one result each."""
 
