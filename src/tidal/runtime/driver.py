@@ -79,6 +79,7 @@ class Runtime:
         self.proxy: Any = None
         self.core_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.wired: Wired | None = None  # the parts on the event loop (``wiring``)
+        self.node: Any = None  # ``nodes.Node`` of the driver, once Ray runs
 
     # ------------------------------------------------------------------ setup / teardown
     def run(self) -> dict[str, Any]:
@@ -137,6 +138,10 @@ class Runtime:
                          log_to_driver=False)
             self.ray_started = True
             _trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
+        from tidal.runtime.nodes import here
+
+        self.node = here()  # the driver's node: satellites of other nodes reach the core here
+        os.environ["GLOO_SOCKET_IFNAME"] = self.node.gloo_iface()
         self.placement = Placement(ray, self.cfg, names, rt.start_timeout_s)
         self.engines = Engines(ray, self.cfg, self.out, model_dir, self.placement,
                                self.cpu_groups, self.token)
@@ -178,7 +183,8 @@ class Runtime:
         outputs = RunOutputs(self.out, self.clock, self.ck.state.elapsed_s if self.ck else 0.0,
                              self.ck is not None, self.on_step, self.on_state)
         w = self.wired = wire(self.cfg, self.out, self.ck, self.clock, self.parts,
-                              self.engines, self.proxy.url, self.token, self.core_pool, outputs)
+                              self.engines, self.proxy.url, self.token, self.core_pool, outputs,
+                              self.node.ip)
         if self.ck is not None:
             log.warning("resuming %s at step %d (v%d trained, v%d published, %d records held)",
                         self.out, self.ck.state.step, w.core.version,
