@@ -32,17 +32,20 @@ def command() -> None:
 @click.option("--nodes", default=3, show_default=True, type=click.IntRange(1, 16))
 @click.option("--cpus", default=1.0, show_default=True, type=click.FloatRange(min=0.5),
               help="CPUs each node declares to Ray.")
+@click.option("--head-cpus", default=None, type=click.FloatRange(min=0.0),
+              help="CPUs the head declares (default --cpus; 0: the head hosts only the "
+                   "driver, every engine runs on a worker node).")
 @click.option("--subnet", default="10.77.0", show_default=True,
               help="The bridge's /24 prefix: the head is .1, node i is .i+1.")
 @click.option("--port", default=6390, show_default=True, type=click.IntRange(1024, 65535),
               help="The head's GCS port.")
 @_NAME
 @_DIR
-def up(nodes: int, cpus: float, subnet: str, port: int, name: str,
+def up(nodes: int, cpus: float, head_cpus: float | None, subnet: str, port: int, name: str,
        directory: str | None) -> None:
     from tidal.runtime import localcluster
 
-    st = localcluster.up(name, nodes, cpus, subnet, port, directory)
+    st = localcluster.up(name, nodes, cpus, subnet, port, directory, head_cpus=head_cpus)
     click.echo(f"cluster {st.name}: {len(st.nodes)} nodes ({st.mode} mode"
                + ("" if st.mode == "netns" else ": no network namespaces could be made, "
                   "nodes share loopback") + ")")

@@ -28,6 +28,7 @@ import glob
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -183,7 +184,8 @@ class EngineHost:
                 "satellite_pid": self.satellite.pid if self.satellite_alive() else None,
                 "satellite_starts": self.satellite_starts, "gpu_ids": _gpu_ids(),
                 "device": self.device, "cgroup": self.cgroup,
-                "node_id": self.node.node_id, "node_ip": self.node.ip}
+                "node_id": self.node.node_id, "node_ip": self.node.ip,
+                "host": socket.gethostname()}
 
     def kill_engine(self) -> None:
         """Crash the engine process (SIGKILL): fault injection for tests."""

@@ -37,7 +37,7 @@ from tidal import run_schema as schema
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
 from tidal.runtime import checkpoint
-from tidal.runtime.engines import Engines, engine_ids, model_path
+from tidal.runtime.engines import EngineId, Engines, engine_ids, model_path
 from tidal.runtime.outputs import RunOutputs, summary
 from tidal.runtime.placement import Placement
 from tidal.runtime.tasks import Parts, remote
@@ -57,6 +57,11 @@ def _trap_sigterm() -> Any:
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _alive_nodes(ray: Any) -> set[str]:
+    """The ids of the Ray nodes alive now (``nodes_lost``: those of the start gone since)."""
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
 class Runtime:
@@ -80,6 +85,8 @@ class Runtime:
         self.core_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.wired: Wired | None = None  # the parts on the event loop (``wiring``)
         self.node: Any = None  # ``nodes.Node`` of the driver, once Ray runs
+        self.nodes_at_start: set[str] = set()  # Ray node ids alive when the engines started
+        self.ray: Any = None
 
     # ------------------------------------------------------------------ setup / teardown
     def run(self) -> dict[str, Any]:
@@ -121,7 +128,7 @@ class Runtime:
     def _start_parts(self, ray: Any) -> None:
         from tidal.serving.launch import start_proxy
 
-        rt = self.rt
+        rt, self.ray = self.rt, ray
         model_dir = model_path(self.cfg, self.out)
         names = [str(e) for e in engine_ids(self.cfg)]
         if rt.cell_cpus is not None:  # before Ray and any actor (their processes join it)
@@ -142,6 +149,7 @@ class Runtime:
 
         self.node = here()  # the driver's node: satellites of other nodes reach the core here
         os.environ["GLOO_SOCKET_IFNAME"] = self.node.gloo_iface()
+        self.nodes_at_start = _alive_nodes(ray)
         self.placement = Placement(ray, self.cfg, names, rt.start_timeout_s)
         self.engines = Engines(ray, self.cfg, self.out, model_dir, self.placement,
                                self.cpu_groups, self.token)
@@ -153,7 +161,9 @@ class Runtime:
 
     def _stop_parts(self, ray: Any) -> None:
         if self.engines is not None:
-            sats = self.wired.actuator.satellite_pids.values() if self.wired else []
+            sats = [pid for c, pid in (self.wired.actuator.satellite_pids.items()
+                                       if self.wired else [])
+                    if self.engines.on_this_host(EngineId.cell(c))]  # others' pids: not ours
             self.engines.stop(list(sats))
         if self.proxy is not None:
             self.proxy.stop()
@@ -228,7 +238,11 @@ class Runtime:
                                          for eid, a in self.engines.actors.items()],
                                        return_exceptions=True)
         st = self.ck.state if self.ck else None
-        return {"t0_utc": w.outputs.t0_utc(), **summary(
+        lost = sorted(self.nodes_at_start - _alive_nodes(self.ray))
+        if lost:
+            log.warning("%d Ray nodes lost during the run: %s", len(lost), ", ".join(lost))
+        return {"t0_utc": w.outputs.t0_utc(), "nodes": len(self.nodes_at_start),
+                "nodes_lost": len(lost), **summary(
             ctl=w.ctl, bursts=self.cfg.control.bursts or 0, metrics=w.outputs.metrics,
             version=w.publisher.weights.version, bursts_s=bursts_s,
             group_size=self.cfg.control.group_size, results=results, stats=stats,

@@ -106,6 +106,7 @@ class Engines:
 
         self.driver_node = here().node_id
         self.nodes: dict[EngineId, str | None] = {}
+        self.hosts: dict[EngineId, str | None] = {}  # machine names: where a pid means a process
         self._blob: tuple[str, Any] | None = None  # (path, object ref) of the newest version
 
     @property
@@ -155,8 +156,15 @@ class Engines:
         for d in described:
             eid = EngineId.parse(d["name"])
             self.start_pids[eid], self.gpu_ids[eid] = d["pid"], d["gpu_ids"]
-            self.nodes[eid] = d.get("node_id")
+            self.nodes[eid], self.hosts[eid] = d.get("node_id"), d.get("host")
         self.pids = dict(self.start_pids)
+
+    def on_this_host(self, eid: EngineId) -> bool:
+        """Whether ``eid``'s processes run on the driver's machine (their pids mean something
+        here); unknown counts as here (an embedded run)."""
+        import socket
+
+        return self.hosts.get(eid) in (None, socket.gethostname())
 
     def transport(self, eid: EngineId) -> str:
         """How ``eid`` gets a weight version: ``file`` (the driver's file: same node, or a
@@ -199,6 +207,7 @@ class Engines:
                           num_returns=len(self.actors), timeout=60)
         except Exception:
             log.exception("stopping engines")
-        for pid in [*self.pids.values(), *extra_pids]:
+        local = [p for e, p in self.pids.items() if self.on_this_host(e)]
+        for pid in [*local, *extra_pids]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -128,8 +128,10 @@ def _env(name: str) -> dict[str, str]:
 
     src = str(Path(tidal.__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    # a lost node is declared dead after ~3 s of failed health checks (Ray's default ~15 s)
     return {**os.environ, MARKER: name, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": path,
-            "RAY_USAGE_STATS_ENABLED": "0"}
+            "RAY_USAGE_STATS_ENABLED": "0", "RAY_health_check_period_ms": "1000",
+            "RAY_health_check_failure_threshold": "3"}
 
 
 def _ray_start(st: ClusterState, node: NodeSpec, cpus: float, port: int,
@@ -160,8 +162,10 @@ def _ray_start(st: ClusterState, node: NodeSpec, cpus: float, port: int,
 
 def up(name: str = "tidal", n_nodes: int = 3, cpus: float = 1.0, prefix: str = "10.77.0",
        port: int = 6390, directory: str | Path | None = None, store_mb: int = 128,
-       timeout_s: float = 120.0) -> ClusterState:
-    """Start the cluster and wait (bounded) until every node is alive in Ray."""
+       timeout_s: float = 120.0, head_cpus: float | None = None) -> ClusterState:
+    """Start the cluster and wait (bounded) until every node is alive in Ray. ``head_cpus``
+    (default ``cpus``): 0 keeps every engine off the head, which then only hosts the driver,
+    so every hop of a run crosses the bridge."""
     if not name.isalnum() or len(name) > 8:
         raise ConfigError("--name", f"{name!r}: at most 8 letters or digits")
     if n_nodes < 1:
@@ -183,7 +187,8 @@ def up(name: str = "tidal", n_nodes: int = 3, cpus: float = 1.0, prefix: str = "
     st.save()
     try:
         for node in nodes:
-            _ray_start(st, node, cpus, port, store_mb)
+            _ray_start(st, node, cpus if node.index or head_cpus is None else head_cpus, port,
+                       store_mb)
         wait_nodes(st, n_nodes, timeout_s)
     except BaseException:
         down(st)

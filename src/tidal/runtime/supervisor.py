@@ -106,6 +106,8 @@ class CellSupervisor:
 
         with contextlib.suppress(Exception):
             ray.kill(self.engines.actors[eid], no_restart=True)
+        if not self.engines.on_this_host(eid):
+            return  # another machine's pids: its actor's end (or its node's loss) ends them
         pids = [self.engines.pids.get(eid)]
         if not eid.standalone:
             pids.append(self.cells.forget_satellite(eid.index))
@@ -123,6 +125,7 @@ class CellSupervisor:
         self.engines.actors[eid] = new
         info = await remote(new.describe.remote(), f"{eid} describe", t)
         self.engines.pids[eid], self.engines.nodes[eid] = info["pid"], info.get("node_id")
+        self.engines.hosts[eid] = info.get("host")
         w = self.weights
         async with w.lock:
             if w.path is not None:
