@@ -138,7 +138,7 @@ class Runtime:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if not ray.is_initialized():
             if rt.ray_address:
-                ray.init(address=rt.ray_address)
+                ray.init(address=rt.ray_address, log_to_driver=False)  # logs: logs/
             else:
                 ray.init(num_cpus=rt.ray_num_cpus, num_gpus=rt.ray_num_gpus,
                          include_dashboard=False, _node_ip_address="127.0.0.1",

@@ -162,10 +162,11 @@ def _ray_start(st: ClusterState, node: NodeSpec, cpus: float, port: int,
 
 def up(name: str = "tidal", n_nodes: int = 3, cpus: float = 1.0, prefix: str = "10.77.0",
        port: int = 6390, directory: str | Path | None = None, store_mb: int = 128,
-       timeout_s: float = 120.0, head_cpus: float | None = None) -> ClusterState:
+       timeout_s: float = 120.0, head_cpus: float | None = None,
+       netns: bool = True) -> ClusterState:
     """Start the cluster and wait (bounded) until every node is alive in Ray. ``head_cpus``
     (default ``cpus``): 0 keeps every engine off the head, which then only hosts the driver,
-    so every hop of a run crosses the bridge."""
+    so every hop of a run crosses the bridge. ``netns`` False: loopback addresses at once."""
     if not name.isalnum() or len(name) > 8:
         raise ConfigError("--name", f"{name!r}: at most 8 letters or digits")
     if n_nodes < 1:
@@ -176,6 +177,8 @@ def up(name: str = "tidal", n_nodes: int = 3, cpus: float = 1.0, prefix: str = "
                            f"{name}' first")
     d.mkdir(parents=True, exist_ok=True)
     try:
+        if not netns:
+            raise ClusterError("network namespaces not asked for (--no-netns)")
         bridge, nodes = make_network(name, prefix, n_nodes)
         mode = "netns"
     except ClusterError as exc:
