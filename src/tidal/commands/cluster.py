@@ -39,20 +39,22 @@ def command() -> None:
               help="The bridge's /24 prefix: the head is .1, node i is .i+1.")
 @click.option("--port", default=6390, show_default=True, type=click.IntRange(1024, 65535),
               help="The head's GCS port.")
+@click.option("--object-store-mb", default=512, show_default=True,
+              type=click.IntRange(min=80), help="Ray object store of each node (/dev/shm).")
 @click.option("--netns/--no-netns", default=True, show_default=True,
               help="Each worker node in its own network namespace (needs root; without it, "
                    "or with --no-netns, nodes get loopback addresses 127.0.0.x).")
 @_NAME
 @_DIR
-def up(nodes: int, cpus: float, head_cpus: float | None, subnet: str, port: int, netns: bool,
-       name: str, directory: str | None) -> None:
+def up(nodes: int, cpus: float, head_cpus: float | None, subnet: str, port: int,
+       object_store_mb: int, netns: bool, name: str, directory: str | None) -> None:
     from tidal.runtime import localcluster
 
-    st = localcluster.up(name, nodes, cpus, subnet, port, directory, head_cpus=head_cpus,
-                         netns=netns)
+    st = localcluster.up(name, nodes, cpus, subnet, port, directory, store_mb=object_store_mb,
+                         head_cpus=head_cpus, netns=netns)
     click.echo(f"cluster {st.name}: {len(st.nodes)} nodes ({st.mode} mode"
-               + ("" if st.mode == "netns" else ": no network namespaces could be made, "
-                  "nodes share loopback") + ")")
+               + ("" if st.mode == "netns" else ": nodes share this host's network "
+                  "namespace on loopback addresses, so loopback hops are not caught") + ")")
     for n in st.nodes:
         click.echo(f"  node {n.index}: {n.ip}" + (f" (netns {n.netns})" if n.netns else ""))
     click.echo(f"address: {st.address}  (tidal run CONFIG --address {st.address})")

@@ -150,6 +150,12 @@ class Runtime:
         self.node = here()  # the driver's node: satellites of other nodes reach the core here
         os.environ["GLOO_SOCKET_IFNAME"] = self.node.gloo_iface()
         self.nodes_at_start = _alive_nodes(ray)
+        if self.ck is not None and rt.ray_address:  # what a killed run left on other nodes
+            from tidal.runtime.nodes import sweep
+
+            left = sweep(ray, str(self.out))
+            if any(left.values()):
+                log.warning("resume: ended leftover processes of this run on nodes %s", left)
         self.placement = Placement(ray, self.cfg, names, rt.start_timeout_s)
         self.engines = Engines(ray, self.cfg, self.out, model_dir, self.placement,
                                self.cpu_groups, self.token)
@@ -169,6 +175,16 @@ class Runtime:
             self.proxy.stop()
         if self.placement is not None:
             self.placement.remove()
+        if self.rt.ray_address and self.engines is not None:  # a lost actor's orphans
+            from tidal.runtime.nodes import sweep
+
+            try:
+                ended = sweep(ray, str(self.out))
+            except Exception:
+                log.exception("ending this run's processes on the other nodes")
+            else:
+                if any(ended.values()):
+                    log.info("ended leftover processes on nodes: %s", ended)
         if self.ray_started:
             ray.shutdown()
         if self.core_pool is not None:
