@@ -13,7 +13,9 @@ run uses for an engine on another node than the driver (``Engines.transport``: t
 file through Ray's object store, written to the node's shared memory by the cell actor) and
 the same pull by an actor on the driver's own node:
 - object put (driver): the file's bytes into the driver node's object store;
-- object pull + /dev/shm, same node / other node: an actor receiving them and writing the file.
+- object pull + /dev/shm, same node / other node: an actor receiving them and writing the file;
+- gloo link pull, other node: the core -> satellite broadcast (what a satellite on another node
+  pulls a snapshot with), from the driver to an actor on another node.
 
 Run: ``.venv/bin/python benchmarks/weight_sync.py [--sizes 10e6,100e6] [--repeats 3]
 [--cluster 10.77.0.1:6390]``. Times are the best of ``--repeats``; GB/s counts the vector's
@@ -135,6 +137,48 @@ class _Sink:
         return len(blob)
 
 
+class _GlooSink:
+    """A Ray actor on another node: a satellite's end of the core's gloo link, over the
+    interface that holds its node's address (as a cell actor's satellite uses)."""
+
+    def pull(self, host: str, port: int, n: int, repeats: int) -> float:
+        from tidal.runtime.nodes import here
+
+        os.environ["GLOO_SOCKET_IFNAME"] = here().gloo_iface()
+        torch.set_num_threads(1)
+        reg = GroupRegistry(1, host, port, "s1")
+        out = torch.empty(n)
+        link = BroadcastTransport(reg, reg.link(1, "s1"))
+        t = best(lambda: link.pull(out), repeats)
+        reg.close()
+        return t
+
+
+def _gloo_cross_node(ray, node: str, n: int, repeats: int) -> float:
+    """The core -> satellite link broadcast from the driver to an actor on ``node``."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from tidal.runtime.nodes import here
+
+    me = here()
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = me.gloo_iface()  # the driver node's address
+    try:
+        core = GroupRegistry(0, me.ip, 0, "core")
+        sink = ray.remote(num_cpus=0)(_GlooSink).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        ref = sink.pull.remote(me.ip, core.port, n, repeats)
+        pub = BroadcastTransport(core, core.link(1, "s1"))
+        snap = torch.randn(n)
+        best(lambda: pub.publish(1, snap), repeats)
+        t = ray.get(ref, timeout=600)
+        core.close()
+        ray.kill(sink)
+        return t
+    finally:
+        os.environ["GLOO_SOCKET_IFNAME"] = before or "lo"
+
+
 def cross_node_rows(address: str, n: int, repeats: int) -> list[tuple[str, float]]:
     """The object-store transport from the driver to an actor on its node and on another."""
     import ray
@@ -169,6 +213,7 @@ def cross_node_rows(address: str, n: int, repeats: int) -> list[tuple[str, float
         rows.append((f"object pull + /dev/shm, {where}", min(ts)))
     for a in actors.values():
         ray.kill(a)
+    rows.append(("gloo link pull, other node", _gloo_cross_node(ray, others[0], n, repeats)))
     return rows
 
 
