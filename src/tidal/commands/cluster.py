@@ -29,7 +29,8 @@ def command() -> None:
 
 
 @command.command("up", help="Start a head and N-1 worker raylets, one network namespace each.")
-@click.option("--nodes", default=3, show_default=True, type=click.IntRange(1, 16))
+@click.option("--nodes", default=3, show_default=True, type=click.IntRange(1, 16),
+              help="Nodes in all: the head and N-1 workers.")
 @click.option("--cpus", default=1.0, show_default=True, type=click.FloatRange(min=0.5),
               help="CPUs each node declares to Ray.")
 @click.option("--head-cpus", default=None, type=click.FloatRange(min=0.0),

@@ -57,3 +57,17 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
         localcluster.up("ok", directory=tmp_path)
     with pytest.raises(ConfigError, match="--node"):
         localcluster.kill_node(ClusterState.load(tmp_path), 0)  # the head is not a worker
+
+
+def test_the_cluster_command_answers_bad_input_in_one_line(tmp_path, capsys):
+    from tidal.cli import main
+
+    for argv, code, message in [
+            (["cluster", "status", "--dir", str(tmp_path)], 1,
+             f"no local cluster at {tmp_path} (no cluster.json)"),
+            (["cluster", "up", "--nodes", "0"], 2, "'--nodes': 0 is not in the range"),
+            (["cluster", "up", "--name", "a-b", "--dir", str(tmp_path)], 2,
+             "--name: 'a-b': at most 8 letters or digits")]:
+        assert main(argv) == code, argv
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and message in err, err
