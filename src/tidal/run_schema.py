@@ -152,6 +152,8 @@ class Summary(_Line):
     final_roles: str | None = None
     verl_metrics: list[dict[str, float]] | None = None
     t0_utc: str | None = None  # the first dispatch as UTC: every file's time zero
+    nodes: int | None = None  # Ray nodes alive when the engines started
+    nodes_lost: int | None = None  # of those, nodes gone by the end of the run
 
 
 def check(model: type[BaseModel], obj: Any, where: str) -> dict[str, Any]:

@@ -155,6 +155,7 @@ class TrainerStepDone(Event):
 class WeightSyncDone(Event):
     version: int
     duration_s: float = 0.0
+    transports: tuple[tuple[str, str], ...] = ()  # (engine id, "file" | "object") per load
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,8 @@ class Controller:
             self._sync_end_pending = True  # after the activation the policy may start
             self._cycle_stale = True
             self.log.write({"type": "weights_published", "t": round(ev.t_s, 6),
-                            "version": ev.version, "duration_s": round(ev.duration_s, 6)})
+                            "version": ev.version, "duration_s": round(ev.duration_s, 6),
+                            **({"transports": dict(ev.transports)} if ev.transports else {})})
         elif isinstance(ev, TransitionStepDone):
             self._step_done(ev)
         elif isinstance(ev, EngineCapacityChanged):

@@ -276,8 +276,12 @@ class RayActuator:
     async def _load(self, cell: int) -> None:
         async with self.weights.lock:
             if self.weights.path is not None:
-                await self._call(cell, "load_weights", self.weights.path,
-                                 self.weights.label)
+                eid = EngineId.cell(cell)
+                if self.engines.transport(eid) == "object":
+                    await asyncio.to_thread(self.engines.blob, self.weights.path)
+                await remote(self.engines.load(eid, self._cell(cell), self.weights.path,
+                                               self.weights.label),
+                             f"cell {cell} load_weights", self.call_timeout_s)
 
     # -- proxy admin ------------------------------------------------------------------------
     async def _admin(self, method: str, path: str, **kw) -> dict:

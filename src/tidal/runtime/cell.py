@@ -28,6 +28,7 @@ import glob
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,13 @@ class EngineHost:
     def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
                  device: str = "cpu", cgroup: str | None = None, served: str | None = None,
                  seed: int = 0) -> None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        from tidal.runtime.nodes import here
+
+        # on a cluster the engine and satellite are reached from other nodes: they listen on
+        # this node's address and gloo uses the interface that holds it (loopback locally)
+        self.node = here()
+        self.gloo_iface = self.node.gloo_iface()
+        os.environ["GLOO_SOCKET_IFNAME"] = self.gloo_iface
         if cgroup is not None:  # runtime.cell_cpus: this actor, its engine and its satellite
             from tidal.runtime.cpuquota import join_process
 
@@ -76,7 +83,7 @@ class EngineHost:
         self.device = actor_device(self.device_setting, _gpu_ids())
         self.proc = start_engine(self.model_dir, name=self.served, max_batch=self.max_batch,
                                  log_path=self.log_path, step_in_thread=True, seed=self.seed,
-                                 device=self.device)
+                                 device=self.device, host=self.node.ip)
         try:
             self.proc.wait_healthy(timeout_s)
         except TidalError as exc:
@@ -115,6 +122,21 @@ class EngineHost:
         self.state = "awake"
         return self.loaded_version
 
+    def load_weights_blob(self, blob: bytes, version: str) -> str:
+        """Load a version that crossed nodes (``blob``: the safetensors file, pulled onto this
+        node by Ray's object store): written to this node's shared memory, then loaded in
+        place as from a path. The newest two received files are kept (the engine's source)."""
+        d = Path("/dev/shm") / f"tidal-{self.name}-{os.getpid()}"
+        d.mkdir(exist_ok=True)
+        path = d / f"{version}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+        out = self.load_weights(str(path), version)
+        for old in sorted(d.glob("*.safetensors"), key=os.path.getmtime)[:-2]:
+            old.unlink(missing_ok=True)
+        return out
+
     def start_satellite(self, cell: int, core: dict, timeout_s: float) -> int:
         """Start this cell's satellite trainer against the core at ``core`` (its
         ``CoreTrainer.address()``); returns the process id."""
@@ -126,7 +148,7 @@ class EngineHost:
                "backend": core["backend"], "model": {"model_dir": self.model_dir},
                "timeout_s": timeout_s, "device": self.device, "shard": core.get("shard")}
         log_fh = open(self.log_path.with_name(f"satellite-{self.name}.log"), "ab")  # noqa: SIM115
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": self.gloo_iface,
                "TIDAL_LOG": os.environ.get("TIDAL_LOG", "INFO")}
         self.satellite = subprocess.Popen(
             [sys.executable, "-m", "tidal.training.satellite", json.dumps(cfg)],
@@ -161,7 +183,9 @@ class EngineHost:
                 "pid": self.proc.proc.pid if self.proc else None,
                 "satellite_pid": self.satellite.pid if self.satellite_alive() else None,
                 "satellite_starts": self.satellite_starts, "gpu_ids": _gpu_ids(),
-                "device": self.device, "cgroup": self.cgroup}
+                "device": self.device, "cgroup": self.cgroup,
+                "node_id": self.node.node_id, "node_ip": self.node.ip,
+                "host": socket.gethostname()}
 
     def kill_engine(self) -> None:
         """Crash the engine process (SIGKILL): fault injection for tests."""
@@ -170,10 +194,13 @@ class EngineHost:
             self.state = "dead"
 
     def stop(self) -> None:
+        import shutil
+
         self.stop_satellite()
         if self.proc is not None:
             self.proc.stop()
             self.state = "stopped"
+        shutil.rmtree(f"/dev/shm/tidal-{self.name}-{os.getpid()}", ignore_errors=True)
 
 
 def actor_device(setting: str, gpu_ids: list[str], cuda_present: bool | None = None) -> str:

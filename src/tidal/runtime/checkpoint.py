@@ -295,6 +295,19 @@ def _writing_logs_of(run_dir: Path) -> list[Any]:
     return out
 
 
+def end_log_writers(run_dir: str | Path, timeout_s: float = 10.0) -> int:
+    """End every process of this machine still writing to the run's ``logs/`` (what a lost
+    actor or driver left); returns how many. Run on each node of a cluster (``nodes.sweep``)."""
+    import psutil
+
+    procs = _writing_logs_of(Path(run_dir))
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(procs, timeout=timeout_s)
+    return len(procs)
+
+
 def end_stale_processes(run_dir: str | Path, timeout_s: float = 10.0) -> int:
     """Before a resume: refuse if the recorded driver still runs; otherwise kill what it left
     (processes whose pid *and* start time match the record, and any process still writing

@@ -37,7 +37,7 @@ from tidal import run_schema as schema
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
 from tidal.runtime import checkpoint
-from tidal.runtime.engines import Engines, engine_ids, model_path
+from tidal.runtime.engines import EngineId, Engines, engine_ids, model_path
 from tidal.runtime.outputs import RunOutputs, summary
 from tidal.runtime.placement import Placement
 from tidal.runtime.tasks import Parts, remote
@@ -57,6 +57,11 @@ def _trap_sigterm() -> Any:
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _alive_nodes(ray: Any) -> set[str]:
+    """The ids of the Ray nodes alive now (``nodes_lost``: those of the start gone since)."""
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
 class Runtime:
@@ -79,6 +84,9 @@ class Runtime:
         self.proxy: Any = None
         self.core_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.wired: Wired | None = None  # the parts on the event loop (``wiring``)
+        self.node: Any = None  # ``nodes.Node`` of the driver, once Ray runs
+        self.nodes_at_start: set[str] = set()  # Ray node ids alive when the engines started
+        self.ray: Any = None
 
     # ------------------------------------------------------------------ setup / teardown
     def run(self) -> dict[str, Any]:
@@ -120,7 +128,7 @@ class Runtime:
     def _start_parts(self, ray: Any) -> None:
         from tidal.serving.launch import start_proxy
 
-        rt = self.rt
+        rt, self.ray = self.rt, ray
         model_dir = model_path(self.cfg, self.out)
         names = [str(e) for e in engine_ids(self.cfg)]
         if rt.cell_cpus is not None:  # before Ray and any actor (their processes join it)
@@ -130,13 +138,24 @@ class Runtime:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if not ray.is_initialized():
             if rt.ray_address:
-                ray.init(address=rt.ray_address)
+                ray.init(address=rt.ray_address, log_to_driver=False)  # logs: logs/
             else:
                 ray.init(num_cpus=rt.ray_num_cpus, num_gpus=rt.ray_num_gpus,
                          include_dashboard=False, _node_ip_address="127.0.0.1",
                          log_to_driver=False)
             self.ray_started = True
             _trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
+        from tidal.runtime.nodes import here
+
+        self.node = here()  # the driver's node: satellites of other nodes reach the core here
+        os.environ["GLOO_SOCKET_IFNAME"] = self.node.gloo_iface()
+        self.nodes_at_start = _alive_nodes(ray)
+        if self.ck is not None and rt.ray_address:  # what a killed run left on other nodes
+            from tidal.runtime.nodes import sweep
+
+            left = sweep(ray, str(self.out))
+            if any(left.values()):
+                log.warning("resume: ended leftover processes of this run on nodes %s", left)
         self.placement = Placement(ray, self.cfg, names, rt.start_timeout_s)
         self.engines = Engines(ray, self.cfg, self.out, model_dir, self.placement,
                                self.cpu_groups, self.token)
@@ -148,12 +167,24 @@ class Runtime:
 
     def _stop_parts(self, ray: Any) -> None:
         if self.engines is not None:
-            sats = self.wired.actuator.satellite_pids.values() if self.wired else []
+            sats = [pid for c, pid in (self.wired.actuator.satellite_pids.items()
+                                       if self.wired else [])
+                    if self.engines.on_this_host(EngineId.cell(c))]  # others' pids: not ours
             self.engines.stop(list(sats))
         if self.proxy is not None:
             self.proxy.stop()
         if self.placement is not None:
             self.placement.remove()
+        if self.rt.ray_address and self.engines is not None:  # a lost actor's orphans
+            from tidal.runtime.nodes import sweep
+
+            try:
+                ended = sweep(ray, str(self.out))
+            except Exception:
+                log.exception("ending this run's processes on the other nodes")
+            else:
+                if any(ended.values()):
+                    log.info("ended leftover processes on nodes: %s", ended)
         if self.ray_started:
             ray.shutdown()
         if self.core_pool is not None:
@@ -178,7 +209,8 @@ class Runtime:
         outputs = RunOutputs(self.out, self.clock, self.ck.state.elapsed_s if self.ck else 0.0,
                              self.ck is not None, self.on_step, self.on_state)
         w = self.wired = wire(self.cfg, self.out, self.ck, self.clock, self.parts,
-                              self.engines, self.proxy.url, self.token, self.core_pool, outputs)
+                              self.engines, self.proxy.url, self.token, self.core_pool, outputs,
+                              self.node.ip)
         if self.ck is not None:
             log.warning("resuming %s at step %d (v%d trained, v%d published, %d records held)",
                         self.out, self.ck.state.step, w.core.version,
@@ -222,7 +254,11 @@ class Runtime:
                                          for eid, a in self.engines.actors.items()],
                                        return_exceptions=True)
         st = self.ck.state if self.ck else None
-        return {"t0_utc": w.outputs.t0_utc(), **summary(
+        lost = sorted(self.nodes_at_start - _alive_nodes(self.ray))
+        if lost:
+            log.warning("%d Ray nodes lost during the run: %s", len(lost), ", ".join(lost))
+        return {"t0_utc": w.outputs.t0_utc(), "nodes": len(self.nodes_at_start),
+                "nodes_lost": len(lost), **summary(
             ctl=w.ctl, bursts=self.cfg.control.bursts or 0, metrics=w.outputs.metrics,
             version=w.publisher.weights.version, bursts_s=bursts_s,
             group_size=self.cfg.control.group_size, results=results, stats=stats,

@@ -100,6 +100,14 @@ class Engines:
         self.start_pids: dict[EngineId, int] = {}
         self.pids: dict[EngineId, int] = {}
         self.gpu_ids: dict[EngineId, list[int]] = {}
+        # placement (Ray node ids): an engine on another node than the driver gets weights
+        # through Ray's object store instead of the driver's file (``load``)
+        from tidal.runtime.nodes import here
+
+        self.driver_node = here().node_id
+        self.nodes: dict[EngineId, str | None] = {}
+        self.hosts: dict[EngineId, str | None] = {}  # machine names: where a pid means a process
+        self._blob: tuple[str, Any] | None = None  # (path, object ref) of the newest version
 
     @property
     def vllm(self) -> bool:
@@ -111,8 +119,9 @@ class Engines:
 
     def new_actor(self, eid: EngineId) -> Any:
         """An engine actor pinned to its reserved bundle (a replacement reuses it)."""
-        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-               "TIDAL_ENGINE_TOKEN": self.token}  # its engine takes calls with it only
+        # its engine takes calls with the token only; the actor sets GLOO_SOCKET_IFNAME to
+        # the interface of its node's address (``nodes.here``)
+        env = {"OMP_NUM_THREADS": "1", "TIDAL_ENGINE_TOKEN": self.token}
         # Threaded (max_concurrency): a health probe is answered while a long sleep, wake or
         # weight load runs; the actuator never sends one cell two state changes at once.
         device = self.rt.device if self.rt.use_gpus else "cpu"
@@ -147,7 +156,37 @@ class Engines:
         for d in described:
             eid = EngineId.parse(d["name"])
             self.start_pids[eid], self.gpu_ids[eid] = d["pid"], d["gpu_ids"]
+            self.nodes[eid], self.hosts[eid] = d.get("node_id"), d.get("host")
         self.pids = dict(self.start_pids)
+
+    def on_this_host(self, eid: EngineId) -> bool:
+        """Whether ``eid``'s processes run on the driver's machine (their pids mean something
+        here); unknown counts as here (an embedded run)."""
+        import socket
+
+        return self.hosts.get(eid) in (None, socket.gethostname())
+
+    def transport(self, eid: EngineId) -> str:
+        """How ``eid`` gets a weight version: ``file`` (the driver's file: same node, or a
+        vLLM server, which loads from a path) or ``object`` (pulled across nodes)."""
+        node = self.nodes.get(eid)
+        if node is None or node == self.driver_node or (self.vllm and eid.standalone):
+            return "file"
+        return "object"
+
+    def blob(self, path: str) -> Any:
+        """The version at ``path`` in Ray's object store (put once per version; blocking:
+        call it off the event loop)."""
+        if self._blob is None or self._blob[0] != path:
+            self._blob = (path, self.ray.put(Path(path).read_bytes()))
+        return self._blob[1]
+
+    def load(self, eid: EngineId, actor: Any, path: str, label: str) -> Any:
+        """The Ray call that loads ``label`` into ``eid`` by its transport (``blob`` first
+        for an ``object`` engine)."""
+        if self.transport(eid) == "file":
+            return actor.load_weights.remote(path, label)
+        return actor.load_weights_blob.remote(self.blob(path), label)
 
     def join_body(self, eid: EngineId, url: str) -> dict[str, Any]:
         """What the proxy's ``POST /tidal/engines`` gets for this engine."""
@@ -168,6 +207,7 @@ class Engines:
                           num_returns=len(self.actors), timeout=60)
         except Exception:
             log.exception("stopping engines")
-        for pid in [*self.pids.values(), *extra_pids]:
+        local = [p for e, p in self.pids.items() if self.on_this_host(e)]
+        for pid in [*local, *extra_pids]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -200,7 +200,8 @@ def summary(*, ctl: Any, bursts: int, metrics: list[dict[str, Any]], version: in
         "lost_executions": bridge.lost, "record_errors": bridge.record_errors[:10],
         "ledger_waterlevel_end": s["waterlevel"], "duplicate_closes": s["duplicate_closes"],
         "engines": {e["name"]: {"state": e["state"], "version": e["version"],
-                                "gpu_ids": e["gpu_ids"],
+                                "gpu_ids": e["gpu_ids"], "node_id": e.get("node_id"),
+                                "node_ip": e.get("node_ip"),
                                 "restarted": e["pid"] != start_pids[e["name"]]}
                     for e in engines},
         "resumed": resumed,

@@ -3,7 +3,9 @@
 In: ``publish(version)`` from the trainer loop after the final step of a burst (the core's
 ``FilePublisher`` already wrote the file); ``load_published`` once at the start of a resumed run.
 Out: every standalone engine and every awake cell loads the version in place (no restart; vLLM
-standalone engines out of routing meanwhile), ``Weights`` names it (a cell that wakes later, or a
+standalone engines out of routing meanwhile), by the transport its placement gives it (the
+driver's file on the driver's node, Ray's object store across nodes; ``Engines.transport``,
+logged per publication in the decision log), ``Weights`` names it (a cell that wakes later, or a
 replaced engine, loads it from there), and one ``WeightSyncDone`` goes to the controller.
 Invariant 6 is kept by the engines (each later token carries the new label); an engine lost during
 a load is the cell supervisor's to replace, with this version.
@@ -15,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -50,7 +53,7 @@ class Publisher:
         w = self.weights
         if w.path is not None:
             await asyncio.gather(*[
-                remote(a.load_weights.remote(w.path, w.label), f"{eid} load {w.label}",
+                remote(self.engines.load(eid, a, w.path, w.label), f"{eid} load {w.label}",
                        self.call_timeout_s) for eid, a in self.engines.actors.items()])
 
     async def publish(self, version: int) -> None:
@@ -61,12 +64,23 @@ class Publisher:
             w.version, w.path = version, self.path_of(version)
             targets = [(eid, a) for eid, a in self.engines.actors.items()
                        if eid.standalone or not self.cells.is_asleep(eid.index)]
-            outs = await asyncio.gather(*[remote(vllm_host.load_weights(  # vLLM: out of routing
-                self.admin, str(eid), a, w.path, w.label,
-                drained=self.engines.vllm and eid.standalone), f"{eid} load {w.label}",
-                self.call_timeout_s) for eid, a in targets], return_exceptions=True)
+            routes = {str(eid): self.engines.transport(eid) for eid, _ in targets}
+            if "object" in routes.values():  # engines on other nodes pull it from Ray
+                await asyncio.to_thread(self.engines.blob, w.path)
+            outs = await asyncio.gather(*[remote(self._load(eid, a, w.path, w.label),
+                                                 f"{eid} load {w.label}", self.call_timeout_s)
+                                          for eid, a in targets], return_exceptions=True)
         for out in outs:  # a lost engine is replaced by the supervisor with this version
             if isinstance(out, BaseException):
                 log.warning("publishing %s: an engine did not load it: %s", w.label,
                             str(out).splitlines()[0])
-        self.handle(WeightSyncDone(self.clock.now(), w.version, self.clock.now() - t0))
+        self.handle(WeightSyncDone(self.clock.now(), w.version, self.clock.now() - t0,
+                                   transports=tuple(sorted(routes.items()))))
+
+    def _load(self, eid: Any, actor: Any, path: str, label: str) -> Any:
+        """One engine's load by its transport; a vLLM standalone engine is out of routing
+        meanwhile (``vllm_host.load_weights``)."""
+        if self.engines.transport(eid) == "object":
+            return self.engines.load(eid, actor, path, label)
+        return vllm_host.load_weights(self.admin, str(eid), actor, path, label,
+                                      drained=self.engines.vllm and eid.standalone)

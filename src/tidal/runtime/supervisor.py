@@ -106,6 +106,8 @@ class CellSupervisor:
 
         with contextlib.suppress(Exception):
             ray.kill(self.engines.actors[eid], no_restart=True)
+        if not self.engines.on_this_host(eid):
+            return  # another machine's pids: its actor's end (or its node's loss) ends them
         pids = [self.engines.pids.get(eid)]
         if not eid.standalone:
             pids.append(self.cells.forget_satellite(eid.index))
@@ -121,11 +123,15 @@ class CellSupervisor:
         t = self.start_timeout_s
         url = await remote(new.start.remote(t), f"{eid} start", t + 30)
         self.engines.actors[eid] = new
-        self.engines.pids[eid] = (await remote(new.describe.remote(), f"{eid} describe", t))["pid"]
+        info = await remote(new.describe.remote(), f"{eid} describe", t)
+        self.engines.pids[eid], self.engines.nodes[eid] = info["pid"], info.get("node_id")
+        self.engines.hosts[eid] = info.get("host")
         w = self.weights
         async with w.lock:
             if w.path is not None:
-                await remote(new.load_weights.remote(w.path, w.label), f"{eid} load", t)
+                if self.engines.transport(eid) == "object":
+                    await asyncio.to_thread(self.engines.blob, w.path)
+                await remote(self.engines.load(eid, new, w.path, w.label), f"{eid} load", t)
             resp = await self.admin.post("/tidal/engines", json=self.engines.join_body(eid, url))
             resp.raise_for_status()
             if not eid.standalone and self.cells.is_asleep(eid.index):

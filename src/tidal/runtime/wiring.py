@@ -126,8 +126,10 @@ class Wired:
         self.outputs.write_steps(self.actuator.step_log)
 
 
-def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: list[int]):
-    """The trajectory buffer, the core trainer and the file publisher it writes versions to."""
+def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: list[int],
+          host: str = "127.0.0.1"):
+    """The trajectory buffer, the core trainer and the file publisher it writes versions to;
+    ``host``: the driver node's address, where satellites of other nodes reach the core."""
     import torch
 
     from tidal.models import HFTokenizer, load_training_model
@@ -157,21 +159,23 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
     core = CoreTrainer(model, TrainerConfig(
         lr=rt.lr, groups_per_step=c.batch_groups, step_data_timeout_s=rt.step_data_timeout_s,
         packing=PackingConfig(token_budget=rt.token_budget), device=device,
-        coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s), shard=shard),
+        coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s), shard=shard,
+        host=host),
         buffer, clock, publishers=[files], pad_id=tok.eos_id)
     return buffer, core, files
 
 
 def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: Parts,
          engines: Engines, proxy_url: str, token: str,
-         core_pool: concurrent.futures.ThreadPoolExecutor, outputs: RunOutputs) -> Wired:
+         core_pool: concurrent.futures.ThreadPoolExecutor, outputs: RunOutputs,
+         host: str = "127.0.0.1") -> Wired:
     from tidal.agents import HarnessPool, PoolConfig
     from tidal.control.decision_log import DecisionLog, jsonl_file_sink
     from tidal.control.factory import build_controller
 
     rt, c = cfg.runtime, cfg.control
     buffer, core, files = _core(cfg, out, engines.model_dir, clock,
-                                engines.gpu_ids.get(EngineId.cell(0), []))
+                                engines.gpu_ids.get(EngineId.cell(0), []), host)
     admin = httpx.AsyncClient(base_url=proxy_url, timeout=300.0,
                               headers={"Authorization": f"Bearer {token}"})
     decisions = open(out / "decisions.jsonl", outputs.mode)  # noqa: SIM115 - Wired.close

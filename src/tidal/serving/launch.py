@@ -19,19 +19,19 @@ import httpx
 from tidal.errors import TimeoutExpired
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class ServerProcess:
     def __init__(self, args: list[str], port: int, log_path: Path | None = None,
                  env: dict[str, str] | None = None, health_path: str = "/health",
-                 token: str | None = None) -> None:
+                 token: str | None = None, host: str = "127.0.0.1") -> None:
         self.port, self.args, self.health_path = port, args, health_path
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         verbosity = os.environ.get("TIDAL_CHILD_LOG", "")  # e.g. "-vv" for DEBUG
@@ -75,12 +75,14 @@ class ServerProcess:
 def start_engine(model_dir: str | Path, port: int | None = None, name: str | None = None,
                  max_batch: int = 64, log_path: Path | None = None,
                  step_in_thread: bool = False, seed: int = 0,
-                 device: str = "cpu", token: str | None = None) -> ServerProcess:
-    """``tidal engine`` on ``port``; ``token`` (default ``$TIDAL_ENGINE_TOKEN``, the run's
-    token in a runtime actor) goes through the environment, never the command line."""
-    port = port or free_port()
+                 device: str = "cpu", token: str | None = None,
+                 host: str = "127.0.0.1") -> ServerProcess:
+    """``tidal engine`` on ``host:port``; ``token`` (default ``$TIDAL_ENGINE_TOKEN``, the run's
+    token in a runtime actor) goes through the environment, never the command line. A host
+    beyond loopback (a cluster node's address) needs the token: the engine refuses otherwise."""
+    port = port or free_port(host)
     token = token if token is not None else os.environ.get("TIDAL_ENGINE_TOKEN")
-    args = ["engine", "--model", str(model_dir), "--port", str(port),
+    args = ["engine", "--model", str(model_dir), "--host", host, "--port", str(port),
             "--max-batch", str(max_batch), "--seed", str(seed)]
     if name is not None:  # else the engine serves the model under its directory's name
         args += ["--name", name]
@@ -89,7 +91,7 @@ def start_engine(model_dir: str | Path, port: int | None = None, name: str | Non
     if step_in_thread:
         args.append("--step-in-thread")
     return ServerProcess(args, port, log_path, env={"TIDAL_ENGINE_TOKEN": token or ""},
-                         token=token)
+                         token=token, host=host)
 
 
 def start_proxy(engines: list[str], cells: list[str], admin_token: str,

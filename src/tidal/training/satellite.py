@@ -98,8 +98,10 @@ class Satellite:
             if reference is not None:
                 raise ValueError(f"cell {config.cell}: shard: a KL reference model is not "
                                  "supported on a sharded cell")
+            # the cell's ranks are processes of this node: their store is on loopback (the
+            # core's address, ``config.host``, may be another node's)
             self.sharded, self._cell_procs = start_cell(
-                model, self.device, config.shard, loss, hello["pad_id"], None, config.host)
+                model, self.device, config.shard, loss, hello["pad_id"], None, "127.0.0.1")
             self.model = self.sharded.model
             self.worker: GradientWorker | ShardedWorker = ShardedWorker(config.cell,
                                                                          self.sharded)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ from tidal.config import load_yaml
 from tidal.errors import InvariantViolation, TimeoutExpired
 from tidal.runtime.actuator import Weights
 from tidal.runtime.dispatcher import Dispatcher, plan_burst
-from tidal.runtime.engines import EngineId
+from tidal.runtime.engines import EngineId, Engines
 from tidal.runtime.outputs import RunOutputs
 from tidal.runtime.publisher import Publisher
 from tidal.runtime.tasks import PartFailed, Parts
@@ -121,6 +122,7 @@ class _Actor:
     def __init__(self, fail: bool = False) -> None:
         self.loaded: list[tuple[str, str]] = []
         self.load_weights = SimpleNamespace(remote=self._load)
+        self.load_weights_blob = SimpleNamespace(remote=self._load_blob)
         self.fail = fail
 
     async def _load(self, path, label):
@@ -129,11 +131,25 @@ class _Actor:
         self.loaded.append((path, label))
         return label
 
+    async def _load_blob(self, ref, label):
+        self.loaded.append((ref, label))
+        return label
+
+
+def _engines(actors: dict, nodes: dict, driver_node: str | None) -> SimpleNamespace:
+    """The placement half of ``Engines`` (its own methods) over plain actors; ``ray.put``
+    hands back what it was given, so a test sees which bytes crossed nodes."""
+    e = SimpleNamespace(actors=actors, vllm=False, nodes=nodes, driver_node=driver_node,
+                        _blob=None, ray=SimpleNamespace(put=lambda b: ("object", b)))
+    for name in ("transport", "blob", "load"):
+        setattr(e, name, functools.partial(getattr(Engines, name), e))
+    return e
+
 
 def test_publication_loads_every_serving_engine_and_skips_asleep_cells(tmp_path):
     actors = {EngineId("s", 0): _Actor(), EngineId.cell(0): _Actor(),
               EngineId.cell(1): _Actor(), EngineId.cell(2): _Actor(fail=True)}
-    engines = SimpleNamespace(actors=actors, vllm=False)
+    engines = _engines(actors, {}, None)  # embedded: no placement known, every load a file
     cells = SimpleNamespace(is_asleep=lambda i: i == 0, forget_satellite=lambda i: None)
     events: list = []
     pub = Publisher(engines, cells, None, Weights(), lambda v: f"{tmp_path}/v{v}.bin",
@@ -145,6 +161,24 @@ def test_publication_loads_every_serving_engine_and_skips_asleep_cells(tmp_path)
     assert actors[EngineId.cell(0)].loaded == []  # asleep: loads when it wakes
     (done,) = events
     assert isinstance(done, WeightSyncDone) and done.version == 3
+    assert dict(done.transports) == {"s0": "file", "c1": "file", "c2": "file"}
+
+
+def test_publication_sends_weights_across_nodes_through_the_object_store(tmp_path):
+    (tmp_path / "v1.bin").write_bytes(b"weights of v1")
+    s0, c0, c1 = EngineId("s", 0), EngineId.cell(0), EngineId.cell(1)
+    actors = {s0: _Actor(), c0: _Actor(), c1: _Actor()}
+    engines = _engines(actors, {s0: "head", c0: "head", c1: "node-2"}, "head")
+    events: list = []
+    cells = SimpleNamespace(is_asleep=lambda i: False)
+    pub = Publisher(engines, cells, None, Weights(), lambda v: f"{tmp_path}/v{v}.bin",
+                    events.append, ManualClock())
+    asyncio.run(pub.publish(1))
+    assert actors[s0].loaded == actors[c0].loaded == [(f"{tmp_path}/v1.bin", "v1")]
+    assert actors[c1].loaded == [(("object", b"weights of v1"), "v1")]  # the file's bytes
+    assert dict(events[0].transports) == {"s0": "file", "c0": "file", "c1": "object"}
+    engines.nodes[c1] = "head"  # a replacement landed on the driver's node: a file again
+    assert engines.transport(c1) == "file"
 
 
 def test_a_resumed_publisher_refuses_weights_that_are_gone(tmp_path):
