@@ -152,6 +152,9 @@ class Summary(_Line):
     final_roles: str | None = None
     verl_metrics: list[dict[str, float]] | None = None
     t0_utc: str | None = None  # the first dispatch as UTC: every file's time zero
+    backend_by_engine: dict[str, str] | None = None  # engine id -> builtin | vllm | sglang
+    reprefill_tokens: int | None = None  # prompt tokens computed again after moves
+    switch_s: dict[str, dict[str, float]] | None = None  # direction -> n, p50_s, max_s
 
 
 def check(model: type[BaseModel], obj: Any, where: str) -> dict[str, Any]:

@@ -85,6 +85,7 @@ class RayActuator:
         self.trainer_lock = asyncio.Lock()  # held by the trainer during an optimizer step
         self.training_changed = asyncio.Event()
         self.drains: list[dict] = []
+        self.held_out: set[int] = set()  # cells a plan took out of routing (not yet back)
         self.step_log: list[dict] = []
 
     def bind(self, handle: Callable[[Event], None]) -> RayActuator:
@@ -117,6 +118,20 @@ class RayActuator:
                     failed.kind.value, error)
         if plan.direction is Direction.TO_TRAINING:
             self.parts.spawn(f"plan {plan.plan_id} restore", self._back_to_rollout(plan.cells))
+        else:  # e.g. a load that served the wrong version: the cell trains on, out of routing
+            self.parts.spawn(f"plan {plan.plan_id} restore", self._back_to_training(plan.cells))
+
+    async def _back_to_training(self, cells: tuple[int, ...]) -> None:
+        for i in cells:
+            try:
+                self.held_out.add(i)
+                await self._admin("post", f"/tidal/engines/{EngineId.cell(i)}/drain")
+                if i not in self.asleep:
+                    await self._sleep(i, StepKind.SLEEP_ENGINE)
+                if i not in self.training:
+                    await self.activate(i)
+            except Exception:
+                log.exception("cell %d: could not restore training after an abort", i)
 
     async def _back_to_rollout(self, cells: tuple[int, ...]) -> None:
         for i in cells:
@@ -124,7 +139,7 @@ class RayActuator:
                 await self._deactivate(i)
                 await self._wake(i)
                 await self._load(i)
-                await self._admin("post", f"/tidal/engines/{EngineId.cell(i)}/undrain")
+                await self._undrain(i, StepKind.RESUME_ADMISSION)
             except Exception:
                 log.exception("cell %d: could not restore rollout after an abort", i)
 
@@ -177,6 +192,7 @@ class RayActuator:
         # (retried elsewhere with prompt + tokens so far, re-prefilled: no KV handoff); the
         # proxy's drain does both, so ABORT_INFLIGHT then checks that it happened.
         handoff = self.kv_handoff and kind is StepKind.STOP_ADMISSION
+        self.held_out.add(cell)  # before the call: a weight load's undrain must not undo it
         out = await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/drain",
                                 params={"handoff": str(handoff).lower()})
         self.drains.append({"cell": cell, **out})
@@ -185,6 +201,10 @@ class RayActuator:
 
     async def _undrain(self, cell: int, kind: StepKind) -> None:
         await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/undrain")
+        self.held_out.discard(cell)
+
+    def is_held_out(self, cell: int) -> bool:
+        return cell in self.held_out
 
     async def _check_rerouted(self, cell: int, kind: StepKind) -> None:
         eid, engines = str(EngineId.cell(cell)), await self._engines()
@@ -217,6 +237,7 @@ class RayActuator:
     async def begin_in_training(self, cell: int) -> None:
         """A cell the policy starts in training (e.g. static): out of routing (its drain
         moves nothing yet), engine asleep, trainer worker active."""
+        self.held_out.add(cell)
         await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/drain")
         await self._sleep(cell, StepKind.SLEEP_ENGINE)
         await self.activate(cell)
@@ -276,8 +297,11 @@ class RayActuator:
     async def _load(self, cell: int) -> None:
         async with self.weights.lock:
             if self.weights.path is not None:
-                await self._call(cell, "load_weights", self.weights.path,
-                                 self.weights.label)
+                served = await self._call(cell, "load_weights", self.weights.path,
+                                          self.weights.label)
+                if served != self.weights.label:  # never rejoin with other weights
+                    raise RuntimeFailure(f"cell {cell} serves {served!r} after loading "
+                                         f"{self.weights.label!r}")
 
     # -- proxy admin ------------------------------------------------------------------------
     async def _admin(self, method: str, path: str, **kw) -> dict:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -53,6 +54,14 @@ class Publisher:
                 remote(a.load_weights.remote(w.path, w.label), f"{eid} load {w.label}",
                        self.call_timeout_s) for eid, a in self.engines.actors.items()])
 
+    def _readmit(self, eid: Any) -> Callable[[], bool]:
+        """Whether a vLLM engine drained for its load goes back into routing afterwards: not
+        a cell that a transition plan took out meanwhile (it leaves for training)."""
+        held = getattr(self.cells, "is_held_out", None)
+        if eid.standalone or held is None:
+            return lambda: True
+        return lambda: not held(eid.index)
+
     async def publish(self, version: int) -> None:
         """Awake engines load ``version``; a failed load is logged (its engine is replaced)."""
         t0 = self.clock.now()
@@ -62,8 +71,8 @@ class Publisher:
             targets = [(eid, a) for eid, a in self.engines.actors.items()
                        if eid.standalone or not self.cells.is_asleep(eid.index)]
             outs = await asyncio.gather(*[remote(vllm_host.load_weights(  # vLLM: out of routing
-                self.admin, str(eid), a, w.path, w.label,
-                drained=self.engines.vllm and eid.standalone), f"{eid} load {w.label}",
+                self.admin, str(eid), a, w.path, w.label, drained=self.engines.is_vllm(eid),
+                readmit=self._readmit(eid)), f"{eid} load {w.label}",
                 self.call_timeout_s) for eid, a in targets], return_exceptions=True)
         for out in outs:  # a lost engine is replaced by the supervisor with this version
             if isinstance(out, BaseException):
