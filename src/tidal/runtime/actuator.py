@@ -145,10 +145,12 @@ class RayActuator:
 
     async def _run(self, plan: TransitionPlan, step: PlanStep) -> None:
         t0 = time.perf_counter()
-        ok, error = True, ""
+        ok, error, details = True, "", []
         try:
             for cell in step.cells:
-                await self._do(step.kind, cell)
+                out = await self._do(step.kind, cell)
+                if isinstance(out, dict):
+                    details.append(out)
         except Exception as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
             log.warning("plan %d step %s on %s failed: %s", plan.plan_id, step.kind.value,
@@ -159,14 +161,15 @@ class RayActuator:
                               "error": error})
         assert self._handle is not None, "bind() before execute()"
         self._handle(TransitionStepDone(self.clock.now(), plan.plan_id, step.index,
-                                                  ok=ok, duration_s=took, error=error))
+                                        ok=ok, duration_s=took, error=error,
+                                        detail={"moves": details} if details else None))
 
     # -- steps ------------------------------------------------------------------------------
-    async def _do(self, kind: StepKind, cell: int) -> None:
+    async def _do(self, kind: StepKind, cell: int) -> Any:
         op = self._ops().get(kind)
         if op is None:
             raise RuntimeFailure(f"step {kind.value} is not supported by this runtime")
-        await op(cell, kind)
+        return await op(cell, kind)
 
     def _ops(self) -> dict[StepKind, Callable[[int, StepKind], Any]]:
         """Each plan step kind (QwenGyre's and verl's names for the same act) -> its op."""
@@ -187,7 +190,7 @@ class RayActuator:
                 StepKind.ADD_TO_LOAD_BALANCER: self._undrain,
                 StepKind.RESUME_GENERATION: self._check_serving}
 
-    async def _drain(self, cell: int, kind: StepKind) -> None:
+    async def _drain(self, cell: int, kind: StepKind) -> dict:
         # verl's remove-from-load-balancer is followed by its abort of in-flight requests
         # (retried elsewhere with prompt + tokens so far, re-prefilled: no KV handoff); the
         # proxy's drain does both, so ABORT_INFLIGHT then checks that it happened.
@@ -198,6 +201,10 @@ class RayActuator:
         self.drains.append({"cell": cell, **out})
         log.info("cell %d drained: %d requests moved in %.3f s", cell, out["moved"],
                  out["duration_s"])
+        # each move's choice and cost, for the decision log (never silent)
+        return {"cell": cell, "moved": out["moved"],
+                "choice": "kv_handoff" if out["kv_handoff"] else "reprefill",
+                "reprefill_tokens": out.get("reprefill_tokens", 0)}
 
     async def _undrain(self, cell: int, kind: StepKind) -> None:
         await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/undrain")

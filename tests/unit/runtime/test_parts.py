@@ -122,7 +122,7 @@ class _Actor:
 def test_publication_loads_every_serving_engine_and_skips_asleep_cells(tmp_path):
     actors = {EngineId("s", 0): _Actor(), EngineId.cell(0): _Actor(),
               EngineId.cell(1): _Actor(), EngineId.cell(2): _Actor(fail=True)}
-    engines = SimpleNamespace(actors=actors, vllm=False)
+    engines = SimpleNamespace(actors=actors, is_vllm=lambda eid: False)
     cells = SimpleNamespace(is_asleep=lambda i: i == 0, forget_satellite=lambda i: None)
     events: list = []
     pub = Publisher(engines, cells, None, Weights(), lambda v: f"{tmp_path}/v{v}.bin",
@@ -137,7 +137,7 @@ def test_publication_loads_every_serving_engine_and_skips_asleep_cells(tmp_path)
 
 
 def test_a_resumed_publisher_refuses_weights_that_are_gone(tmp_path):
-    pub = Publisher(SimpleNamespace(actors={}, vllm=False), None, None, Weights(), str,
+    pub = Publisher(SimpleNamespace(actors={}, is_vllm=lambda eid: False), None, None, Weights(), str,
                     lambda e: None, ManualClock())
     with pytest.raises(Exception, match=r"published weights .* are gone"):
         pub.restore(2, str(tmp_path / "v2.bin"))
