@@ -185,8 +185,8 @@ class RuntimeConfig(Strict):
                               "changes) or 'sglang' (CUDA only: refused by this runtime)")
     vllm_python: str | None = Field(None, description="the python of a venv with vLLM "
                                     "(a 'vllm' backend; default: $TIDAL_VLLM_PYTHON)")
-    vllm_kv_cache_gb: int = Field(1, ge=1, description="KV cache space of each vLLM engine "
-                                  "on CPU, whole GiB (VLLM_CPU_KVCACHE_SPACE)")
+    vllm_kv_cache_gb: float = Field(1.0, gt=0.0, description="KV cache space of each vLLM "
+                                    "engine, GiB (--kv-cache-memory-bytes)")
     vllm_max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len")
     vllm_start_timeout_s: float = Field(600.0, gt=0.0, description="bound on a vLLM server's "
                                         "start (about 70 s on 2 idle cores)")

@@ -225,10 +225,16 @@ class RayActuator:
         if engines[eid]["inflight"]:
             raise RuntimeFailure(f"{eid} still holds {engines[eid]['inflight']} requests")
 
-    async def _check_handoff(self, cell: int, kind: StepKind) -> None:
+    async def _check_handoff(self, cell: int, kind: StepKind) -> dict:
+        """The drain handed KV over where its engine can (built-in); an engine that cannot
+        export KV over HTTP (vLLM, SGLang) re-prefilled instead, and the step says so."""
         last = next((d for d in reversed(self.drains) if d["cell"] == cell), None)
-        if last is None or last["kv_handoff"] != self.kv_handoff:
+        want = self.kv_handoff and (last or {}).get("kv_capable", True)
+        if last is None or last["kv_handoff"] != want:
             raise RuntimeFailure(f"{EngineId.cell(cell)}: the drain did not use the KV handoff")
+        return {"cell": cell, "choice": "kv_handoff" if want else "reprefill",
+                "why": "" if want else "its engine cannot export KV (vLLM, SGLang: no KV connector wired)",
+                "reprefill_tokens": last.get("reprefill_tokens", 0)}
 
     async def _check_serving(self, cell: int, kind: StepKind) -> None:
         eid, engines = str(EngineId.cell(cell)), await self._engines()

@@ -86,16 +86,17 @@ class VLLMEngineHost(EngineHost):
 
         port = free_port()
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE":
-               str(self.settings["kv_cache_gb"]),
+               "VLLM_NO_USAGE_STATS": "1",
                "PYTHONPATH": _tidal_path(self.log_path.parent / "vllm-pythonpath"),
                "TIDAL_VLLM_LAUNCHER_PID": str(os.getpid())}
         env.pop("VIRTUAL_ENV", None)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         args = [self.settings["python"], "-m", "vllm.entrypoints.openai.api_server",
                 "--model", self.model_dir, "--served-model-name", SERVED_NAME,
                 "--host", "127.0.0.1", "--port", str(port),
                 "--max-model-len", str(self.settings["max_model_len"]),
                 "--max-num-seqs", str(self.max_batch), "--enforce-eager", "--dtype", "float32",
+                "--kv-cache-memory-bytes", str(int(self.settings["kv_cache_gb"] * 2**30)),
                 "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension",
                 *self._extra_args()]
         # the run's engine token: vLLM's --api-key guards only its /v1 routes (its control

@@ -175,6 +175,7 @@ class Proxy:
         # the cost of each move without a handoff: its context is prefilled again elsewhere
         reprefill = 0 if use_kv else sum(a.context_tokens for a in attempts)
         return {"engine": engine_id, "moved": len(attempts), "kv_handoff": use_kv,
+                "kv_capable": member.adapter.supports_kv_handoff,
                 "reprefill_tokens": reprefill, "duration_s": took}
 
     async def _wait_empty(self, member: Member) -> None:
