@@ -233,7 +233,7 @@ class RayActuator:
         if last is None or last["kv_handoff"] != want:
             raise RuntimeFailure(f"{EngineId.cell(cell)}: the drain did not use the KV handoff")
         return {"cell": cell, "choice": "kv_handoff" if want else "reprefill",
-                "why": "" if want else "its engine cannot export KV (vLLM, SGLang: no KV connector wired)",
+                "why": "" if want else "its engine cannot export KV (no KV connector wired)",
                 "reprefill_tokens": last.get("reprefill_tokens", 0)}
 
     async def _check_serving(self, cell: int, kind: StepKind) -> None:

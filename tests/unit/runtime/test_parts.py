@@ -137,8 +137,8 @@ def test_publication_loads_every_serving_engine_and_skips_asleep_cells(tmp_path)
 
 
 def test_a_resumed_publisher_refuses_weights_that_are_gone(tmp_path):
-    pub = Publisher(SimpleNamespace(actors={}, is_vllm=lambda eid: False), None, None, Weights(), str,
-                    lambda e: None, ManualClock())
+    pub = Publisher(SimpleNamespace(actors={}, is_vllm=lambda eid: False), None, None,
+                    Weights(), str, lambda e: None, ManualClock())
     with pytest.raises(Exception, match=r"published weights .* are gone"):
         pub.restore(2, str(tmp_path / "v2.bin"))
 
