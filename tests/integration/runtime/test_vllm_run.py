@@ -54,8 +54,11 @@ def test_vllm_run_every_engine_vllm(smollm2, tmp_path, monkeypatch):
 
     monkeypatch.setattr(bridge, "record_from_proxy", spy)
     cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["runtime"]["keep_weights"] = 3  # the check below reads the published files
+    config = tmp_path / "vllm.yaml"
+    config.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "run"
-    assert main(["run", str(CONFIG), "--out", str(out)]) == 0
+    assert main(["run", str(config), "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     print("summary:", json.dumps({k: summary[k] for k in (
         "run_time_s", "bursts_s", "switches_to_training", "switches_to_rollout",
