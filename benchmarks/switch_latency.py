@@ -60,18 +60,15 @@ async def switch(c: httpx.AsyncClient, host: Any, backend: str, url: str, weight
     (await c.post("/tidal/engines/cell/drain", headers=H, params={"handoff": "false"})
      ).raise_for_status()
     t["drain"] = time.perf_counter() - t0
+    rss0 = engine_rss_mb(host)
     for step, call in (("free", host.sleep), ("wake", host.wake),
                        ("load", lambda: host.load_weights(weights, "v1"))):
         t0 = time.perf_counter()
         await asyncio.to_thread(call)
         t[step] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    await c.post("/tidal/engines/cell/undrain", headers=H)
-    await c.post("/tidal/engines/dest/drain", headers=H)  # the next call must go to the cell
-    (await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})).raise_for_status()
-    t["rejoin"] = time.perf_counter() - t0
-    await c.post("/tidal/engines/dest/undrain", headers=H)
-    answers = [(await x) for x in live]
+        if step == "free":
+            t["rss_freed_mb"] = rss0 - engine_rss_mb(host)
+    answers = [(await x) for x in live]  # every moved call ends at dest, as one answer
     bad = [a.text[:200] for a in answers if a.status_code != 200
            or a.json()["choices"][0]["finish_reason"] not in ("length", "stop")]
     if bad:
@@ -79,12 +76,26 @@ async def switch(c: httpx.AsyncClient, host: Any, backend: str, url: str, weight
     stats = (await c.get("/tidal/stats", headers=H)).json()
     t["moved"] = stats["retries"] - stats0["retries"]
     t["reprefill_tokens"] = stats["reprefill_tokens"] - stats0["reprefill_tokens"]
-    mem = host.describe().get("memory") or [{}]
-    t["rss_freed_mb"] = (mem[-1]["rss_before_mb"] - mem[-1]["rss_after_mb"]
-                         if "rss_after_mb" in mem[-1] else None)
+    await c.post("/tidal/engines/dest/drain", headers=H)  # the next call must go to the cell
+    t0 = time.perf_counter()
+    await c.post("/tidal/engines/cell/undrain", headers=H)
+    (await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})).raise_for_status()
+    t["rejoin"] = time.perf_counter() - t0  # admitted again, and its first call served
+    await c.post("/tidal/engines/dest/undrain", headers=H)
     (await c.delete("/tidal/engines/cell", headers=H, params={"drain": "false"})
      ).raise_for_status()
     return t
+
+
+def engine_rss_mb(host: Any) -> float:
+    """Resident MB of the cell's engine: the vLLM server's processes, or the built-in
+    engine's process."""
+    if hasattr(host, "rss_bytes"):
+        return host.rss_bytes() / 2**20
+    for line in Path(f"/proc/{host.proc.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def _row(name: str, cols: list[Any]) -> str:
@@ -122,7 +133,8 @@ async def main_async(args: argparse.Namespace) -> int:
     hosts = {"builtin": EngineHost("cell-builtin", model_dir, args.calls, str(work),
                                    served="tidal"),
              "vllm": VLLMCellHost("cell-vllm", model_dir, args.calls, str(work), {
-                 "python": vllm_python, "kv_cache_gb": 1, "max_model_len": 1024})}
+                 "python": vllm_python, "kv_cache_gb": args.kv_cache_gb,
+                 "max_model_len": 1024})}
     proxy = start_proxy([], [], TOKEN, kv_handoff=False, log_path=work / "proxy.log")
     dest = start_engine(model_dir, name="tidal", log_path=work / "dest.log")
     results: dict[str, dict[str, Any]] = {}
@@ -149,7 +161,7 @@ async def main_async(args: argparse.Namespace) -> int:
         print(_row(step, [results[b].get(step) for b in results]))
     total = {b: sum(v for k, v in r.items() if k in STEPS) for b, r in results.items()}
     print(_row("total", list(total.values())))
-    for key in ("moved", "reprefill_tokens", "rss_freed_mb"):
+    for key in ("rss_freed_mb", "moved", "reprefill_tokens"):
         print(_row(key, [results[b].get(key) for b in results]))
     print(f"logs: {work}")
     return 0
@@ -159,6 +171,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=4, help="live calls moved by the drain")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="the vLLM engine's KV cache")
     return asyncio.run(main_async(ap.parse_args()))
 
 
