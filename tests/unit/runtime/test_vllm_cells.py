@@ -124,3 +124,52 @@ def test_tokens_come_with_their_logprobs():
 def test_missing_or_wrong_logprobs_are_errors_never_zeros(choice, words):
     with pytest.raises(EngineError, match=words):
         chunk_tokens(choice, "http://x")
+
+
+class _Cell:
+    """A cell actor's ``load_weights`` as the actuator calls it (``.remote`` -> awaitable):
+    it answers the label its engine reports after the load."""
+
+    def __init__(self, serves: str) -> None:
+        self.serves = serves
+        self.load_weights = SimpleNamespace(remote=self._load)
+
+    async def _load(self, path: str, label: str) -> str:
+        return self.serves
+
+
+def _actuator(cells: dict[int, _Cell], kv_handoff: bool = True):
+    from tidal.clock import ManualClock
+    from tidal.runtime.actuator import CoreLink, RayActuator, Weights
+    from tidal.runtime.tasks import Parts
+
+    engines = SimpleNamespace(cell=lambda i: cells[i])
+    weights = Weights(version=2, path="/w/v2.safetensors")
+    return RayActuator(ManualClock(), None, engines, weights, kv_handoff, Parts(), CoreLink())
+
+
+def test_a_cell_that_serves_another_version_after_its_load_fails_the_step():
+    import asyncio
+
+    from tidal.runtime.cell import RuntimeFailure
+
+    act = _actuator({0: _Cell("v2"), 1: _Cell("v1")})
+    asyncio.run(act._load(0))  # read back v2: it may rejoin
+    with pytest.raises(RuntimeFailure, match="cell 1 serves 'v1' after loading 'v2'"):
+        asyncio.run(act._load(1))
+
+
+def test_the_kv_handoff_step_accepts_a_reprefill_only_where_the_engine_cannot_hand_over():
+    import asyncio
+
+    from tidal.control.plans import StepKind
+    from tidal.runtime.cell import RuntimeFailure
+
+    act = _actuator({})
+    act.drains = [{"cell": 0, "kv_handoff": False, "kv_capable": False, "moved": 2,
+                   "reprefill_tokens": 70},
+                  {"cell": 1, "kv_handoff": False, "kv_capable": True, "moved": 1}]
+    out = asyncio.run(act._check_handoff(0, StepKind.KV_HANDOFF))  # vLLM: re-prefilled
+    assert out["choice"] == "reprefill" and out["reprefill_tokens"] == 70 and out["why"]
+    with pytest.raises(RuntimeFailure, match="did not use the KV handoff"):
+        asyncio.run(act._check_handoff(1, StepKind.KV_HANDOFF))  # built-in: it should have
