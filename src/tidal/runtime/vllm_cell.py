@@ -87,7 +87,10 @@ class VLLMCellHost(VLLMEngineHost):
             "method": method, "args": [], "kwargs": {}, "timeout": 120.0})["results"]
 
     def sleep(self) -> str:
-        """Free the engine's memory (its cell was drained: nothing of ours runs there)."""
+        """Free the engine's memory (its cell was drained: nothing of ours runs there); a
+        server that frees nothing is one ``RuntimeFailure`` line (the plan aborts)."""
+        if self.state == "asleep":
+            return self.state
         before, t0 = self.rss_bytes(), time.perf_counter()
         if self.device == "cuda":
             self._http("POST", "/sleep", params={"level": 1, "mode": "abort"})
@@ -98,6 +101,10 @@ class VLLMCellHost(VLLMEngineHost):
         else:
             self._http("POST", "/pause", params={"mode": "abort"})
             released = sum(int(n) for n in self._rpc("tidal_release_kv_cache"))
+            if released <= 0:
+                self._http("POST", "/resume")  # it serves on as it was
+                raise RuntimeFailure(f"vLLM engine {self.name}: no KV cache memory was "
+                                     "released (the worker holds none)")
         self.state = "asleep"
         self.memory.append({"rss_before_mb": round(before / 2**20, 1),
                             "rss_after_mb": round(self.rss_bytes() / 2**20, 1),
