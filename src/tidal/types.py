@@ -165,6 +165,7 @@ class TransitionStepDone(Event):
     ok: bool = True
     duration_s: float = 0.0
     error: str = ""
+    detail: dict | None = None  # what the step chose and what it cost (decision log)
 
 
 @dataclass(frozen=True)

@@ -383,7 +383,8 @@ class Controller:
             return
         self.log.write({"type": "step_done", "t": round(ev.t_s, 6), "plan_id": plan.plan_id,
                         "step": plan.steps[fl.step].kind.value,
-                        "duration_s": round(ev.duration_s, 6)})
+                        "duration_s": round(ev.duration_s, 6),
+                        **({"detail": ev.detail} if ev.detail else {})})
         if fl.step + 1 < len(plan.steps):
             fl.step += 1
             fl.issued_s = ev.t_s

@@ -85,6 +85,7 @@ class RayActuator:
         self.trainer_lock = asyncio.Lock()  # held by the trainer during an optimizer step
         self.training_changed = asyncio.Event()
         self.drains: list[dict] = []
+        self.held_out: set[int] = set()  # cells a plan took out of routing (not yet back)
         self.step_log: list[dict] = []
 
     def bind(self, handle: Callable[[Event], None]) -> RayActuator:
@@ -117,6 +118,20 @@ class RayActuator:
                     failed.kind.value, error)
         if plan.direction is Direction.TO_TRAINING:
             self.parts.spawn(f"plan {plan.plan_id} restore", self._back_to_rollout(plan.cells))
+        else:  # e.g. a load that served the wrong version: the cell trains on, out of routing
+            self.parts.spawn(f"plan {plan.plan_id} restore", self._back_to_training(plan.cells))
+
+    async def _back_to_training(self, cells: tuple[int, ...]) -> None:
+        for i in cells:
+            try:
+                self.held_out.add(i)
+                await self._admin("post", f"/tidal/engines/{EngineId.cell(i)}/drain")
+                if i not in self.asleep:
+                    await self._sleep(i, StepKind.SLEEP_ENGINE)
+                if i not in self.training:
+                    await self.activate(i)
+            except Exception:
+                log.exception("cell %d: could not restore training after an abort", i)
 
     async def _back_to_rollout(self, cells: tuple[int, ...]) -> None:
         for i in cells:
@@ -124,16 +139,18 @@ class RayActuator:
                 await self._deactivate(i)
                 await self._wake(i)
                 await self._load(i)
-                await self._admin("post", f"/tidal/engines/{EngineId.cell(i)}/undrain")
+                await self._undrain(i, StepKind.RESUME_ADMISSION)
             except Exception:
                 log.exception("cell %d: could not restore rollout after an abort", i)
 
     async def _run(self, plan: TransitionPlan, step: PlanStep) -> None:
         t0 = time.perf_counter()
-        ok, error = True, ""
+        ok, error, details = True, "", []
         try:
             for cell in step.cells:
-                await self._do(step.kind, cell)
+                out = await self._do(step.kind, cell)
+                if isinstance(out, dict):
+                    details.append(out)
         except Exception as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
             log.warning("plan %d step %s on %s failed: %s", plan.plan_id, step.kind.value,
@@ -144,14 +161,15 @@ class RayActuator:
                               "error": error})
         assert self._handle is not None, "bind() before execute()"
         self._handle(TransitionStepDone(self.clock.now(), plan.plan_id, step.index,
-                                                  ok=ok, duration_s=took, error=error))
+                                        ok=ok, duration_s=took, error=error,
+                                        detail={"moves": details} if details else None))
 
     # -- steps ------------------------------------------------------------------------------
-    async def _do(self, kind: StepKind, cell: int) -> None:
+    async def _do(self, kind: StepKind, cell: int) -> Any:
         op = self._ops().get(kind)
         if op is None:
             raise RuntimeFailure(f"step {kind.value} is not supported by this runtime")
-        await op(cell, kind)
+        return await op(cell, kind)
 
     def _ops(self) -> dict[StepKind, Callable[[int, StepKind], Any]]:
         """Each plan step kind (QwenGyre's and verl's names for the same act) -> its op."""
@@ -172,19 +190,28 @@ class RayActuator:
                 StepKind.ADD_TO_LOAD_BALANCER: self._undrain,
                 StepKind.RESUME_GENERATION: self._check_serving}
 
-    async def _drain(self, cell: int, kind: StepKind) -> None:
+    async def _drain(self, cell: int, kind: StepKind) -> dict:
         # verl's remove-from-load-balancer is followed by its abort of in-flight requests
         # (retried elsewhere with prompt + tokens so far, re-prefilled: no KV handoff); the
         # proxy's drain does both, so ABORT_INFLIGHT then checks that it happened.
         handoff = self.kv_handoff and kind is StepKind.STOP_ADMISSION
+        self.held_out.add(cell)  # before the call: a weight load's undrain must not undo it
         out = await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/drain",
                                 params={"handoff": str(handoff).lower()})
         self.drains.append({"cell": cell, **out})
         log.info("cell %d drained: %d requests moved in %.3f s", cell, out["moved"],
                  out["duration_s"])
+        # each move's choice and cost, for the decision log (never silent)
+        return {"cell": cell, "moved": out["moved"],
+                "choice": "kv_handoff" if out["kv_handoff"] else "reprefill",
+                "reprefill_tokens": out.get("reprefill_tokens", 0)}
 
     async def _undrain(self, cell: int, kind: StepKind) -> None:
         await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/undrain")
+        self.held_out.discard(cell)
+
+    def is_held_out(self, cell: int) -> bool:
+        return cell in self.held_out
 
     async def _check_rerouted(self, cell: int, kind: StepKind) -> None:
         eid, engines = str(EngineId.cell(cell)), await self._engines()
@@ -198,10 +225,16 @@ class RayActuator:
         if engines[eid]["inflight"]:
             raise RuntimeFailure(f"{eid} still holds {engines[eid]['inflight']} requests")
 
-    async def _check_handoff(self, cell: int, kind: StepKind) -> None:
+    async def _check_handoff(self, cell: int, kind: StepKind) -> dict:
+        """The drain handed KV over where its engine can (built-in); an engine that cannot
+        export KV over HTTP (vLLM, SGLang) re-prefilled instead, and the step says so."""
         last = next((d for d in reversed(self.drains) if d["cell"] == cell), None)
-        if last is None or last["kv_handoff"] != self.kv_handoff:
+        want = self.kv_handoff and (last or {}).get("kv_capable", True)
+        if last is None or last["kv_handoff"] != want:
             raise RuntimeFailure(f"{EngineId.cell(cell)}: the drain did not use the KV handoff")
+        return {"cell": cell, "choice": "kv_handoff" if want else "reprefill",
+                "why": "" if want else "its engine cannot export KV (no KV connector wired)",
+                "reprefill_tokens": last.get("reprefill_tokens", 0)}
 
     async def _check_serving(self, cell: int, kind: StepKind) -> None:
         eid, engines = str(EngineId.cell(cell)), await self._engines()
@@ -217,6 +250,7 @@ class RayActuator:
     async def begin_in_training(self, cell: int) -> None:
         """A cell the policy starts in training (e.g. static): out of routing (its drain
         moves nothing yet), engine asleep, trainer worker active."""
+        self.held_out.add(cell)
         await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/drain")
         await self._sleep(cell, StepKind.SLEEP_ENGINE)
         await self.activate(cell)
@@ -279,9 +313,12 @@ class RayActuator:
                 eid = EngineId.cell(cell)
                 if self.engines.transport(eid) == "object":
                     await asyncio.to_thread(self.engines.blob, self.weights.path)
-                await remote(self.engines.load(eid, self._cell(cell), self.weights.path,
-                                               self.weights.label),
-                             f"cell {cell} load_weights", self.call_timeout_s)
+                served = await remote(self.engines.load(eid, self._cell(cell), self.weights.path,
+                                                        self.weights.label),
+                                      f"cell {cell} load_weights", self.call_timeout_s)
+                if served != self.weights.label:  # never rejoin with other weights
+                    raise RuntimeFailure(f"cell {cell} serves {served!r} after loading "
+                                         f"{self.weights.label!r}")
 
     # -- proxy admin ------------------------------------------------------------------------
     async def _admin(self, method: str, path: str, **kw) -> dict:

@@ -77,6 +77,12 @@ def served_name(cfg: RunConfig) -> str:
     return Path(cfg.runtime.model).name
 
 
+def cell_backend(cfg: RunConfig, index: int) -> str:
+    """What serves cell ``index``: its own ``cluster.cells[i].backend``, else
+    ``runtime.cell_backend``."""
+    return cfg.cluster.cell_specs()[index].backend or cfg.runtime.cell_backend
+
+
 def engine_ids(cfg: RunConfig) -> list[EngineId]:
     """Standalone engines first, then cells in order."""
     return ([EngineId("s", j) for j in range(cfg.cluster.standalone_count)]
@@ -95,6 +101,7 @@ class Engines:
         self.ids = engine_ids(cfg)
         self._actor_cls = ray.remote(EngineHost)
         self._vllm = vllm_host.actor_class(ray, self.rt)  # None: built-in standalone engines
+        self._vllm_cell: Any = None  # the actor class of vLLM cells, made on first use
         self.actors: dict[EngineId, Any] = {}
         self.urls: dict[EngineId, str] = {}
         self.start_pids: dict[EngineId, int] = {}
@@ -114,6 +121,16 @@ class Engines:
         """Standalone engines are vLLM servers (a load takes them out of routing)."""
         return self._vllm is not None
 
+    def backend(self, eid: EngineId) -> str:
+        """What serves engine ``eid``: builtin, vllm (or sglang, refused by ``check``)."""
+        if eid.standalone:
+            return self.rt.standalone_backend
+        return cell_backend(self.cfg, eid.index)
+
+    def is_vllm(self, eid: EngineId) -> bool:
+        """A vLLM server: a load takes it out of routing (the adapter labels per call)."""
+        return self.backend(eid) == "vllm"
+
     def cell(self, index: int) -> Any:
         return self.actors[EngineId.cell(index)]
 
@@ -126,12 +143,18 @@ class Engines:
         # weight load runs; the actuator never sends one cell two state changes at once.
         device = self.rt.device if self.rt.use_gpus else "cpu"
         groups, name = self.cpu_groups, str(eid)
-        cls, extra = ((self._vllm, [vllm_host.vllm_settings(self.rt)])
-                      if self._vllm is not None and eid.standalone else
-                      (self._actor_cls, [device,
-                                         groups.path(name) if groups is not None else None,
-                                         served_name(self.cfg),
-                                         engine_seed(self.cfg.seed, name)]))
+        if self._vllm is not None and eid.standalone:
+            cls, extra = self._vllm, [vllm_host.vllm_settings(self.rt)]
+        elif not eid.standalone and self.is_vllm(eid):
+            from tidal.runtime.vllm_cell import VLLMCellHost
+
+            self._vllm_cell = self._vllm_cell or self.ray.remote(VLLMCellHost)
+            cls, extra = self._vllm_cell, [vllm_host.vllm_settings(self.rt), device]
+        else:
+            cls, extra = self._actor_cls, [device,
+                                           groups.path(name) if groups is not None else None,
+                                           served_name(self.cfg),
+                                           engine_seed(self.cfg.seed, name)]
         return cls.options(runtime_env={"env_vars": env}, max_concurrency=4,
                            **self.placement.options(name)).remote(
             name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra)
@@ -170,7 +193,7 @@ class Engines:
         """How ``eid`` gets a weight version: ``file`` (the driver's file: same node, or a
         vLLM server, which loads from a path) or ``object`` (pulled across nodes)."""
         node = self.nodes.get(eid)
-        if node is None or node == self.driver_node or (self.vllm and eid.standalone):
+        if node is None or node == self.driver_node or self.is_vllm(eid):
             return "file"
         return "object"
 
@@ -195,7 +218,7 @@ class Engines:
             return {"id": str(eid), "url": url, "kind": "standalone",
                     "cap": cl.standalone_slots, "backend": self.rt.standalone_backend}
         return {"id": str(eid), "url": url, "kind": "cell", "cell_index": eid.index,
-                "cap": cl.cell_specs()[eid.index].slots}
+                "cap": cl.cell_specs()[eid.index].slots, "backend": self.backend(eid)}
 
     def stop(self, extra_pids: list[int]) -> None:
         """Stop every engine (bounded), then end by pid what this run started and is still

@@ -171,6 +171,18 @@ def merge_counts(*counts: dict[str, int]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def switch_times(plans_done: list[tuple[Any, float]]) -> dict[str, dict[str, float]]:
+    """Per direction (``to_training`` / ``to_rollout``): how many plans finished and their
+    duration in seconds (p50 = the lower median, max)."""
+    out: dict[str, dict[str, float]] = {}
+    for direction in ("to_training", "to_rollout"):
+        ds = sorted(d for p, d in plans_done if p.direction.value == direction)
+        if ds:
+            out[direction] = {"n": len(ds), "p50_s": round(ds[(len(ds) - 1) // 2], 3),
+                              "max_s": round(ds[-1], 3)}
+    return out
+
+
 def summary(*, ctl: Any, bursts: int, metrics: list[dict[str, Any]], version: int,
             bursts_s: float, group_size: int, results: list[Any], stats: dict[str, Any],
             engines: list[dict], start_pids: dict[str, int], bridge: Any, actuator: Any,
@@ -192,6 +204,11 @@ def summary(*, ctl: Any, bursts: int, metrics: list[dict[str, Any]], version: in
         "rerouted_executions": stats["rerouted_executions"],
         "drained_requests": sum(d["moved"] for d in actuator.drains),
         "kv_handoffs": stats["kv_handoffs"], "engine_failures": stats["engine_failures"],
+        # prompt tokens an engine computed again after a move without a KV handoff
+        "reprefill_tokens": stats.get("reprefill_tokens", 0),
+        "backend_by_engine": {e["name"]: e.get("backend", "builtin") for e in engines},
+        "switch_s": switch_times(ctl.plans_done),
+        "engine_memory": {e["name"]: e["memory"] for e in engines if e.get("memory")},
         "engine_step_failures": stats["engine_step_failures"],
         "failed_requests": reasons.get("failed", 0),
         "timed_out_executions": reasons.get("timeout", 0),

@@ -3,7 +3,7 @@
 In: ``publish(version)`` from the trainer loop after the final step of a burst (the core's
 ``FilePublisher`` already wrote the file); ``load_published`` once at the start of a resumed run.
 Out: every standalone engine and every awake cell loads the version in place (no restart; vLLM
-standalone engines out of routing meanwhile), by the transport its placement gives it (the
+engines out of routing meanwhile), by the transport its placement gives it (the
 driver's file on the driver's node, Ray's object store across nodes; ``Engines.transport``,
 logged per publication in the decision log), ``Weights`` names it (a cell that wakes later, or a
 replaced engine, loads it from there), and one ``WeightSyncDone`` goes to the controller.
@@ -56,6 +56,14 @@ class Publisher:
                 remote(self.engines.load(eid, a, w.path, w.label), f"{eid} load {w.label}",
                        self.call_timeout_s) for eid, a in self.engines.actors.items()])
 
+    def _readmit(self, eid: Any) -> Callable[[], bool]:
+        """Whether a vLLM engine drained for its load goes back into routing afterwards: not
+        a cell that a transition plan took out meanwhile (it leaves for training)."""
+        held = getattr(self.cells, "is_held_out", None)
+        if eid.standalone or held is None:
+            return lambda: True
+        return lambda: not held(eid.index)
+
     async def publish(self, version: int) -> None:
         """Awake engines load ``version``; a failed load is logged (its engine is replaced)."""
         t0 = self.clock.now()
@@ -78,9 +86,10 @@ class Publisher:
                                    transports=tuple(sorted(routes.items()))))
 
     def _load(self, eid: Any, actor: Any, path: str, label: str) -> Any:
-        """One engine's load by its transport; a vLLM standalone engine is out of routing
-        meanwhile (``vllm_host.load_weights``)."""
+        """One engine's load by its transport; a vLLM engine (standalone or cell) is out of
+        routing meanwhile (``vllm_host.load_weights``)."""
         if self.engines.transport(eid) == "object":
             return self.engines.load(eid, actor, path, label)
         return vllm_host.load_weights(self.admin, str(eid), actor, path, label,
-                                      drained=self.engines.vllm and eid.standalone)
+                                      drained=self.engines.is_vllm(eid),
+                                      readmit=self._readmit(eid))

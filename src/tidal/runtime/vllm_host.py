@@ -86,17 +86,24 @@ class VLLMEngineHost(EngineHost):
 
         port = free_port()
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE":
-               str(self.settings["kv_cache_gb"]),
+               "VLLM_NO_USAGE_STATS": "1",
                "PYTHONPATH": _tidal_path(self.log_path.parent / "vllm-pythonpath"),
                "TIDAL_VLLM_LAUNCHER_PID": str(os.getpid())}
         env.pop("VIRTUAL_ENV", None)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         args = [self.settings["python"], "-m", "vllm.entrypoints.openai.api_server",
                 "--model", self.model_dir, "--served-model-name", SERVED_NAME,
                 "--host", "127.0.0.1", "--port", str(port),
                 "--max-model-len", str(self.settings["max_model_len"]),
                 "--max-num-seqs", str(self.max_batch), "--enforce-eager", "--dtype", "float32",
-                "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension"]
+                "--kv-cache-memory-bytes", str(int(self.settings["kv_cache_gb"] * 2**30)),
+                "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension",
+                *self._extra_args()]
+        # the run's engine token: vLLM's --api-key guards only its /v1 routes (its control
+        # routes, /collective_rpc, /pause, ..., stay open on loopback); the proxy sends it
+        token = os.environ.get("TIDAL_ENGINE_TOKEN")
+        if token:
+            args += ["--api-key", token]
         with open(self.log_path, "ab") as log_fh:
             self.vllm = subprocess.Popen(args, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
@@ -105,7 +112,8 @@ class VLLMEngineHost(EngineHost):
             self._wait_healthy(timeout_s)
             from tidal.training.vllm_sync import VLLMWeightPublisher
 
-            self._sync = VLLMWeightPublisher(self.url, None, "file", timeout_s=timeout_s)
+            self._sync = VLLMWeightPublisher(self.url, None, "file", timeout_s=timeout_s,
+                                             api_key=token)
             # vLLM calls its initial weights "default"; tidal's first version is v0
             self._sync.set_version(self.loaded_version)
         except TidalError as exc:
@@ -113,6 +121,9 @@ class VLLMEngineHost(EngineHost):
             raise RuntimeFailure(f"vLLM engine {self.name}: {exc}") from None
         self.state = "awake"
         return self.url
+
+    def _extra_args(self) -> list[str]:
+        return []
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -146,9 +157,14 @@ class VLLMEngineHost(EngineHost):
         if self._sync is None or not self.alive():
             raise RuntimeFailure(f"vLLM engine {self.name} is not running")
         try:
-            self.loaded_version = self._sync.load_file(path, version)
-        except TidalError as exc:
+            self._sync.load_file(path, version)
+            served = self._sync.version()  # read back: the label the server really has
+        except (TidalError, httpx.HTTPError) as exc:
             raise RuntimeFailure(f"vLLM engine {self.name}: loading {version}: {exc}") from None
+        if served != version:
+            raise RuntimeFailure(f"vLLM engine {self.name} serves {served!r} after loading "
+                                 f"{version!r}")
+        self.loaded_version = served
         return self.loaded_version
 
     def start_satellite(self, cell: int, core: dict, timeout_s: float) -> int:
@@ -220,20 +236,24 @@ def actor_class(ray: Any, rt: Any) -> Any:
 
 
 async def load_weights(admin: Any, name: str, actor: Any, path: str, label: str,
-                       drained: bool) -> str:
+                       drained: bool, readmit: Any = None) -> str:
     """``actor.load_weights``; with ``drained``, the engine is out of the proxy's routing
     meanwhile (its calls move, none starts), so no call of ours straddles the load and the
-    label the vLLM adapter reads at the start of each call is the version of all its tokens."""
+    label the vLLM adapter reads at the start of each call is the version of all its tokens.
+    It is readmitted after a verified load unless ``readmit()`` says no (a cell leaving for
+    training); after a failed one it stays out of routing."""
     if not drained:
         return await actor.load_weights.remote(path, label)
     resp = await admin.post(f"/tidal/engines/{name}/drain")
     if resp.status_code != 200:
         raise RuntimeFailure(f"drain of {name} before loading {label}: HTTP "
                              f"{resp.status_code} {resp.text[:200]}")
-    try:
-        return await actor.load_weights.remote(path, label)
-    finally:
+    # a failed load (or a wrong version read back) leaves the engine out of routing: it
+    # never serves weights other than the published ones
+    served = await actor.load_weights.remote(path, label)
+    if readmit is None or readmit():  # else a plan holds it out: its drain stands
         resp = await admin.post(f"/tidal/engines/{name}/undrain")
         if resp.status_code != 200:
             raise RuntimeFailure(f"undrain of {name} after loading {label}: HTTP "
                                  f"{resp.status_code} {resp.text[:200]}")
+    return served

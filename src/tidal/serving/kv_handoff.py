@@ -33,6 +33,7 @@ class Attempt:
     upstream_s: float = 0.0
     abort_sent: bool = False
     keep_kv: bool = False
+    context_tokens: int = 0  # prompt + tokens so far at this engine: a move re-prefills them
 
 
 async def export_kv(attempt: Attempt) -> bytes | None:

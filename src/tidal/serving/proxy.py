@@ -172,8 +172,11 @@ class Proxy:
         took = self.clock.now() - t0
         log.info("drained %s: %d calls moved in %.3f s (kv handoff %s)", engine_id,
                  len(attempts), took, use_kv)
+        # the cost of each move without a handoff: its context is prefilled again elsewhere
+        reprefill = 0 if use_kv else sum(a.context_tokens for a in attempts)
         return {"engine": engine_id, "moved": len(attempts), "kv_handoff": use_kv,
-                "duration_s": took}
+                "kv_capable": member.adapter.supports_kv_handoff,
+                "reprefill_tokens": reprefill, "duration_s": took}
 
     async def _wait_empty(self, member: Member) -> None:
         try:
@@ -351,6 +354,7 @@ class Proxy:
                               kv_handle, stream=on_chunk is not None)
         reason = None
         attempt.sent = True
+        attempt.context_tokens = len(prompt_now)
         stream = member.adapter.generate(req)
         while True:
             t_up = time.perf_counter()
@@ -378,6 +382,7 @@ class Proxy:
                 attempt.upstream_s += time.perf_counter() - t_up
             if chunk.token_ids:
                 seg.token_ids += chunk.token_ids
+                attempt.context_tokens += len(chunk.token_ids)
                 seg.logprobs += chunk.logprobs
                 seg.versions += chunk.versions
                 res.add(TokenChunk(chunk.token_ids, chunk.logprobs, chunk.versions,

@@ -11,10 +11,37 @@ vLLM has no KV export over HTTP here, so ``supports_kv_handoff`` is False.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 
 from tidal.serving.adapters import EngineStats, HTTPEngineBase, NoKVHandoff
-from tidal.serving.protocol import GenerateRequest, TokenChunk
+from tidal.serving.protocol import EngineError, GenerateRequest, TokenChunk
+
+
+def chunk_tokens(choice: dict, url: str) -> tuple[list[int], list[float]]:
+    """A streamed choice's generated token ids and their log-probs. A chunk with text but no
+    ids, or ids without one finite log-prob each, is ``EngineError`` (one line): a missing
+    log-prob is never filled in, it would corrupt the policy-gradient ratio."""
+    ids = choice.get("token_ids")
+    if ids is None:
+        if choice.get("text"):
+            raise EngineError(f"vLLM at {url} returned text without token_ids (is the server "
+                              "older than return_token_ids?)")
+        ids = []
+    lps = (choice.get("logprobs") or {}).get("token_logprobs")
+    if not ids:
+        return [], []
+    if lps is None or len(lps) != len(ids):
+        raise EngineError(f"vLLM at {url} returned {len(ids)} token ids with "
+                          f"{'no' if lps is None else len(lps)} log-probs")
+    try:
+        out = [float(x) for x in lps]
+    except (TypeError, ValueError):
+        raise EngineError(f"vLLM at {url} returned a log-prob that is not a number: "
+                          f"{lps!r:.120}") from None
+    if not all(math.isfinite(x) and x <= 0.0 for x in out):
+        raise EngineError(f"vLLM at {url} returned log-probs outside (-inf, 0]: {out!r:.120}")
+    return [int(i) for i in ids], out
 
 
 class VLLMAdapter(NoKVHandoff, HTTPEngineBase):
@@ -51,9 +78,8 @@ class VLLMAdapter(NoKVHandoff, HTTPEngineBase):
             if not event.get("choices"):
                 continue
             choice = event["choices"][0]
-            ids = list(choice.get("token_ids") or [])
-            lps = (choice.get("logprobs") or {}).get("token_logprobs") or [0.0] * len(ids)
-            chunk = TokenChunk(ids, [float(x) for x in lps], [version] * len(ids),
+            ids, lps = chunk_tokens(choice, self.url)
+            chunk = TokenChunk(ids, lps, [version] * len(ids),
                                text=choice.get("text") or "",
                                finish_reason=choice.get("finish_reason"))
             if first:

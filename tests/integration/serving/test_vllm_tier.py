@@ -126,6 +126,10 @@ def test_drain_vllm_to_builtin_and_back_is_one_answer(servers):
     segments = records["calls"][0]["segments"]
     print("segments:", [(s["engine_id"], len(s["token_ids"]), s["ended_by"]) for s in segments])
     assert moved["moved"] == 1 and back["moved"] == 1
+    # each move's choice and cost: vLLM cannot export KV (re-prefilled: prompt + tokens so
+    # far), the built-in engine hands its KV over
+    assert not moved["kv_capable"] and not moved["kv_handoff"] and moved["reprefill_tokens"] > 0
+    assert back["kv_capable"] and back["kv_handoff"] and back["reprefill_tokens"] == 0
     assert [s["engine_id"] for s in segments if s["token_ids"]][:3] == ["vllm", "builtin", "vllm"]
     assert sum(len(s["token_ids"]) for s in segments) == 100
 

@@ -71,9 +71,10 @@ def test_unknown_backends_are_config_errors(value):
     assert info.value.field == "runtime.standalone_backend"
 
 
-def test_kv_cache_is_whole_gib():
+def test_kv_cache_is_positive():
+    assert _cfg(vllm_kv_cache_gb=0.25).runtime.vllm_kv_cache_gb == 0.25
     with pytest.raises(ConfigError) as info:
-        _cfg(vllm_kv_cache_gb=0.5)
+        _cfg(vllm_kv_cache_gb=0)
     assert info.value.field == "runtime.vllm_kv_cache_gb"
 
 

@@ -1,0 +1,79 @@
+"""vLLM tier (``make test-vllm``): one cell's vLLM server through a whole role switch, in one
+server process: serve, sleep (memory freed, measured as RSS of the server's processes), wake,
+load a published version in place and read it back, serve again; a load whose file holds
+another version is refused with one line, and the server keeps serving what it served.
+
+The host is driven as a plain object (what the actuator calls on its Ray actor), so the test
+needs no Ray. Skipped unless ``TIDAL_VLLM_PYTHON`` names the vLLM venv's python.
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from tidal.runtime.cell import RuntimeFailure
+
+VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)")]
+
+
+def _complete(url: str, prompt: list[int], token: str) -> dict:
+    resp = httpx.post(f"{url}/v1/completions", timeout=120, headers={
+        "Authorization": f"Bearer {token}"}, json={
+        "model": "tidal", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+        "logprobs": 0, "return_token_ids": True})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]
+
+
+@pytest.mark.timeout(600)
+def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch):
+    import torch
+
+    from tidal.models import load_model
+    from tidal.runtime.vllm_cell import VLLMCellHost
+    from tidal.training.flat import ParamLayout
+    from tidal.training.transport import FilePublisher
+
+    token = "cell-token"
+    monkeypatch.setenv("TIDAL_ENGINE_TOKEN", token)
+    host = VLLMCellHost("c0", str(smollm2), 4, str(tmp_path), {
+        "python": VLLM_PYTHON, "kv_cache_gb": 1, "max_model_len": 512})
+    model, tok = load_model(smollm2)
+    layout = ParamLayout.of(model)
+    pub = FilePublisher(tmp_path / "w", layout)
+    prompt = tok.encode("The capital of France is")
+    try:
+        url = host.start(300)
+        pid = host.describe()["pid"]
+        # vLLM's --api-key guards its /v1 routes: a call without the run's token is refused
+        assert httpx.post(f"{url}/v1/completions", timeout=30, json={
+            "model": "tidal", "prompt": prompt, "max_tokens": 1}).status_code == 401
+        before = _complete(url, prompt, token)
+        assert host.sleep() == "asleep"
+        mem = host.describe()["memory"][-1]
+        print("vLLM cell memory (MB):", mem)
+        assert mem["kv_released_mb"] >= 1000  # the whole 1 GiB KV cache storage
+        assert mem["rss_after_mb"] < mem["rss_before_mb"]
+        assert host.wake() == "awake"
+        torch.manual_seed(0)
+        with torch.no_grad():  # a different version
+            for p in model.parameters():
+                p.mul_(1 + 0.05 * torch.randn_like(p))
+        pub.publish(1, layout.params_to_flat(model))
+        assert host.load_weights(str(pub.path(1)), "v1") == "v1"
+        after = _complete(url, prompt, token)
+        assert after["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
+        # a file that holds v1 is not v2: one line, the server still serves v1
+        with pytest.raises(RuntimeFailure, match="holds v1, not v2"):
+            host.load_weights(str(pub.path(1)), "v2")
+        assert httpx.get(f"{url}/weight_info", timeout=30).json()["weight_version"] == "v1"
+        # the same server process through it all
+        d = host.describe()
+        assert d["pid"] == pid and d["alive"] and d["backend"] == "vllm"
+    finally:
+        host.stop()
