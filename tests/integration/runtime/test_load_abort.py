@@ -60,7 +60,10 @@ def test_a_load_that_serves_another_version_aborts_back_to_training(tmp_path, mo
             for body in ({"id": "s0", "url": s0.url},
                          {"id": "c0", "url": url, "kind": "cell", "cell_index": 0}):
                 (await admin.post("/tidal/engines", json=body)).raise_for_status()
-            act = RayActuator(ManualClock(), admin, SimpleNamespace(cell=lambda i: actor),
+            engines = SimpleNamespace(  # one node: every load is the driver's file
+                cell=lambda i: actor, transport=lambda eid: "file",
+                load=lambda eid, a, path, label: a.load_weights.remote(path, label))
+            act = RayActuator(ManualClock(), admin, engines,
                               Weights(version=2, path=str(tmp_path / "v2.safetensors")),
                               False, Parts(), CoreLink())
             await act.begin_in_training(0)
