@@ -309,6 +309,8 @@ class Scenario(Strict):
         control = self.control.model_copy(update={"kv_handoff": profile.kv_handoff})
         if control.admission == "off":
             control = control.model_copy(update={"admission": profile.admission})
+        elif profile.admission != control.admission:  # the row's label names what runs
+            profile = profile.model_copy(update={"admission": control.admission})
         cfg = check_policy(validate_model(RunConfig, {
             "name": f"{self.name}/{spec}", "seed": self.seed,
             "cluster": self.cluster.model_dump(mode="json"),
