@@ -203,6 +203,16 @@ class Profile(Strict):
                                    "family (control.admission; a scenario's own setting "
                                    "other than 'off' applies to every policy)")
 
+    @model_validator(mode="after")
+    def _admission(self) -> Profile:
+        from tidal.control.admission import AdmissionRule
+
+        try:
+            AdmissionRule.parse(self.admission, field="admission")
+        except ConfigError as exc:
+            raise ValueError(exc.message) from None
+        return self
+
     def label(self) -> str:
         """The mechanics in a few words, for table rows: dispatch (on demand / burst), trainer
         (batch / streaming), weight sync (abort / keep), KV handoff or re-prefill, and
