@@ -45,3 +45,28 @@ def test_engines_are_capped_at_their_target_and_calls_queue(tiny_dir, serve_asgi
     assert cap == 2  # 210 tok/s at 2 is >= 90% of the best (230); 100 at 1 is not
     assert all(len(r.token_ids) == 24 for r in results)
     assert stats["admitted_after_wait"] >= 3 and stats["queue_timeouts"] == 0
+
+
+def test_tidal_proxy_refuses_admission_without_a_curve(capsys):
+    from tidal.cli import main
+
+    assert main(["proxy", "--admission", "saturation"]) == 2
+    assert "control.engine_curve" in capsys.readouterr().err
+    assert main(["proxy", "--admission", "saturation", "--engine-curve", "1:x"]) == 2
+    assert "--engine-curve" in capsys.readouterr().err
+
+
+def test_run_passes_admission_to_the_proxy_command(monkeypatch):
+    """``start_proxy`` (what ``tidal run``'s driver calls) hands the rule and the curve to
+    ``tidal proxy``; the process itself is not started here."""
+    from tidal.serving import launch
+
+    seen: list = []
+    monkeypatch.setattr(launch, "ServerProcess", lambda args, *a, **kw: seen.append(args))
+    launch.start_proxy([], [], "tok", port=9, admission="saturation",
+                       engine_curve=[(1, 100.0), (32, 2000.0)])
+    launch.start_proxy([], [], "tok", port=9)
+    on, off = seen
+    assert on[on.index("--admission") + 1] == "saturation"
+    assert on[on.index("--engine-curve") + 1] == "1:100,32:2000"
+    assert "--admission" not in off and "--engine-curve" not in off
