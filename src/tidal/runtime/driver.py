@@ -122,6 +122,10 @@ class Runtime:
         from tidal.serving.launch import start_proxy
 
         rt = self.rt
+        ctl = self.cfg.control
+        if ctl.admission != "off" and ctl.engine_curve is None:  # before anything starts
+            raise ConfigError("control.engine_curve", "admission control in a run needs the "
+                              "engines' throughput curve [[batch, tokens/s], ...]")
         model_dir = model_path(self.cfg, self.out)
         names = [str(e) for e in engine_ids(self.cfg)]
         if rt.cell_cpus is not None:  # before Ray and any actor (their processes join it)
@@ -142,9 +146,6 @@ class Runtime:
         self.engines = Engines(ray, self.cfg, self.out, model_dir, self.placement,
                                self.cpu_groups, self.token)
         ctl = self.cfg.control
-        if ctl.admission != "off" and ctl.engine_curve is None:
-            raise ConfigError("control.engine_curve", "admission control in a run needs the "
-                              "engines' throughput curve [[batch, tokens/s], ...]")
         self.proxy = start_proxy([], [], self.token, kv_handoff=ctl.kv_handoff,
                                  log_path=self.out / "logs" / "proxy.log", seed=self.cfg.seed,
                                  admission=ctl.admission, admission_order=ctl.admission_order,
