@@ -80,7 +80,7 @@ class TidalPolicy:
     waterlevel_safe = True
 
     def __init__(self, horizon_s: float = 300.0, dwell_s: float = 20.0,
-                 low_batches: float = 4.0, high_batches: float = 0.0,
+                 low_batches: float = 2.0, high_batches: float = 0.0,
                  min_train_cells: int = 1, tau_s: float = 600.0) -> None:
         for key, val in (("horizon_s", horizon_s), ("dwell_s", dwell_s),
                          ("tau_s", tau_s), ("low_batches", low_batches),
