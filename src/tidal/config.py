@@ -82,6 +82,27 @@ class ControlConfig(Strict):
     max_step_retries: int = Field(2, ge=0)
     abort_backoff_s: float = Field(30.0, ge=0.0,
                                    description="no new plan this long after an aborted one")
+    admission: str | float = Field("off", description="per-engine admission control "
+                                   "(tidal.control.admission): 'off', 'saturation' or a "
+                                   "per-token latency target in seconds")
+    admission_order: str = Field("longest_waiting", description="who waits least: "
+                                 "'longest_waiting' (group) or 'shortest_remaining'")
+    engine_curve: list[tuple[int, float]] | None = Field(
+        None, description="the proxy's engines' throughput curve [[batch, tokens/s], ...] "
+                          "(needed by tidal run with admission on)")
+
+    @model_validator(mode="after")
+    def _admission(self) -> ControlConfig:
+        from tidal.control.admission import AdmissionRule
+
+        try:
+            AdmissionRule.parse(self.admission, self.admission_order, field="admission")
+        except ConfigError as exc:
+            raise _FieldError(exc.field, exc.message) from None
+        if self.engine_curve is not None and (not self.engine_curve or any(
+                b < 1 or t <= 0 for b, t in self.engine_curve)):
+            raise _FieldError("engine_curve", "needs [batch >= 1, tokens/s > 0] pairs")
+        return self
 
     @property
     def quota_executions(self) -> int:

@@ -6,6 +6,9 @@ with ``--check`` the scenario is simulated under the run's policy and its burst 
 compared with the run's (``tidal.sim.vs_real``); ``--against RUN`` describes another run (its
 config: cluster, control, policy, bursts) with the speeds fitted here and compares with it: a
 prediction, not a refit. Exit 1 when the error is beyond ``--tolerance``.
+``tidal calibrate --verl-log FILE --group-size N [--compare]`` fits a scenario on a verl run's
+logged metrics instead (``tidal.sim.from_verl``) and, with ``--compare``, simulates every policy
+on it against the best static split.
 ``tidal calibrate --published FILE [--fit decode,mfu] [--write]`` instead fits the cost model's
 efficiencies on the rows of a file of published results marked ``calibrate`` (and on nothing
 else), prints each value with its uncertainty and the residuals (``tidal.sim.calibration``).
@@ -41,9 +44,25 @@ import click
 @click.option("--fitted-workload", is_flag=True,
               help="Draw executions from the fitted lognormals instead of replaying the run's "
                    "own (by default written beside --out as SCENARIO.trace.jsonl).")
+@click.option("--verl-log", default=None, metavar="FILE",
+              help="Fit a scenario on a verl run's logged metrics (its file logger's JSONL, "
+                   "console lines or a CSV export of verl's metric keys) instead.")
+@click.option("--group-size", type=int, default=None,
+              help="With --verl-log: the run's GRPO group size (actor_rollout_ref.rollout.n).")
+@click.option("--gpus", type=int, default=None,
+              help="With --verl-log: the run's GPUs (default: from perf/throughput).")
+@click.option("--cell-gpus", type=int, default=8, show_default=True,
+              help="With --verl-log: GPUs per cell of the fitted scenario.")
+@click.option("--compare", is_flag=True,
+              help="With --verl-log: simulate every policy on the fitted scenario against the "
+                   "best static split (what each policy would save on this workload).")
 def command(run_dir: str | None, published: str | None, fit_params: str, write: bool,
             out: str | None, check: bool, against: str | None, tolerance: float,
-            per_burst: bool, seeds: int, fitted_workload: bool) -> None:
+            per_burst: bool, seeds: int, fitted_workload: bool, verl_log: str | None,
+            group_size: int | None, gpus: int | None, cell_gpus: int, compare: bool) -> None:
+    if verl_log is not None:
+        _fit_verl(verl_log, group_size, gpus, cell_gpus, out, compare)
+        return
     if published is not None:
         _fit_published(published, tuple(p.strip() for p in fit_params.split(",") if p.strip()),
                        seeds, write)
@@ -118,3 +137,32 @@ def _fit_published(name: str, params: tuple[str, ...], seeds: int, write: bool) 
     click.echo("residuals: " + ", ".join(f"{k} {v:+.2%}" for k, v in fit.residuals.items()))
     if write:
         click.echo(f"wrote {calibration.write_efficiencies(fit.scenario, fit.values)}")
+
+
+def _fit_verl(path: str, group_size: int | None, gpus: int | None, cell_gpus: int,
+              out: str | None, compare: bool) -> None:
+    import json
+    from pathlib import Path
+
+    from tidal.config import dump_yaml
+    from tidal.errors import ConfigError
+    from tidal.sim.from_verl import scenario_from_verl
+
+    if group_size is None:
+        raise ConfigError("--group-size", "give the run's GRPO group size (verl's "
+                                          "actor_rollout_ref.rollout.n); the metrics lack it")
+    sc, fit = scenario_from_verl(path, group_size, gpus, cell_gpus)
+    click.echo(f"fit on {path}: " + json.dumps(fit.notes()))
+    if fit.logged_s is not None:
+        click.echo(f"the run's own time: {fit.logged_s / 3600:.3f} h over {fit.steps} steps "
+                   f"(compare the colocate row)")
+    if out is not None:
+        Path(out).write_text(dump_yaml(sc))
+        click.echo(f"scenario: {out}")
+    elif not compare:
+        click.echo(dump_yaml(sc), nl=False)
+    if compare:
+        from tidal.commands.simulate import run_and_report, sweep_and_report
+
+        run_and_report(sc, list(sc.policies), None, plots=False,
+                       baseline=sweep_and_report(sc))

@@ -42,10 +42,20 @@ import click
               help="Run seed: a call of a named execution without its own seed samples with "
                    "one derived from (seed, execution id, call index), the same on any engine "
                    "(default: none, engines' own streams).")
+@click.option("--admission", default="off", show_default=True,
+              help="Admission control: 'off', 'saturation' or a per-token latency target in "
+                   "seconds; caps each engine at its concurrency target on --engine-curve.")
+@click.option("--admission-order", default="longest_waiting", show_default=True,
+              type=click.Choice(["longest_waiting", "shortest_remaining"]),
+              help="Order of the calls waiting for a slot.")
+@click.option("--engine-curve", default=None, metavar="B:TOK_S,...",
+              help="The engines' throughput curve, e.g. 1:200,32:3200,128:8800 "
+                   "(batch:tokens/s; needed with --admission).")
 def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ...],
             backend: str, cap: int, admin_token: str | None, kv_handoff: bool,
             wait_s: float, require_registration: bool, engine_token: str | None,
-            request_timeout_s: float, read_timeout_s: float, seed: int | None) -> None:
+            request_timeout_s: float, read_timeout_s: float, seed: int | None,
+            admission: str, admission_order: str, engine_curve: str | None) -> None:
     """Run the proxy in front of ENGINE / CELL URLs."""
     from tidal.serving.guard import is_loopback, run_server
     from tidal.serving.proxy import Proxy, ProxyConfig
@@ -64,7 +74,9 @@ def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ..
     proxy = Proxy(ProxyConfig(host=host, port=port, admin_token=admin_token,
                               engine_token=engine_token, kv_handoff=kv_handoff,
                               require_registration=require_registration,
-                              request_timeout_s=request_timeout_s, seed=seed))
+                              request_timeout_s=request_timeout_s, seed=seed,
+                              admission=admission, admission_order=admission_order,
+                              engine_curve=parse_curve(engine_curve)))
 
     async def join_all() -> None:
         for i, url in enumerate(engines):
@@ -76,3 +88,14 @@ def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ..
     app = build_proxy_app(proxy, on_startup=join_all)
     # uvloop and httptools are used when installed (the ``serve`` extra)
     run_server(app, host, port, read_timeout_s=read_timeout_s)
+
+
+def parse_curve(text: str | None) -> list[tuple[int, float]] | None:
+    """``B:TOK_S,...`` into [(batch, tokens/s)]; a malformed one is a usage error."""
+    if text is None:
+        return None
+    try:
+        return [(int(b), float(t)) for b, t in (p.split(":") for p in text.split(","))]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not B:TOK_S,... (e.g. 1:200,128:8800)",
+                                 param_hint="--engine-curve") from None

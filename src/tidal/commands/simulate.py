@@ -1,4 +1,5 @@
-"""``tidal simulate SCENARIO [--policy NAME[:ARGS]]... [--out DIR]``: policies side by side.
+"""``tidal simulate SCENARIO [--policy NAME[:ARGS]]... [--sweep static] [--out DIR]``: policies
+side by side (with ``--sweep static``: every static split first, the best one the baseline).
 
 In: a scenario name (``configs/scenarios/*.yaml``, shipped with the package) or a YAML path, and
 policy specs. Out: a table on stdout (makespan, speed-up against each other run, ratio to the
@@ -36,14 +37,24 @@ import click
               default="own", show_default=True,
               help="Run every policy with this system's mechanics (trainer, sync, KV handoff, "
                    "dispatch, partial rollout); own: each policy its system's, as published.")
+@click.option("--sweep", type=click.Choice(["static"]), default=None,
+              help="Also run every static split and report each policy's saving against the "
+                   "best one (the baseline column).")
+@click.option("--admission", default=None, metavar="off|saturation|SECONDS",
+              help="Engine admission control for every policy (control.admission).")
 @click.option("--check", is_flag=True, help="Check the invariants after every event (slow).")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, bursts: int | None,
-            scale: float, trace: str | None, mechanics: str, check: bool,
-            no_plots: bool) -> None:
+            scale: float, trace: str | None, mechanics: str, sweep: str | None,
+            admission: str | None, check: bool, no_plots: bool) -> None:
+    from tidal.config import ControlConfig, validate_model
     from tidal.sim import scenario as scenarios
 
     sc = scenarios.load(scenario)
+    if admission is not None:
+        control = validate_model(ControlConfig, {**sc.control.model_dump(mode="json"),
+                                                 "admission": admission}, "control")
+        sc = sc.model_copy(update={"control": control})
     if mechanics != "own":
         sc = sc.model_copy(update={"mechanics": mechanics})
     if scale != 1.0 or bursts is not None:
@@ -51,12 +62,33 @@ def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, burst
     if trace is not None:
         sc = sc.model_copy(update={"workload": scenarios.WorkloadConfig(
             trace=str(Path(trace).resolve()))})
+    baseline = sweep_and_report(sc) if sweep == "static" else None
     run_and_report(sc, list(policies) or list(sc.policies), out_dir, check=check,
-                   plots=not no_plots)
+                   plots=not no_plots, baseline=baseline)
+
+
+def sweep_and_report(sc: Any) -> Any:
+    """Runs every static split, prints them and the best one; returns the ``StaticSweep``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tidal.sim.sweep import sweep_static
+
+    console = Console(width=None if Console().is_terminal else 160)
+    sweep = sweep_static(sc)
+    table = Table(title=f"{sc.name}: static splits (train+rollout GPUs)", title_justify="left")
+    for name in ("split", "policy", "makespan h", "/oracle", "vs best"):
+        table.add_column(name, justify="left" if name in ("split", "policy") else "right")
+    for r in sweep.runs:
+        table.add_row(sweep.split_label(r) + (" (best)" if r is sweep.best else ""), r.spec,
+                      f"{r.summary['makespan_h']:.3f}", f"{r.summary['oracle_ratio']:.3f}",
+                      f"{r.summary['makespan_s'] / sweep.best_makespan_s:.3f}")
+    console.print(table)
+    return sweep
 
 
 def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
-                   check: bool = False, plots: bool = True) -> list[Any]:
+                   check: bool = False, plots: bool = True, baseline: Any = None) -> list[Any]:
     """Runs the specs with a progress bar, prints the table, writes the run directory."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -108,13 +140,17 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
     finally:
         if fh is not None:
             fh.close()
-    console.print(render_table(sc, results))
+    console.print(render_table(sc, results, baseline))
     if len(results) > 1:
         console.print(render_speedups(results))
     if out is not None:
         summary = {"scenario": sc.name, "description": sc.description,
                    "oracle_makespan_s": results[0].summary["oracle_makespan_s"],
                    "runs": [r.summary for r in results]}
+        if baseline is not None:
+            summary["best_static"] = {"spec": baseline.best.spec,
+                                      "split": baseline.split_label(baseline.best),
+                                      "makespan_s": baseline.best_makespan_s}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         with open(out / "verl_metrics.jsonl", "w") as fh:  # verl's rows, one per version
             for r in results:
@@ -132,15 +168,20 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
     return results
 
 
-def render_table(sc: Any, results: list[Any]) -> Any:
-    """One row per run; the speed-ups against every other run follow in ``render_speedups``."""
+def render_table(sc: Any, results: list[Any], baseline: Any = None) -> Any:
+    """One row per run; the speed-ups against every other run follow in ``render_speedups``.
+    With a ``StaticSweep`` baseline each row also shows its saving against the best split."""
     from rich.table import Table
 
     oracle_h = results[0].summary["oracle_makespan_s"] / 3600 if results else 0.0
-    table = Table(title=f"{sc.name}: {sc.total_steps} optimizer steps, oracle bound "
-                        f"{oracle_h:.3f} h", title_justify="left")
+    title = f"{sc.name}: {sc.total_steps} optimizer steps, oracle bound {oracle_h:.3f} h"
+    if baseline is not None:
+        title += (f"; baseline: best static split {baseline.split_label(baseline.best)} "
+                  f"({baseline.best.spec}) {baseline.best_makespan_s / 3600:.3f} h")
+    table = Table(title=title, title_justify="left")
     for name in ("policy", "mechanics", "makespan h", "/oracle", "train", "rollout", "cluster",
-                 "switches", "reroutes", "re-prefill Mtok", "staleness"):
+                 "switches", "reroutes", "re-prefill Mtok", "staleness",
+                 *(["saved vs best static"] if baseline is not None else [])):
         table.add_column(name, justify="left" if name == "policy" else "right",
                          no_wrap=name == "policy")
     for r in results:
@@ -150,7 +191,9 @@ def render_table(sc: Any, results: list[Any]) -> Any:
                       f"{s['train_utilization']:.3f}", f"{s['rollout_utilization']:.3f}",
                       f"{s['cluster_utilization']:.3f}", str(s["switches"]),
                       str(s["reroutes"]), f"{s['reprefill_tokens'] / 1e6:.2f}",
-                      f"{s['mean_staleness']:.2f}")
+                      f"{s['mean_staleness']:.2f}",
+                      *([f"{100 * baseline.saving(s['makespan_s']):+.1f}%"]
+                        if baseline is not None else []))
     return table
 
 

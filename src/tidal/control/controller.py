@@ -250,6 +250,13 @@ class Controller:
         return self._views
 
     @property
+    def dispatch_limit(self) -> int | None:
+        """Executions the waterlevel may reach through new dispatches, as the policy holds it
+        (``dispatch_limit`` on the policy; None: no limit). A dispatcher that honours it keeps
+        invariant 3 reachable for a move the policy waits for."""
+        return getattr(self.policy, "dispatch_limit", None)
+
+    @property
     def pending_dispatch(self) -> int:
         pending = 0
         for b, q in list(self._announced.items()):

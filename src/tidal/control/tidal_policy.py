@@ -23,10 +23,18 @@ Rule (evaluated after every event and tick while no transition is in flight):
   current split falls below ``low_batches`` batches.
 - Hysteresis: a move against the direction of the previous one waits ``dwell_s`` after it
   (a reversal costs a switch each way); moves in the same direction chain without delay.
+- Dispatch hold: when the next lend is blocked only by the waterlevel (capacity after the move
+  < ``w``) while production, measured, still outpaces consumption with one more training cell
+  (drift after the move >= 0, supply held), the policy sets ``dispatch_limit`` to the capacity
+  after the move: the dispatcher starts no new group past it, ``w`` drains to it and the move
+  becomes waterlevel-safe (on-demand dispatch otherwise refills every freed slot, so ``w``
+  never falls below capacity before the budget runs out). Every other decision clears it.
+- A backlog of ready groups (two batches or more) counts as production ahead of consumption:
+  it lends without waiting for the rates (still waterlevel-safe, with held supply).
 Before the rates are known the policy holds, unless one side is empty (no training cell, or no
 rollout slot): then the unknown rate counts as zero, so a cluster of one cell alternates.
-State: two rate estimates, their integration points, the time and direction of the last move
-(all bounded, logged with every decision).
+State: two rate estimates, their integration points, the time and direction of the last move,
+the dispatch limit (all bounded, logged with every decision).
 """
 
 from __future__ import annotations
@@ -72,7 +80,7 @@ class TidalPolicy:
     waterlevel_safe = True
 
     def __init__(self, horizon_s: float = 300.0, dwell_s: float = 20.0,
-                 low_batches: float = 4.0, high_batches: float = 0.0,
+                 low_batches: float = 2.0, high_batches: float = 0.0,
                  min_train_cells: int = 1, tau_s: float = 600.0) -> None:
         for key, val in (("horizon_s", horizon_s), ("dwell_s", dwell_s),
                          ("tau_s", tau_s), ("low_batches", low_batches),
@@ -95,6 +103,9 @@ class TidalPolicy:
         self._last: tuple[float, int, int, int, int, int] | None = None
         self._last_move_s = -math.inf
         self._last_action = Action.HOLD
+        #: executions the waterlevel may reach by new dispatches (None: no limit); read by
+        #: the dispatcher through ``Controller.dispatch_limit``
+        self.dispatch_limit: int | None = None
 
     # ---------------------------------------------------------------- protocol
     def initial_prefix(self, cells: tuple[CellView, ...]) -> int:
@@ -102,7 +113,8 @@ class TidalPolicy:
 
     def state(self) -> dict[str, Any]:
         p, c = self.production.rate, self.consumption.rate
-        return {"p_groups_per_exec_s": None if p is None else round(p, 9),
+        held = {} if self.dispatch_limit is None else {"dispatch_limit": self.dispatch_limit}
+        return {**held, "p_groups_per_exec_s": None if p is None else round(p, 9),
                 "c_groups_per_gpu_s": None if c is None else round(c, 9),
                 "last_move_s": None if self._last_move_s == -math.inf
                 else round(self._last_move_s, 6)}
@@ -111,13 +123,17 @@ class TidalPolicy:
         self._observe(obs)
         if obs.in_flight:
             return Decision.hold("transition in flight")
+        self.dispatch_limit = None
         gpus = _training_gpus(obs)
         queue = obs.ready_groups
         todo = obs.waterlevel + obs.pending_dispatch
         batch = obs.batch_groups
         cap = obs.rollout_capacity
         p, c = self.production.rate, self.consumption.rate
-        if (p is None or c is None) and gpus > 0 and cap > 0:
+        # A backlog of ready groups (two batches or more) shows production ahead of
+        # consumption without waiting for the rates.
+        backlog = queue >= 2 * batch
+        if (p is None or c is None) and gpus > 0 and cap > 0 and not backlog:
             return Decision.hold("measuring rates")
         # With nothing training, or nothing to roll out on, a side is stuck: the unknown rate
         # counts as zero and the moves below follow from slots and supply alone.
@@ -154,10 +170,16 @@ class TidalPolicy:
         if nxt is None or nxt.role is not Role.ROLLOUT:
             return Decision.hold("balanced")
         after = capacity_after_move(obs, nxt)
-        if after < obs.waterlevel:
-            return Decision.hold(f"capacity after move {after} < waterlevel {obs.waterlevel}")
         drift_after = p * min(after, todo) - c * (gpus + nxt.gpus)
-        if todo > after and drift_after < 0:
+        if after < obs.waterlevel:
+            if drift_after >= 0 and p > 0 and obs.supply.ok and after > 0:
+                # Production outpaces consumption even with one more training cell: stop
+                # dispatching until the waterlevel fits the smaller rollout side.
+                self.dispatch_limit = after
+                return Decision.hold(f"holding dispatch at {after} executions so cell "
+                                     f"{nxt.index} can train (waterlevel {obs.waterlevel})")
+            return Decision.hold(f"capacity after move {after} < waterlevel {obs.waterlevel}")
+        if todo > after and drift_after < 0 and not backlog:
             return Decision.hold(f"rollout needs the slots: {todo} executions to run > {after} "
                                  f"and the queue would drain ({drift_after:.4f} groups/s)")
         if not obs.supply.ok:

@@ -36,6 +36,7 @@ from typing import Any
 from tidal import run_schema as schema
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
+from tidal.errors import ConfigError
 from tidal.runtime import checkpoint
 from tidal.runtime.engines import EngineId, Engines, engine_ids, model_path
 from tidal.runtime.outputs import RunOutputs, summary
@@ -129,6 +130,10 @@ class Runtime:
         from tidal.serving.launch import start_proxy
 
         rt, self.ray = self.rt, ray
+        ctl = self.cfg.control
+        if ctl.admission != "off" and ctl.engine_curve is None:  # before anything starts
+            raise ConfigError("control.engine_curve", "admission control in a run needs the "
+                              "engines' throughput curve [[batch, tokens/s], ...]")
         model_dir = model_path(self.cfg, self.out)
         names = [str(e) for e in engine_ids(self.cfg)]
         if rt.cell_cpus is not None:  # before Ray and any actor (their processes join it)
@@ -159,8 +164,11 @@ class Runtime:
         self.placement = Placement(ray, self.cfg, names, rt.start_timeout_s)
         self.engines = Engines(ray, self.cfg, self.out, model_dir, self.placement,
                                self.cpu_groups, self.token)
-        self.proxy = start_proxy([], [], self.token, kv_handoff=self.cfg.control.kv_handoff,
-                                 log_path=self.out / "logs" / "proxy.log", seed=self.cfg.seed)
+        ctl = self.cfg.control
+        self.proxy = start_proxy([], [], self.token, kv_handoff=ctl.kv_handoff,
+                                 log_path=self.out / "logs" / "proxy.log", seed=self.cfg.seed,
+                                 admission=ctl.admission, admission_order=ctl.admission_order,
+                                 engine_curve=ctl.engine_curve)
         self.engines.start()
         self.proxy.wait_healthy(rt.start_timeout_s)
         checkpoint.record_processes(self.out)

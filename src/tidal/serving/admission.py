@@ -1,21 +1,26 @@
-"""The proxy's admission queue: calls waiting for an engine slot, served first come, first
-served, each for as long as its own deadline allows.
+"""The proxy's admission queue: calls waiting for an engine slot, served in the fair order of
+``tidal.control.admission.FairQueue`` (the one the simulator's engines use), each for as long
+as its own deadline allows.
 
 In: a call that found no engine with room (``acquire``) and every event that may free or add a
 slot (``notify``: an attempt ended, an engine joined, came back or was undrained). Out: an
 engine for the call at the head of the queue as soon as one has room, or ``Overloaded`` at the
-call's deadline. Invariant kept: a call never overtakes one that waited longer (a new call with
-a queue ahead joins its end), and the head is woken by every freed slot, never by polling.
+call's deadline. Invariant kept: a call never overtakes one ahead of it in the fair order
+(``longest_waiting``: its group, by default the call's execution, waited longer; a new call with
+a queue ahead is placed in that order, never picked past it), and the head is woken by every
+freed slot, never by polling. With one call per execution ``longest_waiting`` is first come,
+first served. How many calls an engine runs at once (its cap) is the router's; with admission
+control on, the proxy caps each engine at ``control.admission``'s concurrency target.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TypeVar
 
+from tidal.control.admission import FairQueue
 from tidal.serving.protocol import Overloaded
 
 T = TypeVar("T")
@@ -23,8 +28,8 @@ RECHECK_S = 1.0  # a woken head re-picks at once; this only bounds a missed noti
 
 
 class AdmissionQueue:
-    def __init__(self) -> None:
-        self._queue: deque[asyncio.Event] = deque()
+    def __init__(self, order: str = "longest_waiting") -> None:
+        self._queue = FairQueue(order)
         self.admitted_after_wait = 0
         self.max_wait_s = 0.0
         self.timed_out = 0
@@ -34,23 +39,26 @@ class AdmissionQueue:
 
     def notify(self) -> None:
         """A slot may be free: the head of the queue tries again."""
-        if self._queue:
-            self._queue[0].set()
+        head = self._queue.peek()
+        if head is not None:
+            head.set()  # type: ignore[attr-defined]
 
-    async def acquire(self, pick: Callable[[], T | None], deadline: float) -> T:
-        """``pick()``'s first non-None answer, taken in queue order; ``deadline`` is on the
-        running loop's clock."""
-        if not self._queue:
+    async def acquire(self, pick: Callable[[], T | None], deadline: float,
+                      group: Hashable | None = None, remaining: float | None = None) -> T:
+        """``pick()``'s first non-None answer, taken in the fair order (``group``: whose wait
+        counts, default the call itself; ``remaining``: its work, for ``shortest_remaining``);
+        ``deadline`` is on the running loop's clock."""
+        if not len(self._queue):
             got = pick()
             if got is not None:
                 return got
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         me = asyncio.Event()
-        self._queue.append(me)
+        self._queue.push(me, me if group is None else group, t0, remaining)
         try:
             while True:
-                if self._queue[0] is me and (got := pick()) is not None:
+                if self._queue.peek() is me and (got := pick()) is not None:
                     self.admitted_after_wait += 1
                     self.max_wait_s = max(self.max_wait_s, loop.time() - t0)
                     return got
@@ -64,8 +72,8 @@ class AdmissionQueue:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(me.wait(), min(left, RECHECK_S))
         finally:
-            head = self._queue[0] is me
-            self._queue.remove(me)
+            head = self._queue.peek() is me
+            self._queue.discard(me)
             if head:
                 self.notify()  # the next call gets its turn (a slot may be left)
 

@@ -98,7 +98,9 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
                 port: int | None = None, cap: int = 64, kv_handoff: bool = True,
                 require_registration: bool = False, log_path: Path | None = None,
                 request_timeout_s: float | None = None,
-                engine_token: str | None = None, seed: int | None = None) -> ServerProcess:
+                engine_token: str | None = None, seed: int | None = None,
+                admission: str | float = "off", admission_order: str = "longest_waiting",
+                engine_curve: list[tuple[int, float]] | None = None) -> ServerProcess:
     """``tidal proxy`` on ``port``; ready once ``/live`` answers (``/health`` is 503 until an
     engine serves). ``engine_token``: default ``$TIDAL_ENGINE_TOKEN``, else the admin token.
     ``seed``: the run's seed, from which unseeded calls of executions get theirs."""
@@ -111,6 +113,10 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
         args += ["--request-timeout-s", str(request_timeout_s)]
     if seed is not None:
         args += ["--seed", str(seed)]
+    if admission != "off":  # admission control: the engines' concurrency targets
+        args += ["--admission", str(admission), "--admission-order", admission_order]
+        if engine_curve:
+            args += ["--engine-curve", ",".join(f"{b}:{t:g}" for b, t in engine_curve)]
     for url in engines:
         args += ["--engine", url]
     for url in cells:

@@ -34,7 +34,8 @@ from collections.abc import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.clock import Clock, WallClock
-from tidal.errors import TimeoutExpired
+from tidal.control.admission import AdmissionRule, concurrency_target, curve_from_points
+from tidal.errors import ConfigError, TimeoutExpired
 from tidal.seeding import call_seed, continued_seed
 from tidal.serving.adapters import make_adapter
 from tidal.serving.admission import AdmissionQueue
@@ -77,6 +78,11 @@ class ProxyConfig(BaseModel):
     health_interval_s: float = Field(1.0, gt=0)
     max_error_retries: int = Field(3, ge=0)  # per call, on 5xx answers and failed steps
     error_backoff_s: float = Field(0.1, ge=0)
+    # admission control (tidal.control.admission): 'off', 'saturation' or a per-token latency
+    # target in seconds; with it on, each engine's cap is its concurrency target on the curve
+    admission: str | float = "off"
+    admission_order: str = "longest_waiting"
+    engine_curve: list[tuple[int, float]] | None = None  # [[batch, tokens/s], ...]
     # the run's seed: a call of a named execution that brings no seed of its own samples
     # with tidal.seeding.call_seed(seed, execution id, call index); None: engines' own streams
     seed: int | None = None
@@ -89,7 +95,14 @@ class Proxy:
         self.router = Router()
         self.records = RecordStore()
         self._call_counts: dict[str, int] = {}  # execution id -> calls seen (seed derivation)
-        self.queue = AdmissionQueue()
+        self.admission = AdmissionRule.parse(self.config.admission, self.config.admission_order)
+        self._curve = None
+        if self.admission.on:
+            if self.config.engine_curve is None:
+                raise ConfigError("control.engine_curve", "admission control needs the "
+                                  "engines' throughput curve [[batch, tokens/s], ...]")
+            self._curve = curve_from_points(self.config.engine_curve)
+        self.queue = AdmissionQueue(self.admission.order)
         self.health = HealthMonitor(self, self.config.health_interval_s,
                                     self.config.health_probes)
         self._released = asyncio.Condition()  # an attempt left an engine's in-flight set
@@ -122,6 +135,8 @@ class Proxy:
                 model = await adapter.served_model()
             except ServingError:
                 model = ""
+        if self._curve is not None:  # admission control: the engine's concurrency target
+            cap = concurrency_target(self._curve, cap, self.admission)
         member = Member(engine_id, adapter, kind, cell_index, cap, backend, model)
         self.router.join(member)
         self.health.forget(engine_id)  # a replacement under a lost engine's id

@@ -108,10 +108,17 @@ def fill(w: World) -> None:
     finally:
         w._filling = False
 
+def _may_dispatch(w: World) -> bool:
+    """On demand, within the budget, outside a sync, and within the policy's dispatch limit."""
+    if w.quota_left <= 0 or w.syncing:
+        return False
+    lim = w.controller.dispatch_limit
+    return lim is None or w.ledger.waterlevel + w.group_size <= lim
+
+
 def _fill_once(w: World) -> None:
     on_demand = w.profile.dispatch is DispatchStyle.ON_DEMAND
-    if not w.waiting and not w.queue and not (
-            on_demand and w.quota_left > 0 and not w.syncing):
+    if not w.waiting and not w.queue and not (on_demand and _may_dispatch(w)):
         return  # nothing to launch or dispatch
     heap = []
     for i, e in enumerate(w.engines):
@@ -126,7 +133,7 @@ def _fill_once(w: World) -> None:
             ex = next(iter(w.waiting))
         elif w.queue:
             ex = w.queue[0]
-        elif on_demand and w.quota_left > 0 and not w.syncing:
+        elif on_demand and _may_dispatch(w):
             dispatch_group(w)
             continue
         else:

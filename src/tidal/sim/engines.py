@@ -16,6 +16,9 @@ With a cost model (``perf.EngineModel``) the engine is ``replicas`` tensor-paral
 with the load spread evenly, and the shared speed is the model's ``seq_rate`` of the active
 sequences and their context (each counted at its turn's mean: start + half its work); it is
 recomputed whenever the active set changes (``_rate``), so it is constant between events.
+With admission control (``admit``: a ``tidal.control.admission`` target and ``FairQueue``) at
+most ``target`` sequences decode at once; the others wait in the queue (bound to the engine,
+holding their slot) and the queue's head starts whenever a sequence leaves.
 """
 
 from __future__ import annotations
@@ -24,15 +27,40 @@ import heapq
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tidal.control.admission import FairQueue
     from tidal.sim.perf import EngineModel
 
 EPS_TOKENS = 1e-6
 
 
 class Engine:
-    __slots__ = ("_ctx", "_heap", "_r", "_thr", "admitting", "busy_work", "cell", "ctx_sum",
-                 "epoch", "gpus", "limit", "members", "model", "name", "paused", "replicas",
-                 "seq_cap", "slots", "t", "throughput", "timer", "timer_t", "v")
+    __slots__ = (
+        "_ctx",
+        "_heap",
+        "_r",
+        "_thr",
+        "admitting",
+        "busy_work",
+        "cell",
+        "ctx_sum",
+        "epoch",
+        "gpus",
+        "limit",
+        "members",
+        "model",
+        "name",
+        "paused",
+        "queue",
+        "replicas",
+        "seq_cap",
+        "slots",
+        "t",
+        "target",
+        "throughput",
+        "timer",
+        "timer_t",
+        "v",
+    )
 
     def __init__(self, name: str, gpus: int, slots: int, throughput_tok_s: float,
                  seq_cap_tok_s: float, cell: int | None = None,
@@ -60,6 +88,13 @@ class Engine:
         self._ctx: dict[int, float] = {}
         self.ctx_sum = 0.0
         self._r = 0.0  # the speed every active sequence gets now (tokens/s)
+        self.target = slots  # sequences decoding at once at most (admission control)
+        self.queue: FairQueue | None = None
+
+    def admit(self, target: int, queue: FairQueue) -> None:
+        """Turns admission control on: ``target`` sequences at once, the rest in ``queue``."""
+        self.target = max(1, target)
+        self.queue = queue
 
     # ---------------------------------------------------------------- queries
     @property
@@ -93,10 +128,16 @@ class Engine:
         self.limit = limit
         self._rate()
 
+    @property
+    def waiting(self) -> int:
+        return len(self.queue) if self.queue is not None else 0
+
     def has(self, seq: int) -> bool:
-        return seq in self._thr
+        return seq in self._thr or (self.queue is not None and seq in self.queue)
 
     def remaining(self, seq: int) -> float:
+        if seq not in self._thr and self.queue is not None and seq in self.queue:
+            return self.queue.payload(seq)[0]
         return max(0.0, self._thr[seq] - self.v)
 
     def next_finish(self) -> float | None:
@@ -120,11 +161,22 @@ class Engine:
                 self.busy_work += r * dt * len(self._thr)
             self.t = now
 
-    def add(self, seq: int, work: float, now: float, ctx_tokens: float = 0.0) -> None:
-        """Starts a sequence of ``work`` decode-token equivalents at ``ctx_tokens`` context."""
+    def add(self, seq: int, work: float, now: float, ctx_tokens: float = 0.0,
+            group: object = None) -> None:
+        """Starts a sequence of ``work`` decode-token equivalents at ``ctx_tokens`` context, or
+        queues it (admission control: the engine decodes ``target`` at once)."""
         if now > self.t:
             self.advance(now)
         w = work if work > 0.0 else 0.0
+        q = self.queue
+        if q is not None and (len(self._thr) >= self.target or len(q)):
+            q.push(seq, seq if group is None else group, now, w, (w, ctx_tokens))
+            self._admit()
+            return
+        self._start(seq, w, ctx_tokens)
+        self._rate()
+
+    def _start(self, seq: int, w: float, ctx_tokens: float) -> None:
         thr = self.v + w
         self._thr[seq] = thr
         heapq.heappush(self._heap, (thr, seq))
@@ -133,7 +185,19 @@ class Engine:
             self._ctx[seq] = c
             self.ctx_sum += c
         self.epoch += 1
-        self._rate()
+
+    def _admit(self) -> None:
+        """Starts the queue's head while fewer than ``target`` sequences decode."""
+        q = self.queue
+        if q is None:
+            return
+        started = False
+        while len(q) and len(self._thr) < self.target:
+            seq, (w, ctx) = q.pop()
+            self._start(seq, w, ctx)
+            started = True
+        if started:
+            self._rate()
 
     def _drop_ctx(self, seq: int) -> None:
         c = self._ctx.pop(seq, None)
@@ -141,11 +205,14 @@ class Engine:
             self.ctx_sum = self.ctx_sum - c if self._ctx else 0.0
 
     def remove(self, seq: int, now: float) -> float:
-        """Takes a sequence out; returns its remaining work."""
+        """Takes a sequence out (running or queued); returns its remaining work."""
         self.advance(now)
+        if seq not in self._thr and self.queue is not None and seq in self.queue:
+            return self.queue.discard(seq)[0]
         thr = self._thr.pop(seq)
         self._drop_ctx(seq)
         self.epoch += 1
+        self._admit()
         self._rate()
         return max(0.0, thr - self.v)
 
@@ -162,6 +229,7 @@ class Engine:
                 out.append(seq)
         if out:
             self.epoch += 1
+            self._admit()
             self._rate()
         return out
 

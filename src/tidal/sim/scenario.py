@@ -199,6 +199,19 @@ class Profile(Strict):
     partial_rollout: bool = Field(True, description="an aborted request keeps its tokens "
                                                     "(else its turn starts over)")
     staleness_threshold: float | None = Field(None, ge=0.0)
+    admission: str | float = Field("off", description="engine admission control of this "
+                                   "family (control.admission; a scenario's own setting "
+                                   "other than 'off' applies to every policy)")
+
+    @model_validator(mode="after")
+    def _admission(self) -> Profile:
+        from tidal.control.admission import AdmissionRule
+
+        try:
+            AdmissionRule.parse(self.admission, field="admission")
+        except ConfigError as exc:
+            raise ValueError(exc.message) from None
+        return self
 
     def label(self) -> str:
         """The mechanics in a few words, for table rows: dispatch (on demand / burst), trainer
@@ -207,7 +220,8 @@ class Profile(Strict):
         parts = ["demand" if self.dispatch is DispatchStyle.ON_DEMAND else "burst",
                  "stream" if self.trainer is TrainerStyle.STREAMING else "batch",
                  self.sync.value, "kv" if self.kv_handoff else "prefill"]
-        return "/".join(parts + ([] if self.partial_rollout else ["restart"]))
+        parts += [] if self.partial_rollout else ["restart"]
+        return "/".join(parts + ([] if self.admission == "off" else ["admit"]))
 
 
 FAMILY_PROFILES: dict[str, Profile] = {
@@ -303,6 +317,10 @@ class Scenario(Strict):
         profile = self.profile_for(name)
         policy = validate_model(PolicyConfig, {"name": name, "args": merged}, "policy")
         control = self.control.model_copy(update={"kv_handoff": profile.kv_handoff})
+        if control.admission == "off":
+            control = control.model_copy(update={"admission": profile.admission})
+        elif profile.admission != control.admission:  # the row's label names what runs
+            profile = profile.model_copy(update={"admission": control.admission})
         cfg = check_policy(validate_model(RunConfig, {
             "name": f"{self.name}/{spec}", "seed": self.seed,
             "cluster": self.cluster.model_dump(mode="json"),

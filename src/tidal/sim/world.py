@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.clock import ManualClock
+from tidal.control.admission import AdmissionRule
 from tidal.control.decision_log import DecisionLog, Sink
 from tidal.control.factory import build_controller
 from tidal.control.plans import PlanStep, TransitionPlan
 from tidal.control.verl import dispatch_budget
 from tidal.errors import TidalError
-from tidal.sim import dispatch, invariants, moves, perf, sync
+from tidal.sim import admission, dispatch, invariants, moves, perf, sync
 from tidal.sim.actuator import SimActuator
 from tidal.sim.dispatch import ExecRec
 from tidal.sim.engines import Engine
@@ -102,6 +103,8 @@ class World:
                 s.engine_id, s.gpus, s.slots, eng.decode_tok_s_per_gpu * s.gpus,
                 eng.seq_cap_tok_s, model=std)
         self.engines = list(self.engine_by_name.values())
+        self.admission_rule = AdmissionRule()
+        admission.configure(self)
         self._host_tok_s = eng.host_tok_s
         self.trainer = Trainer(self, self.profile.trainer, scenario.trainer, ctrl.batch_groups,
                                ctrl.updates_per_burst, scenario.total_steps)
@@ -276,7 +279,7 @@ class World:
         self.seqs[self._seg] = ex
         e = ex.engine
         assert e is not None
-        e.add(self._seg, work, self.now, ex.ctx)
+        e.add(self._seg, work, self.now, ex.ctx, ex.gid)
         self.resched(e)
 
     def stop_seq(self, ex: ExecRec) -> float:

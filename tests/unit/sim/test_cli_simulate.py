@@ -66,3 +66,34 @@ def test_simulate_runs_every_policy_with_the_mechanics_asked(tmp_path, capsys):
     runs = json.loads((out / "summary.json").read_text())["runs"]
     assert {r["profile"]["trainer"] for r in runs} == {"streaming"}
     assert {r["profile"]["kv_handoff"] for r in runs} == {True}
+
+
+def test_simulate_sweeps_static_splits_as_the_baseline(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    rc = main(["simulate", "dapo-math-32gpu", "--bursts", "2", "--sweep", "static",
+               "--admission", "saturation", "-p", "tidal", "--out", str(out), "--no-plots"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "static splits" in text and "baseline" in text and "(best)" in text
+    summary = json.loads((out / "summary.json").read_text())
+    best = summary["best_static"]
+    assert best["spec"] in ("static:cells=1", "static:cells=2")
+    assert best["split"] in ("8+24", "16+16") and best["makespan_s"] > 0
+    assert main(["simulate", "dapo-math-32gpu", "--admission", "sometimes"]) == 2
+    assert "control.admission" in capsys.readouterr().err
+
+
+def test_calibrate_fits_a_verl_log_and_compares_policies(tmp_path, capsys):
+    from tidal.testing.verl_logs import verl_rows, write_verl_log
+
+    log = write_verl_log(tmp_path / "verl.jsonl", verl_rows(steps=4, seed=2))
+    out = tmp_path / "fitted.yaml"
+    rc = main(["calibrate", "--verl-log", str(log), "--group-size", "8", "--out", str(out),
+               "--compare"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "samples_per_step" in text and "baseline" in text and "(best)" in text
+    assert "colocate" in text
+    assert "batch_groups: 16" in out.read_text()
+    assert main(["calibrate", "--verl-log", str(log)]) == 2
+    assert "--group-size" in capsys.readouterr().err

@@ -99,3 +99,35 @@ def test_initial_prefix_is_min_train_cells():
     cells = tuple(CellView(i, 128, 8, CellKind.HYBRID, Role.ROLLOUT) for i in range(3))
     assert make_policy("tidal").initial_prefix(cells) == 1
     assert make_policy("tidal", {"min_train_cells": 5}).initial_prefix(cells) == 3
+
+
+def test_holds_dispatch_so_the_next_cell_can_train_when_production_leads():
+    p = make_policy("tidal")
+    d = warmed(p, waterlevel=300, pending=0)  # production leads: drift after the move > 0
+    assert d.action is Action.HOLD and p.dispatch_limit == 256  # capacity after the move
+    d2 = p.decide(obs(t=110.0, waterlevel=250, generated=101, step=1, running=100))
+    assert d2.action is Action.TO_TRAINING and d2.cells == (1,) and p.dispatch_limit is None
+
+
+def test_no_dispatch_hold_when_the_trainer_would_outpace_rollout():
+    p = make_policy("tidal")
+    p.decide(obs(t=0.0, generated=0, step=0, running=100, ready=0))
+    d = p.decide(obs(t=100.0, generated=1, step=4, running=100, ready=0, waterlevel=300))
+    assert d.action is Action.HOLD and p.dispatch_limit is None
+
+
+def test_the_simulated_dispatcher_honours_the_dispatch_limit():
+    from tidal.sim import dispatch
+    from tidal.sim.world import World
+    from tidal.testing.sim_scenarios import tiny_scenario
+
+    w = World(tiny_scenario(), "static:cells=1")  # a policy that never sets the limit itself
+    w.controller.policy.dispatch_limit = 0
+    w._start()
+    assert w.ledger.waterlevel == 0 and not w.queue  # nothing dispatched on demand
+    w.controller.policy.dispatch_limit = 8  # two groups of 4
+    dispatch.fill(w)
+    assert w.ledger.waterlevel == 8
+    w.controller.policy.dispatch_limit = None
+    dispatch.fill(w)
+    assert w.ledger.waterlevel > 8
