@@ -203,7 +203,8 @@ class RuntimeConfig(Strict):
                               "what serves each cell's engine (cluster.cells[i].backend "
                               "overrides it): 'builtin' (tidal's engine), 'vllm' (one vLLM "
                               "server per cell, kept for the whole run through its role "
-                              "changes) or 'sglang' (CUDA only: refused by this runtime)")
+                              "changes) or 'sglang' (one SGLang server per cell, the same; "
+                              "CUDA only: needs use_gpus and sglang_python)")
     vllm_python: str | None = Field(None, description="the python of a venv with vLLM "
                                     "(a 'vllm' backend; default: $TIDAL_VLLM_PYTHON)")
     vllm_kv_cache_gb: float = Field(1.0, gt=0.0, description="KV cache space of each vLLM "
@@ -211,6 +212,10 @@ class RuntimeConfig(Strict):
     vllm_max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len")
     vllm_start_timeout_s: float = Field(600.0, gt=0.0, description="bound on a vLLM server's "
                                         "start (about 70 s on 2 idle cores)")
+    sglang_python: str | None = Field(None, description="the python of a venv with SGLang "
+                                      "(an 'sglang' cell backend; default: $TIDAL_SGLANG_PYTHON)")
+    sglang_mem_fraction: float = Field(0.3, gt=0.0, lt=1.0, description="SGLang "
+                                       "--mem-fraction-static (weights + KV cache, of the GPU)")
 
     def resolved_vllm_python(self) -> str:
         """The vLLM venv's python, or a ``ConfigError`` that says how to get one."""
@@ -226,6 +231,19 @@ class RuntimeConfig(Strict):
             raise ConfigError("runtime.vllm_python", f"{exe}: not an executable python (build "
                               "the vLLM venv with 'make vllm-venv' and point "
                               "TIDAL_VLLM_PYTHON at vllm-venv/bin/python)")
+        return exe
+
+    def resolved_sglang_python(self) -> str:
+        """The SGLang venv's python, or a ``ConfigError`` that says how to get one."""
+        import os
+
+        exe = self.sglang_python or os.environ.get("TIDAL_SGLANG_PYTHON")
+        if not exe:
+            raise ConfigError("runtime.sglang_python", "an 'sglang' cell backend needs the "
+                              "python of a venv with SGLang ('pip install sglang', CUDA): set "
+                              "TIDAL_SGLANG_PYTHON or runtime.sglang_python")
+        if not os.path.isfile(exe) or not os.access(exe, os.X_OK):
+            raise ConfigError("runtime.sglang_python", f"{exe}: not an executable python")
         return exe
 
     @model_validator(mode="after")

@@ -1,13 +1,16 @@
 """A cell's real engine on a GPU through a role switch: vLLM (``VLLMCellHost``: started with
 ``--enable-sleep-mode``, ``/sleep?level=1``, ``/wake_up`` weights then KV cache, the published
-version loaded in place through the worker extension) and SGLang (``SGLangAdapter``:
-``release_memory_occupation`` / ``resume_memory_occupation``, ``update_weights_from_disk``).
+version loaded in place through the worker extension) and SGLang (``SGLangCellHost``: started
+with ``--enable-memory-saver``, ``release_memory_occupation`` / ``resume_memory_occupation``, the
+published version loaded through ``update_weights_from_disk`` and read back; then served through
+the proxy's ``SGLangAdapter``).
 Each: sleeping frees at least 90% of the server's GPU memory (``nvidia-smi``, summed over the
 server's processes), and after wake + load the served log-probs match tidal's model with the
 new weights within 2e-2.
 
 Skipped without a CUDA device (``TIDAL_TEST_DEVICE=cpu`` skips too: on the CPU the same switch is
-tests/integration/runtime/test_vllm_cell.py) and without the engine's venv
+tests/integration/runtime/test_vllm_cell.py, and for SGLang tests/unit/runtime/test_sglang_cell.py
+against an SGLang-shaped server) and without the engine's venv
 (``TIDAL_VLLM_PYTHON`` for a CUDA vLLM, ``TIDAL_SGLANG_PYTHON`` for SGLang). Run:
 ``TIDAL_VLLM_PYTHON=... TIDAL_SGLANG_PYTHON=... python -m pytest tests/gpu/test_engines_gpu.py``.
 """
@@ -17,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import time
 
 import httpx
 import pytest
@@ -104,57 +106,45 @@ def test_vllm_cell_sleeps_wakes_and_loads_on_the_gpu(smollm2, tmp_path):
 
 @pytest.mark.skipif(not SGLANG_PYTHON, reason="set TIDAL_SGLANG_PYTHON to SGLang's python")
 @pytest.mark.timeout(900)
-def test_sglang_releases_resumes_and_loads_on_the_gpu(smollm2, tmp_path):
-    from tidal.serving.launch import free_port
+def test_sglang_cell_releases_resumes_and_loads_on_the_gpu(smollm2, tmp_path):
+    from tidal.runtime.sglang_cell import SGLangCellHost
     from tidal.serving.protocol import GenerateRequest, SamplingParams
     from tidal.serving.sglang_adapter import SGLangAdapter
+    from tidal.training.flat import ParamLayout
+    from tidal.training.transport import FilePublisher
 
+    host = SGLangCellHost("c0", str(smollm2), 4, str(tmp_path), {
+        "python": SGLANG_PYTHON, "mem_fraction": 0.3, "dtype": "float32"}, device="cuda")
     model, tok = new_version(str(smollm2), tmp_path)
-    v1 = tmp_path / "v1"
-    model.save_pretrained(v1)  # SGLang loads a version from a Hugging Face directory
-    for f in smollm2.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            (v1 / f.name).write_bytes(f.read_bytes())
+    pub = FilePublisher(tmp_path / "w", ParamLayout.of(model))
+    pub.publish(1, ParamLayout.of(model).params_to_flat(model))
     prompt = tok.encode("The capital of France is")
-    port = free_port()
-    log = open(tmp_path / "sglang.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([SGLANG_PYTHON, "-m", "sglang.launch_server", "--model-path",
-                             str(smollm2), "--port", str(port), "--host", "127.0.0.1",
-                             "--enable-memory-saver", "--mem-fraction-static", "0.3",
-                             "--dtype", "float32"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
 
-    async def switch() -> tuple[float, float, list[int], list[float]]:
-        adapter = SGLangAdapter(url)
+    async def generate(url: str) -> tuple[list[int], list[float]]:
+        adapter = SGLangAdapter(url, api_key=os.environ.get("TIDAL_ENGINE_TOKEN"))
+        ids, lps = [], []
         try:
-            awake = gpu_mb(proc.pid)
-            await adapter.sleep(1)
-            asleep = gpu_mb(proc.pid)
-            await adapter.wake_up()
-            await adapter.load_weights(str(v1), "v1")
-            ids, lps = [], []
             async for chunk in adapter.generate(GenerateRequest("g1", prompt, SamplingParams(
                     max_tokens=8, temperature=0.0))):
                 ids += chunk.token_ids
                 lps += chunk.logprobs
-            return awake, asleep, ids, lps
+                assert set(chunk.versions) <= {"v1"}
         finally:
             await adapter.close()
+        return ids, lps
 
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(2)
-        assert proc.poll() is None, (tmp_path / "sglang.log").read_text()[-2000:]
-        awake, asleep, ids, lps = asyncio.run(switch())
-        print(f"SGLang GPU memory: {awake:.0f} MiB awake, {asleep:.0f} MiB asleep")
+        url = host.start(600)
+        pgid = host.describe()["pid"]
+        awake = gpu_mb(pgid)
+        host.sleep()  # pause, release_memory_occupation; measured by the host too
+        asleep = gpu_mb(pgid)
+        print(f"SGLang GPU memory: {awake:.0f} MiB awake, {asleep:.0f} MiB asleep; "
+              f"host measured {host.describe()['memory']}")
         assert asleep <= 0.1 * awake
-        assert max_logprob_error(model, prompt, ids, lps) < 2e-2
+        host.wake()
+        assert host.load_weights(pub.path(1), "v1") == "v1"  # read back from the server
+        ids, lps = asyncio.run(generate(url))
+        assert ids and max_logprob_error(model, prompt, ids, lps) < 2e-2
     finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(60)
+        host.stop()

@@ -102,6 +102,7 @@ class Engines:
         self._actor_cls = ray.remote(EngineHost)
         self._vllm = vllm_host.actor_class(ray, self.rt)  # None: built-in standalone engines
         self._vllm_cell: Any = None  # the actor class of vLLM cells, made on first use
+        self._sglang_cell: Any = None  # the same for SGLang cells
         self.actors: dict[EngineId, Any] = {}
         self.urls: dict[EngineId, str] = {}
         self.start_pids: dict[EngineId, int] = {}
@@ -122,7 +123,7 @@ class Engines:
         return self._vllm is not None
 
     def backend(self, eid: EngineId) -> str:
-        """What serves engine ``eid``: builtin, vllm (or sglang, refused by ``check``)."""
+        """What serves engine ``eid``: builtin, vllm or sglang (cells only)."""
         if eid.standalone:
             return self.rt.standalone_backend
         return cell_backend(self.cfg, eid.index)
@@ -130,6 +131,11 @@ class Engines:
     def is_vllm(self, eid: EngineId) -> bool:
         """A vLLM server: a load takes it out of routing (the adapter labels per call)."""
         return self.backend(eid) == "vllm"
+
+    def is_server(self, eid: EngineId) -> bool:
+        """A vLLM or SGLang server: it loads a version from the driver's file, out of
+        routing."""
+        return self.backend(eid) in ("vllm", "sglang")
 
     def cell(self, index: int) -> Any:
         return self.actors[EngineId.cell(index)]
@@ -150,6 +156,11 @@ class Engines:
 
             self._vllm_cell = self._vllm_cell or self.ray.remote(VLLMCellHost)
             cls, extra = self._vllm_cell, [vllm_host.vllm_settings(self.rt), device]
+        elif not eid.standalone and self.backend(eid) == "sglang":
+            from tidal.runtime.sglang_cell import SGLangCellHost, sglang_settings
+
+            self._sglang_cell = self._sglang_cell or self.ray.remote(SGLangCellHost)
+            cls, extra = self._sglang_cell, [sglang_settings(self.rt), device]
         else:
             cls, extra = self._actor_cls, [device,
                                            groups.path(name) if groups is not None else None,
@@ -191,9 +202,9 @@ class Engines:
 
     def transport(self, eid: EngineId) -> str:
         """How ``eid`` gets a weight version: ``file`` (the driver's file: same node, or a
-        vLLM server, which loads from a path) or ``object`` (pulled across nodes)."""
+        vLLM or SGLang server, which loads from a path) or ``object`` (pulled across nodes)."""
         node = self.nodes.get(eid)
-        if node is None or node == self.driver_node or self.is_vllm(eid):
+        if node is None or node == self.driver_node or self.is_server(eid):
             return "file"
         return "object"
 

@@ -87,9 +87,9 @@ class Publisher:
 
     def _load(self, eid: Any, actor: Any, path: str, label: str) -> Any:
         """One engine's load by its transport; a vLLM engine (standalone or cell) is out of
-        routing meanwhile (``vllm_host.load_weights``)."""
+        routing meanwhile (``vllm_host.load_weights``); an SGLang cell too."""
         if self.engines.transport(eid) == "object":
             return self.engines.load(eid, actor, path, label)
         return vllm_host.load_weights(self.admin, str(eid), actor, path, label,
-                                      drained=self.engines.is_vllm(eid),
+                                      drained=self.engines.is_server(eid),
                                       readmit=self._readmit(eid))

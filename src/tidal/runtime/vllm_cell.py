@@ -155,10 +155,6 @@ def check(cfg: Any) -> None:
     from tidal.runtime.engines import cell_backend
 
     backends = {cell_backend(cfg, i) for i in range(len(cfg.cluster.cell_specs()))}
-    if "sglang" in backends:
-        raise ConfigError("runtime.cell_backend", "'sglang' cells are not run by this runtime "
-                          "(SGLang is CUDA-only; its servers join through the proxy's "
-                          "adapter): use 'builtin' or 'vllm'")
     if "vllm" not in backends:
         return
     rt = cfg.runtime

@@ -23,7 +23,7 @@ import httpx
 from tidal.clock import Clock, await_until
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
-from tidal.runtime import vllm_cell, vllm_host
+from tidal.runtime import sglang_cell, vllm_cell, vllm_host
 from tidal.runtime.actuator import CoreLink, RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.cell import trainer_device
@@ -51,6 +51,7 @@ def check_config(cfg: RunConfig) -> None:
     if cfg.runtime.standalone_backend == "vllm":
         vllm_host.check(cfg)
     vllm_cell.check(cfg)
+    sglang_cell.check(cfg)  # 'sglang' cells: GPUs and SGLang's python
     rt = cfg.runtime
     if rt.cell_cpus is not None:
         for bad, why in ((rt.ray_address, "joins a Ray cluster (the quota is per host)"),

@@ -141,7 +141,7 @@ def _engines(actors: dict, nodes: dict, driver_node: str | None) -> SimpleNamesp
     hands back what it was given, so a test sees which bytes crossed nodes."""
     e = SimpleNamespace(actors=actors, vllm=False, nodes=nodes, driver_node=driver_node,
                         _blob=None, ray=SimpleNamespace(put=lambda b: ("object", b)),
-                        is_vllm=lambda eid: False)
+                        is_vllm=lambda eid: False, is_server=lambda eid: False)
     for name in ("transport", "blob", "load"):
         setattr(e, name, functools.partial(getattr(Engines, name), e))
     return e
@@ -183,7 +183,8 @@ def test_publication_sends_weights_across_nodes_through_the_object_store(tmp_pat
 
 
 def test_a_resumed_publisher_refuses_weights_that_are_gone(tmp_path):
-    pub = Publisher(SimpleNamespace(actors={}, is_vllm=lambda eid: False), None, None,
+    pub = Publisher(SimpleNamespace(actors={}, is_vllm=lambda eid: False,
+                                    is_server=lambda eid: False), None, None,
                     Weights(), str, lambda e: None, ManualClock())
     with pytest.raises(Exception, match=r"published weights .* are gone"):
         pub.restore(2, str(tmp_path / "v2.bin"))
