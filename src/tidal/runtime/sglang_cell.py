@@ -120,10 +120,7 @@ class SGLangCellHost(VLLMCellHost):
         self.token = os.environ.get("TIDAL_ENGINE_TOKEN")
         if self.token:  # SGLang guards every route with it: the proxy and this host send it
             args += ["--api-key", self.token]
-        with open(self.log_path, "ab") as log_fh:
-            self.vllm = subprocess.Popen(args, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-        self.url = f"http://127.0.0.1:{port}"
+        self._launch(args, env, port)
         try:
             self._wait_healthy(timeout_s)
             served = self._served()

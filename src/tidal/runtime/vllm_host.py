@@ -104,10 +104,7 @@ class VLLMEngineHost(EngineHost):
         token = os.environ.get("TIDAL_ENGINE_TOKEN")
         if token:
             args += ["--api-key", token]
-        with open(self.log_path, "ab") as log_fh:
-            self.vllm = subprocess.Popen(args, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-        self.url = f"http://127.0.0.1:{port}"
+        self._launch(args, env, port)
         try:
             self._wait_healthy(timeout_s)
             from tidal.training.vllm_sync import VLLMWeightPublisher
@@ -121,6 +118,14 @@ class VLLMEngineHost(EngineHost):
             raise RuntimeFailure(f"vLLM engine {self.name}: {exc}") from None
         self.state = "awake"
         return self.url
+
+    def _launch(self, args: list[str], env: dict[str, str], port: int) -> None:
+        """Start the server (``args``) in its own session (its children end with it), its
+        output appended to the engine's log; ``url`` is where it will answer."""
+        with open(self.log_path, "ab") as log_fh:
+            self.vllm = subprocess.Popen(args, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
 
     def _extra_args(self) -> list[str]:
         return []

@@ -10,37 +10,25 @@ import json
 import threading
 import time
 
-import httpx
-
 from tidal.config import load_yaml
 from tidal.runtime.driver import Runtime
 from tidal.runtime.engines import EngineId
 
+from .busy import wait_until_busy
 from .test_tiny_run import CONFIG
 
 
 def _kill_when_busy(runtime: Runtime, name: str, seen: dict, deadline_s: float = 120.0):
     import ray
 
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        wired = runtime.wired
-        if wired is not None and wired.bridge.n_dispatched > 0:
-            try:
-                engines = httpx.get(f"{runtime.proxy.url}/tidal/engines", timeout=5,
-                                    headers={"Authorization": f"Bearer {runtime.token}"}).json()
-            except httpx.HTTPError:
-                engines = {"engines": []}
-            busy = {e["id"]: e["inflight"] for e in engines["engines"]}
-            if busy.get(name, 0) > 0:
-                seen["inflight_at_kill"] = busy[name]
-                ray.kill(runtime.engines.actors[EngineId.parse(name)], no_restart=True)
-                time.sleep(0.5)
-                # and an engine process under a live actor (the standalone engine)
-                ray.get(runtime.engines.actors[EngineId("s", 0)].kill_engine.remote(),
-                        timeout=30)
-                return
-        time.sleep(0.02)
+    listed = wait_until_busy(runtime, name, deadline_s)
+    if listed is None:
+        return
+    seen["inflight_at_kill"] = next(e["inflight"] for e in listed if e["id"] == name)
+    ray.kill(runtime.engines.actors[EngineId.parse(name)], no_restart=True)
+    time.sleep(0.5)
+    # and an engine process under a live actor (the standalone engine)
+    ray.get(runtime.engines.actors[EngineId("s", 0)].kill_engine.remote(), timeout=30)
 
 
 def test_a_killed_cell_actor_is_replaced_and_nothing_is_lost(tmp_path):

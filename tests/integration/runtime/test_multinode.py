@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 
-import httpx
 import pytest
 import yaml
 
@@ -32,6 +30,7 @@ from tidal.runtime.driver import Runtime
 from tidal.runtime.engines import EngineId
 from tidal.serving.launch import free_port
 
+from .busy import wait_until_busy
 from .test_tiny_run import CONFIG, expected_groups
 
 pytestmark = pytest.mark.slow
@@ -115,24 +114,14 @@ def test_a_satellite_on_another_node_joins_the_cores_steps(cluster, tmp_path):
 def _lose_node_when_busy(runtime: Runtime, cluster, name: str, seen: dict,
                          deadline_s: float = 120.0) -> None:
     """Kill the node hosting engine ``name`` once it serves live requests."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        wired, engines = runtime.wired, runtime.engines
-        if wired is not None and wired.bridge.n_dispatched > 0 and engines is not None:
-            try:
-                listed = httpx.get(f"{runtime.proxy.url}/tidal/engines", timeout=5,
-                                   headers={"Authorization": f"Bearer {runtime.token}"}).json()
-            except httpx.HTTPError:
-                listed = {"engines": []}
-            busy = {e["id"]: e["inflight"] for e in listed["engines"]}
-            if busy.get(name, 0) > 0:
-                ip = next(e["url"] for e in listed["engines"] if e["id"] == name)
-                node = next(n for n in cluster.nodes if f"//{n.ip}:" in ip)
-                seen.update(inflight_at_kill=busy[name], node=node.index,
-                            node_id=engines.nodes[EngineId.parse(name)],
-                            pids=localcluster.kill_node(cluster, node.index))
-                return
-        time.sleep(0.02)
+    listed = wait_until_busy(runtime, name, deadline_s)
+    if listed is None:
+        return
+    entry = next(e for e in listed if e["id"] == name)
+    node = next(n for n in cluster.nodes if f"//{n.ip}:" in entry["url"])
+    seen.update(inflight_at_kill=entry["inflight"], node=node.index,
+                node_id=runtime.engines.nodes[EngineId.parse(name)],
+                pids=localcluster.kill_node(cluster, node.index))
 
 
 def test_a_node_lost_mid_run_loses_nothing(cluster, tmp_path):
