@@ -48,18 +48,38 @@ def expected(records):
         core.close()
 
 
-def holding(core, cell: int, seen: dict, need_done: bool) -> bool:
-    """True (and ``seen`` filled) once ``cell`` holds a claim, or, with ``need_done``, once it
-    has a completed micro-step whose gradient it has not delivered yet (some worker still holds
-    a claim, so the batch has not reached its gather: the window is the batch's whole length,
-    not the instant between two of the cell's micro-steps)."""
+def holding(core, cell: int, seen: dict) -> bool:
+    """True (and ``seen`` filled) once ``cell`` holds a claim of the open batch."""
     h = core.packing.holdings()
     prefix = f"cell{cell}:"
     claimed = sum(w.startswith(prefix) for w in h["claimed"].values())
-    done = sum(w.startswith(prefix) for w in h["done"].values())
-    if (done and h["claimed"]) if need_done else claimed:
-        seen.update(step=h["batch_id"], claimed=claimed, done=done)
+    if claimed:
+        seen.update(step=h["batch_id"], claimed=claimed, done=0)
         return True
+    return False
+
+
+def frozen_with_undelivered_work(core, cell: int, pid: int, seen: dict) -> bool:
+    """True (``seen`` filled, the process left stopped) once ``cell`` has a completed
+    micro-step of the open batch whose gradient the core has not received. The process is
+    stopped (SIGSTOP) as soon as it has completed work, then checked: stopped, it can deliver
+    nothing more, so what is undelivered now stays undelivered until it is killed. Otherwise it
+    is resumed and the wait goes on. (Waiting for the instant it also holds a claim, as before,
+    can miss it on a loaded machine.)"""
+    prefix = f"cell{cell}:"
+    if not any(w.startswith(prefix) for w in core.packing.holdings()["done"].values()):
+        return False
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(0.5)  # anything it had already sent is received by now
+    h = core.packing.holdings()
+    done = sum(w.startswith(prefix) for w in h["done"].values())
+    with core.coordinator._cv:
+        delivered = cell in core.coordinator._contribs
+    if done and not delivered and h["batch_id"] >= 0:
+        seen.update(step=h["batch_id"], done=done,
+                    claimed=sum(w.startswith(prefix) for w in h["claimed"].values()))
+        return True
+    os.kill(pid, signal.SIGCONT)
     return False
 
 
@@ -82,7 +102,11 @@ def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected,
     trainer.start()
     try:
         seen: dict = {}
-        wait_for(lambda: holding(core, 2, seen, need_done), 90, "satellite 2 to hold a claim")
+        if need_done:
+            wait_for(lambda: frozen_with_undelivered_work(core, 2, procs[1].pid, seen), 90,
+                     "satellite 2 to hold undelivered work")
+        else:
+            wait_for(lambda: holding(core, 2, seen), 90, "satellite 2 to hold a claim")
         os.kill(procs[1].pid, sig)
         t_signal = time.monotonic()
         trainer.join(timeout=120)
