@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from tidal.runtime import vllm_host
 from tidal.runtime.cell import RuntimeFailure, actor_device
 from tidal.runtime.vllm_cell import VLLMCellHost, group_rss_bytes
 
@@ -262,8 +263,5 @@ def check(cfg: Any) -> None:
         raise ConfigError("runtime.cell_backend", "'sglang' cells need GPUs (SGLang is "
                           "CUDA-only): set runtime.use_gpus: true and runtime.device cuda or "
                           "auto, or use 'builtin' or 'vllm'")
-    if rt.model == "tiny":
-        raise ConfigError("runtime.cell_backend", "SGLang cannot serve the 'tiny' model "
-                          "(tidal's own format): use a Hugging Face model, e.g. "
-                          "runtime.model: smollm2-135m")
+    vllm_host.refuse_tiny(rt, "runtime.cell_backend", "SGLang")
     rt.resolved_sglang_python()

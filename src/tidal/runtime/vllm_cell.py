@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from tidal.runtime import vllm_host
 from tidal.runtime.cell import EngineHost, RuntimeFailure, actor_device
 from tidal.runtime.vllm_host import VLLMEngineHost
 
@@ -158,10 +159,7 @@ def check(cfg: Any) -> None:
     if "vllm" not in backends:
         return
     rt = cfg.runtime
-    if rt.model == "tiny":
-        raise ConfigError("runtime.cell_backend", "vLLM cannot serve the 'tiny' model "
-                          "(tidal's own format): use a Hugging Face model, e.g. "
-                          "runtime.model: smollm2-135m")
+    vllm_host.refuse_tiny(rt, "runtime.cell_backend", "vLLM")
     if rt.cell_cpus is not None:
         raise ConfigError("runtime.cell_cpus", "not supported when cells are vLLM servers "
                           "(the quota covers built-in engines)")

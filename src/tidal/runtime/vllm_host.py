@@ -228,11 +228,18 @@ def check(cfg: Any) -> None:
     if cfg.cluster.standalone_count == 0:
         raise ConfigError("runtime.standalone_backend", "'vllm' serves standalone engines, "
                           "and cluster.standalone_count is 0")
-    if rt.model == "tiny":
-        raise ConfigError("runtime.standalone_backend", "vLLM cannot serve the 'tiny' model "
-                          "(tidal's own format): use a Hugging Face model, e.g. "
-                          "runtime.model: smollm2-135m")
+    refuse_tiny(rt, "runtime.standalone_backend", "vLLM")
     rt.resolved_vllm_python()
+
+
+def refuse_tiny(rt: Any, field: str, server: str) -> None:
+    """``ConfigError`` naming ``field`` when ``server`` (vLLM, SGLang) would have to serve the
+    'tiny' model, which is in tidal's own format."""
+    from tidal.errors import ConfigError
+
+    if rt.model == "tiny":
+        raise ConfigError(field, f"{server} cannot serve the 'tiny' model (tidal's own "
+                          "format): use a Hugging Face model, e.g. runtime.model: smollm2-135m")
 
 
 def actor_class(ray: Any, rt: Any) -> Any:

@@ -15,6 +15,7 @@ holding another version, a server that exits at start. Also what the config acce
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -61,6 +62,16 @@ def _host(tmp_path, model_dir, site, fault="", monkeypatch=None) -> SGLangCellHo
         "pythonpath": site}, device="cpu")
 
 
+@contextlib.contextmanager
+def _started(tmp_path, model_dir, site, monkeypatch, fault=""):
+    """A host whose server is up (``url``), stopped on the way out whatever happened."""
+    host = _host(tmp_path, model_dir, site, fault, monkeypatch)
+    try:
+        yield host, host.start(60)
+    finally:
+        host.stop()
+
+
 def _publish(tmp_path, version: int) -> str:
     torch.manual_seed(version)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
@@ -77,9 +88,7 @@ def _info(host) -> dict:
 @pytest.mark.timeout(120)
 def test_an_sglang_cell_sleeps_wakes_and_loads_over_sglangs_routes(
         tmp_path, model_dir, sglang_site, monkeypatch):
-    host = _host(tmp_path, model_dir, sglang_site, monkeypatch=monkeypatch)
-    try:
-        url = host.start(60)
+    with _started(tmp_path, model_dir, sglang_site, monkeypatch) as (host, url):
         assert httpx.get(f"{url}/get_weight_version").status_code == 401  # the token guards
         d = host.describe()
         assert d["backend"] == "sglang" and d["version"] == "v0" and d["alive"]
@@ -106,51 +115,37 @@ def test_an_sglang_cell_sleeps_wakes_and_loads_over_sglangs_routes(
         assert host.load_weights(_publish(tmp_path, 2), "v2") == "v2"
         assert not version_dir.exists()  # the earlier version's directory is gone
         assert host.describe()["version"] == "v2"
-    finally:
-        host.stop()
     assert not host.alive() and host.describe()["state"] == "stopped"
 
 
 @pytest.mark.timeout(120)
 def test_a_release_that_frees_nothing_is_one_line_and_the_server_serves_on(
         tmp_path, model_dir, sglang_site, monkeypatch):
-    host = _host(tmp_path, model_dir, sglang_site, "no_release", monkeypatch)
-    try:
-        host.start(60)
+    with _started(tmp_path, model_dir, sglang_site, monkeypatch, "no_release") as (host, _):
         with pytest.raises(RuntimeFailure, match="freed nothing"):
             host.sleep()
         info = _info(host)
         assert host.state == "awake" and not info["paused"] and info["released"] == []
-    finally:
-        host.stop()
 
 
 @pytest.mark.timeout(120)
 def test_a_load_whose_served_version_differs_is_one_line(
         tmp_path, model_dir, sglang_site, monkeypatch):
-    host = _host(tmp_path, model_dir, sglang_site, "drops_version", monkeypatch)
-    try:
-        host.start(60)
+    with _started(tmp_path, model_dir, sglang_site, monkeypatch, "drops_version") as (host, _):
         with pytest.raises(RuntimeFailure, match="serves 'v0' after loading 'v1'"):
             host.load_weights(_publish(tmp_path, 1), "v1")
         assert host.describe()["version"] == "v0"
         with pytest.raises(RuntimeFailure, match="holds v1, not v3"):
             host.load_weights(_publish(tmp_path, 1), "v3")
-    finally:
-        host.stop()
 
 
 @pytest.mark.timeout(120)
 def test_a_load_while_released_and_a_server_that_cannot_start_are_one_line(
         tmp_path, model_dir, sglang_site, monkeypatch):
-    host = _host(tmp_path, model_dir, sglang_site, monkeypatch=monkeypatch)
-    try:
-        host.start(60)
+    with _started(tmp_path, model_dir, sglang_site, monkeypatch) as (host, _):
         host.sleep()
         with pytest.raises(RuntimeFailure, match=r"HTTP 400 .*resume memory occupation first"):
             host.load_weights(_publish(tmp_path, 1), "v1")
-    finally:
-        host.stop()
     (model_dir / "config.json").unlink()
     bad = _host(tmp_path, model_dir, sglang_site, monkeypatch=monkeypatch)
     with pytest.raises(RuntimeFailure) as info:
