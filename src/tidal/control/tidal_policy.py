@@ -21,6 +21,11 @@ Rule (evaluated after every event and tick while no transition is in flight):
   ``min_train_cells`` unless no rollout capacity is left at all) iff rollout is short of
   slots (``w + pending_dispatch > C_R``) and the queue projected over ``H`` under the
   current split falls below ``low_batches`` batches.
+- Starving trainer: the ``min_train_cells`` floor goes when not one batch would be ready
+  within ``H`` even with every slot producing (the training cells' too), so the last training
+  cells may return as above; and while nothing trains and a whole batch is ready (supply
+  held), the next cell is lent, with a dispatch hold at the capacity after the move while the
+  waterlevel is above it.
 - Hysteresis: a move against the direction of the previous one waits ``dwell_s`` after it
   (a reversal costs a switch each way); moves in the same direction chain without delay.
 - Dispatch hold: when the next lend is blocked only by the waterlevel (capacity after the move
@@ -141,8 +146,13 @@ class TidalPolicy:
         c = 0.0 if c is None else c
         # Return training cells (the last ones, as a block) when rollout is short of slots and
         # the trainer would run dry within the horizon anyway.
-        # With no rollout capacity at all the floor goes: someone must produce data.
+        # With no rollout capacity at all the floor goes: someone must produce data. So does
+        # it when the trainer is starving: not one batch ready within the horizon even with
+        # every slot (the lent ones too) producing.
         floor = self.min_train_cells if cap > 0 else 0
+        if gpus > 0 and queue < batch and queue + p * min(cap + _training_slots(obs), todo) \
+                * self.horizon_s < batch:
+            floor = 0
         movable = [v for v in obs.cells[floor:obs.prefix_len] if v.role is Role.TRAINING]
         if movable and len(movable) == obs.prefix_len - floor and todo > cap:
             drift = p * min(cap, todo) - c * gpus
@@ -170,6 +180,17 @@ class TidalPolicy:
         if nxt is None or nxt.role is not Role.ROLLOUT:
             return Decision.hold("balanced")
         after = capacity_after_move(obs, nxt)
+        if gpus == 0 and queue >= batch and obs.supply.ok:
+            # Nothing trains while a whole batch is ready: lend, holding dispatch while the
+            # waterlevel is in the way (on-demand dispatch refills every freed slot).
+            if after >= obs.waterlevel:
+                return self._move(obs, Action.TO_TRAINING, (nxt.index,),
+                                  f"nothing trains and {queue} groups are ready")
+            if after > 0:
+                self.dispatch_limit = after
+                return Decision.hold(f"holding dispatch at {after} executions so cell "
+                                     f"{nxt.index} can train a ready batch (waterlevel "
+                                     f"{obs.waterlevel})")
         drift_after = p * min(after, todo) - c * (gpus + nxt.gpus)
         if after < obs.waterlevel:
             if drift_after >= 0 and p > 0 and obs.supply.ok and after > 0:
@@ -229,6 +250,10 @@ class TidalPolicy:
         # about its speed).
         exposure = gpus0 * dt if ready0 > 0 or consumed > 0 else 0.0
         self.consumption.add(consumed, exposure, dt)
+
+
+def _training_slots(obs: Observation) -> int:
+    return sum(c.slots for c in obs.cells if c.role is Role.TRAINING)
 
 
 _GPUS_CACHE: dict[int, tuple[tuple[CellView, ...], int]] = {}

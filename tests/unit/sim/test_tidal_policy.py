@@ -83,9 +83,45 @@ def test_keeps_min_train_cells_and_waits_out_the_dwell():
     d2 = q.decide(obs(t=200.0, roles=("training", "training"), waterlevel=256, pending=500,
                       ready=0, generated=101, step=2))
     assert d2.action is Action.HOLD and "dwell" in d2.reason
+    # Production healthy (a batch within the horizon): the floor keeps the core training.
     d3 = q.decide(obs(t=1200.0, roles=("training", "training"), waterlevel=256, pending=500,
-                      ready=0, generated=102, step=3))
+                      ready=0, generated=130, step=3))
     assert d3.action is Action.TO_ROLLOUT and d3.cells == (1,)
+
+
+def test_a_starving_trainer_gives_up_its_floor():
+    # 1 group in 1000 s of 100 running executions: not one batch within 300 s even with
+    # every slot producing, so the core returns with the satellite.
+    p = make_policy("tidal", {"tau_s": 1})
+    p.decide(obs(t=0.0, generated=0, step=0, running=100, ready=0))
+    d = p.decide(obs(t=1000.0, roles=("training", "training"), waterlevel=256, pending=500,
+                     ready=0, generated=1, step=1, running=100))
+    assert d.action is Action.TO_ROLLOUT and d.cells == (0, 1)
+    # The same with healthy production keeps the core (min_train_cells).
+    q = make_policy("tidal", {"tau_s": 1})
+    q.decide(obs(t=0.0, generated=0, step=0, running=100, ready=0))
+    d = q.decide(obs(t=1000.0, roles=("training", "training"), waterlevel=256, pending=500,
+                     ready=0, generated=20, step=1, running=100))
+    assert d.action is Action.TO_ROLLOUT and d.cells == (1,)
+
+
+def test_nothing_training_with_a_ready_batch_holds_dispatch_then_lends():
+    p = make_policy("tidal")
+    warmed(p, roles=("rollout", "rollout"), waterlevel=10, ready=0)
+    # capacity 512, after lending cell 0: 384 < waterlevel 450: hold dispatch at 384
+    d = p.decide(obs(t=200.0, roles=("rollout", "rollout"), waterlevel=450, ready=20,
+                     generated=120, step=1))
+    assert d.action is Action.HOLD and p.dispatch_limit == 384
+    d = p.decide(obs(t=210.0, roles=("rollout", "rollout"), waterlevel=384, ready=20,
+                     generated=121, step=1))
+    assert d.action is Action.TO_TRAINING and d.cells == (0,)
+    assert p.dispatch_limit is None
+    # Without a whole batch ready (or without held supply) nothing moves.
+    q = make_policy("tidal")
+    warmed(q, roles=("rollout", "rollout"), waterlevel=10, ready=0)
+    d = q.decide(obs(t=200.0, roles=("rollout", "rollout"), waterlevel=450, ready=20,
+                     generated=120, step=1, supply_ok=False))
+    assert d.action is Action.HOLD and q.dispatch_limit is None
 
 
 def test_returns_a_block_large_enough_for_the_missing_slots():
