@@ -207,8 +207,8 @@ class Controller:
     def _announce(self, burst: int, quota: int) -> None:
         """A new burst's quota supersedes what is left of earlier ones: a dispatcher serves one
         burst at a time, and a version's unused budget is forfeited when the next one starts
-        (the simulator's on-demand and paced dispatchers; the runtime's has dispatched it all
-        by then). Counting the remainder as pending would hold every waterlevel-safe move
+        (the simulator's on-demand and paced dispatchers; the runtime tags every dispatch with
+        the current burst). Counting the remainder as pending would hold every waterlevel-safe move
         forever: ``pending_dispatch`` counts only what will still be dispatched."""
         for b in [b for b in self._announced if b < burst]:
             del self._announced[b]
