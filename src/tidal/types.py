@@ -77,7 +77,10 @@ class Event:
 
 @dataclass(frozen=True)
 class BurstStarted(Event):
-    """A burst publishes its dispatch quota (executions) under weight version ``version``."""
+    """A burst publishes its dispatch quota (executions) under weight version ``version``. It
+    supersedes what is left of earlier bursts' quotas: no ``ExecutionDispatched`` of an earlier
+    burst follows it (the simulator forfeits a version's unused budget; the runtime tags every
+    dispatch with the current burst)."""
 
     burst: int
     quota_executions: int

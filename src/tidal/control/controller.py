@@ -180,7 +180,7 @@ class Controller:
             lg.assign(ev.group_ids)
             self.assigned_in_batch += len(ev.group_ids)
         elif isinstance(ev, BurstStarted):
-            self._announced[ev.burst] = ev.quota_executions
+            self._announce(ev.burst, ev.quota_executions)
             self.bursts_started += 1
             self._expect_next_burst = False
         elif isinstance(ev, TrainerReady):
@@ -203,6 +203,16 @@ class Controller:
             self.cells.set_standalone(ev.engine_id, ev.slots)
         elif isinstance(ev, Tick):
             self._check_step_timeout(ev.t_s)
+
+    def _announce(self, burst: int, quota: int) -> None:
+        """A new burst's quota supersedes what is left of earlier ones: a dispatcher serves one
+        burst at a time, and a version's unused budget is forfeited when the next one starts
+        (the simulator's on-demand and paced dispatchers; the runtime tags every dispatch with
+        the current burst). Counting the remainder as pending would hold every waterlevel-safe move
+        forever: ``pending_dispatch`` counts only what will still be dispatched."""
+        for b in [b for b in self._announced if b < burst]:
+            del self._announced[b]
+        self._announced[burst] = quota
 
     def _count_generated(self, before: int) -> None:
         for _ in range(self.ledger.groups_ready_total - before):
