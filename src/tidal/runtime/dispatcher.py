@@ -7,11 +7,17 @@ harness pool (``dispatch_interval_s`` apart), each a task owned by the run's ``P
 trained before a resume is skipped; an execution closed before it has its record restored
 through the bridge instead of running again. Invariant 7 (nothing lost or trained twice) across a
 resume rests on this: ``plan`` is the one place that decides what runs.
+The policy's dispatch hold (``Controller.dispatch_limit``) decides when: a group goes only when
+``tidal.control.dispatch_hold.may_dispatch`` admits it (the simulator's rule), counting the
+ledger's waterlevel plus the executions handed to the pool that the ledger has not counted yet.
+A held group waits in its place (woken by every event the controller handles, bounded by
+``runtime.execution_timeout_s + control.step_timeout_s`` without progress) and goes once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -20,11 +26,14 @@ from typing import Any
 
 from tidal.clock import Clock
 from tidal.config import RunConfig
+from tidal.control.dispatch_hold import may_dispatch
+from tidal.errors import TimeoutExpired
 from tidal.runtime.tasks import Parts
 from tidal.seeding import derive_seed
 from tidal.training.records import ExecutionRecord
 from tidal.types import BurstStarted, Event
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GroupPlan:
@@ -74,11 +83,15 @@ def task_factory(cfg: RunConfig, seed: int) -> Callable[[], Any]:
 class Dispatcher:
     def __init__(self, cfg: RunConfig, pool: Any, bridge: Any, handle: Callable[[Event], None],
                  clock: Clock, parts: Parts, trained: set[str],
-                 held: dict[str, ExecutionRecord]) -> None:
+                 held: dict[str, ExecutionRecord], ctl: Any) -> None:
         self.cfg, self.pool, self.bridge, self.handle = cfg, pool, bridge, handle
-        self.clock, self.parts = clock, parts
+        self.clock, self.parts, self.ctl = clock, parts, ctl
         self.trained, self.held = trained, dict(held)
         self.runs: list[asyncio.Task] = []
+        # executions this dispatcher dispatched (handed to the pool, or restored through the
+        # bridge); the bridge counts each one when its dispatch reaches the ledger
+        self.issued = 0
+        self._changed = asyncio.Event()  # set after every event the controller handled
 
     async def run(self, first_burst: int, version: Callable[[], int],
                   wait_published: Callable[[int], Awaitable[None]]) -> None:
@@ -90,21 +103,70 @@ class Dispatcher:
             self.handle(BurstStarted(self.clock.now(), b, quota, version()))
             await self._dispatch(b, groups)
 
+    def notify(self) -> None:
+        """The controller handled an event: the waterlevel or the dispatch hold may have
+        changed (a held group looks again)."""
+        self._changed.set()
+
+    def outstanding(self) -> int:
+        """Executions dispatched and not finished: the ledger's waterlevel plus those handed to
+        the pool whose dispatch has not reached the ledger yet (the pool reports it from its
+        own task), so a group handed off a moment ago counts as the simulator's would."""
+        return self.ctl.ledger.waterlevel + self.issued - self.bridge.n_dispatched
+
     async def _dispatch(self, burst: int, groups: list[GroupPlan]) -> None:
         interval_s, first = self.cfg.runtime.dispatch_interval_s, True
         for grp in groups:
             for rec in grp.restore:  # closed before the resume: its record goes back
                 self.held.pop(rec.execution_id, None)
+                self.issued += 1
                 self.bridge.restore(rec)
             if not grp.run:
                 continue
             if not first and interval_s:
                 await self.clock.asleep(interval_s)
             first = False
+            await self._admitted(grp)
             make = task_factory(self.cfg, grp.seed)
+            self.issued += len(grp.run)
             self.runs.append(self.parts.spawn(
                 f"harness pool, group {grp.group_id}",
                 self.pool.run([(grp.group_id, make)] * len(grp.run), list(grp.run))))
+
+    async def _admitted(self, grp: GroupPlan) -> None:
+        """Returns once the policy's dispatch hold admits ``grp`` (at once without a hold).
+        Re-checked after every event the controller handles; ``TimeoutExpired`` when the
+        outstanding work has not moved for ``execution_timeout_s + step_timeout_s``."""
+        k = len(grp.run)
+        if may_dispatch(self.outstanding(), k, self.ctl.dispatch_limit):
+            return
+        timeout_s = self.cfg.runtime.execution_timeout_s + self.cfg.control.step_timeout_s
+        seen, deadline = self.outstanding(), self.clock.now() + timeout_s
+        log.info("dispatch held: group %s (%d executions) waits, %d outstanding, limit %s",
+                 grp.group_id, k, seen, self.ctl.dispatch_limit)
+        while not may_dispatch(self.outstanding(), k, self.ctl.dispatch_limit):
+            if self.outstanding() != seen:
+                seen, deadline = self.outstanding(), self.clock.now() + timeout_s
+            if self.clock.now() >= deadline:
+                raise TimeoutExpired(
+                    f"dispatch of group {grp.group_id}: held by the policy at "
+                    f"{self.ctl.dispatch_limit} executions with {seen} outstanding, no "
+                    f"execution closed within {timeout_s:g} s (runtime.execution_timeout_s "
+                    "+ control.step_timeout_s)")
+            await self._changed_or(deadline - self.clock.now())
+        log.info("dispatch resumed: group %s, %d outstanding, limit %s", grp.group_id,
+                 self.outstanding(), self.ctl.dispatch_limit)
+
+    async def _changed_or(self, dt_s: float) -> None:
+        """Waits until the next handled event or ``dt_s`` on the run's clock."""
+        self._changed.clear()
+        waits = [asyncio.ensure_future(self._changed.wait()),
+                 asyncio.ensure_future(self.clock.asleep(max(0.0, dt_s)))]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def results(self) -> list[Any]:
         """Every dispatched execution's result, in dispatch order."""

@@ -193,7 +193,13 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     ctl = build_controller(cfg, clock, actuator, DecisionLog(
         outputs.since_first_dispatch(jsonl_file_sink(decisions)), keep=False))
     ctl.metrics.budget_groups = c.batch_groups * c.updates_per_burst  # per burst
-    handle = parts.guard_handler(ctl.handle)
+    guarded, listeners = parts.guard_handler(ctl.handle), []
+
+    def handle(event: Any) -> None:  # then wake whoever waits on the ledger or the policy
+        guarded(event)
+        for wake in listeners:
+            wake()
+
     actuator.bind(handle)
     bridge = LedgerBridge(handle, clock, admin, buffer, c.group_size, parts)
     publisher = Publisher(engines, actuator, admin, weights, files.path, handle, clock)
@@ -210,8 +216,10 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
         max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
         timeout_s=rt.execution_timeout_s, token=token), out / "workspaces", bridge)
     held = {r.execution_id: r for r in ck.records} if ck else {}
+    dispatcher = Dispatcher(cfg, pool, bridge, handle, clock, parts, set(trainer.trained_groups),
+                            held, ctl)
+    listeners.append(dispatcher.notify)  # a group held by the policy looks again
     return Wired(admin, decisions, buffer, core, outputs, actuator, ctl, handle, bridge,
                  publisher, trainer,
                  CellSupervisor(engines, actuator, admin, weights, clock, rt.start_timeout_s),
-                 Dispatcher(cfg, pool, bridge, handle, clock, parts,
-                            set(trainer.trained_groups), held), clock)
+                 dispatcher, clock)

@@ -5,9 +5,11 @@ free up. Out: ``ExecRec`` records for the drawn groups, ``BurstStarted``,
 ``ExecutionDispatched`` and ``ExecutionLaunched`` events to the controller, sequences started
 on engines. Keeps verl's budget: a version dispatches at most ``budget - carried`` groups
 (carried: dispatched, not yet consumed), in the workload's draw order; ``ON_DEMAND`` dispatches
-a group only when an admitting slot is free (never during a weight sync), ``BURST`` the whole
-quota at the version start (group by group ``sim.dispatch_interval_s`` apart when set, as the
-runtime's dispatcher). Displaced executions are placed before queued ones.
+a group only when an admitting slot is free (never during a weight sync) and the policy's
+dispatch hold admits it (``tidal.control.dispatch_hold``, the rule the runtime's dispatcher
+shares), ``BURST`` the whole quota at the version start (group by group
+``sim.dispatch_interval_s`` apart when set, as the runtime's dispatcher). Displaced executions
+are placed before queued ones.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+from tidal.control.dispatch_hold import may_dispatch
 from tidal.sim.scenario import DispatchStyle
 from tidal.sim.workloads import ExecSpec
 from tidal.types import BurstStarted, ExecutionDispatched, ExecutionLaunched
@@ -112,8 +115,7 @@ def _may_dispatch(w: World) -> bool:
     """On demand, within the budget, outside a sync, and within the policy's dispatch limit."""
     if w.quota_left <= 0 or w.syncing:
         return False
-    lim = w.controller.dispatch_limit
-    return lim is None or w.ledger.waterlevel + w.group_size <= lim
+    return may_dispatch(w.ledger.waterlevel, w.group_size, w.controller.dispatch_limit)
 
 
 def _fill_once(w: World) -> None:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from tidal.clock import ManualClock
 from tidal.config import load_yaml
+from tidal.control.factory import build_controller
 from tidal.errors import InvariantViolation, TimeoutExpired
 from tidal.runtime.actuator import Weights
 from tidal.runtime.dispatcher import Dispatcher, plan_burst
@@ -25,6 +26,7 @@ from tidal.runtime.engines import EngineId, Engines
 from tidal.runtime.outputs import RunOutputs
 from tidal.runtime.publisher import Publisher
 from tidal.runtime.tasks import PartFailed, Parts
+from tidal.testing.actuator import FakeActuator
 from tidal.training.records import ExecutionRecord
 from tidal.types import BurstStarted, Tick, WeightSyncDone
 
@@ -85,7 +87,7 @@ class _Pool:
 
 class _Bridge:
     def __init__(self) -> None:
-        self.burst, self.restored = 0, []
+        self.burst, self.restored, self.n_dispatched = 0, [], 0
 
     def restore(self, rec):
         self.restored.append(rec.execution_id)
@@ -97,8 +99,10 @@ def test_dispatch_of_a_resumed_run_runs_only_what_was_not_closed():
         events, published = [], []
         pool, bridge, parts = _Pool(), _Bridge(), Parts()
         held = {"b1-g1-e0": _record("b1-g1-e0")}
-        d = Dispatcher(CFG, pool, bridge, events.append, ManualClock(), parts,
-                       trained={"b1-g0"}, held=held)
+        clock = ManualClock()
+        d = Dispatcher(CFG, pool, bridge, events.append, clock, parts,
+                       trained={"b1-g0"}, held=held,
+                       ctl=build_controller(CFG, clock, FakeActuator(clock)))
 
         async def wait_published(b):
             published.append(b)
