@@ -150,6 +150,13 @@ def register_policy(name: str, summary: str) -> Callable[[PolicyFactory], Policy
     return deco
 
 
+def unregister_policy(name: str) -> None:
+    """Removes a policy registered with ``register_policy`` (a plugin's or a test's);
+    unknown names are an error, never ignored."""
+    if _REGISTRY.pop(name, None) is None:
+        raise UnknownPolicyError("policy.name", f"unknown policy {name!r}")
+
+
 def registered() -> dict[str, str]:
     """Name -> one-line summary of every registered policy."""
     _load_builtin()

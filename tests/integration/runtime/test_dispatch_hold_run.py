@@ -10,11 +10,18 @@ import json
 import logging
 from typing import Any
 
+import pytest
 import yaml
 
 from tidal.cli import main
 from tidal.control.policies_simple import StaticPolicy
-from tidal.control.policy import Decision, Observation, register_policy, registered
+from tidal.control.policy import (
+    Decision,
+    Observation,
+    register_policy,
+    registered,
+    unregister_policy,
+)
 
 from .test_tiny_run import CONFIG, expected_groups
 
@@ -41,8 +48,15 @@ class HeldStatic(StaticPolicy):
         return Decision.hold(f"holding dispatch at {LIMIT} executions until the first step")
 
 
-if "held-static" not in registered():
-    register_policy("held-static", "test: static split with a dispatch hold")(HeldStatic)
+@pytest.fixture(autouse=True, scope="module")
+def _held_static():
+    """Registered for this module only: every other test that runs each registered policy
+    (the oracle's, the simulator's) must not meet a policy whose hold fits no 8-execution
+    group."""
+    if "held-static" not in registered():
+        register_policy("held-static", "test: static split with a dispatch hold")(HeldStatic)
+    yield
+    unregister_policy("held-static")
 
 
 def _outstanding_at(execs: list[dict], t: float) -> int:

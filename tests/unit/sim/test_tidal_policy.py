@@ -167,3 +167,15 @@ def test_the_simulated_dispatcher_honours_the_dispatch_limit():
     w.controller.policy.dispatch_limit = None
     dispatch.fill(w)
     assert w.ledger.waterlevel > 8
+
+
+def test_a_registered_policy_can_be_unregistered_once():
+    from tidal.control.policy import register_policy, unregister_policy
+    from tidal.errors import UnknownPolicyError
+
+    register_policy("tmp-static", "test")(type(make_policy("static")))
+    assert "tmp-static" in registered()
+    unregister_policy("tmp-static")
+    assert "tmp-static" not in registered()
+    with pytest.raises(UnknownPolicyError):
+        unregister_policy("tmp-static")
