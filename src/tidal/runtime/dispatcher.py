@@ -139,6 +139,8 @@ class Dispatcher:
         outstanding work has not moved for ``execution_timeout_s + step_timeout_s``."""
         k = len(grp.run)
         if may_dispatch(self.outstanding(), k, self.ctl.dispatch_limit):
+            log.debug("admitted group %s: %d executions, %d outstanding, limit %s",
+                      grp.group_id, k, self.outstanding(), self.ctl.dispatch_limit)
             return
         timeout_s = self.cfg.runtime.execution_timeout_s + self.cfg.control.step_timeout_s
         seen, deadline = self.outstanding(), self.clock.now() + timeout_s
@@ -156,6 +158,8 @@ class Dispatcher:
             await self._changed_or(deadline - self.clock.now())
         log.info("dispatch resumed: group %s, %d outstanding, limit %s", grp.group_id,
                  self.outstanding(), self.ctl.dispatch_limit)
+        log.debug("admitted group %s: %d executions, %d outstanding, limit %s",
+                  grp.group_id, k, self.outstanding(), self.ctl.dispatch_limit)
 
     async def _changed_or(self, dt_s: float) -> None:
         """Waits until the next handled event or ``dt_s`` on the run's clock."""

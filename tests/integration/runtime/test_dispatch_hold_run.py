@@ -127,17 +127,28 @@ def test_a_held_dispatch_never_passes_the_limit_and_every_group_still_trains(tmp
 def test_the_tidal_policy_holds_dispatch_so_a_cell_can_train(tmp_path, caplog):
     """The tidal policy itself: every cell starts in rollout and one burst of 12 groups is
     dispatched 0.1 s apart, so the waterlevel stands above the capacity after lending cell 0
-    while groups are still to go. The policy holds dispatch at that capacity, the dispatcher
-    waits, the waterlevel drains, cell 0 trains; nothing is lost."""
-    with caplog.at_level(logging.INFO, logger="tidal.runtime.dispatcher"):
+    while groups are still to go. ``high_batches=100`` leaves the policy one way to lend: a
+    whole batch ready while nothing trains, which holds dispatch at the capacity after the move
+    whenever the waterlevel stands above it, whatever the measured rates (so the hold does not
+    depend on the machine's speed). The dispatcher waits, the waterlevel drains, cell 0 trains;
+    nothing is lost."""
+    with caplog.at_level(logging.DEBUG, logger="tidal.runtime.dispatcher"):
         # supply counts from the first ready group: the policy may hold as soon as it has
         # measured production, well before the burst's last group is due (1.1 s)
-        out, s = _run(tmp_path, "tidal:min_train_cells=0",
+        out, s = _run(tmp_path, "tidal:min_train_cells=0,high_batches=100",
                       {"updates_per_burst": 4, "bursts": 1, "supply_fraction": 0.3,
                        "supply_hold_s": 0.0}, dispatch_interval_s=0.1)
     assert s["policy"] == "tidal" and s["switches_to_training"] >= 1
     decisions = [r for r in _lines(out / "decisions.jsonl") if r["type"] == "decision"]
     holds = [r for r in decisions if "dispatch_limit" in r["state"]]
     assert holds, [r["reason"] for r in decisions]
-    _check_holds(out)
-    assert any("dispatch held" in r.getMessage() for r in caplog.records)
+    # Checked where the rule is applied, not from the files: executions.jsonl stamps a
+    # dispatch when the harness pool reports it (25-30 ms after the dispatcher admitted the
+    # group on a loaded machine), so a group admitted just before a hold can carry a later
+    # stamp. Every admission under a limit kept outstanding + group within it. Whether a group
+    # is due while the hold stands depends on the machine's speed (on a loaded one the batch
+    # completes after the last group went): that a held group waits and resumes is the
+    # held-static test's, which holds from the first group on.
+    admitted = [r.args for r in caplog.records if str(r.msg).startswith("admitted group")]
+    assert len(admitted) == 12, len(admitted)
+    assert all(n + k <= lim for _, k, n, lim in admitted if lim is not None), admitted
