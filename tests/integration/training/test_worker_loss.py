@@ -102,12 +102,17 @@ def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected,
     trainer.start()
     try:
         seen: dict = {}
+        # Whichever satellite first gets there is the one lost (on a loaded machine one of
+        # them may do no work at all in the two steps).
         if need_done:
-            wait_for(lambda: frozen_with_undelivered_work(core, 2, procs[1].pid, seen), 90,
-                     "satellite 2 to hold undelivered work")
+            wait_for(lambda: any(frozen_with_undelivered_work(core, c, procs[c - 1].pid, seen)
+                                 and seen.setdefault("cell", c) for c in (1, 2)), 90,
+                     "a satellite to hold undelivered work")
         else:
-            wait_for(lambda: holding(core, 2, seen), 90, "satellite 2 to hold a claim")
-        os.kill(procs[1].pid, sig)
+            wait_for(lambda: any(holding(core, c, seen) and seen.setdefault("cell", c)
+                                 for c in (1, 2)), 90, "a satellite to hold a claim")
+        lost = seen["cell"]
+        os.kill(procs[lost - 1].pid, sig)
         t_signal = time.monotonic()
         trainer.join(timeout=120)
         assert not trainer.is_alive(), "the core did not finish the burst"
@@ -126,6 +131,6 @@ def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected,
         assert hit.reopened >= seen["done"] >= 1, "completed, undelivered work must be redone"
     if sig == signal.SIGSTOP:
         assert hit.reclaimed >= 1, "a hung worker's claim must be reclaimed by the lease timeout"
-    assert 2 not in hit.micro_steps_by_cell, "no gradient of the lost worker may be counted"
-    assert 2 not in hit.members and 2 not in reports[-1].members
+    assert lost not in hit.micro_steps_by_cell, "no gradient of the lost worker may be counted"
+    assert lost not in hit.members and lost not in reports[-1].members
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-8)
