@@ -138,10 +138,12 @@ class Dispatcher:
         Re-checked after every event the controller handles; ``TimeoutExpired`` when the
         outstanding work has not moved for ``execution_timeout_s + step_timeout_s``."""
         k = len(grp.run)
-        if may_dispatch(self.outstanding(), k, self.ctl.dispatch_limit):
-            log.debug("admitted group %s: %d executions, %d outstanding, limit %s",
-                      grp.group_id, k, self.outstanding(), self.ctl.dispatch_limit)
-            return
+        if not may_dispatch(self.outstanding(), k, self.ctl.dispatch_limit):
+            await self._held(grp, k)
+        log.debug("admitted group %s: %d executions, %d outstanding, limit %s",
+                  grp.group_id, k, self.outstanding(), self.ctl.dispatch_limit)
+
+    async def _held(self, grp: GroupPlan, k: int) -> None:
         timeout_s = self.cfg.runtime.execution_timeout_s + self.cfg.control.step_timeout_s
         seen, deadline = self.outstanding(), self.clock.now() + timeout_s
         log.info("dispatch held: group %s (%d executions) waits, %d outstanding, limit %s",
@@ -158,8 +160,6 @@ class Dispatcher:
             await self._changed_or(deadline - self.clock.now())
         log.info("dispatch resumed: group %s, %d outstanding, limit %s", grp.group_id,
                  self.outstanding(), self.ctl.dispatch_limit)
-        log.debug("admitted group %s: %d executions, %d outstanding, limit %s",
-                  grp.group_id, k, self.outstanding(), self.ctl.dispatch_limit)
 
     async def _changed_or(self, dt_s: float) -> None:
         """Waits until the next handled event or ``dt_s`` on the run's clock."""
