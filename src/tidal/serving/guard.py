@@ -224,10 +224,29 @@ def bounded_protocol(read_timeout_s: float = READ_TIMEOUT_S,
 def run_server(app, host: str, port: int, read_timeout_s: float = READ_TIMEOUT_S,
                max_header_bytes: int = MAX_HEADER_BYTES, **uvicorn_kw) -> None:
     """``uvicorn.run`` with the bounded protocol, long keep-alive (client pools reuse idle
-    connections longer than uvicorn's 5 s) and a deep backlog; blocks until interrupted."""
+    connections longer than uvicorn's 5 s) and a deep backlog; blocks until interrupted.
+
+    With ``$TIDAL_LISTEN_FD`` (set by ``serving.launch``) it listens on that inherited socket,
+    which must be bound to ``host:port``, instead of binding one itself."""
+    import os
+    import socket
+
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
-                timeout_keep_alive=120, backlog=4096,
-                http=bounded_protocol(read_timeout_s, max_header_bytes),
-                h11_max_incomplete_event_size=max_header_bytes, **uvicorn_kw)
+    kw = dict(log_level="warning", access_log=False, timeout_keep_alive=120, backlog=4096,
+              http=bounded_protocol(read_timeout_s, max_header_bytes),
+              h11_max_incomplete_event_size=max_header_bytes, **uvicorn_kw)
+    fd_text = os.environ.pop("TIDAL_LISTEN_FD", None)
+    if fd_text is None:
+        uvicorn.run(app, host=host, port=port, **kw)
+        return
+    try:
+        sock = socket.socket(fileno=int(fd_text))
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"TIDAL_LISTEN_FD={fd_text!r} is not an open socket: {e}") from None
+    bound = sock.getsockname()
+    if bound[1] != port:
+        sock.close()
+        raise SystemExit(f"TIDAL_LISTEN_FD={fd_text}: the socket is bound to port {bound[1]}, "
+                         f"not --port {port}")
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, **kw)).run(sockets=[sock])

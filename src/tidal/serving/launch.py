@@ -3,6 +3,13 @@
 In: a model directory or engine URLs, a port. Out: a handle that waits until ``/health``
 answers (bounded) and stops the process (terminate, then kill). Used by the integration tests,
 the benchmarks and local runs.
+
+A port tidal picks itself is never raced for: the parent binds and listens (port 0, the kernel
+chooses), hands the socket to the child (``pass_fds``, its number in ``$TIDAL_LISTEN_FD``) and closes
+its copy; the child listens on that very socket (``guard.run_server``). Between the choice and
+the child's listen nothing else can take the port, which ``free_port`` (pick, close, let the
+child bind later) could not promise while other servers, vLLM's many internal ports among them,
+start alongside.
 """
 
 from __future__ import annotations
@@ -18,26 +25,62 @@ import httpx
 
 from tidal.errors import TimeoutExpired
 
+LISTEN_FD_ENV = "TIDAL_LISTEN_FD"
+
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a server tidal cannot hand a socket to (vLLM, SGLang, Ray)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
+def bound_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket listening on ``host`` on a port the kernel picks: the port is the holder's
+    until the process it is handed to closes it (connections wait in the backlog meanwhile).
+
+    ``SO_REUSEADDR`` is set only after the bind: bound without it, nobody else (uvicorn and
+    vLLM set it, and on Linux two sockets that both set it may share a port while neither
+    listens) can take the port before it listens; set before the listen, the connections it
+    accepts inherit it, so a later server may bind the port while they linger in TIME_WAIT
+    (an engine restarted on its old address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.listen(4096)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class ServerProcess:
     def __init__(self, args: list[str], port: int, log_path: Path | None = None,
                  env: dict[str, str] | None = None, health_path: str = "/health",
-                 token: str | None = None, host: str = "127.0.0.1") -> None:
+                 token: str | None = None, host: str = "127.0.0.1",
+                 sock: socket.socket | None = None) -> None:
+        """``sock``: the bound socket the child listens on (its port is ``port``); it goes
+        to the child and is closed here once the child has it."""
         self.port, self.args, self.health_path = port, args, health_path
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = f"http://{host}:{port}"
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         verbosity = os.environ.get("TIDAL_CHILD_LOG", "")  # e.g. "-vv" for DEBUG
-        self.proc = subprocess.Popen([sys.executable, "-m", "tidal.cli",
-                                      *([verbosity] if verbosity else []), *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        pass_fds: tuple[int, ...] = ()
+        if sock is not None:
+            pass_fds = (sock.fileno(),)
+            full_env[LISTEN_FD_ENV] = str(sock.fileno())
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tidal.cli",
+                                          *([verbosity] if verbosity else []), *args],
+                                         stdout=self._log, stderr=subprocess.STDOUT,
+                                         env=full_env, pass_fds=pass_fds)
+        finally:
+            if sock is not None:
+                sock.close()  # the child holds its own copy
 
     def wait_healthy(self, timeout_s: float = 60.0) -> ServerProcess:
         deadline = time.monotonic() + timeout_s
@@ -80,7 +123,8 @@ def start_engine(model_dir: str | Path, port: int | None = None, name: str | Non
     """``tidal engine`` on ``host:port``; ``token`` (default ``$TIDAL_ENGINE_TOKEN``, the run's
     token in a runtime actor) goes through the environment, never the command line. A host
     beyond loopback (a cluster node's address) needs the token: the engine refuses otherwise."""
-    port = port or free_port(host)
+    sock = None if port else bound_socket(host)
+    port = port or sock.getsockname()[1]
     token = token if token is not None else os.environ.get("TIDAL_ENGINE_TOKEN")
     args = ["engine", "--model", str(model_dir), "--host", host, "--port", str(port),
             "--max-batch", str(max_batch), "--seed", str(seed)]
@@ -91,7 +135,7 @@ def start_engine(model_dir: str | Path, port: int | None = None, name: str | Non
     if step_in_thread:
         args.append("--step-in-thread")
     return ServerProcess(args, port, log_path, env={"TIDAL_ENGINE_TOKEN": token or ""},
-                         token=token, host=host)
+                         token=token, host=host, sock=sock)
 
 
 def start_proxy(engines: list[str], cells: list[str], admin_token: str,
@@ -104,7 +148,8 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
     """``tidal proxy`` on ``port``; ready once ``/live`` answers (``/health`` is 503 until an
     engine serves). ``engine_token``: default ``$TIDAL_ENGINE_TOKEN``, else the admin token.
     ``seed``: the run's seed, from which unseeded calls of executions get theirs."""
-    port = port or free_port()
+    sock = None if port else bound_socket()
+    port = port or sock.getsockname()[1]
     args = ["proxy", "--port", str(port), "--cap", str(cap),
             "--kv-handoff" if kv_handoff else "--no-kv-handoff"]
     if require_registration:
@@ -124,4 +169,4 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
     env = {"TIDAL_ADMIN_TOKEN": admin_token}
     if engine_token is not None:
         env["TIDAL_ENGINE_TOKEN"] = engine_token
-    return ServerProcess(args, port, log_path, env=env, health_path="/live")
+    return ServerProcess(args, port, log_path, env=env, health_path="/live", sock=sock)
