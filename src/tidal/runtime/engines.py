@@ -201,10 +201,12 @@ class Engines:
         return self.hosts.get(eid) in (None, socket.gethostname())
 
     def transport(self, eid: EngineId) -> str:
-        """How ``eid`` gets a weight version: ``file`` (the driver's file: same node, or a
-        vLLM or SGLang server, which loads from a path) or ``object`` (pulled across nodes)."""
+        """How ``eid`` gets a weight version: ``file`` (the driver's file, on the driver's
+        node) or ``object`` (pulled across nodes by Ray's object store and written to the
+        engine's node, whatever serves there: the built-in engine, vLLM or SGLang load it
+        from that path)."""
         node = self.nodes.get(eid)
-        if node is None or node == self.driver_node or self.is_server(eid):
+        if node is None or node == self.driver_node:
             return "file"
         return "object"
 

@@ -86,10 +86,10 @@ class Publisher:
                                    transports=tuple(sorted(routes.items()))))
 
     def _load(self, eid: Any, actor: Any, path: str, label: str) -> Any:
-        """One engine's load by its transport; a vLLM engine (standalone or cell) is out of
-        routing meanwhile (``vllm_host.load_weights``); an SGLang cell too."""
-        if self.engines.transport(eid) == "object":
+        """One engine's load by its transport; a vLLM engine (standalone or cell) or an
+        SGLang cell is out of routing meanwhile (``vllm_host.load_weights``)."""
+        if not self.engines.is_server(eid):
             return self.engines.load(eid, actor, path, label)
-        return vllm_host.load_weights(self.admin, str(eid), actor, path, label,
-                                      drained=self.engines.is_server(eid),
-                                      readmit=self._readmit(eid))
+        return vllm_host.load_weights(self.admin, str(eid),
+                                      lambda: self.engines.load(eid, actor, path, label),
+                                      label, readmit=self._readmit(eid))

@@ -102,10 +102,16 @@ class SGLangCellHost(VLLMCellHost):
 
     def start(self, timeout_s: float) -> str:
         from tidal.runtime.cell import _gpu_ids
+        from tidal.serving.guard import is_loopback
         from tidal.serving.launch import free_port
 
         self.device = actor_device(self.device_setting, _gpu_ids())
-        port = free_port()
+        host = self.node.ip  # the node's address: the proxy reaches it from any node
+        self.token = os.environ.get("TIDAL_ENGINE_TOKEN")
+        if not self.token and not is_loopback(host):
+            raise RuntimeFailure(f"SGLang engine {self.name}: bound to {host}, beyond "
+                                 "loopback, it needs the run's token ($TIDAL_ENGINE_TOKEN)")
+        port = free_port(host)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_USAGE_STATS": "1"}
         env.pop("VIRTUAL_ENV", None)
         env.pop("PYTHONPATH", None)  # nothing of this venv leaks into SGLang's
@@ -113,15 +119,14 @@ class SGLangCellHost(VLLMCellHost):
             env["PYTHONPATH"] = self.settings["pythonpath"]
         args = [self.settings["python"], "-m", "sglang.launch_server",
                 "--model-path", self.model_dir, "--served-model-name", "tidal",
-                "--host", "127.0.0.1", "--port", str(port), "--device", self.device,
+                "--host", host, "--port", str(port), "--device", self.device,
                 "--max-running-requests", str(self.max_batch), "--enable-memory-saver",
                 "--enable-metrics",  # /metrics: the adapter's running count (pause "wait")
                 "--mem-fraction-static", str(self.settings["mem_fraction"]),
                 "--dtype", self.settings["dtype"], "--weight-version", self.loaded_version]
-        self.token = os.environ.get("TIDAL_ENGINE_TOKEN")
         if self.token:  # SGLang guards every route with it: the proxy and this host send it
             args += ["--api-key", self.token]
-        self._launch(args, env, port)
+        self._launch(args, env, host, port)
         try:
             self._wait_healthy(timeout_s)
             served = self._served()

@@ -75,7 +75,8 @@ class VLLMCellHost(VLLMEngineHost):
         if self.url is None or not self.alive():
             raise RuntimeFailure(f"vLLM engine {self.name} is not running")
         try:
-            resp = httpx.request(method, f"{self.url}{path}", timeout=timeout_s, **kw)
+            resp = httpx.request(method, f"{self.url}{path}", timeout=timeout_s,
+                                 headers=self.headers(), **kw)
         except httpx.HTTPError as exc:
             raise RuntimeFailure(f"vLLM engine {self.name} {path}: {exc!r}") from None
         if resp.status_code != 200:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,32 +81,41 @@ class VLLMEngineHost(EngineHost):
         self.settings = settings
         self.vllm: subprocess.Popen | None = None
         self.url: str | None = None
+        self.token: str | None = None
         self._sync = None
 
     def start(self, timeout_s: float) -> str:
+        from tidal.serving.guard import is_loopback
         from tidal.serving.launch import free_port
+        from tidal.serving.server_guard import MIDDLEWARE
 
-        port = free_port()
+        # the node's address (loopback on one machine): the proxy reaches an engine on any
+        # node; every route then needs the run's token (tidal's guard, not vLLM's --api-key,
+        # which leaves its control routes open)
+        host = self.node.ip
+        token = os.environ.get("TIDAL_ENGINE_TOKEN")
+        if not token and not is_loopback(host):
+            raise RuntimeFailure(f"vLLM engine {self.name}: bound to {host}, beyond loopback, "
+                                 "it needs the run's token ($TIDAL_ENGINE_TOKEN)")
+        port = free_port(host)
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1",
+               "VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": host,
                "PYTHONPATH": _tidal_path(self.log_path.parent / "vllm-pythonpath"),
                "TIDAL_VLLM_LAUNCHER_PID": str(os.getpid())}
         env.pop("VIRTUAL_ENV", None)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         args = [self.settings["python"], "-m", "vllm.entrypoints.openai.api_server",
                 "--model", self.model_dir, "--served-model-name", SERVED_NAME,
-                "--host", "127.0.0.1", "--port", str(port),
+                "--host", host, "--port", str(port),
                 "--max-model-len", str(self.settings["max_model_len"]),
                 "--max-num-seqs", str(self.max_batch), "--enforce-eager", "--dtype", "float32",
                 "--kv-cache-memory-bytes", str(int(self.settings["kv_cache_gb"] * 2**30)),
                 "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension",
                 *self._extra_args()]
-        # the run's engine token: vLLM's --api-key guards only its /v1 routes (its control
-        # routes, /collective_rpc, /pause, ..., stay open on loopback); the proxy sends it
-        token = os.environ.get("TIDAL_ENGINE_TOKEN")
-        if token:
-            args += ["--api-key", token]
-        self._launch(args, env, port)
+        self.token = token
+        if token:  # the guard reads it from the environment, never the command line
+            args += ["--middleware", MIDDLEWARE]
+        self._launch(args, env, host, port)
         try:
             self._wait_healthy(timeout_s)
             from tidal.training.vllm_sync import VLLMWeightPublisher
@@ -119,13 +130,17 @@ class VLLMEngineHost(EngineHost):
         self.state = "awake"
         return self.url
 
-    def _launch(self, args: list[str], env: dict[str, str], port: int) -> None:
+    def headers(self) -> dict[str, str]:
+        """What every call on the server carries: the run's token, when there is one."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def _launch(self, args: list[str], env: dict[str, str], host: str, port: int) -> None:
         """Start the server (``args``) in its own session (its children end with it), its
         output appended to the engine's log; ``url`` is where it will answer."""
         with open(self.log_path, "ab") as log_fh:
             self.vllm = subprocess.Popen(args, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
 
     def _extra_args(self) -> list[str]:
         return []
@@ -137,7 +152,8 @@ class VLLMEngineHost(EngineHost):
                 raise RuntimeFailure(f"the server exited with {self.vllm.returncode} during "
                                      f"start-up: {self._log_tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", headers=self.headers(),
+                             timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -182,7 +198,9 @@ class VLLMEngineHost(EngineHost):
         return {"name": self.name, "state": self.state, "version": self.loaded_version,
                 "alive": self.alive(), "url": self.url,
                 "pid": self.vllm.pid if self.vllm else None, "satellite_pid": None,
-                "satellite_starts": 0, "gpu_ids": _gpu_ids(), "backend": "vllm"}
+                "satellite_starts": 0, "gpu_ids": _gpu_ids(), "backend": "vllm",
+                "node_id": self.node.node_id, "node_ip": self.node.ip,
+                "host": socket.gethostname()}
 
     def kill_engine(self) -> None:
         """Crash the server (SIGKILL to its process group): fault injection for tests."""
@@ -210,8 +228,12 @@ class VLLMEngineHost(EngineHost):
             self.vllm.wait(5)
 
     def stop(self) -> None:
+        import shutil
+
         self._end()
         self.state = "stopped"
+        # the versions that came across nodes (``load_weights_blob``)
+        shutil.rmtree(f"/dev/shm/tidal-{self.name}-{os.getpid()}", ignore_errors=True)
 
 
 def _gpu_ids() -> list[str]:
@@ -247,22 +269,21 @@ def actor_class(ray: Any, rt: Any) -> Any:
     return ray.remote(VLLMEngineHost) if rt.standalone_backend == "vllm" else None
 
 
-async def load_weights(admin: Any, name: str, actor: Any, path: str, label: str,
-                       drained: bool, readmit: Any = None) -> str:
-    """``actor.load_weights``; with ``drained``, the engine is out of the proxy's routing
-    meanwhile (its calls move, none starts), so no call of ours straddles the load and the
-    label the vLLM adapter reads at the start of each call is the version of all its tokens.
-    It is readmitted after a verified load unless ``readmit()`` says no (a cell leaving for
-    training); after a failed one it stays out of routing."""
-    if not drained:
-        return await actor.load_weights.remote(path, label)
+async def load_weights(admin: Any, name: str, load: Callable[[], Any], label: str,
+                       readmit: Callable[[], bool] | None = None) -> str:
+    """``load()`` (the Ray call that loads ``label`` into engine ``name`` by its transport)
+    with the engine out of the proxy's routing meanwhile (its calls move, none starts), so no
+    call of ours straddles the load and the label the vLLM adapter reads at the start of each
+    call is the version of all its tokens. It is readmitted after a verified load unless
+    ``readmit()`` says no (a cell leaving for training); after a failed one it stays out of
+    routing."""
     resp = await admin.post(f"/tidal/engines/{name}/drain")
     if resp.status_code != 200:
         raise RuntimeFailure(f"drain of {name} before loading {label}: HTTP "
                              f"{resp.status_code} {resp.text[:200]}")
     # a failed load (or a wrong version read back) leaves the engine out of routing: it
     # never serves weights other than the published ones
-    served = await actor.load_weights.remote(path, label)
+    served = await load()
     if readmit is None or readmit():  # else a plan holds it out: its drain stands
         resp = await admin.post(f"/tidal/engines/{name}/undrain")
         if resp.status_code != 200:

@@ -5,8 +5,8 @@ answers (bounded) and stops the process (terminate, then kill). Used by the inte
 the benchmarks and local runs.
 
 A port tidal picks itself is never raced for: the parent binds and listens (port 0, the kernel
-chooses), hands the socket to the child (``pass_fds``, its number in ``$TIDAL_LISTEN_FD``) and closes
-its copy; the child listens on that very socket (``guard.run_server``). Between the choice and
+chooses), hands the socket to the child (``pass_fds``, its number in ``$TIDAL_LISTEN_FD``) and
+closes its copy; the child serves on that very socket (``guard.run_server``). Between the choice and
 the child's listen nothing else can take the port, which ``free_port`` (pick, close, let the
 child bind later) could not promise while other servers, vLLM's many internal ports among them,
 start alongside.

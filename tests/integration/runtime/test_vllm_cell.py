@@ -1,7 +1,9 @@
 """vLLM tier (``make test-vllm``): one cell's vLLM server through a whole role switch, in one
 server process: serve, sleep (memory freed, measured as RSS of the server's processes), wake,
-load a published version in place and read it back, serve again; a load whose file holds
-another version is refused with one line, and the server keeps serving what it served.
+load a published version in place (as it comes across nodes: bytes written to the node's shared
+memory) and read it back, serve again; a load whose file holds another version is refused with
+one line, and the server keeps serving what it served. Every route of the server, vLLM's
+control routes included, refuses a call without the run's token (tidal's guard middleware).
 
 The host is driven as a plain object (what the actuator calls on its Ray actor), so the test
 needs no Ray. Skipped unless ``TIDAL_VLLM_PYTHON`` names the vLLM venv's python.
@@ -10,6 +12,7 @@ needs no Ray. Skipped unless ``TIDAL_VLLM_PYTHON`` names the vLLM venv's python.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import httpx
 import pytest
@@ -40,6 +43,7 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
     from tidal.training.transport import FilePublisher
 
     token = "cell-token"
+    auth = {"Authorization": f"Bearer {token}"}
     monkeypatch.setenv("TIDAL_ENGINE_TOKEN", token)
     host = VLLMCellHost("c0", str(smollm2), 4, str(tmp_path), {
         "python": VLLM_PYTHON, "kv_cache_gb": 1, "max_model_len": 512})
@@ -47,12 +51,21 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
     layout = ParamLayout.of(model)
     pub = FilePublisher(tmp_path / "w", layout)
     prompt = tok.encode("The capital of France is")
+    received = Path(f"/dev/shm/tidal-c0-{os.getpid()}")
     try:
         url = host.start(300)
         pid = host.describe()["pid"]
-        # vLLM's --api-key guards its /v1 routes: a call without the run's token is refused
+        # tidal's guard: every route, vLLM's control routes too, needs the run's token
         assert httpx.post(f"{url}/v1/completions", timeout=30, json={
             "model": "tidal", "prompt": prompt, "max_tokens": 1}).status_code == 401
+        rpc = {"method": "tidal_release_kv_cache", "args": [], "kwargs": {}}
+        for method, path, body in [("POST", "/collective_rpc", rpc), ("POST", "/pause", None),
+                                   ("POST", "/reset_prefix_cache", None),
+                                   ("GET", "/health", None), ("GET", "/weight_info", None)]:
+            for bad in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
+                resp = httpx.request(method, f"{url}{path}", json=body, headers=bad, timeout=30)
+                assert resp.status_code == 401, (path, bad, resp.status_code)
+        assert httpx.get(f"{url}/health", headers=auth, timeout=30).status_code == 200
         before = _complete(url, prompt, token)
         assert host.sleep() == "asleep"
         mem = host.describe()["memory"][-1]
@@ -65,15 +78,19 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
             for p in model.parameters():
                 p.mul_(1 + 0.05 * torch.randn_like(p))
         pub.publish(1, layout.params_to_flat(model))
-        assert host.load_weights(str(pub.path(1)), "v1") == "v1"
+        # as a version that crossed nodes arrives: bytes, written to this node's /dev/shm
+        assert host.load_weights_blob(Path(pub.path(1)).read_bytes(), "v1") == "v1"
+        assert [p.name for p in received.iterdir()] == ["v1.safetensors"]
         after = _complete(url, prompt, token)
         assert after["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
         # a file that holds v1 is not v2: one line, the server still serves v1
         with pytest.raises(RuntimeFailure, match="holds v1, not v2"):
             host.load_weights(str(pub.path(1)), "v2")
-        assert httpx.get(f"{url}/weight_info", timeout=30).json()["weight_version"] == "v1"
+        assert httpx.get(f"{url}/weight_info", headers=auth,
+                         timeout=30).json()["weight_version"] == "v1"
         # the same server process through it all
         d = host.describe()
         assert d["pid"] == pid and d["alive"] and d["backend"] == "vllm"
     finally:
         host.stop()
+    assert not received.exists()  # what came across nodes goes with the engine
