@@ -320,7 +320,7 @@ class Controller:
             # A plan just failed: don't let the policy re-issue it in a tight loop.
             return
         decision = self.policy.decide(obs)
-        if self.log.wants(decision.action.value, decision.reason):
+        if self.log.wants(decision.action.value, decision.reason, self.dispatch_limit):
             self.log.write({"type": "decision", **self._record(obs, decision)})
         if decision.action is not Action.HOLD:
             self._validate(obs, decision)

@@ -1,8 +1,12 @@
 """The JSONL decision log: every scheduling decision with its inputs, plan lifecycle records.
 
 The log never does I/O itself: it hands each record (a JSON-ready dict) to a sink the caller
-supplies (a file writer in the CLI and runtime, a list in tests). Consecutive holds that differ
-only in their numbers are logged once, so the log stays proportional to decisions, not events.
+supplies (a file writer in the CLI and runtime, a list in tests). Consecutive holds of one kind
+(the reason with its numbers masked) under one dispatch limit (``Controller.dispatch_limit``,
+the number a hold acts on; None: no hold on dispatch) are logged once, so the log stays
+proportional to decisions, not events (a reason's other numbers, such as the waterlevel, change
+with every event); a hold whose kind or limit changes is logged again, so the log shows every
+limit the policy held dispatch at.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ class DecisionLog:
         self._sink = sink
         self.keep = keep
         self.records: list[dict[str, Any]] = []
-        self._last_hold_key: str | None = None
+        self._last_hold_key: tuple[str, int | None] | None = None
         self.count = 0
 
     def write(self, record: dict[str, Any]) -> None:
@@ -30,20 +34,22 @@ class DecisionLog:
         if self._sink is not None:
             self._sink(record)
 
-    def wants(self, action: str, reason: str) -> bool:
-        """False for a hold that repeats the previous one up to its numbers (callers skip
-        building the record); True otherwise. Updates the dedupe state."""
+    def wants(self, action: str, reason: str, limit: int | None = None) -> bool:
+        """False for a hold that repeats the previous one (same kind: the reason up to its
+        numbers, and the same dispatch ``limit``), so callers skip building the record; True
+        otherwise. Updates the dedupe state."""
         if action != "hold":
             self._last_hold_key = None
             return True
-        key = _DIGITS.sub("#", reason)
+        key = (_DIGITS.sub("#", reason), limit)
         if key == self._last_hold_key:
             return False
         self._last_hold_key = key
         return True
 
-    def decision(self, record: dict[str, Any]) -> None:
-        if self.wants(str(record.get("action")), str(record.get("reason", ""))):
+    def decision(self, record: dict[str, Any], limit: int | None = None) -> None:
+        """Writes a decision record unless it repeats the previous hold (``wants``)."""
+        if self.wants(str(record.get("action")), str(record.get("reason", "")), limit):
             self.write({"type": "decision", **record})
 
 

@@ -5,11 +5,16 @@ free up. Out: ``ExecRec`` records for the drawn groups, ``BurstStarted``,
 ``ExecutionDispatched`` and ``ExecutionLaunched`` events to the controller, sequences started
 on engines. Keeps verl's budget: a version dispatches at most ``budget - carried`` groups
 (carried: dispatched, not yet consumed), in the workload's draw order; ``ON_DEMAND`` dispatches
-a group only when an admitting slot is free (never during a weight sync) and the policy's
-dispatch hold admits it (``tidal.control.dispatch_hold``, the rule the runtime's dispatcher
-shares), ``BURST`` the whole quota at the version start (group by group
-``sim.dispatch_interval_s`` apart when set, as the runtime's dispatcher). Displaced executions
-are placed before queued ones.
+a group only when an admitting slot is free (never during a weight sync), ``BURST`` the whole
+quota at the version start (group by group ``sim.dispatch_interval_s`` apart when set, as the
+runtime's dispatcher). Either way a group goes only when the policy's dispatch hold admits it
+(``tidal.control.dispatch_hold``, the rule the runtime's dispatcher applies to every group: the
+waterlevel plus the group's executions within ``Controller.dispatch_limit``). A held burst
+group waits in its place (``World.burst_held``), is looked at again after every event the
+controller handles (``resume``) and goes as soon as the rule admits it, the next one
+``dispatch_interval_s`` later; groups are drawn as they go, so none is dropped or reordered (a
+new version recomputes its quota from the groups carried, as verl's budget does). Displaced
+executions are placed before queued ones.
 """
 
 from __future__ import annotations
@@ -59,26 +64,53 @@ def start_burst(w: World) -> None:
     carried = len(w.group_open) + w.ledger.ready_unassigned
     quota = max(0, w.budget_groups - carried)
     w.quota_left = quota
+    w.burst_held = False  # a group the last version held is drawn within this quota
     w.emit(BurstStarted(w.now, w.burst, quota * w.group_size, w.version))
     if w.profile.dispatch is DispatchStyle.BURST:
         if w.scenario.sim.dispatch_interval_s > 0:
             on_dispatch(w, w.burst)
             return
-        while w.quota_left > 0:
-            dispatch_group(w)
+        _dispatch_quota(w)
     fill(w)
 
 
 def on_dispatch(w: World, burst: int) -> None:
     """Paced burst dispatch (``sim.dispatch_interval_s``, as the runtime's dispatcher): one
-    group now, the next one interval later, until the burst's quota is out."""
+    group now (once the dispatch hold admits it), the next one interval later, until the
+    burst's quota is out."""
     if burst != w.burst or w.quota_left <= 0:
+        return
+    if not _admits(w):
+        w.burst_held = True  # ``resume`` sends it once the hold admits it
         return
     dispatch_group(w)
     if w.quota_left > 0:
         from tidal.sim.world import DISPATCH
 
         w.push(w.now + w.scenario.sim.dispatch_interval_s, DISPATCH, None, burst)
+    fill(w)
+
+
+def _dispatch_quota(w: World) -> None:
+    """Unpaced burst dispatch: the quota's groups in order, each once the hold admits it."""
+    while w.quota_left > 0:
+        if not _admits(w):
+            w.burst_held = True
+            return
+        dispatch_group(w)
+
+
+def resume(w: World) -> None:
+    """Called after every event the controller handled while a burst group is held (the
+    waterlevel or the policy's limit may have changed): the held group goes now if the hold
+    admits it, and the burst goes on from there as ``start_burst`` would have."""
+    if not _admits(w):
+        return
+    w.burst_held = False
+    if w.scenario.sim.dispatch_interval_s > 0:
+        on_dispatch(w, w.burst)
+        return
+    _dispatch_quota(w)
     fill(w)
 
 def dispatch_group(w: World) -> None:
@@ -111,11 +143,16 @@ def fill(w: World) -> None:
     finally:
         w._filling = False
 
+def _admits(w: World) -> bool:
+    """The policy's dispatch hold admits the next group (the runtime dispatcher's rule)."""
+    return may_dispatch(w.ledger.waterlevel, w.group_size, w.controller.dispatch_limit)
+
+
 def _may_dispatch(w: World) -> bool:
     """On demand, within the budget, outside a sync, and within the policy's dispatch limit."""
     if w.quota_left <= 0 or w.syncing:
         return False
-    return may_dispatch(w.ledger.waterlevel, w.group_size, w.controller.dispatch_limit)
+    return _admits(w)
 
 
 def _fill_once(w: World) -> None:

@@ -119,6 +119,7 @@ class World:
         self.group_open: dict[str, int] = {}
         self.burst = -1
         self.quota_left = 0
+        self.burst_held = False  # a burst group waits for the policy's dispatch hold
         self.n_exec = 0
         self.syncing = False
         self.pending_rebalance = False
@@ -148,6 +149,8 @@ class World:
     def emit(self, ev: Event) -> None:
         self.controller.handle(ev)
         self._sync_roles()
+        if self.burst_held:  # the waterlevel or the dispatch hold may have moved
+            dispatch.resume(self)
 
     def schedule_trainer(self, t: float, epoch: int) -> None:
         self.push(t, TRAINER, None, epoch)
