@@ -83,7 +83,8 @@ test-vllm: $(STAMP) $(VLLM_VENV)/.stamp
 	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
 		tests/integration/serving/test_vllm_tier.py \
 		tests/integration/runtime/test_vllm_cell.py \
-		tests/integration/runtime/test_vllm_run.py
+		tests/integration/runtime/test_vllm_run.py \
+		tests/integration/runtime/test_vllm_multinode.py
 
 # `tidal run configs/vllm.yaml` (also part of test-vllm) and configs/vllm-verl.yaml (verl's
 # policy on hybrid vLLM cells; ~5 min more, kept out of CI's budget).

@@ -4,13 +4,17 @@ vllm``); cells keep the built-in engine.
 In: the same calls as ``EngineHost`` from the driver and the supervisor (``start``, ``describe``,
 ``load_weights``, ``kill_engine``, ``stop``). Out: the server's URL; the engine joins the proxy
 with backend ``vllm`` (``tidal.serving.vllm_adapter``). The server runs from the vLLM venv's
-python (``runtime.vllm_python``, default ``$TIDAL_VLLM_PYTHON``) on a free port, in its own
-process group (vLLM starts an engine-core child: both end together), with
-``VLLM_SERVER_DEV_MODE=1`` and tidal's worker extension (``tidal.training.vllm_sync``), so a
-published version is loaded into the live server without a restart: generation paused, every
-worker reads the ``FilePublisher`` file, the server's label becomes the version (invariant 6:
-the proxy tags each later token with it), generation resumed. Its log is
-``logs/engine-<name>.log``. A standalone engine never sleeps.
+python (``runtime.vllm_python``, default ``$TIDAL_VLLM_PYTHON``) on a free port of its node's
+address (the proxy reaches it from any node of a Ray cluster), in its own process group (vLLM
+starts an engine-core child: both end together), with ``VLLM_SERVER_DEV_MODE=1``, tidal's
+worker extension (``tidal.training.vllm_sync``) and, with the run's token, tidal's guard in
+front of every route (``tidal.serving.server_guard``: vLLM's ``--api-key`` would leave its
+control routes open). A published version is loaded into the live server without a restart:
+generation paused, every worker reads the ``FilePublisher`` file (the driver's on its node;
+elsewhere the bytes Ray's object store brought, written to the node's ``/dev/shm`` by
+``load_weights_blob``), the server's label becomes the version (invariant 6: the proxy tags
+each later token with it), generation resumed. Its log is ``logs/engine-<name>.log``. A
+standalone engine never sleeps.
 """
 
 from __future__ import annotations

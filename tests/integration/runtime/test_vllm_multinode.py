@@ -1,0 +1,82 @@
+"""vLLM tier (``make test-vllm``): ``tidal run configs/vllm.yaml`` on a real multi-node Ray cluster
+on this machine (``tidal cluster up``: a head that hosts only the driver, three worker raylets,
+each in its own network namespace on a bridge), so every vLLM server sits on another node than
+the driver and the proxy, and nothing reaches it over loopback.
+
+Checks: the three vLLM engines (one standalone, two elastic cells) run on three different worker
+nodes and answer on those nodes' addresses; cells move both ways with their one vLLM server
+each, live calls rerouted between nodes; every published version reaches every engine through
+Ray's object store (the decision log names the transport per publication), each engine ends at
+the final version it read back from its server; nothing fails or is lost; and no process of the
+run outlives it on any node. Every route of those servers needs the run's token
+(``test_vllm_cell.py`` checks the guard itself).
+
+Skipped unless ``TIDAL_VLLM_PYTHON`` names the vLLM venv's python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tidal.config import RunConfig, load_yaml
+from tidal.runtime import localcluster
+from tidal.runtime.checkpoint import end_log_writers
+from tidal.runtime.driver import Runtime
+from tidal.serving.launch import free_port
+
+VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)")]
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "vllm.yaml"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    name = f"v{os.getpid() % 100000}"
+    st = localcluster.up(name, n_nodes=4, cpus=1.0, head_cpus=0.0,
+                         prefix=f"10.{150 + os.getpid() % 50}.{os.getpid() % 250}",
+                         port=free_port(), directory=tmp_path_factory.mktemp("cluster"),
+                         netns=os.environ.get("TIDAL_TEST_CLUSTER_NETNS", "1") != "0")
+    print(f"cluster {st.name}: {st.mode} mode, {[n.ip for n in st.nodes]}")
+    try:
+        yield st
+    finally:
+        localcluster.down(st)
+
+
+@pytest.mark.timeout(1200)
+def test_vllm_engines_on_three_other_nodes(cluster, smollm2, tmp_path):
+    cfg = load_yaml(CONFIG).model_dump(mode="json")
+    cfg["runtime"].update(ray_address=cluster.address, placement_strategy="STRICT_SPREAD",
+                          vllm_python=VLLM_PYTHON)
+    out = tmp_path / "run"
+    s = Runtime(RunConfig.model_validate(cfg), out).run()
+    workers = {n["id"]: n["ip"] for n in localcluster.alive_nodes(cluster)
+               if n["resources"].get("CPU", 0) > 0}  # the head declares none
+    placed = {name: (e["node_id"], e["node_ip"]) for name, e in s["engines"].items()}
+    print(json.dumps({"placed": placed, **{k: s[k] for k in (
+        "run_time_s", "rerouted_requests", "reprefill_tokens", "switch_s")}}))
+    assert s["backend_by_engine"] == {"s0": "vllm", "c0": "vllm", "c1": "vllm"}
+    # one engine per worker node, as Ray placed them, none on the driver's head node
+    assert len({node for node, _ in placed.values()}) == 3
+    assert {node: ip for node, ip in placed.values()} == workers
+    for name, (_, ip) in placed.items():  # each serves on its node's address, not loopback
+        log = (out / "logs" / f"engine-{name}.log").read_text(errors="replace")
+        assert f"Starting vLLM server on http://{ip}:" in log, name
+    assert s["nodes"] == 4 and s["nodes_lost"] == 0
+    assert s["switches_to_training"] >= 2 and s["switches_to_rollout"] >= 2
+    assert s["plans_aborted"] == 0
+    assert s["failed_requests"] == 0 and s["lost_executions"] == 0, s
+    assert s["dispatched"] == s["closed"] == s["trained_executions"] == 32, s
+    for name, engine in s["engines"].items():
+        assert not engine["restarted"], name
+        assert engine["version"] == "v4", (name, engine)
+    records = [json.loads(x) for x in (out / "decisions.jsonl").read_text().splitlines()]
+    pubs = [r for r in records if r["type"] == "weights_published"]
+    assert [p["version"] for p in pubs] == [2, 4]
+    assert all(p["transports"] and set(p["transports"].values()) == {"object"} for p in pubs)
+    assert end_log_writers(out) == 0  # no process of the run outlived it, on any node
