@@ -28,6 +28,10 @@ H = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture(scope="module")
 def servers(smollm2, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-logs")
+    # tidal's own servers first: their ports are held from the moment they are chosen, so
+    # vLLM's port (chosen free, bound seconds later) cannot be one of theirs
+    builtin = start_engine(smollm2, name="smollm2", log_path=logs / "builtin.log")
+    proxy = start_proxy([], [], TOKEN, log_path=logs / "proxy.log")
     port = free_port()
     from tidal.runtime.vllm_host import _tidal_path
 
@@ -42,8 +46,6 @@ def servers(smollm2, tmp_path_factory):
                              "--worker-extension-cls",
                              "tidal.training.vllm_sync.TidalWorkerExtension"],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
-    builtin = start_engine(smollm2, name="smollm2", log_path=logs / "builtin.log")
-    proxy = start_proxy([], [], TOKEN, log_path=logs / "proxy.log")
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
