@@ -192,9 +192,11 @@ def test_sglang_cells_on_gpus_with_sglangs_python_pass(monkeypatch):
     check(_cfg(cell_backend="builtin"))  # no SGLang cell: nothing needed
 
 
-def test_an_sglang_cell_loads_from_the_drivers_file_out_of_routing():
-    """``Engines``' own methods: an SGLang cell on another node still loads the driver's file
-    (a server loads from a path), and the publisher drains it meanwhile (``is_server``)."""
+def test_an_sglang_cell_on_another_node_gets_versions_by_the_object_store_out_of_routing():
+    """``Engines``' own methods: an SGLang cell on another node gets a version through Ray's
+    object store (written to its node, loaded from that path; the driver's file is not there
+    on a cluster of machines), one on the driver's node the driver's file; the publisher
+    drains either meanwhile (``is_server``)."""
     from functools import partial
     from types import SimpleNamespace
 
@@ -205,4 +207,6 @@ def test_an_sglang_cell_loads_from_the_drivers_file_out_of_routing():
                         backend=lambda eid: "sglang")
     e.is_server, e.is_vllm = partial(Engines.is_server, e), partial(Engines.is_vllm, e)
     assert e.is_server(c1) and not e.is_vllm(c1)
+    assert Engines.transport(e, c1) == "object"
+    e.nodes[c1] = "node-a"
     assert Engines.transport(e, c1) == "file"
