@@ -210,6 +210,15 @@ class RuntimeConfig(Strict):
     vllm_kv_cache_gb: float = Field(1.0, gt=0.0, description="KV cache space of each vLLM "
                                     "engine, GiB (--kv-cache-memory-bytes)")
     vllm_max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len")
+    vllm_tensor_parallel: int | None = Field(None, ge=1, description="vLLM "
+                                             "--tensor-parallel-size of each vLLM engine "
+                                             "(default: the GPUs Ray gave the engine on CUDA, "
+                                             "1 on the CPU)")
+    vllm_dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$", description=
+                            "vLLM --dtype: 'auto' is float32 on the CPU (log-probs comparable "
+                            "to the trainer's to 1e-5) and bfloat16 on CUDA")
+    vllm_cuda_graphs: bool = Field(True, description="on CUDA, let vLLM capture CUDA graphs "
+                                   "(else --enforce-eager; the CPU is always eager)")
     vllm_start_timeout_s: float = Field(600.0, gt=0.0, description="bound on a vLLM server's "
                                         "start (about 70 s on 2 idle cores)")
     sglang_python: str | None = Field(None, description="the python of a venv with SGLang "

@@ -80,7 +80,8 @@ def test_vllm_cell_sleeps_wakes_and_loads_on_the_gpu(smollm2, tmp_path):
     from tidal.training.transport import FilePublisher
 
     host = VLLMCellHost("c0", str(smollm2), 4, str(tmp_path), {
-        "python": VLLM_PYTHON, "kv_cache_gb": 1, "max_model_len": 1024}, device="cuda")
+        "python": VLLM_PYTHON, "kv_cache_gb": 1, "max_model_len": 1024,
+        "dtype": "float32"}, device="cuda")  # float32: the log-prob check below
     model, tok = new_version(str(smollm2), tmp_path)
     pub = FilePublisher(tmp_path / "w", ParamLayout.of(model))
     pub.publish(1, ParamLayout.of(model).params_to_flat(model))

@@ -103,7 +103,6 @@ class SGLangCellHost(VLLMCellHost):
     def start(self, timeout_s: float) -> str:
         from tidal.runtime.cell import _gpu_ids
         from tidal.serving.guard import is_loopback
-        from tidal.serving.launch import free_port
 
         self.device = actor_device(self.device_setting, _gpu_ids())
         host = self.node.ip  # the node's address: the proxy reaches it from any node
@@ -111,7 +110,6 @@ class SGLangCellHost(VLLMCellHost):
         if not self.token and not is_loopback(host):
             raise RuntimeFailure(f"SGLang engine {self.name}: bound to {host}, beyond "
                                  "loopback, it needs the run's token ($TIDAL_ENGINE_TOKEN)")
-        port = free_port(host)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_USAGE_STATS": "1"}
         env.pop("VIRTUAL_ENV", None)
         env.pop("PYTHONPATH", None)  # nothing of this venv leaks into SGLang's
@@ -119,16 +117,15 @@ class SGLangCellHost(VLLMCellHost):
             env["PYTHONPATH"] = self.settings["pythonpath"]
         args = [self.settings["python"], "-m", "sglang.launch_server",
                 "--model-path", self.model_dir, "--served-model-name", "tidal",
-                "--host", host, "--port", str(port), "--device", self.device,
+                "--host", host, "--device", self.device,
                 "--max-running-requests", str(self.max_batch), "--enable-memory-saver",
                 "--enable-metrics",  # /metrics: the adapter's running count (pause "wait")
                 "--mem-fraction-static", str(self.settings["mem_fraction"]),
                 "--dtype", self.settings["dtype"], "--weight-version", self.loaded_version]
         if self.token:  # SGLang guards every route with it: the proxy and this host send it
             args += ["--api-key", self.token]
-        self._launch(args, env, host, port)
         try:
-            self._wait_healthy(timeout_s)
+            self._serve(lambda port: [*args, "--port", str(port)], env, host, timeout_s)
             served = self._served()
         except RuntimeFailure as exc:
             self._end()

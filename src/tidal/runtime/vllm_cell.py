@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from tidal.runtime import vllm_host
-from tidal.runtime.cell import EngineHost, RuntimeFailure, actor_device
+from tidal.runtime.cell import EngineHost, RuntimeFailure
 from tidal.runtime.vllm_host import VLLMEngineHost
 
 
@@ -60,12 +60,6 @@ class VLLMCellHost(VLLMEngineHost):
         super().__init__(name, model_dir, max_batch, log_dir, settings)
         self.device_setting = device
         self.memory: list[dict[str, Any]] = []  # one entry per release: RSS before/after
-
-    def start(self, timeout_s: float) -> str:
-        from tidal.runtime.cell import _gpu_ids
-
-        self.device = actor_device(self.device_setting, _gpu_ids())
-        return super().start(timeout_s)
 
     def _extra_args(self) -> list[str]:
         return ["--enable-sleep-mode"] if self.device == "cuda" else []

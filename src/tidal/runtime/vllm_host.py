@@ -20,6 +20,7 @@ standalone engine never sleeps.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -35,12 +36,38 @@ from tidal.errors import TidalError
 from tidal.runtime.cell import EngineHost, RuntimeFailure
 
 SERVED_NAME = "tidal"
+PORT_TRIES = 3  # launches of a server whose port was taken before it bound it
+log = logging.getLogger(__name__)
 
 
 def vllm_settings(rt: Any) -> dict[str, Any]:
     """What a ``VLLMEngineHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``)."""
     return {"python": rt.resolved_vllm_python(), "kv_cache_gb": rt.vllm_kv_cache_gb,
-            "max_model_len": rt.vllm_max_model_len}
+            "max_model_len": rt.vllm_max_model_len, "device": rt.device if rt.use_gpus
+            else "cpu", "tensor_parallel": rt.vllm_tensor_parallel, "dtype": rt.vllm_dtype,
+            "cuda_graphs": rt.vllm_cuda_graphs}
+
+
+def serve_args(settings: dict[str, Any], device: str, gpu_ids: list[str]) -> list[str]:
+    """vLLM's arguments for the engine's hardware. In: the settings (``vllm_settings``; a key
+    left out takes its default), the resolved device, the GPUs Ray gave the engine. Out:
+    ``--dtype``, ``--tensor-parallel-size`` (default: every GPU of the engine on CUDA, 1 on
+    the CPU; 1 without GPU ids, outside Ray) and ``--enforce-eager`` unless CUDA graphs are
+    wanted on CUDA. A parallel size the engine's GPUs cannot hold is one ``RuntimeFailure``
+    line."""
+    cuda = device.startswith("cuda")
+    dtype = settings.get("dtype", "auto")
+    if dtype == "auto":
+        dtype = "bfloat16" if cuda else "float32"
+    tp = settings.get("tensor_parallel") or (max(len(gpu_ids), 1) if cuda else 1)
+    if cuda and gpu_ids and tp > len(gpu_ids):  # (no ids: not under Ray, the visible GPUs)
+        raise RuntimeFailure(f"runtime.vllm_tensor_parallel: {tp} GPUs per vLLM engine, but "
+                             f"Ray gave this engine {len(gpu_ids)} ({gpu_ids}): raise "
+                             "cluster.cell_gpus / standalone_gpus or lower it")
+    args = ["--dtype", dtype, "--tensor-parallel-size", str(tp)]
+    if not (cuda and settings.get("cuda_graphs", True)):
+        args.append("--enforce-eager")
+    return args
 
 
 # In every process of the server but the server itself (``sitecustomize`` runs at each Python
@@ -81,7 +108,8 @@ class VLLMEngineHost(EngineHost):
 
     def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
                  settings: dict[str, Any]) -> None:
-        super().__init__(name, model_dir, max_batch, log_dir)
+        super().__init__(name, model_dir, max_batch, log_dir,
+                         device=settings.get("device", "cpu"))
         self.settings = settings
         self.vllm: subprocess.Popen | None = None
         self.url: str | None = None
@@ -89,10 +117,11 @@ class VLLMEngineHost(EngineHost):
         self._sync = None
 
     def start(self, timeout_s: float) -> str:
+        from tidal.runtime.cell import actor_device
         from tidal.serving.guard import is_loopback
-        from tidal.serving.launch import free_port
         from tidal.serving.server_guard import MIDDLEWARE
 
+        self.device = actor_device(self.device_setting, _gpu_ids())
         # the node's address (loopback on one machine): the proxy reaches an engine on any
         # node; every route then needs the run's token (tidal's guard, not vLLM's --api-key,
         # which leaves its control routes open)
@@ -101,7 +130,6 @@ class VLLMEngineHost(EngineHost):
         if not token and not is_loopback(host):
             raise RuntimeFailure(f"vLLM engine {self.name}: bound to {host}, beyond loopback, "
                                  "it needs the run's token ($TIDAL_ENGINE_TOKEN)")
-        port = free_port(host)
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": host,
                "PYTHONPATH": _tidal_path(self.log_path.parent / "vllm-pythonpath"),
@@ -110,18 +138,18 @@ class VLLMEngineHost(EngineHost):
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         args = [self.settings["python"], "-m", "vllm.entrypoints.openai.api_server",
                 "--model", self.model_dir, "--served-model-name", SERVED_NAME,
-                "--host", host, "--port", str(port),
+                "--host", host,
                 "--max-model-len", str(self.settings["max_model_len"]),
-                "--max-num-seqs", str(self.max_batch), "--enforce-eager", "--dtype", "float32",
+                "--max-num-seqs", str(self.max_batch),
+                *serve_args(self.settings, self.device, _gpu_ids()),
                 "--kv-cache-memory-bytes", str(int(self.settings["kv_cache_gb"] * 2**30)),
                 "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension",
                 *self._extra_args()]
         self.token = token
         if token:  # the guard reads it from the environment, never the command line
             args += ["--middleware", MIDDLEWARE]
-        self._launch(args, env, host, port)
         try:
-            self._wait_healthy(timeout_s)
+            self._serve(lambda port: [*args, "--port", str(port)], env, host, timeout_s)
             from tidal.training.vllm_sync import VLLMWeightPublisher
 
             self._sync = VLLMWeightPublisher(self.url, None, "file", timeout_s=timeout_s,
@@ -137,6 +165,47 @@ class VLLMEngineHost(EngineHost):
     def headers(self) -> dict[str, str]:
         """What every call on the server carries: the run's token, when there is one."""
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def _serve(self, args_for: Callable[[int], list[str]], env: dict[str, str], host: str,
+               timeout_s: float) -> None:
+        """Launch the server (``args_for(port)``) on a free port of ``host`` and wait until
+        it answers, within ``timeout_s`` in all. The server binds its port only after its
+        imports, seconds after the port was chosen; a port taken meanwhile (its log says
+        so) is retried on another, ``PORT_TRIES`` launches at most. Any other failure is
+        raised as it is (``RuntimeFailure``), the server ended."""
+        from tidal.serving.launch import free_port
+
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(1, PORT_TRIES + 1):
+            port = free_port(host)
+            offset = self._log_size()
+            self._launch(args_for(port), env, host, port)
+            try:
+                self._wait_healthy(max(deadline - time.monotonic(), 1.0))
+                return
+            except RuntimeFailure:
+                taken = self._port_taken(offset)
+                self._end()
+                if not taken or attempt == PORT_TRIES:
+                    raise
+                log.warning("engine %s: port %d was taken before the server bound it; "
+                            "starting it again on another port", self.name, port)
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def _port_taken(self, offset: int) -> bool:
+        """Whether the server's output since ``offset`` says its port was in use."""
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(offset)
+                text = fh.read().decode(errors="replace")
+        except OSError:
+            return False
+        return "Address already in use" in text or "[Errno 98]" in text
 
     def _launch(self, args: list[str], env: dict[str, str], host: str, port: int) -> None:
         """Start the server (``args``) in its own session (its children end with it), its
@@ -203,6 +272,7 @@ class VLLMEngineHost(EngineHost):
                 "alive": self.alive(), "url": self.url,
                 "pid": self.vllm.pid if self.vllm else None, "satellite_pid": None,
                 "satellite_starts": 0, "gpu_ids": _gpu_ids(), "backend": "vllm",
+                "device": self.device,
                 "node_id": self.node.node_id, "node_ip": self.node.ip,
                 "host": socket.gethostname()}
 

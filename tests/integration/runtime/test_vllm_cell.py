@@ -2,7 +2,9 @@
 server process: serve, sleep (memory freed, measured as RSS of the server's processes), wake,
 load a published version in place (as it comes across nodes: bytes written to the node's shared
 memory) and read it back, serve again; a load whose file holds another version is refused with
-one line, and the server keeps serving what it served. Every route of the server, vLLM's
+one line, and the server keeps serving what it served. The port first chosen for the server is
+taken before vLLM binds it (as another process could take it during vLLM's start-up): the host
+starts it again on another port. Every route of the server, vLLM's
 control routes included, refuses a call without the run's token (tidal's guard middleware).
 
 The host is driven as a plain object (what the actuator calls on its Ray actor), so the test
@@ -12,12 +14,14 @@ needs no Ray. Skipped unless ``TIDAL_VLLM_PYTHON`` names the vLLM venv's python.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tidal.runtime.cell import RuntimeFailure
+from tidal.serving import launch
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
 pytestmark = [pytest.mark.vllm,
@@ -52,8 +56,19 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
     pub = FilePublisher(tmp_path / "w", layout)
     prompt = tok.encode("The capital of France is")
     received = Path(f"/dev/shm/tidal-c0-{os.getpid()}")
+    taken = socket.socket()  # listening, as a process that took the port after it was chosen
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    taken_port = taken.getsockname()[1]
+    ports = iter([taken_port])
+    real_free_port = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": next(
+        ports, None) or real_free_port(host))
     try:
         url = host.start(300)
+        taken.close()
+        assert not url.endswith(f":{taken_port}")
+        assert "Address already in use" in host.log_path.read_text(errors="replace")
         pid = host.describe()["pid"]
         # tidal's guard: every route, vLLM's control routes too, needs the run's token
         assert httpx.post(f"{url}/v1/completions", timeout=30, json={

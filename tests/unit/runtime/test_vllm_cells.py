@@ -176,3 +176,45 @@ def test_the_kv_handoff_step_accepts_a_reprefill_only_where_the_engine_cannot_ha
     assert out["choice"] == "reprefill" and out["reprefill_tokens"] == 70 and out["why"]
     with pytest.raises(RuntimeFailure, match="did not use the KV handoff"):
         asyncio.run(act._check_handoff(1, StepKind.KV_HANDOFF))  # built-in: it should have
+
+
+@pytest.mark.parametrize("settings, device, gpus, expected", [
+    # the CPU: float32 (log-probs comparable to the trainer's), one worker, eager
+    ({}, "cpu", [], ["--dtype", "float32", "--tensor-parallel-size", "1", "--enforce-eager"]),
+    ({"dtype": "auto", "tensor_parallel": None}, "cpu", ["0", "1"],
+     ["--dtype", "float32", "--tensor-parallel-size", "1", "--enforce-eager"]),
+    ({"tensor_parallel": 2}, "cpu", [],
+     ["--dtype", "float32", "--tensor-parallel-size", "2", "--enforce-eager"]),
+    # CUDA: bfloat16, every GPU of the engine, CUDA graphs
+    ({}, "cuda", ["4", "5", "6", "7"],
+     ["--dtype", "bfloat16", "--tensor-parallel-size", "4"]),
+    ({"tensor_parallel": 2, "dtype": "float16", "cuda_graphs": False}, "cuda", ["0", "1"],
+     ["--dtype", "float16", "--tensor-parallel-size", "2", "--enforce-eager"]),
+    # outside Ray (no GPU ids): the GPUs CUDA_VISIBLE_DEVICES shows, one unless told
+    ({}, "cuda", [], ["--dtype", "bfloat16", "--tensor-parallel-size", "1"]),
+])
+def test_vllm_serves_with_the_engines_hardware(settings, device, gpus, expected):
+    from tidal.runtime.vllm_host import serve_args
+
+    assert serve_args(settings, device, gpus) == expected
+
+
+def test_a_parallel_size_beyond_the_engines_gpus_is_one_line():
+    from tidal.runtime.cell import RuntimeFailure
+    from tidal.runtime.vllm_host import serve_args
+
+    with pytest.raises(RuntimeFailure, match=r"runtime.vllm_tensor_parallel: 4 GPUs per vLLM "
+                                             r"engine, but Ray gave this engine 2"):
+        serve_args({"tensor_parallel": 4}, "cuda", ["0", "1"])
+
+
+def test_the_vllm_settings_come_from_the_config(vllm_python):
+    from tidal.runtime.vllm_host import vllm_settings
+
+    cfg = _cfg(vllm_tensor_parallel=2, vllm_dtype="bfloat16", vllm_cuda_graphs=False)
+    got = vllm_settings(cfg.runtime)
+    assert (got["tensor_parallel"], got["dtype"], got["cuda_graphs"], got["device"]) == (
+        2, "bfloat16", False, "cpu")
+    for field, value in [("vllm_tensor_parallel", 0), ("vllm_dtype", "fp8")]:
+        with pytest.raises(ConfigError, match=f"runtime.{field}"):
+            _cfg(**{field: value})
