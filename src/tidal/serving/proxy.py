@@ -382,9 +382,15 @@ class Proxy:
             attempt.started = True
             if chunk.prompt_token_ids is not None:
                 seg.cached_tokens = chunk.cached_tokens or 0
-                # tokens an earlier engine had computed and this one computes again
-                seg.reprefill_tokens = max(0, min(prior_kv, len(prompt_now) - 1)
-                                           - seg.cached_tokens)
+                # tokens an earlier engine had computed and this one computes again; an
+                # attempt aborted before its engine computed anything (it waited in the
+                # queue: the abort reports the KV it held) recomputed nothing, and the
+                # next engine's segment counts the recomputation, once
+                computed = len(prompt_now) - 1
+                if chunk.finish_reason == "abort" and not chunk.token_ids \
+                        and chunk.kv_tokens is not None:
+                    computed = min(computed, chunk.kv_tokens)
+                seg.reprefill_tokens = max(0, min(prior_kv, computed) - seg.cached_tokens)
                 self.totals["reprefill_tokens"] += seg.reprefill_tokens
                 if kv_handle is not None:
                     self.totals["kv_handoffs"] += 1
@@ -406,7 +412,7 @@ class Proxy:
                     on_chunk(chunk)
             if chunk.finish_reason:
                 reason = chunk.finish_reason
-                attempt.kv_tokens = chunk.kv_tokens
+                attempt.kv_tokens = seg.kv_tokens = chunk.kv_tokens
         attempt.ended = True
         seg.ended_by = reason or "lost"
         return reason if reason != "abort" else None

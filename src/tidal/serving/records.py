@@ -23,6 +23,9 @@ class Segment:
     cached_tokens: int = 0
     reprefill_tokens: int = 0
     ended_by: str = ""
+    # on an abort: the tokens the engine held KV for (what it could hand over; 0: none, e.g.
+    # aborted while it waited in the engine's queue); None where the engine does not say
+    kv_tokens: int | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)

@@ -194,3 +194,56 @@ async def _until_stats(url: str, cond, what: str, timeout_s: float = 30.0) -> No
     async with asyncio.timeout(timeout_s):
         while not cond(await _engine_stats(url)):
             await asyncio.sleep(0.01)
+
+
+def test_a_call_drained_from_a_queue_after_its_engine_died_counts_its_reprefill_once(
+        engines, tiny_model, tmp_path):
+    """The call's first engine (D) dies after it computed the prompt and some tokens; the
+    retry waits in B's queue (B is busy) when B is drained, so B computed nothing and holds no
+    KV; C computes the lost tokens again. The records say so: B's segment re-prefilled 0 and
+    held 0 KV, C's segment re-prefilled what D had computed, and the proxy's total counts it
+    once (it was counted on B and again on C)."""
+    dead = start_engine(tiny_model, log_path=tmp_path / "D.log").wait_healthy(120)
+
+    async def main():
+        proxy = Proxy(ProxyConfig(kv_handoff=True, drain_timeout_s=30, request_timeout_s=60))
+        await proxy.join("A", dead.url, kind="standalone")  # D, under the name calls start on
+        await proxy.join("B", engines["B"].url, kind="cell", cell_index=1)
+        hog_client = httpx.AsyncClient(base_url=engines["B"].url, timeout=120)
+        hog = asyncio.create_task(hog_client.post("/v1/completions", json={
+            "prompt": [3, 4], "max_tokens": 1000, "ignore_eos": True, "request_id": "hog3"}))
+        try:
+            reference = await _reference(engines["C"].url)
+            b_url = engines["B"].url
+            await _until_stats(b_url, lambda s: s["running"] == 1, "the hog runs on B")
+            task = await _start_call(proxy, "x3", dead.url, stream=True)
+            await asyncio.to_thread(dead.kill)  # D dies under the call: its KV is gone
+            await _until_stats(b_url, lambda s: s["waiting"] == 1 and s["running"] == 1,
+                               "the retry waits at B")
+            # C joins only now: the retry had nowhere to go but B
+            await proxy.join("C", engines["C"].url, kind="cell", cell_index=0)
+            out_b = await asyncio.wait_for(proxy.drain("B"), 30)
+            res = await asyncio.wait_for(task, 60)
+            return proxy, res, reference, out_b
+        finally:
+            async with httpx.AsyncClient(base_url=engines["B"].url, timeout=10) as c:
+                await c.post("/abort_requests", json={"request_ids": ["hog3"]})
+            await asyncio.wait_for(hog, 30)
+            await hog_client.aclose()
+            await proxy.close()
+
+    try:
+        proxy, res, reference, out_b = asyncio.run(main())
+    finally:
+        dead.stop()
+    assert res.finish_reason == "length" and res.token_ids == reference
+    [call] = proxy.records.calls("x3")
+    d, b, c = call.segments
+    assert [s.engine_id for s in call.segments] == ["A", "B", "C"], call.segments
+    assert d.ended_by == "error" and d.token_ids
+    assert b.ended_by == "abort" and not b.token_ids and b.kv_tokens == 0
+    assert b.reprefill_tokens == 0  # B computed nothing
+    lost = len(PROMPT) + len(d.token_ids) - 1  # what D had computed
+    assert c.cached_tokens == 0 and c.reprefill_tokens == lost
+    assert proxy.totals["reprefill_tokens"] == lost
+    assert out_b["moved"] == 1
