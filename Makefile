@@ -83,6 +83,7 @@ test-vllm: $(STAMP) $(VLLM_VENV)/.stamp
 	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
 		tests/integration/serving/test_vllm_tier.py \
 		tests/integration/runtime/test_vllm_cell.py \
+		tests/integration/runtime/test_vllm_tensor_parallel.py \
 		tests/integration/runtime/test_vllm_run.py \
 		tests/integration/runtime/test_vllm_multinode.py
 

@@ -48,6 +48,20 @@ def vllm_settings(rt: Any) -> dict[str, Any]:
             "cuda_graphs": rt.vllm_cuda_graphs}
 
 
+def cpu_thread_bind(tp: int, cpus: list[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers on ``cpus`` (the engine's allowed
+    CPUs): contiguous equal shares, one per worker (``0|1`` for two on two CPUs). vLLM's own
+    ``auto`` binds one NUMA node per worker and refuses more workers than nodes, which a
+    one-node host always has. Fewer CPUs than workers is one ``RuntimeFailure`` line."""
+    cpus = sorted(cpus)
+    if tp > len(cpus):
+        raise RuntimeFailure(f"runtime.vllm_tensor_parallel: {tp} CPU workers, but this "
+                             f"engine may use {len(cpus)} CPUs ({cpus})")
+    share = len(cpus) // tp
+    return "|".join(",".join(str(c) for c in cpus[i * share:(i + 1) * share])
+                    for i in range(tp))
+
+
 def serve_args(settings: dict[str, Any], device: str, gpu_ids: list[str]) -> list[str]:
     """vLLM's arguments for the engine's hardware. In: the settings (``vllm_settings``; a key
     left out takes its default), the resolved device, the GPUs Ray gave the engine. Out:
@@ -136,12 +150,16 @@ class VLLMEngineHost(EngineHost):
                "TIDAL_VLLM_LAUNCHER_PID": str(os.getpid())}
         env.pop("VIRTUAL_ENV", None)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+        hw = serve_args(self.settings, self.device, _gpu_ids())
+        tp = int(hw[hw.index("--tensor-parallel-size") + 1])
+        if self.device == "cpu" and tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_bind(tp, list(os.sched_getaffinity(0)))
         args = [self.settings["python"], "-m", "vllm.entrypoints.openai.api_server",
                 "--model", self.model_dir, "--served-model-name", SERVED_NAME,
                 "--host", host,
                 "--max-model-len", str(self.settings["max_model_len"]),
                 "--max-num-seqs", str(self.max_batch),
-                *serve_args(self.settings, self.device, _gpu_ids()),
+                *hw,
                 "--kv-cache-memory-bytes", str(int(self.settings["kv_cache_gb"] * 2**30)),
                 "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension",
                 *self._extra_args()]

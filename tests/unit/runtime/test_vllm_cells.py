@@ -218,3 +218,20 @@ def test_the_vllm_settings_come_from_the_config(vllm_python):
     for field, value in [("vllm_tensor_parallel", 0), ("vllm_dtype", "fp8")]:
         with pytest.raises(ConfigError, match=f"runtime.{field}"):
             _cfg(**{field: value})
+
+
+@pytest.mark.parametrize("tp, cpus, expected", [
+    (2, [0, 1], "0|1"), (2, [3, 0, 1, 2], "0,1|2,3"), (3, [0, 1, 2, 3, 4, 5, 6], "0,1|2,3|4,5"),
+    (1, [5, 7], "5,7")])
+def test_cpu_workers_get_equal_shares_of_the_engines_cpus(tp, cpus, expected):
+    from tidal.runtime.vllm_host import cpu_thread_bind
+
+    assert cpu_thread_bind(tp, cpus) == expected
+
+
+def test_more_cpu_workers_than_cpus_is_one_line():
+    from tidal.runtime.cell import RuntimeFailure
+    from tidal.runtime.vllm_host import cpu_thread_bind
+
+    with pytest.raises(RuntimeFailure, match=r"3 CPU workers, but this engine may use 2 CPUs"):
+        cpu_thread_bind(3, [0, 1])
