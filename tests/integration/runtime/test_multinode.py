@@ -17,7 +17,6 @@ of it is left on any node.
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import pytest
@@ -28,9 +27,9 @@ from tidal.runtime import localcluster
 from tidal.runtime.checkpoint import end_log_writers
 from tidal.runtime.driver import Runtime
 from tidal.runtime.engines import EngineId
-from tidal.serving.launch import free_port
 
 from .busy import wait_until_busy
+from .clusters import four_node_cluster
 from .test_tiny_run import CONFIG, expected_groups
 
 pytestmark = pytest.mark.slow
@@ -39,17 +38,8 @@ GROUPS = expected_groups(yaml.safe_load(CONFIG.read_text()))
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    name = f"t{os.getpid() % 100000}"
-    # TIDAL_TEST_CLUSTER_NETNS=0: the loopback fallback a host without namespaces gets
-    st = localcluster.up(name, n_nodes=4, cpus=1.0, head_cpus=0.0,
-                         prefix=f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}",
-                         port=free_port(), directory=tmp_path_factory.mktemp("cluster"),
-                         netns=os.environ.get("TIDAL_TEST_CLUSTER_NETNS", "1") != "0")
-    print(f"cluster {st.name}: {st.mode} mode, {[n.ip for n in st.nodes]}")
-    try:
+    with four_node_cluster("t", 200, tmp_path_factory.mktemp("cluster")) as st:
         yield st
-    finally:
-        localcluster.down(st)
 
 
 def _config(cluster, strategy: str, **runtime) -> RunConfig:

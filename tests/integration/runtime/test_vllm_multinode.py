@@ -26,7 +26,8 @@ from tidal.config import RunConfig, load_yaml
 from tidal.runtime import localcluster
 from tidal.runtime.checkpoint import end_log_writers
 from tidal.runtime.driver import Runtime
-from tidal.serving.launch import free_port
+
+from .clusters import four_node_cluster
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
 pytestmark = [pytest.mark.vllm,
@@ -36,16 +37,8 @@ CONFIG = Path(__file__).resolve().parents[3] / "configs" / "vllm.yaml"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    name = f"v{os.getpid() % 100000}"
-    st = localcluster.up(name, n_nodes=4, cpus=1.0, head_cpus=0.0,
-                         prefix=f"10.{150 + os.getpid() % 50}.{os.getpid() % 250}",
-                         port=free_port(), directory=tmp_path_factory.mktemp("cluster"),
-                         netns=os.environ.get("TIDAL_TEST_CLUSTER_NETNS", "1") != "0")
-    print(f"cluster {st.name}: {st.mode} mode, {[n.ip for n in st.nodes]}")
-    try:
+    with four_node_cluster("v", 150, tmp_path_factory.mktemp("cluster")) as st:
         yield st
-    finally:
-        localcluster.down(st)
 
 
 @pytest.mark.timeout(1200)

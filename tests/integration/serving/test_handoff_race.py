@@ -11,6 +11,7 @@ continuation waits in B's queue when B's drain aborts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import pytest
@@ -157,28 +158,20 @@ def test_drain_of_the_destination_while_the_continuation_waits_there(engines, st
 
     async def main():
         proxy = await _proxy(engines)
-        hog_client = httpx.AsyncClient(base_url=engines["B"].url, timeout=120)
-        # another client's long request fills B's single batch slot
-        hog = asyncio.create_task(hog_client.post("/v1/completions", json={
-            "prompt": [3, 4], "max_tokens": 1000, "ignore_eos": True, "request_id": "hog"}))
+        b_url = engines["B"].url
         try:
-            reference = await _reference(engines["C"].url)
-            b_url = engines["B"].url
-            await _until_stats(b_url, lambda s: s["running"] == 1, "the hog runs on B")
-            task = await _start_call(proxy, "x2", engines["A"].url, stream)
-            drain_a = asyncio.create_task(proxy.drain("A"))
-            await _until_stats(b_url, lambda s: s["waiting"] == 1 and s["running"] == 1,
-                               "the continuation waits at B")
-            out_b = await asyncio.wait_for(proxy.drain("B"), 30)
-            b_after = await _engine_stats(b_url)
-            out_a = await asyncio.wait_for(drain_a, 30)
-            res = await asyncio.wait_for(task, 60)
+            async with _busy(b_url, "hog"):
+                reference = await _reference(engines["C"].url)
+                task = await _start_call(proxy, "x2", engines["A"].url, stream)
+                drain_a = asyncio.create_task(proxy.drain("A"))
+                await _until_stats(b_url, lambda s: s["waiting"] == 1 and s["running"] == 1,
+                                   "the continuation waits at B")
+                out_b = await asyncio.wait_for(proxy.drain("B"), 30)
+                b_after = await _engine_stats(b_url)
+                out_a = await asyncio.wait_for(drain_a, 30)
+                res = await asyncio.wait_for(task, 60)
             return proxy, res, reference, out_a, out_b, b_after
         finally:
-            async with httpx.AsyncClient(base_url=engines["B"].url, timeout=10) as c:
-                await c.post("/abort_requests", json={"request_ids": ["hog"]})
-            await asyncio.wait_for(hog, 30)
-            await hog_client.aclose()
             await proxy.close()
 
     proxy, res, reference, out_a, out_b, b_after = asyncio.run(main())
@@ -188,6 +181,21 @@ def test_drain_of_the_destination_while_the_continuation_waits_there(engines, st
     assert b_after["running"] == 1 and b_after["pinned_kv"] == 0  # exported, then released
     assert out_a["moved"] == 1 and out_b["moved"] == 1
     assert proxy.totals["kv_handoffs"] == 2 and proxy.totals["reprefill_tokens"] == 0
+
+
+@contextlib.asynccontextmanager
+async def _busy(url: str, rid: str):
+    """Another client's long request fills the engine's single batch slot (B's) while the
+    block runs; aborted after it."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        hog = asyncio.create_task(client.post("/v1/completions", json={
+            "prompt": [3, 4], "max_tokens": 1000, "ignore_eos": True, "request_id": rid}))
+        try:
+            await _until_stats(url, lambda s: s["running"] == 1, "the hog runs there")
+            yield
+        finally:
+            await client.post("/abort_requests", json={"request_ids": [rid]}, timeout=10)
+            await asyncio.wait_for(hog, 30)
 
 
 async def _until_stats(url: str, cond, what: str, timeout_s: float = 30.0) -> None:
@@ -209,27 +217,20 @@ def test_a_call_drained_from_a_queue_after_its_engine_died_counts_its_reprefill_
         proxy = Proxy(ProxyConfig(kv_handoff=True, drain_timeout_s=30, request_timeout_s=60))
         await proxy.join("A", dead.url, kind="standalone")  # D, under the name calls start on
         await proxy.join("B", engines["B"].url, kind="cell", cell_index=1)
-        hog_client = httpx.AsyncClient(base_url=engines["B"].url, timeout=120)
-        hog = asyncio.create_task(hog_client.post("/v1/completions", json={
-            "prompt": [3, 4], "max_tokens": 1000, "ignore_eos": True, "request_id": "hog3"}))
+        b_url = engines["B"].url
         try:
-            reference = await _reference(engines["C"].url)
-            b_url = engines["B"].url
-            await _until_stats(b_url, lambda s: s["running"] == 1, "the hog runs on B")
-            task = await _start_call(proxy, "x3", dead.url, stream=True)
-            await asyncio.to_thread(dead.kill)  # D dies under the call: its KV is gone
-            await _until_stats(b_url, lambda s: s["waiting"] == 1 and s["running"] == 1,
-                               "the retry waits at B")
-            # C joins only now: the retry had nowhere to go but B
-            await proxy.join("C", engines["C"].url, kind="cell", cell_index=0)
-            out_b = await asyncio.wait_for(proxy.drain("B"), 30)
-            res = await asyncio.wait_for(task, 60)
+            async with _busy(b_url, "hog3"):
+                reference = await _reference(engines["C"].url)
+                task = await _start_call(proxy, "x3", dead.url, stream=True)
+                await asyncio.to_thread(dead.kill)  # D dies under the call: its KV is gone
+                await _until_stats(b_url, lambda s: s["waiting"] == 1 and s["running"] == 1,
+                                   "the retry waits at B")
+                # C joins only now: the retry had nowhere to go but B
+                await proxy.join("C", engines["C"].url, kind="cell", cell_index=0)
+                out_b = await asyncio.wait_for(proxy.drain("B"), 30)
+                res = await asyncio.wait_for(task, 60)
             return proxy, res, reference, out_b
         finally:
-            async with httpx.AsyncClient(base_url=engines["B"].url, timeout=10) as c:
-                await c.post("/abort_requests", json={"request_ids": ["hog3"]})
-            await asyncio.wait_for(hog, 30)
-            await hog_client.aclose()
             await proxy.close()
 
     try:
