@@ -8,7 +8,10 @@ nodes and answer on those nodes' addresses; cells move both ways with their one 
 each, live calls rerouted between nodes; every published version reaches every engine through
 Ray's object store (the decision log names the transport per publication), each engine ends at
 the final version it read back from its server; nothing fails or is lost; and no process of the
-run outlives it on any node. Every route of those servers needs the run's token
+run outlives it on any node. Mid-run the standalone engine's vLLM server (on its worker node) is
+killed while it serves live calls: the supervisor starts a new server there, loads the current
+version into it through the object store and rejoins it, and the lost calls are retried
+elsewhere. Every route of those servers needs the run's token
 (``test_vllm_cell.py`` checks the guard itself).
 
 Skipped unless ``TIDAL_VLLM_PYTHON`` names the vLLM venv's python.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,7 +30,9 @@ from tidal.config import RunConfig, load_yaml
 from tidal.runtime import localcluster
 from tidal.runtime.checkpoint import end_log_writers
 from tidal.runtime.driver import Runtime
+from tidal.runtime.engines import EngineId
 
+from .busy import wait_until_busy
 from .clusters import four_node_cluster
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
@@ -41,18 +47,37 @@ def cluster(tmp_path_factory):
         yield st
 
 
+def _kill_server_when_busy(runtime: Runtime, name: str, seen: dict) -> None:
+    """SIGKILL engine ``name``'s vLLM server (its actor lives on) once it serves live calls."""
+    import ray
+
+    listed = wait_until_busy(runtime, name, 300.0)
+    if listed is None:
+        return
+    seen["inflight_at_kill"] = next(e["inflight"] for e in listed if e["id"] == name)
+    ray.get(runtime.engines.actors[EngineId.parse(name)].kill_engine.remote(), timeout=60)
+    seen["killed"] = True
+
+
 @pytest.mark.timeout(1200)
 def test_vllm_engines_on_three_other_nodes(cluster, smollm2, tmp_path):
     cfg = load_yaml(CONFIG).model_dump(mode="json")
     cfg["runtime"].update(ray_address=cluster.address, placement_strategy="STRICT_SPREAD",
                           vllm_python=VLLM_PYTHON)
     out = tmp_path / "run"
-    s = Runtime(RunConfig.model_validate(cfg), out).run()
+    runtime = Runtime(RunConfig.model_validate(cfg), out)
+    seen: dict = {}
+    killer = threading.Thread(target=_kill_server_when_busy, args=(runtime, "s0", seen),
+                              daemon=True)
+    killer.start()
+    s = runtime.run()
+    killer.join(5)
     workers = {n["id"]: n["ip"] for n in localcluster.alive_nodes(cluster)
                if n["resources"].get("CPU", 0) > 0}  # the head declares none
     placed = {name: (e["node_id"], e["node_ip"]) for name, e in s["engines"].items()}
-    print(json.dumps({"placed": placed, **{k: s[k] for k in (
-        "run_time_s", "rerouted_requests", "reprefill_tokens", "switch_s")}}))
+    print(json.dumps({"placed": placed, "seen": seen, **{k: s[k] for k in (
+        "run_time_s", "rerouted_requests", "reprefill_tokens", "switch_s", "cells_replaced",
+        "engine_failures")}}))
     assert s["backend_by_engine"] == {"s0": "vllm", "c0": "vllm", "c1": "vllm"}
     # one engine per worker node, as Ray placed them, none on the driver's head node
     assert len({node for node, _ in placed.values()}) == 3
@@ -62,13 +87,21 @@ def test_vllm_engines_on_three_other_nodes(cluster, smollm2, tmp_path):
         assert f"Starting vLLM server on http://{ip}:" in log, name
     assert s["nodes"] == 4 and s["nodes_lost"] == 0
     assert s["switches_to_training"] >= 2 and s["switches_to_rollout"] >= 2
-    assert s["plans_aborted"] == 0
     assert s["failed_requests"] == 0 and s["lost_executions"] == 0, s
     assert s["dispatched"] == s["closed"] == s["trained_executions"] == 32, s
+    # the killed server was replaced on its node, with the current weights, and its calls moved
+    assert seen.get("killed") and seen["inflight_at_kill"] > 0, seen
+    assert s["cells_replaced"] == ["s0"], s["cells_replaced"]
+    assert s["rerouted_requests"] >= seen["inflight_at_kill"]
     for name, engine in s["engines"].items():
-        assert not engine["restarted"], name
+        assert engine["restarted"] == (name == "s0"), (name, engine)
         assert engine["version"] == "v4", (name, engine)
     records = [json.loads(x) for x in (out / "decisions.jsonl").read_text().splitlines()]
+    # while s0's new server started (a minute), a cell leaving rollout had nowhere to move its
+    # calls: those plans were aborted with their roles restored (and tried again later), never
+    # a call dropped; no plan failed for another reason
+    aborted = [r["error"] for r in records if r["type"] == "plan_aborted"]
+    assert all("no routable engine left" in e for e in aborted), aborted
     pubs = [r for r in records if r["type"] == "weights_published"]
     assert [p["version"] for p in pubs] == [2, 4]
     assert all(p["transports"] and set(p["transports"].values()) == {"object"} for p in pubs)
