@@ -122,11 +122,15 @@ class EngineHost:
         self.state = "awake"
         return self.loaded_version
 
+    def received_dir(self) -> Path:
+        """This node's shared-memory directory of the versions that came across nodes."""
+        return Path("/dev/shm") / f"tidal-{self.name}-{os.getpid()}"
+
     def load_weights_blob(self, blob: bytes, version: str) -> str:
         """Load a version that crossed nodes (``blob``: the safetensors file, pulled onto this
         node by Ray's object store): written to this node's shared memory, then loaded in
         place as from a path. The newest two received files are kept (the engine's source)."""
-        d = Path("/dev/shm") / f"tidal-{self.name}-{os.getpid()}"
+        d = self.received_dir()
         d.mkdir(exist_ok=True)
         path = d / f"{version}.safetensors"
         tmp = path.with_suffix(".tmp")
@@ -200,7 +204,7 @@ class EngineHost:
         if self.proc is not None:
             self.proc.stop()
             self.state = "stopped"
-        shutil.rmtree(f"/dev/shm/tidal-{self.name}-{os.getpid()}", ignore_errors=True)
+        shutil.rmtree(self.received_dir(), ignore_errors=True)
 
 
 def actor_device(setting: str, gpu_ids: list[str], cuda_present: bool | None = None) -> str:

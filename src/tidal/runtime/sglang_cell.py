@@ -102,14 +102,9 @@ class SGLangCellHost(VLLMCellHost):
 
     def start(self, timeout_s: float) -> str:
         from tidal.runtime.cell import _gpu_ids
-        from tidal.serving.guard import is_loopback
 
         self.device = actor_device(self.device_setting, _gpu_ids())
-        host = self.node.ip  # the node's address: the proxy reaches it from any node
-        self.token = os.environ.get("TIDAL_ENGINE_TOKEN")
-        if not self.token and not is_loopback(host):
-            raise RuntimeFailure(f"SGLang engine {self.name}: bound to {host}, beyond "
-                                 "loopback, it needs the run's token ($TIDAL_ENGINE_TOKEN)")
+        host = self._bind_host("SGLang")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_USAGE_STATS": "1"}
         env.pop("VIRTUAL_ENV", None)
         env.pop("PYTHONPATH", None)  # nothing of this venv leaks into SGLang's
@@ -141,10 +136,9 @@ class SGLangCellHost(VLLMCellHost):
         """One control call on the server; any failure is one ``RuntimeFailure`` line."""
         if self.url is None or not self.alive():
             raise RuntimeFailure(f"SGLang engine {self.name} is not running")
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
             resp = httpx.request(method, f"{self.url}{path}", timeout=timeout_s,
-                                 headers=headers, **kw)
+                                 headers=self.headers(), **kw)
         except httpx.HTTPError as exc:
             raise RuntimeFailure(f"SGLang engine {self.name} {path}: {exc!r}") from None
         if resp.status_code != 200:

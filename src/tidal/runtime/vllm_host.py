@@ -62,23 +62,30 @@ def cpu_thread_bind(tp: int, cpus: list[int]) -> str:
                     for i in range(tp))
 
 
+def tensor_parallel(settings: dict[str, Any], device: str, gpu_ids: list[str]) -> int:
+    """The engine's ``--tensor-parallel-size``: the setting, else every GPU Ray gave the engine
+    on CUDA (1 without GPU ids: outside Ray, the visible GPUs), 1 on the CPU. A size the
+    engine's GPUs cannot hold is one ``RuntimeFailure`` line."""
+    cuda = device.startswith("cuda")
+    tp = settings.get("tensor_parallel") or (max(len(gpu_ids), 1) if cuda else 1)
+    if cuda and gpu_ids and tp > len(gpu_ids):
+        raise RuntimeFailure(f"runtime.vllm_tensor_parallel: {tp} GPUs per vLLM engine, but "
+                             f"Ray gave this engine {len(gpu_ids)} ({gpu_ids}): raise "
+                             "cluster.cell_gpus / standalone_gpus or lower it")
+    return tp
+
+
 def serve_args(settings: dict[str, Any], device: str, gpu_ids: list[str]) -> list[str]:
     """vLLM's arguments for the engine's hardware. In: the settings (``vllm_settings``; a key
     left out takes its default), the resolved device, the GPUs Ray gave the engine. Out:
-    ``--dtype``, ``--tensor-parallel-size`` (default: every GPU of the engine on CUDA, 1 on
-    the CPU; 1 without GPU ids, outside Ray) and ``--enforce-eager`` unless CUDA graphs are
-    wanted on CUDA. A parallel size the engine's GPUs cannot hold is one ``RuntimeFailure``
-    line."""
+    ``--dtype`` (auto: bfloat16 on CUDA, float32 on the CPU), ``--tensor-parallel-size``
+    (``tensor_parallel``) and ``--enforce-eager`` unless CUDA graphs are wanted on CUDA."""
     cuda = device.startswith("cuda")
     dtype = settings.get("dtype", "auto")
     if dtype == "auto":
         dtype = "bfloat16" if cuda else "float32"
-    tp = settings.get("tensor_parallel") or (max(len(gpu_ids), 1) if cuda else 1)
-    if cuda and gpu_ids and tp > len(gpu_ids):  # (no ids: not under Ray, the visible GPUs)
-        raise RuntimeFailure(f"runtime.vllm_tensor_parallel: {tp} GPUs per vLLM engine, but "
-                             f"Ray gave this engine {len(gpu_ids)} ({gpu_ids}): raise "
-                             "cluster.cell_gpus / standalone_gpus or lower it")
-    args = ["--dtype", dtype, "--tensor-parallel-size", str(tp)]
+    args = ["--dtype", dtype, "--tensor-parallel-size",
+            str(tensor_parallel(settings, device, gpu_ids))]
     if not (cuda and settings.get("cuda_graphs", True)):
         args.append("--enforce-eager")
     return args
@@ -132,26 +139,17 @@ class VLLMEngineHost(EngineHost):
 
     def start(self, timeout_s: float) -> str:
         from tidal.runtime.cell import actor_device
-        from tidal.serving.guard import is_loopback
         from tidal.serving.server_guard import MIDDLEWARE
 
         self.device = actor_device(self.device_setting, _gpu_ids())
-        # the node's address (loopback on one machine): the proxy reaches an engine on any
-        # node; every route then needs the run's token (tidal's guard, not vLLM's --api-key,
-        # which leaves its control routes open)
-        host = self.node.ip
-        token = os.environ.get("TIDAL_ENGINE_TOKEN")
-        if not token and not is_loopback(host):
-            raise RuntimeFailure(f"vLLM engine {self.name}: bound to {host}, beyond loopback, "
-                                 "it needs the run's token ($TIDAL_ENGINE_TOKEN)")
+        host = self._bind_host("vLLM")
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": host,
                "PYTHONPATH": _tidal_path(self.log_path.parent / "vllm-pythonpath"),
                "TIDAL_VLLM_LAUNCHER_PID": str(os.getpid())}
         env.pop("VIRTUAL_ENV", None)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
-        hw = serve_args(self.settings, self.device, _gpu_ids())
-        tp = int(hw[hw.index("--tensor-parallel-size") + 1])
+        tp = tensor_parallel(self.settings, self.device, _gpu_ids())
         if self.device == "cpu" and tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_bind(tp, list(os.sched_getaffinity(0)))
         args = [self.settings["python"], "-m", "vllm.entrypoints.openai.api_server",
@@ -159,19 +157,18 @@ class VLLMEngineHost(EngineHost):
                 "--host", host,
                 "--max-model-len", str(self.settings["max_model_len"]),
                 "--max-num-seqs", str(self.max_batch),
-                *hw,
+                *serve_args(self.settings, self.device, _gpu_ids()),
                 "--kv-cache-memory-bytes", str(int(self.settings["kv_cache_gb"] * 2**30)),
                 "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension",
                 *self._extra_args()]
-        self.token = token
-        if token:  # the guard reads it from the environment, never the command line
+        if self.token:  # the guard reads it from the environment, never the command line
             args += ["--middleware", MIDDLEWARE]
         try:
             self._serve(lambda port: [*args, "--port", str(port)], env, host, timeout_s)
             from tidal.training.vllm_sync import VLLMWeightPublisher
 
             self._sync = VLLMWeightPublisher(self.url, None, "file", timeout_s=timeout_s,
-                                             api_key=token)
+                                             api_key=self.token)
             # vLLM calls its initial weights "default"; tidal's first version is v0
             self._sync.set_version(self.loaded_version)
         except TidalError as exc:
@@ -179,6 +176,18 @@ class VLLMEngineHost(EngineHost):
             raise RuntimeFailure(f"vLLM engine {self.name}: {exc}") from None
         self.state = "awake"
         return self.url
+
+    def _bind_host(self, server: str) -> str:
+        """The address the server listens on, its node's (loopback on one machine: the proxy
+        reaches an engine on any node), and the run's token it will need on every route
+        (``self.token``); beyond loopback a server without the token is refused."""
+        from tidal.serving.guard import is_loopback
+
+        host, self.token = self.node.ip, os.environ.get("TIDAL_ENGINE_TOKEN")
+        if not self.token and not is_loopback(host):
+            raise RuntimeFailure(f"{server} engine {self.name}: bound to {host}, beyond "
+                                 "loopback, it needs the run's token ($TIDAL_ENGINE_TOKEN)")
+        return host
 
     def headers(self) -> dict[str, str]:
         """What every call on the server carries: the run's token, when there is one."""
@@ -324,8 +333,7 @@ class VLLMEngineHost(EngineHost):
 
         self._end()
         self.state = "stopped"
-        # the versions that came across nodes (``load_weights_blob``)
-        shutil.rmtree(f"/dev/shm/tidal-{self.name}-{os.getpid()}", ignore_errors=True)
+        shutil.rmtree(self.received_dir(), ignore_errors=True)  # ``load_weights_blob``
 
 
 def _gpu_ids() -> list[str]:

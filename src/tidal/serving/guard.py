@@ -233,20 +233,22 @@ def run_server(app, host: str, port: int, read_timeout_s: float = READ_TIMEOUT_S
 
     import uvicorn
 
+    from tidal.serving.launch import LISTEN_FD_ENV
+
     kw = dict(log_level="warning", access_log=False, timeout_keep_alive=120, backlog=4096,
               http=bounded_protocol(read_timeout_s, max_header_bytes),
               h11_max_incomplete_event_size=max_header_bytes, **uvicorn_kw)
-    fd_text = os.environ.pop("TIDAL_LISTEN_FD", None)
+    fd_text = os.environ.pop(LISTEN_FD_ENV, None)
     if fd_text is None:
         uvicorn.run(app, host=host, port=port, **kw)
         return
     try:
         sock = socket.socket(fileno=int(fd_text))
     except (ValueError, OSError) as e:
-        raise SystemExit(f"TIDAL_LISTEN_FD={fd_text!r} is not an open socket: {e}") from None
+        raise SystemExit(f"{LISTEN_FD_ENV}={fd_text!r} is not an open socket: {e}") from None
     bound = sock.getsockname()
     if bound[1] != port:
         sock.close()
-        raise SystemExit(f"TIDAL_LISTEN_FD={fd_text}: the socket is bound to port {bound[1]}, "
+        raise SystemExit(f"{LISTEN_FD_ENV}={fd_text}: the socket is bound to port {bound[1]}, "
                          f"not --port {port}")
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, **kw)).run(sockets=[sock])

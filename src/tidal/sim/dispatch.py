@@ -113,6 +113,7 @@ def resume(w: World) -> None:
     _dispatch_quota(w)
     fill(w)
 
+
 def dispatch_group(w: World) -> None:
     w.quota_left -= 1
     specs = w.workload.group(w.group_size)
@@ -142,6 +143,7 @@ def fill(w: World) -> None:
             _fill_once(w)
     finally:
         w._filling = False
+
 
 def _admits(w: World) -> bool:
     """The policy's dispatch hold admits the next group (the runtime dispatcher's rule)."""
