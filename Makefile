@@ -8,7 +8,8 @@ comma  := ,
 STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 OUT    ?= runs/quickstart
 
-.PHONY: venv demo compare sim-vs-real sim-demo test test-unit test-vllm test-vllm-run vllm-venv lint fmt clean
+.PHONY: venv demo compare sim-vs-real sim-demo test test-unit test-vllm test-vllm-run vllm-venv lint fmt clean \
+	gpu-kit gpu-check
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +94,24 @@ test-vllm-run: $(STAMP) $(VLLM_VENV)/.stamp
 	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
 		tests/integration/runtime/test_vllm_run.py \
 		tests/integration/runtime/test_vllm_verl_run.py
+
+# The GPU check's kit: the wheels a lent GPU machine lacks (it has torch, transformers, pytest,
+# no pydantic and no registry), for its CPython 3.12 on x86-64 Linux, one pinned version each,
+# into gpu-kit/wheels (ignored); then the size of what goes there (tree + wheels, <= 60 MiB).
+GPU_KIT_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing-extensions==4.16.0 pytest-timeout==2.4.0
+gpu-kit: | $(VENV)/bin/python
+	rm -rf gpu-kit/wheels
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux2014_x86_64 -d gpu-kit/wheels $(GPU_KIT_WHEELS)
+	$(BIN)/python benchmarks/gpu/kit_size.py --wheels gpu-kit/wheels --limit-mib 60
+
+# The GPU check itself (benchmarks/gpu/check.sh: tests/gpu, then the GPU benchmarks; at most
+# 470 s) on this machine's GPU; the table lands in runs/gpu-check/check.md.
+# `make gpu-check GPU_CHECK_ARGS="--device cpu --sizes tiny"` dry-runs it on the CPU.
+GPU_CHECK_ARGS ?=
+gpu-check: $(STAMP)
+	OUT=runs/gpu-check PYTHON=$(BIN)/python benchmarks/gpu/check.sh $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -11,7 +11,8 @@ status ``ok`` / ``failed`` / ``skipped`` / ``timeout``, seconds, reason, figures
 
 Each step (``STEPS``) runs in its own forked process group under its own timeout, cut to what
 is left of ``--limit-s``: a hang, an out-of-memory or a crash ends that step only, and is
-recorded. The wheels are unpacked into ``DIR/site`` (first on the path; no network, no pip).
+recorded. The wheels are unpacked into a temporary directory put first on the path (no
+network, no pip).
 
 Run: ``benchmarks/gpu/check.sh`` (on the device: ``OUT`` is where the files come back).
 """
@@ -19,6 +20,7 @@ Run: ``benchmarks/gpu/check.sh`` (on the device: ``OUT`` is where the files come
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -112,22 +114,31 @@ def run_step(fn, ctx, timeout_s: float, tmp: Path) -> dict:
         return {"status": "timeout", "reason": f"killed after {timeout_s:.0f} s", "figures": []}
     if result.is_file():
         return json.loads(result.read_text())
-    return {"status": "failed", "reason": f"the step's process died (exit {proc.exitcode})",
-            "figures": []}
+    return {
+        "status": "failed",
+        "reason": f"the step's process died (exit {proc.exitcode})",
+        "figures": [],
+    }
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def run_tests(args, timeout_s: float) -> dict:
     """``pytest tests/gpu`` in a child process group, each test under ``--test-timeout-s``."""
     junit = args.out / "tests_gpu.xml"
-    cmd = [sys.executable, "-m", "pytest", *args.tests, "-q", "-rfE",
-           f"--timeout={args.test_timeout_s}", f"--junitxml={junit}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *args.tests,
+        "-q",
+        "-rfE",
+        f"--timeout={args.test_timeout_s}",
+        f"--junitxml={junit}",
+    ]
     path = [*args.site_paths, str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     if args.device == "cpu":
@@ -140,11 +151,21 @@ def run_tests(args, timeout_s: float) -> dict:
         proc.wait(10)
         return {"status": "timeout", "reason": f"killed after {timeout_s:.0f} s", "figures": []}
     counts = _junit_counts(junit)
-    rows = [{"figure": k, "value": v, "unit": "tests", "sim": None, "note": ""}
-            for k, v in counts.items() if k != "failing"]
+    rows = [
+        {"figure": k, "value": v, "unit": "tests", "sim": None, "note": ""}
+        for k, v in counts.items()
+        if k != "failing"
+    ]
     if counts.get("failing"):
-        rows.append({"figure": "failing", "value": ", ".join(counts["failing"]), "unit": "",
-                     "sim": None, "note": ""})
+        rows.append(
+            {
+                "figure": "failing",
+                "value": ", ".join(counts["failing"]),
+                "unit": "",
+                "sim": None,
+                "note": "",
+            }
+        )
     status = "ok" if rc == 0 else "failed"
     return {"status": status, "reason": "" if rc == 0 else f"pytest exit {rc}", "figures": rows}
 
@@ -195,8 +216,11 @@ def environment(ctx, figs) -> None:
     figs.add("python", sys.version.split()[0])
     from kit import free_bytes, params_of
 
-    figs.add("big model", f"{ctx.big['model_type']}, {ctx.big['num_hidden_layers']} layers",
-             note=f"{params_of(ctx.big) / 1e9:.2f} B params, random weights")
+    figs.add(
+        "big model",
+        f"{ctx.big['model_type']}, {ctx.big['num_hidden_layers']} layers",
+        note=f"{params_of(ctx.big) / 1e9:.2f} B params, random weights",
+    )
     figs.add("free disk under tmp", free_bytes(ctx.tmp) / 2**30, "GiB")
     if ctx.device.type == "cuda":
         figs.add("simulator GPU profile", ctx.gpu)
@@ -213,15 +237,27 @@ def rows_of(name: str, res: dict) -> list[list[str]]:
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)
         sim = "" if f["sim"] is None else f"{f['sim']:.4g}"
         note_ = f["note"] if i or not res["reason"] else f"{res['reason']}; {f['note']}"
-        out.append([*(head if i == 0 else ["", "", ""]), f["figure"], shown, f["unit"], sim,
-                    note_.strip("; ")])
+        out.append(
+            [
+                *(head if i == 0 else ["", "", ""]),
+                f["figure"],
+                shown,
+                f["unit"],
+                sim,
+                note_.strip("; "),
+            ]
+        )
     return out
 
 
 def markdown(report: dict) -> str:
-    lines = [f"GPU check, {report['date']}: {report['device']}; sizes {report['sizes']}, "
-             f"{report['wall_s']:.0f} s of {report['limit_s']:.0f} s", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = [
+        f"GPU check, {report['date']}: {report['device']}; sizes {report['sizes']}, "
+        f"{report['wall_s']:.0f} s of {report['limit_s']:.0f} s",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
     for name, res in report["steps"].items():
         for row in rows_of(name, res):
             cells = [re.sub(r"[|\n]", " ", c) for c in row]
@@ -242,34 +278,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="full", choices=("full", "tiny"))
     ap.add_argument("--limit-s", type=float, default=450.0, help="the whole check")
     ap.add_argument("--wheels", type=Path, default=ROOT / "gpu-kit" / "wheels")
-    ap.add_argument("--tests", nargs="*", default=["tests/gpu"],
-                    help="what pytest runs first (none: no tests step)")
+    ap.add_argument(
+        "--tests",
+        nargs="*",
+        default=["tests/gpu"],
+        help="what pytest runs first (none: no tests step)",
+    )
     ap.add_argument("--test-timeout-s", type=int, default=90, help="per test")
     ap.add_argument("--steps", default=None, help="comma-separated subset of the steps")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    installed = install_wheels(args.wheels, args.out / "site")
-    args.site_paths = [str(args.out / "site")] if installed else []
+    site = Path(tempfile.mkdtemp(prefix="tidal-gpu-site-"))  # not under --out: not sent back
+    installed = install_wheels(args.wheels, site)
+    args.site_paths = [str(site)] if installed else []
     sys.path[:0] = [str(HERE), str(ROOT / "src")]
     note(f"wheels unpacked: {', '.join(installed) or 'none'}")
-    import torch  # noqa: F401 (imported once here: every forked step starts with it)
-
+    # imported once here: every forked step starts with torch (CUDA is touched only there)
+    import torch
     from kit import SIZES, big_shape
 
     sizes = SIZES[args.sizes]
     ctx = Ctx(torch.device(args.device), sizes, big_shape(sizes))
-    report = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "device": args.device,
-              "sizes": args.sizes, "limit_s": args.limit_s, "wheels": installed,
-              "columns": list(COLUMNS), "steps": {}}
+    report = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": args.device,
+        "sizes": args.sizes,
+        "limit_s": args.limit_s,
+        "wheels": installed,
+        "columns": list(COLUMNS),
+        "steps": {},
+    }
     wanted = set(args.steps.split(",")) if args.steps else None
     with tempfile.TemporaryDirectory(prefix="tidal-gpu-check-") as tmp:
-        for name, module, func, timeout_s in (("environment", None, None, 60),
-                                              *STEPS):
-            if name == "tests_gpu" and not args.tests or wanted and name not in wanted | {
-                    "environment"}:
+        for name, module, func, timeout_s in (("environment", None, None, 60), *STEPS):
+            if (name == "tests_gpu" and not args.tests) or (
+                wanted and name not in wanted | {"environment"}
+            ):
                 continue
-            report["steps"][name] = _timed_step(name, module, func, timeout_s, args, ctx,
-                                                Path(tmp))
+            report["steps"][name] = _timed_step(name, module, func, timeout_s, args, ctx, Path(tmp))
             if name == "environment":
                 report["device"] = str(report["steps"][name]["figures"][0]["value"])
             write(report, args.out)
@@ -281,8 +327,12 @@ def main(argv: list[str] | None = None) -> int:
 def _timed_step(name, module, func, timeout_s, args, ctx, tmp: Path) -> dict:
     left = args.limit_s - (time.monotonic() - T0) - 5
     if left < 10:
-        return {"status": "skipped", "reason": f"the check's {args.limit_s:.0f} s are spent",
-                "figures": [], "seconds": 0.0}
+        return {
+            "status": "skipped",
+            "reason": f"the check's {args.limit_s:.0f} s are spent",
+            "figures": [],
+            "seconds": 0.0,
+        }
     timeout_s = min(timeout_s, left)
     note(f"{name}: start (timeout {timeout_s:.0f} s)")
     t0 = time.monotonic()

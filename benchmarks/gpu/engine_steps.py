@@ -16,7 +16,7 @@ import asyncio
 import time
 
 import torch
-from kit import MiB, TOKENIZER, Figures, Skip, engine_model, free_bytes, memory, sim_engine, sync
+from kit import TOKENIZER, Figures, MiB, Skip, engine_model, free_bytes, memory, sim_engine, sync
 
 LP_ATOL = 2e-3  # float32 log-probs: CPU and cuBLAS / SDPA kernels differ by ~1e-5
 TIE = 1e-3  # a greedy split is tolerated only where the CPU's two best logits are this close
@@ -31,11 +31,11 @@ async def greedy(engine, batch: list[list[int]], n: int, tag: str, temperature: 
     from tidal.serving.protocol import GenerateRequest, SamplingParams
 
     async def one(i: int, p: list[int]):
-        req = GenerateRequest(f"{tag}{i}", p, SamplingParams(
-            max_tokens=n, temperature=temperature, ignore_eos=True))
+        req = GenerateRequest(
+            f"{tag}{i}", p, SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
+        )
         chunks = [c async for c in engine.generate(req)]
-        return ([t for c in chunks for t in c.token_ids],
-                [lp for c in chunks for lp in c.logprobs])
+        return ([t for c in chunks for t in c.token_ids], [lp for c in chunks for lp in c.logprobs])
 
     return await asyncio.gather(*[one(i, p) for i, p in enumerate(batch)])
 
@@ -43,8 +43,12 @@ async def greedy(engine, batch: list[list[int]], n: int, tag: str, temperature: 
 def new_engine(model, device: torch.device, max_batch: int, weights_dir="/nonexistent"):
     from tidal.serving.engine import Engine, EngineConfig
 
-    return Engine(model, TOKENIZER, weights_dir, EngineConfig(
-        name="check", device=str(device), max_batch=max_batch, seed=0))
+    return Engine(
+        model,
+        TOKENIZER,
+        weights_dir,
+        EngineConfig(name="check", device=str(device), max_batch=max_batch, seed=0),
+    )
 
 
 def run_greedy(model, device: torch.device, batch: list[list[int]], n: int):
@@ -91,8 +95,11 @@ def engine_vs_cpu(ctx, figs: Figures) -> None:
             figs.check(gap < TIE, f"tokens split at {n} where the CPU's top-2 gap is {gap:.3g}")
         if n:
             lp_err = max(lp_err, max(abs(a - b) for a, b in zip(rl[:n], gl[:n], strict=True)))
-    figs.add("sequences with equal greedy tokens", f"{same}/{len(batch)}",
-             note=f"{s.compare_tokens} tokens each" + (f"; splits at {splits}" if splits else ""))
+    figs.add(
+        "sequences with equal greedy tokens",
+        f"{same}/{len(batch)}",
+        note=f"{s.compare_tokens} tokens each" + (f"; splits at {splits}" if splits else ""),
+    )
     figs.add("max abs log-prob difference", lp_err, "nats", note=f"bound {LP_ATOL}")
     figs.check(lp_err <= LP_ATOL, f"log-probs differ by {lp_err:.3g} > {LP_ATOL}")
 
@@ -100,8 +107,9 @@ def engine_vs_cpu(ctx, figs: Figures) -> None:
 async def _decode_s(engine, batch: int, prompt_tokens: int, new_tokens: int, tag: str) -> float:
     vocab = engine.model.vocab_size
     t0 = time.perf_counter()
-    out = await greedy(engine, prompts(batch, vocab, lambda i: prompt_tokens), new_tokens, tag,
-                       temperature=1.0)
+    out = await greedy(
+        engine, prompts(batch, vocab, lambda i: prompt_tokens), new_tokens, tag, temperature=1.0
+    )
     dt = time.perf_counter() - t0
     made = sum(len(t) for t, _ in out)
     if made != batch * new_tokens:
@@ -112,8 +120,12 @@ async def _decode_s(engine, batch: int, prompt_tokens: int, new_tokens: int, tag
 def decode(ctx, figs: Figures) -> None:
     s = ctx.sizes
     model = engine_model(ctx.big, ctx.device, torch.bfloat16, seed=0)
-    figs.add("weights (bf16)", model.weights_nbytes() / 2**30, "GiB",
-             note=f"{model.num_params() / 1e9:.2f} B parameters")
+    figs.add(
+        "weights (bf16)",
+        model.weights_nbytes() / 2**30,
+        "GiB",
+        note=f"{model.num_params() / 1e9:.2f} B parameters",
+    )
     sim, _ = sim_engine(ctx.big, ctx.gpu, ctx.tmp)
     ctx_per_seq = s.prompt_tokens + s.new_tokens / 2
 
@@ -124,10 +136,13 @@ def decode(ctx, figs: Figures) -> None:
             await _decode_s(engine, 8, s.prompt_tokens, 4, "warm")
             for b in s.decode_batches:
                 dt = await _decode_s(engine, b, s.prompt_tokens, s.new_tokens, f"d{b}-")
-                figs.add(f"decode b={b}", b * s.new_tokens / dt, "tok/s",
-                         sim=sim.throughput_tok_s(b, ctx_per_seq),
-                         note=f"{1000 * dt / s.new_tokens:.1f} ms/step incl. prefill; "
-                              f"sim for {ctx.gpu}")
+                figs.add(
+                    f"decode b={b}",
+                    b * s.new_tokens / dt,
+                    "tok/s",
+                    sim=sim.throughput_tok_s(b, ctx_per_seq),
+                    note=f"{1000 * dt / s.new_tokens:.1f} ms/step incl. prefill; sim for {ctx.gpu}",
+                )
         finally:
             await engine.stop()
 
@@ -141,15 +156,23 @@ def sleep_wake(ctx, figs: Figures) -> None:
     weights = model.weights_nbytes()
     need = 2 * weights + 2**30  # the level-2 source written here, the level-1 spill in /tmp
     if free_bytes(ctx.tmp) < need:
-        raise Skip(f"{need / 2**30:.0f} GiB of disk needed under {ctx.tmp}, "
-                   f"{free_bytes(ctx.tmp) / 2**30:.0f} GiB free")
+        raise Skip(
+            f"{need / 2**30:.0f} GiB of disk needed under {ctx.tmp}, "
+            f"{free_bytes(ctx.tmp) / 2**30:.0f} GiB free"
+        )
     source = ctx.tmp / "weights"
     source.mkdir()
     t0 = time.perf_counter()
-    save_file({k: v.detach().cpu() for k, v in model.named_parameters()},
-              str(source / "model.safetensors"))
-    figs.add("weights written (wake level 2's source)", time.perf_counter() - t0, "s",
-             note=f"{weights / 2**30:.1f} GiB bf16")
+    save_file(
+        {k: v.detach().cpu() for k, v in model.named_parameters()},
+        str(source / "model.safetensors"),
+    )
+    figs.add(
+        "weights written (wake level 2's source)",
+        time.perf_counter() - t0,
+        "s",
+        note=f"{weights / 2**30:.1f} GiB bf16",
+    )
     batch = prompts(2, model.vocab_size, lambda i: 5 + 4 * i)
 
     async def main():
@@ -160,16 +183,19 @@ def sleep_wake(ctx, figs: Figures) -> None:
             for level in (1, 2):
                 await _sleep_wake(engine, level, figs, ctx.device, weights)
                 again = await greedy(engine, batch, 8, f"b{level}")
-                figs.check([t for t, _ in again] == [t for t, _ in first],
-                           f"level {level}: greedy tokens changed across sleep and wake")
+                figs.check(
+                    [t for t, _ in again] == [t for t, _ in first],
+                    f"level {level}: greedy tokens changed across sleep and wake",
+                )
         finally:
             await engine.stop()
 
     asyncio.run(main())
 
 
-async def _sleep_wake(engine, level: int, figs: Figures, device: torch.device,
-                      weights: int) -> None:
+async def _sleep_wake(
+    engine, level: int, figs: Figures, device: torch.device, weights: int
+) -> None:
     awake = memory(device)
     t0 = time.perf_counter()
     await engine.sleep(level)
@@ -184,12 +210,24 @@ async def _sleep_wake(engine, level: int, figs: Figures, device: torch.device,
         figs.add(f"level {level} GPU memory freed", "n/a", note="no GPU memory on the CPU")
         return
     freed = awake["allocated_mib"] - asleep["allocated_mib"]
-    figs.add(f"level {level} allocated freed", freed / 1024, "GiB",
-             note=f"{awake['allocated_mib'] / 1024:.1f} -> {asleep['allocated_mib'] / 1024:.1f}")
-    figs.add(f"level {level} reserved freed",
-             (awake["reserved_mib"] - asleep["reserved_mib"]) / 1024, "GiB")
+    figs.add(
+        f"level {level} allocated freed",
+        freed / 1024,
+        "GiB",
+        note=f"{awake['allocated_mib'] / 1024:.1f} -> {asleep['allocated_mib'] / 1024:.1f}",
+    )
+    figs.add(
+        f"level {level} reserved freed",
+        (awake["reserved_mib"] - asleep["reserved_mib"]) / 1024,
+        "GiB",
+    )
     if awake["smi_mib"] is not None and asleep["smi_mib"] is not None:
-        figs.add(f"level {level} nvidia-smi used", f"{awake['smi_mib']:.0f} -> "
-                 f"{asleep['smi_mib']:.0f}", "MiB")
-    figs.check(freed * MiB >= 0.95 * weights,
-               f"level {level}: sleep freed {freed:.0f} MiB of {weights / MiB:.0f} MiB weights")
+        figs.add(
+            f"level {level} nvidia-smi used",
+            f"{awake['smi_mib']:.0f} -> {asleep['smi_mib']:.0f}",
+            "MiB",
+        )
+    figs.check(
+        freed * MiB >= 0.95 * weights,
+        f"level {level}: sleep freed {freed:.0f} MiB of {weights / MiB:.0f} MiB weights",
+    )

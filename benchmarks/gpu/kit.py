@@ -23,18 +23,33 @@ BIG_MODEL = "qwen2.5-7b"
 BIG_CONFIG = ROOT / "src" / "tidal" / "sim" / "data" / "models" / f"{BIG_MODEL}.json"
 MiB, GiB = 2**20, 2**30
 # structural fields both the built-in engine and transformers read from a config.json
-FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-          "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "rms_norm_eps",
-          "max_position_embeddings")
-TINY = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 160,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+TINY = {
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 # tidal's plain (unsharded) trainer in bf16 with AdamW, bytes per parameter: weights and
 # gradients (2 + 2), the worker's pending and summed float32 gradient vectors (4 + 4), the
 # aggregated vector (4) and AdamW's two moments in the weights' dtype (2 + 2)
 TRAINER_BYTES_PER_PARAM = 20
 
 
-class Skip(Exception):  # noqa: N818 (a step's outcome, not an error)
+class Skip(Exception):
     """The step cannot run here; the message says why (recorded, not a failure)."""
 
 
@@ -80,10 +95,14 @@ def with_layers(shape: dict, layers: int) -> dict:
 
 def params_of(shape: dict) -> int:
     """Parameter count of a llama / qwen2 shape (q/k/v biases for qwen2)."""
-    h, v, i, n = (shape[k] for k in ("hidden_size", "vocab_size", "intermediate_size",
-                                     "num_hidden_layers"))
-    kv = h // shape["num_attention_heads"] * shape.get("num_key_value_heads",
-                                                       shape["num_attention_heads"])
+    h, v, i, n = (
+        shape[k] for k in ("hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers")
+    )
+    kv = (
+        h
+        // shape["num_attention_heads"]
+        * shape.get("num_key_value_heads", shape["num_attention_heads"])
+    )
     bias = h + 2 * kv if shape["model_type"] == "qwen2" else 0
     layer = 2 * h * h + 2 * h * kv + bias + 3 * h * i + 2 * h
     return v * h * (1 if shape.get("tie_word_embeddings") else 2) + n * layer + h
@@ -146,8 +165,12 @@ def smi_used_mib() -> float | None:
     """GPU 0's used memory by ``nvidia-smi`` (every process), None where there is none."""
     if shutil.which("nvidia-smi") is None:
         return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,"
-                          "nounits", "-i", "0"], capture_output=True, text=True, timeout=20)
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     return float(out.stdout.strip()) if out.returncode == 0 else None
 
 
@@ -156,9 +179,11 @@ def memory(device: torch.device) -> dict[str, float | None]:
     if device.type != "cuda":
         return {"allocated_mib": None, "reserved_mib": None, "smi_mib": None}
     torch.cuda.synchronize(device)
-    return {"allocated_mib": torch.cuda.memory_allocated(device) / MiB,
-            "reserved_mib": torch.cuda.memory_reserved(device) / MiB,
-            "smi_mib": smi_used_mib()}
+    return {
+        "allocated_mib": torch.cuda.memory_allocated(device) / MiB,
+        "reserved_mib": torch.cuda.memory_reserved(device) / MiB,
+        "smi_mib": smi_used_mib(),
+    }
 
 
 def gpu_profile(device: torch.device) -> str:
@@ -184,8 +209,15 @@ def sim_engine(shape: dict, gpu: str, tmp: Path):
     cm = scenario.load("dapo-math-32gpu").costmodel
     assert cm is not None
     model = model_from_config({**shape, "torch_dtype": "bfloat16"}, "check")
-    return build_engine(load_gpu(gpu), model, 1, cm.mem_fraction, cm.efficiency.decode,
-                        cm.efficiency.mfu, cm.step_overhead_s), cm
+    return build_engine(
+        load_gpu(gpu),
+        model,
+        1,
+        cm.mem_fraction,
+        cm.efficiency.decode,
+        cm.efficiency.mfu,
+        cm.step_overhead_s,
+    ), cm
 
 
 def free_bytes(path: Path) -> int:
@@ -200,15 +232,30 @@ class Figures:
         self.rows: list[dict] = []
         self.failures: list[str] = []
 
-    def add(self, figure: str, value: float | int | str | None, unit: str = "",
-            sim: float | None = None, note: str = "") -> None:
+    def add(
+        self,
+        figure: str,
+        value: float | int | str | None,
+        unit: str = "",
+        sim: float | None = None,
+        note: str = "",
+    ) -> None:
         if isinstance(value, float):
             value = round(value, 6)
-        self.rows.append({"figure": figure, "value": value, "unit": unit,
-                          "sim": None if sim is None else round(sim, 6), "note": note})
+        self.rows.append(
+            {
+                "figure": figure,
+                "value": value,
+                "unit": unit,
+                "sim": None if sim is None else round(sim, 6),
+                "note": note,
+            }
+        )
         shown = value if not isinstance(value, float) else f"{value:.4g}"
-        print(f"    {figure}: {shown} {unit}" + (f" (sim {sim:.4g})" if sim is not None else ""),
-              flush=True)
+        print(
+            f"    {figure}: {shown} {unit}" + (f" (sim {sim:.4g})" if sim is not None else ""),
+            flush=True,
+        )
 
     def check(self, ok: bool, what: str) -> None:
         if not ok:

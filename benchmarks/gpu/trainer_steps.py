@@ -20,8 +20,20 @@ import random
 import time
 
 import torch
-from kit import (GiB, TRAINER_BYTES_PER_PARAM, Figures, Skip, engine_model, free_bytes,
-                 memory, mid_shape, params_of, sync, trainer_model, with_layers)
+from kit import (
+    TRAINER_BYTES_PER_PARAM,
+    Figures,
+    GiB,
+    Skip,
+    engine_model,
+    free_bytes,
+    memory,
+    mid_shape,
+    params_of,
+    sync,
+    trainer_model,
+    with_layers,
+)
 
 GROUP_SIZE = 4
 MAX_REL_UPDATE_DIFF = 0.1  # bf16 compute moves an update by a few percent at most
@@ -39,13 +51,23 @@ def records(vocab: int, groups: int, out_tokens: int, seed: int = 1) -> list:
         for i in range(GROUP_SIZE):
             ids = [rng.randrange(10, vocab) for _ in range(out_tokens)]
             lps = [uniform + rng.uniform(-0.3, 0.3) for _ in ids]
-            out.append(single_call_record(f"g{g}-e{i}", f"g{g}", prompt, ids, lps,
-                                          weight_version=0, reward=float(i % 2) + 0.1 * g))
+            out.append(
+                single_call_record(
+                    f"g{g}-e{i}",
+                    f"g{g}",
+                    prompt,
+                    ids,
+                    lps,
+                    weight_version=0,
+                    reward=float(i % 2) + 0.1 * g,
+                )
+            )
     return out
 
 
-def core_trainer(model, device: torch.device, optimizer: str, recs: list, shard=None,
-                 publishers=None):
+def core_trainer(
+    model, device: torch.device, optimizer: str, recs: list, shard=None, publishers=None
+):
     from tidal.clock import WallClock
     from tidal.training.core import CoreTrainer, TrainerConfig
     from tidal.training.packing import PackingConfig
@@ -53,9 +75,16 @@ def core_trainer(model, device: torch.device, optimizer: str, recs: list, shard=
 
     clock = WallClock()
     buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=GROUP_SIZE), clock)
-    cfg = TrainerConfig(device=str(device), optimizer=optimizer, lr=0.5 if optimizer == "sgd"
-                        else 1e-5, max_grad_norm=None, groups_per_step=max(1, len(recs) // GROUP_SIZE),
-                        packing=PackingConfig(token_budget=4096), shard=shard)
+    lr = 0.5 if optimizer == "sgd" else 1e-5
+    cfg = TrainerConfig(
+        device=str(device),
+        optimizer=optimizer,
+        lr=lr,
+        max_grad_norm=None,
+        groups_per_step=max(1, len(recs) // GROUP_SIZE),
+        packing=PackingConfig(token_budget=4096),
+        shard=shard,
+    )
     core = CoreTrainer(model, cfg, buf, clock, publishers=publishers)
     for r in recs:
         buf.add(r)
@@ -103,8 +132,10 @@ def trainer_precision(ctx, figs: Figures) -> None:
 def fsdp_two_ranks(ctx, figs: Figures) -> None:
     n = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
     if n < 2:
-        raise Skip(f"FSDP2 over NCCL ranks needs one GPU per rank: {n} GPU(s) here "
-                   "(tidal refuses shard.ranks beyond the GPUs it sees)")
+        raise Skip(
+            f"FSDP2 over NCCL ranks needs one GPU per rank: {n} GPU(s) here "
+            "(tidal refuses shard.ranks beyond the GPUs it sees)"
+        )
     _precision(ctx, figs, 2)
 
 
@@ -128,9 +159,12 @@ def trainer_offload(ctx, figs: Figures) -> None:
     from tidal.sim.profiles import load_gpu
 
     full = params_of(ctx.big)
-    figs.add(f"{ctx.big['num_hidden_layers']}-layer model in the plain bf16 trainer",
-             full * TRAINER_BYTES_PER_PARAM / GiB, "GiB",
-             note=f"{TRAINER_BYTES_PER_PARAM} B/parameter (weights, grads, 3 fp32 vectors, AdamW)")
+    figs.add(
+        f"{ctx.big['num_hidden_layers']}-layer model in the plain bf16 trainer",
+        full * TRAINER_BYTES_PER_PARAM / GiB,
+        "GiB",
+        note=f"{TRAINER_BYTES_PER_PARAM} B/parameter (weights, grads, 3 fp32 vectors, AdamW)",
+    )
     shape, layers = _trainer_layers(ctx)
     model = trainer_model(shape, ctx.device, torch.bfloat16, seed=0)
     n_params = sum(p.numel() for p in model.parameters())
@@ -144,22 +178,31 @@ def trainer_offload(ctx, figs: Figures) -> None:
         report = core.train_step(final=False)
         sync(ctx.device)
         step_s = time.perf_counter() - t0
-        figs.add("AdamW step (bf16)", step_s, "s", note=f"{report.n_tokens} trainable tokens; "
-                 f"compute {report.compute_s:.2f} s, update {report.update_s:.2f} s")
+        figs.add(
+            "AdamW step (bf16)",
+            step_s,
+            "s",
+            note=f"{report.n_tokens} trainable tokens; "
+            f"compute {report.compute_s:.2f} s, update {report.update_s:.2f} s",
+        )
         if ctx.device.type != "cuda":
             figs.add("offload / onload", "n/a", note="a no-op on the CPU")
             return
-        figs.add("peak allocated in the step", torch.cuda.max_memory_allocated(ctx.device) / GiB,
-                 "GiB")
+        figs.add(
+            "peak allocated in the step", torch.cuda.max_memory_allocated(ctx.device) / GiB, "GiB"
+        )
         _offload_onload(core, ctx, figs, load_gpu(ctx.gpu).host_gb_s)
     finally:
         core.close()
 
 
 def _offload_onload(core, ctx, figs: Figures, host_gb_s: float) -> None:
-    state = [*core.model.parameters()] + [v for st in core.optimizer.state.values()
-                                          for k, v in st.items()
-                                          if isinstance(v, torch.Tensor) and k != "step"]
+    state = [*core.model.parameters()] + [
+        v
+        for st in core.optimizer.state.values()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor) and k != "step"
+    ]
     held = sum(t.numel() * t.element_size() for t in state)
     sums = [float(t.float().sum()) for t in state[:: max(1, len(state) // 16)]]
     before = memory(ctx.device)
@@ -172,32 +215,45 @@ def _offload_onload(core, ctx, figs: Figures, host_gb_s: float) -> None:
     sync(ctx.device)
     on_s = time.perf_counter() - t0
     figs.add("weights + AdamW state held", held / GiB, "GiB")
-    figs.add("offload (training -> rollout)", off_s, "s",
-             note=f"{held / off_s / 1e9:.1f} GB/s; host link {host_gb_s:.0f} GB/s in hardware.yaml")
+    figs.add(
+        "offload (training -> rollout)",
+        off_s,
+        "s",
+        note=f"{held / off_s / 1e9:.1f} GB/s; host link {host_gb_s:.0f} GB/s in hardware.yaml",
+    )
     figs.add("onload (rollout -> training)", on_s, "s", note=f"{held / on_s / 1e9:.1f} GB/s")
     freed = (before["allocated_mib"] - after["allocated_mib"]) / 1024
-    figs.add("offload freed (allocated)", freed, "GiB",
-             note=f"nvidia-smi {before['smi_mib']} -> {after['smi_mib']} MiB")
-    state = [*core.model.parameters()] + [v for st in core.optimizer.state.values()
-                                          for k, v in st.items()
-                                          if isinstance(v, torch.Tensor) and k != "step"]
+    figs.add(
+        "offload freed (allocated)",
+        freed,
+        "GiB",
+        note=f"nvidia-smi {before['smi_mib']} -> {after['smi_mib']} MiB",
+    )
+    state = [*core.model.parameters()] + [
+        v
+        for st in core.optimizer.state.values()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor) and k != "step"
+    ]
     again = [float(t.float().sum()) for t in state[:: max(1, len(state) // 16)]]
     figs.check(again == sums, "offload + onload changed the trainer's state")
     figs.check(freed * GiB >= 0.9 * held, f"offload freed {freed:.1f} GiB of {held / GiB:.1f}")
 
 
 def weight_update(ctx, figs: Figures) -> None:
+    from engine_steps import new_engine
+
     from tidal.training.flat import ParamLayout
     from tidal.training.transport import FilePublisher
-
-    from engine_steps import new_engine
 
     engine_m = engine_model(ctx.big, ctx.device, torch.bfloat16, seed=0)
     nbytes = engine_m.weights_nbytes()
     file_bytes = 2 * nbytes  # published as float32
     if free_bytes(ctx.tmp) < file_bytes + GiB:
-        raise Skip(f"the float32 file needs {file_bytes / GiB:.0f} GiB under {ctx.tmp}, "
-                   f"{free_bytes(ctx.tmp) / GiB:.0f} GiB free")
+        raise Skip(
+            f"the float32 file needs {file_bytes / GiB:.0f} GiB under {ctx.tmp}, "
+            f"{free_bytes(ctx.tmp) / GiB:.0f} GiB free"
+        )
     trained = trainer_model(ctx.big, ctx.device, torch.bfloat16, seed=1)
     pub = FilePublisher(ctx.tmp / "published", ParamLayout.of(trained), keep=1)
     core = core_trainer(trained, ctx.device, "sgd", [], publishers=[pub])
@@ -212,17 +268,31 @@ def weight_update(ctx, figs: Figures) -> None:
         sync(ctx.device)
         load_s = time.perf_counter() - t0
         own = dict(trained.named_parameters())
-        figs.check(all(torch.equal(p, own[n]) for n, p in engine_m.named_parameters()),
-                   "the engine's weights differ from the trainer's after the update")
+        figs.check(
+            all(torch.equal(p, own[n]) for n, p in engine_m.named_parameters()),
+            "the engine's weights differ from the trainer's after the update",
+        )
         total = pub_s + load_s
-        figs.add("tidal: publish (FilePublisher, fp32 file)", pub_s, "s",
-                 note=f"{file_bytes / GiB:.1f} GiB file")
+        figs.add(
+            "tidal: publish (FilePublisher, fp32 file)",
+            pub_s,
+            "s",
+            note=f"{file_bytes / GiB:.1f} GiB file",
+        )
         figs.add("tidal: engine load (update_weights)", load_s, "s")
-        figs.add("tidal: trainer -> engine", nbytes / total / 1e9, "GB/s",
-                 note=f"{nbytes / GiB:.1f} GiB bf16 weights in {total:.2f} s")
+        figs.add(
+            "tidal: trainer -> engine",
+            nbytes / total / 1e9,
+            "GB/s",
+            note=f"{nbytes / GiB:.1f} GiB bf16 weights in {total:.2f} s",
+        )
         d2d_s = min(_copy_s(engine_m, own, ctx.device) for _ in range(2))
-        figs.add("plain device-to-device copy", nbytes / d2d_s / 1e9, "GB/s",
-                 note=f"{d2d_s * 1000:.1f} ms; tidal's path takes {total / d2d_s:.0f}x")
+        figs.add(
+            "plain device-to-device copy",
+            nbytes / d2d_s / 1e9,
+            "GB/s",
+            note=f"{d2d_s * 1000:.1f} ms; tidal's path takes {total / d2d_s:.0f}x",
+        )
     finally:
         core.close()
 
