@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 continue
             report["steps"][name] = _timed_step(name, module, func, timeout_s, args, ctx, Path(tmp))
-            if name == "environment":
+            if name == "environment" and report["steps"][name]["figures"]:
                 report["device"] = str(report["steps"][name]["figures"][0]["value"])
             write(report, args.out)
     print(markdown(report))
