@@ -61,6 +61,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest $(PYTEST_REPORT) tests
 	# tests/gpu skip without CUDA; dry-run them with the CPU as the device so they stay runnable
+	# (test_check_kit.py: the GPU check, benchmarks/gpu/check.py, with tiny sizes on the CPU)
 	TIDAL_TEST_DEVICE=cpu $(BIN)/python -m pytest tests/gpu
 
 test-unit: $(STAMP)

@@ -39,16 +39,18 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 T0 = time.monotonic()
 STATUSES = ("ok", "failed", "skipped", "timeout")
+ACTIVE: set[int] = set()  # process groups of the step or the tests running now
 COLUMNS = ("step", "status", "s", "figure", "measured", "unit", "tidal.sim.perf", "note")
-# name, module, function, timeout (s); run in this order (tests first, the rest by value)
+# name, module, function, timeout (s); in this order: tests first, then by value per second
+# (the 7B weight update writes and reads a 30 GB float32 file: last)
 STEPS = (
     ("tests_gpu", None, None, 120),
     ("decode", "engine_steps", "decode", 75),
     ("sleep_wake", "engine_steps", "sleep_wake", 120),
     ("trainer_offload", "trainer_steps", "trainer_offload", 100),
-    ("weight_update", "trainer_steps", "weight_update", 150),
     ("trainer_precision", "trainer_steps", "trainer_precision", 60),
     ("engine_vs_cpu", "engine_steps", "engine_vs_cpu", 120),
+    ("weight_update", "trainer_steps", "weight_update", 150),
     ("fsdp_two_ranks", "trainer_steps", "fsdp_two_ranks", 60),
 )
 
@@ -81,11 +83,13 @@ def install_wheels(wheels: Path, site: Path) -> list[str]:
 
 
 def _child(fn, ctx, result: Path) -> None:
-    """One step in its own process group; its outcome goes to ``result`` as JSON."""
+    """One step in its own process group; its outcome goes to ``result`` as JSON (and each
+    figure as it comes to ``result.partial``)."""
     os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     from kit import Figures, Skip
 
-    figs = Figures()
+    figs = Figures(result.with_suffix(".partial"))
     out: dict = {"status": "ok", "reason": ""}
     try:
         fn(ctx, figs)
@@ -107,18 +111,32 @@ def run_step(fn, ctx, timeout_s: float, tmp: Path) -> dict:
     ctx.tmp = Path(tempfile.mkdtemp(prefix=f"{fn.__name__}-", dir=tmp))
     proc = mp.get_context("fork").Process(target=_child, args=(fn, ctx, result))
     proc.start()
+    ACTIVE.add(proc.pid)
     proc.join(timeout_s)
     if proc.is_alive():
         _kill_group(proc.pid)
         proc.join(10)
-        return {"status": "timeout", "reason": f"killed after {timeout_s:.0f} s", "figures": []}
+        ACTIVE.discard(proc.pid)
+        return _partial(result, "timeout", f"killed after {timeout_s:.0f} s")
+    ACTIVE.discard(proc.pid)
     if result.is_file():
         return json.loads(result.read_text())
-    return {
-        "status": "failed",
-        "reason": f"the step's process died (exit {proc.exitcode})",
-        "figures": [],
-    }
+    return _partial(result, "failed", f"the step's process died (exit {proc.exitcode})")
+
+
+def _partial(result: Path, status: str, reason: str) -> dict:
+    """A step that did not finish: the figures it had written before it ended."""
+    partial = result.with_suffix(".partial")
+    done = json.loads(partial.read_text()) if partial.is_file() else {"figures": []}
+    return {"status": status, "reason": reason, "figures": done["figures"]}
+
+
+def _on_term(signum, frame) -> None:
+    """Killed from outside (``check.sh``'s timeout): end the running step's process group
+    too (it has its own, so it would outlive this process and hold the output open)."""
+    for pgid in list(ACTIVE):
+        _kill_group(pgid)
+    sys.exit(128 + signum)
 
 
 def _kill_group(pid: int) -> None:
@@ -144,12 +162,15 @@ def run_tests(args, timeout_s: float) -> dict:
     if args.device == "cpu":
         env["TIDAL_TEST_DEVICE"] = "cpu"
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    ACTIVE.add(proc.pid)
     try:
         rc = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         _kill_group(proc.pid)
         proc.wait(10)
         return {"status": "timeout", "reason": f"killed after {timeout_s:.0f} s", "figures": []}
+    finally:
+        ACTIVE.discard(proc.pid)
     counts = _junit_counts(junit)
     rows = [
         {"figure": k, "value": v, "unit": "tests", "sim": None, "note": ""}
@@ -288,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default=None, help="comma-separated subset of the steps")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _on_term)
     site = Path(tempfile.mkdtemp(prefix="tidal-gpu-site-"))  # not under --out: not sent back
     installed = install_wheels(args.wheels, site)
     args.site_paths = [str(site)] if installed else []

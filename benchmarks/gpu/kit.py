@@ -228,9 +228,14 @@ class Figures:
     """What one step measured: rows of (figure, value, unit, the simulator's value, note), and
     the checks it failed (the step is then ``failed`` but keeps its figures)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sink: Path | None = None) -> None:
         self.rows: list[dict] = []
         self.failures: list[str] = []
+        self.sink = sink  # rewritten after every row: a step killed later keeps what it had
+
+    def _flush(self) -> None:
+        if self.sink is not None:
+            self.sink.write_text(json.dumps({"figures": self.rows, "failures": self.failures}))
 
     def add(
         self,
@@ -251,6 +256,7 @@ class Figures:
                 "note": note,
             }
         )
+        self._flush()
         shown = value if not isinstance(value, float) else f"{value:.4g}"
         print(
             f"    {figure}: {shown} {unit}" + (f" (sim {sim:.4g})" if sim is not None else ""),
@@ -260,4 +266,5 @@ class Figures:
     def check(self, ok: bool, what: str) -> None:
         if not ok:
             self.failures.append(what)
+            self._flush()
             print(f"    FAILED: {what}", flush=True)

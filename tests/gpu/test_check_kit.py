@@ -101,11 +101,12 @@ def test_dry_run_writes_every_step_to_the_json_and_the_table(tmp_path, check):
     assert proc.stdout.count("| environment | ok |") == 1  # the table is printed too
 
 
-def test_a_step_past_its_timeout_is_killed_and_recorded(tmp_path, check):
+def test_a_step_past_its_timeout_is_killed_and_keeps_its_figures(tmp_path, check):
     t0 = time.monotonic()
-    res = check.run_step(_sleeps, check.Ctx(None, None, {}), 1.0, tmp_path)
-    assert res == {"status": "timeout", "reason": "killed after 1 s", "figures": []}
-    assert time.monotonic() - t0 < 10
+    res = check.run_step(_sleeps, check.Ctx(None, None, {}), 6.0, tmp_path)
+    assert res["status"] == "timeout" and res["reason"] == "killed after 6 s"
+    assert [r["figure"] for r in res["figures"]] == ["measured before hanging"]
+    assert time.monotonic() - t0 < 20
 
 
 def test_a_failing_step_keeps_the_check_going(tmp_path, check):
@@ -143,6 +144,7 @@ def test_the_budget_skips_what_no_longer_fits(tmp_path):
 
 
 def _sleeps(ctx, figs) -> None:
+    figs.add("measured before hanging", 1.0, "s")
     time.sleep(60)
 
 
