@@ -9,7 +9,19 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=${OUT:-$root/runs/gpu-check}
 limit=${TIDAL_GPU_CHECK_LIMIT_S:-470}
-python=${PYTHON:-python3}
+python=${PYTHON:-}
+if [ -z "$python" ]; then  # the interpreter that has torch (python3 or python)
+    for p in python3 python; do
+        if command -v "$p" >/dev/null && "$p" -c "import torch" 2>/dev/null; then
+            python=$p
+            break
+        fi
+    done
+fi
+if [ -z "$python" ]; then
+    echo "check.sh: no python3 or python with torch on PATH (set PYTHON)" >&2
+    exit 2
+fi
 mkdir -p "$out"
 cd "$root" || exit 1
 timeout -k 10 "$limit" "$python" benchmarks/gpu/check.py --out "$out" \
