@@ -56,6 +56,7 @@ class ModelProfile:
     experts: int  # routed experts per layer (0: dense)
     experts_per_tok: int
     bytes_per_param: int
+    attn_dim: int = 0  # query heads x head dim (attention scores and values per context token)
 
     @property
     def total_params(self) -> float:
@@ -170,4 +171,4 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelProfile:
                         kv_bytes_per_token=float(2 * full * kv_heads * head_dim * nbytes),
                         state_bytes_per_seq=float(state), dense_params=dense,
                         expert_params=expert_params, experts=experts, experts_per_tok=k,
-                        bytes_per_param=nbytes)
+                        bytes_per_param=nbytes, attn_dim=heads * head_dim)

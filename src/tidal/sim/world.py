@@ -95,13 +95,14 @@ class World:
         for c in self.controller.cells.cells:
             e = Engine(c.name, c.gpus, c.slots, eng.decode_tok_s_per_gpu * c.gpus,
                        eng.seq_cap_tok_s, cell=c.index,
-                       model=hyb if kinds[c.index] == "hybrid" else std)
+                       model=hyb if kinds[c.index] == "hybrid" else std,
+                       prefill_equiv=eng.prefill_equiv)
             self.cell_engines.append(e)
             self.engine_by_name[c.name] = e
         for s in self.controller.cells.standalone.values():
             self.engine_by_name[s.engine_id] = Engine(
                 s.engine_id, s.gpus, s.slots, eng.decode_tok_s_per_gpu * s.gpus,
-                eng.seq_cap_tok_s, model=std)
+                eng.seq_cap_tok_s, model=std, prefill_equiv=eng.prefill_equiv)
         self.engines = list(self.engine_by_name.values())
         self.admission_rule = AdmissionRule()
         admission.configure(self)
@@ -130,6 +131,7 @@ class World:
         self._refill = False
         self.series = Series()
         self.events = 0
+        self._started = False
         # Counters for the summary.
         self.reroutes = 0
         self.reprefill_tokens = 0
@@ -216,6 +218,27 @@ class World:
                 self.check_invariants()
         return self
 
+    def run_events(self, n: int) -> bool:
+        """Processes at most ``n`` events (started on the first call, for tests that act on
+        the world between events); False once the run is over."""
+        if not self._started:
+            self._start()
+        handlers = self._handlers()
+        for _ in range(n):
+            if self.done or not self._heap:
+                break
+            t, _, code, a, b = heapq.heappop(self._heap)
+            if code == ENGINE and a.timer != b:
+                continue
+            if t > self.now:
+                self.now = t
+                self.clock.set(t)
+            self.events += 1
+            handlers[code](a, b)
+            if self.check:
+                self.check_invariants()
+        return not self.done
+
     def _handlers(self) -> list:
         return [self._on_engine, self._on_tool, self._on_timeout,
                 lambda a, b: self.trainer.on_timer(b, self.now),
@@ -232,6 +255,7 @@ class World:
                 f"{self.ledger.waterlevel}, ready groups {self.ledger.ready_unassigned}")
 
     def _start(self) -> None:
+        self._started = True
         self._sync_roles(force=True)
         dispatch.start_burst(self)
         self.trainer.begin_step(self.now)
@@ -266,29 +290,43 @@ class World:
         self.push(self.now + ex.spec.timeout_s, TIMEOUT, ex, ex.gen)
 
     # ------------------------------------------------------------ executions
-    def begin_turn(self, ex: ExecRec, prefill_tokens: int) -> None:
-        pre = prefill_tokens + ex.need_prefill
-        self.reprefill_tokens += ex.need_prefill
-        ex.need_prefill = 0
-        work = ex.spec.turns[ex.turn][0] + pre * self.scenario.engine.prefill_equiv
+    def begin_turn(self, ex: ExecRec) -> None:
+        """The turn's model request: it decodes the turn's tokens after prefilling whatever
+        of its context its engine's cache lacks (``start_seq``)."""
+        dec = float(ex.spec.turns[ex.turn][0])
         if ex.engine is None or ex.hold:
-            ex.pending = work
+            ex.pending = dec
         else:
-            self.start_seq(ex, work)
+            self.start_seq(ex, dec)
 
-    def start_seq(self, ex: ExecRec, work: float) -> None:
+    def start_seq(self, ex: ExecRec, decode_tokens: float) -> None:
+        """Sends the turn's request with ``decode_tokens`` left to decode: its context is
+        the turn's context plus what the turn decoded so far (partial rollout); the engine
+        prefills the part its cache lacks, once. Prefilled tokens that some cache held
+        before count as re-prefill."""
+        full = ex.ctx + max(0.0, ex.spec.turns[ex.turn][0] - decode_tokens)
+        pre = max(0.0, full - ex.cached)
+        self.reprefill_tokens += int(max(0.0, min(full, ex.hw) - ex.cached))
+        ex.base, ex.cached = ex.cached, int(full)
+        ex.hw = max(ex.hw, int(full))
         self._seg += 1
         ex.seg = self._seg
         self.seqs[self._seg] = ex
         e = ex.engine
         assert e is not None
-        e.add(self._seg, work, self.now, ex.ctx, ex.gid)
+        e.add(self._seg, decode_tokens, self.now, full, ex.gid, prefill_tokens=pre)
         self.resched(e)
 
     def stop_seq(self, ex: ExecRec) -> float:
+        """Takes the request off its engine; returns the decode tokens its turn has left. The
+        cache keeps what was computed (a prefill not yet done is lost)."""
         e = ex.engine
         assert e is not None and ex.seg is not None
+        prefilling = e.in_prefill(ex.seg)
         rem = e.remove(ex.seg, self.now)
+        ex.cached = ex.base if prefilling else int(
+            ex.ctx + max(0.0, ex.spec.turns[ex.turn][0] - rem))
+        ex.hw = max(ex.hw, ex.cached)
         del self.seqs[ex.seg]
         ex.seg = None
         self.resched(e)
@@ -297,7 +335,7 @@ class World:
     def _on_engine(self, e: Engine, _timer: Any) -> None:
         e.timer_t = None
         done = e.pop_finished(self.now)
-        if not done:
+        if not done and not e.prefilling:
             nf = e.next_finish()
             if nf is not None and nf <= self.now + 1e-9:
                 # Rounding left a hair of work: finish the sequence that is due.
@@ -312,6 +350,8 @@ class World:
     def _turn_done(self, ex: ExecRec) -> None:
         dec, tool_s, _ = ex.spec.turns[ex.turn]
         ex.ctx += dec
+        ex.cached = ex.ctx
+        ex.hw = max(ex.hw, ex.ctx)
         ex.decoded += dec
         if ex.turn == len(ex.spec.turns) - 1 and tool_s <= 0:
             self._close(ex, CloseReason.COMPLETED, ex.spec.reward)
@@ -324,7 +364,7 @@ class World:
             return
         if token == (ex.gen, -1) and ex.turn == 0:  # setup done: the first call
             ex.in_tool = False
-            self.begin_turn(ex, ex.spec.prompt_tokens)
+            self.begin_turn(ex)
             return
         if token != (ex.gen, ex.turn):
             return
@@ -335,7 +375,7 @@ class World:
         tout = ex.spec.turns[ex.turn][2]
         ex.ctx += tout
         ex.turn += 1
-        self.begin_turn(ex, tout)
+        self.begin_turn(ex)
 
     def _on_timeout(self, ex: ExecRec, gen: Any) -> None:
         if not ex.closed and gen == ex.gen:
