@@ -157,6 +157,9 @@ def _may_dispatch(w: World) -> bool:
     """On demand, within the budget, outside a sync, and within the policy's dispatch limit."""
     if w.quota_left <= 0 or w.syncing:
         return False
+    pool = w.scenario.sim.max_inflight_groups
+    if pool is not None and len(w.group_open) + w.ledger.ready_unassigned >= pool:
+        return False  # the total in-flight pool is full
     return _admits(w)
 
 

@@ -169,7 +169,8 @@ def resolve(sc: Scenario) -> Scenario:
             "prefill_equiv": std.prefill_s(1.0) * cm.engine_tp * peak}),
         "trainer": sc.trainer.model_copy(update={
             "train_tok_s_per_gpu": gpu.flops * cm.efficiency.mfu / train_flops_per_token(cm),
-            "optimizer_s": cm.optimizer_overhead_s + adam_s}),
+            "optimizer_s": cm.optimizer_overhead_s + adam_s, "host_gb_s": host_gb_s,
+            "weight_passes": 3 + cm.recompute + cm.old_log_prob + cm.ref_log_prob}),
         "costs": sc.costs.model_copy(update={
             "weight_gb": model.weight_bytes / 1e9, "sync_gb_s": gpu.network_gb_s * link,
             "offload_s": state_gb / host_gb_s, "onload_s": state_gb / host_gb_s,

@@ -97,9 +97,21 @@ class TrainerConfig(Strict):
     scaling_efficiency: float = Field(0.9, gt=0.0, le=1.0,
                                       description="share of linear speed-up kept per "
                                                   "doubling of training cells")
-    optimizer_s: float = Field(2.0, ge=0.0)
+    optimizer_s: float = Field(2.0, ge=0.0, description="one optimizer update")
     aggregate_s_per_cell: float = Field(0.5, ge=0.0,
                                         description="gradient aggregation per extra cell")
+    mini_batch_groups: int | None = Field(None, ge=1, description="groups per optimizer "
+                                          "update (verl's ppo_mini_batch_size): a step of "
+                                          "batch_groups runs ceil(batch / mini) updates "
+                                          "(None: one update per step)")
+    host_gb_s: float = Field(16.0, gt=0.0, description="host link of a training GPU (GB/s; "
+                             "set by the cost model): an offloading trainer's transfers")
+    weight_passes: int = Field(4, ge=1, description="passes over the weights per trained "
+                               "token (forward, recompute, backward, old log-probs; set by "
+                               "the cost model)")
+    fixed_step_s: float = Field(0.0, ge=0.0, description="fixed cost of every trainer step "
+                                "(reward, advantage, launches, step and weight-update "
+                                "overheads), paid on the training GPUs")
 
 
 class Efficiencies(Strict):
@@ -119,7 +131,10 @@ class CostModelConfig(Strict):
     ``trainer.train_tok_s_per_gpu``, ``optimizer_s`` and the sync / offload / KV costs are
     derived (whatever the scenario states for them is replaced)."""
 
-    gpu: str = Field(..., description="a GPU of tidal/sim/data/hardware.yaml")
+    gpu: str | dict[str, Any] = Field(..., description="a GPU of tidal/sim/data/hardware.yaml, "
+                                      "or an accelerator defined inline with the same fields "
+                                      "(bf16_tflops, hbm_tb_s, hbm_gb, nvlink_gb_s, host_gb_s, "
+                                      "network_gb_s, allreduce_latency_s)")
     model: str = Field(..., description="a shipped model name or an HF config.json path")
     engine_tp: int = Field(8, ge=1, description="GPUs per engine replica (tensor parallel); "
                                                 "a cell or engine of g GPUs runs g / tp")
@@ -202,6 +217,13 @@ class Profile(Strict):
     admission: str | float = Field("off", description="engine admission control of this "
                                    "family (control.admission; a scenario's own setting "
                                    "other than 'off' applies to every policy)")
+    old_log_prob: bool | None = Field(None, description="the trainer runs a forward pass for "
+                                      "the old log-probs (False: the rollout's log-probs are "
+                                      "used; None: the cost model's setting)")
+    param_offload: bool = Field(False, description="the trainer keeps parameters and optimizer "
+                                "state on the host (a colocated trainer sharing GPU memory "
+                                "with an engine): every micro-batch pass brings its shard "
+                                "over the host link, every update its gradients and weights")
 
     @model_validator(mode="after")
     def _admission(self) -> Profile:
@@ -229,8 +251,10 @@ FAMILY_PROFILES: dict[str, Profile] = {
     "waterlevel": Profile(dispatch=DispatchStyle.BURST, trainer=TrainerStyle.STREAMING,
                           sync=SyncStyle.KEEP, kv_handoff=True),
     "tidal": Profile(trainer=TrainerStyle.STREAMING, sync=SyncStyle.KEEP, kv_handoff=True),
+    # verl's colocated (hybrid-engine) trainer: parameters and optimizer offloaded while the
+    # engine holds the GPUs, old log-probs recomputed by the trainer.
     "colocate": Profile(dispatch=DispatchStyle.BURST, sync=SyncStyle.KEEP,
-                        staleness_threshold=0.0),
+                        staleness_threshold=0.0, old_log_prob=True, param_offload=True),
 }
 
 
@@ -253,6 +277,13 @@ class SimConfig(Strict):
                                      description="probability that a plan step fails "
                                                  "(fault injection; seeded)")
     max_virtual_s: float = Field(30 * 86400.0, gt=0.0)
+    max_inflight_groups: int | None = Field(None, ge=1, description="admission by a total "
+                                            "pool: a group is dispatched only while fewer "
+                                            "than this many are in flight or waiting to be "
+                                            "trained (None: the per-version budget alone)")
+    micro_batch_tokens: int = Field(65536, ge=1, description="tokens per GPU per micro-batch "
+                                    "pass (verl's ppo_max_token_len_per_gpu); prices the "
+                                    "per-pass parameter transfer of an offloading trainer")
 
 
 class Scenario(Strict):
@@ -301,6 +332,15 @@ class Scenario(Strict):
         if self.mechanics is not None:
             return FAMILY_PROFILES[self.mechanics]
         return FAMILY_PROFILES[family_of(policy)]
+
+    def for_profile(self, profile: Profile) -> Scenario:
+        """The scenario as a policy with ``profile`` runs it: the trainer's passes follow
+        the profile's ``old_log_prob`` when it sets one."""
+        cm = self.costmodel
+        if cm is None or profile.old_log_prob is None or profile.old_log_prob == cm.old_log_prob:
+            return self
+        return self.model_copy(update={"costmodel": cm.model_copy(
+            update={"old_log_prob": profile.old_log_prob})})
 
     def staleness_for(self, profile: Profile) -> float:
         if profile.staleness_threshold is not None:

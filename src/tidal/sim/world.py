@@ -66,10 +66,10 @@ class Series:
 class World:
     def __init__(self, scenario: Scenario, policy_spec: str, *, check: bool = False,
                  log_sink: Sink | None = None, keep_log: bool = True) -> None:
-        scenario = perf.resolve(scenario)
+        self.cfg, self.profile = scenario.run_config(policy_spec)
+        scenario = perf.resolve(scenario.for_profile(self.profile))
         self.scenario = scenario
         self.spec = policy_spec
-        self.cfg, self.profile = scenario.run_config(policy_spec)
         self.check = check
         self.clock = ManualClock()
         self.now = 0.0
@@ -108,7 +108,8 @@ class World:
         admission.configure(self)
         self._host_tok_s = eng.host_tok_s
         self.trainer = Trainer(self, self.profile.trainer, scenario.trainer, ctrl.batch_groups,
-                               ctrl.updates_per_burst, scenario.total_steps)
+                               ctrl.updates_per_burst, scenario.total_steps,
+                               offload=self.offload_costs())
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
         self._seg = 0
@@ -138,6 +139,14 @@ class World:
         self.wasted_tokens = 0
         self.sync_s_total = 0.0
         self.timeouts = 0
+
+    def offload_costs(self) -> tuple[float, float] | None:
+        """(GB moved per GPU-pass in all, host GB/s) of a trainer that offloads its
+        parameters (``Profile.param_offload``), else None."""
+        if not self.profile.param_offload:
+            return None
+        sc = self.scenario
+        return sc.costs.weight_gb, sc.trainer.host_gb_s
 
     # ------------------------------------------------------------- plumbing
     @property
