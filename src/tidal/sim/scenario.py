@@ -316,6 +316,10 @@ class Scenario(Strict):
             if any(g % cm.engine_tp for g in sizes):
                 raise ValueError(f"costmodel.engine_tp: {cm.engine_tp} GPUs per replica must "
                                  f"divide every cell and engine (GPUs: {sorted(set(sizes))})")
+        pool = self.sim.max_inflight_groups
+        if pool is not None and pool < self.control.batch_groups:
+            raise ValueError(f"sim.max_inflight_groups: {pool} groups in flight can never fill "
+                             f"a step of {self.control.batch_groups} (control.batch_groups)")
         if self.mechanics is not None and self.mechanics not in FAMILY_PROFILES:
             raise ValueError(f"mechanics: unknown {self.mechanics!r} (known: "
                              f"{', '.join(FAMILY_PROFILES)})")
