@@ -11,7 +11,6 @@ calibration guidance the shipped scenarios follow.
 
 from __future__ import annotations
 
-import enum
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,12 @@ from tidal.config import (
 from tidal.control.factory import check_policy
 from tidal.control.policy import parse_policy_spec
 from tidal.errors import ConfigError
+from tidal.sim.mechanics import FAMILY_PROFILES as FAMILY_PROFILES
+from tidal.sim.mechanics import DispatchStyle as DispatchStyle
+from tidal.sim.mechanics import Profile as Profile
+from tidal.sim.mechanics import SyncStyle as SyncStyle
+from tidal.sim.mechanics import TrainerStyle as TrainerStyle
+from tidal.sim.mechanics import family_of as family_of
 
 
 class Dist(Strict):
@@ -187,81 +192,6 @@ class CostConfig(Strict):
     @property
     def sync_s(self) -> float:
         return self.sync_latency_s + self.weight_gb / self.sync_gb_s
-
-
-class DispatchStyle(enum.StrEnum):
-    ON_DEMAND = "on_demand"  # verl rollouter: a group whenever a slot is free, within budget
-    BURST = "burst"  # QwenGyre: the burst's whole quota is dispatched when it starts
-
-
-class TrainerStyle(enum.StrEnum):
-    BATCH = "batch"  # verl: collect a full batch from the queue, then train
-    STREAMING = "streaming"  # QwenGyre: claim micro-steps as groups become ready
-
-
-class SyncStyle(enum.StrEnum):
-    ABORT = "abort"  # verl: a sync aborts in-flight requests (partial rollout re-prefills)
-    KEEP = "keep"  # pause in place, KV kept
-
-
-class Profile(Strict):
-    """The system mechanics a policy family runs with (reported in every summary)."""
-
-    dispatch: DispatchStyle = DispatchStyle.ON_DEMAND
-    trainer: TrainerStyle = TrainerStyle.BATCH
-    sync: SyncStyle = SyncStyle.ABORT
-    kv_handoff: bool = False
-    partial_rollout: bool = Field(True, description="an aborted request keeps its tokens "
-                                                    "(else its turn starts over)")
-    staleness_threshold: float | None = Field(None, ge=0.0)
-    admission: str | float = Field("off", description="engine admission control of this "
-                                   "family (control.admission; a scenario's own setting "
-                                   "other than 'off' applies to every policy)")
-    old_log_prob: bool | None = Field(None, description="the trainer runs a forward pass for "
-                                      "the old log-probs (False: the rollout's log-probs are "
-                                      "used; None: the cost model's setting)")
-    param_offload: bool = Field(False, description="the trainer keeps parameters and optimizer "
-                                "state on the host (a colocated trainer sharing GPU memory "
-                                "with an engine): every micro-batch pass brings its shard "
-                                "over the host link, every update its gradients and weights")
-
-    @model_validator(mode="after")
-    def _admission(self) -> Profile:
-        from tidal.control.admission import AdmissionRule
-
-        try:
-            AdmissionRule.parse(self.admission, field="admission")
-        except ConfigError as exc:
-            raise ValueError(exc.message) from None
-        return self
-
-    def label(self) -> str:
-        """The mechanics in a few words, for table rows: dispatch (on demand / burst), trainer
-        (batch / streaming), weight sync (abort / keep), KV handoff or re-prefill, and
-        ``restart`` when an aborted turn starts over (no partial rollout)."""
-        parts = ["demand" if self.dispatch is DispatchStyle.ON_DEMAND else "burst",
-                 "stream" if self.trainer is TrainerStyle.STREAMING else "batch",
-                 self.sync.value, "kv" if self.kv_handoff else "prefill"]
-        parts += [] if self.partial_rollout else ["restart"]
-        return "/".join(parts + ([] if self.admission == "off" else ["admit"]))
-
-
-FAMILY_PROFILES: dict[str, Profile] = {
-    "verl": Profile(),
-    "waterlevel": Profile(dispatch=DispatchStyle.BURST, trainer=TrainerStyle.STREAMING,
-                          sync=SyncStyle.KEEP, kv_handoff=True),
-    "tidal": Profile(trainer=TrainerStyle.STREAMING, sync=SyncStyle.KEEP, kv_handoff=True),
-    # verl's colocated (hybrid-engine) trainer: parameters and optimizer offloaded while the
-    # engine holds the GPUs, old log-probs recomputed by the trainer.
-    "colocate": Profile(dispatch=DispatchStyle.BURST, sync=SyncStyle.KEEP,
-                        staleness_threshold=0.0, old_log_prob=True, param_offload=True),
-}
-
-
-def family_of(policy: str) -> str:
-    if policy.startswith("verl") or policy == "static":
-        return "verl"
-    return policy if policy in FAMILY_PROFILES else "verl"
 
 
 class SimConfig(Strict):

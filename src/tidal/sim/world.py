@@ -30,7 +30,7 @@ from tidal.control.factory import build_controller
 from tidal.control.plans import PlanStep, TransitionPlan
 from tidal.control.verl import dispatch_budget
 from tidal.errors import TidalError
-from tidal.sim import admission, dispatch, invariants, moves, perf, sync
+from tidal.sim import admission, dispatch, invariants, moves, perf, requests, sync
 from tidal.sim.actuator import SimActuator
 from tidal.sim.dispatch import ExecRec
 from tidal.sim.engines import Engine
@@ -109,10 +109,11 @@ class World:
         self._host_tok_s = eng.host_tok_s
         self.trainer = Trainer(self, self.profile.trainer, scenario.trainer, ctrl.batch_groups,
                                ctrl.updates_per_burst, scenario.total_steps,
-                               offload=self.offload_costs())
+                               offload=((scenario.costs.weight_gb, scenario.trainer.host_gb_s)
+                                        if self.profile.param_offload else None))
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
-        self._seg = 0
+        self.seg_no = 0  # the last request id given out
         self.seqs: dict[int, ExecRec] = {}
         self.live: dict[str, ExecRec] = {}
         self.queue: deque[ExecRec] = deque()  # dispatched, not launched
@@ -139,14 +140,6 @@ class World:
         self.wasted_tokens = 0
         self.sync_s_total = 0.0
         self.timeouts = 0
-
-    def offload_costs(self) -> tuple[float, float] | None:
-        """(GB moved per GPU-pass in all, host GB/s) of a trainer that offloads its
-        parameters (``Profile.param_offload``), else None."""
-        if not self.profile.param_offload:
-            return None
-        sc = self.scenario
-        return sc.costs.weight_gb, sc.trainer.host_gb_s
 
     # ------------------------------------------------------------- plumbing
     @property
@@ -300,46 +293,13 @@ class World:
 
     # ------------------------------------------------------------ executions
     def begin_turn(self, ex: ExecRec) -> None:
-        """The turn's model request: it decodes the turn's tokens after prefilling whatever
-        of its context its engine's cache lacks (``start_seq``)."""
-        dec = float(ex.spec.turns[ex.turn][0])
-        if ex.engine is None or ex.hold:
-            ex.pending = dec
-        else:
-            self.start_seq(ex, dec)
+        requests.begin_turn(self, ex)
 
     def start_seq(self, ex: ExecRec, decode_tokens: float) -> None:
-        """Sends the turn's request with ``decode_tokens`` left to decode: its context is
-        the turn's context plus what the turn decoded so far (partial rollout); the engine
-        prefills the part its cache lacks, once. Prefilled tokens that some cache held
-        before count as re-prefill."""
-        full = ex.ctx + max(0.0, ex.spec.turns[ex.turn][0] - decode_tokens)
-        pre = max(0.0, full - ex.cached)
-        self.reprefill_tokens += int(max(0.0, min(full, ex.hw) - ex.cached))
-        ex.base, ex.cached = ex.cached, int(full)
-        ex.hw = max(ex.hw, int(full))
-        self._seg += 1
-        ex.seg = self._seg
-        self.seqs[self._seg] = ex
-        e = ex.engine
-        assert e is not None
-        e.add(self._seg, decode_tokens, self.now, full, ex.gid, prefill_tokens=pre)
-        self.resched(e)
+        requests.start_seq(self, ex, decode_tokens)
 
     def stop_seq(self, ex: ExecRec) -> float:
-        """Takes the request off its engine; returns the decode tokens its turn has left. The
-        cache keeps what was computed (a prefill not yet done is lost)."""
-        e = ex.engine
-        assert e is not None and ex.seg is not None
-        prefilling = e.in_prefill(ex.seg)
-        rem = e.remove(ex.seg, self.now)
-        ex.cached = ex.base if prefilling else int(
-            ex.ctx + max(0.0, ex.spec.turns[ex.turn][0] - rem))
-        ex.hw = max(ex.hw, ex.cached)
-        del self.seqs[ex.seg]
-        ex.seg = None
-        self.resched(e)
-        return rem
+        return requests.stop_seq(self, ex)
 
     def _on_engine(self, e: Engine, _timer: Any) -> None:
         e.timer_t = None

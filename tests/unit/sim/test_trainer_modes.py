@@ -65,11 +65,11 @@ def test_the_old_log_prob_pass_follows_the_profile():
 def test_a_colocated_trainer_pays_for_its_offloaded_parameters():
     sc = _costed()
     w = World(sc, "colocate")
-    assert w.profile.param_offload and w.offload_costs() is not None
+    assert w.profile.param_offload and w.trainer.offload is not None
     w.trainer.set_gpus(16, 2, 0.0)
     plain = World(sc, "static:cells=1")
     plain.trainer.set_gpus(16, 2, 0.0)
-    weight_gb, host = w.offload_costs()
+    weight_gb, host = w.trainer.offload
     extra = w.scenario.trainer.weight_passes * weight_gb / (16 * 16 * 65536 * host)
     assert 1 / w.trainer.rate == pytest.approx(1 / plain.trainer.rate + extra)
 
