@@ -35,9 +35,9 @@ if TYPE_CHECKING:
 class ExecRec:
     """A simulated execution (the harness side: it survives engine and role changes)."""
 
-    __slots__ = ("burst", "closed", "ctx", "decoded", "eid", "engine", "first_version", "gen",
-                 "gid", "hold", "in_tool", "launched", "need_prefill", "pending", "seg",
-                 "seq_no", "spec", "turn")
+    __slots__ = ("base", "burst", "cached", "closed", "ctx", "decoded", "eid", "engine",
+                 "first_version", "gen", "gid", "hold", "hw", "in_tool", "launched", "pending",
+                 "seg", "seq_no", "spec", "turn")
 
     def __init__(self, eid: str, gid: str, spec: ExecSpec, burst: int, seq_no: int) -> None:
         self.eid, self.gid, self.spec, self.burst, self.seq_no = eid, gid, spec, burst, seq_no
@@ -46,10 +46,13 @@ class ExecRec:
         self.decoded = 0
         self.engine: Engine | None = None
         self.seg: int | None = None
-        self.pending: float | None = None  # work waiting for an engine (decode-token equiv.)
+        # Decode tokens the turn still has to produce, while its request waits to (re)start.
+        self.pending: float | None = None
         self.in_tool = False
         self.hold = False
-        self.need_prefill = 0
+        self.cached = 0  # context tokens in its engine's KV cache (0: none, after a flush)
+        self.base = 0  # ``cached`` before the request in flight started (its prefill undone)
+        self.hw = 0  # the longest context ever cached (beyond it, a prefill is new work)
         self.first_version = 0
         self.gen = 0
         self.launched = False
@@ -154,6 +157,9 @@ def _may_dispatch(w: World) -> bool:
     """On demand, within the budget, outside a sync, and within the policy's dispatch limit."""
     if w.quota_left <= 0 or w.syncing:
         return False
+    pool = w.scenario.sim.max_inflight_groups
+    if pool is not None and len(w.group_open) + w.ledger.ready_unassigned >= pool:
+        return False  # the total in-flight pool is full
     return _admits(w)
 
 
@@ -208,7 +214,7 @@ def launch(w: World, ex: ExecRec, e: Engine) -> None:
         ex.in_tool = True
         w.push(w.now + ex.spec.setup_s, TOOL, ex, (ex.gen, -1))
     else:
-        w.begin_turn(ex, ex.spec.prompt_tokens)
+        w.begin_turn(ex)
 
 
 def bind(w: World, ex: ExecRec, e: Engine) -> None:

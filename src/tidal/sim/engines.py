@@ -1,8 +1,16 @@
-"""Rollout engines: processor sharing of decode throughput, advanced analytically.
+"""Rollout engines: a prefill queue, then processor sharing of decode throughput, advanced
+analytically.
 
-In: sequences (one model request each) added with an amount of work in decode-token
-equivalents, removed when rerouted or aborted; pauses (weight sync, sleep). Out: the time of
-the engine's next completion and the sequences finished by a given time.
+In: sequences (one model request each) added with the tokens they still have to decode and
+the context tokens they must prefill first (what the engine's KV cache lacks), removed when
+rerouted or aborted; pauses (weight sync, sleep). Out: the time of the engine's next event
+(a prefill done or a sequence finished) and the sequences finished by a given time.
+
+Prefill is compute-bound work: a sequence's prefill takes ``prefill_s(tokens)`` of the whole
+engine (the cost model's ``EngineModel.prefill_s`` over the replicas; without one,
+``prefill_equiv`` decode-token equivalents per token at the engine's throughput), served first
+come first served while every decode on the engine waits (a prefill step holds the GPUs).
+Prefill is charged once per request start; it is never turned into decode work.
 
 Every active sequence gets the same speed ``min(seq_cap, throughput / n_active)``, so one
 cumulative per-sequence service counter ``v`` describes them all: a sequence added with work
@@ -24,6 +32,7 @@ holding their slot) and the queue's head starts whenever a sequence leaves.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,6 +46,7 @@ class Engine:
     __slots__ = (
         "_ctx",
         "_heap",
+        "_pf",
         "_r",
         "_thr",
         "admitting",
@@ -50,6 +60,8 @@ class Engine:
         "model",
         "name",
         "paused",
+        "prefill_equiv",
+        "prefill_s_total",
         "queue",
         "replicas",
         "seq_cap",
@@ -64,7 +76,7 @@ class Engine:
 
     def __init__(self, name: str, gpus: int, slots: int, throughput_tok_s: float,
                  seq_cap_tok_s: float, cell: int | None = None,
-                 model: EngineModel | None = None) -> None:
+                 model: EngineModel | None = None, prefill_equiv: float = 0.0) -> None:
         self.name = name
         self.gpus = gpus
         self.slots = slots
@@ -90,6 +102,11 @@ class Engine:
         self._r = 0.0  # the speed every active sequence gets now (tokens/s)
         self.target = slots  # sequences decoding at once at most (admission control)
         self.queue: FairQueue | None = None
+        self.prefill_equiv = prefill_equiv
+        # Prefills waiting or running, first come first served: [seq, seconds left, decode
+        # work, context tokens at decode start].
+        self._pf: deque[list] = deque()
+        self.prefill_s_total = 0.0  # engine seconds spent prefilling
 
     def admit(self, target: int, queue: FairQueue) -> None:
         """Turns admission control on: ``target`` sequences at once, the rest in ``queue``."""
@@ -102,6 +119,27 @@ class Engine:
         return len(self._thr)
 
     @property
+    def prefilling(self) -> int:
+        """Sequences waiting for or in their prefill."""
+        return len(self._pf)
+
+    def prefills(self) -> list[tuple[int, float, float]]:
+        """(sequence, engine seconds of prefill left, its context tokens) in queue order."""
+        return [(p[0], p[1], p[3]) for p in self._pf]
+
+    def in_prefill(self, seq: int) -> bool:
+        return any(p[0] == seq for p in self._pf)
+
+    def prefill_s(self, tokens: float, cached_tokens: float = 0.0) -> float:
+        """Engine seconds to prefill ``tokens`` after ``cached_tokens`` already cached."""
+        if tokens <= 0:
+            return 0.0
+        m = self.model
+        if m is None:
+            return tokens * self.prefill_equiv / self.throughput
+        return m.prefill_s(tokens, cached_tokens) / self.replicas
+
+    @property
     def free_slots(self) -> int:
         return self.slots - len(self.members)
 
@@ -110,7 +148,7 @@ class Engine:
 
     def _rate(self) -> None:
         n = len(self._thr)
-        if n == 0 or self.paused:
+        if n == 0 or self.paused or self._pf:
             self._r = 0.0
             return
         m = self.model
@@ -133,14 +171,22 @@ class Engine:
         return len(self.queue) if self.queue is not None else 0
 
     def has(self, seq: int) -> bool:
-        return seq in self._thr or (self.queue is not None and seq in self.queue)
+        return (seq in self._thr or (self.queue is not None and seq in self.queue)
+                or self.in_prefill(seq))
 
     def remaining(self, seq: int) -> float:
+        """Decode tokens ``seq`` has left."""
         if seq not in self._thr and self.queue is not None and seq in self.queue:
             return self.queue.payload(seq)[0]
+        for p in self._pf:
+            if p[0] == seq:
+                return p[2]
         return max(0.0, self._thr[seq] - self.v)
 
     def next_finish(self) -> float | None:
+        """When the next prefill is done or the next sequence finishes (None: never)."""
+        if self._pf:
+            return None if self.paused else self.t + self._pf[0][1]
         r = self._r
         if r <= 0.0:
             return None
@@ -154,27 +200,58 @@ class Engine:
     # --------------------------------------------------------------- updates
     def advance(self, now: float) -> None:
         dt = now - self.t
-        if dt > 0.0:
-            r = self._r
-            if r > 0.0:
-                self.v += r * dt
-                self.busy_work += r * dt * len(self._thr)
-            self.t = now
+        if dt <= 0.0:
+            return
+        self.t = now
+        pf = self._pf
+        while pf and not self.paused:
+            head = pf[0]
+            # A prefill due within rounding of ``now`` is done (its timer fired now).
+            if head[1] > dt + 1e-9 * (1.0 + now):
+                head[1] -= dt
+                self._prefill_busy(dt)
+                return
+            self._prefill_busy(head[1])
+            dt = max(0.0, dt - head[1])
+            pf.popleft()
+            self._start(head[0], head[2], head[3])
+            self._rate()
+        r = self._r
+        if r > 0.0 and dt > 0.0:
+            self.v += r * dt
+            self.busy_work += r * dt * len(self._thr)
+
+    def _prefill_busy(self, dt: float) -> None:
+        self.prefill_s_total += dt
+        self.busy_work += dt * self.throughput  # the whole engine computes
 
     def add(self, seq: int, work: float, now: float, ctx_tokens: float = 0.0,
-            group: object = None) -> None:
-        """Starts a sequence of ``work`` decode-token equivalents at ``ctx_tokens`` context, or
-        queues it (admission control: the engine decodes ``target`` at once)."""
+            group: object = None, prefill_tokens: float = 0.0) -> None:
+        """Starts a sequence: ``prefill_tokens`` of its ``ctx_tokens`` context to prefill
+        (the rest is cached here), then ``work`` tokens to decode; or queues it (admission
+        control: the engine runs ``target`` at once)."""
         if now > self.t:
             self.advance(now)
         w = work if work > 0.0 else 0.0
+        pre = prefill_tokens if prefill_tokens > 0.0 else 0.0
         q = self.queue
-        if q is not None and (len(self._thr) >= self.target or len(q)):
-            q.push(seq, seq if group is None else group, now, w, (w, ctx_tokens))
+        if q is not None and (self._running() >= self.target or len(q)):
+            q.push(seq, seq if group is None else group, now, w, (w, ctx_tokens, pre))
             self._admit()
             return
-        self._start(seq, w, ctx_tokens)
+        self._begin(seq, w, ctx_tokens, pre)
         self._rate()
+
+    def _running(self) -> int:
+        return len(self._thr) + len(self._pf)
+
+    def _begin(self, seq: int, w: float, ctx_tokens: float, pre: float) -> None:
+        secs = self.prefill_s(pre, ctx_tokens - pre)
+        if secs > 0.0:
+            self._pf.append([seq, secs, w, ctx_tokens])
+            self.epoch += 1
+        else:
+            self._start(seq, w, ctx_tokens)
 
     def _start(self, seq: int, w: float, ctx_tokens: float) -> None:
         thr = self.v + w
@@ -192,9 +269,9 @@ class Engine:
         if q is None:
             return
         started = False
-        while len(q) and len(self._thr) < self.target:
-            seq, (w, ctx) = q.pop()
-            self._start(seq, w, ctx)
+        while len(q) and self._running() < self.target:
+            seq, (w, ctx, pre) = q.pop()
+            self._begin(seq, w, ctx, pre)
             started = True
         if started:
             self._rate()
@@ -205,10 +282,18 @@ class Engine:
             self.ctx_sum = self.ctx_sum - c if self._ctx else 0.0
 
     def remove(self, seq: int, now: float) -> float:
-        """Takes a sequence out (running or queued); returns its remaining work."""
+        """Takes a sequence out (prefilling, decoding or queued); returns the decode tokens
+        it had left (a prefill in progress is lost with the engine's cache)."""
         self.advance(now)
         if seq not in self._thr and self.queue is not None and seq in self.queue:
             return self.queue.discard(seq)[0]
+        for i, p in enumerate(self._pf):
+            if p[0] == seq:
+                del self._pf[i]
+                self.epoch += 1
+                self._admit()
+                self._rate()
+                return p[2]
         thr = self._thr.pop(seq)
         self._drop_ctx(seq)
         self.epoch += 1

@@ -8,7 +8,9 @@ does not depend on how many others are drawn). The ranges span the shipped scena
 engine tensor parallelism, cluster size and split (hybrid cells, standalone engines, slots),
 GRPO group size and batch, single-turn answers or multi-turn agents (lengths and their tails,
 tool waits and outputs, timeouts), staleness, and the sync and switch costs (link efficiency,
-sleep and wake). Runs are kept short (a few versions) so that a benchmark over 50+ scenarios
+sleep and wake), and the trainer as each mode runs it (mini-batches per step, fixed per-step
+costs, micro-batch size, whether verl's fully-async trainer reuses the rollout's log-probs).
+Runs are kept short (a few versions) so that a benchmark over 50+ scenarios
 and every policy takes minutes, not hours.
 """
 
@@ -22,7 +24,7 @@ from tidal.sim.scenario import Scenario
 
 MODELS = ("qwen3.5-35b-a3b", "qwen3-30b-a3b", "qwen2.5-7b")
 GPUS = ("H20", "H200", "H100")
-EFFICIENCY = {"decode": 0.2707, "mfu": 0.4377}  # as fitted on dapo-math-32gpu
+EFFICIENCY = {"decode": 0.2884, "mfu": 0.4317}  # as fitted on dapo-math-32gpu
 
 
 def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
@@ -88,6 +90,15 @@ def generate(seed: int, index: int) -> Scenario:
         "policy_args": {"verl-default": {"deactivate_ratio": 0.6},
                         "verl-fixed-ratio": {"deactivate_ratio": 0.6}},
     }
+    # The trainer as each mode runs it (drawn last, so the draws above keep their values):
+    # optimizer updates per step (mini-batches), fixed per-step costs, micro-batch size;
+    # the colocate family offloads and recomputes old log-probs, verl's uses the rollout's.
+    data["trainer"]["mini_batch_groups"] = max(1, batch // rng.choice([1, 2, 4]))
+    data["trainer"]["fixed_step_s"] = round(rng.uniform(0.0, 10.0), 2)
+    data["sim"]["micro_batch_tokens"] = rng.choice([16384, 32768, 65536])
+    if rng.random() < 0.5:
+        data["profiles"] = {"static": {"old_log_prob": False},
+                            "verl-static": {"old_log_prob": False}}
     return validate_model(Scenario, data, f"generated scenario {index}")
 
 

@@ -32,6 +32,10 @@ def check(w: World) -> None:
         if cell.role is Role.TRAINING and e.members:
             raise InvariantViolation(f"{e.name} trains while holding executions")
     for e in w.engines:
+        for seq, left_s, ctx in e.prefills():
+            if left_s > e.prefill_s(ctx) * (1 + 1e-9) + 1e-9:
+                raise InvariantViolation(f"{e.name}: request {seq} prefills more than its "
+                                         f"{ctx:.0f}-token context")
         if len(e.members) > e.slots:
             raise InvariantViolation(f"{e.name} holds {len(e.members)} > {e.slots} slots")
     running = sum(len(e.members) for e in w.engines) + len(w.waiting)
@@ -52,7 +56,17 @@ def check(w: World) -> None:
     for ex in w.live.values():
         # Invariant 4: a live execution's model request is in flight on exactly one engine,
         # or waiting to be retried, or it is between requests (tool wait) — never dropped.
+        # No re-prefill debt: what a request has left is at most its turn's decode tokens
+        # (prefill is queued on the engine, never added to the decode work).
+        dec = ex.spec.turns[ex.turn][0] + 1e-6
+        if ex.pending is not None and ex.pending > dec:
+            raise InvariantViolation(f"{ex.eid}: {ex.pending:.0f} tokens pending, turn {dec:.0f}")
+        if ex.cached > ex.ctx + dec:
+            raise InvariantViolation(f"{ex.eid}: more cached than its context")
         if ex.seg is not None:
+            if ex.engine is not None and ex.engine.has(ex.seg) \
+                    and ex.engine.remaining(ex.seg) > dec:
+                raise InvariantViolation(f"{ex.eid}: more work left than its turn decodes")
             in_flight += 1
             if w.seqs.get(ex.seg) is not ex or ex.engine is None or not ex.engine.has(ex.seg):
                 raise InvariantViolation(f"{ex.eid}: request not on its engine")

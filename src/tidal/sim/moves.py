@@ -27,22 +27,15 @@ def pick_destination(w: World, dests: list[Engine], ordered: bool) -> Engine | N
 
 
 def move(w: World, ex: ExecRec, dest: Engine | None, kv: bool, hold: bool) -> None:
-    """Moves an execution off its engine (a reroute or abort); its harness lives on."""
+    """Moves an execution off its engine (a reroute or abort); its harness lives on. Its
+    request keeps the decode tokens its turn has left; without a KV handoff its cache stays
+    behind, so the request prefills its context once where it restarts."""
     w.reroutes += 1
     if ex.seg is not None:
-        rem = w.stop_seq(ex)
-        if not kv:
-            rem += ex.ctx * w.scenario.engine.prefill_equiv
-            w.reprefill_tokens += ex.ctx
-        ex.pending = rem
+        ex.pending = w.stop_seq(ex)
         w.emit(RequestRetried(w.now, ex.eid))
-    elif not kv:
-        # Its cache stays behind: the next request prefills the whole context.
-        if ex.pending is not None:
-            ex.pending += ex.ctx * w.scenario.engine.prefill_equiv
-            w.reprefill_tokens += ex.ctx
-        else:
-            ex.need_prefill = ex.ctx
+    if not kv:
+        ex.cached = 0
     if ex.engine is not None:
         ex.engine.members.discard(ex)
         ex.engine = None
@@ -55,12 +48,13 @@ def move(w: World, ex: ExecRec, dest: Engine | None, kv: bool, hold: bool) -> No
 
 
 def release_hold(w: World, ex: ExecRec, kv: bool) -> None:
+    """The KV handoff of a held execution is over (``kv``) or failed (its cache is lost);
+    its request restarts here."""
     if not ex.hold:
         return
     ex.hold = False
-    if not kv and ex.pending is not None:
-        ex.pending += ex.ctx * w.scenario.engine.prefill_equiv
-        w.reprefill_tokens += ex.ctx
+    if not kv:
+        ex.cached = 0
     if ex.engine is not None and ex.pending is not None and not ex.in_tool:
         work, ex.pending = ex.pending, None
         w.start_seq(ex, work)
@@ -78,7 +72,7 @@ def rebalance(w: World) -> None:
         if e is not None and len(e.members) > per:
             move(w, ex, pick_destination(w, ready, ordered=False), kv=False, hold=False)
         elif ex.seg is not None:
-            rem = w.stop_seq(ex) + ex.ctx * w.scenario.engine.prefill_equiv
-            w.reprefill_tokens += ex.ctx
+            rem = w.stop_seq(ex)
+            ex.cached = 0  # an aborted request's blocks are freed: it prefills again
             w.emit(RequestRetried(w.now, ex.eid))
             w.start_seq(ex, rem)

@@ -14,7 +14,7 @@ Facts every run obeys (each is a property of the simulated system, not of a poli
      ``v(k) = max(0, ceil((k + 1 - B) / (U*b))``, and only the first
      ``K = N - U*b + B`` groups can ever be dispatched: the groups trained on are some N of K.
 (F3) No sequence decodes faster than the per-sequence cap, so group ``k`` cannot complete
-     before ``d_k`` = its slowest member's (decode + prefill work) / cap + tool waits after its
+     before ``d_k`` = its slowest member's decode tokens / cap + tool waits after its
      launch (no timeout can fire earlier than its ``timeout_s``; see the cap below).
 (F4) Step ``s`` cannot end before ``b*(s+1)`` groups are complete, nor before its own tokens
      are trained at the fastest training rate ``rho_max`` after the previous step; an optimizer
@@ -175,7 +175,8 @@ def draw_candidates(sc: Scenario) -> Candidates:
             roll += work / eng.decode_tok_s_per_gpu + ctx_sum * eng.kv_gpu_s_per_ctx_token
             tokens += dec + pre
             tokens_to += dec + pre if spec.timeout_s is None else spec.prompt_tokens
-            longest = max(longest, work / eng.seq_cap_tok_s + tools_s)
+            # Prefill may run at the whole engine's speed: only decode bounds the latency.
+            longest = max(longest, dec / eng.seq_cap_tok_s + tools_s)
             d_to = dec / eng.seq_cap_tok_s + tools_s
             if spec.timeout_s is not None:
                 d_to = min(d_to, spec.timeout_s)
@@ -340,8 +341,19 @@ def pipeline_bound(sc: Scenario, fastest_s: list[float], train_tok: list[float])
     return end
 
 
+def fastest_trainer(sc: Scenario) -> Scenario:
+    """The scenario with the fewest trainer passes any of its policies runs (a profile may
+    drop the old-log-prob pass), so the bound holds for every policy."""
+    for name in sc.policies:
+        p = sc.profile_for(name.split(":")[0])
+        if p.old_log_prob is False:
+            return sc.for_profile(p)
+    return sc
+
+
 def oracle_bound(sc: Scenario) -> OracleBound:
-    sc = perf.resolve(sc)  # with a cost model: peak decode and the cap are upper bounds
+    # With a cost model: peak decode and the cap are upper bounds.
+    sc = perf.resolve(fastest_trainer(sc))
     cl, tr = sc.cluster, sc.trainer
     cells = cl.cell_specs()
     gpus = sum(c.gpus for c in cells) + cl.standalone_count * cl.standalone_gpus

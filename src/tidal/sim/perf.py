@@ -48,6 +48,7 @@ class EngineModel:
     prefill_flops_s: float  # tp * peak FLOPs * mfu
     overhead_s: float
     kv_capacity_bytes: float
+    attn_flops_per_pair: float = 0.0  # 4 * full-attention layers * attn dim (QK and AV)
 
     def step_s(self, n: float, ctx_tokens: float) -> float:
         """One decode step of ``n`` resident sequences holding ``ctx_tokens`` in all."""
@@ -94,9 +95,15 @@ class EngineModel:
                 return n
         return top
 
-    def prefill_s(self, tokens: float) -> float:
-        """Prefill of ``tokens`` (compute-bound at ``mfu``)."""
-        return tokens * self.flops_per_token / self.prefill_flops_s
+    def prefill_s(self, tokens: float, cached_tokens: float = 0.0) -> float:
+        """Prefill of ``tokens`` after ``cached_tokens`` already in the cache, on one replica
+        (compute-bound at ``mfu``): the weights' FLOPs per token plus attention over every
+        (token, earlier token) pair, ``tokens * (cached + tokens / 2)`` of them."""
+        if tokens <= 0:
+            return 0.0
+        pairs = tokens * (max(0.0, cached_tokens) + 0.5 * tokens)
+        return (tokens * self.flops_per_token
+                + pairs * self.attn_flops_per_pair) / self.prefill_flops_s
 
 
 def engine_model(cm: CostModelConfig, mem_fraction: float) -> EngineModel:
@@ -118,7 +125,8 @@ def build_engine(gpu: GpuProfile, model: ModelProfile, tp: int, mem_fraction: fl
         flops_per_token=2 * model.active_params, bytes_s=tp * gpu.hbm_bytes_s * e_dec,
         flops_s=tp * gpu.flops * e_dec, prefill_flops_s=tp * gpu.flops * mfu,
         overhead_s=overhead,
-        kv_capacity_bytes=max(0.0, tp * gpu.hbm_gb * 1e9 * mem_fraction - model.weight_bytes))
+        kv_capacity_bytes=max(0.0, tp * gpu.hbm_gb * 1e9 * mem_fraction - model.weight_bytes),
+        attn_flops_per_pair=4.0 * model.full_attention_layers * model.attn_dim)
 
 
 def train_flops_per_token(cm: CostModelConfig) -> float:
@@ -143,7 +151,6 @@ def resolve(sc: Scenario) -> Scenario:
     # Upper bounds over every engine (the oracle needs bounds): zero context, full batch.
     peak = max(e.throughput_tok_s(max(1, n), 0.0) for e, n in engines) / cm.engine_tp
     cap = std.seq_rate(1, 0.0)
-    nominal = std.throughput_tok_s(max(1, engines[0][1]), float(cm.nominal_context_tokens))
     # The oracle may add the KV reads per context token only where the peak is memory-bound
     # (then every decode step's time is at least its bytes over the bandwidth).
     kv_term = (model.kv_bytes_per_token / (gpu.hbm_bytes_s * cm.efficiency.decode)
@@ -157,10 +164,13 @@ def resolve(sc: Scenario) -> Scenario:
         "engine": sc.engine.model_copy(update={
             "decode_tok_s_per_gpu": peak, "seq_cap_tok_s": cap,
             "kv_gpu_s_per_ctx_token": kv_term,
-            "prefill_equiv": std.prefill_s(1.0) * nominal}),
+            # Decode-token equivalents of a prefilled token at the peak (the oracle's bound:
+            # the weights' FLOPs only, at the peak decode speed per GPU).
+            "prefill_equiv": std.prefill_s(1.0) * cm.engine_tp * peak}),
         "trainer": sc.trainer.model_copy(update={
             "train_tok_s_per_gpu": gpu.flops * cm.efficiency.mfu / train_flops_per_token(cm),
-            "optimizer_s": cm.optimizer_overhead_s + adam_s}),
+            "optimizer_s": cm.optimizer_overhead_s + adam_s, "host_gb_s": host_gb_s,
+            "weight_passes": 3 + cm.recompute + cm.old_log_prob + cm.ref_log_prob}),
         "costs": sc.costs.model_copy(update={
             "weight_gb": model.weight_bytes / 1e9, "sync_gb_s": gpu.network_gb_s * link,
             "offload_s": state_gb / host_gb_s, "onload_s": state_gb / host_gb_s,

@@ -56,6 +56,7 @@ class ModelProfile:
     experts: int  # routed experts per layer (0: dense)
     experts_per_tok: int
     bytes_per_param: int
+    attn_dim: int = 0  # query heads x head dim (attention scores and values per context token)
 
     @property
     def total_params(self) -> float:
@@ -91,11 +92,35 @@ def _hardware() -> dict[str, dict[str, Any]]:
     return yaml.safe_load((DATA / "hardware.yaml").read_text())
 
 
-def load_gpu(name: str) -> GpuProfile:
+GPU_FIELDS = ("bf16_tflops", "hbm_tb_s", "hbm_gb", "nvlink_gb_s", "host_gb_s", "network_gb_s",
+              "allreduce_latency_s")
+
+
+def load_gpu(name: str | dict[str, Any]) -> GpuProfile:
+    """A GPU of ``hardware.yaml`` by name, or an accelerator defined inline with the same
+    fields (plus an optional ``name``): every field is required and positive."""
+    if isinstance(name, dict):
+        return gpu_from_fields(dict(name))
     table = _hardware()
     if name not in table:
-        raise ConfigError("costmodel.gpu", f"unknown GPU {name!r} (known: {', '.join(table)})")
+        raise ConfigError("costmodel.gpu", f"unknown GPU {name!r} (known: {', '.join(table)}; "
+                                           f"or define it inline with {', '.join(GPU_FIELDS)})")
     return GpuProfile(name=name, **table[name])
+
+
+def gpu_from_fields(spec: dict[str, Any]) -> GpuProfile:
+    label = str(spec.pop("name", "inline"))
+    extra = sorted(set(spec) - set(GPU_FIELDS))
+    if extra:
+        raise ConfigError(f"costmodel.gpu.{extra[0]}", f"unknown field (known: "
+                                                       f"name, {', '.join(GPU_FIELDS)})")
+    vals: dict[str, float] = {}
+    for key in GPU_FIELDS:
+        v = spec.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ConfigError(f"costmodel.gpu.{key}", f"needs a positive number (got {v!r})")
+        vals[key] = float(v)
+    return GpuProfile(name=label, **vals)
 
 
 def model_names() -> list[str]:
@@ -170,4 +195,4 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelProfile:
                         kv_bytes_per_token=float(2 * full * kv_heads * head_dim * nbytes),
                         state_bytes_per_seq=float(state), dense_params=dense,
                         expert_params=expert_params, experts=experts, experts_per_tok=k,
-                        bytes_per_param=nbytes)
+                        bytes_per_param=nbytes, attn_dim=heads * head_dim)

@@ -1,11 +1,16 @@
 """Published results as a file the simulator is checked against (``tidal validate``).
 
-In: a YAML file (a path, or a name in ``configs/scenarios/published/``): ``name``, ``source``
-and ``rows``; each row names a scenario, a policy spec, a metric (``makespan_h``, or
-``reduction``: ``1 - makespan / baseline makespan``), the published figure and whether the
-efficiencies are fitted on it (``calibrate``). Out: ``Outcome`` per row (predicted, published,
-relative error, the seeds' spread), a text table. Runs of the same scenario, policy and
-efficiencies are shared between rows.
+In: a YAML file (a path, or a name in ``configs/scenarios/published/``): ``name``, ``source``,
+optional ``scenarios`` defined inline (each a scenario mapping; ``extends: NAME`` starts from
+another inline or shipped scenario and deep-merges the rest over it) and ``rows``; each row
+names a scenario, a policy spec, a metric and the published figure, and whether the
+efficiencies are fitted on it (``calibrate``). Metrics: ``makespan_h``; ``reduction``
+(``1 - time / baseline time``); ``speedup`` (``baseline time / time``); a row's baseline is a
+policy on the row's scenario or on ``baseline_scenario``. Times are whole makespans, or with
+``per_version`` the steady seconds per weight version (the run after ``warmup_versions``
+versions), for published "time to N steps" figures of runs far longer than simulated.
+Out: ``Outcome`` per row (predicted, published, error, the seeds' spread), a text table and a
+one-line summary. Runs of the same scenario, policy, measure and efficiencies are shared.
 """
 
 from __future__ import annotations
@@ -14,11 +19,11 @@ import statistics as st
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
-from tidal.config import Strict, read_yaml_mapping, validate_file_data
+from tidal.config import Strict, read_yaml_mapping, validate_file_data, validate_model
 from tidal.errors import ConfigError
 from tidal.sim import scenario as scenarios
 
@@ -27,8 +32,14 @@ class Row(Strict):
     id: str
     scenario: str
     policy: str
-    metric: Literal["makespan_h", "reduction"] = "makespan_h"
-    baseline: str | None = Field(None, description="the policy a reduction is measured against")
+    metric: Literal["makespan_h", "reduction", "speedup"] = "makespan_h"
+    baseline: str | None = Field(None, description="the policy a reduction or speed-up is "
+                                                   "measured against")
+    baseline_scenario: str | None = Field(None, description="the baseline's scenario (None: "
+                                                            "the row's)")
+    per_version: bool = Field(False, description="compare steady seconds per weight version, "
+                                                 "not makespans")
+    warmup_versions: int = Field(1, ge=0, description="versions left out of per_version")
     published: float
     calibrate: bool = False
 
@@ -36,6 +47,7 @@ class Row(Strict):
 class PublishedFile(Strict):
     name: str
     source: str
+    scenarios: dict[str, dict[str, Any]] = Field(default_factory=dict)
     rows: list[Row] = Field(..., min_length=1)
 
 
@@ -50,13 +62,55 @@ def resolve(name_or_path: str) -> Path:
     raise ConfigError("published", f"{name_or_path!r}: no such file of published results")
 
 
+def shipped() -> list[str]:
+    """Names of the shipped files of published results."""
+    names: set[str] = set()
+    for d in scenarios.scenario_dirs():
+        names.update(p.stem for p in (d / "published").glob("*.yaml"))
+    return sorted(names)
+
+
 def load(name_or_path: str) -> PublishedFile:
     path = resolve(name_or_path)
     pf = validate_file_data(PublishedFile, read_yaml_mapping(path), path)
     for r in pf.rows:
-        if r.metric == "reduction" and r.baseline is None:
-            raise ConfigError(f"rows.{r.id}.baseline", "a reduction needs a baseline policy")
+        if r.metric != "makespan_h" and r.baseline is None:
+            raise ConfigError(f"rows.{r.id}.baseline", f"a {r.metric} needs a baseline policy")
+        if r.calibrate and (r.metric != "makespan_h" or r.per_version):
+            raise ConfigError(f"rows.{r.id}.calibrate", "only makespan_h rows calibrate")
+        for name in (r.scenario, r.baseline_scenario):
+            if name is not None:
+                scenario_in(pf, name)  # every scenario a row names loads
     return pf
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k),
+                                                                          dict) else v
+    return out
+
+
+def _inline_data(pf: PublishedFile, name: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    if name in seen:
+        raise ConfigError(f"scenarios.{name}.extends", "extends itself (a cycle)")
+    data = dict(pf.scenarios[name])
+    parent = data.pop("extends", None)
+    if parent is None:
+        return {"name": name, **data}
+    if not isinstance(parent, str):
+        raise ConfigError(f"scenarios.{name}.extends", "must name a scenario")
+    base = (_inline_data(pf, parent, (*seen, name)) if parent in pf.scenarios
+            else scenarios.load(parent).model_dump(mode="json"))
+    return _merge(base, {"name": name, **data})
+
+
+def scenario_in(pf: PublishedFile | None, name: str) -> scenarios.Scenario:
+    """A scenario defined inline in ``pf``, else a shipped name or a path."""
+    if pf is None or name not in pf.scenarios:
+        return scenarios.load(name)
+    return validate_model(scenarios.Scenario, _inline_data(pf, name), f"scenarios.{name}")
 
 
 @dataclass
@@ -67,19 +121,29 @@ class Outcome:
 
     @property
     def error(self) -> float:
-        """Relative error of a makespan; absolute (points) of a reduction."""
+        """Relative error of a makespan or a speed-up; absolute (points) of a reduction."""
         if self.row.metric == "reduction":
             return self.predicted - self.row.published
         return self.predicted / self.row.published - 1.0
 
+    @property
+    def relative_error(self) -> float:
+        """The error relative to the published figure, for every metric (a reduction's
+        time ratio ``1 - r``)."""
+        if self.row.metric == "reduction":
+            return (1.0 - self.predicted) / (1.0 - self.row.published) - 1.0
+        return self.error
 
-Makespans = Callable[[str, str, int], float]  # (scenario, policy, seed) -> hours
+
+# (scenario, policy, seed[, warm-up versions for seconds per version]) -> hours (or seconds)
+Makespans = Callable[..., float]
 
 
-def scenario_for(name: str, efficiencies: dict[str, float] | None, seed: int) -> scenarios.Scenario:
+def scenario_for(name: str, efficiencies: dict[str, float] | None, seed: int,
+                 pf: PublishedFile | None = None) -> scenarios.Scenario:
     """The row's scenario with the given efficiencies (``None``: as shipped) and seed (0: the
     scenario's own)."""
-    sc = scenarios.load(name)
+    sc = scenario_in(pf, name)
     if efficiencies and sc.costmodel is not None:
         eff = sc.costmodel.efficiency.model_copy(update=efficiencies)
         sc = sc.model_copy(update={"costmodel": sc.costmodel.model_copy(
@@ -87,19 +151,34 @@ def scenario_for(name: str, efficiencies: dict[str, float] | None, seed: int) ->
     return sc.model_copy(update={"seed": seed}) if seed else sc
 
 
-def makespan_runner(efficiencies: dict[str, float] | None = None) -> Makespans:
-    """A cached ``(scenario, policy, seed) -> makespan hours`` at the given efficiencies;
-    seed 0 means the scenario's own seed."""
+def version_seconds(steps_log: list[dict[str, float]], per_version: int, warmup: int) -> float:
+    """Mean seconds per weight version after the first ``warmup`` versions."""
+    ends = [s["t"] for s in steps_log if (int(s["step"]) + 1) % per_version == 0]
+    if len(ends) <= warmup:
+        raise ConfigError("warmup_versions", f"{warmup} warm-up versions leave none of the "
+                                             f"{len(ends)} simulated")
+    start = ends[warmup - 1] if warmup else 0.0
+    return (ends[-1] - start) / (len(ends) - warmup)
+
+
+def makespan_runner(efficiencies: dict[str, float] | None = None,
+                    pf: PublishedFile | None = None) -> Makespans:
+    """A cached ``(scenario, policy, seed, warmup=None)`` -> makespan hours, or with a
+    ``warmup`` the steady seconds per weight version, at the given efficiencies; seed 0
+    means the scenario's own seed; scenarios inline in ``pf`` come first."""
     from tidal.sim.runner import run_policy
 
-    cache: dict[tuple[str, str, int], float] = {}
+    cache: dict[tuple[str, str, int], Any] = {}
 
-    def run(name: str, policy: str, seed: int = 0) -> float:
+    def run(name: str, policy: str, seed: int = 0, warmup: int | None = None) -> float:
         key = (name, policy, seed)
         if key not in cache:
-            sc = scenario_for(name, efficiencies, seed)
-            cache[key] = run_policy(sc, policy, keep_log=False).summary["makespan_s"] / 3600
-        return cache[key]
+            sc = scenario_for(name, efficiencies, seed, pf)
+            res = run_policy(sc, policy, keep_log=False)
+            cache[key] = (res.summary["makespan_s"] / 3600, res.world.trainer.steps_log,
+                          sc.control.updates_per_burst)
+        hours, log, per = cache[key]
+        return hours if warmup is None else version_seconds(log, per, warmup)
 
     return run
 
@@ -109,28 +188,44 @@ def evaluate(pf: PublishedFile, run: Makespans, seeds: int = 1) -> list[Outcome]
     for r in pf.rows:
         vals = []
         for k in range(seeds):
-            seed = 0 if k == 0 else scenarios.load(r.scenario).seed + 1000 * k
-            m = run(r.scenario, r.policy, seed)
-            if r.metric == "reduction":
+            seed = 0 if k == 0 else scenario_in(pf, r.scenario).seed + 1000 * k
+            warm = r.warmup_versions if r.per_version else None
+            m = run(r.scenario, r.policy, seed) if warm is None else run(
+                r.scenario, r.policy, seed, warm)
+            if r.metric != "makespan_h":
                 assert r.baseline is not None
-                m = 1.0 - m / run(r.scenario, r.baseline, seed)
+                bs = r.baseline_scenario or r.scenario
+                b = run(bs, r.baseline, seed) if warm is None else run(bs, r.baseline, seed,
+                                                                       warm)
+                m = 1.0 - m / b if r.metric == "reduction" else b / m
             vals.append(m)
         out.append(Outcome(r, vals[0], st.pstdev(vals) if len(vals) > 1 else 0.0))
     return out
 
 
+def summary(outcomes: list[Outcome], tolerance: float = 0.1) -> str:
+    """One line: rows within ``tolerance`` (relative, every metric) and the worst row."""
+    worst = max(outcomes, key=lambda o: abs(o.relative_error))
+    within = sum(abs(o.relative_error) <= tolerance for o in outcomes)
+    return (f"{within}/{len(outcomes)} rows within {tolerance:.0%}; worst {worst.row.id} "
+            f"{worst.relative_error:+.1%}")
+
+
 def table(pf: PublishedFile, outcomes: list[Outcome]) -> str:
+    w = max(24, *(len(o.row.id) for o in outcomes))
     lines = [f"{pf.name}: {pf.source}",
-             f"{'row':<24} {'role':<11} {'mechanics':<26} {'metric':<11} {'published':>9} "
+             f"{'row':<{w}} {'role':<11} {'mechanics':<26} {'metric':<11} {'published':>9} "
              f"{'predicted':>10} {'error':>8} {'seeds sd':>9}"]
     for o in outcomes:
         r = o.row
         role = "calibrated" if r.calibrate else "prediction"
         metric = r.metric if r.baseline is None else f"vs {r.baseline.split(':')[-1]}"
-        err = f"{o.error:+.1%}" if r.metric == "makespan_h" else f"{o.error * 100:+.1f}pt"
-        fmt = "{:.3f}" if r.metric == "makespan_h" else "{:.1%}"
-        mech = scenarios.load(r.scenario).profile_for(r.policy.split(":")[0]).label()
-        lines.append(f"{r.id:<24} {role:<11} {mech:<26} {metric:<11} "
+        if r.metric == "speedup":
+            metric = "speed-up"
+        err = f"{o.error * 100:+.1f}pt" if r.metric == "reduction" else f"{o.error:+.1%}"
+        fmt = {"makespan_h": "{:.3f}", "reduction": "{:.1%}", "speedup": "{:.2f}x"}[r.metric]
+        mech = scenario_in(pf, r.scenario).profile_for(r.policy.split(":")[0]).label()
+        lines.append(f"{r.id:<{w}} {role:<11} {mech:<26} {metric:<11} "
                      f"{fmt.format(r.published):>9} "
                      f"{fmt.format(o.predicted):>10} {err:>8} "
                      f"{(fmt.format(o.spread) if o.spread else '-'):>9}")

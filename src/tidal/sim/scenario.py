@@ -11,7 +11,6 @@ calibration guidance the shipped scenarios follow.
 
 from __future__ import annotations
 
-import enum
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,12 @@ from tidal.config import (
 from tidal.control.factory import check_policy
 from tidal.control.policy import parse_policy_spec
 from tidal.errors import ConfigError
+from tidal.sim.mechanics import FAMILY_PROFILES as FAMILY_PROFILES
+from tidal.sim.mechanics import DispatchStyle as DispatchStyle
+from tidal.sim.mechanics import Profile as Profile
+from tidal.sim.mechanics import SyncStyle as SyncStyle
+from tidal.sim.mechanics import TrainerStyle as TrainerStyle
+from tidal.sim.mechanics import family_of as family_of
 
 
 class Dist(Strict):
@@ -97,9 +102,21 @@ class TrainerConfig(Strict):
     scaling_efficiency: float = Field(0.9, gt=0.0, le=1.0,
                                       description="share of linear speed-up kept per "
                                                   "doubling of training cells")
-    optimizer_s: float = Field(2.0, ge=0.0)
+    optimizer_s: float = Field(2.0, ge=0.0, description="one optimizer update")
     aggregate_s_per_cell: float = Field(0.5, ge=0.0,
                                         description="gradient aggregation per extra cell")
+    mini_batch_groups: int | None = Field(None, ge=1, description="groups per optimizer "
+                                          "update (verl's ppo_mini_batch_size): a step of "
+                                          "batch_groups runs ceil(batch / mini) updates "
+                                          "(None: one update per step)")
+    host_gb_s: float = Field(16.0, gt=0.0, description="host link of a training GPU (GB/s; "
+                             "set by the cost model): an offloading trainer's transfers")
+    weight_passes: int = Field(4, ge=1, description="passes over the weights per trained "
+                               "token (forward, recompute, backward, old log-probs; set by "
+                               "the cost model)")
+    fixed_step_s: float = Field(0.0, ge=0.0, description="fixed cost of every trainer step "
+                                "(reward, advantage, launches, step and weight-update "
+                                "overheads), paid on the training GPUs")
 
 
 class Efficiencies(Strict):
@@ -119,7 +136,10 @@ class CostModelConfig(Strict):
     ``trainer.train_tok_s_per_gpu``, ``optimizer_s`` and the sync / offload / KV costs are
     derived (whatever the scenario states for them is replaced)."""
 
-    gpu: str = Field(..., description="a GPU of tidal/sim/data/hardware.yaml")
+    gpu: str | dict[str, Any] = Field(..., description="a GPU of tidal/sim/data/hardware.yaml, "
+                                      "or an accelerator defined inline with the same fields "
+                                      "(bf16_tflops, hbm_tb_s, hbm_gb, nvlink_gb_s, host_gb_s, "
+                                      "network_gb_s, allreduce_latency_s)")
     model: str = Field(..., description="a shipped model name or an HF config.json path")
     engine_tp: int = Field(8, ge=1, description="GPUs per engine replica (tensor parallel); "
                                                 "a cell or engine of g GPUs runs g / tp")
@@ -174,72 +194,6 @@ class CostConfig(Strict):
         return self.sync_latency_s + self.weight_gb / self.sync_gb_s
 
 
-class DispatchStyle(enum.StrEnum):
-    ON_DEMAND = "on_demand"  # verl rollouter: a group whenever a slot is free, within budget
-    BURST = "burst"  # QwenGyre: the burst's whole quota is dispatched when it starts
-
-
-class TrainerStyle(enum.StrEnum):
-    BATCH = "batch"  # verl: collect a full batch from the queue, then train
-    STREAMING = "streaming"  # QwenGyre: claim micro-steps as groups become ready
-
-
-class SyncStyle(enum.StrEnum):
-    ABORT = "abort"  # verl: a sync aborts in-flight requests (partial rollout re-prefills)
-    KEEP = "keep"  # pause in place, KV kept
-
-
-class Profile(Strict):
-    """The system mechanics a policy family runs with (reported in every summary)."""
-
-    dispatch: DispatchStyle = DispatchStyle.ON_DEMAND
-    trainer: TrainerStyle = TrainerStyle.BATCH
-    sync: SyncStyle = SyncStyle.ABORT
-    kv_handoff: bool = False
-    partial_rollout: bool = Field(True, description="an aborted request keeps its tokens "
-                                                    "(else its turn starts over)")
-    staleness_threshold: float | None = Field(None, ge=0.0)
-    admission: str | float = Field("off", description="engine admission control of this "
-                                   "family (control.admission; a scenario's own setting "
-                                   "other than 'off' applies to every policy)")
-
-    @model_validator(mode="after")
-    def _admission(self) -> Profile:
-        from tidal.control.admission import AdmissionRule
-
-        try:
-            AdmissionRule.parse(self.admission, field="admission")
-        except ConfigError as exc:
-            raise ValueError(exc.message) from None
-        return self
-
-    def label(self) -> str:
-        """The mechanics in a few words, for table rows: dispatch (on demand / burst), trainer
-        (batch / streaming), weight sync (abort / keep), KV handoff or re-prefill, and
-        ``restart`` when an aborted turn starts over (no partial rollout)."""
-        parts = ["demand" if self.dispatch is DispatchStyle.ON_DEMAND else "burst",
-                 "stream" if self.trainer is TrainerStyle.STREAMING else "batch",
-                 self.sync.value, "kv" if self.kv_handoff else "prefill"]
-        parts += [] if self.partial_rollout else ["restart"]
-        return "/".join(parts + ([] if self.admission == "off" else ["admit"]))
-
-
-FAMILY_PROFILES: dict[str, Profile] = {
-    "verl": Profile(),
-    "waterlevel": Profile(dispatch=DispatchStyle.BURST, trainer=TrainerStyle.STREAMING,
-                          sync=SyncStyle.KEEP, kv_handoff=True),
-    "tidal": Profile(trainer=TrainerStyle.STREAMING, sync=SyncStyle.KEEP, kv_handoff=True),
-    "colocate": Profile(dispatch=DispatchStyle.BURST, sync=SyncStyle.KEEP,
-                        staleness_threshold=0.0),
-}
-
-
-def family_of(policy: str) -> str:
-    if policy.startswith("verl") or policy == "static":
-        return "verl"
-    return policy if policy in FAMILY_PROFILES else "verl"
-
-
 class SimConfig(Strict):
     staleness_threshold: float = Field(0.5, ge=0.0, description="verl dispatch budget slack")
     max_policy_lag: int | None = Field(None, ge=1,
@@ -253,6 +207,13 @@ class SimConfig(Strict):
                                      description="probability that a plan step fails "
                                                  "(fault injection; seeded)")
     max_virtual_s: float = Field(30 * 86400.0, gt=0.0)
+    max_inflight_groups: int | None = Field(None, ge=1, description="admission by a total "
+                                            "pool: a group is dispatched only while fewer "
+                                            "than this many are in flight or waiting to be "
+                                            "trained (None: the per-version budget alone)")
+    micro_batch_tokens: int = Field(65536, ge=1, description="tokens per GPU per micro-batch "
+                                    "pass (verl's ppo_max_token_len_per_gpu); prices the "
+                                    "per-pass parameter transfer of an offloading trainer")
 
 
 class Scenario(Strict):
@@ -285,6 +246,10 @@ class Scenario(Strict):
             if any(g % cm.engine_tp for g in sizes):
                 raise ValueError(f"costmodel.engine_tp: {cm.engine_tp} GPUs per replica must "
                                  f"divide every cell and engine (GPUs: {sorted(set(sizes))})")
+        pool = self.sim.max_inflight_groups
+        if pool is not None and pool < self.control.batch_groups:
+            raise ValueError(f"sim.max_inflight_groups: {pool} groups in flight can never fill "
+                             f"a step of {self.control.batch_groups} (control.batch_groups)")
         if self.mechanics is not None and self.mechanics not in FAMILY_PROFILES:
             raise ValueError(f"mechanics: unknown {self.mechanics!r} (known: "
                              f"{', '.join(FAMILY_PROFILES)})")
@@ -301,6 +266,15 @@ class Scenario(Strict):
         if self.mechanics is not None:
             return FAMILY_PROFILES[self.mechanics]
         return FAMILY_PROFILES[family_of(policy)]
+
+    def for_profile(self, profile: Profile) -> Scenario:
+        """The scenario as a policy with ``profile`` runs it: the trainer's passes follow
+        the profile's ``old_log_prob`` when it sets one."""
+        cm = self.costmodel
+        if cm is None or profile.old_log_prob is None or profile.old_log_prob == cm.old_log_prob:
+            return self
+        return self.model_copy(update={"costmodel": cm.model_copy(
+            update={"old_log_prob": profile.old_log_prob})})
 
     def staleness_for(self, profile: Profile) -> float:
         if profile.staleness_threshold is not None:

@@ -8,8 +8,11 @@ Two styles (``TrainerStyle``): BATCH (verl fully-async: wait until the queue hol
 batch and the trainer has GPUs, take it, train) and STREAMING (QwenGyre: claim ready groups as
 they come, micro-step by micro-step, whoever is in training). Compute is a fluid: tokens of the
 claimed groups processed at ``train_rate_tok_s(gpus, cells)``, re-rated whenever cells join or
-leave; then gradient aggregation (per extra cell) and the optimizer step. Weights are fixed
-during a step (one version per step).
+leave; then gradient aggregation (per extra cell), one optimizer update per mini-batch
+(``mini_batch_groups``) and the step's fixed costs (``fixed_step_s``). A trainer that offloads
+its parameters (``Profile.param_offload``: verl's colocated trainer) also moves each GPU's
+parameter shard over the host link on every pass of every micro-batch, and its gradients and
+weights on every update. Weights are fixed during a step (one version per step).
 """
 
 from __future__ import annotations
@@ -37,8 +40,12 @@ class TState(enum.Enum):
 
 class Trainer:
     def __init__(self, world: World, style: TrainerStyle, cfg: TrainerConfig,
-                 batch_groups: int, updates_per_burst: int, total_steps: int) -> None:
+                 batch_groups: int, updates_per_burst: int, total_steps: int,
+                 offload: tuple[float, float] | None = None) -> None:
         self.w = world
+        self.offload = offload  # (weight GB, host GB/s) of a parameter-offloading trainer
+        mini = cfg.mini_batch_groups
+        self.updates_per_step = -(-batch_groups // mini) if mini else 1
         self.style = style
         self.cfg = cfg
         self.batch_groups = batch_groups
@@ -111,6 +118,13 @@ class Trainer:
         self._advance(now)
         self.gpus, self.cells = gpus, cells
         self.rate = train_rate_tok_s(gpus, cells, self.cfg)
+        if self.offload is not None and self.rate > 0:
+            # Each GPU brings its parameter shard over the host link for every pass of every
+            # micro-batch: weight_gb / gpus per ``micro_batch_tokens`` tokens of its share.
+            weight_gb, host = self.offload
+            micro = self.w.scenario.sim.micro_batch_tokens
+            per_tok_s = self.cfg.weight_passes * weight_gb / (gpus * gpus * micro * host)
+            self.rate = 1.0 / (1.0 / self.rate + per_tok_s)
         self.inputs.gpus(now, gpus > 0, self.w.ledger.ready_unassigned)
         self._reschedule(now)
         self.pull(now)
@@ -155,7 +169,14 @@ class Trainer:
 
     def _start_optimizer(self, now: float) -> None:
         # The core gathers and normalises the satellites' gradients, then one update.
-        dur = self.cfg.optimizer_s + self.cfg.aggregate_s_per_cell * max(0, self.cells - 1)
+        # Every update of the step (one per mini-batch); an offloading trainer moves each
+        # GPU's gradient shard to the host (fp32) and its new weights back (bf16) per update.
+        per_update = self.cfg.optimizer_s
+        if self.offload is not None and self.gpus > 0:
+            weight_gb, host = self.offload
+            per_update += 3.0 * weight_gb / (self.gpus * host)
+        dur = (self.updates_per_step * per_update + self.cfg.fixed_step_s
+               + self.cfg.aggregate_s_per_cell * max(0, self.cells - 1))
         self.state = TState.OPTIM
         self.epoch += 1
         self.busy_gpu_s += dur * self.gpus

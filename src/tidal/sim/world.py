@@ -30,7 +30,7 @@ from tidal.control.factory import build_controller
 from tidal.control.plans import PlanStep, TransitionPlan
 from tidal.control.verl import dispatch_budget
 from tidal.errors import TidalError
-from tidal.sim import admission, dispatch, invariants, moves, perf, sync
+from tidal.sim import admission, dispatch, invariants, moves, perf, requests, sync
 from tidal.sim.actuator import SimActuator
 from tidal.sim.dispatch import ExecRec
 from tidal.sim.engines import Engine
@@ -66,10 +66,10 @@ class Series:
 class World:
     def __init__(self, scenario: Scenario, policy_spec: str, *, check: bool = False,
                  log_sink: Sink | None = None, keep_log: bool = True) -> None:
-        scenario = perf.resolve(scenario)
+        self.cfg, self.profile = scenario.run_config(policy_spec)
+        scenario = perf.resolve(scenario.for_profile(self.profile))
         self.scenario = scenario
         self.spec = policy_spec
-        self.cfg, self.profile = scenario.run_config(policy_spec)
         self.check = check
         self.clock = ManualClock()
         self.now = 0.0
@@ -95,22 +95,25 @@ class World:
         for c in self.controller.cells.cells:
             e = Engine(c.name, c.gpus, c.slots, eng.decode_tok_s_per_gpu * c.gpus,
                        eng.seq_cap_tok_s, cell=c.index,
-                       model=hyb if kinds[c.index] == "hybrid" else std)
+                       model=hyb if kinds[c.index] == "hybrid" else std,
+                       prefill_equiv=eng.prefill_equiv)
             self.cell_engines.append(e)
             self.engine_by_name[c.name] = e
         for s in self.controller.cells.standalone.values():
             self.engine_by_name[s.engine_id] = Engine(
                 s.engine_id, s.gpus, s.slots, eng.decode_tok_s_per_gpu * s.gpus,
-                eng.seq_cap_tok_s, model=std)
+                eng.seq_cap_tok_s, model=std, prefill_equiv=eng.prefill_equiv)
         self.engines = list(self.engine_by_name.values())
         self.admission_rule = AdmissionRule()
         admission.configure(self)
         self._host_tok_s = eng.host_tok_s
         self.trainer = Trainer(self, self.profile.trainer, scenario.trainer, ctrl.batch_groups,
-                               ctrl.updates_per_burst, scenario.total_steps)
+                               ctrl.updates_per_burst, scenario.total_steps,
+                               offload=((scenario.costs.weight_gb, scenario.trainer.host_gb_s)
+                                        if self.profile.param_offload else None))
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
-        self._seg = 0
+        self.seg_no = 0  # the last request id given out
         self.seqs: dict[int, ExecRec] = {}
         self.live: dict[str, ExecRec] = {}
         self.queue: deque[ExecRec] = deque()  # dispatched, not launched
@@ -130,6 +133,7 @@ class World:
         self._refill = False
         self.series = Series()
         self.events = 0
+        self._started = False
         # Counters for the summary.
         self.reroutes = 0
         self.reprefill_tokens = 0
@@ -216,6 +220,27 @@ class World:
                 self.check_invariants()
         return self
 
+    def run_events(self, n: int) -> bool:
+        """Processes at most ``n`` events (started on the first call, for tests that act on
+        the world between events); False once the run is over."""
+        if not self._started:
+            self._start()
+        handlers = self._handlers()
+        for _ in range(n):
+            if self.done or not self._heap:
+                break
+            t, _, code, a, b = heapq.heappop(self._heap)
+            if code == ENGINE and a.timer != b:
+                continue
+            if t > self.now:
+                self.now = t
+                self.clock.set(t)
+            self.events += 1
+            handlers[code](a, b)
+            if self.check:
+                self.check_invariants()
+        return not self.done
+
     def _handlers(self) -> list:
         return [self._on_engine, self._on_tool, self._on_timeout,
                 lambda a, b: self.trainer.on_timer(b, self.now),
@@ -232,6 +257,7 @@ class World:
                 f"{self.ledger.waterlevel}, ready groups {self.ledger.ready_unassigned}")
 
     def _start(self) -> None:
+        self._started = True
         self._sync_roles(force=True)
         dispatch.start_burst(self)
         self.trainer.begin_step(self.now)
@@ -266,38 +292,19 @@ class World:
         self.push(self.now + ex.spec.timeout_s, TIMEOUT, ex, ex.gen)
 
     # ------------------------------------------------------------ executions
-    def begin_turn(self, ex: ExecRec, prefill_tokens: int) -> None:
-        pre = prefill_tokens + ex.need_prefill
-        self.reprefill_tokens += ex.need_prefill
-        ex.need_prefill = 0
-        work = ex.spec.turns[ex.turn][0] + pre * self.scenario.engine.prefill_equiv
-        if ex.engine is None or ex.hold:
-            ex.pending = work
-        else:
-            self.start_seq(ex, work)
+    def begin_turn(self, ex: ExecRec) -> None:
+        requests.begin_turn(self, ex)
 
-    def start_seq(self, ex: ExecRec, work: float) -> None:
-        self._seg += 1
-        ex.seg = self._seg
-        self.seqs[self._seg] = ex
-        e = ex.engine
-        assert e is not None
-        e.add(self._seg, work, self.now, ex.ctx, ex.gid)
-        self.resched(e)
+    def start_seq(self, ex: ExecRec, decode_tokens: float) -> None:
+        requests.start_seq(self, ex, decode_tokens)
 
     def stop_seq(self, ex: ExecRec) -> float:
-        e = ex.engine
-        assert e is not None and ex.seg is not None
-        rem = e.remove(ex.seg, self.now)
-        del self.seqs[ex.seg]
-        ex.seg = None
-        self.resched(e)
-        return rem
+        return requests.stop_seq(self, ex)
 
     def _on_engine(self, e: Engine, _timer: Any) -> None:
         e.timer_t = None
         done = e.pop_finished(self.now)
-        if not done:
+        if not done and not e.prefilling:
             nf = e.next_finish()
             if nf is not None and nf <= self.now + 1e-9:
                 # Rounding left a hair of work: finish the sequence that is due.
@@ -312,6 +319,8 @@ class World:
     def _turn_done(self, ex: ExecRec) -> None:
         dec, tool_s, _ = ex.spec.turns[ex.turn]
         ex.ctx += dec
+        ex.cached = ex.ctx
+        ex.hw = max(ex.hw, ex.ctx)
         ex.decoded += dec
         if ex.turn == len(ex.spec.turns) - 1 and tool_s <= 0:
             self._close(ex, CloseReason.COMPLETED, ex.spec.reward)
@@ -324,7 +333,7 @@ class World:
             return
         if token == (ex.gen, -1) and ex.turn == 0:  # setup done: the first call
             ex.in_tool = False
-            self.begin_turn(ex, ex.spec.prompt_tokens)
+            self.begin_turn(ex)
             return
         if token != (ex.gen, ex.turn):
             return
@@ -335,7 +344,7 @@ class World:
         tout = ex.spec.turns[ex.turn][2]
         ex.ctx += tout
         ex.turn += 1
-        self.begin_turn(ex, tout)
+        self.begin_turn(ex)
 
     def _on_timeout(self, ex: ExecRec, gen: Any) -> None:
         if not ex.closed and gen == ex.gen:
