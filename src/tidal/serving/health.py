@@ -6,8 +6,12 @@ and the engines it lost (address, backend, kind, cap, model, admitting). Out: ``
 member leaves; its calls retry elsewhere, invariant 4) after ``probes`` failed probes in a row,
 and re-admission through ``Proxy.join`` of a lost engine whose ``/health`` answers, drained
 again if it was drained. Invariant kept: an engine is either a member or lost, never
-both, and an engine that nobody calls is noticed within ``probes x interval_s`` (+ probe
-timeouts) all the same.
+both, and an engine that stops answering (dead, or hung: SIGSTOP, a wedged loop) leaves within
+``probes x max(interval_s, timeout_s)`` plus one interval, called or not (3-4 s by default).
+Sweeps start every ``interval_s`` whatever one probe takes, each probe bounded by
+``timeout_s``, so a hung engine delays nobody's detection. A member that leaves has its
+connections aborted (``HTTPPool.close``): a call waiting on a hung engine fails at once and
+continues elsewhere with the tokens it streamed (the path a dead engine's calls take).
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ class Lost:
 
 
 class HealthMonitor:
-    def __init__(self, proxy: Proxy, interval_s: float = 1.0, probes: int = 3) -> None:
+    def __init__(self, proxy: Proxy, interval_s: float = 1.0, probes: int = 3,
+                 timeout_s: float = 1.0) -> None:
         self.proxy, self.interval_s, self.probes = proxy, interval_s, probes
+        self.timeout_s = timeout_s
         self.lost: dict[str, Lost] = {}
         self._misses: dict[str, int] = {}
         self.readmitted = 0
@@ -60,12 +66,14 @@ class HealthMonitor:
             self._task = None
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            t0 = loop.time()
             try:
                 await self.sweep()
             except Exception:  # a probe bug must not end health checking silently
                 log.exception("health sweep failed")
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - t0)))
 
     async def sweep(self) -> None:
         """Probe every admitting member and every lost engine once (concurrently). A drained
@@ -76,7 +84,7 @@ class HealthMonitor:
                              *[self._retry(lost) for lost in list(self.lost.values())])
 
     async def _probe(self, member: Member) -> None:
-        if await member.adapter.health():
+        if await member.adapter.health(self.timeout_s):
             self._misses.pop(member.engine_id, None)
             return
         n = self._misses[member.engine_id] = self._misses.get(member.engine_id, 0) + 1
@@ -88,7 +96,7 @@ class HealthMonitor:
         probes 0.5 s apart fail too, as a loaded engine may miss one; else a short pause."""
         if member.alive:
             for probe in range(self.probes):
-                if await member.adapter.health():
+                if await member.adapter.health(self.timeout_s):
                     await asyncio.sleep(0.05)
                     return
                 if probe + 1 < self.probes:
@@ -116,7 +124,7 @@ class HealthMonitor:
     async def _retry(self, lost: Lost) -> None:
         adapter = make_adapter(lost.backend, lost.url, api_key=self.proxy.engine_token)
         try:
-            healthy = await adapter.health()
+            healthy = await adapter.health(self.timeout_s)
         finally:
             await adapter.close()
         if not healthy or self.lost.get(lost.engine_id) is not lost:

@@ -76,6 +76,8 @@ class ProxyConfig(BaseModel):
     require_registration: bool = False
     health_probes: int = Field(3, ge=1)
     health_interval_s: float = Field(1.0, gt=0)
+    # one probe's bound: an engine that does not answer /health within it missed the probe
+    health_timeout_s: float = Field(1.0, gt=0)
     max_error_retries: int = Field(3, ge=0)  # per call, on 5xx answers and failed steps
     error_backoff_s: float = Field(0.1, ge=0)
     # admission control (tidal.control.admission): 'off', 'saturation' or a per-token latency
@@ -104,7 +106,7 @@ class Proxy:
             self._curve = curve_from_points(self.config.engine_curve)
         self.queue = AdmissionQueue(self.admission.order)
         self.health = HealthMonitor(self, self.config.health_interval_s,
-                                    self.config.health_probes)
+                                    self.config.health_probes, self.config.health_timeout_s)
         self._released = asyncio.Condition()  # an attempt left an engine's in-flight set
         self._joined = asyncio.Event()  # an engine joined (tokenizing calls wait for one)
         self.overhead_s: deque[float] = deque(maxlen=20_000)
