@@ -74,6 +74,9 @@ class ProxyConfig(BaseModel):
     drain_timeout_s: float = Field(120.0, gt=0)
     max_prompt_tokens: int = Field(32768, ge=1)
     require_registration: bool = False
+    # a registered execution with no call for this long past its call timeout is closed
+    # (reason timeout) and dropped from the registry
+    execution_idle_s: float = Field(1800.0, gt=0)
     health_probes: int = Field(3, ge=1)
     health_interval_s: float = Field(1.0, gt=0)
     # one probe's bound: an engine that does not answer /health within it missed the probe
