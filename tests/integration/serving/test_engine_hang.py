@@ -1,10 +1,9 @@
 """An engine that stops answering (SIGSTOP: its sockets stay open, nothing comes back) under
 40 calls over two built-in engines behind ``tidal proxy``. The health monitor drops it after
 3 s of silence (no /health answer, no token to any call) and the proxy aborts its connections,
-so its calls
-continue on the survivor with the tokens they streamed, exactly as a dead engine's do. Every
-call completes while the engine is still stopped, within ``BOUND_S`` of the stop; then it is
-continued (SIGCONT) and re-admitted. Before this, calls waited for SIGCONT."""
+so its calls continue on the survivor with the tokens they streamed, exactly as a dead engine's
+do. Every call completes while the engine is still stopped, within ``BOUND_S`` of the stop;
+then it is continued (SIGCONT) and re-admitted. Before this, calls waited for SIGCONT."""
 
 from __future__ import annotations
 
