@@ -151,17 +151,30 @@ class CausalLM(nn.Module):
     def load_weights(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Copy ``state_dict`` into the existing parameters (same storage; no re-allocation);
         tensors may be on another device or of another dtype (e.g. CPU reads into CUDA)."""
+        self.check_weights(state_dict, strict=strict, finite=False)  # all before any copy
+        own = dict(self.named_parameters())
+        for name, tensor in state_dict.items():
+            if name in own:
+                own[name].copy_(tensor)
+
+    def check_weights(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
+                      finite: bool = True) -> None:
+        """Raise a ``TidalError`` naming the first tensor of ``state_dict`` that does not fit
+        this model: a missing or unknown name (``strict``), another shape, a non-finite value
+        (``finite``). Checked whole before a version is served, so a bad one changes nothing."""
         own = dict(self.named_parameters())
         missing = [n for n in own if n not in state_dict and not self._is_tied(n)]
         unknown = [n for n in state_dict if n not in own]
         if strict and (missing or unknown):
             raise TidalError(f"weights do not fit: missing {missing[:3]}, unknown {unknown[:3]}")
         for name, tensor in state_dict.items():
-            if name in own:
-                if own[name].shape != tensor.shape:
-                    raise TidalError(f"weight {name}: shape {tuple(tensor.shape)} "
-                                     f"!= {tuple(own[name].shape)}")
-                own[name].copy_(tensor)
+            if name not in own:
+                continue
+            if own[name].shape != tensor.shape:
+                raise TidalError(f"weight {name}: shape {tuple(tensor.shape)} "
+                                 f"!= {tuple(own[name].shape)}")
+            if finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise TidalError(f"weight {name}: holds NaN or infinite values")
 
     def _is_tied(self, name: str) -> bool:
         return False

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from tidal.errors import TidalError
@@ -45,10 +46,17 @@ def load_model(model_dir: str | Path) -> tuple[CausalLM, HFTokenizer]:
 
 def read_weights(path: str | Path, dtype: torch.dtype = torch.float32
                  ) -> dict[str, torch.Tensor]:
-    """A state dict from a ``.safetensors`` file or a directory of them."""
+    """A state dict from a ``.safetensors`` file or a directory of them. Anything else (no
+    such path, another kind of file, a file that does not parse) is a ``TidalError`` naming
+    the path."""
     path = Path(path)
-    if path.is_dir():
-        return load_hf_state_dict(path, dtype)
-    if path.is_file():
-        return {k: v.to(dtype) for k, v in load_file(str(path)).items()}
+    try:
+        if path.is_dir():
+            return load_hf_state_dict(path, dtype)
+        if path.is_file():
+            if path.suffix != ".safetensors":
+                raise TidalError(f"{path}: not a .safetensors file")
+            return {k: v.to(dtype) for k, v in load_file(str(path)).items()}
+    except (SafetensorError, OSError) as exc:
+        raise TidalError(f"{path}: not readable safetensors weights ({exc})") from None
     raise TidalError(f"weights not found: {path}")

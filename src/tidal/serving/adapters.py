@@ -56,7 +56,7 @@ class EngineAdapter(Protocol):
     async def release_kv(self, key: str) -> None: ...
     async def stats(self) -> EngineStats: ...
     async def served_model(self) -> str: ...
-    async def health(self) -> bool: ...
+    async def health(self, timeout_s: float = 5.0) -> bool: ...
     async def close(self) -> None: ...
 
 
@@ -133,9 +133,9 @@ class HTTPEngineBase:
     async def served_model(self) -> str:
         return str((await self._call("GET", "/v1/models")).json()["data"][0]["id"])
 
-    async def health(self) -> bool:
+    async def health(self, timeout_s: float = 5.0) -> bool:
         try:
-            resp = await self._pool.request("GET", "/health", timeout_s=5.0)
+            resp = await self._pool.request("GET", "/health", timeout_s=timeout_s)
         except HTTPFailure:
             # also on a pool closed by a concurrent leave: a probe must answer "unhealthy",
             # never raise into a harness's request

@@ -273,8 +273,11 @@ class Engine:
         log.info("engine %s awake", self.config.name)
 
     async def update_weights(self, path: str | Path, version: str) -> None:
-        """Load weights of ``version`` from ``path`` between two steps; later tokens carry it."""
+        """Load weights of ``version`` from ``path`` between two steps; later tokens carry it.
+        The file is read and checked whole first (names, shapes, finite values): a version
+        that does not fit raises a ``TidalError`` and the loaded one keeps serving."""
         sd = await asyncio.to_thread(read_weights, path)
+        await asyncio.to_thread(self.model.check_weights, sd)
         async with self._step_lock:
             if self._sleeping:
                 self.model.materialize(self.device)

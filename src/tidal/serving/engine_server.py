@@ -193,13 +193,11 @@ def build_engine_app(engine: Engine, served_name: str, token: str | None = None)
 
     @app.post("/update_weights")
     async def update_weights(body: WeightsBody):
-        if not Path(body.path).exists():
-            raise BadRequest(f"weights not found: {body.path}")
         try:
-            await engine.update_weights(body.path, body.weight_version)
-        except (TidalError, OSError, ValueError, KeyError, RuntimeError) as exc:
-            raise BadRequest(f"path: no weights of this model at {body.path}: "
-                             f"{type(exc).__name__}: {str(exc)[:200]}") from None
+            await engine.update_weights(weights_path(body.path), body.weight_version)
+        except (TidalError, OSError, ValueError) as exc:  # the old version keeps serving
+            raise BadRequest(f"path: no weights of this model at {body.path!r}: "
+                             f"{str(exc)[:300]}") from None
         return {"status": "ok", "weight_version": engine.weight_version}
 
     @app.post("/update_weight_version")
@@ -220,7 +218,7 @@ def build_engine_app(engine: Engine, served_name: str, token: str | None = None)
     async def import_kv(request: Request):
         blob = await request.body()
         if not blob or len(blob) > MAX_KV_BLOB_BYTES:
-            raise BadRequest("KV import needs a safetensors body of at most 1 GiB")
+            raise BadRequest("body: KV import needs a safetensors body of at most 1 GiB")
         handle, tokens = await engine.import_kv(blob)
         return {"handle": handle, "tokens": tokens}
 
@@ -245,6 +243,20 @@ def build_engine_app(engine: Engine, served_name: str, token: str | None = None)
 
     return Guard(app, token, None if token else (lambda _: False),
                  body_limits={"/tidal/kv": MAX_KV_BLOB_BYTES + 1})
+
+
+def weights_path(path: str) -> Path:
+    """``path`` of an ``/update_weights`` body if it can hold weights: a ``.safetensors`` file
+    or a directory, no ``..`` part; else ``BadRequest`` naming it (what is in it is checked
+    when it is read, ``Engine.update_weights``)."""
+    p = Path(path)
+    if ".." in p.parts:
+        raise BadRequest(f"path: {path!r} has a '..' part")
+    if p.is_file() and p.suffix != ".safetensors":
+        raise BadRequest(f"path: {path!r} is not a .safetensors file")
+    if not (p.is_file() or p.is_dir()):
+        raise BadRequest(f"path: weights not found at {path!r}")
+    return p
 
 
 async def _collect(request: Request, stream, res: Result) -> bool:

@@ -143,12 +143,10 @@ class KVStore:
         return st_save(cache.export_tensors(), metadata=meta)
 
     def import_(self, blob: bytes) -> tuple[str, int]:
-        meta = _metadata(blob)
-        if meta.get("fingerprint") != self.fingerprint():
-            raise BadRequest(f"KV cache of model {meta.get('fingerprint')!r} does not fit "
-                             f"{self.fingerprint()!r}")
-        tokens = json.loads(meta["tokens"])
-        cache = self.model.cache_from_tensors(st_load(blob))
+        """Hold an exported cache under a new handle; a body that is not one of this model's
+        (``BadRequest`` naming ``body``) leaves the store as it was."""
+        tokens, tensors = self._parse(blob)
+        cache = self.model.cache_from_tensors(tensors)
         handle = f"kv-{uuid.uuid4().hex[:16]}"
         self._entries[handle] = (tokens, cache, self.clock.now() + self.lease_s)
         return handle, len(tokens)
@@ -170,13 +168,51 @@ class KVStore:
         return cache, cache.length
 
 
+    def _parse(self, blob: bytes) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """(covered token ids, tensors) of a KV blob that fits this model: its fingerprint,
+        ``k.i``/``v.i`` for every layer, each [tokens, kv heads, head dim] and finite."""
+        meta = _metadata(blob)
+        if meta.get("fingerprint") != self.fingerprint():
+            raise BadRequest(f"body: KV cache of model {meta.get('fingerprint')!r} does not "
+                             f"fit {self.fingerprint()!r}")
+        try:
+            tokens = json.loads(meta["tokens"])
+        except (KeyError, TypeError, ValueError):
+            raise BadRequest("body: KV metadata 'tokens' is not a JSON list") from None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise BadRequest("body: KV metadata 'tokens' is not a list of token ids")
+        try:
+            tensors = st_load(blob)
+        except Exception as exc:  # safetensors' own error type: a body that does not parse
+            raise BadRequest(f"body: not a safetensors KV blob ({str(exc)[:200]})") from None
+        m = self.model
+        want = {f"{kv}.{i}" for kv in "kv" for i in range(m.n_layers)}
+        if set(tensors) != want:
+            raise BadRequest(f"body: KV tensors {sorted(tensors)[:4]} are not k.i/v.i for "
+                             f"{m.n_layers} layers")
+        shape = (len(tokens), m.n_kv_heads, m.head_dim)
+        for name, t in tensors.items():
+            if tuple(t.shape) != shape or not t.is_floating_point():
+                raise BadRequest(f"body: KV tensor {name} of shape {tuple(t.shape)} "
+                                 f"{t.dtype}, not {shape} floats")
+            if not bool(torch.isfinite(t).all()):
+                raise BadRequest(f"body: KV tensor {name} holds NaN or infinite values")
+        return tokens, tensors
+
+
 def _metadata(blob: bytes) -> dict[str, str]:
+    """The safetensors header's ``__metadata__`` (``BadRequest`` naming the body if none)."""
     try:
         (n,) = struct.unpack("<Q", blob[:8])
+        if n > len(blob) - 8:
+            raise ValueError(f"header of {n} bytes in a body of {len(blob)}")
         header = json.loads(blob[8: 8 + n])
-        return header.get("__metadata__") or {}
     except (struct.error, ValueError) as exc:
-        raise BadRequest(f"not a safetensors KV blob: {exc}") from exc
+        raise BadRequest(f"body: not a safetensors KV blob ({exc})") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise BadRequest("body: not a safetensors KV blob (no __metadata__ object)")
+    return meta
 
 
 class RateMeter:

@@ -52,6 +52,12 @@ class _Conn:
         with contextlib.suppress(Exception):
             self.writer.close()
 
+    def abort(self) -> None:
+        """Drop the connection now, unsent bytes and all: a reader waiting on it sees its end
+        (a peer that stopped, e.g. SIGSTOP, would otherwise hold it until a read timeout)."""
+        with contextlib.suppress(Exception):
+            self.writer.transport.abort()
+
 
 class _Stale(Exception):
     """A reused connection ended before the first response byte: the server had closed it."""
@@ -70,12 +76,18 @@ class HTTPPool:
         self.max_idle, self.connect_timeout_s, self.timeout_s = (max_idle, connect_timeout_s,
                                                                  timeout_s)
         self._idle: deque[_Conn] = deque()
+        self._busy: set[_Conn] = set()  # handed out: aborted by ``close``
         self.closed = False
 
     async def close(self) -> None:
+        """Close idle connections and abort busy ones: a request or stream in progress on
+        this pool fails at once with ``HTTPFailure`` (its caller moves elsewhere)."""
         self.closed = True
         while self._idle:
             self._idle.pop().close()
+        for conn in list(self._busy):
+            conn.abort()
+        self._busy.clear()
 
     # -- one request --------------------------------------------------------------------
     async def request(self, method: str, path: str, *, body: bytes | None = None,
@@ -92,10 +104,10 @@ class HTTPPool:
                         status, hdrs = await self._send(conn, head, data)
                         content = await self._body(conn, hdrs)
                     except _Stale:
-                        conn.close()
+                        self._drop(conn)
                         continue
                     except BaseException:
-                        conn.close()
+                        self._drop(conn)
                         raise
                     self._release(conn, hdrs)
                     return Response(status, hdrs, content)
@@ -121,17 +133,17 @@ class HTTPPool:
                         status, hdrs = await self._send(conn, head, data)
                     break
                 except _Stale:
-                    conn.close()
+                    self._drop(conn)
                     conn = None
             if conn is None:
                 raise HTTPFailure(f"{method} {path}: connection closed by the server")
         except TimeoutError:
             if conn is not None:
-                conn.close()
+                self._drop(conn)
             raise HTTPFailure(f"{method} {path}: timed out") from None
         except _BROKEN as exc:
             if conn is not None:
-                conn.close()
+                self._drop(conn)
             raise HTTPFailure(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         resp = StreamResponse(self, conn, status, hdrs, read_timeout_s)
         try:
@@ -162,13 +174,24 @@ class HTTPPool:
             conn = self._idle.pop()
             if not conn.writer.is_closing() and not conn.reader.at_eof():
                 conn.reused = True
+                self._busy.add(conn)
                 return conn
             conn.close()
         async with asyncio.timeout(self.connect_timeout_s):
             reader, writer = await asyncio.open_connection(self.host, self.port, limit=_LINE_LIMIT)
-        return _Conn(reader, writer)
+        conn = _Conn(reader, writer)
+        if self.closed:  # closed while connecting
+            conn.abort()
+            raise OSError("client closed")
+        self._busy.add(conn)
+        return conn
+
+    def _drop(self, conn: _Conn) -> None:
+        self._busy.discard(conn)
+        conn.close()
 
     def _release(self, conn: _Conn, headers: dict[str, str]) -> None:
+        self._busy.discard(conn)
         if (self.closed or headers.get("connection", "").lower() == "close"
                 or len(self._idle) >= self.max_idle):
             conn.close()
@@ -301,4 +324,4 @@ class StreamResponse:
         if self._done:
             self.pool._release(self.conn, self.headers)
         else:
-            self.conn.close()
+            self.pool._drop(self.conn)

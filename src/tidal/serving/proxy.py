@@ -74,8 +74,14 @@ class ProxyConfig(BaseModel):
     drain_timeout_s: float = Field(120.0, gt=0)
     max_prompt_tokens: int = Field(32768, ge=1)
     require_registration: bool = False
+    # a registered execution with no call for this long past its call timeout is closed
+    # (reason timeout) and dropped from the registry
+    execution_idle_s: float = Field(1800.0, gt=0)
     health_probes: int = Field(3, ge=1)
     health_interval_s: float = Field(1.0, gt=0)
+    # an engine silent (no /health answer, no answer to any call) for probes x interval is
+    # down; one probe waits at most this long for its answer (a late answer still counts)
+    health_timeout_s: float = Field(5.0, gt=0)
     max_error_retries: int = Field(3, ge=0)  # per call, on 5xx answers and failed steps
     error_backoff_s: float = Field(0.1, ge=0)
     # admission control (tidal.control.admission): 'off', 'saturation' or a per-token latency
@@ -104,7 +110,7 @@ class Proxy:
             self._curve = curve_from_points(self.config.engine_curve)
         self.queue = AdmissionQueue(self.admission.order)
         self.health = HealthMonitor(self, self.config.health_interval_s,
-                                    self.config.health_probes)
+                                    self.config.health_probes, self.config.health_timeout_s)
         self._released = asyncio.Condition()  # an attempt left an engine's in-flight set
         self._joined = asyncio.Event()  # an engine joined (tokenizing calls wait for one)
         self.overhead_s: deque[float] = deque(maxlen=20_000)
@@ -380,6 +386,7 @@ class Proxy:
             finally:
                 attempt.upstream_s += time.perf_counter() - t_up
             attempt.started = True
+            member.progress_s = asyncio.get_running_loop().time()  # working: not hung
             if chunk.prompt_token_ids is not None:
                 seg.cached_tokens = chunk.cached_tokens or 0
                 # tokens an earlier engine had computed and this one computes again; an

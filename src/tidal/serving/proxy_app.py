@@ -5,7 +5,8 @@ In: OpenAI requests naming their execution by ``X-Tidal-Execution`` (or ``user``
 Out: one normal answer per request (retries across engines are invisible), JSON or SSE.
 Admin: ``/tidal/engines`` (GET list, POST join), ``DELETE /tidal/engines/{id}``,
 ``/tidal/engines/{id}/drain``, ``/tidal/engines/{id}/undrain``, ``/tidal/stats``,
-``/tidal/executions/{id}/records``. Harness: ``POST /tidal/executions`` (open, body at most 1 MiB),
+``/tidal/executions/{id}/records``. Harness: ``POST /tidal/executions`` (open, body at most 1 MiB,
+metadata at most 4 KiB; the registry is bounded and forgets closed and idle executions),
 ``POST /tidal/executions/{id}/close`` (the token: it sets the execution's reward).
 
 Access (``guard.Guard``): the OpenAI routes, ``/health`` and registration are open on loopback;
@@ -32,9 +33,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tidal.agents.events import CLOSE_REASONS, ExecutionRegistry
+from tidal.agents.events import CLOSE_REASONS, EventLog, ExecutionRegistry
 from tidal.errors import LedgerError, TimeoutExpired
 from tidal.serving.fast_path import MAX_BODY_BYTES, FastPath
 from tidal.serving.guard import CatchAll, Guard, is_loopback
@@ -64,6 +65,7 @@ class Conflict(ServingError):
 
 
 MAX_CONTROL_BODY_BYTES = 1 << 20  # registration, close, admin: small JSON bodies
+MAX_METADATA_BYTES = 4096  # a registration's metadata, as JSON: kept while its execution is open
 ALWAYS_OPEN = frozenset({"/health", "/live"})
 DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 log = logging.getLogger(__name__)
@@ -87,9 +89,17 @@ class RegisterBody(BaseModel):
     execution_id: str | None = Field(None, min_length=1, max_length=128,
                                      pattern=r"^[A-Za-z0-9_.:-]+$")
     group_id: str = Field("default", min_length=1, max_length=128)
-    metadata: dict = Field(default_factory=dict)
+    metadata: dict = Field(default_factory=dict, description="at most 4 KiB as JSON")
     timeout_s: float | None = Field(None, gt=0, le=86_400,
                                     description="each model call's limit, queueing included")
+
+    @field_validator("metadata")
+    @classmethod
+    def _small(cls, value: dict) -> dict:
+        size = len(json.dumps(value, separators=(",", ":")))
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(f"{size} bytes as JSON, over the limit of {MAX_METADATA_BYTES}")
+        return value
 
 
 class CloseBody(BaseModel):
@@ -138,7 +148,9 @@ def needs_token(open_api: bool) -> Callable[[str], bool]:
 def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
                     on_startup: Callable[[], Awaitable[None]] | None = None) -> Guard:
     """The proxy's ASGI app: ``Guard`` over the fast OpenAI path over FastAPI."""
-    registry = registry or ExecutionRegistry()
+    registry = registry or ExecutionRegistry(
+        EventLog(max_events=30_000), max_open=10_000, max_closed=10_000,
+        idle_s=proxy.config.execution_idle_s + proxy.config.request_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -335,6 +347,8 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
     @app.get("/tidal/stats", dependencies=[Depends(admin)])
     async def stats(reset_overhead: bool = Query(False)):
         return {**proxy.stats(reset_overhead), "open_executions": registry.open_count(),
+                "registered_executions": len(registry),
+                "expired_executions": registry.expired,
                 "duplicate_closes": registry.duplicate_closes}
 
     def openapi() -> dict:

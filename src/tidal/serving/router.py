@@ -32,6 +32,7 @@ class Member:
     alive: bool = True
     inflight: dict[str, object] = field(default_factory=dict)
     reserved: int = 0
+    progress_s: float = float("-inf")  # loop time of its last answer or streamed chunk
 
     @property
     def load(self) -> int:

@@ -236,6 +236,9 @@ class FilePublisher:
             for name, tensor in params:
                 if name != next(names, None):
                     raise TransportError(f"publication out of layout order at {name}")
+                if not bool(torch.isfinite(tensor).all()):  # no engine is handed it (any backend)
+                    raise TransportError(f"v{version}: parameter {name} holds NaN or infinite "
+                                         f"values; not published")
                 f.write(tensor.detach().to("cpu", torch.float32).contiguous().numpy().data)
             if next(names, None) is not None:
                 raise TransportError(f"publication of v{version} ended early")

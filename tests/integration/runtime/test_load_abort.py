@@ -1,12 +1,16 @@
-"""A cell whose engine serves another version after its load never rejoins routing: the load
-step fails with one line, and the aborted training -> rollout plan puts the cell back in
-training (out of routing, engine asleep, trainer active).
+"""A cell whose engine does not take a weight version never rejoins routing: the real plan
+(the controller's waterlevel policy returns the core cell to rollout at a burst's end) runs its
+steps on the real actuator until the load, which the cell's real engine refuses (the published
+version holds NaN weights: a 400 naming the file); the controller retries, then aborts, and
+the actuator's abort puts the cell back in training (out of routing, engine asleep, trainer
+active), while the engine keeps the version it had.
 
-Real parts: a ``tidal proxy`` process, a standalone built-in engine, and the cell's
-``EngineHost`` with its own built-in engine process; the cell's host is called the way the
-actuator calls a Ray actor (``.method.remote(...)``, here run in a thread). The fault is injected
-in the host: its load reports the version the engine held before (a server that did not take
-the new weights).
+Real parts: a ``tidal proxy`` process, a standalone built-in engine, the cell's ``EngineHost``
+with its own built-in engine process, the ``Controller`` and the ``RayActuator``. Not Ray
+itself: the host is called the way Ray calls an actor (``.method.remote(...)``, run in a
+thread), and ``engines`` gives the actuator the one cell (``Engines`` needs a placement group
+and a started Ray; the Ray path is what ``tidal run`` tests cover, on 2 cores a Ray start here
+would double this test's time).
 """
 
 from __future__ import annotations
@@ -16,21 +20,21 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tidal.clock import ManualClock
+from tidal.control.cells import Cell, CellSet, Standalone
+from tidal.control.controller import Controller, ControllerSettings
+from tidal.control.plans import StepKind
+from tidal.control.policy import make_policy
 from tidal.runtime.actuator import CoreLink, RayActuator, Weights
-from tidal.runtime.cell import EngineHost, RuntimeFailure
+from tidal.runtime.cell import EngineHost
 from tidal.runtime.tasks import Parts
 from tidal.serving.launch import start_engine, start_proxy
+from tidal.types import BurstStarted, Role, TrainerStepDone
 
 TOKEN = "load-abort"
-
-
-class StaleHost(EngineHost):
-    """An engine host whose engine keeps serving what it served: a load that did not land."""
-
-    def load_weights(self, path: str, version: str) -> str:
-        return self.loaded_version
 
 
 class AsActor:
@@ -44,17 +48,28 @@ class AsActor:
         return SimpleNamespace(remote=lambda *a: asyncio.to_thread(method, *a))
 
 
+def _poisoned_version(model_dir, path) -> str:
+    """v2 as the publisher writes it, every value NaN (a diverged update)."""
+    from tidal.models import load_model
+
+    model, _ = load_model(model_dir)
+    save_file({k: torch.full_like(v, float("nan")) for k, v in model.named_parameters()},
+              str(path))
+    return str(path)
+
+
 @pytest.mark.timeout(300)
-def test_a_load_that_serves_another_version_aborts_back_to_training(tmp_path, monkeypatch):
+def test_a_refused_load_aborts_the_plan_back_to_training(tmp_path, monkeypatch):
     from tidal.models import create_tiny
 
     monkeypatch.setenv("TIDAL_ENGINE_TOKEN", TOKEN)
     model = create_tiny(tmp_path / "tiny", seed=3)
-    host = StaleHost("c0", str(model), 4, str(tmp_path))
+    v2 = _poisoned_version(model, tmp_path / "v2.safetensors")
+    host = EngineHost("c0", str(model), 4, str(tmp_path))
     proxy = start_proxy([], [], TOKEN, kv_handoff=False, log_path=tmp_path / "proxy.log")
     s0 = start_engine(model, log_path=tmp_path / "s0.log", token=TOKEN)
 
-    async def main() -> tuple[dict, RayActuator, str, str]:
+    async def main():
         async with httpx.AsyncClient(base_url=proxy.url, timeout=60, headers={
                 "Authorization": f"Bearer {TOKEN}"}) as admin:
             for body in ({"id": "s0", "url": s0.url},
@@ -63,30 +78,44 @@ def test_a_load_that_serves_another_version_aborts_back_to_training(tmp_path, mo
             engines = SimpleNamespace(  # one node: every load is the driver's file
                 cell=lambda i: actor, transport=lambda eid: "file",
                 load=lambda eid, a, path, label: a.load_weights.remote(path, label))
-            act = RayActuator(ManualClock(), admin, engines,
-                              Weights(version=2, path=str(tmp_path / "v2.safetensors")),
-                              False, Parts(), CoreLink())
+            clock, parts = ManualClock(), Parts()
+            act = RayActuator(clock, admin, engines, Weights(version=2, path=v2), False,
+                              parts, CoreLink())
+            ctl = Controller(CellSet([Cell(0, 4, 8)], [Standalone("s0", 4, 8)]),
+                             make_policy("waterlevel"), clock, act,
+                             ControllerSettings(batch_groups=1, updates_per_burst=1,
+                                                max_step_retries=1), initial_prefix=1)
+            act.bind(ctl.handle)
             await act.begin_in_training(0)
-            # training -> rollout, as the plan's steps run it, until the load
-            await act._deactivate(0)
-            await act._wake(0)
-            with pytest.raises(RuntimeFailure) as info:
-                await act._load(0)
-            await act._back_to_training((0,))  # what the plan's abort runs
+            ctl.handle(BurstStarted(clock.now(), 0, 4))
+            ctl.handle(TrainerStepDone(clock.now(), 1, final_of_burst=True))  # core returns
+            for _ in range(1200):  # the plan's steps run as tasks; its abort restores
+                if ctl.plans_aborted and 0 in act.training and act.is_asleep(0):
+                    break
+                parts.check()
+                await asyncio.sleep(0.05)
             engines = {e["id"]: e for e in (await admin.get("/tidal/engines")).json()["engines"]}
-            return engines["c0"], act, str(info.value), host.describe()["state"]
+            held = (await admin.get(f"{url}/weight_info")).json()["weight_version"]
+            return engines["c0"], act, ctl, held
 
     try:
         url = host.start(120)
         actor = AsActor(host)
         proxy.wait_healthy(60)
         s0.wait_healthy(120)
-        c0, act, error, state = asyncio.run(main())
+        c0, act, ctl, held = asyncio.run(main())
+        served = host.describe()
     finally:
         host.stop()
         s0.stop()
         proxy.stop()
-    assert error == "cell 0 serves 'v0' after loading 'v2'"
-    assert not c0["admitting"]  # never rejoined with other weights
-    assert state == "asleep" and act.is_asleep(0) and 0 in act.training
+    loads = [s for s in act.step_log if s["step"] == StepKind.LOAD_WEIGHTS.value]
+    assert ctl.plans_aborted == 1 and len(loads) == 2 and not any(s["ok"] for s in loads)
+    assert "HTTP 400" in loads[0]["error"] and "v2.safetensors" in loads[0]["error"]
+    assert "NaN" in loads[0]["error"], loads[0]["error"]
+    assert not [s for s in act.step_log if s["step"] == StepKind.RESUME_ADMISSION.value]
+    assert not c0["admitting"]  # never rejoined with weights it does not hold
+    assert ctl.cells.roles() == (Role.TRAINING,)
+    assert served["state"] == "asleep" and act.is_asleep(0) and 0 in act.training
     assert act.is_held_out(0)
+    assert held == served["version"] == "v0"  # the engine kept the version it had

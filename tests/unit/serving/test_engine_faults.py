@@ -153,8 +153,10 @@ def test_tokenizing_a_long_prompt_leaves_the_loop_free(tiny_dir, serve_asgi):
 
     count, took, probes = asyncio.run(main())
     assert count > 1000 and took >= 1.0, took  # the real tokenizer ran, held for a second
-    # a loaded machine (other jobs on 2 cores) may delay a probe a little, never for most of it
-    assert len(probes) >= 3 and max(probes) < 0.5, (took, probes)
+    # the loop answered while the tokenizer held its thread: several probes came back within
+    # the held second (a loop blocked by it answers one probe, after the whole second). No
+    # bound on any single probe: a loaded machine (2 shared cores) may delay one or two.
+    assert len(probes) >= 3 and sorted(probes)[len(probes) // 2] < took / 3, (took, probes)
 
 
 def test_a_non_streamed_caller_that_hangs_up_aborts_its_request(tiny_dir, serve_asgi):

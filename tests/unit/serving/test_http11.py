@@ -196,3 +196,37 @@ def test_an_oversized_response_head_is_a_failure_not_a_crash(size):
     raw = b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * size + b"\r\ncontent-length: 0\r\n\r\n"
     with pytest.raises(HTTPFailure, match=r"header|limit|chunk|separator"):
         _fetch(raw)
+
+
+def test_close_aborts_requests_and_streams_in_progress():
+    """A hung server (it reads the request, never answers): closing the pool fails the waiting
+    request and the waiting stream read at once, not at their 60 s timeouts."""
+
+    async def hang(reader, writer, state):
+        await _read_request(reader)
+        if state["connections"] == 2:  # the stream's: its head, then silence
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await writer.drain()
+        await asyncio.sleep(3600)
+
+    async def go():
+        server, url, _ = await _serve(hang)
+        pool = HTTPPool(url, timeout_s=60)
+
+        async def streamed():
+            async with pool.stream("POST", "/s", json_body={}, read_timeout_s=60) as resp:
+                return await resp.read()
+
+        plain = asyncio.create_task(pool.request("GET", "/r"))
+        await asyncio.sleep(0.2)
+        stream = asyncio.create_task(streamed())
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        await pool.close()
+        outcomes = await asyncio.gather(plain, stream, return_exceptions=True)
+        server.close()
+        return outcomes, time.monotonic() - t0
+
+    outcomes, took_s = asyncio.run(go())
+    assert all(isinstance(o, HTTPFailure) for o in outcomes), outcomes
+    assert took_s < 5

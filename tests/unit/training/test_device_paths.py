@@ -35,3 +35,21 @@ def test_forward_backward_flat_gradients_and_adamw_stay_on_the_device():
     opt.step()
     state = next(iter(opt.state.values()))
     assert state["exp_avg"].is_meta and state["step"].device.type == "cpu"
+
+
+def test_a_version_with_non_finite_weights_is_never_published(tmp_path):
+    """The file every backend loads from (built-in, vLLM, SGLang): a NaN in any parameter is an
+    error naming it, and no file of that version appears; the last good one stays."""
+    import pytest
+
+    from tidal.training.transport import FilePublisher, TransportError
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    layout = ParamLayout.of(net)
+    pub = FilePublisher(tmp_path, layout)
+    flat = torch.zeros(layout.numel)
+    pub.publish(1, flat)
+    flat[-1] = float("nan")
+    with pytest.raises(TransportError, match=r"v2: parameter 1\.bias holds NaN"):
+        pub.publish(2, flat)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1.safetensors"]
