@@ -40,10 +40,13 @@ import click
                    "passes its --engine-token).")
 @click.option("--read-timeout-s", default=30.0, show_default=True,
               help="A request must arrive whole (head and body) within this time.")
+@click.option("--tool-call-parser", default="hermes", show_default=True,
+              type=click.Choice(["hermes"]),
+              help="How tool calls are read out of chat answers (see `tidal proxy -h`).")
 def command(model_dir: str, port: int, host: str, name: str | None, max_batch: int,
             max_waiting: int, threads: int, weight_version: str, seed: int,
             step_in_thread: bool, device: str, token: str | None,
-            read_timeout_s: float) -> None:
+            read_timeout_s: float, tool_call_parser: str) -> None:
     """Serve MODEL on HOST:PORT with continuous batching."""
     from pathlib import Path
 
@@ -73,7 +76,7 @@ def command(model_dir: str, port: int, host: str, name: str | None, max_batch: i
                                                         step_in_thread=step_in_thread,
                                                         device=device),
                     weight_version=weight_version)
-    app = build_engine_app(engine, served, token)
+    app = build_engine_app(engine, served, token, tool_call_parser)
     # The stdlib loop, never uvloop: model steps run on the loop, and under uvloop streamed
     # chunks were seen held up to ~1 s behind them (benchmarks/proxy_overhead.py).
     run_server(app, host, port, read_timeout_s=read_timeout_s, loop="asyncio")

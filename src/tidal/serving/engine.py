@@ -33,7 +33,7 @@ from tidal.clock import Clock, WallClock
 from tidal.models import CausalLM, Tokenizer, read_weights
 from tidal.models.device import DEVICE_PATTERN, resolve_device
 from tidal.serving.engine_state import KVStore, RateMeter, Request, sample_batch
-from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, TokenChunk
+from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, StopText, TokenChunk
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -79,7 +79,8 @@ class Engine:
         self._rng = torch.Generator().manual_seed(self.config.seed)
         self.meter = RateMeter(self.clock)
         self.totals = {"generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
-                       "requests": 0, "aborted": 0, "step_failures": 0}
+                       "requests": 0, "aborted": 0, "step_failures": 0,
+                       "sampling_failures": 0}
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,6 +104,7 @@ class Engine:
         ``min_interval_s`` tokens are coalesced into at most one chunk per interval (an abort
         or finish is sent at once). Closing the iterator early aborts the request."""
         r = self._admit(req)
+        stops = StopText(req.params.stop)
         try:
             sent = texted = 0  # tokens sent; tokens whose text is sent (it may lag)
             first = True
@@ -113,9 +115,10 @@ class Engine:
                         await asyncio.wait_for(r.finished.wait(), min_interval_s)
                 r.changed.clear()
                 n = len(r.tokens)
-                text, texted = self._text(r, texted, n, final=r.finish_reason is not None)
+                final = r.finish_reason is not None
+                text, texted = self._text(r, texted, n, final=final)
                 chunk = TokenChunk(r.tokens[sent:n], r.logprobs[sent:n], r.versions[sent:n],
-                                   text=text)
+                                   text=stops.feed(text, final))
                 if first:
                     chunk.prompt_token_ids, chunk.cached_tokens = r.prompt, r.cached_tokens
                     first = False
@@ -367,18 +370,25 @@ class Engine:
             logits = logits.float().cpu()
         logp = torch.log_softmax(logits.float(), dim=-1)
         tokens = sample_batch(batch, logits, logp, self._rng)
-        chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        safe = [0 if t is None else t for t in tokens]
+        chosen = logp.gather(1, torch.tensor(safe)[:, None])[:, 0].tolist()
         for i, r in enumerate(batch):
             r.pending = []
             if r.finish_reason is not None:  # aborted while the step ran
                 continue
             token = tokens[i]
+            if token is None:  # its own sampling failed: it ends alone, the batch goes on
+                self.totals["sampling_failures"] += 1
+                self._finish(r, "error")
+                continue
             r.tokens.append(token)
             r.logprobs.append(chosen[i])
             r.versions.append(version)
             r.pending = [token]
             self.totals["generated_tokens"] += 1
             reason = r.stop_reason(self.tokenizer.eos_id, self.model.max_seq_len)
+            if reason != "stop" and r.stop_string_hit(self.tokenizer.decode):
+                reason = "stop"
             if reason:
                 self._finish(r, reason)
             else:

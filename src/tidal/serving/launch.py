@@ -144,7 +144,8 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
                 request_timeout_s: float | None = None,
                 engine_token: str | None = None, seed: int | None = None,
                 admission: str | float = "off", admission_order: str = "longest_waiting",
-                engine_curve: list[tuple[int, float]] | None = None) -> ServerProcess:
+                engine_curve: list[tuple[int, float]] | None = None,
+                affinity: bool = True) -> ServerProcess:
     """``tidal proxy`` on ``port``; ready once ``/live`` answers (``/health`` is 503 until an
     engine serves). ``engine_token``: default ``$TIDAL_ENGINE_TOKEN``, else the admin token.
     ``seed``: the run's seed, from which unseeded calls of executions get theirs."""
@@ -154,6 +155,8 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
             "--kv-handoff" if kv_handoff else "--no-kv-handoff"]
     if require_registration:
         args.append("--require-registration")
+    if not affinity:
+        args.append("--no-affinity")
     if request_timeout_s is not None:
         args += ["--request-timeout-s", str(request_timeout_s)]
     if seed is not None:

@@ -52,6 +52,7 @@ from tidal.serving.protocol import (
     SamplingParams,
     ServingError,
     TokenChunk,
+    cut_at_stop,
 )
 from tidal.serving.records import ModelCall, RecordStore, Segment
 from tidal.serving.router import Kind, Member, Router
@@ -86,6 +87,12 @@ class ProxyConfig(BaseModel):
     # the run's seed: a call of a named execution that brings no seed of its own samples
     # with tidal.seeding.call_seed(seed, execution id, call index); None: engines' own streams
     seed: int | None = None
+    # how tool calls are read out of chat answers (tidal.serving.chat.TOOL_PARSERS), per model
+    # family as vLLM's --tool-call-parser: hermes (<tool_call>{json}</tool_call>: Qwen, Hermes)
+    tool_call_parser: str = "hermes"
+    # calls of one X-Session-ID (else one execution) go to the engine that served the last one
+    # while it has a slot (its prefix is cached there); off: least-loaded for every call
+    affinity: bool = True
 
 
 class Proxy:
@@ -130,14 +137,15 @@ class Proxy:
         if not await adapter.health():
             await adapter.close()
             raise BadRequest(f"engine {engine_id!r} at {url} is not healthy")
-        if model is None:
-            try:
-                model = await adapter.served_model()
-            except ServingError:
-                model = ""
+        max_len = None
+        try:
+            served, max_len = await adapter.served_model_card()
+        except ServingError:
+            served = ""
+        model = served if model is None else model
         if self._curve is not None:  # admission control: the engine's concurrency target
             cap = concurrency_target(self._curve, cap, self.admission)
-        member = Member(engine_id, adapter, kind, cell_index, cap, backend, model)
+        member = Member(engine_id, adapter, kind, cell_index, cap, backend, model, max_len)
         self.router.join(member)
         self.health.forget(engine_id)  # a replacement under a lost engine's id
         self.queue.notify()
@@ -211,7 +219,8 @@ class Proxy:
 
     # -- model calls -----------------------------------------------------------------------
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       timeout_s: float | None = None) -> list[int]:
+                       timeout_s: float | None = None, tools: list[dict] | None = None
+                       ) -> list[int]:
         """Prompt ids from the first engine that answers; with none (all lost, replacements
         starting) it waits for one to join, within the call's timeout."""
         loop = asyncio.get_running_loop()
@@ -220,7 +229,8 @@ class Proxy:
             for member in list(self.router.members.values()):
                 if member.alive:
                     try:
-                        return await member.adapter.tokenize(prompt=prompt, messages=messages)
+                        return await member.adapter.tokenize(prompt=prompt, messages=messages,
+                                                             tools=tools)
                     except EngineUnavailable:
                         continue
             left = deadline - loop.time()
@@ -233,7 +243,8 @@ class Proxy:
     async def complete(self, execution_id: str | None, prompt: list[int],
                        params: SamplingParams,
                        on_chunk: Callable[[TokenChunk], None] | None = None,
-                       record_overhead: bool = True, timeout_s: float | None = None) -> Result:
+                       record_overhead: bool = True, timeout_s: float | None = None,
+                       session: str | None = None) -> Result:
         """Run one model call to its end across engine changes, within ``timeout_s`` (default
         ``request_timeout_s``). ``res.upstream_s`` is the time spent waiting on engines and
         admission; the rest is the proxy's own (recorded in ``overhead_s`` unless the caller
@@ -246,7 +257,7 @@ class Proxy:
         params = self._seeded(execution_id, params)
         try:
             return await self._complete(call, execution_id, prompt, params, on_chunk,
-                                        record_overhead, timeout_s)
+                                        record_overhead, timeout_s, session)
         except ServingError as exc:
             self.totals["failed_calls"] += 1
             log.warning("call %s (execution %s) failed after %d segments: %s: %s",
@@ -271,7 +282,7 @@ class Proxy:
 
     async def _complete(self, call: ModelCall, execution_id: str | None, prompt: list[int],
                         params: SamplingParams, on_chunk, record_overhead: bool,
-                        timeout_s: float | None) -> Result:
+                        timeout_s: float | None, session: str | None = None) -> Result:
         t_start = time.perf_counter()
         waited_s = 0.0  # upstream streaming + admission waits: not the proxy's own cost
         res = Result(list(prompt))
@@ -280,16 +291,18 @@ class Proxy:
         errors = 0  # 5xx answers and failed steps of live engines: retried a bounded number
         blob: bytes | None = None  # a drained attempt's KV, held until an engine adopts it
         prior_kv = 0  # tokens some earlier engine held KV for: what a re-prefill redoes
+        # affinity: a session's (else the execution's) calls go to the engine holding its prefix
+        route_key = (session or execution_id) if self.config.affinity else None
         for attempt_no in range(1, self.config.max_attempts + 1):
             remaining = params.max_tokens - len(res.token_ids)
             if remaining <= 0:
                 res.finish_reason = "length"
                 break
             t_wait = time.perf_counter()
-            member = await self._acquire(execution_id, deadline)
+            member = await self._acquire(route_key, deadline)
             waited_s += time.perf_counter() - t_wait
             # no await between the pick and this line: a drain that begins later sees it
-            attempt = Attempt(execution_id, f"{call.call_id}-{attempt_no}", member)
+            attempt = Attempt(route_key, f"{call.call_id}-{attempt_no}", member)
             member.inflight[attempt.request_id] = attempt
             seg = Segment(member.engine_id, attempt.request_id)
             reason, failure = None, None
@@ -349,6 +362,9 @@ class Proxy:
             raise EngineUnavailable(f"call {call.call_id}: no engine finished it in "
                                     f"{self.config.max_attempts} attempts")
         res.upstream_s = waited_s
+        if params.stop:  # a stop string that spans two engines' segments of a moved call
+            cut = cut_at_stop(res.text, params.stop)
+            res.text = res.text if cut is None else res.text[:cut]
         if record_overhead:
             self.overhead_s.append(time.perf_counter() - t_start - waited_s)
         call.finish_reason = res.finish_reason

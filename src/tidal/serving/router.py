@@ -28,6 +28,7 @@ class Member:
     cap: int = 32
     backend: str = "builtin"
     model: str = ""
+    max_model_len: int | None = None
     admitting: bool = True
     alive: bool = True
     inflight: dict[str, object] = field(default_factory=dict)
