@@ -191,7 +191,12 @@ class ChatRequest(_Body):
         return bool(self.tools) and self.tool_choice != "none"
 
     def template_messages(self) -> list[dict]:
+        """As the model's chat template reads them (rendered where the tokenizer is)."""
         return [m.to_template() for m in self.messages]
+
+    def wire_messages(self) -> list[dict]:
+        """As OpenAI sends them (what an engine's ``/tokenize`` takes)."""
+        return [m.model_dump(exclude_none=True) for m in self.messages]
 
     def template_tools(self) -> list[dict] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None

@@ -288,7 +288,7 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         check_model(body.model)
         t_up = time.perf_counter()
         if kind == "chat":
-            prompt = await proxy.tokenize(messages=body.template_messages(),
+            prompt = await proxy.tokenize(messages=body.wire_messages(),
                                           tools=body.template_tools(),
                                           timeout_s=timeout_of(eid))
         elif kind == "generate":
