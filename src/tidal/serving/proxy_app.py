@@ -247,8 +247,11 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         parse = parser if chat and body.parses_tools else None
         n = getattr(body, "n", 1)
         if not body.stream:
+            # token in: streamed from the engine, so a call whose engine dies continues from
+            # the tokens it had (a one-piece engine answer dies with its engine)
+            keep = (lambda _: None) if kind == "generate" else None
             results = list(await asyncio.gather(*[
-                proxy.complete(eid, prompt, params, record_overhead=False,
+                proxy.complete(eid, prompt, params, on_chunk=keep, record_overhead=False,
                                timeout_s=timeout_s, session=session) for _ in range(n)]))
             texts = [[f"token_id:{t}" for t in r.token_ids] for r in results]
             if kind == "generate":
