@@ -43,7 +43,9 @@ class EngineAdapter(Protocol):
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]: ...
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       tools: list[dict] | None = None) -> list[int]: ...
+                       tools: list[dict] | None = None,
+                       add_special_tokens: bool | None = None) -> list[int]: ...
+    async def detokenize(self, token_ids: list[int]) -> str: ...
     async def pause(self, mode: str) -> None: ...
     async def resume(self) -> None: ...
     async def abort(self, request_ids: list[str] | None, keep_kv: bool = False) -> int: ...
@@ -121,17 +123,28 @@ class HTTPEngineBase:
             raise EngineUnavailable(f"{self.url}{path}: {exc}") from exc
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       tools: list[dict] | None = None) -> list[int]:
+                       tools: list[dict] | None = None,
+                       add_special_tokens: bool | None = None) -> list[int]:
         """Prompt ids via the engine's ``/tokenize`` (same shape on vLLM and the built-in):
         messages (with ``tools``, rendered by the model's chat template) or a text prompt."""
         body: dict = {"messages": messages, "add_generation_prompt": True} if messages else {
             "prompt": prompt}
         if tools:
             body["tools"] = tools
+        if add_special_tokens is not None:
+            body["add_special_tokens"] = add_special_tokens
         model = getattr(self, "model", None)
         if model:
             body["model"] = model
         return list((await self._call("POST", "/tokenize", json=body)).json()["tokens"])
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens included (vLLM's ``/detokenize``)."""
+        body: dict = {"tokens": token_ids}
+        model = getattr(self, "model", None)
+        if model:
+            body["model"] = model
+        return str((await self._call("POST", "/detokenize", json=body)).json()["prompt"])
 
     async def served_model(self) -> str:
         return (await self.served_model_card())[0]

@@ -4,7 +4,8 @@ In: HTTP requests on loopback (``tidal engine``). Out: completions (JSON or SSE)
 results, KV blobs. Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
 ``/pause?mode=``, ``/resume``, ``/is_paused``, ``/abort_requests``, ``/sleep?level=``, ``/wake_up``,
 ``/is_sleeping``, ``/update_weights``, ``/update_weight_version``, ``/weight_info``, ``/stats``,
-``/health``, ``/load``, and ``/tidal/kv`` (export / import / release one request's KV cache).
+``/health``, ``/load``, ``/tokenize``, ``/detokenize``, and ``/tidal/kv`` (export / import /
+release one request's KV cache).
 
 Every route requires the run's bearer token when one is set (``guard.Guard``): without it any
 local process could relabel the served weights, abort calls, put the engine to sleep or load a
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Literal
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -63,8 +65,16 @@ class TokenizeBody(BaseModel):
     prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(None, max_length=4096)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
-    add_generation_prompt: bool = Field(True, description="only true: the generation prompt "
-                                        "is always appended")
+    add_generation_prompt: Literal[True] = Field(True, description="the generation prompt is "
+                                                 "always appended")
+    add_special_tokens: Literal[False] = Field(False, description="text is encoded as is")
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int] = Field(..., max_length=MAX_PROMPT_CHARS)
 
 
 class WeightsBody(BaseModel):
@@ -162,6 +172,14 @@ def build_engine_app(engine: Engine, served_name: str, token: str | None = None,
         else:
             raise BadRequest("tokenize needs prompt or messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.max_seq_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise BadRequest(f"tokens: id {bad[0]} outside vocabulary of {tok.vocab_size}")
+        return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
 
     @app.get("/v1/models")
     async def models():

@@ -38,6 +38,7 @@ from tidal.control.admission import AdmissionRule, concurrency_target, curve_fro
 from tidal.errors import ConfigError, TimeoutExpired
 from tidal.seeding import call_seed, continued_seed
 from tidal.serving.adapters import make_adapter
+from tidal.serving.drift import bridge
 from tidal.serving.admission import AdmissionQueue
 from tidal.serving.health import HealthMonitor
 from tidal.serving.kv_handoff import Attempt, export_kv, import_kv, release_import
@@ -240,11 +241,19 @@ class Proxy:
             with contextlib.suppress(TimeoutError):  # 1 s: only bounds a missed join
                 await asyncio.wait_for(self._joined.wait(), min(left, 1.0))
 
+    async def bridge(self, execution_id: str, prompt: list[int]) -> list[int] | None:
+        """``prompt`` with the ids the model sampled for the execution's earlier turns in
+        place of their re-tokenized text (``drift.bridge``); None: nothing to replace."""
+        member = next((m for m in self.router.members.values() if m.alive), None)
+        if member is None:
+            return None
+        return await bridge(member.adapter, self.records.calls(execution_id), prompt)
+
     async def complete(self, execution_id: str | None, prompt: list[int],
                        params: SamplingParams,
                        on_chunk: Callable[[TokenChunk], None] | None = None,
                        record_overhead: bool = True, timeout_s: float | None = None,
-                       session: str | None = None) -> Result:
+                       session: str | None = None, bridged: bool = False) -> Result:
         """Run one model call to its end across engine changes, within ``timeout_s`` (default
         ``request_timeout_s``). ``res.upstream_s`` is the time spent waiting on engines and
         admission; the rest is the proxy's own (recorded in ``overhead_s`` unless the caller
@@ -252,7 +261,8 @@ class Proxy:
         if len(prompt) > self.config.max_prompt_tokens:
             raise BadRequest(f"prompt of {len(prompt)} tokens exceeds the limit of "
                              f"{self.config.max_prompt_tokens}")
-        call = ModelCall(uuid.uuid4().hex[:16], list(prompt), params.max_tokens)
+        call = ModelCall(uuid.uuid4().hex[:16], list(prompt), params.max_tokens,
+                         bridged=bridged)
         self.totals["calls"] += 1
         params = self._seeded(execution_id, params)
         try:
@@ -398,6 +408,8 @@ class Proxy:
             attempt.started = True
             if chunk.prompt_token_ids is not None:
                 seg.cached_tokens = chunk.cached_tokens or 0
+                member.prompt_tokens += len(prompt_now)
+                member.cached_tokens += seg.cached_tokens
                 # tokens an earlier engine had computed and this one computes again; an
                 # attempt aborted before its engine computed anything (it waited in the
                 # queue: the abort reports the KV it held) recomputed nothing, and the
@@ -464,8 +476,21 @@ class Proxy:
                 "capacity": self.router.capacity(),
                 "inflight": sum(len(m.inflight) for m in self.router.members.values()),
                 **self.queue.stats(),
-                "executions_recorded": len(self.records),
+                "executions_recorded": len(self.records), **self.records.stats(),
+                **self._cache_share(),
                 "rerouted_executions": self.router.rerouted_executions, **self.totals}
+
+    def _cache_share(self) -> dict:
+        """Prompt tokens the engines found cached (prefix cache, imported KV), per engine and
+        in all: what affinity buys."""
+        members = list(self.router.members.values())
+        prompt = sum(m.prompt_tokens for m in members)
+        cached = sum(m.cached_tokens for m in members)
+        return {"prompt_tokens": prompt, "cached_tokens": cached,
+                "cached_token_share": round(cached / prompt, 4) if prompt else 0.0,
+                "cached_token_share_by_engine": {
+                    m.engine_id: round(m.cached_tokens / m.prompt_tokens, 4)
+                    if m.prompt_tokens else 0.0 for m in members}}
 
     def serving(self) -> int:
         """Engines that take calls now (routable)."""

@@ -238,7 +238,7 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
             return None
 
     async def answer(eid: str | None, prompt: list[int], body, kind: str, t_entry: float,
-                     session: str | None):
+                     session: str | None, bridged: bool):
         params = body.sampling()
         timeout_s = timeout_of(eid)
         rid = uuid.uuid4().hex
@@ -252,7 +252,8 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
             keep = (lambda _: None) if kind == "generate" else None
             results = list(await asyncio.gather(*[
                 proxy.complete(eid, prompt, params, on_chunk=keep, record_overhead=False,
-                               timeout_s=timeout_s, session=session) for _ in range(n)]))
+                               timeout_s=timeout_s, session=session, bridged=bridged)
+                for _ in range(n)]))
             texts = [[f"token_id:{t}" for t in r.token_ids] for r in results]
             if kind == "generate":
                 out = token_in_response(rid, model, results[0])
@@ -269,7 +270,7 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         queue: asyncio.Queue[tuple[int, TokenChunk | None]] = asyncio.Queue()
         tasks = [asyncio.create_task(proxy.complete(
             eid, prompt, params, on_chunk=lambda c, i=i: queue.put_nowait((i, c)),
-            timeout_s=timeout_s, session=session)) for i in range(n)]
+            timeout_s=timeout_s, session=session, bridged=bridged)) for i in range(n)]
         for i, task in enumerate(tasks):
             task.add_done_callback(lambda _, i=i: queue.put_nowait((i, None)))
         usage = body.stream_options is not None and body.stream_options.include_usage
@@ -300,10 +301,14 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
             prompt = body.prompt
         else:
             prompt = await proxy.tokenize(prompt=body.prompt, timeout_s=timeout_of(eid))
+        bridged = None
+        if kind == "chat" and eid is not None:  # the model's own ids for its earlier turns
+            bridged = await proxy.bridge(eid, prompt)
         t_entry += time.perf_counter() - t_up  # an engine's time, not the proxy's
         if not prompt:
             raise BadRequest("prompt is empty")
-        return await answer(eid, prompt, body, kind, t_entry, session)
+        return await answer(eid, bridged or prompt, body, kind, t_entry, session,
+                            bridged is not None)
 
     @app.post("/v1/completions", openapi_extra=_body_spec(CompletionRequest))
     async def completions(request: Request):
