@@ -38,8 +38,8 @@ from tidal.control.admission import AdmissionRule, concurrency_target, curve_fro
 from tidal.errors import ConfigError, TimeoutExpired
 from tidal.seeding import call_seed, continued_seed
 from tidal.serving.adapters import make_adapter
-from tidal.serving.drift import bridge
 from tidal.serving.admission import AdmissionQueue
+from tidal.serving.drift import bridge
 from tidal.serving.health import HealthMonitor
 from tidal.serving.kv_handoff import Attempt, export_kv, import_kv, release_import
 from tidal.serving.openai_api import Result
