@@ -27,7 +27,7 @@ from tidal.testing.chat_models import (
     set_template,
     teach,
 )
-from tidal.training.records import record_from_proxy, record_to_sequences
+from tidal.training.records import chain_breaks, record_from_proxy, record_to_sequences
 
 openai = pytest.importorskip("openai")
 QUESTION = [{"role": "user", "content": "Capital of France?"}]
@@ -100,6 +100,7 @@ def test_chain_breaks_counted_only_where_the_template_drops_text(
         first.output_token_ids).startswith(ANSWER)
     record = record_from_proxy("x", "g", [c.to_json() for c in calls_x], 1.0)
     sequences = record_to_sequences(record)
+    assert chain_breaks(record) == sum(c.chain_break for c in calls_x)
     if template == "consistent":
         print(f"\n{stats['bridged_calls']} of 6 calls bridged (sampled ids put back)")
         assert stats["chain_breaks"] == 0 and stats["recorded_calls"] == 6
