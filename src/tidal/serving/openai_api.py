@@ -359,6 +359,8 @@ def validation_message(errors) -> str:
         msg = err.get("msg")
         if err.get("type") == "extra_forbidden":
             msg = "not supported by this server (refused, not ignored)"
+        elif err.get("type") == "literal_error":
+            msg = f"{msg} (other values are not implemented)"
         parts.append(f"{loc or 'body'}: {msg}")
     return "; ".join(dict.fromkeys(parts)) or "invalid request"
 
