@@ -1,8 +1,11 @@
 """HTTP front of the proxy (``tidal proxy``): the OpenAI door for harnesses, the execution
 registration routes for external harnesses, and bearer-protected admin routes.
 
-In: OpenAI requests naming their execution by ``X-Tidal-Execution`` (or ``user``); admin calls.
-Out: one normal answer per request (retries across engines are invisible), JSON or SSE.
+In: OpenAI requests (``/v1/completions``, ``/v1/chat/completions``) and vLLM's token-in
+``/inference/v1/generate``, naming their execution by ``X-Tidal-Execution`` (or ``user``) and
+their session (engine affinity) by ``X-Session-ID``; admin calls. Out: one normal answer per
+request (retries across engines are invisible), JSON or SSE, with the tokens' weight versions
+also in the ``X-Tidal-Weight-Versions`` header.
 Admin: ``/tidal/engines`` (GET list, POST join), ``DELETE /tidal/engines/{id}``,
 ``/tidal/engines/{id}/drain``, ``/tidal/engines/{id}/undrain``, ``/tidal/stats``,
 ``/tidal/executions/{id}/records``. Harness: ``POST /tidal/executions`` (open, body at most 1 MiB),
@@ -23,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated
 
@@ -40,22 +43,18 @@ from tidal.serving.chat import tool_parser
 from tidal.serving.fast_path import MAX_BODY_BYTES, FastPath
 from tidal.serving.guard import CatchAll, Guard, is_loopback
 from tidal.serving.openai_api import (
-    SSE_DONE,
     VERSIONS_HEADER,
     ChatRequest,
     CompletionRequest,
-    ToolParse,
     chat_response,
     completion_response,
     error_body,
     install_error_handlers,
-    sse_chunk,
-    sse_usage,
-    tool_delta,
     versions_header,
 )
 from tidal.serving.protocol import BadRequest, NotFound, ServingError, TokenChunk
 from tidal.serving.proxy import Proxy
+from tidal.serving.proxy_stream import stream_choices
 from tidal.serving.token_in import TokenInRequest, token_in_response
 
 _bearer = HTTPBearer(auto_error=False)
@@ -114,42 +113,6 @@ def _json(body: dict, headers: dict[str, str] | None = None) -> Response:
 
 REQUESTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatRequest,
                                         "generate": TokenInRequest}
-
-
-async def _stream(rid: str, model: str, tasks: list[asyncio.Task], queue: asyncio.Queue,
-                  chat: bool, parse: ToolParse | None, usage: bool) -> AsyncIterator[bytes]:
-    """SSE events of ``len(tasks)`` choices as their chunks arrive; a choice's last event
-    carries its finish reason (and, with tools offered, its held-back text and tool calls)."""
-    texts = [""] * len(tasks)
-    open_ = len(tasks)
-    try:
-        while open_:
-            i, chunk = await queue.get()
-            if chunk is not None:
-                texts[i] += chunk.text
-                plain = TokenChunk(chunk.token_ids, chunk.logprobs, chunk.versions, chunk.text)
-                yield sse_chunk(rid, model, plain, chat, i, {} if parse else None)
-                continue
-            open_ -= 1
-            task = tasks[i]
-            if task.exception() is not None:
-                err = task.exception()
-                yield f"data: {json.dumps({'error': {'message': str(err)}})}\n\n".encode()
-                continue
-            res = task.result()
-            end = TokenChunk(finish_reason=res.finish_reason)
-            delta = None
-            if parse is not None:
-                delta, called = tool_delta(texts[i], parse)
-                if called and res.finish_reason == "stop":
-                    end.finish_reason = "tool_calls"
-            yield sse_chunk(rid, model, end, chat, i, delta)
-        if usage and all(t.exception() is None for t in tasks):
-            yield sse_usage(rid, model, [t.result() for t in tasks], chat)
-        yield SSE_DONE
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 def _validate(raw: bytes, model: type[BaseModel]):
@@ -274,7 +237,7 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         for i, task in enumerate(tasks):
             task.add_done_callback(lambda _, i=i: queue.put_nowait((i, None)))
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_stream(rid, model, tasks, queue, chat, parse, usage),
+        return StreamingResponse(stream_choices(rid, model, tasks, queue, chat, parse, usage),
                                  media_type="text/event-stream")
 
     async def serve(raw: bytes, header_eid: str | None, kind: str,
