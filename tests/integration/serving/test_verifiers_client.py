@@ -22,11 +22,9 @@ TOKEN = "verifiers-token"
 
 
 def test_verifiers_train_client_over_the_token_in_route(tiny_model, tmp_path):
-    from renderers.base import load_tokenizer
-    from renderers.client import generate
+    from tidal.agents.verifiers_kind import make_renderer, run_episode
 
-    renderer = renderers.create_renderer(load_tokenizer(str(tiny_model)),
-                                         renderers.DefaultRendererConfig())
+    renderer = make_renderer(str(tiny_model))
     dataset = reasoning_gym.create_dataset("basic_arithmetic", size=3, seed=7)
     engine = start_engine(tiny_model, name="tiny", log_path=tmp_path / "e.log", token=TOKEN)
     proxy = None
@@ -36,12 +34,11 @@ def test_verifiers_train_client_over_the_token_in_route(tiny_model, tmp_path):
                             ).wait_healthy(60)
 
         async def episode(i: int, entry: dict) -> tuple[dict, float]:
-            async with openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x") as client:
-                out = await generate(
-                    client=client, renderer=renderer, model="tiny",
-                    messages=[{"role": "user", "content": entry["question"]}],
-                    sampling_params={"max_tokens": 12, "temperature": 1.0, "top_p": 0.95},
-                    extra_headers={"X-Tidal-Execution": f"vf{i}", "X-Session-ID": f"vf{i}"})
+            out = await run_episode(
+                f"{proxy.url}/v1", "x", "tiny", renderer,
+                [{"role": "user", "content": entry["question"]}],
+                {"max_tokens": 12, "temperature": 1.0, "top_p": 0.95}, session=f"vf{i}",
+                headers={"X-Tidal-Execution": f"vf{i}"})
             return out, float(dataset.score_answer(out["content"] or "", entry))
 
         async def main():
