@@ -52,7 +52,13 @@ from tidal.serving.openai_api import (
     install_error_handlers,
     versions_header,
 )
-from tidal.serving.protocol import BadRequest, NotFound, ServingError, TokenChunk
+from tidal.serving.protocol import (
+    BadRequest,
+    NotFound,
+    SamplingParams,
+    ServingError,
+    TokenChunk,
+)
 from tidal.serving.proxy import Proxy
 from tidal.serving.proxy_stream import stream_choices
 from tidal.serving.token_in import TokenInRequest, token_in_response
@@ -113,6 +119,15 @@ def _json(body: dict, headers: dict[str, str] | None = None) -> Response:
 
 REQUESTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatRequest,
                                         "generate": TokenInRequest}
+
+
+def _choice(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of ``n``: with the caller's seed, each choice samples with its own
+    (seed + index, within int64), so n choices are n samples, reproducibly."""
+    if params.seed is None or index == 0:
+        return params
+    seed = (params.seed + index + 2**63) % 2**64 - 2**63
+    return params.model_copy(update={"seed": seed})
 
 
 def _validate(raw: bytes, model: type[BaseModel]):
@@ -214,9 +229,9 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
             # the tokens it had (a one-piece engine answer dies with its engine)
             keep = (lambda _: None) if kind == "generate" else None
             results = list(await asyncio.gather(*[
-                proxy.complete(eid, prompt, params, on_chunk=keep, record_overhead=False,
-                               timeout_s=timeout_s, session=session, bridged=bridged)
-                for _ in range(n)]))
+                proxy.complete(eid, prompt, _choice(params, i), on_chunk=keep,
+                               record_overhead=False, timeout_s=timeout_s, session=session,
+                               bridged=bridged) for i in range(n)]))
             texts = [[f"token_id:{t}" for t in r.token_ids] for r in results]
             if kind == "generate":
                 out = token_in_response(rid, model, results[0])
@@ -232,7 +247,7 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
             return resp
         queue: asyncio.Queue[tuple[int, TokenChunk | None]] = asyncio.Queue()
         tasks = [asyncio.create_task(proxy.complete(
-            eid, prompt, params, on_chunk=lambda c, i=i: queue.put_nowait((i, c)),
+            eid, prompt, _choice(params, i), on_chunk=lambda c, i=i: queue.put_nowait((i, c)),
             timeout_s=timeout_s, session=session, bridged=bridged)) for i in range(n)]
         for i, task in enumerate(tasks):
             task.add_done_callback(lambda _, i=i: queue.put_nowait((i, None)))

@@ -122,6 +122,8 @@ def test_sampling_fields_streamed_and_not(served):
     assert pieces[-1].usage.completion_tokens == len(rec["output_token_ids"])
     two = oa.chat.completions.create(**{**base, "temperature": 1.0}, n=2, top_p=0.9, seed=5)
     assert [c.index for c in two.choices] == [0, 1]
+    ids = [c.model_extra["token_ids"] for c in two.choices]
+    assert ids[0] != ids[1]  # two samples, not one twice
     assert len(_records(served, "fields")) == 3 + 2  # each choice its own record chain
     two_s = list(oa.chat.completions.create(**{**base, "temperature": 1.0}, n=2,
                                             stream=True, seed=5))
