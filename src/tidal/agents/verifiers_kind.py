@@ -8,7 +8,7 @@ renders the prompts, required), ``renderer`` (a ``renderers`` config name, defau
 ``default``), ``tool_parser`` (optional). Out: ``AgentOutcome`` with the last answer's text;
 the reward is the run's reward function's (a reasoning-gym task source scores with
 reasoning-gym). The proxy records the token ids the engine sampled, which are the ids verifiers
-received (``tests/integration/serving/test_verifiers_client.py``).
+received (``tests/integration/serving/test_openai_conformance.py``).
 """
 
 from __future__ import annotations

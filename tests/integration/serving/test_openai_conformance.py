@@ -2,7 +2,7 @@
 built-in engine process: every implemented field (streamed and not) does what it says, a
 tool-calling round trip through the model's own chat template, the token-in route, the weight
 versions header, each refused field a 400 naming it, and 10 poisoned calls among 40 costing the
-30 honest ones nothing.
+30 honest ones nothing; and verifiers' train client over the token-in route.
 
 The tiny model carries a Hermes/Qwen2.5-style tools template and was taught (a few hundred
 optimizer steps, ``tidal.testing.chat_models.teach``) to answer one weather question with one
@@ -172,6 +172,38 @@ def test_refused_fields_are_named(served, extra, field):
     with pytest.raises(openai.BadRequestError) as info:
         oa.chat.completions.create(**body)
     assert field in str(info.value)
+
+
+def test_verifiers_train_client_over_the_token_in_route(served, tool_model):
+    """verifiers' own train-client path (``renderers.client.generate``, what ``verifiers.v1``'s
+    ``TrainClient`` calls per turn: it renders the prompt, reads ``max_model_len`` from
+    ``/v1/models``, posts the token-in route with ``X-Session-ID``, checks every log-prob entry)
+    over reasoning-gym questions (generated locally), via tidal's verifiers agent kind: the
+    proxy's records hold exactly the ids and log-probs verifiers received."""
+    reasoning_gym = pytest.importorskip("reasoning_gym")
+    pytest.importorskip("renderers")
+    from tidal.agents.verifiers_kind import make_renderer, run_episode
+
+    renderer = make_renderer(str(tool_model))
+    dataset = reasoning_gym.create_dataset("basic_arithmetic", size=3, seed=7)
+
+    async def episode(i: int, entry: dict) -> tuple[dict, float]:
+        out = await run_episode(f"{served}/v1", "x", "tiny", renderer,
+                                [{"role": "user", "content": entry["question"]}],
+                                {"max_tokens": 12, "temperature": 1.0, "top_p": 0.95},
+                                session=f"vf{i}", headers={"X-Tidal-Execution": f"vf{i}"})
+        return out, float(dataset.score_answer(out["content"] or "", entry))
+
+    async def main():
+        return await asyncio.gather(*[episode(i, e) for i, e in enumerate(dataset)])
+
+    for i, (out, reward) in enumerate(asyncio.run(main())):
+        [call] = _records(served, f"vf{i}")
+        assert call["prompt_token_ids"] == out["prompt_ids"]
+        assert call["output_token_ids"] == out["completion_ids"] and out["completion_ids"]
+        logprobs = [lp for s in call["segments"] for lp in s["logprobs"]]
+        assert logprobs == pytest.approx(out["completion_logprobs"])
+        assert 0.0 <= reward <= 1.0
 
 
 def test_poisoned_sampling_fails_alone(served):
