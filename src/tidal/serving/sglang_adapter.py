@@ -40,6 +40,8 @@ class SGLangAdapter(NoKVHandoff, HTTPEngineBase):
             sampling["stop_token_ids"] = p.stop_token_ids
         if p.top_p < 1.0:
             sampling["top_p"] = p.top_p
+        if p.seed is not None:  # SGLang's per-request seed (needs its deterministic sampler)
+            sampling["sampling_seed"] = p.seed
         if p.stop:
             sampling["stop"] = p.stop
         body = {"input_ids": req.prompt_token_ids, "sampling_params": sampling,
