@@ -228,10 +228,12 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
             # token in: streamed from the engine, so a call whose engine dies continues from
             # the tokens it had (a one-piece engine answer dies with its engine)
             keep = (lambda _: None) if kind == "generate" else None
-            results = list(await asyncio.gather(*[
-                proxy.complete(eid, prompt, _choice(params, i), on_chunk=keep,
-                               record_overhead=False, timeout_s=timeout_s, session=session,
-                               bridged=bridged) for i in range(n)]))
+            calls = [proxy.complete(eid, prompt, _choice(params, i), on_chunk=keep,
+                                    record_overhead=False, timeout_s=timeout_s,
+                                    session=session, bridged=bridged) for i in range(n)]
+            # one choice: awaited in this task (it takes its engine slot at once, in the
+            # order calls arrive); n: side by side
+            results = [await calls[0]] if n == 1 else list(await asyncio.gather(*calls))
             texts = [[f"token_id:{t}" for t in r.token_ids] for r in results]
             if kind == "generate":
                 out = token_in_response(rid, model, results[0])
