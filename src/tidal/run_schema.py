@@ -156,6 +156,13 @@ class Summary(_Line):
     nodes_lost: int | None = None  # of those, nodes gone by the end of the run
     backend_by_engine: dict[str, str] | None = None  # engine id -> builtin | vllm | sglang
     reprefill_tokens: int | None = None  # prompt tokens computed again after moves
+    # model calls whose prompt extended no earlier call of their execution (re-tokenization
+    # drift a bridge could not remove), per 100 recorded calls
+    chain_breaks_per_100_calls: float | None = None
+    chain_breaks: int | None = None
+    bridged_calls: int | None = None  # calls whose earlier turns got the sampled ids back
+    cached_token_share: float | None = None  # prompt tokens engines found cached
+    cached_token_share_by_engine: dict[str, float] | None = None
     switch_s: dict[str, dict[str, float]] | None = None  # direction -> n, p50_s, max_s
 
 

@@ -40,10 +40,17 @@ import click
                    "passes its --engine-token).")
 @click.option("--read-timeout-s", default=30.0, show_default=True,
               help="A request must arrive whole (head and body) within this time.")
+@click.option("--tool-call-parser", default="hermes", show_default=True,
+              type=click.Choice(["hermes"]),
+              help="How tool calls are read out of chat answers (see `tidal proxy -h`).")
+@click.option("--prefix-cache-mb", default=0.0, show_default=True,
+              type=click.FloatRange(min=0),
+              help="Keep finished requests' KV (up to this many MiB) for the next call of "
+                   "their conversation (what session affinity routes to); 0: off.")
 def command(model_dir: str, port: int, host: str, name: str | None, max_batch: int,
             max_waiting: int, threads: int, weight_version: str, seed: int,
             step_in_thread: bool, device: str, token: str | None,
-            read_timeout_s: float) -> None:
+            read_timeout_s: float, tool_call_parser: str, prefix_cache_mb: float) -> None:
     """Serve MODEL on HOST:PORT with continuous batching."""
     from pathlib import Path
 
@@ -71,9 +78,10 @@ def command(model_dir: str, port: int, host: str, name: str | None, max_batch: i
                                                         max_waiting=max_waiting,
                                                         seed=seed,
                                                         step_in_thread=step_in_thread,
-                                                        device=device),
+                                                        device=device,
+                                                        prefix_cache_mb=prefix_cache_mb),
                     weight_version=weight_version)
-    app = build_engine_app(engine, served, token)
+    app = build_engine_app(engine, served, token, tool_call_parser)
     # The stdlib loop, never uvloop: model steps run on the loop, and under uvloop streamed
     # chunks were seen held up to ~1 s behind them (benchmarks/proxy_overhead.py).
     run_server(app, host, port, read_timeout_s=read_timeout_s, loop="asyncio")

@@ -31,12 +31,25 @@ def fetch_cmd(name: str) -> None:
 @click.option("--max-seq-len", default=1024, show_default=True)
 @click.option("--arch", type=click.Choice(["llama", "qwen2"]), default="llama",
               show_default=True)
+@click.option("--chat-template", "template", show_default=True, default="smollm2",
+              type=click.Choice(["smollm2", "hermes-tools", "qwen3-strip-think"]),
+              help="smollm2: no tool support; hermes-tools: Qwen2.5-style tools and "
+                   "<tool_call> answers; qwen3-strip-think: that, and earlier turns lose "
+                   "their <think> part (re-tokenization drift).")
 def init_tiny_cmd(out_dir: str, seed: int, layers: int, d_model: int, heads: int,
-                  max_seq_len: int, arch: str) -> None:
+                  max_seq_len: int, arch: str, template: str) -> None:
     """Write a tiny Hugging Face model (random weights, a BPE tokenizer trained on the bundled
-    corpus, SmolLM2's chat template) into OUT and print its path."""
+    corpus, a chat template: SmolLM2's by default) into OUT and print its path."""
     from tidal.models.hf import create_tiny
+    from tidal.testing.chat_models import (
+        HERMES_TOOLS_TEMPLATE,
+        QWEN3_STRIP_THINK_TEMPLATE,
+        set_template,
+    )
 
     path = create_tiny(out_dir, seed=seed, arch=arch, n_layers=layers, d_model=d_model,
                        n_heads=heads, d_ff=4 * d_model, max_seq_len=max_seq_len)
+    if template != "smollm2":
+        set_template(path, HERMES_TOOLS_TEMPLATE if template == "hermes-tools"
+                     else QWEN3_STRIP_THINK_TEMPLATE)
     click.echo(str(path))

@@ -51,11 +51,19 @@ import click
 @click.option("--engine-curve", default=None, metavar="B:TOK_S,...",
               help="The engines' throughput curve, e.g. 1:200,32:3200,128:8800 "
                    "(batch:tokens/s; needed with --admission).")
+@click.option("--tool-call-parser", default="hermes", show_default=True,
+              type=click.Choice(["hermes"]),
+              help="How tool calls are read out of chat answers, per model family (hermes: "
+                   "<tool_call>{json}</tool_call>, Qwen2.5/Qwen3/Hermes).")
+@click.option("--affinity/--no-affinity", default=True, show_default=True,
+              help="Keep the calls of one X-Session-ID (else one execution) on the engine "
+                   "that holds their prefix while it has a slot.")
 def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ...],
             backend: str, cap: int, admin_token: str | None, kv_handoff: bool,
             wait_s: float, require_registration: bool, engine_token: str | None,
             request_timeout_s: float, read_timeout_s: float, seed: int | None,
-            admission: str, admission_order: str, engine_curve: str | None) -> None:
+            admission: str, admission_order: str, engine_curve: str | None,
+            tool_call_parser: str, affinity: bool) -> None:
     """Run the proxy in front of ENGINE / CELL URLs."""
     from tidal.serving.guard import is_loopback, run_server
     from tidal.serving.proxy import Proxy, ProxyConfig
@@ -76,7 +84,8 @@ def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ..
                               require_registration=require_registration,
                               request_timeout_s=request_timeout_s, seed=seed,
                               admission=admission, admission_order=admission_order,
-                              engine_curve=parse_curve(engine_curve)))
+                              engine_curve=parse_curve(engine_curve),
+                              tool_call_parser=tool_call_parser, affinity=affinity))
 
     async def join_all() -> None:
         for i, url in enumerate(engines):

@@ -25,7 +25,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
+                            ) -> list[int]: ...
 
 
 class HFTokenizer:
@@ -45,6 +46,9 @@ class HFTokenizer:
         self.eos_id: int = int(self.hf.eos_token_id)
         self.vocab_size: int = len(self.hf)
         self.has_chat_template = bool(self.hf.chat_template)
+        # transformers renders ``tools=`` only where the template reads ``tools``; any other
+        # template would drop the tool definitions without a word
+        self.renders_tools = "tools" in str(self.hf.chat_template or "")
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -57,15 +61,19 @@ class HFTokenizer:
             raise TidalError(f"token id {token_id} outside vocabulary of {self.vocab_size}")
         return self.decode([token_id]).encode("utf-8")
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text of ``messages`` with the generation prompt appended."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text of ``messages`` (and ``tools``, OpenAI's function definitions) with
+        the generation prompt appended."""
         if not self.has_chat_template:
             raise TidalError("this model directory has no chat template; send a raw prompt")
+        if tools and not self.renders_tools:
+            raise TidalError("tools: this model's chat template has no tool support")
         try:
-            return self.hf.apply_chat_template(messages, add_generation_prompt=True,
-                                               tokenize=False)
+            return self.hf.apply_chat_template(messages, tools=tools or None,
+                                               add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja2's TemplateError and the template's raise_exception
             raise TidalError(f"chat template: {str(exc).splitlines()[0]}") from exc
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
+                            ) -> list[int]:
+        return self.encode(self.render_chat(messages, tools))

@@ -206,6 +206,10 @@ def summary(*, ctl: Any, bursts: int, metrics: list[dict[str, Any]], version: in
         "kv_handoffs": stats["kv_handoffs"], "engine_failures": stats["engine_failures"],
         # prompt tokens an engine computed again after a move without a KV handoff
         "reprefill_tokens": stats.get("reprefill_tokens", 0),
+        # re-tokenization drift and prefix-cache reuse (serving.records, Proxy._cache_share)
+        **{k: stats[k] for k in ("chain_breaks_per_100_calls", "chain_breaks",
+                                 "bridged_calls", "cached_token_share",
+                                 "cached_token_share_by_engine") if k in stats},
         "backend_by_engine": {e["name"]: e.get("backend", "builtin") for e in engines},
         "switch_s": switch_times(ctl.plans_done),
         "engine_memory": {e["name"]: e["memory"] for e in engines if e.get("memory")},

@@ -42,8 +42,10 @@ class EngineAdapter(Protocol):
     supports_kv_handoff: bool
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]: ...
-    async def tokenize(self, prompt: str | None = None,
-                       messages: list[dict] | None = None) -> list[int]: ...
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       tools: list[dict] | None = None,
+                       add_special_tokens: bool | None = None) -> list[int]: ...
+    async def detokenize(self, token_ids: list[int]) -> str: ...
     async def pause(self, mode: str) -> None: ...
     async def resume(self) -> None: ...
     async def abort(self, request_ids: list[str] | None, keep_kv: bool = False) -> int: ...
@@ -120,18 +122,39 @@ class HTTPEngineBase:
         except HTTPFailure as exc:
             raise EngineUnavailable(f"{self.url}{path}: {exc}") from exc
 
-    async def tokenize(self, prompt: str | None = None,
-                       messages: list[dict] | None = None) -> list[int]:
-        """Prompt ids via the engine's ``/tokenize`` (same shape on vLLM and the built-in)."""
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       tools: list[dict] | None = None,
+                       add_special_tokens: bool | None = None) -> list[int]:
+        """Prompt ids via the engine's ``/tokenize`` (same shape on vLLM and the built-in):
+        messages (with ``tools``, rendered by the model's chat template) or a text prompt."""
         body: dict = {"messages": messages, "add_generation_prompt": True} if messages else {
             "prompt": prompt}
+        if tools:
+            body["tools"] = tools
+        if add_special_tokens is not None:
+            body["add_special_tokens"] = add_special_tokens
         model = getattr(self, "model", None)
         if model:
             body["model"] = model
         return list((await self._call("POST", "/tokenize", json=body)).json()["tokens"])
 
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens included (vLLM's ``/detokenize``)."""
+        body: dict = {"tokens": token_ids}
+        model = getattr(self, "model", None)
+        if model:
+            body["model"] = model
+        return str((await self._call("POST", "/detokenize", json=body)).json()["prompt"])
+
     async def served_model(self) -> str:
-        return str((await self._call("GET", "/v1/models")).json()["data"][0]["id"])
+        return (await self.served_model_card())[0]
+
+    async def served_model_card(self) -> tuple[str, int | None]:
+        """The served model's name and context length (vLLM's ``max_model_len``; None where
+        the engine does not say)."""
+        card = (await self._call("GET", "/v1/models")).json()["data"][0]
+        max_len = card.get("max_model_len")
+        return str(card["id"]), int(max_len) if isinstance(max_len, int) else None
 
     async def health(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -187,7 +210,8 @@ class BuiltinAdapter(HTTPEngineBase):
                 "request_id": req.request_id, "kv_handle": req.kv_handle,
                 "stream_interval_ms": self.stream_interval_ms, "logprobs": 0,
                 "max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
-                "seed": p.seed, "ignore_eos": p.ignore_eos, "stop_token_ids": p.stop_token_ids}
+                "top_p": p.top_p, "seed": p.seed, "ignore_eos": p.ignore_eos,
+                "stop_token_ids": p.stop_token_ids, "stop": p.stop}
         if req.stream:
             async for event in self._sse("/v1/completions", body):
                 yield TokenChunk.from_json(event["tidal"])

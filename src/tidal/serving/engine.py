@@ -33,7 +33,8 @@ from tidal.clock import Clock, WallClock
 from tidal.models import CausalLM, Tokenizer, read_weights
 from tidal.models.device import DEVICE_PATTERN, resolve_device
 from tidal.serving.engine_state import KVStore, RateMeter, Request, sample_batch
-from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, TokenChunk
+from tidal.serving.prefix_cache import PrefixCache
+from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, StopText, TokenChunk
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -53,6 +54,10 @@ class EngineConfig(BaseModel):
     # thread only adds GIL hand-offs; big models release the GIL in their kernels
     step_in_thread: bool = False
     device: str = Field("cpu", pattern=DEVICE_PATTERN, description="'cpu', 'cuda' or 'cuda:N'")
+    # KV of finished requests kept for the next call of their conversation (0: off, the
+    # default: a prefill from cached KV can differ from a fresh one in the last float bits,
+    # which seeded replays of a run must not see)
+    prefix_cache_mb: float = Field(0.0, ge=0)
 
 
 class Engine:
@@ -70,6 +75,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._aborted_early: dict[str, bool] = {}  # id -> keep_kv, oldest first
         self.kv = KVStore(model, self.clock, self.config.kv_lease_s)
+        self.prefix = PrefixCache(int(self.config.prefix_cache_mb * 2**20))
         self._paused = False
         self._sleeping = False
         self._spill: Path | None = None
@@ -79,7 +85,8 @@ class Engine:
         self._rng = torch.Generator().manual_seed(self.config.seed)
         self.meter = RateMeter(self.clock)
         self.totals = {"generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
-                       "requests": 0, "aborted": 0, "step_failures": 0}
+                       "requests": 0, "aborted": 0, "step_failures": 0,
+                       "sampling_failures": 0}
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,6 +110,7 @@ class Engine:
         ``min_interval_s`` tokens are coalesced into at most one chunk per interval (an abort
         or finish is sent at once). Closing the iterator early aborts the request."""
         r = self._admit(req)
+        stops = StopText(req.params.stop)
         try:
             sent = texted = 0  # tokens sent; tokens whose text is sent (it may lag)
             first = True
@@ -113,9 +121,12 @@ class Engine:
                         await asyncio.wait_for(r.finished.wait(), min_interval_s)
                 r.changed.clear()
                 n = len(r.tokens)
-                text, texted = self._text(r, texted, n, final=r.finish_reason is not None)
+                final = r.finish_reason is not None
+                # the text of a stop token (eos, stop_token_ids) is not the answer's (vLLM)
+                end = n - 1 if final and self._ended_by_stop_token(r) else n
+                text, texted = self._text(r, texted, max(texted, end), final=final)
                 chunk = TokenChunk(r.tokens[sent:n], r.logprobs[sent:n], r.versions[sent:n],
-                                   text=text)
+                                   text=stops.feed(text, final))
                 if first:
                     chunk.prompt_token_ids, chunk.cached_tokens = r.prompt, r.cached_tokens
                     first = False
@@ -132,6 +143,11 @@ class Engine:
             if r.finish_reason is None:
                 self.abort([r.id])
             self._requests.pop(r.id, None)
+
+    def _ended_by_stop_token(self, r: Request) -> bool:
+        last = r.tokens[-1] if r.tokens else None
+        return (r.finish_reason == "stop" and not r.params.ignore_eos and last is not None
+                and (last == self.tokenizer.eos_id or last in r.params.stop_token_ids))
 
     def _text(self, r: Request, start: int, end: int, final: bool) -> tuple[str, int]:
         """The text of tokens ``start:end`` and where the next chunk's text starts. Decoded
@@ -167,6 +183,9 @@ class Engine:
             # what start() will reuse; reported as is if an abort comes first (nothing is
             # computed, the adopted cache is what an abort with keep_kv pins)
             r.cached_tokens = min(adopted, len(r.prompt) - 1)
+        else:  # the conversation's previous call may have left its KV here
+            r.cache, hit = self.prefix.take(r.prompt)
+            r.cached_tokens = min(hit, len(r.prompt) - 1)
         if r.params.seed is not None:
             r.rng = torch.Generator().manual_seed(r.params.seed)
         self._requests[r.id] = r
@@ -243,6 +262,7 @@ class Engine:
         async with self._step_lock:
             self.abort(None)
             self.kv.clear()
+            self.prefix.clear()
             if level == 1 and not self._sleeping:
                 from safetensors.torch import save_file
 
@@ -284,6 +304,7 @@ class Engine:
                 self._sleeping = False
                 self._spill = None
             self.model.load_weights(sd)
+            self.prefix.clear()  # KV computed by the old weights
             self._weights_source = Path(path)
             self.weight_version = version
         log.info("engine %s loaded weights %s from %s", self.config.name, version, path)
@@ -305,8 +326,10 @@ class Engine:
                 "weight_version": self.weight_version,
                 "tokens_per_s": round(self.meter.rate(), 2),
                 "kv_bytes": sum(r.cache.nbytes() for r in self._running if r.cache)
-                + self.kv.nbytes(),
+                + self.kv.nbytes() + self.prefix.nbytes(),
                 "weights_bytes": self.model.weights_nbytes(), "pinned_kv": len(self.kv),
+                "prefix_cache": {"entries": len(self.prefix), "hits": self.prefix.hits,
+                                 "misses": self.prefix.misses},
                 **self.totals}
 
     # -- the loop --------------------------------------------------------------------------
@@ -370,18 +393,25 @@ class Engine:
             logits = logits.float().cpu()
         logp = torch.log_softmax(logits.float(), dim=-1)
         tokens = sample_batch(batch, logits, logp, self._rng)
-        chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        safe = [0 if t is None else t for t in tokens]
+        chosen = logp.gather(1, torch.tensor(safe)[:, None])[:, 0].tolist()
         for i, r in enumerate(batch):
             r.pending = []
             if r.finish_reason is not None:  # aborted while the step ran
                 continue
             token = tokens[i]
+            if token is None:  # its own sampling failed: it ends alone, the batch goes on
+                self.totals["sampling_failures"] += 1
+                self._finish(r, "error")
+                continue
             r.tokens.append(token)
             r.logprobs.append(chosen[i])
             r.versions.append(version)
             r.pending = [token]
             self.totals["generated_tokens"] += 1
             reason = r.stop_reason(self.tokenizer.eos_id, self.model.max_seq_len)
+            if reason != "stop" and r.stop_string_hit(self.tokenizer.decode):
+                reason = "stop"
             if reason:
                 self._finish(r, reason)
             else:
@@ -392,6 +422,8 @@ class Engine:
         r.finish_reason = reason
         r.finished.set()
         r.kv_tokens = r.cache.length if r.cache is not None else 0
+        if reason in ("stop", "length") and r.cache is not None:
+            self.prefix.put(r.prompt + r.tokens, r.cache)
         r.cache = None
         if r in self._running:
             self._running.remove(r)

@@ -4,7 +4,8 @@ In: HTTP requests on loopback (``tidal engine``). Out: completions (JSON or SSE)
 results, KV blobs. Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
 ``/pause?mode=``, ``/resume``, ``/is_paused``, ``/abort_requests``, ``/sleep?level=``, ``/wake_up``,
 ``/is_sleeping``, ``/update_weights``, ``/update_weight_version``, ``/weight_info``, ``/stats``,
-``/health``, ``/load``, and ``/tidal/kv`` (export / import / release one request's KV cache).
+``/health``, ``/load``, ``/tokenize``, ``/detokenize``, and ``/tidal/kv`` (export / import /
+release one request's KV cache).
 
 Every route requires the run's bearer token when one is set (``guard.Guard``): without it any
 local process could relabel the served weights, abort calls, put the engine to sleep or load a
@@ -19,26 +20,31 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Literal
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.errors import TidalError
+from tidal.serving.chat import MAX_PROMPT_CHARS, MAX_TOOLS, ChatMessage, Tool, tool_parser
 from tidal.serving.engine import Engine
 from tidal.serving.fast_path import unless_gone
 from tidal.serving.guard import CatchAll, Guard
 from tidal.serving.openai_api import (
-    MAX_PROMPT_CHARS,
     SSE_DONE,
-    ChatMessage,
+    VERSIONS_HEADER,
     ChatRequest,
     CompletionRequest,
     Result,
+    ToolParse,
     chat_response,
     completion_response,
     install_error_handlers,
     sse_chunk,
+    sse_usage,
+    tool_delta,
+    versions_header,
 )
 from tidal.serving.protocol import BadRequest, GenerateRequest, NotFound
 
@@ -53,11 +59,22 @@ class AbortBody(BaseModel):
 
 
 class TokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(None, max_length=4096)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    add_generation_prompt: Literal[True] = Field(True, description="the generation prompt is "
+                                                 "always appended")
+    add_special_tokens: Literal[False] = Field(False, description="text is encoded as is")
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int] = Field(..., max_length=MAX_PROMPT_CHARS)
 
 
 class WeightsBody(BaseModel):
@@ -73,8 +90,11 @@ class VersionBody(BaseModel):
     new_version: str = Field(..., min_length=1, max_length=128)
 
 
-def build_engine_app(engine: Engine, served_name: str, token: str | None = None) -> Guard:
-    """The engine's ASGI app; with ``token`` every route needs ``Authorization: Bearer``."""
+def build_engine_app(engine: Engine, served_name: str, token: str | None = None,
+                     tool_call_parser: str = "hermes") -> Guard:
+    """The engine's ASGI app; with ``token`` every route needs ``Authorization: Bearer``.
+    ``tool_call_parser`` (``chat.TOOL_PARSERS``) reads tool calls out of chat answers."""
+    parser = tool_parser(tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -95,34 +115,34 @@ def build_engine_app(engine: Engine, served_name: str, token: str | None = None)
     async def encode(text: str) -> list[int]:
         return await asyncio.to_thread(tok.encode, text)
 
-    async def encode_chat(messages) -> list[int]:
-        return await asyncio.to_thread(tok.apply_chat_template,
-                                       [m.model_dump() for m in messages])
+    async def encode_chat(messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        try:
+            return await asyncio.to_thread(tok.apply_chat_template, messages, tools)
+        except TidalError as exc:
+            raise BadRequest(str(exc)) from None
 
     async def run(request: Request, rid: str, prompt: list[int], body, chat: bool):
+        if body.n != 1:
+            raise BadRequest("n: an engine serves one choice per request (the proxy serves n)")
+        parse = parser if chat and body.parses_tools else None
         req = GenerateRequest(rid, prompt, body.sampling(), kv_handle=body.kv_handle)
         stream = engine.generate(req, min_interval_s=body.stream_interval_ms / 1000.0)
         first = await anext(stream)  # admission errors surface here, before any byte is sent
-        if body.stream:
-            async def events() -> AsyncIterator[bytes]:
-                try:
-                    yield sse_chunk(rid, served_name, first, chat)
-                    async for chunk in stream:
-                        yield sse_chunk(rid, served_name, chunk, chat)
-                    yield SSE_DONE
-                finally:
-                    await stream.aclose()
-
-            return StreamingResponse(events(), media_type="text/event-stream")
         res = Result(prompt)
         res.cached_tokens = first.cached_tokens or 0
         res.add(first)
+        if body.stream:
+            return StreamingResponse(_events(rid, served_name, first, stream, res, chat, parse,
+                                             body), media_type="text/event-stream")
         if not await _collect(request, stream, res):
             return Response(status_code=499)  # the caller is gone; its request was aborted
-        texts = [tok.decode([t]) for t in res.token_ids]
+        texts = [[tok.decode([t]) for t in res.token_ids]]
         if chat:
-            return chat_response(rid, served_name, res, body.logprobs, texts)
-        return completion_response(rid, served_name, res, body.logprobs is not None, texts)
+            out = chat_response(rid, served_name, [res], body.logprobs, texts, parse)
+        else:
+            out = completion_response(rid, served_name, [res], body.logprobs is not None,
+                                      texts)
+        return JSONResponse(out, headers={VERSIONS_HEADER: versions_header([res])})
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest,
@@ -136,7 +156,7 @@ def build_engine_app(engine: Engine, served_name: str, token: str | None = None)
     async def chat(request: Request, body: ChatRequest,
                    x_request_id: str | None = Header(None, max_length=256)):
         check_model(body.model)
-        prompt = await encode_chat(body.messages)
+        prompt = await encode_chat(body.template_messages(), body.template_tools())
         rid = body.request_id or x_request_id or uuid.uuid4().hex
         return await run(request, rid, prompt, body, chat=True)
 
@@ -144,12 +164,22 @@ def build_engine_app(engine: Engine, served_name: str, token: str | None = None)
     async def tokenize(body: TokenizeBody):
         check_model(body.model)
         if body.messages:
-            ids = await encode_chat(body.messages)
+            ids = await encode_chat([m.to_template() for m in body.messages],
+                                    [t.model_dump(exclude_none=True) for t in body.tools]
+                                    if body.tools else None)
         elif body.prompt is not None:
             ids = await encode(body.prompt)
         else:
             raise BadRequest("tokenize needs prompt or messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.max_seq_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise BadRequest(f"tokens: id {bad[0]} outside vocabulary of {tok.vocab_size}")
+        return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
 
     @app.get("/v1/models")
     async def models():
@@ -257,6 +287,35 @@ def weights_path(path: str) -> Path:
     if not (p.is_file() or p.is_dir()):
         raise BadRequest(f"path: weights not found at {path!r}")
     return p
+
+
+async def _events(rid: str, model: str, first, stream, res: Result, chat: bool,
+                  parse: ToolParse | None, body) -> AsyncIterator[bytes]:
+    """The SSE events of one streamed request; with tools offered the text is held back and
+    the last event carries it with the parsed tool calls."""
+    try:
+        chunk = first
+        while True:
+            final = chunk.finish_reason
+            if parse is not None:
+                if final:
+                    delta, called = tool_delta(res.text, parse)
+                    if called and final == "stop":
+                        chunk.finish_reason = "tool_calls"
+                    yield sse_chunk(rid, model, chunk, chat, delta=delta)
+                else:
+                    yield sse_chunk(rid, model, chunk, chat, delta={})
+            else:
+                yield sse_chunk(rid, model, chunk, chat)
+            if final:
+                break
+            chunk = await anext(stream)
+            res.add(chunk)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield sse_usage(rid, model, [res], chat)
+        yield SSE_DONE
+    finally:
+        await stream.aclose()
 
 
 async def _collect(request: Request, stream, res: Result) -> bool:

@@ -54,6 +54,8 @@ class Request:
         self.pending = self.prompt[self.cache.length:]
 
     def sample(self, logits: torch.Tensor, default_rng: torch.Generator) -> int:
+        """One token from this request's distribution (temperature, top-k, top-p); raises
+        ``SamplingFailed`` if it has no valid distribution (NaN or infinite logits)."""
         p = self.params
         if p.temperature == 0.0:
             return int(torch.argmax(logits))
@@ -62,12 +64,26 @@ class Request:
             kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
+        if p.top_p < 1.0:
+            probs = nucleus(probs, p.top_p)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            raise SamplingFailed(f"request {self.id}: no valid distribution to sample from")
         rng = default_rng
         if self.rng is not None and p.seed is not None:
             # keyed by position, not by draws so far: a call continued elsewhere after n tokens
             # (seed + n, see tidal.seeding) draws exactly what it would have drawn here
             rng = self.rng.manual_seed(token_seed(p.seed, len(self.tokens)))
         return int(torch.multinomial(probs, 1, generator=rng))
+
+    def stop_string_hit(self, decode) -> bool:
+        """Whether the last token completed one of the stop strings (``decode``: ids -> text).
+        Only the tail is decoded: a stop string of c characters lies within its last 4c + 4
+        tokens (a character is at most 4 byte-level tokens)."""
+        stops = self.params.stop
+        if not stops:
+            return False
+        window = 4 * max(len(s) for s in stops) + 4
+        return any(s in decode(self.tokens[-window:]) for s in stops)
 
     def stop_reason(self, eos_id: int, max_seq_len: int) -> str | None:
         last = self.tokens[-1]
@@ -80,21 +96,44 @@ class Request:
         return None
 
 
+class SamplingFailed(Exception):
+    """One request's logits gave no distribution; that request ends with ``error`` alone."""
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` restricted to the smallest set of most likely tokens whose mass reaches
+    ``top_p`` (the most likely token always stays), renormalised."""
+    sorted_p, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the tokens ranked above
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return kept / kept.sum()
+
+
 def sample_batch(batch: list[Request], logits: torch.Tensor, logp: torch.Tensor,
-                 rng: torch.Generator) -> list[int]:
-    """One token per request: greedy rows by argmax; plain temperature-1 rows (no top-k, no
-    seed) in one batched draw; the rest one by one."""
+                 rng: torch.Generator) -> list[int | None]:
+    """One token per request (None: that request's sampling failed; the others are kept):
+    greedy rows by argmax; plain temperature-1 rows (no top-k, top-p or seed) in one batched
+    draw, one by one if a row of it is invalid; the rest one by one."""
     greedy = logits.argmax(dim=-1).tolist()
     plain = [i for i, r in enumerate(batch) if r.params.temperature == 1.0
-             and not r.params.top_k and r.rng is None]
-    out = list(greedy)
+             and not r.params.top_k and r.params.top_p == 1.0 and r.rng is None]
+    out: list[int | None] = list(greedy)
+    single = [i for i, r in enumerate(batch) if r.params.temperature != 0.0 and i not in plain]
     if plain:
-        draws = torch.multinomial(logp[plain].exp(), 1, generator=rng)[:, 0].tolist()
-        for i, t in zip(plain, draws, strict=True):
-            out[i] = t
-    for i, r in enumerate(batch):
-        if r.params.temperature != 0.0 and i not in plain:
-            out[i] = r.sample(logits[i], rng)
+        probs = logp[plain].exp()
+        if bool(torch.isfinite(probs).all()):
+            draws = torch.multinomial(probs, 1, generator=rng)[:, 0].tolist()
+            for i, t in zip(plain, draws, strict=True):
+                out[i] = t
+        else:
+            single = sorted(single + plain)
+    for i in single:
+        try:
+            out[i] = batch[i].sample(logits[i], rng)
+        except (SamplingFailed, RuntimeError) as exc:
+            log.warning("sampling failed for request %s alone: %s", batch[i].id, exc)
+            out[i] = None
     return out
 
 

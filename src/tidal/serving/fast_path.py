@@ -1,6 +1,7 @@
-"""The proxy's ASGI fast path: ``POST /v1/completions`` and ``/v1/chat/completions`` go straight to
-the shared handler, without the framework's middleware, routing and dependency layers (most of
-the proxy's CPU per call); every other request goes to the FastAPI app.
+"""The proxy's ASGI fast path: ``POST /v1/completions``, ``/v1/chat/completions`` and the token-in
+``/inference/v1/generate`` go straight to the shared handler, without the framework's
+middleware, routing and dependency layers (most of the proxy's CPU per call); every other
+request goes to the FastAPI app.
 
 In: the raw ASGI request (body at most ``MAX_BODY_BYTES``). Out: the handler's response, or a
 one-line JSON error (400 validation, a ``ServingError``'s status, 500 with the exception's
@@ -27,25 +28,30 @@ log = logging.getLogger("tidal.serving.proxy_app")
 
 
 class FastPath:
-    """ASGI front of the proxy's FastAPI app; ``serve(raw, execution, chat)`` answers the two
-    OpenAI routes."""
+    """ASGI front of the proxy's FastAPI app; ``serve(raw, execution, kind, session)``
+    answers the OpenAI routes and the token-in route."""
 
-    ROUTES: ClassVar[dict[str, bool]] = {"/v1/completions": False,
-                                         "/v1/chat/completions": True}
+    ROUTES: ClassVar[dict[str, str]] = {"/v1/completions": "completions",
+                                        "/v1/chat/completions": "chat",
+                                        "/inference/v1/generate": "generate"}
 
     def __init__(self, app: FastAPI, serve) -> None:
         self.app, self.serve = app, serve
         self.state = app.state
 
     async def __call__(self, scope, receive, send) -> None:
-        chat = self.ROUTES.get(scope.get("path", ""))
-        if scope["type"] != "http" or chat is None or scope["method"] != "POST":
+        kind = self.ROUTES.get(scope.get("path", ""))
+        if scope["type"] != "http" or kind is None or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         try:
             raw = await _read_body(receive)
-            eid = next((v.decode("latin-1") for k, v in scope["headers"]
-                        if k == b"x-tidal-execution"), None)
-            response = await unless_gone(self.serve(raw, eid, chat), receive)
+            eid = session = None
+            for k, v in scope["headers"]:
+                if k == b"x-tidal-execution":
+                    eid = v.decode("latin-1")
+                elif k == b"x-session-id":
+                    session = v.decode("latin-1")
+            response = await unless_gone(self.serve(raw, eid, kind, session), receive)
             if response is None:  # the caller hung up: its call was cancelled
                 return
         except RequestValidationError as exc:

@@ -119,7 +119,7 @@ def start_engine(model_dir: str | Path, port: int | None = None, name: str | Non
                  max_batch: int = 64, log_path: Path | None = None,
                  step_in_thread: bool = False, seed: int = 0,
                  device: str = "cpu", token: str | None = None,
-                 host: str = "127.0.0.1") -> ServerProcess:
+                 host: str = "127.0.0.1", prefix_cache_mb: float = 0.0) -> ServerProcess:
     """``tidal engine`` on ``host:port``; ``token`` (default ``$TIDAL_ENGINE_TOKEN``, the run's
     token in a runtime actor) goes through the environment, never the command line. A host
     beyond loopback (a cluster node's address) needs the token: the engine refuses otherwise."""
@@ -134,6 +134,8 @@ def start_engine(model_dir: str | Path, port: int | None = None, name: str | Non
         args += ["--device", device]
     if step_in_thread:
         args.append("--step-in-thread")
+    if prefix_cache_mb:
+        args += ["--prefix-cache-mb", str(prefix_cache_mb)]
     return ServerProcess(args, port, log_path, env={"TIDAL_ENGINE_TOKEN": token or ""},
                          token=token, host=host, sock=sock)
 
@@ -144,7 +146,8 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
                 request_timeout_s: float | None = None,
                 engine_token: str | None = None, seed: int | None = None,
                 admission: str | float = "off", admission_order: str = "longest_waiting",
-                engine_curve: list[tuple[int, float]] | None = None) -> ServerProcess:
+                engine_curve: list[tuple[int, float]] | None = None,
+                affinity: bool = True) -> ServerProcess:
     """``tidal proxy`` on ``port``; ready once ``/live`` answers (``/health`` is 503 until an
     engine serves). ``engine_token``: default ``$TIDAL_ENGINE_TOKEN``, else the admin token.
     ``seed``: the run's seed, from which unseeded calls of executions get theirs."""
@@ -154,6 +157,8 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
             "--kv-handoff" if kv_handoff else "--no-kv-handoff"]
     if require_registration:
         args.append("--require-registration")
+    if not affinity:
+        args.append("--no-affinity")
     if request_timeout_s is not None:
         args += ["--request-timeout-s", str(request_timeout_s)]
     if seed is not None:

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tidal.errors import TidalError
 
 FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the engine's step failed
+# the smallest positive temperature sampled with: below it logits / T overflow float32 (inf,
+# then NaN probabilities) for ordinary logit ranges; refused, never clamped (the caller asked
+# for a distribution we would not sample from). 0 means greedy.
+MIN_TEMPERATURE = 1e-3
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 class SamplingParams(BaseModel):
@@ -21,9 +27,34 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(16, ge=1, le=1_000_000)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
+    # stop strings: generation ends at the token that completes one; that token and the ones
+    # before it are kept (records, token ids), the text is cut before the stop string
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+
+    @field_validator("temperature")
+    @classmethod
+    def _computable(cls, t: float) -> float:
+        return check_temperature(t)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stops: list[str]) -> list[str]:
+        for s in stops:
+            if not 0 < len(s) <= MAX_STOP_CHARS:
+                raise ValueError(f"each stop string has 1 to {MAX_STOP_CHARS} characters")
+        return stops
+
+
+def check_temperature(t: float) -> float:
+    """``t`` if the engine can sample with it: 0 (greedy) or at least ``MIN_TEMPERATURE``."""
+    if 0.0 < t < MIN_TEMPERATURE:
+        raise ValueError(f"{t!r} is below the smallest temperature sampled with "
+                         f"({MIN_TEMPERATURE}); use 0 for greedy decoding")
+    return t
 
 
 @dataclass
@@ -71,6 +102,39 @@ class TokenChunk:
                    prompt_token_ids=data.get("prompt_token_ids"),
                    cached_tokens=data.get("cached_tokens"),
                    kv_tokens=data.get("kv_tokens"))
+
+
+class StopText:
+    """The text a caller sees of a stream that ends at stop strings: text up to the first stop
+    string, never the stop string itself. While the stream runs, the last characters that
+    could begin a stop string are held back (as vLLM does); ``final`` releases the rest."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""  # all text fed
+        self.sent = 0  # characters given out
+        self.done = False
+
+    def feed(self, piece: str, final: bool = False) -> str:
+        if not self.stops:
+            return piece
+        if self.done:
+            return ""
+        self.text += piece
+        cut = cut_at_stop(self.text, self.stops)
+        if cut is not None:
+            end, self.done = cut, True
+        else:
+            end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out
+
+
+def cut_at_stop(text: str, stops: list[str]) -> int | None:
+    """Where ``text`` must end: the start of its earliest stop string (None: none in it)."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
 
 
 def version_spans(versions: list[str]) -> list[list]:

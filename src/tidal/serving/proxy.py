@@ -39,6 +39,7 @@ from tidal.errors import ConfigError, TimeoutExpired
 from tidal.seeding import call_seed, continued_seed
 from tidal.serving.adapters import make_adapter
 from tidal.serving.admission import AdmissionQueue
+from tidal.serving.drift import bridge
 from tidal.serving.health import HealthMonitor
 from tidal.serving.kv_handoff import Attempt, export_kv, import_kv, release_import
 from tidal.serving.openai_api import Result
@@ -52,6 +53,7 @@ from tidal.serving.protocol import (
     SamplingParams,
     ServingError,
     TokenChunk,
+    cut_at_stop,
 )
 from tidal.serving.records import ModelCall, RecordStore, Segment
 from tidal.serving.router import Kind, Member, Router
@@ -92,6 +94,12 @@ class ProxyConfig(BaseModel):
     # the run's seed: a call of a named execution that brings no seed of its own samples
     # with tidal.seeding.call_seed(seed, execution id, call index); None: engines' own streams
     seed: int | None = None
+    # how tool calls are read out of chat answers (tidal.serving.chat.TOOL_PARSERS), per model
+    # family as vLLM's --tool-call-parser: hermes (<tool_call>{json}</tool_call>: Qwen, Hermes)
+    tool_call_parser: str = "hermes"
+    # calls of one X-Session-ID (else one execution) go to the engine that served the last one
+    # while it has a slot (its prefix is cached there); off: least-loaded for every call
+    affinity: bool = True
 
 
 class Proxy:
@@ -136,14 +144,15 @@ class Proxy:
         if not await adapter.health():
             await adapter.close()
             raise BadRequest(f"engine {engine_id!r} at {url} is not healthy")
-        if model is None:
-            try:
-                model = await adapter.served_model()
-            except ServingError:
-                model = ""
+        max_len = None
+        try:
+            served, max_len = await adapter.served_model_card()
+        except ServingError:
+            served = ""
+        model = served if model is None else model
         if self._curve is not None:  # admission control: the engine's concurrency target
             cap = concurrency_target(self._curve, cap, self.admission)
-        member = Member(engine_id, adapter, kind, cell_index, cap, backend, model)
+        member = Member(engine_id, adapter, kind, cell_index, cap, backend, model, max_len)
         self.router.join(member)
         self.health.forget(engine_id)  # a replacement under a lost engine's id
         self.queue.notify()
@@ -217,7 +226,8 @@ class Proxy:
 
     # -- model calls -----------------------------------------------------------------------
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       timeout_s: float | None = None) -> list[int]:
+                       timeout_s: float | None = None, tools: list[dict] | None = None
+                       ) -> list[int]:
         """Prompt ids from the first engine that answers; with none (all lost, replacements
         starting) it waits for one to join, within the call's timeout."""
         loop = asyncio.get_running_loop()
@@ -226,7 +236,8 @@ class Proxy:
             for member in list(self.router.members.values()):
                 if member.alive:
                     try:
-                        return await member.adapter.tokenize(prompt=prompt, messages=messages)
+                        return await member.adapter.tokenize(prompt=prompt, messages=messages,
+                                                             tools=tools)
                     except EngineUnavailable:
                         continue
             left = deadline - loop.time()
@@ -236,10 +247,19 @@ class Proxy:
             with contextlib.suppress(TimeoutError):  # 1 s: only bounds a missed join
                 await asyncio.wait_for(self._joined.wait(), min(left, 1.0))
 
+    async def bridge(self, execution_id: str, prompt: list[int]) -> list[int] | None:
+        """``prompt`` with the ids the model sampled for the execution's earlier turns in
+        place of their re-tokenized text (``drift.bridge``); None: nothing to replace."""
+        member = next((m for m in self.router.members.values() if m.alive), None)
+        if member is None:
+            return None
+        return await bridge(member.adapter, self.records.calls(execution_id), prompt)
+
     async def complete(self, execution_id: str | None, prompt: list[int],
                        params: SamplingParams,
                        on_chunk: Callable[[TokenChunk], None] | None = None,
-                       record_overhead: bool = True, timeout_s: float | None = None) -> Result:
+                       record_overhead: bool = True, timeout_s: float | None = None,
+                       session: str | None = None, bridged: bool = False) -> Result:
         """Run one model call to its end across engine changes, within ``timeout_s`` (default
         ``request_timeout_s``). ``res.upstream_s`` is the time spent waiting on engines and
         admission; the rest is the proxy's own (recorded in ``overhead_s`` unless the caller
@@ -247,12 +267,13 @@ class Proxy:
         if len(prompt) > self.config.max_prompt_tokens:
             raise BadRequest(f"prompt of {len(prompt)} tokens exceeds the limit of "
                              f"{self.config.max_prompt_tokens}")
-        call = ModelCall(uuid.uuid4().hex[:16], list(prompt), params.max_tokens)
+        call = ModelCall(uuid.uuid4().hex[:16], list(prompt), params.max_tokens,
+                         bridged=bridged)
         self.totals["calls"] += 1
         params = self._seeded(execution_id, params)
         try:
             return await self._complete(call, execution_id, prompt, params, on_chunk,
-                                        record_overhead, timeout_s)
+                                        record_overhead, timeout_s, session)
         except ServingError as exc:
             self.totals["failed_calls"] += 1
             log.warning("call %s (execution %s) failed after %d segments: %s: %s",
@@ -277,7 +298,7 @@ class Proxy:
 
     async def _complete(self, call: ModelCall, execution_id: str | None, prompt: list[int],
                         params: SamplingParams, on_chunk, record_overhead: bool,
-                        timeout_s: float | None) -> Result:
+                        timeout_s: float | None, session: str | None = None) -> Result:
         t_start = time.perf_counter()
         waited_s = 0.0  # upstream streaming + admission waits: not the proxy's own cost
         res = Result(list(prompt))
@@ -286,16 +307,18 @@ class Proxy:
         errors = 0  # 5xx answers and failed steps of live engines: retried a bounded number
         blob: bytes | None = None  # a drained attempt's KV, held until an engine adopts it
         prior_kv = 0  # tokens some earlier engine held KV for: what a re-prefill redoes
+        # affinity: a session's (else the execution's) calls go to the engine holding its prefix
+        route_key = (session or execution_id) if self.config.affinity else None
         for attempt_no in range(1, self.config.max_attempts + 1):
             remaining = params.max_tokens - len(res.token_ids)
             if remaining <= 0:
                 res.finish_reason = "length"
                 break
             t_wait = time.perf_counter()
-            member = await self._acquire(execution_id, deadline)
+            member = await self._acquire(route_key, deadline)
             waited_s += time.perf_counter() - t_wait
             # no await between the pick and this line: a drain that begins later sees it
-            attempt = Attempt(execution_id, f"{call.call_id}-{attempt_no}", member)
+            attempt = Attempt(route_key, f"{call.call_id}-{attempt_no}", member)
             member.inflight[attempt.request_id] = attempt
             seg = Segment(member.engine_id, attempt.request_id)
             reason, failure = None, None
@@ -355,6 +378,9 @@ class Proxy:
             raise EngineUnavailable(f"call {call.call_id}: no engine finished it in "
                                     f"{self.config.max_attempts} attempts")
         res.upstream_s = waited_s
+        if params.stop:  # a stop string that spans two engines' segments of a moved call
+            cut = cut_at_stop(res.text, params.stop)
+            res.text = res.text if cut is None else res.text[:cut]
         if record_overhead:
             self.overhead_s.append(time.perf_counter() - t_start - waited_s)
         call.finish_reason = res.finish_reason
@@ -389,6 +415,8 @@ class Proxy:
             member.progress_s = asyncio.get_running_loop().time()  # working: not hung
             if chunk.prompt_token_ids is not None:
                 seg.cached_tokens = chunk.cached_tokens or 0
+                member.prompt_tokens += len(prompt_now)
+                member.cached_tokens += seg.cached_tokens
                 # tokens an earlier engine had computed and this one computes again; an
                 # attempt aborted before its engine computed anything (it waited in the
                 # queue: the abort reports the KV it held) recomputed nothing, and the
@@ -455,8 +483,21 @@ class Proxy:
                 "capacity": self.router.capacity(),
                 "inflight": sum(len(m.inflight) for m in self.router.members.values()),
                 **self.queue.stats(),
-                "executions_recorded": len(self.records),
+                "executions_recorded": len(self.records), **self.records.stats(),
+                **self._cache_share(),
                 "rerouted_executions": self.router.rerouted_executions, **self.totals}
+
+    def _cache_share(self) -> dict:
+        """Prompt tokens the engines found cached (prefix cache, imported KV), per engine and
+        in all: what affinity buys."""
+        members = list(self.router.members.values())
+        prompt = sum(m.prompt_tokens for m in members)
+        cached = sum(m.cached_tokens for m in members)
+        return {"prompt_tokens": prompt, "cached_tokens": cached,
+                "cached_token_share": round(cached / prompt, 4) if prompt else 0.0,
+                "cached_token_share_by_engine": {
+                    m.engine_id: round(m.cached_tokens / m.prompt_tokens, 4)
+                    if m.prompt_tokens else 0.0 for m in members}}
 
     def serving(self) -> int:
         """Engines that take calls now (routable)."""

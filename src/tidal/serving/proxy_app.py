@@ -1,8 +1,11 @@
 """HTTP front of the proxy (``tidal proxy``): the OpenAI door for harnesses, the execution
 registration routes for external harnesses, and bearer-protected admin routes.
 
-In: OpenAI requests naming their execution by ``X-Tidal-Execution`` (or ``user``); admin calls.
-Out: one normal answer per request (retries across engines are invisible), JSON or SSE.
+In: OpenAI requests (``/v1/completions``, ``/v1/chat/completions``) and vLLM's token-in
+``/inference/v1/generate``, naming their execution by ``X-Tidal-Execution`` (or ``user``) and
+their session (engine affinity) by ``X-Session-ID``; admin calls. Out: one normal answer per
+request (retries across engines are invisible), JSON or SSE, with the tokens' weight versions
+also in the ``X-Tidal-Weight-Versions`` header.
 Admin: ``/tidal/engines`` (GET list, POST join), ``DELETE /tidal/engines/{id}``,
 ``/tidal/engines/{id}/drain``, ``/tidal/engines/{id}/undrain``, ``/tidal/stats``,
 ``/tidal/executions/{id}/records``. Harness: ``POST /tidal/executions`` (open, body at most 1 MiB,
@@ -24,7 +27,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated
 
@@ -37,20 +40,29 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tidal.agents.events import CLOSE_REASONS, EventLog, ExecutionRegistry
 from tidal.errors import LedgerError, TimeoutExpired
+from tidal.serving.chat import tool_parser
 from tidal.serving.fast_path import MAX_BODY_BYTES, FastPath
 from tidal.serving.guard import CatchAll, Guard, is_loopback
 from tidal.serving.openai_api import (
-    SSE_DONE,
+    VERSIONS_HEADER,
     ChatRequest,
     CompletionRequest,
     chat_response,
     completion_response,
     error_body,
     install_error_handlers,
-    sse_chunk,
+    versions_header,
 )
-from tidal.serving.protocol import BadRequest, NotFound, ServingError, TokenChunk
+from tidal.serving.protocol import (
+    BadRequest,
+    NotFound,
+    SamplingParams,
+    ServingError,
+    TokenChunk,
+)
 from tidal.serving.proxy import Proxy
+from tidal.serving.proxy_stream import stream_choices
+from tidal.serving.token_in import TokenInRequest, token_in_response
 
 _bearer = HTTPBearer(auto_error=False)
 AdminCreds = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -109,10 +121,23 @@ class CloseBody(BaseModel):
     reason: str = Field("completed", pattern="^(" + "|".join(CLOSE_REASONS) + ")$")
 
 
-def _json(body: dict) -> Response:
+def _json(body: dict, headers: dict[str, str] | None = None) -> Response:
     """Serialised once with the stdlib (FastAPI's encoder walks every token id again)."""
     return Response(json.dumps(body, separators=(",", ":")).encode(),
-                    media_type="application/json")
+                    media_type="application/json", headers=headers)
+
+
+REQUESTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatRequest,
+                                        "generate": TokenInRequest}
+
+
+def _choice(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of ``n``: with the caller's seed, each choice samples with its own
+    (seed + index, within int64), so n choices are n samples, reproducibly."""
+    if params.seed is None or index == 0:
+        return params
+    seed = (params.seed + index + 2**63) % 2**64 - 2**63
+    return params.model_copy(update={"seed": seed})
 
 
 def _validate(raw: bytes, model: type[BaseModel]):
@@ -151,6 +176,7 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
     registry = registry or ExecutionRegistry(
         EventLog(max_events=30_000), max_open=10_000, max_closed=10_000,
         idle_s=proxy.config.execution_idle_s + proxy.config.request_timeout_s)
+    parser = tool_parser(proxy.config.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -201,81 +227,106 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         except LedgerError:
             return None
 
-    async def answer(eid: str | None, prompt: list[int], body, chat: bool, t_entry: float):
+    async def answer(eid: str | None, prompt: list[int], body, kind: str, t_entry: float,
+                     session: str | None, bridged: bool):
         params = body.sampling()
         timeout_s = timeout_of(eid)
         rid = uuid.uuid4().hex
         model = body.model or next((m.model for m in proxy.router.members.values()), "tidal")
-        texts = None
+        chat = kind == "chat"
+        parse = parser if chat and body.parses_tools else None
+        n = getattr(body, "n", 1)
         if not body.stream:
-            res = await proxy.complete(eid, prompt, params, record_overhead=False,
-                                       timeout_s=timeout_s)
-            texts = [f"token_id:{t}" for t in res.token_ids]
-            build = chat_response if chat else completion_response
-            want = body.logprobs if chat else body.logprobs is not None
-            out = _json(build(rid, model, res, want, texts))
+            # token in: streamed from the engine, so a call whose engine dies continues from
+            # the tokens it had (a one-piece engine answer dies with its engine)
+            keep = (lambda _: None) if kind == "generate" else None
+            calls = [proxy.complete(eid, prompt, _choice(params, i), on_chunk=keep,
+                                    record_overhead=False, timeout_s=timeout_s,
+                                    session=session, bridged=bridged) for i in range(n)]
+            # one choice: awaited in this task (it takes its engine slot at once, in the
+            # order calls arrive); n: side by side
+            results = [await calls[0]] if n == 1 else list(await asyncio.gather(*calls))
+            texts = [[f"token_id:{t}" for t in r.token_ids] for r in results]
+            if kind == "generate":
+                out = token_in_response(rid, model, results[0])
+            elif chat:
+                out = chat_response(rid, model, results, body.logprobs, texts, parse)
+            else:
+                out = completion_response(rid, model, results, body.logprobs is not None,
+                                          texts)
+            resp = _json(out, {VERSIONS_HEADER: versions_header(results)})
             # the handler's own time: parsing, routing, records, serialising the answer
-            proxy.overhead_s.append(time.perf_counter() - t_entry - res.upstream_s)
-            return out
-        queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
-        task = asyncio.create_task(proxy.complete(eid, prompt, params, on_chunk=queue.put_nowait,
-                                                  timeout_s=timeout_s))
-        task.add_done_callback(lambda _: queue.put_nowait(None))
+            proxy.overhead_s.append(time.perf_counter() - t_entry
+                                    - max(r.upstream_s for r in results))
+            return resp
+        queue: asyncio.Queue[tuple[int, TokenChunk | None]] = asyncio.Queue()
+        tasks = [asyncio.create_task(proxy.complete(
+            eid, prompt, _choice(params, i), on_chunk=lambda c, i=i: queue.put_nowait((i, c)),
+            timeout_s=timeout_s, session=session, bridged=bridged)) for i in range(n)]
+        for i, task in enumerate(tasks):
+            task.add_done_callback(lambda _, i=i: queue.put_nowait((i, None)))
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(stream_choices(rid, model, tasks, queue, chat, parse, usage),
+                                 media_type="text/event-stream")
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                while (chunk := await queue.get()) is not None:
-                    yield sse_chunk(rid, model, TokenChunk(chunk.token_ids, chunk.logprobs,
-                                                           chunk.versions, chunk.text), chat)
-                if task.exception() is not None:
-                    err = task.exception()
-                    yield f"data: {json.dumps({'error': {'message': str(err)}})}\n\n".encode()
-                else:
-                    res = task.result()
-                    yield sse_chunk(rid, model, TokenChunk(finish_reason=res.finish_reason), chat)
-                yield SSE_DONE
-            finally:
-                task.cancel()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def serve(raw: bytes, header_eid: str | None, chat: bool):
-        """One OpenAI call from its raw body: the hot path, shared by the FastAPI routes (and
-        their OpenAPI document) and the ASGI fast path in front of the framework."""
+    async def serve(raw: bytes, header_eid: str | None, kind: str,
+                    session: str | None = None):
+        """One OpenAI or token-in call from its raw body: the hot path, shared by the
+        FastAPI routes (and their OpenAPI document) and the ASGI fast path in front of the
+        framework. ``kind``: completions, chat or generate (token in)."""
         t_entry = time.perf_counter()
-        body = _validate(raw, ChatRequest if chat else CompletionRequest)
+        body = _validate(raw, REQUESTS[kind])
         if header_eid is not None and len(header_eid) > 128:
             raise BadRequest("X-Tidal-Execution: at most 128 characters")
+        if session is not None and len(session) > 256:
+            raise BadRequest("X-Session-ID: at most 256 characters")
         eid = execution_of(header_eid, body.user)
         check_model(body.model)
         t_up = time.perf_counter()
-        if chat:
-            prompt = await proxy.tokenize(messages=[m.model_dump() for m in body.messages],
+        if kind == "chat":
+            prompt = await proxy.tokenize(messages=body.wire_messages(),
+                                          tools=body.template_tools(),
                                           timeout_s=timeout_of(eid))
+        elif kind == "generate":
+            prompt = body.token_ids
         elif isinstance(body.prompt, list):
             prompt = body.prompt
         else:
             prompt = await proxy.tokenize(prompt=body.prompt, timeout_s=timeout_of(eid))
+        bridged = None
+        if kind == "chat" and eid is not None:  # the model's own ids for its earlier turns
+            bridged = await proxy.bridge(eid, prompt)
         t_entry += time.perf_counter() - t_up  # an engine's time, not the proxy's
         if not prompt:
             raise BadRequest("prompt is empty")
-        return await answer(eid, prompt, body, chat, t_entry)
+        return await answer(eid, bridged or prompt, body, kind, t_entry, session,
+                            bridged is not None)
 
     @app.post("/v1/completions", openapi_extra=_body_spec(CompletionRequest))
     async def completions(request: Request):
         return await serve(await request.body(), request.headers.get("x-tidal-execution"),
-                           False)
+                           "completions", request.headers.get("x-session-id"))
 
     @app.post("/v1/chat/completions", openapi_extra=_body_spec(ChatRequest))
     async def chat(request: Request):
         return await serve(await request.body(), request.headers.get("x-tidal-execution"),
-                           True)
+                           "chat", request.headers.get("x-session-id"))
+
+    @app.post("/inference/v1/generate", openapi_extra=_body_spec(TokenInRequest))
+    async def generate(request: Request):
+        return await serve(await request.body(), request.headers.get("x-tidal-execution"),
+                           "generate", request.headers.get("x-session-id"))
 
     @app.get("/v1/models")
     async def models():
-        names = sorted({m.model or m.engine_id for m in proxy.router.members.values()})
-        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "tidal"}
-                                           for n in names]}
+        cards: dict[str, dict] = {}
+        for m in proxy.router.members.values():
+            name = m.model or m.engine_id
+            card = cards.setdefault(name, {"id": name, "object": "model", "owned_by": "tidal"})
+            if m.max_model_len:  # the smallest context among the engines serving it
+                card["max_model_len"] = min(card.get("max_model_len", m.max_model_len),
+                                            m.max_model_len)
+        return {"object": "list", "data": [cards[n] for n in sorted(cards)]}
 
     @app.get("/health")
     async def health():
@@ -355,7 +406,7 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatRequest):
+            for model in (CompletionRequest, ChatRequest, TokenInRequest):
                 spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(spec.pop("$defs", {}))
                 schemas[model.__name__] = spec

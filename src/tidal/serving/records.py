@@ -4,6 +4,10 @@ In: segments reported by the proxy as a call moves between engines. Out: per exe
 of calls, each with the prompt token ids and segments of (engine, token ids, log-probs, weight
 version per token, cached / re-prefilled tokens). Invariant: the concatenated segments of a call
 are exactly the tokens the harness received.
+
+Drift (invariant 8): a call whose prompt neither extends an earlier call's prompt + output nor
+repeats an earlier prompt (another choice of the same turn) breaks its execution's chain; it is
+marked (``chain_break``) and counted, and trains as a sequence of its own.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ class ModelCall:
     max_tokens: int
     segments: list[Segment] = field(default_factory=list)
     finish_reason: str | None = None
+    chain_break: bool = False
+    # its prompt reused the ids the model sampled for its earlier turns where the harness's
+    # re-rendered text tokenized differently (Proxy.bridge)
+    bridged: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -48,6 +56,7 @@ class ModelCall:
     def to_json(self) -> dict:
         return {"call_id": self.call_id, "prompt_token_ids": self.prompt_token_ids,
                 "max_tokens": self.max_tokens, "finish_reason": self.finish_reason,
+                "chain_break": self.chain_break, "bridged": self.bridged,
                 "output_token_ids": self.output_token_ids,
                 "segments": [s.to_json() for s in self.segments]}
 
@@ -58,11 +67,22 @@ class RecordStore:
     def __init__(self, max_executions: int = 100_000) -> None:
         self.max_executions = max_executions
         self._calls: dict[str, list[ModelCall]] = {}
+        self.totals = {"recorded_calls": 0, "chain_breaks": 0, "bridged_calls": 0}
 
     def add(self, execution_id: str, call: ModelCall) -> None:
         if execution_id not in self._calls and len(self._calls) >= self.max_executions:
             self._calls.pop(next(iter(self._calls)))
-        self._calls.setdefault(execution_id, []).append(call)
+        earlier = self._calls.setdefault(execution_id, [])
+        call.chain_break = bool(earlier) and not extends(call.prompt_token_ids, earlier)
+        self.totals["recorded_calls"] += 1
+        self.totals["chain_breaks"] += call.chain_break
+        self.totals["bridged_calls"] += call.bridged
+        earlier.append(call)
+
+    def stats(self) -> dict:
+        n = self.totals["recorded_calls"]
+        return {**self.totals, "chain_breaks_per_100_calls":
+                round(100.0 * self.totals["chain_breaks"] / n, 2) if n else 0.0}
 
     def calls(self, execution_id: str) -> list[ModelCall]:
         return list(self._calls.get(execution_id, []))
@@ -72,3 +92,13 @@ class RecordStore:
 
     def __len__(self) -> int:
         return len(self._calls)
+
+
+def extends(prompt: list[int], earlier: list[ModelCall]) -> bool:
+    """Whether ``prompt`` continues the chain of ``earlier`` calls (the last 16 looked at):
+    it starts with one's prompt + output, or repeats one's prompt (another choice)."""
+    for call in reversed(earlier[-16:]):
+        stream = call.prompt_token_ids + call.output_token_ids
+        if prompt[: len(stream)] == stream or prompt == call.prompt_token_ids:
+            return True
+    return False

@@ -28,11 +28,14 @@ class Member:
     cap: int = 32
     backend: str = "builtin"
     model: str = ""
+    max_model_len: int | None = None
     admitting: bool = True
     alive: bool = True
     inflight: dict[str, object] = field(default_factory=dict)
     reserved: int = 0
     progress_s: float = float("-inf")  # loop time of its last answer or streamed chunk
+    prompt_tokens: int = 0  # prompt tokens sent here, and of those the ones found cached
+    cached_tokens: int = 0
 
     @property
     def load(self) -> int:
@@ -46,7 +49,8 @@ class Member:
                 "cell_index": self.cell_index, "cap": self.cap, "backend": self.backend,
                 "model": self.model, "admitting": self.admitting, "alive": self.alive,
                 "inflight": len(self.inflight), "reserved": self.reserved,
-                "kv_handoff": self.adapter.supports_kv_handoff}
+                "kv_handoff": self.adapter.supports_kv_handoff,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
 
 
 class Router:

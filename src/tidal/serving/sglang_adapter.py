@@ -38,6 +38,12 @@ class SGLangAdapter(NoKVHandoff, HTTPEngineBase):
             sampling["top_k"] = p.top_k
         if p.stop_token_ids:
             sampling["stop_token_ids"] = p.stop_token_ids
+        if p.top_p < 1.0:
+            sampling["top_p"] = p.top_p
+        if p.seed is not None:  # SGLang's per-request seed (needs its deterministic sampler)
+            sampling["sampling_seed"] = p.seed
+        if p.stop:
+            sampling["stop"] = p.stop
         body = {"input_ids": req.prompt_token_ids, "sampling_params": sampling,
                 "return_logprob": True, "logprob_start_len": -1, "rid": req.request_id,
                 "stream": True}

@@ -69,6 +69,10 @@ class VLLMAdapter(NoKVHandoff, HTTPEngineBase):
             body["seed"] = p.seed
         if p.stop_token_ids:
             body["stop_token_ids"] = p.stop_token_ids
+        if p.top_p < 1.0:
+            body["top_p"] = p.top_p
+        if p.stop:  # vLLM keeps the completing token in token_ids and cuts the text
+            body["stop"] = p.stop
         # read per call: the label moves when a version is loaded into the live server (out of
         # the proxy's routing, so no call of ours straddles a load: invariant 6)
         version = await self._read_version()

@@ -187,6 +187,21 @@ def record_to_sequences(record: ExecutionRecord) -> list[TrainSequence]:
     return [s for s in sequences if s.n_trainable() > 0 and len(s) > 1]
 
 
+def chain_breaks(record: ExecutionRecord) -> int:
+    """Calls whose prompt extends no earlier call's prompt + output and repeats no earlier
+    prompt (another choice of a turn): each starts a sequence of its own in
+    ``record_to_sequences`` (the proxy counts the same as it records)."""
+    breaks = 0
+    for i, call in enumerate(record.calls):
+        earlier = record.calls[max(0, i - 16):i]
+        if earlier and not any(
+                call.prompt_token_ids[: len(c.prompt_token_ids) + len(c.output_token_ids)]
+                == c.prompt_token_ids + c.output_token_ids
+                or call.prompt_token_ids == c.prompt_token_ids for c in earlier):
+            breaks += 1
+    return breaks
+
+
 def single_call_record(
     execution_id: str,
     group_id: str,

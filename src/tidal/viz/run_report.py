@@ -97,6 +97,17 @@ def render_report(run: RunData, shown: list[tuple[str, str]],
         rows.append((label, _num(s.get(key))))
     if "satellite_joins" in s:  # newer runtimes only
         rows.append(("satellite joins", _num(s["satellite_joins"])))
+    if "chain_breaks_per_100_calls" in s:  # newer runtimes only
+        rows.append(("chain breaks per 100 calls",
+                     f"{_num(s['chain_breaks_per_100_calls'], 2)} ({_num(s.get('chain_breaks'))} "
+                     f"calls trained apart; {_num(s.get('bridged_calls'))} got their sampled "
+                     "ids back)"))
+    if "cached_token_share" in s:
+        by_engine = ", ".join(f"{k} {v:.3f}" for k, v in
+                              (s.get("cached_token_share_by_engine") or {}).items())
+        rows.append(("cached prompt-token share",
+                     f"{_num(s['cached_token_share'], 3)}" + (f" ({by_engine})"
+                                                               if by_engine else "")))
     first, last = run.reward_quarters()
     q = max(1, len(run.rewards()[1]) // 4)
     rows.append(("mean reward", f"first quarter {_num(first, 3)}, last quarter {_num(last, 3)} "

@@ -20,7 +20,7 @@ from tidal.serving.engine_server import build_engine_app
 
 TOKEN = "engine-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-CALL = {"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0, "logprobs": 1}
+CALL = {"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0, "logprobs": 0}
 
 
 def _params(model) -> dict[str, torch.Tensor]:
