@@ -54,8 +54,9 @@ def cell_store(rank: int, world: int, host: str, port: int, timeout_s: float) ->
     from ``store.port`` and hand it to the other ranks before joining)."""
     if host in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    return dist.TCPStore(host, port, world, rank == 0, timeout=dt.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    from tidal.training.groups import store_on
+
+    return store_on(host, port, world, rank == 0, timeout_s)
 
 
 def init_cell_group(store: dist.TCPStore, rank: int, world: int, backend: str,
