@@ -47,6 +47,9 @@ class ShardConfig(BaseModel):
                              "cell, including a follower's wait for rank 0's next operation "
                              "(a cell idles while it serves rollout); a follower whose rank 0 "
                              "died exits at once")
+    join_timeout_s: float = Field(default=300.0, gt=0, description="bound on rank 0's wait "
+                                  "for ranks 1..k-1 to start and join (a rank that exits "
+                                  "first ends the wait at once)")
 
 
 def cell_store(rank: int, world: int, host: str, port: int, timeout_s: float) -> dist.TCPStore:
