@@ -38,12 +38,14 @@ import click
 @click.option("--token", envvar="TIDAL_ENGINE_TOKEN", default=None,
               help="Bearer token every route requires (env TIDAL_ENGINE_TOKEN; the proxy "
                    "passes its --engine-token).")
+@click.option("--spill-dir", type=click.Path(file_okay=False), default=None,
+              help="Where a level-1 sleep writes the weights (default: held in CPU memory).")
 @click.option("--read-timeout-s", default=30.0, show_default=True,
               help="A request must arrive whole (head and body) within this time.")
 def command(model_dir: str, port: int, host: str, name: str | None, max_batch: int,
             max_waiting: int, threads: int, weight_version: str, seed: int,
             step_in_thread: bool, device: str, token: str | None,
-            read_timeout_s: float) -> None:
+            read_timeout_s: float, spill_dir: str | None) -> None:
     """Serve MODEL on HOST:PORT with continuous batching."""
     from pathlib import Path
 
@@ -71,7 +73,8 @@ def command(model_dir: str, port: int, host: str, name: str | None, max_batch: i
                                                         max_waiting=max_waiting,
                                                         seed=seed,
                                                         step_in_thread=step_in_thread,
-                                                        device=device),
+                                                        device=device,
+                                                        spill_dir=spill_dir),
                     weight_version=weight_version)
     app = build_engine_app(engine, served, token)
     # The stdlib loop, never uvloop: model steps run on the loop, and under uvloop streamed

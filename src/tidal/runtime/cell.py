@@ -89,6 +89,7 @@ class EngineHost:
         self.satellite_starts = 0
 
     def start(self, timeout_s: float, token: list | None = None) -> str:
+        from tidal.runtime.spill import spill_dir
         from tidal.serving.launch import start_engine
 
         adopt_token(token)
@@ -96,7 +97,8 @@ class EngineHost:
         self.device = actor_device(self.device_setting, _gpu_ids())
         self.proc = start_engine(self.model_dir, name=self.served, max_batch=self.max_batch,
                                  log_path=self.log_path, step_in_thread=True, seed=self.seed,
-                                 device=self.device, host=self.node.ip)
+                                 device=self.device, host=self.node.ip,
+                                 spill_dir=spill_dir(self.log_path.parent.parent))
         try:
             self.proc.wait_healthy(timeout_s)
         except TidalError as exc:

@@ -37,7 +37,7 @@ from tidal import run_schema as schema
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
 from tidal.errors import ConfigError
-from tidal.runtime import checkpoint, proxy_watch
+from tidal.runtime import checkpoint, proxy_watch, spill
 from tidal.runtime.engines import EngineId, Engines, engine_ids, model_path
 from tidal.runtime.outputs import RunOutputs, summary
 from tidal.runtime.placement import Placement
@@ -134,6 +134,8 @@ class Runtime:
             (self.out / "config.yaml").write_text(dump_yaml(self.cfg))
         else:
             checkpoint.end_stale_processes(self.out)
+        spill.remove(self.out)  # weights an earlier, killed run's sleeping engines left here
+        spill.warn_stale()
         t0 = time.perf_counter()
         # SIGTERM (kill, a scheduler's stop) ends the run like Ctrl-C: everything this run
         # started is stopped, and the checkpoint lets `tidal run --resume` continue it
@@ -226,6 +228,8 @@ class Runtime:
             else:
                 if any(ended.values()):
                     log.info("ended leftover processes on nodes: %s", ended)
+        if self.engines is not None:  # after the engines' end: what they spilled while asleep
+            spill.remove(self.out)
         if self.ray_started:
             ray.shutdown()
         if self.core_pool is not None:
