@@ -131,6 +131,11 @@ class PolicyConfig(Strict):
         return validate_model(cls, {"name": name, "args": args}, "policy")
 
 
+# the smallest positive sampling temperature (0 = greedy): below it the softmax of a model's
+# logits overflows; the engines refuse such calls (issue 29), so a run config cannot ask for one
+MIN_TEMPERATURE = 1e-3
+
+
 class RuntimeConfig(Strict):
     """What ``tidal run`` needs beyond the control plane: model, engines, task, trainer."""
 
@@ -254,6 +259,13 @@ class RuntimeConfig(Strict):
         if not os.path.isfile(exe) or not os.access(exe, os.X_OK):
             raise ConfigError("runtime.sglang_python", f"{exe}: not an executable python")
         return exe
+
+    @model_validator(mode="after")
+    def _temperature_floor(self) -> RuntimeConfig:
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise _FieldError("temperature", f"{self.temperature:g} is below the floor the "
+                              f"engines sample at ({MIN_TEMPERATURE:g}); 0 means greedy")
+        return self
 
     @model_validator(mode="after")
     def _device_needs_gpus(self) -> RuntimeConfig:

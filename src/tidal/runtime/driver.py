@@ -37,14 +37,14 @@ from tidal import run_schema as schema
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
 from tidal.errors import ConfigError
-from tidal.runtime import checkpoint, proxy_watch, spill
+from tidal.runtime import checkpoint, preflight, proxy_watch, spill
 from tidal.runtime.engines import EngineId, Engines, engine_ids, model_path
 from tidal.runtime.outputs import RunOutputs, summary
 from tidal.runtime.placement import Placement
 from tidal.runtime.proxy_watch import ProxyLost
 from tidal.runtime.tasks import Parts, remote
 from tidal.runtime.trainer_loop import core_pool
-from tidal.runtime.wiring import Wired, check_config, wire
+from tidal.runtime.wiring import Wired, wire
 from tidal.types import Tick
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class Runtime:
                  on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_state: Callable[[dict[str, Any]], None] | None = None,
                  resume: bool = False) -> None:
-        check_config(cfg)
+        preflight.check_run(cfg)  # what `tidal check` checks too, before anything starts
         self.cfg, self.out, self.on_step, self.on_state = cfg, Path(out), on_step, on_state
         self.rt = cfg.runtime
         self.clock = WallClock()
@@ -184,6 +184,8 @@ class Runtime:
                 _init_loopback_ray(ray, rt.ray_num_cpus, rt.ray_num_gpus)
             self.ray_started = True
             _trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
+        if rt.ray_address:  # the cluster's nodes, before any placement
+            preflight.check_cluster(self.cfg, ray.nodes())
         from tidal.runtime.nodes import here
 
         self.node = here()  # the driver's node: satellites of other nodes reach the core here
