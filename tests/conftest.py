@@ -31,6 +31,7 @@ def pytest_sessionfinish(session, exitstatus):
 
     left = [p for p in stale_in_tmp() if p.stat().st_mtime >= _SESSION_START_S]
     if left:
-        print(f"\nengine spill files left outside run directories by this session: "
-              f"{', '.join(map(str, left))}", file=sys.stderr)
+        print(f"\nengine spill files written outside run directories during this session "
+              f"(by it, or by an older tidal running beside it): {', '.join(map(str, left))}",
+              file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
