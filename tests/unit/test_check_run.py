@@ -58,13 +58,24 @@ def test_tidal_check_refuses_what_tidal_run_cannot_run_in_one_line(name, runtime
     assert len(lines) == 1 and lines[0].startswith(f"tidal: error: {field}: "), err
 
 
-def test_tidal_run_refuses_them_before_it_starts_anything(tmp_path, capsys):
+def test_tidal_run_refuses_them_before_it_starts_anything(tmp_path, capsys, monkeypatch):
+    """... and warns about the spill files older versions left in the temp dir (item 5)."""
+    import tempfile
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp / "tidal-spill-140020366376656.safetensors").write_bytes(b"x" * 2_000_000)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     data = yaml.safe_load(yaml.safe_dump(TINY))
     data["runtime"]["fsdp_ranks"] = 4096
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(data))
     assert main(["run", str(path), "--out", str(tmp_path / "run")]) == 2
-    assert capsys.readouterr().err.startswith("tidal: error: runtime.fsdp_ranks: ")
+    warning, error = capsys.readouterr().err.splitlines()
+    assert warning == (f"tidal: warning: 1 stale engine spill files (2 MB of model weights) "
+                       f"of older tidal runs in {tmp}; nothing uses them: remove them with "
+                       f"'rm {tmp}/tidal-spill-*'")
+    assert error.startswith("tidal: error: runtime.fsdp_ranks: ")
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
 

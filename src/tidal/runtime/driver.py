@@ -135,7 +135,6 @@ class Runtime:
         else:
             checkpoint.end_stale_processes(self.out)
         spill.remove(self.out)  # weights an earlier, killed run's sleeping engines left here
-        spill.warn_stale()
         t0 = time.perf_counter()
         # SIGTERM (kill, a scheduler's stop) ends the run like Ctrl-C: everything this run
         # started is stopped, and the checkpoint lets `tidal run --resume` continue it

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from tidal.clock import Clock
-from tidal.runtime.cell import RuntimeFailure
+from tidal.runtime.tasks import RunStopped
 
 
-class ProxyLost(RuntimeFailure):
+class ProxyLost(RunStopped):
     """The run's proxy process ended: the run stops; ``--resume`` continues it."""
 
     exit_code = 4

@@ -5,18 +5,16 @@ In: a run directory. Out: ``spill_dir`` (``DIR/spill``: a built-in engine's leve
 (the directory deleted: when a run's parts stop, at ``--resume`` and by the sweep of the other
 nodes, so an engine killed while asleep leaves no copy of the model), and ``stale_in_tmp``
 (spill files that older tidal versions wrote to the system's temporary directory, which
-``tidal run`` warns about, naming the command that removes them). Invariant: tidal writes no
-spill file outside a run directory.
+``tidal run`` prints a warning about, naming the command that removes them). Invariant: tidal
+writes no spill file outside a run directory.
 """
 
 from __future__ import annotations
 
-import logging
 import shutil
 import tempfile
 from pathlib import Path
 
-log = logging.getLogger(__name__)
 SPILL_GLOB = "tidal-spill-*"
 
 
@@ -49,10 +47,12 @@ def stale_in_tmp(tmp: str | Path | None = None) -> list[Path]:
     return sorted(p for p in root.glob(SPILL_GLOB) if p.is_file())
 
 
-def warn_stale(tmp: str | Path | None = None) -> None:
-    """One warning naming the stale spill files of older runs and how to remove them."""
+def stale_line(tmp: str | Path | None = None) -> str | None:
+    """One line naming the stale spill files of older runs and how to remove them (None:
+    there are none). ``tidal run`` prints it: it is about the machine, not about the run."""
     stale = stale_in_tmp(tmp)
-    if stale:
-        log.warning("%d stale engine spill files (%.0f MB of model weights) of older tidal "
-                    "runs in %s; nothing uses them: remove them with 'rm %s'", len(stale),
-                    _size(stale) / 1e6, stale[0].parent, stale[0].parent / SPILL_GLOB)
+    if not stale:
+        return None
+    return (f"{len(stale)} stale engine spill files ({_size(stale) / 1e6:.0f} MB of model "
+            f"weights) of older tidal runs in {stale[0].parent}; nothing uses them: remove "
+            f"them with 'rm {stale[0].parent / SPILL_GLOB}'")

@@ -37,6 +37,11 @@ class PartFailed(TidalError):
         super().__init__(f"run stopped: {part} failed: {type(cause).__name__}: {first}")
 
 
+class RunStopped(TidalError):
+    """An error that is itself the reason the run stops (one line, e.g. its proxy died), not
+    a part's failure: raised by a part, it is the run's failure as it is."""
+
+
 class Parts:
     """Owns the run's background tasks; the first failure is raised into the run.
 
@@ -61,7 +66,7 @@ class Parts:
         """Record a failure (the first one wins: later ones are consequences) and wake ``run``."""
         if self._failure is not None:
             return self._failure
-        root = exc if isinstance(exc, PartFailed) else self._root()
+        root = exc if isinstance(exc, PartFailed | RunStopped) else self._root()
         if root is not None:
             self._failure = root
             log.error("%s", root)
