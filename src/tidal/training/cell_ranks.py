@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,8 +36,10 @@ from tidal.training.aggregate import Contribution, aggregate
 from tidal.training.flat import ParamLayout
 from tidal.training.loss import GRPOLossConfig, MicroStepTensors, grpo_loss_sum, target_logprobs
 from tidal.training.sharded import (
+    JOINED,
     ShardConfig,
     ShardLayout,
+    await_followers,
     cell_store,
     close_cell_group,
     init_cell_group,
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 (COMPUTE, COMMIT, DISCARD, RESET, GATHER_PARAMS, LOAD_PARAMS, GATHER_GRADS, UPDATE, SAVE_DCP,
  LOAD_STATE, STOP, LOAD_DCP) = range(12)
 NORMALIZATIONS = ("global", "local_mean")
-JOINED = "tidal/ranks-joined"  # the store's count of followers that reached it
 
 
 @dataclass
@@ -343,7 +343,7 @@ def start_cell(model: nn.Module, device: torch.device, cfg: ShardConfig, loss: G
     procs = [subprocess.Popen([sys.executable, "-m", "tidal.training.cell_ranks",
                                json.dumps({**spec, "rank": r})]) for r in range(1, cfg.ranks)]
     try:
-        _await_followers(store, procs, cfg.join_timeout_s)
+        await_followers(store, procs, cfg.join_timeout_s)
         init_cell_group(store, 0, cfg.ranks, backend, cfg.timeout_s)
         cell = ShardedCell(model, device, cfg, loss, pad_id, optimizer)
         cell.load_params(full)
@@ -354,26 +354,6 @@ def start_cell(model: nn.Module, device: torch.device, cfg: ShardConfig, loss: G
         close_cell_group()
         raise
     return cell, procs
-
-
-def _await_followers(store: Any, procs: list[subprocess.Popen], timeout_s: float,
-                     every_s: float = 0.1) -> None:
-    """Until ranks 1..k-1 have all reached the store (each adds 1 to ``joined``), polled in
-    Python: a signal (SIGTERM, Ctrl-C) is handled between polls, where torch's own join would
-    hold the thread in C++ for its whole timeout; a rank that exits first, or ``timeout_s``,
-    is one ``TidalError`` line naming ``runtime.fsdp_ranks``."""
-    deadline = time.monotonic() + timeout_s
-    world = len(procs) + 1
-    while store.add(JOINED, 0) < len(procs):
-        for rank, p in enumerate(procs, start=1):
-            if p.poll() is not None:
-                raise TidalError(f"runtime.fsdp_ranks: rank {rank} of {world} exited with "
-                                 f"{p.returncode} before joining its cell (too many ranks "
-                                 "for this machine's cores or memory?)")
-        if time.monotonic() > deadline:
-            raise TidalError(f"runtime.fsdp_ranks: {store.add(JOINED, 0)} of {len(procs)} "
-                             f"ranks joined their cell within {timeout_s:g} s")
-        time.sleep(every_s)
 
 
 def stop_cell(cell: ShardedCell, procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
@@ -406,7 +386,7 @@ def run_follower(spec: dict) -> None:
                               % torch.cuda.device_count())
         torch.cuda.set_device(device)
     store = cell_store(spec["rank"], spec["world"], spec["host"], spec["port"], cfg.timeout_s)
-    store.add(JOINED, 1)  # rank 0 waits for every rank in Python (``_await_followers``)
+    store.add(JOINED, 1)  # rank 0 waits for every rank in Python (``await_followers``)
     init_cell_group(store, spec["rank"], spec["world"], spec["backend"], cfg.timeout_s)
     mc = dict(spec["model_config"])
     config = AutoConfig.for_model(mc.pop("model_type"), **mc)
