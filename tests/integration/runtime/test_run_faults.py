@@ -10,6 +10,7 @@ and exits promptly, with the resume command.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import signal
@@ -60,6 +61,22 @@ def _wait_line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> list[st
     raise AssertionError(f"no {prefix!r} line within {timeout_s} s: {''.join(lines)[-2000:]}")
 
 
+def _end(run: subprocess.Popen) -> None:
+    """A run the test left running (it failed): SIGTERM (the run stops its parts), then
+    SIGKILL for whatever of its tree is still there."""
+    if run.poll() is not None:
+        return
+    try:
+        tree = _tree(run.pid)
+    except psutil.NoSuchProcess:
+        return
+    run.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
 def _ended(pids: list[psutil.Process], timeout_s: float) -> list[str]:
     _, alive = psutil.wait_procs(pids, timeout=timeout_s)
     return [_args(p) for p in alive if p.status() != psutil.STATUS_ZOMBIE]
@@ -97,8 +114,7 @@ def test_no_token_in_sight_loopback_only_and_a_dead_proxy_stops_the_run_in_one_l
         _, err = run.communicate(timeout=60)
         took = time.monotonic() - killed
     finally:
-        if run.poll() is None:
-            run.kill()
+        _end(run)
     assert took < 30, f"the run took {took:.0f} s to stop after its proxy died"
     assert run.returncode == 4, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
@@ -122,8 +138,7 @@ def test_sigterm_while_the_run_starts_its_parts_ends_it_promptly(tmp_path):
         _, err = run.communicate(timeout=60)
         took = time.monotonic() - sent
     finally:
-        if run.poll() is None:
-            run.kill()
+        _end(run)
     assert took < 20, f"SIGTERM during start-up took {took:.0f} s"
     assert run.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
