@@ -71,7 +71,9 @@ def _nothing_lost(s: dict, out) -> None:
 
 def test_tiny_run_spreads_its_engines_over_three_nodes(cluster, tmp_path):
     out = tmp_path / "run"
-    s = Runtime(_config(cluster, "STRICT_SPREAD"), out).run()
+    # calls long enough (and all of a burst at once) that a cell's drain finds some in flight
+    s = Runtime(_config(cluster, "STRICT_SPREAD", max_tokens=160, dispatch_interval_s=0.0),
+                out).run()
     workers = {n["id"]: n["ip"] for n in localcluster.alive_nodes(cluster)
                if n["resources"].get("CPU", 0) > 0}  # the head declares none
     placed = {name: (e["node_id"], e["node_ip"]) for name, e in s["engines"].items()}
