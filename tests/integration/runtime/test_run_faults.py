@@ -123,6 +123,7 @@ def test_no_token_in_sight_loopback_only_and_a_dead_proxy_stops_the_run_in_one_l
     assert stop[0].endswith(f"tidal run --resume {out}")
     assert not (out / "summary.json").exists()
     assert _ended(tree[1:], 20) == []  # everything the run started is stopped
+    assert not (out / "spill").exists()  # a sleeping cell's weights went with its engine
 
 
 def test_sigterm_while_the_run_starts_its_parts_ends_it_promptly(tmp_path):
