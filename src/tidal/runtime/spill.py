@@ -1,7 +1,7 @@
 """Where a run's engines put their weights while asleep, and that nothing of it stays behind.
 
 In: a run directory. Out: ``spill_dir`` (``DIR/spill``: a built-in engine's level-1 sleep writes
-``tidal-spill-<engine>-<pid>.safetensors`` there, ``serving.engine.spill_path``), ``remove``
+``tidal-spill-<served model>-<pid>.safetensors`` there, ``serving.engine.spill_path``), ``remove``
 (the directory deleted: when a run's parts stop, at ``--resume`` and by the sweep of the other
 nodes, so an engine killed while asleep leaves no copy of the model), and ``stale_in_tmp``
 (spill files that older tidal versions wrote to the system's temporary directory, which
