@@ -1,10 +1,10 @@
 """The proxy is a supervised part of a run: its death stops the run at once, in one line.
 
 In: the proxy's process handle (``serving.launch.ServerProcess``) and the run directory. Out:
-``watch`` (a part of the run, polled every ``every_s``) raises ``ProxyLost`` as soon as the
-process has exited; ``Parts`` asks ``lost`` for the root cause of any other failure, so an error
-that is only a consequence (a ``ConnectError`` of the bridge, of a plan step, of the summary
-calls at the end) is reported as the dead proxy instead.
+``watch`` (a part of the run, polled every ``every_s``, 0.2 s: one ``waitpid``) raises
+``ProxyLost`` as soon as the process has exited; ``Parts`` asks ``lost`` for the root cause of
+any other failure, so an error that is only a consequence (a ``ConnectError`` of the bridge, of
+a plan step, of the summary calls at the end) is reported as the dead proxy instead.
 
 Why stop rather than restart: the proxy holds the run's in-flight state that nothing else has
 (the token records of calls being generated, the execution registry the harnesses use, the
@@ -55,7 +55,7 @@ def lost(proc: subprocess.Popen, run_dir: Path, grace_s: float = 0.0) -> ProxyLo
 
 
 async def watch(proc: subprocess.Popen, run_dir: Path, clock: Clock,
-                every_s: float = 0.5) -> Any:
+                every_s: float = 0.2) -> Any:
     """Forever, until the proxy process ends: then ``ProxyLost`` (the run stops)."""
     while True:
         gone = lost(proc, run_dir)

@@ -67,9 +67,9 @@ class Parts:
         if self._failure is not None:
             return self._failure
         root = exc if isinstance(exc, PartFailed | RunStopped) else self._root()
-        if root is not None:
+        if root is not None:  # one line, which the run's caller prints (the CLI does)
             self._failure = root
-            log.error("%s", root)
+            log.info("%s", root)
         else:
             failed = PartFailed(part, exc)
             failed.__cause__ = exc
