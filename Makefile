@@ -79,18 +79,19 @@ $(VLLM_VENV)/.stamp:
 
 vllm-venv: $(VLLM_VENV)/.stamp
 
-# (what .ci/run runs: adapter controls, drain/reroute vLLM <-> built-in, live weight load; one
-# vLLM cell through a whole role switch; `tidal run configs/vllm.yaml`, every engine vLLM).
+# (what .ci/run runs: adapter controls, drain/reroute vLLM <-> built-in, live weight loads by
+# file and by shared memory; one vLLM cell through a whole role switch; `tidal run
+# configs/vllm.yaml`, every engine vLLM; configs/vllm-verl.yaml, verl's policy on hybrid cells).
 test-vllm: $(STAMP) $(VLLM_VENV)/.stamp
 	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
 		tests/integration/serving/test_vllm_tier.py \
 		tests/integration/runtime/test_vllm_cell.py \
 		tests/integration/runtime/test_vllm_tensor_parallel.py \
 		tests/integration/runtime/test_vllm_run.py \
+		tests/integration/runtime/test_vllm_verl_run.py \
 		tests/integration/runtime/test_vllm_multinode.py
 
-# `tidal run configs/vllm.yaml` (also part of test-vllm) and configs/vllm-verl.yaml (verl's
-# policy on hybrid vLLM cells; ~5 min more, kept out of CI's budget).
+# `tidal run configs/vllm.yaml` and configs/vllm-verl.yaml alone (both also part of test-vllm).
 test-vllm-run: $(STAMP) $(VLLM_VENV)/.stamp
 	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
 		tests/integration/runtime/test_vllm_run.py \

@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tidal.errors import ConfigError
-from tidal.types import CellKind
+from tidal.types import MIN_TEMPERATURE, CellKind
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -254,6 +254,13 @@ class RuntimeConfig(Strict):
         if not os.path.isfile(exe) or not os.access(exe, os.X_OK):
             raise ConfigError("runtime.sglang_python", f"{exe}: not an executable python")
         return exe
+
+    @model_validator(mode="after")
+    def _temperature_floor(self) -> RuntimeConfig:
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise _FieldError("temperature", f"{self.temperature:g} is below the floor the "
+                              f"engines sample at ({MIN_TEMPERATURE:g}); 0 means greedy")
+        return self
 
     @model_validator(mode="after")
     def _device_needs_gpus(self) -> RuntimeConfig:

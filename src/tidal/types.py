@@ -10,6 +10,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+# The smallest positive sampling temperature engines compute safely (below it the softmax of
+# logits / t overflows to inf/NaN); 0 means greedy. Checked by the run config and every engine.
+MIN_TEMPERATURE = 1e-3
+
 ExecutionId = str
 GroupId = str
 CellIndex = int

@@ -55,4 +55,9 @@ def test_a_wrong_value_names_file_line_and_field(tmp_path):
 
 
 def test_close_reasons_are_the_ledgers():
-    assert tuple(r.value for r in CloseReason) == schema.CLOSE_REASONS
+    """The run directory's close reasons are those the ledger accepts (``agents.events``, a
+    list of its own), not a copy of themselves."""
+    from tidal.agents.events import CLOSE_REASONS as LEDGER
+
+    assert sorted(schema.CLOSE_REASONS) == sorted(LEDGER)
+    assert sorted(r.value for r in CloseReason) == sorted(LEDGER)

@@ -1,4 +1,7 @@
-"""``tidal check CONFIG``: validate a run or scenario config and print it resolved, then the
+"""``tidal check CONFIG``: validate a run or scenario config, run every check ``tidal run`` makes
+before it starts Ray (``runtime.preflight``: the model directory, the backends' venvs, the
+machine's cores and GPUs, the sampling settings; a config with ``control.bursts``) and print it
+resolved, then the
 device torch sees here and where ``runtime.device`` puts the trainer and engines, and whether
 per-cell CPU quotas (``runtime.cell_cpus``) can be enforced on this host (on stderr, so the YAML
 on stdout stays clean)."""
@@ -17,10 +20,18 @@ def command(config: str, quiet: bool) -> None:
     from tidal.control.factory import check_policy
 
     cfg = check_policy(load_yaml(config, RunConfig))
+    runnable = cfg.control.bursts is not None
+    if runnable:  # every check `tidal run` makes before it starts Ray: one line naming a field
+        from tidal.runtime.preflight import check_run
+
+        check_run(cfg)
     if quiet:
         return
     click.echo(dump_yaml(cfg), nl=False)
     rt = cfg.runtime
+    click.echo("# tidal run's checks (model, backends, machine): passed" if runnable else
+               "# control.bursts unset: a simulator config; tidal run's checks skipped",
+               err=True)
     from tidal.runtime.cpuquota import CpuQuotaError, cpu_cgroup_base
 
     try:

@@ -38,6 +38,8 @@ import click
 @click.option("--token", envvar="TIDAL_ENGINE_TOKEN", default=None,
               help="Bearer token every route requires (env TIDAL_ENGINE_TOKEN; the proxy "
                    "passes its --engine-token).")
+@click.option("--spill-dir", type=click.Path(file_okay=False), default=None,
+              help="Where a level-1 sleep writes the weights (default: held in CPU memory).")
 @click.option("--read-timeout-s", default=30.0, show_default=True,
               help="A request must arrive whole (head and body) within this time.")
 @click.option("--tool-call-parser", default="hermes", show_default=True,
@@ -50,7 +52,8 @@ import click
 def command(model_dir: str, port: int, host: str, name: str | None, max_batch: int,
             max_waiting: int, threads: int, weight_version: str, seed: int,
             step_in_thread: bool, device: str, token: str | None,
-            read_timeout_s: float, tool_call_parser: str, prefix_cache_mb: float) -> None:
+            read_timeout_s: float, tool_call_parser: str, prefix_cache_mb: float,
+            spill_dir: str | None) -> None:
     """Serve MODEL on HOST:PORT with continuous batching."""
     from pathlib import Path
 
@@ -79,7 +82,8 @@ def command(model_dir: str, port: int, host: str, name: str | None, max_batch: i
                                                         seed=seed,
                                                         step_in_thread=step_in_thread,
                                                         device=device,
-                                                        prefix_cache_mb=prefix_cache_mb),
+                                                        prefix_cache_mb=prefix_cache_mb,
+                                                        spill_dir=spill_dir),
                     weight_version=weight_version)
     app = build_engine_app(engine, served, token, tool_call_parser)
     # The stdlib loop, never uvloop: model steps run on the loop, and under uvloop streamed

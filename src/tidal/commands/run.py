@@ -67,6 +67,10 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
 
     console = Console()
     run_dir = Path(out or f"runs/{cfg.name}")
+    from tidal.runtime.spill import stale_line
+
+    if (stale := stale_line()) is not None:  # the machine's, not this run's: not counted
+        click.echo(f"tidal: warning: {stale}", err=True)
     from tidal.viz.run_report import write_report
 
     with counting_warnings() as counter:  # the run ends with one line naming each warning

@@ -130,8 +130,9 @@ class RayActuator:
                     await self._sleep(i, StepKind.SLEEP_ENGINE)
                 if i not in self.training:
                     await self.activate(i)
-            except Exception:
-                log.exception("cell %d: could not restore training after an abort", i)
+            except Exception as exc:  # one line: a dead proxy must not print a traceback a tick
+                log.warning("cell %d: could not restore training after an abort: %s: %s", i,
+                            type(exc).__name__, exc)
 
     async def _back_to_rollout(self, cells: tuple[int, ...]) -> None:
         for i in cells:
@@ -140,8 +141,9 @@ class RayActuator:
                 await self._wake(i)
                 await self._load(i)
                 await self._undrain(i, StepKind.RESUME_ADMISSION)
-            except Exception:
-                log.exception("cell %d: could not restore rollout after an abort", i)
+            except Exception as exc:  # one line: a dead proxy must not print a traceback a tick
+                log.warning("cell %d: could not restore rollout after an abort: %s: %s", i,
+                            type(exc).__name__, exc)
 
     async def _run(self, plan: TransitionPlan, step: PlanStep) -> None:
         t0 = time.perf_counter()

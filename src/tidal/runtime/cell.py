@@ -44,6 +44,18 @@ class RuntimeFailure(TidalError):
     """A runtime part (engine process, actor, proxy) did not do what it was asked."""
 
 
+def adopt_token(box: list | None) -> None:
+    """The run's engine token into this actor's environment, where the engine processes it
+    starts read it (``$TIDAL_ENGINE_TOKEN``; a process's environment is readable by its own
+    user only). ``box``: ``[ObjectRef]`` of the token in Ray's object store, never Ray's
+    ``runtime_env``, which shows on every process's command line and in a world-readable
+    log."""
+    if box:
+        import ray
+
+        os.environ["TIDAL_ENGINE_TOKEN"] = ray.get(box[0], timeout=60)
+
+
 class EngineHost:
     """Plain class; ``driver`` wraps it with ``ray.remote``. One engine process per instance."""
 
@@ -76,14 +88,17 @@ class EngineHost:
         self.satellite: subprocess.Popen | None = None
         self.satellite_starts = 0
 
-    def start(self, timeout_s: float) -> str:
+    def start(self, timeout_s: float, token: list | None = None) -> str:
+        from tidal.runtime.spill import spill_dir
         from tidal.serving.launch import start_engine
 
+        adopt_token(token)
         # Model steps in a thread: a long prefill never stalls the engine's control routes.
         self.device = actor_device(self.device_setting, _gpu_ids())
         self.proc = start_engine(self.model_dir, name=self.served, max_batch=self.max_batch,
                                  log_path=self.log_path, step_in_thread=True, seed=self.seed,
-                                 device=self.device, host=self.node.ip)
+                                 device=self.device, host=self.node.ip,
+                                 spill_dir=spill_dir(self.log_path.parent.parent))
         try:
             self.proc.wait_healthy(timeout_s)
         except TidalError as exc:

@@ -37,13 +37,14 @@ from tidal import run_schema as schema
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
 from tidal.errors import ConfigError
-from tidal.runtime import checkpoint
+from tidal.runtime import checkpoint, preflight, proxy_watch, spill
 from tidal.runtime.engines import EngineId, Engines, engine_ids, model_path
 from tidal.runtime.outputs import RunOutputs, summary
 from tidal.runtime.placement import Placement
+from tidal.runtime.proxy_watch import ProxyLost
 from tidal.runtime.tasks import Parts, remote
 from tidal.runtime.trainer_loop import core_pool
-from tidal.runtime.wiring import Wired, check_config, wire
+from tidal.runtime.wiring import Wired, wire
 from tidal.types import Tick
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,28 @@ def _trap_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, _interrupt)
 
 
+def _init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None) -> None:
+    """A one-machine Ray whose every process (GCS, raylet, workers, this driver) listens on
+    loopback only, without a dashboard. Ray turns ``_node_ip_address="127.0.0.1"`` into the
+    host's address unless it believes clusters are off (its Windows/macOS default), so that
+    belief is held for the start (the raylet and workers get 127.0.0.1 on their command line)
+    and given back after it: a later ``--address`` run resolves node addresses as usual."""
+    from ray._private import ray_constants
+
+    key = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    env, flag = os.environ.get(key), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[key], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=False)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = flag
+        if env is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = env
+
+
 def _alive_nodes(ray: Any) -> set[str]:
     """The ids of the Ray nodes alive now (``nodes_lost``: those of the start gone since)."""
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
@@ -70,13 +93,18 @@ class Runtime:
                  on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_state: Callable[[dict[str, Any]], None] | None = None,
                  resume: bool = False) -> None:
-        check_config(cfg)
+        preflight.check_run(cfg)  # what `tidal check` checks too, before anything starts
         self.cfg, self.out, self.on_step, self.on_state = cfg, Path(out), on_step, on_state
         self.rt = cfg.runtime
         self.clock = WallClock()
+        # two secrets: the admin token (the proxy's admin routes, the harnesses) and the
+        # engine token (the proxy's and the actors' calls to engines); neither is ever on a
+        # command line or in Ray's runtime_env (README "Security")
         self.token = secrets.token_hex(16)
+        self.engine_token = secrets.token_hex(16)
         self.ck = checkpoint.load(self.out) if resume else None
-        self.parts = Parts()  # owns every background task: none dies unseen
+        # owns every background task: none dies unseen; a dead proxy is the cause it names
+        self.parts = Parts(root_cause=self._proxy_lost)
         self.ray_started = False
         self.cpu_groups: Any = None  # runtime.cell_cpus: one CPU-quota cgroup per engine
         self.cpu_stats: dict[str, dict[str, float]] = {}
@@ -89,6 +117,12 @@ class Runtime:
         self.nodes_at_start: set[str] = set()  # Ray node ids alive when the engines started
         self.ray: Any = None
 
+    def _proxy_lost(self) -> ProxyLost | None:
+        """The dead proxy as the root cause of a failure (None: it runs, or never started)."""
+        if self.proxy is None:
+            return None
+        return proxy_watch.lost(self.proxy.proc, self.out, grace_s=0.5)
+
     # ------------------------------------------------------------------ setup / teardown
     def run(self) -> dict[str, Any]:
         import ray
@@ -100,6 +134,7 @@ class Runtime:
             (self.out / "config.yaml").write_text(dump_yaml(self.cfg))
         else:
             checkpoint.end_stale_processes(self.out)
+        spill.remove(self.out)  # weights an earlier, killed run's sleeping engines left here
         t0 = time.perf_counter()
         # SIGTERM (kill, a scheduler's stop) ends the run like Ctrl-C: everything this run
         # started is stopped, and the checkpoint lets `tidal run --resume` continue it
@@ -145,11 +180,11 @@ class Runtime:
             if rt.ray_address:
                 ray.init(address=rt.ray_address, log_to_driver=False)  # logs: logs/
             else:
-                ray.init(num_cpus=rt.ray_num_cpus, num_gpus=rt.ray_num_gpus,
-                         include_dashboard=False, _node_ip_address="127.0.0.1",
-                         log_to_driver=False)
+                _init_loopback_ray(ray, rt.ray_num_cpus, rt.ray_num_gpus)
             self.ray_started = True
             _trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
+        if rt.ray_address:  # the cluster's nodes, before any placement
+            preflight.check_cluster(self.cfg, ray.nodes())
         from tidal.runtime.nodes import here
 
         self.node = here()  # the driver's node: satellites of other nodes reach the core here
@@ -163,9 +198,10 @@ class Runtime:
                 log.warning("resume: ended leftover processes of this run on nodes %s", left)
         self.placement = Placement(ray, self.cfg, names, rt.start_timeout_s)
         self.engines = Engines(ray, self.cfg, self.out, model_dir, self.placement,
-                               self.cpu_groups, self.token)
+                               self.cpu_groups, self.engine_token)
         ctl = self.cfg.control
-        self.proxy = start_proxy([], [], self.token, kv_handoff=ctl.kv_handoff,
+        self.proxy = start_proxy([], [], self.token, engine_token=self.engine_token,
+                                 kv_handoff=ctl.kv_handoff,
                                  log_path=self.out / "logs" / "proxy.log", seed=self.cfg.seed,
                                  admission=ctl.admission, admission_order=ctl.admission_order,
                                  engine_curve=ctl.engine_curve)
@@ -193,6 +229,8 @@ class Runtime:
             else:
                 if any(ended.values()):
                     log.info("ended leftover processes on nodes: %s", ended)
+        if self.engines is not None:  # after the engines' end: what they spilled while asleep
+            spill.remove(self.out)
         if self.ray_started:
             ray.shutdown()
         if self.core_pool is not None:
@@ -223,6 +261,8 @@ class Runtime:
             log.warning("resuming %s at step %d (v%d trained, v%d published, %d records held)",
                         self.out, self.ck.state.step, w.core.version,
                         self.ck.state.published_version, len(self.ck.records))
+        # the proxy is a part of the run: its death stops the run in one line (``proxy_watch``)
+        self.parts.spawn("proxy", proxy_watch.watch(self.proxy.proc, self.out, self.clock))
         try:
             if self.ck is not None:
                 await w.publisher.load_published()

@@ -116,6 +116,8 @@ class Engines:
         self.nodes: dict[EngineId, str | None] = {}
         self.hosts: dict[EngineId, str | None] = {}  # machine names: where a pid means a process
         self._blob: tuple[str, Any] | None = None  # (path, object ref) of the newest version
+        # the engine token reaches the actors through Ray's object store (``cell.adopt_token``)
+        self.token_box = [ray.put(token)] if token else None
 
     @property
     def vllm(self) -> bool:
@@ -142,9 +144,9 @@ class Engines:
 
     def new_actor(self, eid: EngineId) -> Any:
         """An engine actor pinned to its reserved bundle (a replacement reuses it)."""
-        # its engine takes calls with the token only; the actor sets GLOO_SOCKET_IFNAME to
-        # the interface of its node's address (``nodes.here``)
-        env = {"OMP_NUM_THREADS": "1", "TIDAL_ENGINE_TOKEN": self.token}
+        # its engine takes calls with the token only (given to ``start``); the actor sets
+        # GLOO_SOCKET_IFNAME to the interface of its node's address (``nodes.here``)
+        env = {"OMP_NUM_THREADS": "1"}
         # Threaded (max_concurrency): a health probe is answered while a long sleep, wake or
         # weight load runs; the actuator never sends one cell two state changes at once.
         device = self.rt.device if self.rt.use_gpus else "cpu"
@@ -170,6 +172,11 @@ class Engines:
                            **self.placement.options(name)).remote(
             name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra)
 
+    def start_call(self, actor: Any) -> Any:
+        """The Ray call that starts ``actor``'s engine (bounded by ``start_timeout_s``) with
+        the run's engine token."""
+        return actor.start.remote(self.rt.start_timeout_s, self.token_box)
+
     def start(self) -> None:
         """Every actor created and its engine started (bounded); an engine's own one-line
         error is raised as itself."""
@@ -177,7 +184,7 @@ class Engines:
         for eid in self.ids:
             self.actors[eid] = self.new_actor(eid)
         try:
-            urls = ray.get([a.start.remote(timeout_s) for a in self.actors.values()],
+            urls = ray.get([self.start_call(a) for a in self.actors.values()],
                            timeout=timeout_s + 30)
             described = ray.get([a.describe.remote() for a in self.actors.values()],
                                 timeout=timeout_s)

@@ -60,10 +60,14 @@ def iface_of(ip: str) -> str:
 
 
 def _end_here(run_dir: str) -> tuple[str, int]:
-    """On one node: end what still writes to the run's logs (``checkpoint.end_log_writers``)."""
+    """On one node: end what still writes to the run's logs (``checkpoint.end_log_writers``)
+    and remove the run's spill files there."""
+    from tidal.runtime import spill
     from tidal.runtime.checkpoint import end_log_writers
 
-    return here().ip, end_log_writers(run_dir)
+    ended = end_log_writers(run_dir)
+    spill.remove(run_dir)  # weights of this node's engines that slept: after their end
+    return here().ip, ended
 
 
 def sweep(ray: object, run_dir: str, timeout_s: float = 60.0) -> dict[str, int]:

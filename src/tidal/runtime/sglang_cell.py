@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 from tidal.runtime import vllm_host
-from tidal.runtime.cell import RuntimeFailure, actor_device
+from tidal.runtime.cell import RuntimeFailure, actor_device, adopt_token
 from tidal.runtime.vllm_cell import VLLMCellHost, group_rss_bytes
 
 # files of a model directory that are weights (a version directory holds the version's instead)
@@ -100,7 +100,8 @@ class SGLangCellHost(VLLMCellHost):
 
     backend = "sglang"
 
-    def start(self, timeout_s: float) -> str:
+    def start(self, timeout_s: float, token: list | None = None) -> str:
+        adopt_token(token)
         from tidal.runtime.cell import _gpu_ids
 
         self.device = actor_device(self.device_setting, _gpu_ids())

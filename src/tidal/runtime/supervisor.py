@@ -121,7 +121,7 @@ class CellSupervisor:
         await self._leave_proxy(eid)
         new = self.engines.new_actor(eid)
         t = self.start_timeout_s
-        url = await remote(new.start.remote(t), f"{eid} start", t + 30)
+        url = await remote(self.engines.start_call(new), f"{eid} start", t + 30)
         self.engines.actors[eid] = new
         info = await remote(new.describe.remote(), f"{eid} describe", t)
         self.engines.pids[eid], self.engines.nodes[eid] = info["pid"], info.get("node_id")

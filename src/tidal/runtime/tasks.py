@@ -37,30 +37,46 @@ class PartFailed(TidalError):
         super().__init__(f"run stopped: {part} failed: {type(cause).__name__}: {first}")
 
 
-class Parts:
-    """Owns the run's background tasks; the first failure is raised into the run."""
+class RunStopped(TidalError):
+    """An error that is itself the reason the run stops (one line, e.g. its proxy died), not
+    a part's failure: raised by a part, it is the run's failure as it is."""
 
-    def __init__(self) -> None:
+
+class Parts:
+    """Owns the run's background tasks; the first failure is raised into the run.
+
+    ``root_cause``: asked on every failure for a ``TidalError`` that explains it (the run's
+    proxy has died, say); when it gives one, that error is the run's failure (one line, no
+    traceback) instead of its consequence."""
+
+    def __init__(self, root_cause: Callable[[], TidalError | None] | None = None) -> None:
         self._tasks: dict[asyncio.Task, str] = {}
-        self._failure: PartFailed | None = None
+        self._failure: TidalError | None = None
         self._failed = asyncio.Event()
+        self.root_cause = root_cause
 
     @property
-    def failure(self) -> PartFailed | None:
+    def failure(self) -> TidalError | None:
         return self._failure
 
-    def fail(self, part: str, exc: BaseException) -> PartFailed:
+    def _root(self) -> TidalError | None:
+        return self.root_cause() if self.root_cause is not None else None
+
+    def fail(self, part: str, exc: BaseException) -> TidalError:
         """Record a failure (the first one wins: later ones are consequences) and wake ``run``."""
-        if isinstance(exc, PartFailed):
-            failed = exc
+        if self._failure is not None:
+            return self._failure
+        root = exc if isinstance(exc, PartFailed | RunStopped) else self._root()
+        if root is not None:  # one line, which the run's caller prints (the CLI does)
+            self._failure = root
+            log.info("%s", root)
         else:
             failed = PartFailed(part, exc)
             failed.__cause__ = exc
-        if self._failure is None:
             self._failure = failed
             log.error("%s", failed, exc_info=(type(exc), exc, exc.__traceback__))
-            self._failed.set()
-        return failed
+        self._failed.set()
+        return self._failure
 
     def check(self) -> None:
         """Raise the recorded failure, if any (for loops that poll between awaits)."""
@@ -106,6 +122,8 @@ class Parts:
         finally:
             failed.cancel()
         if task.done() and self._failure is None:
+            if task.exception() is not None and (root := self._root()) is not None:
+                raise root  # main failed as a consequence (e.g. of a dead proxy)
             return task.result()  # main's own error propagates as itself
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

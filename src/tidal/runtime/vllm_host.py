@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from tidal.errors import TidalError
-from tidal.runtime.cell import EngineHost, RuntimeFailure
+from tidal.runtime.cell import EngineHost, RuntimeFailure, adopt_token
 
 SERVED_NAME = "tidal"
 PORT_TRIES = 3  # launches of a server whose port was taken before it bound it
@@ -137,7 +137,8 @@ class VLLMEngineHost(EngineHost):
         self.token: str | None = None
         self._sync = None
 
-    def start(self, timeout_s: float) -> str:
+    def start(self, timeout_s: float, token: list | None = None) -> str:
+        adopt_token(token)
         from tidal.runtime.cell import actor_device
         from tidal.serving.server_guard import MIDDLEWARE
 

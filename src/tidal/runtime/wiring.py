@@ -154,7 +154,9 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
     if rt.fsdp == "on" and torch.device(device).type != "cpu":
         raise ConfigError("runtime.fsdp", "'on' needs a CPU trainer (a sharded core cannot "
                           "be offloaded while cell 0 serves); use 'auto'")
-    shard = ShardConfig(ranks=rt.fsdp_ranks) if rt.fsdp != "off" and device == "cpu" else None
+    # a cell's ranks join within the run's start-up bound (``runtime.start_timeout_s``)
+    shard = (ShardConfig(ranks=rt.fsdp_ranks, join_timeout_s=rt.start_timeout_s)
+             if rt.fsdp != "off" and device == "cpu" else None)
     if shard is None and rt.fsdp_ranks > 1:
         raise ConfigError("runtime.fsdp_ranks", "more than one rank per cell needs FSDP2 "
                           "(runtime.fsdp on a CPU trainer)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -58,6 +59,14 @@ class EngineConfig(BaseModel):
     # default: a prefill from cached KV can differ from a fresh one in the last float bits,
     # which seeded replays of a run must not see)
     prefix_cache_mb: float = Field(0.0, ge=0)
+    spill_dir: str | None = Field(None, description="where a level-1 sleep writes the weights "
+                                  "(a run's spill/ directory, removed with the run's parts); "
+                                  "None: they are held in CPU memory, never written to /tmp")
+
+
+def spill_path(spill_dir: str | Path, name: str) -> Path:
+    """The file a level-1 sleep of engine ``name`` (this process) writes its weights to."""
+    return Path(spill_dir) / f"tidal-spill-{name}-{os.getpid()}.safetensors"
 
 
 class Engine:
@@ -79,6 +88,7 @@ class Engine:
         self._paused = False
         self._sleeping = False
         self._spill: Path | None = None
+        self._held: dict[str, torch.Tensor] | None = None  # level 1 without a spill_dir
         self._wakeup = asyncio.Event()
         self._step_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
@@ -102,6 +112,8 @@ class Engine:
             except TimeoutError:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
+        if self._spill is not None:  # a sleeping engine that ends leaves no weights behind
+            self._spill.unlink(missing_ok=True)
 
     # -- requests --------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest,
@@ -266,12 +278,16 @@ class Engine:
             if level == 1 and not self._sleeping:
                 from safetensors.torch import save_file
 
-                self._spill = Path(f"/tmp/tidal-spill-{id(self)}.safetensors")
                 # parameters, not state_dict(): a tied head must not appear twice
                 sd = {k: v.detach().contiguous().cpu()
                       for k, v in self.model.named_parameters()}
-                # off the loop: /health and control routes keep answering while it writes
-                await asyncio.to_thread(save_file, sd, str(self._spill))
+                if self.config.spill_dir is None:
+                    self._held = sd
+                else:
+                    self._spill = spill_path(self.config.spill_dir, self.config.name)
+                    self._spill.parent.mkdir(parents=True, exist_ok=True)
+                    # off the loop: /health and control routes keep answering while it writes
+                    await asyncio.to_thread(save_file, sd, str(self._spill))
                 del sd
             self.model.free_weights()
             self._sleeping = True
@@ -281,16 +297,22 @@ class Engine:
         async with self._step_lock:
             if not self._sleeping:
                 return
-            source = self._spill or self._weights_source
-            sd = await asyncio.to_thread(read_weights, source)
+            if self._held is not None:
+                sd = self._held
+            else:
+                sd = await asyncio.to_thread(read_weights, self._spill or self._weights_source)
             self.model.materialize(self.device)
             self.model.load_weights(sd)  # strict: materialised memory is garbage until loaded
-            if self._spill:
-                self._spill.unlink(missing_ok=True)
-                self._spill = None
+            self._drop_spill()
             self._sleeping = False
             self._wakeup.set()
         log.info("engine %s awake", self.config.name)
+
+    def _drop_spill(self) -> None:
+        """The weights a level-1 sleep put aside are no longer needed (woken or replaced)."""
+        if self._spill is not None:
+            self._spill.unlink(missing_ok=True)
+        self._spill, self._held = None, None
 
     async def update_weights(self, path: str | Path, version: str) -> None:
         """Load weights of ``version`` from ``path`` between two steps; later tokens carry it.
@@ -302,7 +324,7 @@ class Engine:
             if self._sleeping:
                 self.model.materialize(self.device)
                 self._sleeping = False
-                self._spill = None
+                self._drop_spill()
             self.model.load_weights(sd)
             self.prefix.clear()  # KV computed by the old weights
             self._weights_source = Path(path)

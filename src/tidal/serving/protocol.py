@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tidal.errors import TidalError
+from tidal.types import MIN_TEMPERATURE
 
 FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the engine's step failed
 # the smallest positive temperature sampled with: below it logits / T overflow float32 (inf,
 # then NaN probabilities) for ordinary logit ranges; refused, never clamped (the caller asked
 # for a distribution we would not sample from). 0 means greedy.
-MIN_TEMPERATURE = 1e-3
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 

@@ -36,8 +36,10 @@ from tidal.training.aggregate import Contribution, aggregate
 from tidal.training.flat import ParamLayout
 from tidal.training.loss import GRPOLossConfig, MicroStepTensors, grpo_loss_sum, target_logprobs
 from tidal.training.sharded import (
+    JOINED,
     ShardConfig,
     ShardLayout,
+    await_followers,
     cell_store,
     close_cell_group,
     init_cell_group,
@@ -341,12 +343,14 @@ def start_cell(model: nn.Module, device: torch.device, cfg: ShardConfig, loss: G
     procs = [subprocess.Popen([sys.executable, "-m", "tidal.training.cell_ranks",
                                json.dumps({**spec, "rank": r})]) for r in range(1, cfg.ranks)]
     try:
+        await_followers(store, procs, cfg.join_timeout_s)
         init_cell_group(store, 0, cfg.ranks, backend, cfg.timeout_s)
         cell = ShardedCell(model, device, cfg, loss, pad_id, optimizer)
         cell.load_params(full)
-    except Exception:
+    except BaseException:  # Ctrl-C / SIGTERM too: no follower outlives a failed start
         for p in procs:
             p.kill()
+            p.wait(10)
         close_cell_group()
         raise
     return cell, procs
@@ -382,6 +386,7 @@ def run_follower(spec: dict) -> None:
                               % torch.cuda.device_count())
         torch.cuda.set_device(device)
     store = cell_store(spec["rank"], spec["world"], spec["host"], spec["port"], cfg.timeout_s)
+    store.add(JOINED, 1)  # rank 0 waits for every rank in Python (``await_followers``)
     init_cell_group(store, spec["rank"], spec["world"], spec["backend"], cfg.timeout_s)
     mc = dict(spec["model_config"])
     config = AutoConfig.for_model(mc.pop("model_type"), **mc)

@@ -38,6 +38,28 @@ def _td(seconds: float) -> dt.timedelta:
     return dt.timedelta(seconds=seconds)
 
 
+def store_on(host: str, port: int, world: int | None, is_master: bool,
+             timeout_s: float) -> dist.TCPStore:
+    """A ``TCPStore`` at ``host:port``; its master listens on ``host`` only (a socket bound
+    here and handed over), not on every interface as torch's own would: a one-machine run's
+    store stays on loopback, a cluster's on its node's address."""
+    if not is_master:
+        return dist.TCPStore(host, port, world, False, _td(timeout_s), wait_for_workers=False)
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    # the store owns the descriptor from here on (it closes it with the store)
+    return dist.TCPStore(host, sock.getsockname()[1], world, True, _td(timeout_s),
+                         wait_for_workers=False, master_listen_fd=sock.detach())
+
+
 class GroupRegistry:
     """Per-process cache of side groups keyed by (members, incarnations)."""
 
@@ -58,10 +80,8 @@ class GroupRegistry:
         self.timeout_s = timeout_s
         is_master = cell == 0
         try:
-            self.store = dist.TCPStore(
-                host, port, None, is_master, _td(timeout_s), wait_for_workers=False
-            )
-        except (RuntimeError, dist.DistStoreError) as exc:
+            self.store = store_on(host, port, None, is_master, timeout_s)
+        except (RuntimeError, dist.DistStoreError, OSError) as exc:
             raise CommError(
                 f"cell {cell}: cannot reach the core's store {host}:{port}: {exc}"
             ) from exc

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -47,6 +49,12 @@ class ShardConfig(BaseModel):
                              "cell, including a follower's wait for rank 0's next operation "
                              "(a cell idles while it serves rollout); a follower whose rank 0 "
                              "died exits at once")
+    join_timeout_s: float = Field(default=300.0, gt=0, description="bound on rank 0's wait "
+                                  "for ranks 1..k-1 to start and join (a rank that exits "
+                                  "first ends the wait at once)")
+
+
+JOINED = "tidal/ranks-joined"  # the store's count of followers that reached it
 
 
 def cell_store(rank: int, world: int, host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -54,8 +62,29 @@ def cell_store(rank: int, world: int, host: str, port: int, timeout_s: float) ->
     from ``store.port`` and hand it to the other ranks before joining)."""
     if host in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    return dist.TCPStore(host, port, world, rank == 0, timeout=dt.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    from tidal.training.groups import store_on
+
+    return store_on(host, port, world, rank == 0, timeout_s)
+
+
+def await_followers(store: dist.TCPStore, procs: list[subprocess.Popen], timeout_s: float,
+                     every_s: float = 0.1) -> None:
+    """Until ranks 1..k-1 have all reached the store (each adds 1 to ``joined``), polled in
+    Python: a signal (SIGTERM, Ctrl-C) is handled between polls, where torch's own join would
+    hold the thread in C++ for its whole timeout; a rank that exits first, or ``timeout_s``,
+    is one ``TidalError`` line naming ``runtime.fsdp_ranks``."""
+    deadline = time.monotonic() + timeout_s
+    world = len(procs) + 1
+    while store.add(JOINED, 0) < len(procs):
+        for rank, p in enumerate(procs, start=1):
+            if p.poll() is not None:
+                raise TidalError(f"runtime.fsdp_ranks: rank {rank} of {world} exited with "
+                                 f"{p.returncode} before joining its cell (too many ranks "
+                                 "for this machine's cores or memory?)")
+        if time.monotonic() > deadline:
+            raise TidalError(f"runtime.fsdp_ranks: {store.add(JOINED, 0)} of {len(procs)} "
+                             f"ranks joined their cell within {timeout_s:g} s")
+        time.sleep(every_s)
 
 
 def init_cell_group(store: dist.TCPStore, rank: int, world: int, backend: str,

@@ -1,12 +1,14 @@
 """``tidal run`` on a real multi-node Ray cluster on this machine (``tidal cluster up``): a head
 that hosts only the driver and three worker raylets, each in its own network namespace on a
 bridge, so every hop between the driver, the proxy, the engines and the satellites crosses the
-bridge with the run's token (a loopback address would not reach another node). Where network
-namespaces cannot be made (not root), ``tidal cluster up`` falls back to loopback node
-addresses and the fixture prints that mode.
+bridge with the run's token (a loopback address would not reach another node). As root (CI)
+the cluster must be in namespaces: a fallback to loopback node addresses fails the tests unless
+asked for (``TIDAL_TEST_CLUSTER_NETNS=0``); without root that fallback is what runs, and the
+fixture prints the mode.
 
 Checks: the engines of ``tiny.yaml`` sit on three different nodes (node ids from Ray); cells
-move both ways and a drained request moves between nodes; weights reach every engine across
+move both ways and a drained request's KV cache moves between nodes (one engine per node: every
+handoff crosses the bridge); weights reach every engine across
 nodes (the decision log names the transport per publication); a satellite on another node
 joins the core's steps; and a node lost mid-run (its raylet and every process on it killed)
 costs nothing: its cell is replaced on a surviving node, no request fails, no execution is lost
@@ -16,7 +18,9 @@ of it is left on any node.
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import threading
 
 import pytest
@@ -39,6 +43,9 @@ GROUPS = expected_groups(yaml.safe_load(CONFIG.read_text()))
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with four_node_cluster("t", 200, tmp_path_factory.mktemp("cluster")) as st:
+        forced = os.environ.get("TIDAL_TEST_CLUSTER_NETNS") == "0"
+        if os.geteuid() == 0 and not forced:  # root can make namespaces: no silent fallback
+            assert st.mode == "netns", f"cluster fell back to {st.mode} as root"
         yield st
 
 
@@ -64,7 +71,9 @@ def _nothing_lost(s: dict, out) -> None:
 
 def test_tiny_run_spreads_its_engines_over_three_nodes(cluster, tmp_path):
     out = tmp_path / "run"
-    s = Runtime(_config(cluster, "STRICT_SPREAD"), out).run()
+    # calls long enough (and all of a burst at once) that a cell's drain finds some in flight
+    s = Runtime(_config(cluster, "STRICT_SPREAD", max_tokens=160, dispatch_interval_s=0.0),
+                out).run()
     workers = {n["id"]: n["ip"] for n in localcluster.alive_nodes(cluster)
                if n["resources"].get("CPU", 0) > 0}  # the head declares none
     placed = {name: (e["node_id"], e["node_ip"]) for name, e in s["engines"].items()}
@@ -73,6 +82,10 @@ def test_tiny_run_spreads_its_engines_over_three_nodes(cluster, tmp_path):
     # one engine per worker node, as Ray placed them; none on the driver's head node
     assert len({node for node, _ in placed.values()}) == 3
     assert {node: ip for node, ip in placed.values()} == workers
+    if cluster.mode == "netns":  # each engine on its own namespace's bridge address
+        assert not any(ipaddress.ip_address(ip).is_loopback for _, ip in placed.values())
+    # a drained call moved with its KV cache, from one node's engine to another's
+    assert s["drained_requests"] >= 1 and s["kv_handoffs"] >= 1, s
     assert s["nodes"] == 4 and s["nodes_lost"] == 0
     assert s["switches_to_training"] >= 1 and s["switches_to_rollout"] >= 1
     assert s["plans_aborted"] == 0

@@ -39,6 +39,7 @@ def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path, caplog, cap
     assert "warnings: none" in printed and printed[-1].startswith(f"report: {out / 'report.md'}")
     assert any(" 100% ETA 0:00:00" in x for x in printed)  # the final progress line
     summary = json.loads((out / "summary.json").read_text())
+    assert not (out / "spill").exists()  # asleep engines' weights gone with the run (issue 29)
 
     assert summary["policy"] == "waterlevel"
     assert summary["switches_to_training"] >= 1 and summary["switches_to_rollout"] >= 1

@@ -185,3 +185,52 @@ def test_published_weights_load_into_the_live_server(servers, smollm2, tmp_path)
         sync.load_file(pub.path(0), "v0")  # the other tests' server as it was
         sync.close()
     assert vllm_logprobs()[0] == ids0
+
+
+def test_shm_publication_loads_into_the_live_server(servers, smollm2):
+    """``VLLMWeightPublisher``'s shared-memory carrier (``publish``): a version with different
+    weights goes through ``/dev/shm`` into the running server's workers; the server's label is
+    read back from ``/weight_info`` and its log-probabilities are those of the new weights;
+    then the original weights are back under v0."""
+    import torch
+
+    from tidal.models import load_model
+    from tidal.training.flat import ParamLayout
+    from tidal.training.vllm_sync import VLLMWeightPublisher
+
+    url, _, _ = servers
+    model, tok = load_model(smollm2)
+    model.eval()
+    layout = ParamLayout.of(model)
+    prompt = tok.encode("The capital of France is")
+    original = layout.params_to_flat(model).clone()
+
+    def vllm_logprobs() -> tuple[list[int], list[float]]:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "logprobs": 0, "return_token_ids": True}).json()["choices"][0]
+        return r["token_ids"], r["logprobs"]["token_logprobs"]
+
+    def tidal_error(ids: list[int], lps: list[float]) -> float:
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt + ids]))[0].float(), -1)
+        return max(abs(ref[len(prompt) - 1 + i, t].item() - lp)
+                   for i, (t, lp) in enumerate(zip(ids, lps, strict=True)))
+
+    ids0, lps0 = vllm_logprobs()
+    pub = VLLMWeightPublisher(url, layout, "shm", shm_name=f"tidal-tier-{os.getpid()}")
+    try:
+        torch.manual_seed(1)
+        with torch.no_grad():  # a different version: every weight
+            for p in model.parameters():
+                p.mul_(1 + 0.05 * torch.randn_like(p))
+        assert tidal_error(ids0, lps0) > 1e-2  # the reference tells the versions apart
+        pub.publish(3, layout.params_to_flat(model))
+        assert pub.version() == "v3"  # read back from the server, not assumed
+        ids3, lps3 = vllm_logprobs()
+        print("vLLM vs tidal at v3 (shm):", tidal_error(ids3, lps3))
+        assert tidal_error(ids3, lps3) < 1e-3
+    finally:
+        pub.publish(0, original)  # the other tests' server as it was
+        pub.close()
+    assert vllm_logprobs()[0] == ids0

@@ -201,3 +201,42 @@ def test_abort_of_an_id_not_seen_yet_ends_that_request_on_arrival(tiny_dir):
     assert [c.finish_reason for c in cont] == ["abort"] and not cont[0].token_ids
     assert cont[0].cached_tokens == covered and cont[0].kv_tokens == covered
     assert pinned and stats["prefill_tokens"] == 0 and stats["generated_tokens"] == 0
+
+
+def test_a_level_1_sleep_spills_into_its_spill_dir_only_and_leaves_nothing(tiny_dir, tmp_path):
+    """Issue 29, item 5: the spill is in the run's directory (``spill_dir``) or in memory, never
+    in the system's temporary directory, and it is gone once the engine wakes or stops."""
+    import tempfile
+
+    from tidal.runtime.spill import stale_in_tmp
+
+    before_tmp = set(stale_in_tmp())
+
+    async def main():
+        spilled = tmp_path / "run" / "spill"
+        eng = _engine(tiny_dir, spill_dir=str(spilled), name="c1")
+        await eng.start()
+        ref = await _collect(eng, "a", [1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True)
+        await eng.sleep(1)
+        assert [p.name.startswith("tidal-spill-c1-") for p in spilled.iterdir()] == [True]
+        await eng.wake_up()
+        assert list(spilled.iterdir()) == []
+        again = await _collect(eng, "b", [1, 2, 3], max_tokens=8, temperature=0,
+                               ignore_eos=True)
+        assert again[1] == ref[1]
+        await eng.sleep(1)
+        await eng.stop()  # a sleeping engine that ends removes its spill
+        assert list(spilled.iterdir()) == []
+
+        held = _engine(tiny_dir)  # no spill_dir (a plain `tidal engine`): held in memory
+        await held.start()
+        await held.sleep(1)
+        assert held.stats()["weights_bytes"] == 0
+        await held.wake_up()
+        again = await _collect(held, "c", [1, 2, 3], max_tokens=8, temperature=0,
+                               ignore_eos=True)
+        assert again[1] == ref[1]
+        await held.stop()
+
+    run(main())
+    assert set(stale_in_tmp()) == before_tmp, tempfile.gettempdir()

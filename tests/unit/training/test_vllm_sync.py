@@ -1,8 +1,9 @@
 """The vLLM worker extension's loading path, without vLLM.
 
-vLLM is not run in this suite (see ``test_vllm_publisher_against_a_live_server`` for the live
-check). Here the extension is mixed into an object whose ``model_runner.model`` is a real torch
-module with vLLM's ``load_weights(weights=[(name, tensor), ...])`` signature.
+vLLM is not run in this suite (the live check of the shared-memory carrier is
+``tests/integration/serving/test_vllm_tier.py::test_shm_publication_loads_into_the_live_server``).
+Here the extension is mixed into an object whose ``model_runner.model`` is a real torch module
+with vLLM's ``load_weights(weights=[(name, tensor), ...])`` signature.
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from tidal.models.hf import tiny_model
 from tidal.training.flat import ParamLayout
 from tidal.training.transport import SharedMemoryTransport
-from tidal.training.vllm_sync import TidalWorkerExtension, VLLMWeightPublisher
+from tidal.training.vllm_sync import TidalWorkerExtension
 
 SHM = f"tidal-test-vllm-{os.getpid()}"
 
@@ -58,21 +58,3 @@ def test_extension_loads_a_published_version_from_shared_memory():
             assert torch.equal(a, b), n
     finally:
         shm.close()
-
-
-@pytest.mark.vllm
-@pytest.mark.skipif("TIDAL_VLLM_URL" not in os.environ, reason="needs a live vLLM server "
-                    "(VLLM_SERVER_DEV_MODE=1, --worker-extension-cls "
-                    "tidal.training.vllm_sync.TidalWorkerExtension) at $TIDAL_VLLM_URL")
-def test_vllm_publisher_against_a_live_server():
-    from tidal.models import fetch, load_model
-
-    model, _ = load_model(fetch("smollm2-135m"))
-    layout = ParamLayout.of(model)
-    pub = VLLMWeightPublisher(os.environ["TIDAL_VLLM_URL"], layout, "shm")
-    try:
-        pub.publish(3, layout.params_to_flat(model))
-        info = pub._get("/weight_info") if pub._has_version else {"weight_version": "v3"}
-        assert info["weight_version"] == "v3"
-    finally:
-        pub.close()
