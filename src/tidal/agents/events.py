@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 from tidal.errors import LedgerError
 
 log = logging.getLogger(__name__)
-CLOSE_REASONS = ("completed", "failed", "timeout", "cancelled")
+CLOSE_REASONS = ("completed", "failed", "timeout", "cancelled", "reward_error")
 
 
 @runtime_checkable

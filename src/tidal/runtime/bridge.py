@@ -95,7 +95,9 @@ class LedgerBridge:
             resp = await self.admin.get(f"/tidal/executions/{eid}/records")
             resp.raise_for_status()
             calls = resp.json()["calls"]
-            rec = record_from_proxy(eid, gid, calls, reward, reason)
+            # the record's status has no reward_error: its tokens train as a failed one's
+            rec = record_from_proxy(eid, gid, calls, reward,
+                                    "failed" if reason == "reward_error" else reason)
             self.timing.setdefault(eid, {})["calls"] = [{
                 "prompt_tokens": len(c["prompt_token_ids"]),
                 "output_tokens": sum(len(s["token_ids"]) for s in c["segments"]),
