@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,14 +141,19 @@ class ChatKind:
         async with httpx.AsyncClient(base_url=ctx.base_url, timeout=ctx.timeout_s, headers={
                 "Authorization": f"Bearer {ctx.api_key}"}) as client:
             for turn in range(ctx.max_turns):
+                t_call = time.monotonic()
                 resp = await client.post("/chat/completions", json={
                     "model": ctx.model, "messages": messages, "max_tokens": ctx.max_tokens,
                     "temperature": ctx.temperature, "logprobs": True})
                 if resp.status_code != 200:
                     raise ValueError(f"proxy answered {resp.status_code}: {resp.text[:200]}")
                 out.answer = resp.json()["choices"][0]["message"]["content"] or ""
+                t_tool = time.monotonic()
                 obs, done, reward = await self._feedback(ctx, out.answer, messages, turn)
-                out.transcript.append({"action": out.answer, "observation": obs or ""})
+                # timings (monotonic clock) for `tidal calibrate`, as the built-in loop's
+                out.transcript.append({"action": out.answer, "observation": obs or "",
+                                       "t_call": t_call, "call_s": t_tool - t_call,
+                                       "tool_s": time.monotonic() - t_tool})
                 if reward is not None:
                     out.reward = reward
                 if done:

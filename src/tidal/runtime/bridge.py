@@ -122,6 +122,8 @@ class LedgerBridge:
                 t = self.timing.get(r.execution_id, {})
                 calls = [dict(c) for c in t.get("calls", [])]
                 for c, turn in zip(calls, r.transcript, strict=False):
+                    if "t_call" not in turn:  # an agent kind that does not time its calls
+                        break
                     c.update({"start_s": round(turn["t_call"] - t0, 4),
                               "call_s": round(turn["call_s"], 4),
                               "tool_s": round(turn["tool_s"], 4)})
