@@ -2,7 +2,8 @@
 unmodified third-party harness) runs each execution, as its own process group, in the
 execution's workspace, with the model behind ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``.
 
-In: ``task.agent.command`` (the program and its arguments; ``{prompt}``, ``{task_file}``,
+In: ``task.agent.command`` (the program, ``{python}`` for tidal's own interpreter, and its
+arguments; ``{prompt}``, ``{task_file}``,
 ``{workspace}``, ``{execution_id}``, ``{base_url}``, ``{api_key}``, ``{model}`` are filled in, in
 ``task.agent.env`` values too). The task row is written as JSON to ``task.agent.task_file`` in the
 workspace first. The environment adds ``OPENAI_BASE_URL`` (the proxy's per-execution URL, so a
@@ -25,6 +26,7 @@ import os
 import shutil
 import signal
 import string
+import sys
 from pathlib import Path
 
 from tidal.agents.kinds import AgentContext, AgentOutcome, register_agent_kind, unused
@@ -43,7 +45,8 @@ class CommandKind:
         if not spec.command:
             raise ConfigError(f"{field}.command", "the 'command' agent kind needs a program "
                               "and its arguments, e.g. ['bash', 'agent.sh', '{task_file}']")
-        self.program = executable(spec.command[0], f"{field}.command.0")
+        self.program = sys.executable if spec.command[0] == "{python}" else \
+            executable(spec.command[0], f"{field}.command.0")
         self.argv, self.env, self.task_file = list(spec.command[1:]), dict(spec.env), \
             spec.task_file
         for i, arg in enumerate(self.argv, 1):
