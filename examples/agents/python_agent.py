@@ -11,17 +11,17 @@ from pathlib import Path
 
 from openai import AsyncOpenAI
 
-SYSTEM = "Answer with the number only."
+SYSTEM = "Reply with the answer only."
 
 
 async def solve(client: AsyncOpenAI, row, workspace: Path, model: str) -> str:
     messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": row.prompt}]
+                {"role": "user", "content": row.text()}]
     first = await client.chat.completions.create(model=model, messages=messages,
                                                   max_tokens=16, temperature=0.7)
     draft = first.choices[0].message.content or ""
     messages += [{"role": "assistant", "content": draft},
-                 {"role": "user", "content": "Check it. Reply with the final number only."}]
+                 {"role": "user", "content": "Check it. Reply with the final answer only."}]
     final = await client.chat.completions.create(model=model, messages=messages,
                                                   max_tokens=16, temperature=0.7)
     answer = final.choices[0].message.content or ""
