@@ -5,7 +5,9 @@ proxy, the run's ``Parts`` (task owner). Out: ``Wired``: the trajectory buffer a
 the Ray actuator, the controller (real ``tidal.control`` objects on the wall clock) and its
 guarded ``handle`` (every event goes through it: a failure stops the run with its cause), the
 harness bridge, the publisher, the trainer loop, the cell supervisor, the dispatcher and the run
-outputs. Data flow: dispatcher -> harness pool -> proxy -> engines; ledger callbacks -> bridge ->
+outputs. The run's ``task:`` section (``tidal.agents.workload``: the user's rows, agent kind and
+reward) is checked with the config and handed to the dispatcher. Data flow: dispatcher ->
+harness pool -> proxy -> engines; ledger callbacks -> bridge ->
 controller -> plans -> actuator; closed executions -> bridge -> buffer -> trainer loop ->
 publisher -> engines. A resumed run's trainer, weights and metrics are restored here.
 """
