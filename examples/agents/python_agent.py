@@ -15,15 +15,18 @@ SYSTEM = "Reply with the answer only."
 
 
 async def solve(client: AsyncOpenAI, row, workspace: Path, model: str) -> str:
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": row.text()}]
-    first = await client.chat.completions.create(model=model, messages=messages,
-                                                  max_tokens=16, temperature=0.7)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row.text()}]
+    first = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0.7
+    )
     draft = first.choices[0].message.content or ""
-    messages += [{"role": "assistant", "content": draft},
-                 {"role": "user", "content": "Check it. Reply with the final answer only."}]
-    final = await client.chat.completions.create(model=model, messages=messages,
-                                                  max_tokens=16, temperature=0.7)
+    messages += [
+        {"role": "assistant", "content": draft},
+        {"role": "user", "content": "Check it. Reply with the final answer only."},
+    ]
+    final = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0.7
+    )
     answer = final.choices[0].message.content or ""
     (workspace / "answer.txt").write_text(answer)  # the workspace is this execution's own
     return answer

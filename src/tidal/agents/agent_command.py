@@ -43,55 +43,90 @@ class CommandKind:
     def __init__(self, spec: AgentConfig, field: str = "task.agent") -> None:
         unused(spec, field, "function", "step")
         if not spec.command:
-            raise ConfigError(f"{field}.command", "the 'command' agent kind needs a program "
-                              "and its arguments, e.g. ['bash', 'agent.sh', '{task_file}']")
-        self.program = sys.executable if spec.command[0] == "{python}" else \
-            executable(spec.command[0], f"{field}.command.0")
-        self.argv, self.env, self.task_file = list(spec.command[1:]), dict(spec.env), \
-            spec.task_file
+            raise ConfigError(
+                f"{field}.command",
+                "the 'command' agent kind needs a program "
+                "and its arguments, e.g. ['bash', 'agent.sh', '{task_file}']",
+            )
+        self.program = (
+            sys.executable
+            if spec.command[0] == "{python}"
+            else executable(spec.command[0], f"{field}.command.0")
+        )
+        self.argv, self.env, self.task_file = list(spec.command[1:]), dict(spec.env), spec.task_file
         for i, arg in enumerate(self.argv, 1):
             _check_template(arg, f"{field}.command.{i}")
         for k, v in self.env.items():
             _check_template(v, f"{field}.env.{k}")
         if spec.args:
-            raise ConfigError(f"{field}.args.{sorted(spec.args)[0]}", "the 'command' kind "
-                              "takes no args")
+            raise ConfigError(
+                f"{field}.args.{sorted(spec.args)[0]}", "the 'command' kind takes no args"
+            )
 
     async def run(self, ctx: AgentContext) -> AgentOutcome:
         ws = ctx.workspace
         (ws / self.task_file).write_text(json.dumps(ctx.row.to_json(), default=str))
-        values = {"prompt": ctx.row.text(), "task_file": str(ws / self.task_file),
-                  "workspace": str(ws), "execution_id": ctx.execution_id,
-                  "base_url": ctx.base_url, "api_key": ctx.api_key, "model": ctx.model}
-        env = {**os.environ, "OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
-               "OPENAI_MODEL": ctx.model, "TIDAL_EXECUTION_ID": ctx.execution_id,
-               "TIDAL_WORKSPACE": str(ws), "TIDAL_TASK_FILE": values["task_file"],
-               **{k: v.format(**values) for k, v in self.env.items()}}
+        values = {
+            "prompt": ctx.row.text(),
+            "task_file": str(ws / self.task_file),
+            "workspace": str(ws),
+            "execution_id": ctx.execution_id,
+            "base_url": ctx.base_url,
+            "api_key": ctx.api_key,
+            "model": ctx.model,
+        }
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": ctx.base_url,
+            "OPENAI_API_KEY": ctx.api_key,
+            "OPENAI_MODEL": ctx.model,
+            "TIDAL_EXECUTION_ID": ctx.execution_id,
+            "TIDAL_WORKSPACE": str(ws),
+            "TIDAL_TASK_FILE": values["task_file"],
+            **{k: v.format(**values) for k, v in self.env.items()},
+        }
         logs = ws / ".tidal"
         logs.mkdir(exist_ok=True)
         with open(logs / "stdout.log", "wb") as out, open(logs / "stderr.log", "wb") as err:
             proc = await asyncio.create_subprocess_exec(
-                self.program, *(a.format(**values) for a in self.argv), cwd=ws, env=env,
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
-                start_new_session=True)
+                self.program,
+                *(a.format(**values) for a in self.argv),
+                cwd=ws,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
         _LIVE.add(proc.pid)
         try:
             code = await proc.wait()
         finally:
             await _end(proc)
         stdout, stderr = _tail(logs / "stdout.log"), _tail(logs / "stderr.log")
-        return AgentOutcome(answer=stdout.strip(), exit_code=code, stdout_tail=stdout,
-                            stderr_tail=stderr, reason="completed" if code == 0 else "failed",
-                            transcript=[{"action": f"exit {code}", "observation": stdout}])
+        return AgentOutcome(
+            answer=stdout.strip(),
+            exit_code=code,
+            stdout_tail=stdout,
+            stderr_tail=stderr,
+            reason="completed" if code == 0 else "failed",
+            transcript=[{"action": f"exit {code}", "observation": stdout}],
+        )
 
 
 def executable(program: str, field: str) -> str:
     """The program's path (``PATH`` searched for a bare name) or a ``ConfigError``."""
-    found = shutil.which(program) if os.sep not in program else (
-        program if os.path.isfile(program) and os.access(program, os.X_OK) else None)
+    found = (
+        shutil.which(program)
+        if os.sep not in program
+        else (program if os.path.isfile(program) and os.access(program, os.X_OK) else None)
+    )
     if found is None:
-        why = "not found on PATH" if os.sep not in program else (
-            "not executable" if os.path.exists(program) else "no such file")
+        why = (
+            "not found on PATH"
+            if os.sep not in program
+            else ("not executable" if os.path.exists(program) else "no such file")
+        )
         raise ConfigError(field, f"{program!r}: {why}")
     return str(Path(found).resolve()) if os.sep in program else found
 
@@ -103,8 +138,9 @@ def _check_template(text: str, field: str) -> None:
         raise ConfigError(field, f"{text!r}: {exc} (write {{{{ and }}}} for braces)") from None
     for n in names:
         if n not in FIELDS:
-            raise ConfigError(field, f"{text!r}: unknown placeholder {{{n}}} (known: "
-                              f"{', '.join(FIELDS)})")
+            raise ConfigError(
+                field, f"{text!r}: unknown placeholder {{{n}}} (known: {', '.join(FIELDS)})"
+            )
 
 
 async def _end(proc: asyncio.subprocess.Process) -> None:

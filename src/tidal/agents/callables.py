@@ -49,8 +49,9 @@ def _module(where: str, field: str) -> Any:
     except ConfigError:
         raise
     except Exception as exc:  # the user's module may raise anything at import
-        raise ConfigError(field, f"{where} does not import: {type(exc).__name__}: "
-                          f"{_first_line(exc)}") from None
+        raise ConfigError(
+            field, f"{where} does not import: {type(exc).__name__}: {_first_line(exc)}"
+        ) from None
 
 
 def _from_file(path: Path, field: str) -> Any:

@@ -35,7 +35,7 @@ def parse_key(token: str | None, key: str) -> str | None:
     """The execution a ``tx-`` key names, or None when it is not a valid key of this run."""
     if not key.startswith(KEY_PREFIX) or not token:
         return None
-    eid, _, mac = key[len(KEY_PREFIX):].rpartition(".")
+    eid, _, mac = key[len(KEY_PREFIX) :].rpartition(".")
     if not _ID.match(eid) or not hmac.compare_digest(mac, _mac(token, eid)):
         return None
     return eid
@@ -45,7 +45,7 @@ def split_path(path: str) -> tuple[str, str] | None:
     """``/x/<id>/rest`` -> (id, ``/rest``); None for any other path (or a malformed id)."""
     if not path.startswith(PATH_PREFIX):
         return None
-    eid, sep, rest = path[len(PATH_PREFIX):].partition("/")
+    eid, sep, rest = path[len(PATH_PREFIX) :].partition("/")
     if not sep or not _ID.match(eid):
         return None
     return eid, "/" + rest

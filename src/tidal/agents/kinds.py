@@ -73,8 +73,11 @@ class AgentKind(Protocol):
 
 _KINDS: dict[str, Callable[..., AgentKind]] = {}
 # modules that register kinds when imported (an absent one is skipped)
-_PLUGINS = ("tidal.agents.agent_python", "tidal.agents.agent_command",
-            "tidal.agents.verifiers_kind")
+_PLUGINS = (
+    "tidal.agents.agent_python",
+    "tidal.agents.agent_command",
+    "tidal.agents.verifiers_kind",
+)
 _loaded = False
 
 
@@ -93,8 +96,10 @@ def build_agent(spec: AgentConfig, field: str = "task.agent") -> AgentKind:
     _load_plugins()
     factory = _KINDS.get(spec.kind)
     if factory is None:
-        raise ConfigError(f"{field}.kind", f"unknown agent kind {spec.kind!r} (known: "
-                          f"{', '.join(sorted(_KINDS))})")
+        raise ConfigError(
+            f"{field}.kind",
+            f"unknown agent kind {spec.kind!r} (known: {', '.join(sorted(_KINDS))})",
+        )
     return factory(spec, field)
 
 
@@ -132,44 +137,72 @@ class ChatKind:
         self.system_prompt = spec.args.get("system_prompt")
         extra = set(spec.args) - {"system_prompt"}
         if extra:
-            raise ConfigError(f"{field}.args.{sorted(extra)[0]}", "unknown argument of the "
-                              "'chat' kind (known: system_prompt)")
+            raise ConfigError(
+                f"{field}.args.{sorted(extra)[0]}",
+                "unknown argument of the 'chat' kind (known: system_prompt)",
+            )
 
     async def run(self, ctx: AgentContext) -> AgentOutcome:
         out = AgentOutcome()
         messages = ctx.row.chat(self.system_prompt)
-        async with httpx.AsyncClient(base_url=ctx.base_url, timeout=ctx.timeout_s, headers={
-                "Authorization": f"Bearer {ctx.api_key}"}) as client:
+        async with httpx.AsyncClient(
+            base_url=ctx.base_url,
+            timeout=ctx.timeout_s,
+            headers={"Authorization": f"Bearer {ctx.api_key}"},
+        ) as client:
             for turn in range(ctx.max_turns):
                 t_call = time.monotonic()
-                resp = await client.post("/chat/completions", json={
-                    "model": ctx.model, "messages": messages, "max_tokens": ctx.max_tokens,
-                    "temperature": ctx.temperature, "logprobs": True})
+                resp = await client.post(
+                    "/chat/completions",
+                    json={
+                        "model": ctx.model,
+                        "messages": messages,
+                        "max_tokens": ctx.max_tokens,
+                        "temperature": ctx.temperature,
+                        "logprobs": True,
+                    },
+                )
                 if resp.status_code != 200:
                     raise ValueError(f"proxy answered {resp.status_code}: {resp.text[:200]}")
                 out.answer = resp.json()["choices"][0]["message"]["content"] or ""
                 t_tool = time.monotonic()
                 obs, done, reward = await self._feedback(ctx, out.answer, messages, turn)
                 # timings (monotonic clock) for `tidal calibrate`, as the built-in loop's
-                out.transcript.append({"action": out.answer, "observation": obs or "",
-                                       "t_call": t_call, "call_s": t_tool - t_call,
-                                       "tool_s": time.monotonic() - t_tool})
+                out.transcript.append(
+                    {
+                        "action": out.answer,
+                        "observation": obs or "",
+                        "t_call": t_call,
+                        "call_s": t_tool - t_call,
+                        "tool_s": time.monotonic() - t_tool,
+                    }
+                )
                 if reward is not None:
                     out.reward = reward
                 if done:
                     break
-                messages = [*messages, {"role": "assistant", "content": out.answer},
-                            {"role": "user", "content": obs or ""}]
+                messages = [
+                    *messages,
+                    {"role": "assistant", "content": out.answer},
+                    {"role": "user", "content": obs or ""},
+                ]
         return out
 
-    async def _feedback(self, ctx: AgentContext, answer: str, messages: list[dict],
-                        turn: int) -> tuple[str | None, bool, float | None]:
+    async def _feedback(
+        self, ctx: AgentContext, answer: str, messages: list[dict], turn: int
+    ) -> tuple[str | None, bool, float | None]:
         if self.step is None:
             return None, True, None
-        given = {"row": ctx.row, "answer": answer, "messages": messages,
-                 "workspace": ctx.workspace, "turn": turn}
-        kwargs = given if "**" in self.wants else {k: v for k, v in given.items()
-                                                   if k in self.wants}
+        given = {
+            "row": ctx.row,
+            "answer": answer,
+            "messages": messages,
+            "workspace": ctx.workspace,
+            "turn": turn,
+        }
+        kwargs = (
+            given if "**" in self.wants else {k: v for k, v in given.items() if k in self.wants}
+        )
         res = self.step(**kwargs)
         if inspect.isawaitable(res):
             res = await res
@@ -179,8 +212,11 @@ class ChatKind:
             return res, False, None
         if isinstance(res, dict):
             reward = res.get("reward")
-            return (str(res.get("observation", "")), bool(res.get("done", False)),
-                    None if reward is None else float(reward))
+            return (
+                str(res.get("observation", "")),
+                bool(res.get("done", False)),
+                None if reward is None else float(reward),
+            )
         raise TypeError(f"step returned {type(res).__name__}: expected None, str or dict")
 
 

@@ -54,9 +54,12 @@ class Reward:
             else:
                 bad = [n for n in names if n not in (*TIDAL, "**")]
                 if bad:
-                    raise ConfigError(f"{field}.function", f"{cfg.function}: parameter "
-                                      f"{bad[0]!r} is neither verl's ({', '.join(VERL)}) nor "
-                                      f"tidal's ({', '.join(TIDAL)})")
+                    raise ConfigError(
+                        f"{field}.function",
+                        f"{cfg.function}: parameter "
+                        f"{bad[0]!r} is neither verl's ({', '.join(VERL)}) nor "
+                        f"tidal's ({', '.join(TIDAL)})",
+                    )
                 self.style, self.names = "tidal", list(TIDAL) if "**" in names else names
         elif cfg.builtin == "math_verify":
             import math_verify  # noqa: F401 - an absent extra fails here, before the run
@@ -68,11 +71,11 @@ class Reward:
     async def score(self, row: TaskRow, outcome: AgentOutcome, workspace: Path) -> float:
         """The execution's reward, or ``RewardError``."""
         try:
-            value = await asyncio.wait_for(self._call(row, outcome, workspace),
-                                           self.cfg.timeout_s)
+            value = await asyncio.wait_for(self._call(row, outcome, workspace), self.cfg.timeout_s)
         except TimeoutError:
-            raise RewardError(f"no reward within {self.cfg.timeout_s:g} s "
-                              f"(task.reward.timeout_s)") from None
+            raise RewardError(
+                f"no reward within {self.cfg.timeout_s:g} s (task.reward.timeout_s)"
+            ) from None
         except RewardError:
             raise
         except Exception as exc:  # the user's code may raise anything
@@ -81,11 +84,22 @@ class Reward:
 
     async def _call(self, row: TaskRow, outcome: AgentOutcome, workspace: Path) -> Any:
         if self.fn is not None:
-            given = ({"data_source": row.data_source, "solution_str": outcome.answer,
-                      "ground_truth": row.answer, "extra_info": row.metadata}
-                     if self.style == "verl" else
-                     {"row": row, "answer": outcome.answer, "workspace": workspace,
-                      "transcript": outcome.transcript, "outcome": outcome})
+            given = (
+                {
+                    "data_source": row.data_source,
+                    "solution_str": outcome.answer,
+                    "ground_truth": row.answer,
+                    "extra_info": row.metadata,
+                }
+                if self.style == "verl"
+                else {
+                    "row": row,
+                    "answer": outcome.answer,
+                    "workspace": workspace,
+                    "transcript": outcome.transcript,
+                    "outcome": outcome,
+                }
+            )
             kwargs = {n: given[n] for n in self.names}
             if inspect.iscoroutinefunction(self.fn):
                 return await self.fn(**kwargs)
@@ -138,12 +152,24 @@ _BUILTINS = {"reasoning_gym": _reasoning_gym, "math_verify": _math_verify, "exac
 async def run_tests(row: TaskRow, workspace: Path, timeout_s: float) -> float:
     """1.0 if the row's test command (default ``python -m pytest -q``) exits 0 in the
     workspace, else 0.0; run as its own process group, killed at ``timeout_s``."""
-    argv = row.metadata.get("test_command") or [sys.executable, "-m", "pytest", "-q", "-x",
-                                                "-p", "no:cacheprovider"]
+    argv = row.metadata.get("test_command") or [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+    ]
     proc = await asyncio.create_subprocess_exec(
-        *argv, cwd=workspace, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        start_new_session=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+        *argv,
+        cwd=workspace,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
     try:
         code = await asyncio.wait_for(proc.wait(), timeout_s)
     finally:

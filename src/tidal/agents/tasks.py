@@ -37,8 +37,11 @@ class TaskRow:
 
     def chat(self, system_prompt: str | None = None) -> list[dict]:
         """The row as chat messages (a system message first when given)."""
-        msgs = list(self.messages) if self.messages is not None else [
-            {"role": "user", "content": self.prompt or ""}]
+        msgs = (
+            list(self.messages)
+            if self.messages is not None
+            else [{"role": "user", "content": self.prompt or ""}]
+        )
         if system_prompt and not any(m.get("role") == "system" for m in msgs):
             msgs.insert(0, {"role": "system", "content": system_prompt})
         return msgs
@@ -51,9 +54,14 @@ class TaskRow:
         return str(users[-1]) if users else ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "prompt": self.prompt, "messages": self.messages,
-                "answer": self.answer, "metadata": self.metadata,
-                "data_source": self.data_source}
+        return {
+            "index": self.index,
+            "prompt": self.prompt,
+            "messages": self.messages,
+            "answer": self.answer,
+            "metadata": self.metadata,
+            "data_source": self.data_source,
+        }
 
 
 def load_rows(src: TaskSourceConfig, seed: int) -> list[TaskRow]:
@@ -73,8 +81,9 @@ def load_rows(src: TaskSourceConfig, seed: int) -> list[TaskRow]:
     return rows
 
 
-def row_for(rows: list[TaskRow], seed: int, burst: int, group: int,
-            groups_per_burst: int) -> TaskRow:
+def row_for(
+    rows: list[TaskRow], seed: int, burst: int, group: int, groups_per_burst: int
+) -> TaskRow:
     """The row of group ``group`` of ``burst``: rows in a seeded order, one epoch after
     another (each epoch reshuffled), so a resumed run gives each group the same row."""
     k = burst * groups_per_burst + group
@@ -98,8 +107,9 @@ def _records(src: TaskSourceConfig) -> list[dict[str, Any]]:
         try:
             return pq.read_table(path).to_pylist()
         except Exception as exc:  # pyarrow's errors carry no common base
-            raise ConfigError(f"{FIELD}.path", f"{path}: not a Parquet file "
-                              f"({str(exc).splitlines()[0][:120]})") from None
+            raise ConfigError(
+                f"{FIELD}.path", f"{path}: not a Parquet file ({str(exc).splitlines()[0][:120]})"
+            ) from None
     return _disk(path, src.split)
 
 
@@ -124,12 +134,16 @@ def _disk(path: Path, split: str | None) -> list[dict[str, Any]]:
     try:
         ds = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as exc:
-        raise ConfigError(f"{FIELD}.path", f"{path}: not a saved dataset "
-                          f"({str(exc).splitlines()[0][:120]})") from None
+        raise ConfigError(
+            f"{FIELD}.path", f"{path}: not a saved dataset ({str(exc).splitlines()[0][:120]})"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         if split is None or split not in ds:
-            raise ConfigError(f"{FIELD}.split", f"{path} holds splits {sorted(ds)}: name one"
-                              + (f" ({split!r} is not among them)" if split else ""))
+            raise ConfigError(
+                f"{FIELD}.split",
+                f"{path} holds splits {sorted(ds)}: name one"
+                + (f" ({split!r} is not among them)" if split else ""),
+            )
         ds = ds[split]
     elif split is not None:
         raise ConfigError(f"{FIELD}.split", f"{path} is one dataset, not a DatasetDict")
@@ -138,16 +152,26 @@ def _disk(path: Path, split: str | None) -> list[dict[str, Any]]:
 
 def _mapped(src: TaskSourceConfig, records: list[dict[str, Any]]) -> list[TaskRow]:
     if (src.prompt is None) == (src.messages is None):
-        raise ConfigError(f"{FIELD}.prompt", "map exactly one of prompt (a text column) and "
-                          "messages (a chat-messages column)")
+        raise ConfigError(
+            f"{FIELD}.prompt",
+            "map exactly one of prompt (a text column) and messages (a chat-messages column)",
+        )
     columns = set(records[0]) if records else set()
-    named = {"prompt": src.prompt, "messages": src.messages, "answer": src.answer,
-             "data_source": src.data_source}
-    for key, col in [*named.items(), *((f"metadata.{i}", c)
-                                        for i, c in enumerate(src.metadata or []))]:
+    named = {
+        "prompt": src.prompt,
+        "messages": src.messages,
+        "answer": src.answer,
+        "data_source": src.data_source,
+    }
+    for key, col in [
+        *named.items(),
+        *((f"metadata.{i}", c) for i, c in enumerate(src.metadata or [])),
+    ]:
         if col is not None and col not in columns:
-            raise ConfigError(f"{FIELD}.{key}", f"no column {col!r} in {src.path} "
-                              f"(columns: {', '.join(sorted(columns))})")
+            raise ConfigError(
+                f"{FIELD}.{key}",
+                f"no column {col!r} in {src.path} (columns: {', '.join(sorted(columns))})",
+            )
     ds_col = src.data_source or ("data_source" if "data_source" in columns else None)
     used = {c for c in named.values() if c} | ({ds_col} if ds_col else set())
     meta_cols = src.metadata if src.metadata is not None else sorted(columns - used)
@@ -155,32 +179,50 @@ def _mapped(src: TaskSourceConfig, records: list[dict[str, Any]]) -> list[TaskRo
     for i, rec in enumerate(records):
         msgs = rec.get(src.messages) if src.messages else None
         if src.messages and not _is_chat(msgs):
-            raise ConfigError(f"{FIELD}.messages", f"row {i}: column {src.messages!r} is not "
-                              "a list of {role, content} messages")
-        rows.append(TaskRow(i, prompt=None if src.prompt is None else str(rec[src.prompt]),
-                            messages=msgs, answer=rec.get(src.answer) if src.answer else None,
-                            metadata={c: rec.get(c) for c in meta_cols},
-                            data_source=str(rec[ds_col]) if ds_col else src.kind))
+            raise ConfigError(
+                f"{FIELD}.messages",
+                f"row {i}: column {src.messages!r} is not a list of {{role, content}} messages",
+            )
+        rows.append(
+            TaskRow(
+                i,
+                prompt=None if src.prompt is None else str(rec[src.prompt]),
+                messages=msgs,
+                answer=rec.get(src.answer) if src.answer else None,
+                metadata={c: rec.get(c) for c in meta_cols},
+                data_source=str(rec[ds_col]) if ds_col else src.kind,
+            )
+        )
     return rows
 
 
 def _is_chat(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
 
 
 def _reasoning_gym(src: TaskSourceConfig, seed: int) -> list[TaskRow]:
     import reasoning_gym
 
     if not src.name:
-        raise ConfigError(f"{FIELD}.name", "a 'reasoning_gym' source needs a dataset name, "
-                          "e.g. basic_arithmetic")
+        raise ConfigError(
+            f"{FIELD}.name", "a 'reasoning_gym' source needs a dataset name, e.g. basic_arithmetic"
+        )
     try:
         ds = reasoning_gym.create_dataset(src.name, size=src.size, seed=seed, **src.args)
     except Exception as exc:  # unknown name or config: reasoning-gym raises plain errors
-        raise ConfigError(f"{FIELD}.name" if "not registered" in str(exc) or
-                          "not found" in str(exc).lower() else f"{FIELD}.args",
-                          f"reasoning-gym {src.name!r}: {str(exc).splitlines()[0][:160]}"
-                          ) from None
-    return [TaskRow(i, prompt=e["question"], answer=e["answer"],
-                    metadata={"entry": e}, data_source=src.name) for i, e in enumerate(ds)]
+        raise ConfigError(
+            f"{FIELD}.name"
+            if "not registered" in str(exc) or "not found" in str(exc).lower()
+            else f"{FIELD}.args",
+            f"reasoning-gym {src.name!r}: {str(exc).splitlines()[0][:160]}",
+        ) from None
+    return [
+        TaskRow(
+            i, prompt=e["question"], answer=e["answer"], metadata={"entry": e}, data_source=src.name
+        )
+        for i, e in enumerate(ds)
+    ]

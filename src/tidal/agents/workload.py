@@ -52,18 +52,27 @@ class Workload:
         self.rows = load_rows(task.source, cfg.seed)
         self.agent = build_agent(task.agent.model_copy(deep=True))
         self.reward = Reward(task.reward) if task.reward is not None else None
-        if task.reward is not None and task.reward.builtin == "reasoning_gym" \
-                and task.source.kind != "reasoning_gym":
-            raise ConfigError("task.reward.builtin", "'reasoning_gym' scores rows of a "
-                              "reasoning_gym source only")
+        if (
+            task.reward is not None
+            and task.reward.builtin == "reasoning_gym"
+            and task.source.kind != "reasoning_gym"
+        ):
+            raise ConfigError(
+                "task.reward.builtin", "'reasoning_gym' scores rows of a reasoning_gym source only"
+            )
         self.args = dict(task.agent.args)
         self.system_prompt = task.source.system_prompt
 
     def job(self, burst: int, group: int, seed: int) -> AgentJob:
         row = row_for(self.rows, self.seed, burst, group, self.groups_per_burst)
         if self.system_prompt:
-            row = TaskRow(row.index, messages=row.chat(self.system_prompt), answer=row.answer,
-                          metadata=row.metadata, data_source=row.data_source)
+            row = TaskRow(
+                row.index,
+                messages=row.chat(self.system_prompt),
+                answer=row.answer,
+                metadata=row.metadata,
+                data_source=row.data_source,
+            )
         return AgentJob(row, self.agent, self.reward, seed, self.args)
 
 
@@ -95,14 +104,20 @@ async def run_job(job: AgentJob, ctx: AgentContext) -> JobResult:
     except TimeoutError:
         outcome = AgentOutcome(reason="timeout")
     except Exception as exc:  # the agent is the user's code: its failure closes it "failed"
-        log.warning("execution %s: the agent failed: %s: %s", ctx.execution_id,
-                    type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        log.warning(
+            "execution %s: the agent failed: %s: %s",
+            ctx.execution_id,
+            type(exc).__name__,
+            str(exc).splitlines()[0][:200] if str(exc) else "",
+        )
         outcome = AgentOutcome(reason="failed")
     if outcome.reward is not None:
         return JobResult(outcome.reason, float(outcome.reward), outcome)
     if job.reward is None:
-        log.error("execution %s: reward_error: no task.reward and the agent returned no "
-                  "reward", ctx.execution_id)
+        log.error(
+            "execution %s: reward_error: no task.reward and the agent returned no reward",
+            ctx.execution_id,
+        )
         return JobResult("reward_error", 0.0, outcome)
     try:
         reward = await job.reward.score(ctx.row, outcome, ws)
@@ -115,6 +130,12 @@ async def run_job(job: AgentJob, ctx: AgentContext) -> JobResult:
 def write_outcome(ws: Path, result: JobResult) -> None:
     """``.tidal/outcome.json`` in the workspace: the close reason, reward and exit code."""
     (ws / ".tidal").mkdir(parents=True, exist_ok=True)
-    (ws / ".tidal" / "outcome.json").write_text(json.dumps({
-        "reason": result.reason, "reward": result.reward,
-        "exit_code": result.outcome.exit_code}))
+    (ws / ".tidal" / "outcome.json").write_text(
+        json.dumps(
+            {
+                "reason": result.reason,
+                "reward": result.reward,
+                "exit_code": result.outcome.exit_code,
+            }
+        )
+    )

@@ -29,8 +29,7 @@ class ExecutionIdentity:
         if path.startswith(PATH_PREFIX):
             split = split_path(path)
             if split is None:
-                return await send_error(send, f"{path[:80]}: expected /x/<execution id>/...",
-                                        404)
+                return await send_error(send, f"{path[:80]}: expected /x/<execution id>/...", 404)
             named.add(split[0])
             scope = {**scope, "path": split[1], "raw_path": split[1].encode()}
         headers = []
@@ -38,8 +37,9 @@ class ExecutionIdentity:
             if k == b"authorization" and v[7:].strip().startswith(KEY_PREFIX.encode()):
                 eid = parse_key(self.token, v[7:].strip().decode("latin-1"))
                 if eid is None or v[:7].lower() != b"bearer ":
-                    return await send_error(send, "the API key is not an execution key of "
-                                            "this run", 401)
+                    return await send_error(
+                        send, "the API key is not an execution key of this run", 401
+                    )
                 named.add(eid)
                 if self.token:
                     headers.append((k, b"Bearer " + self.token.encode()))
@@ -48,8 +48,12 @@ class ExecutionIdentity:
             else:
                 headers.append((k, v))
         if len(named) > 1:
-            return await send_error(send, "the URL, API key and X-Tidal-Execution name "
-                                    f"different executions: {sorted(named)}", 400)
+            return await send_error(
+                send,
+                "the URL, API key and X-Tidal-Execution name "
+                f"different executions: {sorted(named)}",
+                400,
+            )
         if named:
             headers.append((b"x-tidal-execution", next(iter(named)).encode("latin-1")))
             scope = {**scope, "headers": headers}

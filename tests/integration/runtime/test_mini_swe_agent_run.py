@@ -33,9 +33,14 @@ CONFIG = Path(__file__).resolve().parents[3] / "configs" / "mini-swe-agent.yaml"
 def _short() -> RunConfig:
     data = yaml.safe_load(CONFIG.read_text())
     data["control"].update(bursts=1, step_timeout_s=240)
-    data["runtime"] = {"model": "tiny", "tiny_max_seq_len": 4096, "engine_max_batch": 8,
-                       "token_budget": 8192, "execution_timeout_s": 240,
-                       "run_timeout_s": 600}
+    data["runtime"] = {
+        "model": "tiny",
+        "tiny_max_seq_len": 4096,
+        "engine_max_batch": 8,
+        "token_budget": 8192,
+        "execution_timeout_s": 240,
+        "run_timeout_s": 600,
+    }
     agent = data["task"]["agent"]
     agent["command"] = [a.replace("max_tokens=96", "max_tokens=48") for a in agent["command"]]
     agent["env"]["MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT"] = "1"
@@ -50,8 +55,9 @@ def _drain_then_kill(runtime: Runtime, seen: dict) -> None:
         if wait_until_busy(runtime, "s0", 180) is None:
             return
         url = runtime.proxy.url
-        seen["drained"] = httpx.post(f"{url}/tidal/engines/s0/drain", headers=head,
-                                     timeout=60).json()
+        seen["drained"] = httpx.post(
+            f"{url}/tidal/engines/s0/drain", headers=head, timeout=60
+        ).json()
         httpx.post(f"{url}/tidal/engines/s0/undrain", headers=head, timeout=30)
         if seen["drained"]["moved"]:
             break
@@ -60,8 +66,9 @@ def _drain_then_kill(runtime: Runtime, seen: dict) -> None:
         busy = [e["id"] for e in listed if e["id"].startswith("c") and e["inflight"] > 0]
         if busy:
             seen["killed"] = busy[0]
-            ray.get(runtime.engines.actors[EngineId.parse(busy[0])].kill_engine.remote(),
-                    timeout=30)
+            ray.get(
+                runtime.engines.actors[EngineId.parse(busy[0])].kill_engine.remote(), timeout=30
+            )
             return
         time.sleep(0.02)
 
@@ -73,8 +80,15 @@ def test_mini_swe_agent_runs_unmodified_through_moves_and_a_crash(tmp_path):
     chaos.start()
     summary = runtime.run()
     chaos.join(10)
-    print(json.dumps({k: summary[k] for k in ("run_time_s", "rerouted_requests",
-                                               "cells_replaced", "close_reasons")}), seen)
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in ("run_time_s", "rerouted_requests", "cells_replaced", "close_reasons")
+            }
+        ),
+        seen,
+    )
 
     assert seen["drained"]["moved"] >= 1 and seen.get("killed"), seen
     assert summary["cells_replaced"] == [seen["killed"]]
@@ -83,13 +97,22 @@ def test_mini_swe_agent_runs_unmodified_through_moves_and_a_crash(tmp_path):
     assert summary["duplicate_closes"] == 0 and summary["record_errors"] == []
     for ws in sorted((tmp_path / "run" / "workspaces").iterdir()):
         outcome = json.loads((ws / ".tidal" / "outcome.json").read_text())
-        logs = ((ws / ".tidal" / "stdout.log").read_text()
-                + (ws / ".tidal" / "stderr.log").read_text())
+        logs = (ws / ".tidal" / "stdout.log").read_text() + (
+            ws / ".tidal" / "stderr.log"
+        ).read_text()
         assert outcome["exit_code"] == 0 and outcome["reason"] == "completed", (ws, logs[-2000:])
-        for bad in ("Retrying", "APIConnectionError", "InternalServerError", "APIError",
-                    "Traceback"):
+        for bad in (
+            "Retrying",
+            "APIConnectionError",
+            "InternalServerError",
+            "APIError",
+            "Traceback",
+        ):
             assert bad not in logs, (ws.name, bad)
         trajectory = json.loads((ws / ".tidal" / "trajectory.json").read_text())
-        assert trajectory["info"]["exit_status"] in ("Submitted", "LimitsExceeded",
-                                                     "RepeatedFormatError")
+        assert trajectory["info"]["exit_status"] in (
+            "Submitted",
+            "LimitsExceeded",
+            "RepeatedFormatError",
+        )
         assert trajectory["info"]["model_stats"]["api_calls"] >= 1

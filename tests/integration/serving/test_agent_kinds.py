@@ -20,16 +20,36 @@ FIXTURES = ROOT / "tests" / "fixtures" / "agents"
 
 
 def _workload(agent: dict, reward: dict) -> Workload:
-    return Workload(RunConfig.model_validate({
-        "control": {"group_size": 2, "batch_groups": 2, "updates_per_burst": 1, "bursts": 1},
-        "task": {"source": {"kind": "jsonl", "path": str(FIXTURES / "tasks.jsonl"),
-                            "prompt": "question", "answer": "answer"},
-                 "reward": reward, "agent": agent}}))
+    return Workload(
+        RunConfig.model_validate(
+            {
+                "control": {
+                    "group_size": 2,
+                    "batch_groups": 2,
+                    "updates_per_burst": 1,
+                    "bursts": 1,
+                },
+                "task": {
+                    "source": {
+                        "kind": "jsonl",
+                        "path": str(FIXTURES / "tasks.jsonl"),
+                        "prompt": "question",
+                        "answer": "answer",
+                    },
+                    "reward": reward,
+                    "agent": agent,
+                },
+            }
+        )
+    )
 
 
 def _run(cluster, tmp_path, workload: Workload, events: EventLog):
-    pool = HarnessPool(PoolConfig(proxy_url=cluster.url, max_tokens_per_turn=8, timeout_s=60,
-                                  token=cluster.token), tmp_path, events)
+    pool = HarnessPool(
+        PoolConfig(proxy_url=cluster.url, max_tokens_per_turn=8, timeout_s=60, token=cluster.token),
+        tmp_path,
+        events,
+    )
     tasks, ids = [], []
     for g in range(2):
         job = workload.job(0, g, seed=g)
@@ -40,35 +60,39 @@ def _run(cluster, tmp_path, workload: Workload, events: EventLog):
 
 
 def _calls(cluster, eid: str) -> list[dict]:
-    return httpx.get(f"{cluster.url}/tidal/executions/{eid}/records",
-                     headers=cluster.admin).json()["calls"]
+    return httpx.get(f"{cluster.url}/tidal/executions/{eid}/records", headers=cluster.admin).json()[
+        "calls"
+    ]
 
 
 def test_a_shell_script_with_curl_is_an_agent(cluster, tmp_path):
     events = EventLog()
-    workload = _workload({"kind": "command",
-                          "command": [str(FIXTURES / "curl_agent.sh"), "{prompt}"]},
-                         {"function": f"{FIXTURES / 'verl_reward.py'}:compute_score"})
+    workload = _workload(
+        {"kind": "command", "command": [str(FIXTURES / "curl_agent.sh"), "{prompt}"]},
+        {"function": f"{FIXTURES / 'verl_reward.py'}:compute_score"},
+    )
     results = _run(cluster, tmp_path, workload, events)
     for r in results:
-        assert (r.reason, r.exit_code) == ("completed", 0), (r, (r.workspace / ".tidal" /
-                                                                 "stderr.log").read_text())
+        assert (r.reason, r.exit_code) == ("completed", 0), (
+            r,
+            (r.workspace / ".tidal" / "stderr.log").read_text(),
+        )
         assert r.reward in (0.0, 0.1, 1.0)
         calls = _calls(cluster, r.execution_id)
         assert len(calls) == 2  # both curl calls, counted to this execution by its key
         assert all(c["segments"] and c["segments"][0]["token_ids"] for c in calls)
         second = json.loads((r.workspace / "turn2.json").read_text())
         assert second["choices"][0]["message"]["content"] is not None
-        assert json.loads((r.workspace / ".tidal" / "outcome.json").read_text())[
-            "exit_code"] == 0
+        assert json.loads((r.workspace / ".tidal" / "outcome.json").read_text())["exit_code"] == 0
     assert [e[0] for e in events.events].count("closed") == 4
 
 
 def test_the_python_agent_example_runs_with_asyncopenai(cluster, tmp_path):
     events = EventLog()
-    workload = _workload({"kind": "python",
-                          "function": f"{ROOT / 'examples' / 'agents' / 'python_agent.py'}:"
-                                      "solve"}, {"builtin": "exact"})
+    workload = _workload(
+        {"kind": "python", "function": f"{ROOT / 'examples' / 'agents' / 'python_agent.py'}:solve"},
+        {"builtin": "exact"},
+    )
     results = _run(cluster, tmp_path, workload, events)
     for r in results:
         assert r.reason == "completed" and r.reward in (0.0, 1.0), r

@@ -28,8 +28,21 @@ FIXTURES = Path(__file__).parents[2] / "fixtures" / "agents"
 
 
 def _ctx(ws: Path, row: TaskRow, timeout_s: float = 20.0) -> AgentContext:
-    return AgentContext("b0-g0-e0", "b0-g0", row, ws, "http://127.0.0.1:9/x/b0-g0-e0/v1",
-                        "tx-key", "http://127.0.0.1:9", "m", timeout_s, 8, 1, 1.0, 0)
+    return AgentContext(
+        "b0-g0-e0",
+        "b0-g0",
+        row,
+        ws,
+        "http://127.0.0.1:9/x/b0-g0-e0/v1",
+        "tx-key",
+        "http://127.0.0.1:9",
+        "m",
+        timeout_s,
+        8,
+        1,
+        1.0,
+        0,
+    )
 
 
 def _command(*argv: str, **kw) -> object:
@@ -37,9 +50,14 @@ def _command(*argv: str, **kw) -> object:
 
 
 def test_a_command_runs_in_its_workspace_and_its_reward_follows(tmp_path):
-    agent = _command("sh", "-c", 'cat "$1" > seen.json; echo "$OPENAI_BASE_URL"; '
-                     'echo "#### 42"; echo oops >&2; exit 3', "sh", "{task_file}",
-                     env={"WHERE": "{workspace}"})
+    agent = _command(
+        "sh",
+        "-c",
+        'cat "$1" > seen.json; echo "$OPENAI_BASE_URL"; echo "#### 42"; echo oops >&2; exit 3',
+        "sh",
+        "{task_file}",
+        env={"WHERE": "{workspace}"},
+    )
     reward = Reward(RewardConfig(function=f"{FIXTURES / 'verl_reward.py'}:compute_score"))
     row = TaskRow(0, prompt="6 * 7?", answer="42")
     done = asyncio.run(run_job(AgentJob(row, agent, reward, 0, {}), _ctx(tmp_path, row)))
@@ -80,8 +98,9 @@ def test_a_reward_error_closes_the_execution_and_is_logged(tmp_path, caplog):
         done = asyncio.run(run_job(job, _ctx(tmp_path / "ws", row)))
     assert done.reason == "reward_error"
     (line,) = [r.getMessage() for r in caplog.records]
-    assert line == "execution b0-g0-e0: reward_error: returned dict \"{'no': 'score'}\", " \
-                   "not a number"
+    assert (
+        line == "execution b0-g0-e0: reward_error: returned dict \"{'no': 'score'}\", not a number"
+    )
 
 
 def test_identity_names_the_execution_by_url_or_key():
@@ -97,15 +116,19 @@ def test_identity_names_the_execution_by_url_or_key():
     base = execution_url("http://proxy", "b1-g2-e3")
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(
-                ExecutionIdentity(app, "tok")), base_url="http://proxy") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(ExecutionIdentity(app, "tok")), base_url="http://proxy"
+        ) as c:
             assert (await c.post(base + "/chat/completions")).status_code == 200
-            assert (await c.post("/v1/chat/completions", headers={
-                "Authorization": f"Bearer {key}"})).status_code == 200
+            assert (
+                await c.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"})
+            ).status_code == 200
             bad = await c.post("/v1/x", headers={"Authorization": "Bearer tx-b1-g2-e3.00"})
             assert bad.status_code == 401
-            mixed = await c.post(execution_url("http://proxy", "other") + "/x",
-                                 headers={"Authorization": f"Bearer {key}"})
+            mixed = await c.post(
+                execution_url("http://proxy", "other") + "/x",
+                headers={"Authorization": f"Bearer {key}"},
+            )
             assert mixed.status_code == 400 and "different executions" in mixed.text
 
     asyncio.run(go())
@@ -115,26 +138,47 @@ def test_identity_names_the_execution_by_url_or_key():
     assert h2[b"authorization"] == b"Bearer tok"  # the key stands for the run's token
 
 
-@pytest.mark.parametrize(("spec", "field", "says"), [
-    ({"kind": "nope"}, "task.agent.kind", "unknown agent kind 'nope'"),
-    ({"kind": "command"}, "task.agent.command", "needs a program"),
-    ({"kind": "command", "command": ["/no/such/agent"]}, "task.agent.command.0",
-     "no such file"),
-    ({"kind": "command", "command": [str(FIXTURES / "verl_reward.py")]},
-     "task.agent.command.0", "not executable"),
-    ({"kind": "command", "command": ["no-such-program-xyz"]}, "task.agent.command.0",
-     "not found on PATH"),
-    ({"kind": "command", "command": ["sh", "{promt}"]}, "task.agent.command.1",
-     "unknown placeholder {promt}"),
-    ({"kind": "command", "command": ["sh"], "function": "a:b"}, "task.agent.function",
-     "not used by the 'command' agent kind"),
-    ({"kind": "python"}, "task.agent.function", "needs 'module:function'"),
-    ({"kind": "python", "function": "json:dumps"}, "task.agent.function", "async function"),
-    ({"kind": "python", "function": "no_such_mod_q:f"}, "task.agent.function",
-     "does not import"),
-    ({"kind": "chat", "step": "json:nope"}, "task.agent.step", "no attribute 'nope'"),
-    ({"kind": "chat", "args": {"temp": 1}}, "task.agent.args.temp", "unknown argument"),
-])
+@pytest.mark.parametrize(
+    ("spec", "field", "says"),
+    [
+        ({"kind": "nope"}, "task.agent.kind", "unknown agent kind 'nope'"),
+        ({"kind": "command"}, "task.agent.command", "needs a program"),
+        (
+            {"kind": "command", "command": ["/no/such/agent"]},
+            "task.agent.command.0",
+            "no such file",
+        ),
+        (
+            {"kind": "command", "command": [str(FIXTURES / "verl_reward.py")]},
+            "task.agent.command.0",
+            "not executable",
+        ),
+        (
+            {"kind": "command", "command": ["no-such-program-xyz"]},
+            "task.agent.command.0",
+            "not found on PATH",
+        ),
+        (
+            {"kind": "command", "command": ["sh", "{promt}"]},
+            "task.agent.command.1",
+            "unknown placeholder {promt}",
+        ),
+        (
+            {"kind": "command", "command": ["sh"], "function": "a:b"},
+            "task.agent.function",
+            "not used by the 'command' agent kind",
+        ),
+        ({"kind": "python"}, "task.agent.function", "needs 'module:function'"),
+        ({"kind": "python", "function": "json:dumps"}, "task.agent.function", "async function"),
+        (
+            {"kind": "python", "function": "no_such_mod_q:f"},
+            "task.agent.function",
+            "does not import",
+        ),
+        ({"kind": "chat", "step": "json:nope"}, "task.agent.step", "no attribute 'nope'"),
+        ({"kind": "chat", "args": {"temp": 1}}, "task.agent.args.temp", "unknown argument"),
+    ],
+)
 def test_a_bad_agent_is_one_line_naming_the_field(spec, field, says):
     with pytest.raises(ConfigError) as err:
         build_agent(AgentConfig.model_validate(spec))

@@ -36,7 +36,8 @@ def test_tidal_signature_gets_workspace_and_transcript(tmp_path, monkeypatch):
     (tmp_path / "user_reward.py").write_text(
         "def score(row, workspace, transcript):\n"
         "    return float((workspace / 'out.txt').read_text() == row.answer) + len(transcript)\n"
-        "async def ascore(answer):\n    return len(answer)\n")
+        "async def ascore(answer):\n    return len(answer)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "out.txt").write_text("yes")
     reward = Reward(RewardConfig(function="user_reward:score"))
@@ -46,8 +47,7 @@ def test_tidal_signature_gets_workspace_and_transcript(tmp_path, monkeypatch):
 
 
 def test_library_scorers():
-    (row,) = load_rows(TaskSourceConfig(kind="reasoning_gym", name="basic_arithmetic", size=1),
-                       3)
+    (row,) = load_rows(TaskSourceConfig(kind="reasoning_gym", name="basic_arithmetic", size=1), 3)
     rg = Reward(RewardConfig(builtin="reasoning_gym"))
     assert _score(rg, row, f"<answer>{row.answer}</answer>") == 1.0
     assert _score(rg, row, str(row.answer)) == 1.0
@@ -58,12 +58,18 @@ def test_library_scorers():
     assert _score(Reward(RewardConfig(builtin="exact")), TaskRow(0, answer="x"), " x ") == 1.0
 
 
-@pytest.mark.parametrize(("body", "says"), [
-    ("def r(answer):\n    raise KeyError('gold')\n", r"KeyError: 'gold' \(at bad_reward.py:2\)"),
-    ("def r(answer):\n    return 'high'\n", "returned str 'high', not a number"),
-    ("def r(answer):\n    return None\n", "returned NoneType"),
-    ("def r(answer):\n    return float('nan')\n", "not a finite number"),
-])
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (
+            "def r(answer):\n    raise KeyError('gold')\n",
+            r"KeyError: 'gold' \(at bad_reward.py:2\)",
+        ),
+        ("def r(answer):\n    return 'high'\n", "returned str 'high', not a number"),
+        ("def r(answer):\n    return None\n", "returned NoneType"),
+        ("def r(answer):\n    return float('nan')\n", "not a finite number"),
+    ],
+)
 def test_a_failing_reward_is_a_reward_error(tmp_path, body, says):
     (tmp_path / "bad_reward.py").write_text(body)
     reward = Reward(RewardConfig(function=f"{tmp_path / 'bad_reward.py'}:r"))
@@ -71,13 +77,16 @@ def test_a_failing_reward_is_a_reward_error(tmp_path, body, says):
         _score(reward, TaskRow(0), "x")
 
 
-@pytest.mark.parametrize(("spec", "says"), [
-    ("no_such_module_xyz:f", "no_such_module_xyz does not import: ModuleNotFoundError"),
-    ("json:no_such_fn", "json has no attribute 'no_such_fn'"),
-    ("json", "expected 'module:function'"),
-    ("/nope/reward.py:f", "/nope/reward.py: no such file"),
-    ("json:dumps", "parameter 'obj' is neither verl's"),
-])
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("no_such_module_xyz:f", "no_such_module_xyz does not import: ModuleNotFoundError"),
+        ("json:no_such_fn", "json has no attribute 'no_such_fn'"),
+        ("json", "expected 'module:function'"),
+        ("/nope/reward.py:f", "/nope/reward.py: no such file"),
+        ("json:dumps", "parameter 'obj' is neither verl's"),
+    ],
+)
 def test_a_reward_that_does_not_load_is_one_line(spec, says):
     with pytest.raises(ConfigError) as err:
         Reward(RewardConfig(function=spec))

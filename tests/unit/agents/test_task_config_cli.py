@@ -15,14 +15,21 @@ from tidal.cli import main
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "agents"
 ROOT = Path(__file__).parents[3]
-GOOD = {"name": "t", "control": {"group_size": 2, "batch_groups": 1, "updates_per_burst": 1,
-                                 "bursts": 1},
-        "cluster": {"cell_count": 1, "cell_gpus": 1, "cell_slots": 2},
-        "task": {"source": {"kind": "jsonl", "path": str(FIXTURES / "tasks.jsonl"),
-                            "prompt": "question", "answer": "answer"},
-                 "reward": {"function": f"{FIXTURES / 'verl_reward.py'}:compute_score"},
-                 "agent": {"kind": "command",
-                           "command": [str(FIXTURES / "curl_agent.sh"), "{prompt}"]}}}
+GOOD = {
+    "name": "t",
+    "control": {"group_size": 2, "batch_groups": 1, "updates_per_burst": 1, "bursts": 1},
+    "cluster": {"cell_count": 1, "cell_gpus": 1, "cell_slots": 2},
+    "task": {
+        "source": {
+            "kind": "jsonl",
+            "path": str(FIXTURES / "tasks.jsonl"),
+            "prompt": "question",
+            "answer": "answer",
+        },
+        "reward": {"function": f"{FIXTURES / 'verl_reward.py'}:compute_score"},
+        "agent": {"kind": "command", "command": [str(FIXTURES / "curl_agent.sh"), "{prompt}"]},
+    },
+}
 
 
 def _with(path: str, value) -> dict:
@@ -37,20 +44,29 @@ def _with(path: str, value) -> dict:
 
 CASES = [
     (_with("task.source.colum", "x"), "task.source.colum: unknown field"),
-    (_with("task.source.path", "/no/such/tasks.jsonl"),
-     "task.source.path: /no/such/tasks.jsonl: no such file or directory"),
+    (
+        _with("task.source.path", "/no/such/tasks.jsonl"),
+        "task.source.path: /no/such/tasks.jsonl: no such file or directory",
+    ),
     (_with("task.source.answer", "solution"), "task.source.answer: no column 'solution'"),
-    (_with("task.reward.function", "no_such_reward_mod:compute_score"),
-     "task.reward.function: no_such_reward_mod does not import: ModuleNotFoundError"),
-    (_with("task.agent.command", [str(FIXTURES / "tasks.jsonl")]),
-     f"task.agent.command.0: '{FIXTURES / 'tasks.jsonl'}': not executable"),
-    (_with("task.agent", {"kind": "python", "function": "examples.nope:solve"}),
-     "task.agent.function: examples.nope does not import"),
+    (
+        _with("task.reward.function", "no_such_reward_mod:compute_score"),
+        "task.reward.function: no_such_reward_mod does not import: ModuleNotFoundError",
+    ),
+    (
+        _with("task.agent.command", [str(FIXTURES / "tasks.jsonl")]),
+        f"task.agent.command.0: '{FIXTURES / 'tasks.jsonl'}': not executable",
+    ),
+    (
+        _with("task.agent", {"kind": "python", "function": "examples.nope:solve"}),
+        "task.agent.function: examples.nope does not import",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("cfg", "line"), CASES, ids=[c[1].split(":")[0] + str(i)
-                                                    for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    ("cfg", "line"), CASES, ids=[c[1].split(":")[0] + str(i) for i, c in enumerate(CASES)]
+)
 @pytest.mark.parametrize("command", ["check", "run"])
 def test_bad_task_input_is_one_line(tmp_path, capsys, cfg, line, command):
     path = tmp_path / "bad.yaml"
