@@ -19,7 +19,7 @@ ROOT = Path(__file__).parents[3]
 FIXTURES = ROOT / "tests" / "fixtures" / "agents"
 
 
-def _workload(agent: dict, reward: dict) -> Workload:
+def _workload(agent: dict, reward: dict | None) -> Workload:
     return Workload(
         RunConfig.model_validate(
             {
@@ -100,3 +100,28 @@ def test_the_python_agent_example_runs_with_asyncopenai(cluster, tmp_path):
         assert (r.workspace / "answer.txt").is_file()
     closed = [e for e in events.events if e[0] == "closed"]
     assert len(closed) == 4 and {e[3] for e in closed} == {"completed"}
+
+
+def test_the_chat_loop_takes_the_environment_feedback_of_a_step_function(cluster, tmp_path):
+    events = EventLog()
+    workload = _workload({"kind": "chat", "step": f"{FIXTURES / 'guess_env.py'}:step"}, None)
+    pool = HarnessPool(
+        PoolConfig(
+            proxy_url=cluster.url,
+            max_turns=5,
+            max_tokens_per_turn=8,
+            timeout_s=60,
+            token=cluster.token,
+        ),
+        tmp_path,
+        events,
+    )
+    job = workload.job(0, 0, seed=0)
+    (result,) = asyncio.run(pool.run([("b0-g0", job)], [f"{tmp_path.name[:20]}-chat"]))
+    assert result.reason == "completed" and result.reward in (0.25, 1.0)
+    assert result.turns == 3  # the step ended the episode at its third answer, not max_turns
+    assert result.transcript[0]["observation"].startswith("Not yet")
+    calls = _calls(cluster, result.execution_id)
+    assert len(calls) == 3
+    # each call's prompt extends the previous one: the feedback went back to the model
+    assert len(calls[2]["prompt_token_ids"]) > len(calls[1]["prompt_token_ids"])
