@@ -96,11 +96,15 @@ def build_agent(spec: AgentConfig, field: str = "task.agent") -> AgentKind:
     _load_plugins()
     factory = _KINDS.get(spec.kind)
     if factory is None:
+        missing = "".join(f"; {name} not loaded: {why}" for name, why in _BROKEN.items())
         raise ConfigError(
             f"{field}.kind",
-            f"unknown agent kind {spec.kind!r} (known: {', '.join(sorted(_KINDS))})",
+            f"unknown agent kind {spec.kind!r} (known: {', '.join(sorted(_KINDS))}{missing})",
         )
     return factory(spec, field)
+
+
+_BROKEN: dict[str, str] = {}  # a plugin module whose import failed -> why
 
 
 def _load_plugins() -> None:
@@ -112,8 +116,8 @@ def _load_plugins() -> None:
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name != name:  # the plugin exists but one of its imports is missing
-                raise
+            if exc.name != name:  # the plugin is there but a module it needs is not
+                _BROKEN[name] = f"no module named {exc.name!r}"
 
 
 def unused(spec: AgentConfig, field: str, *names: str) -> None:
