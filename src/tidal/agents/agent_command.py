@@ -14,7 +14,9 @@ full streams are in ``.tidal/stdout.log`` / ``stderr.log`` of the workspace) and
 as the answer; a non-zero exit closes the execution ``failed``.
 Kept: the program is ended with its execution: cancelled (the execution's timeout, the run's
 end) its group gets SIGTERM, then SIGKILL after ``GRACE_S``; its group is killed when the
-leader exits too (no orphan outlives it), and ``end_all`` kills any group still alive.
+leader exits too, then any process still carrying the execution's mark (``TIDAL_EXECUTION_KEY``
+in its environment: a child that started its own session), and ``end_all`` kills any group
+still alive at the run's end.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ TAIL_CHARS = 4000
 GRACE_S = 3.0
 FIELDS = ("prompt", "task_file", "workspace", "execution_id", "base_url", "api_key", "model")
 _LIVE: set[int] = set()  # process groups of running programs
+_MARK = "TIDAL_EXECUTION_KEY"
 
 
 class CommandKind:
@@ -83,6 +86,7 @@ class CommandKind:
             "TIDAL_EXECUTION_ID": ctx.execution_id,
             "TIDAL_WORKSPACE": str(ws),
             "TIDAL_TASK_FILE": values["task_file"],
+            _MARK: ctx.api_key,  # run-unique: finds what the program started, wherever it went
             **{k: v.format(**values) for k, v in self.env.items()},
         }
         logs = ws / ".tidal"
@@ -103,6 +107,7 @@ class CommandKind:
             code = await proc.wait()
         finally:
             await _end(proc)
+            _end_strays(ctx.api_key)
         stdout, stderr = _tail(logs / "stdout.log"), _tail(logs / "stderr.log")
         return AgentOutcome(
             answer=stdout.strip(),
@@ -156,6 +161,24 @@ async def _end(proc: asyncio.subprocess.Process) -> None:
                 await asyncio.wait_for(asyncio.shield(proc.wait()), GRACE_S)
     finally:
         _LIVE.discard(proc.pid)
+
+
+def _end_strays(key: str) -> int:
+    """SIGKILL to every process still carrying this execution's mark in its environment (a
+    child that started its own session, as mini-swe-agent's bash actions do, leaves the
+    program's group); returns how many. Linux ``/proc``; elsewhere the group kill only."""
+    mark = f"{_MARK}={key}".encode() + b"\0"
+    killed = 0
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            found = mark in (entry / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if found and int(entry.name) != os.getpid():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+    return killed
 
 
 def _signal(pgid: int, sig: int) -> None:

@@ -82,6 +82,17 @@ def test_a_command_past_its_timeout_is_ended_with_its_children(tmp_path):
     assert not _alive(child), "the command's child outlived its execution"
 
 
+def test_a_child_in_its_own_session_does_not_outlive_its_execution(tmp_path):
+    # as mini-swe-agent runs each bash action: a new session, out of the program's group
+    agent = _command("sh", "-c", "setsid sleep 60 & echo $! > child.pid; sleep 0.3; exit 0")
+    row = TaskRow(0, prompt="p")
+    reward = Reward(RewardConfig(builtin="exact"))
+    done = asyncio.run(run_job(AgentJob(row, agent, reward, 0, {}), _ctx(tmp_path, row)))
+    assert done.outcome.exit_code == 0
+    child = int((tmp_path / "child.pid").read_text())
+    assert not _alive(child), "a child in its own session outlived its execution"
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/status").read_text()
