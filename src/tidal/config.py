@@ -145,9 +145,8 @@ class RuntimeConfig(Strict):
                       "CPU trainer")
     fsdp_ranks: int = Field(1, ge=1, description="FSDP2 ranks (processes) per training cell; "
                             "rank 0 of each cell starts the others")
-    task: str = Field("arithmetic", pattern="^(arithmetic|workspace)$",
-                      description="the built-in task when the config has no task section: "
-                      "'arithmetic' (single-turn) or 'workspace' (multi-turn tools)")
+    task: str = Field("arithmetic", description="the built-in task when the config has no "
+                      "task section: 'arithmetic' (single-turn) or 'workspace' (multi-turn tools)")
     max_turns: int = Field(1, ge=1, description="model calls per execution at most")
     tool_latency_s: float = Field(0.2, ge=0.0, description="median tool-call latency "
                                   "(workspace task; lognormal, long-tailed)")
@@ -255,6 +254,15 @@ class RuntimeConfig(Strict):
         if not os.path.isfile(exe) or not os.access(exe, os.X_OK):
             raise ConfigError("runtime.sglang_python", f"{exe}: not an executable python")
         return exe
+
+    @field_validator("task")
+    @classmethod
+    def _builtin_task(cls, v: str) -> str:
+        if v not in ("arithmetic", "workspace"):
+            raise ValueError(f"{v!r} is not a built-in task (arithmetic, workspace); your own "
+                             "tasks, reward and agent go in the config's task: section "
+                             "(README: Train your own agent)")
+        return v
 
     @model_validator(mode="after")
     def _device_needs_gpus(self) -> RuntimeConfig:

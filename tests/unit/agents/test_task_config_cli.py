@@ -83,3 +83,13 @@ def test_bad_task_input_is_one_line(tmp_path, capsys, cfg, line, command):
 def test_the_shipped_agent_configs_check(name, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)  # as pasted from the README: from the repository root
     assert main(["check", "-q", f"configs/{name}.yaml"]) == 0
+
+
+def test_an_unknown_builtin_task_points_to_the_task_section(capsys):
+    assert main(["check", str(ROOT / "configs" / "tiny.yaml")]) == 0
+    capsys.readouterr()
+    assert main(["run", str(ROOT / "configs" / "tiny.yaml"), "--set", "runtime.task=mine"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tidal: error: runtime.task: 'mine' is not a built-in task") and (
+        "task: section" in err
+    )
