@@ -145,8 +145,8 @@ class RuntimeConfig(Strict):
                       "CPU trainer")
     fsdp_ranks: int = Field(1, ge=1, description="FSDP2 ranks (processes) per training cell; "
                             "rank 0 of each cell starts the others")
-    task: str = Field("arithmetic", pattern="^(arithmetic|workspace)$",
-                      description="'arithmetic' (single-turn) or 'workspace' (multi-turn tools)")
+    task: str = Field("arithmetic", description="the built-in task when the config has no "
+                      "task section: 'arithmetic' (single-turn) or 'workspace' (multi-turn tools)")
     max_turns: int = Field(1, ge=1, description="model calls per execution at most")
     tool_latency_s: float = Field(0.2, ge=0.0, description="median tool-call latency "
                                   "(workspace task; lognormal, long-tailed)")
@@ -255,6 +255,15 @@ class RuntimeConfig(Strict):
             raise ConfigError("runtime.sglang_python", f"{exe}: not an executable python")
         return exe
 
+    @field_validator("task")
+    @classmethod
+    def _builtin_task(cls, v: str) -> str:
+        if v not in ("arithmetic", "workspace"):
+            raise ValueError(f"{v!r} is not a built-in task (arithmetic, workspace); your own "
+                             "tasks, reward and agent go in the config's task: section "
+                             "(README: Train your own agent)")
+        return v
+
     @model_validator(mode="after")
     def _temperature_floor(self) -> RuntimeConfig:
         if 0.0 < self.temperature < MIN_TEMPERATURE:
@@ -276,6 +285,84 @@ class RuntimeConfig(Strict):
         return self.device
 
 
+class TaskSourceConfig(Strict):
+    """Where task rows come from (``tidal.agents.tasks``): a file or saved dataset with a field
+    mapping, or a procedural generator."""
+
+    kind: str = Field(pattern="^(jsonl|parquet|disk|reasoning_gym|swe_repos)$", description=
+                      "'jsonl' / 'parquet' (a local file), 'disk' (a Hugging Face dataset "
+                      "saved with save_to_disk), 'reasoning_gym' (create_dataset(name, size, "
+                      "seed), generated here) or 'swe_repos' (small Python repos with a failing "
+                      "test, generated in each workspace)")
+    path: str | None = Field(None, description="the file or directory (jsonl, parquet, disk)")
+    split: str | None = Field(None, description="the split of a saved DatasetDict (disk)")
+    prompt: str | None = Field(None, description="the column holding the prompt text")
+    messages: str | None = Field(None, description="the column holding chat messages "
+                                 "([{role, content}, ...]); instead of prompt")
+    answer: str | None = Field(None, description="the column holding the reference answer")
+    metadata: list[str] | None = Field(None, description="columns passed as metadata "
+                                       "(None: every column not mapped above)")
+    data_source: str | None = Field(None, description="the column naming each row's source "
+                                    "(verl's data_source; None: the column 'data_source' if "
+                                    "the data has it, else the source kind or name)")
+    name: str | None = Field(None, description="the reasoning-gym dataset name")
+    size: int = Field(1000, ge=1, description="rows generated (reasoning_gym, swe_repos)")
+    args: dict[str, Any] = Field(default_factory=dict, description="generator arguments "
+                                 "(reasoning-gym dataset config)")
+    system_prompt: str | None = Field(None, description="a system message put before each "
+                                      "row's prompt")
+    limit: int | None = Field(None, ge=1, description="use the first N rows only")
+
+
+class RewardConfig(Strict):
+    """How a closed execution is scored (``tidal.agents.rewards``)."""
+
+    function: str | None = Field(None, description="'module:function' or 'path/file.py:"
+                                 "function': verl's compute_score(data_source, solution_str, "
+                                 "ground_truth, extra_info) as it is, or a function taking "
+                                 "any of row, answer, workspace, transcript, outcome by name")
+    builtin: str | None = Field(None, pattern="^(reasoning_gym|math_verify|tests|exact)$",
+                                description="'reasoning_gym' (the dataset's score_answer), "
+                                "'math_verify' (math-verify), 'tests' (the workspace's tests "
+                                "pass: 1, else 0) or 'exact' (the answer equals the reference)")
+    timeout_s: float = Field(60.0, gt=0.0, description="bound on one reward computation")
+
+    @model_validator(mode="after")
+    def _one(self) -> RewardConfig:
+        if (self.function is None) == (self.builtin is None):
+            raise _FieldError("function", "set exactly one of reward.function and "
+                              "reward.builtin")
+        return self
+
+
+class AgentConfig(Strict):
+    """What runs each execution (``tidal.agents.kinds``): a registered agent kind."""
+
+    kind: str = Field("chat", description="'chat' (tidal's multi-turn loop), 'python' (an "
+                      "async function given an AsyncOpenAI client), 'command' (any program, "
+                      "given OPENAI_BASE_URL / OPENAI_API_KEY) or a registered kind")
+    function: str | None = Field(None, description="python: 'module:function' (async, "
+                                 "called with client, row, workspace and the context)")
+    step: str | None = Field(None, description="chat: optional 'module:function' giving the "
+                             "environment's feedback to each answer")
+    command: list[str] | None = Field(None, description="command: the program and its "
+                                      "arguments; {prompt}, {task_file}, {workspace}, "
+                                      "{execution_id}, {base_url}, {model} are filled in")
+    env: dict[str, str] = Field(default_factory=dict, description="command: extra environment")
+    task_file: str = Field("task.json", pattern=r"^[A-Za-z0-9_.-]+$", description="the task "
+                           "row as JSON in each workspace")
+    args: dict[str, Any] = Field(default_factory=dict, description="arguments of the kind")
+
+
+class TaskConfig(Strict):
+    """The run's workload: task rows, how an execution is scored, what runs it. Absent: the
+    built-in ``runtime.task``."""
+
+    source: TaskSourceConfig
+    reward: RewardConfig | None = Field(None, description="None: the agent returns rewards")
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+
+
 class RunConfig(Strict):
     name: str = "run"
     seed: int = 0
@@ -283,6 +370,8 @@ class RunConfig(Strict):
     control: ControlConfig = Field(default_factory=ControlConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    task: TaskConfig | None = Field(None, description="the user's tasks, reward and agent "
+                                    "(None: the built-in runtime.task)")
 
 
 class _FieldError(ValueError):

@@ -113,8 +113,13 @@ class RunData:
         standalone = int(cl.get("standalone_count", 0) or 0)
         if standalone:
             cells += f" + {standalone} standalone engine{'s' if standalone > 1 else ''}"
+        task = rt.get("task", "?")
+        if isinstance(cfg.get("task"), dict):  # the user's task: section
+            src, agent = cfg["task"].get("source") or {}, cfg["task"].get("agent") or {}
+            task = (f"{src.get('kind', '?')}{':' + src['name'] if src.get('name') else ''}, "
+                    f"{agent.get('kind', 'chat')} agent")
         return (f"policy `{self.policy}` · {cells} · model `{rt.get('model', '?')}` · "
-                f"task `{rt.get('task', '?')}` · {ctl.get('bursts', '?')} bursts × "
+                f"task `{task}` · {ctl.get('bursts', '?')} bursts × "
                 f"{ctl.get('updates_per_burst', '?')} updates × {ctl.get('batch_groups', '?')} "
                 f"groups of {ctl.get('group_size', '?')}")
 

@@ -52,6 +52,7 @@ class CloseReason(enum.StrEnum):
     FAILED = "failed"
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
+    REWARD_ERROR = "reward_error"  # the reward function raised or returned a non-number
 
 
 class Direction(enum.StrEnum):

@@ -22,7 +22,7 @@ from tidal.clock import Clock, WallClock
 from tidal.errors import LedgerError
 
 log = logging.getLogger(__name__)
-CLOSE_REASONS = ("completed", "failed", "timeout", "cancelled")
+CLOSE_REASONS = ("completed", "failed", "timeout", "cancelled", "reward_error")
 
 
 @runtime_checkable

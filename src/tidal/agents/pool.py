@@ -1,11 +1,15 @@
 """The harness pool: runs executions concurrently (asyncio), each in its own workspace, talking
 to models only through the proxy's OpenAI-compatible HTTP API.
 
-In: tasks (an ``Environment`` factory per execution) and a proxy URL. Out: one
+In: tasks (an ``Environment`` factory per execution, or an ``AgentJob`` of the run's ``task:``
+section: a user's chat step, Python agent or command, ``tidal.agents.workload``) and a proxy
+URL. Out: one
 ``ExecutionResult`` per task, and ledger events ``dispatched`` (queued), ``launched`` (started)
 and ``closed`` (completed / failed / timeout, with the reward) on the injected ``LedgerEvents``.
 A timeout closes the execution with reason ``timeout`` and scores what it produced. Workspaces
-persist on local disk whatever engine serves the execution.
+persist on local disk whatever engine serves the execution. An agent job gets its execution's
+own base URL and key (``tidal.agents.identity``), so a harness that cannot add a header is still
+counted to its execution; what it did is summed up in ``.tidal/outcome.json`` of its workspace.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.agents.environments import Environment
 from tidal.agents.events import EventLog, ExecutionRegistry, LedgerEvents
+from tidal.agents.identity import execution_key, execution_url
+from tidal.agents.kinds import AgentContext
+from tidal.agents.workload import AgentJob, run_job, write_outcome
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,7 @@ class ExecutionResult:
     turns: int
     workspace: Path
     transcript: list[dict] = field(default_factory=list)
+    exit_code: int | None = None  # a command agent's exit code
 
 
 class HarnessPool:
@@ -58,6 +66,7 @@ class HarnessPool:
         self.workspace_root = Path(workspace_root)
         self.registry = ExecutionRegistry(events or EventLog())
         self._slots = asyncio.Semaphore(config.max_concurrent)
+        self._model: str | None = config.model
 
     async def run(self, tasks: list[tuple[str, Callable[[], Environment]]],
                   execution_ids: list[str] | None = None) -> list[ExecutionResult]:
@@ -78,9 +87,11 @@ class HarnessPool:
                 for st, (_, make_env) in zip(states, tasks, strict=True)]))
 
     async def _execute(self, client: httpx.AsyncClient, eid: str, group: str,
-                       make_env: Callable[[], Environment]) -> ExecutionResult:
+                       make_env: Callable[[], Environment] | AgentJob) -> ExecutionResult:
         async with self._slots:
             self.registry.launch(eid)
+            if isinstance(make_env, AgentJob):
+                return await self._agent(client, eid, group, make_env)
             env = make_env()
             result = ExecutionResult(eid, group, "completed", 0.0, 0,
                                      self.workspace_root / eid)
@@ -103,6 +114,46 @@ class HarnessPool:
             except httpx.HTTPError as exc:
                 log.warning("execution %s: close not reported to the proxy: %s", eid, exc)
             return result
+
+    async def _agent(self, client: httpx.AsyncClient, eid: str, group: str,
+                     job: AgentJob) -> ExecutionResult:
+        """One execution of a user's agent (``tidal.agents.workload.run_job``)."""
+        cfg, ws = self.config, self.workspace_root / eid
+        result = ExecutionResult(eid, group, "failed", 0.0, 0, ws)
+        try:
+            await client.post("/tidal/executions", json={"execution_id": eid,
+                                                          "group_id": group})
+            ctx = AgentContext(eid, group, job.row, ws, execution_url(cfg.proxy_url, eid),
+                               execution_key(cfg.token or "", eid), cfg.proxy_url,
+                               await self._served_model(client), cfg.timeout_s,
+                               cfg.max_tokens_per_turn, cfg.max_turns, cfg.temperature,
+                               job.seed, job.args)
+            done = await run_job(job, ctx)
+            result.reason, result.reward = done.reason, done.reward
+            result.transcript, result.exit_code = done.outcome.transcript, done.outcome.exit_code
+            result.turns = len(done.outcome.transcript)
+            write_outcome(ws, done)
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            log.warning("execution %s failed: %s", eid, exc)
+        reward = None if result.reason == "reward_error" else result.reward
+        self.registry.close(eid, result.reason, reward)
+        try:
+            await client.post(f"/tidal/executions/{eid}/close",
+                              json={"reward": reward, "reason": result.reason})
+        except httpx.HTTPError as exc:
+            log.warning("execution %s: close not reported to the proxy: %s", eid, exc)
+        if result.exit_code is not None:
+            log.info("execution %s: the agent exited %d", eid, result.exit_code)
+        return result
+
+    async def _served_model(self, client: httpx.AsyncClient) -> str:
+        """The model name the proxy serves (asked once)."""
+        if self._model is None:
+            resp = await client.get("/v1/models")
+            resp.raise_for_status()
+            data = resp.json()["data"]
+            self._model = data[0]["id"] if data else "tidal"
+        return self._model
 
     async def _turns(self, client: httpx.AsyncClient, eid: str, env: Environment,
                      result: ExecutionResult) -> None:

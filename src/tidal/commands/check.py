@@ -16,10 +16,12 @@ import click
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
 def command(config: str, quiet: bool) -> None:
+    from tidal.agents.workload import check_workload
     from tidal.config import RunConfig, dump_yaml, load_yaml
     from tidal.control.factory import check_policy
 
     cfg = check_policy(load_yaml(config, RunConfig))
+    workload = check_workload(cfg)  # the task: section: its rows load, its code imports
     runnable = cfg.control.bursts is not None
     if runnable:  # every check `tidal run` makes before it starts Ray: one line naming a field
         from tidal.runtime.preflight import check_run
@@ -38,6 +40,9 @@ def command(config: str, quiet: bool) -> None:
         where = f"can be enforced here (cgroup v1 cpu at {cpu_cgroup_base()})"
     except CpuQuotaError as exc:
         where = f"cannot be enforced here: {exc}"
+    if workload is not None:
+        click.echo(f"# task: {len(workload.rows)} rows ({cfg.task.source.kind}), agent kind "
+                   f"{cfg.task.agent.kind!r}", err=True)
     click.echo(f"# runtime.cell_cpus {rt.cell_cpus}: per-cell CPU quotas {where}", err=True)
     try:
         import torch

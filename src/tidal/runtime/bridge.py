@@ -95,7 +95,9 @@ class LedgerBridge:
             resp = await self.admin.get(f"/tidal/executions/{eid}/records")
             resp.raise_for_status()
             calls = resp.json()["calls"]
-            rec = record_from_proxy(eid, gid, calls, reward, reason)
+            # the record's status has no reward_error: its tokens train as a failed one's
+            rec = record_from_proxy(eid, gid, calls, reward,
+                                    "failed" if reason == "reward_error" else reason)
             self.timing.setdefault(eid, {})["calls"] = [{
                 "prompt_tokens": len(c["prompt_token_ids"]),
                 "output_tokens": sum(len(s["token_ids"]) for s in c["segments"]),
@@ -120,6 +122,8 @@ class LedgerBridge:
                 t = self.timing.get(r.execution_id, {})
                 calls = [dict(c) for c in t.get("calls", [])]
                 for c, turn in zip(calls, r.transcript, strict=False):
+                    if "t_call" not in turn:  # an agent kind that does not time its calls
+                        break
                     c.update({"start_s": round(turn["t_call"] - t0, 4),
                               "call_s": round(turn["call_s"], 4),
                               "tool_s": round(turn["tool_s"], 4)})

@@ -41,6 +41,7 @@ class GroupPlan:
 
     group_id: str
     seed: int
+    index: int  # the group's place in its burst (which task row it runs)
     run: tuple[str, ...]
     restore: tuple[ExecutionRecord, ...]
 
@@ -59,18 +60,22 @@ def plan_burst(cfg: RunConfig, burst: int, trained: set[str],
         if gid in trained:
             continue  # trained before the resume
         ids = [f"{gid}-e{k}" for k in range(c.group_size)]
-        plans.append(GroupPlan(gid, derive_seed("group", cfg.seed, burst, g),
+        plans.append(GroupPlan(gid, derive_seed("group", cfg.seed, burst, g), g,
                                tuple(e for e in ids if e not in held),
                                tuple(held[e] for e in ids if e in held)))
     return quota, plans
 
 
-def task_factory(cfg: RunConfig, seed: int) -> Callable[[], Any]:
-    """The environment factory of one group (every execution of a group gets the same
-    problem: GRPO compares answers to one prompt)."""
+def task_factory(cfg: RunConfig, seed: int, burst: int = 0, group: int = 0,
+                 workload: Any = None) -> Any:
+    """What every execution of one group runs (the same problem: GRPO compares answers to one
+    prompt): the run's ``task:`` section's ``AgentJob`` (``workload``), else the built-in
+    ``runtime.task``'s environment factory."""
     from tidal.agents import ArithmeticTask, WorkspaceTask
     from tidal.agents.environments import ToolLatency
 
+    if workload is not None:
+        return workload.job(burst, group, seed)
     rt = cfg.runtime
     if rt.task == "arithmetic":
         return partial(ArithmeticTask, seed)
@@ -83,8 +88,9 @@ def task_factory(cfg: RunConfig, seed: int) -> Callable[[], Any]:
 class Dispatcher:
     def __init__(self, cfg: RunConfig, pool: Any, bridge: Any, handle: Callable[[Event], None],
                  clock: Clock, parts: Parts, trained: set[str],
-                 held: dict[str, ExecutionRecord], ctl: Any) -> None:
+                 held: dict[str, ExecutionRecord], ctl: Any, workload: Any = None) -> None:
         self.cfg, self.pool, self.bridge, self.handle = cfg, pool, bridge, handle
+        self.workload = workload  # tidal.agents.workload.Workload of a task: section
         self.clock, self.parts, self.ctl = clock, parts, ctl
         self.trained, self.held = trained, dict(held)
         self.runs: list[asyncio.Task] = []
@@ -127,7 +133,7 @@ class Dispatcher:
                 await self.clock.asleep(interval_s)
             first = False
             await self._admitted(grp)
-            make = task_factory(self.cfg, grp.seed)
+            make = task_factory(self.cfg, grp.seed, burst, grp.index, self.workload)
             self.issued += len(grp.run)
             self.runs.append(self.parts.spawn(
                 f"harness pool, group {grp.group_id}",

@@ -5,7 +5,9 @@ proxy, the run's ``Parts`` (task owner). Out: ``Wired``: the trajectory buffer a
 the Ray actuator, the controller (real ``tidal.control`` objects on the wall clock) and its
 guarded ``handle`` (every event goes through it: a failure stops the run with its cause), the
 harness bridge, the publisher, the trainer loop, the cell supervisor, the dispatcher and the run
-outputs. Data flow: dispatcher -> harness pool -> proxy -> engines; ledger callbacks -> bridge ->
+outputs. The run's ``task:`` section (``tidal.agents.workload``: the user's rows, agent kind and
+reward) is checked with the config and handed to the dispatcher. Data flow: dispatcher ->
+harness pool -> proxy -> engines; ledger callbacks -> bridge ->
 controller -> plans -> actuator; closed executions -> bridge -> buffer -> trainer loop ->
 publisher -> engines. A resumed run's trainer, weights and metrics are restored here.
 """
@@ -52,6 +54,9 @@ def check_config(cfg: RunConfig) -> None:
         vllm_host.check(cfg)
     vllm_cell.check(cfg)
     sglang_cell.check(cfg)  # 'sglang' cells: GPUs and SGLang's python
+    from tidal.agents.workload import check_workload
+
+    check_workload(cfg)  # the task: section's rows, agent and reward (user code imports)
     rt = cfg.runtime
     if rt.cell_cpus is not None:
         for bad, why in ((rt.ray_address, "joins a Ray cluster (the quota is per host)"),
@@ -121,6 +126,9 @@ class Wired:
                           "every transition plan and cell replacement done after the last step")
 
     async def close(self) -> None:
+        from tidal.agents.agent_command import end_all
+
+        end_all()  # a command agent's program never outlives the run
         self.buffer.close()
         self.core.close()
         await self.admin.aclose()
@@ -218,8 +226,10 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
         max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
         timeout_s=rt.execution_timeout_s, token=token), out / "workspaces", bridge)
     held = {r.execution_id: r for r in ck.records} if ck else {}
+    from tidal.agents.workload import check_workload
+
     dispatcher = Dispatcher(cfg, pool, bridge, handle, clock, parts, set(trainer.trained_groups),
-                            held, ctl)
+                            held, ctl, check_workload(cfg))
     listeners.append(dispatcher.notify)  # a group held by the policy looks again
     return Wired(admin, decisions, buffer, core, outputs, actuator, ctl, handle, bridge,
                  publisher, trainer,

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tidal.agents.events import CLOSE_REASONS, EventLog, ExecutionRegistry
 from tidal.errors import LedgerError, TimeoutExpired
 from tidal.serving.chat import tool_parser
+from tidal.serving.execution_identity import ExecutionIdentity
 from tidal.serving.fast_path import MAX_BODY_BYTES, FastPath
 from tidal.serving.guard import CatchAll, Guard, is_loopback
 from tidal.serving.openai_api import (
@@ -171,8 +172,9 @@ def needs_token(open_api: bool) -> Callable[[str], bool]:
 
 
 def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
-                    on_startup: Callable[[], Awaitable[None]] | None = None) -> Guard:
-    """The proxy's ASGI app: ``Guard`` over the fast OpenAI path over FastAPI."""
+                    on_startup: Callable[[], Awaitable[None]] | None = None) -> ExecutionIdentity:
+    """The proxy's ASGI app: ``ExecutionIdentity`` (an execution named by its URL or key)
+    over ``Guard`` over the fast OpenAI path over FastAPI."""
     registry = registry or ExecutionRegistry(
         EventLog(max_events=30_000), max_open=10_000, max_closed=10_000,
         idle_s=proxy.config.execution_idle_s + proxy.config.request_timeout_s)
@@ -415,6 +417,6 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
 
     app.openapi = openapi  # type: ignore[method-assign]
     open_api = is_loopback(proxy.config.host)
-    return Guard(FastPath(app, serve), proxy.config.admin_token, needs_token(open_api),
-                 max_body=MAX_CONTROL_BODY_BYTES,
-                 body_limits={"/v1/": MAX_BODY_BYTES})
+    guard = Guard(FastPath(app, serve), proxy.config.admin_token, needs_token(open_api),
+                  max_body=MAX_CONTROL_BODY_BYTES, body_limits={"/v1/": MAX_BODY_BYTES})
+    return ExecutionIdentity(guard, proxy.config.admin_token)

@@ -1,0 +1,205 @@
+"""The ``command`` agent kind: any program (a black box: another language, a shell script, an
+unmodified third-party harness) runs each execution, as its own process group, in the
+execution's workspace, with the model behind ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``.
+
+In: ``task.agent.command`` (the program, ``{python}`` for tidal's own interpreter, and its
+arguments; ``{prompt}``, ``{task_file}``,
+``{workspace}``, ``{execution_id}``, ``{base_url}``, ``{api_key}``, ``{model}`` are filled in, in
+``task.agent.env`` values too). The task row is written as JSON to ``task.agent.task_file`` in the
+workspace first. The environment adds ``OPENAI_BASE_URL`` (the proxy's per-execution URL, so a
+program that cannot add headers is still identified), ``OPENAI_API_KEY`` (a key bound to the
+execution), ``OPENAI_MODEL``, ``TIDAL_EXECUTION_ID``, ``TIDAL_WORKSPACE``, ``TIDAL_TASK_FILE``.
+Out: an ``AgentOutcome`` with the exit code, the last ``TAIL_CHARS`` of stdout / stderr (the
+full streams are in ``.tidal/stdout.log`` / ``stderr.log`` of the workspace) and the stdout tail
+as the answer; a non-zero exit closes the execution ``failed``.
+Kept: the program is ended with its execution: cancelled (the execution's timeout, the run's
+end) its group gets SIGTERM, then SIGKILL after ``GRACE_S``; its group is killed when the
+leader exits too, then any process still carrying the execution's mark (``TIDAL_EXECUTION_KEY``
+in its environment: a child that started its own session), and ``end_all`` kills any group
+still alive at the run's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import string
+import sys
+from pathlib import Path
+
+from tidal.agents.kinds import AgentContext, AgentOutcome, register_agent_kind, unused
+from tidal.config import AgentConfig
+from tidal.errors import ConfigError
+
+TAIL_CHARS = 4000
+GRACE_S = 3.0
+FIELDS = ("prompt", "task_file", "workspace", "execution_id", "base_url", "api_key", "model")
+_LIVE: set[int] = set()  # process groups of running programs
+_MARK = "TIDAL_EXECUTION_KEY"
+
+
+class CommandKind:
+    def __init__(self, spec: AgentConfig, field: str = "task.agent") -> None:
+        unused(spec, field, "function", "step")
+        if not spec.command:
+            raise ConfigError(
+                f"{field}.command",
+                "the 'command' agent kind needs a program "
+                "and its arguments, e.g. ['bash', 'agent.sh', '{task_file}']",
+            )
+        self.program = (
+            sys.executable
+            if spec.command[0] == "{python}"
+            else executable(spec.command[0], f"{field}.command.0")
+        )
+        self.argv, self.env, self.task_file = list(spec.command[1:]), dict(spec.env), spec.task_file
+        for i, arg in enumerate(self.argv, 1):
+            _check_template(arg, f"{field}.command.{i}")
+        for k, v in self.env.items():
+            _check_template(v, f"{field}.env.{k}")
+        if spec.args:
+            raise ConfigError(
+                f"{field}.args.{sorted(spec.args)[0]}", "the 'command' kind takes no args"
+            )
+
+    async def run(self, ctx: AgentContext) -> AgentOutcome:
+        ws = ctx.workspace
+        (ws / self.task_file).write_text(json.dumps(ctx.row.to_json(), default=str))
+        values = {
+            "prompt": ctx.row.text(),
+            "task_file": str(ws / self.task_file),
+            "workspace": str(ws),
+            "execution_id": ctx.execution_id,
+            "base_url": ctx.base_url,
+            "api_key": ctx.api_key,
+            "model": ctx.model,
+        }
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": ctx.base_url,
+            "OPENAI_API_KEY": ctx.api_key,
+            "OPENAI_MODEL": ctx.model,
+            "TIDAL_EXECUTION_ID": ctx.execution_id,
+            "TIDAL_WORKSPACE": str(ws),
+            "TIDAL_TASK_FILE": values["task_file"],
+            _MARK: ctx.api_key,  # run-unique: finds what the program started, wherever it went
+            **{k: v.format(**values) for k, v in self.env.items()},
+        }
+        logs = ws / ".tidal"
+        logs.mkdir(exist_ok=True)
+        with open(logs / "stdout.log", "wb") as out, open(logs / "stderr.log", "wb") as err:
+            proc = await asyncio.create_subprocess_exec(
+                self.program,
+                *(a.format(**values) for a in self.argv),
+                cwd=ws,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+        _LIVE.add(proc.pid)
+        try:
+            code = await proc.wait()
+        finally:
+            await _end(proc)
+            _end_strays(ctx.api_key)
+        stdout, stderr = _tail(logs / "stdout.log"), _tail(logs / "stderr.log")
+        return AgentOutcome(
+            answer=stdout.strip(),
+            exit_code=code,
+            stdout_tail=stdout,
+            stderr_tail=stderr,
+            reason="completed" if code == 0 else "failed",
+            transcript=[{"action": f"exit {code}", "observation": stdout}],
+        )
+
+
+def executable(program: str, field: str) -> str:
+    """The program's path (``PATH`` searched for a bare name) or a ``ConfigError``."""
+    found = (
+        shutil.which(program)
+        if os.sep not in program
+        else (program if os.path.isfile(program) and os.access(program, os.X_OK) else None)
+    )
+    if found is None:
+        why = (
+            "not found on PATH"
+            if os.sep not in program
+            else ("not executable" if os.path.exists(program) else "no such file")
+        )
+        raise ConfigError(field, f"{program!r}: {why}")
+    return str(Path(found).resolve()) if os.sep in program else found
+
+
+def _check_template(text: str, field: str) -> None:
+    try:
+        names = [n for _, n, _, _ in string.Formatter().parse(text) if n is not None]
+    except ValueError as exc:
+        raise ConfigError(field, f"{text!r}: {exc} (write {{{{ and }}}} for braces)") from None
+    for n in names:
+        if n not in FIELDS:
+            raise ConfigError(
+                field, f"{text!r}: unknown placeholder {{{n}}} (known: {', '.join(FIELDS)})"
+            )
+
+
+async def _end(proc: asyncio.subprocess.Process) -> None:
+    """The program's whole process group ended: SIGTERM, SIGKILL after ``GRACE_S``."""
+    try:
+        if proc.returncode is None:
+            _signal(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proc.wait()), GRACE_S)
+        _signal(proc.pid, signal.SIGKILL)  # what the leader left behind, and the leader
+        if proc.returncode is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proc.wait()), GRACE_S)
+    finally:
+        _LIVE.discard(proc.pid)
+
+
+def _end_strays(key: str) -> int:
+    """SIGKILL to every process still carrying this execution's mark in its environment (a
+    child that started its own session, as mini-swe-agent's bash actions do, leaves the
+    program's group); returns how many. Linux ``/proc``; elsewhere the group kill only."""
+    mark = f"{_MARK}={key}".encode() + b"\0"
+    killed = 0
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            found = mark in (entry / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if found and int(entry.name) != os.getpid():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+def _signal(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def end_all() -> int:
+    """Kills every program group still alive (the run's end); returns how many."""
+    live = list(_LIVE)
+    for pgid in live:
+        _signal(pgid, signal.SIGKILL)
+    _LIVE.clear()
+    return len(live)
+
+
+def _tail(path: Path) -> str:
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, fh.tell() - TAIL_CHARS))
+        return fh.read().decode("utf-8", "replace")
+
+
+register_agent_kind("command", CommandKind)

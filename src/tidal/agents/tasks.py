@@ -1,0 +1,228 @@
+"""Task rows from the user's data: a local JSONL or Parquet file, a Hugging Face dataset saved
+with ``save_to_disk``, or a procedural generator (reasoning-gym's ``create_dataset``, or small
+Python repositories with a failing test, ``tidal.agents.swe_repos``).
+
+In: the run config's ``task.source`` (a field mapping: prompt text or chat messages, reference
+answer, metadata columns). Out: a list of ``TaskRow``, and ``row_for(rows, seed, burst, group)``:
+the row of one GRPO group, in a seeded order that a resumed run reproduces (every execution of a
+group gets the same row). Bad input (a missing file, a mapping naming a column the data lacks)
+is a ``ConfigError`` naming the field, raised before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidal.config import TaskSourceConfig
+from tidal.errors import ConfigError
+from tidal.seeding import derive_seed
+
+FIELD = "task.source"
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """One task: its prompt (text, or chat ``messages``), reference answer and metadata."""
+
+    index: int
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    answer: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    data_source: str = ""
+
+    def chat(self, system_prompt: str | None = None) -> list[dict]:
+        """The row as chat messages (a system message first when given)."""
+        msgs = (
+            list(self.messages)
+            if self.messages is not None
+            else [{"role": "user", "content": self.prompt or ""}]
+        )
+        if system_prompt and not any(m.get("role") == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": system_prompt})
+        return msgs
+
+    def text(self) -> str:
+        """The prompt as one text (the last user message of a chat row)."""
+        if self.prompt is not None:
+            return self.prompt
+        users = [m.get("content", "") for m in self.messages or [] if m.get("role") == "user"]
+        return str(users[-1]) if users else ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "prompt": self.prompt,
+            "messages": self.messages,
+            "answer": self.answer,
+            "metadata": self.metadata,
+            "data_source": self.data_source,
+        }
+
+
+def load_rows(src: TaskSourceConfig, seed: int) -> list[TaskRow]:
+    """Every row of the source (at most ``limit``), mapped; ``ConfigError`` on bad input."""
+    if src.kind == "reasoning_gym":
+        rows = _reasoning_gym(src, seed)
+    elif src.kind == "swe_repos":
+        from tidal.agents.swe_repos import rows as swe_rows
+
+        rows = swe_rows(src.size, seed)
+    else:
+        rows = _mapped(src, _records(src))
+    if src.limit is not None:
+        rows = rows[: src.limit]
+    if not rows:
+        raise ConfigError(f"{FIELD}.path", "the source holds no rows")
+    return rows
+
+
+def row_for(
+    rows: list[TaskRow], seed: int, burst: int, group: int, groups_per_burst: int
+) -> TaskRow:
+    """The row of group ``group`` of ``burst``: rows in a seeded order, one epoch after
+    another (each epoch reshuffled), so a resumed run gives each group the same row."""
+    k = burst * groups_per_burst + group
+    epoch, at = divmod(k, len(rows))
+    order = list(range(len(rows)))
+    random.Random(derive_seed("task order", seed, epoch)).shuffle(order)
+    return rows[order[at]]
+
+
+def _records(src: TaskSourceConfig) -> list[dict[str, Any]]:
+    if src.path is None:
+        raise ConfigError(f"{FIELD}.path", f"a '{src.kind}' source needs a path")
+    path = Path(src.path)
+    if not path.exists():
+        raise ConfigError(f"{FIELD}.path", f"{path}: no such file or directory")
+    if src.kind == "jsonl":
+        return _jsonl(path)
+    if src.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow's errors carry no common base
+            raise ConfigError(
+                f"{FIELD}.path", f"{path}: not a Parquet file ({str(exc).splitlines()[0][:120]})"
+            ) from None
+    return _disk(path, src.split)
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{FIELD}.path", f"{path}:{n}: not JSON ({exc.msg})") from None
+        if not isinstance(rec, dict):
+            raise ConfigError(f"{FIELD}.path", f"{path}:{n}: a line must be a JSON object")
+        out.append(rec)
+    return out
+
+
+def _disk(path: Path, split: str | None) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(
+            f"{FIELD}.path", f"{path}: not a saved dataset ({str(exc).splitlines()[0][:120]})"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None or split not in ds:
+            raise ConfigError(
+                f"{FIELD}.split",
+                f"{path} holds splits {sorted(ds)}: name one"
+                + (f" ({split!r} is not among them)" if split else ""),
+            )
+        ds = ds[split]
+    elif split is not None:
+        raise ConfigError(f"{FIELD}.split", f"{path} is one dataset, not a DatasetDict")
+    return ds.to_list()
+
+
+def _mapped(src: TaskSourceConfig, records: list[dict[str, Any]]) -> list[TaskRow]:
+    if (src.prompt is None) == (src.messages is None):
+        raise ConfigError(
+            f"{FIELD}.prompt",
+            "map exactly one of prompt (a text column) and messages (a chat-messages column)",
+        )
+    columns = set(records[0]) if records else set()
+    named = {
+        "prompt": src.prompt,
+        "messages": src.messages,
+        "answer": src.answer,
+        "data_source": src.data_source,
+    }
+    for key, col in [
+        *named.items(),
+        *((f"metadata.{i}", c) for i, c in enumerate(src.metadata or [])),
+    ]:
+        if col is not None and col not in columns:
+            raise ConfigError(
+                f"{FIELD}.{key}",
+                f"no column {col!r} in {src.path} (columns: {', '.join(sorted(columns))})",
+            )
+    ds_col = src.data_source or ("data_source" if "data_source" in columns else None)
+    used = {c for c in named.values() if c} | ({ds_col} if ds_col else set())
+    meta_cols = src.metadata if src.metadata is not None else sorted(columns - used)
+    rows = []
+    for i, rec in enumerate(records):
+        msgs = rec.get(src.messages) if src.messages else None
+        if src.messages and not _is_chat(msgs):
+            raise ConfigError(
+                f"{FIELD}.messages",
+                f"row {i}: column {src.messages!r} is not a list of {{role, content}} messages",
+            )
+        rows.append(
+            TaskRow(
+                i,
+                prompt=None if src.prompt is None else str(rec[src.prompt]),
+                messages=msgs,
+                answer=rec.get(src.answer) if src.answer else None,
+                metadata={c: rec.get(c) for c in meta_cols},
+                data_source=str(rec[ds_col]) if ds_col else src.kind,
+            )
+        )
+    return rows
+
+
+def _is_chat(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+def _reasoning_gym(src: TaskSourceConfig, seed: int) -> list[TaskRow]:
+    import reasoning_gym
+
+    if not src.name:
+        raise ConfigError(
+            f"{FIELD}.name", "a 'reasoning_gym' source needs a dataset name, e.g. basic_arithmetic"
+        )
+    try:
+        ds = reasoning_gym.create_dataset(src.name, size=src.size, seed=seed, **src.args)
+    except Exception as exc:  # unknown name or config: reasoning-gym raises plain errors
+        raise ConfigError(
+            f"{FIELD}.name"
+            if "not registered" in str(exc) or "not found" in str(exc).lower()
+            else f"{FIELD}.args",
+            f"reasoning-gym {src.name!r}: {str(exc).splitlines()[0][:160]}",
+        ) from None
+    return [
+        TaskRow(
+            i, prompt=e["question"], answer=e["answer"], metadata={"entry": e}, data_source=src.name
+        )
+        for i, e in enumerate(ds)
+    ]
