@@ -104,16 +104,22 @@ class Runtime:
         # SIGTERM (kill, a scheduler's stop) ends the run like Ctrl-C: everything this run
         # started is stopped, and the checkpoint lets `tidal run --resume` continue it
         prev = _trap_sigterm()
+        from tidal.runtime.footprint import MemorySampler
+
+        sampler = MemorySampler(os.getpid(), self.rt.memory_sample_s).start()
         try:
             self._start_parts(ray)
+            sampler.rename({pid: f"engine-{eid}" for eid, pid in self.engines.start_pids.items()})
             out = asyncio.run(self._supervised())
         finally:
             try:
                 self._stop_parts(ray)
             finally:
+                memory = sampler.stop()
                 if prev is not None:
                     signal.signal(signal.SIGTERM, prev)
         out["run_time_s"] = round(time.perf_counter() - t0, 2)
+        out["memory"] = memory
         if self.rt.cell_cpus is not None:
             out["cell_cpus"] = self.rt.cell_cpus
             out["cpu_throttled_s"] = {k: v["throttled_s"] for k, v in self.cpu_stats.items()}
@@ -146,6 +152,7 @@ class Runtime:
                 ray.init(address=rt.ray_address, log_to_driver=False)  # logs: logs/
             else:
                 ray.init(num_cpus=rt.ray_num_cpus, num_gpus=rt.ray_num_gpus,
+                         object_store_memory=rt.ray_object_store_mb * 1024 * 1024,
                          include_dashboard=False, _node_ip_address="127.0.0.1",
                          log_to_driver=False)
             self.ray_started = True
