@@ -6,9 +6,9 @@ micro-step's un-normalised GRPO loss, held aside until the packing buffer confir
 (``discard``), so a reclaimed micro-step is counted only by the worker that completed it
 (invariant 5). The worker never changes weights: ``load_flat`` is called only between steps.
 A computed micro-step's gradient waits in the parameters' ``.grad`` (no second buffer) until
-``commit`` adds it to the sum or ``discard`` drops it. Its gradient buffers live on the model's device (chosen at ``reset``, so a model moved between
-steps is followed); ``contribution`` hands out that device tensor, ``cpu_grad_sum`` the copy a
-gloo transport sends.
+``commit`` adds it to the sum or ``discard`` drops it. The sum lives on the model's device
+(chosen at ``reset``, so a model moved between steps is followed); ``contribution`` hands out
+that device tensor, ``cpu_grad_sum`` the copy a gloo transport sends.
 """
 
 from __future__ import annotations
