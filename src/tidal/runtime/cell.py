@@ -1,7 +1,8 @@
-"""The cell actor: a Ray actor that owns one built-in engine process and, while its cell trains as
-a satellite, one satellite trainer process; it changes their state.
+"""The cell actor: a Ray actor that owns one built-in engine process and, from its cell's first
+training stint on, one satellite trainer process that lives for the run (parked by the core's
+coordinator while the cell serves); it changes their state.
 
-In: calls from the actuator (``sleep``, ``wake``, ``load_weights``, ``start_satellite``,
+In: calls from the actuator (``sleep``, ``wake``, ``load_weights``, ``ensure_satellite``,
 ``stop_satellite``) and the driver (``start``, ``stop``, ``kill_engine``). Out: the engine's URL
 and its state. A satellite (cells 1..K-1, ``tidal.training.satellite``) connects to the core's
 coordinator, joins its steps in cell order, pulls the step's weights and claims micro-steps;
@@ -14,8 +15,8 @@ restores them (REFERENCE.md §1: backend processes stay alive across the change)
 Device: the engine and the satellite of a cell run on the same device, decided here from
 ``runtime.device`` and the GPUs Ray gave this actor (``auto``: cuda when it holds any). Both
 processes inherit the actor's ``CUDA_VISIBLE_DEVICES``, so ``cuda`` is the cell's first GPU; the
-engine sleeps before the satellite starts and the satellite ends before the engine wakes, so they
-never hold the GPU's memory at once.
+engine sleeps before the satellite trains and the satellite parks (its model moved to CPU memory)
+before the engine wakes, so they never hold the GPU's memory at once.
 
 CPU quota (``runtime.cell_cpus``): the actor joins its cell's cgroup first thing, so its engine and
 satellite processes are born there and together never use more than the cell's cores.
@@ -160,6 +161,15 @@ class EngineHost:
         log_fh.close()
         self.satellite_starts += 1
         return self.satellite.pid
+
+    def ensure_satellite(self, cell: int, core: dict, timeout_s: float) -> tuple[int, bool]:
+        """This cell's satellite for the run: the running process (parked between training
+        stints: it keeps its model and groups), or a new one if none runs; returns (pid,
+        started)."""
+        if self.satellite_alive():
+            assert self.satellite is not None
+            return self.satellite.pid, False
+        return self.start_satellite(cell, core, timeout_s), True
 
     def satellite_alive(self) -> bool:
         return self.satellite is not None and self.satellite.poll() is None

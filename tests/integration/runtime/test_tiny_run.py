@@ -95,3 +95,5 @@ def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path, caplog, cap
     assert any(k.startswith("ray-") for k in mem["processes_mb"])
     assert all(v > 10 for v in mem["processes_mb"].values()), mem["processes_mb"]
     assert mem["machine_peak_mb"] >= mem["machine_baseline_mb"] and mem["samples"] > 10
+    # the satellite lives for the run: started once, parked between its cell's stints
+    assert summary["satellite_starts"] == 1 and mem["processes_started"] == {}
