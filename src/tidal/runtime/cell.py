@@ -74,6 +74,7 @@ class EngineHost:
         self.proc = None
         self.state = "stopped"
         self.loaded_version = "v0"
+        self.loaded_path: str | None = None  # the file of the loaded version (None: model_dir)
         self.satellite: subprocess.Popen | None = None
         self.satellite_starts = 0
 
@@ -106,13 +107,23 @@ class EngineHost:
         return resp.json()
 
     def sleep(self) -> str:
-        """Release rollout memory: KV caches and weights (spilled to disk, level 1)."""
-        self._post("/sleep", params={"level": 1})
+        """Release rollout memory: KV caches and weights. Level 2: nothing is written (level 1
+        would first spill the weights to disk: 0.5 GB for SmolLM2, seconds on a busy disk);
+        waking reloads them from where they came from."""
+        self._post("/sleep", params={"level": 2})
         self.state = "asleep"
         return self.state
 
     def wake(self) -> str:
-        self._post("/wake_up")
+        """Weights back (from the file of the version it slept with, or the model directory).
+        Every wake is followed by the current version's load before the engine serves again,
+        so where that file was deleted meanwhile (the publisher keeps the newest two) the
+        engine wakes on the model directory's weights, labelled v0."""
+        if self.loaded_path is not None and not Path(self.loaded_path).exists():
+            self.load_weights(self.model_dir, "v0")  # materialises a sleeping engine
+            self.loaded_path = None
+        else:
+            self._post("/wake_up")
         self.state = "awake"
         return self.state
 
@@ -120,6 +131,7 @@ class EngineHost:
         """Load a published version in place (no restart); later tokens carry ``version``."""
         out = self._post("/update_weights", json={"path": path, "weight_version": version})
         self.loaded_version = out["weight_version"]
+        self.loaded_path = path
         self.state = "awake"
         return self.loaded_version
 
