@@ -5,6 +5,7 @@ per step the micro-steps by cell and the loss, then both peaks (MB).
 
     .venv/bin/python benchmarks/trainer_memory.py                # 4 layers: 43M parameters
     .venv/bin/python benchmarks/trainer_memory.py --layers 30    # SmolLM2-135M's shape
+    .venv/bin/python benchmarks/trainer_memory.py --fsdp         # one-rank FSDP2 cells
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tidal.training.core import CoreTrainer, TrainerConfig
 from tidal.training.packing import PackingConfig
 from tidal.training.records import single_call_record
 from tidal.training.satellite import ModelSpec, SatelliteConfig, run_satellite
+from tidal.training.sharded import ShardConfig
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
 
 VOCAB, GROUP = 49152, 4
@@ -64,19 +66,23 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--token-budget", type=int, default=1024)
+    ap.add_argument("--fsdp", action="store_true", help="both trainers as one-rank FSDP2 cells "
+                    "(what a CPU run does: runtime.fsdp auto)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model_dir = tempfile.mkdtemp(prefix="tidal-trainer-memory-") + "/model"
     build(7, args.layers).save_pretrained(model_dir)
     clock = WallClock()
     buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=GROUP, max_policy_lag=4), clock)
-    config = TrainerConfig(groups_per_step=4, packing=PackingConfig(token_budget=args.token_budget))
+    shard = ShardConfig() if args.fsdp else None
+    config = TrainerConfig(groups_per_step=4, shard=shard,
+                           packing=PackingConfig(token_budget=args.token_budget))
     core = CoreTrainer(build(0, args.layers), config, buf, clock)
     print(f"{sum(p.numel() for p in core.model.parameters()) / 1e6:.1f}M parameters")
     a = core.address()
     cfg = SatelliteConfig(cell=1, rpc_port=a["rpc_port"], store_port=a["store_port"],
                           authkey=a["authkey"], model=ModelSpec(model_dir=model_dir),
-                          timeout_s=300)
+                          timeout_s=300, shard=shard)
     sat = mp.get_context("spawn").Process(target=run_satellite, args=(cfg.model_dump_json(),),
                                           daemon=True)
     sat.start()
