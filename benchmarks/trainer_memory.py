@@ -34,8 +34,9 @@ VOCAB, GROUP = 49152, 4
 
 
 def build(seed: int, layers: int) -> torch.nn.Module:
-    return tiny_model("llama", seed, VOCAB, n_layers=layers, n_heads=8, d_model=576, d_ff=1536,
-                      max_seq_len=512)
+    return tiny_model(
+        "llama", seed, VOCAB, n_layers=layers, n_heads=8, d_model=576, d_ff=1536, max_seq_len=512
+    )
 
 
 class PeakRss(threading.Thread):
@@ -57,8 +58,17 @@ def feed(buf: TrajectoryBuffer, rng: random.Random, step: int, version: int, gro
         prompt = [rng.randrange(1, VOCAB) for _ in range(40)]
         for i in range(GROUP):
             out = [rng.randrange(1, VOCAB) for _ in range(200)]
-            buf.add(single_call_record(f"s{step}g{g}e{i}", f"s{step}g{g}", prompt, out,
-                                       [-8.0] * len(out), version, reward=float(i % 2)))
+            buf.add(
+                single_call_record(
+                    f"s{step}g{g}e{i}",
+                    f"s{step}g{g}",
+                    prompt,
+                    out,
+                    [-8.0] * len(out),
+                    version,
+                    reward=float(i % 2),
+                )
+            )
 
 
 def main() -> None:
@@ -66,8 +76,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--token-budget", type=int, default=1024)
-    ap.add_argument("--fsdp", action="store_true", help="both trainers as one-rank FSDP2 cells "
-                    "(what a CPU run does: runtime.fsdp auto)")
+    ap.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="both trainers as one-rank FSDP2 cells (what a CPU run does: runtime.fsdp auto)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     model_dir = tempfile.mkdtemp(prefix="tidal-trainer-memory-") + "/model"
@@ -75,16 +88,24 @@ def main() -> None:
     clock = WallClock()
     buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=GROUP, max_policy_lag=4), clock)
     shard = ShardConfig() if args.fsdp else None
-    config = TrainerConfig(groups_per_step=4, shard=shard,
-                           packing=PackingConfig(token_budget=args.token_budget))
+    config = TrainerConfig(
+        groups_per_step=4, shard=shard, packing=PackingConfig(token_budget=args.token_budget)
+    )
     core = CoreTrainer(build(0, args.layers), config, buf, clock)
     print(f"{sum(p.numel() for p in core.model.parameters()) / 1e6:.1f}M parameters")
     a = core.address()
-    cfg = SatelliteConfig(cell=1, rpc_port=a["rpc_port"], store_port=a["store_port"],
-                          authkey=a["authkey"], model=ModelSpec(model_dir=model_dir),
-                          timeout_s=300, shard=shard)
-    sat = mp.get_context("spawn").Process(target=run_satellite, args=(cfg.model_dump_json(),),
-                                          daemon=True)
+    cfg = SatelliteConfig(
+        cell=1,
+        rpc_port=a["rpc_port"],
+        store_port=a["store_port"],
+        authkey=a["authkey"],
+        model=ModelSpec(model_dir=model_dir),
+        timeout_s=300,
+        shard=shard,
+    )
+    sat = mp.get_context("spawn").Process(
+        target=run_satellite, args=(cfg.model_dump_json(),), daemon=True
+    )
     sat.start()
     deadline = time.monotonic() + 300
     while core.coordinator.registered() != [1]:

@@ -42,9 +42,17 @@ class Stream(threading.Thread):
                 prompt = [self.rng.randrange(1, VOCAB) for _ in range(6)]
                 for i in range(GROUP_SIZE):
                     out = [self.rng.randrange(1, VOCAB) for _ in range(self.rng.randint(20, 40))]
-                    self.buf.add(single_call_record(f"{g}-e{i}", g, prompt, out,
-                                                    [-6.0] * len(out), self.core.version,
-                                                    reward=float(i % 2)))
+                    self.buf.add(
+                        single_call_record(
+                            f"{g}-e{i}",
+                            g,
+                            prompt,
+                            out,
+                            [-6.0] * len(out),
+                            self.core.version,
+                            reward=float(i % 2),
+                        )
+                    )
             time.sleep(0.01)
 
 
@@ -77,8 +85,11 @@ def test_one_satellite_process_joins_and_leaves_20_times_under_load(caplog):
             for cycle in range(CYCLES):
                 n_joins = len(coord.join_log)
                 coord.activate(1)
-                wait_for(lambda n=n_joins: any(c == 1 for _, c, _ in coord.join_log[n:]), 30,
-                         f"cycle {cycle}: the satellite joined a step")
+                wait_for(
+                    lambda n=n_joins: any(c == 1 for _, c, _ in coord.join_log[n:]),
+                    30,
+                    f"cycle {cycle}: the satellite joined a step",
+                )
                 versions_joined += 1
                 time.sleep(0.05 * (cycle % 4))  # leave at various points of a step
                 coord.deactivate(1)
@@ -103,5 +114,7 @@ def test_one_satellite_process_joins_and_leaves_20_times_under_load(caplog):
     assert core.version == len(reports)  # every step applied its update
     assert sum(r.micro_steps_by_cell.get(1, 0) for r in reports) > 0  # it did train
     left = sum("left step" in r.getMessage() for r in caplog.records)
-    print(f"{CYCLES} cycles in {took:.1f} s, {len(reports)} steps, {versions_joined} joins, "
-          f"{left} left mid-step after delivering")
+    print(
+        f"{CYCLES} cycles in {took:.1f} s, {len(reports)} steps, {versions_joined} joins, "
+        f"{left} left mid-step after delivering"
+    )
