@@ -126,9 +126,8 @@ class ShardedCell:
 
     # -- operations (run on every rank) ----------------------------------------------------
     def reset_local(self) -> None:
-        zeros = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
         self.model.zero_grad(set_to_none=True)
-        self.grad_sum = zeros
+        self.grad_sum = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
         self._pending_ok, self._pending_stats = False, torch.zeros(4, dtype=torch.float64)
 
     def _recv_step(self, b: int, length: int) -> MicroStepTensors:
@@ -146,10 +145,9 @@ class ShardedCell:
         self._bcast(torch.stack([t.behaviour_logprobs, t.advantages, t.token_weights]))
 
     def _compute(self, t: MicroStepTensors) -> torch.Tensor:
-        """This rank's rows: forward, backward (FSDP sums the row gradients over the cell),
-        local gradient shards aside as pending; returns the cell-wide statistics."""
+        """This rank's rows: forward, backward (FSDP sums the row gradients over the cell; the
+        shards wait in ``.grad``); returns the cell-wide statistics."""
         from tidal.training.worker import forward_logits
-
         rows = list(range(self.rank, t.input_ids.shape[0], self.world))
         sub = MicroStepTensors(*(x[rows or [0]].to(self.device) for x in vars(t).values()))
         if not rows:  # nothing for this rank: a masked row keeps the collectives in step
@@ -173,8 +171,7 @@ class ShardedCell:
         if not self._pending_ok:
             raise TidalError("commit without compute")
         self.layout.add_grads_(self.model, self.grad_sum)
-        self.model.zero_grad(set_to_none=True)
-        self._pending_ok = False
+        self._discard()
 
     def _discard(self) -> None:
         self.model.zero_grad(set_to_none=True)
