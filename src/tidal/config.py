@@ -180,6 +180,12 @@ class RuntimeConfig(Strict):
     ray_num_cpus: int = Field(2, ge=1)
     ray_num_gpus: int | None = Field(None, ge=0, description="GPUs a local Ray declares "
                                      "(None: detected)")
+    ray_object_store_mb: int = Field(256, ge=80, description="a local Ray's object store, "
+                                     "MB (Ray's default is 30% of the machine's memory; a "
+                                     "run here passes only small objects through it, and "
+                                     "weights across nodes, one version at a time)")
+    memory_sample_s: float = Field(0.5, ge=0.05, le=10.0, description="peak memory "
+                                   "sampling period (summary.json: memory)")
     use_gpus: bool = Field(False, description="each cell / standalone engine reserves its "
                            "cluster.*_gpus GPUs in a placement-group bundle")
     device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="where engines and "

@@ -20,14 +20,16 @@ import torch
 
 from tidal.errors import TidalError
 
-try:  # the loaders' progress bars would interleave with every process's log lines
-    from transformers.utils import logging as _hf_logging
-
-    _hf_logging.disable_progress_bar()
-except ImportError:  # transformers is a dependency of the torch extra; without it nothing here runs
-    pass
-
 log = logging.getLogger(__name__)
+
+
+def _quiet_transformers() -> None:
+    """The loaders' progress bars off (they would interleave with every process's log lines);
+    called where transformers is used, so importing this module (an engine does) does not load
+    transformers (2 s and ~100 MB per process)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 # SmolLM2-135M-Instruct's chat template, verbatim (the tiny model speaks the same format).
 SMOLLM2_CHAT_TEMPLATE = (
@@ -90,6 +92,7 @@ def tiny_model(arch: Arch = "llama", seed: int = 0, vocab_size: int = 512, **sha
     """A tiny ``transformers`` model in memory (fp32, train mode), weights drawn from ``seed``."""
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size, **shape),
                                              dtype=torch.float32)
@@ -119,6 +122,7 @@ def load_training_model(model_dir: str | Path, dtype: torch.dtype = torch.float3
     take any mask); a directory transformers cannot read is a one-line ``TidalError``."""
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise TidalError(f"{model_dir}: no config.json (not a model directory)")

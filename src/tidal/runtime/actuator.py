@@ -10,10 +10,11 @@ source's requests and waits until the proxy retried each of them elsewhere (opti
 handoff); RESERVE_AND_REROUTE, CANCEL_AND_RETRY and KV_HANDOFF check in the proxy's view that this
 really happened (source not admitting, a routable destination, nothing in flight at the source);
 RELEASE_ROLLOUT_MEMORY puts the engine to sleep; RESTORE_TRAINING_STATE activates the cell's
-trainer worker (cell 0: the core in the driver; cells 1..K-1: a satellite process in the cell actor
-that joins the core's steps). Training -> rollout: OFFLOAD_TRAINING_STATE waits for a running
-trainer step to finish and deactivates the worker (a satellite process ends; on a GPU the core's
-model and optimizer state move to CPU memory, and back on activation); WAKE_ENGINE,
+trainer worker (cell 0: the core in the driver; cells 1..K-1: the cell's satellite process, started
+at its first stint and kept for the run, joins the core's steps). Training -> rollout:
+OFFLOAD_TRAINING_STATE waits for a running optimizer step and deactivates the worker (a satellite
+delivers what it computed, leaves its step and parks with its model off the device; on a GPU the
+core's model and optimizer state move to CPU memory, and back on activation); WAKE_ENGINE,
 LOAD_WEIGHTS (the current published version, not the one at plan time), RESUME_ADMISSION (undrain).
 Invariant 4 is the proxy's; this module keeps the ordering: an engine sleeps only after its drain
 returned, and rejoins routing only after it loaded the current weights. verl plan styles are not
@@ -63,6 +64,9 @@ class CoreLink:
     memory: Any = None
     satellite_timeout_s: float = 120.0
     expect_departure: Callable[[int], None] | None = None  # the core's coordinator, told first
+    # the core's coordinator: parks a leaving cell's satellite and lets it join again
+    membership: Any = None
+    park_timeout_s: float = 60.0  # a satellite not parked by then is stopped instead
 
 
 class RayActuator:
@@ -258,8 +262,11 @@ class RayActuator:
         await self.activate(cell)
 
     async def activate(self, cell: int) -> None:
-        """The cell's trainer worker joins training: the core, or a satellite process."""
+        """The cell's trainer worker joins training: the core, or the cell's satellite (parked
+        since its last stint; started the first time)."""
         if cell > 0 and self.core.address is not None:
+            if self.core.membership is not None:
+                self.core.membership.activate(cell)
             await self._start_satellite(cell)
         if cell == 0 and self.core.memory is not None:
             async with self.trainer_lock:
@@ -287,22 +294,45 @@ class RayActuator:
         return n
 
     async def _start_satellite(self, cell: int) -> None:
-        self.satellite_pids[cell] = await self._call(cell, "start_satellite", cell,
-                                                     self.core.address,
-                                                     self.core.satellite_timeout_s)
-        self.satellite_starts += 1
+        """The cell's satellite process running (started only if none runs)."""
+        pid, started = await self._call(cell, "ensure_satellite", cell, self.core.address,
+                                        self.core.satellite_timeout_s)
+        self.satellite_pids[cell] = pid
+        self.satellite_starts += int(started)
 
     async def _deactivate(self, cell: int) -> None:
-        async with self.trainer_lock:  # a running step finishes first: leave between steps
+        if cell > 0 and self.core.membership is not None:
+            # no need to wait for the core's step: the satellite delivers what it computed
+            # and leaves the step; the core does the rest of the batch
             self.training.discard(cell)
-            if cell > 0:
-                if self.core.expect_departure is not None:
-                    self.core.expect_departure(cell)
-                await self._call(cell, "stop_satellite")
-                self.satellite_pids.pop(cell, None)
-            elif self.core.memory is not None:  # the engine wakes on this GPU next
-                await asyncio.to_thread(self.core.memory.offload)
+            await self._park_satellite(cell)
+        else:
+            async with self.trainer_lock:  # a running step finishes first: leave between steps
+                self.training.discard(cell)
+                if cell > 0:
+                    await self._stop_satellite(cell)
+                elif self.core.memory is not None:  # the engine wakes on this GPU next
+                    await asyncio.to_thread(self.core.memory.offload)
         self.training_changed.set()
+
+    async def _park_satellite(self, cell: int) -> None:
+        """The cell's satellite leaves training and parks (its process, model and groups
+        stay); one that does not park within ``park_timeout_s`` is stopped (started again at
+        the cell's next stint)."""
+        m = self.core.membership
+        m.deactivate(cell)
+        if await asyncio.to_thread(m.wait_parked, cell, self.core.park_timeout_s):
+            return
+        log.warning("cell %d: satellite did not park within %.0f s; stopping it", cell,
+                    self.core.park_timeout_s)
+        async with self.trainer_lock:  # killed between steps, as a satellite without parking
+            await self._stop_satellite(cell)
+
+    async def _stop_satellite(self, cell: int) -> None:
+        if self.core.expect_departure is not None:
+            self.core.expect_departure(cell)
+        await self._call(cell, "stop_satellite")
+        self.satellite_pids.pop(cell, None)
 
     async def _wake(self, cell: int) -> None:
         async with self.weights.lock:

@@ -1,7 +1,8 @@
-"""The cell actor: a Ray actor that owns one built-in engine process and, while its cell trains as
-a satellite, one satellite trainer process; it changes their state.
+"""The cell actor: a Ray actor that owns one built-in engine process and, from its cell's first
+training stint on, one satellite trainer process that lives for the run (parked by the core's
+coordinator while the cell serves); it changes their state.
 
-In: calls from the actuator (``sleep``, ``wake``, ``load_weights``, ``start_satellite``,
+In: calls from the actuator (``sleep``, ``wake``, ``load_weights``, ``ensure_satellite``,
 ``stop_satellite``) and the driver (``start``, ``stop``, ``kill_engine``). Out: the engine's URL
 and its state. A satellite (cells 1..K-1, ``tidal.training.satellite``) connects to the core's
 coordinator, joins its steps in cell order, pulls the step's weights and claims micro-steps;
@@ -14,8 +15,8 @@ restores them (REFERENCE.md §1: backend processes stay alive across the change)
 Device: the engine and the satellite of a cell run on the same device, decided here from
 ``runtime.device`` and the GPUs Ray gave this actor (``auto``: cuda when it holds any). Both
 processes inherit the actor's ``CUDA_VISIBLE_DEVICES``, so ``cuda`` is the cell's first GPU; the
-engine sleeps before the satellite starts and the satellite ends before the engine wakes, so they
-never hold the GPU's memory at once.
+engine sleeps before the satellite trains and the satellite parks (its model moved to CPU memory)
+before the engine wakes, so they never hold the GPU's memory at once.
 
 CPU quota (``runtime.cell_cpus``): the actor joins its cell's cgroup first thing, so its engine and
 satellite processes are born there and together never use more than the cell's cores.
@@ -85,6 +86,7 @@ class EngineHost:
         self.proc = None
         self.state = "stopped"
         self.loaded_version = "v0"
+        self.loaded_path: str | None = None  # the file of the loaded version (None: model_dir)
         self.satellite: subprocess.Popen | None = None
         self.satellite_starts = 0
 
@@ -120,13 +122,23 @@ class EngineHost:
         return resp.json()
 
     def sleep(self) -> str:
-        """Release rollout memory: KV caches and weights (spilled to disk, level 1)."""
-        self._post("/sleep", params={"level": 1})
+        """Release rollout memory: KV caches and weights. Level 2: nothing is written (level 1
+        would first spill the weights to disk: 0.5 GB for SmolLM2, seconds on a busy disk);
+        waking reloads them from where they came from."""
+        self._post("/sleep", params={"level": 2})
         self.state = "asleep"
         return self.state
 
     def wake(self) -> str:
-        self._post("/wake_up")
+        """Weights back (from the file of the version it slept with, or the model directory).
+        Every wake is followed by the current version's load before the engine serves again,
+        so where that file was deleted meanwhile (the publisher keeps the newest two) the
+        engine wakes on the model directory's weights, labelled v0."""
+        if self.loaded_path is not None and not Path(self.loaded_path).exists():
+            self.load_weights(self.model_dir, "v0")  # materialises a sleeping engine
+            self.loaded_path = None
+        else:
+            self._post("/wake_up")
         self.state = "awake"
         return self.state
 
@@ -134,6 +146,7 @@ class EngineHost:
         """Load a published version in place (no restart); later tokens carry ``version``."""
         out = self._post("/update_weights", json={"path": path, "weight_version": version})
         self.loaded_version = out["weight_version"]
+        self.loaded_path = path
         self.state = "awake"
         return self.loaded_version
 
@@ -175,6 +188,15 @@ class EngineHost:
         log_fh.close()
         self.satellite_starts += 1
         return self.satellite.pid
+
+    def ensure_satellite(self, cell: int, core: dict, timeout_s: float) -> tuple[int, bool]:
+        """This cell's satellite for the run: the running process (parked between training
+        stints: it keeps its model and groups), or a new one if none runs; returns (pid,
+        started)."""
+        if self.satellite_alive():
+            assert self.satellite is not None
+            return self.satellite.pid, False
+        return self.start_satellite(cell, core, timeout_s), True
 
     def satellite_alive(self) -> bool:
         return self.satellite is not None and self.satellite.poll() is None

@@ -69,13 +69,14 @@ class Checkpoint:
 def _flatten(obj: Any, path: str, tensors: dict[str, Any], seen: set[int]) -> Any:
     """``obj`` as JSON, each tensor replaced by ``{"tensor": key}`` (its bytes go to
     ``tensors``); tuples and dicts with non-string keys keep their type. Only a tensor whose
-    storage another one already uses (tied weights) is copied: safetensors stores no aliases,
-    and copying the whole state would double the driver's memory at every checkpoint."""
+    memory another one already uses (tied weights) is copied: safetensors stores no aliases,
+    and copying the whole state would double the driver's memory at every checkpoint. Disjoint
+    views of one storage (the trainer's weights are views of one flat vector) are no aliases."""
     import torch
 
     if isinstance(obj, torch.Tensor):
         key, t = f"t{len(tensors)}", obj.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
+        ptr = t.data_ptr()
         tensors[key] = t.clone() if ptr in seen and t.numel() else t
         seen.add(ptr)
         return {"tensor": key}

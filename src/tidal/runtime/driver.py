@@ -61,7 +61,8 @@ def _trap_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, _interrupt)
 
 
-def _init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None) -> None:
+def _init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None,
+                       object_store_bytes: int) -> None:
     """A one-machine Ray whose every process (GCS, raylet, workers, this driver) listens on
     loopback only, without a dashboard. Ray turns ``_node_ip_address="127.0.0.1"`` into the
     host's address unless it believes clusters are off (its Windows/macOS default), so that
@@ -74,6 +75,7 @@ def _init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None) -> None:
     os.environ[key], ray_constants.ENABLE_RAY_CLUSTER = "0", False
     try:
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 object_store_memory=object_store_bytes,
                  _node_ip_address="127.0.0.1", log_to_driver=False)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = flag
@@ -139,16 +141,22 @@ class Runtime:
         # SIGTERM (kill, a scheduler's stop) ends the run like Ctrl-C: everything this run
         # started is stopped, and the checkpoint lets `tidal run --resume` continue it
         prev = _trap_sigterm()
+        from tidal.runtime.footprint import MemorySampler
+
+        sampler = MemorySampler(os.getpid(), self.rt.memory_sample_s).start()
         try:
             self._start_parts(ray)
+            sampler.rename({pid: f"engine-{eid}" for eid, pid in self.engines.start_pids.items()})
             out = asyncio.run(self._supervised())
         finally:
             try:
                 self._stop_parts(ray)
             finally:
+                memory = sampler.stop()
                 if prev is not None:
                     signal.signal(signal.SIGTERM, prev)
         out["run_time_s"] = round(time.perf_counter() - t0, 2)
+        out["memory"] = memory
         if self.rt.cell_cpus is not None:
             out["cell_cpus"] = self.rt.cell_cpus
             out["cpu_throttled_s"] = {k: v["throttled_s"] for k, v in self.cpu_stats.items()}
@@ -180,7 +188,8 @@ class Runtime:
             if rt.ray_address:
                 ray.init(address=rt.ray_address, log_to_driver=False)  # logs: logs/
             else:
-                _init_loopback_ray(ray, rt.ray_num_cpus, rt.ray_num_gpus)
+                _init_loopback_ray(ray, rt.ray_num_cpus, rt.ray_num_gpus,
+                                   rt.ray_object_store_mb * 1024 * 1024)
             self.ray_started = True
             _trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
         if rt.ray_address:  # the cluster's nodes, before any placement

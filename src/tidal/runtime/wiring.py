@@ -197,7 +197,7 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
         core.offload()
     link = CoreLink(core.address() if rt.satellites else None,
                     core if core.device.type == "cuda" else None, rt.satellite_timeout_s,
-                    core.coordinator.expect_departure)
+                    core.coordinator.expect_departure, core.coordinator)
     weights = Weights()
     actuator = RayActuator(clock, admin, engines, weights, c.kv_handoff, parts, link)
     ctl = build_controller(cfg, clock, actuator, DecisionLog(

@@ -104,7 +104,7 @@ class ShardedCell:
             elif op == COMMIT:
                 self._commit()
             elif op == DISCARD:
-                self._pending_ok = False
+                self._discard()
             elif op == RESET:
                 self.reset_local()
             elif op == GATHER_PARAMS:
@@ -128,8 +128,8 @@ class ShardedCell:
 
     # -- operations (run on every rank) ----------------------------------------------------
     def reset_local(self) -> None:
-        zeros = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
-        self.grad_sum, self._pending = zeros, zeros.clone()
+        self.model.zero_grad(set_to_none=True)
+        self.grad_sum = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
         self._pending_ok, self._pending_stats = False, torch.zeros(4, dtype=torch.float64)
 
     def _recv_step(self, b: int, length: int) -> MicroStepTensors:
@@ -147,10 +147,9 @@ class ShardedCell:
         self._bcast(torch.stack([t.behaviour_logprobs, t.advantages, t.token_weights]))
 
     def _compute(self, t: MicroStepTensors) -> torch.Tensor:
-        """This rank's rows: forward, backward (FSDP sums the row gradients over the cell),
-        local gradient shards aside as pending; returns the cell-wide statistics."""
+        """This rank's rows: forward, backward (FSDP sums the row gradients over the cell; the
+        shards wait in ``.grad``); returns the cell-wide statistics."""
         from tidal.training.worker import forward_logits
-
         rows = list(range(self.rank, t.input_ids.shape[0], self.world))
         sub = MicroStepTensors(*(x[rows or [0]].to(self.device) for x in vars(t).values()))
         if not rows:  # nothing for this rank: a masked row keeps the collectives in step
@@ -158,9 +157,7 @@ class ShardedCell:
         self.model.zero_grad(set_to_none=True)
         logprobs = target_logprobs(forward_logits(self.model, sub.input_ids), sub.input_ids)
         loss, stats = grpo_loss_sum(logprobs, sub, self.loss)
-        loss.backward()
-        self.layout.grads_to_flat(self.model, self._pending)
-        self.model.zero_grad(set_to_none=True)
+        loss.backward()  # the shards' gradients wait in ``.grad`` until commit or discard
         stale = int((sub.staleness * sub.mask).max()) if bool(sub.mask.any()) else 0
         sums = torch.tensor([stats.loss_sum, stats.n_tokens, stats.clipped_tokens,
                              stats.mean_ratio * stats.n_tokens], dtype=torch.float64,
@@ -175,7 +172,11 @@ class ShardedCell:
     def _commit(self) -> None:
         if not self._pending_ok:
             raise TidalError("commit without compute")
-        self.grad_sum += self._pending
+        self.layout.add_grads_(self.model, self.grad_sum)
+        self._discard()
+
+    def _discard(self) -> None:
+        self.model.zero_grad(set_to_none=True)
         self._pending_ok = False
 
     def _load(self, full: torch.Tensor) -> None:
@@ -272,7 +273,7 @@ class ShardedCell:
 
     def discard(self) -> None:
         self._op(DISCARD)
-        self._pending_ok = False
+        self._discard()
 
     def reset(self) -> None:
         self._op(RESET)

@@ -54,6 +54,7 @@ class _Sat:
     delivered: bool = False
     lost: bool = False
     version: int = -1
+    parked: bool = False  # between training stints: waits in ``park`` (model offloaded)
 
     @property
     def worker(self) -> str:
@@ -76,6 +77,8 @@ class Coordinator:
         self._cv = threading.Condition()
         self._sats: dict[int, _Sat] = {}
         self._departing: set[int] = set()  # satellites the runtime is stopping (planned)
+        self._inactive: set[int] = set()  # cells the runtime moved out of training (they park)
+        self._members_fixed = -1  # the step whose broadcast members the core has read
         self._step: StepInfo | None = None
         self._window_open = False
         self._snapshot: torch.Tensor | None = None
@@ -125,7 +128,10 @@ class Coordinator:
             return sorted(c for c, x in self._sats.items() if not x.lost)
 
     def members(self) -> list[tuple[int, str]]:
+        """This step's broadcast members; from here on none of them may leave the step."""
         with self._cv:
+            if self._step is not None:
+                self._members_fixed = self._step.step
             return [(x.cell, x.incarnation) for x in sorted(self._joined(), key=lambda x: x.cell)]
 
     def post_outcome(self, step: int, outcome: dict[str, Any]) -> None:
@@ -146,6 +152,40 @@ class Coordinator:
         with self._cv:
             self._shutdown = True
             self._cv.notify_all()
+
+    # ----- persistent satellites: the runtime moves a cell's satellite in and out -----------
+    def deactivate(self, cell: int) -> None:
+        """Cell ``cell`` leaves training: its satellite claims nothing more, delivers what it
+        computed, leaves its step (unless the update's broadcast already counts it) and parks
+        (process, model and groups kept)."""
+        with self._cv:
+            self._inactive.add(cell)
+            self._cv.notify_all()
+
+    def activate(self, cell: int) -> None:
+        """Cell ``cell`` trains again: its parked satellite joins the next step (pulling only
+        a version it does not hold)."""
+        with self._cv:
+            self._inactive.discard(cell)
+            self._cv.notify_all()
+
+    def wait_parked(self, cell: int, timeout_s: float) -> bool:
+        """Block until cell ``cell``'s satellite parked, or is lost or unknown (nothing left
+        to wait for); False after ``timeout_s``."""
+        deadline = self.clock.now() + timeout_s
+        with self._cv:
+            while True:
+                sat = self._sats.get(cell)
+                if sat is None or sat.lost or sat.parked:
+                    return True
+                if self.clock.now() > deadline:
+                    return False
+                self.clock.wait(self._cv, 0.05)
+
+    def is_parked(self, cell: int) -> bool:
+        with self._cv:
+            sat = self._sats.get(cell)
+            return sat is not None and not sat.lost and sat.parked
 
     def expect_departure(self, cell: int) -> None:
         """The runtime is about to stop cell ``cell``'s satellite (the cell returns to rollout):
@@ -183,6 +223,11 @@ class Coordinator:
         if "cell" in session:
             cell = session["cell"]
             with self._cv:
+                current = self._sats.get(cell)
+                if current is None or current.incarnation != session.get("incarnation"):
+                    # an earlier incarnation's connection closing late (its handler thread
+                    # was still waiting): it was replaced already; never lose the newcomer
+                    return
                 stopped = cell in self._departing
                 self._departing.discard(cell)
             if stopped or session.get("closing"):
@@ -196,6 +241,9 @@ class Coordinator:
         if op == "hello":
             return self._hello(req, session)
         sat = self._sats[session["cell"]]
+        if sat.incarnation != session.get("incarnation"):
+            raise MembershipError(f"cell {sat.cell}: incarnation {session.get('incarnation')} "
+                                  f"was replaced by {sat.incarnation}")
         if op == "bye":
             session["closing"] = True
             return {}
@@ -216,7 +264,7 @@ class Coordinator:
                 self._departing.discard(cell)
                 self._lose(old, f"incarnation {inc} joined in its place", planned)
             self._sats[cell] = _Sat(cell, inc)
-            session["cell"] = cell
+            session["cell"], session["incarnation"] = cell, inc
         return {"shm_name": self.shm_name, "numel": self.numel, "loss": self.loss,
                 "pad_id": self.pad_id}
 
@@ -230,6 +278,8 @@ class Coordinator:
             while True:
                 if self._shutdown:
                     return {"next": "shutdown"}
+                if sat.cell in self._inactive:
+                    return {"next": "park"}
                 s = self._step
                 if (s and self._window_open and sat.joined_step != s.step
                         and self._order_ok(sat.cell, s.step)):
@@ -247,7 +297,27 @@ class Coordinator:
 
     def _order_ok(self, cell: int, step: int) -> bool:
         return all(x.joined_step == step for x in self._sats.values()
-                   if x.cell < cell and not x.lost)
+                   if x.cell < cell and not x.lost and x.cell not in self._inactive)
+
+    def _op_park(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
+        """The satellite waits here between training stints (bounded by ``wait_s``: it calls
+        again on ``park``); ``join`` once its cell trains again."""
+        deadline = self.clock.now() + float(req.get("wait_s", 30.0))
+        with self._cv:
+            sat.parked = True
+            self._cv.notify_all()
+            try:
+                while True:
+                    if self._shutdown:
+                        return {"next": "shutdown"}
+                    if sat.cell not in self._inactive:
+                        return {"next": "join"}
+                    if self.clock.now() > deadline:
+                        return {"next": "park"}
+                    self.clock.wait(self._cv, 0.05)
+            finally:
+                if sat.cell not in self._inactive or self._shutdown:
+                    sat.parked = False
 
     def _op_pull(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
         with self._cv:
@@ -270,7 +340,8 @@ class Coordinator:
 
     def _op_claim(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
         s = self._step
-        if s is None or sat.joined_step != s.step or sat.delivered:
+        if (s is None or sat.joined_step != s.step or sat.delivered
+                or sat.cell in self._inactive):  # leaving: deliver what it computed
             return {"kind": "drained"}
         if sat.version != s.version:
             raise MembershipError(f"cell {sat.cell} holds v{sat.version}, step trains v{s.version}")
@@ -314,6 +385,13 @@ class Coordinator:
         deadline = self.clock.now() + self.config.gather_timeout_s + self.config.join_timeout_s
         with self._cv:
             while step not in self._outcomes:
+                if sat.cell in self._inactive and self._members_fixed != step:
+                    # leaving training after its delivery: not in this update's broadcast;
+                    # it pulls the version it lacks when it trains again
+                    sat.joined_step = None
+                    log.info("cell %d left step %d after its delivery", sat.cell, step)
+                    self._cv.notify_all()
+                    return {"next": "park"}
                 if sat.lost:
                     raise MembershipError(f"cell {sat.cell} was lost during step {step}")
                 if self.clock.now() > deadline:

@@ -122,6 +122,7 @@ class CoreTrainer:
         self.publishers = list(publishers or [])
         self.version = initial_version
         self.sharded, self._cell_procs = None, []
+        self._flat: torch.Tensor | None = None
         if config.shard is not None and config.shard.fsdp:
             if reference is not None:
                 raise TidalError("trainer.shard: a KL reference model is not supported on a "
@@ -139,6 +140,8 @@ class CoreTrainer:
             if reference is not None:
                 reference.to(self.device)
             self.worker = GradientWorker(0, model, config.loss, reference, pad_id)
+            # one vector holds the weights: on the CPU it is also every step's snapshot
+            self._flat = self.worker.layout.bind(model)
             params = [p for p in model.parameters() if p.requires_grad]
             cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
             self.optimizer = cls(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -307,6 +310,10 @@ class CoreTrainer:
         a sharded core every rank gathers them with rank 0, one parameter at a time."""
         if self.sharded is not None:
             return self.sharded.gather_params()
+        if self._flat is not None and self.layout.is_bound(self.model, self._flat):
+            # the weights themselves on the CPU (they change only at the update, after every
+            # reader of this step's snapshot is done), one copy from a GPU
+            return self._flat if self._flat.device.type == "cpu" else self._flat.cpu()
         return self.layout.params_to_flat(self.model)
 
     def stream_params(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -348,7 +355,7 @@ class CoreTrainer:
         elif self.sharded is not None:
             self.sharded.load_full_state(state["model"], state["optimizer"])  # type: ignore[arg-type]
         else:
-            self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
+            self.model.load_state_dict(state["model"])  # type: ignore[arg-type] (copies in)
             self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
         self.version, self._step = int(state["version"]), int(state["step"])  # type: ignore[call-overload]
 
@@ -384,8 +391,13 @@ class CoreTrainer:
     def _move(self, device: torch.device) -> None:
         # ``.data`` in place: the Parameter objects the optimizer holds stay the module's
         with torch.no_grad():
-            for t in (*self.model.parameters(), *self.model.buffers()):
+            for t in self.model.buffers():
                 t.data = t.data.to(device)
+            if self._flat is not None:  # one copy of the vector, the views rebound to it
+                self._flat = self.layout.bind(self.model, self._flat.to(device))
+            else:
+                for t in self.model.parameters():
+                    t.data = t.data.to(device)
         if self.worker.reference is not None:
             self.worker.reference.to(device)
         for state in self.optimizer.state.values():

@@ -50,9 +50,12 @@ class ParamLayout:
         text = ";".join(f"{n}:{s}" for n, s in zip(self.names, self.shapes, strict=True))
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
-    def _params(self, module: nn.Module) -> list[nn.Parameter]:
+    def params(self, module: nn.Module) -> list[nn.Parameter]:
+        """The module's parameters in layout order."""
         named = dict(module.named_parameters())
         return [named[n] for n in self.names]
+
+    _params = params
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Name -> view into ``flat`` with the parameter's shape (no copy)."""
@@ -63,6 +66,29 @@ class ParamLayout:
                 n *= d
             out[name] = flat[off : off + n].view(shape)
         return out
+
+    def bind(self, module: nn.Module, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """Make the parameters views into one flat float32 vector and return it: ``flat`` (its
+        values loaded into the parameters: a model moved to another device) or a new one on
+        the parameters' device holding their values. Then a pull into the vector is a load,
+        and the vector is the snapshot: no second copy of the weights exists."""
+        params = self._params(module)
+        if flat is None:
+            flat = torch.empty(self.numel, dtype=torch.float32, device=params[0].device)
+            self.params_to_flat(module, flat)
+        if flat.numel() != self.numel:
+            raise LayoutMismatch(f"flat buffer has {flat.numel()} values, model {self.numel}")
+        for p, view in zip(params, self.views(flat).values(), strict=True):
+            if p.dtype != torch.float32:
+                raise LayoutMismatch(f"parameter of dtype {p.dtype}: only float32 binds")
+            p.data = view
+        return flat
+
+    def is_bound(self, module: nn.Module, flat: torch.Tensor) -> bool:
+        """Every parameter is still the view of ``flat`` that ``bind`` made."""
+        base = flat.untyped_storage().data_ptr()
+        return all(p.untyped_storage().data_ptr() == base
+                   for p in self._params(module))
 
     def params_to_flat(self, module: nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
         """Parameters into ``out`` (default: a new CPU float32 vector, what transports send)."""
@@ -91,9 +117,13 @@ class ParamLayout:
         return out
 
     def flat_to_grads_(self, module: nn.Module, flat: torch.Tensor) -> None:
+        """``flat`` as the gradients: views of it where device and dtype match (no copy; the
+        caller keeps ``flat`` unchanged until the optimizer stepped), else copies."""
         for p, off in zip(self._params(module), self.offsets, strict=True):
             g = flat[off : off + p.numel()].view_as(p)
-            if p.grad is None:
+            if g.device == p.device and g.dtype == p.dtype:
+                p.grad = g
+            elif p.grad is None:
                 p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
             else:
                 p.grad.copy_(g)

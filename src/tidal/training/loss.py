@@ -67,9 +67,11 @@ def micro_step_tensors(step: MicroStep, pad_id: int = 0) -> MicroStepTensors:
 
 
 def target_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Log-prob of each next token: logits [B, L, V], ids [B, L] -> [B, L-1]."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    """Log-prob of each next token: logits [B, L, V], ids [B, L] -> [B, L-1]. The picked logit
+    minus the log-normaliser (float32): no [B, L, V] log-softmax is kept for backward."""
+    x = logits[:, :-1].float()
+    picked = x.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(x, dim=-1)
 
 
 @dataclass

@@ -5,7 +5,11 @@ architecture. Per step: join (in cell order) -> pull snapshot v if it does not h
 compute, complete micro-steps until the batch is drained (waiting at a consistent point when
 data pauses) -> deliver its gradient sum and counts over its link -> wait for the update: after a
 non-final update receive the new parameters over the prefix group and continue; after the final
-update leave. Out: gradient contributions; never an optimizer step (invariant 5: only the core
+update leave. The process lives for the run: when its cell leaves training (the core's
+coordinator says ``park``: at a join, at a claim, or after its delivery) it drops its gradient
+buffers, moves the model off the device and waits in ``park``, keeping its model, the version it
+holds and its link group; back in training it pulls only a version it does not hold. Out:
+gradient contributions; never an optimizer step (invariant 5: only the core
 holds optimizer state; weights change only between steps, by a pull or a broadcast).
 The model (and the KL reference) run on ``SatelliteConfig.device``; pulled vectors arrive on the
 CPU and are copied in, and the gradient sum goes back as a CPU copy (gloo sends CPU tensors).
@@ -26,7 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from tidal.models.device import DEVICE_PATTERN, resolve_device
+from tidal.models.device import DEVICE_PATTERN, release_cached, resolve_device
 from tidal.training.cell_ranks import start_cell, stop_cell
 from tidal.training.flat import ParamLayout
 from tidal.training.groups import Backend, GroupRegistry
@@ -37,6 +41,8 @@ from tidal.training.transport import BroadcastTransport, SharedMemoryTransport
 from tidal.training.worker import GradientWorker, ShardedWorker
 
 log = logging.getLogger(__name__)
+
+PARK_WAIT_S = 30.0  # one ``park`` call's bound; a parked satellite calls again
 
 
 class ModelSpec(BaseModel):
@@ -82,7 +88,7 @@ class Satellite:
         model = config.model.build()
         self.layout = ParamLayout.of(model)
         self.version = -1
-        self._flat = torch.empty(self.layout.numel, dtype=torch.float32)
+        self._flat = torch.empty(0)  # where pulls land: the weights themselves on the CPU
         self.client = RpcClient((config.host, config.rpc_port), bytes.fromhex(config.authkey))
         hello = self.client.call("hello", cell=config.cell, incarnation=self.incarnation,
                                  fingerprint=self.layout.fingerprint())
@@ -109,6 +115,11 @@ class Satellite:
             self.model = model.to(self.device)
             self.worker = GradientWorker(config.cell, self.model, loss, reference,
                                          hello["pad_id"])
+            if self.device.type == "cpu":  # one copy of the weights: a pull loads in place
+                self._flat = self.layout.bind(self.model)
+        if self._flat.numel() == 0:  # gloo receives on the CPU, then copied in
+            self._flat = torch.empty(self.layout.numel, dtype=torch.float32)
+        self.offloaded = False
         self.registry = GroupRegistry(config.cell, config.host, config.store_port,
                                       self.incarnation, config.backend, config.timeout_s)
         self.client.call_with("link", lambda: self.registry.link(config.cell, self.incarnation))
@@ -133,10 +144,11 @@ class Satellite:
         self.client.call("pulled", version=version)
 
     def _load_flat(self) -> None:
-        """The pulled full vector into the model (into every rank's shards on a sharded cell)."""
+        """The pulled full vector into the model (into every rank's shards on a sharded cell;
+        nothing to copy where the model's weights are the pulled vector)."""
         if self.sharded is not None:
             self.sharded.load_params(self._flat)
-        else:
+        elif not self.layout.is_bound(self.model, self._flat):
             self.layout.flat_to_params_(self.model, self._flat)
 
     def run_step(self, join: dict[str, Any]) -> dict[str, Any]:
@@ -162,7 +174,8 @@ class Satellite:
         self.client.call_with("deliver", lambda: self.registry.broadcast(self.link, grad, 1),
                               counts=self.worker.counts())
         outcome = self.client.call("await_update", step=step, timeout_s=self.config.timeout_s * 3)
-        if outcome["next"] == "continue":
+        if outcome["next"] == "continue" and self.config.cell in [m[0] for m in
+                                                                  outcome["members"]]:
             members = [tuple(m) for m in outcome["members"]]
             pg = self.registry.prefix(members)
             got = BroadcastTransport(self.registry, pg).pull(self._flat, outcome["version"])
@@ -172,10 +185,49 @@ class Satellite:
                  self.worker.n_micro_steps, outcome["next"])
         return outcome
 
+    def park(self) -> str:
+        """Between training stints (the cell serves rollout): the model leaves the device,
+        the gradient buffers are dropped, and the process waits in the core's ``park`` (its
+        groups and the weights it holds kept) until the cell trains again; returns ``join``
+        or ``shutdown``."""
+        self.offload()
+        log.info("cell %d: parked (holds v%d)", self.config.cell, self.version)
+        while True:
+            reply = self.client.call("park", wait_s=PARK_WAIT_S,
+                                     timeout_s=PARK_WAIT_S + self.config.timeout_s)
+            if reply["next"] != "park":
+                break
+        if reply["next"] == "join":
+            self.onload()
+            log.info("cell %d: back in training", self.config.cell)
+        return reply["next"]
+
+    def offload(self) -> None:
+        """The model in CPU memory, the device's cache released (a no-op on the CPU beyond
+        dropping the gradient sum)."""
+        self.worker.release()
+        if self.device.type != "cpu" and self.sharded is None and not self.offloaded:
+            self.model.to("cpu")
+            if self.worker.reference is not None:
+                self.worker.reference.to("cpu")
+            release_cached(self.device)
+            self.offloaded = True
+
+    def onload(self) -> None:
+        if self.offloaded:
+            self.model.to(self.device)
+            if self.worker.reference is not None:
+                self.worker.reference.to(self.device)
+            self.offloaded = False
+
     def run(self) -> int:
         steps = 0
         while self.config.max_steps is None or steps < self.config.max_steps:
             join = self.client.call("join", timeout_s=self.config.timeout_s * 2)
+            if join["next"] == "park":
+                if self.park() == "shutdown":
+                    break
+                continue
             if join["next"] == "shutdown":
                 break
             self.run_step(join)

@@ -185,6 +185,13 @@ class ShardLayout:
                 seg.copy_(p.grad.to_local().reshape(-1))
         return out
 
+    def add_grads_(self, model: nn.Module, flat: torch.Tensor) -> None:
+        """Add the local gradient shards into ``flat`` (a parameter without one adds nothing)."""
+        for p, pc in zip(self._params(model), self.pieces, strict=True):
+            if p.grad is not None:
+                flat[pc.local_off: pc.local_off + pc.rows * pc.row_numel] += \
+                    p.grad.to_local().reshape(-1)
+
     def flat_to_grads_(self, model: nn.Module, flat: torch.Tensor) -> None:
         from torch.distributed.tensor import DTensor
 

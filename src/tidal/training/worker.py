@@ -5,9 +5,10 @@ micro-step's un-normalised GRPO loss, held aside until the packing buffer confir
 (``commit``) and then added to the worker's running sum; a refused claim's gradient is dropped
 (``discard``), so a reclaimed micro-step is counted only by the worker that completed it
 (invariant 5). The worker never changes weights: ``load_flat`` is called only between steps.
-Its gradient buffers live on the model's device (chosen at ``reset``, so a model moved between
-steps is followed); ``contribution`` hands out that device tensor, ``cpu_grad_sum`` the copy a
-gloo transport sends.
+A computed micro-step's gradient waits in the parameters' ``.grad`` (no second buffer) until
+``commit`` adds it to the sum or ``discard`` drops it. The sum lives on the model's device
+(chosen at ``reset``, so a model moved between steps is followed); ``contribution`` hands out
+that device tensor, ``cpu_grad_sum`` the copy a gloo transport sends.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tidal.training.aggregate import Contribution
 from tidal.training.flat import ParamLayout
@@ -36,6 +38,43 @@ def forward_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     mask keeps transformers from probing ``position_ids`` for packed sequences."""
     out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
     return out.logits
+
+
+# Rows of logits computed at once: 256 x a 49K vocabulary is 50 MB of float32 (the whole
+# micro-step's [B, L, V] would be several times that, twice over with log_softmax's copy).
+CHUNK_TOKENS = 256
+
+
+def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()  # float32 where it matters: the normaliser
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def model_logprobs(model: nn.Module, input_ids: torch.Tensor,
+                   chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+    """Log-prob of each next token, [B, L] ids -> [B, L-1], without the full [B, L, V] logits:
+    the transformer body runs once, the output head and the log-normaliser ``chunk_tokens``
+    rows at a time, each chunk checkpointed (its logits recomputed in backward, never kept).
+    Equal to ``target_logprobs(forward_logits(...))`` to float32 rounding; a model without a
+    separable output head (no ``base_model`` body) takes that full path."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    body = getattr(model, "base_model", None)
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    if head is None or body is None or body is model or softcap:
+        return target_logprobs(forward_logits(model, input_ids), input_ids)
+    out = body(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+    hidden = out.last_hidden_state[:, :-1]
+    b, n, h = hidden.shape
+    flat_h, flat_t = hidden.reshape(b * n, h), input_ids[:, 1:].reshape(b * n)
+    parts = []
+    for i in range(0, b * n, chunk_tokens):
+        hs, ts = flat_h[i : i + chunk_tokens], flat_t[i : i + chunk_tokens]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_chunk_logprobs, head, hs, ts, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(head, hs, ts))
+    return torch.cat(parts).view(b, n)
 
 
 @dataclass
@@ -76,7 +115,6 @@ class GradientWorker(_Tally):
         self.loss_config = loss_config
         self.pad_id = pad_id
         self.layout = ParamLayout.of(model)
-        self._pending: torch.Tensor | None = None
         self._pending_stats: tuple[MicroStep, StepResult] | None = None
         self.reset()
 
@@ -85,10 +123,8 @@ class GradientWorker(_Tally):
         return next(self.model.parameters()).device
 
     def reset(self) -> None:
-        device = self.device
-        if self._pending is None or self._pending.device != device:
-            self._pending = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
-        self.grad_sum = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
+        self.model.zero_grad(set_to_none=True)
+        self.grad_sum = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
         self.n_micro_steps = self.n_tokens = 0
         self.loss_sum = 0.0
         self.compute_s = 0.0  # wall time in ``compute`` since the last reset (calibration)
@@ -107,16 +143,13 @@ class GradientWorker(_Tally):
         if device.type != "cpu":
             t = MicroStepTensors(*(x.to(device) for x in vars(t).values()))
         self.model.zero_grad(set_to_none=True)
-        logits = forward_logits(self.model, t.input_ids)
-        logprobs = target_logprobs(logits, t.input_ids)
+        logprobs = model_logprobs(self.model, t.input_ids)
         ref = None
         if self.loss_config.kl_coef > 0 and self.reference is not None:
             with torch.no_grad():
-                ref = target_logprobs(forward_logits(self.reference, t.input_ids), t.input_ids)
+                ref = model_logprobs(self.reference, t.input_ids)
         loss, stats = grpo_loss_sum(logprobs, t, self.loss_config, ref)
-        loss.backward()
-        self.layout.grads_to_flat(self.model, self._pending)
-        self.model.zero_grad(set_to_none=True)
+        loss.backward()  # the micro-step's gradient stays in ``.grad`` until commit/discard
         stale = int((t.staleness * t.mask).max()) if bool(t.mask.any()) else 0
         result = StepResult(stats.loss_sum, stats.n_tokens, stats.clipped_tokens,
                             stats.mean_ratio, stale)
@@ -126,7 +159,11 @@ class GradientWorker(_Tally):
     def commit(self) -> None:
         assert self._pending_stats is not None, "commit without compute"
         step, result = self._pending_stats
-        self.grad_sum += self._pending
+        for p, view in zip(self.layout.params(self.model),
+                           self.layout.views(self.grad_sum).values(), strict=True):
+            if p.grad is not None:
+                view += p.grad
+        self.model.zero_grad(set_to_none=True)
         self.n_micro_steps += 1
         self.n_tokens += result.n_tokens
         self.loss_sum += result.loss_sum
@@ -134,12 +171,13 @@ class GradientWorker(_Tally):
         self._pending_stats = None
 
     def discard(self) -> None:
+        self.model.zero_grad(set_to_none=True)
         self._pending_stats = None
 
     def release(self) -> None:
         """Drop the gradient buffers (between steps: the trainer's device memory is offloaded);
         the next ``reset`` allocates them again where the model is then."""
-        self._pending = None
+        self.model.zero_grad(set_to_none=True)
         self.grad_sum = torch.zeros(0, dtype=torch.float32)
 
     def cpu_grad_sum(self) -> torch.Tensor:

@@ -88,3 +88,13 @@ def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path, caplog, cap
     assert len(moves) == len([r for r in records if r["type"] == "plan_start"]) == len(done)
     assert len([e for e in trace["traceEvents"] if e.get("cat") == "step"]) == len(steps)
     assert (out / "config.yaml").is_file()
+    # peak memory per process (issue 25): every part of the run sampled, named by its role
+    mem = summary["memory"]
+    print("memory:", json.dumps(mem))
+    assert {"driver", "proxy", "engine-s0", "engine-c0", "engine-c1",
+            "satellite-c1"} <= set(mem["processes_mb"]), mem["processes_mb"]
+    assert any(k.startswith("ray-") for k in mem["processes_mb"])
+    assert all(v > 10 for v in mem["processes_mb"].values()), mem["processes_mb"]
+    assert mem["machine_peak_mb"] >= mem["machine_baseline_mb"] and mem["samples"] > 10
+    # the satellite lives for the run: started once, parked between its cell's stints
+    assert summary["satellite_starts"] == 1 and mem["processes_started"] == {}

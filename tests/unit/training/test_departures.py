@@ -51,3 +51,27 @@ def test_no_warning_is_the_line_warnings_none():
     with counting_warnings() as counter:
         logging.getLogger("tidal.x").info("a normal event")
     assert counter.line() == "warnings: none"
+
+
+def test_a_replaced_incarnations_late_disconnect_never_loses_the_newcomer(caplog):
+    """The re-join failure of issue 25: the stopped satellite's handler thread was still in
+    ``join`` when its replacement said hello; its disconnect, handled late, declared the new
+    incarnation lost and dropped its link (its first pull: 'Connection closed by peer')."""
+    coord = _coordinator()
+    old = _join(coord, 1)
+    coord.expect_departure(1)
+    new: dict = {}
+    coord.handle({"op": "hello", "cell": 1, "incarnation": "i1-new", "fingerprint": "fp"}, new)
+    with caplog.at_level(logging.INFO, logger="tidal.training.coordinator"), \
+            counting_warnings() as counter:
+        coord.on_disconnect(old)  # late: after the newcomer's hello
+    assert coord.registered() == [1] and coord._sats[1].incarnation == "i1-new"
+    assert counter.total == 0
+    try:
+        coord.handle({"op": "pulled", "version": 3}, old)
+    except Exception as exc:  # the old session cannot act for the newcomer
+        assert "replaced" in str(exc)
+    else:
+        raise AssertionError("a replaced incarnation's request was served")
+    coord.handle({"op": "pulled", "version": 3}, new)
+    assert coord._sats[1].version == 3
