@@ -9,8 +9,9 @@ version loaded in place and read back from the server.
 
 SGLang's HTTP routes, as in ``python/sglang/srt/entrypoints/http_server.py`` (sgl-project/sglang;
 request bodies from ``python/sglang/srt/managers/io_struct.py``):
-- launch: ``python -m sglang.launch_server --model-path M --host H --port P
-  --enable-memory-saver`` (release/resume need the memory saver) ``--weight-version v0``;
+- launch: ``sglang.launch_server`` (run by ``_LAUNCH``: the key from the environment)
+  ``--model-path M --host H --port P --enable-memory-saver`` (release/resume need the memory
+  saver) ``--weight-version v0``;
 - ``POST /pause_generation`` ``{"mode": "abort"}`` and ``POST /continue_generation`` ``{}``
   (answer ``{"message": ..., "status": "ok"}``);
 - ``POST /release_memory_occupation`` / ``POST /resume_memory_occupation`` with
@@ -93,6 +94,18 @@ def file_label(path: str) -> str:
     return str((header.get("__metadata__") or {}).get("weight_version", ""))
 
 
+# SGLang takes its key only as ``--api-key``, and a process's arguments are readable by every
+# local user (``ps``). So the server starts through this line, which reads the key from its own
+# environment (readable by the same user only), drops it there, and appends it to the arguments
+# SGLang parses inside the process; the command line the kernel shows never holds it.
+_KEY_ENV = "TIDAL_SGLANG_API_KEY"
+_LAUNCH = ("import os, runpy, sys; "
+           f"key = os.environ.pop({_KEY_ENV!r}, ''); "
+           "sys.argv = ['sglang.launch_server', *sys.argv[1:], "
+           "*(['--api-key', key] if key else [])]; "
+           "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
+
+
 class SGLangCellHost(VLLMCellHost):
     """Plain class; ``engines`` wraps it with ``ray.remote``. One SGLang server per cell. The
     process handling (process group, health wait, kill, stop, satellite) is the vLLM cell's;
@@ -111,7 +124,7 @@ class SGLangCellHost(VLLMCellHost):
         env.pop("PYTHONPATH", None)  # nothing of this venv leaks into SGLang's
         if self.settings.get("pythonpath"):
             env["PYTHONPATH"] = self.settings["pythonpath"]
-        args = [self.settings["python"], "-m", "sglang.launch_server",
+        args = [self.settings["python"], "-c", _LAUNCH,
                 "--model-path", self.model_dir, "--served-model-name", "tidal",
                 "--host", host, "--device", self.device,
                 "--max-running-requests", str(self.max_batch), "--enable-memory-saver",
@@ -119,7 +132,7 @@ class SGLangCellHost(VLLMCellHost):
                 "--mem-fraction-static", str(self.settings["mem_fraction"]),
                 "--dtype", self.settings["dtype"], "--weight-version", self.loaded_version]
         if self.token:  # SGLang guards every route with it: the proxy and this host send it
-            args += ["--api-key", self.token]
+            env[_KEY_ENV] = self.token  # into --api-key inside the process, never on its argv
         try:
             self._serve(lambda port: [*args, "--port", str(port)], env, host, timeout_s)
             served = self._served()
