@@ -155,13 +155,15 @@ def check_machine(cfg: RunConfig, machine: Machine) -> None:
         raise ConfigError("runtime.cpus_per_engine", f"{n} engines x {rt.cpus_per_engine:g} "
                           f"CPUs = {cpus:g} CPUs, more than the local Ray's "
                           f"{rt.ray_num_cpus} (runtime.ray_num_cpus)")
-    have_gpus = machine.gpus if rt.ray_num_gpus is None else min(rt.ray_num_gpus, machine.gpus)
+    # GPUs declared to the local Ray (runtime.ray_num_gpus) are the user's word: Ray places
+    # by them (the tests declare some on a CPU machine); else those torch sees
+    have_gpus = machine.gpus if rt.ray_num_gpus is None else rt.ray_num_gpus
     if rt.use_gpus and have_gpus == 0:
         raise ConfigError("runtime.use_gpus", "this machine has no GPU that torch sees (or "
                           "runtime.ray_num_gpus is 0); set runtime.use_gpus: false")
     if gpus > have_gpus:
         raise ConfigError("runtime.use_gpus", f"the engines reserve {gpus:g} GPUs "
-                          f"(cluster.*_gpus), this machine has {have_gpus}")
+                          f"(cluster.*_gpus), the local Ray has {have_gpus}")
     if rt.fsdp != "off" and rt.fsdp_ranks > machine.cores:
         raise ConfigError("runtime.fsdp_ranks", f"{rt.fsdp_ranks} ranks (processes) per "
                           f"training cell on a machine with {machine.cores} cores: at most "

@@ -66,6 +66,8 @@ def test_a_cluster_without_the_gpus_is_one_clear_error(tmp_path, capsys):
     cfg["runtime"].update(use_gpus=True, ray_num_gpus=1, start_timeout_s=5)
     config = tmp_path / "gpus.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    assert main(["run", str(config), "--out", str(tmp_path / "run")]) == 1  # runtime failure
+    # refused before Ray starts (tidal check says the same): one line naming the field
+    assert main(["run", str(config), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "cannot place 3 engine bundles" in err and "3 GPU" in err, err
+    assert err.startswith("tidal: error: runtime.use_gpus: the engines reserve 3 GPUs") and (
+        "the local Ray has 1" in err and err.count("\n") == 1), err
