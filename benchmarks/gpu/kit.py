@@ -108,23 +108,9 @@ def params_of(shape: dict) -> int:
     return v * h * (1 if shape.get("tie_word_embeddings") else 2) + n * layer + h
 
 
-def fill_random_(model: torch.nn.Module, seed: int) -> None:
-    """N(0, 0.02) weights, unit norms, zero biases, drawn where the parameters live."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-
-
 def engine_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int):
     """The built-in engine's model of ``shape``, made on ``device`` (no CPU copy, no file)."""
-    from tidal.models.llama import LlamaConfig, LlamaForCausalLM
+    from tidal.models.llama import LlamaConfig, LlamaForCausalLM, fill_random_
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig.model_validate(shape)).to(dtype=dtype)
@@ -136,6 +122,8 @@ def engine_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: in
 def trainer_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int):
     """The transformers model of ``shape`` (what tidal's trainer trains), made on ``device``."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tidal.models.llama import fill_random_
 
     cfg = AutoConfig.for_model(**shape)
     with torch.device(device):

@@ -121,6 +121,21 @@ class _Body(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def fill_random_(model: torch.nn.Module, seed: int) -> None:
+    """N(0, 0.02) weights, unit norms, zero biases, drawn from ``seed`` where the parameters
+    live (the same values on every device of one kind)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
 class LlamaForCausalLM(CausalLM):
     model_type = "llama"
 
@@ -172,15 +187,7 @@ class LlamaForCausalLM(CausalLM):
         with torch.device("meta"):
             model = cls(LlamaConfig.model_validate(shape))
         model.materialize("cpu")
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith(".bias"):
-                    p.zero_()
-                else:
-                    p.normal_(0.0, 0.02, generator=gen)
+        fill_random_(model, seed)
         return model.to(device=device, dtype=dtype).eval()
 
     @classmethod

@@ -40,6 +40,16 @@ INT64 = {"ge": -(2**63), "le": 2**63 - 1}
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
+def check_stops(v):
+    """``stop`` as OpenAI takes it (a string or a list), bounded: at most ``MAX_STOP_STRINGS``
+    strings of 1 to ``MAX_STOP_CHARS`` characters (a ``ValueError`` naming the bound)."""
+    stops = [v] if isinstance(v, str) else (v or [])
+    if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(x) <= MAX_STOP_CHARS for x in stops):
+        raise ValueError(f"at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} "
+                         "characters")
+    return v
+
+
 def _only(value, neutral, what: str):
     """A field accepted only at its neutral value: anything else would be silently ignored."""
     if value is not None and value != neutral:
@@ -101,12 +111,7 @@ class _Body(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(x) <= MAX_STOP_CHARS
-                                                for x in stops):
-            raise ValueError(f"at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} "
-                             "characters")
-        return v
+        return check_stops(v)
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_tokens or default

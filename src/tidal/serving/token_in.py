@@ -14,10 +14,15 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tidal.serving.openai_api import INT64, MAX_PROMPT_IDS, Result, _only, _usage
+from tidal.serving.openai_api import (
+    INT64,
+    MAX_PROMPT_IDS,
+    Result,
+    _only,
+    _usage,
+    check_stops,
+)
 from tidal.serving.protocol import (
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
     SamplingParams,
     check_temperature,
     version_spans,
@@ -69,12 +74,7 @@ class TokenSampling(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(x) <= MAX_STOP_CHARS
-                                                for x in stops):
-            raise ValueError(f"at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} "
-                             "characters")
-        return v
+        return check_stops(v)
 
 
 class TokenInRequest(BaseModel):

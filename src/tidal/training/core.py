@@ -140,8 +140,10 @@ class CoreTrainer:
             if reference is not None:
                 reference.to(self.device)
             self.worker = GradientWorker(0, model, config.loss, reference, pad_id)
-            # one vector holds the weights: on the CPU it is also every step's snapshot
-            self._flat = self.worker.layout.bind(model)
+            # one vector holds the weights: on the CPU it is also every step's snapshot; a
+            # model in another dtype (bf16 on a GPU) keeps its own tensors, snapshots copy
+            if all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad):
+                self._flat = self.worker.layout.bind(model)
             params = [p for p in model.parameters() if p.requires_grad]
             cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
             self.optimizer = cls(params, lr=config.lr, weight_decay=config.weight_decay)

@@ -115,7 +115,8 @@ class Satellite:
             self.model = model.to(self.device)
             self.worker = GradientWorker(config.cell, self.model, loss, reference,
                                          hello["pad_id"])
-            if self.device.type == "cpu":  # one copy of the weights: a pull loads in place
+            if self.device.type == "cpu" and all(  # one copy of the weights: pulls load in place
+                    p.dtype == torch.float32 for p in self.model.parameters()):
                 self._flat = self.layout.bind(self.model)
         if self._flat.numel() == 0:  # gloo receives on the CPU, then copied in
             self._flat = torch.empty(self.layout.numel, dtype=torch.float32)
