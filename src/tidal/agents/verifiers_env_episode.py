@@ -46,8 +46,7 @@ def train_client(base_url: str, api_key: str, tokenizer_dir: str) -> Any:
     import verifiers.v1 as vf
     from verifiers.v1.clients.train import TrainClient
 
-    client = TrainClient(vf.TrainClientConfig(base_url=base_url,
-                                                 renderer_model_name=tokenizer_dir))
+    client = TrainClient(vf.TrainClientConfig(base_url=base_url, renderer_model_name=tokenizer_dir))
     # its own client reads the key from an environment variable; every execution has its own
     client.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     return client
@@ -62,8 +61,15 @@ def last_answer(trace: Any) -> str:
     return ""
 
 
-async def run_task(task: Any, base_url: str, api_key: str, model: str, tokenizer_dir: str,
-                   sampling: dict, session: str) -> EpisodeResult:
+async def run_task(
+    task: Any,
+    base_url: str,
+    api_key: str,
+    model: str,
+    tokenizer_dir: str,
+    sampling: dict,
+    session: str,
+) -> EpisodeResult:
     """One single-turn episode of ``task`` (a ``verifiers.v1.Task``), scored by its rewards."""
     import verifiers.v1 as vf
     from verifiers.v1 import graph
@@ -72,14 +78,16 @@ async def run_task(task: Any, base_url: str, api_key: str, model: str, tokenizer
     dialect = ChatDialect()
     body = {"model": model, "messages": task_messages(task)}
     request = dialect.parse_request(body)
-    trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key,
-                                       hash=task.hash),
-                     agent=vf.AgentInfo(config=vf.AgentConfig()))
+    trace = vf.Trace(
+        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        agent=vf.AgentInfo(config=vf.AgentConfig()),
+    )
     turn = graph.prepare_turn(trace, request.messages, request.tools)
     client = train_client(base_url, api_key, tokenizer_dir)
     try:
-        response = await client.get_response(dialect, body, vf.SamplingConfig(**sampling),
-                                             session_id=session, turn=turn)
+        response = await client.get_response(
+            dialect, body, vf.SamplingConfig(**sampling), session_id=session, turn=turn
+        )
     finally:
         await client.close()
     turn.commit(response)
@@ -87,6 +95,10 @@ async def run_task(task: Any, base_url: str, api_key: str, model: str, tokenizer
     await task.score(trace)
     [branch] = trace.branches
     return EpisodeResult(
-        answer=last_answer(trace), reward=float(trace.reward), token_ids=list(branch.token_ids),
-        sampled_mask=list(branch.sampled_mask), logprobs=list(branch.logprobs),
-        rewards={k: r.value for k, r in trace.rewards.items() if r is not None})
+        answer=last_answer(trace),
+        reward=float(trace.reward),
+        token_ids=list(branch.token_ids),
+        sampled_mask=list(branch.sampled_mask),
+        logprobs=list(branch.logprobs),
+        rewards={k: r.value for k, r in trace.rewards.items() if r is not None},
+    )

@@ -45,13 +45,22 @@ class ReasoningGymTaskset(vf.Taskset[ReasoningGymTask, vf.TasksetConfig]):
 
     def load(self) -> Iterator[ReasoningGymTask]:
         for i, entry in enumerate(self.entries):
-            data = ReasoningGymData(id=str(i), prompt=entry["question"], entry=entry,
-                                    system_prompt=self.default_system_prompt)
+            data = ReasoningGymData(
+                id=str(i),
+                prompt=entry["question"],
+                entry=entry,
+                system_prompt=self.default_system_prompt,
+            )
             yield ReasoningGymTask(data)
 
 
-def reasoning_gym_env(name: str, size: int, seed: int, args: dict[str, Any] | None = None,
-                      system_prompt: str | None = None) -> ReasoningGymTaskset:
+def reasoning_gym_env(
+    name: str,
+    size: int,
+    seed: int,
+    args: dict[str, Any] | None = None,
+    system_prompt: str | None = None,
+) -> ReasoningGymTaskset:
     """The taskset of ``reasoning_gym.create_dataset(name, size=size, seed=seed, **args)``
     (``task.agent.args.environment: tidal.agents.verifiers_envs:reasoning_gym_env``)."""
     import reasoning_gym

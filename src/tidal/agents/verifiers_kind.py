@@ -33,25 +33,34 @@ def model_dir(name: str) -> str:
     return str(fetch(name)) if name in KNOWN else name
 
 
-def make_renderer(tokenizer_dir: str, renderer: str = "default",
-                  tool_parser: str | None = None) -> Any:
+def make_renderer(
+    tokenizer_dir: str, renderer: str = "default", tool_parser: str | None = None
+) -> Any:
     """A ``renderers`` renderer over the tokenizer of ``tokenizer_dir`` (a local directory:
     nothing is downloaded)."""
     import renderers
     from renderers.base import load_tokenizer
 
-
     if renderer != "default":
-        raise ValueError(f"renderer {renderer!r}: only 'default' (the model's own chat "
-                         "template) is wired")
-    config = renderers.DefaultRendererConfig(**({"tool_parser": tool_parser}
-                                                if tool_parser else {}))
+        raise ValueError(
+            f"renderer {renderer!r}: only 'default' (the model's own chat template) is wired"
+        )
+    config = renderers.DefaultRendererConfig(
+        **({"tool_parser": tool_parser} if tool_parser else {})
+    )
     return renderers.create_renderer(load_tokenizer(model_dir(tokenizer_dir)), config)
 
 
-async def run_episode(base_url: str, api_key: str, model: str, renderer: Any,
-                      messages: list[dict], sampling: dict, session: str,
-                      headers: dict[str, str] | None = None) -> dict:
+async def run_episode(
+    base_url: str,
+    api_key: str,
+    model: str,
+    renderer: Any,
+    messages: list[dict],
+    sampling: dict,
+    session: str,
+    headers: dict[str, str] | None = None,
+) -> dict:
     """One single-turn episode: ``messages`` rendered by ``renderer``, sampled through the
     token-in route under ``base_url`` (an OpenAI ``/v1`` base). Returns verifiers' result
     dict (``prompt_ids``, ``completion_ids``, ``completion_logprobs``, ``content``, ...)."""
@@ -59,9 +68,14 @@ async def run_episode(base_url: str, api_key: str, model: str, renderer: Any,
     from renderers.client import generate
 
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
-        return await generate(client=client, renderer=renderer, model=model,
-                              messages=messages, sampling_params=dict(sampling),
-                              extra_headers={"X-Session-ID": session, **(headers or {})})
+        return await generate(
+            client=client,
+            renderer=renderer,
+            model=model,
+            messages=messages,
+            sampling_params=dict(sampling),
+            extra_headers={"X-Session-ID": session, **(headers or {})},
+        )
 
 
 class VerifiersKind:
@@ -76,15 +90,20 @@ class VerifiersKind:
         if unknown:
             raise ConfigError(f"{field}.args.{unknown[0]}", f"not one of {', '.join(ARGS)}")
         if not args.get("tokenizer"):
-            raise ConfigError(f"{field}.args.tokenizer", "the model directory whose chat "
-                              "template renders the prompts is required")
+            raise ConfigError(
+                f"{field}.args.tokenizer",
+                "the model directory whose chat template renders the prompts is required",
+            )
         try:
-            self.renderer = make_renderer(str(args["tokenizer"]),
-                                          str(args.get("renderer", "default")),
-                                          args.get("tool_parser"))
+            self.renderer = make_renderer(
+                str(args["tokenizer"]),
+                str(args.get("renderer", "default")),
+                args.get("tool_parser"),
+            )
         except ImportError as exc:
-            raise ConfigError(field, f"the verifiers kind needs verifiers 0.4 (renderers): "
-                              f"{exc}") from None
+            raise ConfigError(
+                field, f"the verifiers kind needs verifiers 0.4 (renderers): {exc}"
+            ) from None
         except (ValueError, OSError) as exc:
             raise ConfigError(f"{field}.args", str(exc).splitlines()[0]) from None
         self.tokenizer = model_dir(str(args["tokenizer"]))
@@ -97,15 +116,27 @@ class VerifiersKind:
             return await self._run_environment(ctx)
         row = ctx.row
         messages = row.messages or [{"role": "user", "content": row.prompt}]
-        out = await run_episode(ctx.base_url, ctx.api_key, ctx.model, self.renderer, messages,
-                                # no seed: the group's seed is shared by its executions; the
-                                # proxy derives each call's from the run seed and execution
-                                {"max_tokens": ctx.max_tokens, "temperature": ctx.temperature},
-                                session=ctx.execution_id)
-        return AgentOutcome(answer=out["content"] or "", transcript=[
-            {"action": out["content"] or "", "observation": "",
-             "completion_tokens": len(out["completion_ids"])}])
-
+        out = await run_episode(
+            ctx.base_url,
+            ctx.api_key,
+            ctx.model,
+            self.renderer,
+            messages,
+            # no seed: the group's seed is shared by its executions; the
+            # proxy derives each call's from the run seed and execution
+            {"max_tokens": ctx.max_tokens, "temperature": ctx.temperature},
+            session=ctx.execution_id,
+        )
+        return AgentOutcome(
+            answer=out["content"] or "",
+            transcript=[
+                {
+                    "action": out["content"] or "",
+                    "observation": "",
+                    "completion_tokens": len(out["completion_ids"]),
+                }
+            ],
+        )
 
     async def _run_environment(self, ctx: Any) -> Any:
         """The environment's task of this row, its episode, its reward; the trace's token ids,
@@ -114,17 +145,33 @@ class VerifiersKind:
         from tidal.agents.verifiers_env_episode import run_task
 
         task = task_for_row(self.tasks, ctx.row)
-        out = await run_task(task, ctx.base_url, ctx.api_key, ctx.model, self.tokenizer,
-                             {"max_tokens": ctx.max_tokens, "temperature": ctx.temperature},
-                             session=ctx.execution_id)
-        trace = {"token_ids": out.token_ids, "sampled_mask": out.sampled_mask,
-                 "logprobs": out.logprobs, "rewards": out.rewards, "reward": out.reward}
+        out = await run_task(
+            task,
+            ctx.base_url,
+            ctx.api_key,
+            ctx.model,
+            self.tokenizer,
+            {"max_tokens": ctx.max_tokens, "temperature": ctx.temperature},
+            session=ctx.execution_id,
+        )
+        trace = {
+            "token_ids": out.token_ids,
+            "sampled_mask": out.sampled_mask,
+            "logprobs": out.logprobs,
+            "rewards": out.rewards,
+            "reward": out.reward,
+        }
         where = ctx.workspace / ".tidal"
         where.mkdir(parents=True, exist_ok=True)
         (where / "verifiers_trace.json").write_text(json.dumps(trace))
         sampled = [t for t, m in zip(out.token_ids, out.sampled_mask, strict=True) if m]
-        return AgentOutcome(reward=out.reward, answer=out.answer, transcript=[
-            {"action": out.answer, "observation": "", "completion_tokens": len(sampled)}])
+        return AgentOutcome(
+            reward=out.reward,
+            answer=out.answer,
+            transcript=[
+                {"action": out.answer, "observation": "", "completion_tokens": len(sampled)}
+            ],
+        )
 
 
 def load_environment(args: dict, field: str) -> list[Any]:
@@ -140,13 +187,18 @@ def load_environment(args: dict, field: str) -> list[Any]:
     try:
         taskset = fn(**kwargs)
     except Exception as exc:  # the user's environment may raise anything
-        raise ConfigError(f"{field}.args.environment", f"{args['environment']} raised "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}") from None
+        raise ConfigError(
+            f"{field}.args.environment",
+            f"{args['environment']} raised {type(exc).__name__}: {str(exc).splitlines()[0][:160]}",
+        ) from None
     import verifiers.v1 as vf
 
     if not isinstance(taskset, vf.Taskset) or not taskset.bounded:
-        raise ConfigError(f"{field}.args.environment", f"{args['environment']} returned "
-                          f"{type(taskset).__name__}, not a finite verifiers.v1 Taskset")
+        raise ConfigError(
+            f"{field}.args.environment",
+            f"{args['environment']} returned "
+            f"{type(taskset).__name__}, not a finite verifiers.v1 Taskset",
+        )
     return list(taskset)
 
 
@@ -159,9 +211,11 @@ def task_for_row(tasks: list[Any], row: Any) -> Any:
     users = [m.get("content") for m in row.messages or [] if m.get("role") == "user"]
     asked = row.prompt if row.prompt is not None else (users[-1] if users else None)
     if asked != task.data.prompt_text:
-        raise ValueError(f"task row {row.index}: the environment's task {row.index} has "
-                         "another prompt (task.source and task.agent.args.environment_args "
-                         "must name the same dataset, size and seed)")
+        raise ValueError(
+            f"task row {row.index}: the environment's task {row.index} has "
+            "another prompt (task.source and task.agent.args.environment_args "
+            "must name the same dataset, size and seed)"
+        )
     return task
 
 
