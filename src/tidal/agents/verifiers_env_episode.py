@@ -40,16 +40,20 @@ def task_messages(task: Any) -> list[dict]:
 
 
 def train_client(base_url: str, api_key: str, tokenizer_dir: str) -> Any:
-    """verifiers' ``TrainClient`` over ``base_url`` (an OpenAI ``/v1`` base) with ``api_key``,
-    its renderer pinned to the local model directory ``tokenizer_dir``."""
-    import openai
+    """verifiers' ``TrainClient`` over ``base_url`` (an OpenAI ``/v1`` base), its renderer
+    pinned to the local model directory ``tokenizer_dir``. Every execution has its own key:
+    it goes in as the Authorization header (the client's own key variable is left unset)."""
     import verifiers.v1 as vf
     from verifiers.v1.clients.train import TrainClient
 
-    client = TrainClient(vf.TrainClientConfig(base_url=base_url, renderer_model_name=tokenizer_dir))
-    # its own client reads the key from an environment variable; every execution has its own
-    client.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    return client
+    return TrainClient(
+        vf.TrainClientConfig(
+            base_url=base_url,
+            renderer_model_name=tokenizer_dir,
+            api_key_var="TIDAL_VERIFIERS_NO_KEY",
+            headers={"Authorization": f"Bearer {api_key}"},
+        )
+    )
 
 
 def last_answer(trace: Any) -> str:
