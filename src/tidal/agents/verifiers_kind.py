@@ -106,6 +106,7 @@ class VerifiersKind:
             ) from None
         except (ValueError, OSError) as exc:
             raise ConfigError(f"{field}.args", str(exc).splitlines()[0]) from None
+        self.field = field
         self.tokenizer = model_dir(str(args["tokenizer"]))
         self.tasks = load_environment(args, field) if args.get("environment") else None
 
@@ -137,6 +138,17 @@ class VerifiersKind:
                 }
             ],
         )
+
+    def check_rows(self, rows: list[Any]) -> None:
+        """Every task row meets its environment task (``task_for_row``), else a ConfigError
+        naming ``task.agent.args.environment_args`` (run by the workload before a run)."""
+        from tidal.errors import ConfigError
+
+        for row in rows if self.tasks is not None else ():
+            try:
+                task_for_row(self.tasks, row)
+            except ValueError as exc:
+                raise ConfigError(f"{self.field}.args.environment_args", str(exc)) from None
 
     async def _run_environment(self, ctx: Any) -> Any:
         """The environment's task of this row, its episode, its reward; the trace's token ids,

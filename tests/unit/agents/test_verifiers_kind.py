@@ -106,3 +106,17 @@ def test_environment_reward_scores_the_trace_offline():
         trace.nodes.append(vf.MessageNode(message=AssistantMessage(content=text)))
         asyncio.run(task.score(trace))
         assert trace.reward == want and list(trace.rewards) == ["correct"]
+
+
+def test_check_rows_names_the_environment_args(tiny_dir):
+    """A task source that is not the environment's data is refused before a run starts."""
+    from tidal.agents.tasks import TaskRow
+
+    kind = VerifiersKind(
+        SimpleNamespace(
+            args={"tokenizer": str(tiny_dir), "environment": ENV, "environment_args": ENV_ARGS}
+        )
+    )
+    kind.check_rows([TaskRow(i, prompt=t.data.prompt) for i, t in enumerate(kind.tasks)])
+    with pytest.raises(ConfigError, match=r"task.agent.args.environment_args: task row 0"):
+        kind.check_rows([TaskRow(0, prompt="Spell 'cat' backward.")])
