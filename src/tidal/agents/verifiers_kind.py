@@ -108,6 +108,12 @@ class VerifiersKind:
             raise ConfigError(f"{field}.args", str(exc).splitlines()[0]) from None
         self.field = field
         self.tokenizer = model_dir(str(args["tokenizer"]))
+        if args.get("environment") and args.get("tool_parser"):
+            raise ConfigError(
+                f"{field}.args.tool_parser", "not used with an environment (single-turn, no tools)"
+            )
+        if args.get("environment_args") is not None and not args.get("environment"):
+            raise ConfigError(f"{field}.args.environment_args", "needs args.environment")
         self.tasks = load_environment(args, field) if args.get("environment") else None
 
     async def run(self, ctx: Any) -> Any:
