@@ -57,6 +57,10 @@ def test_environment_is_checked_by_name(tiny_dir):
                 args={**base, "environment": "json:dumps", "environment_args": {"obj": 1}}
             )
         )
+    with pytest.raises(ConfigError, match=r"task.agent.args.tool_parser: not used"):
+        VerifiersKind(SimpleNamespace(args={**base, "environment": ENV, "tool_parser": "hermes"}))
+    with pytest.raises(ConfigError, match=r"task.agent.args.environment_args: needs"):
+        VerifiersKind(SimpleNamespace(args={**base, "environment_args": {}}))
     with pytest.raises(ConfigError, match=r"task.agent.args.environment_args: a mapping"):
         VerifiersKind(SimpleNamespace(args={**base, "environment": ENV, "environment_args": [1]}))
 
