@@ -58,7 +58,7 @@ def test_environment_is_checked_by_name(tiny_dir):
             )
         )
     with pytest.raises(ConfigError, match=r"task.agent.args.tool_parser: not used"):
-        VerifiersKind(SimpleNamespace(args={**base, "environment": ENV, "tool_parser": "hermes"}))
+        VerifiersKind(SimpleNamespace(args={**base, "environment": ENV, "tool_parser": "qwen3"}))
     with pytest.raises(ConfigError, match=r"task.agent.args.environment_args: needs"):
         VerifiersKind(SimpleNamespace(args={**base, "environment_args": {}}))
     with pytest.raises(ConfigError, match=r"task.agent.args.environment_args: a mapping"):
