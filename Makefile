@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # Extras the test suite needs. torch==2.13.0 is the CPU wheel that lies on disk.
-EXTRAS ?= sim,torch,serve,ray,hf,agents,swe,dev
+EXTRAS ?= sim,torch,serve,ray,hf,agents,swe,verifiers,dev
 comma  := ,
 STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 OUT    ?= runs/quickstart

@@ -51,6 +51,9 @@ class Workload:
         self.seed = cfg.seed
         self.rows = load_rows(task.source, cfg.seed)
         self.agent = build_agent(task.agent.model_copy(deep=True))
+        check_rows = getattr(self.agent, "check_rows", None)
+        if check_rows is not None:  # a kind that brings its own tasks (verifiers) meets the rows
+            check_rows(self.rows)
         self.reward = Reward(task.reward) if task.reward is not None else None
         if (
             task.reward is not None

@@ -1,0 +1,108 @@
+"""One episode of a ``verifiers.v1`` environment's task, in-process: the turn goes through
+verifiers' own ``TrainClient`` (it renders the prompt with the model's chat template and posts
+the proxy's token-in route ``/inference/v1/generate``), is committed to a ``vf.Trace`` as
+verifiers' interception server commits it (``graph.prepare_turn`` then ``commit``), and the
+task's own rewards score the trace (``Task.score`` offline: no runtime).
+
+Why not ``Env.run_episode``: in verifiers 0.4.0 an episode runs a harness *program* (even the
+tool-less ``null`` harness) as a PEP 723 script through ``uv sync --script`` in a runtime,
+which installs the script's dependencies from the network (and ``uv`` itself when missing);
+tidal runs offline. The model turn, the trace and the scoring here are verifiers' own code.
+
+In: the environment's task, the execution's base URL and key, the tokenizer directory (the
+renderer's model), the sampling settings. Out: ``EpisodeResult``: the answer, the trace's
+reward, and the trace's token ids, sampled mask and log-probs (what prime-rl trains on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class EpisodeResult:
+    answer: str
+    reward: float
+    token_ids: list[int]
+    sampled_mask: list[bool]
+    logprobs: list[float]
+    rewards: dict[str, float]
+
+
+def task_messages(task: Any) -> list[dict]:
+    """The chat messages a task opens with: its system prompt, then its prompt."""
+    data = task.data
+    head = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    if isinstance(data.prompt, str):
+        return [*head, {"role": "user", "content": data.prompt}]
+    return [*head, *[m.model_dump(exclude_none=True) for m in data.prompt or []]]
+
+
+def train_client(base_url: str, api_key: str, tokenizer_dir: str) -> Any:
+    """verifiers' ``TrainClient`` over ``base_url`` (an OpenAI ``/v1`` base), its renderer
+    pinned to the local model directory ``tokenizer_dir``. Every execution has its own key:
+    it goes in as the Authorization header (the client's own key variable is left unset)."""
+    import verifiers.v1 as vf
+    from verifiers.v1.clients.train import TrainClient
+
+    return TrainClient(
+        vf.TrainClientConfig(
+            base_url=base_url,
+            renderer_model_name=tokenizer_dir,
+            api_key_var="TIDAL_VERIFIERS_NO_KEY",
+            headers={"Authorization": f"Bearer {api_key}"},
+        )
+    )
+
+
+def last_answer(trace: Any) -> str:
+    """The text of the trace's last assistant message ("" when it has none)."""
+    for node in reversed(trace.nodes):
+        if node.message.role == "assistant":
+            content = node.message.content
+            return content if isinstance(content, str) else ""
+    return ""
+
+
+async def run_task(
+    task: Any,
+    base_url: str,
+    api_key: str,
+    model: str,
+    tokenizer_dir: str,
+    sampling: dict,
+    session: str,
+) -> EpisodeResult:
+    """One single-turn episode of ``task`` (a ``verifiers.v1.Task``), scored by its rewards."""
+    import verifiers.v1 as vf
+    from verifiers.v1 import graph
+    from verifiers.v1.dialects.chat import ChatDialect
+
+    dialect = ChatDialect()
+    body = {"model": model, "messages": task_messages(task)}
+    request = dialect.parse_request(body)
+    trace = vf.Trace(
+        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        agent=vf.AgentInfo(config=vf.AgentConfig()),
+    )
+    turn = graph.prepare_turn(trace, request.messages, request.tools)
+    client = train_client(base_url, api_key, tokenizer_dir)
+    try:
+        response = await client.get_response(
+            dialect, body, vf.SamplingConfig(**sampling), session_id=session, turn=turn
+        )
+    finally:
+        await client.close()
+    turn.commit(response)
+    trace.is_completed = trace.ok = True
+    await task.score(trace)
+    [branch] = trace.branches
+    return EpisodeResult(
+        answer=last_answer(trace),
+        reward=float(trace.reward),
+        token_ids=list(branch.token_ids),
+        sampled_mask=list(branch.sampled_mask),
+        logprobs=list(branch.logprobs),
+        rewards={k: r.value for k, r in trace.rewards.items() if r is not None},
+    )
