@@ -136,6 +136,24 @@ def test_drain_vllm_to_builtin_and_back_is_one_answer(servers):
     assert sum(len(s["token_ids"]) for s in segments) == 100
 
 
+def _vllm_logprobs(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """The live server's greedy 8 tokens after ``prompt`` and their log-probabilities."""
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+        "logprobs": 0, "return_token_ids": True}).json()["choices"][0]
+    return r["token_ids"], r["logprobs"]["token_logprobs"]
+
+
+def _tidal_error(model, prompt: list[int], ids: list[int], lps: list[float]) -> float:
+    """The largest gap between ``lps`` and tidal's model's log-probabilities of ``ids``."""
+    import torch
+
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt + ids]))[0].float(), -1)
+    return max(abs(ref[len(prompt) - 1 + i, t].item() - lp)
+               for i, (t, lp) in enumerate(zip(ids, lps, strict=True)))
+
+
 def test_published_weights_load_into_the_live_server(servers, smollm2, tmp_path):
     """A ``FilePublisher`` version goes into the running server (``vllm_sync``'s file carrier,
     as ``tidal run`` does it): the label moves and vLLM's log-probabilities become those of the
@@ -154,16 +172,10 @@ def test_published_weights_load_into_the_live_server(servers, smollm2, tmp_path)
     prompt = tok.encode("The capital of France is")
 
     def vllm_logprobs() -> tuple[list[int], list[float]]:
-        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-            "logprobs": 0, "return_token_ids": True}).json()["choices"][0]
-        return r["token_ids"], r["logprobs"]["token_logprobs"]
+        return _vllm_logprobs(url, prompt)
 
     def tidal_error(ids: list[int], lps: list[float]) -> float:
-        with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([prompt + ids]))[0].float(), -1)
-        return max(abs(ref[len(prompt) - 1 + i, t].item() - lp)
-                   for i, (t, lp) in enumerate(zip(ids, lps, strict=True)))
+        return _tidal_error(model, prompt, ids, lps)
 
     pub = FilePublisher(tmp_path / "w", layout)
     sync = VLLMWeightPublisher(url, None, "file")
@@ -206,16 +218,10 @@ def test_shm_publication_loads_into_the_live_server(servers, smollm2):
     original = layout.params_to_flat(model).clone()
 
     def vllm_logprobs() -> tuple[list[int], list[float]]:
-        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-            "logprobs": 0, "return_token_ids": True}).json()["choices"][0]
-        return r["token_ids"], r["logprobs"]["token_logprobs"]
+        return _vllm_logprobs(url, prompt)
 
     def tidal_error(ids: list[int], lps: list[float]) -> float:
-        with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([prompt + ids]))[0].float(), -1)
-        return max(abs(ref[len(prompt) - 1 + i, t].item() - lp)
-                   for i, (t, lp) in enumerate(zip(ids, lps, strict=True)))
+        return _tidal_error(model, prompt, ids, lps)
 
     ids0, lps0 = vllm_logprobs()
     pub = VLLMWeightPublisher(url, layout, "shm", shm_name=f"tidal-tier-{os.getpid()}")
