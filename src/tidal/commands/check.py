@@ -21,12 +21,13 @@ def command(config: str, quiet: bool) -> None:
     from tidal.control.factory import check_policy
 
     cfg = check_policy(load_yaml(config, RunConfig))
-    workload = check_workload(cfg)  # the task: section: its rows load, its code imports
     runnable = cfg.control.bursts is not None
     if runnable:  # every check `tidal run` makes before it starts Ray: one line naming a field
         from tidal.runtime.preflight import check_run
 
-        check_run(cfg)
+        workload = check_run(cfg)  # the task: section too: its rows load, its code imports
+    else:
+        workload = check_workload(cfg)
     if quiet:
         return
     click.echo(dump_yaml(cfg), nl=False)

@@ -95,7 +95,8 @@ class Runtime:
                  on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_state: Callable[[dict[str, Any]], None] | None = None,
                  resume: bool = False) -> None:
-        preflight.check_run(cfg)  # what `tidal check` checks too, before anything starts
+        # what `tidal check` checks too, before anything starts; the task's workload is built once
+        self.workload = preflight.check_run(cfg)
         self.cfg, self.out, self.on_step, self.on_state = cfg, Path(out), on_step, on_state
         self.rt = cfg.runtime
         self.clock = WallClock()
@@ -265,7 +266,7 @@ class Runtime:
                              self.ck is not None, self.on_step, self.on_state)
         w = self.wired = wire(self.cfg, self.out, self.ck, self.clock, self.parts,
                               self.engines, self.proxy.url, self.token, self.core_pool, outputs,
-                              self.node.ip)
+                              self.node.ip, self.workload)
         if self.ck is not None:
             log.warning("resuming %s at step %d (v%d trained, v%d published, %d records held)",
                         self.out, self.ck.state.step, w.core.version,

@@ -17,10 +17,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tidal.agents.workload import Workload
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length")
 
@@ -43,11 +46,12 @@ class Machine:
         return cls(len(os.sched_getaffinity(0)), gpus)
 
 
-def check_run(cfg: RunConfig, machine: Machine | None = None) -> None:
-    """Every check ``tidal run`` makes before it starts Ray (``ConfigError`` on the first)."""
+def check_run(cfg: RunConfig, machine: Machine | None = None) -> Workload | None:
+    """Every check ``tidal run`` makes before it starts Ray (``ConfigError`` on the first).
+    Out: the ``task:`` section's workload, built by the check (``wiring.check_config``)."""
     from tidal.runtime.wiring import check_config
 
-    check_config(cfg)
+    workload = check_config(cfg)
     check_backends(cfg)
     context = check_model(cfg)
     if context is not None and cfg.runtime.max_tokens >= context:
@@ -57,6 +61,7 @@ def check_run(cfg: RunConfig, machine: Machine | None = None) -> None:
     check_trainer(cfg)
     if cfg.runtime.ray_address is None:
         check_machine(cfg, machine or Machine.here())
+    return workload
 
 
 def model_context(model_dir: Path) -> int | None:

@@ -18,7 +18,7 @@ import concurrent.futures
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
@@ -38,9 +38,13 @@ from tidal.runtime.supervisor import CellSupervisor
 from tidal.runtime.tasks import Parts
 from tidal.runtime.trainer_loop import TrainerLoop
 
+if TYPE_CHECKING:
+    from tidal.agents.workload import Workload
 
-def check_config(cfg: RunConfig) -> None:
-    """What ``tidal run`` refuses before it starts anything (one line naming the field)."""
+
+def check_config(cfg: RunConfig) -> Workload | None:
+    """What ``tidal run`` refuses before it starts anything (one line naming the field). Out:
+    the ``task:`` section's workload, built (its rows loaded, its code imported) once."""
     c = cfg.control
     if c.bursts is None:
         raise ConfigError("control.bursts", "tidal run needs a number of bursts")
@@ -56,7 +60,7 @@ def check_config(cfg: RunConfig) -> None:
     sglang_cell.check(cfg)  # 'sglang' cells: GPUs and SGLang's python
     from tidal.agents.workload import check_workload
 
-    check_workload(cfg)  # the task: section's rows, agent and reward (user code imports)
+    workload = check_workload(cfg)  # the task: section's rows, agent and reward
     rt = cfg.runtime
     if rt.cell_cpus is not None:
         for bad, why in ((rt.ray_address, "joins a Ray cluster (the quota is per host)"),
@@ -65,6 +69,7 @@ def check_config(cfg: RunConfig) -> None:
                           "vLLM (the quota covers built-in engines)")):
             if bad:
                 raise ConfigError("runtime.cell_cpus", f"not supported when the run {why}")
+    return workload
 
 
 @dataclass
@@ -180,7 +185,7 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
 def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: Parts,
          engines: Engines, proxy_url: str, token: str,
          core_pool: concurrent.futures.ThreadPoolExecutor, outputs: RunOutputs,
-         host: str = "127.0.0.1") -> Wired:
+         host: str = "127.0.0.1", workload: Workload | None = None) -> Wired:
     from tidal.agents import HarnessPool, PoolConfig
     from tidal.control.decision_log import DecisionLog, jsonl_file_sink
     from tidal.control.factory import build_controller
@@ -226,10 +231,8 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
         max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
         timeout_s=rt.execution_timeout_s, token=token), out / "workspaces", bridge)
     held = {r.execution_id: r for r in ck.records} if ck else {}
-    from tidal.agents.workload import check_workload
-
     dispatcher = Dispatcher(cfg, pool, bridge, handle, clock, parts, set(trainer.trained_groups),
-                            held, ctl, check_workload(cfg))
+                            held, ctl, workload)
     listeners.append(dispatcher.notify)  # a group held by the policy looks again
     return Wired(admin, decisions, buffer, core, outputs, actuator, ctl, handle, bridge,
                  publisher, trainer,
