@@ -219,3 +219,17 @@ def event_from_json(data: dict[str, Any]) -> Event:
         data["group_ids"] = tuple(data["group_ids"])
     return cls(**data)
 
+
+CHAIN_WINDOW_CALLS = 16  # how many earlier calls of an execution a new call may continue
+
+
+def continues_chain(prompt: list[int], earlier: list[tuple[list[int], list[int]]]) -> bool:
+    """Whether a call's ``prompt`` continues its execution's chain: it starts with one of the
+    last ``CHAIN_WINDOW_CALLS`` earlier calls' prompt + output, or repeats one's prompt (another
+    choice of that turn). ``earlier``: (prompt ids, output ids) per call, oldest first. The one
+    rule the proxy counts chain breaks by and training splits sequences by."""
+    for before, output in reversed(earlier[-CHAIN_WINDOW_CALLS:]):
+        stream = before + output
+        if prompt[: len(stream)] == stream or prompt == before:
+            return True
+    return False

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from tidal.serving.protocol import version_spans
+from tidal.types import CHAIN_WINDOW_CALLS, continues_chain
 
 
 @dataclass
@@ -95,10 +96,6 @@ class RecordStore:
 
 
 def extends(prompt: list[int], earlier: list[ModelCall]) -> bool:
-    """Whether ``prompt`` continues the chain of ``earlier`` calls (the last 16 looked at):
-    it starts with one's prompt + output, or repeats one's prompt (another choice)."""
-    for call in reversed(earlier[-16:]):
-        stream = call.prompt_token_ids + call.output_token_ids
-        if prompt[: len(stream)] == stream or prompt == call.prompt_token_ids:
-            return True
-    return False
+    """Whether ``prompt`` continues the chain of ``earlier`` calls (``types.continues_chain``)."""
+    return continues_chain(prompt, [(c.prompt_token_ids, c.output_token_ids)
+                                    for c in earlier[-CHAIN_WINDOW_CALLS:]])

@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tidal.errors import TidalError
+from tidal.types import CHAIN_WINDOW_CALLS, continues_chain
 
 NO_VERSION = -1
 
@@ -191,15 +192,9 @@ def chain_breaks(record: ExecutionRecord) -> int:
     """Calls whose prompt extends no earlier call's prompt + output and repeats no earlier
     prompt (another choice of a turn): each starts a sequence of its own in
     ``record_to_sequences`` (the proxy counts the same as it records)."""
-    breaks = 0
-    for i, call in enumerate(record.calls):
-        earlier = record.calls[max(0, i - 16):i]
-        if earlier and not any(
-                call.prompt_token_ids[: len(c.prompt_token_ids) + len(c.output_token_ids)]
-                == c.prompt_token_ids + c.output_token_ids
-                or call.prompt_token_ids == c.prompt_token_ids for c in earlier):
-            breaks += 1
-    return breaks
+    calls = [(c.prompt_token_ids, c.output_token_ids) for c in record.calls]
+    return sum(1 for i, (prompt, _) in enumerate(calls)
+               if i and not continues_chain(prompt, calls[max(0, i - CHAIN_WINDOW_CALLS):i]))
 
 
 def single_call_record(
