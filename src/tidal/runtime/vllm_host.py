@@ -33,7 +33,6 @@ from typing import Any
 import httpx
 
 from tidal.errors import TidalError
-from tidal.runtime import shm_segments
 from tidal.runtime.cell import EngineHost, RuntimeFailure, adopt_token
 
 SERVED_NAME = "tidal"
@@ -134,7 +133,6 @@ class VLLMEngineHost(EngineHost):
                          device=settings.get("device", "cpu"))
         self.settings = settings
         self.vllm: subprocess.Popen | None = None
-        self._segments: set[str] = set()  # shared memory its server maps (removed after it)
         self.url: str | None = None
         self.token: str | None = None
         self._sync = None
@@ -212,7 +210,6 @@ class VLLMEngineHost(EngineHost):
             self._launch(args_for(port), env, host, port)
             try:
                 self._wait_healthy(max(deadline - time.monotonic(), 1.0))
-                self._note_segments()  # its KV cache is allocated by now
                 return
             except RuntimeFailure:
                 taken = self._port_taken(offset)
@@ -310,23 +307,10 @@ class VLLMEngineHost(EngineHost):
     def kill_engine(self) -> None:
         """Crash the server (SIGKILL to its process group): fault injection for tests."""
         if self.vllm is not None:
-            self._note_segments()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.vllm.pid, signal.SIGKILL)
             self.vllm.wait(30)
             self.state = "dead"
-            self._drop_segments()
-
-    def _note_segments(self) -> None:
-        """Remember the shared memory the server's group maps (``shm_segments``)."""
-        if self.vllm is not None and self.vllm.poll() is None:
-            self._segments |= shm_segments.mapped_by_group(self.vllm.pid)
-
-    def _drop_segments(self) -> None:
-        """Remove what the ended server's group left in ``/dev/shm``."""
-        if self.vllm is not None and self._segments:
-            shm_segments.remove(self._segments, self.vllm.pid)
-            self._segments = set()
 
     def _end(self, timeout_s: float = 30.0) -> None:
         if self._sync is not None:
@@ -334,7 +318,6 @@ class VLLMEngineHost(EngineHost):
             self._sync = None
         if self.vllm is None:
             return
-        self._note_segments()
         if self.vllm.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.vllm.pid, signal.SIGTERM)
@@ -345,7 +328,6 @@ class VLLMEngineHost(EngineHost):
             os.killpg(self.vllm.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.vllm.wait(5)
-        self._drop_segments()
 
     def stop(self) -> None:
         import shutil
