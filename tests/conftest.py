@@ -35,3 +35,39 @@ def pytest_sessionfinish(session, exitstatus):
               f"(by it, or by an older tidal running beside it): {', '.join(map(str, left))}",
               file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _psm_segments() -> set:
+    from pathlib import Path
+
+    return set(Path("/dev/shm").glob("psm_*"))
+
+
+def _mapped() -> set[str]:
+    from pathlib import Path
+
+    seen: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            seen.update(line.rsplit(" ", 1)[-1] for line in maps.read_text().splitlines()
+                        if "/dev/shm/psm_" in line)
+        except OSError:  # the process ended meanwhile
+            continue
+    return seen
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_leaked_vllm_shared_memory():
+    """vLLM on the CPU keeps its KV cache in anonymous shared memory (``/dev/shm/psm_*``,
+    ~0.25 GB each) that only a clean exit unlinks; the vLLM tests SIGKILL servers on purpose,
+    and what those leave is RAM until reboot (CI's tier piled up 5 GB and Ray's memory monitor
+    then killed the multi-node test's workers). After each module, the segments it created
+    that no process maps any more are removed; nothing older, nothing still in use."""
+    before = _psm_segments()
+    yield
+    new = _psm_segments() - before
+    if new:
+        mapped = _mapped()
+        for path in new:
+            if str(path) not in mapped:
+                path.unlink(missing_ok=True)
