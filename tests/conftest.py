@@ -63,8 +63,11 @@ def _no_leaked_vllm_shared_memory():
     and what those leave is RAM until reboot (CI's tier piled up 5 GB and Ray's memory monitor
     then killed the multi-node test's workers). After each module, the segments it created
     that no process maps any more are removed; nothing older, nothing still in use."""
+    from tidal.runtime.cell import remove_orphan_received_dirs
+
     before = _psm_segments()
     yield
+    remove_orphan_received_dirs()  # what tidal's killed engine hosts left (none of its own)
     new = _psm_segments() - before
     if new:
         mapped = _mapped()

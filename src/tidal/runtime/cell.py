@@ -29,6 +29,7 @@ import glob
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,6 +40,26 @@ import httpx
 from tidal.errors import TidalError
 
 log = logging.getLogger(__name__)
+
+
+RECEIVED_ROOT = Path("/dev/shm")
+
+
+def remove_orphan_received_dirs(root: Path = RECEIVED_ROOT) -> int:
+    """Remove the received-version directories (``tidal-<engine>-<pid>``, full model weights
+    in shared memory, i.e. RAM) whose host process is gone: a host's ``stop`` removes its own,
+    but an actor killed by Ray or by a lost node never runs it (CI's vLLM tier left 6.6 GB of
+    them and Ray's memory monitor then killed a test's workers). Returns how many."""
+    removed = 0
+    for d in root.glob("tidal-*-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if not (d.is_dir() and pid.isdigit()) or Path(f"/proc/{pid}").exists():
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed += 1
+    if removed:
+        log.info("removed %d received-version directories of ended engine hosts", removed)
+    return removed
 
 
 class RuntimeFailure(TidalError):
@@ -152,13 +173,15 @@ class EngineHost:
 
     def received_dir(self) -> Path:
         """This node's shared-memory directory of the versions that came across nodes."""
-        return Path("/dev/shm") / f"tidal-{self.name}-{os.getpid()}"
+        return RECEIVED_ROOT / f"tidal-{self.name}-{os.getpid()}"
 
     def load_weights_blob(self, blob: bytes, version: str) -> str:
         """Load a version that crossed nodes (``blob``: the safetensors file, pulled onto this
         node by Ray's object store): written to this node's shared memory, then loaded in
         place as from a path. The newest two received files are kept (the engine's source)."""
         d = self.received_dir()
+        if not d.exists():  # this host's first: what dead hosts of this node left goes first
+            remove_orphan_received_dirs()
         d.mkdir(exist_ok=True)
         path = d / f"{version}.safetensors"
         tmp = path.with_suffix(".tmp")
@@ -235,8 +258,6 @@ class EngineHost:
             self.state = "dead"
 
     def stop(self) -> None:
-        import shutil
-
         self.stop_satellite()
         if self.proc is not None:
             self.proc.stop()
