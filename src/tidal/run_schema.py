@@ -154,6 +154,7 @@ class Summary(_Line):
     t0_utc: str | None = None  # the first dispatch as UTC: every file's time zero
     nodes: int | None = None  # Ray nodes alive when the engines started
     nodes_lost: int | None = None  # of those, nodes gone by the end of the run
+    engines_undescribed: list[str] | None = None  # engines whose end-of-run describe failed
     backend_by_engine: dict[str, str] | None = None  # engine id -> builtin | vllm | sglang
     reprefill_tokens: int | None = None  # prompt tokens computed again after moves
     # model calls whose prompt extended no earlier call of their execution (re-tokenization

@@ -62,11 +62,15 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
 
-    def export_tensors(self) -> dict[str, torch.Tensor]:
-        """The ``length`` valid positions per layer, as CPU tensors of the cache's dtype."""
+    def export_tensors(self, length: int | None = None) -> dict[str, torch.Tensor]:
+        """The first ``length`` (default: all ``length``) valid positions per layer, as CPU
+        tensors of the cache's dtype."""
+        n = self.length if length is None else length
+        if not 0 <= n <= self.length:
+            raise ValueError(f"export of {n} positions from a cache holding {self.length}")
         out: dict[str, torch.Tensor] = {}
         for layer in range(self.n_layers):
-            k, v = self.buffers(layer, self.length)
+            k, v = self.buffers(layer, n)
             out[f"k.{layer}"] = k.contiguous().cpu()
             out[f"v.{layer}"] = v.contiguous().cpu()
         return out

@@ -311,12 +311,18 @@ class Runtime:
         engines = await asyncio.gather(*[remote(a.describe.remote(), f"{eid} describe", 30.0)
                                          for eid, a in self.engines.actors.items()],
                                        return_exceptions=True)
+        undescribed = {eid: e for eid, e in zip(self.engines.actors, engines, strict=True)
+                       if not isinstance(e, dict)}
+        for eid, exc in undescribed.items():  # the summary lacks them: say so, never silently
+            log.warning("engine %s did not describe itself at the end (%s: %s); the summary "
+                        "lists it under engines_undescribed", eid, type(exc).__name__, exc)
         st = self.ck.state if self.ck else None
         lost = sorted(self.nodes_at_start - _alive_nodes(self.ray))
         if lost:
             log.warning("%d Ray nodes lost during the run: %s", len(lost), ", ".join(lost))
         return {"t0_utc": w.outputs.t0_utc(), "nodes": len(self.nodes_at_start),
-                "nodes_lost": len(lost), **summary(
+                "nodes_lost": len(lost), "engines_undescribed": sorted(undescribed),
+                **summary(
             ctl=w.ctl, bursts=self.cfg.control.bursts or 0, metrics=w.outputs.metrics,
             version=w.publisher.weights.version, bursts_s=bursts_s,
             group_size=self.cfg.control.group_size, results=results, stats=stats,

@@ -179,7 +179,9 @@ class KVStore:
             raise NotFound(f"no pinned KV cache for request {request_id!r}")
         tokens, cache, _ = self._entries[request_id]
         meta = {"tokens": json.dumps(tokens), "fingerprint": self.fingerprint()}
-        return st_save(cache.export_tensors(), metadata=meta)
+        # the positions the pinned tokens cover: a step that ran while the request was
+        # aborted may have appended one more to the same cache after the pin
+        return st_save(cache.export_tensors(len(tokens)), metadata=meta)
 
     def import_(self, blob: bytes) -> tuple[str, int]:
         """Hold an exported cache under a new handle; a body that is not one of this model's

@@ -85,6 +85,34 @@ def test_abort_returns_partial_tokens_and_pins_kv_for_handoff(tiny_dir):
     assert b.stats()["prefill_tokens"] == 1
 
 
+def test_a_step_that_appends_after_the_pin_does_not_spoil_the_export(tiny_dir):
+    """An abort with keep_kv that lands while a step runs pins the tokens so far; the step
+    then writes one more position into the same cache. The export covers the pinned tokens
+    only, so the next engine takes it (it refused a blob of 195 positions for 194 tokens)."""
+    async def main():
+        a, b = _engine(tiny_dir), _engine(tiny_dir)
+        await a.start()
+        await b.start()
+        prompt = [7, 8, 9, 10]
+        task = asyncio.create_task(_collect(a, "x", prompt, max_tokens=400, temperature=0,
+                                            ignore_eos=True))
+        while len(a._requests.get("x").tokens if "x" in a._requests else []) < 5:
+            await asyncio.sleep(0.005)
+        assert a.abort(["x"], keep_kv=True) == 1
+        _chunks, partial = await task
+        tokens, cache, _ = a.kv._entries["x"]
+        pinned = len(tokens)
+        cache.reserve(cache.length + 1)  # what the step in flight did after the pin
+        cache.length += 1
+        handle, covered = await b.import_kv(await a.export_kv("x"))
+        await a.stop()
+        await b.stop()
+        return pinned, covered, partial
+
+    pinned, covered, partial = run(main())
+    assert covered == pinned == len(partial) + 3
+
+
 def test_pause_modes_and_resume(tiny_dir):
     async def main():
         eng = _engine(tiny_dir)
