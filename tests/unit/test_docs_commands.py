@@ -1,9 +1,9 @@
 """Every ``tidal ...`` command line in the docs works when pasted.
 
-In: the fenced code blocks of README.md and docs/*.md. A command line starts with ``tidal``,
-``.venv/bin/tidal`` or ``$ tidal`` (after optional ``VAR=value`` assignments); a trailing ``\\``
-continues it on the next line, and it ends at a shell operator (``|``, ``&&``, ``&``, ``;``) or a
-comment. Each one is
+In: the fenced code blocks of README.md, docs/*.md and benchmarks/README.md (the Benchmarks
+page). A command line starts with ``tidal``, ``.venv/bin/tidal`` or ``$ tidal`` (after optional
+``VAR=value`` assignments); a trailing ``\\`` continues it on the next line, and it ends at a
+shell operator (``|``, ``&&``, ``&``, ``;``) or a comment. Each one is
 - parsed by the CLI's own click parser: an unknown subcommand or option, or a bad value, fails;
 - checked for its inputs: every file it names exists (except under ``runs/``: the output of an
   earlier documented command) and every config validates with tidal's loaders (``tidal run``:
@@ -30,7 +30,12 @@ import pytest
 from tidal.cli import cli, main
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# benchmarks/README.md is the docs' Benchmarks page (docs/benchmarks.md includes it)
+DOC_FILES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "benchmarks" / "README.md",
+]
 PRODUCED = "runs/"  # what an earlier command in the docs writes: not there before it runs
 _ASSIGN = r"[A-Za-z_][A-Za-z0-9_]*=\S*"
 _TIDAL = re.compile(rf"^(?:\$ )?(?:{_ASSIGN} )*(?:\S*/)?tidal(?: |$)")
