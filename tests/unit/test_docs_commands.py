@@ -200,11 +200,7 @@ def _named_files(argv: list[str]) -> list[str]:
 
 # CLI bugs these commands show (the doc is right); strict: the test fails once one is fixed, so
 # the entry goes with the fix.
-_OUT_PARENT_BUG = (
-    "`tidal calibrate --verl-log ... --out runs/X.yaml` on a fresh clone (no runs/) ends in a "
-    "FileNotFoundError traceback: --out's parent directory is not created"
-)
-KNOWN_CLI_BUGS = {"calibrate --verl-log": _OUT_PARENT_BUG}
+KNOWN_CLI_BUGS: dict[str, str] = {}
 
 
 def _case(line: DocLine) -> object:
