@@ -33,8 +33,9 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
 
     from rich.console import Console
 
-    from tidal.config import PolicyConfig, RunConfig, load_yaml, validate_model
+    from tidal.config import RunConfig, load_yaml, validate_model
     from tidal.control.factory import check_policy
+    from tidal.control.policy import parse_policy_spec
     from tidal.errors import ConfigError
     from tidal.logcount import counting_warnings
 
@@ -50,8 +51,9 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
         raise ConfigError("config", "give a run config (e.g. configs/tiny.yaml) or --resume DIR")
     cfg = load_yaml(config)
     data = cfg.model_dump(mode="json")
-    if policy is not None:
-        data["policy"] = PolicyConfig.from_spec(policy).model_dump(mode="json")
+    if policy is not None:  # checked with the config, after --set (e.g. policy.module)
+        name, args = parse_policy_spec(policy)
+        data["policy"] = {"name": name, "args": args, "module": data["policy"].get("module")}
     if address is not None:
         data["runtime"]["ray_address"] = address
     if bursts is not None:
