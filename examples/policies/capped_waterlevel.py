@@ -21,7 +21,6 @@ class CappedWaterlevel:
     name = "capped-waterlevel"
     mechanics = QWENGYRE  # what the simulator gives it: burst dispatch, streaming trainer...
     waterlevel_safe = True  # the controller refuses any move that would strand executions
-    requires_rollout_at_start = True
 
     def __init__(self, max_cells: int = 2) -> None:
         if not isinstance(max_cells, int) or max_cells < 1:

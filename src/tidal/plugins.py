@@ -48,8 +48,7 @@ def resolved(where: str) -> str:
     return str(Path(where).resolve()) if where.endswith(".py") else where
 
 
-def load_policies(modules: list[str] | tuple[str, ...] = (), field: str = "policy.module"
-                  ) -> None:
+def load_policies(modules: list[str] | tuple[str, ...] = (), field: str = "policy.module") -> None:
     """The ``tidal.policies`` entry points (once), then each of ``modules``."""
     load_entry_points(POLICY_GROUP)
     for i, where in enumerate(modules):

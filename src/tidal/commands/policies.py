@@ -8,10 +8,17 @@ from __future__ import annotations
 import click
 
 
-@click.command(help="List every registered scheduling policy, one line each: name, declared "
-                    "mechanics, summary.")
-@click.option("--module", "modules", multiple=True, metavar="FILE.py|MODULE",
-              help="Load the user's module that registers policies first (repeatable).")
+@click.command(
+    help="List every registered scheduling policy, one line each: name, declared "
+    "mechanics, summary."
+)
+@click.option(
+    "--module",
+    "modules",
+    multiple=True,
+    metavar="FILE.py|MODULE",
+    help="Load the user's module that registers policies first (repeatable).",
+)
 def command(modules: tuple[str, ...]) -> None:
     from tidal.control.policy import registered, registered_mechanics
     from tidal.plugins import load_policies, resolved

@@ -189,7 +189,7 @@ def _checked_mechanics(name: str, factory: Any, declared: Any) -> Mechanics:
 
 
 def _where(factory: Any) -> str:
-    return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', factory)}"
+    return str(getattr(factory, "__qualname__", factory))
 
 
 def unregister_policy(name: str) -> None:
