@@ -96,3 +96,23 @@ def isolated_policies():
     plugins._loaded_groups.intersection_update(groups)
     plugins._BROKEN.clear()
     plugins._BROKEN.update(broken)
+
+
+@pytest.fixture
+def custom_policy_doc():
+    """``docs/custom-policy.md``: its text, and each ``tidal`` command of its bash blocks as
+    an argv (continuation lines joined, ``.venv/bin/tidal`` dropped), to run from the
+    repository root."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "custom-policy.md"
+    text = doc.read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            argv = shlex.split(line)
+            if argv and argv[0].endswith("tidal"):
+                commands.append(argv[1:])
+    return text, commands
