@@ -80,20 +80,22 @@ def _no_leaked_vllm_shared_memory():
 def isolated_policies():
     """The policies a test's user modules or entry points register are gone after it (other
     tests run every registered policy): new registrations are removed, and so are the modules
-    loaded by path (``tidal_user_*``) or named ``tidal_plugin_*``, and the entry point groups
-    loaded meanwhile are read again on next use."""
+    loaded by path (``tidal_user_*``) or named ``tidal_plugin_*``. Entry points are read
+    afresh during the test (its own installed ones) and as before after it."""
     from tidal import plugins
     from tidal.control.policy import registered, unregister_policy
 
     names, modules = set(registered()), set(sys.modules)
     groups, broken = set(plugins._loaded_groups), dict(plugins._BROKEN)
+    plugins._loaded_groups.clear()  # the test's entry points are read
     yield
     for name in set(registered()) - names:
         unregister_policy(name)
     for mod in set(sys.modules) - modules:
         if mod.startswith(("tidal_user_", "tidal_plugin_")):
             del sys.modules[mod]
-    plugins._loaded_groups.intersection_update(groups)
+    plugins._loaded_groups.clear()
+    plugins._loaded_groups.update(groups)
     plugins._BROKEN.clear()
     plugins._BROKEN.update(broken)
 

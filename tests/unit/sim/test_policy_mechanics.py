@@ -112,7 +112,7 @@ def test_an_undeclared_policy_is_refused_in_one_line(isolated_policies, argv, ca
     assert "undeclared" not in registered()
 
 
-def test_an_unknown_policy_is_refused_not_simulated_as_verl():
+def test_an_unknown_policy_is_refused_not_simulated_as_verl(isolated_policies):
     sc = scenarios.load(str(SCENARIO))
     with pytest.raises(ConfigError, match="unknown policy 'my-own'"):
         sc.run_config("my-own")
@@ -154,9 +154,17 @@ def _policy_name_tables(path: Path, names: set[str]) -> list[str]:
     return found
 
 
-def test_sim_keeps_no_table_keyed_by_policy_name():
+def test_sim_keeps_no_table_keyed_by_policy_name(isolated_policies):
     names = set(registered())
     sim = ROOT / "src" / "tidal" / "sim"
     bad = {p.name: f for p in sorted(sim.rglob("*.py")) if (f := _policy_name_tables(p, names))}
     assert bad == {}
     assert not hasattr(scenarios, "family_of") and not hasattr(scenarios, "FAMILY_PROFILES")
+
+
+def test_simulates_mechanics_choices_are_the_systems_sets():
+    from tidal.commands.simulate import command
+    from tidal.control.mechanics import MECHANICS_SETS
+
+    choice = next(p for p in command.params if p.name == "mechanics").type
+    assert set(choice.choices) == {"own", *MECHANICS_SETS}
