@@ -20,7 +20,7 @@ from tidal.errors import ConfigError
 class CappedWaterlevel:
     name = "capped-waterlevel"
     mechanics = QWENGYRE  # what the simulator gives it: burst dispatch, streaming trainer...
-    waterlevel_safe = True  # the controller refuses any move that would strand executions
+    waterlevel_safe = True  # the controller checks each move to training against the waterlevel
 
     def __init__(self, max_cells: int = 2) -> None:
         if not isinstance(max_cells, int) or max_cells < 1:
