@@ -49,10 +49,19 @@ def resolved(where: str) -> str:
 
 
 def load_policies(modules: list[str] | tuple[str, ...] = (), field: str = "policy.module") -> None:
-    """The ``tidal.policies`` entry points (once), then each of ``modules``."""
+    """The ``tidal.policies`` entry points (once), then each of ``modules``. A module refused
+    part-way leaves none of its policies registered (fixed, it loads again)."""
+    from tidal.control.policy import registered, unregister_policy
+
     load_entry_points(POLICY_GROUP)
     for i, where in enumerate(modules):
-        load_module(where, field if len(modules) == 1 else f"{field}.{i}")
+        before = set(registered())
+        try:
+            load_module(where, field if len(modules) == 1 else f"{field}.{i}")
+        except ConfigError:
+            for name in set(registered()) - before:
+                unregister_policy(name)
+            raise
 
 
 def load_entry_points(group: str) -> None:
