@@ -7,9 +7,12 @@ state.jsonl, timeline.json, checkpoint/, summary.json) and a live panel or one l
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from tidal.config import RunConfig
 
 
 @click.command("run", help="Run an elastic RL job on Ray (embedded local Ray by default).")
@@ -120,7 +123,7 @@ def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter:
 
 
 def build_config(config: str, policy: str | None = None, address: str | None = None,
-                 bursts: int | None = None, sets: tuple[str, ...] = ()) -> Any:
+                 bursts: int | None = None, sets: tuple[str, ...] = ()) -> RunConfig:
     """The ``RunConfig`` a ``tidal run`` command line asks for: the file, then ``--policy``,
     ``--address``, ``--bursts`` and each ``--set``, validated together (so ``--set
     policy.module=...`` loads the module that registers the ``--policy`` named) and the policy

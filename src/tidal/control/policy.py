@@ -176,7 +176,7 @@ def register_policy(name: str, summary: str, mechanics: Mechanics | None = None
     return deco
 
 
-def _checked_mechanics(name: str, factory: Any, declared: Any) -> Mechanics:
+def _checked_mechanics(name: str, factory: object, declared: object) -> Mechanics:
     if declared is None:
         raise ConfigError("mechanics", f"policy {name!r} ({_where(factory)}) declares no "
                           "mechanics: set `mechanics = ...` on its class (a "
@@ -188,7 +188,7 @@ def _checked_mechanics(name: str, factory: Any, declared: Any) -> Mechanics:
     return declared
 
 
-def _where(factory: Any) -> str:
+def _where(factory: object) -> str:
     return str(getattr(factory, "__qualname__", factory))
 
 
