@@ -134,6 +134,8 @@ class Summary(_Line):
     every figure is optional to a reader, and checked when present)."""
 
     policy: str | None = None
+    # the mechanics the policy declares (tidal.control.mechanics.Mechanics as JSON)
+    policy_mechanics: dict[str, Any] | None = None
     bursts: int | None = None
     trainer_steps: int | None = None
     run_time_s: float | None = None
