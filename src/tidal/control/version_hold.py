@@ -61,6 +61,8 @@ class VersionHold:
         return waiting
 
     def report(self) -> dict[str, float | int]:
-        return {"deterministic_hold_s": round(self.held_s, 3),
-                "deterministic_boundaries": self.boundaries,
-                "deterministic_held_boundaries": self.held_boundaries}
+        return {
+            "deterministic_hold_s": round(self.held_s, 3),
+            "deterministic_boundaries": self.boundaries,
+            "deterministic_held_boundaries": self.held_boundaries,
+        }

@@ -48,29 +48,46 @@ def check(cfg: RunConfig) -> None:
         return
     why = "runtime.deterministic needs the built-in engine, which computes each request alone"
     if rt.standalone_backend != "builtin":
-        raise ConfigError("runtime.standalone_backend", f"{why} (vLLM batches requests "
-                          "together, so a request's logits depend on its batch-mates)")
+        raise ConfigError(
+            "runtime.standalone_backend",
+            f"{why} (vLLM batches requests "
+            "together, so a request's logits depend on its batch-mates)",
+        )
     if rt.cell_backend != "builtin":
-        raise ConfigError("runtime.cell_backend", f"{why} ('{rt.cell_backend}' batches "
-                          "requests together)")
+        raise ConfigError(
+            "runtime.cell_backend", f"{why} ('{rt.cell_backend}' batches requests together)"
+        )
     for i, spec in enumerate(cfg.cluster.cell_specs()):
         if spec.backend not in (None, "builtin"):
-            raise ConfigError(f"cluster.cells.{i}.backend", f"{why} ('{spec.backend}' "
-                              "batches requests together)")
+            raise ConfigError(
+                f"cluster.cells.{i}.backend", f"{why} ('{spec.backend}' batches requests together)"
+            )
     if rt.use_gpus:
-        raise ConfigError("runtime.use_gpus", "runtime.deterministic is verified on CPU "
-                          "engines and trainers only (CUDA kernels choose their reduction "
-                          "order per launch)")
+        raise ConfigError(
+            "runtime.use_gpus",
+            "runtime.deterministic is verified on CPU "
+            "engines and trainers only (CUDA kernels choose their reduction "
+            "order per launch)",
+        )
     if rt.fsdp_ranks > 1:
-        raise ConfigError("runtime.fsdp_ranks", "runtime.deterministic trains on one rank "
-                          "(ranks claim micro-steps in arrival order)")
+        raise ConfigError(
+            "runtime.fsdp_ranks",
+            "runtime.deterministic trains on one rank (ranks claim micro-steps in arrival order)",
+        )
 
 
 class Boundaries:
     """The dispatcher's gate at each weight-version boundary of a deterministic run."""
 
-    def __init__(self, clock: Clock, admin: httpx.AsyncClient, engines: Any, buffer: Any,
-                 timeout_s: float, poll_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        admin: httpx.AsyncClient,
+        engines: Any,
+        buffer: Any,
+        timeout_s: float,
+        poll_s: float = 0.05,
+    ) -> None:
         self.clock, self.admin, self.engines, self.buffer = clock, admin, engines, buffer
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.hold = VersionHold()
@@ -84,16 +101,24 @@ class Boundaries:
             waiting = self.hold.look(self.clock.now(), label, await self._engines())
             if not waiting:
                 if said:
-                    log.info("deterministic hold released: burst %d, every engine serves %s",
-                             burst, label)
+                    log.info(
+                        "deterministic hold released: burst %d, every engine serves %s",
+                        burst,
+                        label,
+                    )
                 return
             if self.clock.now() >= deadline:
                 raise TimeoutExpired(
                     f"deterministic hold at burst {burst}: engines {', '.join(waiting)} do not "
-                    f"serve {label} after {self.timeout_s:g} s (runtime.start_timeout_s)")
+                    f"serve {label} after {self.timeout_s:g} s (runtime.start_timeout_s)"
+                )
             if not said:
-                log.info("deterministic hold: burst %d waits for %s to serve %s", burst,
-                         ", ".join(waiting), label)
+                log.info(
+                    "deterministic hold: burst %d waits for %s to serve %s",
+                    burst,
+                    ", ".join(waiting),
+                    label,
+                )
                 said = True
             await self.clock.asleep(self.poll_s)
 
@@ -103,9 +128,15 @@ class Boundaries:
         resp.raise_for_status()
         routed = {e["id"]: e["admitting"] and e["alive"] for e in resp.json()["engines"]}
         ids = list(self.engines.actors)
-        described = await asyncio.gather(*[
-            remote(a.describe.remote(), f"{eid} describe", 30.0)
-            for eid, a in self.engines.actors.items()], return_exceptions=True)
-        versions = {str(eid): d.get("version") if isinstance(d, dict) else None
-                    for eid, d in zip(ids, described, strict=True)}
+        described = await asyncio.gather(
+            *[
+                remote(a.describe.remote(), f"{eid} describe", 30.0)
+                for eid, a in self.engines.actors.items()
+            ],
+            return_exceptions=True,
+        )
+        versions = {
+            str(eid): d.get("version") if isinstance(d, dict) else None
+            for eid, d in zip(ids, described, strict=True)
+        }
         return [EngineVersion(eid, ok, versions.get(eid)) for eid, ok in routed.items()]

@@ -28,14 +28,22 @@ def digits(answer: str) -> float:
 
 
 def _config(tmp: Path) -> Path:
-    rows = [{"prompt": f"What is {a} + {b}? Answer with the number.", "answer": str(a + b)}
-            for a, b in ((2, 3), (14, 9), (7, 31), (40, 2), (5, 55), (12, 12))]
+    rows = [
+        {"prompt": f"What is {a} + {b}? Answer with the number.", "answer": str(a + b)}
+        for a, b in ((2, 3), (14, 9), (7, 31), (40, 2), (5, 55), (12, 12))
+    ]
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp / "digits.py").write_text(REWARD)
     cfg = yaml.safe_load(CONFIG.read_text())
-    cfg["task"] = {"source": {"kind": "jsonl", "path": str(tmp / "rows.jsonl"),
-                              "prompt": "prompt", "answer": "answer"},
-                   "reward": {"function": f"{tmp / 'digits.py'}:digits"}}
+    cfg["task"] = {
+        "source": {
+            "kind": "jsonl",
+            "path": str(tmp / "rows.jsonl"),
+            "prompt": "prompt",
+            "answer": "answer",
+        },
+        "reward": {"function": f"{tmp / 'digits.py'}:digits"},
+    }
     path = tmp / "tiny-digits.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -44,24 +52,44 @@ def _config(tmp: Path) -> Path:
 def _executions(out: Path) -> dict[str, dict]:
     lines = [json.loads(x) for x in (out / "executions.jsonl").read_text().splitlines()]
     keep = ("prompt_token_ids", "token_ids", "logprobs", "versions")
-    return {x["execution"]: {"reason": x["reason"], "reward": x["reward"],
-                             "transcript": x["transcript"],
-                             "calls": [{k: c[k] for k in keep} for c in x["calls"]]}
-            for x in lines}
+    return {
+        x["execution"]: {
+            "reason": x["reason"],
+            "reward": x["reward"],
+            "transcript": x["transcript"],
+            "calls": [{k: c[k] for k in keep} for c in x["calls"]],
+        }
+        for x in lines
+    }
 
 
 def _steps(out: Path) -> list[dict]:
     keep = ("step", "version", "groups", "mean_reward", "loss", "grad_norm", "n_tokens")
-    return [{k: m[k] for k in keep}
-            for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    return [
+        {k: m[k] for k in keep}
+        for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    ]
 
 
 def test_two_deterministic_runs_are_identical(tmp_path):
     cfg = _config(tmp_path)
     outs = [tmp_path / "a", tmp_path / "b"]
     for out in outs:
-        assert main(["run", str(cfg), "--out", str(out), "--set", "runtime.deterministic=true",
-                     "--set", "runtime.keep_weights=1"]) == 0
+        assert (
+            main(
+                [
+                    "run",
+                    str(cfg),
+                    "--out",
+                    str(out),
+                    "--set",
+                    "runtime.deterministic=true",
+                    "--set",
+                    "runtime.keep_weights=1",
+                ]
+            )
+            == 0
+        )
     a, b = (json.loads((o / "summary.json").read_text()) for o in outs)
     for s in (a, b):
         assert s["deterministic"] is True and s["deterministic_boundaries"] == 2
@@ -79,11 +107,11 @@ def test_two_deterministic_runs_are_identical(tmp_path):
     assert len(sa) == 4 and sa == sb
     assert all(s["grad_norm"] > 0 for s in sa)
     # groups train in dispatch order, whatever order they closed in
-    assert [g for s in sa for g in s["groups"]] == [f"b{b}-g{g}" for b in (0, 1)
-                                                    for g in range(6)]
+    assert [g for s in sa for g in s["groups"]] == [f"b{b}-g{g}" for b in (0, 1) for g in range(6)]
     wa, wb = (load_file(str(o / "weights" / "v4.safetensors")) for o in outs)
     assert wa.keys() == wb.keys()
-    assert all(torch.equal(wa[k], wb[k]) for k in wa), [k for k in wa
-                                                        if not torch.equal(wa[k], wb[k])]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), [
+        k for k in wa if not torch.equal(wa[k], wb[k])
+    ]
     first = load_file(str(next((outs[0] / "model").glob("*.safetensors"))))
     assert any(not torch.equal(wa[k], first[k]) for k in wa if k in first)  # it trained

@@ -23,8 +23,11 @@ def test_hold_time_runs_from_first_look_to_release():
     assert hold.look(5.0, "v2", [ev("s0", "v2"), ev("c1", "v0")]) == ["c1"]
     assert hold.look(5.5, "v2", [ev("s0", "v2"), ev("c1", "v0")]) == ["c1"]
     assert hold.look(6.25, "v2", [ev("s0", "v2"), ev("c1", "v2")]) == []
-    assert hold.report() == {"deterministic_hold_s": 1.25, "deterministic_boundaries": 2,
-                             "deterministic_held_boundaries": 1}
+    assert hold.report() == {
+        "deterministic_hold_s": 1.25,
+        "deterministic_boundaries": 2,
+        "deterministic_held_boundaries": 1,
+    }
     # the next boundary starts its own clock
     assert hold.look(9.0, "v4", [ev("s0", "v4")]) == []
     assert hold.report()["deterministic_hold_s"] == 1.25

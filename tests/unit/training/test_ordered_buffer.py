@@ -11,13 +11,13 @@ from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferC
 
 def rec(eid: str, reward: float):
     gid = eid.rsplit("-e", 1)[0]
-    return single_call_record(eid, gid, [1, 2, 3], [7, int(reward * 10) + 1], [-1.0, -2.0], 0,
-                              reward)
+    return single_call_record(
+        eid, gid, [1, 2, 3], [7, int(reward * 10) + 1], [-1.0, -2.0], 0, reward
+    )
 
 
 def buffer(ordered: bool = True) -> TrajectoryBuffer:
-    return TrajectoryBuffer(TrajectoryBufferConfig(group_size=3, ordered=ordered),
-                            ManualClock())
+    return TrajectoryBuffer(TrajectoryBufferConfig(group_size=3, ordered=ordered), ManualClock())
 
 
 def fill(buf: TrajectoryBuffer, order: list[str]) -> None:
@@ -37,8 +37,11 @@ def test_records_and_advantages_do_not_depend_on_close_order():
         buf.expect(["b0-g0"])
         fill(buf, [f"b0-g0-{e}" for e in order])
     (ga,), (gb,) = a.take(1, 0), b.take(1, 0)
-    assert [r.execution_id for r in ga.records] == [r.execution_id for r in gb.records] == [
-        "b0-g0-e0", "b0-g0-e1", "b0-g0-e2"]
+    assert (
+        [r.execution_id for r in ga.records]
+        == [r.execution_id for r in gb.records]
+        == ["b0-g0-e0", "b0-g0-e1", "b0-g0-e2"]
+    )
     assert ga.advantages == gb.advantages  # the same floats, bit for bit
 
 
