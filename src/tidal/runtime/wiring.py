@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 def check_config(cfg: RunConfig) -> Workload | None:
     """What ``tidal run`` refuses before it starts anything (one line naming the field). Out:
     the ``task:`` section's workload, built (its rows loaded, its code imported) once."""
+    deterministic.check(cfg)  # what runtime.deterministic cannot make token-identical
     c = cfg.control
     if c.bursts is None:
         raise ConfigError("control.bursts", "tidal run needs a number of bursts")
@@ -58,7 +59,6 @@ def check_config(cfg: RunConfig) -> Workload | None:
         vllm_host.check(cfg)
     vllm_cell.check(cfg)
     sglang_cell.check(cfg)  # 'sglang' cells: GPUs and SGLang's python
-    deterministic.check(cfg)  # what runtime.deterministic cannot make token-identical
     from tidal.agents.workload import check_workload
 
     workload = check_workload(cfg)  # the task: section's rows, agent and reward
