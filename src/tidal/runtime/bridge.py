@@ -34,6 +34,8 @@ from tidal.types import (
 )
 
 log = logging.getLogger(__name__)
+
+
 def _tokens(call: dict[str, Any]) -> dict[str, Any]:
     """A recorded call's prompt and output token ids, log-probs and per-token weight
     versions (``executions.jsonl`` of a deterministic run)."""

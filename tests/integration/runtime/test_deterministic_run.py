@@ -102,6 +102,10 @@ def test_two_deterministic_runs_are_identical(tmp_path):
         assert ea[eid] == eb[eid], eid
     calls = [c for e in ea.values() for c in e["calls"]]
     assert all(len(c["token_ids"]) == len(c["logprobs"]) > 0 for c in calls)
+    # the hold: every token of burst b came from the version published before it (v0, v2)
+    for eid, e in ea.items():
+        burst = int(eid.split("-")[0][1:])
+        assert {v for c in e["calls"] for v in c["versions"]} == {f"v{2 * burst}"}, eid
     assert len({e["reward"] for e in ea.values()}) > 1  # a signal to train on
     sa, sb = _steps(outs[0]), _steps(outs[1])
     assert len(sa) == 4 and sa == sb
