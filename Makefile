@@ -3,12 +3,12 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # Extras the test suite needs. torch==2.13.0 is the CPU wheel that lies on disk.
-EXTRAS ?= sim,torch,serve,ray,hf,agents,swe,verifiers,dev
+EXTRAS ?= sim,torch,serve,ray,hf,agents,swe,verifiers,docs,dev
 comma  := ,
 STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 OUT    ?= runs/quickstart
 
-.PHONY: venv demo compare sim-vs-real sim-demo test test-unit test-vllm test-vllm-run vllm-venv lint fmt clean \
+.PHONY: venv demo compare sim-vs-real sim-demo docs test test-unit test-vllm test-vllm-run vllm-venv lint fmt clean \
 	gpu-kit gpu-check
 
 $(VENV)/bin/python:
@@ -55,10 +55,18 @@ sim-vs-real: $(STAMP)
 sim-demo: $(STAMP)
 	$(BIN)/tidal demo --out runs/sim-demo
 
+# The documentation site (mkdocs.yml, docs/*.md) into build/site (ignored); --strict: every link
+# and anchor resolves and every page is in the nav. `.venv/bin/mkdocs serve` serves it while editing.
+SITE_DIR ?= build/site
+MKDOCS   := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
+docs: $(STAMP)
+	$(MKDOCS) build --strict --quiet --site-dir $(SITE_DIR)
+
 # -rfE: each failure and error by name at the end; --durations=15: the 15 slowest tests
 PYTEST_REPORT ?= -rfE --durations=15
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(MKDOCS) build --strict --quiet --site-dir $(SITE_DIR)
 	$(BIN)/python -m pytest $(PYTEST_REPORT) tests
 	# tests/gpu skip without CUDA; dry-run them with the CPU as the device so they stay runnable
 	# (test_check_kit.py: the GPU check, benchmarks/gpu/check.py, with tiny sizes on the CPU)
@@ -123,4 +131,4 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix src tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs $(SITE_DIR) .pytest_cache .ruff_cache

@@ -274,7 +274,7 @@ class RuntimeConfig(Strict):
         if v not in ("arithmetic", "workspace"):
             raise ValueError(f"{v!r} is not a built-in task (arithmetic, workspace); your own "
                              "tasks, reward and agent go in the config's task: section "
-                             "(README: Train your own agent)")
+                             "(docs/agents.md: Train your own agent)")
         return v
 
     @model_validator(mode="after")

@@ -74,6 +74,30 @@ class RunData:
         se = statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) >= 2 else None
         return mean, se, len(vals)
 
+    def reward_change(self) -> dict[str, Any] | None:
+        """The learning figure: mean reward of the GRPO groups trained in the last quarter of
+        the optimizer steps minus that of the first quarter's, each with its standard error
+        over groups (the independent units), the difference's standard error
+        (``sqrt(se_first² + se_last²)``) and the difference in those errors (``z``). None
+        without per-step group lists (``metrics.jsonl``), group rewards, or two groups in each
+        quarter."""
+        steps = [m.get("groups") for m in self.metrics or []]
+        if not steps or any(not isinstance(g, list) for g in steps) or not self.group_rewards:
+            return None
+        q = max(1, len(steps) // 4)
+        parts = []
+        for chunk in (steps[:q], steps[-q:]):
+            vals = [self.group_rewards[g] for gs in chunk for g in gs if g in self.group_rewards]
+            if len(vals) < 2:
+                return None
+            parts.append((statistics.fmean(vals),
+                          statistics.stdev(vals) / len(vals) ** 0.5, len(vals)))
+        (m1, se1, n1), (m2, se2, n2) = parts
+        se = (se1 ** 2 + se2 ** 2) ** 0.5
+        return {"steps_each": q, "first": m1, "first_se": se1, "first_groups": n1,
+                "last": m2, "last_se": se2, "last_groups": n2, "change": m2 - m1,
+                "change_se": se, "z": (m2 - m1) / se if se > 0 else None}
+
     def n_steps(self) -> int:
         steps = self.summary.get("trainer_steps")
         return int(steps) if isinstance(steps, int) else len(self.rewards()[1])

@@ -60,6 +60,10 @@ def command(run_dir: str | None, published: str | None, fit_params: str, write: 
             out: str | None, check: bool, against: str | None, tolerance: float,
             per_burst: bool, seeds: int, fitted_workload: bool, verl_log: str | None,
             group_size: int | None, gpus: int | None, cell_gpus: int, compare: bool) -> None:
+    if out is not None:  # a fresh clone has no runs/: the written scenario makes its folder
+        from pathlib import Path
+
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
     if verl_log is not None:
         _fit_verl(verl_log, group_size, gpus, cell_gpus, out, compare)
         return

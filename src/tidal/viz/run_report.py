@@ -112,6 +112,15 @@ def render_report(run: RunData, shown: list[tuple[str, str]],
     q = max(1, len(run.rewards()[1]) // 4)
     rows.append(("mean reward", f"first quarter {_num(first, 3)}, last quarter {_num(last, 3)} "
                                 f"({q} step{'s' if q != 1 else ''} each)"))
+    change = run.reward_change()
+    if change is not None:
+        z = change["z"]
+        rows.append(("learning (last quarter's groups - first's)",
+                     f"{change['change']:+.3f} ± {change['change_se']:.3f} "
+                     f"({'–' if z is None else f'{z:.1f}'} standard errors; first "
+                     f"{change['first']:.3f} ± {change['first_se']:.3f} over "
+                     f"{change['first_groups']} groups, last {change['last']:.3f} ± "
+                     f"{change['last_se']:.3f} over {change['last_groups']})"))
     mean_g, se, n_groups = run.reward_noise()
     rows.append(("mean reward over GRPO groups",
                  f"{mean_g:.3f} ± {se:.3f} (standard error over {n_groups} groups: the noise "

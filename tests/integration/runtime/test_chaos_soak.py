@@ -198,7 +198,7 @@ def test_chaos_soak_loses_nothing(tmp_path, capsys):
     assert all(n > 0 for n in inflight), counts  # every kill hit live requests
     # a cell leaves and returns about once per step; under load fewer steps find a move worth
     # making (39-53 drains measured on 2 idle cores): the floor is what every run must reach
-    assert drains >= 25, counts  # README: "through 25+ drains"
+    assert drains >= 25, counts  # docs/runtime.md: "through 25+ drains"
     assert summary["failed_requests"] == 0 and summary["timed_out_executions"] == 0, counts
     assert summary["lost_executions"] == 0 and summary["record_errors"] == [], counts
     assert [m["step"] for m in metrics] == list(range(BURSTS * UPDATES))

@@ -23,7 +23,7 @@ CALLS, BUDGET, CAP = 40, 96, 20
 # survivor, which takes them a cap's worth at a time (measured 6.5-9.4 s in all on 2 cores
 # under a load average of 15-30)
 BOUND_S = 15.0
-DETECT_S = 5.0  # README: "3 s of silence" (+ one sweep; 1 s of slack for a loaded CI)
+DETECT_S = 5.0  # docs/serving.md: "3 s of silence" (+ one sweep; 1 s of slack for a loaded CI)
 
 
 async def _stop_when_busy(victim, client, admin) -> float:

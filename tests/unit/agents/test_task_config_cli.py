@@ -82,7 +82,7 @@ def test_bad_task_input_is_one_line(tmp_path, capsys, cfg, line, command):
 
 @pytest.mark.parametrize("name", ["reasoning-gym", "python-agent", "mini-swe-agent"])
 def test_the_shipped_agent_configs_check(name, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)  # as pasted from the README: from the repository root
+    monkeypatch.chdir(ROOT)  # as pasted from the docs: from the repository root
     assert main(["check", "-q", f"configs/{name}.yaml"]) == 0
 
 

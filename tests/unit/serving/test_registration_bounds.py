@@ -15,7 +15,7 @@ from tidal.serving.proxy_app import build_proxy_app
 
 TOKEN = "reg-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
-MAX_METADATA_BYTES = 4096  # the documented cap (README, proxy_app.MAX_METADATA_BYTES)
+MAX_METADATA_BYTES = 4096  # the documented cap (docs/serving.md, proxy_app.MAX_METADATA_BYTES)
 
 
 def test_registration_metadata_is_capped_and_dropped_at_close(serve_asgi):

@@ -161,3 +161,27 @@ def test_runs_without_executions_have_no_reward_noise_and_bad_lines_are_one_erro
     (elastic / "executions.jsonl").write_text('{"group": "g", "reward": "high"}\n')
     with pytest.raises(ConfigError, match=r"executions\.jsonl:1"):
         compare_runs([static, elastic], tmp_path / "cmp3")
+
+
+def test_reward_change_compares_the_groups_of_the_first_and_last_quarter(tmp_path):
+    from tidal.rundir import RunData
+
+    steps = [["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"], ["i", "j"], ["k", "l"],
+             ["m", "n"], ["o", "p"]]
+    rewards = dict(zip("abcdefghijklmnop", [0.1, 0.3, 0.2, 0.2] + [0.5] * 8
+                       + [0.6, 0.8, 0.7, 0.7], strict=True))
+    metrics = [{"t": i, "burst": 0, "step": i, "mean_reward": 0.0, "groups": g}
+               for i, g in enumerate(steps)]
+    run = RunData(tmp_path, {}, None, metrics, None, None, rewards)
+    c = run.reward_change()
+    assert c["steps_each"] == 2 and c["first_groups"] == c["last_groups"] == 4
+    assert c["first"] == pytest.approx(0.2) and c["last"] == pytest.approx(0.7)
+    se = (0.0816496580927726 / 2)  # stdev of (0.1, 0.3, 0.2, 0.2) over sqrt(4)
+    assert c["first_se"] == pytest.approx(se) and c["last_se"] == pytest.approx(se)
+    assert c["change_se"] == pytest.approx(se * 2 ** 0.5)
+    assert c["z"] == pytest.approx(0.5 / (se * 2 ** 0.5))
+    # without per-step group lists, or one group a quarter, there is no figure (never a 0)
+    assert RunData(tmp_path, {}, None, [{**m, "groups": None} for m in metrics], None, None,
+                   rewards).reward_change() is None
+    single = [{**m, "groups": m["groups"][:1]} for m in metrics[:4]]
+    assert RunData(tmp_path, {}, None, single, None, None, rewards).reward_change() is None
