@@ -15,6 +15,7 @@ publisher -> engines. A resumed run's trainer, weights and metrics are restored 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ from tidal.runtime.trainer_loop import TrainerLoop
 
 if TYPE_CHECKING:
     from tidal.agents.workload import Workload
+
+log = logging.getLogger(__name__)
 
 
 def check_config(cfg: RunConfig) -> Workload | None:
@@ -204,6 +207,8 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
         core.offload()
     # deterministic: the core computes every micro-step (a satellite's share of the gradient
     # sum would depend on claim order, and so the sum's last bits)
+    if rt.deterministic and rt.satellites:
+        log.info("runtime.deterministic: no satellites; the core computes every micro-step")
     link = CoreLink(core.address() if rt.satellites and not rt.deterministic else None,
                     core if core.device.type == "cuda" else None, rt.satellite_timeout_s,
                     core.coordinator.expect_departure, core.coordinator)
