@@ -188,6 +188,13 @@ class RuntimeConfig(Strict):
                               "(DIR/weights/v<n>.safetensors) left after a successful run, "
                               "newest first (0: none); during a run they stay for --resume")
     torch_threads: int = Field(1, ge=1, description="threads of the core trainer (driver)")
+    deterministic: bool = Field(False, description="two seeded runs of one config are "
+                                "token-identical end to end (completions, token ids, rewards, "
+                                "final weights): dispatch holds at each weight-version boundary "
+                                "until every serving engine has the published version, engines "
+                                "compute each request alone and token by token, groups train "
+                                "in dispatch order on the core alone (docs/deterministic.md); "
+                                "costs wall time, so off by default")
     satellites: bool = Field(True, description="training cells other than the core run "
                              "satellite trainers that join the core's steps")
     satellite_timeout_s: float = Field(600.0, gt=0.0, description="bound on a satellite's "

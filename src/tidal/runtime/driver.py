@@ -325,6 +325,8 @@ class Runtime:
         return {"t0_utc": w.outputs.t0_utc(), "nodes": len(self.nodes_at_start),
                 "policy_mechanics": mechanics,
                 "nodes_lost": len(lost), "engines_undescribed": sorted(undescribed),
+                "deterministic": self.rt.deterministic,
+                **(w.dispatcher.gate.hold.report() if w.dispatcher.gate else {}),
                 **summary(
             ctl=w.ctl, bursts=self.cfg.control.bursts or 0, metrics=w.outputs.metrics,
             version=w.publisher.weights.version, bursts_s=bursts_s,
