@@ -159,9 +159,16 @@ class RuntimeConfig(Strict):
     tiny_d_model: int = Field(64, ge=8)
     tiny_max_seq_len: int = Field(256, ge=16)
     fsdp: str = Field("auto", pattern="^(auto|on|off)$", description="train the transformers "
-                      "model with FSDP2, one rank per cell: 'auto' = on a CPU trainer, off on a "
-                      "GPU (cell 0 offloads its plain trainer while it serves); 'on' needs a "
-                      "CPU trainer")
+                      "model with FSDP2: 'auto' = on a CPU trainer with fsdp_ranks > 1 (one "
+                      "rank has nothing to shard: the plain trainer, several GB lighter), off "
+                      "on a GPU (cell 0 offloads its plain trainer while it serves); 'on' = "
+                      "FSDP2 even for one rank, needs a CPU trainer")
+
+    @field_validator("fsdp", mode="before")
+    @classmethod
+    def _fsdp_yaml_bool(cls, v: object) -> object:
+        """YAML reads a bare on/off as a boolean: take it as the word it was."""
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
     fsdp_ranks: int = Field(1, ge=1, description="FSDP2 ranks (processes) per training cell; "
                             "rank 0 of each cell starts the others")
     task: str = Field("arithmetic", description="the built-in task when the config has no "

@@ -133,6 +133,15 @@ def load_training_model(model_dir: str | Path, dtype: torch.dtype = torch.float3
         raise TidalError(f"{model_dir}: transformers cannot load it: "
                          f"{str(exc).splitlines()[0]}") from exc
     model.config.use_cache = False
+    # activation checkpointing per decoder layer (verl's enable_gradient_checkpointing): the
+    # backward recomputes each layer's activations instead of keeping them, the attention
+    # probabilities of [B, heads, L, L] among them; measured on the demo below
+    if getattr(model, "supports_gradient_checkpointing", False):
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
     log.info("training model %s: %s, %d params", model_dir, type(model).__name__,
              sum(p.numel() for p in model.parameters()))
     return model.train()

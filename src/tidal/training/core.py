@@ -348,7 +348,7 @@ class CoreTrainer:
         if "dcp" in state:
             if self.sharded is None:
                 raise ConfigError("runtime.fsdp", f"{state['dcp']} holds the state of a sharded "
-                                  "(FSDP2) core: resume with runtime.fsdp on or auto (any "
+                                  "(FSDP2) core: resume with runtime.fsdp on (any "
                                   "runtime.fsdp_ranks)")
             try:
                 self.sharded.load_dcp(str(state["dcp"]), state["param_groups"])  # type: ignore[arg-type]
