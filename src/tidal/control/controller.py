@@ -136,6 +136,7 @@ class Controller:
         self._queue: deque[Event] = deque()
         self._busy = False
         self.events_handled = 0
+        self._dispatch_limit: int | None = None  # the last decision's (None: no limit)
 
     # ------------------------------------------------------------------ input
     def handle(self, event: Event) -> None:
@@ -261,10 +262,10 @@ class Controller:
 
     @property
     def dispatch_limit(self) -> int | None:
-        """Executions the waterlevel may reach through new dispatches, as the policy holds it
-        (``dispatch_limit`` on the policy; None: no limit). A dispatcher that honours it keeps
-        invariant 3 reachable for a move the policy waits for."""
-        return getattr(self.policy, "dispatch_limit", None)
+        """Executions the waterlevel may reach through new dispatches, as the policy's last
+        decision holds it (``Decision.dispatch_limit``; None: no limit). A dispatcher that
+        honours it keeps invariant 3 reachable for a move the policy waits for."""
+        return self._dispatch_limit
 
     @property
     def pending_dispatch(self) -> int:
@@ -320,6 +321,7 @@ class Controller:
             # A plan just failed: don't let the policy re-issue it in a tight loop.
             return
         decision = self.policy.decide(obs)
+        self._dispatch_limit = decision.dispatch_limit
         if self.log.wants(decision.action.value, decision.reason, self.dispatch_limit):
             self.log.write({"type": "decision", **self._record(obs, decision)})
         if decision.action is not Action.HOLD:

@@ -95,15 +95,21 @@ class Observation:
 
 @dataclass(frozen=True)
 class Decision:
+    """What the policy answers, and everything the controller reads from it: the move (or
+    hold), its reason, the plan style, the plan options, and ``dispatch_limit``: executions
+    the waterlevel may reach through new dispatches until the next decision (None: no limit;
+    the controller hands it to the dispatcher as ``Controller.dispatch_limit``)."""
+
     action: Action
     cells: tuple[CellIndex, ...] = ()
     reason: str = ""
     style: PlanStyle = PlanStyle.QWENGYRE
     options: dict[str, Any] = field(default_factory=dict)
+    dispatch_limit: int | None = None
 
     @staticmethod
-    def hold(reason: str) -> Decision:
-        return Decision(Action.HOLD, (), reason)
+    def hold(reason: str, dispatch_limit: int | None = None) -> Decision:
+        return Decision(Action.HOLD, (), reason, dispatch_limit=dispatch_limit)
 
 
 @runtime_checkable
