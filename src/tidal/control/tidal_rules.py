@@ -112,7 +112,7 @@ def return_cells(s: Situation, k: Knobs) -> Decision | None:
     horizon falls below ``low_batches`` batches (or nothing rolls out at all)."""
     floor = train_floor(s, k)
     obs = s.obs
-    movable = [v for v in obs.cells[floor:obs.prefix_len] if v.role is Role.TRAINING]
+    movable = [v for v in obs.cells[floor : obs.prefix_len] if v.role is Role.TRAINING]
     if not movable or len(movable) != obs.prefix_len - floor or s.todo <= s.cap:
         return None
     drift = s.p * min(s.cap, s.todo) - s.c * s.gpus
@@ -121,10 +121,13 @@ def return_cells(s: Situation, k: Knobs) -> Decision | None:
         return None
     if s.dwelling(Action.TO_ROLLOUT, k.dwell_s):
         return Decision.hold("dwell before reversing the last move")
-    return Decision(Action.TO_ROLLOUT, return_block(s, movable),
-                    f"rollout short: {s.todo} executions to run > {s.cap} slots; "
-                    f"queue {s.queue} -> {projected:.1f} groups in "
-                    f"{k.horizon_s:g}s < {k.low_batches * s.batch:g}")
+    return Decision(
+        Action.TO_ROLLOUT,
+        return_block(s, movable),
+        f"rollout short: {s.todo} executions to run > {s.cap} slots; "
+        f"queue {s.queue} -> {projected:.1f} groups in "
+        f"{k.horizon_s:g}s < {k.low_batches * s.batch:g}",
+    )
 
 
 def idle_trainer(s: Situation, nxt: CellView, after: int) -> Decision | None:
@@ -134,33 +137,42 @@ def idle_trainer(s: Situation, nxt: CellView, after: int) -> Decision | None:
     if s.gpus != 0 or s.queue < s.batch or not obs.supply.ok:
         return None
     if after >= obs.waterlevel:
-        return Decision(Action.TO_TRAINING, (nxt.index,),
-                        f"nothing trains and {s.queue} groups are ready")
+        return Decision(
+            Action.TO_TRAINING, (nxt.index,), f"nothing trains and {s.queue} groups are ready"
+        )
     if after > 0:
-        return Decision.hold(f"holding dispatch at {after} executions so cell {nxt.index} "
-                             f"can train a ready batch (waterlevel {obs.waterlevel})",
-                             dispatch_limit=after)
+        return Decision.hold(
+            f"holding dispatch at {after} executions so cell {nxt.index} "
+            f"can train a ready batch (waterlevel {obs.waterlevel})",
+            dispatch_limit=after,
+        )
     return None
 
 
-def waterlevel_blocked(s: Situation, nxt: CellView, after: int,
-                       drift_after: float) -> Decision | None:
+def waterlevel_blocked(
+    s: Situation, nxt: CellView, after: int, drift_after: float
+) -> Decision | None:
     """The move is not waterlevel-safe: hold, with a dispatch hold at the capacity after the
     move when production still outpaces consumption with one more training cell."""
     obs = s.obs
     if after >= obs.waterlevel:
         return None
     if drift_after >= 0 and s.p > 0 and obs.supply.ok and after > 0:
-        return Decision.hold(f"holding dispatch at {after} executions so cell {nxt.index} "
-                             f"can train (waterlevel {obs.waterlevel})", dispatch_limit=after)
+        return Decision.hold(
+            f"holding dispatch at {after} executions so cell {nxt.index} "
+            f"can train (waterlevel {obs.waterlevel})",
+            dispatch_limit=after,
+        )
     return Decision.hold(f"capacity after move {after} < waterlevel {obs.waterlevel}")
 
 
 def rollout_needs_slots(s: Situation, after: int, drift_after: float) -> Decision | None:
     """Rollout needs the lent cell's slots and the queue would drain (no backlog)."""
     if s.todo > after and drift_after < 0 and not s.backlog:
-        return Decision.hold(f"rollout needs the slots: {s.todo} executions to run > {after} "
-                             f"and the queue would drain ({drift_after:.4f} groups/s)")
+        return Decision.hold(
+            f"rollout needs the slots: {s.todo} executions to run > {after} "
+            f"and the queue would drain ({drift_after:.4f} groups/s)"
+        )
     return None
 
 
@@ -174,8 +186,9 @@ def queue_too_low(s: Situation, k: Knobs, projected: float) -> Decision | None:
     """The lent cell would have no data: the queue projected over ``dwell_s`` under the new
     split stays below ``high_batches`` batches."""
     if projected < k.high_batches * s.batch:
-        return Decision.hold(f"projected queue {projected:.1f} < "
-                             f"{k.high_batches * s.batch:g} with one more cell")
+        return Decision.hold(
+            f"projected queue {projected:.1f} < {k.high_batches * s.batch:g} with one more cell"
+        )
     return None
 
 
@@ -201,11 +214,16 @@ def lend_next(s: Situation, k: Knobs) -> Decision:
             return d
     if s.dwelling(Action.TO_TRAINING, k.dwell_s):
         return Decision.hold("dwell before reversing the last move")
-    why = (f"rollout has spare slots ({s.todo} executions to run <= {after})"
-           if s.todo <= after else
-           f"the queue still grows with one more cell ({drift_after:.4f} groups/s)")
-    return Decision(Action.TO_TRAINING, (nxt.index,),
-                    f"{why}; queue {s.queue} -> {projected:.1f} groups in {k.dwell_s:g}s")
+    why = (
+        f"rollout has spare slots ({s.todo} executions to run <= {after})"
+        if s.todo <= after
+        else f"the queue still grows with one more cell ({drift_after:.4f} groups/s)"
+    )
+    return Decision(
+        Action.TO_TRAINING,
+        (nxt.index,),
+        f"{why}; queue {s.queue} -> {projected:.1f} groups in {k.dwell_s:g}s",
+    )
 
 
 def decide(s: Situation, k: Knobs) -> Decision:

@@ -11,19 +11,45 @@ from tidal.types import CellKind, Role
 K = TidalPolicy()  # horizon 300 s, dwell 20 s, low 2 batches, high 0, floor 1
 
 
-def sit(roles=("training", "rollout"), waterlevel=10, pending=0, ready=20, p=0.01, c=0.001,
-        known=True, supply_ok=True, slots=128, last=Action.HOLD, last_move_s=-1e9,
-        t=100.0) -> Situation:
+def sit(
+    roles=("training", "rollout"),
+    waterlevel=10,
+    pending=0,
+    ready=20,
+    p=0.01,
+    c=0.001,
+    known=True,
+    supply_ok=True,
+    slots=128,
+    last=Action.HOLD,
+    last_move_s=-1e9,
+    t=100.0,
+) -> Situation:
     cells = tuple(CellView(i, slots, 8, CellKind.HYBRID, Role(r)) for i, r in enumerate(roles))
     cap = sum(x.slots for x in cells if x.role is Role.ROLLOUT) + 256
     o = Observation(
-        now_s=t, trigger="Tick", cells=cells, standalone_slots=256, standalone_gpus=16,
-        rollout_capacity=cap, waterlevel=waterlevel, queued=0, running=waterlevel,
-        pending_dispatch=pending, supply=SupplyView(min(ready, 16), 16, 8.0, supply_ok, 0.0,
-                                                    supply_ok),
-        ready_groups=ready, groups_generated=0, batch_groups=16, updates_per_burst=4,
-        trainer_waiting=True, trainer_step=0, steps_in_version=0, version=0, bursts_ended=0,
-        in_flight=False)
+        now_s=t,
+        trigger="Tick",
+        cells=cells,
+        standalone_slots=256,
+        standalone_gpus=16,
+        rollout_capacity=cap,
+        waterlevel=waterlevel,
+        queued=0,
+        running=waterlevel,
+        pending_dispatch=pending,
+        supply=SupplyView(min(ready, 16), 16, 8.0, supply_ok, 0.0, supply_ok),
+        ready_groups=ready,
+        groups_generated=0,
+        batch_groups=16,
+        updates_per_burst=4,
+        trainer_waiting=True,
+        trainer_step=0,
+        steps_in_version=0,
+        version=0,
+        bursts_ended=0,
+        in_flight=False,
+    )
     gpus = sum(x.gpus for x in cells if x.role is Role.TRAINING)
     return Situation(o, p, c, known, gpus, last, last_move_s)
 
@@ -54,10 +80,18 @@ def test_return_cells_when_rollout_is_short_and_the_queue_runs_dry():
     d = rules.return_cells(s, K)
     assert d.action is Action.TO_ROLLOUT and d.cells == (1,)
     assert "rollout short: 500 executions to run > 384 slots" in d.reason
-    assert rules.return_cells(sit(roles=("training", "training", "rollout"),
-                                  waterlevel=100), K) is None  # enough slots
-    dwell = sit(roles=("training", "training", "rollout"), waterlevel=500, ready=0, p=1e-4,
-                last=Action.TO_TRAINING, last_move_s=90.0)
+    assert (
+        rules.return_cells(sit(roles=("training", "training", "rollout"), waterlevel=100), K)
+        is None
+    )  # enough slots
+    dwell = sit(
+        roles=("training", "training", "rollout"),
+        waterlevel=500,
+        ready=0,
+        p=1e-4,
+        last=Action.TO_TRAINING,
+        last_move_s=90.0,
+    )
     assert rules.return_cells(dwell, K).reason == "dwell before reversing the last move"
 
 
@@ -66,8 +100,7 @@ def test_idle_trainer_lends_or_holds_dispatch_at_the_capacity_after_the_move():
     nxt = s.obs.cells[0]
     d = rules.idle_trainer(s, nxt, 384)
     assert d.action is Action.TO_TRAINING and d.cells == (0,) and d.dispatch_limit is None
-    held = rules.idle_trainer(sit(roles=("rollout", "rollout"), waterlevel=450, ready=16),
-                              nxt, 384)
+    held = rules.idle_trainer(sit(roles=("rollout", "rollout"), waterlevel=450, ready=16), nxt, 384)
     assert held.action is Action.HOLD and held.dispatch_limit == 384
     assert rules.idle_trainer(sit(roles=("rollout", "rollout"), ready=15), nxt, 384) is None
     assert rules.idle_trainer(sit(ready=16), nxt, 384) is None  # something trains
@@ -83,8 +116,10 @@ def test_waterlevel_blocked_holds_and_holds_dispatch_when_production_leads():
 
 
 def test_rollout_needs_slots_unless_the_queue_grows_or_a_backlog_is_ready():
-    assert "rollout needs the slots" in rules.rollout_needs_slots(
-        sit(waterlevel=300), 256, -0.1).reason
+    assert (
+        "rollout needs the slots"
+        in rules.rollout_needs_slots(sit(waterlevel=300), 256, -0.1).reason
+    )
     assert rules.rollout_needs_slots(sit(waterlevel=300), 256, 0.1) is None
     assert rules.rollout_needs_slots(sit(waterlevel=300, ready=32), 256, -0.1) is None
     assert rules.rollout_needs_slots(sit(waterlevel=200), 256, -0.1) is None
@@ -112,6 +147,10 @@ def test_lend_next_lends_with_spare_slots_and_holds_when_balanced():
 
 def test_decide_asks_the_rules_in_order():
     assert rules.decide(sit(known=False), K).reason == "measuring rates"
-    assert rules.decide(sit(roles=("training", "training", "rollout"), waterlevel=500,
-                            ready=0, p=1e-4), K).action is Action.TO_ROLLOUT
+    assert (
+        rules.decide(
+            sit(roles=("training", "training", "rollout"), waterlevel=500, ready=0, p=1e-4), K
+        ).action
+        is Action.TO_ROLLOUT
+    )
     assert rules.decide(sit(), K).action is Action.TO_TRAINING
