@@ -38,10 +38,10 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tidal.agents.events import CLOSE_REASONS, EventLog, ExecutionRegistry
 from tidal.errors import LedgerError, TimeoutExpired
 from tidal.serving.chat import tool_parser
 from tidal.serving.execution_identity import ExecutionIdentity
+from tidal.serving.executions import CLOSE_REASONS, EventLog, ExecutionRegistry
 from tidal.serving.fast_path import MAX_BODY_BYTES, FastPath
 from tidal.serving.guard import CatchAll, Guard, is_loopback
 from tidal.serving.openai_api import (
