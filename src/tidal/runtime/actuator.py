@@ -17,8 +17,11 @@ delivers what it computed, leaves its step and parks with its model off the devi
 core's model and optimizer state move to CPU memory, and back on activation); WAKE_ENGINE,
 LOAD_WEIGHTS (the current published version, not the one at plan time), RESUME_ADMISSION (undrain).
 Invariant 4 is the proxy's; this module keeps the ordering: an engine sleeps only after its drain
-returned, and rejoins routing only after it loaded the current weights. verl plan styles are not
-executed by this slice: their steps fail with a clear error."""
+returned, and rejoins routing only after it loaded the current weights. verl plan styles run
+through the same operations under verl's step names (REMOVE_FROM_LOAD_BALANCER drains,
+ABORT_INFLIGHT checks the drain emptied the cell, SLEEP_ENGINE, SYNC_WEIGHTS loads,
+ADD_TO_LOAD_BALANCER undrains, RESUME_GENERATION checks the cell serves); a step kind without an
+operation here (``rebalance``) fails the step with a one-line error."""
 
 from __future__ import annotations
 

@@ -107,6 +107,39 @@ if os.environ.get("TIDAL_VLLM_LAUNCHER_PID") not in (None, str(os.getppid())):
 """
 
 
+def control_call(server: str, url: str | None, headers: dict[str, str], method: str,
+                 path: str, timeout_s: float = 120.0, *, text_ok: bool = False,
+                 json: dict[str, object] | None = None,
+                 params: dict[str, str | int | float] | None = None) -> dict[str, Any]:
+    """One control call on an engine server (vLLM's or SGLang's), the JSON object it answers.
+
+    In: ``server`` names it in errors (``"vLLM engine c1"``), ``url`` its root (None: not
+    running). Out: the answer's JSON object ({} for an empty answer, and with ``text_ok`` for a
+    plain-text or non-object one); any failure is one ``RuntimeFailure`` line."""
+    if url is None:
+        raise RuntimeFailure(f"{server} is not running")
+    try:
+        resp = httpx.request(method, f"{url}{path}", timeout=timeout_s, headers=headers,
+                             json=json, params=params)
+    except httpx.HTTPError as exc:
+        raise RuntimeFailure(f"{server} {path}: {exc!r}") from None
+    if resp.status_code != 200:
+        raise RuntimeFailure(f"{server} {path}: HTTP {resp.status_code} {resp.text[:200]}")
+    if not resp.content:
+        return {}
+    try:
+        out = resp.json()
+    except ValueError:
+        if text_ok:
+            return {}
+        raise RuntimeFailure(f"{server} {path}: not JSON: {resp.text[:200]!r}") from None
+    if isinstance(out, dict):
+        return out
+    if text_ok:
+        return {}
+    raise RuntimeFailure(f"{server} {path}: not a JSON object: {resp.text[:200]!r}")
+
+
 def _tidal_path(root: Path) -> str:
     """A directory holding only the ``tidal`` package (a link) and ``sitecustomize.py``, for
     the vLLM venv's ``PYTHONPATH``: its workers import the worker extension from it, and
