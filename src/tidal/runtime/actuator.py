@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -41,6 +41,9 @@ from tidal.runtime.cell import RuntimeFailure
 from tidal.runtime.engines import EngineId, Engines
 from tidal.runtime.tasks import Parts, remote
 from tidal.types import Direction, Event, TransitionStepDone
+
+if TYPE_CHECKING:
+    from tidal.runtime.ray_types import ActorHandle
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +103,10 @@ class RayActuator:
         self._handle = handle
         return self
 
-    def _cell(self, cell: int) -> Any:
+    def _cell(self, cell: int) -> ActorHandle:
         return self.engines.cell(cell)
 
-    async def _call(self, cell: int, method: str, *args: Any) -> Any:
+    async def _call(self, cell: int, method: str, *args: object) -> object:
         """``method`` of cell ``cell``'s actor, bounded, with a one-line error."""
         ref = getattr(self._cell(cell), method).remote(*args)
         return await remote(ref, f"cell {cell} {method}", self.call_timeout_s)
@@ -174,7 +177,7 @@ class RayActuator:
                                         detail={"moves": details} if details else None))
 
     # -- steps ------------------------------------------------------------------------------
-    async def _do(self, kind: StepKind, cell: int) -> Any:
+    async def _do(self, kind: StepKind, cell: int) -> dict | None:
         op = self._ops().get(kind)
         if op is None:
             raise RuntimeFailure(f"step {kind.value} is not supported by this runtime")

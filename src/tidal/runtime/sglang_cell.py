@@ -40,18 +40,21 @@ import struct
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.runtime import vllm_host
 from tidal.runtime.cell import RuntimeFailure, actor_device, adopt_token
 from tidal.runtime.vllm_cell import VLLMCellHost, group_rss_bytes
+
+if TYPE_CHECKING:
+    from tidal.config import RunConfig, RuntimeConfig
 
 # files of a model directory that are weights (a version directory holds the version's instead)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json",
                     ".bin.index.json")
 
 
-def sglang_settings(rt: Any) -> dict[str, Any]:
+def sglang_settings(rt: RuntimeConfig) -> dict[str, Any]:
     """What an ``SGLangCellHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``)."""
     return {"python": rt.resolved_sglang_python(), "mem_fraction": rt.sglang_mem_fraction,
             "dtype": "float32"}
@@ -243,7 +246,7 @@ class SGLangCellHost(VLLMCellHost):
         return out
 
 
-def check(cfg: Any) -> None:
+def check(cfg: RunConfig) -> None:
     """``ConfigError`` (naming the field) unless this run can serve its SGLang cells."""
     from tidal.errors import ConfigError
     from tidal.runtime.engines import cell_backend

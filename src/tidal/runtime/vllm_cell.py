@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.runtime import vllm_host
 from tidal.runtime.cell import EngineHost, RuntimeFailure
 from tidal.runtime.vllm_host import VLLMEngineHost
+
+if TYPE_CHECKING:
+    from tidal.config import RunConfig
 
 
 def group_rss_bytes(pgid: int, proc: Path = Path("/proc")) -> int:
@@ -142,7 +145,7 @@ class VLLMCellHost(VLLMEngineHost):
 
 
 
-def check(cfg: Any) -> None:
+def check(cfg: RunConfig) -> None:
     """``ConfigError`` (naming the field) unless this run can serve its cells as configured."""
     from tidal.errors import ConfigError
     from tidal.runtime.engines import cell_backend
