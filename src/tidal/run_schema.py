@@ -167,7 +167,7 @@ class Summary(_Line):
     switch_s: dict[str, dict[str, float]] | None = None  # direction -> n, p50_s, max_s
 
 
-def check(model: type[BaseModel], obj: Any, where: str) -> dict[str, Any]:
+def check(model: type[BaseModel], obj: object, where: str) -> dict[str, Any]:
     """``obj`` checked against ``model``; returned unchanged (extra keys kept). A wrong or
     missing value is a ``ConfigError`` at ``where`` naming the field."""
     try:

@@ -181,7 +181,7 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, args
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str) -> bool | int | float | str:
     low = raw.lower()
     if low in ("true", "yes", "on"):
         return True
@@ -208,7 +208,7 @@ def make_policy(name: str, args: dict[str, Any] | None = None) -> Policy:
         raise ConfigError("policy.args", f"{name}: {exc}") from None
 
 
-def _check_args(name: str, factory: Any, args: dict[str, Any]) -> None:
+def _check_args(name: str, factory: Callable[..., Policy], args: dict[str, Any]) -> None:
     """An argument the policy does not take is one error naming it and the ones it takes."""
     import inspect
 
