@@ -14,6 +14,7 @@ import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from tidal.errors import ConfigError
@@ -41,7 +42,7 @@ def parameters(fn: Callable[..., Any]) -> list[str]:
     return out
 
 
-def _module(where: str, field: str) -> Any:
+def _module(where: str, field: str) -> ModuleType:
     try:
         if where.endswith(".py"):
             return _from_file(Path(where), field)
@@ -54,7 +55,7 @@ def _module(where: str, field: str) -> Any:
         ) from None
 
 
-def _from_file(path: Path, field: str) -> Any:
+def _from_file(path: Path, field: str) -> ModuleType:
     if not path.is_file():
         raise ConfigError(field, f"{path}: no such file")
     name = f"tidal_user_{abs(hash(str(path.resolve())))}"
