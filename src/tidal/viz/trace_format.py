@@ -25,7 +25,7 @@ _META_ARG = {"process_name": "name", "thread_name": "name", "process_labels": "l
              "process_sort_index": "sort_index", "thread_sort_index": "sort_index"}
 
 
-def validate(trace: Any) -> list[str]:
+def validate(trace: object) -> list[str]:
     """Every way ``trace`` breaks the format (empty: valid)."""
     if isinstance(trace, dict):
         events = trace.get("traceEvents")
@@ -46,11 +46,11 @@ def validate(trace: Any) -> list[str]:
     return problems
 
 
-def _number(v: Any) -> bool:
+def _number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _check_event(ev: Any) -> list[str]:
+def _check_event(ev: object) -> list[str]:
     if not isinstance(ev, dict):
         return ["not an object"]
     ph = ev.get("ph")
