@@ -30,10 +30,10 @@ Rule (evaluated after every event and tick while no transition is in flight):
   (a reversal costs a switch each way); moves in the same direction chain without delay.
 - Dispatch hold: when the next lend is blocked only by the waterlevel (capacity after the move
   < ``w``) while production, measured, still outpaces consumption with one more training cell
-  (drift after the move >= 0, supply held), the policy sets ``dispatch_limit`` to the capacity
-  after the move: the dispatcher starts no new group past it, ``w`` drains to it and the move
-  becomes waterlevel-safe (on-demand dispatch otherwise refills every freed slot, so ``w``
-  never falls below capacity before the budget runs out). Every other decision clears it.
+  (drift after the move >= 0, supply held), the hold carries ``Decision.dispatch_limit`` = the
+  capacity after the move: the dispatcher starts no new group past it, ``w`` drains to it and
+  the move becomes waterlevel-safe (on-demand dispatch otherwise refills every freed slot, so ``w``
+  never falls below capacity before the budget runs out). Every other decision has none.
 - A backlog of ready groups (two batches or more) counts as production ahead of consumption:
   it lends without waiting for the rates (still waterlevel-safe, with held supply).
 Before the rates are known the policy holds, unless one side is empty (no training cell, or no
