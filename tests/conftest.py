@@ -74,3 +74,47 @@ def _no_leaked_vllm_shared_memory():
         for path in new:
             if str(path) not in mapped:
                 path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def isolated_policies():
+    """The policies a test's user modules or entry points register are gone after it (other
+    tests run every registered policy): new registrations are removed, and so are the modules
+    loaded by path (``tidal_user_*``) or named ``tidal_plugin_*``. Entry points are read
+    afresh during the test (its own installed ones) and as before after it."""
+    from tidal import plugins
+    from tidal.control.policy import registered, unregister_policy
+
+    names, modules = set(registered()), set(sys.modules)
+    groups, broken = set(plugins._loaded_groups), dict(plugins._BROKEN)
+    plugins._loaded_groups.clear()  # the test's entry points are read
+    yield
+    for name in set(registered()) - names:
+        unregister_policy(name)
+    for mod in set(sys.modules) - modules:
+        if mod.startswith(("tidal_user_", "tidal_plugin_")):
+            del sys.modules[mod]
+    plugins._loaded_groups.clear()
+    plugins._loaded_groups.update(groups)
+    plugins._BROKEN.clear()
+    plugins._BROKEN.update(broken)
+
+
+@pytest.fixture
+def custom_policy_doc():
+    """``docs/custom-policy.md``: its text, and each ``tidal`` command of its bash blocks as
+    an argv (continuation lines joined, ``.venv/bin/tidal`` dropped), to run from the
+    repository root."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "custom-policy.md"
+    text = doc.read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            argv = shlex.split(line)
+            if argv and argv[0].endswith("tidal"):
+                commands.append(argv[1:])
+    return text, commands

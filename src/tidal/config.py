@@ -113,15 +113,34 @@ class ControlConfig(Strict):
 class PolicyConfig(Strict):
     name: str = "waterlevel"
     args: dict[str, Any] = Field(default_factory=dict)
+    module: str | None = Field(None, description="the user's module that registers the policy "
+                               "(tidal.control.policy.register_policy): a path to a .py file "
+                               "or a dotted module name; installed plugins register through "
+                               "the 'tidal.policies' entry point group instead")
 
-    @field_validator("name")
+    @field_validator("module")
     @classmethod
-    def _known(cls, v: str) -> str:
-        from tidal.control.policy import registered
+    def _absolute(cls, v: str | None) -> str | None:
+        from tidal.plugins import resolved
 
-        if v not in registered():
-            raise ValueError(f"unknown policy {v!r} (known: {', '.join(registered())})")
-        return v
+        return None if v is None else resolved(v)
+
+    @model_validator(mode="after")
+    def _known(self) -> PolicyConfig:
+        from tidal.control.policy import registered
+        from tidal.plugins import broken_plugins, load_policies
+
+        try:
+            load_policies([self.module] if self.module else [])
+        except ConfigError as exc:
+            raise _FieldError("module", exc.message) from None
+        if self.name not in registered():
+            broken = "".join(f"; entry point {k} not loaded: {v}"
+                             for k, v in broken_plugins().items())
+            where = f" after loading {self.module}" if self.module else ""
+            raise _FieldError("name", f"unknown policy {self.name!r}{where} (known: "
+                              f"{', '.join(registered())}{broken})")
+        return self
 
     @classmethod
     def from_spec(cls, spec: str) -> PolicyConfig:
@@ -169,6 +188,13 @@ class RuntimeConfig(Strict):
                               "(DIR/weights/v<n>.safetensors) left after a successful run, "
                               "newest first (0: none); during a run they stay for --resume")
     torch_threads: int = Field(1, ge=1, description="threads of the core trainer (driver)")
+    deterministic: bool = Field(False, description="two seeded runs of one config are "
+                                "token-identical end to end (completions, token ids, rewards, "
+                                "final weights): dispatch holds at each weight-version boundary "
+                                "until every serving engine has the published version, engines "
+                                "compute each request alone and token by token, groups train "
+                                "in dispatch order on the core alone (docs/deterministic.md); "
+                                "costs wall time, so off by default")
     satellites: bool = Field(True, description="training cells other than the core run "
                              "satellite trainers that join the core's steps")
     satellite_timeout_s: float = Field(600.0, gt=0.0, description="bound on a satellite's "

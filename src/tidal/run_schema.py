@@ -95,6 +95,11 @@ class CallLine(_Line):
     start_s: float | None = None
     call_s: float | None = None
     tool_s: float | None = None
+    # a deterministic run's (runtime.deterministic): what the engines sampled, per token
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    versions: list[str] | None = None
 
 
 class ExecutionLine(_Line):
@@ -134,6 +139,8 @@ class Summary(_Line):
     every figure is optional to a reader, and checked when present)."""
 
     policy: str | None = None
+    # the mechanics the policy declares (tidal.control.mechanics.Mechanics as JSON)
+    policy_mechanics: dict[str, Any] | None = None
     bursts: int | None = None
     trainer_steps: int | None = None
     run_time_s: float | None = None
@@ -165,6 +172,12 @@ class Summary(_Line):
     cached_token_share: float | None = None  # prompt tokens engines found cached
     cached_token_share_by_engine: dict[str, float] | None = None
     switch_s: dict[str, dict[str, float]] | None = None  # direction -> n, p50_s, max_s
+    # runtime.deterministic: on or off; seconds dispatch waited at weight-version boundaries
+    # for engines to serve the published version; boundaries passed, and of them those that held
+    deterministic: bool | None = None
+    deterministic_hold_s: float | None = None
+    deterministic_boundaries: int | None = None
+    deterministic_held_boundaries: int | None = None
 
 
 def check(model: type[BaseModel], obj: object, where: str) -> dict[str, Any]:

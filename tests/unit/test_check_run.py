@@ -39,13 +39,22 @@ CASES = [  # (name, runtime section or a function of tmp_path giving it, field)
     ("max_tokens beyond the context", {"max_tokens": 300, "tiny_max_seq_len": 256},
      "runtime.max_tokens"),
     ("fsdp_ranks beyond the cores", {"fsdp_ranks": 4096}, "runtime.fsdp_ranks"),
+    # runtime.deterministic: what it cannot make token-identical
+    ("deterministic with vLLM standalone engines",
+     {**HF, "deterministic": True, "standalone_backend": "vllm", "vllm_python": NO_VLLM},
+     "runtime.standalone_backend"),
+    ("deterministic with SGLang cells", {"deterministic": True, "cell_backend": "sglang"},
+     "runtime.cell_backend"),
+    ("deterministic on GPUs", {"deterministic": True, "use_gpus": True}, "runtime.use_gpus"),
+    ("deterministic over several FSDP ranks", {"deterministic": True, "fsdp_ranks": 2},
+     "runtime.fsdp_ranks"),
 ]
 
 
 @pytest.mark.parametrize("name, runtime, field", CASES, ids=[c[0] for c in CASES])
 def test_tidal_check_refuses_what_tidal_run_cannot_run_in_one_line(name, runtime, field,
                                                                     tmp_path, capsys):
-    if field == "runtime.use_gpus" and torch.cuda.is_available():
+    if name == "use_gpus without a GPU" and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     data = yaml.safe_load(yaml.safe_dump(TINY))
     data["runtime"].update(runtime(tmp_path) if callable(runtime) else runtime)

@@ -193,8 +193,11 @@ def _runs_fast(names: tuple[str, ...], p: dict) -> bool:
 
 def _named_files(argv: list[str]) -> list[str]:
     """Arguments that name an input file by its suffix (outputs live under runs/)."""
+    values = [a.split("=", 1)[1] if "=" in a else a for a in argv]  # --set key=FILE too
     return [
-        a for a in argv if re.search(r"\.(ya?ml|jsonl|json|py)$", a) and not a.startswith(PRODUCED)
+        a
+        for a in values
+        if re.search(r"\.(ya?ml|jsonl|json|py)$", a) and not a.startswith(PRODUCED)
     ]
 
 

@@ -49,11 +49,15 @@ import click
               type=click.FloatRange(min=0),
               help="Keep finished requests' KV (up to this many MiB) for the next call of "
                    "their conversation (what session affinity routes to); 0: off.")
+@click.option("--deterministic", is_flag=True, default=False,
+              help="Compute each request alone and token by token, so its tokens and "
+                   "log-probs do not depend on what else is batched with it or where it "
+                   "was moved from (slower; runtime.deterministic).")
 def command(model_dir: str, port: int, host: str, name: str | None, max_batch: int,
             max_waiting: int, threads: int, weight_version: str, seed: int,
             step_in_thread: bool, device: str, token: str | None,
             read_timeout_s: float, tool_call_parser: str, prefix_cache_mb: float,
-            spill_dir: str | None) -> None:
+            spill_dir: str | None, deterministic: bool) -> None:
     """Serve MODEL on HOST:PORT with continuous batching."""
     from pathlib import Path
 
@@ -74,6 +78,8 @@ def command(model_dir: str, port: int, host: str, name: str | None, max_batch: i
         click.echo("tidal engine: no --token: every local process can drive this engine",
                    err=True)
     torch.set_num_threads(threads)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
     served = name or Path(model_dir).name
     resolve_device(device)  # fail before the model is read
     model, tok = load_model(model_dir)
@@ -83,7 +89,8 @@ def command(model_dir: str, port: int, host: str, name: str | None, max_batch: i
                                                         step_in_thread=step_in_thread,
                                                         device=device,
                                                         prefix_cache_mb=prefix_cache_mb,
-                                                        spill_dir=spill_dir),
+                                                        spill_dir=spill_dir,
+                                                        deterministic=deterministic),
                     weight_version=weight_version)
     app = build_engine_app(engine, served, token, tool_call_parser)
     # The stdlib loop, never uvloop: model steps run on the loop, and under uvloop streamed

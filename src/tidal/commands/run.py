@@ -7,9 +7,12 @@ state.jsonl, timeline.json, checkpoint/, summary.json) and a live panel or one l
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from tidal.config import RunConfig
 
 
 @click.command("run", help="Run an elastic RL job on Ray (embedded local Ray by default).")
@@ -33,8 +36,6 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
 
     from rich.console import Console
 
-    from tidal.config import PolicyConfig, RunConfig, load_yaml, validate_model
-    from tidal.control.factory import check_policy
     from tidal.errors import ConfigError
     from tidal.logcount import counting_warnings
 
@@ -48,17 +49,7 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
         config, out = str(Path(resume) / "config.yaml"), resume
     elif config is None:
         raise ConfigError("config", "give a run config (e.g. configs/tiny.yaml) or --resume DIR")
-    cfg = load_yaml(config)
-    data = cfg.model_dump(mode="json")
-    if policy is not None:
-        data["policy"] = PolicyConfig.from_spec(policy).model_dump(mode="json")
-    if address is not None:
-        data["runtime"]["ray_address"] = address
-    if bursts is not None:
-        data["control"]["bursts"] = bursts
-    for item in sets:
-        apply_set(data, item)
-    cfg = check_policy(validate_model(RunConfig, data))
+    cfg = build_config(config, policy, address, bursts, sets)
 
     def show(line: dict) -> None:
         click.echo(f"burst {line['burst']} step {line['step']:3d} v{line['version']:<3d} "
@@ -129,6 +120,29 @@ def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter:
         click.echo(f"tidal: run interrupted; its parts are stopped. Continue it with: "
                    f"tidal run --resume {run_dir}", err=True)
         raise SystemExit(130) from None
+
+
+def build_config(config: str, policy: str | None = None, address: str | None = None,
+                 bursts: int | None = None, sets: tuple[str, ...] = ()) -> RunConfig:
+    """The ``RunConfig`` a ``tidal run`` command line asks for: the file, then ``--policy``,
+    ``--address``, ``--bursts`` and each ``--set``, validated together (so ``--set
+    policy.module=...`` loads the module that registers the ``--policy`` named) and the policy
+    built against the cluster. Any bad value is a one-line ``ConfigError``."""
+    from tidal.config import RunConfig, load_yaml, validate_model
+    from tidal.control.factory import check_policy
+    from tidal.control.policy import parse_policy_spec
+
+    data = load_yaml(config).model_dump(mode="json")
+    if policy is not None:
+        name, args = parse_policy_spec(policy)
+        data["policy"] = {"name": name, "args": args, "module": data["policy"].get("module")}
+    if address is not None:
+        data["runtime"]["ray_address"] = address
+    if bursts is not None:
+        data["control"]["bursts"] = bursts
+    for item in sets:
+        apply_set(data, item)
+    return check_policy(validate_model(RunConfig, data))
 
 
 def apply_set(data: dict, item: str) -> None:

@@ -36,7 +36,11 @@ import click
 @click.option("--mechanics", type=click.Choice(["own", "verl", "tidal", "waterlevel", "colocate"]),
               default="own", show_default=True,
               help="Run every policy with this system's mechanics (trainer, sync, KV handoff, "
-                   "dispatch, partial rollout); own: each policy its system's, as published.")
+                   "dispatch, partial rollout); own: what each policy declares.")
+@click.option("--policy-module", "modules", multiple=True, metavar="FILE.py|MODULE",
+              help="Load the user's module that registers policies (register_policy) before "
+                   "the policies are looked up (repeatable; added to the scenario's "
+                   "policy_modules).")
 @click.option("--sweep", type=click.Choice(["static"]), default=None,
               help="Also run every static split and report each policy's saving against the "
                    "best one (the baseline column).")
@@ -45,12 +49,18 @@ import click
 @click.option("--check", is_flag=True, help="Check the invariants after every event (slow).")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, bursts: int | None,
-            scale: float, trace: str | None, mechanics: str, sweep: str | None,
-            admission: str | None, check: bool, no_plots: bool) -> None:
+            scale: float, trace: str | None, mechanics: str, modules: tuple[str, ...],
+            sweep: str | None, admission: str | None, check: bool, no_plots: bool) -> None:
     from tidal.config import ControlConfig, validate_model
     from tidal.sim import scenario as scenarios
 
     sc = scenarios.load(scenario)
+    if modules:  # loaded now; the resolved scenario lists them
+        from tidal.plugins import load_policies, resolved
+
+        paths = [resolved(m) for m in modules]
+        load_policies(paths, "--policy-module")
+        sc = sc.model_copy(update={"policy_modules": [*sc.policy_modules, *paths]})
     if admission is not None:
         control = validate_model(ControlConfig, {**sc.control.model_dump(mode="json"),
                                                  "admission": admission}, "control")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tidal.control.mechanics import COLOCATE, VERL
 from tidal.control.policy import Action, CellView, Decision, Observation, register_policy
 from tidal.errors import ConfigError
 
@@ -20,6 +21,7 @@ from tidal.errors import ConfigError
                  "the rest serve rollout; nothing ever moves")
 class StaticPolicy:
     name = "static"
+    mechanics = VERL
     waterlevel_safe = False
 
     def __init__(self, train: int | None = None, cells: int | None = None) -> None:
@@ -64,6 +66,7 @@ class StaticPolicy:
                  "finish, then all train; all return at burst end")
 class ColocatePolicy:
     name = "colocate"
+    mechanics = COLOCATE
     waterlevel_safe = False
 
     def __init__(self) -> None:

@@ -5,7 +5,10 @@ Out: a ``Decision`` (hold, move cells to training, move cells to rollout) with a
 
 Policies are small objects with one decision method and bounded state; they never read a clock
 or do I/O, so the simulator and production run the very same objects. The registry fails loudly
-on unknown names and bad arguments (``ConfigError`` naming the field).
+on unknown names, bad arguments and policies that declare no mechanics (``ConfigError`` naming
+the field); a user's module registers with ``register_policy`` when ``tidal.plugins`` loads it
+(``policy.module`` in a run config, ``policy_modules`` in a scenario, or a ``tidal.policies``
+entry point).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from tidal.control.cells import training_prefix
+from tidal.control.mechanics import Mechanics
 from tidal.control.supply import SupplyView
 from tidal.errors import ConfigError, UnknownPolicyError
 from tidal.types import CellIndex, CellKind, Role
@@ -118,6 +122,9 @@ class Policy(Protocol):
     #: True if the controller must enforce invariant 3 (capacity after a move >= waterlevel
     #: and ready supply held) on every move to training this policy asks for.
     waterlevel_safe: bool
+    #: What the simulator gives the policy around its decisions (dispatch, trainer, sync, KV
+    #: handoff...): a ``tidal.control.mechanics.Mechanics``, declared on the class.
+    mechanics: Mechanics
 
     def initial_prefix(self, cells: tuple[CellView, ...]) -> int:
         """How many leading cells start on the training side."""
@@ -143,17 +150,52 @@ def default_prefix(cells: tuple[CellView, ...]) -> int:
 # ------------------------------------------------------------------------ registry
 
 PolicyFactory = Callable[..., Policy]
-_REGISTRY: dict[str, tuple[PolicyFactory, str]] = {}
 
 
-def register_policy(name: str, summary: str) -> Callable[[PolicyFactory], PolicyFactory]:
+@dataclass(frozen=True)
+class _Entry:
+    factory: PolicyFactory
+    summary: str
+    mechanics: Mechanics
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_policy(name: str, summary: str, mechanics: Mechanics | None = None
+                    ) -> Callable[[PolicyFactory], PolicyFactory]:
+    """Registers ``factory`` (a policy class, or a function building one) under ``name``.
+
+    Every policy declares its mechanics (``tidal.control.mechanics``): the class attribute
+    ``mechanics``, or ``mechanics=`` here (a function factory). One missing or of another type
+    is a ``ConfigError`` naming ``mechanics``: the simulator never guesses them from a name.
+    """
+
     def deco(factory: PolicyFactory) -> PolicyFactory:
         if name in _REGISTRY:
-            raise ValueError(f"policy {name!r} registered twice")
-        _REGISTRY[name] = (factory, summary)
+            raise ConfigError("policy.name", f"policy {name!r} registered twice "
+                              f"({_where(_REGISTRY[name].factory)} and {_where(factory)})")
+        declared = mechanics if mechanics is not None else getattr(factory, "mechanics", None)
+        _REGISTRY[name] = _Entry(factory, summary, _checked_mechanics(name, factory, declared))
         return factory
 
     return deco
+
+
+def _checked_mechanics(name: str, factory: object, declared: object) -> Mechanics:
+    if declared is None:
+        raise ConfigError("mechanics", f"policy {name!r} ({_where(factory)}) declares no "
+                          "mechanics: set `mechanics = ...` on its class (a "
+                          "tidal.control.mechanics.Mechanics, e.g. QWENGYRE or VERL) or pass "
+                          "register_policy(..., mechanics=...)")
+    if not isinstance(declared, Mechanics):
+        raise ConfigError("mechanics", f"policy {name!r} ({_where(factory)}) declares "
+                          f"mechanics {declared!r}: want a tidal.control.mechanics.Mechanics")
+    return declared
+
+
+def _where(factory: object) -> str:
+    return str(getattr(factory, "__qualname__", factory))
 
 
 def unregister_policy(name: str) -> None:
@@ -166,7 +208,27 @@ def unregister_policy(name: str) -> None:
 def registered() -> dict[str, str]:
     """Name -> one-line summary of every registered policy."""
     _load_builtin()
-    return {k: v[1] for k, v in sorted(_REGISTRY.items())}
+    return {k: v.summary for k, v in sorted(_REGISTRY.items())}
+
+
+def policy_mechanics(name: str) -> Mechanics:
+    """The mechanics policy ``name`` declares; an unknown name is an ``UnknownPolicyError``."""
+    return _entry(name).mechanics
+
+
+def registered_mechanics() -> dict[str, Mechanics]:
+    """Name -> declared mechanics of every registered policy."""
+    _load_builtin()
+    return {k: v.mechanics for k, v in sorted(_REGISTRY.items())}
+
+
+def _entry(name: str) -> _Entry:
+    _load_builtin()
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        known = ", ".join(sorted(_REGISTRY))
+        raise UnknownPolicyError("policy.name", f"unknown policy {name!r} (known: {known})")
+    return entry
 
 
 def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -196,14 +258,10 @@ def _parse_value(raw: str) -> bool | int | float | str:
 
 
 def make_policy(name: str, args: dict[str, Any] | None = None) -> Policy:
-    _load_builtin()
-    entry = _REGISTRY.get(name)
-    if entry is None:
-        known = ", ".join(sorted(_REGISTRY))
-        raise UnknownPolicyError("policy.name", f"unknown policy {name!r} (known: {known})")
-    _check_args(name, entry[0], args or {})
+    factory = _entry(name).factory
+    _check_args(name, factory, args or {})
     try:
-        return entry[0](**(args or {}))
+        return factory(**(args or {}))
     except TypeError as exc:
         raise ConfigError("policy.args", f"{name}: {exc}") from None
 

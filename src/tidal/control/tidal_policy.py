@@ -48,6 +48,7 @@ import math
 from typing import Any
 
 from tidal.control import tidal_rules as rules
+from tidal.control.mechanics import TIDAL
 from tidal.control.policy import (
     Action,
     CellView,
@@ -83,6 +84,7 @@ class RateEstimate:
                  "horizon_s, dwell_s, low_batches, high_batches, min_train_cells, tau_s")
 class TidalPolicy:
     name = "tidal"
+    mechanics = TIDAL
     waterlevel_safe = True
 
     def __init__(self, horizon_s: float = 300.0, dwell_s: float = 20.0,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tidal.control.mechanics import VERL
 from tidal.control.policy import (
     Action,
     CellView,
@@ -52,6 +53,7 @@ __all__ = ["DEFAULT_SWITCH_COST_S", "INITIAL_PER_SAMPLE_TIME_S", "DefaultHooks",
 class VerlScheduler:
     """verl's ``DynamicResourceController`` driven as ``FullyAsyncTrainer`` drives it."""
 
+    mechanics = VERL
     waterlevel_safe = False
 
     def __init__(self, name: str, hooks: DefaultHooks, rebalance: bool = False,
@@ -199,7 +201,8 @@ def _scheduler(name: str, hooks: DefaultHooks, rebalance: bool,
 
 
 @register_policy("verl-default", "verl default: adaptive deactivate ratio (r0=0.3), "
-                 "cost/benefit activation gate; args deactivate_ratio, clamp, rebalance")
+                 "cost/benefit activation gate; args deactivate_ratio, clamp, rebalance",
+                 mechanics=VerlScheduler.mechanics)
 def verl_default(deactivate_ratio: float = 0.3, clamp: bool = False, rebalance: bool = False,
                  only_hybrid: bool = False, staleness_threshold: float = 1.0) -> VerlScheduler:
     return _scheduler("verl-default", DefaultHooks(deactivate_ratio, only_hybrid, clamp),
@@ -207,7 +210,8 @@ def verl_default(deactivate_ratio: float = 0.3, clamp: bool = False, rebalance: 
 
 
 @register_policy("verl-fixed-ratio", "verl fixed_ratio: constant deactivate ratio, pure gap "
-                 "activation check; args deactivate_ratio, rebalance")
+                 "activation check; args deactivate_ratio, rebalance",
+                 mechanics=VerlScheduler.mechanics)
 def verl_fixed_ratio(deactivate_ratio: float = 0.3, rebalance: bool = False,
                      only_hybrid: bool = False,
                      staleness_threshold: float = 1.0) -> VerlScheduler:
@@ -216,7 +220,8 @@ def verl_fixed_ratio(deactivate_ratio: float = 0.3, rebalance: bool = False,
 
 
 @register_policy("verl-static", "verl static_fully_async: hybrid replicas never roll out; "
-                 "arg colocated_fallback (roll out on them when there is no standalone engine)")
+                 "arg colocated_fallback (roll out on them when there is no standalone engine)",
+                 mechanics=VerlScheduler.mechanics)
 def verl_static(colocated_fallback: bool = False, only_hybrid: bool = False,
                 staleness_threshold: float = 1.0) -> VerlScheduler:
     return _scheduler("verl-static", StaticHooks(0.3, only_hybrid, colocated_fallback), False,

@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.control.mechanics import VERL
 from tidal.control.policy import (
     Action,
     CellView,
@@ -186,6 +187,7 @@ class SwitchHooks:
 class SwitchScheduler:
     """verl-switch as a tidal Policy: hybrid cells start in rollout and switch together."""
 
+    mechanics = VERL
     waterlevel_safe = False
 
     def __init__(self, settings: SwitchSettings) -> None:
@@ -282,7 +284,8 @@ def _switch_settings(**kw: object) -> SwitchSettings:
 
 @register_policy("verl-switch", "verl V1 separate-async switch (PR #7373): hybrids lend "
                  "themselves to rollout after a step iff the sampleable groups fall short of an "
-                 "adaptive threshold (hysteresis) and the benefit beats the switch cost")
+                 "adaptive threshold (hysteresis) and the benefit beats the switch cost",
+                 mechanics=SwitchScheduler.mechanics)
 def verl_switch(switch_threshold_ratio: float = 0.4, adaptive_switch_threshold: bool = True,
                 switch_threshold_step_up: float = 0.05, switch_threshold_step_down: float = 0.03,
                 switch_threshold_release_steps: int = 2, switch_cost_window_size: int = 3,

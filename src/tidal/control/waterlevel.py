@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tidal.control.mechanics import QWENGYRE
 from tidal.control.policy import (
     Action,
     CellView,
@@ -41,6 +42,7 @@ def move_is_safe(obs: Observation, cell: CellView) -> bool:
                  "covers the waterlevel and ready supply held; satellites return at burst end")
 class WaterlevelPolicy:
     name = "waterlevel"
+    mechanics = QWENGYRE
     waterlevel_safe = True
     # Cells return to rollout only at a burst end: with no rollout capacity at the start (all
     # cells hybrid, no standalone engine) no burst could ever end. The controller refuses that.

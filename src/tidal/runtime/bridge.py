@@ -34,12 +34,28 @@ from tidal.types import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def _tokens(call: dict[str, Any]) -> dict[str, Any]:
+    """A recorded call's prompt and output token ids, log-probs and per-token weight
+    versions (``executions.jsonl`` of a deterministic run)."""
+    segs = call["segments"]
+    return {"prompt_token_ids": list(call["prompt_token_ids"]),
+            "token_ids": [t for s in segs for t in s["token_ids"]],
+            "logprobs": [lp for s in segs for lp in s["logprobs"]],
+            "versions": [v for s in segs for v in s["versions"]]}
+
+
 class LedgerBridge:
     """A ``tidal.agents.events.LedgerEvents`` feeding the controller and the buffer."""
 
     def __init__(self, handle: Callable[[Event], None], clock: Clock, admin: httpx.AsyncClient,
-                 buffer: TrajectoryBuffer, group_size: int, parts: Parts) -> None:
+                 buffer: TrajectoryBuffer, group_size: int, parts: Parts,
+                 tokens: bool = False) -> None:
         self.handle, self.clock, self.admin, self.parts = handle, clock, admin, parts
+        # runtime.deterministic: each call's tokens, log-probs and weight versions go into
+        # executions.jsonl too (what two seeded runs are compared on)
+        self.tokens = tokens
         self.buffer, self.group_size = buffer, group_size
         self.burst = 0
         self.n_dispatched = 0
@@ -103,7 +119,8 @@ class LedgerBridge:
                 "output_tokens": sum(len(s["token_ids"]) for s in c["segments"]),
                 "cached_tokens": sum(s.get("cached_tokens", 0) for s in c["segments"]),
                 "reprefill_tokens": sum(s.get("reprefill_tokens", 0) for s in c["segments"]),
-                "engines": [s["engine_id"] for s in c["segments"]]} for c in calls]
+                "engines": [s["engine_id"] for s in c["segments"]],
+                **(_tokens(c) if self.tokens else {})} for c in calls]
             self._count(calls)
             await asyncio.to_thread(self.buffer.add, rec)
             self.recorded += 1

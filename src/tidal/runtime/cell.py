@@ -83,7 +83,7 @@ class EngineHost:
 
     def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
                  device: str = "cpu", cgroup: str | None = None, served: str | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, deterministic: bool = False) -> None:
         from tidal.runtime.nodes import here
 
         # on a cluster the engine and satellite are reached from other nodes: they listen on
@@ -101,6 +101,7 @@ class EngineHost:
         # engine's own stream for unseeded requests (tidal.seeding.engine_seed), which the
         # proxy stamps with a per-call seed when the run has one
         self.served, self.seed = served, seed
+        self.deterministic = deterministic  # runtime.deterministic: each request alone
         self.device_setting = device
         self.device = "cpu"
         self.log_path = Path(log_dir) / f"engine-{name}.log"
@@ -121,7 +122,8 @@ class EngineHost:
         self.proc = start_engine(self.model_dir, name=self.served, max_batch=self.max_batch,
                                  log_path=self.log_path, step_in_thread=True, seed=self.seed,
                                  device=self.device, host=self.node.ip,
-                                 spill_dir=spill_dir(self.log_path.parent.parent))
+                                 spill_dir=spill_dir(self.log_path.parent.parent),
+                                 deterministic=self.deterministic)
         try:
             self.proc.wait_healthy(timeout_s)
         except TidalError as exc:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from tidal.agents.workload import AgentJob, Workload
     from tidal.control.controller import Controller
     from tidal.runtime.bridge import LedgerBridge
+    from tidal.runtime.deterministic import Boundaries
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,11 @@ class Dispatcher:
     def __init__(self, cfg: RunConfig, pool: HarnessPool, bridge: LedgerBridge,
                  handle: Callable[[Event], None], clock: Clock, parts: Parts,
                  trained: set[str], held: dict[str, ExecutionRecord], ctl: Controller,
-                 workload: Workload | None = None) -> None:
+                 workload: Workload | None = None, gate: Boundaries | None = None) -> None:
         self.cfg, self.pool, self.bridge, self.handle = cfg, pool, bridge, handle
+        # runtime.deterministic (``runtime.deterministic.Boundaries``): the burst's training
+        # order and the hold until every routed engine serves the published version
+        self.gate = gate
         self.workload = workload  # tidal.agents.workload.Workload of a task: section
         self.clock, self.parts, self.ctl = clock, parts, ctl
         self.trained, self.held = trained, dict(held)
@@ -108,11 +112,14 @@ class Dispatcher:
 
     async def run(self, first_burst: int, version: Callable[[], int],
                   wait_published: Callable[[int], Awaitable[None]]) -> None:
-        """Every burst from ``first_burst``: wait for the previous one's weights, dispatch."""
+        """Every burst from ``first_burst``: wait for the previous one's weights, dispatch
+        (deterministic: once every routed engine serves them)."""
         for b in range(first_burst, self.cfg.control.bursts or 0):
             await wait_published(b)
             self.bridge.burst = b
             quota, groups = plan_burst(self.cfg, b, self.trained, self.held)
+            if self.gate is not None:
+                await self.gate.at(b, f"v{version()}", [g.group_id for g in groups])
             self.handle(BurstStarted(self.clock.now(), b, quota, version()))
             await self._dispatch(b, groups)
 

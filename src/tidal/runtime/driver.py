@@ -36,6 +36,7 @@ from typing import Any
 from tidal import run_schema as schema
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
+from tidal.control.policy import policy_mechanics
 from tidal.errors import ConfigError
 from tidal.runtime import checkpoint, preflight, proxy_watch, spill
 from tidal.runtime.engines import EngineId, Engines, engine_ids, model_path
@@ -320,8 +321,12 @@ class Runtime:
         lost = sorted(self.nodes_at_start - _alive_nodes(self.ray))
         if lost:
             log.warning("%d Ray nodes lost during the run: %s", len(lost), ", ".join(lost))
+        mechanics = policy_mechanics(self.cfg.policy.name).model_dump(mode="json")
         return {"t0_utc": w.outputs.t0_utc(), "nodes": len(self.nodes_at_start),
+                "policy_mechanics": mechanics,
                 "nodes_lost": len(lost), "engines_undescribed": sorted(undescribed),
+                "deterministic": self.rt.deterministic,
+                **(w.dispatcher.gate.hold.report() if w.dispatcher.gate else {}),
                 **summary(
             ctl=w.ctl, bursts=self.cfg.control.bursts or 0, metrics=w.outputs.metrics,
             version=w.publisher.weights.version, bursts_s=bursts_s,

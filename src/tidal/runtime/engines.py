@@ -173,7 +173,8 @@ class Engines:
             cls, extra = self._actor_cls, [device,
                                            groups.path(name) if groups is not None else None,
                                            served_name(self.cfg),
-                                           engine_seed(self.cfg.seed, name)]
+                                           engine_seed(self.cfg.seed, name),
+                                           self.rt.deterministic]
         return cls.options(runtime_env={"env_vars": env}, max_concurrency=4,
                            **self.placement.options(name)).remote(
             name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra)

@@ -43,6 +43,8 @@ def core_pool(cfg: RunConfig,
 
     rt, threads, join = cfg.runtime, cfg.runtime.torch_threads, None
     torch.manual_seed(cfg.seed)
+    if rt.deterministic:  # where an op has a deterministic variant, use it (else it raises)
+        torch.use_deterministic_algorithms(True)
     if cpu_groups is not None:  # more threads than cores would spin on the quota
         from tidal.runtime.cpuquota import join_thread
 
@@ -135,7 +137,8 @@ class TrainerLoop:
         (so a step never holds the trainer lock while waiting for data, which would keep the
         core from returning to rollout); returns the wait."""
         t0, need = self.clock.now(), self.cfg.control.batch_groups
-        while 0 not in self.actuator.training or len(self.buffer) < need:
+        # takeable: ready groups (deterministic: the ready ones next in dispatch order)
+        while 0 not in self.actuator.training or self.buffer.takeable() < need:
             inputs.gpus(self.clock.now(), 0 in self.actuator.training, len(self.buffer))
             self.actuator.training_changed.clear()
             with contextlib.suppress(TimeoutError):

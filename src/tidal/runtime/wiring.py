@@ -15,6 +15,7 @@ publisher -> engines. A resumed run's trainer, weights and metrics are restored 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ import httpx
 from tidal.clock import Clock, await_until
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
-from tidal.runtime import sglang_cell, vllm_cell, vllm_host
+from tidal.runtime import deterministic, sglang_cell, vllm_cell, vllm_host
 from tidal.runtime.actuator import CoreLink, RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.cell import trainer_device
@@ -41,10 +42,13 @@ from tidal.runtime.trainer_loop import TrainerLoop
 if TYPE_CHECKING:
     from tidal.agents.workload import Workload
 
+log = logging.getLogger(__name__)
+
 
 def check_config(cfg: RunConfig) -> Workload | None:
     """What ``tidal run`` refuses before it starts anything (one line naming the field). Out:
     the ``task:`` section's workload, built (its rows loaded, its code imported) once."""
+    deterministic.check(cfg)  # what runtime.deterministic cannot make token-identical
     c = cfg.control
     if c.bursts is None:
         raise ConfigError("control.bursts", "tidal run needs a number of bursts")
@@ -158,7 +162,8 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
 
     rt, c = cfg.runtime, cfg.control
     buffer = TrajectoryBuffer(TrajectoryBufferConfig(
-        group_size=c.group_size, max_policy_lag=c.updates_per_burst), clock)
+        group_size=c.group_size, max_policy_lag=c.updates_per_burst,
+        ordered=rt.deterministic), clock)
     model = load_training_model(model_dir)  # transformers: any architecture
     tok = HFTokenizer(model_dir)
     device = trainer_device(rt.resolved_device(torch.cuda.is_available()), gpu_ids,
@@ -200,7 +205,11 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
         core.load_state_dict(ck.trainer)
     if core.device.type == "cuda":  # cell 0's engine holds the GPU until it trains
         core.offload()
-    link = CoreLink(core.address() if rt.satellites else None,
+    # deterministic: the core computes every micro-step (a satellite's share of the gradient
+    # sum would depend on claim order, and so the sum's last bits)
+    if rt.deterministic and rt.satellites:
+        log.info("runtime.deterministic: no satellites; the core computes every micro-step")
+    link = CoreLink(core.address() if rt.satellites and not rt.deterministic else None,
                     core if core.device.type == "cuda" else None, rt.satellite_timeout_s,
                     core.coordinator.expect_departure, core.coordinator)
     weights = Weights()
@@ -216,7 +225,8 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
             wake()
 
     actuator.bind(handle)
-    bridge = LedgerBridge(handle, clock, admin, buffer, c.group_size, parts)
+    bridge = LedgerBridge(handle, clock, admin, buffer, c.group_size, parts,
+                          tokens=rt.deterministic)
     publisher = Publisher(engines, actuator, admin, weights, files.path, handle, clock)
     if ck is not None:
         publisher.restore(ck.state.published_version, ck.state.published_path)
@@ -231,8 +241,10 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
         max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
         timeout_s=rt.execution_timeout_s, token=token), out / "workspaces", bridge)
     held = {r.execution_id: r for r in ck.records} if ck else {}
+    gate = (deterministic.Boundaries(clock, admin, engines, buffer, rt.start_timeout_s)
+            if rt.deterministic else None)
     dispatcher = Dispatcher(cfg, pool, bridge, handle, clock, parts, set(trainer.trained_groups),
-                            held, ctl, workload)
+                            held, ctl, workload, gate)
     listeners.append(dispatcher.notify)  # a group held by the policy looks again
     return Wired(admin, decisions, buffer, core, outputs, actuator, ctl, handle, bridge,
                  publisher, trainer,

@@ -59,6 +59,10 @@ class EngineConfig(BaseModel):
     # default: a prefill from cached KV can differ from a fresh one in the last float bits,
     # which seeded replays of a run must not see)
     prefix_cache_mb: float = Field(0.0, ge=0)
+    # runtime.deterministic: each request's forward runs alone and one token at a time (its
+    # prompt too), so a row's float ops never depend on which requests share its batch nor on
+    # how its tokens were cut into steps by a move (a re-prefill elsewhere, a KV handoff)
+    deterministic: bool = False
     spill_dir: str | None = Field(None, description="where a level-1 sleep writes the weights "
                                   "(a run's spill/ directory, removed with the run's parts); "
                                   "None: they are held in CPU memory, never written to /tmp")
@@ -399,10 +403,11 @@ class Engine:
             decode = [r for r in batch if len(r.pending) == 1]
             groups = [g for g in (prefill, decode) if g]
             work = [([list(r.pending) for r in g], [r.cache for r in g]) for g in groups]
+            forward = self._forward_alone if self.config.deterministic else self._forward_groups
             if self.config.step_in_thread:
-                outs = await asyncio.to_thread(self._forward_groups, work)
+                outs = await asyncio.to_thread(forward, work)
             else:
-                outs = self._forward_groups(work)
+                outs = forward(work)
             for group, logits in zip(groups, outs, strict=True):
                 self._apply(group, logits, self.weight_version)
 
@@ -410,10 +415,28 @@ class Engine:
         """One forward per group of (pending tokens, caches), both taken on the loop."""
         return [self.model.forward_cached(pending, caches) for pending, caches in work]
 
+    def _forward_alone(self, work: list[tuple[list[list[int]], list]]) -> list[torch.Tensor]:
+        """``_forward_groups`` with every row computed alone, one token per forward: position
+        ``j`` of a sequence is always ``forward([token_j], cache[:j])``, the same float ops
+        whether it was a prompt token, a decode, a re-prefill after a move or what else the
+        step held (deterministic engines; a prompt of n tokens costs n forwards)."""
+        outs = []
+        for pending, caches in work:
+            rows = []
+            for tokens, cache in zip(pending, caches, strict=True):
+                for t in tokens:
+                    last = self.model.forward_cached([[t]], [cache])
+                rows.append(last)
+            outs.append(torch.cat(rows))
+        return outs
+
     def _apply(self, batch: list[Request], logits: torch.Tensor, version: str) -> None:
         if logits.device.type != "cpu":  # one copy per step; sampling stays on the CPU
             logits = logits.float().cpu()
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        if self.config.deterministic:  # row by row: no kernel sees the batch's shape
+            logp = torch.cat([torch.log_softmax(row[None].float(), dim=-1) for row in logits])
+        else:
+            logp = torch.log_softmax(logits.float(), dim=-1)
         tokens = sample_batch(batch, logits, logp, self._rng)
         safe = [0 if t is None else t for t in tokens]
         chosen = logp.gather(1, torch.tensor(safe)[:, None])[:, 0].tolist()

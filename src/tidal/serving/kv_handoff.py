@@ -34,6 +34,7 @@ class Attempt:
     abort_sent: bool = False
     keep_kv: bool = False
     context_tokens: int = 0  # prompt + tokens so far at this engine: a move re-prefills them
+    streamed_tokens: int = 0  # tokens this attempt got back from its engine so far
 
 
 async def export_kv(attempt: Attempt) -> bytes | None:

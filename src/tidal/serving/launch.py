@@ -120,7 +120,8 @@ def start_engine(model_dir: str | Path, port: int | None = None, name: str | Non
                  step_in_thread: bool = False, seed: int = 0,
                  device: str = "cpu", token: str | None = None,
                  host: str = "127.0.0.1", prefix_cache_mb: float = 0.0,
-                 spill_dir: str | Path | None = None) -> ServerProcess:
+                 spill_dir: str | Path | None = None,
+                 deterministic: bool = False) -> ServerProcess:
     """``tidal engine`` on ``host:port``; ``token`` (default ``$TIDAL_ENGINE_TOKEN``, the run's
     token in a runtime actor) goes through the environment, never the command line. A host
     beyond loopback (a cluster node's address) needs the token: the engine refuses otherwise."""
@@ -139,6 +140,8 @@ def start_engine(model_dir: str | Path, port: int | None = None, name: str | Non
         args += ["--prefix-cache-mb", str(prefix_cache_mb)]
     if spill_dir is not None:  # a run's spill/ directory (else a sleep holds weights in memory)
         args += ["--spill-dir", str(spill_dir)]
+    if deterministic:
+        args.append("--deterministic")
     return ServerProcess(args, port, log_path, env={"TIDAL_ENGINE_TOKEN": token or ""},
                          token=token, host=host, sock=sock)
 

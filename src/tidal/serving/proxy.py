@@ -439,6 +439,7 @@ class Proxy:
             if chunk.token_ids:
                 seg.token_ids += chunk.token_ids
                 attempt.context_tokens += len(chunk.token_ids)
+                attempt.streamed_tokens += len(chunk.token_ids)
                 seg.logprobs += chunk.logprobs
                 seg.versions += chunk.versions
                 res.add(TokenChunk(chunk.token_ids, chunk.logprobs, chunk.versions,

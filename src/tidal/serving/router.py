@@ -49,6 +49,9 @@ class Member:
                 "cell_index": self.cell_index, "cap": self.cap, "backend": self.backend,
                 "model": self.model, "admitting": self.admitting, "alive": self.alive,
                 "inflight": len(self.inflight), "reserved": self.reserved,
+                # tokens the calls in flight here got back so far (a move continues from them)
+                "inflight_tokens": sum(getattr(a, "streamed_tokens", 0)
+                                       for a in self.inflight.values()),
                 "kv_handoff": self.adapter.supports_kv_handoff,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
 

@@ -23,7 +23,7 @@ import heapq
 from typing import TYPE_CHECKING
 
 from tidal.control.dispatch_hold import may_dispatch
-from tidal.sim.scenario import DispatchStyle
+from tidal.control.mechanics import DispatchStyle
 from tidal.sim.workloads import ExecSpec
 from tidal.types import BurstStarted, ExecutionDispatched, ExecutionLaunched
 

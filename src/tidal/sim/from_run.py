@@ -278,6 +278,7 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
         "sim": {"tick_s": rt.tick_s, "dispatch_interval_s": round(interval, 4)},
         "workload": wl, "engine": engine, "trainer": trainer,
         "costs": costs, "policies": [_spec(cfg)],
+        "policy_modules": [cfg.policy.module] if cfg.policy.module else [],
         "policy_args": {name: dict(cfg.policy.args)} if cfg.policy.args else {},
         "profiles": {name: {"dispatch": "burst", "trainer": "batch", "sync": "keep",
                             "kv_handoff": ctl.kv_handoff, "staleness_threshold": 0.0}}}

@@ -88,11 +88,13 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from tidal.control.mechanics import MECHANICS_SETS
 from tidal.control.plans import QWENGYRE_TO_ROLLOUT, VERL_ACTIVATE, StepKind
+from tidal.control.policy import registered_mechanics
 from tidal.control.verl import dispatch_budget
 from tidal.sim import perf
 from tidal.sim.costs import kv_handoff_s, step_duration_s, train_rate_tok_s
-from tidal.sim.scenario import FAMILY_PROFILES, Scenario
+from tidal.sim.scenario import Scenario
 from tidal.sim.workloads import make_workload
 
 
@@ -133,12 +135,17 @@ class Candidates:
     max_context_tokens: int = 0
 
 
+def max_staleness(sc: Scenario) -> float:
+    """The largest staleness any policy may run with here: the scenario's, every system's
+    mechanics set, every registered policy's declaration and the scenario's own profiles."""
+    every = (*MECHANICS_SETS.values(), *registered_mechanics().values(), *sc.profiles.values())
+    return max([sc.sim.staleness_threshold]
+               + [p.staleness_threshold for p in every if p.staleness_threshold is not None])
+
+
 def dispatch_budget_groups(sc: Scenario) -> int:
     ctrl = sc.control
-    stale = max([sc.sim.staleness_threshold]
-                + [p.staleness_threshold for p in (*FAMILY_PROFILES.values(),
-                                                   *sc.profiles.values())
-                   if p.staleness_threshold is not None])
+    stale = max_staleness(sc)
     return dispatch_budget(ctrl.batch_groups, stale, ctrl.updates_per_burst)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.control.decision_log import Sink
+from tidal.control.policy import policy_mechanics
 from tidal.sim.oracle import OracleBound, oracle_bound
 from tidal.sim.scenario import Scenario
 from tidal.sim.world import World
@@ -70,7 +71,8 @@ def summarize(world: World, oracle: OracleBound, wall_s: float) -> dict[str, Any
         "scenario": world.scenario.name,
         "policy": world.spec,
         "policy_name": c.policy.name,
-        "profile": world.profile.model_dump(mode="json"),
+        "profile": world.profile.model_dump(mode="json"),  # the mechanics it ran with
+        "policy_mechanics": policy_mechanics(world.cfg.policy.name).model_dump(mode="json"),
         "makespan_s": round(t_end, 3),
         "makespan_h": round(t_end / 3600, 4),
         "oracle_makespan_s": round(oracle.makespan_s, 3),

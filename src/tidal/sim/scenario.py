@@ -2,8 +2,10 @@
 
 In: a scenario name (a file in ``configs/scenarios/``, shipped as package data too) or a path.
 Out: a validated ``Scenario`` (pydantic, ``extra="forbid"``); for each policy spec a
-``RunConfig`` for the real control plane plus the ``Profile`` (the system mechanics of the
-policy's family: dispatch style, trainer style, weight-sync style, KV handoff).
+``RunConfig`` for the real control plane plus the ``Mechanics`` it runs with: the scenario's
+``profiles`` entry for the policy, else the set ``mechanics`` names, else what the policy
+declares (``tidal.control.mechanics``; never guessed from its name). ``policy_modules`` names
+the user's modules that register policies (loaded when the scenario is validated).
 
 Every number here is a modelling assumption, named with its unit; REFERENCE.md §3 gives the
 calibration guidance the shipped scenarios follow.
@@ -14,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tidal.config import (
     ClusterConfig,
@@ -27,14 +29,10 @@ from tidal.config import (
     validate_model,
 )
 from tidal.control.factory import check_policy
-from tidal.control.policy import parse_policy_spec
+from tidal.control.mechanics import MECHANICS_SETS, Mechanics
+from tidal.control.policy import parse_policy_spec, policy_mechanics
 from tidal.errors import ConfigError
-from tidal.sim.mechanics import FAMILY_PROFILES as FAMILY_PROFILES
-from tidal.sim.mechanics import DispatchStyle as DispatchStyle
-from tidal.sim.mechanics import Profile as Profile
-from tidal.sim.mechanics import SyncStyle as SyncStyle
-from tidal.sim.mechanics import TrainerStyle as TrainerStyle
-from tidal.sim.mechanics import family_of as family_of
+from tidal.plugins import load_policies, resolved
 
 
 class Dist(Strict):
@@ -230,9 +228,12 @@ class Scenario(Strict):
     policies: list[str] = Field(default_factory=lambda: ["static", "verl-default",
                                                          "waterlevel", "tidal"])
     policy_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    profiles: dict[str, Profile] = Field(default_factory=dict)
-    mechanics: str | None = Field(None, description="run every policy with this family's "
+    profiles: dict[str, Mechanics] = Field(default_factory=dict)
+    mechanics: str | None = Field(None, description="run every policy with this system's "
                                                     "mechanics (None: each its own)")
+    policy_modules: list[str] = Field(default_factory=list, description="the user's modules "
+                                      "that register policies (.py paths, relative to the "
+                                      "scenario file, or dotted module names)")
     costmodel: CostModelConfig | None = None
 
     @model_validator(mode="after")
@@ -250,24 +251,37 @@ class Scenario(Strict):
         if pool is not None and pool < self.control.batch_groups:
             raise ValueError(f"sim.max_inflight_groups: {pool} groups in flight can never fill "
                              f"a step of {self.control.batch_groups} (control.batch_groups)")
-        if self.mechanics is not None and self.mechanics not in FAMILY_PROFILES:
+        if self.mechanics is not None and self.mechanics not in MECHANICS_SETS:
             raise ValueError(f"mechanics: unknown {self.mechanics!r} (known: "
-                             f"{', '.join(FAMILY_PROFILES)})")
+                             f"{', '.join(MECHANICS_SETS)})")
         return self
+
+    @field_validator("policy_modules")
+    @classmethod
+    def _load_modules(cls, v: list[str]) -> list[str]:
+        v = [resolved(m) for m in v]
+        try:
+            load_policies(v, "policy_modules")
+        except ConfigError as exc:
+            raise ValueError(exc.message) from None
+        return v
 
     @property
     def total_steps(self) -> int:
         assert self.control.bursts is not None
         return self.control.bursts * self.control.updates_per_burst
 
-    def profile_for(self, policy: str) -> Profile:
+    def profile_for(self, policy: str) -> Mechanics:
+        """The mechanics ``policy`` runs with here: the scenario's ``profiles`` entry, else
+        the ``mechanics`` set, else the policy's own declaration (an unknown policy is an
+        ``UnknownPolicyError``)."""
         if policy in self.profiles:
             return self.profiles[policy]
         if self.mechanics is not None:
-            return FAMILY_PROFILES[self.mechanics]
-        return FAMILY_PROFILES[family_of(policy)]
+            return MECHANICS_SETS[self.mechanics]
+        return policy_mechanics(policy)
 
-    def for_profile(self, profile: Profile) -> Scenario:
+    def for_profile(self, profile: Mechanics) -> Scenario:
         """The scenario as a policy with ``profile`` runs it: the trainer's passes follow
         the profile's ``old_log_prob`` when it sets one."""
         cm = self.costmodel
@@ -276,12 +290,12 @@ class Scenario(Strict):
         return self.model_copy(update={"costmodel": cm.model_copy(
             update={"old_log_prob": profile.old_log_prob})})
 
-    def staleness_for(self, profile: Profile) -> float:
+    def staleness_for(self, profile: Mechanics) -> float:
         if profile.staleness_threshold is not None:
             return profile.staleness_threshold
         return self.sim.staleness_threshold
 
-    def run_config(self, spec: str) -> tuple[RunConfig, Profile]:
+    def run_config(self, spec: str) -> tuple[RunConfig, Mechanics]:
         """The control-plane config for one ``NAME[:ARGS]`` policy spec on this scenario.
 
         Arguments given in the spec replace the scenario's defaults for that policy.
@@ -369,4 +383,9 @@ def load(name_or_path: str) -> Scenario:
     wl = data.get("workload") or {}
     if isinstance(wl, dict) and wl.get("trace") and not Path(wl["trace"]).is_absolute():
         wl["trace"] = str((path.parent / wl["trace"]).resolve())
+    mods = data.get("policy_modules")
+    if isinstance(mods, list):
+        data["policy_modules"] = [str((path.parent / m).resolve())
+                                  if isinstance(m, str) and m.endswith(".py") else m
+                                  for m in mods]
     return validate_file_data(Scenario, data, path)

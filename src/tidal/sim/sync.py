@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tidal.control.mechanics import SyncStyle
 from tidal.sim import dispatch
-from tidal.sim.scenario import SyncStyle
 from tidal.types import RequestRetried, WeightSyncDone
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ they come, micro-step by micro-step, whoever is in training). Compute is a fluid
 claimed groups processed at ``train_rate_tok_s(gpus, cells)``, re-rated whenever cells join or
 leave; then gradient aggregation (per extra cell), one optimizer update per mini-batch
 (``mini_batch_groups``) and the step's fixed costs (``fixed_step_s``). A trainer that offloads
-its parameters (``Profile.param_offload``: verl's colocated trainer) also moves each GPU's
+its parameters (``Mechanics.param_offload``: verl's colocated trainer) also moves each GPU's
 parameter shard over the host link on every pass of every micro-batch, and its gradients and
 weights on every update. Weights are fixed during a step (one version per step).
 """
@@ -20,9 +20,10 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from tidal.control.mechanics import TrainerStyle
 from tidal.control.step_inputs import StepInputs
 from tidal.sim.costs import train_rate_tok_s
-from tidal.sim.scenario import TrainerConfig, TrainerStyle
+from tidal.sim.scenario import TrainerConfig
 from tidal.types import GroupsAssigned, TrainerReady, TrainerStepDone
 
 if TYPE_CHECKING:

@@ -11,13 +11,20 @@ decides what the consumer does about the shortfall: ``drop`` streams whatever fr
 are, ``wait`` hands out nothing until the full request can be met with fresh groups (the batch
 stays complete at the cost of streaming; the core's step timeout bounds the wait).
 The buffer is bounded (``capacity_groups``); a full buffer makes ``add`` wait, then fail.
+Ordered (``ordered``, a deterministic run): a group's records are kept in execution-id order
+(its advantages and sequences do not depend on which execution closed first), and ``take``
+hands out groups only in the order given to ``expect`` (the dispatch order), all requested
+groups at once: every step trains the same groups, packed the same way, whatever the arrival
+order. ``takeable`` says how many of the next expected groups are ready.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -42,10 +49,17 @@ class TrajectoryBufferConfig(BaseModel):
     advantage_eps: float = Field(default=1e-6, gt=0)
     # Groups whose rewards are all equal carry no GRPO signal; dropping them saves compute.
     drop_uniform_groups: bool = False
+    # runtime.deterministic: records sorted per group, groups taken in ``expect`` order only
+    ordered: bool = False
 
 
 class BufferClosed(TidalError):
     """The trajectory stream was closed; nothing more will arrive."""
+
+
+def member_key(execution_id: str) -> tuple:
+    """Natural order of execution ids (``b0-g1-e2`` before ``b0-g1-e10``)."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", execution_id))
 
 
 def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
@@ -96,11 +110,36 @@ class TrajectoryBuffer:
         self._partial: dict[str, list[ExecutionRecord]] = {}
         self._ready: list[ReadyGroup] = []
         self._closed = False
+        self._expected: deque[str] = deque()  # ordered: group ids in training order
         self.stats = BufferStats()
 
     def __len__(self) -> int:
         with self._cv:
             return len(self._ready)
+
+    def expect(self, group_ids: list[str]) -> None:
+        """Ordered mode: these groups are trained next, in this order (after any expected
+        before)."""
+        with self._cv:
+            self._expected.extend(group_ids)
+            self._cv.notify_all()
+
+    def takeable(self) -> int:
+        """Groups a ``take`` could hand out now: ready ones; ordered, only the ready prefix of
+        the expected order."""
+        with self._cv:
+            return len(self._in_order(len(self._ready))) if self.config.ordered \
+                else len(self._ready)
+
+    def _in_order(self, limit: int) -> list[ReadyGroup]:
+        """Ordered: the ready groups that are next in the expected order, at most ``limit``."""
+        by_id = {g.group_id: g for g in self._ready}
+        out = []
+        for gid in self._expected:
+            if gid not in by_id or len(out) >= limit:
+                break
+            out.append(by_id[gid])
+        return out
 
     def _held_groups(self) -> int:
         return len(self._ready) + len(self._partial)
@@ -131,6 +170,8 @@ class TrajectoryBuffer:
             self._cv.notify_all()
 
     def _make_ready(self, group_id: str, records: list[ExecutionRecord]) -> None:
+        if self.config.ordered:
+            records = sorted(records, key=lambda r: member_key(r.execution_id))
         rewards = [r.reward for r in records]
         if self.config.drop_uniform_groups and max(rewards) == min(rewards):
             self.stats.groups_dropped_uniform += 1
@@ -177,6 +218,8 @@ class TrajectoryBuffer:
             self.stats.groups_dropped_stale += 1
             self.stats.tokens_dropped_stale += sum(r.trainable_tokens() for r in g.records)
             self.stats.dropped_group_ids.append(g.group_id)
+            if g.group_id in self._expected:  # never comes back: the order goes on without
+                self._expected.remove(g.group_id)
             log.info("dropped stale group %s (min version %d < %d)", g.group_id,
                      g.min_version(), oldest_ok)
         self._ready = fresh
@@ -187,19 +230,28 @@ class TrajectoryBuffer:
         Waits up to ``timeout_s``: under ``drop`` for at least one fresh group, under ``wait``
         for all ``max_groups`` (fewer only once the stream is closed; none on timeout).
         """
-        need = max_groups if self.config.on_stale == "wait" else 1
+        ordered = self.config.ordered
+        need = max_groups if self.config.on_stale == "wait" or ordered else 1
         deadline = self._clock.now() + timeout_s
         with self._cv:
             while True:
                 self._evict_stale(version)
-                if len(self._ready) >= need or self._closed:
+                have = len(self._in_order(max_groups)) if ordered else len(self._ready)
+                if have >= need or self._closed:
                     break
                 if self._clock.now() >= deadline:
-                    if self.config.on_stale == "wait":
+                    if self.config.on_stale == "wait" or ordered:
                         return []
                     break
                 self._cv.wait(_POLL_S)
-            out, self._ready = self._ready[:max_groups], self._ready[max_groups:]
+            if ordered:
+                out = self._in_order(max_groups)
+                taken = {id(g) for g in out}
+                self._ready = [g for g in self._ready if id(g) not in taken]
+                for _ in out:
+                    self._expected.popleft()
+            else:
+                out, self._ready = self._ready[:max_groups], self._ready[max_groups:]
             for g in out:
                 g.consumed_version = version
                 g.staleness = [

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from tidal.control.mechanics import MECHANICS_SETS
 from tidal.control.policy import registered
 from tidal.control.verl import dispatch_budget
 from tidal.sim import perf
@@ -22,7 +23,7 @@ from tidal.sim.oracle import (
     training_configs,
 )
 from tidal.sim.runner import run_policy
-from tidal.sim.scenario import FAMILY_PROFILES, Scenario, load
+from tidal.sim.scenario import Scenario, load
 from tidal.sim.workloads import make_workload
 from tidal.testing.sim_scenarios import tiny_scenario
 
@@ -51,7 +52,7 @@ def bound_before(sc: Scenario) -> float:
     gpus = sum(c.gpus for c in cl.cell_specs()) + cl.standalone_count * cl.standalone_gpus
     slots = sum(c.slots for c in cl.cell_specs()) + cl.standalone_count * cl.standalone_slots
     stale = max([sc.sim.staleness_threshold]
-                + [p.staleness_threshold for p in (*FAMILY_PROFILES.values(),
+                + [p.staleness_threshold for p in (*MECHANICS_SETS.values(),
                                                    *sc.profiles.values())
                    if p.staleness_threshold is not None])
     steps, n = sc.total_steps, sc.total_steps * ctrl.batch_groups
@@ -176,7 +177,7 @@ def test_pipeline_waits_for_the_budget_and_the_cap():
     assert end >= 100 + opt + 2 * (sync + 10 + opt)
 
 
-@pytest.mark.parametrize("mechanics", sorted(FAMILY_PROFILES))
+@pytest.mark.parametrize("mechanics", sorted(MECHANICS_SETS))
 @pytest.mark.parametrize("scenario", ["dapo-math-32gpu", "qwengyre-long-tail"])
 def test_no_policy_beats_the_bound_under_any_mechanics(scenario, mechanics):
     factor, bursts = CASES[scenario]

@@ -2,10 +2,10 @@
 
 import pytest
 
+from tidal.control.mechanics import MECHANICS_SETS
 from tidal.control.policy import registered
 from tidal.sim.oracle import oracle_bound
 from tidal.sim.runner import compare, run_policy
-from tidal.sim.scenario import FAMILY_PROFILES
 from tidal.sim.world import SimulationError, World
 from tidal.testing.sim_scenarios import tiny_scenario as tiny
 
@@ -56,8 +56,8 @@ def test_moves_reroute_live_executions_and_kv_handoff_saves_prefill():
     from tidal.sim.scenario import load
 
     base = load("dapo-math-32gpu").scaled(1.0, bursts=3)
-    with_kv = base.model_copy(update={"profiles": {"tidal": FAMILY_PROFILES["tidal"]}})
-    no_kv = base.model_copy(update={"profiles": {"tidal": FAMILY_PROFILES["tidal"].model_copy(
+    with_kv = base.model_copy(update={"profiles": {"tidal": MECHANICS_SETS["tidal"]}})
+    no_kv = base.model_copy(update={"profiles": {"tidal": MECHANICS_SETS["tidal"].model_copy(
         update={"kv_handoff": False})}})
     a = run_policy(with_kv, "tidal", check=True).summary
     b = run_policy(no_kv, "tidal", check=True).summary

@@ -1,20 +1,22 @@
-"""The system mechanics a policy family runs with: dispatch, trainer, weight sync, KV
-handoff, partial rollout, staleness, admission, and the trainer's own mechanics per mode
-(the old-log-prob pass, parameter offload of a colocated trainer).
+"""The system mechanics a policy declares: what the simulator gives it around its decisions
+(dispatch, trainer, weight sync, KV handoff, partial rollout, staleness, admission, and the
+trainer's own passes: the old-log-prob forward, parameter offload of a colocated trainer).
 
-In: a policy name (``family_of``) or a scenario's ``profiles`` entry. Out: a ``Profile``
-(pydantic, ``extra="forbid"``), reported in every summary (``Profile.label``). The families:
-verl's fully-async trainer (``verl``, also ``static``), QwenGyre (``waterlevel``), ``tidal``
-and synchronous ``colocate`` (verl's hybrid-engine trainer).
+In: nothing (a policy class sets ``mechanics = QWENGYRE`` or its own ``Mechanics(...)``; a
+scenario's ``profiles`` entry overrides it per run). Out: a frozen ``Mechanics`` (pydantic,
+``extra="forbid"``) that ``sim`` reads instead of guessing from the policy's name, and that
+``summary.json`` reports as ``policy_mechanics``. ``MECHANICS_SETS`` names the four systems'
+sets for ``tidal simulate --mechanics`` (every policy run under one system's mechanics): verl's
+fully-async trainer (``verl``), QwenGyre (``waterlevel``), ``tidal`` and verl's synchronous
+hybrid-engine trainer (``colocate``).
 """
 
 from __future__ import annotations
 
 import enum
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tidal.config import Strict
 from tidal.errors import ConfigError
 
 
@@ -33,8 +35,11 @@ class SyncStyle(enum.StrEnum):
     KEEP = "keep"  # pause in place, KV kept
 
 
-class Profile(Strict):
-    """The system mechanics a policy family runs with (reported in every summary)."""
+class Mechanics(BaseModel):
+    """The system mechanics a policy runs with (declared by the policy, reported in every
+    summary). The defaults are verl's fully-async trainer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     dispatch: DispatchStyle = DispatchStyle.ON_DEMAND
     trainer: TrainerStyle = TrainerStyle.BATCH
@@ -65,7 +70,7 @@ class Profile(Strict):
     )
 
     @model_validator(mode="after")
-    def _admission(self) -> Profile:
+    def _admission(self) -> Mechanics:
         from tidal.control.admission import AdmissionRule
 
         try:
@@ -88,28 +93,38 @@ class Profile(Strict):
         return "/".join(parts + ([] if self.admission == "off" else ["admit"]))
 
 
-FAMILY_PROFILES: dict[str, Profile] = {
-    "verl": Profile(),
-    "waterlevel": Profile(
-        dispatch=DispatchStyle.BURST,
-        trainer=TrainerStyle.STREAMING,
-        sync=SyncStyle.KEEP,
-        kv_handoff=True,
-    ),
-    "tidal": Profile(trainer=TrainerStyle.STREAMING, sync=SyncStyle.KEEP, kv_handoff=True),
-    # verl's colocated (hybrid-engine) trainer: parameters and optimizer offloaded while the
-    # engine holds the GPUs, old log-probs recomputed by the trainer.
-    "colocate": Profile(
-        dispatch=DispatchStyle.BURST,
-        sync=SyncStyle.KEEP,
-        staleness_threshold=0.0,
-        old_log_prob=True,
-        param_offload=True,
-    ),
+#: verl's fully-async trainer: on-demand dispatch, batch trainer, syncs abort (partial rollout).
+VERL = Mechanics()
+#: QwenGyre: the burst's quota at once, streaming trainer, syncs keep KV, KV handed off on moves.
+QWENGYRE = Mechanics(
+    dispatch=DispatchStyle.BURST,
+    trainer=TrainerStyle.STREAMING,
+    sync=SyncStyle.KEEP,
+    kv_handoff=True,
+)
+#: tidal: on-demand dispatch with QwenGyre's streaming trainer, kept syncs and KV handoff.
+TIDAL = Mechanics(trainer=TrainerStyle.STREAMING, sync=SyncStyle.KEEP, kv_handoff=True)
+#: verl's colocated (hybrid-engine) trainer: parameters and optimizer offloaded while the
+#: engine holds the GPUs, old log-probs recomputed by the trainer.
+COLOCATE = Mechanics(
+    dispatch=DispatchStyle.BURST,
+    sync=SyncStyle.KEEP,
+    staleness_threshold=0.0,
+    old_log_prob=True,
+    param_offload=True,
+)
+
+#: The four systems' mechanics by system name (``tidal simulate --mechanics NAME``).
+MECHANICS_SETS: dict[str, Mechanics] = {
+    "verl": VERL,
+    "waterlevel": QWENGYRE,
+    "tidal": TIDAL,
+    "colocate": COLOCATE,
 }
 
 
-def family_of(policy: str) -> str:
-    if policy.startswith("verl") or policy == "static":
-        return "verl"
-    return policy if policy in FAMILY_PROFILES else "verl"
+def mechanics_set(name: str, field: str = "mechanics") -> Mechanics:
+    """The named system's mechanics, or a one-line ``ConfigError`` naming ``field``."""
+    if name not in MECHANICS_SETS:
+        raise ConfigError(field, f"unknown {name!r} (known: {', '.join(MECHANICS_SETS)})")
+    return MECHANICS_SETS[name]
