@@ -439,7 +439,7 @@ def _format(exc: ValidationError, prefix: str) -> ConfigError:
     return ConfigError(field, msg + (f" (and {more} more error(s))" if more else ""))
 
 
-def validate_model(model: type[M], data: Any, prefix: str = "") -> M:
+def validate_model(model: type[M], data: object, prefix: str = "") -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -180,7 +180,7 @@ class Summary(_Line):
     deterministic_held_boundaries: int | None = None
 
 
-def check(model: type[BaseModel], obj: Any, where: str) -> dict[str, Any]:
+def check(model: type[BaseModel], obj: object, where: str) -> dict[str, Any]:
     """``obj`` checked against ``model``; returned unchanged (extra keys kept). A wrong or
     missing value is a ``ConfigError`` at ``where`` naming the field."""
     try:

@@ -17,12 +17,15 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from tidal import run_schema as schema
 from tidal.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tidal.json_types import JSON
 
 # verl's per-version metrics, on the final step of each burst (``dynamic_resource/*``)
 UTIL_KEYS = {"train": "dynamic_resource/train_resource_utilization",
@@ -151,7 +154,7 @@ class RunData:
         """The resolved config flattened to dotted keys, minus what names the run or policy."""
         flat: dict[str, Any] = {}
 
-        def walk(prefix: str, val: Any) -> None:
+        def walk(prefix: str, val: object) -> None:
             if isinstance(val, dict):
                 for k, v in val.items():
                     walk(f"{prefix}.{k}" if prefix else str(k), v)
@@ -227,7 +230,7 @@ def _group_rewards(path: Path) -> dict[str, float] | None:
     return {g: sum(v) / len(v) for g, v in by.items()}
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path) -> JSON:
     try:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
@@ -267,7 +270,7 @@ def read_jsonl(path: Path, required: tuple[str, ...] = (),
     return out
 
 
-def _is_number(val: Any) -> bool:
+def _is_number(val: object) -> bool:
     return isinstance(val, int | float) and not isinstance(val, bool)
 
 

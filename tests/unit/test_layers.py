@@ -87,3 +87,10 @@ def test_the_io_and_clock_rule_sees_each_form(tmp_path):
         assert _io_and_clocks(tmp_path / "m.py"), code
     (tmp_path / "m.py").write_text("def f(clock):\n    return clock.now()\n")
     assert _io_and_clocks(tmp_path / "m.py") == []
+
+
+def test_serving_never_imports_agents():
+    """The proxy serves harnesses; harnesses (``agents``) build on it, never the reverse."""
+    bad = {str(p.relative_to(SRC)): sorted(n for n in _imports(p) if n.startswith("tidal.agents"))
+           for p in _package("serving")}
+    assert not {k: v for k, v in bad.items() if v}

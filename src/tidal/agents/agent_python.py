@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 from numbers import Real
-from typing import Any
 
 from tidal.agents.callables import load_callable, parameters
 from tidal.agents.kinds import AgentContext, AgentOutcome, register_agent_kind, unused
@@ -63,7 +62,7 @@ class PythonKind:
             return outcome_of(await self.fn(**{n: given[n] for n in self.names}))
 
 
-def outcome_of(res: Any) -> AgentOutcome:
+def outcome_of(res: object) -> AgentOutcome:
     """A python agent's return value as an ``AgentOutcome`` (``TypeError`` if it is none of
     the accepted shapes)."""
     if isinstance(res, AgentOutcome):

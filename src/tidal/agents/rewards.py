@@ -26,7 +26,6 @@ import signal
 import sys
 from numbers import Real
 from pathlib import Path
-from typing import Any
 
 from tidal.agents.callables import load_callable, parameters
 from tidal.agents.kinds import AgentOutcome
@@ -82,7 +81,7 @@ class Reward:
             raise RewardError(f"{type(exc).__name__}: {_line(exc)}{_where(exc)}") from None
         return number(value)
 
-    async def _call(self, row: TaskRow, outcome: AgentOutcome, workspace: Path) -> Any:
+    async def _call(self, row: TaskRow, outcome: AgentOutcome, workspace: Path) -> object:
         if self.fn is not None:
             given = (
                 {
@@ -109,7 +108,7 @@ class Reward:
         return await asyncio.to_thread(_BUILTINS[self.cfg.builtin or ""], row, outcome.answer)
 
 
-def number(value: Any) -> float:
+def number(value: object) -> float:
     """A reward value as a finite float (verl's dict answers give their ``score``)."""
     if isinstance(value, dict) and "score" in value:
         value = value["score"]

@@ -196,7 +196,7 @@ def _mapped(src: TaskSourceConfig, records: list[dict[str, Any]]) -> list[TaskRo
     return rows
 
 
-def _is_chat(value: Any) -> bool:
+def _is_chat(value: object) -> bool:
     return (
         isinstance(value, list)
         and bool(value)

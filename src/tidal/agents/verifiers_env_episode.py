@@ -17,7 +17,11 @@ reward, and the trace's token ids, sampled mask and log-probs (what prime-rl tra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from verifiers.v1 import Task, Trace
+    from verifiers.v1.clients.train import TrainClient
 
 
 @dataclass
@@ -30,7 +34,7 @@ class EpisodeResult:
     rewards: dict[str, float]
 
 
-def task_messages(task: Any) -> list[dict]:
+def task_messages(task: Task) -> list[dict]:
     """The chat messages a task opens with: its system prompt, then its prompt."""
     data = task.data
     head = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
@@ -39,7 +43,7 @@ def task_messages(task: Any) -> list[dict]:
     return [*head, *[m.model_dump(exclude_none=True) for m in data.prompt or []]]
 
 
-def train_client(base_url: str, api_key: str, tokenizer_dir: str) -> Any:
+def train_client(base_url: str, api_key: str, tokenizer_dir: str) -> TrainClient:
     """verifiers' ``TrainClient`` over ``base_url`` (an OpenAI ``/v1`` base), its renderer
     pinned to the local model directory ``tokenizer_dir``. Every execution has its own key:
     it goes in as the Authorization header (the client's own key variable is left unset)."""
@@ -56,7 +60,7 @@ def train_client(base_url: str, api_key: str, tokenizer_dir: str) -> Any:
     )
 
 
-def last_answer(trace: Any) -> str:
+def last_answer(trace: Trace) -> str:
     """The text of the trace's last assistant message ("" when it has none)."""
     for node in reversed(trace.nodes):
         if node.message.role == "assistant":
@@ -66,7 +70,7 @@ def last_answer(trace: Any) -> str:
 
 
 async def run_task(
-    task: Any,
+    task: Task,
     base_url: str,
     api_key: str,
     model: str,

@@ -20,7 +20,15 @@ records the token ids the engine sampled, which are the ids verifiers received
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from renderers import Renderer
+    from verifiers.v1 import Task
+
+    from tidal.agents.kinds import AgentContext, AgentOutcome
+    from tidal.agents.tasks import TaskRow
+    from tidal.config import AgentConfig
 
 ARGS = ("tokenizer", "renderer", "tool_parser", "environment", "environment_args")
 
@@ -35,7 +43,7 @@ def model_dir(name: str) -> str:
 
 def make_renderer(
     tokenizer_dir: str, renderer: str = "default", tool_parser: str | None = None
-) -> Any:
+) -> Renderer:
     """A ``renderers`` renderer over the tokenizer of ``tokenizer_dir`` (a local directory:
     nothing is downloaded)."""
     import renderers
@@ -55,7 +63,7 @@ async def run_episode(
     base_url: str,
     api_key: str,
     model: str,
-    renderer: Any,
+    renderer: Renderer,
     messages: list[dict],
     sampling: dict,
     session: str,
@@ -92,7 +100,7 @@ class VerifiersKind:
     """``task.agent.kind: verifiers`` (the agent-kind registry's protocol: check the config in
     ``__init__``, run one execution in ``run``)."""
 
-    def __init__(self, spec: Any, field: str = "task.agent") -> None:
+    def __init__(self, spec: AgentConfig, field: str = "task.agent") -> None:
         from tidal.errors import ConfigError
 
         args = dict(getattr(spec, "args", None) or {})
@@ -126,7 +134,7 @@ class VerifiersKind:
             raise ConfigError(f"{field}.args.environment_args", "needs args.environment")
         self.tasks = load_environment(args, field) if args.get("environment") else None
 
-    async def run(self, ctx: Any) -> Any:
+    async def run(self, ctx: AgentContext) -> AgentOutcome:
         from tidal.agents.kinds import AgentOutcome
 
         if self.tasks is not None:
@@ -166,7 +174,7 @@ class VerifiersKind:
             except ValueError as exc:
                 raise ConfigError(f"{self.field}.args.environment_args", str(exc)) from None
 
-    async def _run_environment(self, ctx: Any) -> Any:
+    async def _run_environment(self, ctx: AgentContext) -> AgentOutcome:
         """The environment's task of this row, its episode, its reward; the trace's token ids,
         sampled mask and log-probs go to ``.tidal/verifiers_trace.json`` in the workspace."""
         from tidal.agents.kinds import AgentOutcome
@@ -230,7 +238,7 @@ def load_environment(args: dict, field: str) -> list[Any]:
     return list(taskset)
 
 
-def task_for_row(tasks: list[Any], row: Any) -> Any:
+def task_for_row(tasks: list[Task], row: TaskRow) -> Task:
     """The environment's task at the row's index; its prompt must be the row's (the task
     source and the environment name the same dataset), else a ValueError."""
     if row.index >= len(tasks):

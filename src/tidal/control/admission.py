@@ -126,7 +126,7 @@ class FairQueue:
         return item in self._items
 
     def push(self, item: Hashable, group: Hashable, now: float,
-             remaining: float | None = None, payload: Any = None) -> None:
+             remaining: float | None = None, payload: object = None) -> None:
         if item in self._items:
             raise ValueError(f"{item!r} is already queued")
         since, members = self._since.get(group, (now, 0))
@@ -147,7 +147,7 @@ class FairQueue:
             heapq.heappop(heap)
         return heap[0][2] if heap else None
 
-    def pop(self) -> tuple[Hashable, Any]:
+    def pop(self) -> tuple[Hashable, object]:
         """The next request and its payload in the fair order; ``IndexError`` when empty."""
         item = self.peek()
         if item is None:
@@ -155,16 +155,16 @@ class FairQueue:
         heapq.heappop(self._heap)
         return item, self._forget(item)
 
-    def discard(self, item: Hashable) -> Any:
+    def discard(self, item: Hashable) -> object:
         """Takes a waiting request out (moved, aborted); its payload, or None if absent."""
         if item not in self._items:
             return None
         return self._forget(item)
 
-    def payload(self, item: Hashable) -> Any:
+    def payload(self, item: Hashable) -> object:
         return self._items[item][1]
 
-    def _forget(self, item: Hashable) -> Any:
+    def _forget(self, item: Hashable) -> object:
         group, payload, _ = self._items.pop(item)
         since, members = self._since[group]
         if members <= 1:

@@ -136,6 +136,7 @@ class Controller:
         self._queue: deque[Event] = deque()
         self._busy = False
         self.events_handled = 0
+        self._dispatch_limit: int | None = None  # the last decision's (None: no limit)
 
     # ------------------------------------------------------------------ input
     def handle(self, event: Event) -> None:
@@ -156,53 +157,66 @@ class Controller:
             self._busy = False
 
     def _apply(self, ev: Event) -> None:
+        """The event's effect on the ledger, the counters and verl's metrics (one handler per
+        event type; an event type without one changes nothing here)."""
+        handler = _HANDLERS.get(type(ev))
+        if handler is not None:
+            getattr(self, handler)(ev)
+
+    def _on_dispatched(self, ev: ExecutionDispatched) -> None:
+        self.metrics.group_size = ev.group_size  # verl counts prompt groups
+        self.ledger.dispatch(ev.execution_id, ev.group_id, ev.group_size, ev.burst)
+
+    def _on_launched(self, ev: ExecutionLaunched) -> None:
         lg = self.ledger
-        if isinstance(ev, ExecutionDispatched):
-            self.metrics.group_size = ev.group_size  # verl counts prompt groups
-            lg.dispatch(ev.execution_id, ev.group_id, ev.group_size, ev.burst)
-        elif isinstance(ev, ExecutionLaunched):
-            if lg.launch(ev.execution_id):
-                group = lg.groups[lg.executions[ev.execution_id].group_id]
-                self.metrics.launched(group.group_id, group.size)
-        elif isinstance(ev, ExecutionClosed):
-            before = lg.groups_ready_total
-            if lg.close(ev.execution_id, ev.reason, ev.reward):
-                group = lg.groups[lg.executions[ev.execution_id].group_id]
-                self.metrics.closed(group.group_id, group.size)
-            self._count_generated(before)
-        elif isinstance(ev, ExecutionScored):
-            before = lg.groups_ready_total
-            lg.score(ev.execution_id, ev.reward)
-            self._count_generated(before)
-        elif isinstance(ev, RequestRetried):
-            lg.retry(ev.execution_id)
-        elif isinstance(ev, GroupsAssigned):
-            lg.assign(ev.group_ids)
-            self.assigned_in_batch += len(ev.group_ids)
-        elif isinstance(ev, BurstStarted):
-            self._announce(ev.burst, ev.quota_executions)
-            self.bursts_started += 1
-            self._expect_next_burst = False
-        elif isinstance(ev, TrainerReady):
-            self.trainer_waiting = True
-            self.metrics.step_begin(ev.t_s)
-        elif isinstance(ev, TrainerStepDone):
-            self._trainer_step_done(ev)
-        elif isinstance(ev, WeightSyncDone):
-            self.version = max(self.version, ev.version)
-            self.steps_in_version = 0
-            self.metrics.sync(self.version)
-            self._sync_end_pending = True  # after the activation the policy may start
-            self._cycle_stale = True
-            self.log.write({"type": "weights_published", "t": round(ev.t_s, 6),
-                            "version": ev.version, "duration_s": round(ev.duration_s, 6),
-                            **({"transports": dict(ev.transports)} if ev.transports else {})})
-        elif isinstance(ev, TransitionStepDone):
-            self._step_done(ev)
-        elif isinstance(ev, EngineCapacityChanged):
-            self.cells.set_standalone(ev.engine_id, ev.slots)
-        elif isinstance(ev, Tick):
-            self._check_step_timeout(ev.t_s)
+        if lg.launch(ev.execution_id):
+            group = lg.groups[lg.executions[ev.execution_id].group_id]
+            self.metrics.launched(group.group_id, group.size)
+
+    def _on_closed(self, ev: ExecutionClosed) -> None:
+        lg = self.ledger
+        before = lg.groups_ready_total
+        if lg.close(ev.execution_id, ev.reason, ev.reward):
+            group = lg.groups[lg.executions[ev.execution_id].group_id]
+            self.metrics.closed(group.group_id, group.size)
+        self._count_generated(before)
+
+    def _on_scored(self, ev: ExecutionScored) -> None:
+        before = self.ledger.groups_ready_total
+        self.ledger.score(ev.execution_id, ev.reward)
+        self._count_generated(before)
+
+    def _on_retried(self, ev: RequestRetried) -> None:
+        self.ledger.retry(ev.execution_id)
+
+    def _on_assigned(self, ev: GroupsAssigned) -> None:
+        self.ledger.assign(ev.group_ids)
+        self.assigned_in_batch += len(ev.group_ids)
+
+    def _on_burst_started(self, ev: BurstStarted) -> None:
+        self._announce(ev.burst, ev.quota_executions)
+        self.bursts_started += 1
+        self._expect_next_burst = False
+
+    def _on_trainer_ready(self, ev: TrainerReady) -> None:
+        self.trainer_waiting = True
+        self.metrics.step_begin(ev.t_s)
+
+    def _on_weights(self, ev: WeightSyncDone) -> None:
+        self.version = max(self.version, ev.version)
+        self.steps_in_version = 0
+        self.metrics.sync(self.version)
+        self._sync_end_pending = True  # after the activation the policy may start
+        self._cycle_stale = True
+        self.log.write({"type": "weights_published", "t": round(ev.t_s, 6),
+                        "version": ev.version, "duration_s": round(ev.duration_s, 6),
+                        **({"transports": dict(ev.transports)} if ev.transports else {})})
+
+    def _on_capacity(self, ev: EngineCapacityChanged) -> None:
+        self.cells.set_standalone(ev.engine_id, ev.slots)
+
+    def _on_tick(self, ev: Tick) -> None:
+        self._check_step_timeout(ev.t_s)
 
     def _announce(self, burst: int, quota: int) -> None:
         """A new burst's quota supersedes what is left of earlier ones: a dispatcher serves one
@@ -261,10 +275,10 @@ class Controller:
 
     @property
     def dispatch_limit(self) -> int | None:
-        """Executions the waterlevel may reach through new dispatches, as the policy holds it
-        (``dispatch_limit`` on the policy; None: no limit). A dispatcher that honours it keeps
-        invariant 3 reachable for a move the policy waits for."""
-        return getattr(self.policy, "dispatch_limit", None)
+        """Executions the waterlevel may reach through new dispatches, as the policy's last
+        decision holds it (``Decision.dispatch_limit``; None: no limit). A dispatcher that
+        honours it keeps invariant 3 reachable for a move the policy waits for."""
+        return self._dispatch_limit
 
     @property
     def pending_dispatch(self) -> int:
@@ -320,6 +334,7 @@ class Controller:
             # A plan just failed: don't let the policy re-issue it in a tight loop.
             return
         decision = self.policy.decide(obs)
+        self._dispatch_limit = decision.dispatch_limit
         if self.log.wants(decision.action.value, decision.reason, self.dispatch_limit):
             self.log.write({"type": "decision", **self._record(obs, decision)})
         if decision.action is not Action.HOLD:
@@ -485,3 +500,20 @@ class Controller:
             "trainer_steps": self.trainer_step,
             "version": self.version,
         }
+
+
+_HANDLERS: dict[type[Event], str] = {  # event type: the Controller method that applies it
+    ExecutionDispatched: "_on_dispatched",
+    ExecutionLaunched: "_on_launched",
+    ExecutionClosed: "_on_closed",
+    ExecutionScored: "_on_scored",
+    RequestRetried: "_on_retried",
+    GroupsAssigned: "_on_assigned",
+    BurstStarted: "_on_burst_started",
+    TrainerReady: "_on_trainer_ready",
+    TrainerStepDone: "_trainer_step_done",
+    WeightSyncDone: "_on_weights",
+    TransitionStepDone: "_step_done",
+    EngineCapacityChanged: "_on_capacity",
+    Tick: "_on_tick",
+}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 Sink = Callable[[dict[str, Any]], None]
 _DIGITS = re.compile(r"[-+]?\d+(\.\d+)?")
@@ -53,7 +53,7 @@ class DecisionLog:
             self.write({"type": "decision", **record})
 
 
-def jsonl_file_sink(fh: Any) -> Sink:
+def jsonl_file_sink(fh: TextIO) -> Sink:
     """A sink writing one compact JSON object per line to an open text file."""
     import json
 

@@ -99,15 +99,21 @@ class Observation:
 
 @dataclass(frozen=True)
 class Decision:
+    """What the policy answers, and everything the controller reads from it: the move (or
+    hold), its reason, the plan style, the plan options, and ``dispatch_limit``: executions
+    the waterlevel may reach through new dispatches until the next decision (None: no limit;
+    the controller hands it to the dispatcher as ``Controller.dispatch_limit``)."""
+
     action: Action
     cells: tuple[CellIndex, ...] = ()
     reason: str = ""
     style: PlanStyle = PlanStyle.QWENGYRE
     options: dict[str, Any] = field(default_factory=dict)
+    dispatch_limit: int | None = None
 
     @staticmethod
-    def hold(reason: str) -> Decision:
-        return Decision(Action.HOLD, (), reason)
+    def hold(reason: str, dispatch_limit: int | None = None) -> Decision:
+        return Decision(Action.HOLD, (), reason, dispatch_limit=dispatch_limit)
 
 
 @runtime_checkable
@@ -237,7 +243,7 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, args
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str) -> bool | int | float | str:
     low = raw.lower()
     if low in ("true", "yes", "on"):
         return True
@@ -260,7 +266,7 @@ def make_policy(name: str, args: dict[str, Any] | None = None) -> Policy:
         raise ConfigError("policy.args", f"{name}: {exc}") from None
 
 
-def _check_args(name: str, factory: Any, args: dict[str, Any]) -> None:
+def _check_args(name: str, factory: Callable[..., Policy], args: dict[str, Any]) -> None:
     """An argument the policy does not take is one error naming it and the ones it takes."""
     import inspect
 

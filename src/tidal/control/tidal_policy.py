@@ -30,10 +30,10 @@ Rule (evaluated after every event and tick while no transition is in flight):
   (a reversal costs a switch each way); moves in the same direction chain without delay.
 - Dispatch hold: when the next lend is blocked only by the waterlevel (capacity after the move
   < ``w``) while production, measured, still outpaces consumption with one more training cell
-  (drift after the move >= 0, supply held), the policy sets ``dispatch_limit`` to the capacity
-  after the move: the dispatcher starts no new group past it, ``w`` drains to it and the move
-  becomes waterlevel-safe (on-demand dispatch otherwise refills every freed slot, so ``w``
-  never falls below capacity before the budget runs out). Every other decision clears it.
+  (drift after the move >= 0, supply held), the hold carries ``Decision.dispatch_limit`` = the
+  capacity after the move: the dispatcher starts no new group past it, ``w`` drains to it and
+  the move becomes waterlevel-safe (on-demand dispatch otherwise refills every freed slot, so ``w``
+  never falls below capacity before the budget runs out). Every other decision has none.
 - A backlog of ready groups (two batches or more) counts as production ahead of consumption:
   it lends without waiting for the rates (still waterlevel-safe, with held supply).
 Before the rates are known the policy holds, unless one side is empty (no training cell, or no
@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tidal.control import tidal_rules as rules
 from tidal.control.mechanics import TIDAL
 from tidal.control.policy import (
     Action,
@@ -55,7 +56,7 @@ from tidal.control.policy import (
     Observation,
     register_policy,
 )
-from tidal.control.waterlevel import capacity_after_move
+from tidal.control.tidal_rules import Situation
 from tidal.errors import ConfigError
 from tidal.types import Role
 
@@ -110,8 +111,8 @@ class TidalPolicy:
         self._last: tuple[float, int, int, int, int, int] | None = None
         self._last_move_s = -math.inf
         self._last_action = Action.HOLD
-        #: executions the waterlevel may reach by new dispatches (None: no limit); read by
-        #: the dispatcher through ``Controller.dispatch_limit``
+        #: the last decision's dispatch hold, logged with the state (the controller reads it
+        #: from the ``Decision``)
         self.dispatch_limit: int | None = None
 
     # ---------------------------------------------------------------- protocol
@@ -130,107 +131,18 @@ class TidalPolicy:
         self._observe(obs)
         if obs.in_flight:
             return Decision.hold("transition in flight")
-        self.dispatch_limit = None
-        gpus = _training_gpus(obs)
-        queue = obs.ready_groups
-        todo = obs.waterlevel + obs.pending_dispatch
-        batch = obs.batch_groups
-        cap = obs.rollout_capacity
         p, c = self.production.rate, self.consumption.rate
-        # A backlog of ready groups (two batches or more) shows production ahead of
-        # consumption without waiting for the rates.
-        backlog = queue >= 2 * batch
-        if (p is None or c is None) and gpus > 0 and cap > 0 and not backlog:
-            return Decision.hold("measuring rates")
-        # With nothing training, or nothing to roll out on, a side is stuck: the unknown rate
-        # counts as zero and the moves below follow from slots and supply alone.
-        p = 0.0 if p is None else p
-        c = 0.0 if c is None else c
-        # Return training cells (the last ones, as a block) when rollout is short of slots and
-        # the trainer would run dry within the horizon anyway.
-        # With no rollout capacity at all the floor goes: someone must produce data. So does
-        # it when the trainer is starving: not one batch ready within the horizon even with
-        # every slot (the lent ones too) producing.
-        floor = self.min_train_cells if cap > 0 else 0
-        if gpus > 0 and queue < batch and queue + p * min(cap + _training_slots(obs), todo) \
-                * self.horizon_s < batch:
-            floor = 0
-        movable = [v for v in obs.cells[floor:obs.prefix_len] if v.role is Role.TRAINING]
-        if movable and len(movable) == obs.prefix_len - floor and todo > cap:
-            drift = p * min(cap, todo) - c * gpus
-            projected = queue + drift * self.horizon_s
-            if projected < self.low_batches * batch or cap == 0:
-                if self._dwelling(obs, Action.TO_ROLLOUT):
-                    return Decision.hold("dwell before reversing the last move")
-                block, slots, lent = [], 0, 0
-                for v in reversed(movable):
-                    # The smallest block that balances the rates or covers the missing slots.
-                    block.append(v)
-                    slots += v.slots
-                    lent += v.gpus
-                    drift_k = p * min(cap + slots, todo) - c * (gpus - lent)
-                    if cap + slots >= todo or drift_k >= 0:
-                        break
-                cells = tuple(sorted(v.index for v in block))
-                return self._move(obs, Action.TO_ROLLOUT, cells,
-                                  f"rollout short: {todo} executions to run > {cap} slots; "
-                                  f"queue {queue} -> {projected:.1f} groups in "
-                                  f"{self.horizon_s:g}s < {self.low_batches * batch:g}")
-        # Lend the next cell to training when rollout does not need its slots, the move is
-        # waterlevel-safe and the trainer has data to keep it busy.
-        nxt = obs.next_to_train()
-        if nxt is None or nxt.role is not Role.ROLLOUT:
-            return Decision.hold("balanced")
-        after = capacity_after_move(obs, nxt)
-        if gpus == 0 and queue >= batch and obs.supply.ok:
-            # Nothing trains while a whole batch is ready: lend, holding dispatch while the
-            # waterlevel is in the way (on-demand dispatch refills every freed slot).
-            if after >= obs.waterlevel:
-                return self._move(obs, Action.TO_TRAINING, (nxt.index,),
-                                  f"nothing trains and {queue} groups are ready")
-            if after > 0:
-                self.dispatch_limit = after
-                return Decision.hold(f"holding dispatch at {after} executions so cell "
-                                     f"{nxt.index} can train a ready batch (waterlevel "
-                                     f"{obs.waterlevel})")
-        drift_after = p * min(after, todo) - c * (gpus + nxt.gpus)
-        if after < obs.waterlevel:
-            if drift_after >= 0 and p > 0 and obs.supply.ok and after > 0:
-                # Production outpaces consumption even with one more training cell: stop
-                # dispatching until the waterlevel fits the smaller rollout side.
-                self.dispatch_limit = after
-                return Decision.hold(f"holding dispatch at {after} executions so cell "
-                                     f"{nxt.index} can train (waterlevel {obs.waterlevel})")
-            return Decision.hold(f"capacity after move {after} < waterlevel {obs.waterlevel}")
-        if todo > after and drift_after < 0 and not backlog:
-            return Decision.hold(f"rollout needs the slots: {todo} executions to run > {after} "
-                                 f"and the queue would drain ({drift_after:.4f} groups/s)")
-        if not obs.supply.ok:
-            return Decision.hold(f"supply {obs.supply.supply} not ok")
-        projected = queue + drift_after * self.dwell_s
-        if projected < self.high_batches * batch:
-            return Decision.hold(f"projected queue {projected:.1f} < "
-                                 f"{self.high_batches * batch:g} with one more cell")
-        if self._dwelling(obs, Action.TO_TRAINING):
-            return Decision.hold("dwell before reversing the last move")
-        why = (f"rollout has spare slots ({todo} executions to run <= {after})"
-               if todo <= after else
-               f"the queue still grows with one more cell ({drift_after:.4f} groups/s)")
-        return self._move(obs, Action.TO_TRAINING, (nxt.index,),
-                          f"{why}; queue {queue} -> {projected:.1f} groups in "
-                          f"{self.dwell_s:g}s")
+        situation = Situation(obs, 0.0 if p is None else p, 0.0 if c is None else c,
+                              p is not None and c is not None, _training_gpus(obs),
+                              self._last_action, self._last_move_s)
+        d = rules.decide(situation, self)
+        self.dispatch_limit = d.dispatch_limit
+        if d.action is not Action.HOLD:
+            self._last_move_s = obs.now_s
+            self._last_action = d.action
+        return d
 
     # ---------------------------------------------------------------- internals
-    def _dwelling(self, obs: Observation, action: Action) -> bool:
-        """Hysteresis: a move against the direction of the last one waits ``dwell_s``."""
-        return action is not self._last_action and obs.now_s - self._last_move_s < self.dwell_s
-
-    def _move(self, obs: Observation, action: Action, cells: tuple[int, ...],
-              why: str) -> Decision:
-        self._last_move_s = obs.now_s
-        self._last_action = action
-        return Decision(action, cells, why)
-
     def _observe(self, obs: Observation) -> None:
         now = obs.now_s
         # Groups taken by the trainer so far: whole steps plus this step's claimed groups (a
@@ -252,10 +164,6 @@ class TidalPolicy:
         # about its speed).
         exposure = gpus0 * dt if ready0 > 0 or consumed > 0 else 0.0
         self.consumption.add(consumed, exposure, dt)
-
-
-def _training_slots(obs: Observation) -> int:
-    return sum(c.slots for c in obs.cells if c.role is Role.TRAINING)
 
 
 _GPUS_CACHE: dict[int, tuple[tuple[CellView, ...], int]] = {}

@@ -57,7 +57,7 @@ class VerlContext:
         return self.required_samples * self.trigger_parameter_sync_step
 
     @staticmethod
-    def of(ctx: Any) -> VerlContext:
+    def of(ctx: object) -> VerlContext:
         """From any object with verl's field names (e.g. verl's own context)."""
         kw = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(VerlContext)}
         kw["step_wait_times"] = tuple(kw["step_wait_times"])

@@ -272,7 +272,7 @@ class SwitchScheduler:
         return Decision(action, self._hybrid, reason, PlanStyle.VERL)
 
 
-def _switch_settings(**kw: Any) -> SwitchSettings:
+def _switch_settings(**kw: object) -> SwitchSettings:
     for key, val in kw.items():
         if key == "adaptive_switch_threshold":
             if not isinstance(val, bool):

@@ -36,7 +36,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tidal.control.policy import (
     Action,
@@ -50,6 +51,17 @@ from tidal.control.supply import SupplyTracker
 from tidal.errors import TidalError
 from tidal.types import CellKind, Role
 
+if TYPE_CHECKING:
+    from tidal.runtime.ray_types import ActorHandle
+
+
+class VerlContextLike(Protocol):
+    """verl's dynamic-schedule context as the bridge reads it (verl's own object; the hooks
+    copy every field with ``VerlContext.of``)."""
+
+    required_samples: int
+    trigger_parameter_sync_step: int
+
 log = logging.getLogger(__name__)
 
 POLICIES = {"waterlevel": "waterlevel", "tidal": "tidal"}  # verl's name -> tidal's policy
@@ -62,7 +74,7 @@ class BridgeError(TidalError):
     """The bridge has no rollouter statistics to decide on."""
 
 
-def _rollouter_stats(rollouter: Any) -> dict[str, Any]:
+def _rollouter_stats(rollouter: ActorHandle) -> dict[str, Any]:
     import ray  # verl's rollouter is a Ray actor
 
     return ray.get(rollouter.get_statistics.remote(), timeout=60)
@@ -103,7 +115,7 @@ class VerlBridge:
             raise BridgeError("no rollouter statistics: verl injects policy._rollouter")
         return _rollouter_stats(rollouter)
 
-    def observe(self, global_steps: int, active: bool, ctx: Any, waiting: bool,
+    def observe(self, global_steps: int, active: bool, ctx: VerlContextLike, waiting: bool,
                 st: dict[str, Any] | None = None, done: int = 0) -> Observation:
         """The observation for verl's state; ``done``: samples assumed completed since."""
         st = st if st is not None else self.stats()
@@ -140,12 +152,13 @@ class VerlBridge:
             version=global_steps, bursts_ended=self.bursts_ended, in_flight=False)
 
     # -------------------------------------------------------------------- verl's hooks
-    def should_deactivate(self, global_steps: int, is_hybrid_active: bool, ctx: Any) -> bool:
+    def should_deactivate(self, global_steps: int, is_hybrid_active: bool,
+                          ctx: VerlContextLike) -> bool:
         self.fit_steps += 1
         self._step = (global_steps, is_hybrid_active)
         return is_hybrid_active  # the trainer needs its GPUs: when is the next hook's answer
 
-    def deactivate_wait_samples(self, ctx: Any) -> int:
+    def deactivate_wait_samples(self, ctx: VerlContextLike) -> int:
         global_steps, active = getattr(self, "_step", (0, True))
         st = self.stats()
         queue = int(st["monitor/queue/mq_queue_size"])
@@ -165,7 +178,7 @@ class VerlBridge:
         return queue + reach
 
     def should_activate_after_step(self, global_steps: int, is_hybrid_active: bool,
-                                   ctx: Any) -> bool:
+                                   ctx: VerlContextLike) -> bool:
         if is_hybrid_active:
             return False
         if global_steps > 0:
@@ -174,14 +187,14 @@ class VerlBridge:
         self.last_reason = d.reason
         return d.action is Action.TO_ROLLOUT
 
-    def request_rebalance(self, global_steps: int, ctx: Any) -> None:
+    def request_rebalance(self, global_steps: int, ctx: VerlContextLike) -> None:
         return None  # tidal never aborts requests to rebalance
 
-    def update_after_step(self, global_steps: int, ctx: Any) -> None:
+    def update_after_step(self, global_steps: int, ctx: VerlContextLike) -> None:
         return None
 
 
-def register(base: Any = None) -> dict[str, type]:
+def register(base: ModuleType | None = None) -> dict[str, type]:
     """Subclasses of verl's ``DynamicSchedulePolicyBase`` for ``POLICIES``, registered in
     verl's registry (``base``: verl's ``dynamic_schedule.base`` module; imported if None)."""
     if base is None:

@@ -17,8 +17,11 @@ delivers what it computed, leaves its step and parks with its model off the devi
 core's model and optimizer state move to CPU memory, and back on activation); WAKE_ENGINE,
 LOAD_WEIGHTS (the current published version, not the one at plan time), RESUME_ADMISSION (undrain).
 Invariant 4 is the proxy's; this module keeps the ordering: an engine sleeps only after its drain
-returned, and rejoins routing only after it loaded the current weights. verl plan styles are not
-executed by this slice: their steps fail with a clear error."""
+returned, and rejoins routing only after it loaded the current weights. verl plan styles run
+through the same operations under verl's step names (REMOVE_FROM_LOAD_BALANCER drains,
+ABORT_INFLIGHT checks the drain emptied the cell, SLEEP_ENGINE, SYNC_WEIGHTS loads,
+ADD_TO_LOAD_BALANCER undrains, RESUME_GENERATION checks the cell serves); a step kind without an
+operation here (``rebalance``) fails the step with a one-line error."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -38,6 +41,9 @@ from tidal.runtime.cell import RuntimeFailure
 from tidal.runtime.engines import EngineId, Engines
 from tidal.runtime.tasks import Parts, remote
 from tidal.types import Direction, Event, TransitionStepDone
+
+if TYPE_CHECKING:
+    from tidal.runtime.ray_types import ActorHandle
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +103,10 @@ class RayActuator:
         self._handle = handle
         return self
 
-    def _cell(self, cell: int) -> Any:
+    def _cell(self, cell: int) -> ActorHandle:
         return self.engines.cell(cell)
 
-    async def _call(self, cell: int, method: str, *args: Any) -> Any:
+    async def _call(self, cell: int, method: str, *args: object) -> object:
         """``method`` of cell ``cell``'s actor, bounded, with a one-line error."""
         ref = getattr(self._cell(cell), method).remote(*args)
         return await remote(ref, f"cell {cell} {method}", self.call_timeout_s)
@@ -171,7 +177,7 @@ class RayActuator:
                                         detail={"moves": details} if details else None))
 
     # -- steps ------------------------------------------------------------------------------
-    async def _do(self, kind: StepKind, cell: int) -> Any:
+    async def _do(self, kind: StepKind, cell: int) -> dict | None:
         op = self._ops().get(kind)
         if op is None:
             raise RuntimeFailure(f"step {kind.value} is not supported by this runtime")

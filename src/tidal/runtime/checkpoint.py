@@ -31,10 +31,13 @@ import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.errors import ConfigError, TidalError
 from tidal.training.records import ExecutionRecord
+
+if TYPE_CHECKING:
+    from tidal.json_types import JSON
 
 FORMAT = 2  # 2: no pickle (trainer.safetensors + trainer.json)
 TENSORS = "trainer.safetensors"
@@ -66,7 +69,7 @@ class Checkpoint:
     trainer: dict[str, Any]
 
 
-def _flatten(obj: Any, path: str, tensors: dict[str, Any], seen: set[int]) -> Any:
+def _flatten(obj: object, path: str, tensors: dict[str, Any], seen: set[int]) -> JSON:
     """``obj`` as JSON, each tensor replaced by ``{"tensor": key}`` (its bytes go to
     ``tensors``); tuples and dicts with non-string keys keep their type. Only a tensor whose
     memory another one already uses (tied weights) is copied: safetensors stores no aliases,
@@ -93,7 +96,7 @@ def _flatten(obj: Any, path: str, tensors: dict[str, Any], seen: set[int]) -> An
     raise TidalError(f"checkpoint: {path} is a {type(obj).__name__}: not a tensor or JSON value")
 
 
-def _unflatten(obj: Any, tensors: dict[str, Any]) -> Any:
+def _unflatten(obj: JSON, tensors: dict[str, Any]) -> object:
     if isinstance(obj, list):
         return [_unflatten(v, tensors) for v in obj]
     if not isinstance(obj, dict):
@@ -240,7 +243,7 @@ def _load_trainer(where: Path) -> dict[str, Any]:
     return trainer
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path) -> JSON:
     try:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

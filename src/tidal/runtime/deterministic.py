@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -36,6 +36,10 @@ from tidal.config import RunConfig
 from tidal.control.version_hold import EngineVersion, VersionHold
 from tidal.errors import ConfigError, TimeoutExpired
 from tidal.runtime.tasks import remote
+
+if TYPE_CHECKING:
+    from tidal.runtime.engines import Engines
+    from tidal.training.trajectory_buffer import TrajectoryBuffer
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +87,8 @@ class Boundaries:
         self,
         clock: Clock,
         admin: httpx.AsyncClient,
-        engines: Any,
-        buffer: Any,
+        engines: Engines,
+        buffer: TrajectoryBuffer,
         timeout_s: float,
         poll_s: float = 0.05,
     ) -> None:

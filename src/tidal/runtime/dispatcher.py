@@ -22,7 +22,7 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.clock import Clock
 from tidal.config import RunConfig
@@ -32,6 +32,13 @@ from tidal.runtime.tasks import Parts
 from tidal.seeding import derive_seed
 from tidal.training.records import ExecutionRecord
 from tidal.types import BurstStarted, Event
+
+if TYPE_CHECKING:
+    from tidal.agents.pool import HarnessPool
+    from tidal.agents.workload import AgentJob, Workload
+    from tidal.control.controller import Controller
+    from tidal.runtime.bridge import LedgerBridge
+    from tidal.runtime.deterministic import Boundaries
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +74,7 @@ def plan_burst(cfg: RunConfig, burst: int, trained: set[str],
 
 
 def task_factory(cfg: RunConfig, seed: int, burst: int = 0, group: int = 0,
-                 workload: Any = None) -> Any:
+                 workload: Workload | None = None) -> Callable[[], object] | AgentJob:
     """What every execution of one group runs (the same problem: GRPO compares answers to one
     prompt): the run's ``task:`` section's ``AgentJob`` (``workload``), else the built-in
     ``runtime.task``'s environment factory."""
@@ -86,10 +93,10 @@ def task_factory(cfg: RunConfig, seed: int, burst: int = 0, group: int = 0,
 
 
 class Dispatcher:
-    def __init__(self, cfg: RunConfig, pool: Any, bridge: Any, handle: Callable[[Event], None],
-                 clock: Clock, parts: Parts, trained: set[str],
-                 held: dict[str, ExecutionRecord], ctl: Any, workload: Any = None,
-                 gate: Any = None) -> None:
+    def __init__(self, cfg: RunConfig, pool: HarnessPool, bridge: LedgerBridge,
+                 handle: Callable[[Event], None], clock: Clock, parts: Parts,
+                 trained: set[str], held: dict[str, ExecutionRecord], ctl: Controller,
+                 workload: Workload | None = None, gate: Boundaries | None = None) -> None:
         self.cfg, self.pool, self.bridge, self.handle = cfg, pool, bridge, handle
         # runtime.deterministic (``runtime.deterministic.Boundaries``): the burst's training
         # order and the hold until every routed engine serves the published version

@@ -16,12 +16,18 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from tidal.config import RunConfig
 from tidal.runtime import vllm_host
 from tidal.runtime.cell import EngineHost, RuntimeFailure
 from tidal.seeding import engine_seed
+
+if TYPE_CHECKING:
+    from tidal.runtime.cpuquota import CpuGroups
+    from tidal.runtime.placement import Placement
+    from tidal.runtime.ray_types import ActorHandle, ObjectRef
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +99,8 @@ class Engines:
     """One actor per engine id; each actor's engine process is started, probed and stopped
     through it. Handles change only through ``replace`` (the cell supervisor)."""
 
-    def __init__(self, ray: Any, cfg: RunConfig, out: Path, model_dir: Path, placement: Any,
-                 cpu_groups: Any, token: str) -> None:
+    def __init__(self, ray: ModuleType, cfg: RunConfig, out: Path, model_dir: Path,
+                 placement: Placement, cpu_groups: CpuGroups | None, token: str) -> None:
         self.ray, self.cfg, self.rt, self.token = ray, cfg, cfg.runtime, token
         self.out, self.model_dir = out, model_dir
         self.placement, self.cpu_groups = placement, cpu_groups
@@ -139,10 +145,10 @@ class Engines:
         routing."""
         return self.backend(eid) in ("vllm", "sglang")
 
-    def cell(self, index: int) -> Any:
+    def cell(self, index: int) -> ActorHandle:
         return self.actors[EngineId.cell(index)]
 
-    def new_actor(self, eid: EngineId) -> Any:
+    def new_actor(self, eid: EngineId) -> ActorHandle:
         """An engine actor pinned to its reserved bundle (a replacement reuses it)."""
         # its engine takes calls with the token only (given to ``start``); the actor sets
         # GLOO_SOCKET_IFNAME to the interface of its node's address (``nodes.here``)
@@ -173,7 +179,7 @@ class Engines:
                            **self.placement.options(name)).remote(
             name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra)
 
-    def start_call(self, actor: Any) -> Any:
+    def start_call(self, actor: ActorHandle) -> ObjectRef:
         """The Ray call that starts ``actor``'s engine (bounded by ``start_timeout_s``) with
         the run's engine token."""
         return actor.start.remote(self.rt.start_timeout_s, self.token_box)
@@ -218,14 +224,14 @@ class Engines:
             return "file"
         return "object"
 
-    def blob(self, path: str) -> Any:
+    def blob(self, path: str) -> ObjectRef:
         """The version at ``path`` in Ray's object store (put once per version; blocking:
         call it off the event loop)."""
         if self._blob is None or self._blob[0] != path:
             self._blob = (path, self.ray.put(Path(path).read_bytes()))
         return self._blob[1]
 
-    def load(self, eid: EngineId, actor: Any, path: str, label: str) -> Any:
+    def load(self, eid: EngineId, actor: ActorHandle, path: str, label: str) -> ObjectRef:
         """The Ray call that loads ``label`` into ``eid`` by its transport (``blob`` first
         for an ``object`` engine)."""
         if self.transport(eid) == "file":

@@ -19,11 +19,17 @@ import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal import run_schema as schema
 from tidal.clock import Clock
 from tidal.types import Role
+
+if TYPE_CHECKING:
+    from tidal.control.controller import Controller
+    from tidal.runtime.actuator import RayActuator
+    from tidal.runtime.bridge import LedgerBridge
+    from tidal.training.core import StepReport
 
 
 class RunOutputs:
@@ -126,7 +132,8 @@ class RunOutputs:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
-def step_line(ctl: Any, burst: int, step: int, version: int, report: Any, dt: float,
+def step_line(ctl: Controller, burst: int, step: int, version: int, report: StepReport,
+              dt: float,
               wait_s: float, elapsed_s: float) -> dict[str, Any]:
     """One ``metrics.jsonl`` line: the trainer's report and the controller's view at its end."""
     roles = ctl.cells.roles()
@@ -183,9 +190,10 @@ def switch_times(plans_done: list[tuple[Any, float]]) -> dict[str, dict[str, flo
     return out
 
 
-def summary(*, ctl: Any, bursts: int, metrics: list[dict[str, Any]], version: int,
+def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], version: int,
             bursts_s: float, group_size: int, results: list[Any], stats: dict[str, Any],
-            engines: list[dict], start_pids: dict[str, int], bridge: Any, actuator: Any,
+            engines: list[dict], start_pids: dict[str, int], bridge: LedgerBridge,
+            actuator: RayActuator,
             replaced: list[dict[str, Any]], resumed: dict[str, int] | None,
             closed_before: dict[str, int]) -> dict[str, Any]:
     """``summary.json``: what the run did, from the figures of each part; the close reasons

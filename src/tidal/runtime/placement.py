@@ -14,6 +14,7 @@ cannot hold the bundles is one clear error, after ``timeout_s``.
 from __future__ import annotations
 
 import contextlib
+from types import ModuleType
 from typing import Any
 
 from tidal.config import RunConfig
@@ -34,7 +35,7 @@ def bundles(cfg: RunConfig) -> list[dict[str, float]]:
 
 
 class Placement:
-    def __init__(self, ray: Any, cfg: RunConfig, names: list[str], timeout_s: float) -> None:
+    def __init__(self, ray: ModuleType, cfg: RunConfig, names: list[str], timeout_s: float) -> None:
         from ray.util.placement_group import placement_group
 
         self.ray = ray

@@ -19,7 +19,7 @@ from __future__ import annotations
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import NoReturn
 
 from tidal.clock import Clock
 from tidal.runtime.tasks import RunStopped
@@ -55,7 +55,7 @@ def lost(proc: subprocess.Popen, run_dir: Path, grace_s: float = 0.0) -> ProxyLo
 
 
 async def watch(proc: subprocess.Popen, run_dir: Path, clock: Clock,
-                every_s: float = 0.2) -> Any:
+                every_s: float = 0.2) -> NoReturn:
     """Forever, until the proxy process ends: then ``ProxyLost`` (the run stops)."""
     while True:
         gone = lost(proc, run_dir)

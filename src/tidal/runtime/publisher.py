@@ -17,7 +17,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -25,10 +25,13 @@ from tidal.clock import Clock
 from tidal.errors import ConfigError
 from tidal.runtime import vllm_host
 from tidal.runtime.actuator import Weights
-from tidal.runtime.engines import Engines
+from tidal.runtime.engines import EngineId, Engines
 from tidal.runtime.supervisor import CellView
 from tidal.runtime.tasks import remote
 from tidal.types import Event, WeightSyncDone
+
+if TYPE_CHECKING:
+    from tidal.runtime.ray_types import ActorHandle, ObjectRef
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ class Publisher:
                 remote(self.engines.load(eid, a, w.path, w.label), f"{eid} load {w.label}",
                        self.call_timeout_s) for eid, a in self.engines.actors.items()])
 
-    def _readmit(self, eid: Any) -> Callable[[], bool]:
+    def _readmit(self, eid: EngineId) -> Callable[[], bool]:
         """Whether a vLLM engine drained for its load goes back into routing afterwards: not
         a cell that a transition plan took out meanwhile (it leaves for training)."""
         held = getattr(self.cells, "is_held_out", None)
@@ -85,7 +88,7 @@ class Publisher:
         self.handle(WeightSyncDone(self.clock.now(), w.version, self.clock.now() - t0,
                                    transports=tuple(sorted(routes.items()))))
 
-    def _load(self, eid: Any, actor: Any, path: str, label: str) -> Any:
+    def _load(self, eid: EngineId, actor: ActorHandle, path: str, label: str) -> ObjectRef:
         """One engine's load by its transport; a vLLM engine (standalone or cell) or an
         SGLang cell is out of routing meanwhile (``vllm_host.load_weights``)."""
         if not self.engines.is_server(eid):

@@ -40,20 +40,21 @@ import struct
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from tidal.runtime import vllm_host
 from tidal.runtime.cell import RuntimeFailure, actor_device, adopt_token
 from tidal.runtime.vllm_cell import VLLMCellHost, group_rss_bytes
+
+if TYPE_CHECKING:
+    from tidal.config import RunConfig, RuntimeConfig
 
 # files of a model directory that are weights (a version directory holds the version's instead)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json",
                     ".bin.index.json")
 
 
-def sglang_settings(rt: Any) -> dict[str, Any]:
+def sglang_settings(rt: RuntimeConfig) -> dict[str, Any]:
     """What an ``SGLangCellHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``)."""
     return {"python": rt.resolved_sglang_python(), "mem_fraction": rt.sglang_mem_fraction,
             "dtype": "float32"}
@@ -112,6 +113,8 @@ class SGLangCellHost(VLLMCellHost):
     ``self.vllm`` holds the SGLang server's ``Popen``."""
 
     backend = "sglang"
+    server_label = "SGLang"
+    text_answers = True  # plain-text answers (/flush_cache)
 
     def start(self, timeout_s: float, token: list | None = None) -> str:
         adopt_token(token)
@@ -145,24 +148,6 @@ class SGLangCellHost(VLLMCellHost):
                                  f"{self.loaded_version!r} (--weight-version ignored)")
         self.state = "awake"
         return self.url
-
-    def _http(self, method: str, path: str, timeout_s: float = 120.0, **kw: Any) -> dict:
-        """One control call on the server; any failure is one ``RuntimeFailure`` line."""
-        if self.url is None or not self.alive():
-            raise RuntimeFailure(f"SGLang engine {self.name} is not running")
-        try:
-            resp = httpx.request(method, f"{self.url}{path}", timeout=timeout_s,
-                                 headers=self.headers(), **kw)
-        except httpx.HTTPError as exc:
-            raise RuntimeFailure(f"SGLang engine {self.name} {path}: {exc!r}") from None
-        if resp.status_code != 200:
-            raise RuntimeFailure(f"SGLang engine {self.name} {path}: HTTP {resp.status_code} "
-                                 f"{resp.text[:200]}")
-        try:
-            out = resp.json() if resp.content else {}
-        except ValueError:
-            return {}  # plain-text answers (/flush_cache)
-        return out if isinstance(out, dict) else {}
 
     def _served(self) -> str:
         """The label the server really serves (``GET /get_weight_version``)."""
@@ -261,7 +246,7 @@ class SGLangCellHost(VLLMCellHost):
         return out
 
 
-def check(cfg: Any) -> None:
+def check(cfg: RunConfig) -> None:
     """``ConfigError`` (naming the field) unless this run can serve its SGLang cells."""
     from tidal.errors import ConfigError
     from tidal.runtime.engines import cell_backend

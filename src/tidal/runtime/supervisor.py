@@ -16,13 +16,16 @@ import contextlib
 import logging
 import os
 import signal
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
 from tidal.clock import Clock
 from tidal.runtime.engines import EngineId, Engines
 from tidal.runtime.tasks import remote
+
+if TYPE_CHECKING:
+    from tidal.runtime.actuator import Weights
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ class CellView(Protocol):
 
 class CellSupervisor:
     def __init__(self, engines: Engines, cells: CellView, admin: httpx.AsyncClient,
-                 weights: Any, clock: Clock, start_timeout_s: float,
+                 weights: Weights, clock: Clock, start_timeout_s: float,
                  interval_s: float = 0.5, probe_timeout_s: float = 10.0,
                  missed_probes: int = 6) -> None:
         self.engines, self.cells, self.admin = engines, cells, admin

@@ -16,10 +16,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tidal.errors import TidalError, TimeoutExpired
 from tidal.runtime.cell import RuntimeFailure
+
+if TYPE_CHECKING:
+    from tidal.types import Event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,12 +101,12 @@ class Parts:
         if exc is not None:
             self.fail(part, exc)
 
-    def guard_handler(self, handle: Callable[[Any], None]) -> Callable[[Any], None]:
+    def guard_handler(self, handle: Callable[[Event], None]) -> Callable[[Event], None]:
         """The controller's ``handle`` whose exceptions become this run's failure, named
         ``controller handling <EventType>`` (and re-raised, so the caller does not go on as if
         the event had been handled)."""
 
-        def guarded(event: Any) -> None:
+        def guarded(event: Event) -> None:
             try:
                 handle(event)
             except Exception as exc:

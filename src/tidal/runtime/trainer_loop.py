@@ -16,7 +16,7 @@ import concurrent.futures
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tidal.clock import Clock
 from tidal.config import RunConfig
@@ -28,8 +28,15 @@ from tidal.runtime.outputs import RunOutputs, step_line
 from tidal.runtime.publisher import Publisher
 from tidal.types import Event, GroupsAssigned, TrainerReady, TrainerStepDone
 
+if TYPE_CHECKING:
+    from tidal.control.controller import Controller
+    from tidal.runtime.cpuquota import CpuGroups
+    from tidal.training.core import CoreTrainer
+    from tidal.training.trajectory_buffer import TrajectoryBuffer
 
-def core_pool(cfg: RunConfig, cpu_groups: Any) -> concurrent.futures.ThreadPoolExecutor:
+
+def core_pool(cfg: RunConfig,
+              cpu_groups: CpuGroups | None) -> concurrent.futures.ThreadPoolExecutor:
     """The one thread the core trainer computes on (seeded torch; with ``runtime.cell_cpus``
     it lives in cell 0's CPU group, and its OpenMP team is born there too)."""
     import torch
@@ -49,8 +56,9 @@ def core_pool(cfg: RunConfig, cpu_groups: Any) -> concurrent.futures.ThreadPoolE
 
 
 class TrainerLoop:
-    def __init__(self, cfg: RunConfig, core: Any, buffer: Any, actuator: RayActuator,
-                 publisher: Publisher, outputs: RunOutputs, ctl: Any,
+    def __init__(self, cfg: RunConfig, core: CoreTrainer, buffer: TrajectoryBuffer,
+                 actuator: RayActuator, publisher: Publisher, outputs: RunOutputs,
+                 ctl: Controller,
                  handle: Callable[[Event], None], clock: Clock,
                  pool: concurrent.futures.ThreadPoolExecutor,
                  ck: checkpoint.Checkpoint | None,

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from tidal.runtime import vllm_host
 from tidal.runtime.cell import EngineHost, RuntimeFailure
 from tidal.runtime.vllm_host import VLLMEngineHost
+
+if TYPE_CHECKING:
+    from tidal.config import RunConfig
 
 
 def group_rss_bytes(pgid: int, proc: Path = Path("/proc")) -> int:
@@ -64,19 +65,18 @@ class VLLMCellHost(VLLMEngineHost):
     def _extra_args(self) -> list[str]:
         return ["--enable-sleep-mode"] if self.device == "cuda" else []
 
-    def _http(self, method: str, path: str, timeout_s: float = 120.0, **kw: Any) -> dict:
-        """One control call on the server; any failure is one ``RuntimeFailure`` line."""
-        if self.url is None or not self.alive():
-            raise RuntimeFailure(f"vLLM engine {self.name} is not running")
-        try:
-            resp = httpx.request(method, f"{self.url}{path}", timeout=timeout_s,
-                                 headers=self.headers(), **kw)
-        except httpx.HTTPError as exc:
-            raise RuntimeFailure(f"vLLM engine {self.name} {path}: {exc!r}") from None
-        if resp.status_code != 200:
-            raise RuntimeFailure(f"vLLM engine {self.name} {path}: HTTP {resp.status_code} "
-                                 f"{resp.text[:200]}")
-        return resp.json() if resp.content else {}
+    #: how errors name the server; whether a plain-text answer counts as {} (SGLang's)
+    server_label = "vLLM"
+    text_answers = False
+
+    def _http(self, method: str, path: str, timeout_s: float = 120.0, *,
+              json: dict[str, object] | None = None,
+              params: dict[str, str | int | float] | None = None) -> dict[str, Any]:
+        """One control call on the server (``vllm_host.control_call``)."""
+        url = self.url if self.url is not None and self.alive() else None
+        return vllm_host.control_call(f"{self.server_label} engine {self.name}", url,
+                                      self.headers(), method, path, timeout_s,
+                                      text_ok=self.text_answers, json=json, params=params)
 
     def _rpc(self, method: str) -> list[Any]:
         return self._http("POST", "/collective_rpc", json={
@@ -145,7 +145,7 @@ class VLLMCellHost(VLLMEngineHost):
 
 
 
-def check(cfg: Any) -> None:
+def check(cfg: RunConfig) -> None:
     """``ConfigError`` (naming the field) unless this run can serve its cells as configured."""
     from tidal.errors import ConfigError
     from tidal.runtime.engines import cell_backend

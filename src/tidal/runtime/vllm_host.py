@@ -28,19 +28,24 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from tidal.errors import TidalError
 from tidal.runtime.cell import EngineHost, RuntimeFailure, adopt_token
 
+if TYPE_CHECKING:
+    from tidal.config import RunConfig, RuntimeConfig
+    from tidal.runtime.ray_types import ObjectRef
+
 SERVED_NAME = "tidal"
 PORT_TRIES = 3  # launches of a server whose port was taken before it bound it
 log = logging.getLogger(__name__)
 
 
-def vllm_settings(rt: Any) -> dict[str, Any]:
+def vllm_settings(rt: RuntimeConfig) -> dict[str, Any]:
     """What a ``VLLMEngineHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``)."""
     return {"python": rt.resolved_vllm_python(), "kv_cache_gb": rt.vllm_kv_cache_gb,
             "max_model_len": rt.vllm_max_model_len, "device": rt.device if rt.use_gpus
@@ -105,6 +110,39 @@ if os.environ.get("TIDAL_VLLM_LAUNCHER_PID") not in (None, str(os.getppid())):
     if os.getppid() == 1:
         os._exit(1)
 """
+
+
+def control_call(server: str, url: str | None, headers: dict[str, str], method: str,
+                 path: str, timeout_s: float = 120.0, *, text_ok: bool = False,
+                 json: dict[str, object] | None = None,
+                 params: dict[str, str | int | float] | None = None) -> dict[str, Any]:
+    """One control call on an engine server (vLLM's or SGLang's), the JSON object it answers.
+
+    In: ``server`` names it in errors (``"vLLM engine c1"``), ``url`` its root (None: not
+    running). Out: the answer's JSON object ({} for an empty answer, and with ``text_ok`` for a
+    plain-text or non-object one); any failure is one ``RuntimeFailure`` line."""
+    if url is None:
+        raise RuntimeFailure(f"{server} is not running")
+    try:
+        resp = httpx.request(method, f"{url}{path}", timeout=timeout_s, headers=headers,
+                             json=json, params=params)
+    except httpx.HTTPError as exc:
+        raise RuntimeFailure(f"{server} {path}: {exc!r}") from None
+    if resp.status_code != 200:
+        raise RuntimeFailure(f"{server} {path}: HTTP {resp.status_code} {resp.text[:200]}")
+    if not resp.content:
+        return {}
+    try:
+        out = resp.json()
+    except ValueError:
+        if text_ok:
+            return {}
+        raise RuntimeFailure(f"{server} {path}: not JSON: {resp.text[:200]!r}") from None
+    if isinstance(out, dict):
+        return out
+    if text_ok:
+        return {}
+    raise RuntimeFailure(f"{server} {path}: not a JSON object: {resp.text[:200]!r}")
 
 
 def _tidal_path(root: Path) -> str:
@@ -343,7 +381,7 @@ def _gpu_ids() -> list[str]:
     return ids()
 
 
-def check(cfg: Any) -> None:
+def check(cfg: RunConfig) -> None:
     """``ConfigError`` unless this run can serve its standalone engines with vLLM."""
     from tidal.errors import ConfigError
 
@@ -355,7 +393,7 @@ def check(cfg: Any) -> None:
     rt.resolved_vllm_python()
 
 
-def refuse_tiny(rt: Any, field: str, server: str) -> None:
+def refuse_tiny(rt: RuntimeConfig, field: str, server: str) -> None:
     """``ConfigError`` naming ``field`` when ``server`` (vLLM, SGLang) would have to serve the
     'tiny' model, which is in tidal's own format."""
     from tidal.errors import ConfigError
@@ -365,13 +403,13 @@ def refuse_tiny(rt: Any, field: str, server: str) -> None:
                           "format): use a Hugging Face model, e.g. runtime.model: smollm2-135m")
 
 
-def actor_class(ray: Any, rt: Any) -> Any:
+def actor_class(ray: ModuleType, rt: RuntimeConfig) -> type | None:
     """The Ray actor class of vLLM standalone engines, or None (built-in ones)."""
     return ray.remote(VLLMEngineHost) if rt.standalone_backend == "vllm" else None
 
 
-async def load_weights(admin: Any, name: str, load: Callable[[], Any], label: str,
-                       readmit: Callable[[], bool] | None = None) -> str:
+async def load_weights(admin: httpx.AsyncClient, name: str, load: Callable[[], ObjectRef],
+                       label: str, readmit: Callable[[], bool] | None = None) -> str:
     """``load()`` (the Ray call that loads ``label`` into engine ``name`` by its transport)
     with the engine out of the proxy's routing meanwhile (its calls move, none starts), so no
     call of ours straddles the load and the label the vLLM adapter reads at the start of each

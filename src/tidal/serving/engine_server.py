@@ -90,14 +90,200 @@ class VersionBody(BaseModel):
     new_version: str = Field(..., min_length=1, max_length=128)
 
 
+class EngineHandlers:
+    """Every route of the engine app as a method (FastAPI reads their signatures)."""
+
+    def __init__(self, engine: Engine, served_name: str, parser: ToolParse) -> None:
+        self.engine, self.served_name, self.parser = engine, served_name, parser
+        self.tok = engine.tokenizer
+
+    # -- helpers ---------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name not in (None, self.served_name):
+            raise NotFound(f"model {name!r} is not served here (serving {self.served_name!r})")
+
+    async def encode(self, text: str) -> list[int]:
+        return await asyncio.to_thread(self.tok.encode, text)
+
+    async def encode_chat(self, messages: list[dict],
+                          tools: list[dict] | None = None) -> list[int]:
+        try:
+            return await asyncio.to_thread(self.tok.apply_chat_template, messages, tools)
+        except TidalError as exc:
+            raise BadRequest(str(exc)) from None
+
+    async def run(self, request: Request, rid: str, prompt: list[int],
+                  body: CompletionRequest | ChatRequest, chat: bool) -> Response:
+        """One generation: streamed as SSE, or collected into one JSON answer."""
+        if body.n != 1:
+            raise BadRequest("n: an engine serves one choice per request (the proxy serves n)")
+        parse = self.parser if chat and body.parses_tools else None
+        req = GenerateRequest(rid, prompt, body.sampling(), kv_handle=body.kv_handle)
+        stream = self.engine.generate(req, min_interval_s=body.stream_interval_ms / 1000.0)
+        first = await anext(stream)  # admission errors surface here, before any byte is sent
+        res = Result(prompt)
+        res.cached_tokens = first.cached_tokens or 0
+        res.add(first)
+        name = self.served_name
+        if body.stream:
+            return StreamingResponse(_events(rid, name, first, stream, res, chat, parse, body),
+                                     media_type="text/event-stream")
+        if not await _collect(request, stream, res):
+            return Response(status_code=499)  # the caller is gone; its request was aborted
+        texts = [[self.tok.decode([t]) for t in res.token_ids]]
+        if chat:
+            out = chat_response(rid, name, [res], body.logprobs, texts, parse)
+        else:
+            out = completion_response(rid, name, [res], body.logprobs is not None, texts)
+        return JSONResponse(out, headers={VERSIONS_HEADER: versions_header([res])})
+
+    # -- OpenAI and tokenizer routes -------------------------------------------------------
+    async def completions(self, request: Request, body: CompletionRequest,
+                          x_request_id: str | None = Header(None, max_length=256)) -> Response:
+        self.check_model(body.model)
+        prompt = body.prompt if isinstance(body.prompt, list) else await self.encode(body.prompt)
+        rid = body.request_id or x_request_id or uuid.uuid4().hex
+        return await self.run(request, rid, prompt, body, chat=False)
+
+    async def chat(self, request: Request, body: ChatRequest,
+                   x_request_id: str | None = Header(None, max_length=256)) -> Response:
+        self.check_model(body.model)
+        prompt = await self.encode_chat(body.template_messages(), body.template_tools())
+        rid = body.request_id or x_request_id or uuid.uuid4().hex
+        return await self.run(request, rid, prompt, body, chat=True)
+
+    async def tokenize(self, body: TokenizeBody) -> dict:
+        self.check_model(body.model)
+        if body.messages:
+            ids = await self.encode_chat([m.to_template() for m in body.messages],
+                                         [t.model_dump(exclude_none=True) for t in body.tools]
+                                         if body.tools else None)
+        elif body.prompt is not None:
+            ids = await self.encode(body.prompt)
+        else:
+            raise BadRequest("tokenize needs prompt or messages")
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.model.max_seq_len}
+
+    async def detokenize(self, body: DetokenizeBody) -> dict:
+        self.check_model(body.model)
+        tok = self.tok
+        bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise BadRequest(f"tokens: id {bad[0]} outside vocabulary of {tok.vocab_size}")
+        return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.served_name, "object": "model",
+                                            "owned_by": "tidal",
+                                            "max_model_len": self.engine.model.max_seq_len}]}
+
+    # -- control routes (vLLM's shapes) ----------------------------------------------------
+    async def pause(self, mode: str = Query("abort")) -> dict:
+        await self.engine.pause(mode)
+        return {"status": "paused"}
+
+    async def resume(self) -> dict:
+        await self.engine.resume()
+        return {"status": "resumed"}
+
+    async def is_paused(self) -> dict:
+        return {"is_paused": self.engine.is_paused}
+
+    async def abort_requests(self, body: AbortBody | None = None) -> dict:
+        body = body or AbortBody()
+        n = self.engine.abort(body.request_ids, keep_kv=body.keep_kv)
+        return {"status": "aborted", "aborted": n}
+
+    async def sleep(self, level: int = Query(1)) -> dict:
+        await self.engine.sleep(level)
+        return {"status": "sleeping", "level": level}
+
+    async def wake_up(self) -> dict:
+        await self.engine.wake_up()
+        return {"status": "awake"}
+
+    async def is_sleeping(self) -> dict:
+        return {"is_sleeping": self.engine.is_sleeping}
+
+    async def update_weights(self, body: WeightsBody) -> dict:
+        try:
+            await self.engine.update_weights(weights_path(body.path), body.weight_version)
+        except (TidalError, OSError, ValueError) as exc:  # the old version keeps serving
+            raise BadRequest(f"path: no weights of this model at {body.path!r}: "
+                             f"{str(exc)[:300]}") from None
+        return {"status": "ok", "weight_version": self.engine.weight_version}
+
+    async def update_weight_version(self, body: VersionBody) -> dict:
+        self.engine.weight_version = body.new_version
+        return {"status": "ok", "weight_version": self.engine.weight_version}
+
+    async def weight_info(self) -> dict:
+        return {"weight_version": self.engine.weight_version}
+
+    # -- KV handoff ------------------------------------------------------------------------
+    async def export_kv(self, request_id: str) -> Response:
+        blob = await self.engine.export_kv(request_id)
+        return Response(blob, media_type="application/octet-stream")
+
+    async def import_kv(self, request: Request) -> dict:
+        blob = await request.body()
+        if not blob or len(blob) > MAX_KV_BLOB_BYTES:
+            raise BadRequest("body: KV import needs a safetensors body of at most 1 GiB")
+        handle, tokens = await self.engine.import_kv(blob)
+        return {"handle": handle, "tokens": tokens}
+
+    async def release_kv(self, key: str) -> dict:
+        if not self.engine.release_kv(key):
+            raise NotFound(f"no KV cache held under {key!r}")
+        return {"status": "released"}
+
+    # -- load and health -------------------------------------------------------------------
+    async def stats(self) -> dict:
+        return self.engine.stats()
+
+    async def load(self) -> dict:
+        s = self.engine.stats()
+        return {"server_load": s["running"] + s["waiting"]}
+
+    async def health(self) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+
+#: (method, path, handler name), in the order FastAPI matches them
+ROUTES: tuple[tuple[str, str, str], ...] = (
+    ("POST", "/v1/completions", "completions"),
+    ("POST", "/v1/chat/completions", "chat"),
+    ("POST", "/tokenize", "tokenize"),
+    ("POST", "/detokenize", "detokenize"),
+    ("GET", "/v1/models", "models"),
+    ("POST", "/pause", "pause"),
+    ("POST", "/resume", "resume"),
+    ("GET", "/is_paused", "is_paused"),
+    ("POST", "/abort_requests", "abort_requests"),
+    ("POST", "/sleep", "sleep"),
+    ("POST", "/wake_up", "wake_up"),
+    ("GET", "/is_sleeping", "is_sleeping"),
+    ("POST", "/update_weights", "update_weights"),
+    ("POST", "/update_weight_version", "update_weight_version"),
+    ("GET", "/weight_info", "weight_info"),
+    ("GET", "/tidal/kv/{request_id}", "export_kv"),
+    ("POST", "/tidal/kv", "import_kv"),
+    ("DELETE", "/tidal/kv/{key}", "release_kv"),
+    ("GET", "/stats", "stats"),
+    ("GET", "/load", "load"),
+    ("GET", "/health", "health"),
+)
+
+
 def build_engine_app(engine: Engine, served_name: str, token: str | None = None,
                      tool_call_parser: str = "hermes") -> Guard:
-    """The engine's ASGI app; with ``token`` every route needs ``Authorization: Bearer``.
-    ``tool_call_parser`` (``chat.TOOL_PARSERS``) reads tool calls out of chat answers."""
-    parser = tool_parser(tool_call_parser)
+    """The engine's ASGI app (routes: ``ROUTES``, handled by ``EngineHandlers``); with
+    ``token`` every route needs ``Authorization: Bearer``. ``tool_call_parser``
+    (``chat.TOOL_PARSERS``) reads tool calls out of chat answers."""
+    handlers = EngineHandlers(engine, served_name, tool_parser(tool_call_parser))
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         yield
         await engine.stop()
@@ -106,171 +292,8 @@ def build_engine_app(engine: Engine, served_name: str, token: str | None = None,
     app.state.engine = engine
     install_error_handlers(app)
     app.add_middleware(CatchAll)
-    tok = engine.tokenizer
-
-    def check_model(name: str | None) -> None:
-        if name not in (None, served_name):
-            raise NotFound(f"model {name!r} is not served here (serving {served_name!r})")
-
-    async def encode(text: str) -> list[int]:
-        return await asyncio.to_thread(tok.encode, text)
-
-    async def encode_chat(messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        try:
-            return await asyncio.to_thread(tok.apply_chat_template, messages, tools)
-        except TidalError as exc:
-            raise BadRequest(str(exc)) from None
-
-    async def run(request: Request, rid: str, prompt: list[int], body, chat: bool):
-        if body.n != 1:
-            raise BadRequest("n: an engine serves one choice per request (the proxy serves n)")
-        parse = parser if chat and body.parses_tools else None
-        req = GenerateRequest(rid, prompt, body.sampling(), kv_handle=body.kv_handle)
-        stream = engine.generate(req, min_interval_s=body.stream_interval_ms / 1000.0)
-        first = await anext(stream)  # admission errors surface here, before any byte is sent
-        res = Result(prompt)
-        res.cached_tokens = first.cached_tokens or 0
-        res.add(first)
-        if body.stream:
-            return StreamingResponse(_events(rid, served_name, first, stream, res, chat, parse,
-                                             body), media_type="text/event-stream")
-        if not await _collect(request, stream, res):
-            return Response(status_code=499)  # the caller is gone; its request was aborted
-        texts = [[tok.decode([t]) for t in res.token_ids]]
-        if chat:
-            out = chat_response(rid, served_name, [res], body.logprobs, texts, parse)
-        else:
-            out = completion_response(rid, served_name, [res], body.logprobs is not None,
-                                      texts)
-        return JSONResponse(out, headers={VERSIONS_HEADER: versions_header([res])})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest,
-                          x_request_id: str | None = Header(None, max_length=256)):
-        check_model(body.model)
-        prompt = body.prompt if isinstance(body.prompt, list) else await encode(body.prompt)
-        rid = body.request_id or x_request_id or uuid.uuid4().hex
-        return await run(request, rid, prompt, body, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request, body: ChatRequest,
-                   x_request_id: str | None = Header(None, max_length=256)):
-        check_model(body.model)
-        prompt = await encode_chat(body.template_messages(), body.template_tools())
-        rid = body.request_id or x_request_id or uuid.uuid4().hex
-        return await run(request, rid, prompt, body, chat=True)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeBody):
-        check_model(body.model)
-        if body.messages:
-            ids = await encode_chat([m.to_template() for m in body.messages],
-                                    [t.model_dump(exclude_none=True) for t in body.tools]
-                                    if body.tools else None)
-        elif body.prompt is not None:
-            ids = await encode(body.prompt)
-        else:
-            raise BadRequest("tokenize needs prompt or messages")
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.model.max_seq_len}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeBody):
-        check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
-        if bad:
-            raise BadRequest(f"tokens: id {bad[0]} outside vocabulary of {tok.vocab_size}")
-        return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served_name, "object": "model",
-                                            "owned_by": "tidal",
-                                            "max_model_len": engine.model.max_seq_len}]}
-
-    @app.post("/pause")
-    async def pause(mode: str = Query("abort")):
-        await engine.pause(mode)
-        return {"status": "paused"}
-
-    @app.post("/resume")
-    async def resume():
-        await engine.resume()
-        return {"status": "resumed"}
-
-    @app.get("/is_paused")
-    async def is_paused():
-        return {"is_paused": engine.is_paused}
-
-    @app.post("/abort_requests")
-    async def abort_requests(body: AbortBody | None = None):
-        body = body or AbortBody()
-        n = engine.abort(body.request_ids, keep_kv=body.keep_kv)
-        return {"status": "aborted", "aborted": n}
-
-    @app.post("/sleep")
-    async def sleep(level: int = Query(1)):
-        await engine.sleep(level)
-        return {"status": "sleeping", "level": level}
-
-    @app.post("/wake_up")
-    async def wake_up():
-        await engine.wake_up()
-        return {"status": "awake"}
-
-    @app.get("/is_sleeping")
-    async def is_sleeping():
-        return {"is_sleeping": engine.is_sleeping}
-
-    @app.post("/update_weights")
-    async def update_weights(body: WeightsBody):
-        try:
-            await engine.update_weights(weights_path(body.path), body.weight_version)
-        except (TidalError, OSError, ValueError) as exc:  # the old version keeps serving
-            raise BadRequest(f"path: no weights of this model at {body.path!r}: "
-                             f"{str(exc)[:300]}") from None
-        return {"status": "ok", "weight_version": engine.weight_version}
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(body: VersionBody):
-        engine.weight_version = body.new_version
-        return {"status": "ok", "weight_version": engine.weight_version}
-
-    @app.get("/weight_info")
-    async def weight_info():
-        return {"weight_version": engine.weight_version}
-
-    @app.get("/tidal/kv/{request_id}")
-    async def export_kv(request_id: str):
-        blob = await engine.export_kv(request_id)
-        return Response(blob, media_type="application/octet-stream")
-
-    @app.post("/tidal/kv")
-    async def import_kv(request: Request):
-        blob = await request.body()
-        if not blob or len(blob) > MAX_KV_BLOB_BYTES:
-            raise BadRequest("body: KV import needs a safetensors body of at most 1 GiB")
-        handle, tokens = await engine.import_kv(blob)
-        return {"handle": handle, "tokens": tokens}
-
-    @app.delete("/tidal/kv/{key}")
-    async def release_kv(key: str):
-        if not engine.release_kv(key):
-            raise NotFound(f"no KV cache held under {key!r}")
-        return {"status": "released"}
-
-    @app.get("/stats")
-    async def stats():
-        return engine.stats()
-
-    @app.get("/load")
-    async def load():
-        s = engine.stats()
-        return {"server_load": s["running"] + s["waiting"]}
-
-    @app.get("/health")
-    async def health():
-        return JSONResponse({"status": "ok"})
-
+    for method, path, name in ROUTES:
+        app.add_api_route(path, getattr(handlers, name), methods=[method], response_model=None)
     return Guard(app, token, None if token else (lambda _: False),
                  body_limits={"/tidal/kv": MAX_KV_BLOB_BYTES + 1})
 

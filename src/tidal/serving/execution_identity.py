@@ -1,5 +1,5 @@
 """The proxy's door for black-box harnesses: an execution named by its base URL or its API key
-instead of the ``X-Tidal-Execution`` header (``tidal.agents.identity`` makes both).
+instead of the ``X-Tidal-Execution`` header (``tidal.serving.execution_keys`` makes both).
 
 In: every ASGI request. Out: the same request for the proxy behind, with
 ``/x/<execution_id>`` stripped from the path and an ``Authorization: Bearer tx-...`` key of this
@@ -10,7 +10,7 @@ executions are refused (400): a call is never counted to the wrong execution.
 
 from __future__ import annotations
 
-from tidal.agents.identity import KEY_PREFIX, PATH_PREFIX, parse_key, split_path
+from tidal.serving.execution_keys import KEY_PREFIX, PATH_PREFIX, parse_key, split_path
 from tidal.serving.guard import send_error
 
 

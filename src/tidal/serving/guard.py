@@ -146,6 +146,73 @@ class CatchAll:
             await send_error(send, f"internal error: {type(exc).__name__}", 500)
 
 
+class _BoundedMixin:
+    """What ``bounded_protocol`` adds to uvicorn's httptools protocol (mixed in before it):
+    a read deadline per request and a cap on the request head."""
+
+    read_timeout_s: float = READ_TIMEOUT_S
+    max_header_bytes: int = MAX_HEADER_BYTES
+    _timer = None
+    _head = 0
+    _too_large = False
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(self.read_timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if not self.transport.is_closing():
+            log.info("closing a connection that sent no whole request in %.0f s",
+                     self.read_timeout_s)
+            self.transport.close()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head = 0
+        self._arm()
+
+    def _count(self, n: int) -> None:
+        self._head += n
+        if self._head > self.max_header_bytes:
+            self._too_large = True
+            raise ValueError("request head too large")  # httptools: a parser error
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._too_large:
+            return super().send_400_response(msg)
+        body = f"request head over {self.max_header_bytes} bytes".encode()
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                             b"content-type: text/plain\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
+
 def bounded_protocol(read_timeout_s: float = READ_TIMEOUT_S,
                      max_header_bytes: int = MAX_HEADER_BYTES):
     """uvicorn's ``http`` setting: its httptools protocol, where a request must arrive whole
@@ -157,68 +224,8 @@ def bounded_protocol(read_timeout_s: float = READ_TIMEOUT_S,
     except ImportError:  # pragma: no cover - httptools is part of the serve extra
         return "h11"
 
-    class Bounded(HttpToolsProtocol):
-        _timer = None
-        _head = 0
-        _too_large = False
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._timer = self.loop.call_later(read_timeout_s, self._expired)
-
-        def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _expired(self) -> None:
-            self._timer = None
-            if not self.transport.is_closing():
-                log.info("closing a connection that sent no whole request in %.0f s",
-                         read_timeout_s)
-                self.transport.close()
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._head = 0
-            self._arm()
-
-        def _count(self, n: int) -> None:
-            self._head += n
-            if self._head > max_header_bytes:
-                self._too_large = True
-                raise ValueError("request head too large")  # httptools: a parser error
-
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value) + 4)
-            super().on_header(name, value)
-
-        def on_message_complete(self) -> None:
-            self._disarm()
-            super().on_message_complete()
-
-        def send_400_response(self, msg: str) -> None:
-            if not self._too_large:
-                return super().send_400_response(msg)
-            body = f"request head over {max_header_bytes} bytes".encode()
-            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                                 b"content-type: text/plain\r\nconnection: close\r\n"
-                                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
-            self.transport.close()
-
-    return Bounded
+    return type("Bounded", (_BoundedMixin, HttpToolsProtocol),
+                {"read_timeout_s": read_timeout_s, "max_header_bytes": max_header_bytes})
 
 
 def run_server(app, host: str, port: int, read_timeout_s: float = READ_TIMEOUT_S,

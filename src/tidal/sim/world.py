@@ -17,9 +17,10 @@ are checked after every event (``check_invariants``).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,23 @@ from tidal.types import (
     Role,
     Tick,
 )
+
+#: called with (world, execution, from engine, to engine) after every move of an execution
+#: between two engines, in every world while registered (``observing_moves``)
+MoveObserver = Callable[["World", ExecRec, str, str], None]
+_MOVE_OBSERVERS: list[MoveObserver] = []
+
+
+@contextlib.contextmanager
+def observing_moves(observer: MoveObserver) -> Iterator[None]:
+    """While open, ``observer`` sees every execution any world moves from one engine to
+    another (the simulator itself keeps only a count)."""
+    _MOVE_OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _MOVE_OBSERVERS.remove(observer)
+
 
 ENGINE, TOOL, TIMEOUT, TRAINER, STEP, ACK, SYNC, TICK, DISPATCH = range(9)
 
@@ -146,7 +164,7 @@ class World:
     def version(self) -> int:
         return self.controller.version
 
-    def push(self, t: float, code: int, a: Any = None, b: Any = None) -> None:
+    def push(self, t: float, code: int, a: object = None, b: object = None) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (t if t > self.now else self.now, self._seq, code, a, b))
 
@@ -301,7 +319,7 @@ class World:
     def stop_seq(self, ex: ExecRec) -> float:
         return requests.stop_seq(self, ex)
 
-    def _on_engine(self, e: Engine, _timer: Any) -> None:
+    def _on_engine(self, e: Engine, _timer: object) -> None:
         e.timer_t = None
         done = e.pop_finished(self.now)
         if not done and not e.prefilling:
@@ -328,7 +346,7 @@ class World:
         ex.in_tool = True  # a tool step (after the last call: the harness's final step)
         self.push(self.now + tool_s, TOOL, ex, (ex.gen, ex.turn))
 
-    def _on_tool(self, ex: ExecRec, token: Any) -> None:
+    def _on_tool(self, ex: ExecRec, token: object) -> None:
         if ex.closed or not ex.in_tool:
             return
         if token == (ex.gen, -1) and ex.turn == 0:  # setup done: the first call
@@ -346,7 +364,7 @@ class World:
         ex.turn += 1
         self.begin_turn(ex)
 
-    def _on_timeout(self, ex: ExecRec, gen: Any) -> None:
+    def _on_timeout(self, ex: ExecRec, gen: object) -> None:
         if not ex.closed and gen == ex.gen:
             self.timeouts += 1
             self._close(ex, CloseReason.TIMEOUT, 0.0)
@@ -378,7 +396,7 @@ class World:
                 sum(version - ex.first_version for ex in members), len(members))
 
     # ----------------------------------------------------------------- ticks
-    def _on_tick(self, _a: Any, _b: Any) -> None:
+    def _on_tick(self, _a: object, _b: object) -> None:
         self.emit(Tick(self.now))
         s, lg = self.series, self.ledger
         s.t.append(self.now)
@@ -395,7 +413,11 @@ class World:
         return moves.pick_destination(self, dests, ordered)
 
     def move(self, ex: ExecRec, dest: Engine | None, kv: bool, hold: bool) -> None:
+        src = ex.engine.name if ex.engine is not None else None
         moves.move(self, ex, dest, kv, hold)
+        if src is not None and dest is not None and str(dest.name) != str(src):
+            for observer in tuple(_MOVE_OBSERVERS):
+                observer(self, ex, str(src), str(dest.name))
 
     def release_hold(self, ex: ExecRec, kv: bool) -> None:
         moves.release_hold(self, ex, kv)

@@ -5,12 +5,10 @@ For tests and docs only; production code never imports this package.
 
 from __future__ import annotations
 
-from typing import Any
-
 from tidal.sim.scenario import Scenario
 
 
-def tiny_scenario(**over: Any) -> Scenario:
+def tiny_scenario(**over: object) -> Scenario:
     """A fast scenario; top-level keys in ``over`` replace (dicts: update) the defaults."""
     data = {
         "name": "tiny",

@@ -99,32 +99,36 @@ class ShardedCell:
             op, a, b, c, d = (int(x) for x in header)
             if op == STOP:
                 return
-            if op == COMPUTE:
-                self._compute(self._recv_step(a, b))
-            elif op == COMMIT:
-                self._commit()
-            elif op == DISCARD:
-                self._discard()
-            elif op == RESET:
-                self.reset_local()
-            elif op == GATHER_PARAMS:
-                for _ in self.layout.iter_full_params(self.model):
-                    pass
-            elif op == LOAD_PARAMS:
-                self._load(torch.empty(self.full_layout.numel))
-            elif op == GATHER_GRADS:
-                for _ in self.layout.iter_full_grads(self.model, self.grad_sum):
-                    pass
-            elif op == UPDATE:
-                self._update(a, b, c, d, None, [])
-            elif op == SAVE_DCP:
-                dcp_state.save(self.model, self.optimizer, self._recv_path(a))  # type: ignore[arg-type]
-            elif op == LOAD_DCP:
-                self._follow_load_dcp(a)
-            elif op == LOAD_STATE:
-                self._load_state({}, {})
-            else:
-                raise TidalError(f"cell rank {self.rank}: unknown operation {op}")
+            self._follow(op, a, b, c, d)
+
+    def _follow(self, op: int, a: int, b: int, c: int, d: int) -> None:
+        """One of rank 0's operations, with the header's arguments ``a``..``d``."""
+        if op == COMPUTE:
+            self._compute(self._recv_step(a, b))
+        elif op == COMMIT:
+            self._commit()
+        elif op == DISCARD:
+            self._discard()
+        elif op == RESET:
+            self.reset_local()
+        elif op == GATHER_PARAMS:
+            for _ in self.layout.iter_full_params(self.model):
+                pass
+        elif op == LOAD_PARAMS:
+            self._load(torch.empty(self.full_layout.numel))
+        elif op == GATHER_GRADS:
+            for _ in self.layout.iter_full_grads(self.model, self.grad_sum):
+                pass
+        elif op == UPDATE:
+            self._update(a, b, c, d, None, [])
+        elif op == SAVE_DCP:
+            dcp_state.save(self.model, self.optimizer, self._recv_path(a))  # type: ignore[arg-type]
+        elif op == LOAD_DCP:
+            self._follow_load_dcp(a)
+        elif op == LOAD_STATE:
+            self._load_state({}, {})
+        else:
+            raise TidalError(f"cell rank {self.rank}: unknown operation {op}")
 
     # -- operations (run on every rank) ----------------------------------------------------
     def reset_local(self) -> None:

@@ -87,11 +87,11 @@ class RpcClient:
             raise RpcError(f"cannot reach the core at {address}: {exc}") from exc
         self._lock = threading.Lock()
 
-    def call(self, op: str, timeout_s: float = 120.0, **kwargs: Any) -> dict[str, Any]:
+    def call(self, op: str, timeout_s: float = 120.0, **kwargs: object) -> dict[str, Any]:
         return self.call_with(op, lambda: None, timeout_s, **kwargs)[0]
 
-    def call_with(self, op: str, during: Callable[[], Any], timeout_s: float = 120.0,
-                  **kwargs: Any) -> tuple[dict[str, Any], Any]:
+    def call_with(self, op: str, during: Callable[[], object], timeout_s: float = 120.0,
+                  **kwargs: object) -> tuple[dict[str, Any], object]:
         """Send ``op``, run ``during()`` (the satellite's half of a collective the core's
         handler runs for this request), then read the reply."""
         with self._lock:

@@ -34,12 +34,15 @@ import datetime as dt
 import logging
 import threading
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from tidal.training.flat import ParamLayout
 from tidal.training.transport import SharedMemoryTransport, TransportError
+
+if TYPE_CHECKING:
+    from tidal.training.groups import GroupRegistry
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +210,12 @@ class VLLMWeightPublisher:
             raise TransportError(f"vLLM {path}: HTTP {resp.status_code}: {resp.text[:300]}")
         return resp.json() if resp.content else {}
 
-    def rpc(self, method: str, *args: Any) -> list[Any]:
+    def rpc(self, method: str, *args: object) -> list[Any]:
         body = {"method": method, "args": list(args), "kwargs": {}, "timeout": self.timeout_s}
         return self._post("/collective_rpc", body)["results"]
 
-    def init_group(self, registry: Any, world_size: int, key: str = "tidal-vllm/") -> None:
+    def init_group(self, registry: GroupRegistry, world_size: int,
+                   key: str = "tidal-vllm/") -> None:
         """Form the trainer(rank 0) + workers side group once; ``registry`` is the core's."""
         out: dict[str, Any] = {}
         call = threading.Thread(target=lambda: out.update(r=self.rpc(

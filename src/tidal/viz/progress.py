@@ -15,7 +15,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Group
 
 
 def clock_text(s: float | None) -> str:
@@ -89,7 +92,7 @@ class RunProgress:
                     f"executions {execs}/{self.total_executions} "
                     f"{100 * self.fraction():.0f}% ETA {clock_text(self.eta())}")
 
-    def panel(self) -> Any:
+    def panel(self) -> Group:
         """The terminal panel: a fixed-width table and a progress line."""
         from rich.console import Group
         from rich.progress_bar import ProgressBar

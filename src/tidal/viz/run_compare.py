@@ -18,11 +18,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.errors import ConfigError
 from tidal.rundir import RunData, load_run
 from tidal.viz.plots import pyplot
+
+if TYPE_CHECKING:
+    from rich.console import Group
 
 RATIO_KEYS = ("run_time_s", "bursts_s")
 
@@ -122,7 +125,7 @@ def config_notes(runs: list[RunData]) -> list[str]:
     return notes
 
 
-def _fmt(val: Any, digits: int = 2) -> str:
+def _fmt(val: object, digits: int = 2) -> str:
     if val is None:
         return "–"
     if isinstance(val, float):
@@ -182,7 +185,7 @@ def render_markdown(comp: Comparison) -> str:
     return "\n".join(lines) + "\n"
 
 
-def comparison_table(comp: Comparison) -> Any:
+def comparison_table(comp: Comparison) -> Group:
     """The rows and the ratios as ``rich`` tables (a ``rich.console.Group``)."""
     from rich.console import Group
     from rich.table import Table

@@ -20,9 +20,14 @@ import bisect
 import math
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.rundir import RunData, read_jsonl
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from matplotlib.figure import Figure
 
 ROLL, TRAIN, WATER, QUEUE = "#4C72B0", "#DD8452", "#222222", "#C44E52"
 
@@ -89,7 +94,7 @@ def step_rewards(run: RunData) -> list[tuple[int, float, float | None, int]]:
     return out
 
 
-def plot_waterlevel(run: RunData, path: Path, plt: Any) -> Path:
+def plot_waterlevel(run: RunData, path: Path, plt: ModuleType) -> Path:
     """Waterlevel against rollout capacity (the rule: a cell may train only while the capacity
     left covers the waterlevel); queued executions drawn only where there are any."""
     st = run.states or []
@@ -117,7 +122,7 @@ def plot_waterlevel(run: RunData, path: Path, plt: Any) -> Path:
     return _save(plt, fig, path)
 
 
-def plot_utilization(run: RunData, path: Path, plt: Any) -> Path:
+def plot_utilization(run: RunData, path: Path, plt: ModuleType) -> Path:
     """Train and rollout utilisation of every optimizer step, drawn over its time window."""
     rows = step_utilization(run)
     fig, ax = plt.subplots(figsize=(11, 3.5))
@@ -139,7 +144,7 @@ def plot_utilization(run: RunData, path: Path, plt: Any) -> Path:
     return _save(plt, fig, path)
 
 
-def plot_reward(run: RunData, path: Path, plt: Any) -> Path:
+def plot_reward(run: RunData, path: Path, plt: ModuleType) -> Path:
     """Mean reward per step with one standard deviation of its executions as a band."""
     rows = step_rewards(run)
     steps, mean = [r[0] for r in rows], [r[1] for r in rows]
@@ -163,7 +168,7 @@ def plot_reward(run: RunData, path: Path, plt: Any) -> Path:
     return _save(plt, fig, path)
 
 
-def _save(plt: Any, fig: Any, path: Path) -> Path:
+def _save(plt: ModuleType, fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

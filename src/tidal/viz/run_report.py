@@ -20,11 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.rundir import RunData, burst_rows, load_run
 from tidal.viz import run_figures as figures
 from tidal.viz.plots import ROLE_COLOURS, pyplot
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 ROLE_COLOURS_BY_NAME = {role.value: colour for role, colour in ROLE_COLOURS.items()}
 UNKNOWN_ROLE_COLOUR = "#999999"
@@ -160,7 +163,7 @@ def render_report(run: RunData, shown: list[tuple[str, str]],
     return "\n".join(out).rstrip() + "\n"
 
 
-def _num(val: Any, digits: int | None = None) -> str:
+def _num(val: object, digits: int | None = None) -> str:
     if val is None:
         return "–"
     if digits is not None and isinstance(val, int | float) and not isinstance(val, bool):
@@ -226,7 +229,7 @@ def _fig(plot: Callable[[RunData, Path, Any], Path]) -> Callable[[RunData, Path]
     return lambda run, path: plot(run, path, pyplot())
 
 
-def _save(fig: Any, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=DPI)
     pyplot().close(fig)
     return path

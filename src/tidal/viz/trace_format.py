@@ -25,7 +25,7 @@ _META_ARG = {"process_name": "name", "thread_name": "name", "process_labels": "l
              "process_sort_index": "sort_index", "thread_sort_index": "sort_index"}
 
 
-def validate(trace: Any) -> list[str]:
+def validate(trace: object) -> list[str]:
     """Every way ``trace`` breaks the format (empty: valid)."""
     if isinstance(trace, dict):
         events = trace.get("traceEvents")
@@ -46,16 +46,24 @@ def validate(trace: Any) -> list[str]:
     return problems
 
 
-def _number(v: Any) -> bool:
+def _number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _check_event(ev: Any) -> list[str]:
+def _check_event(ev: object) -> list[str]:
     if not isinstance(ev, dict):
         return ["not an object"]
     ph = ev.get("ph")
     if ph not in PHASES:
         return [f"ph {ph!r} is not a trace-event phase"]
+    out = _check_identity(ev, ph) + _check_timing(ev, ph) + _check_phase(ev, ph)
+    if "args" in ev and not isinstance(ev["args"], dict):
+        out.append("args: not an object")
+    return out
+
+
+def _check_identity(ev: dict[str, Any], ph: str) -> list[str]:
+    """The event's name, process and thread."""
     out = []
     if not isinstance(ev.get("name"), str) and ph not in "E":
         out.append("name: missing or not a string")
@@ -64,13 +72,25 @@ def _check_event(ev: Any) -> list[str]:
             out.append(f"{key}: not an integer or string")
     if "pid" not in ev and ph != "M":
         out.append("pid: missing")
-    if ph in _TIMED:
-        if "tid" not in ev and ph not in "C":
-            out.append("tid: missing")
-        if not _number(ev.get("ts")) or ev["ts"] < 0:
-            out.append("ts: missing or not a non-negative number")
+    if ph in _TIMED and "tid" not in ev and ph not in "C":
+        out.append("tid: missing")
+    return out
+
+
+def _check_timing(ev: dict[str, Any], ph: str) -> list[str]:
+    """Timestamps and durations."""
+    out = []
+    if ph in _TIMED and (not _number(ev.get("ts")) or ev["ts"] < 0):
+        out.append("ts: missing or not a non-negative number")
     if ph == "X" and (not _number(ev.get("dur")) or ev["dur"] < 0):
         out.append("dur: a complete event needs a non-negative duration")
+    return out
+
+
+def _check_phase(ev: dict[str, Any], ph: str) -> list[str]:
+    """What the phase itself needs: ids and categories (flows, async), binding, scope, the
+    argument a metadata event carries."""
+    out = []
     if ph in _NEEDS_ID:
         if "id" not in ev and "id2" not in ev:
             out.append(f"id: phase {ph} needs an id")
@@ -86,8 +106,6 @@ def _check_event(ev: Any) -> list[str]:
             out.append(f"name: {ev.get('name')!r} is not a metadata event")
         elif need not in (ev.get("args") or {}):
             out.append(f"args.{need}: missing")
-    if "args" in ev and not isinstance(ev["args"], dict):
-        out.append("args: not an object")
     return out
 
 

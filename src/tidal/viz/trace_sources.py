@@ -14,12 +14,17 @@ import contextlib
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal import run_schema as schema
 from tidal.rundir import UTIL_KEYS, RunData, load_run, read_jsonl
 from tidal.viz.run_figures import capacity_at, rollout_capacity
 from tidal.viz.trace import Plan, TraceRun
+
+if TYPE_CHECKING:
+    from tidal.sim.dispatch import ExecRec
+    from tidal.sim.runner import RunResult
+    from tidal.sim.world import World
 
 
 def from_run_dir(path: str | Path) -> TraceRun:
@@ -133,7 +138,7 @@ def _reroute_time(engine: str, start: float, dur: float, plans: list[Plan]) -> f
     return start + dur / 2
 
 
-def from_sim(result: Any, records: list[dict[str, Any]],
+def from_sim(result: RunResult, records: list[dict[str, Any]],
              reroutes: list[tuple[float, str, str, str]]) -> TraceRun:
     """The trace of one simulated policy (``RunResult``) and its decision records."""
     w = result.world
@@ -167,19 +172,12 @@ def from_sim(result: Any, records: list[dict[str, Any]],
 def recording_reroutes() -> Iterator[dict[str, list[tuple[float, str, str, str]]]]:
     """While open, every execution a simulated world moves from one engine to another is
     recorded per policy spec as (t, from, to, execution) (the simulator keeps only a count)."""
-    from tidal.sim.world import World
+    from tidal.sim.world import observing_moves
 
     seen: dict[str, list[tuple[float, str, str, str]]] = {}
-    original = World.move
 
-    def move(self: World, ex: Any, dest: Any, kv: bool, hold: bool) -> None:
-        src = str(ex.engine.name) if ex.engine is not None else None
-        original(self, ex, dest, kv, hold)
-        if src is not None and dest is not None and str(dest.name) != src:
-            seen.setdefault(self.spec, []).append((self.now, src, str(dest.name), ex.eid))
+    def moved(world: World, ex: ExecRec, src: str, dest: str) -> None:
+        seen.setdefault(world.spec, []).append((world.now, src, dest, ex.eid))
 
-    World.move = move  # type: ignore[method-assign]
-    try:
+    with observing_moves(moved):
         yield seen
-    finally:
-        World.move = original  # type: ignore[method-assign]

@@ -45,7 +45,8 @@ class HeldStatic(StaticPolicy):
         self.dispatch_limit = LIMIT if obs.trainer_step == 0 else None
         if self.dispatch_limit is None:
             return super().decide(obs)
-        return Decision.hold(f"holding dispatch at {LIMIT} executions until the first step")
+        return Decision.hold(f"holding dispatch at {LIMIT} executions until the first step",
+                             dispatch_limit=LIMIT)
 
 
 @pytest.fixture(autouse=True, scope="module")

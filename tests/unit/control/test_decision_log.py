@@ -71,7 +71,7 @@ class _Holding:
     def decide(self, obs) -> Decision:
         self.dispatch_limit = next(self.limits)
         return Decision.hold(f"holding dispatch so a cell can train (waterlevel "
-                             f"{obs.waterlevel})")
+                             f"{obs.waterlevel})", dispatch_limit=self.dispatch_limit)
 
 
 def test_the_controller_logs_each_limit_the_policy_holds_at():

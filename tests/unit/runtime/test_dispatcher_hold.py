@@ -7,6 +7,7 @@ from its own task (a moment after the hand-off) and closes executions when the t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -78,8 +79,29 @@ class _Bridge:
         self.handle(ExecutionClosed(self.clock.now(), eid, CloseReason.COMPLETED, 1.0))
 
 
+class _Held:
+    """The static policy, answering with the dispatch hold the test sets (as the tidal policy
+    answers with its own) at its next decision."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.limit = inner, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decide(self, obs):
+        return dataclasses.replace(self.inner.decide(obs), dispatch_limit=self.limit)
+
+
+def _hold(ctl, handle, clock, limit) -> None:
+    """The policy holds dispatch at ``limit`` from the next event on (a tick here)."""
+    ctl.policy.limit = limit
+    handle(Tick(clock.now()))
+
+
 def _wired(clock, cfg=CFG):
     ctl = build_controller(cfg, clock, FakeActuator())
+    ctl.policy = _Held(ctl.policy)
     listeners = []
 
     def handle(ev):  # runtime.wiring's handle: the controller, then whoever waits on it
@@ -109,7 +131,7 @@ def test_a_held_dispatch_never_passes_the_limit_and_resumes_when_it_lifts(steps,
     async def go():
         clock = WallClock()
         ctl, pool, d, handle = _wired(clock)
-        ctl.policy.dispatch_limit = first
+        _hold(ctl, handle, clock, first)
 
         async def published(b):
             await _settle()
@@ -119,18 +141,16 @@ def test_a_held_dispatch_never_passes_the_limit_and_resumes_when_it_lifts(steps,
         for kind, arg in steps:
             before = len(pool.ran)
             if kind == "limit":
-                ctl.policy.dispatch_limit = arg
-                handle(Tick(clock.now()))  # the policy changes its limit while deciding
+                _hold(ctl, handle, clock, arg)  # the policy changes its limit while deciding
             else:
                 pool.finish(arg)
             await _settle()
-            lim, wl = ctl.policy.dispatch_limit, ctl.ledger.waterlevel
+            lim, wl = ctl.dispatch_limit, ctl.ledger.waterlevel
             assert d.outstanding() == wl  # every hand-off has reached the ledger
             if lim is not None and len(pool.ran) > before:
                 assert wl <= lim, (wl, lim)  # new work only up to the limit
             assert pool.ran == ALL[:len(pool.ran)]  # in plan order, none twice
-        ctl.policy.dispatch_limit = None  # lifted: held groups go at the next event
-        handle(Tick(clock.now()))
+        _hold(ctl, handle, clock, None)  # lifted: held groups go at the next event
         await _settle()
         quota = CFG.control.quota_executions
         assert pool.ran and len(pool.ran) % quota == 0  # the whole burst went, no close needed
@@ -149,15 +169,14 @@ def test_a_hold_released_at_once_when_executions_finish():
     async def go():
         clock = WallClock()
         ctl, pool, d, handle = _wired(clock)
-        ctl.policy.dispatch_limit = 8
+        _hold(ctl, handle, clock, 8)
         task = asyncio.get_running_loop().create_task(d._dispatch(0, _plans()))
         await _settle()
         assert len(pool.ran) == 8 and ctl.ledger.waterlevel == 8
         pool.finish(4)
         await _settle()
         assert len(pool.ran) == 12 and ctl.ledger.waterlevel == 8
-        ctl.policy.dispatch_limit = None
-        handle(Tick(clock.now()))
+        _hold(ctl, handle, clock, None)
         await _settle()
         assert len(pool.ran) == CFG.control.quota_executions
         await task
@@ -171,8 +190,8 @@ def test_a_hold_released_at_once_when_executions_finish():
 def test_a_hold_that_never_lifts_is_one_clear_error():
     async def go():
         clock = ManualClock()  # a wait moves virtual time: the bound passes at once
-        ctl, pool, d, _ = _wired(clock)
-        ctl.policy.dispatch_limit = 0
+        ctl, pool, d, handle = _wired(clock)
+        _hold(ctl, handle, clock, 0)
         await d._dispatch(0, _plans())
 
     with pytest.raises(TimeoutExpired, match=r"held by the policy at 0 executions.*"

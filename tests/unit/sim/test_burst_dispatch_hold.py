@@ -40,7 +40,8 @@ class _ScheduledHold(StaticPolicy):
     def decide(self, obs: Observation) -> Decision:
         i = int(obs.now_s // self.period_s)
         self.dispatch_limit = self.limits[i] if i < len(self.limits) else None
-        return Decision.hold(f"holding dispatch at {self.dispatch_limit} executions")
+        return Decision.hold(f"holding dispatch at {self.dispatch_limit} executions",
+                             dispatch_limit=self.dispatch_limit)
 
 
 @pytest.fixture(scope="module", autouse=True)

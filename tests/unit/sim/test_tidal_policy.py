@@ -1,5 +1,7 @@
 """tidal's own policy: rate model, partial lending in prefix order, waterlevel safety."""
 
+import dataclasses
+
 import pytest
 
 from tidal.control.policy import Action, CellView, Observation, make_policy, registered
@@ -111,17 +113,17 @@ def test_nothing_training_with_a_ready_batch_holds_dispatch_then_lends():
     # capacity 512, after lending cell 0: 384 < waterlevel 450: hold dispatch at 384
     d = p.decide(obs(t=200.0, roles=("rollout", "rollout"), waterlevel=450, ready=20,
                      generated=120, step=1))
-    assert d.action is Action.HOLD and p.dispatch_limit == 384
+    assert d.action is Action.HOLD and d.dispatch_limit == 384
     d = p.decide(obs(t=210.0, roles=("rollout", "rollout"), waterlevel=384, ready=20,
                      generated=121, step=1))
     assert d.action is Action.TO_TRAINING and d.cells == (0,)
-    assert p.dispatch_limit is None
+    assert d.dispatch_limit is None
     # Without a whole batch ready (or without held supply) nothing moves.
     q = make_policy("tidal")
     warmed(q, roles=("rollout", "rollout"), waterlevel=10, ready=0)
     d = q.decide(obs(t=200.0, roles=("rollout", "rollout"), waterlevel=450, ready=20,
                      generated=120, step=1, supply_ok=False))
-    assert d.action is Action.HOLD and q.dispatch_limit is None
+    assert d.action is Action.HOLD and d.dispatch_limit is None
 
 
 def test_returns_a_block_large_enough_for_the_missing_slots():
@@ -140,16 +142,29 @@ def test_initial_prefix_is_min_train_cells():
 def test_holds_dispatch_so_the_next_cell_can_train_when_production_leads():
     p = make_policy("tidal")
     d = warmed(p, waterlevel=300, pending=0)  # production leads: drift after the move > 0
-    assert d.action is Action.HOLD and p.dispatch_limit == 256  # capacity after the move
+    assert d.action is Action.HOLD and d.dispatch_limit == 256  # capacity after the move
     d2 = p.decide(obs(t=110.0, waterlevel=250, generated=101, step=1, running=100))
-    assert d2.action is Action.TO_TRAINING and d2.cells == (1,) and p.dispatch_limit is None
+    assert d2.action is Action.TO_TRAINING and d2.cells == (1,) and d2.dispatch_limit is None
 
 
 def test_no_dispatch_hold_when_the_trainer_would_outpace_rollout():
     p = make_policy("tidal")
     p.decide(obs(t=0.0, generated=0, step=0, running=100, ready=0))
     d = p.decide(obs(t=100.0, generated=1, step=4, running=100, ready=0, waterlevel=300))
-    assert d.action is Action.HOLD and p.dispatch_limit is None
+    assert d.action is Action.HOLD and d.dispatch_limit is None
+
+
+class _Held:
+    """A policy answering with a fixed dispatch hold (``Decision.dispatch_limit``)."""
+
+    def __init__(self, inner, limit):
+        self.inner, self.limit = inner, limit
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decide(self, o):
+        return dataclasses.replace(self.inner.decide(o), dispatch_limit=self.limit)
 
 
 def test_the_simulated_dispatcher_honours_the_dispatch_limit():
@@ -158,13 +173,13 @@ def test_the_simulated_dispatcher_honours_the_dispatch_limit():
     from tidal.testing.sim_scenarios import tiny_scenario
 
     w = World(tiny_scenario(), "static:cells=1")  # a policy that never sets the limit itself
-    w.controller.policy.dispatch_limit = 0
+    w.controller.policy = _Held(w.controller.policy, 0)
     w._start()
     assert w.ledger.waterlevel == 0 and not w.queue  # nothing dispatched on demand
-    w.controller.policy.dispatch_limit = 8  # two groups of 4
+    w.controller.policy.limit = w.controller._dispatch_limit = 8  # as a decision now would
     dispatch.fill(w)
     assert w.ledger.waterlevel == 8
-    w.controller.policy.dispatch_limit = None
+    w.controller.policy.limit = w.controller._dispatch_limit = None
     dispatch.fill(w)
     assert w.ledger.waterlevel > 8
 

@@ -141,3 +141,17 @@ def test_failing_plan_steps_are_retried_or_aborted_and_nothing_is_lost(spec):
     assert res.summary["trainer_steps"] == sc.total_steps
     assert res.world.actuator.failures > 0
     assert res.summary["plans_aborted"] > 0 or res.summary["switches"] > 0
+
+
+def test_move_observers_see_every_move_between_engines_while_registered():
+    from tidal.sim.scenario import load
+    from tidal.sim.world import observing_moves
+
+    scenario = load("dapo-math-32gpu").scaled(1.0, bursts=2)
+    seen: list[tuple[str, str, str, str]] = []
+    with observing_moves(lambda w, ex, src, dest: seen.append((w.spec, src, dest, ex.eid))):
+        moved = run_policy(scenario, "verl-default").summary["reroutes"]
+    assert moved > 0 and len(seen) == moved  # verl's moves all have a destination
+    assert all(spec == "verl-default" and src != dest for spec, src, dest, _ in seen)
+    run_policy(scenario, "verl-default")
+    assert len(seen) == moved  # unregistered on exit: nothing seen after it

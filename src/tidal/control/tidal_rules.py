@@ -1,0 +1,231 @@
+"""The tidal policy's rules, one function each, in the order ``TidalPolicy.decide`` asks them.
+
+In: a ``Situation`` (the observation plus the numbers every rule reads: measured rates,
+training GPUs, queue, executions still to run, capacity, the last move) and the policy's
+knobs (``Knobs``: horizon, dwell, low/high batches, the training floor). Out: a ``Decision``
+when the rule settles the event, None when it leaves it to the next rule. Rules are pure:
+the policy records a move (for hysteresis) after a rule returns one. The rule text is the
+module docstring of ``tidal.control.tidal_policy``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from tidal.control.policy import Action, CellView, Decision, Observation
+from tidal.control.waterlevel import capacity_after_move
+from tidal.types import Role
+
+
+class Knobs(Protocol):
+    """The policy arguments the rules read (``TidalPolicy`` has them)."""
+
+    horizon_s: float
+    dwell_s: float
+    low_batches: float
+    high_batches: float
+    min_train_cells: int
+
+
+@dataclass(frozen=True)
+class Situation:
+    """One event as the rules see it. Rates are groups per running-execution-second (``p``)
+    and per training-GPU-second (``c``); an unknown rate is 0 with ``rates_known`` False."""
+
+    obs: Observation
+    p: float
+    c: float
+    rates_known: bool
+    gpus: int  # training GPUs
+    last_action: Action = Action.HOLD
+    last_move_s: float = -math.inf
+
+    @property
+    def queue(self) -> int:
+        return self.obs.ready_groups
+
+    @property
+    def todo(self) -> int:
+        """Executions to run: the waterlevel plus what is still to be dispatched."""
+        return self.obs.waterlevel + self.obs.pending_dispatch
+
+    @property
+    def batch(self) -> int:
+        return self.obs.batch_groups
+
+    @property
+    def cap(self) -> int:
+        return self.obs.rollout_capacity
+
+    @property
+    def backlog(self) -> bool:
+        """Two batches or more ready: production is ahead without waiting for the rates."""
+        return self.queue >= 2 * self.batch
+
+    def dwelling(self, action: Action, dwell_s: float) -> bool:
+        """Hysteresis: a move against the direction of the last one waits ``dwell_s``."""
+        return action is not self.last_action and self.obs.now_s - self.last_move_s < dwell_s
+
+
+def training_slots(obs: Observation) -> int:
+    return sum(c.slots for c in obs.cells if c.role is Role.TRAINING)
+
+
+def measuring(s: Situation) -> Decision | None:
+    """Hold until both rates are known, unless one side is empty or a backlog shows the way."""
+    if not s.rates_known and s.gpus > 0 and s.cap > 0 and not s.backlog:
+        return Decision.hold("measuring rates")
+    return None
+
+
+def train_floor(s: Situation, k: Knobs) -> int:
+    """Training cells that never return: ``min_train_cells``, none when no rollout capacity is
+    left or the trainer starves (not one batch ready within the horizon with every slot)."""
+    if s.cap <= 0:
+        return 0
+    reach = s.queue + s.p * min(s.cap + training_slots(s.obs), s.todo) * k.horizon_s
+    if s.gpus > 0 and s.queue < s.batch and reach < s.batch:
+        return 0
+    return k.min_train_cells
+
+
+def return_block(s: Situation, movable: list[CellView]) -> tuple[int, ...]:
+    """The last training cells, the smallest block that balances the rates or covers the
+    missing slots (at most all of ``movable``)."""
+    slots = lent = 0
+    block: list[CellView] = []
+    for v in reversed(movable):
+        block.append(v)
+        slots += v.slots
+        lent += v.gpus
+        drift = s.p * min(s.cap + slots, s.todo) - s.c * (s.gpus - lent)
+        if s.cap + slots >= s.todo or drift >= 0:
+            break
+    return tuple(sorted(v.index for v in block))
+
+
+def return_cells(s: Situation, k: Knobs) -> Decision | None:
+    """Return training cells when rollout is short of slots and the queue projected over the
+    horizon falls below ``low_batches`` batches (or nothing rolls out at all)."""
+    floor = train_floor(s, k)
+    obs = s.obs
+    movable = [v for v in obs.cells[floor : obs.prefix_len] if v.role is Role.TRAINING]
+    if not movable or len(movable) != obs.prefix_len - floor or s.todo <= s.cap:
+        return None
+    drift = s.p * min(s.cap, s.todo) - s.c * s.gpus
+    projected = s.queue + drift * k.horizon_s
+    if projected >= k.low_batches * s.batch and s.cap != 0:
+        return None
+    if s.dwelling(Action.TO_ROLLOUT, k.dwell_s):
+        return Decision.hold("dwell before reversing the last move")
+    return Decision(
+        Action.TO_ROLLOUT,
+        return_block(s, movable),
+        f"rollout short: {s.todo} executions to run > {s.cap} slots; "
+        f"queue {s.queue} -> {projected:.1f} groups in "
+        f"{k.horizon_s:g}s < {k.low_batches * s.batch:g}",
+    )
+
+
+def idle_trainer(s: Situation, nxt: CellView, after: int) -> Decision | None:
+    """Nothing trains while a whole batch is ready (supply held): lend the next cell, holding
+    dispatch at the capacity after the move while the waterlevel is in the way."""
+    obs = s.obs
+    if s.gpus != 0 or s.queue < s.batch or not obs.supply.ok:
+        return None
+    if after >= obs.waterlevel:
+        return Decision(
+            Action.TO_TRAINING, (nxt.index,), f"nothing trains and {s.queue} groups are ready"
+        )
+    if after > 0:
+        return Decision.hold(
+            f"holding dispatch at {after} executions so cell {nxt.index} "
+            f"can train a ready batch (waterlevel {obs.waterlevel})",
+            dispatch_limit=after,
+        )
+    return None
+
+
+def waterlevel_blocked(
+    s: Situation, nxt: CellView, after: int, drift_after: float
+) -> Decision | None:
+    """The move is not waterlevel-safe: hold, with a dispatch hold at the capacity after the
+    move when production still outpaces consumption with one more training cell."""
+    obs = s.obs
+    if after >= obs.waterlevel:
+        return None
+    if drift_after >= 0 and s.p > 0 and obs.supply.ok and after > 0:
+        return Decision.hold(
+            f"holding dispatch at {after} executions so cell {nxt.index} "
+            f"can train (waterlevel {obs.waterlevel})",
+            dispatch_limit=after,
+        )
+    return Decision.hold(f"capacity after move {after} < waterlevel {obs.waterlevel}")
+
+
+def rollout_needs_slots(s: Situation, after: int, drift_after: float) -> Decision | None:
+    """Rollout needs the lent cell's slots and the queue would drain (no backlog)."""
+    if s.todo > after and drift_after < 0 and not s.backlog:
+        return Decision.hold(
+            f"rollout needs the slots: {s.todo} executions to run > {after} "
+            f"and the queue would drain ({drift_after:.4f} groups/s)"
+        )
+    return None
+
+
+def supply_not_held(s: Situation) -> Decision | None:
+    if not s.obs.supply.ok:
+        return Decision.hold(f"supply {s.obs.supply.supply} not ok")
+    return None
+
+
+def queue_too_low(s: Situation, k: Knobs, projected: float) -> Decision | None:
+    """The lent cell would have no data: the queue projected over ``dwell_s`` under the new
+    split stays below ``high_batches`` batches."""
+    if projected < k.high_batches * s.batch:
+        return Decision.hold(
+            f"projected queue {projected:.1f} < {k.high_batches * s.batch:g} with one more cell"
+        )
+    return None
+
+
+def lend_next(s: Situation, k: Knobs) -> Decision:
+    """Lend the next cell of the order to training when rollout does not need its slots, the
+    move is waterlevel-safe and the trainer has data; else hold, saying why."""
+    nxt = s.obs.next_to_train()
+    if nxt is None or nxt.role is not Role.ROLLOUT:
+        return Decision.hold("balanced")
+    after = capacity_after_move(s.obs, nxt)
+    drift_after = s.p * min(after, s.todo) - s.c * (s.gpus + nxt.gpus)
+    projected = s.queue + drift_after * k.dwell_s
+    checks: tuple[Callable[[], Decision | None], ...] = (
+        lambda: idle_trainer(s, nxt, after),
+        lambda: waterlevel_blocked(s, nxt, after, drift_after),
+        lambda: rollout_needs_slots(s, after, drift_after),
+        lambda: supply_not_held(s),
+        lambda: queue_too_low(s, k, projected),
+    )
+    for check in checks:
+        d = check()
+        if d is not None:
+            return d
+    if s.dwelling(Action.TO_TRAINING, k.dwell_s):
+        return Decision.hold("dwell before reversing the last move")
+    why = (
+        f"rollout has spare slots ({s.todo} executions to run <= {after})"
+        if s.todo <= after
+        else f"the queue still grows with one more cell ({drift_after:.4f} groups/s)"
+    )
+    return Decision(
+        Action.TO_TRAINING,
+        (nxt.index,),
+        f"{why}; queue {s.queue} -> {projected:.1f} groups in {k.dwell_s:g}s",
+    )
+
+
+def decide(s: Situation, k: Knobs) -> Decision:
+    """The rules in order: measuring, returning cells, lending the next one."""
+    return measuring(s) or return_cells(s, k) or lend_next(s, k)

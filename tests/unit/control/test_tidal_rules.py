@@ -1,0 +1,156 @@
+"""The tidal policy's rules, each on its own (``tidal.control.tidal_rules``): each returns its
+decision on the situation it names and None (the next rule's turn) otherwise."""
+
+from tidal.control import tidal_rules as rules
+from tidal.control.policy import Action, CellView, Observation
+from tidal.control.supply import SupplyView
+from tidal.control.tidal_policy import TidalPolicy
+from tidal.control.tidal_rules import Situation
+from tidal.types import CellKind, Role
+
+K = TidalPolicy()  # horizon 300 s, dwell 20 s, low 2 batches, high 0, floor 1
+
+
+def sit(
+    roles=("training", "rollout"),
+    waterlevel=10,
+    pending=0,
+    ready=20,
+    p=0.01,
+    c=0.001,
+    known=True,
+    supply_ok=True,
+    slots=128,
+    last=Action.HOLD,
+    last_move_s=-1e9,
+    t=100.0,
+) -> Situation:
+    cells = tuple(CellView(i, slots, 8, CellKind.HYBRID, Role(r)) for i, r in enumerate(roles))
+    cap = sum(x.slots for x in cells if x.role is Role.ROLLOUT) + 256
+    o = Observation(
+        now_s=t,
+        trigger="Tick",
+        cells=cells,
+        standalone_slots=256,
+        standalone_gpus=16,
+        rollout_capacity=cap,
+        waterlevel=waterlevel,
+        queued=0,
+        running=waterlevel,
+        pending_dispatch=pending,
+        supply=SupplyView(min(ready, 16), 16, 8.0, supply_ok, 0.0, supply_ok),
+        ready_groups=ready,
+        groups_generated=0,
+        batch_groups=16,
+        updates_per_burst=4,
+        trainer_waiting=True,
+        trainer_step=0,
+        steps_in_version=0,
+        version=0,
+        bursts_ended=0,
+        in_flight=False,
+    )
+    gpus = sum(x.gpus for x in cells if x.role is Role.TRAINING)
+    return Situation(o, p, c, known, gpus, last, last_move_s)
+
+
+def test_measuring_holds_until_both_rates_are_known_unless_a_side_is_empty():
+    assert rules.measuring(sit(known=False)).reason == "measuring rates"
+    assert rules.measuring(sit(known=True)) is None
+    assert rules.measuring(sit(known=False, roles=("rollout", "rollout"))) is None  # no gpus
+    assert rules.measuring(sit(known=False, ready=32)) is None  # a backlog of two batches
+
+
+def test_train_floor_is_min_train_cells_unless_no_rollout_or_a_starving_trainer():
+    assert rules.train_floor(sit(), K) == 1
+    # queue below a batch and not one batch within the horizon even with every slot
+    assert rules.train_floor(sit(ready=0, p=1e-6, waterlevel=10), K) == 0
+    assert rules.train_floor(sit(ready=0, p=1.0, waterlevel=10), K) == 1
+
+
+def test_return_block_is_the_smallest_that_covers_the_missing_slots():
+    s = sit(roles=("training", "training", "training", "rollout"), waterlevel=600, p=0.0)
+    movable = [v for v in s.obs.cells if v.role is Role.TRAINING]
+    # capacity 384, 600 to run: two cells of 128 cover 640 >= 600
+    assert rules.return_block(s, movable) == (1, 2)
+
+
+def test_return_cells_when_rollout_is_short_and_the_queue_runs_dry():
+    s = sit(roles=("training", "training", "rollout"), waterlevel=500, ready=0, p=1e-4)
+    d = rules.return_cells(s, K)
+    assert d.action is Action.TO_ROLLOUT and d.cells == (1,)
+    assert "rollout short: 500 executions to run > 384 slots" in d.reason
+    assert (
+        rules.return_cells(sit(roles=("training", "training", "rollout"), waterlevel=100), K)
+        is None
+    )  # enough slots
+    dwell = sit(
+        roles=("training", "training", "rollout"),
+        waterlevel=500,
+        ready=0,
+        p=1e-4,
+        last=Action.TO_TRAINING,
+        last_move_s=90.0,
+    )
+    assert rules.return_cells(dwell, K).reason == "dwell before reversing the last move"
+
+
+def test_idle_trainer_lends_or_holds_dispatch_at_the_capacity_after_the_move():
+    s = sit(roles=("rollout", "rollout"), waterlevel=100, ready=16)
+    nxt = s.obs.cells[0]
+    d = rules.idle_trainer(s, nxt, 384)
+    assert d.action is Action.TO_TRAINING and d.cells == (0,) and d.dispatch_limit is None
+    held = rules.idle_trainer(sit(roles=("rollout", "rollout"), waterlevel=450, ready=16), nxt, 384)
+    assert held.action is Action.HOLD and held.dispatch_limit == 384
+    assert rules.idle_trainer(sit(roles=("rollout", "rollout"), ready=15), nxt, 384) is None
+    assert rules.idle_trainer(sit(ready=16), nxt, 384) is None  # something trains
+
+
+def test_waterlevel_blocked_holds_and_holds_dispatch_when_production_leads():
+    s = sit(waterlevel=300)
+    nxt = s.obs.cells[1]
+    assert rules.waterlevel_blocked(s, nxt, 256, 0.5).dispatch_limit == 256
+    d = rules.waterlevel_blocked(s, nxt, 256, -0.5)
+    assert d.reason == "capacity after move 256 < waterlevel 300" and d.dispatch_limit is None
+    assert rules.waterlevel_blocked(sit(waterlevel=200), nxt, 256, -0.5) is None
+
+
+def test_rollout_needs_slots_unless_the_queue_grows_or_a_backlog_is_ready():
+    assert (
+        "rollout needs the slots"
+        in rules.rollout_needs_slots(sit(waterlevel=300), 256, -0.1).reason
+    )
+    assert rules.rollout_needs_slots(sit(waterlevel=300), 256, 0.1) is None
+    assert rules.rollout_needs_slots(sit(waterlevel=300, ready=32), 256, -0.1) is None
+    assert rules.rollout_needs_slots(sit(waterlevel=200), 256, -0.1) is None
+
+
+def test_supply_not_held_holds():
+    assert rules.supply_not_held(sit(supply_ok=False)).reason == "supply 16 not ok"
+    assert rules.supply_not_held(sit()) is None
+
+
+def test_queue_too_low_holds_below_high_batches():
+    k = TidalPolicy(high_batches=1.0)
+    assert "projected queue 10.0 < 16" in rules.queue_too_low(sit(), k, 10.0).reason
+    assert rules.queue_too_low(sit(), k, 16.0) is None
+
+
+def test_lend_next_lends_with_spare_slots_and_holds_when_balanced():
+    d = rules.lend_next(sit(), K)
+    assert d.action is Action.TO_TRAINING and d.cells == (1,)
+    assert d.reason.startswith("rollout has spare slots (10 executions to run <= 256)")
+    assert rules.lend_next(sit(roles=("training", "training")), K).reason == "balanced"
+    dwell = rules.lend_next(sit(last=Action.TO_ROLLOUT, last_move_s=95.0), K)
+    assert dwell.reason == "dwell before reversing the last move"
+
+
+def test_decide_asks_the_rules_in_order():
+    assert rules.decide(sit(known=False), K).reason == "measuring rates"
+    assert (
+        rules.decide(
+            sit(roles=("training", "training", "rollout"), waterlevel=500, ready=0, p=1e-4), K
+        ).action
+        is Action.TO_ROLLOUT
+    )
+    assert rules.decide(sit(), K).action is Action.TO_TRAINING
