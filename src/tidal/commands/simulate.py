@@ -106,8 +106,7 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
     from tidal.config import dump_yaml
     from tidal.control.decision_log import jsonl_file_sink
     from tidal.sim.runner import compare
-    from tidal.viz import trace
-    from tidal.viz.trace_sources import from_sim, recording_reroutes
+    from tidal.viz.trace_sources import recording_reroutes
 
     for spec in specs:  # fail on a bad spec before anything runs
         sc.run_config(spec)
@@ -154,28 +153,39 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
     if len(results) > 1:
         console.print(render_speedups(results))
     if out is not None:
-        summary = {"scenario": sc.name, "description": sc.description,
-                   "oracle_makespan_s": results[0].summary["oracle_makespan_s"],
-                   "runs": [r.summary for r in results]}
-        if baseline is not None:
-            summary["best_static"] = {"spec": baseline.best.spec,
-                                      "split": baseline.split_label(baseline.best),
-                                      "makespan_s": baseline.best_makespan_s}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        with open(out / "verl_metrics.jsonl", "w") as fh:  # verl's rows, one per version
-            for r in results:
-                for row in r.world.controller.metrics.rows:
-                    fh.write(json.dumps({"run": r.spec, **row}) + "\n")
-        trace.write([from_sim(r, kept[r.spec], reroutes.get(r.spec, [])) for r in results],
-                    out / "trace.json")
-        written = ["summary.json", "verl_metrics.jsonl", "decisions.jsonl", "scenario.yaml",
-                   "trace.json"]
-        if plots:
-            from tidal.viz.plots import plot_all
-
-            written += [p.name for p in plot_all(results, out)]
-        console.print(f"wrote {', '.join(written)} to {out}/")
+        _write_outputs(sc, results, baseline, out, kept, reroutes, plots, console)
     return results
+
+
+def _write_outputs(sc: Any, results: list[Any], baseline: Any, out: Path,
+                   kept: dict[str, list[dict[str, Any]]], reroutes: dict[str, list[Any]],
+                   plots: bool, console: Any) -> None:
+    """The run directory's summary, verl metrics, trace and plots (decisions.jsonl and
+    scenario.yaml are written while the runs go)."""
+    from tidal.viz import trace
+    from tidal.viz.trace_sources import from_sim
+
+    summary = {"scenario": sc.name, "description": sc.description,
+               "oracle_makespan_s": results[0].summary["oracle_makespan_s"],
+               "runs": [r.summary for r in results]}
+    if baseline is not None:
+        summary["best_static"] = {"spec": baseline.best.spec,
+                                  "split": baseline.split_label(baseline.best),
+                                  "makespan_s": baseline.best_makespan_s}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(out / "verl_metrics.jsonl", "w") as fh:  # verl's rows, one per version
+        for r in results:
+            for row in r.world.controller.metrics.rows:
+                fh.write(json.dumps({"run": r.spec, **row}) + "\n")
+    trace.write([from_sim(r, kept[r.spec], reroutes.get(r.spec, [])) for r in results],
+                out / "trace.json")
+    written = ["summary.json", "verl_metrics.jsonl", "decisions.jsonl", "scenario.yaml",
+               "trace.json"]
+    if plots:
+        from tidal.viz.plots import plot_all
+
+        written += [p.name for p in plot_all(results, out)]
+    console.print(f"wrote {', '.join(written)} to {out}/")
 
 
 def render_table(sc: Any, results: list[Any], baseline: Any = None) -> Any:

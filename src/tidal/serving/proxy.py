@@ -30,6 +30,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,6 +61,17 @@ from tidal.serving.router import Kind, Member, Router
 
 log = logging.getLogger(__name__)
 
+
+
+@dataclass
+class _CallState:
+    """What one call carries from one engine's attempt to the next."""
+
+    res: Result
+    waited_s: float = 0.0  # upstream streaming + admission waits: not the proxy's own cost
+    errors: int = 0  # 5xx answers and failed steps of live engines: retried a bounded number
+    blob: bytes | None = None  # a drained attempt's KV, held until an engine adopts it
+    prior_kv: int = 0  # tokens some earlier engine held KV for: what a re-prefill redoes
 
 class ProxyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -300,13 +312,10 @@ class Proxy:
                         params: SamplingParams, on_chunk, record_overhead: bool,
                         timeout_s: float | None, session: str | None = None) -> Result:
         t_start = time.perf_counter()
-        waited_s = 0.0  # upstream streaming + admission waits: not the proxy's own cost
-        res = Result(list(prompt))
+        st = _CallState(Result(list(prompt)))
+        res = st.res
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout_s or self.config.request_timeout_s)
-        errors = 0  # 5xx answers and failed steps of live engines: retried a bounded number
-        blob: bytes | None = None  # a drained attempt's KV, held until an engine adopts it
-        prior_kv = 0  # tokens some earlier engine held KV for: what a re-prefill redoes
         # affinity: a session's (else the execution's) calls go to the engine holding its prefix
         route_key = (session or execution_id) if self.config.affinity else None
         for attempt_no in range(1, self.config.max_attempts + 1):
@@ -316,77 +325,98 @@ class Proxy:
                 break
             t_wait = time.perf_counter()
             member = await self._acquire(route_key, deadline)
-            waited_s += time.perf_counter() - t_wait
+            st.waited_s += time.perf_counter() - t_wait
             # no await between the pick and this line: a drain that begins later sees it
             attempt = Attempt(route_key, f"{call.call_id}-{attempt_no}", member)
             member.inflight[attempt.request_id] = attempt
-            seg = Segment(member.engine_id, attempt.request_id)
-            reason, failure = None, None
-            try:
-                handle = None
-                if blob is not None:
-                    handle, blob = await import_kv(blob, attempt)
-                if attempt.cancelled:  # its drain began before anything was sent: go on
-                    await release_import(attempt, handle)
-                else:
-                    reason = await self._run_attempt(attempt, seg, res, prompt, params,
-                                                     remaining, handle, prior_kv, on_chunk)
-                    if reason is None and attempt.keep_kv:
-                        blob = await export_kv(attempt)
-            except BadRequest:
-                if attempt_no == 1 and not res.token_ids:
-                    raise
-                seg.ended_by = "error"  # e.g. a refused request: retry plainly
-                log.exception("call %s: retrying after a refused request", call.call_id)
-            except EngineError as exc:  # alive, but failed this call: a bounded few retries
-                seg.ended_by, failure = "error", exc
-            except (EngineUnavailable, Overloaded) as exc:
-                seg.ended_by = "error"
-                if attempt.sent and isinstance(exc, EngineUnavailable):
-                    # it had the prompt (and the tokens so far): the next engine prefills again
-                    prior_kv = max(prior_kv, len(prompt) + len(res.token_ids) - 1)
-                t_check = time.perf_counter()
-                await self.health.check(member, exc)
-                waited_s += time.perf_counter() - t_check
-            finally:
-                waited_s += attempt.upstream_s
-                await self._release_slot(member, attempt.request_id)
-                if seg.token_ids or seg.ended_by:
-                    call.segments.append(seg)
-            log.debug("call %s attempt %d on %s: %s after %d tokens (kv %s, cancelled %s)",
-                      call.call_id, attempt_no, member.engine_id, reason or seg.ended_by,
-                      len(seg.token_ids), attempt.kv_tokens, attempt.cancelled)
+            reason, failure = await self._attempt(call, st, attempt, attempt_no, prompt, params,
+                                                  remaining, on_chunk)
             if reason in ("stop", "length"):
                 res.finish_reason = reason
                 break
-            if reason == "error":  # the engine's step failed under this call
-                self.totals["engine_step_failures"] += 1
-                failure = EngineError(f"engine {member.engine_id}: a model step failed")
-            if failure is not None:  # back off with the slot given back
-                errors += 1
-                t_back = time.perf_counter()
-                await self._after_error(call, member, failure, errors)
-                waited_s += time.perf_counter() - t_back
-            if attempt.started:
-                held = attempt.kv_tokens if attempt.kv_tokens is not None else \
-                    len(prompt) + len(res.token_ids) - 1
-                prior_kv = max(prior_kv, held)
-                if not attempt.keep_kv:
-                    blob = None  # the engine adopted it (or newer tokens have no KV)
+            await self._after_attempt(call, st, attempt, reason, failure, prompt)
             self.totals["retries"] += 1
         else:
             raise EngineUnavailable(f"call {call.call_id}: no engine finished it in "
                                     f"{self.config.max_attempts} attempts")
-        res.upstream_s = waited_s
+        res.upstream_s = st.waited_s
         if params.stop:  # a stop string that spans two engines' segments of a moved call
             cut = cut_at_stop(res.text, params.stop)
             res.text = res.text if cut is None else res.text[:cut]
         if record_overhead:
-            self.overhead_s.append(time.perf_counter() - t_start - waited_s)
+            self.overhead_s.append(time.perf_counter() - t_start - st.waited_s)
         call.finish_reason = res.finish_reason
         if execution_id is not None:
             self.records.add(execution_id, call)
         return res
+
+    async def _attempt(self, call: ModelCall, st: _CallState, attempt: Attempt,
+                       attempt_no: int, prompt: list[int], params: SamplingParams,
+                       remaining: int, on_chunk: Callable[[TokenChunk], None] | None
+                       ) -> tuple[str | None, Exception | None]:
+        """One engine's part of a call (its KV adopted if one was handed over): (the
+        engine's finish reason or None, a failure to back off on or None). A refused first
+        attempt raises ``BadRequest``; an engine gone or full is checked by health."""
+        member = attempt.member
+        seg = Segment(member.engine_id, attempt.request_id)
+        reason, failure = None, None
+        try:
+            handle = None
+            if st.blob is not None:
+                handle, st.blob = await import_kv(st.blob, attempt)
+            if attempt.cancelled:  # its drain began before anything was sent: go on
+                await release_import(attempt, handle)
+            else:
+                reason = await self._run_attempt(attempt, seg, st.res, prompt, params,
+                                                 remaining, handle, st.prior_kv, on_chunk)
+                if reason is None and attempt.keep_kv:
+                    st.blob = await export_kv(attempt)
+        except BadRequest:
+            if attempt_no == 1 and not st.res.token_ids:
+                raise
+            seg.ended_by = "error"  # e.g. a refused request: retry plainly
+            log.exception("call %s: retrying after a refused request", call.call_id)
+        except EngineError as exc:  # alive, but failed this call: a bounded few retries
+            seg.ended_by, failure = "error", exc
+        except (EngineUnavailable, Overloaded) as exc:
+            seg.ended_by = "error"
+            if attempt.sent and isinstance(exc, EngineUnavailable):
+                # it had the prompt (and the tokens so far): the next engine prefills again
+                st.prior_kv = max(st.prior_kv, len(prompt) + len(st.res.token_ids) - 1)
+            t_check = time.perf_counter()
+            await self.health.check(member, exc)
+            st.waited_s += time.perf_counter() - t_check
+        finally:
+            st.waited_s += attempt.upstream_s
+            await self._release_slot(member, attempt.request_id)
+            if seg.token_ids or seg.ended_by:
+                call.segments.append(seg)
+        log.debug("call %s attempt %d on %s: %s after %d tokens (kv %s, cancelled %s)",
+                  call.call_id, attempt_no, member.engine_id, reason or seg.ended_by,
+                  len(seg.token_ids), attempt.kv_tokens, attempt.cancelled)
+        return reason, failure
+
+    async def _after_attempt(self, call: ModelCall, st: _CallState, attempt: Attempt,
+                             reason: str | None, failure: Exception | None,
+                             prompt: list[int]) -> None:
+        """Between an unfinished attempt and the next: back off after a failure (the slot
+        given back), and carry what the engine held (the KV tokens a re-prefill redoes, the
+        blob only while a drain kept it)."""
+        member = attempt.member
+        if reason == "error":  # the engine's step failed under this call
+            self.totals["engine_step_failures"] += 1
+            failure = EngineError(f"engine {member.engine_id}: a model step failed")
+        if failure is not None:  # back off with the slot given back
+            st.errors += 1
+            t_back = time.perf_counter()
+            await self._after_error(call, member, failure, st.errors)
+            st.waited_s += time.perf_counter() - t_back
+        if attempt.started:
+            held = attempt.kv_tokens if attempt.kv_tokens is not None else \
+                len(prompt) + len(st.res.token_ids) - 1
+            st.prior_kv = max(st.prior_kv, held)
+            if not attempt.keep_kv:
+                st.blob = None  # the engine adopted it (or newer tokens have no KV)
 
     async def _run_attempt(self, attempt: Attempt, seg: Segment, res: Result,
                            prompt: list[int], params: SamplingParams, remaining: int,
