@@ -35,10 +35,10 @@ from tidal.models.fetch import fetch
 from tidal.models.hf import create_tiny, load_training_model
 from tidal.models.kv import KVCache
 from tidal.models.llama import LlamaForCausalLM
-from tidal.models.loading import load_model, read_weights
+from tidal.models.loading import load_model, open_weights, read_weights
 from tidal.models.tokenizer import HFTokenizer, Tokenizer
 
 __all__ = [
     "CausalLM", "HFTokenizer", "KVCache", "LlamaForCausalLM", "Tokenizer", "create_tiny",
-    "fetch", "load_model", "load_training_model", "read_weights",
+    "fetch", "load_model", "load_training_model", "open_weights", "read_weights",
 ]

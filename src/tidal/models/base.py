@@ -167,12 +167,15 @@ class CausalLM(nn.Module):
         unknown = [n for n in state_dict if n not in own]
         if strict and (missing or unknown):
             raise TidalError(f"weights do not fit: missing {missing[:3]}, unknown {unknown[:3]}")
-        for name, tensor in state_dict.items():
+        # a lazily read file (``loading.WeightFile``) answers shapes without reading tensors
+        shape_of = None if finite else getattr(state_dict, "shape_of", None)
+        for name in state_dict:
             if name not in own:
                 continue
-            if own[name].shape != tensor.shape:
-                raise TidalError(f"weight {name}: shape {tuple(tensor.shape)} "
-                                 f"!= {tuple(own[name].shape)}")
+            tensor = None if shape_of is not None else state_dict[name]
+            shape = tuple(shape_of(name) if shape_of is not None else tensor.shape)
+            if tuple(own[name].shape) != shape:
+                raise TidalError(f"weight {name}: shape {shape} != {tuple(own[name].shape)}")
             if finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise TidalError(f"weight {name}: holds NaN or infinite values")
 

@@ -11,10 +11,11 @@ updates.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from tidal.errors import TidalError
@@ -60,3 +61,48 @@ def read_weights(path: str | Path, dtype: torch.dtype = torch.float32
     except (SafetensorError, OSError) as exc:
         raise TidalError(f"{path}: not readable safetensors weights ({exc})") from None
     raise TidalError(f"weights not found: {path}")
+
+
+class WeightFile(Mapping[str, torch.Tensor]):
+    """One ``.safetensors`` file as a read-only state dict whose tensors are read one at a time
+    when asked for, in ``dtype`` (in the file's dtype they are views of its mapping: read them,
+    never write into them): checking and loading a version go through it tensor by tensor, so
+    an engine never holds a second whole copy of its weights."""
+
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
+        self.path, self.dtype = path, dtype
+        try:
+            self._file = safe_open(str(path), framework="pt")
+            self._names = list(self._file.keys())
+        except (SafetensorError, OSError) as exc:
+            raise TidalError(f"{path}: not readable safetensors weights ({exc})") from None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        try:
+            return self._file.get_tensor(name).to(self.dtype)
+        except (SafetensorError, OSError) as exc:
+            raise TidalError(f"{self.path}: tensor {name} not readable ({exc})") from None
+
+    def shape_of(self, name: str) -> list[int]:
+        """A tensor's shape from the file's header (nothing read)."""
+        return list(self._file.get_slice(name).get_shape())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+
+def open_weights(path: str | Path, dtype: torch.dtype = torch.float32
+                 ) -> Mapping[str, torch.Tensor]:
+    """``read_weights``, but a single ``.safetensors`` file is read lazily (``WeightFile``)."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".safetensors":
+        return WeightFile(path, dtype)
+    return read_weights(path, dtype)

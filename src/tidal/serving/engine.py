@@ -31,7 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.clock import Clock, WallClock
-from tidal.models import CausalLM, Tokenizer, read_weights
+from tidal.models import CausalLM, Tokenizer, open_weights
 from tidal.models.device import DEVICE_PATTERN, resolve_device
 from tidal.serving.engine_state import KVStore, RateMeter, Request, sample_batch
 from tidal.serving.prefix_cache import PrefixCache
@@ -304,7 +304,7 @@ class Engine:
             if self._held is not None:
                 sd = self._held
             else:
-                sd = await asyncio.to_thread(read_weights, self._spill or self._weights_source)
+                sd = await asyncio.to_thread(open_weights, self._spill or self._weights_source)
             self.model.materialize(self.device)
             self.model.load_weights(sd)  # strict: materialised memory is garbage until loaded
             self._drop_spill()
@@ -322,7 +322,8 @@ class Engine:
         """Load weights of ``version`` from ``path`` between two steps; later tokens carry it.
         The file is read and checked whole first (names, shapes, finite values): a version
         that does not fit raises a ``TidalError`` and the loaded one keeps serving."""
-        sd = await asyncio.to_thread(read_weights, path)
+        # read tensor by tensor, twice (checked whole, then copied in): never a second copy
+        sd = await asyncio.to_thread(open_weights, path)
         await asyncio.to_thread(self.model.check_weights, sd)
         async with self._step_lock:
             if self._sleeping:
