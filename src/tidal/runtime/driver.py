@@ -62,6 +62,23 @@ def _trap_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, _interrupt)
 
 
+def _ray_init(ray: Any, **kwargs: object) -> None:
+    """``ray.init`` keeping this run's SIGTERM handler: Ray's init installs one that calls
+    ``sys.exit(15)`` wherever the signal lands, so a SIGTERM while Ray starts ended the run
+    with no line and exit code 0 (seen once in CI) instead of stopping its parts (130). Ray's
+    ``_private.utils.set_sigterm_handler`` is held inert for the call."""
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    install = getattr(utils, "set_sigterm_handler", None)
+    if install is None:  # another Ray layout: its handler, then ours again right after
+        ray.init(**kwargs)
+        return
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        ray.init(**kwargs)
+    finally:
+        utils.set_sigterm_handler = install
+
+
 def _init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None,
                        object_store_bytes: int) -> None:
     """A one-machine Ray whose every process (GCS, raylet, workers, this driver) listens on
@@ -75,9 +92,9 @@ def _init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None,
     env, flag = os.environ.get(key), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[key], ray_constants.ENABLE_RAY_CLUSTER = "0", False
     try:
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                 object_store_memory=object_store_bytes,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)
+        _ray_init(ray, num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                  object_store_memory=object_store_bytes,
+                  _node_ip_address="127.0.0.1", log_to_driver=False)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = flag
         if env is None:
@@ -188,7 +205,7 @@ class Runtime:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if not ray.is_initialized():
             if rt.ray_address:
-                ray.init(address=rt.ray_address, log_to_driver=False)  # logs: logs/
+                _ray_init(ray, address=rt.ray_address, log_to_driver=False)  # logs: logs/
             else:
                 _init_loopback_ray(ray, rt.ray_num_cpus, rt.ray_num_gpus,
                                    rt.ray_object_store_mb * 1024 * 1024)
