@@ -22,6 +22,21 @@ async def _collect(engine, rid, prompt, **params):
     return chunks, toks
 
 
+async def _aborted_mid_stream(tiny_dir):
+    """Two started engines; request ``x`` on the first aborted with ``keep_kv`` once it has
+    5 tokens: (a, b, its prompt, its (chunks, tokens))."""
+    a, b = _engine(tiny_dir), _engine(tiny_dir)
+    await a.start()
+    await b.start()
+    prompt = [7, 8, 9, 10]
+    task = asyncio.create_task(_collect(a, "x", prompt, max_tokens=400, temperature=0,
+                                        ignore_eos=True))
+    while len(a._requests.get("x").tokens if "x" in a._requests else []) < 5:
+        await asyncio.sleep(0.005)
+    assert a.abort(["x"], keep_kv=True) == 1
+    return a, b, prompt, await task
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -54,16 +69,7 @@ def test_concurrent_requests_match_unbatched_greedy(tiny_dir):
 
 def test_abort_returns_partial_tokens_and_pins_kv_for_handoff(tiny_dir):
     async def main():
-        a, b = _engine(tiny_dir), _engine(tiny_dir)
-        await a.start()
-        await b.start()
-        prompt = [7, 8, 9, 10]
-        task = asyncio.create_task(_collect(a, "x", prompt, max_tokens=400, temperature=0,
-                                            ignore_eos=True))
-        while len(a._requests.get("x").tokens if "x" in a._requests else []) < 5:
-            await asyncio.sleep(0.005)
-        assert a.abort(["x"], keep_kv=True) == 1
-        chunks, partial = await task
+        a, b, prompt, (chunks, partial) = await _aborted_mid_stream(tiny_dir)
         assert chunks[-1].finish_reason == "abort" and 5 <= len(partial) < 400
         blob = await a.export_kv("x")
         handle, covered = await b.import_kv(blob)
@@ -90,16 +96,7 @@ def test_a_step_that_appends_after_the_pin_does_not_spoil_the_export(tiny_dir):
     then writes one more position into the same cache. The export covers the pinned tokens
     only, so the next engine takes it (it refused a blob of 195 positions for 194 tokens)."""
     async def main():
-        a, b = _engine(tiny_dir), _engine(tiny_dir)
-        await a.start()
-        await b.start()
-        prompt = [7, 8, 9, 10]
-        task = asyncio.create_task(_collect(a, "x", prompt, max_tokens=400, temperature=0,
-                                            ignore_eos=True))
-        while len(a._requests.get("x").tokens if "x" in a._requests else []) < 5:
-            await asyncio.sleep(0.005)
-        assert a.abort(["x"], keep_kv=True) == 1
-        _chunks, partial = await task
+        a, b, prompt, (_chunks, partial) = await _aborted_mid_stream(tiny_dir)
         tokens, cache, _ = a.kv._entries["x"]
         pinned = len(tokens)
         cache.reserve(cache.length + 1)  # what the step in flight did after the pin
