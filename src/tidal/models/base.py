@@ -36,6 +36,18 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN or infinite value. Its sum is finite whenever every value
+    is (a NaN or an infinity carries into it), so one reduction without a mask decides the
+    common case; only a sum that overflowed from finite values needs the exact elementwise
+    check."""
+    if not tensor.is_floating_point():
+        return True
+    if bool(torch.isfinite(tensor.sum(dtype=torch.float64))):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads, optional RoPE, HF parameter names."""
 
@@ -176,8 +188,17 @@ class CausalLM(nn.Module):
             shape = tuple(shape_of(name) if shape_of is not None else tensor.shape)
             if tuple(own[name].shape) != shape:
                 raise TidalError(f"weight {name}: shape {shape} != {tuple(own[name].shape)}")
-            if finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if finite and not all_finite(tensor):
                 raise TidalError(f"weight {name}: holds NaN or infinite values")
+
+    @torch.no_grad()
+    def nonfinite_weight(self) -> str | None:
+        """The first parameter holding a NaN or an infinite value, or None (checked on the
+        loaded parameters: a sleeping engine loads in one pass and checks after)."""
+        for name, param in self.named_parameters():
+            if not all_finite(param):
+                return name
+        return None
 
     def _is_tied(self, name: str) -> bool:
         return False

@@ -92,6 +92,8 @@ class RayActuator:
         self.satellite_pids: dict[int, int] = {}  # cell -> pid (ended by pid if its actor dies)
         self.training: set[int] = set()  # cells whose trainer worker is active
         self.asleep: set[int] = set()
+        # cells whose wake in the running plan loaded this label (LOAD_WEIGHTS then skips it)
+        self._woken_into: dict[int, str] = {}
         self.trainer_lock = asyncio.Lock()  # held by the trainer during an optimizer step
         self.training_changed = asyncio.Event()
         self.drains: list[dict] = []
@@ -258,6 +260,7 @@ class RayActuator:
         async with self.weights.lock:  # never interleave with a publication's loads
             await self._call(cell, "sleep")
             self.asleep.add(cell)
+            self._woken_into.pop(cell, None)
 
     async def begin_in_training(self, cell: int) -> None:
         """A cell the policy starts in training (e.g. static): out of routing (its drain
@@ -341,22 +344,38 @@ class RayActuator:
         self.satellite_pids.pop(cell, None)
 
     async def _wake(self, cell: int) -> None:
+        """The cell's engine awake. A built-in engine wakes straight into the current published
+        version (its load materialises the weights): reading the version it slept with first,
+        only for LOAD_WEIGHTS to overwrite it, would read the weights twice per move back.
+        vLLM and SGLang wake their own way (sleep mode keeps what they need) and load after."""
         async with self.weights.lock:
-            await self._call(cell, "wake")
+            if self.weights.path is not None and not self.engines.is_server(EngineId.cell(cell)):
+                await self._load_current(cell)
+                self._woken_into[cell] = self.weights.label
+            else:
+                await self._call(cell, "wake")
             self.asleep.discard(cell)
 
     async def _load(self, cell: int) -> None:
         async with self.weights.lock:
-            if self.weights.path is not None:
-                eid = EngineId.cell(cell)
-                if self.engines.transport(eid) == "object":
-                    await asyncio.to_thread(self.engines.blob, self.weights.path)
-                served = await remote(self.engines.load(eid, self._cell(cell), self.weights.path,
-                                                        self.weights.label),
-                                      f"cell {cell} load_weights", self.call_timeout_s)
-                if served != self.weights.label:  # never rejoin with other weights
-                    raise RuntimeFailure(f"cell {cell} serves {served!r} after loading "
-                                         f"{self.weights.label!r}")
+            if self._woken_into.pop(cell, None) == self.weights.label:
+                return  # this plan's wake loaded it (and read it back); nothing published since
+            await self._load_current(cell)
+
+    async def _load_current(self, cell: int) -> None:
+        """The current published version loaded into the cell's engine and read back (under
+        ``weights.lock``); nothing while no version was published (the engine serves v0)."""
+        if self.weights.path is None:
+            return
+        eid = EngineId.cell(cell)
+        if self.engines.transport(eid) == "object":
+            await asyncio.to_thread(self.engines.blob, self.weights.path)
+        served = await remote(self.engines.load(eid, self._cell(cell), self.weights.path,
+                                                self.weights.label),
+                              f"cell {cell} load_weights", self.call_timeout_s)
+        if served != self.weights.label:  # never rejoin with other weights
+            raise RuntimeFailure(f"cell {cell} serves {served!r} after loading "
+                                 f"{self.weights.label!r}")
 
     # -- proxy admin ------------------------------------------------------------------------
     async def _admin(self, method: str, path: str, **kw) -> dict:

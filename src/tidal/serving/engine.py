@@ -24,13 +24,14 @@ import contextlib
 import logging
 import os
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.clock import Clock, WallClock
+from tidal.errors import TidalError
 from tidal.models import CausalLM, Tokenizer, open_weights
 from tidal.models.device import DEVICE_PATTERN, resolve_device
 from tidal.serving.engine_state import KVStore, RateMeter, Request, sample_batch
@@ -321,9 +322,17 @@ class Engine:
     async def update_weights(self, path: str | Path, version: str) -> None:
         """Load weights of ``version`` from ``path`` between two steps; later tokens carry it.
         The file is read and checked whole first (names, shapes, finite values): a version
-        that does not fit raises a ``TidalError`` and the loaded one keeps serving."""
+        that does not fit raises a ``TidalError`` and the loaded one keeps serving. A sleeping
+        engine serves nothing a bad version could spoil: it reads the file once, straight into
+        its weights, checks them there and stays asleep if they do not fit."""
         # read tensor by tensor, twice (checked whole, then copied in): never a second copy
         sd = await asyncio.to_thread(open_weights, path)
+        if self._sleeping:  # nothing serves that a bad version could spoil: one pass
+            async with self._step_lock:
+                if self._sleeping:
+                    await asyncio.to_thread(self._load_asleep, sd, path)
+                    self._after_load(path, version)
+                    return
         await asyncio.to_thread(self.model.check_weights, sd)
         async with self._step_lock:
             if self._sleeping:
@@ -331,9 +340,29 @@ class Engine:
                 self._sleeping = False
                 self._drop_spill()
             self.model.load_weights(sd)
-            self.prefix.clear()  # KV computed by the old weights
-            self._weights_source = Path(path)
-            self.weight_version = version
+            self._after_load(path, version)
+
+    def _load_asleep(self, sd: Mapping[str, torch.Tensor], path: str | Path) -> None:
+        """A sleeping engine's load (its wake into a version): the weights are materialised and
+        each tensor read once, straight into them, then checked; a version with a NaN or an
+        infinite value is freed again, so the engine stays asleep with nothing served."""
+        self.model.materialize(self.device)
+        try:
+            self.model.load_weights(sd)  # names and shapes checked whole before any copy
+        except BaseException:
+            self.model.free_weights()
+            raise
+        bad = self.model.nonfinite_weight()
+        if bad is not None:
+            self.model.free_weights()
+            raise TidalError(f"{path}: weight {bad}: holds NaN or infinite values")
+        self._sleeping = False
+        self._drop_spill()
+
+    def _after_load(self, path: str | Path, version: str) -> None:
+        self.prefix.clear()  # KV computed by the old weights
+        self._weights_source = Path(path)
+        self.weight_version = version
         log.info("engine %s loaded weights %s from %s", self.config.name, version, path)
 
     async def export_kv(self, request_id: str) -> bytes:

@@ -1,6 +1,7 @@
 """A cell whose engine does not take a weight version never rejoins routing: the real plan
 (the controller's waterlevel policy returns the core cell to rollout at a burst's end) runs its
-steps on the real actuator until the load, which the cell's real engine refuses (the published
+steps on the real actuator until the load (the built-in engine's wake loads the current
+version), which the cell's real engine refuses (the published
 version holds NaN weights: a 400 naming the file); the controller retries, then aborts, and
 the actuator's abort puts the cell back in training (out of routing, engine asleep, trainer
 active), while the engine keeps the version it had.
@@ -76,7 +77,7 @@ def test_a_refused_load_aborts_the_plan_back_to_training(tmp_path, monkeypatch):
                          {"id": "c0", "url": url, "kind": "cell", "cell_index": 0}):
                 (await admin.post("/tidal/engines", json=body)).raise_for_status()
             engines = SimpleNamespace(  # one node: every load is the driver's file
-                cell=lambda i: actor, transport=lambda eid: "file",
+                cell=lambda i: actor, transport=lambda eid: "file", is_server=lambda eid: False,
                 load=lambda eid, a, path, label: a.load_weights.remote(path, label))
             clock, parts = ManualClock(), Parts()
             act = RayActuator(clock, admin, engines, Weights(version=2, path=v2), False,
@@ -109,8 +110,10 @@ def test_a_refused_load_aborts_the_plan_back_to_training(tmp_path, monkeypatch):
         host.stop()
         s0.stop()
         proxy.stop()
-    loads = [s for s in act.step_log if s["step"] == StepKind.LOAD_WEIGHTS.value]
+    # the built-in engine wakes straight into the current version: its wake is the load
+    loads = [s for s in act.step_log if s["step"] == StepKind.WAKE_ENGINE.value]
     assert ctl.plans_aborted == 1 and len(loads) == 2 and not any(s["ok"] for s in loads)
+    assert not [s for s in act.step_log if s["step"] == StepKind.LOAD_WEIGHTS.value]
     assert "HTTP 400" in loads[0]["error"] and "v2.safetensors" in loads[0]["error"]
     assert "NaN" in loads[0]["error"], loads[0]["error"]
     assert not [s for s in act.step_log if s["step"] == StepKind.RESUME_ADMISSION.value]

@@ -5,7 +5,9 @@ import asyncio
 import pytest
 import torch
 
+from tidal.errors import TidalError
 from tidal.models import LlamaForCausalLM, load_model
+from tidal.models.base import all_finite
 from tidal.serving.engine import Engine, EngineConfig
 from tidal.serving.protocol import BadRequest, GenerateRequest, SamplingParams
 
@@ -175,6 +177,52 @@ def test_sleep_frees_memory_and_weight_versions_tag_tokens(tiny_dir, tmp_path):
         await eng.stop()
 
     run(main())
+
+
+def test_a_sleeping_engine_wakes_into_a_version_in_one_pass_and_refuses_a_bad_one(
+        tiny_dir, tmp_path):
+    """A load into a sleeping engine (a cell moving back to rollout) reads the file once,
+    straight into the weights: the engine then serves exactly that version; a version holding
+    a NaN leaves it asleep, with nothing materialised, and the next good load serves."""
+    from safetensors.torch import save_file
+
+    _, tok = load_model(tiny_dir)
+    w2 = LlamaForCausalLM.random(load_model(tiny_dir)[0].cfg.model_dump(), seed=5)
+    w2.save(tmp_path / "w2")
+    bad = {k: v.detach().clone() for k, v in w2.named_parameters()}
+    name = sorted(bad)[-1]
+    bad[name].view(-1)[3] = float("nan")
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+
+    async def main():
+        eng, ref = _engine(tiny_dir), Engine(w2, tok, tiny_dir, EngineConfig())
+        await eng.start()
+        await ref.start()
+        await eng.sleep(2)
+        with pytest.raises(TidalError, match=f"{name}: holds NaN"):
+            await eng.update_weights(tmp_path / "bad.safetensors", "v1")
+        assert eng.is_sleeping and eng.stats()["weights_bytes"] == 0
+        assert eng.weight_version == "v0"
+        await eng.update_weights(tmp_path / "w2" / "model.safetensors", "v2")
+        assert not eng.is_sleeping and eng.weight_version == "v2"
+        for (n, p), (_, q) in zip(eng.model.named_parameters(), ref.model.named_parameters(),
+                                  strict=True):
+            assert torch.equal(p, q), n
+        got = await _collect(eng, "a", [1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True)
+        want = await _collect(ref, "a", [1, 2, 3], max_tokens=8, temperature=0,
+                              ignore_eos=True)
+        assert got[1] == want[1]
+        await eng.stop()
+        await ref.stop()
+
+    run(main())
+
+
+def test_all_finite_decides_overflowing_sums_exactly():
+    big = torch.full((4,), 3e38)  # finite values whose sum overflows float32, not float64
+    assert all_finite(big) and all_finite(torch.tensor([1, 2]))
+    assert not all_finite(torch.tensor([1.0, float("inf"), -float("inf")]))
+    assert not all_finite(torch.tensor([float("nan")], dtype=torch.bfloat16))
 
 
 def test_bad_requests_are_rejected(tiny_dir):
