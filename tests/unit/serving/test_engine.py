@@ -219,7 +219,7 @@ def test_a_sleeping_engine_wakes_into_a_version_in_one_pass_and_refuses_a_bad_on
 
 
 def test_all_finite_decides_overflowing_sums_exactly():
-    big = torch.full((4,), 3e38)  # finite values whose sum overflows float32, not float64
+    big = torch.full((4,), 3e38)  # finite values whose float32 sum overflows
     assert all_finite(big) and all_finite(torch.tensor([1, 2]))
     assert not all_finite(torch.tensor([1.0, float("inf"), -float("inf")]))
     assert not all_finite(torch.tensor([float("nan")], dtype=torch.bfloat16))
