@@ -14,7 +14,7 @@ import sys
 import click
 
 import tidal.commands
-from tidal import __version__
+from tidal import __version__, malloc
 from tidal.errors import TidalError
 
 
@@ -48,6 +48,7 @@ def cli(verbose: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        malloc.tune()  # before the work allocates: freed memory goes back to the system
         cli.main(args=argv, prog_name="tidal", standalone_mode=False)
     except TidalError as exc:
         click.echo(f"tidal: error: {exc}", err=True)

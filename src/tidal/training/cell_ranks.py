@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tidal import malloc
 from tidal.errors import TidalError
 from tidal.training import dcp_state
 from tidal.training.aggregate import Contribution, aggregate
@@ -406,4 +407,5 @@ def run_follower(spec: dict) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=os.environ.get("TIDAL_LOG", "WARNING"))
+    malloc.tune()
     run_follower(json.loads(sys.argv[1]))

@@ -30,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from tidal import malloc
 from tidal.models.device import DEVICE_PATTERN, release_cached, resolve_device
 from tidal.training.cell_ranks import start_cell, stop_cell
 from tidal.training.flat import ParamLayout
@@ -242,6 +243,7 @@ class Satellite:
 
 def run_satellite(config_json: str) -> None:
     """Process entry point (``multiprocessing`` spawn target or ``python -m``)."""
+    malloc.tune()  # freed gradients and activations go back to the system
     config = SatelliteConfig.model_validate_json(config_json)
     torch.set_num_threads(config.torch_threads)
     logging.basicConfig(level=os.environ.get("TIDAL_LOG", "WARNING"),
