@@ -38,18 +38,24 @@ class Contribution:
 def aggregate(
     contributions: list[Contribution], n_executions: int, normalization: Normalization = "global"
 ) -> torch.Tensor:
+    """The batch gradient; under ``global`` it is written into the first active (lowest cell)
+    contribution's ``grad``, which the caller must not use again."""
     if n_executions <= 0:
         raise InvariantViolation("a batch without executions cannot be normalised")
     ordered = sorted(contributions, key=lambda c: c.cell)
     active = [c for c in ordered if c.n_micro_steps > 0]
     if not active:
         raise InvariantViolation("no participant processed a micro-step")
-    total = torch.zeros_like(active[0].grad)
     if normalization == "global":
-        for c in active:
+        # summed into the first participant's tensor (consumed: the caller's contributions end
+        # with the step), not into a fresh one: one vector of the model's size less at the
+        # core's peak; the order and so every float are those of summing onto zeros
+        total = active[0].grad
+        for c in active[1:]:
             total += c.grad
         total /= n_executions
     elif normalization == "local_mean":
+        total = torch.zeros_like(active[0].grad)
         for c in active:
             total += c.grad / c.n_executions
         total /= len(active)

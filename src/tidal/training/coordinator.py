@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -121,6 +121,13 @@ class Coordinator:
                 self.clock.wait(self._cv, 0.05)
             # A satellite lost after delivering still counts: its gradient is in hand.
             return [self._contribs[c] for c in sorted(self._contribs)]
+
+    def release_gradients(self) -> None:
+        """The delivered sums were aggregated: their tensors go (the record of who delivered,
+        and their counts, stay until the next step opens)."""
+        with self._cv:
+            self._contribs = {c: replace(x, grad=torch.empty(0))
+                              for c, x in self._contribs.items()}
 
     def registered(self) -> list[int]:
         """Cells whose satellite said hello and is not lost."""

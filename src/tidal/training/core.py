@@ -245,14 +245,19 @@ class CoreTrainer:
         if summary.n_executions == 0:
             self.coordinator.post_outcome(step, {"next": "leave", "version": version})
             return None
+        contribs = [self.worker.contribution(), *self._contribs]
+        loss_sum = sum(c.loss_sum for c in contribs)
         if self.sharded is not None:
-            contribs = [self.worker.contribution(), *self._contribs]
             norm = self.sharded.update(contribs[0], contribs[1:], summary.n_executions,
                                        self.config.normalization, self.config.max_grad_norm)
         else:
-            contribs = [self.worker.contribution(),
-                        *(replace(c, grad=c.grad.to(self.device)) for c in self._contribs)]
+            contribs = [contribs[0], *(replace(c, grad=c.grad.to(self.device))
+                                       for c in contribs[1:])]
             grad = aggregate(contribs, summary.n_executions, self.config.normalization)
+            # the satellites' sums are in ``grad`` now: their memory goes before the optimizer
+            # allocates its temporaries (the coordinator keeps who delivered, not the tensors)
+            contribs, self._contribs = [], []
+            self.coordinator.release_gradients()
             norm = clip_(grad, self.config.max_grad_norm)
             self.layout.flat_to_grads_(self.model, grad)
             self.optimizer.step()
@@ -269,7 +274,7 @@ class CoreTrainer:
             cell = int(worker.split(":")[0][4:])
             by_cell[cell] = by_cell.get(cell, 0) + 1
         rewards = [g.mean_reward() for g in summary.groups]
-        loss = sum(c.loss_sum for c in contribs) / summary.n_executions
+        loss = loss_sum / summary.n_executions
         report = StepReport(
             step, version, final, len(summary.groups), summary.n_executions,
             summary.n_trainable_tokens, by_cell, summary.reclaimed, summary.reopened, norm, loss,

@@ -91,10 +91,15 @@ def test_gradient_sum_does_not_depend_on_how_the_batch_is_packed():
 
 
 def test_aggregation_divides_by_the_global_execution_count():
-    g1, g2 = torch.tensor([3.0, 0.0]), torch.tensor([1.0, 4.0])
-    contribs = [Contribution(1, g2, 1, 10, 1, 0.0), Contribution(0, g1, 3, 30, 3, 0.0)]
-    assert torch.allclose(aggregate(contribs, 4), torch.tensor([1.0, 1.0]))
-    naive = aggregate(contribs, 4, "local_mean")  # (g1/3 + g2/1) / 2
+    def contribs():
+        g1, g2 = torch.tensor([3.0, 0.0]), torch.tensor([1.0, 4.0])
+        return [Contribution(1, g2, 1, 10, 1, 0.0), Contribution(0, g1, 3, 30, 3, 0.0)]
+
+    given = contribs()
+    total = aggregate(given, 4)
+    assert torch.allclose(total, torch.tensor([1.0, 1.0]))
+    assert total is given[1].grad  # written into the lowest cell's sum (consumed), no new one
+    naive = aggregate(contribs(), 4, "local_mean")  # (g1/3 + g2/1) / 2
     assert torch.allclose(naive, torch.tensor([1.0, 2.0]))
     grad = torch.tensor([3.0, 4.0])
     assert clip_(grad, 1.0) == pytest.approx(5.0)
