@@ -7,8 +7,9 @@ Out: per file a table of predicted vs published with the error per row, each row
 calibrated (the efficiencies were fitted on it) or a prediction; with ``--seeds N`` the spread
 over N workload seeds; then one summary line (rows within the tolerance, 10% by default, and
 the worst row); files with published ``phases`` also print the simulated vs published
-seconds per version of each run, whole step and training (diagnostics). Exit 1 when any row (makespan, reduction or speed-up, relative to the
-published figure) is off by more than ``--tolerance`` (if given).
+seconds per version of each run, whole step and training (diagnostics). Exit 1 when any
+row (makespan, reduction or speed-up, relative to the published figure) is off by more than
+``--tolerance`` (if given).
 """
 
 from __future__ import annotations
