@@ -6,8 +6,10 @@ every shipped file): per row a scenario, a policy, a metric and the published fi
 Out: per file a table of predicted vs published with the error per row, each row marked as
 calibrated (the efficiencies were fitted on it) or a prediction; with ``--seeds N`` the spread
 over N workload seeds; then one summary line (rows within the tolerance, 10% by default, and
-the worst row). Exit 1 when any row (makespan, reduction or speed-up, relative to the
-published figure) is off by more than ``--tolerance`` (if given).
+the worst row); files with published ``phases`` also print the simulated vs published
+seconds per version of each run, whole step and training (diagnostics). Exit 1 when any
+row (makespan, reduction or speed-up, relative to the published figure) is off by more than
+``--tolerance`` (if given).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ def command(published: tuple[str, ...], seeds: int, tolerance: float | None) -> 
     outcomes: list[P.Outcome] = []
     for name in names:
         pf = P.load(name)
-        rows = P.evaluate(pf, P.makespan_runner(pf=pf), seeds=seeds)
-        click.echo(P.table(pf, rows) + "\n")
+        run = P.makespan_runner(pf=pf)
+        rows = P.evaluate(pf, run, seeds=seeds)
+        phases = P.phase_table(pf, run)
+        click.echo(P.table(pf, rows) + ("\n" + phases if phases else "") + "\n")
         outcomes += rows
     click.echo(P.summary(outcomes, 0.1 if tolerance is None else tolerance))
     if tolerance is not None:

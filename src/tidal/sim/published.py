@@ -11,6 +11,10 @@ policy on the row's scenario or on ``baseline_scenario``. Times are whole makesp
 versions), for published "time to N steps" figures of runs far longer than simulated.
 Out: ``Outcome`` per row (predicted, published, error, the seeds' spread), a text table and a
 one-line summary. Runs of the same scenario, policy, measure and efficiencies are shared.
+Optional ``phases``: per scenario the published seconds per weight version of the whole step
+and of training (the trainer's passes), printed against the simulation's (``phase_table``) so
+a row's error can be traced to the side and the phase that carries it; diagnostics only, never
+in the summary or the tolerance.
 """
 
 from __future__ import annotations
@@ -44,11 +48,22 @@ class Row(Strict):
     calibrate: bool = False
 
 
+class Phases(Strict):
+    """Published seconds per weight version of one scenario's run (verl's timing_s/*)."""
+
+    step_s: float = Field(..., gt=0.0, description="wall seconds per version")
+    train_s: float | None = Field(None, gt=0.0, description="trainer passes per version "
+                                  "(old_log_prob + update_actor)")
+    source: str = ""
+
+
 class PublishedFile(Strict):
     name: str
     source: str
     scenarios: dict[str, dict[str, Any]] = Field(default_factory=dict)
     rows: list[Row] = Field(..., min_length=1)
+    phases: dict[str, Phases] = Field(default_factory=dict, description="per scenario the "
+                                      "published phases (diagnostics, not rows)")
 
 
 def resolve(name_or_path: str) -> Path:
@@ -81,6 +96,10 @@ def load(name_or_path: str) -> PublishedFile:
         for name in (r.scenario, r.baseline_scenario):
             if name is not None:
                 scenario_in(pf, name)  # every scenario a row names loads
+    for name in pf.phases:
+        if not any(name in (r.scenario, r.baseline_scenario) for r in pf.rows
+                   if r.per_version):
+            raise ConfigError(f"phases.{name}", "names no scenario of a per_version row")
     return pf
 
 
@@ -161,16 +180,28 @@ def version_seconds(steps_log: list[dict[str, float]], per_version: int, warmup:
     return (ends[-1] - start) / (len(ends) - warmup)
 
 
+def version_train_seconds(steps_log: list[dict[str, float]], per_version: int,
+                          warmup: int) -> float:
+    """Mean trainer-busy seconds (passes, updates, fixed costs) per weight version after the
+    first ``warmup`` versions."""
+    versions = len([s for s in steps_log if (int(s["step"]) + 1) % per_version == 0])
+    busy = sum(s["compute_s"] for s in steps_log if int(s["step"]) >= warmup * per_version
+               and int(s["step"]) < versions * per_version)
+    return busy / max(1, versions - warmup)
+
+
 def makespan_runner(efficiencies: dict[str, float] | None = None,
                     pf: PublishedFile | None = None) -> Makespans:
-    """A cached ``(scenario, policy, seed, warmup=None)`` -> makespan hours, or with a
-    ``warmup`` the steady seconds per weight version, at the given efficiencies; seed 0
-    means the scenario's own seed; scenarios inline in ``pf`` come first."""
+    """A cached ``(scenario, policy, seed, warmup=None, train=False)`` -> makespan hours, or
+    with a ``warmup`` the steady seconds per weight version (with ``train``: the trainer's
+    busy seconds per version), at the given efficiencies; seed 0 means the scenario's own
+    seed; scenarios inline in ``pf`` come first."""
     from tidal.sim.runner import run_policy
 
     cache: dict[tuple[str, str, int], Any] = {}
 
-    def run(name: str, policy: str, seed: int = 0, warmup: int | None = None) -> float:
+    def run(name: str, policy: str, seed: int = 0, warmup: int | None = None,
+            train: bool = False) -> float:
         key = (name, policy, seed)
         if key not in cache:
             sc = scenario_for(name, efficiencies, seed, pf)
@@ -178,7 +209,9 @@ def makespan_runner(efficiencies: dict[str, float] | None = None,
             cache[key] = (res.summary["makespan_s"] / 3600, res.world.trainer.steps_log,
                           sc.control.updates_per_burst)
         hours, log, per = cache[key]
-        return hours if warmup is None else version_seconds(log, per, warmup)
+        if warmup is None:
+            return hours
+        return (version_train_seconds if train else version_seconds)(log, per, warmup)
 
     return run
 
@@ -229,4 +262,24 @@ def table(pf: PublishedFile, outcomes: list[Outcome]) -> str:
                      f"{fmt.format(r.published):>9} "
                      f"{fmt.format(o.predicted):>10} {err:>8} "
                      f"{(fmt.format(o.spread) if o.spread else '-'):>9}")
+    return "\n".join(lines)
+
+
+def phase_table(pf: PublishedFile, run: Makespans) -> str:
+    """Simulated vs published seconds per version, whole step and training, of every scenario
+    with published ``phases`` (the policy and warm-up of the per_version row that runs it)."""
+    if not pf.phases:
+        return ""
+    lines = [f"phases (s per version)  {'scenario':<20} {'policy':<16} {'step pub':>8} "
+             f"{'sim':>7} {'err':>7} {'train pub':>9} {'sim':>7} {'err':>7}"]
+    for name, ph in pf.phases.items():
+        row = next(r for r in pf.rows if r.per_version
+                   and name in (r.scenario, r.baseline_scenario))
+        policy = row.policy if name == row.scenario else str(row.baseline)
+        step = run(name, policy, 0, row.warmup_versions)
+        train = run(name, policy, 0, row.warmup_versions, train=True)
+        tp = (f"{ph.train_s:>9.0f} {train:>7.0f} {train / ph.train_s - 1:>+7.0%}"
+              if ph.train_s else f"{'-':>9} {train:>7.0f} {'':>7}")
+        lines.append(f"{'':<23} {name:<20} {policy:<16} {ph.step_s:>8.0f} {step:>7.0f} "
+                     f"{step / ph.step_s - 1:>+7.0%} {tp}")
     return "\n".join(lines)

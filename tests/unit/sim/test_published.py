@@ -82,3 +82,37 @@ def test_validate_prints_the_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tiny-table" in out and "prediction" in out and "vs train=8" in out
     assert main(["validate", str(f), "--tolerance", "0.01"]) == 1
+
+
+def _phased(tmp_path, phases):
+    base = tiny_scenario(control={"bursts": 3}).model_dump(mode="json")
+    f = tmp_path / "phased.yaml"
+    f.write_text(yaml.safe_dump({
+        "name": "tiny-phases", "source": "made up",
+        "scenarios": {"base": base, "split": {"extends": "base", "control": {"batch_groups": 2}}},
+        "rows": [{"id": "half", "scenario": "split", "policy": "static:cells=1",
+                  "metric": "speedup", "baseline": "static:cells=1", "baseline_scenario": "base",
+                  "per_version": True, "published": 1.5}],
+        "phases": phases}))
+    return f
+
+
+def test_published_phases_print_against_the_simulation_and_stay_out_of_the_summary(
+        tmp_path, capsys):
+    f = _phased(tmp_path, {"base": {"step_s": 100.0, "train_s": 50.0},
+                           "split": {"step_s": 60.0}})
+    pf = P.load(str(f))
+    run = P.makespan_runner(pf=pf)
+    text = P.phase_table(pf, run)
+    step = run("split", "static:cells=1", 0, 1)
+    train = run("base", "static:cells=1", 0, 1, train=True)
+    assert 0 < train <= run("base", "static:cells=1", 0, 1) + 1e-9  # busy within the wall
+    assert f"{step:.0f}" in text and f"{train:.0f}" in text and "split" in text
+    assert main(["validate", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "phases (s per version)" in out and "/1 rows within" in out  # phases: no rows
+
+
+def test_phases_must_name_a_scenario_a_per_version_row_runs(tmp_path):
+    with pytest.raises(ConfigError, match=r"phases\.nowhere"):
+        P.load(str(_phased(tmp_path, {"nowhere": {"step_s": 1.0}})))
