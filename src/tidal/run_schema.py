@@ -52,6 +52,7 @@ class MetricsLine(_Line):
     update_s: float | None = None
     core_compute_s: float | None = None
     core_tokens: int | None = None
+    device_peak_mb: dict[str, float] | None = None  # cell -> its trainer's GPU peak so far
 
 
 class StateLine(_Line):
@@ -172,6 +173,8 @@ class Summary(_Line):
     cached_token_share: float | None = None  # prompt tokens engines found cached
     cached_token_share_by_engine: dict[str, float] | None = None
     switch_s: dict[str, dict[str, float]] | None = None  # direction -> n, p50_s, max_s
+    # GPU runs: torch's allocator peak per process (engine-<id>, trainer-c<cell>), MB
+    device_peak_mb: dict[str, float] | None = None
     # runtime.deterministic: on or off; seconds dispatch waited at weight-version boundaries
     # for engines to serve the published version; boundaries passed, and of them those that held
     deterministic: bool | None = None

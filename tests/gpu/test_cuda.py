@@ -129,6 +129,8 @@ def test_sleep_frees_device_memory_and_wake_restores_outputs(tiny_dir, llama_dir
         await engine.start()
         first = await _greedy(engine, prompts, 12, "a")
         weights = engine.model.weights_nbytes()
+        peak = engine.stats()["device_peak_mb"]  # the allocator's peak: summary.json's figure
+        assert (peak >= weights / 2**20) if ON_CUDA else peak is None, (peak, weights)
         for level in (1, 2):
             awake = _memory() if ON_CUDA else None
             await engine.sleep(level)
@@ -313,6 +315,10 @@ def test_satellite_on_device_joins_a_core_on_device(records):
         got = [core.train_step(final=False), core.train_step(final=True)]
         by_sat = [r.micro_steps_by_cell.get(1, 0) for r in got]
         assert sum(by_sat) > 0, [r.micro_steps_by_cell for r in got]
+        # each trainer's GPU peak rides on its step report (the satellite's on its delivery)
+        peaks = got[-1].device_peak_mb if by_sat[-1] else got[0].device_peak_mb
+        assert set(peaks) == ({0, 1} if ON_CUDA else set()), peaks
+        assert all(mb > 0 for mb in peaks.values())
         for g, e in zip(got, expected, strict=True):
             assert g.grad_norm == pytest.approx(e.grad_norm, rel=1e-4)
         torch.testing.assert_close(params(core.model).cpu(), params(alone.model), atol=1e-5,

@@ -49,6 +49,16 @@ def release_cached(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def device_peak_mb(device: torch.device | str) -> float | None:
+    """The most memory torch's allocator held on ``device`` since the process started (MB;
+    ``torch.cuda.max_memory_allocated``), or None off CUDA (a CPU process's peak is its
+    resident memory, which ``runtime.footprint`` samples from outside)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(dev) / 2**20, 1)
+
+
 def describe_devices() -> str:
     """One line: what torch in this process sees (``tidal check``)."""
     if not torch.cuda.is_available():

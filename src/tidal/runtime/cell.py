@@ -251,7 +251,19 @@ class EngineHost:
                 "satellite_starts": self.satellite_starts, "gpu_ids": _gpu_ids(),
                 "device": self.device, "cgroup": self.cgroup,
                 "node_id": self.node.node_id, "node_ip": self.node.ip,
-                "host": socket.gethostname()}
+                "host": socket.gethostname(),
+                "device_peak_mb": self._device_peak_mb() if alive else None}
+
+    def _device_peak_mb(self) -> float | None:
+        """The engine's GPU peak from its ``/stats`` (None on the CPU, or where it does not
+        answer within seconds: the end-of-run summary does not wait on a stuck engine)."""
+        if self.device == "cpu" or self.proc is None:
+            return None
+        try:
+            resp = httpx.get(f"{self.proc.url}/stats", timeout=5.0, headers=self.proc.headers)
+            return resp.json().get("device_peak_mb") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
 
     def kill_engine(self) -> None:
         """Crash the engine process (SIGKILL): fault injection for tests."""

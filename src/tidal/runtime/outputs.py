@@ -152,7 +152,23 @@ def step_line(ctl: Controller, burst: int, step: int, version: int, report: Step
             "satellites": list(report.members), "groups": list(report.group_ids),
             "micro_steps_by_cell": {str(k): v for k, v in
                                     sorted(report.micro_steps_by_cell.items())}}
+    if report.device_peak_mb:  # GPU trainers only
+        line["device_peak_mb"] = {str(k): v for k, v in sorted(report.device_peak_mb.items())}
     return line
+
+
+def device_peaks(metrics: list[dict[str, Any]], engines: list[dict]) -> dict[str, float]:
+    """``summary.json``'s ``device_peak_mb``: each trainer's GPU peak over the run (the last
+    step it trained in reports its largest: the allocator's peak only grows) and each engine's
+    from its end-of-run describe; empty on the CPU."""
+    out: dict[str, float] = {}
+    for m in metrics:
+        for cell, mb in (m.get("device_peak_mb") or {}).items():
+            out[f"trainer-c{cell}"] = max(mb, out.get(f"trainer-c{cell}", 0.0))
+    for e in engines:
+        if e.get("device_peak_mb") is not None:
+            out[f"engine-{e['name']}"] = e["device_peak_mb"]
+    return dict(sorted(out.items()))
 
 
 def sum_by_cell(metrics: list[dict[str, Any]]) -> dict[str, int]:
@@ -221,6 +237,7 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "backend_by_engine": {e["name"]: e.get("backend", "builtin") for e in engines},
         "switch_s": switch_times(ctl.plans_done),
         "engine_memory": {e["name"]: e["memory"] for e in engines if e.get("memory")},
+        "device_peak_mb": device_peaks(metrics, engines),
         "engine_step_failures": stats["engine_step_failures"],
         "failed_requests": reasons.get("failed", 0),
         "timed_out_executions": reasons.get("timeout", 0),

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tidal.clock import Clock, WallClock
 from tidal.errors import TidalError
 from tidal.models import CausalLM, Tokenizer, open_weights
-from tidal.models.device import DEVICE_PATTERN, resolve_device
+from tidal.models.device import DEVICE_PATTERN, device_peak_mb, resolve_device
 from tidal.serving.engine_state import KVStore, RateMeter, Request, sample_batch
 from tidal.serving.prefix_cache import PrefixCache
 from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, StopText, TokenChunk
@@ -384,6 +384,7 @@ class Engine:
                 "kv_bytes": sum(r.cache.nbytes() for r in self._running if r.cache)
                 + self.kv.nbytes() + self.prefix.nbytes(),
                 "weights_bytes": self.model.weights_nbytes(), "pinned_kv": len(self.kv),
+                "device_peak_mb": device_peak_mb(self.device),
                 "prefix_cache": {"entries": len(self.prefix), "hits": self.prefix.hits,
                                  "misses": self.prefix.misses},
                 **self.totals}

@@ -33,6 +33,7 @@ class Contribution:
     n_tokens: int
     n_executions: int  # distinct executions this worker saw (for ``local_mean`` only)
     loss_sum: float
+    device_peak_mb: float | None = None  # its trainer's GPU peak so far (None on the CPU)
 
 
 def aggregate(

@@ -382,7 +382,7 @@ class Coordinator:
                 raise MembershipError(f"cell {sat.cell} was lost before its delivery completed")
             self._contribs[sat.cell] = Contribution(
                 sat.cell, grad, c["n_micro_steps"], c["n_tokens"], c["n_executions"],
-                c["loss_sum"])
+                c["loss_sum"], c["device_peak_mb"])
             sat.delivered = True
             self._cv.notify_all()
         return {}

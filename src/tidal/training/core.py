@@ -99,6 +99,8 @@ class StepReport:
     update_s: float = 0.0  # aggregation, optimizer step, and the broadcast or publication
     core_compute_s: float = 0.0  # the core's own micro-steps (one cell's speed)
     core_tokens: int = 0  # trainable tokens of the core's own micro-steps
+    # each participating cell's trainer GPU peak so far (MB; empty on the CPU)
+    device_peak_mb: dict[int, float] = field(default_factory=dict)
 
 
 class CoreTrainer:
@@ -247,6 +249,7 @@ class CoreTrainer:
             return None
         contribs = [self.worker.contribution(), *self._contribs]
         loss_sum = sum(c.loss_sum for c in contribs)
+        peaks = {c.cell: c.device_peak_mb for c in contribs if c.device_peak_mb is not None}
         if self.sharded is not None:
             norm = self.sharded.update(contribs[0], contribs[1:], summary.n_executions,
                                        self.config.normalization, self.config.max_grad_norm)
@@ -280,7 +283,7 @@ class CoreTrainer:
             summary.n_trainable_tokens, by_cell, summary.reclaimed, summary.reopened, norm, loss,
             sum(rewards) / len(rewards), summary.max_staleness, [c for c, _ in members],
             [g.group_id for g in summary.groups], t_update - t_compute,
-            self.clock.now() - t_update, self.worker.compute_s, self.worker.n_tokens,
+            self.clock.now() - t_update, self.worker.compute_s, self.worker.n_tokens, peaks,
         )
         log.info("step %d v%d->v%d: %d groups, micro-steps by cell %s, |g|=%.4f", step, version,
                  self.version, report.n_groups, by_cell, norm)

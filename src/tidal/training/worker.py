@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tidal.models.device import device_peak_mb
 from tidal.training.aggregate import Contribution
 from tidal.training.flat import ParamLayout
 from tidal.training.loss import (
@@ -91,11 +92,16 @@ class _Tally:
 
     def contribution(self) -> Contribution:
         return Contribution(self.cell, self.grad_sum, self.n_micro_steps, self.n_tokens,
-                            len(self.executions), self.loss_sum)
+                            len(self.executions), self.loss_sum, self.device_peak_mb())
 
-    def counts(self) -> dict[str, int | float]:
+    def counts(self) -> dict[str, int | float | None]:
         return {"n_micro_steps": self.n_micro_steps, "n_tokens": self.n_tokens,
-                "n_executions": len(self.executions), "loss_sum": self.loss_sum}
+                "n_executions": len(self.executions), "loss_sum": self.loss_sum,
+                "device_peak_mb": self.device_peak_mb()}
+
+    def device_peak_mb(self) -> float | None:
+        """This trainer's GPU peak (rank 0's on a sharded cell); None on the CPU."""
+        return device_peak_mb(next(self.model.parameters()).device)
 
 
 class GradientWorker(_Tally):
