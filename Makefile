@@ -28,18 +28,28 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tidal run configs/quickstart.yaml --out $(OUT)
 
-# Elastic against static on the same config (waterlevel + static:cells=1), one plot and a table
-# of run-time ratios and reward difference in runs/compare (~22 min on 2 cores). Each cell and
-# the standalone engine is held to CELL_CPUS cores (runtime.cell_cpus: a cgroup v1 CPU quota, so
-# cells own their compute as on GPUs; needs root or a delegated cgroup). `make compare
-# CELL_CPUS=` compares on shared cores instead.
+# Four designs on the same workload (configs/quickstart.yaml), cells and CPU quotas, one run
+# each, back to back: tidal's policy, QwenGyre's waterlevel, verl's default (the cells as
+# verl's hybrid trainer cells, activated into rollout after each weight sync) and both static
+# splits (the best one is the baseline). `tidal report` prints each run's time and bursts time
+# over the best other one, with a reward plot, in runs/compare. Each cell and the standalone
+# engine is held to CELL_CPUS cores (runtime.cell_cpus: a cgroup v1 CPU quota, so cells own
+# their compute as on GPUs; needs root or a delegated cgroup); `make compare CELL_CPUS=`
+# compares on shared cores instead. About 10 min a run on 2 idle cores.
 CELL_CPUS ?= 0.5
+COMPARE_SET := --set runtime.cell_cpus=$(CELL_CPUS)
 compare: $(STAMP)
-	$(BIN)/tidal run configs/quickstart.yaml --set runtime.cell_cpus=$(CELL_CPUS) \
-		--out runs/quickstart-elastic
-	$(BIN)/tidal run configs/quickstart.yaml --set runtime.cell_cpus=$(CELL_CPUS) \
-		--policy static:cells=1 --out runs/quickstart-static
-	$(BIN)/tidal report runs/quickstart-elastic runs/quickstart-static --out runs/compare
+	$(BIN)/tidal run configs/quickstart.yaml $(COMPARE_SET) --policy tidal \
+		--out runs/compare-tidal
+	$(BIN)/tidal run configs/quickstart.yaml $(COMPARE_SET) --out runs/compare-waterlevel
+	$(BIN)/tidal run configs/quickstart.yaml $(COMPARE_SET) --policy verl-default \
+		--set cluster.cell_kind=hybrid --out runs/compare-verl
+	$(BIN)/tidal run configs/quickstart.yaml $(COMPARE_SET) --policy static:cells=1 \
+		--out runs/compare-static1
+	$(BIN)/tidal run configs/quickstart.yaml $(COMPARE_SET) --policy static:cells=2 \
+		--out runs/compare-static2
+	$(BIN)/tidal report runs/compare-tidal runs/compare-waterlevel runs/compare-verl \
+		runs/compare-static1 runs/compare-static2 --out runs/compare
 
 # Sim against real: calibrate the simulator on a 1-burst run, predict the 3-burst run's time
 # per burst (exit 1 beyond 15 %); cells held to CELL_CPUS cores as in `make compare`

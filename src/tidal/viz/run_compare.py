@@ -3,7 +3,7 @@
 In: two or more run directories (read by ``tidal.rundir``) and an output directory. Out,
 written there: ``reward_compare.png`` (every run's reward per optimizer step, and against wall
 time since the first dispatch), ``compare.md`` and ``compare.json`` with one row per run
-(policy, run time, bursts time, steps, reward first/last quarter, mean reward over GRPO groups
+(policy, run time, bursts time, each over the best other run's, steps, reward first/last quarter, mean reward over GRPO groups
 +- its standard error, switches, reroutes, failed, lost) and, for each pair in the order given,
 the ratios first / second of run time and bursts time (``static / waterlevel`` > 1: the elastic
 run finished sooner) and the reward difference in standard errors (``z``; |z| < 2: the two
@@ -55,7 +55,7 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> Comparison:
         raise ConfigError("run_dirs", f"the same run given twice: {', '.join(dupes)}")
     runs = [load_run(p) for p in run_dirs]
     labels = run_labels(runs)
-    rows = [run_row(r, label) for r, label in zip(runs, labels, strict=True)]
+    rows = vs_best_other([run_row(r, label) for r, label in zip(runs, labels, strict=True)])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     comp = Comparison(out_dir=out, rows=rows, ratios=pair_ratios(rows), notes=config_notes(runs))
@@ -87,6 +87,20 @@ def run_row(run: RunData, label: str) -> dict[str, Any]:
             "rerouted_requests": s.get("rerouted_requests"),
             "failed_requests": s.get("failed_requests"),
             "lost_executions": s.get("lost_executions")}
+
+
+def vs_best_other(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's run time and bursts time over the least of every other run's
+    (``<key>_vs_best_other``; below 1: this run beat every other one), None where a figure
+    is missing."""
+    for i, row in enumerate(rows):
+        for key in RATIO_KEYS:
+            others = [r.get(key) for j, r in enumerate(rows) if j != i]
+            others = [x for x in others if isinstance(x, int | float) and x > 0]
+            mine = row.get(key)
+            row[f"{key}_vs_best_other"] = (mine / min(others) if others and isinstance(
+                mine, int | float) else None)
+    return rows
 
 
 def pair_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -134,7 +148,8 @@ def _fmt(val: object, digits: int = 2) -> str:
 
 
 COLUMNS = (("policy", "label", 0), ("run time s", "run_time_s", 2),
-           ("bursts s", "bursts_s", 2), ("steps", "steps", 0),
+           ("bursts s", "bursts_s", 2), ("run vs best other", "run_time_s_vs_best_other", 3),
+           ("bursts vs best other", "bursts_s_vs_best_other", 3), ("steps", "steps", 0),
            ("reward first q", "reward_first_quarter", 3),
            ("reward last q", "reward_last_quarter", 3),
            ("reward mean ± se", "reward_mean_se", 0),
@@ -164,7 +179,8 @@ def render_markdown(comp: Comparison) -> str:
              "Bursts time: first dispatch to the last publication (start-up excluded). Reward "
              "quarters: mean reward of the first and last quarter of optimizer steps. Reward "
              "mean ± se: over the run's GRPO groups (executions.jsonl), with its standard "
-             "error.", "",
+             "error. Vs best other: the run's time over the least of every other run's "
+             "(below 1: it beat them all).", "",
              "| " + " | ".join(h for h, _, _ in COLUMNS) + " |",
              "|---|" + "---:|" * (len(COLUMNS) - 1)]
     for row in comp.rows:

@@ -34,7 +34,9 @@ def test_compare_writes_plot_markdown_json_with_the_right_ratio(run_copy, tmp_pa
     text = (tmp_path / "cmp" / "compare.md").read_text()
     assert (f"| static / waterlevel | {s['run_time_s'] / w['run_time_s']:.3f} | "
             f"{s['bursts_s'] / w['bursts_s']:.3f} |") in text
-    assert f"| waterlevel | {w['run_time_s']:.2f} | {w['bursts_s']:.2f} | 4 |" in text
+    vs = w["run_time_s"] / s["run_time_s"], w["bursts_s"] / s["bursts_s"]
+    assert (f"| waterlevel | {w['run_time_s']:.2f} | {w['bursts_s']:.2f} | {vs[0]:.3f} | "
+            f"{vs[1]:.3f} | 4 |") in text
     assert "](reward_compare.png)" in text
 
 
@@ -50,6 +52,12 @@ def test_ratio_follows_the_order_given_and_three_runs_give_three_pairs(run_copy,
         ("static (tiny-static)", "static (static-again)"),
         ("waterlevel", "static (static-again)")]
     assert three.ratios[1]["run_time_s"] == pytest.approx(1.0)
+    # each run against the best of the others: the two statics are each other's best
+    times = [summary(d)["bursts_s"] for d in (static, elastic, other)]
+    for i, row in enumerate(three.rows):
+        best = min(t for j, t in enumerate(times) if j != i)
+        assert row["bursts_s_vs_best_other"] == pytest.approx(times[i] / best)
+    assert min(r["run_time_s_vs_best_other"] for r in three.rows) <= 1.0
 
 
 def test_reward_quarters_per_run(run_copy, tmp_path):
