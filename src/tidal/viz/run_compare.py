@@ -4,8 +4,8 @@ In: two or more run directories (read by ``tidal.rundir``) and an output directo
 written there: ``reward_compare.png`` (every run's reward per optimizer step, and against wall
 time since the first dispatch), ``compare.md`` and ``compare.json`` with one row per run
 (policy, run time, bursts time, each over the best other run's, steps, reward first/last
-quarter, mean reward over GRPO groups +- its standard error, switches, reroutes, failed, lost) and, for each pair in the order given,
-the ratios first / second of run time and bursts time (``static / waterlevel`` > 1: the elastic
+quarter, mean reward over GRPO groups +- its standard error, switches, reroutes, failed,
+lost) and, for each pair in the order given, the ratios first / second of run time and bursts time (``static / waterlevel`` > 1: the elastic
 run finished sooner) and the reward difference in standard errors (``z``; |z| < 2: the two
 runs' rewards are within seed noise of each other). ``comparison_table``
 renders the same rows for the terminal (rich).
