@@ -5,10 +5,10 @@ written there: ``reward_compare.png`` (every run's reward per optimizer step, an
 time since the first dispatch), ``compare.md`` and ``compare.json`` with one row per run
 (policy, run time, bursts time, each over the best other run's, steps, reward first/last
 quarter, mean reward over GRPO groups +- its standard error, switches, reroutes, failed,
-lost) and, for each pair in the order given, the ratios first / second of run time and bursts time (``static / waterlevel`` > 1: the elastic
-run finished sooner) and the reward difference in standard errors (``z``; |z| < 2: the two
-runs' rewards are within seed noise of each other). ``comparison_table``
-renders the same rows for the terminal (rich).
+lost) and, for each pair in the order given, the ratios first / second of run time and bursts
+time (``static / waterlevel`` > 1: the elastic run finished sooner) and the reward difference
+in standard errors (``z``; |z| < 2: the two runs' rewards are within seed noise of each
+other). ``comparison_table`` renders the same rows for the terminal (rich).
 Invariant: numbers are read from the runs, never recomputed differently per output; configs
 that differ beyond the policy are compared anyway and the differing keys listed as a note.
 """
