@@ -165,9 +165,15 @@ class CausalLM(nn.Module):
         tensors may be on another device or of another dtype (e.g. CPU reads into CUDA)."""
         self.check_weights(state_dict, strict=strict, finite=False)  # all before any copy
         own = dict(self.named_parameters())
-        for name, tensor in state_dict.items():
-            if name in own:
-                own[name].copy_(tensor)
+        # a lazily read file (``loading.WeightFile``) reads each tensor into its parameter
+        read_into = getattr(state_dict, "read_into", None)
+        for name in state_dict:
+            if name not in own:
+                continue
+            if read_into is not None:
+                read_into(name, own[name])
+            else:
+                own[name].copy_(state_dict[name])
 
     def check_weights(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
                       finite: bool = True) -> None:

@@ -330,7 +330,7 @@ class Engine:
         if self._sleeping:  # nothing serves that a bad version could spoil: one pass
             async with self._step_lock:
                 if self._sleeping:
-                    await asyncio.to_thread(self._load_asleep, sd, path)
+                    await asyncio.to_thread(self._load_asleep, sd)
                     self._after_load(path, version)
                     return
         await asyncio.to_thread(self.model.check_weights, sd)
@@ -342,7 +342,7 @@ class Engine:
             self.model.load_weights(sd)
             self._after_load(path, version)
 
-    def _load_asleep(self, sd: Mapping[str, torch.Tensor], path: str | Path) -> None:
+    def _load_asleep(self, sd: Mapping[str, torch.Tensor]) -> None:
         """A sleeping engine's load (its wake into a version): the weights are materialised and
         each tensor read once, straight into them, then checked; a version with a NaN or an
         infinite value is freed again, so the engine stays asleep with nothing served."""
@@ -355,7 +355,7 @@ class Engine:
         bad = self.model.nonfinite_weight()
         if bad is not None:
             self.model.free_weights()
-            raise TidalError(f"{path}: weight {bad}: holds NaN or infinite values")
+            raise TidalError(f"weight {bad}: holds NaN or infinite values")
         self._sleeping = False
         self._drop_spill()
 

@@ -105,7 +105,16 @@ class _Tally:
 
 
 class GradientWorker(_Tally):
-    """Accumulates committed micro-step gradients for one participant and one batch."""
+    """Accumulates committed micro-step gradients for one participant and one batch.
+
+    Where the parameters are float32 on the sum's device (every CPU trainer, fp32 GPU ones),
+    each parameter's ``.grad`` is a view of ``grad_sum``: backward adds a micro-step's gradient
+    straight into the sum, so no second model-sized gradient buffer exists (one vector less
+    at the peak of every trainer process). A micro-step whose claim was refused after it was
+    computed (``discard``, rare: its claim was reclaimed meanwhile) is taken out again by
+    computing its gradient once more and subtracting it: the sum then differs from one that
+    never held it by float32 rounding only, the tolerance invariant 5 allows. Other
+    parameters (bf16, another device) keep the gradient in ``.grad`` until ``commit``."""
 
     def __init__(
         self,
@@ -131,6 +140,7 @@ class GradientWorker(_Tally):
     def reset(self) -> None:
         self.model.zero_grad(set_to_none=True)
         self.grad_sum = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
+        self.bound = self._bind_grads()
         self.n_micro_steps = self.n_tokens = 0
         self.loss_sum = 0.0
         self.compute_s = 0.0  # wall time in ``compute`` since the last reset (calibration)
@@ -143,33 +153,49 @@ class GradientWorker(_Tally):
         finally:
             self.compute_s += time.perf_counter() - t0
 
+    def _bind_grads(self) -> bool:
+        """Each parameter's ``.grad`` a view of ``grad_sum`` (True), where dtype and device
+        allow; else (False) gradients stay in ``.grad`` until ``commit`` adds them."""
+        params = self.layout.params(self.model)
+        if any(p.dtype != torch.float32 or p.device != self.grad_sum.device for p in params):
+            return False
+        for p, view in zip(params, self.layout.views(self.grad_sum).values(), strict=True):
+            p.grad = view
+        return True
+
     def _compute(self, step: MicroStep) -> StepResult:
+        if not self.bound:
+            self.model.zero_grad(set_to_none=True)
+        result = self._backward(step)
+        self._pending_stats = (step, result)
+        return result
+
+    def _backward(self, step: MicroStep) -> StepResult:
+        """The micro-step's loss and its gradient added into ``.grad``."""
         t = micro_step_tensors(step, self.pad_id)
         device = self.device
         if device.type != "cpu":
             t = MicroStepTensors(*(x.to(device) for x in vars(t).values()))
-        self.model.zero_grad(set_to_none=True)
         logprobs = model_logprobs(self.model, t.input_ids)
         ref = None
         if self.loss_config.kl_coef > 0 and self.reference is not None:
             with torch.no_grad():
                 ref = model_logprobs(self.reference, t.input_ids)
         loss, stats = grpo_loss_sum(logprobs, t, self.loss_config, ref)
-        loss.backward()  # the micro-step's gradient stays in ``.grad`` until commit/discard
+        loss.backward()  # into the sum (bound) or ``.grad`` until commit/discard
         stale = int((t.staleness * t.mask).max()) if bool(t.mask.any()) else 0
-        result = StepResult(stats.loss_sum, stats.n_tokens, stats.clipped_tokens,
-                            stats.mean_ratio, stale)
-        self._pending_stats = (step, result)
-        return result
+        return StepResult(stats.loss_sum, stats.n_tokens, stats.clipped_tokens,
+                          stats.mean_ratio, stale)
 
     def commit(self) -> None:
         assert self._pending_stats is not None, "commit without compute"
         step, result = self._pending_stats
-        for p, view in zip(self.layout.params(self.model),
-                           self.layout.views(self.grad_sum).values(), strict=True):
-            if p.grad is not None:
-                view += p.grad
-        self.model.zero_grad(set_to_none=True)
+        if not self.bound:
+            for p, view in zip(self.layout.params(self.model),
+                               self.layout.views(self.grad_sum).values(), strict=True):
+                if p.grad is not None:
+                    view += p.grad
+            self.model.zero_grad(set_to_none=True)
         self.n_micro_steps += 1
         self.n_tokens += result.n_tokens
         self.loss_sum += result.loss_sum
@@ -177,7 +203,18 @@ class GradientWorker(_Tally):
         self._pending_stats = None
 
     def discard(self) -> None:
-        self.model.zero_grad(set_to_none=True)
+        assert self._pending_stats is not None, "discard without compute"
+        if self.bound:  # already in the sum: its gradient once more, taken out
+            step = self._pending_stats[0]
+            self.model.zero_grad(set_to_none=True)
+            self._backward(step)
+            for p, view in zip(self.layout.params(self.model),
+                               self.layout.views(self.grad_sum).values(), strict=True):
+                if p.grad is not None:
+                    view -= p.grad
+            self._bind_grads()
+        else:
+            self.model.zero_grad(set_to_none=True)
         self._pending_stats = None
 
     def release(self) -> None:
@@ -185,6 +222,7 @@ class GradientWorker(_Tally):
         the next ``reset`` allocates them again where the model is then."""
         self.model.zero_grad(set_to_none=True)
         self.grad_sum = torch.zeros(0, dtype=torch.float32)
+        self.bound = False
 
     def cpu_grad_sum(self) -> torch.Tensor:
         """The committed gradient sum on the CPU (what a gloo broadcast sends)."""

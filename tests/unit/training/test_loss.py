@@ -90,6 +90,36 @@ def test_gradient_sum_does_not_depend_on_how_the_batch_is_packed():
     assert float(whole.abs().max()) > 0
 
 
+def test_backward_adds_into_the_sum_and_a_discard_takes_its_micro_step_out():
+    """fp32 parameters' ``.grad`` are views of ``grad_sum`` (no second gradient buffer); a
+    micro-step computed and then discarded leaves the sum as if it never ran (to float32
+    rounding), and the next ones still add into it."""
+    model = tiny_model("llama", 0, 64, **SHAPE)
+    groups = _batch(model, n_groups=3)
+    want, n = _grad_sum(model, groups, budget=12)
+    pb = PackingBuffer(PackingConfig(token_budget=12), ManualClock())
+    pb.open_batch(0, 0)
+    pb.add_groups(groups)
+    pb.seal()
+    w = GradientWorker(0, model, GRPOLossConfig())
+    assert w.bound
+    base = w.grad_sum.untyped_storage().data_ptr()
+    assert all(p.grad.untyped_storage().data_ptr() == base for p in model.parameters())
+    k = 0
+    while (c := pb.claim("x" if k == 1 else "w")).kind == "micro_step":
+        w.compute(c.micro_step)
+        if k == 1:  # computed, then refused: out of the sum, and claimed again below
+            w.discard()
+            assert pb.reopen("x") == 1
+        else:
+            assert pb.complete("w", 0, c.micro_step.index)
+            w.commit()
+        k += 1
+    assert w.n_micro_steps == n and k == n + 1
+    assert torch.allclose(w.grad_sum, want, rtol=1e-5, atol=1e-6)
+    assert float(w.grad_sum.abs().max()) > 0
+
+
 def test_aggregation_divides_by_the_global_execution_count():
     def contribs():
         g1, g2 = torch.tensor([3.0, 0.0]), torch.tensor([1.0, 4.0])
