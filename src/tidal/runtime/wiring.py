@@ -151,12 +151,12 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
     ``host``: the driver node's address, where satellites of other nodes reach the core."""
     import torch
 
+    from tidal.contracts.trainer import ShardConfig
     from tidal.models import HFTokenizer, load_training_model
     from tidal.training.coordinator import CoordinatorConfig
     from tidal.training.core import CoreTrainer, TrainerConfig
     from tidal.training.flat import ParamLayout
     from tidal.training.packing import PackingConfig
-    from tidal.training.sharded import ShardConfig
     from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
     from tidal.training.transport import FilePublisher
 

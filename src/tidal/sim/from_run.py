@@ -77,9 +77,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tidal import run_schema as schema
 from tidal import rundir as run_data
 from tidal.config import RunConfig, load_yaml
+from tidal.contracts import run_files as schema
 from tidal.errors import ConfigError
 from tidal.rundir import load_run
 from tidal.sim.costs import speedup
@@ -98,7 +98,8 @@ COST_KINDS = {
 
 
 def read_jsonl(path: Path, model: type[BaseModel]) -> list[dict[str, Any]]:
-    """The lines of a run-directory file, each checked against its ``tidal.run_schema`` model."""
+    """The lines of a run-directory file, each checked against its model
+    (``tidal.contracts.run_files``)."""
     out = run_data.read_jsonl(path, model=model)
     if out is None:
         raise ConfigError(str(path), "missing: calibration needs it (written by `tidal run`)")
