@@ -146,10 +146,13 @@ class VLLMCellHost(VLLMEngineHost):
 
 
 def check(cfg: RunConfig) -> None:
-    """``ConfigError`` (naming the field) unless this run can serve its cells as configured."""
+    """``ConfigError`` (naming the field) unless this run can serve its vLLM engines as
+    configured: its standalone engines (``vllm_host.check``), then its cells."""
     from tidal.errors import ConfigError
     from tidal.runtime.engines import cell_backend
 
+    if cfg.runtime.standalone_backend == "vllm":
+        vllm_host.check(cfg)
     backends = {cell_backend(cfg, i) for i in range(len(cfg.cluster.cell_specs()))}
     if "vllm" not in backends:
         return

@@ -28,7 +28,6 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -401,11 +400,6 @@ def refuse_tiny(rt: RuntimeConfig, field: str, server: str) -> None:
     if rt.model == "tiny":
         raise ConfigError(field, f"{server} cannot serve the 'tiny' model (tidal's own "
                           "format): use a Hugging Face model, e.g. runtime.model: smollm2-135m")
-
-
-def actor_class(ray: ModuleType, rt: RuntimeConfig) -> type | None:
-    """The Ray actor class of vLLM standalone engines, or None (built-in ones)."""
-    return ray.remote(VLLMEngineHost) if rt.standalone_backend == "vllm" else None
 
 
 async def load_weights(admin: httpx.AsyncClient, name: str, load: Callable[[], ObjectRef],

@@ -23,10 +23,11 @@ from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
+from tidal.backends import configured_backends, engine_backend, load
 from tidal.clock import Clock, await_until
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
-from tidal.runtime import deterministic, sglang_cell, vllm_cell, vllm_host
+from tidal.runtime import deterministic
 from tidal.runtime.actuator import CoreLink, RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.cell import trainer_device
@@ -58,19 +59,19 @@ def check_config(cfg: RunConfig) -> Workload | None:
     if cfg.policy.args.get("rebalance"):
         raise ConfigError("policy.args.rebalance", "verl's rebalance (abort every in-flight "
                           "request to re-spread load) is not supported by the runtime")
-    if cfg.runtime.standalone_backend == "vllm":
-        vllm_host.check(cfg)
-    vllm_cell.check(cfg)
-    sglang_cell.check(cfg)  # 'sglang' cells: GPUs and SGLang's python
+    for backend in configured_backends(cfg):  # e.g. 'sglang' cells: GPUs, SGLang's python
+        if backend.check is not None:
+            load(backend.check)(cfg)
     from tidal.agents.workload import check_workload
 
     workload = check_workload(cfg)  # the task: section's rows, agent and reward
     rt = cfg.runtime
+    standalone = engine_backend(rt.standalone_backend)
     if rt.cell_cpus is not None:
         for bad, why in ((rt.ray_address, "joins a Ray cluster (the quota is per host)"),
                          (rt.use_gpus, "uses GPUs (cells already own their devices)"),
-                         (rt.standalone_backend == "vllm", "serves standalone engines with "
-                          "vLLM (the quota covers built-in engines)")):
+                         (standalone.server, f"serves standalone engines with "
+                          f"{standalone.label} (the quota covers built-in engines)")):
             if bad:
                 raise ConfigError("runtime.cell_cpus", f"not supported when the run {why}")
     return workload
