@@ -91,7 +91,7 @@ def test_an_sglang_cell_sleeps_wakes_and_loads_over_sglangs_routes(
     with _started(tmp_path, model_dir, sglang_site, monkeypatch) as (host, url):
         assert httpx.get(f"{url}/get_weight_version").status_code == 401  # the token guards
         # ... which no other local user can read off the server's command line (issue 29)
-        assert b"tok-1" not in Path(f"/proc/{host.vllm.pid}/cmdline").read_bytes()
+        assert b"tok-1" not in Path(f"/proc/{host.server.proc.pid}/cmdline").read_bytes()
         d = host.describe()
         assert d["backend"] == "sglang" and d["version"] == "v0" and d["alive"]
         assert _info(host)["enable_memory_saver"]
