@@ -16,8 +16,6 @@ a ``RecordError`` when it is validated, never trained.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from tidal.contracts.close import CloseReason
@@ -47,7 +45,7 @@ def version_number(label: str) -> int:
     return int(digits)
 
 
-def _drop_derived(data: Any, *keys: str) -> Any:
+def _drop_derived(data: object, *keys: str) -> object:
     """Wire JSON carries values derived from the fields; validating it back ignores them."""
     if isinstance(data, dict) and any(k in data for k in keys):
         return {k: v for k, v in data.items() if k not in keys}
@@ -74,7 +72,7 @@ class Segment(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _wire(cls, data: Any) -> Any:
+    def _wire(cls, data: object) -> object:
         return _drop_derived(data, "weight_versions")
 
     @model_validator(mode="after")
@@ -115,7 +113,7 @@ class CallRecord(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _wire(cls, data: Any) -> Any:
+    def _wire(cls, data: object) -> object:
         return _drop_derived(data, "output_token_ids")
 
     @computed_field  # type: ignore[prop-decorator]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -42,6 +43,10 @@ from tidal.runtime.trainer_loop import TrainerLoop
 
 if TYPE_CHECKING:
     from tidal.agents.workload import Workload
+    from tidal.control.controller import Controller
+    from tidal.training.core import CoreTrainer
+    from tidal.training.trajectory_buffer import TrajectoryBuffer
+    from tidal.types import Event
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +86,12 @@ def check_config(cfg: RunConfig) -> Workload | None:
 class Wired:
     admin: httpx.AsyncClient
     decisions: IO[str]
-    buffer: Any
-    core: Any
+    buffer: TrajectoryBuffer
+    core: CoreTrainer
     outputs: RunOutputs
     actuator: RayActuator
-    ctl: Any
-    handle: Any
+    ctl: Controller
+    handle: Callable[[Event], None]
     bridge: LedgerBridge
     publisher: Publisher
     trainer: TrainerLoop
@@ -223,7 +228,7 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     ctl.metrics.budget_groups = c.batch_groups * c.updates_per_burst  # per burst
     guarded, listeners = parts.guard_handler(ctl.handle), []
 
-    def handle(event: Any) -> None:  # then wake whoever waits on the ledger or the policy
+    def handle(event: Event) -> None:  # then wake whoever waits on the ledger or the policy
         guarded(event)
         for wake in listeners:
             wake()
