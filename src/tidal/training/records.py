@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from tidal.contracts.calls import NO_VERSION, CallRecord, ExecutionRecord, Segment
-from tidal.contracts.close import CloseReason
+from tidal.contracts.close import CLOSE_REASONS, CloseReason
 from tidal.errors import RecordError
 from tidal.types import CHAIN_WINDOW_CALLS, continues_chain
 
@@ -30,7 +30,7 @@ def record_from_proxy(execution_id: str, group_id: str, calls: list[dict], rewar
     """The record of a closed execution from the proxy's wire JSON of its calls (the admin
     route's ``calls``: ``CallRecord`` dumps). ``reason``: its close reason. A value the models
     refuse is one ``RecordError`` naming the execution and the field."""
-    if reason not in CloseReason.__members__.values():
+    if reason not in CLOSE_REASONS:
         raise RecordError(f"execution {execution_id!r}: unknown close reason {reason!r}")
     try:
         return ExecutionRecord(execution_id=execution_id, group_id=group_id,
