@@ -16,6 +16,8 @@ a ``RecordError`` when it is validated, never trained.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from tidal.contracts.close import CloseReason
@@ -144,6 +146,11 @@ class ExecutionRecord(BaseModel):
 
     def min_version(self) -> int:
         """The oldest weight version any of its tokens came from (``NO_VERSION``: none)."""
+        return self._min_version
+
+    @cached_property
+    def _min_version(self) -> int:
+        # once per record: the trajectory buffer asks on every take, for every ready group
         labels = {v for c in self.calls for s in c.segments for v in s.versions}
         return min(map(version_number, labels)) if labels else NO_VERSION
 
