@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 
 from tidal.clock import WallClock
+from tidal.contracts.calls import ExecutionRecord
 from tidal.models import create_tiny, fetch, load_model, load_training_model
 from tidal.training.core import CoreTrainer, TrainerConfig
 from tidal.training.flat import ParamLayout
 from tidal.training.loss import GRPOLossConfig
 from tidal.training.packing import PackingConfig
-from tidal.training.records import ExecutionRecord, single_call_record
+from tidal.training.records import single_call_record
 from tidal.training.tasks import AdditionTask, Problem, reward
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
 from tidal.training.transport import SharedMemoryTransport, load_into

@@ -21,6 +21,7 @@ import time
 import psutil
 import torch
 
+from tidal import malloc
 from tidal.clock import WallClock
 from tidal.models.hf import tiny_model
 from tidal.training.core import CoreTrainer, TrainerConfig
@@ -129,4 +130,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    malloc.tune()  # as every tidal process does ($TIDAL_MALLOC_MMAP_THRESHOLD=off: glibc's own)
     main()

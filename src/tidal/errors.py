@@ -31,6 +31,10 @@ class LedgerError(TidalError):
     """An execution event that contradicts the ledger (e.g. an unknown execution id)."""
 
 
+class RecordError(TidalError):
+    """An execution record that cannot be trained on (inconsistent lengths or versions)."""
+
+
 class InvariantViolation(TidalError):
     """A DESIGN.md invariant would be broken; raised instead of silently continuing."""
 

@@ -1,7 +1,7 @@
 """The run directory: a ``tidal run`` directory read into plain values (no plots, Ray, torch).
 
-In: a run directory as ``tidal run`` writes it (schema: ``tidal.run_schema``): ``summary.json``
-(required), ``config.yaml``, ``metrics.jsonl``, ``state.jsonl``, ``timeline.json``,
+In: a run directory as ``tidal run`` writes it (schema: ``tidal.contracts.run_files``):
+``summary.json`` (required), ``config.yaml``, ``metrics.jsonl``, ``state.jsonl``, ``timeline.json``,
 ``executions.jsonl`` (each optional). Out: ``RunData`` holding them, and the figures derived
 from them that the report and the comparison print: reward first/last-quarter means, the mean
 reward over GRPO groups with its standard error, and per-burst times and utilization.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from tidal import run_schema as schema
+from tidal.contracts import run_files as schema
 from tidal.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -242,7 +242,7 @@ def _read_json(path: Path) -> JSON:
 def read_jsonl(path: Path, required: tuple[str, ...] = (),
                model: type[BaseModel] | None = None) -> list[dict[str, Any]] | None:
     """The objects of a JSONL file of a run directory (None if it is absent); a bad line, a
-    missing ``required`` key or a value ``model`` (``tidal.run_schema``) refuses is a
+    missing ``required`` key or a value ``model`` (``tidal.contracts.run_files``) refuses is a
     ``ConfigError`` naming the file and line."""
     if not path.is_file():
         return None

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.contracts.close import CloseReason
+
 # The smallest positive sampling temperature engines compute safely (below it the softmax of
 # logits / t overflows to inf/NaN); 0 means greedy. Checked by the run config and every engine.
 MIN_TEMPERATURE = 1e-3
@@ -45,14 +47,6 @@ class ExecState(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     CLOSED = "closed"
-
-
-class CloseReason(enum.StrEnum):
-    COMPLETED = "completed"
-    FAILED = "failed"
-    TIMEOUT = "timeout"
-    CANCELLED = "cancelled"
-    REWARD_ERROR = "reward_error"  # the reward function raised or returned a non-number
 
 
 class Direction(enum.StrEnum):

@@ -94,3 +94,121 @@ def test_serving_never_imports_agents():
     bad = {str(p.relative_to(SRC)): sorted(n for n in _imports(p) if n.startswith("tidal.agents"))
            for p in _package("serving")}
     assert not {k: v for k, v in bad.items() if v}
+
+
+# ------------------------------------------------------------------------ contracts
+
+# What the contracts may import from tidal: themselves and the error tree (a leaf module).
+CONTRACT_DEPS = ("tidal.contracts", "tidal.errors")
+
+
+def _tidal_and_heavy(names: set[str]) -> set[str]:
+    return {n for n in names if n.split(".")[0] in {"torch", "ray"}
+            or (n.split(".")[0] == "tidal" and not n.startswith(CONTRACT_DEPS))}
+
+
+def test_contracts_import_neither_torch_nor_ray_nor_another_tidal_package():
+    bad = {str(p.relative_to(SRC)): sorted(found) for p in _package("contracts")
+           if (found := _tidal_and_heavy(_imports(p)))}
+    assert bad == {}
+    # the error tree they raise is a leaf: it imports nothing of tidal
+    assert not {n for n in _imports(SRC / "errors.py") if n.startswith("tidal")}
+
+
+def test_the_contracts_rule_sees_each_form(tmp_path):
+    for code in ("import torch\n", "from ray import remote\n", "from tidal.types import Role\n",
+                 "import tidal.serving.records\n"):
+        (tmp_path / "m.py").write_text(code)
+        assert _tidal_and_heavy(_imports(tmp_path / "m.py")), code
+    (tmp_path / "m.py").write_text("from tidal.contracts.close import CloseReason\n"
+                                   "from tidal.errors import RecordError\nimport pydantic\n")
+    assert _tidal_and_heavy(_imports(tmp_path / "m.py")) == set()
+
+
+def test_contracts_load_without_torch_or_ray():
+    """Any process reads them (the cell actor, the satellite's command line, a report)."""
+    import subprocess
+    import sys
+
+    modules = sorted(f"tidal.contracts.{p.stem}" for p in _package("contracts")
+                     if p.stem != "__init__")
+    code = (f"import sys, tidal.contracts, {', '.join(modules)}\n"
+            "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"PYTHONPATH": str(SRC.parent)})
+    assert out.stdout.strip() == "[]"
+
+
+# one definition each, in contracts only: classes whose name holds one of these, the close
+# reasons' table, the version-span function
+SECOND_MODELS = ("ModelCall", "CallRecord", "ExecutionRecord", "CloseReason", "OutputSegment")
+SECOND_VALUES = ("CLOSE_REASONS", "version_spans")
+
+
+def _definitions(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ClassDef) and any(m in node.name for m in SECOND_MODELS):
+            found.append(f"class {node.name} at line {node.lineno}")
+        names: list[str] = []
+        if isinstance(node, ast.FunctionDef):
+            names = [node.name]
+        elif isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = [node.target.id]
+        found += [f"{n} at line {node.lineno}" for n in names if n in SECOND_VALUES]
+    return found
+
+
+def test_no_second_model_of_a_call_an_execution_or_a_close_reason():
+    bad = {str(p.relative_to(SRC)): f for p in SRC.rglob("*.py")
+           if "contracts" not in p.relative_to(SRC).parts and (f := _definitions(p))}
+    assert bad == {}
+
+
+def test_the_second_model_rule_sees_each_form(tmp_path):
+    for code in ("class ModelCall:\n    pass\n", "class TrainCallRecord(BaseModel):\n    x: int\n",
+                 "CLOSE_REASONS = ('completed',)\n", "def version_spans(v):\n    return v\n"):
+        (tmp_path / "m.py").write_text(code)
+        assert _definitions(tmp_path / "m.py"), code
+
+
+def _policy_name_keys(path: Path, names: set[str]) -> list[str]:
+    """Module-level tables keyed by a policy's name, and comparisons of a value with one
+    anywhere. (A scenario's data may name policies, e.g. its per-policy ``policy_args``: that
+    is the user's input, not a lookup the simulator makes.)"""
+    tree = ast.parse(path.read_text(), str(path))
+    in_tables = {id(d) for n in tree.body if isinstance(n, ast.Assign | ast.AnnAssign)
+                 and n.value is not None for d in ast.walk(n.value)}
+    found = []
+    for node in ast.walk(tree):
+        consts: list[ast.expr] = []
+        if isinstance(node, ast.Dict) and id(node) in in_tables:
+            consts = [k for k in node.keys if k is not None]
+        elif isinstance(node, ast.Compare):
+            consts = [node.left, *node.comparators]
+            consts += [e for c in node.comparators
+                       if isinstance(c, ast.Tuple | ast.Set | ast.List) for e in c.elts]
+        found += [f"{c.value!r} at line {node.lineno}" for c in consts
+                  if isinstance(c, ast.Constant) and c.value in names]
+    return found
+
+
+def test_sim_keeps_no_table_keyed_by_policy_name():
+    """The simulator gives a policy the mechanics it declares (``policy_mechanics``), never
+    ones looked up or guessed by its name."""
+    from tidal.control.policy import registered
+
+    names = set(registered())
+    bad = {str(p.relative_to(SRC)): f for p in _package("sim")
+           if (f := _policy_name_keys(p, names))}
+    assert bad == {}
+
+
+def test_the_policy_name_rule_sees_each_form(tmp_path):
+    for code in ("M = {'waterlevel': 1}\n", "M: dict = {'a': {'waterlevel': 1}}\n",
+                 "def f(n):\n    return n == 'waterlevel'\n",
+                 "def f(n):\n    return n in ('verl-default', 'x')\n"):
+        (tmp_path / "m.py").write_text(code)
+        assert _policy_name_keys(tmp_path / "m.py", {"waterlevel", "verl-default"}), code

@@ -1,6 +1,6 @@
-"""The run directory's schema (``tidal.run_schema``): every file of the fixture runs conforms;
-a wrong value is one ``ConfigError`` naming file, line and field, for the reader of ``tidal
-report`` and for the one of ``tidal calibrate`` alike; close reasons come from one place."""
+"""The run directory's schema (``tidal.contracts.run_files``): every file of the fixture runs
+conforms; a wrong value is one ``ConfigError`` naming file, line and field, for the reader of
+``tidal report`` and for the one of ``tidal calibrate`` alike; close reasons come from one place."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal import run_schema as schema
+from tidal.contracts import run_files as schema
 from tidal.errors import ConfigError
 from tidal.rundir import load_run, read_jsonl
 from tidal.sim.from_run import scenario_from_run
@@ -55,9 +55,9 @@ def test_a_wrong_value_names_file_line_and_field(tmp_path):
 
 
 def test_close_reasons_are_the_ledgers():
-    """The run directory's close reasons are those the ledger accepts (``agents.events``, a
-    list of its own), not a copy of themselves."""
-    from tidal.agents.events import CLOSE_REASONS as LEDGER
+    """The run directory's close reasons are the ones the ledger and the proxy's registry
+    accept: one enum (``tidal.contracts.close``), not a copy of it."""
+    from tidal.serving import executions
 
-    assert sorted(schema.CLOSE_REASONS) == sorted(LEDGER)
-    assert sorted(r.value for r in CloseReason) == sorted(LEDGER)
+    assert schema.ExecutionLine.model_fields["reason"].annotation is CloseReason
+    assert tuple(r.value for r in CloseReason) == executions.CLOSE_REASONS

@@ -2,6 +2,6 @@
 proxy that serves external harnesses (``tidal.serving.executions``); the harness pool uses the
 same one. Re-exported here under the names the agents package has always used."""
 
-from tidal.serving.executions import CLOSE_REASONS, EventLog, ExecutionRegistry, LedgerEvents
+from tidal.serving.executions import EventLog, ExecutionRegistry, LedgerEvents
 
-__all__ = ["CLOSE_REASONS", "EventLog", "ExecutionRegistry", "LedgerEvents"]
+__all__ = ["EventLog", "ExecutionRegistry", "LedgerEvents"]

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tidal.contracts.close import CloseReason
 from tidal.errors import InvariantViolation, LedgerError
-from tidal.types import CloseReason, ExecState, ExecutionId, GroupId
+from tidal.types import ExecState, ExecutionId, GroupId
 
 
 @dataclass

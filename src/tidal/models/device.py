@@ -14,9 +14,9 @@ import re
 
 import torch
 
+from tidal.contracts.trainer import DEVICE_PATTERN
 from tidal.errors import TidalError
 
-DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
 _NAME = re.compile(DEVICE_PATTERN)
 
 

@@ -20,13 +20,14 @@ from typing import Any
 
 import httpx
 
-from tidal import run_schema as schema
 from tidal.clock import Clock
+from tidal.contracts import run_files as schema
+from tidal.contracts.calls import CallRecord, ExecutionRecord
+from tidal.contracts.close import CloseReason
 from tidal.runtime.tasks import Parts
-from tidal.training.records import ExecutionRecord, record_from_proxy
+from tidal.training.records import record_from_proxy
 from tidal.training.trajectory_buffer import TrajectoryBuffer
 from tidal.types import (
-    CloseReason,
     Event,
     ExecutionClosed,
     ExecutionDispatched,
@@ -34,16 +35,6 @@ from tidal.types import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def _tokens(call: dict[str, Any]) -> dict[str, Any]:
-    """A recorded call's prompt and output token ids, log-probs and per-token weight
-    versions (``executions.jsonl`` of a deterministic run)."""
-    segs = call["segments"]
-    return {"prompt_token_ids": list(call["prompt_token_ids"]),
-            "token_ids": [t for s in segs for t in s["token_ids"]],
-            "logprobs": [lp for s in segs for lp in s["logprobs"]],
-            "versions": [v for s in segs for v in s["versions"]]}
 
 
 class LedgerBridge:
@@ -64,7 +55,8 @@ class LedgerBridge:
         self.record_errors: list[str] = []
         self.rewards: list[float] = []
         self.restored: set[str] = set()
-        self.timing: dict[str, dict[str, Any]] = {}  # per execution, for executions.jsonl
+        # per execution, for executions.jsonl: burst, times, and a line per recorded call
+        self.timing: dict[str, dict[str, Any]] = {}
         # engine id -> weight version -> output tokens it generated (what each engine served)
         self.tokens_by_engine_version: dict[str, dict[str, int]] = {}
         # "<from>-><to>" -> calls that continued on another engine (a drain, a lost engine)
@@ -97,11 +89,9 @@ class LedgerBridge:
         """An execution closed before a resume (its record came from the checkpoint): the
         ledger sees it dispatched, launched and closed again, the buffer gets its record."""
         eid, gid = record.execution_id, record.group_id
-        reason = {"timed_out": "timeout"}.get(record.status, record.status)
         self.dispatched(eid, gid)
         self.launched(eid, gid)
-        self.handle(ExecutionClosed(self.clock.now(), eid, CloseReason(reason),
-                                               record.reward))
+        self.handle(ExecutionClosed(self.clock.now(), eid, record.reason, record.reward))
         self.buffer.add(record)
         self.recorded += 1
         self.restored.add(eid)
@@ -110,18 +100,10 @@ class LedgerBridge:
         try:
             resp = await self.admin.get(f"/tidal/executions/{eid}/records")
             resp.raise_for_status()
-            calls = resp.json()["calls"]
-            # the record's status has no reward_error: its tokens train as a failed one's
-            rec = record_from_proxy(eid, gid, calls, reward,
-                                    "failed" if reason == "reward_error" else reason)
-            self.timing.setdefault(eid, {})["calls"] = [{
-                "prompt_tokens": len(c["prompt_token_ids"]),
-                "output_tokens": sum(len(s["token_ids"]) for s in c["segments"]),
-                "cached_tokens": sum(s.get("cached_tokens", 0) for s in c["segments"]),
-                "reprefill_tokens": sum(s.get("reprefill_tokens", 0) for s in c["segments"]),
-                "engines": [s["engine_id"] for s in c["segments"]],
-                **(_tokens(c) if self.tokens else {})} for c in calls]
-            self._count(calls)
+            rec = record_from_proxy(eid, gid, resp.json()["calls"], reward, reason)
+            self.timing.setdefault(eid, {})["calls"] = [
+                schema.CallLine.of(c, tokens=self.tokens) for c in rec.calls]
+            self._count(rec.calls)
             await asyncio.to_thread(self.buffer.add, rec)
             self.recorded += 1
         except Exception as exc:
@@ -137,7 +119,7 @@ class LedgerBridge:
         with open(path, mode) as fh:
             for r in results:
                 t = self.timing.get(r.execution_id, {})
-                calls = [dict(c) for c in t.get("calls", [])]
+                calls = [c.model_dump(exclude_none=True) for c in t.get("calls", [])]
                 for c, turn in zip(calls, r.transcript, strict=False):
                     if "t_call" not in turn:  # an agent kind that does not time its calls
                         break
@@ -155,13 +137,14 @@ class LedgerBridge:
                                     "observation": turn.get("observation", "")}
                                    for turn in r.transcript]}, "executions.jsonl (written)"))
                          + "\n")
-    def _count(self, calls: list[dict[str, Any]]) -> None:
+
+    def _count(self, calls: list[CallRecord]) -> None:
         for call in calls:
-            for seg in call["segments"]:
-                served = self.tokens_by_engine_version.setdefault(seg["engine_id"], {})
-                for v in seg["versions"]:
+            for seg in call.segments:
+                served = self.tokens_by_engine_version.setdefault(seg.engine_id, {})
+                for v in seg.versions:
                     served[v] = served.get(v, 0) + 1
-            path = [seg["engine_id"] for seg in call["segments"]]
+            path = [seg.engine_id for seg in call.segments]
             for a, b in itertools.pairwise(path):
                 if a != b:
                     key = f"{a}->{b}"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import logging
 import os
 import shutil
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from tidal.contracts.trainer import ModelSpec, SatelliteConfig
 from tidal.errors import TidalError
 
 log = logging.getLogger(__name__)
@@ -198,17 +198,16 @@ class EngineHost:
         """Start this cell's satellite trainer against the core at ``core`` (its
         ``CoreTrainer.address()``); returns the process id."""
         self.stop_satellite()
-        # The satellite process validates this as ``SatelliteConfig`` (importing that here
-        # would load torch into the actor: seconds on the cell's critical path).
-        cfg = {"cell": cell, "host": str(core["host"]), "rpc_port": int(core["rpc_port"]),
-               "store_port": int(core["store_port"]), "authkey": str(core["authkey"]),
-               "backend": core["backend"], "model": {"model_dir": self.model_dir},
-               "timeout_s": timeout_s, "device": self.device, "shard": core.get("shard")}
+        cfg = SatelliteConfig(
+            cell=cell, host=str(core["host"]), rpc_port=int(core["rpc_port"]),
+            store_port=int(core["store_port"]), authkey=str(core["authkey"]),
+            backend=core["backend"], model=ModelSpec(model_dir=self.model_dir),
+            timeout_s=timeout_s, device=self.device, shard=core.get("shard"))
         log_fh = open(self.log_path.with_name(f"satellite-{self.name}.log"), "ab")  # noqa: SIM115
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": self.gloo_iface,
                "TIDAL_LOG": os.environ.get("TIDAL_LOG", "INFO")}
         self.satellite = subprocess.Popen(
-            [sys.executable, "-m", "tidal.training.satellite", json.dumps(cfg)],
+            [sys.executable, "-m", "tidal.training.satellite", cfg.model_dump_json()],
             stdout=log_fh, stderr=subprocess.STDOUT, env=env)
         log_fh.close()
         self.satellite_starts += 1

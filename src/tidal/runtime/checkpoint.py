@@ -33,13 +33,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidal.errors import ConfigError, TidalError
-from tidal.training.records import ExecutionRecord
+from tidal.contracts.calls import ExecutionRecord
+from tidal.errors import ConfigError, RecordError, TidalError
 
 if TYPE_CHECKING:
     from tidal.json_types import JSON
 
-FORMAT = 2  # 2: no pickle (trainer.safetensors + trainer.json)
+# 2: no pickle (trainer.safetensors + trainer.json); 3: records are ``contracts``'
+# ExecutionRecords (engine segments with a version per token, the close reason)
+FORMAT = 3
 TENSORS = "trainer.safetensors"
 SHARDED = "trainer.dcp"  # a sharded core's state: one safetensors file per rank (dcp_state)
 
@@ -222,7 +224,7 @@ def load(run_dir: str | Path) -> Checkpoint:
     try:
         records = [ExecutionRecord.model_validate_json(line) for line in
                    (where / "records.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecordError) as exc:
         raise ConfigError("--resume", f"{where}/records.jsonl is damaged: "
                           f"{_first_line(exc)}") from None
     return Checkpoint(state, records, _load_trainer(where))

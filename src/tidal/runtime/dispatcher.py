@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from tidal.clock import Clock
 from tidal.config import RunConfig
+from tidal.contracts.calls import ExecutionRecord
 from tidal.control.dispatch_hold import may_dispatch
 from tidal.errors import TimeoutExpired
 from tidal.runtime.tasks import Parts
 from tidal.seeding import derive_seed
-from tidal.training.records import ExecutionRecord
 from tidal.types import BurstStarted, Event
 
 if TYPE_CHECKING:

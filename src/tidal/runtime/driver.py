@@ -33,9 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tidal import run_schema as schema
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
+from tidal.contracts import run_files as schema
 from tidal.control.policy import policy_mechanics
 from tidal.errors import ConfigError
 from tidal.runtime import checkpoint, preflight, proxy_watch, spill

@@ -19,9 +19,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from tidal.backends import engine_backend, load
 from tidal.config import RunConfig
-from tidal.runtime import vllm_host
-from tidal.runtime.cell import EngineHost, RuntimeFailure
+from tidal.errors import ConfigError
+from tidal.runtime.cell import RuntimeFailure
 from tidal.seeding import engine_seed
 
 if TYPE_CHECKING:
@@ -60,7 +61,6 @@ class EngineId:
 def model_path(cfg: RunConfig, out: Path) -> Path:
     """The model every engine serves and the core trains: ``tiny`` (created in the run
     directory), a bundled model (converted once, no download) or a model directory."""
-    from tidal.errors import ConfigError
     from tidal.models import create_tiny
     from tidal.models.fetch import KNOWN, fetch
 
@@ -105,10 +105,9 @@ class Engines:
         self.out, self.model_dir = out, model_dir
         self.placement, self.cpu_groups = placement, cpu_groups
         self.ids = engine_ids(cfg)
-        self._actor_cls = ray.remote(EngineHost)
-        self._vllm = vllm_host.actor_class(ray, self.rt)  # None: built-in standalone engines
-        self._vllm_cell: Any = None  # the actor class of vLLM cells, made on first use
-        self._sglang_cell: Any = None  # the same for SGLang cells
+        # host class ("module:Class" of a backend's entry) -> its Ray actor class, made on
+        # first use
+        self._actor_classes: dict[str, Any] = {}
         self.actors: dict[EngineId, Any] = {}
         self.urls: dict[EngineId, str] = {}
         self.start_pids: dict[EngineId, int] = {}
@@ -125,25 +124,16 @@ class Engines:
         # the engine token reaches the actors through Ray's object store (``cell.adopt_token``)
         self.token_box = [ray.put(token)] if token else None
 
-    @property
-    def vllm(self) -> bool:
-        """Standalone engines are vLLM servers (a load takes them out of routing)."""
-        return self._vllm is not None
-
     def backend(self, eid: EngineId) -> str:
         """What serves engine ``eid``: builtin, vllm or sglang (cells only)."""
         if eid.standalone:
             return self.rt.standalone_backend
         return cell_backend(self.cfg, eid.index)
 
-    def is_vllm(self, eid: EngineId) -> bool:
-        """A vLLM server: a load takes it out of routing (the adapter labels per call)."""
-        return self.backend(eid) == "vllm"
-
     def is_server(self, eid: EngineId) -> bool:
-        """A vLLM or SGLang server: it loads a version from the driver's file, out of
-        routing."""
-        return self.backend(eid) in ("vllm", "sglang")
+        """A server of its own (vLLM, SGLang): it loads a version from the driver's file, out
+        of routing."""
+        return engine_backend(self.backend(eid)).server
 
     def cell(self, index: int) -> ActorHandle:
         return self.actors[EngineId.cell(index)]
@@ -157,24 +147,21 @@ class Engines:
         # weight load runs; the actuator never sends one cell two state changes at once.
         device = self.rt.device if self.rt.use_gpus else "cpu"
         groups, name = self.cpu_groups, str(eid)
-        if self._vllm is not None and eid.standalone:
-            cls, extra = self._vllm, [vllm_host.vllm_settings(self.rt)]
-        elif not eid.standalone and self.is_vllm(eid):
-            from tidal.runtime.vllm_cell import VLLMCellHost
-
-            self._vllm_cell = self._vllm_cell or self.ray.remote(VLLMCellHost)
-            cls, extra = self._vllm_cell, [vllm_host.vllm_settings(self.rt), device]
-        elif not eid.standalone and self.backend(eid) == "sglang":
-            from tidal.runtime.sglang_cell import SGLangCellHost, sglang_settings
-
-            self._sglang_cell = self._sglang_cell or self.ray.remote(SGLangCellHost)
-            cls, extra = self._sglang_cell, [sglang_settings(self.rt), device]
+        backend = engine_backend(self.backend(eid))
+        host = backend.standalone_host if eid.standalone else backend.cell_host
+        if host is None:
+            raise ConfigError("runtime.cell_backend" if not eid.standalone
+                              else "runtime.standalone_backend",
+                              f"'{backend.name}' cannot serve {eid}")
+        if host not in self._actor_classes:
+            self._actor_classes[host] = self.ray.remote(load(host))
+        cls = self._actor_classes[host]
+        if backend.settings is not None:  # a server: built from its settings (and the device)
+            extra = [load(backend.settings)(self.rt), *([] if eid.standalone else [device])]
         else:
-            cls, extra = self._actor_cls, [device,
-                                           groups.path(name) if groups is not None else None,
-                                           served_name(self.cfg),
-                                           engine_seed(self.cfg.seed, name),
-                                           self.rt.deterministic]
+            extra = [device, groups.path(name) if groups is not None else None,
+                     served_name(self.cfg), engine_seed(self.cfg.seed, name),
+                     self.rt.deterministic]
         return cls.options(runtime_env={"env_vars": env}, max_concurrency=4,
                            **self.placement.options(name)).remote(
             name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra)

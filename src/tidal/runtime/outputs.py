@@ -21,8 +21,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidal import run_schema as schema
 from tidal.clock import Clock
+from tidal.contracts import run_files as schema
 from tidal.types import Role
 
 if TYPE_CHECKING:

@@ -119,13 +119,14 @@ def check_backends(cfg: RunConfig) -> None:
     not imported: a fraction of a second)."""
     import subprocess
 
+    from tidal.backends import backend_names, engine_backend
+
     rt, used = cfg.runtime, _backends(cfg)
-    for backend, module, field, python in (
-            ("vllm", "vllm", "runtime.vllm_python", rt.resolved_vllm_python),
-            ("sglang", "sglang", "runtime.sglang_python", rt.resolved_sglang_python)):
-        if backend not in used:
+    for backend in [engine_backend(n) for n in backend_names() if n in used]:
+        if backend.package is None or backend.python_field is None:
             continue
-        exe = python()
+        field, module = f"runtime.{backend.python_field}", backend.package
+        exe = getattr(rt, f"resolved_{backend.python_field}")()
         probe = [exe, "-c", "import importlib.util, sys; "
                  "sys.exit(importlib.util.find_spec(sys.argv[1]) is None)", module]
         try:
@@ -133,7 +134,7 @@ def check_backends(cfg: RunConfig) -> None:
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise ConfigError(field, f"{exe}: cannot run ({type(exc).__name__})") from None
         if not found:
-            raise ConfigError(field, f"{exe} has no {module} installed (a '{backend}' engine "
+            raise ConfigError(field, f"{exe} has no {module} installed (a '{backend.name}' engine "
                               "backend needs the python of a venv with it)")
 
 

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tidal.runtime import vllm_host
-from tidal.runtime.cell import RuntimeFailure, actor_device, adopt_token
-from tidal.runtime.vllm_cell import VLLMCellHost, group_rss_bytes
+from tidal.runtime.cell import EngineHost, RuntimeFailure, actor_device, adopt_token
+from tidal.runtime.server_process import ServerProcess, describe_cell, server_rss_bytes
 
 if TYPE_CHECKING:
     from tidal.config import RunConfig, RuntimeConfig
@@ -107,21 +107,46 @@ _LAUNCH = ("import os, runpy, sys; "
            "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
 
 
-class SGLangCellHost(VLLMCellHost):
-    """Plain class; ``engines`` wraps it with ``ray.remote``. One SGLang server per cell. The
-    process handling (process group, health wait, kill, stop, satellite) is the vLLM cell's;
-    ``self.vllm`` holds the SGLang server's ``Popen``."""
+class SGLangCellHost(EngineHost):
+    """Plain class; ``engines`` wraps it with ``ray.remote``. One SGLang server per cell
+    (``self.server``: its process group, health wait, kill and end, as every server host's);
+    the satellite trainer is the cell's, as a built-in cell's."""
 
     backend = "sglang"
-    server_label = "SGLang"
-    text_answers = True  # plain-text answers (/flush_cache)
+
+    def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
+                 settings: dict[str, Any], device: str = "cpu") -> None:
+        super().__init__(name, model_dir, max_batch, log_dir, device=device)
+        self.settings = settings
+        # plain-text answers count as {} (/flush_cache)
+        self.server = ServerProcess("SGLang", name, self.log_path, text_answers=True)
+        self.memory: list[dict[str, Any]] = []  # one entry per release: memory before/after
+
+    def _http(self, method: str, path: str, timeout_s: float = 120.0, *,
+              json: dict[str, object] | None = None,
+              params: dict[str, str | int | float] | None = None) -> dict[str, Any]:
+        return self.server.http(method, path, timeout_s, json=json, params=params)
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def kill_engine(self) -> None:
+        """Crash the server (SIGKILL to its process group): fault injection for tests."""
+        if self.server.kill():
+            self.state = "dead"
+
+    def stop(self) -> None:
+        self.stop_satellite()
+        self.server.end()
+        self.state = "stopped"
+        shutil.rmtree(self.received_dir(), ignore_errors=True)  # ``load_weights_blob``
 
     def start(self, timeout_s: float, token: list | None = None) -> str:
         adopt_token(token)
         from tidal.runtime.cell import _gpu_ids
 
         self.device = actor_device(self.device_setting, _gpu_ids())
-        host = self._bind_host("SGLang")
+        host = self.server.bind_host(self.node.ip)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_USAGE_STATS": "1"}
         env.pop("VIRTUAL_ENV", None)
         env.pop("PYTHONPATH", None)  # nothing of this venv leaks into SGLang's
@@ -134,27 +159,28 @@ class SGLangCellHost(VLLMCellHost):
                 "--enable-metrics",  # /metrics: the adapter's running count (pause "wait")
                 "--mem-fraction-static", str(self.settings["mem_fraction"]),
                 "--dtype", self.settings["dtype"], "--weight-version", self.loaded_version]
-        if self.token:  # SGLang guards every route with it: the proxy and this host send it
-            env[_KEY_ENV] = self.token  # into --api-key inside the process, never on its argv
+        if self.server.token:  # SGLang guards every route with it: the proxy and this host
+            env[_KEY_ENV] = self.server.token  # send it; into --api-key, never on its argv
         try:
-            self._serve(lambda port: [*args, "--port", str(port)], env, host, timeout_s)
+            self.server.serve(lambda port: [*args, "--port", str(port)], env, host, timeout_s)
             served = self._served()
         except RuntimeFailure as exc:
-            self._end()
+            self.server.end()
             raise RuntimeFailure(f"SGLang engine {self.name}: {exc}") from None
         if served != self.loaded_version:
-            self._end()
+            self.server.end()
             raise RuntimeFailure(f"SGLang engine {self.name} serves {served!r} at start, not "
                                  f"{self.loaded_version!r} (--weight-version ignored)")
         self.state = "awake"
-        return self.url
+        assert self.server.url is not None
+        return self.server.url
 
     def _served(self) -> str:
         """The label the server really serves (``GET /get_weight_version``)."""
         return str(self._http("GET", "/get_weight_version").get("weight_version"))
 
     def rss_bytes(self) -> int:
-        return group_rss_bytes(self.vllm.pid) if self.alive() else 0
+        return server_rss_bytes(self.server)
 
     def memory_bytes(self) -> int:
         """What a release frees: GPU memory on CUDA, resident memory on the CPU."""
@@ -165,7 +191,8 @@ class SGLangCellHost(VLLMCellHost):
         from tidal.runtime.cell import _gpu_ids
 
         ids = _gpu_ids()
-        return group_gpu_bytes(self.vllm.pid, ids[0] if ids else None)
+        assert self.server.proc is not None
+        return group_gpu_bytes(self.server.proc.pid, ids[0] if ids else None)
 
     def sleep(self) -> str:
         """Pause (aborting what runs: the cell was drained, nothing of ours is there), release
@@ -241,9 +268,7 @@ class SGLangCellHost(VLLMCellHost):
         return served
 
     def describe(self) -> dict:
-        out = super().describe()
-        out["backend"] = self.backend
-        return out
+        return describe_cell(self, self.server, self.backend, self.memory)
 
 
 def check(cfg: RunConfig) -> None:

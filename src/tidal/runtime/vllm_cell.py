@@ -23,34 +23,15 @@ Freeing memory, per device:
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tidal.runtime import vllm_host
 from tidal.runtime.cell import EngineHost, RuntimeFailure
+from tidal.runtime.server_process import describe_cell, server_rss_bytes
 from tidal.runtime.vllm_host import VLLMEngineHost
 
 if TYPE_CHECKING:
     from tidal.config import RunConfig
-
-
-def group_rss_bytes(pgid: int, proc: Path = Path("/proc")) -> int:
-    """Resident bytes of every process in process group ``pgid`` (the server and its engine
-    core); 0 when none is left."""
-    total = 0
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:  # after "state ppid": pgrp
-                continue
-            for line in (d / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except (OSError, IndexError, ValueError):
-            continue  # a process that ended meanwhile
-    return total
 
 
 class VLLMCellHost(VLLMEngineHost):
@@ -65,18 +46,10 @@ class VLLMCellHost(VLLMEngineHost):
     def _extra_args(self) -> list[str]:
         return ["--enable-sleep-mode"] if self.device == "cuda" else []
 
-    #: how errors name the server; whether a plain-text answer counts as {} (SGLang's)
-    server_label = "vLLM"
-    text_answers = False
-
     def _http(self, method: str, path: str, timeout_s: float = 120.0, *,
               json: dict[str, object] | None = None,
               params: dict[str, str | int | float] | None = None) -> dict[str, Any]:
-        """One control call on the server (``vllm_host.control_call``)."""
-        url = self.url if self.url is not None and self.alive() else None
-        return vllm_host.control_call(f"{self.server_label} engine {self.name}", url,
-                                      self.headers(), method, path, timeout_s,
-                                      text_ok=self.text_answers, json=json, params=params)
+        return self.server.http(method, path, timeout_s, json=json, params=params)
 
     def _rpc(self, method: str) -> list[Any]:
         return self._http("POST", "/collective_rpc", json={
@@ -127,17 +100,13 @@ class VLLMCellHost(VLLMEngineHost):
         return self.state
 
     def rss_bytes(self) -> int:
-        return group_rss_bytes(self.vllm.pid) if self.alive() else 0
+        return server_rss_bytes(self.server)
 
     # a cell's trainer is the built-in one: its satellite runs next to the server
     start_satellite = EngineHost.start_satellite
 
     def describe(self) -> dict:
-        out = super().describe()
-        out.update(device=self.device, memory=self.memory, cgroup=None,
-                   satellite_pid=self.satellite.pid if self.satellite_alive() else None,
-                   satellite_starts=self.satellite_starts)
-        return out
+        return describe_cell(self, self.server, "vllm", self.memory)
 
     def stop(self) -> None:
         self.stop_satellite()
@@ -146,10 +115,13 @@ class VLLMCellHost(VLLMEngineHost):
 
 
 def check(cfg: RunConfig) -> None:
-    """``ConfigError`` (naming the field) unless this run can serve its cells as configured."""
+    """``ConfigError`` (naming the field) unless this run can serve its vLLM engines as
+    configured: its standalone engines (``vllm_host.check``), then its cells."""
     from tidal.errors import ConfigError
     from tidal.runtime.engines import cell_backend
 
+    if cfg.runtime.standalone_backend == "vllm":
+        vllm_host.check(cfg)
     backends = {cell_backend(cfg, i) for i in range(len(cfg.cluster.cell_specs()))}
     if "vllm" not in backends:
         return

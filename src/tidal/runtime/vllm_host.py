@@ -20,29 +20,22 @@ standalone engine never sleeps.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import signal
-import socket
-import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from tidal.errors import TidalError
 from tidal.runtime.cell import EngineHost, RuntimeFailure, adopt_token
+from tidal.runtime.server_process import ServerProcess, describe_server
 
 if TYPE_CHECKING:
     from tidal.config import RunConfig, RuntimeConfig
     from tidal.runtime.ray_types import ObjectRef
 
 SERVED_NAME = "tidal"
-PORT_TRIES = 3  # launches of a server whose port was taken before it bound it
-log = logging.getLogger(__name__)
 
 
 def vllm_settings(rt: RuntimeConfig) -> dict[str, Any]:
@@ -112,39 +105,6 @@ if os.environ.get("TIDAL_VLLM_LAUNCHER_PID") not in (None, str(os.getppid())):
 """
 
 
-def control_call(server: str, url: str | None, headers: dict[str, str], method: str,
-                 path: str, timeout_s: float = 120.0, *, text_ok: bool = False,
-                 json: dict[str, object] | None = None,
-                 params: dict[str, str | int | float] | None = None) -> dict[str, Any]:
-    """One control call on an engine server (vLLM's or SGLang's), the JSON object it answers.
-
-    In: ``server`` names it in errors (``"vLLM engine c1"``), ``url`` its root (None: not
-    running). Out: the answer's JSON object ({} for an empty answer, and with ``text_ok`` for a
-    plain-text or non-object one); any failure is one ``RuntimeFailure`` line."""
-    if url is None:
-        raise RuntimeFailure(f"{server} is not running")
-    try:
-        resp = httpx.request(method, f"{url}{path}", timeout=timeout_s, headers=headers,
-                             json=json, params=params)
-    except httpx.HTTPError as exc:
-        raise RuntimeFailure(f"{server} {path}: {exc!r}") from None
-    if resp.status_code != 200:
-        raise RuntimeFailure(f"{server} {path}: HTTP {resp.status_code} {resp.text[:200]}")
-    if not resp.content:
-        return {}
-    try:
-        out = resp.json()
-    except ValueError:
-        if text_ok:
-            return {}
-        raise RuntimeFailure(f"{server} {path}: not JSON: {resp.text[:200]!r}") from None
-    if isinstance(out, dict):
-        return out
-    if text_ok:
-        return {}
-    raise RuntimeFailure(f"{server} {path}: not a JSON object: {resp.text[:200]!r}")
-
-
 def _tidal_path(root: Path) -> str:
     """A directory holding only the ``tidal`` package (a link) and ``sitecustomize.py``, for
     the vLLM venv's ``PYTHONPATH``: its workers import the worker extension from it, and
@@ -163,16 +123,15 @@ def _tidal_path(root: Path) -> str:
 
 
 class VLLMEngineHost(EngineHost):
-    """Plain class; ``driver`` wraps it with ``ray.remote``. One vLLM server per instance."""
+    """Plain class; ``driver`` wraps it with ``ray.remote``. One vLLM server per instance
+    (``self.server``)."""
 
     def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
                  settings: dict[str, Any]) -> None:
         super().__init__(name, model_dir, max_batch, log_dir,
                          device=settings.get("device", "cpu"))
         self.settings = settings
-        self.vllm: subprocess.Popen | None = None
-        self.url: str | None = None
-        self.token: str | None = None
+        self.server = ServerProcess("vLLM", name, self.log_path)
         self._sync = None
 
     def start(self, timeout_s: float, token: list | None = None) -> str:
@@ -181,7 +140,7 @@ class VLLMEngineHost(EngineHost):
         from tidal.serving.server_guard import MIDDLEWARE
 
         self.device = actor_device(self.device_setting, _gpu_ids())
-        host = self._bind_host("vLLM")
+        host = self.server.bind_host(self.node.ip)
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": host,
                "PYTHONPATH": _tidal_path(self.log_path.parent / "vllm-pythonpath"),
@@ -200,111 +159,25 @@ class VLLMEngineHost(EngineHost):
                 "--kv-cache-memory-bytes", str(int(self.settings["kv_cache_gb"] * 2**30)),
                 "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension",
                 *self._extra_args()]
-        if self.token:  # the guard reads it from the environment, never the command line
+        if self.server.token:  # the guard reads it from the environment, never the argv
             args += ["--middleware", MIDDLEWARE]
         try:
-            self._serve(lambda port: [*args, "--port", str(port)], env, host, timeout_s)
+            self.server.serve(lambda port: [*args, "--port", str(port)], env, host, timeout_s)
             from tidal.training.vllm_sync import VLLMWeightPublisher
 
-            self._sync = VLLMWeightPublisher(self.url, None, "file", timeout_s=timeout_s,
-                                             api_key=self.token)
+            self._sync = VLLMWeightPublisher(self.server.url, None, "file",
+                                             timeout_s=timeout_s, api_key=self.server.token)
             # vLLM calls its initial weights "default"; tidal's first version is v0
             self._sync.set_version(self.loaded_version)
         except TidalError as exc:
             self._end()
             raise RuntimeFailure(f"vLLM engine {self.name}: {exc}") from None
         self.state = "awake"
-        return self.url
-
-    def _bind_host(self, server: str) -> str:
-        """The address the server listens on, its node's (loopback on one machine: the proxy
-        reaches an engine on any node), and the run's token it will need on every route
-        (``self.token``); beyond loopback a server without the token is refused."""
-        from tidal.serving.guard import is_loopback
-
-        host, self.token = self.node.ip, os.environ.get("TIDAL_ENGINE_TOKEN")
-        if not self.token and not is_loopback(host):
-            raise RuntimeFailure(f"{server} engine {self.name}: bound to {host}, beyond "
-                                 "loopback, it needs the run's token ($TIDAL_ENGINE_TOKEN)")
-        return host
-
-    def headers(self) -> dict[str, str]:
-        """What every call on the server carries: the run's token, when there is one."""
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    def _serve(self, args_for: Callable[[int], list[str]], env: dict[str, str], host: str,
-               timeout_s: float) -> None:
-        """Launch the server (``args_for(port)``) on a free port of ``host`` and wait until
-        it answers, within ``timeout_s`` in all. The server binds its port only after its
-        imports, seconds after the port was chosen; a port taken meanwhile (its log says
-        so) is retried on another, ``PORT_TRIES`` launches at most. Any other failure is
-        raised as it is (``RuntimeFailure``), the server ended."""
-        from tidal.serving.launch import free_port
-
-        deadline = time.monotonic() + timeout_s
-        for attempt in range(1, PORT_TRIES + 1):
-            port = free_port(host)
-            offset = self._log_size()
-            self._launch(args_for(port), env, host, port)
-            try:
-                self._wait_healthy(max(deadline - time.monotonic(), 1.0))
-                return
-            except RuntimeFailure:
-                taken = self._port_taken(offset)
-                self._end()
-                if not taken or attempt == PORT_TRIES:
-                    raise
-                log.warning("engine %s: port %d was taken before the server bound it; "
-                            "starting it again on another port", self.name, port)
-
-    def _log_size(self) -> int:
-        try:
-            return self.log_path.stat().st_size
-        except OSError:
-            return 0
-
-    def _port_taken(self, offset: int) -> bool:
-        """Whether the server's output since ``offset`` says its port was in use."""
-        try:
-            with open(self.log_path, "rb") as fh:
-                fh.seek(offset)
-                text = fh.read().decode(errors="replace")
-        except OSError:
-            return False
-        return "Address already in use" in text or "[Errno 98]" in text
-
-    def _launch(self, args: list[str], env: dict[str, str], host: str, port: int) -> None:
-        """Start the server (``args``) in its own session (its children end with it), its
-        output appended to the engine's log; ``url`` is where it will answer."""
-        with open(self.log_path, "ab") as log_fh:
-            self.vllm = subprocess.Popen(args, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-        self.url = f"http://{host}:{port}"
+        assert self.server.url is not None
+        return self.server.url
 
     def _extra_args(self) -> list[str]:
         return []
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.vllm.poll() is not None:
-                raise RuntimeFailure(f"the server exited with {self.vllm.returncode} during "
-                                     f"start-up: {self._log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", headers=self.headers(),
-                             timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise RuntimeFailure(f"not healthy within {timeout_s:g} s (see {self.log_path})")
-
-    def _log_tail(self, lines: int = 3) -> str:
-        try:
-            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-lines:]
-        except OSError:
-            return f"see {self.log_path}"
-        return " | ".join(tail) + f" (in {self.log_path})"
 
     def sleep(self) -> str:
         raise RuntimeFailure(f"vLLM engine {self.name} is a standalone engine: it never sleeps")
@@ -331,41 +204,21 @@ class VLLMEngineHost(EngineHost):
         raise RuntimeFailure(f"{self.name} is a standalone engine: no satellite trainer")
 
     def alive(self) -> bool:
-        return self.vllm is not None and self.vllm.poll() is None
+        return self.server.alive()
 
     def describe(self) -> dict:
-        return {"name": self.name, "state": self.state, "version": self.loaded_version,
-                "alive": self.alive(), "url": self.url,
-                "pid": self.vllm.pid if self.vllm else None, "satellite_pid": None,
-                "satellite_starts": 0, "gpu_ids": _gpu_ids(), "backend": "vllm",
-                "device": self.device,
-                "node_id": self.node.node_id, "node_ip": self.node.ip,
-                "host": socket.gethostname()}
+        return describe_server(self, self.server, "vllm")
 
     def kill_engine(self) -> None:
         """Crash the server (SIGKILL to its process group): fault injection for tests."""
-        if self.vllm is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.vllm.pid, signal.SIGKILL)
-            self.vllm.wait(30)
+        if self.server.kill():
             self.state = "dead"
 
     def _end(self, timeout_s: float = 30.0) -> None:
         if self._sync is not None:
             self._sync.close()
             self._sync = None
-        if self.vllm is None:
-            return
-        if self.vllm.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.vllm.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.vllm.wait(timeout_s)
-        # the engine-core child too, whatever became of the server
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.vllm.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.vllm.wait(5)
+        self.server.end(timeout_s)
 
     def stop(self) -> None:
         import shutil
@@ -401,11 +254,6 @@ def refuse_tiny(rt: RuntimeConfig, field: str, server: str) -> None:
     if rt.model == "tiny":
         raise ConfigError(field, f"{server} cannot serve the 'tiny' model (tidal's own "
                           "format): use a Hugging Face model, e.g. runtime.model: smollm2-135m")
-
-
-def actor_class(ray: ModuleType, rt: RuntimeConfig) -> type | None:
-    """The Ray actor class of vLLM standalone engines, or None (built-in ones)."""
-    return ray.remote(VLLMEngineHost) if rt.standalone_backend == "vllm" else None
 
 
 async def load_weights(admin: httpx.AsyncClient, name: str, load: Callable[[], ObjectRef],

@@ -17,16 +17,18 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
+from tidal.backends import configured_backends, engine_backend, load
 from tidal.clock import Clock, await_until
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
-from tidal.runtime import deterministic, sglang_cell, vllm_cell, vllm_host
+from tidal.runtime import deterministic
 from tidal.runtime.actuator import CoreLink, RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.cell import trainer_device
@@ -41,6 +43,10 @@ from tidal.runtime.trainer_loop import TrainerLoop
 
 if TYPE_CHECKING:
     from tidal.agents.workload import Workload
+    from tidal.control.controller import Controller
+    from tidal.training.core import CoreTrainer
+    from tidal.training.trajectory_buffer import TrajectoryBuffer
+    from tidal.types import Event
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +64,19 @@ def check_config(cfg: RunConfig) -> Workload | None:
     if cfg.policy.args.get("rebalance"):
         raise ConfigError("policy.args.rebalance", "verl's rebalance (abort every in-flight "
                           "request to re-spread load) is not supported by the runtime")
-    if cfg.runtime.standalone_backend == "vllm":
-        vllm_host.check(cfg)
-    vllm_cell.check(cfg)
-    sglang_cell.check(cfg)  # 'sglang' cells: GPUs and SGLang's python
+    for backend in configured_backends(cfg):  # e.g. 'sglang' cells: GPUs, SGLang's python
+        if backend.check is not None:
+            load(backend.check)(cfg)
     from tidal.agents.workload import check_workload
 
     workload = check_workload(cfg)  # the task: section's rows, agent and reward
     rt = cfg.runtime
+    standalone = engine_backend(rt.standalone_backend)
     if rt.cell_cpus is not None:
         for bad, why in ((rt.ray_address, "joins a Ray cluster (the quota is per host)"),
                          (rt.use_gpus, "uses GPUs (cells already own their devices)"),
-                         (rt.standalone_backend == "vllm", "serves standalone engines with "
-                          "vLLM (the quota covers built-in engines)")):
+                         (standalone.server, f"serves standalone engines with "
+                          f"{standalone.label} (the quota covers built-in engines)")):
             if bad:
                 raise ConfigError("runtime.cell_cpus", f"not supported when the run {why}")
     return workload
@@ -80,12 +86,12 @@ def check_config(cfg: RunConfig) -> Workload | None:
 class Wired:
     admin: httpx.AsyncClient
     decisions: IO[str]
-    buffer: Any
-    core: Any
+    buffer: TrajectoryBuffer
+    core: CoreTrainer
     outputs: RunOutputs
     actuator: RayActuator
-    ctl: Any
-    handle: Any
+    ctl: Controller
+    handle: Callable[[Event], None]
     bridge: LedgerBridge
     publisher: Publisher
     trainer: TrainerLoop
@@ -151,12 +157,12 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
     ``host``: the driver node's address, where satellites of other nodes reach the core."""
     import torch
 
+    from tidal.contracts.trainer import ShardConfig
     from tidal.models import HFTokenizer, load_training_model
     from tidal.training.coordinator import CoordinatorConfig
     from tidal.training.core import CoreTrainer, TrainerConfig
     from tidal.training.flat import ParamLayout
     from tidal.training.packing import PackingConfig
-    from tidal.training.sharded import ShardConfig
     from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
     from tidal.training.transport import FilePublisher
 
@@ -222,7 +228,7 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     ctl.metrics.budget_groups = c.batch_groups * c.updates_per_burst  # per burst
     guarded, listeners = parts.guard_handler(ctl.handle), []
 
-    def handle(event: Any) -> None:  # then wake whoever waits on the ledger or the policy
+    def handle(event: Event) -> None:  # then wake whoever waits on the ledger or the policy
         guarded(event)
         for wake in listeners:
             wake()

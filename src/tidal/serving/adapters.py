@@ -13,8 +13,9 @@ import json as _json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
+from tidal.backends import backend_names, engine_backend, load
 from tidal.serving.http11 import HTTPFailure, HTTPPool, Response
 from tidal.serving.protocol import (
     BadRequest,
@@ -270,14 +271,8 @@ class BuiltinAdapter(HTTPEngineBase):
 
 
 def make_adapter(backend: str, url: str, **kw) -> EngineAdapter:
-    if backend == "builtin":
-        return BuiltinAdapter(url, **kw)
-    if backend == "vllm":
-        from tidal.serving.vllm_adapter import VLLMAdapter
-
-        return VLLMAdapter(url, **kw)
-    if backend == "sglang":
-        from tidal.serving.sglang_adapter import SGLangAdapter
-
-        return SGLangAdapter(url, **kw)
-    raise BadRequest(f"unknown engine backend {backend!r} (builtin, vllm, sglang)")
+    """The adapter of ``backend``'s registry entry (``tidal.backends``) for the engine at
+    ``url``; an unknown backend is the caller's error."""
+    if backend not in backend_names():
+        raise BadRequest(f"unknown engine backend {backend!r} ({', '.join(backend_names())})")
+    return cast(EngineAdapter, load(engine_backend(backend).adapter)(url, **kw))

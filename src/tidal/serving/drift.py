@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 
+from tidal.contracts.calls import CallRecord
 from tidal.serving.protocol import ServingError
-from tidal.serving.records import ModelCall
 
 log = logging.getLogger(__name__)
 
 
-async def bridge(adapter, earlier: list[ModelCall], prompt: list[int]) -> list[int] | None:
+async def bridge(adapter, earlier: list[CallRecord], prompt: list[int]) -> list[int] | None:
     """The prompt with the sampled ids of the last call in place, or None (nothing to do: no
     earlier call, the ids extend it already, or its text is not a prefix of the new text).
     ``adapter``: an engine's adapter, for ``detokenize`` and raw ``tokenize``."""

@@ -31,9 +31,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.clock import Clock, WallClock
+from tidal.contracts.trainer import DEVICE_PATTERN
 from tidal.errors import TidalError
 from tidal.models import CausalLM, Tokenizer, open_weights
-from tidal.models.device import DEVICE_PATTERN, device_peak_mb, resolve_device
+from tidal.models.device import device_peak_mb, resolve_device
 from tidal.serving.engine_state import KVStore, RateMeter, Request, sample_batch
 from tidal.serving.prefix_cache import PrefixCache
 from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, StopText, TokenChunk

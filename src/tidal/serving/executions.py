@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from tidal.clock import Clock, WallClock
+from tidal.contracts.close import CLOSE_REASONS
 from tidal.errors import LedgerError
 
 log = logging.getLogger(__name__)
-CLOSE_REASONS = ("completed", "failed", "timeout", "cancelled", "reward_error")
 
 
 @runtime_checkable

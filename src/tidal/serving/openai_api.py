@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tidal.contracts.calls import version_spans
 from tidal.serving.chat import MAX_PROMPT_CHARS, MAX_TOOLS, ChatMessage, Tool
 from tidal.serving.protocol import (
     MAX_STOP_CHARS,
@@ -29,7 +30,6 @@ from tidal.serving.protocol import (
     ServingError,
     TokenChunk,
     check_temperature,
-    version_spans,
 )
 
 __all__ = ["MAX_PROMPT_CHARS", "ChatMessage"]

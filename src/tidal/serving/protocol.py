@@ -137,17 +137,6 @@ def cut_at_stop(text: str, stops: list[str]) -> int | None:
     return min(found) if found else None
 
 
-def version_spans(versions: list[str]) -> list[list]:
-    """``[[start, end, version], ...]`` covering ``versions`` (half-open, like vLLM's)."""
-    spans: list[list] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1][2] == v:
-            spans[-1][1] = i + 1
-        else:
-            spans.append([i, i + 1, v])
-    return spans
-
-
 class ServingError(TidalError):
     """Base of serving errors; ``status`` is the HTTP status the boundary answers with."""
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.clock import Clock, WallClock
+from tidal.contracts.calls import CallRecord, Segment
 from tidal.control.admission import AdmissionRule, concurrency_target, curve_from_points
 from tidal.errors import ConfigError, TimeoutExpired
 from tidal.seeding import call_seed, continued_seed
@@ -56,7 +57,7 @@ from tidal.serving.protocol import (
     TokenChunk,
     cut_at_stop,
 )
-from tidal.serving.records import ModelCall, RecordStore, Segment
+from tidal.serving.records import RecordStore
 from tidal.serving.router import Kind, Member, Router
 
 log = logging.getLogger(__name__)
@@ -279,8 +280,8 @@ class Proxy:
         if len(prompt) > self.config.max_prompt_tokens:
             raise BadRequest(f"prompt of {len(prompt)} tokens exceeds the limit of "
                              f"{self.config.max_prompt_tokens}")
-        call = ModelCall(uuid.uuid4().hex[:16], list(prompt), params.max_tokens,
-                         bridged=bridged)
+        call = CallRecord(call_id=uuid.uuid4().hex[:16], prompt_token_ids=list(prompt),
+                          max_tokens=params.max_tokens, bridged=bridged)
         self.totals["calls"] += 1
         params = self._seeded(execution_id, params)
         try:
@@ -308,7 +309,7 @@ class Proxy:
         return params.model_copy(update={"seed": call_seed(self.config.seed, execution_id,
                                                            index)})
 
-    async def _complete(self, call: ModelCall, execution_id: str | None, prompt: list[int],
+    async def _complete(self, call: CallRecord, execution_id: str | None, prompt: list[int],
                         params: SamplingParams, on_chunk, record_overhead: bool,
                         timeout_s: float | None, session: str | None = None) -> Result:
         t_start = time.perf_counter()
@@ -350,7 +351,7 @@ class Proxy:
             self.records.add(execution_id, call)
         return res
 
-    async def _attempt(self, call: ModelCall, st: _CallState, attempt: Attempt,
+    async def _attempt(self, call: CallRecord, st: _CallState, attempt: Attempt,
                        attempt_no: int, prompt: list[int], params: SamplingParams,
                        remaining: int, on_chunk: Callable[[TokenChunk], None] | None
                        ) -> tuple[str | None, Exception | None]:
@@ -358,7 +359,7 @@ class Proxy:
         engine's finish reason or None, a failure to back off on or None). A refused first
         attempt raises ``BadRequest``; an engine gone or full is checked by health."""
         member = attempt.member
-        seg = Segment(member.engine_id, attempt.request_id)
+        seg = Segment(engine_id=member.engine_id, request_id=attempt.request_id)
         reason, failure = None, None
         try:
             handle = None
@@ -396,7 +397,7 @@ class Proxy:
                   len(seg.token_ids), attempt.kv_tokens, attempt.cancelled)
         return reason, failure
 
-    async def _after_attempt(self, call: ModelCall, st: _CallState, attempt: Attempt,
+    async def _after_attempt(self, call: CallRecord, st: _CallState, attempt: Attempt,
                              reason: str | None, failure: Exception | None,
                              prompt: list[int]) -> None:
         """Between an unfinished attempt and the next: back off after a failure (the slot
@@ -487,7 +488,7 @@ class Proxy:
         """An engine with room, in queue order; ``Overloaded`` at the call's deadline."""
         return await self.queue.acquire(lambda: self.router.pick(execution_id), deadline)
 
-    async def _after_error(self, call: ModelCall, member: Member, exc: Exception,
+    async def _after_error(self, call: CallRecord, member: Member, exc: Exception,
                            errors: int) -> None:
         """Count and log an engine's failure of this call; raise past ``max_error_retries``,
         else back off (doubling) before the retry."""

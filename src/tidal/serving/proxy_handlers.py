@@ -21,9 +21,10 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tidal.contracts.close import CloseReason
 from tidal.errors import LedgerError, TimeoutExpired
 from tidal.serving.chat import tool_parser
-from tidal.serving.executions import CLOSE_REASONS, ExecutionRegistry
+from tidal.serving.executions import ExecutionRegistry
 from tidal.serving.openai_api import (
     VERSIONS_HEADER,
     ChatRequest,
@@ -89,7 +90,7 @@ class CloseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reward: float | None = Field(None, allow_inf_nan=False)
-    reason: str = Field("completed", pattern="^(" + "|".join(CLOSE_REASONS) + ")$")
+    reason: CloseReason = CloseReason.COMPLETED
 
 
 REQUESTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatRequest,
@@ -312,7 +313,8 @@ class ProxyHandlers:
     # -- admin ---------------------------------------------------------------------------
     async def records(self, execution_id: str) -> dict:
         return {"execution_id": execution_id,
-                "calls": [c.to_json() for c in self.proxy.records.calls(execution_id)]}
+                "calls": [c.model_dump(mode="json")
+                          for c in self.proxy.records.calls(execution_id)]}
 
     async def engines(self) -> dict:
         return {"engines": [m.describe() for m in self.proxy.router.members.values()]}

@@ -14,6 +14,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tidal.contracts.calls import version_spans
 from tidal.serving.openai_api import (
     INT64,
     MAX_PROMPT_IDS,
@@ -25,7 +26,6 @@ from tidal.serving.openai_api import (
 from tidal.serving.protocol import (
     SamplingParams,
     check_temperature,
-    version_spans,
 )
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tidal.contracts.run_files import ExecutionLine
 from tidal.errors import ConfigError
 
 GRID = 28
@@ -34,14 +35,14 @@ PARSIMONY = 0.002  # share of the rate variance a more binding limit must explai
 Call = tuple[str, float, float, int]  # engine, start_s, duration_s, output tokens
 
 
-def call_rows(execs: list[dict[str, Any]]) -> list[Call]:
+def call_rows(execs: list[ExecutionLine]) -> list[Call]:
     """(engine, start_s, call_s, output tokens) of every timed call that produced tokens."""
     rows = []
     for e in execs:
-        for c in e.get("calls") or []:
-            if c.get("call_s", 0) > 0 and c.get("engines") and c["output_tokens"] > 0:
-                rows.append((c["engines"][-1], float(c["start_s"]), float(c["call_s"]),
-                             int(c["output_tokens"])))
+        for c in e.calls:
+            if (c.call_s or 0) > 0 and c.engines and c.output_tokens > 0 \
+                    and c.start_s is not None and c.call_s is not None:
+                rows.append((c.engines[-1], c.start_s, c.call_s, c.output_tokens))
     return rows
 
 
@@ -68,7 +69,7 @@ def intervals(rows: list[Call]) -> tuple[list[float], list[list[int]], list[floa
     return durs, ns, rates, engines
 
 
-def fit_engine(execs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+def fit_engine(execs: list[ExecutionLine]) -> tuple[dict[str, Any], dict[str, Any]]:
     import numpy as np
 
     rows = call_rows(execs)

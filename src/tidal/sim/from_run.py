@@ -77,9 +77,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tidal import run_schema as schema
 from tidal import rundir as run_data
 from tidal.config import RunConfig, load_yaml
+from tidal.contracts import run_files as schema
 from tidal.errors import ConfigError
 from tidal.rundir import load_run
 from tidal.sim.costs import speedup
@@ -98,7 +98,8 @@ COST_KINDS = {
 
 
 def read_jsonl(path: Path, model: type[BaseModel]) -> list[dict[str, Any]]:
-    """The lines of a run-directory file, each checked against its ``tidal.run_schema`` model."""
+    """The lines of a run-directory file, each checked against its model
+    (``tidal.contracts.run_files``)."""
     out = run_data.read_jsonl(path, model=model)
     if out is None:
         raise ConfigError(str(path), "missing: calibration needs it (written by `tidal run`)")
@@ -110,7 +111,7 @@ def read_jsonl(path: Path, model: type[BaseModel]) -> list[dict[str, Any]]:
 # speed-up(n) = n * e**log2(n) = 1 for every n: training cells that share one host's cores
 SHARED_HOST_EFFICIENCY = 0.5
 
-def fit_trainer(metrics: list[dict[str, Any]], execs: list[dict[str, Any]],
+def fit_trainer(metrics: list[dict[str, Any]], execs: list[schema.ExecutionLine],
                 updates_per_burst: int, shared_host: bool = False
                 ) -> tuple[dict[str, float], float, dict[str, Any]]:
     """Trainer speed, per-step overhead and the burst-end publication time. On a shared host
@@ -118,10 +119,10 @@ def fit_trainer(metrics: list[dict[str, Any]], execs: list[dict[str, Any]],
     unless the run itself measured otherwise the efficiency per doubling is 0.5 (speed-up 1)."""
     ctx_by_group: dict[str, float] = {}
     for e in execs:
-        if e.get("calls"):
-            last = e["calls"][-1]
-            ctx_by_group[e["group"]] = (ctx_by_group.get(e["group"], 0.0)
-                                        + last["prompt_tokens"] + last["output_tokens"])
+        if e.calls:
+            last = e.calls[-1]
+            ctx_by_group[e.group] = (ctx_by_group.get(e.group, 0.0)
+                                     + last.prompt_tokens + last.output_tokens)
     eff = SHARED_HOST_EFFICIENCY if shared_host else TrainerConfig().scaling_efficiency
     xs, ys, cells = [], [], []
     for m in metrics:
@@ -245,7 +246,8 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
         raise ConfigError(str(root), "no config.yaml: calibration needs the resolved config")
     own = load_yaml(root / "config.yaml", RunConfig)
     cfg = load_yaml(describe, RunConfig) if describe is not None else own
-    execs = read_jsonl(root / "executions.jsonl", schema.ExecutionLine)
+    execs = [schema.ExecutionLine.model_validate(e)
+             for e in read_jsonl(root / "executions.jsonl", schema.ExecutionLine)]
     metrics = run.metrics or []
     if not metrics:
         raise ConfigError(str(root / "metrics.jsonl"), "missing or empty: no optimizer step")

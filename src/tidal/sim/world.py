@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.clock import ManualClock
+from tidal.contracts.close import CloseReason
 from tidal.control.admission import AdmissionRule
 from tidal.control.decision_log import DecisionLog, Sink
 from tidal.control.factory import build_controller
@@ -39,7 +40,6 @@ from tidal.sim.scenario import Scenario
 from tidal.sim.trainer import Trainer
 from tidal.sim.workloads import make_workload
 from tidal.types import (
-    CloseReason,
     Event,
     ExecutionClosed,
     Role,

@@ -40,16 +40,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from tidal.clock import Clock
+from tidal.contracts.trainer import DEVICE_PATTERN, Backend, GRPOLossConfig, ShardConfig
 from tidal.errors import ConfigError, TidalError, TimeoutExpired
-from tidal.models.device import DEVICE_PATTERN, release_cached, resolve_device
+from tidal.models.device import release_cached, resolve_device
 from tidal.training.aggregate import Normalization, aggregate, clip_
 from tidal.training.cell_ranks import OptimizerSpec, start_cell, stop_cell
 from tidal.training.coordinator import Coordinator, CoordinatorConfig, StepInfo
-from tidal.training.groups import Backend, CommError, GroupRegistry
-from tidal.training.loss import GRPOLossConfig
+from tidal.training.groups import CommError, GroupRegistry
 from tidal.training.packing import PackingBuffer, PackingConfig
 from tidal.training.rpc import RpcServer
-from tidal.training.sharded import ShardConfig
 from tidal.training.trajectory_buffer import TrajectoryBuffer
 from tidal.training.transport import BroadcastTransport, SharedMemoryTransport, WeightPublisher
 from tidal.training.worker import GradientWorker, ShardedWorker

@@ -18,16 +18,14 @@ import datetime as dt
 import logging
 import os
 import threading
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from tidal.contracts.trainer import Backend
 from tidal.errors import TidalError
 
 log = logging.getLogger(__name__)
-
-Backend = Literal["gloo", "nccl"]
 
 
 class CommError(TidalError):

@@ -16,17 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from tidal.contracts.trainer import GRPOLossConfig
 from tidal.training.packing import MicroStep
-
-
-class GRPOLossConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    clip_eps_low: float = Field(default=0.2, ge=0)
-    clip_eps_high: float = Field(default=0.28, ge=0)
-    kl_coef: float = Field(default=0.0, ge=0)
 
 
 @dataclass

@@ -1,141 +1,47 @@
-"""Execution records as the proxy writes them, and their conversion to training sequences.
+"""Execution records turned into training sequences.
 
-In: one ``ExecutionRecord`` per closed execution - the model calls the OpenAI-compatible proxy
-answered (prompt token ids, output token ids, output log-probs, and the weight version of each
-output segment, as vLLM's ``weight_versions`` spans give them) plus the reward at close.
-Out: ``TrainSequence`` objects - one token stream per chain of calls whose prompts extend each
-other, with a trainable mask that is true only for tokens the policy sampled (harness-injected
-tokens between calls are context), and the behaviour log-prob and weight version of every
-trainable token.
+In: ``contracts.ExecutionRecord`` objects - the model calls the OpenAI-compatible proxy
+answered (prompt token ids, and per engine segment the output token ids, log-probs and the
+weight version of each token) plus the reward and the close reason. Out: ``TrainSequence``
+objects - one token stream per chain of calls whose prompts extend each other, with a trainable
+mask that is true only for tokens the policy sampled (harness-injected tokens between calls are
+context), and the behaviour log-prob and weight version of every trainable token.
 
-Invariant 6: every trainable token carries the weight version that produced it. A record whose
-segments do not tile its output tokens is rejected here (``RecordError``) and never trained.
-Timed-out and cancelled executions are kept: they are scored on what they produced.
+Invariant 6: every trainable token carries the weight version that produced it; the record's
+models refuse segments whose lengths or version labels disagree (``RecordError``), so such a
+record never reaches here. Timed-out and cancelled executions are kept: they are scored on what
+they produced.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ValidationError
 
-from tidal.errors import TidalError
+from tidal.contracts.calls import NO_VERSION, CallRecord, ExecutionRecord, Segment
+from tidal.contracts.close import CLOSE_REASONS, CloseReason
+from tidal.errors import RecordError
 from tidal.types import CHAIN_WINDOW_CALLS, continues_chain
-
-NO_VERSION = -1
-
-
-class RecordError(TidalError):
-    """An execution record that cannot be trained on (inconsistent lengths or versions)."""
-
-
-class OutputSegment(BaseModel):
-    """Output tokens ``[start, end)`` of one call were sampled with ``weight_version``.
-
-    Engines label versions ``"v<n>"`` (vLLM, SGLang, the built-in engine); both forms are read.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    start: int = Field(ge=0)
-    end: int = Field(ge=0)
-    weight_version: int = Field(ge=0)
-
-    @field_validator("weight_version", mode="before")
-    @classmethod
-    def _parse_label(cls, v: object) -> object:
-        if isinstance(v, str) and v.startswith("v") and v[1:].isdigit():
-            return int(v[1:])
-        return v
-
-
-class ModelCall(BaseModel):
-    """One model request answered by the proxy (retries inside it are already folded in)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    output_logprobs: list[float]
-    segments: list[OutputSegment]
-
-    @model_validator(mode="after")
-    def _check(self) -> ModelCall:
-        n = len(self.output_token_ids)
-        if len(self.output_logprobs) != n:
-            raise RecordError(f"{n} output tokens but {len(self.output_logprobs)} log-probs")
-        pos = 0
-        for seg in self.segments:
-            if seg.start != pos or seg.end <= seg.start:
-                raise RecordError(f"segments must tile the output: gap or overlap at {pos}")
-            pos = seg.end
-        if pos != n:
-            raise RecordError(f"segments cover {pos} of {n} output tokens")
-        return self
-
-    def versions(self) -> list[int]:
-        out: list[int] = []
-        for seg in self.segments:
-            out.extend([seg.weight_version] * (seg.end - seg.start))
-        return out
-
-
-class ExecutionRecord(BaseModel):
-    """A closed execution: its model calls in order and the reward it was scored with."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    execution_id: str
-    group_id: str
-    calls: list[ModelCall]
-    reward: float
-    status: Literal["completed", "failed", "timed_out", "cancelled"] = "completed"
-
-    def min_version(self) -> int:
-        versions = [s.weight_version for c in self.calls for s in c.segments]
-        return min(versions) if versions else NO_VERSION
-
-    def trainable_tokens(self) -> int:
-        return sum(len(c.output_token_ids) for c in self.calls)
-
-
-_STATUS = {"completed": "completed", "failed": "failed", "timeout": "timed_out",
-           "timed_out": "timed_out", "cancelled": "cancelled"}
 
 
 def record_from_proxy(execution_id: str, group_id: str, calls: list[dict], reward: float,
                       reason: str = "completed") -> ExecutionRecord:
-    """Builds a training record from the proxy's per-execution call records (the JSON of
-    ``tidal.serving.records.ModelCall.to_json``: prompt ids and the segments each engine
-    produced, with a log-prob and a weight version per token). ``reason`` is the execution's
-    close reason (``tidal.types.CloseReason`` values)."""
-    if reason not in _STATUS:
+    """The record of a closed execution from the proxy's wire JSON of its calls (the admin
+    route's ``calls``: ``CallRecord`` dumps). ``reason``: its close reason. A value the models
+    refuse is one ``RecordError`` naming the execution and the field."""
+    if reason not in CLOSE_REASONS:
         raise RecordError(f"execution {execution_id!r}: unknown close reason {reason!r}")
-    out = []
-    for call in calls:
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[str] = []
-        for seg in call.get("segments", []):
-            n = len(seg["token_ids"])
-            if len(seg["logprobs"]) != n or len(seg["versions"]) != n:
-                raise RecordError(f"execution {execution_id!r}: a segment of {n} tokens has "
-                                  f"{len(seg['logprobs'])} log-probs, {len(seg['versions'])} "
-                                  "versions")
-            tokens += seg["token_ids"]
-            logprobs += seg["logprobs"]
-            versions += seg["versions"]
-        spans: list[OutputSegment] = []
-        start = 0
-        for i in range(1, len(versions) + 1):
-            if i == len(versions) or versions[i] != versions[start]:
-                spans.append(OutputSegment(start=start, end=i, weight_version=versions[start]))
-                start = i
-        out.append(ModelCall(prompt_token_ids=list(call["prompt_token_ids"]),
-                             output_token_ids=tokens, output_logprobs=logprobs, segments=spans))
-    return ExecutionRecord(execution_id=execution_id, group_id=group_id, calls=out,
-                           reward=reward, status=_STATUS[reason])
+    try:
+        return ExecutionRecord(execution_id=execution_id, group_id=group_id,
+                               calls=[CallRecord.model_validate(c) for c in calls],
+                               reward=reward, reason=CloseReason(reason))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field_ = ".".join(str(p) for p in err["loc"]) or "(call)"
+        raise RecordError(f"execution {execution_id!r}: field {field_}: {err['msg']}") from None
+    except RecordError as exc:
+        raise RecordError(f"execution {execution_id!r}: {exc}") from None
 
 
 @dataclass
@@ -208,13 +114,11 @@ def single_call_record(
 ) -> ExecutionRecord:
     """The record of a one-call execution sampled entirely with one weight version."""
     n = len(output_token_ids)
-    segments = [OutputSegment(start=0, end=n, weight_version=weight_version)] if n else []
-    call = ModelCall(
-        prompt_token_ids=list(prompt_token_ids),
-        output_token_ids=list(output_token_ids),
-        output_logprobs=list(output_logprobs),
-        segments=segments,
-    )
+    segments = [Segment(engine_id="", request_id="", token_ids=list(output_token_ids),
+                        logprobs=list(output_logprobs),
+                        versions=[f"v{weight_version}"] * n)] if n else []
+    call = CallRecord(prompt_token_ids=list(prompt_token_ids), max_tokens=n,
+                      segments=segments)
     return ExecutionRecord(
         execution_id=execution_id, group_id=group_id, calls=[call], reward=reward
     )

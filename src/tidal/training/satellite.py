@@ -27,17 +27,15 @@ import time
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from tidal import malloc
-from tidal.models.device import DEVICE_PATTERN, release_cached, resolve_device
+from tidal.contracts.trainer import GRPOLossConfig, ModelSpec, SatelliteConfig
+from tidal.models.device import release_cached, resolve_device
 from tidal.training.cell_ranks import start_cell, stop_cell
 from tidal.training.flat import ParamLayout
-from tidal.training.groups import Backend, GroupRegistry
-from tidal.training.loss import GRPOLossConfig
+from tidal.training.groups import GroupRegistry
 from tidal.training.rpc import RpcClient
-from tidal.training.sharded import ShardConfig
 from tidal.training.transport import BroadcastTransport, SharedMemoryTransport
 from tidal.training.worker import GradientWorker, ShardedWorker
 
@@ -46,39 +44,11 @@ log = logging.getLogger(__name__)
 PARK_WAIT_S = 30.0  # one ``park`` call's bound; a parked satellite calls again
 
 
-class ModelSpec(BaseModel):
-    """How a process builds the policy: a Hugging Face model directory, loaded with
-    ``transformers`` (the same architecture and parameter layout as the core's)."""
+def build_model(spec: ModelSpec) -> nn.Module:
+    """The policy ``spec`` names, built the way the core builds its own."""
+    from tidal.models import load_training_model
 
-    model_config = ConfigDict(extra="forbid")
-
-    model_dir: str
-
-    def build(self) -> nn.Module:
-        from tidal.models import load_training_model
-
-        return load_training_model(self.model_dir)
-
-
-class SatelliteConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    cell: int = Field(ge=1)
-    host: str = "127.0.0.1"
-    rpc_port: int
-    store_port: int
-    authkey: str
-    backend: Backend = "gloo"
-    model: ModelSpec
-    # The frozen reference for the KL term (needed when the core's loss has kl_coef > 0).
-    reference: ModelSpec | None = None
-    timeout_s: float = Field(default=120.0, gt=0)
-    start_delay_s: float = Field(default=0.0, ge=0)
-    max_steps: int | None = None
-    torch_threads: int = 1
-    device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
-    # None: the plain module on one device; a ShardConfig: FSDP2 over this cell's ranks
-    shard: ShardConfig | None = None
+    return load_training_model(spec.model_dir)
 
 
 class Satellite:
@@ -86,7 +56,7 @@ class Satellite:
         self.config = config
         self.incarnation = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.device = resolve_device(config.device)
-        model = config.model.build()
+        model = build_model(config.model)
         self.layout = ParamLayout.of(model)
         self.version = -1
         self._flat = torch.empty(0)  # where pulls land: the weights themselves on the CPU
@@ -95,7 +65,7 @@ class Satellite:
                                  fingerprint=self.layout.fingerprint())
         # The loss is the core's, never a local copy: the invariance of the update depends on it.
         loss = GRPOLossConfig.model_validate(hello["loss"])
-        reference = (config.reference.build().to(self.device).eval()
+        reference = (build_model(config.reference).to(self.device).eval()
                      if config.reference else None)
         if loss.kl_coef > 0 and reference is None:
             raise ValueError(f"cell {config.cell}: the core's loss has a KL term; "

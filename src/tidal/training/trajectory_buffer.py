@@ -31,8 +31,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.clock import Clock
+from tidal.contracts.calls import ExecutionRecord
 from tidal.errors import TidalError, TimeoutExpired
-from tidal.training.records import ExecutionRecord, TrainSequence, record_to_sequences
+from tidal.training.records import TrainSequence, record_to_sequences
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidal import run_schema as schema
+from tidal.contracts import run_files as schema
 from tidal.rundir import UTIL_KEYS, RunData, load_run, read_jsonl
 from tidal.viz.run_figures import capacity_at, rollout_capacity
 from tidal.viz.trace import Plan, TraceRun

@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 
 from tidal.clock import WallClock
+from tidal.contracts.calls import ExecutionRecord
 from tidal.models.hf import create_tiny, tiny_model
 from tidal.training.coordinator import CoordinatorConfig
 from tidal.training.core import CoreTrainer, TrainerConfig
 from tidal.training.loss import target_logprobs
 from tidal.training.packing import PackingConfig
-from tidal.training.records import ExecutionRecord, single_call_record
+from tidal.training.records import single_call_record
 from tidal.training.satellite import ModelSpec, SatelliteConfig, run_satellite
 from tidal.training.sharded import ShardConfig
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig

@@ -1,4 +1,4 @@
-"""The proxy's per-call records become training records with one segment per weight version
+"""The proxy's per-call records become training records with a weight version per token
 (invariant 6), retried calls included; runtime config errors name their field."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def test_a_call_retried_across_engines_and_versions_keeps_every_token_version():
     rec = record_from_proxy("e1", "g1", [call], reward=1.0, reason="completed")
     (mc,) = rec.calls
     assert mc.output_token_ids == [7, 8, 9, 10]
-    assert [(s.start, s.end, s.weight_version) for s in mc.segments] == [(0, 3, 2), (3, 4, 3)]
+    assert [s.weight_versions for s in mc.segments] == [[[0, 2, "v2"]],
+                                                        [[0, 1, "v2"], [1, 2, "v3"]]]
     assert mc.versions() == [2, 2, 2, 3] and rec.min_version() == 2
     (seq,) = record_to_sequences(rec)
     assert seq.n_trainable() == 4
@@ -30,7 +31,7 @@ def test_a_call_retried_across_engines_and_versions_keeps_every_token_version():
 
 def test_a_timed_out_execution_without_calls_is_still_a_record():
     rec = record_from_proxy("e2", "g1", [], reward=0.0, reason="timeout")
-    assert rec.status == "timed_out" and rec.calls == []
+    assert rec.reason == "timeout" and rec.calls == []
 
 
 def test_tiny_config_loads_and_the_runtime_accepts_it():

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
+from tidal.contracts.calls import ExecutionRecord
 from tidal.errors import ConfigError
 from tidal.runtime import checkpoint
-from tidal.training.records import ExecutionRecord
 
 
 def _state() -> dict:
@@ -78,7 +78,7 @@ def test_an_older_format_is_refused_by_name(tmp_path):
     where = _save(tmp_path)
     data = json.loads((where / "state.json").read_text())
     (where / "state.json").write_text(json.dumps({**data, "format": 1}))
-    with pytest.raises(ConfigError, match="checkpoint format is not 2"):
+    with pytest.raises(ConfigError, match="checkpoint format is not 3"):
         checkpoint.load(tmp_path)
 
 

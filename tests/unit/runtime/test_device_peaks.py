@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tidal.models.device import device_peak_mb
-from tidal.run_schema import MetricsLine, Summary, check
+from tidal.contracts.run_files import MetricsLine, Summary, check
 from tidal.runtime.outputs import device_peaks
 from tidal.training.aggregate import Contribution
 from tidal.training.worker import GradientWorker

@@ -5,6 +5,7 @@ import json
 from types import SimpleNamespace
 
 from tidal.clock import ManualClock
+from tidal.contracts.run_files import CallLine
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.tasks import Parts
 
@@ -27,10 +28,8 @@ def test_one_line_per_execution_with_times_tokens_and_timings(tmp_path):
     bridge.launched("b1-g0-e0", "b1-g0")
     bridge.timing["b1-g0-e0"]["closed"] = 104.0  # closed() needs a running loop
     bridge.timing["b1-g0-e0"]["calls"] = [
-        {"prompt_tokens": 20, "output_tokens": 8, "cached_tokens": 0, "reprefill_tokens": 0,
-         "engines": ["s0"]},
-        {"prompt_tokens": 40, "output_tokens": 5, "cached_tokens": 0, "reprefill_tokens": 0,
-         "engines": ["c1", "s0"]}]
+        CallLine(prompt_tokens=20, output_tokens=8, engines=["s0"]),
+        CallLine(prompt_tokens=40, output_tokens=5, engines=["c1", "s0"])]
     result = SimpleNamespace(execution_id="b1-g0-e0", group_id="b1-g0", reason="completed",
                              reward=1.0, transcript=[
                                  {"t_call": 100.75, "call_s": 1.0, "tool_s": 0.25},

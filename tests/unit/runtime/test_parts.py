@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from tidal.clock import ManualClock
 from tidal.config import load_yaml
+from tidal.contracts.calls import ExecutionRecord
 from tidal.control.factory import build_controller
 from tidal.errors import InvariantViolation, TimeoutExpired
 from tidal.runtime.actuator import Weights
@@ -27,7 +28,6 @@ from tidal.runtime.outputs import RunOutputs
 from tidal.runtime.publisher import Publisher
 from tidal.runtime.tasks import PartFailed, Parts
 from tidal.testing.actuator import FakeActuator
-from tidal.training.records import ExecutionRecord
 from tidal.types import BurstStarted, Tick, WeightSyncDone
 
 CFG = load_yaml(Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml")

@@ -20,7 +20,7 @@ from tidal.config import RunConfig, load_yaml, validate_model
 from tidal.errors import ConfigError
 from tidal.runtime.engines import cell_backend
 from tidal.runtime.outputs import switch_times
-from tidal.runtime.vllm_cell import group_rss_bytes
+from tidal.runtime.server_process import group_rss_bytes
 from tidal.runtime.wiring import check_config
 from tidal.serving.protocol import EngineError
 from tidal.serving.vllm_adapter import chunk_tokens

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tidal.config import RunConfig, load_yaml, validate_model
+from tidal.contracts import CallRecord
 from tidal.errors import ConfigError
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.tasks import Parts
@@ -80,15 +81,15 @@ def test_kv_cache_is_positive():
 
 def test_the_bridge_counts_tokens_by_engine_and_version_and_moves_between_engines():
     calls = [{"prompt_token_ids": [1], "segments": [
-        {"engine_id": "c0", "token_ids": [5, 6], "logprobs": [-1.0, -1.0],
+        {"engine_id": "c0", "request_id": "r0", "token_ids": [5, 6], "logprobs": [-1.0, -1.0],
          "versions": ["v0", "v0"], "ended_by": "abort"},
-        {"engine_id": "s0", "token_ids": [7], "logprobs": [-1.0], "versions": ["v2"],
-         "ended_by": "length"}]},
+        {"engine_id": "s0", "request_id": "r1", "token_ids": [7], "logprobs": [-1.0],
+         "versions": ["v2"], "ended_by": "length"}]},
         {"prompt_token_ids": [1], "segments": [
-            {"engine_id": "s0", "token_ids": [8], "logprobs": [-1.0], "versions": ["v2"],
-             "ended_by": "stop"}]}]
+            {"engine_id": "s0", "request_id": "r2", "token_ids": [8], "logprobs": [-1.0],
+             "versions": ["v2"], "ended_by": "stop"}]}]
     b = LedgerBridge(None, None, httpx.AsyncClient(), None, 4, Parts())
-    b._count(calls)
+    b._count([CallRecord.model_validate(c) for c in calls])
     assert b.tokens_by_engine_version == {"c0": {"v0": 2}, "s0": {"v2": 2}}
     assert b.engine_handoffs == {"c0->s0": 1}
     asyncio.run(b.admin.aclose())

@@ -98,7 +98,7 @@ def test_chain_breaks_counted_only_where_the_template_drops_text(
     first = calls_x[0]
     assert HFTokenizer(thinking_models[template]).decode(
         first.output_token_ids).startswith(ANSWER)
-    record = record_from_proxy("x", "g", [c.to_json() for c in calls_x], 1.0)
+    record = record_from_proxy("x", "g", [c.model_dump(mode="json") for c in calls_x], 1.0)
     sequences = record_to_sequences(record)
     assert chain_breaks(record) == sum(c.chain_break for c in calls_x)
     if template == "consistent":
@@ -141,7 +141,7 @@ def test_sampled_ids_replace_a_different_retokenization(tiny_dir, serve_asgi):
     not extend the earlier one is left alone."""
     import contextlib
 
-    from tidal.serving.records import ModelCall, Segment
+    from tidal.contracts import CallRecord, Segment
 
     tok = HFTokenizer(tiny_dir)
     prompt = tok.apply_chat_template(QUESTION)
@@ -154,8 +154,10 @@ def test_sampled_ids_replace_a_different_retokenization(tiny_dir, serve_asgi):
     async def main():
         async with contextlib.AsyncExitStack() as stack:
             proxy, _ = await _serving(serve_asgi, stack, [tiny_dir])
-            call = ModelCall("c1", prompt, 8, [Segment("e0", "r1", sampled, [-1.0] * 6,
-                                                       ["v0"] * 6)])
+            seg = Segment(engine_id="e0", request_id="r1", token_ids=sampled,
+                          logprobs=[-1.0] * 6, versions=["v0"] * 6)
+            call = CallRecord(call_id="c1", prompt_token_ids=prompt, max_tokens=8,
+                              segments=[seg])
             proxy.records.add("x", call)
             bridged = await proxy.bridge("x", rendered)
             unrelated = await proxy.bridge("x", tok.apply_chat_template(

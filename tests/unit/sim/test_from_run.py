@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tidal.cli import main
+from tidal.contracts.run_files import ExecutionLine
 from tidal.errors import ConfigError
 from tidal.sim.engine_fit import fit_engine, intervals
 from tidal.sim.from_run import scenario_from_run
@@ -21,6 +22,15 @@ from tidal.sim.vs_real import compare, real_burst_times, sim_burst_times
 
 RUNS = Path(__file__).resolve().parents[2] / "fixtures" / "runs"
 CAL = RUNS / "tiny-calibration"
+
+
+def _lines(rows: list[dict]) -> list[ExecutionLine]:
+    """Rows as the run directory's line models (what the fits read), the fields a row here
+    leaves out at neutral values."""
+    return [ExecutionLine.model_validate({
+        "execution": "e", "group": "g", "burst": None, "reason": "completed", "reward": 0.0,
+        **r, "calls": [{"prompt_tokens": 0, "output_tokens": 0, "engines": [], **c}
+                       for c in r.get("calls", [])]}) for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -49,22 +59,22 @@ def test_cluster_control_and_mechanics_come_from_the_config(fitted):
 def test_dispatch_interval_is_the_mean_gap_within_bursts():
     execs = [{"burst": b, "group": f"b{b}g{g}", "dispatched_s": t}
              for b, g, t in [(0, 0, 0.0), (0, 1, 0.5), (0, 2, 1.5), (1, 0, 10.0), (1, 1, 10.5)]]
-    assert dispatch_interval_s(execs, 0.4) == pytest.approx((0.5 + 1.0 + 0.5) / 3, abs=1e-4)
-    assert dispatch_interval_s(execs, 0.0) == 0.0  # all at once stays all at once
+    assert dispatch_interval_s(_lines(execs), 0.4) == pytest.approx((0.5 + 1.0 + 0.5) / 3, abs=1e-4)
+    assert dispatch_interval_s(_lines(execs), 0.0) == 0.0  # all at once stays all at once
 
 
 def test_trace_lines_replay_the_calls_of_each_execution():
     execs = [{"execution": "e0", "group": "g", "reward": 1.0, "calls": [
         {"prompt_tokens": 100, "output_tokens": 20, "tool_s": 0.5},
         {"prompt_tokens": 150, "output_tokens": 10, "tool_s": 0.1}]}]
-    (line,) = trace_lines(execs)  # untimed calls: their tool steps, no setup
+    (line,) = trace_lines(_lines(execs))  # untimed calls: their tool steps, no setup
     assert line["prompt_tokens"] == 100 and line["reward"] == 1.0 and line["setup_s"] == 0.0
     assert line["turns"] == [{"decode_tokens": 20, "tool_s": 0.5, "tool_output_tokens": 30},
                              {"decode_tokens": 10, "tool_s": 0.1, "tool_output_tokens": 0}]
     timed = [{**execs[0], "launched_s": 1.0, "closed_s": 6.0, "calls": [
         {**execs[0]["calls"][0], "start_s": 1.25, "call_s": 2.0},
         {**execs[0]["calls"][1], "start_s": 4.0, "call_s": 1.5}]}]
-    (line,) = trace_lines(timed)  # launch 1.0, calls 1.25-3.25 and 4.0-5.5, close 6.0
+    (line,) = trace_lines(_lines(timed))  # launch 1.0, calls 1.25-3.25 and 4.0-5.5, close 6.0
     assert line["setup_s"] == 0.25
     assert [t["tool_s"] for t in line["turns"]] == [0.75, 0.5]
 
@@ -149,7 +159,7 @@ def test_intervals_hold_rates_and_counts_between_call_events():
 
 @pytest.mark.parametrize(("t_s", "c_s", "h_s"), [(200.0, 80.0, 300.0), (150.0, 60.0, 250.0)])
 def test_engine_fit_recovers_a_known_processor_sharing_model(t_s, c_s, h_s):
-    fit, notes = fit_engine(_calls(t_s, c_s, h_s))
+    fit, notes = fit_engine(_lines(_calls(t_s, c_s, h_s)))
     assert fit["seq_cap_tok_s"] == pytest.approx(c_s, rel=0.1)
     assert fit["decode_tok_s_per_gpu"] == pytest.approx(t_s, rel=0.1)
     assert fit["host_tok_s"] == pytest.approx(h_s, rel=0.1)
@@ -158,14 +168,14 @@ def test_engine_fit_recovers_a_known_processor_sharing_model(t_s, c_s, h_s):
 
 
 def test_engine_fit_leaves_a_limit_the_run_never_reached_unbounded():
-    fit, _ = fit_engine(_calls(t_s=200.0, c_s=80.0, h_s=1e9))
+    fit, _ = fit_engine(_lines(_calls(t_s=200.0, c_s=80.0, h_s=1e9)))
     assert fit["host_tok_s"] is None
     assert fit["decode_tok_s_per_gpu"] == pytest.approx(200.0, rel=0.1)
 
 
 def test_engine_fit_needs_timed_calls():
     with pytest.raises(ConfigError, match="too few"):
-        fit_engine([{"execution": "e", "group": "g", "calls": [{"output_tokens": 3}]}])
+        fit_engine(_lines([{"execution": "e", "group": "g", "calls": [{"output_tokens": 3}]}]))
 
 
 def test_the_scenario_simulates_and_compares_burst_by_burst(fitted):
@@ -238,7 +248,7 @@ def test_training_cells_on_one_shared_host_add_no_compute(fitted):
     assert speedup(1, SHARED_HOST_EFFICIENCY) == speedup(3, SHARED_HOST_EFFICIENCY) == 1.0
     execs = [json.loads(x) for x in (CAL / "executions.jsonl").read_text().splitlines()]
     metrics = [json.loads(x) for x in (CAL / "metrics.jsonl").read_text().splitlines()]
-    on_gpus, _, _ = fit_trainer(metrics, execs, 2, shared_host=False)
+    on_gpus, _, _ = fit_trainer(metrics, _lines(execs), 2, shared_host=False)
     assert on_gpus["scaling_efficiency"] == TrainerConfig().scaling_efficiency
 
 
@@ -251,10 +261,10 @@ def test_timed_steps_give_the_optimizer_time_and_the_compute_rate_directly():
 
     execs = [json.loads(x) for x in (CAL / "executions.jsonl").read_text().splitlines()]
     metrics = [json.loads(x) for x in (CAL / "metrics.jsonl").read_text().splitlines()]
-    base, base_publish, _ = fit_trainer(metrics, execs, 2, shared_host=False)
+    base, base_publish, _ = fit_trainer(metrics, _lines(execs), 2, shared_host=False)
     timed = [dict(m, compute_s=c, update_s=u) for m, c, u in
              zip(metrics, (0.3, 0.2, 0.25, 0.2), (0.1, 0.15, 0.12, 0.17), strict=True)]
-    fit, publish, notes = fit_trainer(timed, execs, 2, shared_host=False)
+    fit, publish, notes = fit_trainer(timed, _lines(execs), 2, shared_host=False)
     assert notes["from"] == "timed steps" and notes["step_intercept_s"] == pytest.approx(0.11)
     assert fit["optimizer_s"] == pytest.approx(0.11 + notes["between_steps_s"], abs=1e-4)
     assert publish == pytest.approx(base_publish + (0.16 - 0.11), abs=1e-4)
@@ -290,7 +300,7 @@ def test_the_cores_micro_steps_give_one_cells_speed_and_more_cells_the_efficienc
         steps.append(dict(m, satellites=[1] if n == 2 else [], compute_s=compute,
                           update_s=0.1, n_tokens=100, core_tokens=round(100 * share),
                           core_compute_s=share * w / r1))
-    fit, _, _ = fit_trainer(steps, execs, 2, shared_host=False)
+    fit, _, _ = fit_trainer(steps, _lines(execs), 2, shared_host=False)
     assert fit["train_tok_s_per_gpu"] == pytest.approx(r1, rel=1e-3)
     # speed-up 1 / 0.6 on two cells = 2 * e: e = 0.8333
     assert fit["scaling_efficiency"] == pytest.approx(1 / 0.6 / 2, abs=1e-3)

@@ -9,16 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.clock import ManualClock
+from tidal.contracts import CallRecord, ExecutionRecord, Segment
 from tidal.errors import InvariantViolation
 from tidal.training.packing import PackingBuffer, PackingConfig
-from tidal.training.records import (
-    ExecutionRecord,
-    ModelCall,
-    OutputSegment,
-    RecordError,
-    record_to_sequences,
-    single_call_record,
-)
+from tidal.training.records import RecordError, record_to_sequences, single_call_record
 from tidal.training.trajectory_buffer import (
     TrajectoryBuffer,
     TrajectoryBufferConfig,
@@ -32,20 +26,23 @@ def rec(eid: str, gid: str, version: int = 0, reward: float = 0.0, n_out: int = 
                               [-1.0] * n_out, version, reward)
 
 
+def _call(prompt: list[int], out: list[int], logprobs: list[float],
+          versions: list[str]) -> CallRecord:
+    seg = Segment(engine_id="e0", request_id="r", token_ids=out, logprobs=logprobs,
+                  versions=versions)
+    return CallRecord(prompt_token_ids=prompt, segments=[seg])
+
+
 def test_multi_turn_record_chains_calls_and_masks_injected_tokens():
-    seg = lambda a, b, v: OutputSegment(start=a, end=b, weight_version=v)  # noqa: E731
     calls = [
-        ModelCall(prompt_token_ids=[1, 2], output_token_ids=[3, 4], output_logprobs=[-.1, -.2],
-                  segments=[seg(0, 1, 3), seg(1, 2, 4)]),
+        _call([1, 2], [3, 4], [-.1, -.2], ["v3", "v4"]),
         # The harness appends a tool result (5, 6) before the next call: context, not trainable.
-        ModelCall(prompt_token_ids=[1, 2, 3, 4, 5, 6], output_token_ids=[7],
-                  output_logprobs=[-.3], segments=[seg(0, 1, 4)]),
+        _call([1, 2, 3, 4, 5, 6], [7], [-.3], ["v4"]),
         # Context compaction: the prompt no longer extends the stream -> a new sequence.
-        ModelCall(prompt_token_ids=[9, 7], output_token_ids=[8], output_logprobs=[-.4],
-                  segments=[seg(0, 1, 5)]),
+        _call([9, 7], [8], [-.4], ["v5"]),
     ]
     r = ExecutionRecord(execution_id="e", group_id="g", calls=calls, reward=1.0,
-                        status="timed_out")
+                        reason="timeout")
     first, second = record_to_sequences(r)
     assert first.token_ids == [1, 2, 3, 4, 5, 6, 7]
     assert first.trainable == [False, False, True, True, False, False, True]
@@ -56,14 +53,14 @@ def test_multi_turn_record_chains_calls_and_masks_injected_tokens():
 
 
 def test_engine_version_labels_are_read():
-    seg = OutputSegment.model_validate({"start": 0, "end": 2, "weight_version": "v12"})
-    assert seg.weight_version == 12
+    assert _call([1], [2, 3], [0.0, 0.0], ["v12", "12"]).versions() == [12, 12]
 
 
-def test_segments_must_tile_the_output():
+def test_a_segment_needs_a_logprob_and_a_version_per_token():
     with pytest.raises(RecordError):
-        ModelCall(prompt_token_ids=[1], output_token_ids=[2, 3], output_logprobs=[0.0, 0.0],
-                  segments=[OutputSegment(start=0, end=1, weight_version=0)])
+        _call([1], [2, 3], [0.0, 0.0], ["v0"])
+    with pytest.raises(RecordError):
+        _call([1], [2, 3], [0.0], ["v0", "v0"])
 
 
 def test_group_advantages_are_normalised():
@@ -103,10 +100,7 @@ def test_data_older_than_the_max_lag_is_never_handed_out(on_stale):
 
 
 def test_mixed_version_execution_is_stale_by_its_oldest_token():
-    seg = [OutputSegment(start=0, end=1, weight_version=1),
-           OutputSegment(start=1, end=2, weight_version=4)]
-    call = ModelCall(prompt_token_ids=[1], output_token_ids=[2, 3], output_logprobs=[0.0, 0.0],
-                     segments=seg)
+    call = _call([1], [2, 3], [0.0, 0.0], ["v1", "v4"])
     r = ExecutionRecord(execution_id="e", group_id="g", calls=[call], reward=0.0)
     buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=1, max_policy_lag=2), ManualClock())
     buf.add(r)

@@ -6,8 +6,9 @@ In: dicts as the runtime builds them, or as a reader parsed them from a file. Ou
 dicts, checked: ``check(model, obj, where)`` raises ``ConfigError`` naming the file, line and
 field of the first wrong value (one line, never a traceback). Fields a newer runtime added are
 optional (older run directories stay readable); keys no model names are kept (verl's
-metrics ride on the first step after a weight version closed). Close reasons are defined
-once here (``CLOSE_REASONS``), from ``tidal.types.CloseReason``.
+metrics ride on the first step after a weight version closed). An execution's close reason is
+``contracts.close.CloseReason``; a call line is made from the proxy's ``CallRecord``
+(``CallLine.of``), never assembled by hand.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from tidal.contracts.calls import CallRecord
+from tidal.contracts.close import CloseReason
 from tidal.errors import ConfigError
-from tidal.types import CloseReason
-
-CLOSE_REASONS: tuple[str, ...] = tuple(r.value for r in CloseReason)
 
 
 class _Line(BaseModel):
@@ -102,6 +102,20 @@ class CallLine(_Line):
     logprobs: list[float] | None = None
     versions: list[str] | None = None
 
+    @classmethod
+    def of(cls, call: CallRecord, tokens: bool = False) -> CallLine:
+        """The line of a recorded call: its token counts and the engines that served it;
+        with ``tokens`` (a deterministic run) also what the engines sampled, per token."""
+        segs = call.segments
+        sampled = {"prompt_token_ids": list(call.prompt_token_ids),
+                   "token_ids": call.output_token_ids, "logprobs": call.output_logprobs,
+                   "versions": [v for s in segs for v in s.versions]} if tokens else {}
+        return cls(prompt_tokens=len(call.prompt_token_ids),
+                   output_tokens=sum(len(s.token_ids) for s in segs),
+                   cached_tokens=sum(s.cached_tokens for s in segs),
+                   reprefill_tokens=sum(s.reprefill_tokens for s in segs),
+                   engines=[s.engine_id for s in segs], **sampled)
+
 
 class ExecutionLine(_Line):
     """``executions.jsonl``: one closed execution."""
@@ -109,7 +123,7 @@ class ExecutionLine(_Line):
     execution: str
     group: str
     burst: int | None
-    reason: str
+    reason: CloseReason
     reward: float
     dispatched_s: float | None = None
     launched_s: float | None = None
@@ -191,8 +205,7 @@ def check(model: type[BaseModel], obj: object, where: str) -> dict[str, Any]:
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "(line)"
-        raise ConfigError(where, f"field {field}: {err['msg']}") from None
-    if isinstance(obj, dict) and model is ExecutionLine and obj["reason"] not in CLOSE_REASONS:
-        raise ConfigError(where, f"field reason: {obj['reason']!r} is not one of "
-                          f"{', '.join(CLOSE_REASONS)}")
+        msg = (f"{err['input']!r} is not one of {err['ctx']['expected']}"
+               if err["type"] == "enum" else err["msg"])
+        raise ConfigError(where, f"field {field}: {msg}") from None
     return obj
