@@ -94,7 +94,11 @@ def _init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None,
     try:
         _ray_init(ray, num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                   object_store_memory=object_store_bytes,
-                  _node_ip_address="127.0.0.1", log_to_driver=False)
+                  _node_ip_address="127.0.0.1", log_to_driver=False,
+                  # no idle Python workers started ahead of need: every worker this run uses
+                  # hosts a named actor, started on its creation (3 idle ones held ~240 MB)
+                  _system_config={"enable_worker_prestart": False,
+                                  "prestart_worker_first_driver": False})
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = flag
         if env is None:
