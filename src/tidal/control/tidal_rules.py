@@ -2,7 +2,8 @@
 
 In: a ``Situation`` (the observation plus the numbers every rule reads: measured rates,
 training GPUs, queue, executions still to run, capacity, the last move) and the policy's
-knobs (``Knobs``: horizon, dwell, low/high batches, the training floor). Out: a ``Decision``
+knobs (``Knobs``: horizon, dwell, low/high batches, the training floor, the
+over-subscription caps). Out: a ``Decision``
 when the rule settles the event, None when it leaves it to the next rule. Rules are pure:
 the policy records a move (for hysteresis) after a rule returns one. The rule text is the
 module docstring of ``tidal.control.tidal_policy``.
@@ -28,6 +29,8 @@ class Knobs(Protocol):
     low_batches: float
     high_batches: float
     min_train_cells: int
+    max_queued: int
+    max_wait_s: float
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class Situation:
     gpus: int  # training GPUs
     last_action: Action = Action.HOLD
     last_move_s: float = -math.inf
+    q: float = 0.0  # executions finished per running-execution-second (0: unknown)
 
     @property
     def queue(self) -> int:
@@ -130,9 +134,10 @@ def return_cells(s: Situation, k: Knobs) -> Decision | None:
     )
 
 
-def idle_trainer(s: Situation, nxt: CellView, after: int) -> Decision | None:
-    """Nothing trains while a whole batch is ready (supply held): lend the next cell, holding
-    dispatch at the capacity after the move while the waterlevel is in the way."""
+def idle_trainer(s: Situation, k: Knobs, nxt: CellView, after: int) -> Decision | None:
+    """Nothing trains while a whole batch is ready (supply held): lend the next cell
+    (over-subscribed if the rate model says so), else hold dispatch at the capacity after the
+    move while the waterlevel is in the way."""
     obs = s.obs
     if s.gpus != 0 or s.queue < s.batch or not obs.supply.ok:
         return None
@@ -140,6 +145,9 @@ def idle_trainer(s: Situation, nxt: CellView, after: int) -> Decision | None:
         return Decision(
             Action.TO_TRAINING, (nxt.index,), f"nothing trains and {s.queue} groups are ready"
         )
+    over = oversubscribe(s, k, nxt, after)
+    if over is not None:
+        return over
     if after > 0:
         return Decision.hold(
             f"holding dispatch at {after} executions so cell {nxt.index} "
@@ -149,14 +157,89 @@ def idle_trainer(s: Situation, nxt: CellView, after: int) -> Decision | None:
     return None
 
 
+@dataclass(frozen=True)
+class Oversubscription:
+    """The rate model's forecast for one over-subscribed move: ``excess`` executions wait for
+    a slot; the last is admitted after ``wait_s``; the waiting costs ``cost_groups`` of
+    production and the cell buys ``benefit_groups`` of training in that time."""
+
+    excess: int
+    wait_s: float
+    cost_groups: float
+    benefit_groups: float
+
+
+def forecast(s: Situation, nxt: CellView, after: int) -> Oversubscription | None:
+    """Executions past the capacity after the move wait; running ones finish at ``q`` per
+    running-execution-second, so the ``after`` slots free at ``q * after`` per second and the
+    last waits ``T = excess / (q * after)``. Waiting falls linearly: ``excess * T / 2``
+    execution-seconds, which would have produced ``p`` groups each. The cell trains ``T``
+    earlier: ``c * gpus * T`` groups, no more than the queue and production leave for it."""
+    excess = s.obs.waterlevel - after
+    if excess <= 0 or after <= 0 or s.q <= 0 or not s.rates_known:
+        return None
+    wait_s = excess / (s.q * after)
+    cost = s.p * excess * wait_s / 2
+    spare = s.queue + (s.p * after - s.c * s.gpus) * wait_s
+    benefit = min(s.c * nxt.gpus * wait_s, max(0.0, spare))
+    return Oversubscription(excess, wait_s, cost, benefit)
+
+
+def oversubscribe(s: Situation, k: Knobs, nxt: CellView, after: int) -> Decision | None:
+    """Over-subscription (decision 2): lend the next cell although the capacity after the move
+    is below the waterlevel, when the forecast's queueing costs less than the training it buys,
+    within the caps (``max_queued`` executions waiting, ``max_wait_s`` for the last), with held
+    supply, and when the queue projected over the horizon under the new split stays at or
+    above ``low_batches`` batches (else the return rule would send the cell straight back)."""
+    f = forecast(s, nxt, after)
+    if f is None or not s.obs.supply.ok or f.excess > k.max_queued or f.wait_s > k.max_wait_s:
+        return None
+    if f.benefit_groups <= f.cost_groups:
+        return None
+    drift_after = s.p * after - s.c * (s.gpus + nxt.gpus)
+    if s.queue + drift_after * k.horizon_s < k.low_batches * s.batch:
+        return None
+    if s.dwelling(Action.TO_TRAINING, k.dwell_s):
+        return None
+    return Decision(
+        Action.TO_TRAINING,
+        (nxt.index,),
+        f"over-subscribe: {f.excess} executions wait for a slot (capacity after {after} < "
+        f"waterlevel {s.obs.waterlevel}), last admitted in {f.wait_s:.0f}s; queueing costs "
+        f"{f.cost_groups:.2f} groups < {f.benefit_groups:.2f} groups of training",
+        oversubscribe=True,
+    )
+
+
+def wait_capped(s: Situation, k: Knobs, since_s: float | None) -> Decision | None:
+    """Executions have waited for a slot since ``since_s`` (an over-subscribed move) for longer
+    than ``max_wait_s``: the last training cell returns, so the oldest waiting are admitted."""
+    obs = s.obs
+    if since_s is None or obs.now_s - since_s <= k.max_wait_s or obs.waterlevel <= s.cap:
+        return None
+    last = obs.last_training()
+    if last is None or last.role is not Role.TRAINING or obs.prefix_len <= 0:
+        return None
+    return Decision(
+        Action.TO_ROLLOUT,
+        (last.index,),
+        f"over-subscription cap: executions have waited {obs.now_s - since_s:.0f}s > "
+        f"{k.max_wait_s:g}s for a slot (waterlevel {obs.waterlevel} > capacity {s.cap})",
+    )
+
+
 def waterlevel_blocked(
-    s: Situation, nxt: CellView, after: int, drift_after: float
+    s: Situation, k: Knobs, nxt: CellView, after: int, drift_after: float
 ) -> Decision | None:
-    """The move is not waterlevel-safe: hold, with a dispatch hold at the capacity after the
-    move when production still outpaces consumption with one more training cell."""
+    """The move is not waterlevel-safe: over-subscribe if the rate model says so; else hold,
+    with a dispatch hold at the capacity after the move when production still outpaces
+    consumption with one more training cell."""
     obs = s.obs
     if after >= obs.waterlevel:
         return None
+    over = oversubscribe(s, k, nxt, after)
+    if over is not None:
+        return over
     if drift_after >= 0 and s.p > 0 and obs.supply.ok and after > 0:
         return Decision.hold(
             f"holding dispatch at {after} executions so cell {nxt.index} "
@@ -202,8 +285,8 @@ def lend_next(s: Situation, k: Knobs) -> Decision:
     drift_after = s.p * min(after, s.todo) - s.c * (s.gpus + nxt.gpus)
     projected = s.queue + drift_after * k.dwell_s
     checks: tuple[Callable[[], Decision | None], ...] = (
-        lambda: idle_trainer(s, nxt, after),
-        lambda: waterlevel_blocked(s, nxt, after, drift_after),
+        lambda: idle_trainer(s, k, nxt, after),
+        lambda: waterlevel_blocked(s, k, nxt, after, drift_after),
         lambda: rollout_needs_slots(s, after, drift_after),
         lambda: supply_not_held(s),
         lambda: queue_too_low(s, k, projected),
@@ -226,6 +309,7 @@ def lend_next(s: Situation, k: Knobs) -> Decision:
     )
 
 
-def decide(s: Situation, k: Knobs) -> Decision:
-    """The rules in order: measuring, returning cells, lending the next one."""
-    return measuring(s) or return_cells(s, k) or lend_next(s, k)
+def decide(s: Situation, k: Knobs, waiting_since_s: float | None = None) -> Decision:
+    """The rules in order: the wait cap, measuring, returning cells, lending the next one."""
+    return (wait_capped(s, k, waiting_since_s) or measuring(s) or return_cells(s, k)
+            or lend_next(s, k))
