@@ -29,6 +29,7 @@ from tidal.control.admission import AdmissionRule
 from tidal.control.decision_log import DecisionLog, Sink
 from tidal.control.factory import build_controller
 from tidal.control.plans import PlanStep, TransitionPlan
+from tidal.control.queued_waits import QueuedWaits
 from tidal.control.verl import dispatch_budget
 from tidal.errors import TidalError
 from tidal.sim import (
@@ -167,7 +168,7 @@ class World:
         self.wasted_tokens = 0
         self.sync_s_total = 0.0
         self.timeouts = 0
-        self.slot_waits: dict[str, float] = {}  # execution -> seconds it waited for a slot
+        self.slot_waits = QueuedWaits()  # seconds each execution waited for a slot
 
     # ------------------------------------------------------------- plumbing
     @property
