@@ -46,15 +46,23 @@ Rule (evaluated after every event and tick while no transition is in flight):
   and the waiting adds up to ``(w - A) T / 2`` execution-seconds, costing
   ``p (w - A) T / 2`` groups of production. The cell trains ``T`` sooner than a dispatch hold
   would let it: ``c g T`` groups (``g`` its GPUs), no more than the queue plus production
-  leave for it. Reason: while the trainer is the bottleneck a drained waterlevel is paid in
-  idle training GPUs; a short queue of executions costs less. Bounded: only with
-  ``w - A <= max_queued`` and ``T <= max_wait_s``, and only if the queue projected over ``H``
-  under the new split stays at or above ``low_batches`` batches (else the return rule would
-  send the cell straight back). Once executions have waited past ``max_wait_s`` since an
-  over-subscribed move, the last training cell returns (the wait cap, asked first). Nothing
-  is dropped or aborted: waiting executions keep their harness and progress and are admitted
-  in order. ``max_queued = 0`` turns the rule off (then the policy keeps invariant 3 as the
-  ``waterlevel`` policy does; the controller refuses an unmarked unsafe move either way).
+  leave for it. Move iff the benefit exceeds the cost and the ready queue alone covers the
+  new split's training over ``T`` (``queue >= c (G + g) T``, ``G`` the training GPUs): the
+  groups the waiting executions delay are then not needed before they are done. Reason: while
+  the trainer has a backlog, a drained waterlevel is paid in idle training GPUs and a short
+  queue of executions costs less; without one the delayed stragglers are the trainer's next
+  data and the wait is the makespan's. Bounded: only with ``w - A <= max_queued`` and
+  ``T <= max_wait_s``; while executions it displaced wait (launched ones beyond the capacity)
+  and within ``max_wait_s`` of the move, the return rule stands aside (the short slots were
+  priced when it was decided); once they have waited past ``max_wait_s`` the last training
+  cell returns (the wait cap, asked first). Nothing is dropped or aborted: waiting executions
+  keep their harness and progress and are admitted in order. ``max_queued = 0`` turns the
+  rule off (then the policy keeps invariant 3 as the ``waterlevel`` policy does; the
+  controller refuses an unmarked unsafe move either way). Keep ``max_wait_s`` below the
+  proxy's ``request_timeout_s`` in real runs: a call that waits past its timeout fails.
+- The starving-trainer verdict is not taken before the first batch has completed (no step
+  and fewer groups generated than a batch): until then ``p`` counts only the fastest groups
+  over every execution's exposure and is biased low.
 Before the rates are known the policy holds, unless one side is empty (no training cell, or no
 rollout slot): then the unknown rate counts as zero, so a cluster of one cell alternates.
 State: three rate estimates (production, consumption, execution finishes), their integration
@@ -173,8 +181,9 @@ class TidalPolicy:
         q = self.finishes.rate
         situation = Situation(obs, 0.0 if p is None else p, 0.0 if c is None else c,
                               p is not None and c is not None, _training_gpus(obs),
-                              self._last_action, self._last_move_s, 0.0 if q is None else q)
-        d = rules.decide(situation, self, self.waiting_since_s)
+                              self._last_action, self._last_move_s, 0.0 if q is None else q,
+                              self.waiting_since_s)
+        d = rules.decide(situation, self)
         self.dispatch_limit = d.dispatch_limit
         if d.oversubscribe:
             self.waiting_since_s = obs.now_s
@@ -189,8 +198,8 @@ class TidalPolicy:
         # Groups taken by the trainer so far: whole steps plus this step's claimed groups (a
         # streaming trainer claims them as it processes them).
         taken = obs.trainer_step * obs.batch_groups + (obs.batch_groups - obs.supply.needed)
-        if not obs.in_flight and obs.waterlevel <= obs.rollout_capacity:
-            self.waiting_since_s = None  # every execution has a slot again
+        if not obs.in_flight and obs.running <= obs.rollout_capacity:
+            self.waiting_since_s = None  # every launched execution has a slot again
         cur = (now, obs.groups_generated, taken, obs.running,
                _training_gpus(obs), obs.ready_groups, obs.executions_finished)
         if self._last is None:

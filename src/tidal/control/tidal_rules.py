@@ -46,6 +46,18 @@ class Situation:
     last_action: Action = Action.HOLD
     last_move_s: float = -math.inf
     q: float = 0.0  # executions finished per running-execution-second (0: unknown)
+    #: when the over-subscribed move executions still wait since was decided (None: none)
+    oversubscribed_since_s: float | None = None
+
+    @property
+    def displaced(self) -> int:
+        """Launched executions without a slot: what an over-subscribed move left waiting."""
+        return max(0, self.obs.running - self.obs.rollout_capacity)
+
+    def oversubscribed(self, k: Knobs) -> bool:
+        """An over-subscription is under way and within its wait cap."""
+        since = self.oversubscribed_since_s
+        return since is not None and self.obs.now_s - since <= k.max_wait_s
 
     @property
     def queue(self) -> int:
@@ -90,6 +102,10 @@ def train_floor(s: Situation, k: Knobs) -> int:
     left or the trainer starves (not one batch ready within the horizon with every slot)."""
     if s.cap <= 0:
         return 0
+    if s.obs.trainer_step == 0 and s.obs.groups_generated < s.batch:
+        # Before the first batch has completed, the production rate counts only the fastest
+        # groups over every execution's exposure (biased low): no starvation verdict from it.
+        return k.min_train_cells
     reach = s.queue + s.p * min(s.cap + training_slots(s.obs), s.todo) * k.horizon_s
     if s.gpus > 0 and s.queue < s.batch and reach < s.batch:
         return 0
@@ -113,12 +129,15 @@ def return_block(s: Situation, movable: list[CellView]) -> tuple[int, ...]:
 
 def return_cells(s: Situation, k: Knobs) -> Decision | None:
     """Return training cells when rollout is short of slots and the queue projected over the
-    horizon falls below ``low_batches`` batches (or nothing rolls out at all)."""
+    horizon falls below ``low_batches`` batches (or nothing rolls out at all); not while an
+    over-subscription is under way within its wait cap (``wait_capped`` ends it)."""
     floor = train_floor(s, k)
     obs = s.obs
     movable = [v for v in obs.cells[floor : obs.prefix_len] if v.role is Role.TRAINING]
     if not movable or len(movable) != obs.prefix_len - floor or s.todo <= s.cap:
         return None
+    if s.oversubscribed(k):
+        return None  # the short slots are the over-subscription's, priced when it was decided
     drift = s.p * min(s.cap, s.todo) - s.c * s.gpus
     projected = s.queue + drift * k.horizon_s
     if projected >= k.low_batches * s.batch and s.cap != 0:
@@ -189,16 +208,14 @@ def oversubscribe(s: Situation, k: Knobs, nxt: CellView, after: int) -> Decision
     """Over-subscription (decision 2): lend the next cell although the capacity after the move
     is below the waterlevel, when the forecast's queueing costs less than the training it buys,
     within the caps (``max_queued`` executions waiting, ``max_wait_s`` for the last), with held
-    supply, and when the queue projected over the horizon under the new split stays at or
-    above ``low_batches`` batches (else the return rule would send the cell straight back)."""
+    supply and not against the last move within ``dwell_s``."""
     f = forecast(s, nxt, after)
     if f is None or not s.obs.supply.ok or f.excess > k.max_queued or f.wait_s > k.max_wait_s:
         return None
     if f.benefit_groups <= f.cost_groups:
         return None
-    drift_after = s.p * after - s.c * (s.gpus + nxt.gpus)
-    if s.queue + drift_after * k.horizon_s < k.low_batches * s.batch:
-        return None
+    if s.queue < s.c * (s.gpus + nxt.gpus) * f.wait_s:
+        return None  # the trainer would need the groups the waiting executions delay
     if s.dwelling(Action.TO_TRAINING, k.dwell_s):
         return None
     return Decision(
@@ -211,20 +228,20 @@ def oversubscribe(s: Situation, k: Knobs, nxt: CellView, after: int) -> Decision
     )
 
 
-def wait_capped(s: Situation, k: Knobs, since_s: float | None) -> Decision | None:
-    """Executions have waited for a slot since ``since_s`` (an over-subscribed move) for longer
-    than ``max_wait_s``: the last training cell returns, so the oldest waiting are admitted."""
-    obs = s.obs
-    if since_s is None or obs.now_s - since_s <= k.max_wait_s or obs.waterlevel <= s.cap:
+def wait_capped(s: Situation, k: Knobs) -> Decision | None:
+    """Executions displaced by an over-subscribed move have waited longer than ``max_wait_s``
+    (since the move): the last training cell returns, so the oldest waiting are admitted."""
+    obs, since = s.obs, s.oversubscribed_since_s
+    if since is None or obs.now_s - since <= k.max_wait_s or s.displaced == 0:
         return None
     last = obs.last_training()
-    if last is None or last.role is not Role.TRAINING or obs.prefix_len <= 0:
+    if last is None or last.role is not Role.TRAINING:
         return None
     return Decision(
         Action.TO_ROLLOUT,
         (last.index,),
-        f"over-subscription cap: executions have waited {obs.now_s - since_s:.0f}s > "
-        f"{k.max_wait_s:g}s for a slot (waterlevel {obs.waterlevel} > capacity {s.cap})",
+        f"over-subscription cap: executions have waited {obs.now_s - since:.0f}s > "
+        f"{k.max_wait_s:g}s for a slot ({s.displaced} without one)",
     )
 
 
@@ -309,7 +326,6 @@ def lend_next(s: Situation, k: Knobs) -> Decision:
     )
 
 
-def decide(s: Situation, k: Knobs, waiting_since_s: float | None = None) -> Decision:
+def decide(s: Situation, k: Knobs) -> Decision:
     """The rules in order: the wait cap, measuring, returning cells, lending the next one."""
-    return (wait_capped(s, k, waiting_since_s) or measuring(s) or return_cells(s, k)
-            or lend_next(s, k))
+    return wait_capped(s, k) or measuring(s) or return_cells(s, k) or lend_next(s, k)

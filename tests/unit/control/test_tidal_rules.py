@@ -25,6 +25,8 @@ def sit(
     last_move_s=-1e9,
     t=100.0,
     q=0.0,
+    since=None,
+    generated=100,
 ) -> Situation:
     cells = tuple(CellView(i, slots, 8, CellKind.HYBRID, Role(r)) for i, r in enumerate(roles))
     cap = sum(x.slots for x in cells if x.role is Role.ROLLOUT) + 256
@@ -41,7 +43,7 @@ def sit(
         pending_dispatch=pending,
         supply=SupplyView(min(ready, 16), 16, 8.0, supply_ok, 0.0, supply_ok),
         ready_groups=ready,
-        groups_generated=0,
+        groups_generated=generated,
         batch_groups=16,
         updates_per_burst=4,
         trainer_waiting=True,
@@ -52,7 +54,7 @@ def sit(
         in_flight=False,
     )
     gpus = sum(x.gpus for x in cells if x.role is Role.TRAINING)
-    return Situation(o, p, c, known, gpus, last, last_move_s, q)
+    return Situation(o, p, c, known, gpus, last, last_move_s, q, since)
 
 
 def test_measuring_holds_until_both_rates_are_known_unless_a_side_is_empty():
@@ -67,6 +69,9 @@ def test_train_floor_is_min_train_cells_unless_no_rollout_or_a_starving_trainer(
     # queue below a batch and not one batch within the horizon even with every slot
     assert rules.train_floor(sit(ready=0, p=1e-6, waterlevel=10), K) == 0
     assert rules.train_floor(sit(ready=0, p=1.0, waterlevel=10), K) == 1
+    # before a batch has completed the production rate is biased low: no starvation verdict
+    assert rules.train_floor(sit(ready=0, p=1e-6, waterlevel=10, generated=15), K) == 1
+    assert rules.train_floor(sit(ready=0, p=1e-6, waterlevel=10, generated=16), K) == 0
 
 
 def test_return_block_is_the_smallest_that_covers_the_missing_slots():
@@ -184,7 +189,8 @@ def test_oversubscribe_moves_when_training_bought_exceeds_queueing_within_the_ca
     assert rules.oversubscribe(s, TidalPolicy(max_queued=43), nxt, 256) is None
     assert rules.oversubscribe(s, TidalPolicy(max_wait_s=100.0), nxt, 256) is None
     assert rules.oversubscribe(s, TidalPolicy(max_queued=0), nxt, 256) is None  # off
-    # the queue would run dry within the horizon: the return rule would send it back
+    # the ready queue does not cover the new split's training over the wait (20 < 0.01 * 16
+    # GPUs * 172 s): the trainer would need the groups the waiting executions delay
     assert rules.oversubscribe(sit(waterlevel=300, ready=20, p=0.0005, c=0.01, q=0.001),
                                K, nxt, 256) is None
     # supply not held, or dwelling after a return
@@ -196,10 +202,19 @@ def test_oversubscribe_moves_when_training_bought_exceeds_queueing_within_the_ca
 
 
 def test_wait_cap_returns_the_last_training_cell_once_executions_waited_too_long():
-    s = sit(roles=("training", "training", "rollout"), waterlevel=500, t=1000.0)
-    assert rules.wait_capped(s, K, None) is None  # nothing over-subscribed
-    assert rules.wait_capped(s, K, 500.0) is None  # waited 500 s <= 900 s
-    d = rules.wait_capped(s, K, 50.0)
-    assert d.action is Action.TO_ROLLOUT and d.cells == (1,)
-    fits = sit(roles=("training", "training", "rollout"), waterlevel=384, t=1000.0)
-    assert rules.wait_capped(fits, K, 50.0) is None  # every execution has a slot
+    roles = ("training", "training", "rollout")  # capacity 384
+    s = sit(roles=roles, waterlevel=500, t=1000.0)
+    assert rules.wait_capped(s, K) is None  # nothing over-subscribed
+    assert rules.wait_capped(sit(roles=roles, waterlevel=500, t=1000.0, since=500.0), K) is None
+    d = rules.wait_capped(sit(roles=roles, waterlevel=500, t=1000.0, since=50.0), K)
+    assert d.action is Action.TO_ROLLOUT and d.cells == (1,) and "116 without one" in d.reason
+    fits = sit(roles=roles, waterlevel=384, t=1000.0, since=50.0)
+    assert rules.wait_capped(fits, K) is None  # every launched execution has a slot
+
+
+def test_return_rule_waits_while_an_over_subscription_is_within_its_cap():
+    roles = ("training", "training", "rollout")
+    short = dict(roles=roles, waterlevel=500, ready=0, p=1e-4, t=1000.0)
+    assert rules.return_cells(sit(**short), K).action is Action.TO_ROLLOUT
+    assert rules.return_cells(sit(**short, since=900.0), K) is None  # 100 s <= 900 s
+    assert rules.return_cells(sit(**short, since=50.0), K).action is Action.TO_ROLLOUT
