@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from tidal.sim.runner import RunResult
+    from tidal.sim.sweep import StaticSweep
 
 
 @click.command(help="Simulate scheduling policies on a scenario, side by side, in virtual "
@@ -202,7 +206,8 @@ def _write_outputs(sc: Any, results: list[Any], baseline: Any, out: Path,
     console.print(f"wrote {', '.join(written)} to {out}/")
 
 
-def best_other_s(results: list[Any], r: Any, baseline: Any = None) -> float | None:
+def best_other_s(results: list[RunResult], r: RunResult,
+                 baseline: StaticSweep | None = None) -> float | None:
     """The shortest makespan of every run but ``r`` and, with a sweep, the best static split
     (None: nothing else ran)."""
     others = [o.summary["makespan_s"] for o in results if o is not r]
