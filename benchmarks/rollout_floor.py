@@ -19,26 +19,13 @@ scheduling of training.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
-from collections.abc import Iterator
 
-from tidal.sim import perf
 from tidal.sim import scenario as scenario_mod
 from tidal.sim.oracle import oracle_bound
+from tidal.sim.rollout_floor import faster_training
 from tidal.sim.runner import run_policy
-
-
-@contextlib.contextmanager
-def faster_training(k: float) -> Iterator[None]:
-    """Within the block, every cost-model trainer does 1/k of the FLOPs per token."""
-    real = perf.train_flops_per_token
-    perf.train_flops_per_token = lambda cm: real(cm) / k  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        perf.train_flops_per_token = real  # type: ignore[assignment]
 
 
 def main(argv: list[str] | None = None) -> int:

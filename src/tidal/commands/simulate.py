@@ -2,8 +2,12 @@
 side by side (with ``--sweep static``: every static split first, the best one the baseline).
 
 In: a scenario name (``configs/scenarios/*.yaml``, shipped with the package) or a YAML path, and
-policy specs. Out: a table on stdout (makespan, speed-up against each other run, ratio to the
-oracle bound, utilizations, switches, reroutes, re-prefilled tokens, mean staleness) and, with
+policy specs. Out: a table on stdout (makespan, the rollout floor: the same run with training
+~free (``tidal.sim.rollout_floor``), the ratio to the best other run (the other policies and,
+with ``--sweep static``, the best static split), the ratio to the oracle bound (a clairvoyant
+lower bound, reported, not a goal), utilizations, switches, reroutes, re-prefilled tokens,
+mean staleness, seconds executions waited for a slot), speed-ups against each other run and,
+with
 ``--out``: ``summary.json``, ``verl_metrics.jsonl`` (verl's metrics per weight version, each
 tagged with its run), ``decisions.jsonl`` (every decision and plan record, each tagged
 with its run), ``scenario.yaml`` (the resolved scenario), ``trace.json`` (every policy's run as
@@ -14,9 +18,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from tidal.sim.runner import RunResult
+    from tidal.sim.sweep import StaticSweep
 
 
 @click.command(help="Simulate scheduling policies on a scenario, side by side, in virtual "
@@ -48,9 +56,12 @@ import click
               help="Engine admission control for every policy (control.admission).")
 @click.option("--check", is_flag=True, help="Check the invariants after every event (slow).")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
+@click.option("--no-floor", is_flag=True,
+              help="Skip the rollout-floor column (one more run per policy, training ~free).")
 def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, bursts: int | None,
             scale: float, trace: str | None, mechanics: str, modules: tuple[str, ...],
-            sweep: str | None, admission: str | None, check: bool, no_plots: bool) -> None:
+            sweep: str | None, admission: str | None, check: bool, no_plots: bool,
+            no_floor: bool) -> None:
     from tidal.config import ControlConfig, validate_model
     from tidal.sim import scenario as scenarios
 
@@ -74,7 +85,7 @@ def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, burst
             trace=str(Path(trace).resolve()))})
     baseline = sweep_and_report(sc) if sweep == "static" else None
     run_and_report(sc, list(policies) or list(sc.policies), out_dir, check=check,
-                   plots=not no_plots, baseline=baseline)
+                   plots=not no_plots, baseline=baseline, floor=not no_floor)
 
 
 def sweep_and_report(sc: Any) -> Any:
@@ -84,7 +95,7 @@ def sweep_and_report(sc: Any) -> Any:
 
     from tidal.sim.sweep import sweep_static
 
-    console = Console(width=None if Console().is_terminal else 160)
+    console = Console(width=None if Console().is_terminal else 200)
     sweep = sweep_static(sc)
     table = Table(title=f"{sc.name}: static splits (train+rollout GPUs)", title_justify="left")
     for name in ("split", "policy", "makespan h", "/oracle", "vs best"):
@@ -98,8 +109,10 @@ def sweep_and_report(sc: Any) -> Any:
 
 
 def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
-                   check: bool = False, plots: bool = True, baseline: Any = None) -> list[Any]:
-    """Runs the specs with a progress bar, prints the table, writes the run directory."""
+                   check: bool = False, plots: bool = True, baseline: Any = None,
+                   floor: bool = True) -> list[Any]:
+    """Runs the specs with a progress bar (and, with ``floor``, each again with training
+    ~free: the rollout floor), prints the table, writes the run directory."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -110,7 +123,7 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
 
     for spec in specs:  # fail on a bad spec before anything runs
         sc.run_config(spec)
-    console = Console(width=None if Console().is_terminal else 160)
+    console = Console(width=None if Console().is_terminal else 200)
     out = Path(out_dir) if out_dir else None
     fh = None
     if out is not None:
@@ -149,6 +162,11 @@ def run_and_report(sc: Any, specs: list[str], out_dir: str | Path | None, *,
     finally:
         if fh is not None:
             fh.close()
+    if floor:
+        from tidal.sim.rollout_floor import floor_makespan_s
+
+        for r in results:  # the summary carries it (summary.json), the table prints it
+            r.summary["rollout_floor_s"] = floor_makespan_s(sc, r.spec)
     console.print(render_table(sc, results, baseline))
     if len(results) > 1:
         console.print(render_speedups(results))
@@ -188,9 +206,22 @@ def _write_outputs(sc: Any, results: list[Any], baseline: Any, out: Path,
     console.print(f"wrote {', '.join(written)} to {out}/")
 
 
+def best_other_s(results: list[RunResult], r: RunResult,
+                 baseline: StaticSweep | None = None) -> float | None:
+    """The shortest makespan of every run but ``r`` and, with a sweep, the best static split
+    (None: nothing else ran)."""
+    others = [o.summary["makespan_s"] for o in results if o is not r]
+    if baseline is not None:
+        others.append(baseline.best_makespan_s)
+    return min(others) if others else None
+
+
 def render_table(sc: Any, results: list[Any], baseline: Any = None) -> Any:
     """One row per run; the speed-ups against every other run follow in ``render_speedups``.
-    With a ``StaticSweep`` baseline each row also shows its saving against the best split."""
+    ``vs best other``: makespan over the best of every other run (and the best static split
+    with a sweep); ``floor h``: the rollout floor (training ~free), where it was run; the
+    oracle ratio is a reported figure (a clairvoyant bound), not a goal. With a
+    ``StaticSweep`` baseline each row also shows its saving against the best split."""
     from rich.table import Table
 
     oracle_h = results[0].summary["oracle_makespan_s"] / 3600 if results else 0.0
@@ -199,19 +230,24 @@ def render_table(sc: Any, results: list[Any], baseline: Any = None) -> Any:
         title += (f"; baseline: best static split {baseline.split_label(baseline.best)} "
                   f"({baseline.best.spec}) {baseline.best_makespan_s / 3600:.3f} h")
     table = Table(title=title, title_justify="left")
-    for name in ("policy", "mechanics", "makespan h", "/oracle", "train", "rollout", "cluster",
-                 "switches", "reroutes", "re-prefill Mtok", "staleness",
+    for name in ("policy", "mechanics", "makespan h", "floor h", "vs best other", "/oracle",
+                 "train", "rollout", "cluster", "switches", "reroutes", "re-prefill Mtok",
+                 "staleness", "queued s",
                  *(["saved vs best static"] if baseline is not None else [])):
         table.add_column(name, justify="left" if name == "policy" else "right",
                          no_wrap=name == "policy")
     for r in results:
         s = r.summary
+        other = best_other_s(results, r, baseline)
+        fl = s.get("rollout_floor_s")
         table.add_row(r.spec, r.world.profile.label(), f"{s['makespan_h']:.3f}",
+                      "-" if fl is None else f"{fl / 3600:.3f}",
+                      "-" if not other else f"{s['makespan_s'] / other:.3f}",
                       f"{s['oracle_ratio']:.3f}",
                       f"{s['train_utilization']:.3f}", f"{s['rollout_utilization']:.3f}",
                       f"{s['cluster_utilization']:.3f}", str(s["switches"]),
                       str(s["reroutes"]), f"{s['reprefill_tokens'] / 1e6:.2f}",
-                      f"{s['mean_staleness']:.2f}",
+                      f"{s['mean_staleness']:.2f}", f"{s['queued_execution_s']:.0f}",
                       *([f"{100 * baseline.saving(s['makespan_s']):+.1f}%"]
                         if baseline is not None else []))
     return table

@@ -195,6 +195,12 @@ class Summary(_Line):
     deterministic_hold_s: float | None = None
     deterministic_boundaries: int | None = None
     deterministic_held_boundaries: int | None = None
+    # executions that waited for a slot (tidal.control.queued_waits; in a run: their calls in
+    # the proxy's admission queue), measured: how many, seconds in all, p99 and max per execution
+    queued_executions: int | None = None
+    queued_execution_s: float | None = None
+    queued_execution_p99_s: float | None = None
+    queued_execution_max_s: float | None = None
 
 
 def check(model: type[BaseModel], obj: object, where: str) -> dict[str, Any]:

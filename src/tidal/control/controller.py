@@ -7,7 +7,10 @@ plans, executed one step at a time by an ``Actuator`` that acknowledges each ste
 Keeps invariants 1-3 (DESIGN.md): the ledger owns the counters; at most one plan is in flight;
 a plan moves a contiguous block at the edge of the training prefix; for a ``waterlevel_safe``
 policy a move to training is a single cell with capacity after the move >= waterlevel and the
-ready supply held — a policy asking for anything else raises ``InvariantViolation``.
+ready supply held — a policy asking for anything else raises ``InvariantViolation``. The one
+exception is a move marked ``Decision.oversubscribe`` from a policy that declares
+``may_oversubscribe`` (tidal's over-subscription rule): capacity after it may be below the
+waterlevel (still one cell, supply held); the waterlevel policy declares no such thing.
 Events may be delivered re-entrantly (an actuator acknowledging inside ``execute``): they are
 queued and processed in order.
 """
@@ -323,6 +326,7 @@ class Controller:
             last_deactivate_duration_s=self.last_deactivate_s,
             switch_cycle=self.switch_cycle,
             training_prefix=self.cells.prefix_len,
+            executions_finished=lg.total.finished,
         )
 
     # --------------------------------------------------------------- decide
@@ -349,6 +353,7 @@ class Controller:
             "action": d.action.value,
             "cells": list(d.cells),
             "reason": d.reason,
+            **({"oversubscribe": True} if d.oversubscribe else {}),
             "inputs": {
                 "waterlevel": obs.waterlevel,
                 "queued": obs.queued,
@@ -381,7 +386,10 @@ class Controller:
         if self.policy.waterlevel_safe and d.action is Action.TO_TRAINING:
             cell = obs.cells[d.cells[0]]
             after = obs.rollout_capacity - cell.slots
-            if k != 1 or after < obs.waterlevel or not obs.supply.ok:
+            # Over-subscription (decision 2) waives only the waterlevel, only for a policy
+            # that declares it may (tidal), and only on a move that says so.
+            waived = d.oversubscribe and getattr(self.policy, "may_oversubscribe", False)
+            if k != 1 or (after < obs.waterlevel and not waived) or not obs.supply.ok:
                 raise InvariantViolation(
                     f"{self.policy.name}: unsafe move of {list(d.cells)}: capacity after "
                     f"{after}, waterlevel {obs.waterlevel}, supply ok {obs.supply.ok}")

@@ -79,6 +79,7 @@ class Observation:
     last_activate_duration_s: float = 0.0
     last_deactivate_duration_s: float = 0.0
     switch_cycle: int = -1
+    executions_finished: int = 0  # cumulative (the ledger's ``f``): the finish rate's count
 
     training_prefix: int | None = None  # filled in by the controller (cheap); else computed
 
@@ -102,7 +103,10 @@ class Decision:
     """What the policy answers, and everything the controller reads from it: the move (or
     hold), its reason, the plan style, the plan options, and ``dispatch_limit``: executions
     the waterlevel may reach through new dispatches until the next decision (None: no limit;
-    the controller hands it to the dispatcher as ``Controller.dispatch_limit``)."""
+    the controller hands it to the dispatcher as ``Controller.dispatch_limit``), and
+    ``oversubscribe``: a move to training that leaves less capacity than the waterlevel on
+    purpose (the executions past it wait for a slot); the controller accepts it only from a
+    policy that declares ``may_oversubscribe``, never from the waterlevel policy."""
 
     action: Action
     cells: tuple[CellIndex, ...] = ()
@@ -110,6 +114,7 @@ class Decision:
     style: PlanStyle = PlanStyle.QWENGYRE
     options: dict[str, Any] = field(default_factory=dict)
     dispatch_limit: int | None = None
+    oversubscribe: bool = False
 
     @staticmethod
     def hold(reason: str, dispatch_limit: int | None = None) -> Decision:

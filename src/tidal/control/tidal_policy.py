@@ -36,10 +36,39 @@ Rule (evaluated after every event and tick while no transition is in flight):
   never falls below capacity before the budget runs out). Every other decision has none.
 - A backlog of ready groups (two batches or more) counts as production ahead of consumption:
   it lends without waiting for the rates (still waterlevel-safe, with held supply).
+- Over-subscription (decision 2; invariant 3 is this policy's default, not its law): when the
+  next lend is blocked only by the waterlevel (capacity after the move ``A`` < ``w``, supply
+  held), lend it anyway, marked ``Decision.oversubscribe``, iff the rate model predicts the
+  queueing costs less than the training it buys. The ``w - A`` executions past the capacity
+  wait for a slot (in the simulator a displaced execution waits for a free slot; in
+  ``tidal run`` its calls wait in the proxy's admission queue); running executions finish at
+  the measured ``q`` per running-execution-second, so the last waits ``T = (w - A) / (q A)``
+  and the waiting adds up to ``(w - A) T / 2`` execution-seconds, costing
+  ``p (w - A) T / 2`` groups of production. The cell trains ``T`` sooner than a dispatch hold
+  would let it: ``c g T`` groups (``g`` its GPUs), no more than the queue plus production
+  leave for it. Move iff the benefit exceeds the cost and the ready queue alone covers the
+  new split's training over ``T`` (``queue >= c (G + g) T``, ``G`` the training GPUs): the
+  groups the waiting executions delay are then not needed before they are done. Reason: while
+  the trainer has a backlog, a drained waterlevel is paid in idle training GPUs and a short
+  queue of executions costs less; without one the delayed stragglers are the trainer's next
+  data and the wait is the makespan's. Bounded: only with ``w - A <= max_queued`` and
+  ``T <= max_wait_s``; while executions it displaced wait (launched ones beyond the capacity)
+  and within ``max_wait_s`` of the move, the return rule stands aside (the short slots were
+  priced when it was decided); once they have waited past ``max_wait_s`` the last training
+  cell returns (the wait cap, asked first). Nothing is dropped or aborted: waiting executions
+  keep their harness and progress and are admitted in order. ``max_queued = 0`` turns the
+  rule off (then the policy keeps invariant 3 as the ``waterlevel`` policy does; the
+  controller refuses an unmarked unsafe move either way). Keep ``max_wait_s`` below the
+  proxy's ``request_timeout_s`` in real runs: a call that waits past its timeout fails.
+- The starving-trainer verdict is not taken before the first batch has completed (no step
+  and fewer groups generated than a batch): until then ``p`` counts only the fastest groups
+  over every execution's exposure and is biased low.
 Before the rates are known the policy holds, unless one side is empty (no training cell, or no
 rollout slot): then the unknown rate counts as zero, so a cluster of one cell alternates.
-State: two rate estimates, their integration points, the time and direction of the last move,
-the dispatch limit (all bounded, logged with every decision).
+State: three rate estimates (production, consumption, execution finishes), their integration
+points, the time and direction of the last move, the dispatch limit, the time of the
+over-subscribed move executions still wait since (all bounded, logged with every decision
+where set).
 """
 
 from __future__ import annotations
@@ -59,6 +88,10 @@ from tidal.control.policy import (
 from tidal.control.tidal_rules import Situation
 from tidal.errors import ConfigError
 from tidal.types import Role
+
+#: Over-subscription caps (defaults of ``max_queued`` and ``max_wait_s``).
+MAX_QUEUED = 256
+MAX_WAIT_S = 900.0
 
 
 class RateEstimate:
@@ -80,25 +113,29 @@ class RateEstimate:
 
 
 @register_policy("tidal", "rate model of production vs consumption, decided on every event: "
-                 "partial lending in prefix order, waterlevel-safe, hysteresis; args "
-                 "horizon_s, dwell_s, low_batches, high_batches, min_train_cells, tau_s")
+                 "partial lending in prefix order, waterlevel-safe by default, measured "
+                 "over-subscription, hysteresis; args horizon_s, dwell_s, low_batches, "
+                 "high_batches, min_train_cells, tau_s, max_queued, max_wait_s")
 class TidalPolicy:
     name = "tidal"
     mechanics = TIDAL
     waterlevel_safe = True
+    #: the controller accepts a move marked ``Decision.oversubscribe`` (the rule above)
+    may_oversubscribe = True
 
     def __init__(self, horizon_s: float = 300.0, dwell_s: float = 20.0,
                  low_batches: float = 2.0, high_batches: float = 0.0,
-                 min_train_cells: int = 1, tau_s: float = 600.0) -> None:
+                 min_train_cells: int = 1, tau_s: float = 600.0,
+                 max_queued: int = MAX_QUEUED, max_wait_s: float = MAX_WAIT_S) -> None:
         for key, val in (("horizon_s", horizon_s), ("dwell_s", dwell_s),
                          ("tau_s", tau_s), ("low_batches", low_batches),
-                         ("high_batches", high_batches)):
+                         ("high_batches", high_batches), ("max_wait_s", max_wait_s)):
             if isinstance(val, bool) or not isinstance(val, int | float) or val < 0:
                 raise ConfigError(f"policy.args.{key}", f"must be a number >= 0, got {val!r}")
-        if isinstance(min_train_cells, bool) or not isinstance(min_train_cells, int) \
-                or min_train_cells < 0:
-            raise ConfigError("policy.args.min_train_cells",
-                              f"must be a non-negative integer, got {min_train_cells!r}")
+        for key, num in (("min_train_cells", min_train_cells), ("max_queued", max_queued)):
+            if isinstance(num, bool) or not isinstance(num, int) or num < 0:
+                raise ConfigError(f"policy.args.{key}",
+                                  f"must be a non-negative integer, got {num!r}")
         if tau_s <= 0:
             raise ConfigError("policy.args.tau_s", "must be > 0")
         self.horizon_s = float(horizon_s)
@@ -106,9 +143,14 @@ class TidalPolicy:
         self.low_batches = float(low_batches)
         self.high_batches = float(high_batches)
         self.min_train_cells = min_train_cells
+        self.max_queued = max_queued
+        self.max_wait_s = float(max_wait_s)
+        self.finishes = RateEstimate(tau_s)  # executions finished per running-execution-second
+        #: when the last over-subscribed move was decided, while executions may still wait
+        self.waiting_since_s: float | None = None
         self.production = RateEstimate(tau_s)  # groups per running-execution-second
         self.consumption = RateEstimate(tau_s)  # groups per training-GPU-second
-        self._last: tuple[float, int, int, int, int, int] | None = None
+        self._last: tuple[float, int, int, int, int, int, int] | None = None
         self._last_move_s = -math.inf
         self._last_action = Action.HOLD
         #: the last decision's dispatch hold, logged with the state (the controller reads it
@@ -122,6 +164,10 @@ class TidalPolicy:
     def state(self) -> dict[str, Any]:
         p, c = self.production.rate, self.consumption.rate
         held = {} if self.dispatch_limit is None else {"dispatch_limit": self.dispatch_limit}
+        if self.waiting_since_s is not None:
+            q = self.finishes.rate
+            held["oversubscribed_since_s"] = round(self.waiting_since_s, 6)
+            held["q_finished_per_exec_s"] = None if q is None else round(q, 9)
         return {**held, "p_groups_per_exec_s": None if p is None else round(p, 9),
                 "c_groups_per_gpu_s": None if c is None else round(c, 9),
                 "last_move_s": None if self._last_move_s == -math.inf
@@ -132,11 +178,15 @@ class TidalPolicy:
         if obs.in_flight:
             return Decision.hold("transition in flight")
         p, c = self.production.rate, self.consumption.rate
+        q = self.finishes.rate
         situation = Situation(obs, 0.0 if p is None else p, 0.0 if c is None else c,
                               p is not None and c is not None, _training_gpus(obs),
-                              self._last_action, self._last_move_s)
+                              self._last_action, self._last_move_s, 0.0 if q is None else q,
+                              self.waiting_since_s)
         d = rules.decide(situation, self)
         self.dispatch_limit = d.dispatch_limit
+        if d.oversubscribe:
+            self.waiting_since_s = obs.now_s
         if d.action is not Action.HOLD:
             self._last_move_s = obs.now_s
             self._last_action = d.action
@@ -148,17 +198,20 @@ class TidalPolicy:
         # Groups taken by the trainer so far: whole steps plus this step's claimed groups (a
         # streaming trainer claims them as it processes them).
         taken = obs.trainer_step * obs.batch_groups + (obs.batch_groups - obs.supply.needed)
+        if not obs.in_flight and obs.running <= obs.rollout_capacity:
+            self.waiting_since_s = None  # every launched execution has a slot again
         cur = (now, obs.groups_generated, taken, obs.running,
-               _training_gpus(obs), obs.ready_groups)
+               _training_gpus(obs), obs.ready_groups, obs.executions_finished)
         if self._last is None:
             self._last = cur
             return
-        t0, gen0, taken0, run0, gpus0, ready0 = self._last
+        t0, gen0, taken0, run0, gpus0, ready0, fin0 = self._last
         dt = now - t0
         if dt < 0:
             return
         self._last = cur
         self.production.add(obs.groups_generated - gen0, run0 * dt, dt)
+        self.finishes.add(max(0, obs.executions_finished - fin0), run0 * dt, dt)
         consumed = max(0, taken - taken0)
         # Trainer exposure counts only while it had data (a starving trainer says nothing
         # about its speed).

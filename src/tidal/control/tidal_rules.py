@@ -2,7 +2,8 @@
 
 In: a ``Situation`` (the observation plus the numbers every rule reads: measured rates,
 training GPUs, queue, executions still to run, capacity, the last move) and the policy's
-knobs (``Knobs``: horizon, dwell, low/high batches, the training floor). Out: a ``Decision``
+knobs (``Knobs``: horizon, dwell, low/high batches, the training floor, the
+over-subscription caps). Out: a ``Decision``
 when the rule settles the event, None when it leaves it to the next rule. Rules are pure:
 the policy records a move (for hysteresis) after a rule returns one. The rule text is the
 module docstring of ``tidal.control.tidal_policy``.
@@ -28,6 +29,8 @@ class Knobs(Protocol):
     low_batches: float
     high_batches: float
     min_train_cells: int
+    max_queued: int
+    max_wait_s: float
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,19 @@ class Situation:
     gpus: int  # training GPUs
     last_action: Action = Action.HOLD
     last_move_s: float = -math.inf
+    q: float = 0.0  # executions finished per running-execution-second (0: unknown)
+    #: when the over-subscribed move executions still wait since was decided (None: none)
+    oversubscribed_since_s: float | None = None
+
+    @property
+    def displaced(self) -> int:
+        """Launched executions without a slot: what an over-subscribed move left waiting."""
+        return max(0, self.obs.running - self.obs.rollout_capacity)
+
+    def oversubscribed(self, k: Knobs) -> bool:
+        """An over-subscription is under way and within its wait cap."""
+        since = self.oversubscribed_since_s
+        return since is not None and self.obs.now_s - since <= k.max_wait_s
 
     @property
     def queue(self) -> int:
@@ -86,6 +102,10 @@ def train_floor(s: Situation, k: Knobs) -> int:
     left or the trainer starves (not one batch ready within the horizon with every slot)."""
     if s.cap <= 0:
         return 0
+    if s.obs.trainer_step == 0 and s.obs.groups_generated < s.batch:
+        # Before the first batch has completed, the production rate counts only the fastest
+        # groups over every execution's exposure (biased low): no starvation verdict from it.
+        return k.min_train_cells
     reach = s.queue + s.p * min(s.cap + training_slots(s.obs), s.todo) * k.horizon_s
     if s.gpus > 0 and s.queue < s.batch and reach < s.batch:
         return 0
@@ -109,12 +129,15 @@ def return_block(s: Situation, movable: list[CellView]) -> tuple[int, ...]:
 
 def return_cells(s: Situation, k: Knobs) -> Decision | None:
     """Return training cells when rollout is short of slots and the queue projected over the
-    horizon falls below ``low_batches`` batches (or nothing rolls out at all)."""
+    horizon falls below ``low_batches`` batches (or nothing rolls out at all); not while an
+    over-subscription is under way within its wait cap (``wait_capped`` ends it)."""
     floor = train_floor(s, k)
     obs = s.obs
     movable = [v for v in obs.cells[floor : obs.prefix_len] if v.role is Role.TRAINING]
     if not movable or len(movable) != obs.prefix_len - floor or s.todo <= s.cap:
         return None
+    if s.oversubscribed(k):
+        return None  # the short slots are the over-subscription's, priced when it was decided
     drift = s.p * min(s.cap, s.todo) - s.c * s.gpus
     projected = s.queue + drift * k.horizon_s
     if projected >= k.low_batches * s.batch and s.cap != 0:
@@ -130,9 +153,10 @@ def return_cells(s: Situation, k: Knobs) -> Decision | None:
     )
 
 
-def idle_trainer(s: Situation, nxt: CellView, after: int) -> Decision | None:
-    """Nothing trains while a whole batch is ready (supply held): lend the next cell, holding
-    dispatch at the capacity after the move while the waterlevel is in the way."""
+def idle_trainer(s: Situation, k: Knobs, nxt: CellView, after: int) -> Decision | None:
+    """Nothing trains while a whole batch is ready (supply held): lend the next cell
+    (over-subscribed if the rate model says so), else hold dispatch at the capacity after the
+    move while the waterlevel is in the way."""
     obs = s.obs
     if s.gpus != 0 or s.queue < s.batch or not obs.supply.ok:
         return None
@@ -140,6 +164,9 @@ def idle_trainer(s: Situation, nxt: CellView, after: int) -> Decision | None:
         return Decision(
             Action.TO_TRAINING, (nxt.index,), f"nothing trains and {s.queue} groups are ready"
         )
+    over = oversubscribe(s, k, nxt, after)
+    if over is not None:
+        return over
     if after > 0:
         return Decision.hold(
             f"holding dispatch at {after} executions so cell {nxt.index} "
@@ -149,14 +176,87 @@ def idle_trainer(s: Situation, nxt: CellView, after: int) -> Decision | None:
     return None
 
 
+@dataclass(frozen=True)
+class Oversubscription:
+    """The rate model's forecast for one over-subscribed move: ``excess`` executions wait for
+    a slot; the last is admitted after ``wait_s``; the waiting costs ``cost_groups`` of
+    production and the cell buys ``benefit_groups`` of training in that time."""
+
+    excess: int
+    wait_s: float
+    cost_groups: float
+    benefit_groups: float
+
+
+def forecast(s: Situation, nxt: CellView, after: int) -> Oversubscription | None:
+    """Executions past the capacity after the move wait; running ones finish at ``q`` per
+    running-execution-second, so the ``after`` slots free at ``q * after`` per second and the
+    last waits ``T = excess / (q * after)``. Waiting falls linearly: ``excess * T / 2``
+    execution-seconds, which would have produced ``p`` groups each. The cell trains ``T``
+    earlier: ``c * gpus * T`` groups, no more than the queue and production leave for it."""
+    excess = s.obs.waterlevel - after
+    if excess <= 0 or after <= 0 or s.q <= 0 or not s.rates_known:
+        return None
+    wait_s = excess / (s.q * after)
+    cost = s.p * excess * wait_s / 2
+    spare = s.queue + (s.p * after - s.c * s.gpus) * wait_s
+    benefit = min(s.c * nxt.gpus * wait_s, max(0.0, spare))
+    return Oversubscription(excess, wait_s, cost, benefit)
+
+
+def oversubscribe(s: Situation, k: Knobs, nxt: CellView, after: int) -> Decision | None:
+    """Over-subscription (decision 2): lend the next cell although the capacity after the move
+    is below the waterlevel, when the forecast's queueing costs less than the training it buys,
+    within the caps (``max_queued`` executions waiting, ``max_wait_s`` for the last), with held
+    supply and not against the last move within ``dwell_s``."""
+    f = forecast(s, nxt, after)
+    if f is None or not s.obs.supply.ok or f.excess > k.max_queued or f.wait_s > k.max_wait_s:
+        return None
+    if f.benefit_groups <= f.cost_groups:
+        return None
+    if s.queue < s.c * (s.gpus + nxt.gpus) * f.wait_s:
+        return None  # the trainer would need the groups the waiting executions delay
+    if s.dwelling(Action.TO_TRAINING, k.dwell_s):
+        return None
+    return Decision(
+        Action.TO_TRAINING,
+        (nxt.index,),
+        f"over-subscribe: {f.excess} executions wait for a slot (capacity after {after} < "
+        f"waterlevel {s.obs.waterlevel}), last admitted in {f.wait_s:.0f}s; queueing costs "
+        f"{f.cost_groups:.2f} groups < {f.benefit_groups:.2f} groups of training",
+        oversubscribe=True,
+    )
+
+
+def wait_capped(s: Situation, k: Knobs) -> Decision | None:
+    """Executions displaced by an over-subscribed move have waited longer than ``max_wait_s``
+    (since the move): the last training cell returns, so the oldest waiting are admitted."""
+    obs, since = s.obs, s.oversubscribed_since_s
+    if since is None or obs.now_s - since <= k.max_wait_s or s.displaced == 0:
+        return None
+    last = obs.last_training()
+    if last is None or last.role is not Role.TRAINING:
+        return None
+    return Decision(
+        Action.TO_ROLLOUT,
+        (last.index,),
+        f"over-subscription cap: executions have waited {obs.now_s - since:.0f}s > "
+        f"{k.max_wait_s:g}s for a slot ({s.displaced} without one)",
+    )
+
+
 def waterlevel_blocked(
-    s: Situation, nxt: CellView, after: int, drift_after: float
+    s: Situation, k: Knobs, nxt: CellView, after: int, drift_after: float
 ) -> Decision | None:
-    """The move is not waterlevel-safe: hold, with a dispatch hold at the capacity after the
-    move when production still outpaces consumption with one more training cell."""
+    """The move is not waterlevel-safe: over-subscribe if the rate model says so; else hold,
+    with a dispatch hold at the capacity after the move when production still outpaces
+    consumption with one more training cell."""
     obs = s.obs
     if after >= obs.waterlevel:
         return None
+    over = oversubscribe(s, k, nxt, after)
+    if over is not None:
+        return over
     if drift_after >= 0 and s.p > 0 and obs.supply.ok and after > 0:
         return Decision.hold(
             f"holding dispatch at {after} executions so cell {nxt.index} "
@@ -202,8 +302,8 @@ def lend_next(s: Situation, k: Knobs) -> Decision:
     drift_after = s.p * min(after, s.todo) - s.c * (s.gpus + nxt.gpus)
     projected = s.queue + drift_after * k.dwell_s
     checks: tuple[Callable[[], Decision | None], ...] = (
-        lambda: idle_trainer(s, nxt, after),
-        lambda: waterlevel_blocked(s, nxt, after, drift_after),
+        lambda: idle_trainer(s, k, nxt, after),
+        lambda: waterlevel_blocked(s, k, nxt, after, drift_after),
         lambda: rollout_needs_slots(s, after, drift_after),
         lambda: supply_not_held(s),
         lambda: queue_too_low(s, k, projected),
@@ -227,5 +327,5 @@ def lend_next(s: Situation, k: Knobs) -> Decision:
 
 
 def decide(s: Situation, k: Knobs) -> Decision:
-    """The rules in order: measuring, returning cells, lending the next one."""
-    return measuring(s) or return_cells(s, k) or lend_next(s, k)
+    """The rules in order: the wait cap, measuring, returning cells, lending the next one."""
+    return wait_capped(s, k) or measuring(s) or return_cells(s, k) or lend_next(s, k)

@@ -21,6 +21,16 @@ standalone slots; one sample (prompt group) counts as one execution. Then:
   cell to rollout. ``update_after_step`` and ``request_rebalance`` do nothing: the policies
   learn from observations, and tidal never aborts requests to rebalance.
 verl cannot express a hold time on the supply: ``supply_hold_s`` is 0 here.
+Nor a dispatch hold: verl's rollouter dispatches from its own per-version budget and no hook
+can limit it, so a decision carrying ``Decision.dispatch_limit`` is answered as the hold it is
+(the hybrids stay until the policy would move them) and the limit itself is not applied.
+tidal's over-subscription does reach verl: an over-subscribed move (``Decision.oversubscribe``)
+is a move to training like any other, so the hybrids deactivate with the waterlevel above the
+standalone capacity; verl then aborts the hybrids' requests and the samples wait in the
+standalone servers' own request queues. tidal does not see that wait: verl runs report no
+``queued_execution_*`` figures; ``max_queued`` bounds the move as in tidal's own runs, and the
+wait cap (``max_wait_s``) can act only when verl next asks, after a weight sync (whether to
+activate), so there it bounds the forecast, not every measured wait.
 
 Registration: importing this module registers ``waterlevel`` and ``tidal`` in verl's policy
 registry when verl is importable (verl 0.9.1 imports every ``verl.plugins`` entry point when
@@ -147,6 +157,7 @@ class VerlBridge:
             waterlevel=inflight, queued=0, running=inflight, pending_dispatch=pending,
             supply=self._supply.view(now, queue, 0), ready_groups=queue,
             groups_generated=int(st["count/total_generated_samples"]) + done,
+            executions_finished=int(st["count/total_generated_samples"]) + done,
             batch_groups=r, updates_per_burst=ctx.trigger_parameter_sync_step,
             trainer_waiting=waiting, trainer_step=self.fit_steps, steps_in_version=0,
             version=global_steps, bursts_ended=self.bursts_ended, in_flight=False)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidal.clock import Clock
 from tidal.contracts import run_files as schema
+from tidal.control.queued_waits import KEYS as QUEUED_KEYS
 from tidal.types import Role
 
 if TYPE_CHECKING:
@@ -234,6 +235,9 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         **{k: stats[k] for k in ("chain_breaks_per_100_calls", "chain_breaks",
                                  "bridged_calls", "cached_token_share",
                                  "cached_token_share_by_engine") if k in stats},
+        # executions whose calls waited in the proxy's admission queue, measured there
+        # (tidal.control.queued_waits): what an over-subscribed move cost
+        **{k: stats[k] for k in QUEUED_KEYS if k in stats},
         "backend_by_engine": {e["name"]: e.get("backend", "builtin") for e in engines},
         "switch_s": switch_times(ctl.plans_done),
         "engine_memory": {e["name"]: e["memory"] for e in engines if e.get("memory")},

@@ -44,10 +44,12 @@ class AdmissionQueue:
             head.set()  # type: ignore[attr-defined]
 
     async def acquire(self, pick: Callable[[], T | None], deadline: float,
-                      group: Hashable | None = None, remaining: float | None = None) -> T:
+                      group: Hashable | None = None, remaining: float | None = None,
+                      on_wait: Callable[[float], None] | None = None) -> T:
         """``pick()``'s first non-None answer, taken in the fair order (``group``: whose wait
         counts, default the call itself; ``remaining``: its work, for ``shortest_remaining``);
-        ``deadline`` is on the running loop's clock."""
+        ``deadline`` is on the running loop's clock. ``on_wait`` gets the seconds the call
+        waited in the queue, once it is admitted after waiting (never on the fast path)."""
         if not len(self._queue):
             got = pick()
             if got is not None:
@@ -59,8 +61,11 @@ class AdmissionQueue:
         try:
             while True:
                 if self._queue.peek() is me and (got := pick()) is not None:
+                    waited = loop.time() - t0
                     self.admitted_after_wait += 1
-                    self.max_wait_s = max(self.max_wait_s, loop.time() - t0)
+                    self.max_wait_s = max(self.max_wait_s, waited)
+                    if on_wait is not None:
+                        on_wait(waited)
                     return got
                 left = deadline - loop.time()
                 if left <= 0:

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tidal.clock import Clock, WallClock
 from tidal.contracts.calls import CallRecord, Segment
 from tidal.control.admission import AdmissionRule, concurrency_target, curve_from_points
+from tidal.control.queued_waits import QueuedWaits
 from tidal.errors import ConfigError, TimeoutExpired
 from tidal.seeding import call_seed, continued_seed
 from tidal.serving.adapters import make_adapter
@@ -130,6 +131,8 @@ class Proxy:
                                   "engines' throughput curve [[batch, tokens/s], ...]")
             self._curve = curve_from_points(self.config.engine_curve)
         self.queue = AdmissionQueue(self.admission.order)
+        # seconds each execution's calls waited in the admission queue (over-subscription)
+        self.queued_waits = QueuedWaits()
         self.health = HealthMonitor(self, self.config.health_interval_s,
                                     self.config.health_probes, self.config.health_timeout_s)
         self._released = asyncio.Condition()  # an attempt left an engine's in-flight set
@@ -325,7 +328,7 @@ class Proxy:
                 res.finish_reason = "length"
                 break
             t_wait = time.perf_counter()
-            member = await self._acquire(route_key, deadline)
+            member = await self._acquire(route_key, deadline, execution_id)
             st.waited_s += time.perf_counter() - t_wait
             # no await between the pick and this line: a drain that begins later sees it
             attempt = Attempt(route_key, f"{call.call_id}-{attempt_no}", member)
@@ -484,9 +487,15 @@ class Proxy:
         seg.ended_by = reason or "lost"
         return reason if reason != "abort" else None
 
-    async def _acquire(self, execution_id: str | None, deadline: float) -> Member:
-        """An engine with room, in queue order; ``Overloaded`` at the call's deadline."""
-        return await self.queue.acquire(lambda: self.router.pick(execution_id), deadline)
+    async def _acquire(self, route_key: str | None, deadline: float,
+                       execution_id: str | None = None) -> Member:
+        """An engine with room, in queue order; ``Overloaded`` at the call's deadline. A wait
+        in the queue is charged to the call's execution (``queued_execution_*`` figures)."""
+        def waited(s: float) -> None:
+            self.queued_waits.add(execution_id or "(anonymous)", s)
+
+        return await self.queue.acquire(lambda: self.router.pick(route_key), deadline,
+                                        on_wait=waited)
 
     async def _after_error(self, call: CallRecord, member: Member, exc: Exception,
                            errors: int) -> None:
@@ -514,7 +523,7 @@ class Proxy:
                 "readmitted_engines": self.health.readmitted,
                 "capacity": self.router.capacity(),
                 "inflight": sum(len(m.inflight) for m in self.router.members.values()),
-                **self.queue.stats(),
+                **self.queue.stats(), **self.queued_waits.figures(),
                 "executions_recorded": len(self.records), **self.records.stats(),
                 **self._cache_share(),
                 "rerouted_executions": self.router.rerouted_executions, **self.totals}

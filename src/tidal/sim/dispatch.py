@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from tidal.control.dispatch_hold import may_dispatch
 from tidal.control.mechanics import DispatchStyle
+from tidal.sim import slot_waits
 from tidal.sim.workloads import ExecSpec
 from tidal.types import BurstStarted, ExecutionDispatched, ExecutionLaunched
 
@@ -37,7 +38,7 @@ class ExecRec:
 
     __slots__ = ("base", "burst", "cached", "closed", "ctx", "decoded", "eid", "engine",
                  "first_version", "gen", "gid", "hold", "hw", "in_tool", "launched", "pending",
-                 "seg", "seq_no", "spec", "turn")
+                 "seg", "seq_no", "spec", "turn", "wait_since")
 
     def __init__(self, eid: str, gid: str, spec: ExecSpec, burst: int, seq_no: int) -> None:
         self.eid, self.gid, self.spec, self.burst, self.seq_no = eid, gid, spec, burst, seq_no
@@ -57,6 +58,7 @@ class ExecRec:
         self.gen = 0
         self.launched = False
         self.closed = False
+        self.wait_since: float | None = None  # waiting for a slot since (``sim.slot_waits``)
 
     def context_now(self) -> int:
         return self.ctx
@@ -130,6 +132,7 @@ def dispatch_group(w: World) -> None:
     w.group_open[gid] = len(members)
     for ex in members:
         w.queue.append(ex)
+        slot_waits.start(w, ex)
         w.emit(ExecutionDispatched(w.now, ex.eid, gid, len(members), w.burst))
 
 def fill(w: World) -> None:
@@ -198,6 +201,7 @@ def _fill_once(w: World) -> None:
             heapq.heappush(heap, (-e.free_slots, i, e))
 
 def launch(w: World, ex: ExecRec, e: Engine) -> None:
+    slot_waits.stop(w, ex)
     ex.launched = True
     ex.first_version = w.version
     w.live[ex.eid] = ex
@@ -218,6 +222,7 @@ def launch(w: World, ex: ExecRec, e: Engine) -> None:
 
 
 def bind(w: World, ex: ExecRec, e: Engine) -> None:
+    slot_waits.stop(w, ex)
     ex.engine = e
     e.members.add(ex)
     if ex.pending is not None and not ex.in_tool and not ex.hold:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tidal.sim import dispatch
+from tidal.sim import dispatch, slot_waits
 from tidal.types import RequestRetried
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ def move(w: World, ex: ExecRec, dest: Engine | None, kv: bool, hold: bool) -> No
     if dest is None:
         ex.hold = False
         w.waiting[ex] = None
+        slot_waits.start(w, ex)
         return
     ex.hold = hold
     dispatch.bind(w, ex, dest)

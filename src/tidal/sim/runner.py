@@ -14,6 +14,7 @@ from typing import Any
 
 from tidal.control.decision_log import Sink
 from tidal.control.policy import policy_mechanics
+from tidal.sim import slot_waits
 from tidal.sim.oracle import OracleBound, oracle_bound
 from tidal.sim.scenario import Scenario
 from tidal.sim.world import World
@@ -96,6 +97,7 @@ def summarize(world: World, oracle: OracleBound, wall_s: float) -> dict[str, Any
         "dispatched": ctl["dispatched"],
         "finished": ctl["finished"],
         "timeouts": world.timeouts,
+        **slot_waits.summary(world, t_end),  # executions that waited for a slot, measured
         "train_role_gpu_h": round(train_role_gpu_s / 3600, 3),
         "rollout_role_gpu_h": round(roll_role_gpu_s / 3600, 3),
         "verl_metrics": verl,

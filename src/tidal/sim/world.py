@@ -30,9 +30,19 @@ from tidal.control.admission import AdmissionRule
 from tidal.control.decision_log import DecisionLog, Sink
 from tidal.control.factory import build_controller
 from tidal.control.plans import PlanStep, TransitionPlan
+from tidal.control.queued_waits import QueuedWaits
 from tidal.control.verl import dispatch_budget
 from tidal.errors import TidalError
-from tidal.sim import admission, dispatch, invariants, moves, perf, requests, sync
+from tidal.sim import (
+    admission,
+    dispatch,
+    invariants,
+    moves,
+    perf,
+    requests,
+    slot_waits,
+    sync,
+)
 from tidal.sim.actuator import SimActuator
 from tidal.sim.dispatch import ExecRec
 from tidal.sim.engines import Engine
@@ -158,6 +168,7 @@ class World:
         self.wasted_tokens = 0
         self.sync_s_total = 0.0
         self.timeouts = 0
+        self.slot_waits = QueuedWaits()  # seconds each execution waited for a slot
 
     # ------------------------------------------------------------- plumbing
     @property
@@ -376,6 +387,7 @@ class World:
             ex.engine.members.discard(ex)
             ex.engine = None
         self.waiting.pop(ex, None)
+        slot_waits.stop(self, ex)
         ex.closed = True
         ex.pending = None
         self.live.pop(ex.eid, None)

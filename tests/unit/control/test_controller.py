@@ -250,6 +250,52 @@ def test_unsafe_policy_decision_is_refused():
         dispatch(ctl, clock, groups=3)
 
 
+def _marked(may: bool):
+    class Oversubscriber:
+        name = "oversubscriber"
+        waterlevel_safe = True
+        may_oversubscribe = may
+
+        def initial_prefix(self, cells):
+            return 0
+
+        def state(self):
+            return {}
+
+        def decide(self, obs):
+            from tidal.control.policy import Action, Decision
+            nxt = obs.next_to_train()
+            if nxt is None or obs.waterlevel == 0 or not obs.supply.ok:
+                return Decision.hold("wait")
+            return Decision(Action.TO_TRAINING, (nxt.index,), "over", oversubscribe=True)
+
+    return Oversubscriber()
+
+
+def test_an_oversubscribed_move_is_accepted_only_from_a_policy_that_may():
+    """Invariant 3 binds every waterlevel-safe policy; only one that declares
+    ``may_oversubscribe`` (tidal) may mark a move below the waterlevel; the waterlevel policy
+    declares nothing of the kind."""
+    from tidal.control.waterlevel import WaterlevelPolicy
+
+    assert not getattr(WaterlevelPolicy, "may_oversubscribe", False)
+    for may in (False, True):
+        clock = ManualClock()
+        act = FakeActuator(clock)
+        ctl = Controller(CellSet([Cell(i, 4, 8) for i in range(2)]), _marked(may), clock, act,
+                         ControllerSettings(batch_groups=2))
+        act.bind(ctl)
+        ids = dispatch(ctl, clock, groups=5)  # w = 10 > 8 slots
+        finish(ctl, clock, ids[0])
+        assert ctl.cells.roles()[0] is Role.ROLLOUT  # supply not held yet
+        if not may:  # one group ready, w = 8 > 4 slots after the move
+            with pytest.raises(InvariantViolation, match="unsafe move"):
+                finish(ctl, clock, ids[1])
+            continue
+        finish(ctl, clock, ids[1])
+        assert ctl.cells.roles()[0] is Role.TRAINING
+
+
 def test_decision_log_jsonl_has_inputs(tmp_path):
     path = tmp_path / "decisions.jsonl"
     cfg = validate_model(RunConfig, {"cluster": {"cell_count": 2, "cell_slots": 4},

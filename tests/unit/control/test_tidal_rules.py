@@ -24,6 +24,9 @@ def sit(
     last=Action.HOLD,
     last_move_s=-1e9,
     t=100.0,
+    q=0.0,
+    since=None,
+    generated=100,
 ) -> Situation:
     cells = tuple(CellView(i, slots, 8, CellKind.HYBRID, Role(r)) for i, r in enumerate(roles))
     cap = sum(x.slots for x in cells if x.role is Role.ROLLOUT) + 256
@@ -40,7 +43,7 @@ def sit(
         pending_dispatch=pending,
         supply=SupplyView(min(ready, 16), 16, 8.0, supply_ok, 0.0, supply_ok),
         ready_groups=ready,
-        groups_generated=0,
+        groups_generated=generated,
         batch_groups=16,
         updates_per_burst=4,
         trainer_waiting=True,
@@ -51,7 +54,7 @@ def sit(
         in_flight=False,
     )
     gpus = sum(x.gpus for x in cells if x.role is Role.TRAINING)
-    return Situation(o, p, c, known, gpus, last, last_move_s)
+    return Situation(o, p, c, known, gpus, last, last_move_s, q, since)
 
 
 def test_measuring_holds_until_both_rates_are_known_unless_a_side_is_empty():
@@ -66,6 +69,9 @@ def test_train_floor_is_min_train_cells_unless_no_rollout_or_a_starving_trainer(
     # queue below a batch and not one batch within the horizon even with every slot
     assert rules.train_floor(sit(ready=0, p=1e-6, waterlevel=10), K) == 0
     assert rules.train_floor(sit(ready=0, p=1.0, waterlevel=10), K) == 1
+    # before a batch has completed the production rate is biased low: no starvation verdict
+    assert rules.train_floor(sit(ready=0, p=1e-6, waterlevel=10, generated=15), K) == 1
+    assert rules.train_floor(sit(ready=0, p=1e-6, waterlevel=10, generated=16), K) == 0
 
 
 def test_return_block_is_the_smallest_that_covers_the_missing_slots():
@@ -98,21 +104,22 @@ def test_return_cells_when_rollout_is_short_and_the_queue_runs_dry():
 def test_idle_trainer_lends_or_holds_dispatch_at_the_capacity_after_the_move():
     s = sit(roles=("rollout", "rollout"), waterlevel=100, ready=16)
     nxt = s.obs.cells[0]
-    d = rules.idle_trainer(s, nxt, 384)
+    d = rules.idle_trainer(s, K, nxt, 384)
     assert d.action is Action.TO_TRAINING and d.cells == (0,) and d.dispatch_limit is None
-    held = rules.idle_trainer(sit(roles=("rollout", "rollout"), waterlevel=450, ready=16), nxt, 384)
+    held = rules.idle_trainer(sit(roles=("rollout", "rollout"), waterlevel=450, ready=16), K, nxt,
+                              384)
     assert held.action is Action.HOLD and held.dispatch_limit == 384
-    assert rules.idle_trainer(sit(roles=("rollout", "rollout"), ready=15), nxt, 384) is None
-    assert rules.idle_trainer(sit(ready=16), nxt, 384) is None  # something trains
+    assert rules.idle_trainer(sit(roles=("rollout", "rollout"), ready=15), K, nxt, 384) is None
+    assert rules.idle_trainer(sit(ready=16), K, nxt, 384) is None  # something trains
 
 
 def test_waterlevel_blocked_holds_and_holds_dispatch_when_production_leads():
     s = sit(waterlevel=300)
     nxt = s.obs.cells[1]
-    assert rules.waterlevel_blocked(s, nxt, 256, 0.5).dispatch_limit == 256
-    d = rules.waterlevel_blocked(s, nxt, 256, -0.5)
+    assert rules.waterlevel_blocked(s, K, nxt, 256, 0.5).dispatch_limit == 256
+    d = rules.waterlevel_blocked(s, K, nxt, 256, -0.5)
     assert d.reason == "capacity after move 256 < waterlevel 300" and d.dispatch_limit is None
-    assert rules.waterlevel_blocked(sit(waterlevel=200), nxt, 256, -0.5) is None
+    assert rules.waterlevel_blocked(sit(waterlevel=200), K, nxt, 256, -0.5) is None
 
 
 def test_rollout_needs_slots_unless_the_queue_grows_or_a_backlog_is_ready():
@@ -154,3 +161,60 @@ def test_decide_asks_the_rules_in_order():
         is Action.TO_ROLLOUT
     )
     assert rules.decide(sit(), K).action is Action.TO_TRAINING
+
+
+def test_forecast_prices_the_queue_against_the_training_it_buys():
+    # capacity 384, cell 1 (128 slots, 8 GPUs) leaves 256 < waterlevel 300: 44 wait
+    s = sit(waterlevel=300, ready=48, p=0.0005, c=0.01, q=0.001)
+    f = rules.forecast(s, s.obs.cells[1], 256)
+    assert f.excess == 44 and abs(f.wait_s - 44 / 0.256) < 1e-9
+    assert abs(f.cost_groups - 0.0005 * 44 * f.wait_s / 2) < 1e-9
+    assert abs(f.benefit_groups - 0.01 * 8 * f.wait_s) < 1e-9
+    assert rules.forecast(sit(waterlevel=300, q=0.0), s.obs.cells[1], 256) is None  # q unknown
+    assert rules.forecast(sit(waterlevel=200, q=0.001), s.obs.cells[1], 256) is None  # fits
+
+
+def test_oversubscribe_moves_when_training_bought_exceeds_queueing_within_the_caps():
+    s = sit(waterlevel=300, ready=48, p=0.0005, c=0.01, q=0.001)
+    nxt = s.obs.cells[1]
+    d = rules.oversubscribe(s, K, nxt, 256)
+    assert d.action is Action.TO_TRAINING and d.cells == (1,) and d.oversubscribe
+    assert d.dispatch_limit is None and "44 executions wait" in d.reason
+    # the same move through the lend chain: it is the waterlevel-blocked case
+    assert rules.waterlevel_blocked(s, K, nxt, 256, -0.032).oversubscribe
+    # queueing costs more than the training it buys (production dear, training cheap)
+    assert rules.oversubscribe(sit(waterlevel=300, ready=48, p=0.01, c=0.001, q=0.001),
+                               K, nxt, 256) is None
+    # caps: too many waiting, or the last would wait too long
+    assert rules.oversubscribe(s, TidalPolicy(max_queued=43), nxt, 256) is None
+    assert rules.oversubscribe(s, TidalPolicy(max_wait_s=100.0), nxt, 256) is None
+    assert rules.oversubscribe(s, TidalPolicy(max_queued=0), nxt, 256) is None  # off
+    # the ready queue does not cover the new split's training over the wait (20 < 0.01 * 16
+    # GPUs * 172 s): the trainer would need the groups the waiting executions delay
+    assert rules.oversubscribe(sit(waterlevel=300, ready=20, p=0.0005, c=0.01, q=0.001),
+                               K, nxt, 256) is None
+    # supply not held, or dwelling after a return
+    assert rules.oversubscribe(sit(waterlevel=300, ready=48, p=0.0005, c=0.01, q=0.001,
+                                   supply_ok=False), K, nxt, 256) is None
+    assert rules.oversubscribe(sit(waterlevel=300, ready=48, p=0.0005, c=0.01, q=0.001,
+                                   last=Action.TO_ROLLOUT, last_move_s=95.0),
+                               K, nxt, 256) is None
+
+
+def test_wait_cap_returns_the_last_training_cell_once_executions_waited_too_long():
+    roles = ("training", "training", "rollout")  # capacity 384
+    s = sit(roles=roles, waterlevel=500, t=1000.0)
+    assert rules.wait_capped(s, K) is None  # nothing over-subscribed
+    assert rules.wait_capped(sit(roles=roles, waterlevel=500, t=1000.0, since=500.0), K) is None
+    d = rules.wait_capped(sit(roles=roles, waterlevel=500, t=1000.0, since=50.0), K)
+    assert d.action is Action.TO_ROLLOUT and d.cells == (1,) and "116 without one" in d.reason
+    fits = sit(roles=roles, waterlevel=384, t=1000.0, since=50.0)
+    assert rules.wait_capped(fits, K) is None  # every launched execution has a slot
+
+
+def test_return_rule_waits_while_an_over_subscription_is_within_its_cap():
+    roles = ("training", "training", "rollout")
+    short = dict(roles=roles, waterlevel=500, ready=0, p=1e-4, t=1000.0)
+    assert rules.return_cells(sit(**short), K).action is Action.TO_ROLLOUT
+    assert rules.return_cells(sit(**short, since=900.0), K) is None  # 100 s <= 900 s
+    assert rules.return_cells(sit(**short, since=50.0), K).action is Action.TO_ROLLOUT

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from tidal.models.device import device_peak_mb
 from tidal.contracts.run_files import MetricsLine, Summary, check
+from tidal.models.device import device_peak_mb
 from tidal.runtime.outputs import device_peaks
 from tidal.training.aggregate import Contribution
 from tidal.training.worker import GradientWorker

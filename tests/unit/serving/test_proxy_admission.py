@@ -37,11 +37,15 @@ def test_engines_are_capped_at_their_target_and_calls_queue(tiny_dir, serve_asgi
             calls = [proxy.complete(f"b0-g{i}-e0", [3, 4, 5], SamplingParams(
                 max_tokens=24, temperature=1.0, ignore_eos=True)) for i in range(5)]
             results = await asyncio.wait_for(asyncio.gather(*calls), 60)
-            stats = proxy.queue.stats()
+            stats = {**proxy.queue.stats(), **proxy.queued_waits.figures()}
             await proxy.close()
             return member.cap, results, stats
 
     cap, results, stats = asyncio.run(main())
+    # the waits are charged to the executions whose calls waited, measured in the queue
+    assert stats["queued_executions"] == stats["admitted_after_wait"]
+    assert 0 < stats["queued_execution_max_s"] <= stats["queued_execution_s"]
+    assert stats["queued_execution_p99_s"] <= stats["queued_execution_max_s"]
     assert cap == 2  # 210 tok/s at 2 is >= 90% of the best (230); 100 at 1 is not
     assert all(len(r.token_ids) == 24 for r in results)
     assert stats["admitted_after_wait"] >= 3 and stats["queue_timeouts"] == 0

@@ -6,7 +6,9 @@ from tidal.cli import main
 from tidal.sim.scenario import available, resolve
 
 FIELDS = ("policy", "makespan_s", "oracle_makespan_s", "train_utilization",
-          "rollout_utilization", "cluster_utilization", "switches", "reroutes")
+          "rollout_utilization", "cluster_utilization", "switches", "reroutes",
+          "queued_executions", "queued_execution_s", "queued_execution_p99_s",
+          "queued_execution_max_s", "rollout_floor_s")
 
 
 def test_shipped_scenarios_are_found_by_name():
@@ -21,12 +23,15 @@ def test_simulate_writes_summary_decisions_and_plots(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "makespan" in text and "speed-up" in text and "verl-default" in text
+    assert "floor h" in text and "vs best" in text and "queued s" in text
     summary = json.loads((out / "summary.json").read_text())
     assert [r["policy"] for r in summary["runs"]] == ["static:train=16", "verl-default", "tidal"]
     for run in summary["runs"]:
         for f in FIELDS:
             assert f in run
         assert run["makespan_s"] >= run["oracle_makespan_s"]
+        # training ~free leaves the rollout side: never slower than the run itself
+        assert run["rollout_floor_s"] <= run["makespan_s"] * 1.001
     lines = [json.loads(x) for x in (out / "decisions.jsonl").read_text().splitlines()]
     assert {x["run"] for x in lines} == {"static:train=16", "verl-default", "tidal"}
     for png in ("roles.png", "waterlevel.png", "utilization.png"):
