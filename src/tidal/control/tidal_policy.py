@@ -89,8 +89,13 @@ from tidal.control.tidal_rules import Situation
 from tidal.errors import ConfigError
 from tidal.types import Role
 
-#: Over-subscription caps (defaults of ``max_queued`` and ``max_wait_s``).
-MAX_QUEUED = 256
+#: Over-subscription caps (defaults of ``max_queued`` and ``max_wait_s``). Off by default
+#: (``max_queued`` 0): measured on 50 generated scenarios per seed and on dapo-math-32gpu it
+#: brought nothing (seed 7: 39/50 within 2 % of the best other with it, 40/50 without, +310
+#: queued execution-hours; dapo: 19.7 % against 19.9 % saved), because the executions it
+#: leaves waiting at a version's tail are the trainer's next data. ``tidal:max_queued=256``
+#: turns it on.
+MAX_QUEUED = 0
 MAX_WAIT_S = 900.0
 
 

@@ -9,6 +9,7 @@ from tidal.control.tidal_rules import Situation
 from tidal.types import CellKind, Role
 
 K = TidalPolicy()  # horizon 300 s, dwell 20 s, low 2 batches, high 0, floor 1
+ON = TidalPolicy(max_queued=256)  # over-subscription on (off by default)
 
 
 def sit(
@@ -177,28 +178,29 @@ def test_forecast_prices_the_queue_against_the_training_it_buys():
 def test_oversubscribe_moves_when_training_bought_exceeds_queueing_within_the_caps():
     s = sit(waterlevel=300, ready=48, p=0.0005, c=0.01, q=0.001)
     nxt = s.obs.cells[1]
-    d = rules.oversubscribe(s, K, nxt, 256)
+    d = rules.oversubscribe(s, ON, nxt, 256)
     assert d.action is Action.TO_TRAINING and d.cells == (1,) and d.oversubscribe
     assert d.dispatch_limit is None and "44 executions wait" in d.reason
     # the same move through the lend chain: it is the waterlevel-blocked case
-    assert rules.waterlevel_blocked(s, K, nxt, 256, -0.032).oversubscribe
+    assert rules.waterlevel_blocked(s, ON, nxt, 256, -0.032).oversubscribe
     # queueing costs more than the training it buys (production dear, training cheap)
     assert rules.oversubscribe(sit(waterlevel=300, ready=48, p=0.01, c=0.001, q=0.001),
-                               K, nxt, 256) is None
+                               ON, nxt, 256) is None
     # caps: too many waiting, or the last would wait too long
     assert rules.oversubscribe(s, TidalPolicy(max_queued=43), nxt, 256) is None
-    assert rules.oversubscribe(s, TidalPolicy(max_wait_s=100.0), nxt, 256) is None
+    assert rules.oversubscribe(s, TidalPolicy(max_queued=256, max_wait_s=100.0), nxt, 256) is None
     assert rules.oversubscribe(s, TidalPolicy(max_queued=0), nxt, 256) is None  # off
+    assert rules.oversubscribe(s, K, nxt, 256) is None  # off by default
     # the ready queue does not cover the new split's training over the wait (20 < 0.01 * 16
     # GPUs * 172 s): the trainer would need the groups the waiting executions delay
     assert rules.oversubscribe(sit(waterlevel=300, ready=20, p=0.0005, c=0.01, q=0.001),
-                               K, nxt, 256) is None
+                               ON, nxt, 256) is None
     # supply not held, or dwelling after a return
     assert rules.oversubscribe(sit(waterlevel=300, ready=48, p=0.0005, c=0.01, q=0.001,
                                    supply_ok=False), K, nxt, 256) is None
     assert rules.oversubscribe(sit(waterlevel=300, ready=48, p=0.0005, c=0.01, q=0.001,
                                    last=Action.TO_ROLLOUT, last_move_s=95.0),
-                               K, nxt, 256) is None
+                               ON, nxt, 256) is None
 
 
 def test_wait_cap_returns_the_last_training_cell_once_executions_waited_too_long():

@@ -200,12 +200,12 @@ def test_an_over_subscribed_run_keeps_every_other_invariant_and_reports_the_wait
     """On a generated agentic scenario with a backlog the rule fires: moves below the
     waterlevel (marked in the log), every DESIGN.md invariant checked after every event
     (nothing dropped: displaced executions wait for a slot), the waits measured; with
-    ``max_queued=0`` the same run never over-subscribes."""
+    ``max_queued=0`` (the default) the same run never over-subscribes."""
     from tidal.sim.generate import generate
     from tidal.sim.runner import run_policy
 
     sc = generate(2026, 6).model_copy(update={"mechanics": "tidal"}).scaled(0.5, bursts=1)
-    res = run_policy(sc, "tidal", check=True)
+    res = run_policy(sc, "tidal:max_queued=256", check=True)
     slots = res.world.controller.cells.cells[0].slots
     over = [r for r in res.records if r.get("oversubscribe")]
     assert over and all(r["inputs"]["capacity"] - slots < r["inputs"]["waterlevel"]
@@ -213,5 +213,6 @@ def test_an_over_subscribed_run_keeps_every_other_invariant_and_reports_the_wait
     s = res.summary
     assert s["queued_executions"] > 0
     assert 0 < s["queued_execution_p99_s"] <= s["queued_execution_max_s"] <= 900.0
-    off = run_policy(sc, "tidal:max_queued=0", check=True)
-    assert not [r for r in off.records if r.get("oversubscribe")]
+    for spec in ("tidal:max_queued=0", "tidal"):
+        off = run_policy(sc, spec, check=True)
+        assert not [r for r in off.records if r.get("oversubscribe")]
