@@ -36,7 +36,6 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether a tensor holds no NaN or infinite value. Its sum is finite whenever every value
     is (a NaN or an infinity carries into it), so one reduction in the tensor's own dtype
@@ -47,6 +46,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if bool(torch.isfinite(tensor.sum())):
         return True
     return bool(torch.isfinite(tensor).all())
+
 
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads, optional RoPE, HF parameter names."""
