@@ -1,6 +1,11 @@
 """The configuration tree (pydantic v2, ``extra="forbid"``), loaded from YAML files in
 ``configs/``. Any error becomes a ``ConfigError`` whose message names the offending field as a
 dotted path, e.g. ``policy.args.deactivate_ratio: must be in [0, 1], got -0.1``.
+
+This layer never imports the control plane: what only it knows (that ``policy.name`` is a
+registered policy once ``policy.module`` is loaded, that ``control.admission`` is a rule it
+parses, that the policy's arguments build it on this cluster) is checked by
+``tidal.control.factory.check_policy`` wherever a config is turned into a run or a simulation.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tidal.errors import ConfigError
+from tidal.specs import parse_policy_spec, resolved
 from tidal.types import MIN_TEMPERATURE, CellKind
 
 M = TypeVar("M", bound=BaseModel)
@@ -57,11 +63,11 @@ class ClusterConfig(Strict):
             if c.kind is CellKind.ELASTIC:
                 seen_elastic = True
             elif seen_elastic:
-                raise _FieldError(f"cells.{i}.kind", "hybrid cells must lead the cell order")
+                raise FieldError(f"cells.{i}.kind", "hybrid cells must lead the cell order")
         if self.start_training is not None:
             want = list(range(len(self.start_training)))
             if sorted(self.start_training) != want or len(want) > len(specs):
-                raise _FieldError("start_training",
+                raise FieldError("start_training",
                                   f"{self.start_training} is not a prefix of the cell order "
                                   f"(the training set must be cells 0..k-1, e.g. {want})")
         return self
@@ -92,16 +98,11 @@ class ControlConfig(Strict):
                           "(needed by tidal run with admission on)")
 
     @model_validator(mode="after")
-    def _admission(self) -> ControlConfig:
-        from tidal.control.admission import AdmissionRule
-
-        try:
-            AdmissionRule.parse(self.admission, self.admission_order, field="admission")
-        except ConfigError as exc:
-            raise _FieldError(exc.field, exc.message) from None
+    def _engine_curve(self) -> ControlConfig:
+        # ``admission`` is parsed by the control plane (tidal.control.factory.check_policy)
         if self.engine_curve is not None and (not self.engine_curve or any(
                 b < 1 or t <= 0 for b, t in self.engine_curve)):
-            raise _FieldError("engine_curve", "needs [batch >= 1, tokens/s > 0] pairs")
+            raise FieldError("engine_curve", "needs [batch >= 1, tokens/s > 0] pairs")
         return self
 
     @property
@@ -121,31 +122,12 @@ class PolicyConfig(Strict):
     @field_validator("module")
     @classmethod
     def _absolute(cls, v: str | None) -> str | None:
-        from tidal.plugins import resolved
-
         return None if v is None else resolved(v)
-
-    @model_validator(mode="after")
-    def _known(self) -> PolicyConfig:
-        from tidal.control.policy import registered
-        from tidal.plugins import broken_plugins, load_policies
-
-        try:
-            load_policies([self.module] if self.module else [])
-        except ConfigError as exc:
-            raise _FieldError("module", exc.message) from None
-        if self.name not in registered():
-            broken = "".join(f"; entry point {k} not loaded: {v}"
-                             for k, v in broken_plugins().items())
-            where = f" after loading {self.module}" if self.module else ""
-            raise _FieldError("name", f"unknown policy {self.name!r}{where} (known: "
-                              f"{', '.join(registered())}{broken})")
-        return self
 
     @classmethod
     def from_spec(cls, spec: str) -> PolicyConfig:
-        from tidal.control.policy import parse_policy_spec
-
+        """``NAME[:k=v,...]`` as a policy section; whether NAME is a registered policy is
+        checked where a config is turned into a run (``tidal.control.factory``)."""
         name, args = parse_policy_spec(spec)
         return validate_model(cls, {"name": name, "args": args}, "policy")
 
@@ -306,14 +288,14 @@ class RuntimeConfig(Strict):
     @model_validator(mode="after")
     def _temperature_floor(self) -> RuntimeConfig:
         if 0.0 < self.temperature < MIN_TEMPERATURE:
-            raise _FieldError("temperature", f"{self.temperature:g} is below the floor the "
+            raise FieldError("temperature", f"{self.temperature:g} is below the floor the "
                               f"engines sample at ({MIN_TEMPERATURE:g}); 0 means greedy")
         return self
 
     @model_validator(mode="after")
     def _device_needs_gpus(self) -> RuntimeConfig:
         if self.device == "cuda" and not self.use_gpus:
-            raise _FieldError("device", "'cuda' needs runtime.use_gpus: true (engines get their "
+            raise FieldError("device", "'cuda' needs runtime.use_gpus: true (engines get their "
                               "GPUs from their placement-group bundles)")
         return self
 
@@ -369,7 +351,7 @@ class RewardConfig(Strict):
     @model_validator(mode="after")
     def _one(self) -> RewardConfig:
         if (self.function is None) == (self.builtin is None):
-            raise _FieldError("function", "set exactly one of reward.function and "
+            raise FieldError("function", "set exactly one of reward.function and "
                               "reward.builtin")
         return self
 
@@ -413,8 +395,9 @@ class RunConfig(Strict):
                                     "(None: the built-in runtime.task)")
 
 
-class _FieldError(ValueError):
-    """A validator error that names a sub-field of the model it was raised in."""
+class FieldError(ValueError):
+    """A validator error that names a sub-field of the model it was raised in (``field``,
+    dotted): ``validate_model`` puts it after the model's own place in the message."""
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
@@ -427,7 +410,7 @@ def _format(exc: ValidationError, prefix: str) -> ConfigError:
     loc = [str(p) for p in err["loc"]]
     msg = err["msg"]
     ctx_err = (err.get("ctx") or {}).get("error")
-    if isinstance(ctx_err, _FieldError):
+    if isinstance(ctx_err, FieldError):
         loc.append(ctx_err.field)
         msg = ctx_err.message
     elif msg.startswith("Value error, "):
@@ -465,7 +448,12 @@ def validate_file_data(model: type[M], data: dict[str, Any], path: str | Path) -
     try:
         return validate_model(model, data)
     except ConfigError as exc:
-        raise ConfigError(exc.field, f"{exc.message} (in {path})") from None
+        raise in_file(exc, path) from None
+
+
+def in_file(exc: ConfigError, path: str | Path) -> ConfigError:
+    """``exc`` with the file it was found in named at the end of its message."""
+    return ConfigError(exc.field, f"{exc.message} (in {path})")
 
 
 def load_yaml(path: str | Path, model: type[M] = RunConfig) -> M:  # type: ignore[assignment]

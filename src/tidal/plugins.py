@@ -21,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 from tidal.errors import ConfigError
+from tidal.specs import resolved as resolved  # re-exported: callers import it from here
 
 POLICY_GROUP = "tidal.policies"
 _loaded_groups: set[str] = set()
@@ -40,12 +41,6 @@ def load_module(where: str, field: str) -> ModuleType:
         raise ConfigError(
             field, f"{where} does not import: {type(exc).__name__}: {first_line(exc)}"
         ) from None
-
-
-def resolved(where: str) -> str:
-    """A ``.py`` path made absolute (a run directory's config then loads from any directory);
-    a dotted module name unchanged."""
-    return str(Path(where).resolve()) if where.endswith(".py") else where
 
 
 def load_policies(modules: list[str] | tuple[str, ...] = (), field: str = "policy.module") -> None:

@@ -14,6 +14,7 @@ import yaml
 from tidal.cli import main
 from tidal.commands import run
 from tidal.config import PolicyConfig, validate_model
+from tidal.control.factory import check_policy_config
 from tidal.control.mechanics import QWENGYRE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,4 +57,6 @@ def test_the_docs_run_command_and_config_section_validate(
     cfg = run.build_config(p["config"], p["policy"], p["address"], p["bursts"], p["sets"])
     assert cfg.policy.name == "capped-waterlevel" and cfg.policy.module == str(EXAMPLE)
     section = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", text, re.S)[0])["policy"]
-    assert validate_model(PolicyConfig, section, "policy").args == {"max_cells": 2}
+    assert check_policy_config(validate_model(PolicyConfig, section, "policy")).args == {
+        "max_cells": 2
+    }

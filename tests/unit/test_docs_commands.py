@@ -139,9 +139,9 @@ def _run_config(p: dict) -> None:
     """What ``tidal run CONFIG`` builds before it starts Ray (no Ray, no model)."""
     from tidal.commands.run import apply_set
     from tidal.config import PolicyConfig, RunConfig, load_yaml, validate_model
-    from tidal.control.factory import check_policy
+    from tidal.control.factory import check_known, check_policy
 
-    data = load_yaml(p["config"]).model_dump(mode="json")
+    data = check_known(load_yaml(p["config"]), source=p["config"]).model_dump(mode="json")
     if p["policy"] is not None:
         data["policy"] = PolicyConfig.from_spec(p["policy"]).model_dump(mode="json")
     if p["address"] is not None:
@@ -161,7 +161,7 @@ def _validate(names: tuple[str, ...], p: dict) -> None:
         from tidal.config import RunConfig, load_yaml
         from tidal.control.factory import check_policy
 
-        check_policy(load_yaml(p["config"], RunConfig))
+        check_policy(load_yaml(p["config"], RunConfig), source=p["config"])
     elif names == ("simulate",) and not p["scenario"].startswith(PRODUCED):
         from tidal.sim import scenario as scenarios
 

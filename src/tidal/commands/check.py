@@ -20,7 +20,7 @@ def command(config: str, quiet: bool) -> None:
     from tidal.config import RunConfig, dump_yaml, load_yaml
     from tidal.control.factory import check_policy
 
-    cfg = check_policy(load_yaml(config, RunConfig))
+    cfg = check_policy(load_yaml(config, RunConfig), source=config)
     runnable = cfg.control.bursts is not None
     if runnable:  # every check `tidal run` makes before it starts Ray: one line naming a field
         from tidal.runtime.preflight import check_run

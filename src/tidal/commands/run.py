@@ -129,10 +129,10 @@ def build_config(config: str, policy: str | None = None, address: str | None = N
     policy.module=...`` loads the module that registers the ``--policy`` named) and the policy
     built against the cluster. Any bad value is a one-line ``ConfigError``."""
     from tidal.config import RunConfig, load_yaml, validate_model
-    from tidal.control.factory import check_policy
-    from tidal.control.policy import parse_policy_spec
+    from tidal.control.factory import check_known, check_policy
+    from tidal.specs import parse_policy_spec
 
-    data = load_yaml(config).model_dump(mode="json")
+    data = check_known(load_yaml(config), source=config).model_dump(mode="json")
     if policy is not None:
         name, args = parse_policy_spec(policy)
         data["policy"] = {"name": name, "args": args, "module": data["policy"].get("module")}

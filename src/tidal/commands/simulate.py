@@ -73,8 +73,10 @@ def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, burst
         load_policies(paths, "--policy-module")
         sc = sc.model_copy(update={"policy_modules": [*sc.policy_modules, *paths]})
     if admission is not None:
-        control = validate_model(ControlConfig, {**sc.control.model_dump(mode="json"),
-                                                 "admission": admission}, "control")
+        from tidal.control.factory import check_control
+
+        control = check_control(validate_model(ControlConfig, {
+            **sc.control.model_dump(mode="json"), "admission": admission}, "control"))
         sc = sc.model_copy(update={"control": control})
     if mechanics != "own":
         sc = sc.model_copy(update={"mechanics": mechanics})

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tidal.clock import Clock
+from tidal.config import ControlConfig
 from tidal.control.cells import CellSet
 from tidal.control.decision_log import DecisionLog
 from tidal.control.ledger import Ledger
@@ -61,19 +62,28 @@ class Actuator(Protocol):
     def abort(self, plan: TransitionPlan, failed: PlanStep, error: str) -> None: ...
 
 
+_CONTROL = ControlConfig()  # the one source of the defaults below
+
+
 @dataclass(frozen=True)
 class ControllerSettings:
+    """The controller's share of a run's ``ControlConfig`` (``tidal.control.factory.
+    settings_from`` fills it from one; a field left out takes the config's default), plus
+    ``next_burst_quota`` (executions of the burst announced next; 0: none announced) and
+    ``max_concurrency`` (groups, verl's max_required_samples: caps the capacity its metrics
+    report; None: no cap)."""
+
     batch_groups: int
-    updates_per_burst: int = 1
-    supply_fraction: float = 0.5
-    supply_hold_s: float = 0.0
-    kv_handoff: bool = False
+    updates_per_burst: int = _CONTROL.updates_per_burst
+    supply_fraction: float = _CONTROL.supply_fraction
+    supply_hold_s: float = _CONTROL.supply_hold_s
+    kv_handoff: bool = _CONTROL.kv_handoff
     next_burst_quota: int = 0
-    total_bursts: int | None = None
+    total_bursts: int | None = _CONTROL.bursts
     max_concurrency: int | None = None
-    step_timeout_s: float = 600.0
-    max_step_retries: int = 2
-    abort_backoff_s: float = 30.0
+    step_timeout_s: float = _CONTROL.step_timeout_s
+    max_step_retries: int = _CONTROL.max_step_retries
+    abort_backoff_s: float = _CONTROL.abort_backoff_s
 
 
 @dataclass

@@ -23,6 +23,7 @@ from tidal.control.cells import training_prefix
 from tidal.control.mechanics import Mechanics
 from tidal.control.supply import SupplyView
 from tidal.errors import ConfigError, UnknownPolicyError
+from tidal.specs import parse_policy_spec as parse_policy_spec  # re-exported (was here)
 from tidal.types import CellIndex, CellKind, Role
 
 
@@ -234,32 +235,6 @@ def _entry(name: str) -> _Entry:
         known = ", ".join(sorted(_REGISTRY))
         raise UnknownPolicyError("policy.name", f"unknown policy {name!r} (known: {known})")
     return entry
-
-
-def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``NAME[:k=v,k=v]`` -> (name, args). Values become int, float, bool or str."""
-    name, _, rest = spec.strip().partition(":")
-    args: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        key, sep, raw = part.partition("=")
-        if not sep or not key:
-            raise ConfigError("policy", f"bad argument {part!r} in {spec!r} (want key=value)")
-        args[key.strip()] = _parse_value(raw.strip())
-    return name, args
-
-
-def _parse_value(raw: str) -> bool | int | float | str:
-    low = raw.lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    for conv in (int, float):
-        try:
-            return conv(raw)
-        except ValueError:
-            pass
-    return raw
 
 
 def make_policy(name: str, args: dict[str, Any] | None = None) -> Policy:

@@ -80,6 +80,7 @@ from pydantic import BaseModel
 from tidal import rundir as run_data
 from tidal.config import RunConfig, load_yaml
 from tidal.contracts import run_files as schema
+from tidal.control.factory import check_known
 from tidal.errors import ConfigError
 from tidal.rundir import load_run
 from tidal.sim.costs import speedup
@@ -244,8 +245,8 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
     run = load_run(root)  # one-line error when it is not a run directory
     if not (root / "config.yaml").is_file():
         raise ConfigError(str(root), "no config.yaml: calibration needs the resolved config")
-    own = load_yaml(root / "config.yaml", RunConfig)
-    cfg = load_yaml(describe, RunConfig) if describe is not None else own
+    own = check_known(load_yaml(root / "config.yaml", RunConfig), root / "config.yaml")
+    cfg = check_known(load_yaml(describe, RunConfig), describe) if describe is not None else own
     execs = [schema.ExecutionLine.model_validate(e)
              for e in read_jsonl(root / "executions.jsonl", schema.ExecutionLine)]
     metrics = run.metrics or []

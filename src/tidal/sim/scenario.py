@@ -21,6 +21,7 @@ from pydantic import Field, field_validator, model_validator
 from tidal.config import (
     ClusterConfig,
     ControlConfig,
+    FieldError,
     PolicyConfig,
     RunConfig,
     Strict,
@@ -28,11 +29,12 @@ from tidal.config import (
     validate_file_data,
     validate_model,
 )
-from tidal.control.factory import check_policy
+from tidal.control.factory import check_control, check_policy
 from tidal.control.mechanics import MECHANICS_SETS, Mechanics
-from tidal.control.policy import parse_policy_spec, policy_mechanics
+from tidal.control.policy import policy_mechanics
 from tidal.errors import ConfigError
-from tidal.plugins import load_policies, resolved
+from tidal.plugins import load_policies
+from tidal.specs import parse_policy_spec, resolved
 
 
 class Dist(Strict):
@@ -238,6 +240,10 @@ class Scenario(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> Scenario:
+        try:
+            check_control(self.control)
+        except ConfigError as exc:  # named under the scenario's own place, as its fields are
+            raise FieldError(exc.field, exc.message) from None
         if self.control.bursts is None:
             raise ValueError("control.bursts must be set: a simulation needs an end")
         cm, cl = self.costmodel, self.cluster

@@ -131,7 +131,7 @@ def test_failed_step_is_retried_then_plan_aborted_and_roles_restored():
     act = FakeActuator(clock, fail={StepKind.RELEASE_ROLLOUT_MEMORY})
     cs = CellSet([Cell(i, 4, 8) for i in range(2)])
     ctl = Controller(cs, make_policy("waterlevel"), clock, act,
-                     ControllerSettings(batch_groups=2, max_step_retries=1))
+                     ControllerSettings(batch_groups=2, updates_per_burst=1, max_step_retries=1))
     act.bind(ctl)
     ids = dispatch(ctl, clock, groups=1, n=2)
     finish(ctl, clock, ids[0])
@@ -244,7 +244,7 @@ def test_unsafe_policy_decision_is_refused():
     clock = ManualClock()
     act = FakeActuator(clock)
     ctl = Controller(CellSet([Cell(i, 4, 8) for i in range(2)]), Reckless(), clock, act,
-                     ControllerSettings(batch_groups=2))
+                     ControllerSettings(batch_groups=2, updates_per_burst=1))
     act.bind(ctl)
     with pytest.raises(InvariantViolation, match="unsafe move"):
         dispatch(ctl, clock, groups=3)
@@ -283,7 +283,7 @@ def test_an_oversubscribed_move_is_accepted_only_from_a_policy_that_may():
         clock = ManualClock()
         act = FakeActuator(clock)
         ctl = Controller(CellSet([Cell(i, 4, 8) for i in range(2)]), _marked(may), clock, act,
-                         ControllerSettings(batch_groups=2))
+                         ControllerSettings(batch_groups=2, updates_per_burst=1))
         act.bind(ctl)
         ids = dispatch(ctl, clock, groups=5)  # w = 10 > 8 slots
         finish(ctl, clock, ids[0])

@@ -79,7 +79,7 @@ def test_the_controller_logs_each_limit_the_policy_holds_at():
     clock, log = ManualClock(), DecisionLog()
     act = FakeActuator(clock)
     ctl = Controller(CellSet([Cell(i, 4, 8) for i in range(2)]), _Holding(limits), clock, act,
-                     ControllerSettings(batch_groups=2), log)
+                     ControllerSettings(batch_groups=2, updates_per_burst=1), log)
     act.bind(ctl)
     for i in range(len(limits)):  # the waterlevel (in the reason) moves with every event
         ctl.handle(ExecutionDispatched(clock.now(), f"e{i}", f"g{i}", 1, 0))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tidal.config import PolicyConfig, validate_model
+from tidal.control.factory import check_policy_config
 from tidal.control.mechanics import COLOCATE, QWENGYRE, TIDAL, VERL, Mechanics
 from tidal.control.policy import (
     Decision,
@@ -22,6 +23,11 @@ from tidal.control.policy import (
 from tidal.errors import ConfigError, UnknownPolicyError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "policies"
+
+
+def _checked(data: dict) -> PolicyConfig:
+    """A policy section as a run uses it: validated, its module loaded, its name known."""
+    return check_policy_config(validate_model(PolicyConfig, data, "policy"))
 
 
 class _Holds:
@@ -78,14 +84,10 @@ def test_policy_module_by_path_registers_it_and_is_kept_absolute(
     isolated_policies, tmp_path, monkeypatch
 ):
     monkeypatch.chdir(FIXTURES.parent)
-    cfg = validate_model(
-        PolicyConfig,
-        {"name": "mirror-waterlevel", "module": "policies/mirror_waterlevel.py"},
-        "policy",
-    )
+    cfg = _checked({"name": "mirror-waterlevel", "module": "policies/mirror_waterlevel.py"})
     assert cfg.module == str(FIXTURES / "mirror_waterlevel.py")
     assert policy_mechanics("mirror-waterlevel") == QWENGYRE
-    again = validate_model(PolicyConfig, cfg.model_dump(), "policy")  # loaded once, no twice
+    again = _checked(cfg.model_dump())  # loaded once, no twice
     assert again == cfg
 
 
@@ -108,7 +110,7 @@ def test_policy_module_by_path_registers_it_and_is_kept_absolute(
 def test_a_bad_policy_module_is_one_line_naming_the_field(isolated_policies, module, want):
     for _ in range(2):  # a module refused part-way registered nothing: the same error again
         with pytest.raises(ConfigError, match=want) as err:
-            validate_model(PolicyConfig, {"name": "undeclared", "module": module}, "policy")
+            _checked({"name": "undeclared", "module": module})
         assert "\n" not in str(err.value)
         assert not {"undeclared", "declared-first"} & set(registered())
 
@@ -130,7 +132,7 @@ def test_an_installed_entry_point_registers_its_policy(isolated_policies, tmp_pa
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "ep-demo" not in registered()
-    cfg = validate_model(PolicyConfig, {"name": "ep-demo"}, "policy")
+    cfg = _checked({"name": "ep-demo"})
     assert cfg.module is None and "tidal_plugin_demo" in sys.modules
     assert policy_mechanics("ep-demo") == QWENGYRE
 
@@ -140,11 +142,11 @@ def test_a_broken_entry_point_is_named_when_its_policy_is_asked_for(
 ):
     _plugin(tmp_path, "tidal_plugin_demo", "raise RuntimeError('needs a GPU library')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert validate_model(PolicyConfig, {"name": "waterlevel"}, "policy").name == "waterlevel"
+    assert _checked({"name": "waterlevel"}).name == "waterlevel"
     with pytest.raises(
         ConfigError,
         match=r"^policy\.name: unknown policy 'ep-demo' \(known: "
         r".*; entry point demo not loaded: tidal_plugin_demo: RuntimeError: "
         r"needs a GPU library\)$",
     ):
-        validate_model(PolicyConfig, {"name": "ep-demo"}, "policy")
+        _checked({"name": "ep-demo"})

@@ -200,7 +200,7 @@ def test_static_without_standalone_is_refused_by_the_controller():
     cells = CellSet([Cell(i, 4, 8, CellKind.HYBRID) for i in range(2)])
     with pytest.raises(ConfigError, match="no rollout capacity"):
         Controller(cells, make_policy("verl-static"), ManualClock(), None,
-                   ControllerSettings(batch_groups=2))
+                   ControllerSettings(batch_groups=2, updates_per_burst=1))
     cells = CellSet([Cell(i, 4, 8, CellKind.HYBRID) for i in range(2)])
     Controller(cells, make_policy("verl-static", {"colocated_fallback": True}), ManualClock(),
-               None, ControllerSettings(batch_groups=2))
+               None, ControllerSettings(batch_groups=2, updates_per_burst=1))
