@@ -1,6 +1,7 @@
 """DESIGN.md's layer rules, read from the source (every import statement, at any depth):
-``sim`` never imports ``viz``; ``config`` never builds policies; only ``runtime`` imports Ray;
-``control`` does no I/O of its own (no ``open``, no HTTP, no wall clock)."""
+``sim`` never imports ``viz``; ``config`` never builds policies and imports nothing of
+``control``; only ``runtime`` imports Ray; ``control`` does no I/O of its own (no ``open``, no
+HTTP, no wall clock)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,59 @@ def test_config_never_builds_policies():
     names = _imports(SRC / "config.py")
     assert not {n for n in names if n.startswith("tidal.control.factory")
                 or n.endswith(("make_policy", "build_policy", "build_controller"))}, names
+
+
+def _module_files(name: str, root: Path) -> list[Path]:
+    """The files importing ``name`` (``tidal.a.b``) runs under ``root`` (the ``tidal`` package):
+    each package's ``__init__.py`` on the way and the module itself; none for a name that is
+    no module (``tidal.errors.ConfigError``, a name imported from one)."""
+    parts = name.split(".")[1:]
+    if not (root.joinpath(*parts).with_suffix(".py").is_file()
+            or (root.joinpath(*parts) / "__init__.py").is_file()):
+        return []
+    files = [root.joinpath(*parts[:i]) / "__init__.py" for i in range(len(parts) + 1)]
+    files.append(root.joinpath(*parts).with_suffix(".py"))
+    return [f for f in files if f.is_file()]
+
+
+def _reached(path: Path, root: Path = SRC) -> set[str]:
+    """Every ``tidal`` name imported by ``path`` and, in turn, by each tidal module it imports:
+    at module level or inside a function, at any depth."""
+    seen: set[Path] = set()
+    todo, names = [path], set()
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        found = {n for n in _imports(f) if n == "tidal" or n.startswith("tidal.")}
+        names |= found
+        todo += [m for n in found for m in _module_files(n, root)]
+    return names
+
+
+def test_config_imports_nothing_of_the_control_plane():
+    """``config`` sits below ``control`` (``control.factory`` reads configs): it imports no
+    ``tidal.control`` module, not lazily, and nothing that does (``tidal.plugins`` does)."""
+    reached = _reached(SRC / "config.py")
+    assert not {n for n in reached if n == "tidal.control" or n.startswith("tidal.control.")}
+    assert "tidal.plugins" not in reached
+
+
+def test_the_reach_rule_sees_each_form(tmp_path):
+    pkg = tmp_path / "tidal"
+    (pkg / "control").mkdir(parents=True)
+    (pkg / "control" / "__init__.py").write_text("")
+    (pkg / "control" / "policy.py").write_text("")
+    (pkg / "leaf.py").write_text("import os\n")
+    (pkg / "mid.py").write_text("def f():\n    from tidal.control.policy import registered\n")
+    for code in ("import tidal.control.policy\n", "from tidal.control import policy\n",
+                 "def f():\n    from tidal.control.policy import registered\n",
+                 "from tidal.leaf import x\nfrom tidal.mid import f\n"):
+        (pkg / "config.py").write_text(code)
+        assert "tidal.control.policy" in _reached(pkg / "config.py", pkg), code
+    (pkg / "config.py").write_text("from tidal.leaf import x\nimport tidal.leaf\n")
+    assert _reached(pkg / "config.py", pkg) == {"tidal.leaf", "tidal.leaf.x"}
 
 
 def test_only_runtime_imports_ray():
