@@ -46,6 +46,22 @@ def test_cli_bad_config_one_line_nonzero(tmp_path, capsys):
     assert main(["check", str(tmp_path / "missing.yaml")]) == 2
 
 
+@pytest.mark.parametrize("text, want", [
+    ("policy:\n  name: nope\n", "policy.name: unknown policy 'nope' (known: "),
+    ("policy:\n  name: x\n  module: no_such.py\n", "policy.module: "),
+    ("control:\n  admission: sometimes\n", "control.admission: must be 'off', 'saturation'"),
+])
+def test_check_names_what_only_the_control_plane_knows_in_one_line(tmp_path, capsys, text, want):
+    """The config layer leaves these to ``control.factory``; ``tidal check`` still names the
+    field and the file, as for any other bad value."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    assert main(["check", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"tidal: error: {want}"), err
+    assert err.endswith(f"(in {bad})")
+
+
 def test_shipped_configs_are_valid():
     from pathlib import Path
 
