@@ -2,13 +2,14 @@
 
 In: a validated ``RunConfig`` and what this machine has (its cores and GPUs, ``Machine``; on a
 Ray cluster, once connected, the cluster's nodes). Out: nothing, or one ``ConfigError`` naming
-the field: the run's own rules (``wiring.check_config``: bursts, quota, backends and their
-venvs), the model (a directory that exists and holds a model; its context holds
-``runtime.max_tokens``), the machine (``runtime.use_gpus`` without a GPU, engine bundles beyond
-the local Ray's CPUs or GPUs, ``runtime.fsdp_ranks`` beyond the cores) and, for a cluster run,
-``check_cluster`` after Ray connects and before any placement. No Ray import here: the cluster
-is read from the values Ray's ``nodes()`` returns. Invariant: a config these checks pass does
-not fail later for a reason they could have seen.
+the field: the policy and the admission rule (``control.factory.check_policy``: a config built
+in code is checked as one read from a file is), the run's own rules (``wiring.check_config``:
+bursts, quota, backends and their venvs), the model (a directory that exists and holds a
+model; its context holds ``runtime.max_tokens``), the machine (``runtime.use_gpus`` without a
+GPU, engine bundles beyond the local Ray's CPUs or GPUs, ``runtime.fsdp_ranks`` beyond the
+cores) and, for a cluster run, ``check_cluster`` after Ray connects and before any placement.
+No Ray import here: the cluster is read from the values Ray's ``nodes()`` returns. Invariant: a
+config these checks pass does not fail later for a reason they could have seen.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ class Machine:
 def check_run(cfg: RunConfig, machine: Machine | None = None) -> Workload | None:
     """Every check ``tidal run`` makes before it starts Ray (``ConfigError`` on the first).
     Out: the ``task:`` section's workload, built by the check (``wiring.check_config``)."""
+    from tidal.control.factory import check_policy
     from tidal.runtime.wiring import check_config
 
+    check_policy(cfg)  # the policy's module, name, arguments and the admission rule
     workload = check_config(cfg)
     check_backends(cfg)
     context = check_model(cfg)
