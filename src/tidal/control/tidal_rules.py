@@ -48,6 +48,7 @@ class Situation:
     q: float = 0.0  # executions finished per running-execution-second (0: unknown)
     #: when the over-subscribed move executions still wait since was decided (None: none)
     oversubscribed_since_s: float | None = None
+    move_s: float = 0.0  # how long the policy's last move to training took (0: none yet)
 
     @property
     def displaced(self) -> int:
@@ -292,6 +293,29 @@ def queue_too_low(s: Situation, k: Knobs, projected: float) -> Decision | None:
     return None
 
 
+def tail_lend_idle(s: Situation, after: int) -> Decision | None:
+    """A lend on spare slots (everything still to run fits without the cell) helps only while
+    the trainer is the bottleneck: the groups the version still needs take the current
+    training cells longer than the remaining executions take to produce them, by more than the
+    move costs. Else the lent cell would wait for data and return when the next version
+    starts dispatching (two switches for nothing)."""
+    obs = s.obs
+    if s.todo > after or s.backlog or s.gpus == 0 or not s.rates_known or s.c <= 0:
+        return None
+    left_steps = max(0, obs.updates_per_burst - obs.steps_in_version - 1)
+    need = obs.supply.needed + left_steps * s.batch  # groups the version still trains
+    train_s = need / (s.c * s.gpus)
+    missing = max(0, need - s.queue)
+    produce = s.p * obs.running
+    prod_s = 0.0 if missing == 0 else (math.inf if produce <= 0 else missing / produce)
+    if train_s > prod_s + s.move_s:
+        return None
+    return Decision.hold(
+        f"spare slots but the trainer waits for data: {need} groups take {train_s:.0f}s to "
+        f"train, {prod_s:.0f}s to produce (+{s.move_s:.0f}s move)"
+    )
+
+
 def lend_next(s: Situation, k: Knobs) -> Decision:
     """Lend the next cell of the order to training when rollout does not need its slots, the
     move is waterlevel-safe and the trainer has data; else hold, saying why."""
@@ -305,6 +329,7 @@ def lend_next(s: Situation, k: Knobs) -> Decision:
         lambda: idle_trainer(s, k, nxt, after),
         lambda: waterlevel_blocked(s, k, nxt, after, drift_after),
         lambda: rollout_needs_slots(s, after, drift_after),
+        lambda: tail_lend_idle(s, after),
         lambda: supply_not_held(s),
         lambda: queue_too_low(s, k, projected),
     )

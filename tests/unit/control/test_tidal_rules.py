@@ -1,11 +1,14 @@
 """The tidal policy's rules, each on its own (``tidal.control.tidal_rules``): each returns its
 decision on the situation it names and None (the next rule's turn) otherwise."""
 
+import pytest
+
 from tidal.control import tidal_rules as rules
 from tidal.control.policy import Action, CellView, Observation
 from tidal.control.supply import SupplyView
 from tidal.control.tidal_policy import TidalPolicy
 from tidal.control.tidal_rules import Situation
+from tidal.errors import ConfigError
 from tidal.types import CellKind, Role
 
 K = TidalPolicy()  # horizon 300 s, dwell 20 s, low 2 batches, high 0, floor 1
@@ -28,6 +31,7 @@ def sit(
     q=0.0,
     since=None,
     generated=100,
+    move_s=0.0,
 ) -> Situation:
     cells = tuple(CellView(i, slots, 8, CellKind.HYBRID, Role(r)) for i, r in enumerate(roles))
     cap = sum(x.slots for x in cells if x.role is Role.ROLLOUT) + 256
@@ -55,7 +59,7 @@ def sit(
         in_flight=False,
     )
     gpus = sum(x.gpus for x in cells if x.role is Role.TRAINING)
-    return Situation(o, p, c, known, gpus, last, last_move_s, q, since)
+    return Situation(o, p, c, known, gpus, last, last_move_s, q, since, move_s)
 
 
 def test_measuring_holds_until_both_rates_are_known_unless_a_side_is_empty():
@@ -151,6 +155,35 @@ def test_lend_next_lends_with_spare_slots_and_holds_when_balanced():
     assert rules.lend_next(sit(roles=("training", "training")), K).reason == "balanced"
     dwell = rules.lend_next(sit(last=Action.TO_ROLLOUT, last_move_s=95.0), K)
     assert dwell.reason == "dwell before reversing the last move"
+
+
+def test_tail_lend_only_while_the_trainer_is_the_bottleneck():
+    # the version still needs 16 + 3 * 16 = 64 groups; 44 are missing, produced at
+    # p * running = 0.01 * 10 = 0.1 groups/s: 440 s
+    slow = sit(c=0.001)  # 8 GPUs at 0.001 groups/GPU-s: 8000 s to train them
+    assert rules.tail_lend_idle(slow, 256) is None
+    fast = sit(c=0.1)  # 80 s to train: the lent cell would wait for data
+    d = rules.tail_lend_idle(fast, 256)
+    assert d.action is Action.HOLD and d.reason == (
+        "spare slots but the trainer waits for data: 64 groups take 80s to train, 440s to "
+        "produce (+0s move)")
+    assert rules.lend_next(fast, K).reason == d.reason
+    # the lend's own duration counts against it: 500 s to train, 440 s + 100 s move
+    assert rules.tail_lend_idle(sit(c=0.016, move_s=100.0), 256) is not None
+    assert rules.tail_lend_idle(sit(c=0.016, move_s=0.0), 256) is None
+    assert rules.tail_lend_idle(sit(c=0.1, ready=40), 256) is None  # a backlog lends anyway
+    assert rules.tail_lend_idle(sit(c=0.1, waterlevel=300, ready=0), 256) is None  # not spare
+    nothing = sit(c=0.1, roles=("rollout", "rollout"))  # nothing trains: the idle-trainer rule
+    assert rules.tail_lend_idle(nothing, 128) is None
+
+
+def test_start_cells_is_where_the_policy_starts_not_the_floor():
+    cells = tuple(CellView(i, 128, 8, CellKind.HYBRID, Role.ROLLOUT) for i in range(3))
+    assert TidalPolicy().initial_prefix(cells) == 0  # every cell rolls out until a batch
+    assert TidalPolicy(start_cells=2).initial_prefix(cells) == 2
+    assert TidalPolicy(start_cells=9).initial_prefix(cells) == 3
+    with pytest.raises(ConfigError, match=r"policy\.args\.start_cells"):
+        TidalPolicy(start_cells=-1)
 
 
 def test_decide_asks_the_rules_in_order():

@@ -14,6 +14,7 @@ from tidal.control.verl import dispatch_budget
 from tidal.sim import perf
 from tidal.sim.oracle import (
     draw_candidates,
+    fastest_trainer,
     hull_rate_max,
     lower_hull,
     min_train_gpus,
@@ -46,8 +47,9 @@ def kv_context_tokens(spec) -> float:
 
 
 def bound_before(sc: Scenario) -> float:
-    """The oracle as it stood before the trainer LP and the pipeline (frozen copy)."""
-    sc = perf.resolve(sc)
+    """The oracle as it stood before the trainer LP and the pipeline (frozen copy), on the
+    scenario the oracle reads (its fastest trainer: a policy that runs no old-log-prob pass)."""
+    sc = perf.resolve(fastest_trainer(sc))
     cl, eng, tr, ctrl = sc.cluster, sc.engine, sc.trainer, sc.control
     gpus = sum(c.gpus for c in cl.cell_specs()) + cl.standalone_count * cl.standalone_gpus
     slots = sum(c.slots for c in cl.cell_specs()) + cl.standalone_count * cl.standalone_slots

@@ -133,10 +133,11 @@ def test_returns_a_block_large_enough_for_the_missing_slots():
     assert d.action is Action.TO_ROLLOUT and d.cells == (1, 2, 3)
 
 
-def test_initial_prefix_is_min_train_cells():
+def test_initial_prefix_is_start_cells_not_the_floor():
     cells = tuple(CellView(i, 128, 8, CellKind.HYBRID, Role.ROLLOUT) for i in range(3))
-    assert make_policy("tidal").initial_prefix(cells) == 1
-    assert make_policy("tidal", {"min_train_cells": 5}).initial_prefix(cells) == 3
+    assert make_policy("tidal").initial_prefix(cells) == 0  # nothing to train yet
+    assert make_policy("tidal", {"min_train_cells": 5}).initial_prefix(cells) == 0
+    assert make_policy("tidal", {"start_cells": 5}).initial_prefix(cells) == 3
 
 
 def test_holds_dispatch_so_the_next_cell_can_train_when_production_leads():
