@@ -107,7 +107,7 @@ class CommandKind:
             code = await proc.wait()
         finally:
             await _end(proc)
-            _end_strays(ctx.api_key)
+            await _end_strays(ctx.api_key)
         stdout, stderr = _tail(logs / "stdout.log"), _tail(logs / "stderr.log")
         return AgentOutcome(
             answer=stdout.strip(),
@@ -163,22 +163,39 @@ async def _end(proc: asyncio.subprocess.Process) -> None:
         _LIVE.discard(proc.pid)
 
 
-def _end_strays(key: str) -> int:
+async def _end_strays(key: str, timeout_s: float = GRACE_S) -> int:
     """SIGKILL to every process still carrying this execution's mark in its environment (a
     child that started its own session, as mini-swe-agent's bash actions do, leaves the
-    program's group); returns how many. Linux ``/proc``; elsewhere the group kill only."""
-    mark = f"{_MARK}={key}".encode() + b"\0"
-    killed = 0
+    program's group), until a scan finds none alive or ``timeout_s`` passes; returns how many
+    were killed. Scans at least twice: a process in the middle of ``execve`` shows an empty
+    environment for an instant. Linux ``/proc``; elsewhere the group kill only."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    killed: set[int] = set()
+    scans = 0
+    while True:
+        found = _marked(f"{_MARK}={key}".encode() + b"\0")
+        scans += 1
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+        if (not found and scans >= 2) or loop.time() >= deadline:
+            return len(killed)
+        await asyncio.sleep(0.02)
+
+
+def _marked(mark: bytes) -> list[int]:
+    """Live processes (a zombie's environment reads empty) whose environment holds ``mark``."""
+    pids = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             found = mark in (entry / "environ").read_bytes()
         except OSError:  # gone, or another user's
             continue
         if found and int(entry.name) != os.getpid():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-    return killed
+            pids.append(int(entry.name))
+    return pids
 
 
 def _signal(pgid: int, sig: int) -> None:

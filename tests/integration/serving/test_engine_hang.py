@@ -27,20 +27,30 @@ DETECT_S = 5.0  # docs/serving.md: "3 s of silence" (+ one sweep; 1 s of slack f
 
 
 async def _stop_when_busy(victim, client, admin) -> float:
-    """SIGSTOP ``victim`` once it holds calls and has streamed part of them; the stop time."""
+    """SIGSTOP ``victim`` once it holds calls and has streamed part of them; the stop time.
+    Polled without blocking the loop the calls run on; a miss names the fullest state seen."""
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        engines = (await client.get("/tidal/engines", headers=admin)).json()["engines"]
-        stats = httpx.get(f"{victim.url}/stats", headers=admin, timeout=5).json()
-        mine = next(e for e in engines if e["url"] == victim.url)
-        # ... and the proxy already holds streamed tokens of calls in flight there (on a loaded
-        # machine the engine's count runs ahead of what reached the proxy)
-        if (mine["inflight"] >= CAP // 2 and stats["generated_tokens"] >= CAP * BUDGET // 8
-                and mine["inflight_tokens"] >= BUDGET // 4):
-            os.kill(victim.proc.pid, signal.SIGSTOP)
-            return time.monotonic()
-        await asyncio.sleep(0.05)
-    raise AssertionError("the victim never got busy")
+    seen: list[tuple[int, int, int]] = []
+    async with httpx.AsyncClient(base_url=victim.url, headers=admin, timeout=5) as direct:
+        while time.monotonic() < deadline:
+            engines, stats = await asyncio.gather(
+                client.get("/tidal/engines", headers=admin), direct.get("/stats")
+            )
+            mine = next(e for e in engines.json()["engines"] if e["url"] == victim.url)
+            generated = stats.json()["generated_tokens"]
+            seen.append((mine["inflight"], mine["inflight_tokens"], generated))
+            # ... and the proxy already holds streamed tokens of calls in flight there (on a
+            # loaded machine the engine's count runs ahead of what reached the proxy)
+            if (mine["inflight"] >= CAP // 4 and generated >= CAP * BUDGET // 8
+                    and mine["inflight_tokens"] >= BUDGET // 4):
+                os.kill(victim.proc.pid, signal.SIGSTOP)
+                return time.monotonic()
+            await asyncio.sleep(0.05)
+    fullest = max(seen, default=None)
+    raise AssertionError(
+        f"the victim never got busy: {len(seen)} polls, fullest (inflight, inflight_tokens, "
+        f"generated) {fullest}, last {seen[-1] if seen else None}"
+    )
 
 
 async def _timed(client, i: int) -> tuple[tuple, float]:
