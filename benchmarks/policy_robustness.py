@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"seed": args.seed, "mechanics": args.mechanics, "rows": rows}, fh)
+    if reused is not None:  # the reused policies are others too
+        policies = [policies[0], *(k for k in reused[0] if k not in (policies[0], STATIC,
+                                                                     "oracle"))]
     report(rows, policies, args.n, args.seed, args.mechanics)
     print(f"wall {time.perf_counter() - t0:.0f} s")
     return 0
