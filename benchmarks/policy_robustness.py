@@ -96,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         if reused is None:
             r = run_scenario(i, args.seed, args.mechanics, policies)
         else:
-            r = {**reused[i], **run_scenario(i, args.seed, args.mechanics, policies[:1],
-                                             static=False)}
+            # the reused figures of the policy under test (any args) are not an other's
+            mine = policies[0].split(":")[0]
+            r = {**{k: v for k, v in reused[i].items() if k.split(":")[0] != mine},
+                 **run_scenario(i, args.seed, args.mechanics, policies[:1], static=False)}
         rows.append(r)
         if args.show:
             best = min(v["makespan_s"] for k, v in r.items() if k != "oracle")
@@ -108,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"seed": args.seed, "mechanics": args.mechanics, "rows": rows}, fh)
     if reused is not None:  # the reused policies are others too
-        policies = [policies[0], *(k for k in reused[0] if k not in (policies[0], STATIC,
-                                                                     "oracle"))]
+        policies = [policies[0], *(k for k in rows[0] if k not in (policies[0], STATIC,
+                                                                   "oracle"))]
     report(rows, policies, args.n, args.seed, args.mechanics)
     print(f"wall {time.perf_counter() - t0:.0f} s")
     return 0
