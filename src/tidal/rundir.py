@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from tidal.contracts import run_files as schema
+from tidal.contracts.run_files import M
 from tidal.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -219,14 +220,12 @@ def load_run(path: str | Path) -> RunData:
 
 
 def _group_rewards(path: Path) -> dict[str, float] | None:
-    rows = read_jsonl(path, model=schema.ExecutionLine)
+    rows = read_lines(path, schema.ExecutionLine)
     if rows is None:
         return None
     by: dict[str, list[float]] = {}
-    for i, r in enumerate(rows, 1):
-        if "group" not in r or not _is_number(r.get("reward")):
-            raise ConfigError(f"{path}:{i}", "needs a group and a numeric reward")
-        by.setdefault(str(r["group"]), []).append(float(r["reward"]))
+    for r in rows:
+        by.setdefault(r.group, []).append(r.reward)
     return {g: sum(v) / len(v) for g, v in by.items()}
 
 
@@ -244,6 +243,33 @@ def read_jsonl(path: Path, required: tuple[str, ...] = (),
     """The objects of a JSONL file of a run directory (None if it is absent); a bad line, a
     missing ``required`` key or a value ``model`` (``tidal.contracts.run_files``) refuses is a
     ``ConfigError`` naming the file and line."""
+    objs = _objects(path)
+    if objs is None:
+        return None
+    out = []
+    for n, obj in objs:
+        missing = [k for k in required if k not in obj]
+        if missing:
+            raise ConfigError(f"{path}:{n}", f"missing key(s) {', '.join(missing)}")
+        bad = [k for k in required if not _is_number(obj[k])]
+        if bad:
+            raise ConfigError(f"{path}:{n}", f"key(s) {', '.join(bad)} must be numbers")
+        out.append(obj if model is None else schema.check(model, obj, f"{path}:{n}"))
+    return out
+
+
+def read_lines(path: Path, model: type[M]) -> list[M] | None:
+    """The lines of a run-directory file as ``model`` instances (``tidal.contracts.run_files``;
+    None if the file is absent); a bad line is a ``ConfigError`` naming the file, line and
+    field."""
+    objs = _objects(path)
+    if objs is None:
+        return None
+    return [schema.parse(model, obj, f"{path}:{n}") for n, obj in objs]
+
+
+def _objects(path: Path) -> list[tuple[int, dict[str, Any]]] | None:
+    """(line number, object) of every non-blank line of a JSONL file (None if absent)."""
     if not path.is_file():
         return None
     try:
@@ -260,13 +286,7 @@ def read_jsonl(path: Path, required: tuple[str, ...] = (),
             raise ConfigError(f"{path}:{n}", f"not valid JSON: {exc.msg}") from None
         if not isinstance(obj, dict):
             raise ConfigError(f"{path}:{n}", "not a JSON object")
-        missing = [k for k in required if k not in obj]
-        if missing:
-            raise ConfigError(f"{path}:{n}", f"missing key(s) {', '.join(missing)}")
-        bad = [k for k in required if not _is_number(obj[k])]
-        if bad:
-            raise ConfigError(f"{path}:{n}", f"key(s) {', '.join(bad)} must be numbers")
-        out.append(obj if model is None else schema.check(model, obj, f"{path}:{n}"))
+        out.append((n, obj))
     return out
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tidal.contracts import run_files as schema
 from tidal.errors import ConfigError
-from tidal.rundir import load_run, read_jsonl
+from tidal.rundir import load_run, read_jsonl, read_lines
 from tidal.sim.from_run import scenario_from_run
 from tidal.types import CloseReason
 
@@ -52,6 +52,33 @@ def test_a_wrong_value_names_file_line_and_field(tmp_path):
     (run / "executions.jsonl").write_text("\n".join([json.dumps(row), *execs[1:]]) + "\n")
     with pytest.raises(ConfigError, match=r"executions\.jsonl:1: field reason: 'exploded'"):
         scenario_from_run(run)
+
+
+def test_execution_readers_hold_models_and_a_missing_reward_is_refused(tmp_path):
+    """Every reader of ``executions.jsonl`` (report, trace, reward plot, calibrate) holds
+    ``ExecutionLine`` models; a line without its reward is an error naming it, never 0.0."""
+    from tidal.viz.run_figures import step_rewards
+    from tidal.viz.trace_sources import from_run_dir as from_run
+
+    run = tmp_path / "run"
+    shutil.copytree(RUNS / "tiny-calibration", run)
+    rows = read_lines(run / "executions.jsonl", schema.ExecutionLine)
+    assert rows and all(isinstance(r, schema.ExecutionLine) for r in rows)
+    assert all(isinstance(c, schema.CallLine) for r in rows for c in r.calls)
+    assert read_lines(run / "absent.jsonl", schema.ExecutionLine) is None
+    before = step_rewards(load_run(run))
+    assert before and all(n > 0 for *_, n in before)
+    from_run(run)  # the trace's reroutes read the same models
+
+    execs = (run / "executions.jsonl").read_text().splitlines()
+    row = json.loads(execs[1])
+    del row["reward"]
+    (run / "executions.jsonl").write_text("\n".join([execs[0], json.dumps(row), *execs[2:]])
+                                          + "\n")
+    for read in (load_run, lambda r: step_rewards(load_run(r)), from_run, scenario_from_run):
+        with pytest.raises(ConfigError, match=r"executions\.jsonl:2: field reward: Field "
+                                              r"required"):
+            read(run)
 
 
 def test_close_reasons_are_the_ledgers():

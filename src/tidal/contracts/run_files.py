@@ -13,13 +13,15 @@ metrics ride on the first step after a weight version closed). An execution's cl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tidal.contracts.calls import CallRecord
 from tidal.contracts.close import CloseReason
 from tidal.errors import ConfigError
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class _Line(BaseModel):
@@ -206,12 +208,18 @@ class Summary(_Line):
 def check(model: type[BaseModel], obj: object, where: str) -> dict[str, Any]:
     """``obj`` checked against ``model``; returned unchanged (extra keys kept). A wrong or
     missing value is a ``ConfigError`` at ``where`` naming the field."""
+    parse(model, obj, where)
+    return cast(dict[str, Any], obj)  # parse refused anything but a dict of the model
+
+
+def parse(model: type[M], obj: object, where: str) -> M:
+    """``obj`` as a ``model`` instance (what a reader should hold); a wrong or missing value
+    is a ``ConfigError`` at ``where`` naming the field."""
     try:
-        model.model_validate(obj)
+        return model.model_validate(obj)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "(line)"
         msg = (f"{err['input']!r} is not one of {err['ctx']['expected']}"
                if err["type"] == "enum" else err["msg"])
         raise ConfigError(where, f"field {field}: {msg}") from None
-    return obj

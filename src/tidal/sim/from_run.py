@@ -247,8 +247,10 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
         raise ConfigError(str(root), "no config.yaml: calibration needs the resolved config")
     own = check_known(load_yaml(root / "config.yaml", RunConfig), root / "config.yaml")
     cfg = check_known(load_yaml(describe, RunConfig), describe) if describe is not None else own
-    execs = [schema.ExecutionLine.model_validate(e)
-             for e in read_jsonl(root / "executions.jsonl", schema.ExecutionLine)]
+    execs = run_data.read_lines(root / "executions.jsonl", schema.ExecutionLine)
+    if execs is None:
+        raise ConfigError(str(root / "executions.jsonl"),
+                          "missing: calibration needs it (written by `tidal run`)")
     metrics = run.metrics or []
     if not metrics:
         raise ConfigError(str(root / "metrics.jsonl"), "missing or empty: no optimizer step")

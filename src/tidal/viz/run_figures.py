@@ -22,7 +22,8 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidal.rundir import RunData, read_jsonl
+from tidal.contracts import run_files as schema
+from tidal.rundir import RunData, read_lines
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -82,10 +83,10 @@ def step_utilization(run: RunData) -> list[dict[str, Any]]:
 
 def step_rewards(run: RunData) -> list[tuple[int, float, float | None, int]]:
     """Per step: (step, mean reward, standard deviation over its executions or None, n)."""
-    execs = read_jsonl(run.path / "executions.jsonl") or []
+    execs = read_lines(run.path / "executions.jsonl", schema.ExecutionLine) or []
     by_group: dict[str, list[float]] = {}
     for e in execs:
-        by_group.setdefault(str(e.get("group")), []).append(float(e.get("reward", 0.0)))
+        by_group.setdefault(e.group, []).append(e.reward)
     out = []
     for m in run.metrics or []:
         vals = [r for g in m.get("groups") or [] for r in by_group.get(str(g), [])]

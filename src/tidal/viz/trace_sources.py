@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tidal.contracts import run_files as schema
-from tidal.rundir import UTIL_KEYS, RunData, load_run, read_jsonl
+from tidal.rundir import UTIL_KEYS, RunData, load_run, read_jsonl, read_lines
 from tidal.viz.run_figures import capacity_at, rollout_capacity
 from tidal.viz.trace import Plan, TraceRun
 
@@ -50,8 +50,8 @@ def from_run_dir(path: str | Path) -> TraceRun:
                   publications=publications_of(decisions, run),
                   standalone=[e for e in engines if e.startswith("s")],
                   engine_track={f"c{i}": i for i in range(len(run.cell_names()))})
-    tr.reroutes = run_reroutes(read_jsonl(root / "executions.jsonl",
-                                          model=schema.ExecutionLine) or [], tr.plans)
+    tr.reroutes = run_reroutes(read_lines(root / "executions.jsonl", schema.ExecutionLine)
+                               or [], tr.plans)
     cap = rollout_capacity(run)
     tr.counters = [(float(s["t"]), {"waterlevel": s["waterlevel"], "running": s["running"],
                                     "queued": s["queued"],
@@ -108,7 +108,7 @@ def publications_of(decisions: list[dict[str, Any]], run: RunData) -> list[tuple
             for m in run.metrics if UTIL_KEYS["train"] in m]
 
 
-def run_reroutes(executions: list[dict[str, Any]],
+def run_reroutes(executions: list[schema.ExecutionLine],
                  plans: list[Plan]) -> list[tuple[float, str, str, str]]:
     """(t, from, to, execution) for every engine change of an execution: within a call (its
     in-flight request retried elsewhere; placed at the start of the move of the engine's cell
@@ -116,16 +116,16 @@ def run_reroutes(executions: list[dict[str, Any]],
     out = []
     for ex in executions:
         prev: str | None = None
-        for call in ex["calls"]:
-            start = call.get("start_s")
-            engines = list(call["engines"])
+        for call in ex.calls:
+            start = call.start_s
+            engines = call.engines
             if prev is not None and engines and engines[0] != prev and start is not None:
-                out.append((float(start), prev, engines[0], ex["execution"]))
+                out.append((start, prev, engines[0], ex.execution))
             for a, b in itertools.pairwise(engines):
                 if start is None:
                     continue
-                t = _reroute_time(a, float(start), float(call.get("call_s") or 0.0), plans)
-                out.append((t, a, b, ex["execution"]))
+                out.append((_reroute_time(a, start, call.call_s or 0.0, plans), a, b,
+                            ex.execution))
             prev = engines[-1] if engines else prev
     return out
 
