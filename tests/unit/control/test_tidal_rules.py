@@ -11,7 +11,7 @@ from tidal.control.tidal_rules import Situation
 from tidal.errors import ConfigError
 from tidal.types import CellKind, Role
 
-K = TidalPolicy()  # horizon 300 s, dwell 20 s, low 2 batches, high 0, floor 1
+K = TidalPolicy()  # horizon 60 s, dwell 20 s, low 2 batches, high 0, floor 1
 ON = TidalPolicy(max_queued=256)  # over-subscription on (off by default)
 
 

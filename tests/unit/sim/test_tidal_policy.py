@@ -70,10 +70,15 @@ def test_never_lends_without_held_supply():
 
 
 def test_returns_the_last_cell_when_rollout_is_short_and_the_queue_runs_dry():
-    p = make_policy("tidal")
+    # 1 group per 100 s of 100 running executions: over a 300 s horizon a batch is within
+    # reach (the floor keeps the core), over the default 60 s it is not (the core returns too)
+    p = make_policy("tidal", {"horizon_s": 300})
     d = warmed(p, roles=("training", "training"), waterlevel=256, pending=500, ready=2,
                generated=1)
     assert d.action is Action.TO_ROLLOUT and d.cells == (1,)
+    d = warmed(make_policy("tidal"), roles=("training", "training"), waterlevel=256,
+               pending=500, ready=2, generated=1)
+    assert d.action is Action.TO_ROLLOUT and d.cells == (0, 1) and "in 60s" in d.reason
 
 
 def test_keeps_min_train_cells_and_waits_out_the_dwell():
