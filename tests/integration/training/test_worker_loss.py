@@ -91,17 +91,23 @@ def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected,
     procs = [spawn_satellite(core, 1), spawn_satellite(core, 2)]
     reports = []
 
+    seen: dict = {}
+
     def gate(chunk: int) -> None:
         if chunk == 1:
             wait_for(lambda: ready(core, 1) and ready(core, 2), 90, "both satellites to join")
+        if chunk == 3 and need_done:
+            # The second batch's last groups wait until a satellite is caught with completed,
+            # undelivered work: the batch cannot close (and gather) before, so the window is
+            # certain (before, a fast batch could close between two polls, twice, on CI).
+            wait_for(lambda: "cell" in seen, 90, "a satellite caught with undelivered work")
 
-    Feeder(buf, records, chunks=[2, 6, 8], gate=gate, pause_s=0.3).start()
+    Feeder(buf, records, chunks=[2, 6, 4, 4], gate=gate, pause_s=0.3).start()
     trainer = threading.Thread(
         target=lambda: reports.extend([core.train_step(False), core.train_step(True)]),
         daemon=True)
     trainer.start()
     try:
-        seen: dict = {}
         # Whichever satellite first gets there is the one lost (on a loaded machine one of
         # them may do no work at all in the two steps).
         if need_done:
