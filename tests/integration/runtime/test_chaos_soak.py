@@ -33,6 +33,7 @@ from .test_tiny_run import CONFIG, expected_groups
 # 25 bursts x 2 steps x 1 group of 4 = 200 executions; under waterlevel a cell moves to
 # training and back for about every step (50 drains in an undisturbed run, 89 s on 2 cores)
 GROUP_SIZE, BATCH_GROUPS, UPDATES, BURSTS = 4, 1, 2, 25
+LATE_STEPS = 20  # the driver is killed with at least this many steps left
 # before the driver's SIGKILL: 3 engines, 2 cell actors; after the resume: 2 engines
 FIRST = [("engine", "s0"), ("engine", "c1"), ("actor", "c1"), ("engine", "s0"),
          ("actor", "c1")]
@@ -102,11 +103,13 @@ class Chaos(threading.Thread):
         self.done: list[tuple[str, str]] = []
         self.inflight: list[int] = []  # calls on the victim's engine when it was killed
         self.stop = threading.Event()
+        self.at = 0  # the plan's entries before this one were tried
 
     def run(self) -> None:
         if not self._wait(self.ready, 300.0):  # the run is running (not starting up)
             return
-        for kind, name in self.plan:
+        for i, (kind, name) in enumerate(self.plan):
+            self.at = i
             victim = self._wait(lambda n=name: _engines(self.driver).get(n), 120.0)
             if victim is None or self.stop.wait(self.gap_s):
                 return
@@ -118,6 +121,7 @@ class Chaos(threading.Thread):
                 continue
             self.done.append((kind, name))
             self.inflight.append(busy)
+            self.at = i + 1
             # replaced: a live engine process of that id again, not the killed one
             self._wait(lambda n=name, v=victim.pid: (e := _engines(self.driver).get(n))
                        and e.pid != v and e, 120.0)
@@ -151,8 +155,14 @@ def test_chaos_soak_loses_nothing(tmp_path, capsys):
         end = time.monotonic() + 400
         while time.monotonic() < end and first.poll() is None:
             step = _checkpoint_step(out)
-            if not chaos.is_alive() and step is not None and step >= 16 and step % UPDATES:
-                os.kill(first.pid, signal.SIGKILL)  # mid-burst, after the first kills
+            # mid-burst, after the first kills; at the latest with LATE_STEPS left, so the
+            # resumed run has room for the rest of the plan (CI: the first kills ran slow,
+            # the driver died at step 45 of 50, and the resumed run ended before its kills)
+            if (step is not None and step >= 16 and step % UPDATES
+                    and (not chaos.is_alive() or step >= BURSTS * UPDATES - LATE_STEPS)):
+                chaos.stop.set()
+                chaos.join(30)
+                os.kill(first.pid, signal.SIGKILL)
                 killed_at = step
                 break
             time.sleep(0.05)
@@ -165,7 +175,8 @@ def test_chaos_soak_loses_nothing(tmp_path, capsys):
     kills, inflight = list(chaos.done), list(chaos.inflight)
 
     second = _run(["run", "--resume", str(out)], log)
-    chaos = Chaos(second.pid, SECOND, lambda: (_checkpoint_step(out) or 0) > killed_at)
+    rest = FIRST[chaos.at:] + SECOND  # what the first run's chaos had no time for, then ours
+    chaos = Chaos(second.pid, rest, lambda: (_checkpoint_step(out) or 0) > killed_at)
     chaos.start()
     try:
         assert second.wait(420) == 0, log.read_text()[-3000:]
