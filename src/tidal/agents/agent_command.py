@@ -172,9 +172,10 @@ async def _end_strays(key: str, timeout_s: float = GRACE_S) -> int:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     killed: set[int] = set()
+    mark = f"{_MARK}={key}".encode() + b"\0"
     scans = 0
     while True:
-        found = _marked(f"{_MARK}={key}".encode() + b"\0")
+        found = _marked(mark)
         scans += 1
         for pid in found:
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -73,7 +73,7 @@ import json
 import math
 import statistics as st
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -101,10 +101,16 @@ COST_KINDS = {
 def read_jsonl(path: Path, model: type[BaseModel]) -> list[dict[str, Any]]:
     """The lines of a run-directory file, each checked against its model
     (``tidal.contracts.run_files``)."""
-    out = run_data.read_jsonl(path, model=model)
-    if out is None:
+    return _required(path, run_data.read_jsonl(path, model=model))
+
+
+T = TypeVar("T")
+
+
+def _required(path: Path, lines: T | None) -> T:
+    if lines is None:
         raise ConfigError(str(path), "missing: calibration needs it (written by `tidal run`)")
-    return out
+    return lines
 
 
 # ------------------------------------------------------------------------ trainer
@@ -247,10 +253,8 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
         raise ConfigError(str(root), "no config.yaml: calibration needs the resolved config")
     own = check_known(load_yaml(root / "config.yaml", RunConfig), root / "config.yaml")
     cfg = check_known(load_yaml(describe, RunConfig), describe) if describe is not None else own
-    execs = run_data.read_lines(root / "executions.jsonl", schema.ExecutionLine)
-    if execs is None:
-        raise ConfigError(str(root / "executions.jsonl"),
-                          "missing: calibration needs it (written by `tidal run`)")
+    execs = _required(root / "executions.jsonl",
+                      run_data.read_lines(root / "executions.jsonl", schema.ExecutionLine))
     metrics = run.metrics or []
     if not metrics:
         raise ConfigError(str(root / "metrics.jsonl"), "missing or empty: no optimizer step")
