@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -105,6 +106,10 @@ class Controller:
         self.settings = settings
         self.log = log_ or DecisionLog()
         self.ledger = Ledger()
+        #: the engines' cumulative (tokens decoded, sequence-seconds), for
+        #: ``Observation.decode_meter``: the runtime sets it to the proxy's counts, the
+        #: simulator to its engines'
+        self.decode_meter: Callable[[], tuple[float, float]] | None = None
         self.supply = SupplyTracker(settings.batch_groups, settings.supply_fraction,
                                     settings.supply_hold_s)
         now = clock.now()
@@ -337,6 +342,7 @@ class Controller:
             switch_cycle=self.switch_cycle,
             training_prefix=self.cells.prefix_len,
             executions_finished=lg.total.finished,
+            decode_meter=None if self.decode_meter is None else self.decode_meter(),
         )
 
     # --------------------------------------------------------------- decide

@@ -81,6 +81,9 @@ class Observation:
     last_deactivate_duration_s: float = 0.0
     switch_cycle: int = -1
     executions_finished: int = 0  # cumulative (the ledger's ``f``): the finish rate's count
+    #: (tokens decoded, sequence-seconds in flight) over the engines, cumulative (None: not
+    #: metered): tokens per sequence-second falling shows the engines past their knee
+    decode_meter: tuple[float, float] | None = None
 
     training_prefix: int | None = None  # filled in by the controller (cheap); else computed
 

@@ -27,7 +27,26 @@ Rule (evaluated after every event and tick while no transition is in flight):
   that makes the drift non-negative or covers the missing slots; never below
   ``min_train_cells`` unless no rollout capacity is left at all) iff rollout is short of
   slots (``w + pending_dispatch > C_R``) and the queue projected over ``H`` under the
-  current split falls below ``low_batches`` batches.
+  current split falls below ``low_batches`` batches; while a whole batch is ready, only if
+  the return raises the split's throughput ``min(S, D)`` (else it buys back a lend: two
+  switches for nothing; seen as 100 switches on a scenario the all-training split wins).
+- The throughput knee (``Observation.decode_meter``: tokens the engines decoded and
+  sequence-seconds in flight; the proxy's counts in ``tidal run``, the engines' in the
+  simulator). Slots are not throughput: an engine past its knee shares a fixed token rate
+  among more sequences, so moving a cell's executions onto the others slows them all. The
+  policy measures a sequence's speed and the rollout GPUs' tokens per second (over
+  ``KNEE_TAU_S``); while sequences run below ``KNEE_SLOWDOWN`` of their best speed and the
+  GPUs make about their best, the engines are at their knee and their tokens per GPU-second
+  is the capacity ``K``. Rollout then serves at full speed at most ``K g / d`` executions
+  on ``g`` rollout GPUs (``d`` tokens per running-execution-second), and ``S`` above counts
+  no more: a lend whose engines left would pass the knee counts the production they keep;
+  with slots to spare but the engines past their knee, the return rule returns the block
+  that raises ``min(S, D)`` most, by more than ``KNEE_GAIN``; and no cell is lent that at
+  the recent peak of executions to run (over ``PEAK_WINDOW_S``: the load the next version
+  brings back after a version's tail) would leave a split making less. Before the knee is
+  seen (or without a meter) slots count as throughput, as before. Reason: on generated
+  scenarios the policy lent every cell on spare slots and ran 7-69 % behind the best static
+  split (engines past their knee); measured in ``benchmarks/README.md``.
 - Starving trainer: the ``min_train_cells`` floor goes when not one batch would be ready
   within ``H`` even with every slot producing (the training cells' too), so the last training
   cells may return as above; and while nothing trains and a whole batch is ready (supply
@@ -75,15 +94,17 @@ to train before the first batch, so every cell rolls out until a whole batch is 
 idle-trainer rule lends the core (``min_train_cells`` is the floor returns keep, not the start).
 Before the rates are known the policy holds, unless one side is empty (no training cell, or no
 rollout slot): then the unknown rate counts as zero, so a cluster of one cell alternates.
-State: three rate estimates (production, consumption, execution finishes), their integration
-points, the time and direction of the last move, the last lend's measured duration, the
-dispatch limit, the time of the over-subscribed move executions still wait since (all
-bounded, logged with every decision where set).
+State: three rate estimates (production, consumption, execution finishes) and the meter's three
+(sequence speed, GPU speed, tokens per execution) with their bests, their integration points, the
+recent peak of executions to run (a monotone window), the time and direction of the last move, the
+last lend's measured duration, the dispatch limit, the time of the over-subscribed move executions
+still wait since (all bounded, logged with every decision where set).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 from tidal.control import tidal_rules as rules
@@ -113,6 +134,18 @@ MAX_WAIT_S = 900.0
 #: scenarios within 2 % of the best other with 60 s, 42/50 with 300 s; 30 s 44, 90 s 43,
 #: 120 s 43; dapo-math-32gpu unchanged; the real quickstart's bursts 534 -> 490 s).
 HORIZON_S = 60.0
+#: The decode meter's knee (``Observation.decode_meter``): rates over ``KNEE_TAU_S``, read
+#: once ``KNEE_MIN_SEQ_S`` sequence-seconds are in the window; the engines are past their
+#: knee while a sequence gets less than ``KNEE_SLOWDOWN`` of its best speed and the rollout
+#: GPUs make at least ``KNEE_AT_BEST`` of their best tokens per second. Measured on 4 x 50
+#: generated scenarios: 0.7-0.8, 0.85-0.95 and a 300-600 s window change the count within 2 %
+#: of the best other by at most one scenario per seed.
+KNEE_TAU_S = 60.0
+KNEE_MIN_SEQ_S = 30.0
+KNEE_SLOWDOWN = 0.8
+KNEE_AT_BEST = 0.85
+#: The window of the recent peak of executions to run (``past_knee_at_peak``).
+PEAK_WINDOW_S = 600.0
 
 
 class RateEstimate:
@@ -175,6 +208,17 @@ class TidalPolicy:
         self.production = RateEstimate(tau_s)  # groups per running-execution-second
         self.consumption = RateEstimate(tau_s)  # groups per training-GPU-second
         self._last: tuple[float, int, int, int, int, int, int] | None = None
+        # The decode meter (``Observation.decode_meter``): per-sequence speed over a short
+        # window, its best (no contention), and the throughput per rollout GPU the engines
+        # gave while past their knee (sequences slower than the best): their capacity.
+        self.seq_speed = RateEstimate(KNEE_TAU_S)  # tokens per sequence-second
+        self.gpu_speed = RateEstimate(KNEE_TAU_S)  # tokens per rollout-GPU-second
+        self.demand = RateEstimate(tau_s)  # tokens per running-execution-second
+        self.best_seq_speed = 0.0
+        self.best_gpu_speed = 0.0
+        self.gpu_capacity = 0.0  # tokens per rollout-GPU-second at the knee (0: not seen)
+        self._meter: tuple[float, int, int, int, int] | None = None
+        self._todo: deque[tuple[float, int]] = deque()  # (time, executions to run), a window
         self._last_move_s = -math.inf
         self._move_started_s: float | None = None
         self.move_s = 0.0  # the last move to training's duration, measured
@@ -209,7 +253,8 @@ class TidalPolicy:
         situation = Situation(obs, 0.0 if p is None else p, 0.0 if c is None else c,
                               p is not None and c is not None, _training_gpus(obs),
                               self._last_action, self._last_move_s, 0.0 if q is None else q,
-                              self.waiting_since_s, self.move_s)
+                              self.waiting_since_s, self.move_s, _rollout_gpus(obs),
+                              self.servable(1), self._todo_peak(obs))
         d = rules.decide(situation, self)
         if d.action is Action.TO_TRAINING:
             self._move_started_s = obs.now_s
@@ -223,6 +268,7 @@ class TidalPolicy:
 
     # ---------------------------------------------------------------- internals
     def _observe(self, obs: Observation) -> None:
+        self._observe_meter(obs)
         now = obs.now_s
         if self._move_started_s is not None and not obs.in_flight:
             self.move_s = now - self._move_started_s  # the lend finished (first event after)
@@ -250,8 +296,59 @@ class TidalPolicy:
         exposure = gpus0 * dt if ready0 > 0 or consumed > 0 else 0.0
         self.consumption.add(consumed, exposure, dt)
 
+    def _observe_meter(self, obs: Observation) -> None:
+        if obs.decode_meter is None:
+            return
+        tokens, seq_s = obs.decode_meter
+        cur = (obs.now_s, tokens, seq_s, _rollout_gpus(obs), obs.running)
+        last, self._meter = self._meter, cur
+        if last is None or obs.in_flight:
+            return
+        t0, tok0, seq0, gpus0, run0 = last
+        dt = obs.now_s - t0
+        if dt <= 0 or gpus0 != cur[3]:
+            return  # a move ended in between: the window's GPUs are not known
+        d_tok, d_seq = tokens - tok0, seq_s - seq0
+        self.seq_speed.add(d_tok, d_seq, dt)
+        self.gpu_speed.add(d_tok, gpus0 * dt, dt)
+        self.demand.add(d_tok, run0 * dt, dt)
+        speed, per_gpu = self.seq_speed.rate, self.gpu_speed.rate
+        if speed is None or per_gpu is None or self.seq_speed.exposure < KNEE_MIN_SEQ_S:
+            return
+        self.best_seq_speed = max(self.best_seq_speed, speed)
+        self.best_gpu_speed = max(self.best_gpu_speed, per_gpu)
+        # Past the knee: sequences slower than their best while the GPUs make about their
+        # best (slower sequences on GPUs making less are longer contexts, not contention).
+        if (speed < KNEE_SLOWDOWN * self.best_seq_speed
+                and per_gpu >= KNEE_AT_BEST * self.best_gpu_speed):
+            self.gpu_capacity = max(self.gpu_capacity, per_gpu)
+
+    def _todo_peak(self, obs: Observation) -> int:
+        """The most executions to run over the last ``PEAK_WINDOW_S``: the load the next
+        version brings back after a tail."""
+        todo = obs.waterlevel + obs.pending_dispatch
+        w = self._todo
+        while w and w[-1][1] <= todo:
+            w.pop()  # a monotone window: older values no larger than the new one never win
+        w.append((obs.now_s, todo))
+        while w[0][0] < obs.now_s - PEAK_WINDOW_S:
+            w.popleft()
+        return w[0][1]
+
+    def servable(self, gpus: int) -> float:
+        """Executions ``gpus`` rollout GPUs serve before their engines pass the knee, at the
+        measured tokens per running execution (inf: the knee is not seen yet)."""
+        d = self.demand.rate
+        if self.gpu_capacity <= 0 or d is None:
+            return math.inf
+        return self.gpu_capacity * gpus / d
+
 
 _GPUS_CACHE: dict[int, tuple[tuple[CellView, ...], int]] = {}
+
+
+def _rollout_gpus(obs: Observation) -> int:
+    return obs.standalone_gpus + sum(c.gpus for c in obs.cells if c.role is Role.ROLLOUT)
 
 
 def _training_gpus(obs: Observation) -> int:

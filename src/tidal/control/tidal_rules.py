@@ -20,6 +20,10 @@ from tidal.control.policy import Action, CellView, Decision, Observation
 from tidal.control.waterlevel import capacity_after_move
 from tidal.types import Role
 
+#: a return past the knee must raise the split's throughput by this fraction (hysteresis;
+#: 0.05 and 0.10 measured alike)
+KNEE_GAIN = 0.05
+
 
 class Knobs(Protocol):
     """The policy arguments the rules read (``TidalPolicy`` has them)."""
@@ -49,6 +53,17 @@ class Situation:
     #: when the over-subscribed move executions still wait since was decided (None: none)
     oversubscribed_since_s: float | None = None
     move_s: float = 0.0  # how long the policy's last move to training took (0: none yet)
+    rollout_gpus: int = 0
+    #: executions one rollout GPU serves before its engine passes the throughput knee, at the
+    #: measured tokens per execution (inf: no knee seen, or no decode meter)
+    per_gpu: float = math.inf
+    todo_peak: int = 0  # the most executions to run over the last window
+
+    def served(self, slots: int, gpus: int) -> float:
+        """Executions ``slots`` slots on ``gpus`` rollout GPUs run at full speed."""
+        if self.per_gpu == math.inf:
+            return float(slots)
+        return min(float(slots), self.per_gpu * max(0, gpus))
 
     @property
     def displaced(self) -> int:
@@ -128,28 +143,68 @@ def return_block(s: Situation, movable: list[CellView]) -> tuple[int, ...]:
     return tuple(sorted(v.index for v in block))
 
 
+def throughput(s: Situation, lent: int, slots: int) -> float:
+    """Groups per second the split makes with ``lent`` GPUs (and ``slots`` slots) moved from
+    training to rollout: the smaller of production (executions the rollout engines run at
+    full speed) and consumption."""
+    served = s.served(s.cap + slots, s.rollout_gpus + lent)
+    return min(s.p * min(served, s.todo), s.c * (s.gpus - lent))
+
+
+def gains(s: Situation, block: tuple[int, ...]) -> bool:
+    """Returning ``block`` raises the split's throughput (a return that makes less only
+    buys a lend back: two switches for nothing)."""
+    cells = [c for c in s.obs.cells if c.index in block]
+    return throughput(s, sum(c.gpus for c in cells), sum(c.slots for c in cells)) > \
+        throughput(s, 0, 0)
+
+
+def knee_block(s: Situation, movable: list[CellView]) -> tuple[int, ...]:
+    """The last training cells whose return raises the split's throughput the most, by more
+    than ``KNEE_GAIN`` (none: no block does)."""
+    best, best_block = throughput(s, 0, 0) * (1.0 + KNEE_GAIN), ()
+    slots = lent = 0
+    block: list[int] = []
+    for v in reversed(movable):
+        block.append(v.index)
+        slots += v.slots
+        lent += v.gpus
+        t = throughput(s, lent, slots)
+        if t > best:
+            best, best_block = t, tuple(sorted(block))
+    return best_block
+
+
 def return_cells(s: Situation, k: Knobs) -> Decision | None:
     """Return training cells when rollout is short of slots and the queue projected over the
     horizon falls below ``low_batches`` batches (or nothing rolls out at all); not while an
-    over-subscription is under way within its wait cap (``wait_capped`` ends it)."""
+    over-subscription is under way within its wait cap (``wait_capped`` ends it). With slots
+    to spare but the engines past their knee, return the block that raises the split's
+    throughput most (``knee_block``), on the same queue condition."""
     floor = train_floor(s, k)
     obs = s.obs
     movable = [v for v in obs.cells[floor : obs.prefix_len] if v.role is Role.TRAINING]
-    if not movable or len(movable) != obs.prefix_len - floor or s.todo <= s.cap:
+    served = s.served(s.cap, s.rollout_gpus)
+    if not movable or len(movable) != obs.prefix_len - floor or s.todo <= served:
         return None
     if s.oversubscribed(k):
         return None  # the short slots are the over-subscription's, priced when it was decided
-    drift = s.p * min(s.cap, s.todo) - s.c * s.gpus
+    drift = s.p * min(served, s.todo) - s.c * s.gpus
     projected = s.queue + drift * k.horizon_s
     if projected >= k.low_batches * s.batch and s.cap != 0:
         return None
+    knee = s.todo <= s.cap  # slots enough: the engines' throughput is what is short
+    block = knee_block(s, movable) if knee else return_block(s, movable)
+    if not block or (not knee and s.cap != 0 and s.queue >= s.batch and not gains(s, block)):
+        return None
     if s.dwelling(Action.TO_ROLLOUT, k.dwell_s):
         return Decision.hold("dwell before reversing the last move")
+    why = (f"engines at their knee ({s.todo} executions to run, {served:.0f} at full speed)"
+           if knee else f"rollout short: {s.todo} executions to run > {s.cap} slots")
     return Decision(
         Action.TO_ROLLOUT,
-        return_block(s, movable),
-        f"rollout short: {s.todo} executions to run > {s.cap} slots; "
-        f"queue {s.queue} -> {projected:.1f} groups in "
+        block,
+        f"{why}; queue {s.queue} -> {projected:.1f} groups in "
         f"{k.horizon_s:g}s < {k.low_batches * s.batch:g}",
     )
 
@@ -267,11 +322,31 @@ def waterlevel_blocked(
     return Decision.hold(f"capacity after move {after} < waterlevel {obs.waterlevel}")
 
 
-def rollout_needs_slots(s: Situation, after: int, drift_after: float) -> Decision | None:
-    """Rollout needs the lent cell's slots and the queue would drain (no backlog)."""
-    if s.todo > after and drift_after < 0 and not s.backlog:
+def past_knee_at_peak(s: Situation, nxt: CellView, after: int) -> Decision | None:
+    """At the recent peak load the engines left would pass their knee and the split make
+    less than now: the lend would come back when the next version dispatches."""
+    if s.per_gpu == math.inf or not s.rates_known or s.backlog:
+        return None
+    def split(lent: int, slots: int) -> float:
+        served = min(float(s.cap - slots), s.per_gpu * (s.rollout_gpus - lent))
+        return min(s.p * min(served, s.todo_peak), s.c * (s.gpus + lent))
+    now, then = split(0, 0), split(nxt.gpus, s.cap - after)
+    if then >= now:
+        return None
+    return Decision.hold(
+        f"at the recent peak ({s.todo_peak} executions) the engines left pass their knee "
+        f"({s.per_gpu * (s.rollout_gpus - nxt.gpus):.0f}): {then:.3f} < {now:.3f} groups/s")
+
+
+def rollout_needs_slots(s: Situation, after: int, drift_after: float,
+                        served: float | None = None) -> Decision | None:
+    """Rollout needs the lent cell (its slots, or its throughput: ``served``, fewer, where the
+    engines left would pass their knee) and the queue would drain (no backlog)."""
+    served = after if served is None else served
+    if s.todo > served and drift_after < 0 and not s.backlog:
+        what = "slots" if served >= after else f"throughput (knee at {served:.0f})"
         return Decision.hold(
-            f"rollout needs the slots: {s.todo} executions to run > {after} "
+            f"rollout needs the {what}: {s.todo} executions to run > {after} "
             f"and the queue would drain ({drift_after:.4f} groups/s)"
         )
     return None
@@ -293,7 +368,7 @@ def queue_too_low(s: Situation, k: Knobs, projected: float) -> Decision | None:
     return None
 
 
-def tail_lend_idle(s: Situation, after: int) -> Decision | None:
+def tail_lend_idle(s: Situation, after: float) -> Decision | None:
     """A lend on spare slots (everything still to run fits without the cell) helps only while
     the trainer is the bottleneck: the groups the version still needs take the current
     training cells longer than the remaining executions take to produce them, by more than the
@@ -323,13 +398,15 @@ def lend_next(s: Situation, k: Knobs) -> Decision:
     if nxt is None or nxt.role is not Role.ROLLOUT:
         return Decision.hold("balanced")
     after = capacity_after_move(s.obs, nxt)
-    drift_after = s.p * min(after, s.todo) - s.c * (s.gpus + nxt.gpus)
+    served = s.served(after, s.rollout_gpus - nxt.gpus)
+    drift_after = s.p * min(served, s.todo) - s.c * (s.gpus + nxt.gpus)
     projected = s.queue + drift_after * k.dwell_s
     checks: tuple[Callable[[], Decision | None], ...] = (
         lambda: idle_trainer(s, k, nxt, after),
         lambda: waterlevel_blocked(s, k, nxt, after, drift_after),
-        lambda: rollout_needs_slots(s, after, drift_after),
-        lambda: tail_lend_idle(s, after),
+        lambda: rollout_needs_slots(s, after, drift_after, served),
+        lambda: past_knee_at_peak(s, nxt, after),
+        lambda: tail_lend_idle(s, served),
         lambda: supply_not_held(s),
         lambda: queue_too_low(s, k, projected),
     )
@@ -340,8 +417,8 @@ def lend_next(s: Situation, k: Knobs) -> Decision:
     if s.dwelling(Action.TO_TRAINING, k.dwell_s):
         return Decision.hold("dwell before reversing the last move")
     why = (
-        f"rollout has spare slots ({s.todo} executions to run <= {after})"
-        if s.todo <= after
+        f"rollout has spare slots ({s.todo} executions to run <= {served:.0f})"
+        if s.todo <= served
         else f"the queue still grows with one more cell ({drift_after:.4f} groups/s)"
     )
     return Decision(

@@ -306,6 +306,7 @@ class Runtime:
                 self.rt.state_every_s))
             self.parts.spawn("cell supervisor", w.supervisor.run())
             self.parts.spawn("proxy queue probe", w.probe_proxy_queue(self.rt.state_every_s))
+            self.parts.spawn("decode meter", w.meter.run())
             trainer = self.parts.spawn("trainer loop", w.trainer.run())
             await w.dispatcher.run(w.trainer.bursts_published, lambda: w.publisher.weights.version,
                                    functools.partial(w.trainer.wait_published, trainer=trainer))

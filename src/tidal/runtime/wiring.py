@@ -4,9 +4,10 @@ In: the run config, the run directory, a checkpoint (resume) or None, the starte
 proxy, the run's ``Parts`` (task owner). Out: ``Wired``: the trajectory buffer and core trainer,
 the Ray actuator, the controller (real ``tidal.control`` objects on the wall clock) and its
 guarded ``handle`` (every event goes through it: a failure stops the run with its cause), the
-harness bridge, the publisher, the trainer loop, the cell supervisor, the dispatcher and the run
-outputs. The run's ``task:`` section (``tidal.agents.workload``: the user's rows, agent kind and
-reward) is checked with the config and handed to the dispatcher. Data flow: dispatcher ->
+harness bridge, the publisher, the trainer loop, the cell supervisor, the dispatcher, the run
+outputs and the decode meter (the proxy's counts for the controller's observations). The run's
+``task:`` section (``tidal.agents.workload``: the user's rows, agent kind and reward) is checked
+with the config and handed to the dispatcher. Data flow: dispatcher ->
 harness pool -> proxy -> engines; ledger callbacks -> bridge ->
 controller -> plans -> actuator; closed executions -> bridge -> buffer -> trainer loop ->
 publisher -> engines. A resumed run's trainer, weights and metrics are restored here.
@@ -33,6 +34,7 @@ from tidal.runtime.actuator import CoreLink, RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.cell import trainer_device
 from tidal.runtime.checkpoint import Checkpoint
+from tidal.runtime.decode_meter import DecodeMeter
 from tidal.runtime.dispatcher import Dispatcher
 from tidal.runtime.engines import EngineId, Engines
 from tidal.runtime.outputs import RunOutputs, merge_counts
@@ -98,6 +100,7 @@ class Wired:
     supervisor: CellSupervisor
     dispatcher: Dispatcher
     clock: Clock
+    meter: DecodeMeter  # the proxy's decode counts for the controller (``ctl.decode_meter``)
     proxy_queued: int | None = None  # calls waiting at the proxy for a slot (None: unknown)
 
     def state(self) -> dict[str, Any]:
@@ -258,4 +261,4 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     return Wired(admin, decisions, buffer, core, outputs, actuator, ctl, handle, bridge,
                  publisher, trainer,
                  CellSupervisor(engines, actuator, admin, weights, clock, rt.start_timeout_s),
-                 dispatcher, clock)
+                 dispatcher, clock, DecodeMeter(admin, ctl, clock))

@@ -141,6 +141,11 @@ class Proxy:
         self.totals = {"calls": 0, "retries": 0, "drains": 0, "kv_handoffs": 0,
                        "engine_failures": 0, "reprefill_tokens": 0, "saved_prefill_tokens": 0,
                        "failed_calls": 0, "engine_errors": 0, "engine_step_failures": 0}
+        # The decode meter (``Observation.decode_meter``), over all engines and cumulative:
+        # every token an engine sent back (of calls that later moved or failed too), and the
+        # time integral of calls held at an engine (in one's in-flight set; not queued here).
+        self.decoded_tokens = 0
+        self._held, self._held_s, self._held_at = 0, 0.0, self.clock.now()
 
     @property
     def engine_token(self) -> str | None:
@@ -234,8 +239,20 @@ class Proxy:
                                  f"still running after {self.config.drain_timeout_s} s"
                                  ) from None
 
+    def _hold(self, delta: int) -> None:
+        """The number of calls held at engines changes by ``delta`` now (the meter's exposure)."""
+        now = self.clock.now()
+        self._held_s += self._held * (now - self._held_at)
+        self._held, self._held_at = self._held + delta, now
+
+    def decode_meter(self) -> dict[str, float]:
+        """Tokens the engines decoded and sequence-seconds held at them, up to now."""
+        return {"tokens": float(self.decoded_tokens),
+                "inflight_s": self._held_s + self._held * (self.clock.now() - self._held_at)}
+
     async def _release_slot(self, member: Member, request_id: str) -> None:
-        member.inflight.pop(request_id, None)
+        if member.inflight.pop(request_id, None) is not None:
+            self._hold(-1)
         self.queue.notify()
         async with self._released:
             self._released.notify_all()
@@ -333,6 +350,7 @@ class Proxy:
             # no await between the pick and this line: a drain that begins later sees it
             attempt = Attempt(route_key, f"{call.call_id}-{attempt_no}", member)
             member.inflight[attempt.request_id] = attempt
+            self._hold(+1)
             reason, failure = await self._attempt(call, st, attempt, attempt_no, prompt, params,
                                                   remaining, on_chunk)
             if reason in ("stop", "length"):
@@ -474,6 +492,7 @@ class Proxy:
                 seg.token_ids += chunk.token_ids
                 attempt.context_tokens += len(chunk.token_ids)
                 attempt.streamed_tokens += len(chunk.token_ids)
+                self.decoded_tokens += len(chunk.token_ids)
                 seg.logprobs += chunk.logprobs
                 seg.versions += chunk.versions
                 res.add(TokenChunk(chunk.token_ids, chunk.logprobs, chunk.versions,
@@ -526,7 +545,8 @@ class Proxy:
                 **self.queue.stats(), **self.queued_waits.figures(),
                 "executions_recorded": len(self.records), **self.records.stats(),
                 **self._cache_share(),
-                "rerouted_executions": self.router.rerouted_executions, **self.totals}
+                "rerouted_executions": self.router.rerouted_executions, **self.totals,
+                "decode_meter": self.decode_meter()}
 
     def _cache_share(self) -> dict:
         """Prompt tokens the engines found cached (prefix cache, imported KV), per engine and

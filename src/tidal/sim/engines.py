@@ -53,6 +53,7 @@ class Engine:
         "busy_work",
         "cell",
         "ctx_sum",
+        "decoded",
         "epoch",
         "gpus",
         "limit",
@@ -65,6 +66,7 @@ class Engine:
         "queue",
         "replicas",
         "seq_cap",
+        "seq_s",
         "slots",
         "t",
         "target",
@@ -90,6 +92,8 @@ class Engine:
         self.v = 0.0
         self.t = 0.0
         self.busy_work = 0.0  # decode-token equivalents processed (utilization)
+        self.decoded = 0.0  # decode tokens only (the decode meter's count)
+        self.seq_s = 0.0  # sequence-seconds in the engine, not paused (the meter's exposure)
         self.epoch = 0
         self.timer = 0  # token of the world's pending completion timer for this engine
         self.timer_t: float | None = None
@@ -200,10 +204,17 @@ class Engine:
     # --------------------------------------------------------------- updates
     def advance(self, now: float) -> None:
         dt = now - self.t
-        if dt <= 0.0:
-            return
-        self.t = now
         pf = self._pf
+        if dt <= 0.0:
+            # A prefill with a rounding hair left is due now (``next_finish`` is ``now``):
+            # finish it, or its timer would fire at ``now`` for ever.
+            if not pf or self.paused or pf[0][1] > 1e-9 * (1.0 + now):
+                return
+            dt = 0.0
+        self.t = now
+        if not self.paused:
+            # Prefills only move sequences into ``_thr``: the count holds over ``dt``.
+            self.seq_s += dt * (len(self._thr) + len(pf))
         while pf and not self.paused:
             head = pf[0]
             # A prefill due within rounding of ``now`` is done (its timer fired now).
@@ -220,6 +231,16 @@ class Engine:
         if r > 0.0 and dt > 0.0:
             self.v += r * dt
             self.busy_work += r * dt * len(self._thr)
+            self.decoded += r * dt * len(self._thr)
+
+    def meter_at(self, now: float) -> tuple[float, float]:
+        """(decoded tokens, sequence-seconds) as of ``now`` without advancing the engine."""
+        dt = now - self.t
+        if dt <= 0.0 or self.paused:
+            return self.decoded, self.seq_s
+        n = len(self._thr)
+        tokens = 0.0 if self._pf else self._r * dt * n
+        return self.decoded + tokens, self.seq_s + dt * (n + len(self._pf))
 
     def _prefill_busy(self, dt: float) -> None:
         self.prefill_s_total += dt

@@ -92,6 +92,14 @@ class Series:
 
 
 class World:
+    def _decode_meter(self) -> tuple[float, float]:
+        tokens = seq_s = 0.0
+        for e in self.engines:
+            t, s = e.meter_at(self.now)
+            tokens += t
+            seq_s += s
+        return tokens, seq_s
+
     def __init__(self, scenario: Scenario, policy_spec: str, *, check: bool = False,
                  log_sink: Sink | None = None, keep_log: bool = True) -> None:
         self.cfg, self.profile = scenario.run_config(policy_spec)
@@ -132,6 +140,9 @@ class World:
                 s.engine_id, s.gpus, s.slots, eng.decode_tok_s_per_gpu * s.gpus,
                 eng.seq_cap_tok_s, model=std, prefill_equiv=eng.prefill_equiv)
         self.engines = list(self.engine_by_name.values())
+        # The decode meter (``Observation.decode_meter``): tokens the engines decoded and
+        # sequence-seconds they held, as the proxy counts streamed tokens and in-flight calls.
+        self.controller.decode_meter = self._decode_meter
         self.admission_rule = AdmissionRule()
         admission.configure(self)
         self._host_tok_s = eng.host_tok_s

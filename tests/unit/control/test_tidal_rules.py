@@ -1,6 +1,9 @@
 """The tidal policy's rules, each on its own (``tidal.control.tidal_rules``): each returns its
 decision on the situation it names and None (the next rule's turn) otherwise."""
 
+import dataclasses
+import math
+
 import pytest
 
 from tidal.control import tidal_rules as rules
@@ -32,6 +35,8 @@ def sit(
     since=None,
     generated=100,
     move_s=0.0,
+    per_gpu=math.inf,
+    todo_peak=0,
 ) -> Situation:
     cells = tuple(CellView(i, slots, 8, CellKind.HYBRID, Role(r)) for i, r in enumerate(roles))
     cap = sum(x.slots for x in cells if x.role is Role.ROLLOUT) + 256
@@ -59,7 +64,9 @@ def sit(
         in_flight=False,
     )
     gpus = sum(x.gpus for x in cells if x.role is Role.TRAINING)
-    return Situation(o, p, c, known, gpus, last, last_move_s, q, since, move_s)
+    rollout_gpus = 16 + sum(x.gpus for x in cells if x.role is Role.ROLLOUT)
+    return Situation(o, p, c, known, gpus, last, last_move_s, q, since, move_s, rollout_gpus,
+                     per_gpu, todo_peak)
 
 
 def test_measuring_holds_until_both_rates_are_known_unless_a_side_is_empty():
@@ -253,3 +260,71 @@ def test_return_rule_waits_while_an_over_subscription_is_within_its_cap():
     assert rules.return_cells(sit(**short), K).action is Action.TO_ROLLOUT
     assert rules.return_cells(sit(**short, since=900.0), K) is None  # 100 s <= 900 s
     assert rules.return_cells(sit(**short, since=50.0), K).action is Action.TO_ROLLOUT
+
+
+def test_a_lend_counts_the_throughput_the_engines_left_keep_past_their_knee():
+    # 10 executions to run fit the 256 slots left, but at 0.5 executions per rollout GPU the
+    # 16 GPUs left serve 8 at full speed: production falls below the doubled consumption
+    assert rules.lend_next(sit(c=0.01), K).action is Action.TO_TRAINING  # no knee seen
+    d = rules.lend_next(sit(c=0.01, per_gpu=0.5), K)
+    assert d.action is Action.HOLD
+    assert d.reason.startswith("rollout needs the throughput (knee at 8): 10 executions")
+
+
+def test_past_their_knee_the_engines_get_back_the_block_that_raises_throughput():
+    def knee(c):  # 300 to run fit the 384 slots; 5 executions per GPU: 120 at full speed
+        return sit(roles=("training", "training", "rollout"), waterlevel=300, ready=0,
+                   p=1e-4, c=c, per_gpu=5.0)
+    d = rules.return_cells(knee(0.01), K)
+    assert d.action is Action.TO_ROLLOUT and d.cells == (1,)
+    assert d.reason.startswith("engines at their knee (300 executions to run, 120 at full")
+    # min(production, consumption) 0.012 -> 0.012 groups/s: no gain, no return
+    assert rules.return_cells(knee(0.0015), K) is None
+    assert rules.return_cells(sit(roles=("training", "training", "rollout"), waterlevel=300,
+                                  ready=0, p=1e-4, c=0.01), K) is None  # no knee: slots enough
+
+
+def test_a_return_for_slots_with_a_batch_ready_must_raise_throughput():
+    def short(ready):  # 500 to run > 384 slots; production 0.0384 > consumption 0.016
+        return sit(roles=("training", "training", "rollout"), waterlevel=500, ready=ready,
+                   p=1e-4, c=0.001)
+    # the queue (20, a batch ready) projects below two batches, but returning cell 1 cuts
+    # the split's throughput from 0.016 to 0.008 groups/s: it would only buy a lend back
+    assert rules.return_cells(short(20), K) is None
+    assert rules.return_cells(short(0), K).cells == (1,)  # the trainer about to starve
+
+
+def test_no_lend_that_the_next_versions_peak_would_bring_back():
+    # now: production min(384, 5 * 24 = 120) at the recent peak of 200 executions; after
+    # the lend 5 * 16 = 80: 0.8 < 1.2 groups/s with consumption 0.2 * 16 = 3.2
+    s = sit(c=0.2, per_gpu=5.0, todo_peak=200)
+    nxt = s.obs.next_to_train()
+    d = rules.past_knee_at_peak(s, nxt, 256)
+    assert d.action is Action.HOLD and d.reason.startswith(
+        "at the recent peak (200 executions) the engines left pass their knee (80)")
+    assert rules.lend_next(s, K).reason == d.reason
+    assert rules.past_knee_at_peak(sit(c=0.05, per_gpu=5.0, todo_peak=200), nxt, 256) is None
+    assert rules.past_knee_at_peak(sit(c=0.2, todo_peak=200), nxt, 256) is None  # no knee
+
+
+def _metered(obs, t, tokens, seq_s, running):
+    return dataclasses.replace(obs, now_s=t, decode_meter=(tokens, seq_s), running=running)
+
+
+@pytest.mark.parametrize(("per_seq", "knee"), [(20.0, True), (2.0, False)])
+def test_the_policy_finds_the_knee_from_the_decode_meter(per_seq, knee):
+    """10 sequences at 50 tokens/s for a minute, then 40 at ``per_seq``: sequences slower
+    while the 24 rollout GPUs make more tokens is the knee; slower sequences on GPUs making
+    fewer tokens (longer contexts) is not."""
+    pol, obs = TidalPolicy(), sit().obs
+    pol._observe_meter(_metered(obs, 0.0, 0.0, 0.0, 10))
+    pol._observe_meter(_metered(obs, 60.0, 30000.0, 600.0, 10))
+    assert pol.gpu_capacity == 0.0 and pol.servable(24) == math.inf
+    tokens = 30000.0 + 40 * per_seq * 60
+    pol._observe_meter(_metered(obs, 120.0, tokens, 3000.0, 40))
+    if knee:
+        assert pol.gpu_capacity == pytest.approx(30.0, rel=0.02)  # tokens per GPU-second
+        d = pol.demand.rate  # tokens per running-execution-second
+        assert pol.servable(24) == pytest.approx(pol.gpu_capacity * 24 / d)
+    else:
+        assert pol.gpu_capacity == 0.0 and pol.servable(24) == math.inf

@@ -155,3 +155,16 @@ def test_move_observers_see_every_move_between_engines_while_registered():
     assert all(spec == "verl-default" and src != dest for spec, src, dest, _ in seen)
     run_policy(scenario, "verl-default")
     assert len(seen) == moved  # unregistered on exit: nothing seen after it
+
+
+def test_the_policy_sees_the_engines_decode_meter():
+    """The simulator's controller reads its engines' decoded tokens and sequence-seconds
+    (``Observation.decode_meter``), as ``tidal run`` reads the proxy's."""
+    w = World(tiny(), "tidal")
+    assert w.controller.observation("Tick").decode_meter == (0.0, 0.0)
+    w.run()
+    tokens, seq_s = w.controller.observation("Tick").decode_meter
+    for e in w.engines:
+        e.advance(w.now)  # the reading ran each engine's progress on to now
+    assert tokens == pytest.approx(sum(e.decoded for e in w.engines)) and tokens > 0
+    assert seq_s > 0 and tokens <= sum(e.busy_work for e in w.engines) + 1e-6
