@@ -121,11 +121,11 @@ from tidal.errors import ConfigError
 from tidal.types import Role
 
 #: Over-subscription caps (defaults of ``max_queued`` and ``max_wait_s``). Off by default
-#: (``max_queued`` 0): measured on 50 generated scenarios per seed and on dapo-math-32gpu it
-#: brought nothing (seed 7: 39/50 within 2 % of the best other with it, 40/50 without, +310
-#: queued execution-hours; dapo: 19.7 % against 19.9 % saved), because the executions it
-#: leaves waiting at a version's tail are the trainer's next data. ``tidal:max_queued=256``
-#: turns it on.
+#: (``max_queued`` 0): on, with the throughput knee, 50 generated scenarios per seed came
+#: within 2 % of the best other on 47 / 46 / 45 / 41 (off: 45 / 45 / 41 / 43; seeds 7, 2026,
+#: 4242, 90210) at 2-3x the queued execution-hours, and dapo-math-32gpu saved 17.3 % against
+#: the best static split (off: 20.5 %): the executions it leaves waiting at a version's tail
+#: are the trainer's next data. ``tidal:max_queued=256`` turns it on.
 MAX_QUEUED = 0
 MAX_WAIT_S = 900.0
 #: The look-ahead ``H`` of the return rule and of the starving-trainer verdict. 60 s, not
