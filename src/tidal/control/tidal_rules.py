@@ -143,12 +143,13 @@ def return_block(s: Situation, movable: list[CellView]) -> tuple[int, ...]:
     return tuple(sorted(v.index for v in block))
 
 
-def throughput(s: Situation, lent: int, slots: int) -> float:
+def throughput(s: Situation, lent: int, slots: int, todo: int | None = None) -> float:
     """Groups per second the split makes with ``lent`` GPUs (and ``slots`` slots) moved from
-    training to rollout: the smaller of production (executions the rollout engines run at
-    full speed) and consumption."""
+    training to rollout (negative: to training) and ``todo`` executions to run (default: the
+    current ones): the smaller of production (executions the rollout engines run at full
+    speed) and consumption."""
     served = s.served(s.cap + slots, s.rollout_gpus + lent)
-    return min(s.p * min(served, s.todo), s.c * (s.gpus - lent))
+    return min(s.p * min(served, s.todo if todo is None else todo), s.c * (s.gpus - lent))
 
 
 def gains(s: Situation, block: tuple[int, ...]) -> bool:
@@ -327,10 +328,8 @@ def past_knee_at_peak(s: Situation, nxt: CellView, after: int) -> Decision | Non
     less than now: the lend would come back when the next version dispatches."""
     if s.per_gpu == math.inf or not s.rates_known or s.backlog:
         return None
-    def split(lent: int, slots: int) -> float:
-        served = min(float(s.cap - slots), s.per_gpu * (s.rollout_gpus - lent))
-        return min(s.p * min(served, s.todo_peak), s.c * (s.gpus + lent))
-    now, then = split(0, 0), split(nxt.gpus, s.cap - after)
+    now = throughput(s, 0, 0, s.todo_peak)
+    then = throughput(s, -nxt.gpus, after - s.cap, s.todo_peak)
     if then >= now:
         return None
     return Decision.hold(

@@ -53,7 +53,6 @@ class Engine:
         "busy_work",
         "cell",
         "ctx_sum",
-        "decoded",
         "epoch",
         "gpus",
         "limit",
@@ -92,7 +91,6 @@ class Engine:
         self.v = 0.0
         self.t = 0.0
         self.busy_work = 0.0  # decode-token equivalents processed (utilization)
-        self.decoded = 0.0  # decode tokens only (the decode meter's count)
         self.seq_s = 0.0  # sequence-seconds in the engine, not paused (the meter's exposure)
         self.epoch = 0
         self.timer = 0  # token of the world's pending completion timer for this engine
@@ -231,7 +229,11 @@ class Engine:
         if r > 0.0 and dt > 0.0:
             self.v += r * dt
             self.busy_work += r * dt * len(self._thr)
-            self.decoded += r * dt * len(self._thr)
+
+    @property
+    def decoded(self) -> float:
+        """Decode tokens only (the decode meter's count): the work less the prefills'."""
+        return self.busy_work - self.prefill_s_total * self.throughput
 
     def meter_at(self, now: float) -> tuple[float, float]:
         """(decoded tokens, sequence-seconds) as of ``now`` without advancing the engine."""
