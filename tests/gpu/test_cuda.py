@@ -273,14 +273,21 @@ def test_trainer_offload_and_onload_round_trip(records):
         assert core.offloaded == ON_CUDA
         if ON_CUDA:
             after = _memory()
-            assert {t.device.type for t in _state_tensors(core)} == {"cpu"}
+            host = _state_tensors(core)
+            assert {t.device.type for t in host} == {"cpu"}
+            assert all(t.is_pinned() for t in host)  # the host link's rate, not pageable copies
             assert before[0] - after[0] >= 0.9 * held, (before, after, held)
+            pinned = {t.data_ptr() for t in host}
         core.onload()
         assert not core.offloaded
         restored = _state_tensors(core)
         assert {t.device for t in restored} == {core.device}
         assert all(torch.equal(a.cpu(), b) for a, b in zip(restored, saved, strict=True))
         core.offload()  # the next step brings it back by itself
+        if ON_CUDA:  # the second offload copies into the first one's buffers: pinned once
+            assert {t.data_ptr() for t in _state_tensors(core)} == pinned
+            assert all(torch.equal(a, b) for a, b in zip(_state_tensors(core), saved,
+                                                         strict=True))
         rc, rt = core.train_step(final=True), twin.train_step(final=True)
         assert rc.grad_norm == pytest.approx(rt.grad_norm, rel=1e-5)
         torch.testing.assert_close(params(core.model), params(twin.model), atol=1e-6,

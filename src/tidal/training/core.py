@@ -42,7 +42,7 @@ from torch import nn
 from tidal.clock import Clock
 from tidal.contracts.trainer import DEVICE_PATTERN, Backend, GRPOLossConfig, ShardConfig
 from tidal.errors import ConfigError, TidalError, TimeoutExpired
-from tidal.models.device import release_cached, resolve_device
+from tidal.models.device import HostStash, release_cached, resolve_device
 from tidal.training.aggregate import Normalization, aggregate, clip_
 from tidal.training.cell_ranks import OptimizerSpec, start_cell, stop_cell
 from tidal.training.coordinator import Coordinator, CoordinatorConfig, StepInfo
@@ -120,6 +120,7 @@ class CoreTrainer:
         self.config, self.trajectories, self.clock = config, trajectories, clock
         self._offloaded = False
         self._memory_lock = threading.Lock()
+        self._stash = HostStash()
         self.publishers = list(publishers or [])
         self.version = initial_version
         self.sharded, self._cell_procs = None, []
@@ -398,22 +399,29 @@ class CoreTrainer:
         log.info("core trainer restored on %s", self.device)
 
     def _move(self, device: torch.device) -> None:
-        # ``.data`` in place: the Parameter objects the optimizer holds stay the module's
+        # ``.data`` in place: the Parameter objects the optimizer holds stay the module's.
+        # Off the GPU through pinned buffers kept between offloads (``HostStash``).
+        stash = self._stash
+
+        def move(key: str, t: torch.Tensor) -> torch.Tensor:
+            return stash.to_host(key, t) if device.type == "cpu" else stash.to_device(t, device)
+
         with torch.no_grad():
-            for t in self.model.buffers():
-                t.data = t.data.to(device)
+            for name, t in self.model.named_buffers():
+                t.data = move(f"buffer.{name}", t.data)
             if self._flat is not None:  # one copy of the vector, the views rebound to it
-                self._flat = self.layout.bind(self.model, self._flat.to(device))
+                self._flat = self.layout.bind(self.model, move("flat", self._flat))
             else:
-                for t in self.model.parameters():
-                    t.data = t.data.to(device)
+                for name, t in self.model.named_parameters():
+                    t.data = move(f"param.{name}", t.data)
+            for i, state in enumerate(self.optimizer.state.values()):
+                for key, value in state.items():
+                    # AdamW keeps its non-capturable ``step`` counter on the CPU wherever it runs
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = move(f"optimizer.{i}.{key}", value)
+        stash.settle()
         if self.worker.reference is not None:
             self.worker.reference.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                # AdamW keeps its non-capturable ``step`` counter on the CPU wherever it runs
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(device)
 
     def close(self) -> None:
         if self.sharded is not None:

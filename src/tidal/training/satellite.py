@@ -31,7 +31,7 @@ from torch import nn
 
 from tidal import malloc
 from tidal.contracts.trainer import GRPOLossConfig, ModelSpec, SatelliteConfig
-from tidal.models.device import release_cached, resolve_device
+from tidal.models.device import HostStash, release_cached, resolve_device
 from tidal.training.cell_ranks import start_cell, stop_cell
 from tidal.training.flat import ParamLayout
 from tidal.training.groups import GroupRegistry
@@ -92,6 +92,7 @@ class Satellite:
         if self._flat.numel() == 0:  # gloo receives on the CPU, then copied in
             self._flat = torch.empty(self.layout.numel, dtype=torch.float32)
         self.offloaded = False
+        self._stash = HostStash()  # pinned host buffers kept between offloads
         self.registry = GroupRegistry(config.cell, config.host, config.store_port,
                                       self.incarnation, config.backend, config.timeout_s)
         self.client.call_with("link", lambda: self.registry.link(config.cell, self.incarnation))
@@ -175,11 +176,11 @@ class Satellite:
         return reply["next"]
 
     def offload(self) -> None:
-        """The model in CPU memory, the device's cache released (a no-op on the CPU beyond
-        dropping the gradient sum)."""
+        """The model in CPU memory (pinned buffers kept between offloads), the device's cache
+        released (a no-op on the CPU beyond dropping the gradient sum)."""
         self.worker.release()
         if self.device.type != "cpu" and self.sharded is None and not self.offloaded:
-            self.model.to("cpu")
+            self._move(torch.device("cpu"))
             if self.worker.reference is not None:
                 self.worker.reference.to("cpu")
             release_cached(self.device)
@@ -187,10 +188,20 @@ class Satellite:
 
     def onload(self) -> None:
         if self.offloaded:
-            self.model.to(self.device)
+            self._move(self.device)
             if self.worker.reference is not None:
                 self.worker.reference.to(self.device)
             self.offloaded = False
+
+    def _move(self, device: torch.device) -> None:
+        stash = self._stash
+        with torch.no_grad():
+            for kind, named in (("buffer", self.model.named_buffers()),
+                                ("param", self.model.named_parameters())):
+                for name, t in named:
+                    t.data = (stash.to_host(f"{kind}.{name}", t.data) if device.type == "cpu"
+                              else stash.to_device(t.data, device))
+        stash.settle()
 
     def run(self) -> int:
         steps = 0
