@@ -259,6 +259,32 @@ def test_trainer_step_on_device_matches_cpu(records):
         dev.close()
 
 
+def test_host_stash_reuses_its_pinned_buffers():
+    """What offload moves through (the core trainer and satellites): pinned host buffers, one
+    per key, allocated once; the values exact both ways; a new shape gets a new buffer."""
+    from tidal.models.device import HostStash
+
+    dev = torch.device(DEVICE)
+    stash = HostStash()
+    a = torch.randn(1000, 33, device=dev, dtype=torch.bfloat16)
+    host = stash.to_host("a", a)
+    stash.settle()
+    assert host.device.type == "cpu" and torch.equal(host, a.cpu())
+    assert host.is_pinned() == ON_CUDA
+    back = stash.to_device(host, dev)
+    assert back.device == a.device and torch.equal(back, a)
+    b = a * 2
+    again = stash.to_host("a", b)
+    stash.settle()
+    assert torch.equal(again, b.cpu())
+    if ON_CUDA:
+        assert again.data_ptr() == host.data_ptr()  # the same pinned buffer
+        assert stash.pinned_bytes == a.numel() * a.element_size()
+        other = stash.to_host("a", torch.zeros(7, device=dev))
+        stash.settle()
+        assert other.data_ptr() != host.data_ptr() and other.shape == (7,)
+
+
 def test_trainer_offload_and_onload_round_trip(records):
     from satellite_harness import params
 
