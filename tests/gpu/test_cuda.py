@@ -271,7 +271,7 @@ def test_host_stash_reuses_its_pinned_buffers():
     stash.settle()
     assert host.device.type == "cpu" and torch.equal(host, a.cpu())
     assert host.is_pinned() == ON_CUDA
-    back = stash.to_device(host, dev)
+    back = stash.move("a", host, dev)
     assert back.device == a.device and torch.equal(back, a)
     b = a * 2
     again = stash.to_host("a", b)

@@ -81,6 +81,13 @@ class HostStash:
             return tensor.to(device)
         return tensor.to(device, non_blocking=tensor.is_pinned())
 
+    def move(self, key: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``tensor`` moved to ``device``: into this key's pinned buffer when ``device`` is
+        the host, else onto the device (``settle`` before reading host values)."""
+        if device.type == "cpu":
+            return self.to_host(key, tensor)
+        return self.to_device(tensor, device)
+
     def settle(self) -> None:
         """Wait until every ``to_host`` copy has landed (before the values are read on the
         host or the device memory is handed back)."""

@@ -404,7 +404,7 @@ class CoreTrainer:
         stash = self._stash
 
         def move(key: str, t: torch.Tensor) -> torch.Tensor:
-            return stash.to_host(key, t) if device.type == "cpu" else stash.to_device(t, device)
+            return stash.move(key, t, device)
 
         with torch.no_grad():
             for name, t in self.model.named_buffers():

@@ -199,8 +199,7 @@ class Satellite:
             for kind, named in (("buffer", self.model.named_buffers()),
                                 ("param", self.model.named_parameters())):
                 for name, t in named:
-                    t.data = (stash.to_host(f"{kind}.{name}", t.data) if device.type == "cpu"
-                              else stash.to_device(t.data, device))
+                    t.data = stash.move(f"{kind}.{name}", t.data, device)
         stash.settle()
 
     def run(self) -> int:
