@@ -82,7 +82,7 @@ def isolated_policies():
     tests run every registered policy): new registrations are removed, and so are the modules
     loaded by path (``tidal_user_*``) or named ``tidal_plugin_*``. Entry points are read
     afresh during the test (its own installed ones) and as before after it."""
-    from tidal import plugins
+    from tidal import user_modules as plugins
     from tidal.control.policy import registered, unregister_policy
 
     names, modules = set(registered()), set(sys.modules)
@@ -98,6 +98,18 @@ def isolated_policies():
     plugins._loaded_groups.update(groups)
     plugins._BROKEN.clear()
     plugins._BROKEN.update(broken)
+
+
+@pytest.fixture
+def isolated_backends(isolated_policies):
+    """``isolated_policies`` for engine backends: what a test's modules or entry points
+    register is unregistered after it (other tests expect tidal's three)."""
+    from tidal.backends import backend_names, unregister_backend
+
+    names = set(backend_names())
+    yield
+    for name in set(backend_names()) - names:
+        unregister_backend(name)
 
 
 @pytest.fixture

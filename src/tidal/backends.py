@@ -10,12 +10,17 @@ The entries name code by ``"module:attribute"`` and load it on use: this module 
 nothing of ``serving`` or ``runtime`` (the proxy reads the adapter, the runtime the host, and
 neither drags in the other), and a backend's heavy modules load only in runs that use it.
 Adding a backend is one ``register_backend`` call; the rest of tidal asks the registry, never
-compares a backend's name.
+compares a backend's name. A user's backend registers from a module the run config names
+(``runtime.backend_modules``: a ``.py`` file or a dotted module) or from an installed package's
+``tidal.backends`` entry point (``load_backends``); its references may name the
+module's own classes (``"path/to/file.py:Class"`` too), and a file's classes reach the Ray
+workers by value (``runtime.engines``). docs/engines.md, "Your own backend".
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,6 +29,11 @@ from tidal.errors import ConfigError
 
 if TYPE_CHECKING:
     from tidal.config import RunConfig
+
+
+BACKEND_GROUP = "tidal.backends"  # the entry point group of installed backends
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # what a config may name
+BUILTIN_BACKENDS = ("builtin", "vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -51,11 +61,41 @@ _REGISTRY: dict[str, EngineBackend] = {}
 
 
 def register_backend(backend: EngineBackend) -> EngineBackend:
-    """Add ``backend``; a name taken by another entry is refused."""
+    """Add ``backend``; a name taken by another entry, a name a config cannot hold, an entry
+    that serves nothing or a reference that is not ``"module:attribute"`` is refused."""
+    if not isinstance(backend, EngineBackend):
+        raise ConfigError("backend", f"register_backend takes an EngineBackend, not "
+                          f"{type(backend).__name__}")
+    if not NAME.match(backend.name):
+        raise ConfigError("backend", f"engine backend name {backend.name!r}: letters, digits, "
+                          f"'_', '.', '-' only")
     if _REGISTRY.get(backend.name, backend) != backend:
         raise ConfigError("backend", f"engine backend {backend.name!r} is registered already")
+    if backend.cell_host is None and backend.standalone_host is None:
+        raise ConfigError("backend", f"engine backend {backend.name!r} names neither a "
+                          f"cell_host nor a standalone_host")
+    for field in ("adapter", "cell_host", "standalone_host", "settings", "check"):
+        ref = getattr(backend, field)
+        if ref is not None and not _is_ref(ref):
+            raise ConfigError("backend", f"engine backend {backend.name!r}: {field} {ref!r} "
+                              f"is not 'module:attribute'")
     _REGISTRY[backend.name] = backend
     return backend
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a user's entry (a module refused part-way leaves none of its backends); tidal's
+    own stay."""
+    if name in BUILTIN_BACKENDS:
+        raise ConfigError("backend", f"engine backend {name!r} is tidal's own")
+    _REGISTRY.pop(name, None)
+
+
+def _is_ref(ref: object) -> bool:
+    if not isinstance(ref, str):
+        return False
+    module, sep, attr = ref.rpartition(":")
+    return bool(sep and module and attr.isidentifier())
 
 
 def backend_names() -> tuple[str, ...]:
@@ -72,9 +112,31 @@ def engine_backend(name: str) -> EngineBackend:
 
 
 def load(ref: str) -> Callable[..., object]:
-    """The object ``"module:attribute"`` names."""
-    module, _, attr = ref.partition(":")
+    """The object ``"module:attribute"`` (or ``"path/to/file.py:attribute"``) names."""
+    module, _, attr = ref.rpartition(":")
+    if module.endswith(".py"):  # a user's file (loaded once per process, by path)
+        from tidal.user_modules import load_module
+
+        return getattr(load_module(module, "backend"), attr)
     return getattr(importlib.import_module(module), attr)
+
+
+def load_backends(modules: list[str] | tuple[str, ...] = (),
+                  field: str = "runtime.backend_modules") -> None:
+    """The ``tidal.backends`` entry points (once), then each of ``modules`` (each registers
+    engine backends with ``tidal.backends.register_backend``). A module refused part-way leaves
+    none of its backends registered."""
+    from tidal.user_modules import load_entry_points, load_module
+
+    load_entry_points(BACKEND_GROUP)
+    for i, where in enumerate(modules):
+        before = set(backend_names())
+        try:
+            load_module(where, field if len(modules) == 1 else f"{field}.{i}")
+        except ConfigError:
+            for name in set(backend_names()) - before:
+                unregister_backend(name)
+            raise
 
 
 def configured_backends(cfg: RunConfig) -> list[EngineBackend]:

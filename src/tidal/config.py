@@ -21,6 +21,7 @@ from tidal.specs import parse_policy_spec, resolved
 from tidal.types import MIN_TEMPERATURE, CellKind
 
 M = TypeVar("M", bound=BaseModel)
+BACKEND_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # tidal.backends.NAME; registered: RunConfig
 
 
 class Strict(BaseModel):
@@ -31,8 +32,9 @@ class CellSpec(Strict):
     gpus: int = Field(8, ge=1)
     slots: int = Field(128, ge=1, description="concurrent executions in rollout")
     kind: CellKind = CellKind.ELASTIC
-    backend: str | None = Field(None, pattern="^(builtin|vllm|sglang)$", description="what "
-                                "serves this cell (None: runtime.cell_backend)")
+    backend: str | None = Field(None, pattern=BACKEND_NAME, description="what serves this "
+                                "cell: 'builtin', 'vllm', 'sglang' or a registered backend "
+                                "(runtime.backend_modules; None: runtime.cell_backend)")
 
 
 class ClusterConfig(Strict):
@@ -216,16 +218,34 @@ class RuntimeConfig(Strict):
     placement_strategy: str = Field("PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
     start_timeout_s: float = Field(120.0, gt=0.0)
     run_timeout_s: float = Field(900.0, gt=0.0)
-    standalone_backend: str = Field("builtin", pattern="^(builtin|vllm)$", description=
+    standalone_backend: str = Field("builtin", pattern=BACKEND_NAME, description=
                                     "what serves the standalone engines: 'builtin' (tidal's "
-                                    "engine) or 'vllm' (a vLLM OpenAI server per engine, "
-                                    "started from vllm_python; cells keep the built-in engine)")
-    cell_backend: str = Field("builtin", pattern="^(builtin|vllm|sglang)$", description=
+                                    "engine), 'vllm' (a vLLM OpenAI server per engine, "
+                                    "started from vllm_python; cells keep the built-in engine) "
+                                    "or a registered backend (backend_modules)")
+    cell_backend: str = Field("builtin", pattern=BACKEND_NAME, description=
                               "what serves each cell's engine (cluster.cells[i].backend "
                               "overrides it): 'builtin' (tidal's engine), 'vllm' (one vLLM "
                               "server per cell, kept for the whole run through its role "
-                              "changes) or 'sglang' (one SGLang server per cell, the same; "
-                              "CUDA only: needs use_gpus and sglang_python)")
+                              "changes), 'sglang' (one SGLang server per cell, the same; "
+                              "CUDA only: needs use_gpus and sglang_python) or a registered "
+                              "backend (backend_modules)")
+    backend_modules: list[str] = Field(default_factory=list, description="the user's modules "
+                                       "that register engine backends (tidal.backends."
+                                       "register_backend): paths to .py files or dotted module "
+                                       "names; installed packages register through the "
+                                       "'tidal.backends' entry point group instead")
+
+    @field_validator("backend_modules", mode="before")
+    @classmethod
+    def _one_module(cls, v: object) -> object:
+        """One module as a plain string (``--set runtime.backend_modules=my_backend.py``)."""
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("backend_modules")
+    @classmethod
+    def _absolute_modules(cls, v: list[str]) -> list[str]:
+        return [resolved(m) for m in v]
     vllm_python: str | None = Field(None, description="the python of a venv with vLLM "
                                     "(a 'vllm' backend; default: $TIDAL_VLLM_PYTHON)")
     vllm_kv_cache_gb: float = Field(1.0, gt=0.0, description="KV cache space of each vLLM "
@@ -393,6 +413,34 @@ class RunConfig(Strict):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     task: TaskConfig | None = Field(None, description="the user's tasks, reward and agent "
                                     "(None: the built-in runtime.task)")
+
+    @model_validator(mode="after")
+    def _backends_registered(self) -> RunConfig:
+        """Every backend named is registered, once the user's backend modules (and the
+        'tidal.backends' entry points) have registered theirs."""
+        from tidal.backends import BACKEND_GROUP, backend_names, engine_backend, load_backends
+        from tidal.user_modules import broken_plugins
+
+        load_backends(self.runtime.backend_modules)  # a ConfigError naming the module's field
+        named = [("runtime.cell_backend", self.runtime.cell_backend),
+                 ("runtime.standalone_backend", self.runtime.standalone_backend)]
+        named += [(f"cluster.cells.{i}.backend", spec.backend)
+                  for i, spec in enumerate(self.cluster.cells or []) if spec.backend]
+        known = backend_names()
+        for field, name in named:
+            if name not in known:
+                broken = "".join(f"; entry point {k} not loaded: {v}"
+                                 for k, v in broken_plugins(BACKEND_GROUP).items())
+                raise FieldError(field, f"unknown engine backend {name!r} (registered: "
+                                 f"{', '.join(known)}; a backend of your own registers from "
+                                 f"runtime.backend_modules{broken})")
+            entry = engine_backend(name)
+            host = entry.standalone_host if field.endswith("standalone_backend") else \
+                entry.cell_host
+            if host is None:
+                raise FieldError(field, f"engine backend {name!r} serves "
+                                 f"{'cells' if entry.cell_host else 'standalone engines'} only")
+        return self
 
 
 class FieldError(ValueError):

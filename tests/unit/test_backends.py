@@ -3,6 +3,9 @@ it loads, and the proxy and the runtime take what differs between backends from 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from tidal.backends import (
@@ -15,8 +18,10 @@ from tidal.backends import (
 )
 from tidal.config import RunConfig, validate_model
 from tidal.errors import ConfigError
+from tidal.runtime.cell import EngineHost
 from tidal.serving.adapters import make_adapter
 from tidal.serving.protocol import BadRequest
+from tidal.user_modules import loaded_from_file
 
 
 def test_the_three_backends_are_registered_and_every_reference_loads():
@@ -52,3 +57,134 @@ def test_a_run_configures_its_cells_and_standalone_backends_in_registry_order():
         "runtime": {"cell_backend": "vllm"}})
     assert [b.name for b in configured_backends(cfg)] == ["builtin", "vllm", "sglang"]
     assert [b.name for b in configured_backends(RunConfig())] == ["builtin"]
+
+
+# -- a user's backend -----------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "backends" / "audited_builtin.py"
+
+
+def test_a_users_backend_file_registers_from_the_run_config(isolated_backends, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = validate_model(RunConfig, {  # one module as a plain string, as '--set' gives it
+        "runtime": {"backend_modules": "examples/backends/audited_builtin.py",
+                    "cell_backend": "audited-builtin"}})
+    assert cfg.runtime.backend_modules == [str(EXAMPLE)]  # absolute: a resume loads it again
+    assert [b.name for b in configured_backends(cfg)] == ["builtin", "audited-builtin"]
+    entry = engine_backend("audited-builtin")
+    host = load(entry.cell_host)
+    assert issubclass(host, EngineHost) and host.__name__ == "AuditedHost"
+    assert loaded_from_file(host.__module__)  # Ray's workers get it by value
+    assert type(make_adapter("audited-builtin", "http://127.0.0.1:1")).__name__ \
+        == "BuiltinAdapter"
+    # loading the same file again (another config, a resume) registers nothing twice
+    validate_model(RunConfig, cfg.model_dump(mode="json"))
+
+
+def test_unknown_or_unfit_backend_names_are_refused_naming_the_field():
+    for data, field, words in [
+        ({"runtime": {"cell_backend": "trt"}}, "runtime.cell_backend",
+         "unknown engine backend 'trt' (registered: builtin, vllm, sglang; a backend of your "
+         "own registers from runtime.backend_modules)"),
+        ({"cluster": {"cells": [{"gpus": 1, "backend": "trt"}]}}, "cluster.cells.0.backend",
+         "unknown engine backend 'trt'"),
+        ({"runtime": {"standalone_backend": "sglang"}}, "runtime.standalone_backend",
+         "engine backend 'sglang' serves cells only"),
+        ({"runtime": {"cell_backend": "a b"}}, "runtime.cell_backend", "should match pattern"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            validate_model(RunConfig, data)
+        assert info.value.field == field and words in info.value.message, info.value
+
+
+BAD_ENTRIES = {
+    "name": 'EngineBackend(name="a b", label="x", adapter="m:A", cell_host="m:H", '
+            'standalone_host=None)',
+    "hosts": 'EngineBackend(name="nohost", label="x", adapter="m:A", cell_host=None, '
+             'standalone_host=None)',
+    "ref": 'EngineBackend(name="badref", label="x", adapter="tidal.serving.adapters", '
+           'cell_host="m:H", standalone_host=None)',
+    "taken": 'EngineBackend(name="vllm", label="mine", adapter="m:A", cell_host="m:H", '
+             'standalone_host=None)',
+}
+
+
+@pytest.mark.parametrize(("kind", "words"), [
+    ("name", "engine backend name 'a b': letters, digits, '_', '.', '-' only"),
+    ("hosts", "names neither a cell_host nor a standalone_host"),
+    ("ref", "adapter 'tidal.serving.adapters' is not 'module:attribute'"),
+    ("taken", "engine backend 'vllm' is registered already"),
+])
+def test_a_bad_backend_module_is_one_line_and_registers_nothing(
+    isolated_backends, tmp_path, kind, words
+):
+    module = tmp_path / f"bad_{kind}.py"
+    module.write_text(  # a good entry first: a module refused part-way leaves none
+        "from tidal.backends import EngineBackend, register_backend\n"
+        'register_backend(EngineBackend(name="first-ok", label="x", adapter="m:A", '
+        'cell_host="m:H", standalone_host=None))\n'
+        f"register_backend({BAD_ENTRIES[kind]})\n")
+    for _ in range(2):  # refused again the same way: nothing of it stayed registered
+        with pytest.raises(ConfigError) as info:
+            validate_model(RunConfig, {"runtime": {"backend_modules": [str(module)]}})
+        assert info.value.field == "runtime.backend_modules"
+        assert words in info.value.message and "\n" not in str(info.value)
+        assert backend_names() == ("builtin", "vllm", "sglang")
+
+
+@pytest.mark.parametrize(("modules", "field", "words"), [
+    (["no/such/file.py"], "runtime.backend_modules", "no such file"),
+    (["tidal_plugin_absent"], "runtime.backend_modules",
+     "tidal_plugin_absent does not import: ModuleNotFoundError"),
+    ([str(EXAMPLE), "tidal_plugin_absent"], "runtime.backend_modules.1", "does not import"),
+])
+def test_a_missing_backend_module_names_its_field(isolated_backends, modules, field, words):
+    with pytest.raises(ConfigError) as info:
+        validate_model(RunConfig, {"runtime": {"backend_modules": modules}})
+    assert info.value.field == field and words in info.value.message
+
+
+def _installed(root: Path, module_text: str) -> None:
+    """An installed distribution whose 'tidal.backends' entry point is ``module_text``."""
+    dist = root / "tidal_plugin_engine-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tidal-plugin-engine\n"
+                                   "Version: 1.0\n")
+    (dist / "entry_points.txt").write_text("[tidal.backends]\nmine = tidal_plugin_engine\n")
+    (root / "tidal_plugin_engine.py").write_text(module_text)
+
+
+def test_an_installed_entry_point_registers_its_backend(isolated_backends, tmp_path,
+                                                        monkeypatch):
+    _installed(tmp_path, EXAMPLE.read_text().replace('"audited-builtin"', '"ep-engine"'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = validate_model(RunConfig, {"runtime": {"cell_backend": "ep-engine"}})
+    assert cfg.runtime.backend_modules == [] and "tidal_plugin_engine" in sys.modules
+    assert engine_backend("ep-engine").cell_host == "tidal_plugin_engine:AuditedHost"
+
+
+def test_the_proxy_command_refuses_an_unknown_backend_in_one_line(isolated_backends):
+    from click.testing import CliRunner
+
+    from tidal.commands.proxy import command
+
+    result = CliRunner().invoke(command, ["--backend", "audited-builtin"])
+    assert result.exit_code == 2
+    assert "unknown engine backend 'audited-builtin' (registered: builtin, vllm, sglang)" \
+        in result.output
+    result = CliRunner().invoke(command, ["--backend-module", "no/such/file.py"])
+    assert result.exit_code == 2 and "--backend-module" in result.output
+
+
+def test_a_broken_entry_point_is_named_where_its_backend_is_asked_for(
+    isolated_backends, tmp_path, monkeypatch
+):
+    _installed(tmp_path, "raise RuntimeError('needs CUDA')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert validate_model(RunConfig, {}).runtime.cell_backend == "builtin"  # not in the way
+    with pytest.raises(ConfigError) as info:
+        validate_model(RunConfig, {"runtime": {"cell_backend": "ep-engine"}})
+    assert info.value.field == "runtime.cell_backend"
+    assert info.value.message.endswith(
+        "entry point mine not loaded: tidal_plugin_engine: RuntimeError: needs CUDA)")

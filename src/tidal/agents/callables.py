@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tidal.errors import ConfigError
-from tidal.plugins import load_module
+from tidal.user_modules import load_module
 
 
 def load_callable(spec: str, field: str) -> Callable[..., Any]:

@@ -18,8 +18,12 @@ import click
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--engine", "engines", multiple=True, help="Standalone engine URL (repeatable).")
 @click.option("--cell", "cells", multiple=True, help="Rollout-cell engine URL, in cell order.")
-@click.option("--backend", default="builtin", type=click.Choice(["builtin", "vllm", "sglang"]),
-              show_default=True, help="What serves behind the engine URLs.")
+@click.option("--backend", default="builtin", show_default=True,
+              help="What serves behind the engine URLs: builtin, vllm, sglang or a backend "
+                   "a --backend-module registers.")
+@click.option("--backend-module", "backend_modules", multiple=True, metavar="MODULE",
+              help="A module that registers engine backends (a .py path or a dotted name; "
+                   "repeatable), as runtime.backend_modules.")
 @click.option("--cap", default=32, show_default=True, type=click.IntRange(min=1),
               help="Admission cap per engine.")
 @click.option("--admin-token", envvar="TIDAL_ADMIN_TOKEN", default=None,
@@ -59,7 +63,8 @@ import click
               help="Keep the calls of one X-Session-ID (else one execution) on the engine "
                    "that holds their prefix while it has a slot.")
 def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ...],
-            backend: str, cap: int, admin_token: str | None, kv_handoff: bool,
+            backend: str, backend_modules: tuple[str, ...], cap: int,
+            admin_token: str | None, kv_handoff: bool,
             wait_s: float, require_registration: bool, engine_token: str | None,
             request_timeout_s: float, read_timeout_s: float, seed: int | None,
             admission: str, admission_order: str, engine_curve: str | None,
@@ -69,6 +74,7 @@ def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ..
     from tidal.serving.proxy import Proxy, ProxyConfig
     from tidal.serving.proxy_app import build_proxy_app
 
+    _check_backend(backend, backend_modules)
     if not is_loopback(host):
         if not admin_token:
             raise click.UsageError(f"--host {host} is not loopback: give --admin-token (or "
@@ -97,6 +103,21 @@ def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ..
     app = build_proxy_app(proxy, on_startup=join_all)
     # uvloop and httptools are used when installed (the ``serve`` extra)
     run_server(app, host, port, read_timeout_s=read_timeout_s)
+
+
+def _check_backend(backend: str, modules: tuple[str, ...]) -> None:
+    """The user's backend modules loaded (their adapters registered), and ``backend`` one of
+    the registry's; else a usage error naming the option."""
+    from tidal.backends import backend_names, load_backends
+    from tidal.errors import ConfigError
+
+    try:
+        load_backends(modules, "--backend-module")
+    except ConfigError as exc:
+        raise click.BadParameter(exc.message, param_hint=exc.field) from None
+    if backend not in backend_names():
+        raise click.BadParameter(f"unknown engine backend {backend!r} (registered: "
+                                 f"{', '.join(backend_names())})", param_hint="--backend")
 
 
 def parse_curve(text: str | None) -> list[tuple[int, float]] | None:

@@ -236,7 +236,8 @@ class Runtime:
                                  kv_handoff=ctl.kv_handoff,
                                  log_path=self.out / "logs" / "proxy.log", seed=self.cfg.seed,
                                  admission=ctl.admission, admission_order=ctl.admission_order,
-                                 engine_curve=ctl.engine_curve)
+                                 engine_curve=ctl.engine_curve,
+                                 backend_modules=rt.backend_modules)
         self.engines.start()
         self.proxy.wait_healthy(rt.start_timeout_s)
         checkpoint.record_processes(self.out)

@@ -83,6 +83,18 @@ def served_name(cfg: RunConfig) -> str:
     return Path(cfg.runtime.model).name
 
 
+def by_value_if_user_file(ray: ModuleType, cls: Any) -> Any:
+    """``cls``, its module registered with Ray's pickler by value when it is a user's file
+    loaded by path (``runtime.backend_modules``): no worker could import it by its name."""
+    import sys
+
+    from tidal.user_modules import loaded_from_file
+
+    if loaded_from_file(cls.__module__):
+        ray.cloudpickle.register_pickle_by_value(sys.modules[cls.__module__])
+    return cls
+
+
 def cell_backend(cfg: RunConfig, index: int) -> str:
     """What serves cell ``index``: its own ``cluster.cells[i].backend``, else
     ``runtime.cell_backend``."""
@@ -154,7 +166,8 @@ class Engines:
                               else "runtime.standalone_backend",
                               f"'{backend.name}' cannot serve {eid}")
         if host not in self._actor_classes:
-            self._actor_classes[host] = self.ray.remote(load(host))
+            self._actor_classes[host] = self.ray.remote(by_value_if_user_file(self.ray,
+                                                                              load(host)))
         cls = self._actor_classes[host]
         if backend.settings is not None:  # a server: built from its settings (and the device)
             extra = [load(backend.settings)(self.rt), *([] if eid.standalone else [device])]

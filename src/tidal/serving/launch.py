@@ -153,10 +153,13 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
                 engine_token: str | None = None, seed: int | None = None,
                 admission: str | float = "off", admission_order: str = "longest_waiting",
                 engine_curve: list[tuple[int, float]] | None = None,
-                affinity: bool = True) -> ServerProcess:
+                affinity: bool = True,
+                backend_modules: list[str] | tuple[str, ...] = ()) -> ServerProcess:
     """``tidal proxy`` on ``port``; ready once ``/live`` answers (``/health`` is 503 until an
     engine serves). ``engine_token``: default ``$TIDAL_ENGINE_TOKEN``, else the admin token.
-    ``seed``: the run's seed, from which unseeded calls of executions get theirs."""
+    ``seed``: the run's seed, from which unseeded calls of executions get theirs.
+    ``backend_modules``: the run's ``runtime.backend_modules`` (the proxy loads their
+    adapters)."""
     sock = None if port else bound_socket()
     port = port or sock.getsockname()[1]
     args = ["proxy", "--port", str(port), "--cap", str(cap),
@@ -173,6 +176,8 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
         args += ["--admission", str(admission), "--admission-order", admission_order]
         if engine_curve:
             args += ["--engine-curve", ",".join(f"{b}:{t:g}" for b, t in engine_curve)]
+    for module in backend_modules:  # the user's engine backends (their adapters)
+        args += ["--backend-module", module]
     for url in engines:
         args += ["--engine", url]
     for url in cells:

@@ -21,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tidal.backends import NAME as BACKEND_NAME
 from tidal.contracts.close import CloseReason
 from tidal.errors import LedgerError, TimeoutExpired
 from tidal.serving.chat import tool_parser
@@ -60,7 +61,8 @@ class JoinBody(BaseModel):
 
     id: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     url: str = Field(..., min_length=1, max_length=512, pattern=r"^https?://")
-    backend: str = Field("builtin", pattern="^(builtin|vllm|sglang)$")
+    # a registered backend's name (an unknown one: 400 listing the registered, ``make_adapter``)
+    backend: str = Field("builtin", max_length=128, pattern=BACKEND_NAME.pattern)
     kind: str = Field("standalone", pattern="^(standalone|cell)$")
     cell_index: int = Field(0, ge=0, le=1_000_000)
     cap: int = Field(32, ge=1, le=1_000_000)
