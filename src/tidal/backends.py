@@ -79,6 +79,13 @@ def register_backend(backend: EngineBackend) -> EngineBackend:
         if ref is not None and not _is_ref(ref):
             raise ConfigError("backend", f"engine backend {backend.name!r}: {field} {ref!r} "
                               f"is not 'module:attribute'")
+    if backend.python_field is not None:
+        from tidal.config import RuntimeConfig  # (config reads this registry only lazily)
+
+        if not hasattr(RuntimeConfig, f"resolved_{backend.python_field}"):
+            raise ConfigError("backend", f"engine backend {backend.name!r}: python_field "
+                              f"{backend.python_field!r} is not a venv setting of runtime "
+                              f"(vllm_python, sglang_python)")
     _REGISTRY[backend.name] = backend
     return backend
 

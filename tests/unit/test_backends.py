@@ -107,6 +107,8 @@ BAD_ENTRIES = {
            'cell_host="m:H", standalone_host=None)',
     "taken": 'EngineBackend(name="vllm", label="mine", adapter="m:A", cell_host="m:H", '
              'standalone_host=None)',
+    "venv": 'EngineBackend(name="myvenv", label="x", adapter="m:A", cell_host="m:H", '
+            'standalone_host=None, package="mine", python_field="mine_python")',
 }
 
 
@@ -115,6 +117,7 @@ BAD_ENTRIES = {
     ("hosts", "names neither a cell_host nor a standalone_host"),
     ("ref", "adapter 'tidal.serving.adapters' is not 'module:attribute'"),
     ("taken", "engine backend 'vllm' is registered already"),
+    ("venv", "python_field 'mine_python' is not a venv setting of runtime"),
 ])
 def test_a_bad_backend_module_is_one_line_and_registers_nothing(
     isolated_backends, tmp_path, kind, words

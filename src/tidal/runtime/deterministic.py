@@ -54,8 +54,8 @@ def check(cfg: RunConfig) -> None:
     if rt.standalone_backend != "builtin":
         raise ConfigError(
             "runtime.standalone_backend",
-            f"{why} (vLLM batches requests "
-            "together, so a request's logits depend on its batch-mates)",
+            f"{why} ('{rt.standalone_backend}' batches requests together, so a request's "
+            "logits depend on its batch-mates)",
         )
     if rt.cell_backend != "builtin":
         raise ConfigError(
