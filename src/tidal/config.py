@@ -6,26 +6,32 @@ This layer never imports the control plane: what only it knows (that ``policy.na
 registered policy once ``policy.module`` is loaded, that ``control.admission`` is a rule it
 parses, that the policy's arguments build it on this cluster) is checked by
 ``tidal.control.factory.check_policy`` wherever a config is turned into a run or a simulation.
+The ``task:`` section's models live in ``tidal.task_config``, the shared base and the error
+formatting in ``tidal.config_base``; both are re-exported here.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+# re-exported: the config layer's helpers and the task: section's models
+from tidal.config_base import FieldError, M, Strict, validate_file_data
+from tidal.config_base import dump_yaml as dump_yaml
+from tidal.config_base import in_file as in_file
+from tidal.config_base import read_yaml_mapping as read_yaml_mapping
+from tidal.config_base import validate_model as validate_model
 from tidal.errors import ConfigError
 from tidal.specs import parse_policy_spec, resolved
+from tidal.task_config import AgentConfig as AgentConfig
+from tidal.task_config import RewardConfig as RewardConfig
+from tidal.task_config import TaskConfig
+from tidal.task_config import TaskSourceConfig as TaskSourceConfig
 from tidal.types import MIN_TEMPERATURE, CellKind
 
-M = TypeVar("M", bound=BaseModel)
 BACKEND_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # tidal.backends.NAME; registered: RunConfig
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class CellSpec(Strict):
@@ -326,84 +332,6 @@ class RuntimeConfig(Strict):
         return self.device
 
 
-class TaskSourceConfig(Strict):
-    """Where task rows come from (``tidal.agents.tasks``): a file or saved dataset with a field
-    mapping, or a procedural generator."""
-
-    kind: str = Field(pattern="^(jsonl|parquet|disk|reasoning_gym|swe_repos)$", description=
-                      "'jsonl' / 'parquet' (a local file), 'disk' (a Hugging Face dataset "
-                      "saved with save_to_disk), 'reasoning_gym' (create_dataset(name, size, "
-                      "seed), generated here) or 'swe_repos' (small Python repos with a failing "
-                      "test, generated in each workspace)")
-    path: str | None = Field(None, description="the file or directory (jsonl, parquet, disk)")
-    split: str | None = Field(None, description="the split of a saved DatasetDict (disk)")
-    prompt: str | None = Field(None, description="the column holding the prompt text")
-    messages: str | None = Field(None, description="the column holding chat messages "
-                                 "([{role, content}, ...]); instead of prompt")
-    answer: str | None = Field(None, description="the column holding the reference answer")
-    metadata: list[str] | None = Field(None, description="columns passed as metadata "
-                                       "(None: every column not mapped above)")
-    data_source: str | None = Field(None, description="the column naming each row's source "
-                                    "(verl's data_source; None: the column 'data_source' if "
-                                    "the data has it, else the source kind or name)")
-    name: str | None = Field(None, description="the reasoning-gym dataset name")
-    size: int = Field(1000, ge=1, description="rows generated (reasoning_gym, swe_repos)")
-    args: dict[str, Any] = Field(default_factory=dict, description="generator arguments "
-                                 "(reasoning-gym dataset config)")
-    system_prompt: str | None = Field(None, description="a system message put before each "
-                                      "row's prompt")
-    limit: int | None = Field(None, ge=1, description="use the first N rows only")
-
-
-class RewardConfig(Strict):
-    """How a closed execution is scored (``tidal.agents.rewards``)."""
-
-    function: str | None = Field(None, description="'module:function' or 'path/file.py:"
-                                 "function': verl's compute_score(data_source, solution_str, "
-                                 "ground_truth, extra_info) as it is, or a function taking "
-                                 "any of row, answer, workspace, transcript, outcome by name")
-    builtin: str | None = Field(None, pattern="^(reasoning_gym|math_verify|tests|exact)$",
-                                description="'reasoning_gym' (the dataset's score_answer), "
-                                "'math_verify' (math-verify), 'tests' (the workspace's tests "
-                                "pass: 1, else 0) or 'exact' (the answer equals the reference)")
-    timeout_s: float = Field(60.0, gt=0.0, description="bound on one reward computation")
-
-    @model_validator(mode="after")
-    def _one(self) -> RewardConfig:
-        if (self.function is None) == (self.builtin is None):
-            raise FieldError("function", "set exactly one of reward.function and "
-                              "reward.builtin")
-        return self
-
-
-class AgentConfig(Strict):
-    """What runs each execution (``tidal.agents.kinds``): a registered agent kind."""
-
-    kind: str = Field("chat", description="'chat' (tidal's multi-turn loop), 'python' (an "
-                      "async function given an AsyncOpenAI client), 'command' (any program, "
-                      "given OPENAI_BASE_URL / OPENAI_API_KEY) or a registered kind")
-    function: str | None = Field(None, description="python: 'module:function' (async, "
-                                 "called with client, row, workspace and the context)")
-    step: str | None = Field(None, description="chat: optional 'module:function' giving the "
-                             "environment's feedback to each answer")
-    command: list[str] | None = Field(None, description="command: the program and its "
-                                      "arguments; {prompt}, {task_file}, {workspace}, "
-                                      "{execution_id}, {base_url}, {model} are filled in")
-    env: dict[str, str] = Field(default_factory=dict, description="command: extra environment")
-    task_file: str = Field("task.json", pattern=r"^[A-Za-z0-9_.-]+$", description="the task "
-                           "row as JSON in each workspace")
-    args: dict[str, Any] = Field(default_factory=dict, description="arguments of the kind")
-
-
-class TaskConfig(Strict):
-    """The run's workload: task rows, how an execution is scored, what runs it. Absent: the
-    built-in ``runtime.task``."""
-
-    source: TaskSourceConfig
-    reward: RewardConfig | None = Field(None, description="None: the agent returns rewards")
-    agent: AgentConfig = Field(default_factory=AgentConfig)
-
-
 class RunConfig(Strict):
     name: str = "run"
     seed: int = 0
@@ -443,70 +371,5 @@ class RunConfig(Strict):
         return self
 
 
-class FieldError(ValueError):
-    """A validator error that names a sub-field of the model it was raised in (``field``,
-    dotted): ``validate_model`` puts it after the model's own place in the message."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        self.message = message
-        super().__init__(f"{field}: {message}")
-
-
-def _format(exc: ValidationError, prefix: str) -> ConfigError:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err["loc"]]
-    msg = err["msg"]
-    ctx_err = (err.get("ctx") or {}).get("error")
-    if isinstance(ctx_err, FieldError):
-        loc.append(ctx_err.field)
-        msg = ctx_err.message
-    elif msg.startswith("Value error, "):
-        msg = msg.removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field"
-    field = ".".join(p for p in [prefix, *loc] if p)
-    more = len(exc.errors()) - 1
-    return ConfigError(field, msg + (f" (and {more} more error(s))" if more else ""))
-
-
-def validate_model(model: type[M], data: object, prefix: str = "") -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise _format(exc, prefix) from None
-
-
-def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
-    """The top-level mapping of a YAML file, or a one-line ``ConfigError``."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("", f"{p}: no such config file")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError("", f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ConfigError("", f"{p}: the top level must be a mapping")
-    return data
-
-
-def validate_file_data(model: type[M], data: dict[str, Any], path: str | Path) -> M:
-    """``validate_model`` with the file named in the error message."""
-    try:
-        return validate_model(model, data)
-    except ConfigError as exc:
-        raise in_file(exc, path) from None
-
-
-def in_file(exc: ConfigError, path: str | Path) -> ConfigError:
-    """``exc`` with the file it was found in named at the end of its message."""
-    return ConfigError(exc.field, f"{exc.message} (in {path})")
-
-
 def load_yaml(path: str | Path, model: type[M] = RunConfig) -> M:  # type: ignore[assignment]
     return validate_file_data(model, read_yaml_mapping(path), path)
-
-
-def dump_yaml(cfg: BaseModel) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

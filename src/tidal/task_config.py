@@ -1,0 +1,92 @@
+"""The ``task:`` section of a run config: the user's task rows (``source``), how an execution is
+scored (``reward``) and what runs it (``agent``). Read by ``tidal.agents`` (tasks, rewards,
+kinds); ``tidal.config`` re-exports each model.
+
+In: the section's mapping. Out: validated models, or a ``ConfigError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from tidal.config_base import FieldError, Strict
+
+
+class TaskSourceConfig(Strict):
+    """Where task rows come from (``tidal.agents.tasks``): a file or saved dataset with a field
+    mapping, or a procedural generator."""
+
+    kind: str = Field(pattern="^(jsonl|parquet|disk|reasoning_gym|swe_repos)$", description=
+                      "'jsonl' / 'parquet' (a local file), 'disk' (a Hugging Face dataset "
+                      "saved with save_to_disk), 'reasoning_gym' (create_dataset(name, size, "
+                      "seed), generated here) or 'swe_repos' (small Python repos with a failing "
+                      "test, generated in each workspace)")
+    path: str | None = Field(None, description="the file or directory (jsonl, parquet, disk)")
+    split: str | None = Field(None, description="the split of a saved DatasetDict (disk)")
+    prompt: str | None = Field(None, description="the column holding the prompt text")
+    messages: str | None = Field(None, description="the column holding chat messages "
+                                 "([{role, content}, ...]); instead of prompt")
+    answer: str | None = Field(None, description="the column holding the reference answer")
+    metadata: list[str] | None = Field(None, description="columns passed as metadata "
+                                       "(None: every column not mapped above)")
+    data_source: str | None = Field(None, description="the column naming each row's source "
+                                    "(verl's data_source; None: the column 'data_source' if "
+                                    "the data has it, else the source kind or name)")
+    name: str | None = Field(None, description="the reasoning-gym dataset name")
+    size: int = Field(1000, ge=1, description="rows generated (reasoning_gym, swe_repos)")
+    args: dict[str, Any] = Field(default_factory=dict, description="generator arguments "
+                                 "(reasoning-gym dataset config)")
+    system_prompt: str | None = Field(None, description="a system message put before each "
+                                      "row's prompt")
+    limit: int | None = Field(None, ge=1, description="use the first N rows only")
+
+
+class RewardConfig(Strict):
+    """How a closed execution is scored (``tidal.agents.rewards``)."""
+
+    function: str | None = Field(None, description="'module:function' or 'path/file.py:"
+                                 "function': verl's compute_score(data_source, solution_str, "
+                                 "ground_truth, extra_info) as it is, or a function taking "
+                                 "any of row, answer, workspace, transcript, outcome by name")
+    builtin: str | None = Field(None, pattern="^(reasoning_gym|math_verify|tests|exact)$",
+                                description="'reasoning_gym' (the dataset's score_answer), "
+                                "'math_verify' (math-verify), 'tests' (the workspace's tests "
+                                "pass: 1, else 0) or 'exact' (the answer equals the reference)")
+    timeout_s: float = Field(60.0, gt=0.0, description="bound on one reward computation")
+
+    @model_validator(mode="after")
+    def _one(self) -> RewardConfig:
+        if (self.function is None) == (self.builtin is None):
+            raise FieldError("function", "set exactly one of reward.function and "
+                              "reward.builtin")
+        return self
+
+
+class AgentConfig(Strict):
+    """What runs each execution (``tidal.agents.kinds``): a registered agent kind."""
+
+    kind: str = Field("chat", description="'chat' (tidal's multi-turn loop), 'python' (an "
+                      "async function given an AsyncOpenAI client), 'command' (any program, "
+                      "given OPENAI_BASE_URL / OPENAI_API_KEY) or a registered kind")
+    function: str | None = Field(None, description="python: 'module:function' (async, "
+                                 "called with client, row, workspace and the context)")
+    step: str | None = Field(None, description="chat: optional 'module:function' giving the "
+                             "environment's feedback to each answer")
+    command: list[str] | None = Field(None, description="command: the program and its "
+                                      "arguments; {prompt}, {task_file}, {workspace}, "
+                                      "{execution_id}, {base_url}, {model} are filled in")
+    env: dict[str, str] = Field(default_factory=dict, description="command: extra environment")
+    task_file: str = Field("task.json", pattern=r"^[A-Za-z0-9_.-]+$", description="the task "
+                           "row as JSON in each workspace")
+    args: dict[str, Any] = Field(default_factory=dict, description="arguments of the kind")
+
+
+class TaskConfig(Strict):
+    """The run's workload: task rows, how an execution is scored, what runs it. Absent: the
+    built-in ``runtime.task``."""
+
+    source: TaskSourceConfig
+    reward: RewardConfig | None = Field(None, description="None: the agent returns rewards")
+    agent: AgentConfig = Field(default_factory=AgentConfig)
