@@ -101,14 +101,22 @@ def isolated_policies():
 
 
 @pytest.fixture
-def isolated_backends(isolated_policies):
-    """``isolated_policies`` for engine backends: what a test's modules or entry points
-    register is unregistered after it (other tests expect tidal's three)."""
-    from tidal.backends import backend_names, unregister_backend
+def isolated_backends():
+    """The engine backends a test's modules register are unregistered after it (other tests
+    expect tidal's three), and the user's modules their entries name are unloaded (loaded
+    again, they register again). Policies are left alone (``isolated_policies`` for those,
+    and for the entry points read afresh)."""
+    from tidal.backends import backend_names, engine_backend, unregister_backend
 
-    names = set(backend_names())
+    names, modules = set(backend_names()), set(sys.modules)
     yield
     for name in set(backend_names()) - names:
+        entry = engine_backend(name)
+        for ref in (entry.adapter, entry.cell_host, entry.standalone_host, entry.settings,
+                    entry.check):
+            module = (ref or "").rpartition(":")[0]
+            if module not in modules and module.startswith(("tidal_user_", "tidal_plugin_")):
+                sys.modules.pop(module, None)
         unregister_backend(name)
 
 

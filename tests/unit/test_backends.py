@@ -65,7 +65,13 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "backends" / "audited_builtin.py"
 
 
-def test_a_users_backend_file_registers_from_the_run_config(isolated_backends, monkeypatch):
+@pytest.fixture
+def isolated(isolated_policies, isolated_backends):
+    """What a test's modules and entry points register is gone after it."""
+    return None
+
+
+def test_a_users_backend_file_registers_from_the_run_config(isolated, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = validate_model(RunConfig, {  # one module as a plain string, as '--set' gives it
         "runtime": {"backend_modules": "examples/backends/audited_builtin.py",
@@ -120,7 +126,7 @@ BAD_ENTRIES = {
     ("venv", "python_field 'mine_python' is not a venv setting of runtime"),
 ])
 def test_a_bad_backend_module_is_one_line_and_registers_nothing(
-    isolated_backends, tmp_path, kind, words
+    isolated, tmp_path, kind, words
 ):
     module = tmp_path / f"bad_{kind}.py"
     module.write_text(  # a good entry first: a module refused part-way leaves none
@@ -142,7 +148,7 @@ def test_a_bad_backend_module_is_one_line_and_registers_nothing(
      "tidal_plugin_absent does not import: ModuleNotFoundError"),
     ([str(EXAMPLE), "tidal_plugin_absent"], "runtime.backend_modules.1", "does not import"),
 ])
-def test_a_missing_backend_module_names_its_field(isolated_backends, modules, field, words):
+def test_a_missing_backend_module_names_its_field(isolated, modules, field, words):
     with pytest.raises(ConfigError) as info:
         validate_model(RunConfig, {"runtime": {"backend_modules": modules}})
     assert info.value.field == field and words in info.value.message
@@ -158,7 +164,7 @@ def _installed(root: Path, module_text: str) -> None:
     (root / "tidal_plugin_engine.py").write_text(module_text)
 
 
-def test_an_installed_entry_point_registers_its_backend(isolated_backends, tmp_path,
+def test_an_installed_entry_point_registers_its_backend(isolated, tmp_path,
                                                         monkeypatch):
     _installed(tmp_path, EXAMPLE.read_text().replace('"audited-builtin"', '"ep-engine"'))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -181,7 +187,7 @@ def test_the_proxy_command_refuses_an_unknown_backend_in_one_line(isolated_backe
 
 
 def test_a_broken_entry_point_is_named_where_its_backend_is_asked_for(
-    isolated_backends, tmp_path, monkeypatch
+    isolated, tmp_path, monkeypatch
 ):
     _installed(tmp_path, "raise RuntimeError('needs CUDA')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -191,3 +197,19 @@ def test_a_broken_entry_point_is_named_where_its_backend_is_asked_for(
     assert info.value.field == "runtime.cell_backend"
     assert info.value.message.endswith(
         "entry point mine not loaded: tidal_plugin_engine: RuntimeError: needs CUDA)")
+
+
+def test_tidal_backends_lists_the_registered_and_a_users_module(isolated, capsys):
+    from tidal.cli import main
+
+    assert main(["backends"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[:3] for ln in lines] == [
+        ["builtin", "cells+standalone", "process"], ["vllm", "cells+standalone", "server"],
+        ["sglang", "cells", "server"]]
+    assert main(["backends", "--module", str(EXAMPLE)]) == 0
+    last = capsys.readouterr().out.splitlines()[-1].split()
+    assert last == ["audited-builtin", "cells+standalone", "process",
+                    "tidal.serving.adapters:BuiltinAdapter"]
+    assert main(["backends", "--module", "no/such/file.py"]) == 2
+    assert "--module" in capsys.readouterr().err

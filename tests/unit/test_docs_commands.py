@@ -10,8 +10,9 @@ shell operator (``|``, ``&&``, ``&``, ``;``) or a comment. Each one is
   with the command's ``--policy``, ``--bursts``, ``--address`` and ``--set`` overrides applied),
   every policy spec built against the scenario (``tidal simulate``), every published-results
   file loaded (``tidal validate``, ``tidal calibrate --published``);
-- run, when it is fast: ``--help``, ``tidal policies``, ``tidal simulate`` of at most 4 bursts,
-  ``tidal calibrate --verl-log`` (outputs under ``runs/`` go to a temporary directory instead).
+- run, when it is fast: ``--help``, ``tidal policies``, ``tidal backends``, ``tidal simulate``
+  of at most 4 bursts, ``tidal calibrate --verl-log`` (outputs under ``runs/`` go to a
+  temporary directory instead).
 ``make TARGET`` lines name targets of the Makefile, and README.md's links reach existing files
 and headings.
 """
@@ -178,7 +179,7 @@ def _validate(names: tuple[str, ...], p: dict) -> None:
 
 
 def _runs_fast(names: tuple[str, ...], p: dict) -> bool:
-    if names == ("policies",):
+    if names in (("policies",), ("backends",)):
         return True
     if names == ("simulate",):
         return (
@@ -218,7 +219,11 @@ def _case(line: DocLine) -> object:
 
 @pytest.mark.parametrize("line", [_case(c) for c in COMMANDS])
 def test_documented_command(
-    line: DocLine, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+    line: DocLine,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    isolated_backends: None,  # what a documented --module registers is gone after it
 ) -> None:
     monkeypatch.chdir(ROOT)  # as pasted: from the repository root
     argv = tidal_argv(line.text)
