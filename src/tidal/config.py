@@ -272,6 +272,22 @@ class RuntimeConfig(Strict):
                                       "(an 'sglang' cell backend; default: $TIDAL_SGLANG_PYTHON)")
     sglang_mem_fraction: float = Field(0.3, gt=0.0, lt=1.0, description="SGLang "
                                        "--mem-fraction-static (weights + KV cache, of the GPU)")
+    vllm_args: list[str] = Field(default_factory=list, description="more arguments of each "
+                                 "vLLM server, as on vllm serve's command line (e.g. "
+                                 "['--enable-prefix-caching', '--max-num-batched-tokens', "
+                                 "'4096']; one string is split as a shell would); the flags "
+                                 "tidal sets itself are refused, naming the setting to use")
+    sglang_args: list[str] = Field(default_factory=list, description="more arguments of each "
+                                   "SGLang server (as vllm_args)")
+
+    @field_validator("vllm_args", "sglang_args", mode="before")
+    @classmethod
+    def _split_args(cls, v: object) -> object:
+        """One string (``--set runtime.vllm_args='--enable-prefix-caching'``) split as a shell
+        would."""
+        import shlex
+
+        return shlex.split(v) if isinstance(v, str) else v
 
     def resolved_vllm_python(self) -> str:
         """The vLLM venv's python, or a ``ConfigError`` that says how to get one."""

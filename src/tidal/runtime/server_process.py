@@ -32,6 +32,23 @@ if TYPE_CHECKING:
     from tidal.runtime.cell import EngineHost
 
 PORT_TRIES = 3  # launches of a server whose port was taken before it bound it
+
+
+def check_extra_args(args: list[str], owned: dict[str, str], field: str, server: str) -> None:
+    """A ``ConfigError`` naming ``field`` when the user's server arguments (``args``) set a
+    flag tidal sets itself (``owned``: flag -> what sets it instead), in any of its spellings
+    (``--flag value``, ``--flag=value``, underscores for dashes)."""
+    from tidal.errors import ConfigError
+
+    for arg in args:
+        if not arg.startswith("-"):
+            continue  # a value
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--"):
+            flag = flag.replace("_", "-")
+        if flag in owned:
+            raise ConfigError(field, f"{arg}: tidal sets {flag} of each {server} server "
+                              f"itself ({owned[flag]})")
 log = logging.getLogger(__name__)
 
 

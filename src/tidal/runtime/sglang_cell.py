@@ -44,7 +44,12 @@ from typing import TYPE_CHECKING, Any
 
 from tidal.runtime import vllm_host
 from tidal.runtime.cell import EngineHost, RuntimeFailure, actor_device, adopt_token
-from tidal.runtime.server_process import ServerProcess, describe_cell, server_rss_bytes
+from tidal.runtime.server_process import (
+    ServerProcess,
+    check_extra_args,
+    describe_cell,
+    server_rss_bytes,
+)
 
 if TYPE_CHECKING:
     from tidal.config import RunConfig, RuntimeConfig
@@ -54,10 +59,23 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.j
                     ".bin.index.json")
 
 
+# the flags of SGLang's server that tidal sets on each cell's server -> what sets them instead
+SGLANG_OWNED = {
+    "--model-path": "runtime.model", "--model": "runtime.model",
+    "--served-model-name": "the proxy's model name", "--host": "the node's address",
+    "--port": "a free port", "--device": "runtime.device",
+    "--max-running-requests": "runtime.engine_max_batch",
+    "--enable-memory-saver": "a cell's role switches", "--enable-metrics": "the adapter",
+    "--mem-fraction-static": "runtime.sglang_mem_fraction", "--dtype": "tidal's float32",
+    "--weight-version": "tidal's weight versions", "--api-key": "the run's token guard",
+}
+
+
 def sglang_settings(rt: RuntimeConfig) -> dict[str, Any]:
     """What an ``SGLangCellHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``)."""
+    check_extra_args(rt.sglang_args, SGLANG_OWNED, "runtime.sglang_args", "SGLang")
     return {"python": rt.resolved_sglang_python(), "mem_fraction": rt.sglang_mem_fraction,
-            "dtype": "float32"}
+            "dtype": "float32", "args": list(rt.sglang_args)}
 
 
 def _smi(*query: str) -> str:
@@ -158,7 +176,8 @@ class SGLangCellHost(EngineHost):
                 "--max-running-requests", str(self.max_batch), "--enable-memory-saver",
                 "--enable-metrics",  # /metrics: the adapter's running count (pause "wait")
                 "--mem-fraction-static", str(self.settings["mem_fraction"]),
-                "--dtype", self.settings["dtype"], "--weight-version", self.loaded_version]
+                "--dtype", self.settings["dtype"], "--weight-version", self.loaded_version,
+                *self.settings.get("args", [])]
         if self.server.token:  # SGLang guards every route with it: the proxy and this host
             env[_KEY_ENV] = self.server.token  # send it; into --api-key, never on its argv
         try:
@@ -284,4 +303,5 @@ def check(cfg: RunConfig) -> None:
                           "CUDA-only): set runtime.use_gpus: true and runtime.device cuda or "
                           "auto, or use 'builtin' or 'vllm'")
     vllm_host.refuse_tiny(rt, "runtime.cell_backend", "SGLang")
+    check_extra_args(rt.sglang_args, SGLANG_OWNED, "runtime.sglang_args", "SGLang")
     rt.resolved_sglang_python()

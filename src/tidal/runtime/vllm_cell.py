@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidal.runtime import vllm_host
 from tidal.runtime.cell import EngineHost, RuntimeFailure
-from tidal.runtime.server_process import describe_cell, server_rss_bytes
+from tidal.runtime.server_process import check_extra_args, describe_cell, server_rss_bytes
 from tidal.runtime.vllm_host import VLLMEngineHost
 
 if TYPE_CHECKING:
@@ -127,6 +127,7 @@ def check(cfg: RunConfig) -> None:
         return
     rt = cfg.runtime
     vllm_host.refuse_tiny(rt, "runtime.cell_backend", "vLLM")
+    check_extra_args(rt.vllm_args, vllm_host.VLLM_OWNED, "runtime.vllm_args", "vLLM")
     if rt.cell_cpus is not None:
         raise ConfigError("runtime.cell_cpus", "not supported when cells are vLLM servers "
                           "(the quota covers built-in engines)")

@@ -29,7 +29,7 @@ import httpx
 
 from tidal.errors import TidalError
 from tidal.runtime.cell import EngineHost, RuntimeFailure, adopt_token
-from tidal.runtime.server_process import ServerProcess, describe_server
+from tidal.runtime.server_process import ServerProcess, check_extra_args, describe_server
 
 if TYPE_CHECKING:
     from tidal.config import RunConfig, RuntimeConfig
@@ -38,12 +38,26 @@ if TYPE_CHECKING:
 SERVED_NAME = "tidal"
 
 
+# the flags of ``vllm serve`` that tidal sets on each server -> what sets them instead
+VLLM_OWNED = {
+    "--model": "runtime.model", "--served-model-name": "the proxy's model name",
+    "--host": "the node's address", "--port": "a free port",
+    "--max-model-len": "runtime.vllm_max_model_len", "--max-num-seqs": "runtime.engine_max_batch",
+    "--dtype": "runtime.vllm_dtype", "--tensor-parallel-size": "runtime.vllm_tensor_parallel",
+    "-tp": "runtime.vllm_tensor_parallel", "--enforce-eager": "runtime.vllm_cuda_graphs",
+    "--kv-cache-memory-bytes": "runtime.vllm_kv_cache_gb",
+    "--worker-extension-cls": "tidal's weight loading", "--middleware": "the run's token guard",
+    "--api-key": "the run's token guard", "--enable-sleep-mode": "a cell's role switches",
+}
+
+
 def vllm_settings(rt: RuntimeConfig) -> dict[str, Any]:
     """What a ``VLLMEngineHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``)."""
+    check_extra_args(rt.vllm_args, VLLM_OWNED, "runtime.vllm_args", "vLLM")
     return {"python": rt.resolved_vllm_python(), "kv_cache_gb": rt.vllm_kv_cache_gb,
             "max_model_len": rt.vllm_max_model_len, "device": rt.device if rt.use_gpus
             else "cpu", "tensor_parallel": rt.vllm_tensor_parallel, "dtype": rt.vllm_dtype,
-            "cuda_graphs": rt.vllm_cuda_graphs}
+            "cuda_graphs": rt.vllm_cuda_graphs, "args": list(rt.vllm_args)}
 
 
 def cpu_thread_bind(tp: int, cpus: list[int]) -> str:
@@ -158,7 +172,7 @@ class VLLMEngineHost(EngineHost):
                 *serve_args(self.settings, self.device, _gpu_ids()),
                 "--kv-cache-memory-bytes", str(int(self.settings["kv_cache_gb"] * 2**30)),
                 "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension",
-                *self._extra_args()]
+                *self._extra_args(), *self.settings.get("args", [])]
         if self.server.token:  # the guard reads it from the environment, never the argv
             args += ["--middleware", MIDDLEWARE]
         try:
@@ -243,6 +257,7 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("runtime.standalone_backend", "'vllm' serves standalone engines, "
                           "and cluster.standalone_count is 0")
     refuse_tiny(rt, "runtime.standalone_backend", "vLLM")
+    check_extra_args(rt.vllm_args, VLLM_OWNED, "runtime.vllm_args", "vLLM")
     rt.resolved_vllm_python()
 
 

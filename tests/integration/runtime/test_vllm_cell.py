@@ -50,7 +50,8 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
     auth = {"Authorization": f"Bearer {token}"}
     monkeypatch.setenv("TIDAL_ENGINE_TOKEN", token)
     host = VLLMCellHost("c0", str(smollm2), 4, str(tmp_path), {
-        "python": VLLM_PYTHON, "kv_cache_gb": 1, "max_model_len": 512})
+        "python": VLLM_PYTHON, "kv_cache_gb": 1, "max_model_len": 512,
+        "args": ["--max-num-batched-tokens", "1024"]})  # runtime.vllm_args
     model, tok = load_model(smollm2)
     layout = ParamLayout.of(model)
     pub = FilePublisher(tmp_path / "w", layout)
@@ -70,6 +71,8 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
         assert not url.endswith(f":{taken_port}")
         assert "Address already in use" in host.log_path.read_text(errors="replace")
         pid = host.describe()["pid"]
+        argv = Path(f"/proc/{host.server.proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"--max-num-batched-tokens") + 1] == b"1024"
         # tidal's guard: every route, vLLM's control routes too, needs the run's token
         assert httpx.post(f"{url}/v1/completions", timeout=30, json={
             "model": "tidal", "prompt": prompt, "max_tokens": 1}).status_code == 401

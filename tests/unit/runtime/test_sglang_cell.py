@@ -59,7 +59,7 @@ def _host(tmp_path, model_dir, site, fault="", monkeypatch=None) -> SGLangCellHo
     monkeypatch.setenv("TIDAL_ENGINE_TOKEN", "tok-1")
     return SGLangCellHost("c1", str(model_dir), 4, str(tmp_path), {
         "python": sys.executable, "mem_fraction": 0.3, "dtype": "float32",
-        "pythonpath": site}, device="cpu")
+        "pythonpath": site, "args": ["--context-length", "256"]}, device="cpu")
 
 
 @contextlib.contextmanager
@@ -91,7 +91,10 @@ def test_an_sglang_cell_sleeps_wakes_and_loads_over_sglangs_routes(
     with _started(tmp_path, model_dir, sglang_site, monkeypatch) as (host, url):
         assert httpx.get(f"{url}/get_weight_version").status_code == 401  # the token guards
         # ... which no other local user can read off the server's command line (issue 29)
-        assert b"tok-1" not in Path(f"/proc/{host.server.proc.pid}/cmdline").read_bytes()
+        argv = Path(f"/proc/{host.server.proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert b"tok-1" not in b" ".join(argv)
+        i = argv.index(b"--context-length")  # runtime.sglang_args, after tidal's own
+        assert argv[i + 1] == b"256" and argv.index(b"--weight-version") < i
         d = host.describe()
         assert d["backend"] == "sglang" and d["version"] == "v0" and d["alive"]
         assert _info(host)["enable_memory_saver"]
@@ -180,6 +183,9 @@ def _cfg(**runtime):
     ({"use_gpus": True}, "runtime.sglang_python", "pip install sglang"),
     ({"use_gpus": True, "sglang_python": "/nonexistent/python"}, "runtime.sglang_python",
      "not an executable"),
+    ({"use_gpus": True, "sglang_args": "--schedule-policy lpm --mem-fraction-static=0.9"},
+     "runtime.sglang_args", "--mem-fraction-static=0.9: tidal sets --mem-fraction-static of "
+     "each SGLang server itself (runtime.sglang_mem_fraction)"),
 ])
 def test_what_sglang_cells_need_is_checked(monkeypatch, runtime, field, words):
     monkeypatch.delenv("TIDAL_SGLANG_PYTHON", raising=False)

@@ -47,6 +47,15 @@ def test_vllm_yaml_serves_every_engine_with_vllm(vllm_python):
     assert cfg.policy.name == "waterlevel" and not cfg.runtime.satellites
 
 
+def test_vllm_args_reach_each_servers_settings(vllm_python):
+    from tidal.runtime.vllm_host import vllm_settings
+
+    cfg = _cfg(vllm_args="--enable-prefix-caching --max-num-batched-tokens 4096")
+    check_config(cfg)
+    assert vllm_settings(cfg.runtime)["args"] == [
+        "--enable-prefix-caching", "--max-num-batched-tokens", "4096"]
+
+
 def test_a_cell_may_name_its_own_backend(vllm_python):
     cfg = _cfg(cells=[{"gpus": 1, "slots": 4}, {"gpus": 1, "slots": 4, "backend": "builtin"}])
     assert [cell_backend(cfg, i) for i in range(2)] == ["vllm", "builtin"]
@@ -58,6 +67,13 @@ def test_a_cell_may_name_its_own_backend(vllm_python):
      "sglang"),
     ({"model": "tiny", "standalone_backend": "builtin"}, None, "runtime.cell_backend", "tiny"),
     ({"cell_cpus": 1.0, "standalone_backend": "builtin"}, None, "runtime.cell_cpus", "vLLM"),
+    ({"vllm_args": "--enable-prefix-caching --max-num-seqs 8"}, None, "runtime.vllm_args",
+     "--max-num-seqs: tidal sets --max-num-seqs of each vLLM server itself "
+     "(runtime.engine_max_batch)"),
+    ({"vllm_args": ["--max_model_len=1024"]}, None, "runtime.vllm_args",
+     "(runtime.vllm_max_model_len)"),  # vLLM's underscore spelling, with its value attached
+    ({"vllm_args": ["-tp", "2"], "standalone_backend": "builtin"}, None, "runtime.vllm_args",
+     "(runtime.vllm_tensor_parallel)"),
 ])
 def test_what_vllm_cells_cannot_do_is_refused(vllm_python, runtime, cells, field, words):
     with pytest.raises(ConfigError) as info:
