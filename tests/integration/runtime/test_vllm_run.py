@@ -93,11 +93,20 @@ def test_vllm_run_every_engine_vllm(smollm2, tmp_path, monkeypatch):
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     loads = [st for st in steps if st["step"] == "load_weights"]
     assert loads and all(st["ok"] for st in steps), [st for st in steps if not st["ok"]]
-    # the cells' servers released memory while their cell trained (RSS measured)
-    released = [m for e in summary["engine_memory"].values() for m in e]
-    assert released and all(m["rss_after_mb"] < m["rss_before_mb"] for m in released), released
-    # the vLLM engine served tokens of each version it had loaded, and of no other label
+    # the cells' servers released memory while their cell trained (RSS measured). On the CPU
+    # a woken server's KV cache is resident only once calls touch it: a cell that served
+    # nothing between a wake and its next release frees no RSS there (CI 2026-12-04: c0's
+    # second release, 2915.8 -> 2915.8 MB, after serving no token of v2). A cell serves v0
+    # only before its first release (it wakes on a newer version), so each cell that served
+    # v0 frees RSS at its first release; no release grows it beyond allocator noise.
     served = summary["tokens_by_engine_version"]
+    memory = summary["engine_memory"]
+    released = [m for e in memory.values() for m in e]
+    assert released and all(m["rss_after_mb"] <= m["rss_before_mb"] + 32 for m in released), \
+        memory
+    first = {c: e[0] for c, e in memory.items() if served.get(c, {}).get("v0", 0) > 0}
+    assert first and all(m["rss_after_mb"] < m["rss_before_mb"] for m in first.values()), memory
+    # the vLLM engine served tokens of each version it had loaded, and of no other label
     assert set(served["s0"]) == set(labels) and min(served["s0"].values()) > 0, served
     assert any(name.startswith("c") for name in served), served
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
