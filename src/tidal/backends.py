@@ -133,17 +133,9 @@ def load_backends(modules: list[str] | tuple[str, ...] = (),
     """The ``tidal.backends`` entry points (once), then each of ``modules`` (each registers
     engine backends with ``tidal.backends.register_backend``). A module refused part-way leaves
     none of its backends registered."""
-    from tidal.user_modules import load_entry_points, load_module
+    from tidal.user_modules import load_registering
 
-    load_entry_points(BACKEND_GROUP)
-    for i, where in enumerate(modules):
-        before = set(backend_names())
-        try:
-            load_module(where, field if len(modules) == 1 else f"{field}.{i}")
-        except ConfigError:
-            for name in set(backend_names()) - before:
-                unregister_backend(name)
-            raise
+    load_registering(BACKEND_GROUP, modules, field, backend_names, unregister_backend)
 
 
 def configured_backends(cfg: RunConfig) -> list[EngineBackend]:

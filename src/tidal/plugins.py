@@ -11,12 +11,9 @@ that fails is named where its policy is asked for (``broken_plugins``).
 
 from __future__ import annotations
 
-from tidal.errors import ConfigError
 from tidal.specs import resolved as resolved  # re-exported: callers import it from here
 from tidal.user_modules import broken_plugins as _broken
-from tidal.user_modules import first_line as first_line
-from tidal.user_modules import load_entry_points as load_entry_points
-from tidal.user_modules import load_module as load_module
+from tidal.user_modules import load_registering
 
 POLICY_GROUP = "tidal.policies"
 
@@ -26,15 +23,7 @@ def load_policies(modules: list[str] | tuple[str, ...] = (), field: str = "polic
     part-way leaves none of its policies registered (fixed, it loads again)."""
     from tidal.control.policy import registered, unregister_policy
 
-    load_entry_points(POLICY_GROUP)
-    for i, where in enumerate(modules):
-        before = set(registered())
-        try:
-            load_module(where, field if len(modules) == 1 else f"{field}.{i}")
-        except ConfigError:
-            for name in set(registered()) - before:
-                unregister_policy(name)
-            raise
+    load_registering(POLICY_GROUP, modules, field, registered, unregister_policy)
 
 
 def broken_plugins(group: str = POLICY_GROUP) -> dict[str, str]:

@@ -17,6 +17,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
@@ -40,6 +41,23 @@ def load_module(where: str, field: str) -> ModuleType:
         raise ConfigError(
             field, f"{where} does not import: {type(exc).__name__}: {first_line(exc)}"
         ) from None
+
+
+def load_registering(group: str, modules: list[str] | tuple[str, ...], field: str,
+                     registered: Callable[[], Iterable[str]],
+                     unregister: Callable[[str], None]) -> None:
+    """``group``'s entry points (once), then each of ``modules`` (``field``, or ``field.i`` of
+    several), each registering into one registry (``registered`` lists its names). A module
+    refused part-way leaves nothing it registered (``unregister``): fixed, it loads again."""
+    load_entry_points(group)
+    for i, where in enumerate(modules):
+        before = set(registered())
+        try:
+            load_module(where, field if len(modules) == 1 else f"{field}.{i}")
+        except ConfigError:
+            for name in set(registered()) - before:
+                unregister(name)
+            raise
 
 
 def loaded_from_file(module_name: str) -> bool:
