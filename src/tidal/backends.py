@@ -55,6 +55,9 @@ class EngineBackend:
     server: bool = False
     package: str | None = None  # the module its venv must have (``tidal check``)
     python_field: str | None = None  # the RuntimeConfig field naming that venv's python
+    # RuntimeConfig -> bool: its engines serve in bfloat16, so a published version may be
+    # written in bfloat16 (half the bytes) when every engine of the run does (None: float32)
+    serves_bfloat16: str | None = None
 
 
 _REGISTRY: dict[str, EngineBackend] = {}
@@ -74,7 +77,8 @@ def register_backend(backend: EngineBackend) -> EngineBackend:
     if backend.cell_host is None and backend.standalone_host is None:
         raise ConfigError("backend", f"engine backend {backend.name!r} names neither a "
                           f"cell_host nor a standalone_host")
-    for field in ("adapter", "cell_host", "standalone_host", "settings", "check"):
+    for field in ("adapter", "cell_host", "standalone_host", "settings", "check",
+                  "serves_bfloat16"):
         ref = getattr(backend, field)
         if ref is not None and not _is_ref(ref):
             raise ConfigError("backend", f"engine backend {backend.name!r}: {field} {ref!r} "
@@ -138,6 +142,26 @@ def load_backends(modules: list[str] | tuple[str, ...] = (),
     load_registering(BACKEND_GROUP, modules, field, backend_names, unregister_backend)
 
 
+def serving_backends(cfg: RunConfig) -> list[EngineBackend]:
+    """The backends of the run's engines (each cell's; the standalone engines' when it has
+    any), in the registry's order."""
+    names = {spec.backend or cfg.runtime.cell_backend for spec in cfg.cluster.cell_specs()}
+    if cfg.cluster.standalone_count:
+        names.add(cfg.runtime.standalone_backend)
+    return [b for b in _REGISTRY.values() if b.name in names]
+
+
+def published_dtype(cfg: RunConfig) -> str:
+    """What a published version's file holds: 'bfloat16' when every engine of the run serves
+    in bfloat16 (its backend says so for this config: vLLM on GPUs), else 'float32' (the
+    built-in engine, SGLang's float32 cells, a backend that does not say)."""
+    engines = serving_backends(cfg)
+    if engines and all(b.serves_bfloat16 is not None and load(b.serves_bfloat16)(cfg.runtime)
+                       for b in engines):
+        return "bfloat16"
+    return "float32"
+
+
 def configured_backends(cfg: RunConfig) -> list[EngineBackend]:
     """Every backend the run config names (each cell's, the standalone engines'), in the
     registry's order; the standalone one even without standalone engines (its check says
@@ -156,7 +180,8 @@ register_backend(EngineBackend(
     cell_host="tidal.runtime.vllm_cell:VLLMCellHost",
     standalone_host="tidal.runtime.vllm_host:VLLMEngineHost",
     settings="tidal.runtime.vllm_host:vllm_settings", check="tidal.runtime.vllm_cell:check",
-    server=True, package="vllm", python_field="vllm_python"))
+    server=True, package="vllm", python_field="vllm_python",
+    serves_bfloat16="tidal.runtime.vllm_host:serves_bfloat16"))
 register_backend(EngineBackend(
     name="sglang", label="SGLang", adapter="tidal.serving.sglang_adapter:SGLangAdapter",
     cell_host="tidal.runtime.sglang_cell:SGLangCellHost", standalone_host=None,

@@ -14,6 +14,7 @@ from tidal.backends import (
     configured_backends,
     engine_backend,
     load,
+    published_dtype,
     register_backend,
 )
 from tidal.config import RunConfig, validate_model
@@ -213,3 +214,22 @@ def test_tidal_backends_lists_the_registered_and_a_users_module(isolated, capsys
                     "tidal.serving.adapters:BuiltinAdapter"]
     assert main(["backends", "--module", "no/such/file.py"]) == 2
     assert "--module" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("data", "want"), [
+    ({}, "float32"),  # the built-in engine reads float32 only
+    ({"runtime": {"cell_backend": "vllm", "standalone_backend": "vllm"}}, "float32"),  # CPU
+    ({"runtime": {"cell_backend": "vllm", "standalone_backend": "vllm", "use_gpus": True}},
+     "bfloat16"),  # vLLM's 'auto' on GPUs
+    ({"cluster": {"standalone_count": 0},
+      "runtime": {"cell_backend": "vllm", "use_gpus": True, "device": "cuda"}},
+     "bfloat16"),  # no standalone engine: its (built-in) backend reads nothing
+    ({"runtime": {"cell_backend": "vllm", "standalone_backend": "vllm", "use_gpus": True,
+                  "vllm_dtype": "float32"}}, "float32"),
+    ({"cluster": {"standalone_count": 0, "cells": [{"backend": "builtin"}, {}]},
+      "runtime": {"cell_backend": "vllm", "use_gpus": True}}, "float32"),  # one built-in cell
+    ({"cluster": {"standalone_count": 0},
+      "runtime": {"cell_backend": "sglang", "use_gpus": True}}, "float32"),  # float32 cells
+])
+def test_a_version_is_published_in_bfloat16_only_where_every_engine_serves_in_it(data, want):
+    assert published_dtype(validate_model(RunConfig, data)) == want

@@ -103,18 +103,11 @@ def check_model(cfg: RunConfig) -> int | None:
             raise ConfigError("runtime.model", f"{rt.model}: no weights (*.safetensors) in "
                               "the model directory")
         context = model_context(path)
-    if "vllm" in _backends(cfg):
+    from tidal.backends import serving_backends
+
+    if any(b.name == "vllm" for b in serving_backends(cfg)):  # --max-model-len
         context = min(context or rt.vllm_max_model_len, rt.vllm_max_model_len)
     return context
-
-
-def _backends(cfg: RunConfig) -> set[str]:
-    from tidal.runtime.engines import cell_backend
-
-    out = {cell_backend(cfg, i) for i in range(len(cfg.cluster.cell_specs()))}
-    if cfg.cluster.standalone_count:
-        out.add(cfg.runtime.standalone_backend)
-    return out
 
 
 def check_backends(cfg: RunConfig) -> None:
@@ -122,10 +115,10 @@ def check_backends(cfg: RunConfig) -> None:
     not imported: a fraction of a second)."""
     import subprocess
 
-    from tidal.backends import backend_names, engine_backend
+    from tidal.backends import serving_backends
 
-    rt, used = cfg.runtime, _backends(cfg)
-    for backend in [engine_backend(n) for n in backend_names() if n in used]:
+    rt = cfg.runtime
+    for backend in serving_backends(cfg):
         if backend.package is None or backend.python_field is None:
             continue
         field, module = f"runtime.{backend.python_field}", backend.package

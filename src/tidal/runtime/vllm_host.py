@@ -60,6 +60,14 @@ def vllm_settings(rt: RuntimeConfig) -> dict[str, Any]:
             "cuda_graphs": rt.vllm_cuda_graphs, "args": list(rt.vllm_args)}
 
 
+def serves_bfloat16(rt: RuntimeConfig) -> bool:
+    """Whether this run's vLLM servers hold their weights in bfloat16: ``runtime.vllm_dtype``
+    bfloat16, or 'auto' on GPUs (``serve_args``: engines with GPUs run on CUDA)."""
+    if rt.vllm_dtype == "auto":
+        return rt.use_gpus and rt.device != "cpu"
+    return rt.vllm_dtype == "bfloat16"
+
+
 def cpu_thread_bind(tp: int, cpus: list[int]) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers on ``cpus`` (the engine's allowed
     CPUs): contiguous equal shares, one per worker (``0|1`` for two on two CPUs). vLLM's own

@@ -25,7 +25,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
-from tidal.backends import configured_backends, engine_backend, load
+from tidal.backends import configured_backends, engine_backend, load, published_dtype
 from tidal.clock import Clock, await_until
 from tidal.config import RunConfig
 from tidal.errors import ConfigError
@@ -177,7 +177,9 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
     tok = HFTokenizer(model_dir)
     device = trainer_device(rt.resolved_device(torch.cuda.is_available()), gpu_ids,
                             os.environ.get("CUDA_VISIBLE_DEVICES"))
-    files = FilePublisher(out / "weights", ParamLayout.of(model), keep=2)
+    # in bfloat16 when every engine serves in it (half the bytes each version; vLLM on GPUs)
+    files = FilePublisher(out / "weights", ParamLayout.of(model), keep=2,
+                          dtype=getattr(torch, published_dtype(cfg)))
     if rt.fsdp == "on" and torch.device(device).type != "cpu":
         raise ConfigError("runtime.fsdp", "'on' needs a CPU trainer (a sharded core cannot "
                           "be offloaded while cell 0 serves); use 'auto'")

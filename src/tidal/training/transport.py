@@ -194,15 +194,24 @@ class BroadcastTransport:
         return version
 
 
+# the dtypes a published file may hold: safetensors' name, and the raw integer view written
+_FILE_DTYPES = {torch.float32: ("F32", torch.int32), torch.bfloat16: ("BF16", torch.int16)}
+
+
 class FilePublisher:
     """Writes ``<dir>/v<version>.safetensors`` (atomically: temp file, then rename) for engines
     that load a weight version from a path (the built-in engine's ``update_weights(path,
-    "v<version>")``); keeps the newest ``keep`` files."""
+    "v<version>")``); keeps the newest ``keep`` files. ``dtype``: what the file holds, float32
+    (the trainer's own values; the built-in engine reads nothing else) or bfloat16 (half the
+    bytes, for engines that serve in bfloat16 and would cast to it anyway: ``publish_dtype``)."""
 
-    def __init__(self, directory: str | os.PathLike, layout: ParamLayout, keep: int = 2) -> None:
+    def __init__(self, directory: str | os.PathLike, layout: ParamLayout, keep: int = 2,
+                 dtype: torch.dtype = torch.float32) -> None:
         from pathlib import Path
 
-        self.dir, self.layout, self.keep = Path(directory), layout, keep
+        if dtype not in _FILE_DTYPES:
+            raise TransportError(f"a published file holds float32 or bfloat16, not {dtype}")
+        self.dir, self.layout, self.keep, self.dtype = Path(directory), layout, keep, dtype
         self.dir.mkdir(parents=True, exist_ok=True)
         self.published: list[tuple[int, str]] = []
 
@@ -220,13 +229,15 @@ class FilePublisher:
         final = self.path(version)
         tmp = final + ".tmp"
         header: dict[str, object] = {"__metadata__": {"weight_version": f"v{version}"}}
+        code, raw = _FILE_DTYPES[self.dtype]
+        size = self.dtype.itemsize
         for name, shape, off in zip(self.layout.names, self.layout.shapes, self.layout.offsets,
                                     strict=True):
             n = 1
             for d in shape:
                 n *= d
-            header[name] = {"dtype": "F32", "shape": list(shape),
-                            "data_offsets": [off * 4, (off + n) * 4]}
+            header[name] = {"dtype": code, "shape": list(shape),
+                            "data_offsets": [off * size, (off + n) * size]}
         head = json.dumps(header, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 8)
         with contextlib.ExitStack() as cleanup, open(tmp, "wb") as f:
@@ -239,7 +250,8 @@ class FilePublisher:
                 if not bool(torch.isfinite(tensor).all()):  # no engine is handed it (any backend)
                     raise TransportError(f"v{version}: parameter {name} holds NaN or infinite "
                                          f"values; not published")
-                f.write(tensor.detach().to("cpu", torch.float32).contiguous().numpy().data)
+                values = tensor.detach().to("cpu", self.dtype).contiguous()
+                f.write(values.view(raw).numpy().data)  # numpy has no bfloat16: its bits
             if next(names, None) is not None:
                 raise TransportError(f"publication of v{version} ended early")
             f.close()

@@ -106,6 +106,14 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
             host.load_weights(str(pub.path(1)), "v2")
         assert httpx.get(f"{url}/weight_info", headers=auth,
                          timeout=30).json()["weight_version"] == "v1"
+        # a version published in bfloat16 (what a run whose engines all serve in bfloat16
+        # writes: backends.published_dtype) loads into the same server and is read back
+        half = FilePublisher(tmp_path / "w16", layout, dtype=torch.bfloat16)
+        half.publish(2, layout.params_to_flat(model))
+        assert os.path.getsize(half.path(2)) < 0.6 * os.path.getsize(pub.path(1))
+        assert host.load_weights(half.path(2), "v2") == "v2"
+        again = _complete(url, prompt, token)
+        assert len(again["token_ids"]) == 6 and again["logprobs"]["token_logprobs"][0] < 0
         # the same server process through it all
         d = host.describe()
         assert d["pid"] == pid and d["alive"] and d["backend"] == "vllm"

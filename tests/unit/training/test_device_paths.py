@@ -5,6 +5,8 @@ has none of: it runs on the CPU here and on a real GPU in ``tests/gpu``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from tidal.models.hf import tiny_model
@@ -53,3 +55,31 @@ def test_a_version_with_non_finite_weights_is_never_published(tmp_path):
     with pytest.raises(TransportError, match=r"v2: parameter 1\.bias holds NaN"):
         pub.publish(2, flat)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1.safetensors"]
+
+
+def test_a_version_is_published_in_float32_or_bfloat16_as_asked(tmp_path):
+    """float32: the trainer's values as they are; bfloat16 (engines that serve in it): each
+    value cast to bfloat16 exactly as the engine would, in half the bytes; readable by
+    safetensors itself (what vLLM's workers and ``read_weights`` open) with the version label."""
+    import pytest
+    from safetensors import safe_open
+
+    from tidal.training.transport import FilePublisher, TransportError
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.Linear(17, 5))
+    layout = ParamLayout.of(net)
+    flat = layout.params_to_flat(net)
+    for dtype in (torch.float32, torch.bfloat16):
+        pub = FilePublisher(tmp_path / str(dtype), layout, dtype=dtype)
+        pub.publish(3, flat)
+        with safe_open(pub.path(3), framework="pt") as f:
+            assert f.metadata() == {"weight_version": "v3"}
+            for name, view in layout.views(flat).items():
+                got = f.get_tensor(name)
+                assert got.dtype == dtype and torch.equal(got, view.to(dtype)), name
+        raw = Path(pub.path(3)).read_bytes()  # 8 bytes of header length, the header, data
+        data = len(raw) - 8 - int.from_bytes(raw[:8], "little")
+        assert data == layout.numel * dtype.itemsize  # 4 bytes a value, or 2
+    with pytest.raises(TransportError, match=r"float32 or bfloat16, not torch\.float16"):
+        FilePublisher(tmp_path / "f16", layout, dtype=torch.float16)
