@@ -362,3 +362,28 @@ def test_satellite_on_device_joins_a_core_on_device(records):
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+
+
+def test_a_version_published_in_bfloat16_from_the_device_is_the_cast_of_its_values(tmp_path):
+    """What a run whose engines all serve in bfloat16 writes (``backends.published_dtype``):
+    the trainer's float32 vector on the GPU, each value cast to bfloat16 (as vLLM would cast
+    it), read back exactly by safetensors, in half the bytes of the float32 file."""
+    from safetensors.torch import load_file
+
+    from tidal.training.flat import ParamLayout
+    from tidal.training.transport import FilePublisher
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 8)).to(DEVICE)
+    layout = ParamLayout.of(net)
+    flat = layout.params_to_flat(net)
+    assert flat.device.type == torch.device(DEVICE).type
+    full = FilePublisher(tmp_path / "f32", layout)
+    half = FilePublisher(tmp_path / "bf16", layout, dtype=torch.bfloat16)
+    full.publish(1, flat)
+    half.publish(1, flat)
+    got = load_file(half.path(1))
+    for name, view in layout.views(flat).items():
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name], view.to(torch.bfloat16).cpu()), name
+    assert os.path.getsize(half.path(1)) < 0.55 * os.path.getsize(full.path(1))
