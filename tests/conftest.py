@@ -114,7 +114,7 @@ def isolated_backends():
         entry = engine_backend(name)
         for ref in (entry.adapter, entry.cell_host, entry.standalone_host, entry.settings,
                     entry.check):
-            module = (ref or "").rpartition(":")[0]
+            module = (ref or "").partition(":")[0]
             if module not in modules and module.startswith(("tidal_user_", "tidal_plugin_")):
                 sys.modules.pop(module, None)
         unregister_backend(name)

@@ -13,8 +13,8 @@ Adding a backend is one ``register_backend`` call; the rest of tidal asks the re
 compares a backend's name. A user's backend registers from a module the run config names
 (``runtime.backend_modules``: a ``.py`` file or a dotted module) or from an installed package's
 ``tidal.backends`` entry point (``load_backends``); its references may name the
-module's own classes (``"path/to/file.py:Class"`` too), and a file's classes reach the Ray
-workers by value (``runtime.engines``). docs/engines.md, "Your own backend".
+module's own classes (``f"{__name__}:Class"``), and a file's classes reach the Ray workers by
+value (``runtime.engines``). docs/engines.md, "Your own backend".
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def unregister_backend(name: str) -> None:
 def _is_ref(ref: object) -> bool:
     if not isinstance(ref, str):
         return False
-    module, sep, attr = ref.rpartition(":")
+    module, sep, attr = ref.partition(":")
     return bool(sep and module and attr.isidentifier())
 
 
@@ -123,12 +123,8 @@ def engine_backend(name: str) -> EngineBackend:
 
 
 def load(ref: str) -> Callable[..., object]:
-    """The object ``"module:attribute"`` (or ``"path/to/file.py:attribute"``) names."""
-    module, _, attr = ref.rpartition(":")
-    if module.endswith(".py"):  # a user's file (loaded once per process, by path)
-        from tidal.user_modules import load_module
-
-        return getattr(load_module(module, "backend"), attr)
+    """The object ``"module:attribute"`` names."""
+    module, _, attr = ref.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
@@ -145,8 +141,13 @@ def load_backends(modules: list[str] | tuple[str, ...] = (),
 def serving_backends(cfg: RunConfig) -> list[EngineBackend]:
     """The backends of the run's engines (each cell's; the standalone engines' when it has
     any), in the registry's order."""
+    return _named(cfg, standalone=cfg.cluster.standalone_count > 0)
+
+
+def _named(cfg: RunConfig, standalone: bool) -> list[EngineBackend]:
+    """The registry's entries of each cell's backend, and of the standalone one if asked."""
     names = {spec.backend or cfg.runtime.cell_backend for spec in cfg.cluster.cell_specs()}
-    if cfg.cluster.standalone_count:
+    if standalone:
         names.add(cfg.runtime.standalone_backend)
     return [b for b in _REGISTRY.values() if b.name in names]
 
@@ -166,9 +167,7 @@ def configured_backends(cfg: RunConfig) -> list[EngineBackend]:
     """Every backend the run config names (each cell's, the standalone engines'), in the
     registry's order; the standalone one even without standalone engines (its check says
     whether that is an error)."""
-    names = {spec.backend or cfg.runtime.cell_backend for spec in cfg.cluster.cell_specs()}
-    names.add(cfg.runtime.standalone_backend)
-    return [b for b in _REGISTRY.values() if b.name in names]
+    return _named(cfg, standalone=True)
 
 
 register_backend(EngineBackend(

@@ -34,7 +34,7 @@ def command(modules: tuple[str, ...]) -> None:
         rows.append((name, serves, "server" if b.server else "process", b.adapter))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:
-        click.echo("  ".join(f"{v:<{w}}" for v, w in zip(row, widths, strict=False)) +
-                   f"  {row[3]}")
+        padded = "  ".join(f"{v:<{w}}" for v, w in zip(row[:3], widths, strict=True))
+        click.echo(f"{padded}  {row[3]}")
     for name, why in broken_plugins(BACKEND_GROUP).items():
         click.echo(f"entry point {name} not loaded: {why}", err=True)

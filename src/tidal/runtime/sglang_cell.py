@@ -72,8 +72,8 @@ SGLANG_OWNED = {
 
 
 def sglang_settings(rt: RuntimeConfig) -> dict[str, Any]:
-    """What an ``SGLangCellHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``)."""
-    check_extra_args(rt.sglang_args, SGLANG_OWNED, "runtime.sglang_args", "SGLang")
+    """What an ``SGLangCellHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``;
+    ``sglang_args`` by ``check``)."""
     return {"python": rt.resolved_sglang_python(), "mem_fraction": rt.sglang_mem_fraction,
             "dtype": "float32", "args": list(rt.sglang_args)}
 

@@ -52,8 +52,8 @@ VLLM_OWNED = {
 
 
 def vllm_settings(rt: RuntimeConfig) -> dict[str, Any]:
-    """What a ``VLLMEngineHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``)."""
-    check_extra_args(rt.vllm_args, VLLM_OWNED, "runtime.vllm_args", "vLLM")
+    """What a ``VLLMEngineHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``;
+    ``vllm_args`` by ``check``)."""
     return {"python": rt.resolved_vllm_python(), "kv_cache_gb": rt.vllm_kv_cache_gb,
             "max_model_len": rt.vllm_max_model_len, "device": rt.device if rt.use_gpus
             else "cpu", "tensor_parallel": rt.vllm_tensor_parallel, "dtype": rt.vllm_dtype,

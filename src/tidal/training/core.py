@@ -28,6 +28,7 @@ full copy). A sharded core is not offloaded (it trains on a CPU or on GPUs it do
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
@@ -402,10 +403,7 @@ class CoreTrainer:
         # ``.data`` in place: the Parameter objects the optimizer holds stay the module's.
         # Off the GPU through pinned buffers kept between offloads (``HostStash``).
         stash = self._stash
-
-        def move(key: str, t: torch.Tensor) -> torch.Tensor:
-            return stash.move(key, t, device)
-
+        move = functools.partial(stash.move, device=device)  # move(key, tensor)
         with torch.no_grad():
             for name, t in self.model.named_buffers():
                 t.data = move(f"buffer.{name}", t.data)

@@ -203,7 +203,8 @@ class FilePublisher:
     that load a weight version from a path (the built-in engine's ``update_weights(path,
     "v<version>")``); keeps the newest ``keep`` files. ``dtype``: what the file holds, float32
     (the trainer's own values; the built-in engine reads nothing else) or bfloat16 (half the
-    bytes, for engines that serve in bfloat16 and would cast to it anyway: ``publish_dtype``)."""
+    bytes, for engines that serve in bfloat16 and would cast to it anyway:
+    ``backends.published_dtype``)."""
 
     def __init__(self, directory: str | os.PathLike, layout: ParamLayout, keep: int = 2,
                  dtype: torch.dtype = torch.float32) -> None:
