@@ -4,6 +4,8 @@ wire); dicts exist only on the wire.
 
 - ``close``: why an execution closed (``CloseReason``), for the ledger, training and the run
   directory alike.
+- ``executions``: how an execution ends (``Outcome``, its ``Turn``s): what an agent kind returns
+  and the runtime reads.
 - ``calls``: a model call (``CallRecord``, its engine ``Segment``s) and a closed execution
   (``ExecutionRecord``), from the proxy's admin route to the trajectory buffer and checkpoints.
 - ``run_files``: one model per line of each run-directory file, for its writer and its readers.
@@ -22,6 +24,7 @@ from tidal.contracts.calls import (
     version_spans,
 )
 from tidal.contracts.close import CLOSE_REASONS, CloseReason
+from tidal.contracts.executions import Outcome, Turn, finite_reward
 
 __all__ = ["CLOSE_REASONS", "NO_VERSION", "CallRecord", "CloseReason", "ExecutionRecord",
-           "Segment", "version_number", "version_spans"]
+           "Outcome", "Segment", "Turn", "finite_reward", "version_number", "version_spans"]
