@@ -14,8 +14,9 @@ every execution closed and its record delivered, so groups dropped by the ledger
 will not come), it trains on its share of what is ready (``BatchShort`` tells the controller),
 and with nothing ready it stops the run with a ``RuntimeFailure`` naming the burst. Without
 progress (an execution closing, a record arriving, a group getting ready, cell 0's role
-changing) for ``runtime.step_data_timeout_s`` (plus ``runtime.execution_timeout_s`` while
-executions run) it stops with ``TimeoutExpired``.
+changing, a move of cells advancing) for ``runtime.step_data_timeout_s`` (plus
+``runtime.execution_timeout_s`` while executions run, plus ``control.step_timeout_s`` while a
+move is in flight) it stops with ``TimeoutExpired``.
 """
 
 from __future__ import annotations
@@ -172,17 +173,22 @@ class TrainerLoop:
                 self.handle(BatchShort(self.clock.now(), step, need))
             if training and have >= need:
                 return self.clock.now() - t0, need
+            fl = self.ctl.inflight  # a move of cells: its steps are bounded on their own
             mark = (ledger.total.dispatched, ledger.total.finished,
-                    self.buffer.stats.records_in, have, training)
+                    self.buffer.stats.records_in, have, training, len(self.ctl.plans_done),
+                    self.ctl.plans_aborted, fl and (fl.plan.plan_id, fl.step))
             now = self.clock.now()
             if mark != seen:
                 seen, since = mark, now
-            bound = rt.step_data_timeout_s + (rt.execution_timeout_s if ledger.waterlevel else 0)
+            bound = (rt.step_data_timeout_s
+                     + (rt.execution_timeout_s if ledger.waterlevel else 0)
+                     + (self.cfg.control.step_timeout_s if fl else 0))
             if now - since > bound:
                 raise TimeoutExpired(
                     f"step {step}: {have} of {need} groups ready and no progress for "
                     f"{bound:g} s (runtime.step_data_timeout_s"
-                    f"{' + execution_timeout_s: executions running' if ledger.waterlevel else ''})")
+                    f"{' + execution_timeout_s: executions running' if ledger.waterlevel else ''}"
+                    f"{' + control.step_timeout_s: a move in flight' if fl else ''})")
             inputs.gpus(now, training, len(self.buffer))
             self.actuator.training_changed.clear()
             with contextlib.suppress(TimeoutError):
