@@ -97,7 +97,8 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminato
 
 
 class Message(_Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"] = Field(
+        ..., description="system: a system message mid-conversation (Claude Code's beta)")
     content: str | list[Block]
 
 
