@@ -118,6 +118,10 @@ async def _route(h: ProxyHandlers, request: Request, d: Dialect) -> Response:
                    getattr(body, "prompt_cache_key", None))
     call, t_engine = await h.prepare(chat, "chat", headers.get("x-tidal-execution"),
                                      session)
+    if chat.max_tokens is None:  # Responses' default: what the served context leaves
+        lens = [m.max_model_len for m in h.proxy.router.members.values() if m.max_model_len]
+        if lens:
+            chat.max_tokens = max(1, min(lens) - len(call.prompt))
     model = chat.model or h._model_name(chat)
     if chat.stream:
         pieces = stream_pieces(h, call)

@@ -4,7 +4,8 @@ SDK's ``responses.create`` send, answered by tidal's engines through the chat ro
 
 In: ``input`` (text, or items: messages with ``input_text`` / ``output_text`` parts,
 ``function_call``, ``function_call_output``), ``instructions``, ``tools`` (functions),
-``tool_choice`` ``auto``/``none``, ``parallel_tool_calls``, ``max_output_tokens``,
+``tool_choice`` ``auto``/``none``, ``parallel_tool_calls``, ``max_output_tokens`` (default:
+what the served context leaves after the prompt),
 ``temperature``, ``top_p``, ``stream``. Accepted without effect (they cannot change what is
 sampled): ``store`` (nothing is kept), ``metadata``, ``client_metadata``, ``user``,
 ``service_tier``, ``truncation`` ``disabled``, ``include`` ``reasoning.encrypted_content``,
