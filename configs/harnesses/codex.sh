@@ -10,7 +10,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 codex="${TIDAL_HARNESSES:-$root/harnesses}/node_modules/.bin/codex"
 [ -x "$codex" ] || { echo "no $codex: run 'make harnesses' first" >&2; exit 127; }
-export CODEX_HOME="${TIDAL_WORKSPACE:-$PWD}/.tidal/codex"
+export CODEX_HOME="$PWD/.tidal/codex"  # the command kind runs it in the workspace
 mkdir -p "$CODEX_HOME"
 printf '%s\n' "${CODEX_INSTRUCTIONS:-You are a coding agent. Run shell commands with exec_command to fix the task, then answer briefly.}" \
     > "$CODEX_HOME/instructions.md"
