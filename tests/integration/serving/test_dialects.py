@@ -132,11 +132,11 @@ def test_messages_sampling_streamed_and_not(served):
     raw = [e.type for e in cl.messages.create(
         **{**base, "extra_body": {"top_k": 5, "top_p": 0.9}}, stream=True)]
     assert raw[0] == "message_start" and raw[-2:] == ["message_delta", "message_stop"]
-    stop = text[len(text) // 2: len(text) // 2 + 2] if len(text) > 4 else None
-    if stop and stop.strip():
-        cut = cl.messages.create(**base, stop_sequences=[stop])
-        assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
-        assert cut.content[0].text == text[: text.find(stop)]
+    assert len(text) > 8, text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = cl.messages.create(**base, stop_sequences=[stop])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.find(stop)]
     with pytest.raises(anthropic.BadRequestError):
         cl.messages.create(**{**base, "extra_body": {"temperature": 1e-30}})
     assert len(_records(served, "a-fields")) >= 3
