@@ -30,6 +30,7 @@ from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from tidal.serving.anthropic_api import CountTokensRequest, MessagesRequest
 from tidal.serving.execution_identity import ExecutionIdentity
 from tidal.serving.executions import EventLog, ExecutionRegistry
 from tidal.serving.fast_path import MAX_BODY_BYTES, FastPath
@@ -44,6 +45,7 @@ from tidal.serving.proxy_handlers import (
     RegisterBody,
     Unauthorized,
 )
+from tidal.serving.responses_api import ResponsesRequest
 from tidal.serving.token_in import TokenInRequest
 
 if TYPE_CHECKING:
@@ -86,6 +88,9 @@ ROUTES: tuple[tuple[str, str, str, bool, type[BaseModel] | None], ...] = (
     ("POST", "/v1/completions", "completions", False, CompletionRequest),
     ("POST", "/v1/chat/completions", "chat", False, ChatRequest),
     ("POST", "/inference/v1/generate", "generate", False, TokenInRequest),
+    ("POST", "/v1/messages", "messages", False, MessagesRequest),
+    ("POST", "/v1/messages/count_tokens", "count_tokens", False, CountTokensRequest),
+    ("POST", "/v1/responses", "responses", False, ResponsesRequest),
     ("GET", "/v1/models", "models", False, None),
     ("GET", "/health", "health", False, None),
     ("GET", "/live", "live", False, None),
@@ -107,7 +112,8 @@ def _openapi(app: FastAPI) -> Callable[[], dict]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatRequest, TokenInRequest):
+            for model in (CompletionRequest, ChatRequest, TokenInRequest, MessagesRequest,
+                          CountTokensRequest, ResponsesRequest):
                 spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(spec.pop("$defs", {}))
                 schemas[model.__name__] = spec
