@@ -35,9 +35,12 @@ def command(published: tuple[str, ...], seeds: int, tolerance: float | None) -> 
 
     names = list(published) or P.shipped()
     outcomes: list[P.Outcome] = []
+    dapo_run = None
     for name in names:
         pf = P.load(name)
         run = P.makespan_runner(pf=pf)
+        if pf.name == "verl-dapo":
+            dapo_run = run
         rows = P.evaluate(pf, run, seeds=seeds)
         phases = P.phase_table(pf, run)
         tol = 0.1 if tolerance is None else tolerance
@@ -45,6 +48,10 @@ def command(published: tuple[str, ...], seeds: int, tolerance: float | None) -> 
                    + ("\n" + phases if phases else "") + "\n")
         outcomes += rows
     click.echo(P.summary(outcomes, 0.1 if tolerance is None else tolerance))
+    if dapo_run is not None:
+        from tidal.sim.saving import dapo_saving
+
+        click.echo("\n" + dapo_saving(dapo_run))
     if tolerance is not None:
         off = [o for o in outcomes if o.row.judged and abs(o.relative_error) > tolerance]
         if off:

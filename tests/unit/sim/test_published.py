@@ -178,3 +178,24 @@ def test_the_tolerance_fails_only_on_judged_rows(tmp_path, capsys):
     assert "miss" in out and "-50.0%" in out and "workload unpublished" in out
     assert "1/1 judged rows within 10%" in out
     assert main(["validate", write("known"), "--tolerance", "0.1"]) == 1
+
+
+def test_the_dapo_saving_is_printed_with_what_it_rests_on():
+    from tidal.sim.saving import dapo_saving
+
+    hours = {"tidal": 5.0, "verl-default": 6.0, "static:train=16": 6.6, "static:train=8": 6.4}
+    text = dapo_saving(lambda name, policy, seed=0: hours[policy])
+    first = text.splitlines()[0]
+    assert "tidal 5.000 h" in first and "verl-default 6.000 h (+16.7% time saved)" in first
+    assert "best static train=8 6.400 h (+21.9%)" in first
+    assert "fitted on the two calibration rows only: efficiency.decode" in text
+    assert "prior (not measured): engine sleep" in text and "weight sync" in text
+
+
+def test_the_shipped_v1_file_takes_each_runs_published_mean_length():
+    pf = P.load("verl-v1-trainer")
+    assert all(r.judged for r in pf.rows) and len(pf.rows) == 6
+    means = {name: P.scenario_in(pf, name).workload.classes[0].decode_tokens.mean
+             for name in ("sync-32", "separate-16-16", "noswitch-16-8", "switch-16-8")}
+    assert means == {"sync-32": 12720, "separate-16-16": 12288, "noswitch-16-8": 13343,
+                     "switch-16-8": 13478}
