@@ -8,8 +8,8 @@ with every derived speed and cost filled in (peak decode, per-sequence cap, pref
 equivalents, training tokens/s per GPU, optimizer, offload / onload, weight sync, KV handoff).
 
 The decode step of ``n`` resident sequences with ``S`` context tokens in all (roofline):
-``max(bytes / (tp * HBM * e_dec), n * 2 * M / (tp * FLOPs * e_dec)) + overhead`` (``M``: below), with
-``bytes = dense weights + routed experts * (1 - (1 - k/E)**n) + kv * S + state * n``
+``max(bytes / (tp * HBM * e_dec), n * 2 * M / (tp * FLOPs * e_dec)) + overhead`` (``M`` below),
+with ``bytes = dense weights + routed experts * (1 - (1 - k/E)**n) + kv * S + state * n``
 (reading the experts a batch touches; reading the KV cache and the linear-attention state).
 When the cache holds only a share ``f`` of the sequences (``tp * HBM * mem_fraction - weights``
 over what they need), ``f`` of them decode at a time: every sequence advances at ``f / step``.
