@@ -9,7 +9,9 @@ A user function is called in one of two styles, told apart by its parameter name
 - verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``, as it is (a verl
   user's reward file works unchanged; a dict answer gives its ``score``, as in verl);
 - tidal's: any of ``row``, ``answer``, ``workspace``, ``transcript``, ``outcome`` by name.
-Sync functions run in a worker thread, async ones on the loop, each bounded by ``timeout_s``.
+Each runs in a worker process (``tidal.agents.python_workers``), never in the driver: one that
+does not return within ``timeout_s`` is killed with its worker (``reward_error``), and no thread
+of the driver waits on it (SIGTERM still ends the run).
 Builtins: ``reasoning_gym`` (the dataset's own ``score_answer``, on the ``<answer>`` tag when the
 text has one), ``math_verify`` (math-verify's parse + verify against the reference), ``tests``
 (the workspace's tests: 1 if they pass, else 0) and ``exact``.
@@ -18,7 +20,6 @@ text has one), ``math_verify`` (math-verify's parse + verify against the referen
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
 import os
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from tidal.agents.callables import load_callable, parameters
 from tidal.agents.kinds import AgentOutcome
+from tidal.agents.python_workers import WorkerError, pool
 from tidal.agents.tasks import TaskRow
 from tidal.config import RewardConfig
 from tidal.errors import ConfigError, TidalError
@@ -100,12 +102,21 @@ class Reward:
                 }
             )
             kwargs = {n: given[n] for n in self.names}
-            if inspect.iscoroutinefunction(self.fn):
-                return await self.fn(**kwargs)
-            return await asyncio.to_thread(self.fn, **kwargs)
+            return await self._in_worker(
+                "reward", {"fn": self.cfg.function, "kwargs": kwargs}
+            )
         if self.cfg.builtin == "tests":
             return await run_tests(row, workspace, self.cfg.timeout_s)
-        return await asyncio.to_thread(_BUILTINS[self.cfg.builtin or ""], row, outcome.answer)
+        return await self._in_worker(
+            "builtin", {"name": self.cfg.builtin, "row": row, "answer": outcome.answer}
+        )
+
+    async def _in_worker(self, op: str, payload: dict) -> object:
+        """The scorer's value, computed in a worker process killed at ``timeout_s``."""
+        try:
+            return await pool().call(op, payload, self.cfg.timeout_s)
+        except WorkerError as exc:
+            raise RewardError(str(exc)) from None
 
 
 def number(value: object) -> float:
