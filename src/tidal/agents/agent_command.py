@@ -74,10 +74,8 @@ class CommandKind:
                 f"{field}.args.{sorted(spec.args)[0]}", "the 'command' kind takes no args"
             )
         self.sandbox = sandbox_for(spec.user, f"{field}.user")
-        # tidal's interpreter and its imports, for ``{python}`` (read-only to the agent)
-        self.expose = (
-            interpreter_paths() if spec.command[0] == "{python}" else []
-        )
+        # tidal's interpreter and its imports, for ``{python}`` and the venv's scripts
+        self.expose = interpreter_paths()
         self.limit = spec.output_limit_bytes
 
     async def run(self, ctx: AgentContext) -> AgentOutcome:
@@ -106,9 +104,7 @@ class CommandKind:
             env[_MARK] = ctx.api_key
         logs = ws / ".tidal"
         logs.mkdir(exist_ok=True)
-        self.sandbox.prepare(ws)
-        logs.chmod(0o755)  # tidal's own: written by tidal, read (not written) by the agent
-        os.chown(logs, os.geteuid(), os.getegid())
+        self.sandbox.prepare(ws)  # logs too (a harness writes there): tidal never reads them
         argv = [self.program, *(a.format(**values) for a in self.argv)]
         proc = await asyncio.create_subprocess_exec(
             *self.sandbox.argv(argv, ws, self.expose),

@@ -31,6 +31,7 @@ from pathlib import Path
 from tidal.agents.callables import load_callable, parameters
 from tidal.agents.kinds import AgentOutcome
 from tidal.agents.python_workers import WorkerError, pool
+from tidal.agents.sandbox import environment, interpreter_paths, sandbox_for
 from tidal.agents.tasks import TaskRow
 from tidal.config import RewardConfig
 from tidal.errors import ConfigError, TidalError
@@ -161,7 +162,9 @@ _BUILTINS = {"reasoning_gym": _reasoning_gym, "math_verify": _math_verify, "exac
 
 async def run_tests(row: TaskRow, workspace: Path, timeout_s: float) -> float:
     """1.0 if the row's test command (default ``python -m pytest -q``) exits 0 in the
-    workspace, else 0.0; run as its own process group, killed at ``timeout_s``."""
+    workspace, else 0.0; run in the agents' sandbox (the tests are the agent's work: as root
+    they run as the agent's user, ``tidal.agents.sandbox``), killed at ``timeout_s`` with
+    everything they started."""
     argv = row.metadata.get("test_command") or [
         sys.executable,
         "-m",
@@ -171,20 +174,22 @@ async def run_tests(row: TaskRow, workspace: Path, timeout_s: float) -> float:
         "-p",
         "no:cacheprovider",
     ]
+    box = sandbox_for("auto")
+    box.prepare(workspace)
     proc = await asyncio.create_subprocess_exec(
-        *argv,
+        *box.argv(list(argv), workspace, interpreter_paths()),
         cwd=workspace,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
         start_new_session=True,
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        env={**environment(), "PYTHONDONTWRITEBYTECODE": "1"},
     )
     try:
         code = await asyncio.wait_for(proc.wait(), timeout_s)
     finally:
         if proc.returncode is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # and with its namespace, all it started
             await proc.wait()
     return 1.0 if code == 0 else 0.0
 
