@@ -212,3 +212,20 @@ def running(marker: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def test_without_root_a_user_namespace_still_ends_every_descendant(run_dir):
+    # the sandbox a non-root tidal gets (tried here as root: the same unshare line)
+    from tidal.agents.sandbox import Sandbox, _namespaces
+
+    if not _namespaces(False):
+        pytest.skip("no unprivileged user namespaces on this host")
+    script = _script(run_dir, "daemon.py", DAEMON)
+    agent = build_agent(AgentConfig(kind="command", command=["{python}", script], user="root"))
+    agent.sandbox = Sandbox("namespace")
+    out = asyncio.run(agent.run(_ctx(run_dir / "workspaces" / "b0-g0-e0")))
+    assert out.exit_code == 0 and out.answer == "left a daemon behind", out.stderr_tail
+    deadline = time.monotonic() + 5
+    while running("61.0741") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running("61.0741"), "the daemon outlived its execution"
