@@ -130,12 +130,22 @@ class WorkerPool:
         if fut.done() and not fut.cancelled():
             fut.exception()  # retrieved: the caller has its timeout already
 
-    async def _worker(self) -> _Worker:
+    def _least_busy(self) -> _Worker | None:
+        """The worker with the fewest calls, or None when one more should start."""
         self.workers = [w for w in self.workers if w.alive]
         idle = min(self.workers, key=lambda w: len(w.pending), default=None)
         if idle is not None and (not idle.pending or len(self.workers) >= self.size):
             return idle
-        async with self._starting:
+        return None
+
+    async def _worker(self) -> _Worker:
+        found = self._least_busy()
+        if found is not None:
+            return found
+        async with self._starting:  # one start at a time; a call that waited looks again
+            found = self._least_busy()
+            if found is not None:
+                return found
             from tidal.agents.sandbox import environment
 
             proc = await asyncio.create_subprocess_exec(

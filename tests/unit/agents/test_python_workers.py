@@ -186,3 +186,19 @@ def test_no_worker_outlives_close_all(tmp_path):
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids)
     assert os.getpid() not in pids
+
+
+def test_concurrent_calls_share_at_most_the_pools_workers(tmp_path):
+    from tidal.agents.python_workers import _PIDS, close_all
+
+    close_all()
+    agent = _agent(tmp_path, "fine")
+
+    async def many():
+        outs = await asyncio.gather(*[agent.run(_ctx(tmp_path / "ws", 20.0)) for _ in range(30)])
+        return outs, len(_PIDS)
+
+    outs, workers = asyncio.run(many())
+    assert [o.reward for o in outs] == [0.5] * 30
+    assert 1 <= workers <= 2  # task.agent.workers (default 2), not one per call
+    assert not _PIDS  # the loop's end closed them
