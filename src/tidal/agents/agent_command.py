@@ -5,10 +5,11 @@ execution's workspace, with the model behind ``OPENAI_BASE_URL`` / ``OPENAI_API_
 In: ``task.agent.command`` (the program, ``{python}`` for tidal's own interpreter, and its
 arguments; ``{prompt}``, ``{task_file}``,
 ``{workspace}``, ``{execution_id}``, ``{base_url}``, ``{api_key}``, ``{model}`` are filled in, in
-``task.agent.env`` values too). The task row is written as JSON to ``task.agent.task_file`` in the
-workspace first. The environment adds ``OPENAI_BASE_URL`` (the proxy's per-execution URL, so a
-program that cannot add headers is still identified), ``OPENAI_API_KEY`` (a key bound to the
-execution), ``OPENAI_MODEL``, ``TIDAL_EXECUTION_ID``, ``TIDAL_WORKSPACE``, ``TIDAL_TASK_FILE``.
+``task.agent.env`` values too). The task row (without its reference answer) is written as JSON to
+``task.agent.task_file`` in the workspace first. The environment adds ``OPENAI_BASE_URL`` (the
+proxy's per-execution URL, so a program that cannot add headers is still identified),
+``OPENAI_API_KEY`` (a key bound to the execution), ``OPENAI_MODEL``, ``TIDAL_EXECUTION_ID``,
+``TIDAL_WORKSPACE``, ``TIDAL_TASK_FILE``.
 The run's tokens (``TIDAL_*TOKEN*``) are never passed on.
 Out: an ``AgentOutcome`` with the exit code, the last ``TAIL_CHARS`` of stdout / stderr (the
 streams are in ``.tidal/stdout.log`` / ``stderr.log`` of the workspace, each cut at
@@ -80,7 +81,9 @@ class CommandKind:
 
     async def run(self, ctx: AgentContext) -> AgentOutcome:
         ws = ctx.workspace
-        (ws / self.task_file).write_text(json.dumps(ctx.row.to_json(), default=str))
+        # the row without its reference answer: the agent is what is trained
+        row = {k: v for k, v in ctx.row.to_json().items() if k != "answer"}
+        (ws / self.task_file).write_text(json.dumps(row, default=str))
         values = {
             "prompt": ctx.row.text(),
             "task_file": str(ws / self.task_file),

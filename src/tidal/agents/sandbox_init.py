@@ -29,6 +29,16 @@ def _mount(libc, source, target, fstype, flags, data):
         raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
 
+def _makedirs(path):
+    """``path`` and its missing parents, each 0711: entered by path, never listed."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for p in reversed(missing):
+        os.mkdir(p, 0o711)
+
+
 def _hide(covers, binds):
     """Each directory of ``covers`` replaced by an empty tmpfs; then each ``(path, read_only)``
     of ``binds`` (opened before anything is hidden) bound back at its own path inside."""
@@ -37,7 +47,7 @@ def _hide(covers, binds):
     for cover in covers:
         _mount(libc, "tmpfs", cover, "tmpfs", MS_NOSUID | MS_NODEV, "mode=711,size=64k")
     for fd, path, ro in fds:
-        os.makedirs(path, mode=0o711, exist_ok=True)
+        _makedirs(path)
         _mount(libc, f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
         if ro:
             _mount(libc, "none", path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC, None)

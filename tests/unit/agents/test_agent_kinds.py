@@ -66,7 +66,8 @@ def test_a_command_runs_in_its_workspace_and_its_reward_follows(tmp_path):
     assert done.reward == 1.0  # scored on its stdout (verl's solution_str)
     assert done.outcome.stdout_tail.startswith("http://127.0.0.1:9/x/b0-g0-e0/v1")
     assert done.outcome.stderr_tail == "oops\n"
-    assert '"prompt": "6 * 7?"' in (tmp_path / "seen.json").read_text()
+    seen = (tmp_path / "seen.json").read_text()
+    assert '"prompt": "6 * 7?"' in seen and '"answer"' not in seen  # never the reference
 
 
 def test_a_command_past_its_timeout_is_ended_with_its_children(tmp_path):

@@ -70,6 +70,7 @@ for name, pid in (("proxy", sys.argv[1]), ("driver", sys.argv[2])):
     attempt(name + "_environ", lambda: open(f"/proc/{pid}/environ", "rb").read())
     attempt(name + "_cmdline", lambda: open(f"/proc/{pid}/cmdline", "rb").read())
 attempt("run_dir_listing", lambda: os.listdir(sys.argv[3]))
+attempt("workspaces_listing", lambda: os.listdir(os.path.join(sys.argv[3], "workspaces")))
 attempt("run_dir_config", lambda: open(os.path.join(sys.argv[3], "config.yaml")).read())
 attempt("own_env_token", lambda: os.environ["TIDAL_ADMIN_TOKEN"])
 attempt("proc_1_environ_token", lambda: [p for p in os.listdir("/proc") if p.isdigit()
