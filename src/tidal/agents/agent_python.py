@@ -26,7 +26,7 @@ from tidal.agents.callables import load_callable, parameters
 from tidal.agents.kinds import AgentContext, AgentOutcome, register_agent_kind, unused
 from tidal.agents.python_workers import pool
 from tidal.config import AgentConfig
-from tidal.contracts.executions import finite_reward
+from tidal.contracts.executions import Outcome, finite_reward
 from tidal.errors import ConfigError
 
 GIVEN = ("client", "row", "workspace", "model", "ctx")
@@ -63,27 +63,32 @@ class PythonKind:
         )
         if not isinstance(done, dict):
             raise TypeError(f"the agent's worker answered {type(done).__name__}")
-        reward = done.get("reward")
-        return AgentOutcome(
-            reward=None if reward is None else finite_reward(reward),
-            answer=str(done.get("answer", "")),
-            transcript=[t for t in done.get("transcript", []) if isinstance(t, dict)],
-            exit_code=None,
-            reason=str(done.get("reason", "completed")),
-            detail=str(done.get("detail", "")),
-        )
+        return _agent_outcome(Outcome.model_validate(done))  # checked: a worker is not trusted
+
+
+def _agent_outcome(out: Outcome) -> AgentOutcome:
+    """``Outcome`` as the ``AgentOutcome`` the harness pool still reads (goes with it)."""
+    return AgentOutcome(
+        reward=out.reward,
+        answer=out.answer,
+        transcript=[t.model_dump(exclude_none=True) for t in out.transcript],
+        exit_code=out.exit_code,
+        reason=out.reason.value,
+        detail=out.detail,
+    )
 
 
 def outcome_dict(res: object) -> dict:
-    """A python agent's return value as the dict its worker sends back (in the worker): a
-    non-finite reward becomes reason ``reward_error`` with no reward and the why in
-    ``detail``."""
+    """A python agent's return value as the ``Outcome`` (a dict) its worker sends back (in the
+    worker): a non-finite reward becomes reason ``reward_error`` with no reward and the why in
+    ``detail``; transcript entries are ``Turn``s (their ``action``, ``observation`` and
+    timings)."""
     out = outcome_of(res)
     done = {
         "reason": out.reason,
         "reward": None,
         "answer": out.answer,
-        "transcript": out.transcript,
+        "transcript": [_turn(t) for t in out.transcript],
         "detail": out.detail,
     }
     if out.reward is not None:
@@ -92,6 +97,17 @@ def outcome_dict(res: object) -> dict:
         except ValueError as exc:
             done.update(reason="reward_error", detail=f"the agent returned a {exc}")
     return done
+
+
+def _turn(entry: object) -> dict:
+    given = entry if isinstance(entry, dict) else {"action": entry}
+    turn = {"action": str(given.get("action", "")),
+            "observation": str(given.get("observation", ""))}
+    for key in ("t_call", "call_s", "tool_s"):
+        value = given.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+            turn[key] = float(value)
+    return turn
 
 
 def outcome_of(res: object) -> AgentOutcome:

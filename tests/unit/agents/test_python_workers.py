@@ -40,7 +40,8 @@ async def nan(row):
     return float("nan")
 
 async def fine(row, ctx):
-    return {"reward": 0.5, "answer": ctx.execution_id}
+    return {"reward": 0.5, "answer": ctx.execution_id,
+            "transcript": [{"action": "a", "observation": "o", "tool": "x", "call_s": 0.5}]}
 """
 
 
@@ -99,6 +100,8 @@ def test_a_nan_reward_from_an_agent_closes_reward_error(tmp_path):
 def test_an_agent_gets_its_context_and_its_answer_comes_back(tmp_path):
     out = asyncio.run(_agent(tmp_path, "fine").run(_ctx(tmp_path / "ws", 20.0)))
     assert out.reason == "completed" and out.reward == 0.5 and out.answer == "b0-g0-e0"
+    # checked as an Outcome: its transcript as Turns (what a Turn does not hold is left out)
+    assert out.transcript == [{"action": "a", "observation": "o", "call_s": 0.5}]
 
 
 def test_a_reward_that_never_returns_is_killed_and_leaves_no_thread(tmp_path):
