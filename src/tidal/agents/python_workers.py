@@ -31,6 +31,7 @@ import os
 import pickle
 import signal
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -48,21 +49,37 @@ class WorkerError(TidalError):
 
 
 class _Worker:
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
+    """One worker process: a plain ``Popen`` (no asyncio child watcher: a worker killed as the
+    loop closes leaves nothing behind) with its pipes on the loop (writes never block)."""
+
+    def __init__(self, proc: subprocess.Popen, reader: asyncio.StreamReader,
+                 transports: list[asyncio.BaseTransport], writer: asyncio.WriteTransport) -> None:
+        self.proc, self.stream, self.transports, self.writer = proc, reader, transports, writer
         self.pending: dict[int, asyncio.Future] = {}
+        self.dead = False
         self.reader = asyncio.ensure_future(self._read())
 
+    @classmethod
+    async def start(cls, argv: list[str], env: dict[str, str]) -> _Worker:
+        loop = asyncio.get_running_loop()
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                env=env, start_new_session=True)
+        _PROCS[proc.pid] = proc
+        reader = asyncio.StreamReader(limit=_MAX_ANSWER_BYTES, loop=loop)
+        read_t, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader, loop=loop), proc.stdout)
+        write_t, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
+        return cls(proc, reader, [read_t, write_t], write_t)
+
     async def _read(self) -> None:
-        assert self.proc.stdout is not None
         why = "its worker exited"
         try:
             while True:
-                (n,) = _HEADER.unpack(await self.proc.stdout.readexactly(_HEADER.size))
+                (n,) = _HEADER.unpack(await self.stream.readexactly(_HEADER.size))
                 if n > _MAX_ANSWER_BYTES:
                     why = f"its worker sent {n} bytes (more than {_MAX_ANSWER_BYTES})"
                     break
-                msg = json.loads(await self.proc.stdout.readexactly(n))
+                msg = json.loads(await self.stream.readexactly(n))
                 fut = self.pending.pop(msg["id"], None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -72,15 +89,14 @@ class _Worker:
             self.kill(why)
 
     def send(self, msg: dict) -> None:
-        assert self.proc.stdin is not None
         data = pickle.dumps(msg)
-        self.proc.stdin.write(_HEADER.pack(len(data)) + data)
+        self.writer.write(_HEADER.pack(len(data)) + data)
 
     def kill(self, why: str) -> None:
-        _PIDS.discard(self.proc.pid)
-        transport = getattr(self.proc, "_transport", None)  # kills it, closes its pipes
-        if transport is not None:
-            transport.close()
+        self.dead = True
+        _end(self.proc)
+        for t in self.transports:
+            t.close()
         for fut in self.pending.values():
             if not fut.done():
                 fut.set_exception(WorkerError(f"killed: {why}"))
@@ -88,7 +104,7 @@ class _Worker:
 
     @property
     def alive(self) -> bool:
-        return self.proc.returncode is None and not self.reader.done()
+        return not self.dead and self.proc.poll() is None
 
 
 class WorkerPool:
@@ -148,13 +164,9 @@ class WorkerPool:
                 return found
             from tidal.agents.sandbox import environment
 
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", "from tidal.agents.python_workers import main; main()",
-                str(os.getpid()),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                env=environment(), start_new_session=True, limit=_MAX_ANSWER_BYTES)
-            _PIDS.add(proc.pid)
-            worker = _Worker(proc)
+            worker = await _Worker.start(
+                [sys.executable, "-c", "from tidal.agents.python_workers import main; main()",
+                 str(os.getpid())], environment())
             self.workers.append(worker)
             return worker
 
@@ -166,7 +178,8 @@ class WorkerPool:
 
 
 _POOLS: dict[int, WorkerPool] = {}  # id of the event loop -> its pool
-_PIDS: set[int] = set()
+_PROCS: dict[int, subprocess.Popen] = {}  # every live worker, by pid
+REAP_S = 1.0
 
 
 def pool(size: int = 2) -> WorkerPool:
@@ -179,15 +192,26 @@ def pool(size: int = 2) -> WorkerPool:
     return found
 
 
+def _end(proc: subprocess.Popen) -> None:
+    """SIGKILL, then reaped (bounded: a process stuck in the kernel is left to init)."""
+    _PROCS.pop(proc.pid, None)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(REAP_S)
+
+
 def close_all() -> int:
-    """Every worker killed, nothing waited for (the run's end); returns how many."""
-    killed = len(_PIDS)
-    for pid in list(_PIDS):
+    """Every worker killed (the run's end); returns how many. Waits at most ``REAP_S`` per
+    worker, after all are signalled."""
+    procs = list(_PROCS.values())
+    for proc in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    _PIDS.clear()
+            proc.kill()
+    for proc in procs:
+        _end(proc)
     _POOLS.clear()
-    return killed
+    return len(procs)
 
 
 atexit.register(close_all)

@@ -127,7 +127,7 @@ DRIVER = """\
 import asyncio, signal, sys
 from pathlib import Path
 from tidal.agents.kinds import AgentOutcome
-from tidal.agents.python_workers import _PIDS
+from tidal.agents.python_workers import _PROCS
 from tidal.agents.rewards import Reward
 from tidal.agents.tasks import TaskRow
 from tidal.config import RewardConfig
@@ -140,9 +140,9 @@ reward = Reward(RewardConfig(function=sys.argv[1], timeout_s=600))
 
 async def main():
     task = asyncio.ensure_future(reward.score(TaskRow(0), AgentOutcome(answer="a"), Path(".")))
-    while not _PIDS:
+    while not _PROCS:
         await asyncio.sleep(0.05)
-    print(*_PIDS, flush=True)
+    print(*_PROCS, flush=True)
     await task
 
 asyncio.run(main())
@@ -179,10 +179,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_no_worker_outlives_close_all(tmp_path):
-    from tidal.agents.python_workers import _PIDS, close_all
+    from tidal.agents.python_workers import _PROCS, close_all
 
     asyncio.run(_agent(tmp_path, "fine").run(_ctx(tmp_path / "ws", 20.0)))
-    pids = list(_PIDS)
+    pids = list(_PROCS)
     close_all()
     deadline = time.monotonic() + 5
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
@@ -192,16 +192,16 @@ def test_no_worker_outlives_close_all(tmp_path):
 
 
 def test_concurrent_calls_share_at_most_the_pools_workers(tmp_path):
-    from tidal.agents.python_workers import _PIDS, close_all
+    from tidal.agents.python_workers import _PROCS, close_all
 
     close_all()
     agent = _agent(tmp_path, "fine")
 
     async def many():
         outs = await asyncio.gather(*[agent.run(_ctx(tmp_path / "ws", 20.0)) for _ in range(30)])
-        return outs, len(_PIDS)
+        return outs, len(_PROCS)
 
     outs, workers = asyncio.run(many())
     assert [o.reward for o in outs] == [0.5] * 30
     assert 1 <= workers <= 2  # task.agent.workers (default 2), not one per call
-    assert not _PIDS  # the loop's end closed them
+    assert not _PROCS  # the loop's end closed them
