@@ -74,12 +74,16 @@ class CommandKind:
             raise ConfigError(
                 f"{field}.args.{sorted(spec.args)[0]}", "the 'command' kind takes no args"
             )
-        self.sandbox = sandbox_for(spec.user, f"{field}.user")
+        self.user, self.user_field = spec.user, f"{field}.user"
+        # checked here (tidal check too); the agents' user is created by the first execution
+        self.sandbox = sandbox_for(spec.user, self.user_field, create=False)
         # tidal's interpreter and its imports, for ``{python}`` and the venv's scripts
         self.expose = interpreter_paths()
         self.limit = spec.output_limit_bytes
 
     async def run(self, ctx: AgentContext) -> AgentOutcome:
+        if not self.sandbox.ready:  # the first execution creates the agents' user
+            self.sandbox = sandbox_for(self.user, self.user_field)
         ws = ctx.workspace
         # the row without its reference answer: the agent is what is trained
         row = {k: v for k, v in ctx.row.to_json().items() if k != "answer"}

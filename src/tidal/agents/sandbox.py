@@ -79,6 +79,10 @@ class Sandbox:
                 os.chown(os.path.join(root, name), self.uid, self.gid, follow_symlinks=False)
 
     @property
+    def ready(self) -> bool:
+        return self.mode != "user" or self.uid is not None
+
+    @property
     def kills_descendants(self) -> bool:
         return self.mode != "group"
 
@@ -114,8 +118,10 @@ def environment(base: dict[str, str] | None = None) -> dict[str, str]:
 
 
 @functools.cache
-def sandbox_for(user: str, field: str = "task.agent.user") -> Sandbox:
-    """The sandbox ``task.agent.user`` asks for on this host, or a ``ConfigError``."""
+def sandbox_for(user: str, field: str = "task.agent.user", create: bool = True) -> Sandbox:
+    """The sandbox ``task.agent.user`` asks for on this host, or a ``ConfigError``. Without
+    ``create`` (``tidal check``) an absent ``tidal-agent`` is not created: the sandbox is
+    returned without its uid (``ready`` false), to be asked for again before a program runs."""
     root = os.geteuid() == 0
     own = pwd.getpwuid(os.geteuid()).pw_name
     if user == "auto":
@@ -133,6 +139,8 @@ def sandbox_for(user: str, field: str = "task.agent.user") -> Sandbox:
     except KeyError:
         if user != AGENT_USER:
             raise ConfigError(field, f"no user {user!r} on this host") from None
+        if not create:
+            return Sandbox("user", user)
         entry = _create_agent_user(field)
     if entry.pw_uid == 0:
         raise ConfigError(field, f"{user!r} is uid 0: not an unprivileged user")

@@ -230,3 +230,18 @@ def test_without_root_a_user_namespace_still_ends_every_descendant(run_dir):
     while running("61.0741") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not running("61.0741"), "the daemon outlived its execution"
+
+
+@needs_root
+def test_checking_a_config_creates_no_user(monkeypatch):
+    from tidal.agents import sandbox
+
+    monkeypatch.setattr(sandbox, "AGENT_USER", "tidal-agent-never-made-q")
+    sandbox.sandbox_for.cache_clear()
+    try:
+        agent = build_agent(AgentConfig(kind="command", command=["true"]))
+        assert not agent.sandbox.ready
+        with pytest.raises(KeyError):
+            pwd.getpwnam("tidal-agent-never-made-q")
+    finally:
+        sandbox.sandbox_for.cache_clear()
