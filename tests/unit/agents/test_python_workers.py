@@ -6,6 +6,7 @@ that never returns is killed at its timeout, and SIGTERM still ends the process 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -59,36 +60,38 @@ def _agent(tmp_path: Path, name: str):
     return build_agent(AgentConfig(kind="python", function=f"{tmp_path / 'agents_q.py'}:{name}"))
 
 
-async def _timed(job: AgentJob, ctx: AgentContext) -> tuple[object, int, float]:
-    """The job's result, the driver loop's ticks (every 50 ms) while it ran, its seconds."""
-    ticks = 0
+async def _timed(job: AgentJob, ctx: AgentContext) -> tuple[object, float, float]:
+    """The job's result, the longest the driver's loop went without running (a 50 ms ticker),
+    and the job's seconds."""
+    beats = [time.monotonic()]
 
     async def tick():
-        nonlocal ticks
         while True:
             await asyncio.sleep(0.05)
-            ticks += 1
+            beats.append(time.monotonic())
 
     ticker = asyncio.ensure_future(tick())
     t0 = time.monotonic()
     done = await run_job(job, ctx)
     ticker.cancel()
-    return done, ticks, time.monotonic() - t0
+    beats.append(time.monotonic())
+    gap = max(b - a for a, b in itertools.pairwise(beats))
+    return done, gap, time.monotonic() - t0
 
 
 def test_an_agent_that_swallows_cancellation_closes_at_its_timeout(tmp_path):
     job = AgentJob(TaskRow(0, prompt="p"), _agent(tmp_path, "swallows"), EXACT, 0, {})
-    done, ticks, took = asyncio.run(_timed(job, _ctx(tmp_path / "ws", 1.0)))
+    done, gap, took = asyncio.run(_timed(job, _ctx(tmp_path / "ws", 1.0)))
     assert done.reason == "timeout"
-    assert took < 1.0 + CANCEL_GRACE_S + 3
-    assert ticks >= 10  # the driver's loop ran all along
+    assert took < 1.0 + CANCEL_GRACE_S + 10  # the timeout, the grace, slack (a loaded host)
+    assert gap < 1.0  # the driver's loop ran all along
 
 
 def test_time_sleep_in_an_async_agent_never_freezes_the_driver(tmp_path):
     job = AgentJob(TaskRow(0, prompt="p"), _agent(tmp_path, "sleeps"), EXACT, 0, {})
-    done, ticks, took = asyncio.run(_timed(job, _ctx(tmp_path / "ws", 2.0)))
-    assert done.reason == "timeout" and took < 2.0 + CANCEL_GRACE_S + 3
-    assert ticks >= 0.8 * 2.0 / 0.05, ticks  # not frozen for the agent's 30 s sleep
+    done, gap, took = asyncio.run(_timed(job, _ctx(tmp_path / "ws", 2.0)))
+    assert done.reason == "timeout" and took < 2.0 + CANCEL_GRACE_S + 10
+    assert gap < 1.0, gap  # never frozen for the agent's 30 s sleep
 
 
 def test_a_nan_reward_from_an_agent_closes_reward_error(tmp_path):
@@ -117,7 +120,7 @@ def test_a_reward_that_never_returns_is_killed_and_leaves_no_thread(tmp_path):
         return "scored"
 
     assert asyncio.run(scored()) == "no reward within 1 s (task.reward.timeout_s)"
-    assert time.monotonic() - t0 < 1.0 + CANCEL_GRACE_S + 5
+    assert time.monotonic() - t0 < 1.0 + CANCEL_GRACE_S + 10
     held = [t.name for t in threading.enumerate()
             if not t.daemon and t is not threading.main_thread()]
     assert not held, held
