@@ -92,7 +92,8 @@ def cover_for(workspace: Path, uid: int, gid: int) -> Path:
     the first ancestor the agent's user could not enter anyway (its workspace is bound back
     inside, so its own path still works)."""
     ws = workspace.resolve()
-    run_dir = ws.parent.parent if ws.parent.parent != ws.parent else ws.parent
+    # never "/" or a top-level directory (/tmp, /home): the run directory, else the workspaces'
+    run_dir = next((d for d in (ws.parent.parent, ws.parent) if len(d.parts) >= 3), ws)
     closed = _closed_ancestor(run_dir, uid, gid)
     return closed if closed is not None else run_dir
 

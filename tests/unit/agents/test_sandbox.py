@@ -117,6 +117,8 @@ def test_the_run_directory_is_hidden_unless_a_parent_is_closed_anyway(run_dir, t
     uid = pwd.getpwnam(AGENT_USER).pw_uid if _has_agent_user() else 65534
     ws = run_dir / "workspaces" / "x"
     assert cover_for(ws, uid, uid) == run_dir
+    # never "/" nor a top-level directory: a workspace root there hides the workspaces only
+    assert cover_for(Path("/tmp/ws/x"), uid, uid) == Path("/tmp/ws")
     # pytest's tmp_path lies under a directory only root may enter: that one is hidden
     assert cover_for(tmp_path / "w" / "x", uid, uid) == Path(f"/tmp/pytest-of-{_me()}")
 
