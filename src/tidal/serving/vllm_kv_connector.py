@@ -211,12 +211,17 @@ class TidalKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv = dict(sorted(kv_caches.items()))
 
-    def _layers(self) -> list[torch.Tensor]:
+    def _layers(self) -> list[tuple[torch.Tensor, int]]:
+        """Each distinct cache tensor and its block dimension (the one of ``num_blocks``
+        entries: 0 on vLLM-CPU, 1 for CUDA's [2, blocks, ...] layouts)."""
+        nblocks = getattr(self._kv_cache_config, "num_blocks", None)
         seen, out = set(), []
         for t in self._kv.values():
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                out.append(t)
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            dims = [d for d, n in enumerate(t.shape) if n == nblocks] or [0]
+            out.append((t, dims[0]))
         return out
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -240,18 +245,20 @@ class TidalKVConnector(KVConnectorBase_V1):
         layers = self._layers()
         size = path.stat().st_size
         raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-        per_block = sum(t[0].numel() * t.element_size() for t in layers)
+        per_block = sum(t.numel() // t.shape[d] * t.element_size() for t, d in layers)
         n_src = size // per_block
         n = len(load.block_ids)
         if size % per_block or load.src_first + n > n_src:
             raise ValueError(f"{size} bytes do not hold blocks {load.src_first}..+{n}")
         dst = torch.tensor(load.block_ids, dtype=torch.long)
         off = 0
-        for t in layers:
-            nbytes = n_src * t[0].numel() * t.element_size()
-            src = raw[off:off + nbytes].view(t.dtype).view(n_src, *t.shape[1:])
-            t.index_copy_(0, dst.to(t.device), src[load.src_first:load.src_first + n]
-                          .to(t.device))
+        for t, d in layers:
+            shape = list(t.shape)
+            shape[d] = n_src
+            nbytes = t.numel() // t.shape[d] * n_src * t.element_size()
+            src = raw[off:off + nbytes].view(t.dtype).view(shape)
+            t.index_copy_(d, dst.to(t.device),
+                          src.narrow(d, load.src_first, n).to(t.device))
             off += nbytes
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -276,8 +283,8 @@ class TidalKVConnector(KVConnectorBase_V1):
         done = set()
         for save in meta.saves:
             ids = torch.tensor(save.block_ids, dtype=torch.long)
-            parts = [t.index_select(0, ids.to(t.device)).cpu().contiguous().view(torch.uint8)
-                     .reshape(-1) for t in self._layers()]
+            parts = [t.index_select(d, ids.to(t.device)).cpu().contiguous().view(torch.uint8)
+                     .reshape(-1) for t, d in self._layers()]
             path = self.dir / f"{save.key}.{_rank()}.kv"
             try:
                 write_atomic(path, torch.cat(parts).numpy().tobytes())
