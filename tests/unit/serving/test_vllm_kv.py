@@ -50,3 +50,26 @@ def test_a_vllm_server_refuses_what_it_cannot_load(tmp_path):
         await a.close()
 
     asyncio.run(main())
+
+
+def test_kv_between_engine_kinds_is_not_imported_and_counted_as_mixed(tmp_path):
+    """A vLLM export never goes to a built-in engine, nor a built-in engine's KV to a vLLM
+    server (different layouts): the move re-prefills, marked ``mixed`` (``kv_mixed_moves``)."""
+    from tidal.serving.adapters import BuiltinAdapter
+    from tidal.serving.kv_handoff import Attempt, import_kv
+    from tidal.serving.router import Member
+
+    vllm = VLLMAdapter("http://127.0.0.1:9")
+    vllm.kv_dir = tmp_path
+    builtin = BuiltinAdapter("http://127.0.0.1:9")
+    vllm_blob = MAGIC + json.dumps({"key": "ab" * 20, "num_tokens": 5,
+                                    "dir": str(tmp_path)}).encode()
+
+    async def main():
+        for adapter, blob in ((builtin, vllm_blob), (vllm, b"built-in KV")):
+            attempt = Attempt(None, "c-1-2", Member("e", adapter, backend="x"))
+            assert await import_kv(blob, attempt) == (None, None)
+            assert attempt.kv_result == "mixed"
+            await adapter.close()
+
+    asyncio.run(main())
