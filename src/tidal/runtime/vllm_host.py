@@ -262,6 +262,8 @@ class VLLMEngineHost(EngineHost):
         self._end()
         self.state = "stopped"
         shutil.rmtree(self.received_dir(), ignore_errors=True)  # ``load_weights_blob``
+        # the run's KV exports on this node (the run's servers stop together at its end)
+        shutil.rmtree(kv_dir(self.log_path.parent.parent), ignore_errors=True)
 
 
 def _gpu_ids() -> list[str]:
