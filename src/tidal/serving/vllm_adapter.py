@@ -55,6 +55,7 @@ class VLLMAdapter(VLLMKVHandoff, HTTPEngineBase):
         super().__init__(url, **kw)
         self.model, self.capacity = model, capacity
         self._version: str | None = None
+        self._kv_nonces = {}
 
     async def served_model_card(self) -> tuple[str, int | None]:
         card = await super().served_model_card()
