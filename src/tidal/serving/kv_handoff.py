@@ -4,7 +4,11 @@ an import that was not used.
 
 In: an ``Attempt`` (its engine's adapter, request id, KV token count). Out: the KV blob, or a
 handle at the destination; every failure degrades to a full prefill (``None``), never to a
-failed call. Time spent here is the engines' (``attempt.upstream_s``), not the proxy's own.
+failed call, and is marked on the attempt (``kv_result``: "failed", counted by the proxy as
+``kv_handoff_failures``; "mixed" for a move between engine kinds whose KV layouts differ, the
+built-in engine and vLLM: a re-prefill by design, counted as ``kv_mixed_moves``). For vLLM the
+blob is a reference to an export pinned in the node's shared memory (``serving.vllm_kv``).
+Time spent here is the engines' (``attempt.upstream_s``), not the proxy's own.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from dataclasses import dataclass
 
 from tidal.serving.protocol import BadRequest, ServingError
 from tidal.serving.router import Member
+from tidal.serving.vllm_kv import MAGIC as VLLM_MAGIC
+from tidal.serving.vllm_kv import VLLMKVHandoff
 
 log = logging.getLogger("tidal.serving.proxy")
 
@@ -35,12 +41,14 @@ class Attempt:
     keep_kv: bool = False
     context_tokens: int = 0  # prompt + tokens so far at this engine: a move re-prefills them
     streamed_tokens: int = 0  # tokens this attempt got back from its engine so far
+    kv_result: str | None = None  # "failed" / "mixed": a handoff that did not land (module doc)
 
 
 async def export_kv(attempt: Attempt) -> bytes | None:
     """The KV a drained attempt left pinned at its engine, which then releases it."""
     src = attempt.member
-    if not src.adapter.supports_kv_handoff or attempt.kv_tokens == 0:
+    if not src.adapter.supports_kv_handoff or attempt.kv_tokens == 0 or \
+            (not attempt.started and attempt.kv_tokens is None):  # the engine never had it
         return None
     t_up = time.perf_counter()
     try:
@@ -50,6 +58,7 @@ async def export_kv(attempt: Attempt) -> bytes | None:
     except ServingError as exc:
         log.warning("KV export from %s failed (%s): the next engine prefills",
                     src.engine_id, exc)
+        attempt.kv_result = "failed"
         return None
     finally:
         attempt.upstream_s += time.perf_counter() - t_up
@@ -62,11 +71,17 @@ async def import_kv(blob: bytes, attempt: Attempt) -> tuple[str | None, bytes | 
     dest = attempt.member
     if not dest.adapter.supports_kv_handoff:
         return None, blob
+    if blob.startswith(VLLM_MAGIC) != isinstance(dest.adapter, VLLMKVHandoff):
+        log.info("KV of another engine kind's layout cannot go to %s: it prefills",
+                 dest.engine_id)
+        attempt.kv_result = "mixed"
+        return None, None
     t_up = time.perf_counter()
     try:
         handle, _ = await dest.adapter.import_kv(blob)
     except BadRequest as exc:
         log.warning("KV import at %s refused (%s): full prefill", dest.engine_id, exc)
+        attempt.kv_result = "failed"
         return None, None
     finally:
         attempt.upstream_s += time.perf_counter() - t_up

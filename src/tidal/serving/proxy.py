@@ -140,7 +140,8 @@ class Proxy:
         self.overhead_s: deque[float] = deque(maxlen=20_000)
         self.totals = {"calls": 0, "retries": 0, "drains": 0, "kv_handoffs": 0,
                        "engine_failures": 0, "reprefill_tokens": 0, "saved_prefill_tokens": 0,
-                       "failed_calls": 0, "engine_errors": 0, "engine_step_failures": 0}
+                       "failed_calls": 0, "engine_errors": 0, "engine_step_failures": 0,
+                       "kv_handoff_failures": 0, "kv_mixed_moves": 0}
         # The decode meter (``Observation.decode_meter``), over all engines and cumulative:
         # every token an engine sent back (of calls that later moved or failed too), and the
         # time integral of calls held at an engine (in one's in-flight set; not queued here).
@@ -410,6 +411,10 @@ class Proxy:
             st.waited_s += time.perf_counter() - t_check
         finally:
             st.waited_s += attempt.upstream_s
+            if attempt.kv_result == "failed":  # it re-prefills instead: counted, not an error
+                self.totals["kv_handoff_failures"] += 1
+            elif attempt.kv_result == "mixed":
+                self.totals["kv_mixed_moves"] += 1
             await self._release_slot(member, attempt.request_id)
             if seg.token_ids or seg.ended_by:
                 call.segments.append(seg)
@@ -482,6 +487,8 @@ class Proxy:
                 if kv_handle is not None:
                     self.totals["kv_handoffs"] += 1
                     self.totals["saved_prefill_tokens"] += seg.cached_tokens
+                    if seg.reprefill_tokens:  # the engine loaded less than was handed over
+                        attempt.kv_result = "failed"
             if attempt.cancelled and not attempt.abort_sent and not chunk.finish_reason:
                 # drained before the engine knew the request
                 attempt.abort_sent = True

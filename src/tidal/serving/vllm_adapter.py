@@ -6,7 +6,10 @@ In: ``GenerateRequest`` / control calls. Out: ``TokenChunk`` streams built from 
 vLLM's engine-level id for a completion is then ``cmpl-<id>-0``, which is what ``/abort_requests``
 takes. Tokens are tagged with the weight version read from ``/weight_info`` at the start of each
 call.
-vLLM has no KV export over HTTP here, so ``supports_kv_handoff`` is False.
+A drained call keeps its KV when the server runs tidal's KV connector on this node
+(``serving.vllm_kv``, found through ``/server_info`` at join): ``abort(keep_kv=True)`` marks
+the request for export, and a call carrying an export's key (``kv_handle``) asks vLLM to load it
+(``kv_transfer_params``). Without the connector ``supports_kv_handoff`` is False.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator
 
-from tidal.serving.adapters import EngineStats, HTTPEngineBase, NoKVHandoff
+from tidal.serving.adapters import EngineStats, HTTPEngineBase
 from tidal.serving.protocol import EngineError, GenerateRequest, TokenChunk
+from tidal.serving.vllm_kv import PARAM, VLLMKVHandoff
 
 
 def chunk_tokens(choice: dict, url: str) -> tuple[list[int], list[float]]:
@@ -44,14 +48,19 @@ def chunk_tokens(choice: dict, url: str) -> tuple[list[int], list[float]]:
     return [int(i) for i in ids], out
 
 
-class VLLMAdapter(NoKVHandoff, HTTPEngineBase):
-    supports_kv_handoff = False
+class VLLMAdapter(VLLMKVHandoff, HTTPEngineBase):
     backend_name = "vLLM"
 
     def __init__(self, url: str, model: str | None = None, capacity: int = 32, **kw) -> None:
         super().__init__(url, **kw)
         self.model, self.capacity = model, capacity
         self._version: str | None = None
+        self._kv_nonces = {}
+
+    async def served_model_card(self) -> tuple[str, int | None]:
+        card = await super().served_model_card()
+        await self.probe_kv()  # at join: does this server hand KV over
+        return card
 
     async def _served_model(self) -> str:
         if self.model is None:
@@ -71,6 +80,8 @@ class VLLMAdapter(NoKVHandoff, HTTPEngineBase):
             body["stop_token_ids"] = p.stop_token_ids
         if p.top_p < 1.0:
             body["top_p"] = p.top_p
+        if req.kv_handle is not None:  # an export this server loads before prefilling
+            body["kv_transfer_params"] = {PARAM: req.kv_handle}
         if p.stop:  # vLLM keeps the completing token in token_ids and cuts the text
             body["stop"] = p.stop
         # read per call: the label moves when a version is loaded into the live server (out of
@@ -88,7 +99,9 @@ class VLLMAdapter(NoKVHandoff, HTTPEngineBase):
                                finish_reason=choice.get("finish_reason"))
             if first:
                 chunk.prompt_token_ids = choice.get("prompt_token_ids") or req.prompt_token_ids
-                chunk.cached_tokens = 0
+                # the tokens vLLM's scheduler loaded instead of prefilling (its ack)
+                chunk.cached_tokens = 0 if req.kv_handle is None else \
+                    self.adopted(req.kv_handle)
                 first = False
             yield chunk
 
@@ -104,6 +117,8 @@ class VLLMAdapter(NoKVHandoff, HTTPEngineBase):
 
     async def abort(self, request_ids: list[str] | None, keep_kv: bool = False) -> int:
         ids = None if request_ids is None else [self.engine_request_id(r) for r in request_ids]
+        if keep_kv and request_ids is not None:  # the connector exports these at the abort
+            self.mark_keep([(r, self.engine_request_id(r)) for r in request_ids])
         resp = await self._call("POST", "/abort_requests", json={"request_ids": ids})
         return int(resp.json().get("aborted", 0))
 
