@@ -36,7 +36,7 @@ from typing import Any
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
 from tidal.contracts import run_files as schema
-from tidal.control.policy import policy_mechanics
+from tidal.control.policy import Policy, policy_mechanics
 from tidal.errors import ConfigError
 from tidal.runtime import checkpoint, preflight, proxy_watch, spill
 from tidal.runtime.engines import EngineId, Engines, engine_ids, model_path
@@ -116,9 +116,11 @@ class Runtime:
     def __init__(self, cfg: RunConfig, out: str | Path,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_state: Callable[[dict[str, Any]], None] | None = None,
-                 resume: bool = False) -> None:
-        # what `tidal check` checks too, before anything starts; the task's workload is built once
-        self.workload = preflight.check_run(cfg)
+                 resume: bool = False, policy: Policy | None = None) -> None:
+        # what `tidal check` checks too, before anything starts; the task's workload and the
+        # policy (``policy``: the caller's, built by ``checked_policy``) are built once
+        checked = preflight.check_run(cfg, policy=policy)
+        self.workload, self.policy = checked.workload, checked.policy
         self.cfg, self.out, self.on_step, self.on_state = cfg, Path(out), on_step, on_state
         self.rt = cfg.runtime
         self.clock = WallClock()
@@ -289,7 +291,7 @@ class Runtime:
                              self.ck is not None, self.on_step, self.on_state)
         w = self.wired = wire(self.cfg, self.out, self.ck, self.clock, self.parts,
                               self.engines, self.proxy.url, self.token, self.core_pool, outputs,
-                              self.node.ip, self.workload)
+                              self.node.ip, self.workload, self.policy)
         if self.ck is not None:
             log.warning("resuming %s at step %d (v%d trained, v%d published, %d records held)",
                         self.out, self.ck.state.step, w.core.version,
