@@ -120,7 +120,7 @@ def check_model(cfg: RunConfig) -> int | None:
     from tidal.backends import serving_backends
 
     if any(b.name == "vllm" for b in serving_backends(cfg)):  # --max-model-len
-        context = min(context or rt.vllm_max_model_len, rt.vllm_max_model_len)
+        context = min(context or rt.vllm.max_model_len, rt.vllm.max_model_len)
     return context
 
 
@@ -135,7 +135,8 @@ def check_backends(cfg: RunConfig) -> None:
     for backend in serving_backends(cfg):
         if backend.package is None or backend.python_field is None:
             continue
-        field, module = f"runtime.{backend.python_field}", backend.package
+        field = f"runtime.{backend.python_field.replace('_', '.', 1)}"  # runtime.vllm.python
+        module = backend.package
         exe = getattr(rt, f"resolved_{backend.python_field}")()
         probe = [exe, "-c", "import importlib.util, sys; "
                  "sys.exit(importlib.util.find_spec(sys.argv[1]) is None)", module]
