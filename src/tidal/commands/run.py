@@ -49,7 +49,7 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
         config, out = str(Path(resume) / "config.yaml"), resume
     elif config is None:
         raise ConfigError("config", "give a run config (e.g. configs/tiny.yaml) or --resume DIR")
-    cfg = build_config(config, policy, address, bursts, sets)
+    cfg, built = checked_run(config, policy, address, bursts, sets)
 
     def show(line: dict) -> None:
         r = line["mean_reward"]  # any finite reward (1e308 in 4 significant digits)
@@ -66,8 +66,8 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     from tidal.viz.run_report import write_report
 
     with counting_warnings() as counter:  # the run ends with one line naming each warning
-        summary, written = _run(cfg, run_dir, console, resume is not None, show, counter,
-                                lambda: write_report(run_dir))
+        summary, written = _run(cfg, built, run_dir, console, resume is not None, show,
+                                counter, lambda: write_report(run_dir))
     keys = ("policy", "run_time_s", "trainer_steps", "switches_to_training",
             "switches_to_rollout", "rerouted_requests", "failed_requests", "lost_executions",
             "satellite_joins")
@@ -77,8 +77,8 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
                f"https://ui.perfetto.dev)")
 
 
-def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter: Any,
-         report: Any) -> tuple[dict, Any]:
+def _run(cfg: Any, policy: Any, run_dir: Any, console: Any, resume: bool, show: Any,
+         counter: Any, report: Any) -> tuple[dict, Any]:
     """The run, then ``report()``, with a live panel in a terminal (percentage, elapsed, ETA;
     its last frame the final state), or when piped its step lines and a heartbeat at least every
     10 s of silence (the report's plots included); Ctrl-C (or SIGTERM) ends it with the warnings
@@ -96,7 +96,7 @@ def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter:
             with Live(console=console, refresh_per_second=2,
                       get_renderable=progress.panel) as live:
                 summary = Runtime(cfg, run_dir, resume=resume, on_state=progress.on_state,
-                                  on_step=progress.on_step).run()
+                                  on_step=progress.on_step, policy=policy).run()
                 progress.finish(summary)
                 live.refresh()
                 return summary, report()
@@ -109,7 +109,7 @@ def _run(cfg: Any, run_dir: Any, console: Any, resume: bool, show: Any, counter:
 
         try:
             summary = Runtime(cfg, run_dir, on_step=step, on_state=progress.on_state,
-                              resume=resume).run()
+                              resume=resume, policy=policy).run()
             progress.finish(summary)
             click.echo(progress.line())
             beat.printed()
@@ -127,13 +127,13 @@ def build_config(config: str, policy: str | None = None, address: str | None = N
                  bursts: int | None = None, sets: tuple[str, ...] = ()) -> RunConfig:
     """The ``RunConfig`` a ``tidal run`` command line asks for: the file, then ``--policy``,
     ``--address``, ``--bursts`` and each ``--set``, validated together (so ``--set
-    policy.module=...`` loads the module that registers the ``--policy`` named) and the policy
-    built against the cluster. Any bad value is a one-line ``ConfigError``."""
+    policy.module=...`` loads the module that registers the ``--policy`` named). What only the
+    control plane knows (the policy's module, name and arguments, the admission rule) is
+    ``checked_run``'s. Any bad value is a one-line ``ConfigError``."""
     from tidal.config import RunConfig, load_yaml, validate_model
-    from tidal.control.factory import check_known, check_policy
     from tidal.specs import parse_policy_spec
 
-    data = check_known(load_yaml(config), source=config).model_dump(mode="json")
+    data = load_yaml(config).model_dump(mode="json")
     if policy is not None:
         name, args = parse_policy_spec(policy)
         data["policy"] = {"name": name, "args": args, "module": data["policy"].get("module")}
@@ -143,7 +143,20 @@ def build_config(config: str, policy: str | None = None, address: str | None = N
         data["control"]["bursts"] = bursts
     for item in sets:
         apply_set(data, item)
-    return check_policy(validate_model(RunConfig, data))
+    return validate_model(RunConfig, data)
+
+
+def checked_run(config: str, policy: str | None = None, address: str | None = None,
+                bursts: int | None = None, sets: tuple[str, ...] = ()) -> tuple[RunConfig, Any]:
+    """``build_config``'s config and its policy (``checked_policy``: the config checked against
+    the control plane once, the policy built once; the run hands it to its controller). An
+    error in a value the command line left alone names the file, as ``load_yaml``'s do."""
+    from tidal.control.factory import checked_policy
+
+    cfg = build_config(config, policy, address, bursts, sets)
+    touched = policy is not None or any(
+        s.partition("=")[0].strip().startswith(("policy.", "control.")) for s in sets)
+    return cfg, checked_policy(cfg, source=None if touched else config)
 
 
 def apply_set(data: dict, item: str) -> None:

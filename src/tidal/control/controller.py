@@ -11,6 +11,7 @@ ready supply held — a policy asking for anything else raises ``InvariantViolat
 exception is a move marked ``Decision.oversubscribe`` from a policy that declares
 ``may_oversubscribe`` (tidal's over-subscription rule): capacity after it may be below the
 waterlevel (still one cell, supply held); the waterlevel policy declares no such thing.
+Each decision is checked and recorded by ``decisions``; the settings are ``ControllerSettings``.
 Events may be delivered re-entrantly (an actuator acknowledging inside ``execute``): they are
 queued and processed in order.
 """
@@ -24,15 +25,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tidal.clock import Clock
-from tidal.config import ControlConfig
+from tidal.control import decisions
 from tidal.control.cells import CellSet
+from tidal.control.controller_settings import ControllerSettings
 from tidal.control.decision_log import DecisionLog
 from tidal.control.ledger import Ledger
 from tidal.control.metrics import RoleTimeline, VerlMetrics
 from tidal.control.plans import PlanStep, TransitionPlan, build_plan
 from tidal.control.policy import Action, CellView, Decision, Observation, PlanStyle, Policy
 from tidal.control.supply import SupplyTracker
-from tidal.errors import ConfigError, InvariantViolation
+from tidal.errors import ConfigError
 from tidal.types import (
     BatchShort,
     BurstStarted,
@@ -62,30 +64,6 @@ class Actuator(Protocol):
     def execute(self, plan: TransitionPlan, step: PlanStep) -> None: ...
 
     def abort(self, plan: TransitionPlan, failed: PlanStep, error: str) -> None: ...
-
-
-_CONTROL = ControlConfig()  # the one source of the defaults below
-
-
-@dataclass(frozen=True)
-class ControllerSettings:
-    """The controller's share of a run's ``ControlConfig`` (``tidal.control.factory.
-    settings_from`` fills it from one; a field left out takes the config's default), plus
-    ``next_burst_quota`` (executions of the burst announced next; 0: none announced) and
-    ``max_concurrency`` (groups, verl's max_required_samples: caps the capacity its metrics
-    report; None: no cap)."""
-
-    batch_groups: int
-    updates_per_burst: int = _CONTROL.updates_per_burst
-    supply_fraction: float = _CONTROL.supply_fraction
-    supply_hold_s: float = _CONTROL.supply_hold_s
-    kv_handoff: bool = _CONTROL.kv_handoff
-    next_burst_quota: int = 0
-    total_bursts: int | None = _CONTROL.bursts
-    max_concurrency: int | None = None
-    step_timeout_s: float = _CONTROL.step_timeout_s
-    max_step_retries: int = _CONTROL.max_step_retries
-    abort_backoff_s: float = _CONTROL.abort_backoff_s
 
 
 @dataclass
@@ -362,59 +340,11 @@ class Controller:
         decision = self.policy.decide(obs)
         self._dispatch_limit = decision.dispatch_limit
         if self.log.wants(decision.action.value, decision.reason, self.dispatch_limit):
-            self.log.write({"type": "decision", **self._record(obs, decision)})
+            self.log.write({"type": "decision",
+                            **decisions.record(obs, decision, self.policy, self.cells)})
         if decision.action is not Action.HOLD:
-            self._validate(obs, decision)
+            decisions.check(obs, decision, self.policy, self.cells)
             self._start(decision, obs)
-
-    def _record(self, obs: Observation, d: Decision) -> dict[str, Any]:
-        return {
-            "t": round(obs.now_s, 6),
-            "trigger": obs.trigger,
-            "policy": self.policy.name,
-            "action": d.action.value,
-            "cells": list(d.cells),
-            "reason": d.reason,
-            **({"oversubscribe": True} if d.oversubscribe else {}),
-            "inputs": {
-                "waterlevel": obs.waterlevel,
-                "queued": obs.queued,
-                "running": obs.running,
-                "capacity": obs.rollout_capacity,
-                "pending_dispatch": obs.pending_dispatch,
-                "supply": obs.supply.supply,
-                "supply_held_s": round(obs.supply.held_s, 6),
-                "ready_groups": obs.ready_groups,
-                "version": obs.version,
-                "trainer_step": obs.trainer_step,
-                "roles": self.cells.describe(),
-            },
-            "state": self.policy.state(),
-        }
-
-    def _validate(self, obs: Observation, d: Decision) -> None:
-        n, k = obs.prefix_len, len(d.cells)
-        if k == 0:
-            raise InvariantViolation(f"{self.policy.name}: a move without cells")
-        if d.action is Action.TO_TRAINING:
-            want, role = tuple(range(n, n + k)), Role.ROLLOUT
-        else:
-            want, role = tuple(range(n - k, n)), Role.TRAINING
-        if d.cells != want or any(obs.cells[i].role is not role for i in d.cells
-                                  if 0 <= i < len(obs.cells)):
-            raise InvariantViolation(
-                f"{self.policy.name}: {d.action.value} {list(d.cells)} breaks the prefix order "
-                f"(roles {self.cells.describe()}, expected cells {list(want)})")
-        if self.policy.waterlevel_safe and d.action is Action.TO_TRAINING:
-            cell = obs.cells[d.cells[0]]
-            after = obs.rollout_capacity - cell.slots
-            # Over-subscription (decision 2) waives only the waterlevel, only for a policy
-            # that declares it may (tidal), and only on a move that says so.
-            waived = d.oversubscribe and getattr(self.policy, "may_oversubscribe", False)
-            if k != 1 or (after < obs.waterlevel and not waived) or not obs.supply.ok:
-                raise InvariantViolation(
-                    f"{self.policy.name}: unsafe move of {list(d.cells)}: capacity after "
-                    f"{after}, waterlevel {obs.waterlevel}, supply ok {obs.supply.ok}")
 
     # ---------------------------------------------------------------- plans
     def _start(self, d: Decision, obs: Observation) -> None:

@@ -3,7 +3,8 @@
 In: a ``RunConfig`` (``tidal.config``: it never imports this package, so what only the
 control plane knows is checked here). Out: the config checked (``check_known``: the admission
 rule parses, ``policy.module`` imports and registers its policies, ``policy.name`` is
-registered; ``check_policy``: that, and the policy built against the cluster), or the cells,
+registered; ``checked_policy``: that, and the policy built against the cluster, once per
+run), or the cells,
 policy and controller of a run; a bad value is one ``ConfigError`` naming the field
 (``control.admission``, ``policy.module``, ``policy.name``, ``policy.args.X``). No I/O but the
 import of the user's policy module (``tidal.plugins``).
@@ -37,12 +38,18 @@ def cell_views(cells: CellSet) -> tuple[CellView, ...]:
 
 
 def check_policy(cfg: RunConfig, source: str | Path | None = None) -> RunConfig:
-    """``cfg`` once ``check_known`` passes and its policy is built against its cluster: a bad
-    argument, or a policy that cannot start on this cluster, is one ``ConfigError`` naming the
-    field (``policy.args.X``). The config layer names policies but never builds them; whoever
-    turns a file or a spec into a config to run calls this (``source``: see ``check_known``)."""
-    build_policy(check_known(cfg, source))
+    """``cfg`` once ``checked_policy`` passes (the policy built, then dropped)."""
+    checked_policy(cfg, source)
     return cfg
+
+
+def checked_policy(cfg: RunConfig, source: str | Path | None = None) -> Policy:
+    """The run's policy: ``check_known`` once, then the policy built once against its cluster;
+    a bad argument, or a policy that cannot start on this cluster, is one ``ConfigError``
+    naming the field (``policy.args.X``). The config layer names policies but never builds
+    them; whoever turns a file or a spec into a config to run calls this (``source``: see
+    ``check_known``) and hands the policy on (``build_controller(policy=...)``)."""
+    return build_policy(check_known(cfg, source))
 
 
 def check_known(cfg: RunConfig, source: str | Path | None = None) -> RunConfig:
@@ -108,10 +115,13 @@ def settings_from(cfg: RunConfig) -> ControllerSettings:
 
 
 def build_controller(cfg: RunConfig, clock: Clock, actuator: Actuator,
-                     log: DecisionLog | None = None) -> Controller:
-    """The run's controller; ``cfg`` is checked first (``check_known``), so a config built in
-    code runs with its policy module loaded, as one loaded from a file does."""
-    return Controller(build_cells(cfg.cluster), build_policy(check_known(cfg)), clock, actuator,
+                     log: DecisionLog | None = None, policy: Policy | None = None) -> Controller:
+    """The run's controller around ``policy`` (``checked_policy``'s, fresh: nothing else holds
+    it); without one ``cfg`` is checked first (``checked_policy``), so a config built in code
+    runs with its policy module loaded, as one loaded from a file does."""
+    if policy is None:
+        policy = checked_policy(cfg)
+    return Controller(build_cells(cfg.cluster), policy, clock, actuator,
                       settings_from(cfg), log,
                       initial_prefix=(len(cfg.cluster.start_training)
                                       if cfg.cluster.start_training is not None else None))

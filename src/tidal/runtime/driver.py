@@ -7,7 +7,8 @@ In: a validated ``RunConfig`` and a run directory. Out: in the run directory ``c
 calibrate`` fits the simulator on it), the checkpoint, and engine and proxy logs under ``logs/``.
 
 This module owns what lives outside the event loop (Ray, the placement, the engines, the proxy,
-the CPU-quota groups, the core trainer's thread); the parts on the loop are built in ``wiring``
+the CPU-quota groups, the core trainer's thread; Ray's start in ``ray_start``, the end of the
+run and the stop of its parts in ``run_end``); the parts on the loop are built in ``wiring``
 and every background task runs under one owner (``tasks.Parts``): the first failure of any part
 ends the run with its cause. Everything runs on one asyncio loop; blocking work (optimizer steps,
 Ray calls) is awaited off the loop, so controller events are handled in order on one thread.
@@ -27,7 +28,6 @@ import logging
 import os
 import secrets
 import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,14 +36,15 @@ from typing import Any
 from tidal.clock import WallClock
 from tidal.config import RunConfig, dump_yaml
 from tidal.contracts import run_files as schema
-from tidal.control.policy import policy_mechanics
+from tidal.control.policy import Policy
 from tidal.errors import ConfigError
-from tidal.runtime import checkpoint, preflight, proxy_watch, spill
-from tidal.runtime.engines import EngineId, Engines, engine_ids, model_path
-from tidal.runtime.outputs import RunOutputs, summary
+from tidal.runtime import checkpoint, preflight, proxy_watch, run_end, spill
+from tidal.runtime.engines import Engines, engine_ids, model_path
+from tidal.runtime.outputs import RunOutputs
 from tidal.runtime.placement import Placement
 from tidal.runtime.proxy_watch import ProxyLost
-from tidal.runtime.tasks import Parts, remote
+from tidal.runtime.ray_start import alive_nodes, init_loopback_ray, ray_init, trap_sigterm
+from tidal.runtime.tasks import Parts
 from tidal.runtime.trainer_loop import core_pool
 from tidal.runtime.wiring import Wired, wire
 from tidal.types import Tick
@@ -51,74 +52,15 @@ from tidal.types import Tick
 log = logging.getLogger(__name__)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _trap_sigterm() -> Any:
-    """Turn SIGTERM into KeyboardInterrupt (main thread only); returns the previous handler."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _interrupt)
-
-
-def _ray_init(ray: Any, **kwargs: object) -> None:
-    """``ray.init`` keeping this run's SIGTERM handler: Ray's init installs one that calls
-    ``sys.exit(15)`` wherever the signal lands, so a SIGTERM while Ray starts ended the run
-    with no line and exit code 0 (seen once in CI) instead of stopping its parts (130). Ray's
-    ``_private.utils.set_sigterm_handler`` is held inert for the call."""
-    utils = getattr(getattr(ray, "_private", None), "utils", None)
-    install = getattr(utils, "set_sigterm_handler", None)
-    if install is None:  # another Ray layout: its handler, then ours again right after
-        ray.init(**kwargs)
-        return
-    utils.set_sigterm_handler = lambda handler: None
-    try:
-        ray.init(**kwargs)
-    finally:
-        utils.set_sigterm_handler = install
-
-
-def _init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None,
-                       object_store_bytes: int) -> None:
-    """A one-machine Ray whose every process (GCS, raylet, workers, this driver) listens on
-    loopback only, without a dashboard. Ray turns ``_node_ip_address="127.0.0.1"`` into the
-    host's address unless it believes clusters are off (its Windows/macOS default), so that
-    belief is held for the start (the raylet and workers get 127.0.0.1 on their command line)
-    and given back after it: a later ``--address`` run resolves node addresses as usual."""
-    from ray._private import ray_constants
-
-    key = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-    env, flag = os.environ.get(key), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[key], ray_constants.ENABLE_RAY_CLUSTER = "0", False
-    try:
-        _ray_init(ray, num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                  object_store_memory=object_store_bytes,
-                  _node_ip_address="127.0.0.1", log_to_driver=False,
-                  # no idle Python workers started ahead of need: every worker this run uses
-                  # hosts a named actor, started on its creation (3 idle ones held ~240 MB)
-                  _system_config={"enable_worker_prestart": False,
-                                  "prestart_worker_first_driver": False})
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = flag
-        if env is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = env
-
-
-def _alive_nodes(ray: Any) -> set[str]:
-    """The ids of the Ray nodes alive now (``nodes_lost``: those of the start gone since)."""
-    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-
-
 class Runtime:
     def __init__(self, cfg: RunConfig, out: str | Path,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_state: Callable[[dict[str, Any]], None] | None = None,
-                 resume: bool = False) -> None:
-        # what `tidal check` checks too, before anything starts; the task's workload is built once
-        self.workload = preflight.check_run(cfg)
+                 resume: bool = False, policy: Policy | None = None) -> None:
+        # what `tidal check` checks too, before anything starts; the task's workload and the
+        # policy (``policy``: the caller's, built by ``checked_policy``) are built once
+        checked = preflight.check_run(cfg, policy=policy)
+        self.workload, self.policy = checked.workload, checked.policy
         self.cfg, self.out, self.on_step, self.on_state = cfg, Path(out), on_step, on_state
         self.rt = cfg.runtime
         self.clock = WallClock()
@@ -163,7 +105,7 @@ class Runtime:
         t0 = time.perf_counter()
         # SIGTERM (kill, a scheduler's stop) ends the run like Ctrl-C: everything this run
         # started is stopped, and the checkpoint lets `tidal run --resume` continue it
-        prev = _trap_sigterm()
+        prev = trap_sigterm()
         from tidal.runtime.footprint import MemorySampler
 
         sampler = MemorySampler(os.getpid(), self.rt.memory_sample_s).start()
@@ -173,7 +115,7 @@ class Runtime:
             out = asyncio.run(self._supervised())
         finally:
             try:
-                self._stop_parts(ray)
+                run_end.stop_parts(self, ray)
             finally:
                 memory = sampler.stop()
                 if prev is not None:
@@ -209,19 +151,19 @@ class Runtime:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if not ray.is_initialized():
             if rt.ray_address:
-                _ray_init(ray, address=rt.ray_address, log_to_driver=False)  # logs: logs/
+                ray_init(ray, address=rt.ray_address, log_to_driver=False)  # logs: logs/
             else:
-                _init_loopback_ray(ray, rt.ray_num_cpus, rt.ray_num_gpus,
+                init_loopback_ray(ray, rt.ray_num_cpus, rt.ray_num_gpus,
                                    rt.ray_object_store_mb * 1024 * 1024)
             self.ray_started = True
-            _trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
+            trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
         if rt.ray_address:  # the cluster's nodes, before any placement
             preflight.check_cluster(self.cfg, ray.nodes())
         from tidal.runtime.nodes import here
 
         self.node = here()  # the driver's node: satellites of other nodes reach the core here
         os.environ["GLOO_SOCKET_IFNAME"] = self.node.gloo_iface()
-        self.nodes_at_start = _alive_nodes(ray)
+        self.nodes_at_start = alive_nodes(ray)
         if self.ck is not None and rt.ray_address:  # what a killed run left on other nodes
             from tidal.runtime.nodes import sweep
 
@@ -242,38 +184,6 @@ class Runtime:
         self.proxy.wait_healthy(rt.start_timeout_s)
         checkpoint.record_processes(self.out)
 
-    def _stop_parts(self, ray: Any) -> None:
-        if self.engines is not None:
-            sats = [pid for c, pid in (self.wired.actuator.satellite_pids.items()
-                                       if self.wired else [])
-                    if self.engines.on_this_host(EngineId.cell(c))]  # others' pids: not ours
-            self.engines.stop(list(sats))
-        if self.proxy is not None:
-            self.proxy.stop()
-        if self.placement is not None:
-            self.placement.remove()
-        if self.rt.ray_address and self.engines is not None:  # a lost actor's orphans
-            from tidal.runtime.nodes import sweep
-
-            try:
-                ended = sweep(ray, str(self.out))
-            except Exception:
-                log.exception("ending this run's processes on the other nodes")
-            else:
-                if any(ended.values()):
-                    log.info("ended leftover processes on nodes: %s", ended)
-        if self.engines is not None:  # after the engines' end: what they spilled while asleep
-            spill.remove(self.out)
-        if self.ray_started:
-            ray.shutdown()
-        if self.core_pool is not None:
-            self.core_pool.shutdown(wait=False, cancel_futures=True)
-        if self.cpu_groups is not None:
-            self.cpu_stats = self.cpu_groups.stats()
-            left = self.cpu_groups.remove()
-            if left:
-                log.warning("cgroups still busy, left in place: %s", ", ".join(left))
-
     # ------------------------------------------------------------------ the run
     async def _supervised(self) -> dict[str, Any]:
         """``_main`` under the task owner: the first failure of any part ends the run."""
@@ -289,7 +199,7 @@ class Runtime:
                              self.ck is not None, self.on_step, self.on_state)
         w = self.wired = wire(self.cfg, self.out, self.ck, self.clock, self.parts,
                               self.engines, self.proxy.url, self.token, self.core_pool, outputs,
-                              self.node.ip, self.workload)
+                              self.node.ip, self.workload, self.policy)
         if self.ck is not None:
             log.warning("resuming %s at step %d (v%d trained, v%d published, %d records held)",
                         self.out, self.ck.state.step, w.core.version,
@@ -312,54 +222,12 @@ class Runtime:
             await w.dispatcher.run(w.trainer.bursts_published, lambda: w.publisher.weights.version,
                                    functools.partial(w.trainer.wait_published, trainer=trainer))
             await trainer
-            return await self._finish(w, bursts_s=outputs.elapsed())
+            return await run_end.finish(self, w, bursts_s=outputs.elapsed())
         finally:
             # the background parts end before the clients they use are closed (a probe that
             # wakes after ``w.close()`` would fail the run on a closed client)
             await self.parts.aclose()
             await w.close()
-
-    async def _finish(self, w: Wired, bursts_s: float) -> dict[str, Any]:
-        """After the last publication: every record delivered, ``executions.jsonl``, the
-        controller settled, the timeline and the summary."""
-        results = await w.dispatcher.results()
-        await w.bridge.flush(60.0)
-        w.bridge.write_executions(self.out / "executions.jsonl", results, w.outputs.t0,
-                                  w.outputs.mode)
-        await w.settle(self.cfg.control.step_timeout_s)
-        w.outputs.write_timeline(w.ctl.timeline.close(self.clock.now()))
-        stats = (await w.admin.get("/tidal/stats")).json()
-        if stats["engine_step_failures"]:  # retried by the proxy, but never silent
-            log.warning("%d engine model steps failed (their calls were retried); see "
-                        "logs/engine-*.log", stats["engine_step_failures"])
-        engines = await asyncio.gather(*[remote(a.describe.remote(), f"{eid} describe", 30.0)
-                                         for eid, a in self.engines.actors.items()],
-                                       return_exceptions=True)
-        undescribed = {eid: e for eid, e in zip(self.engines.actors, engines, strict=True)
-                       if not isinstance(e, dict)}
-        for eid, exc in undescribed.items():  # the summary lacks them: say so, never silently
-            log.warning("engine %s did not describe itself at the end (%s: %s); the summary "
-                        "lists it under engines_undescribed", eid, type(exc).__name__, exc)
-        st = self.ck.state if self.ck else None
-        lost = sorted(self.nodes_at_start - _alive_nodes(self.ray))
-        if lost:
-            log.warning("%d Ray nodes lost during the run: %s", len(lost), ", ".join(lost))
-        mechanics = policy_mechanics(self.cfg.policy.name).model_dump(mode="json")
-        return {"t0_utc": w.outputs.t0_utc(), "nodes": len(self.nodes_at_start),
-                "policy_mechanics": mechanics,
-                "nodes_lost": len(lost), "engines_undescribed": sorted(undescribed),
-                "deterministic": self.rt.deterministic,
-                **(w.dispatcher.gate.hold.report() if w.dispatcher.gate else {}),
-                **summary(
-            ctl=w.ctl, bursts=self.cfg.control.bursts or 0, metrics=w.outputs.metrics,
-            version=w.publisher.weights.version, bursts_s=bursts_s,
-            group_size=self.cfg.control.group_size, results=results, stats=stats,
-            engines=[e for e in engines if isinstance(e, dict)],
-            start_pids={str(k): v for k, v in self.engines.start_pids.items()},
-            bridge=w.bridge, actuator=w.actuator, replaced=w.supervisor.replaced,
-            resumed=({"at_step": st.step, "restored_records": len(self.ck.records),
-                      "resumes": st.resumes + 1} if st else None),
-            closed_before=dict(st.close_reasons) if st else {})}
 
     async def _join_engines(self, w: Wired) -> None:
         from tidal.runtime.cell import RuntimeFailure

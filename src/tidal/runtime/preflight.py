@@ -2,8 +2,9 @@
 
 In: a validated ``RunConfig`` and what this machine has (its cores and GPUs, ``Machine``; on a
 Ray cluster, once connected, the cluster's nodes). Out: nothing, or one ``ConfigError`` naming
-the field: the policy and the admission rule (``control.factory.check_policy``: a config built
-in code is checked as one read from a file is), the run's own rules (``wiring.check_config``:
+the field: the policy and the admission rule (``control.factory.checked_policy``: a config
+built in code is checked as one read from a file is; the policy built here, once, unless the
+caller built it), the run's own rules (``wiring.check_config``:
 bursts, quota, backends and their venvs), the model (a directory that exists and holds a
 model; its context holds ``runtime.max_tokens``), the machine (``runtime.use_gpus`` without a
 GPU, engine bundles beyond the local Ray's CPUs or GPUs, ``runtime.fsdp_ranks`` beyond the
@@ -25,6 +26,7 @@ from tidal.errors import ConfigError
 
 if TYPE_CHECKING:
     from tidal.agents.workload import Workload
+    from tidal.control.policy import Policy
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length")
 
@@ -47,13 +49,25 @@ class Machine:
         return cls(len(os.sched_getaffinity(0)), gpus)
 
 
-def check_run(cfg: RunConfig, machine: Machine | None = None) -> Workload | None:
+@dataclass(frozen=True)
+class Checked:
+    """What the checks built, each once per run: the ``task:`` section's workload (None: the
+    built-in task) and the policy the controller runs."""
+
+    workload: Workload | None
+    policy: Policy
+
+
+def check_run(cfg: RunConfig, machine: Machine | None = None,
+              policy: Policy | None = None) -> Checked:
     """Every check ``tidal run`` makes before it starts Ray (``ConfigError`` on the first).
-    Out: the ``task:`` section's workload, built by the check (``wiring.check_config``)."""
-    from tidal.control.factory import check_policy
+    ``policy``: the run's, when the caller built it (``checked_policy``); else built here. Out:
+    the workload built by the check (``wiring.check_config``) and the policy."""
+    from tidal.control.factory import checked_policy
     from tidal.runtime.wiring import check_config
 
-    check_policy(cfg)  # the policy's module, name, arguments and the admission rule
+    if policy is None:  # the policy's module, name, arguments and the admission rule
+        policy = checked_policy(cfg)
     workload = check_config(cfg)
     check_backends(cfg)
     context = check_model(cfg)
@@ -64,7 +78,7 @@ def check_run(cfg: RunConfig, machine: Machine | None = None) -> Workload | None
     check_trainer(cfg)
     if cfg.runtime.ray_address is None:
         check_machine(cfg, machine or Machine.here())
-    return workload
+    return Checked(workload, policy)
 
 
 def model_context(model_dir: Path) -> int | None:
@@ -106,7 +120,7 @@ def check_model(cfg: RunConfig) -> int | None:
     from tidal.backends import serving_backends
 
     if any(b.name == "vllm" for b in serving_backends(cfg)):  # --max-model-len
-        context = min(context or rt.vllm_max_model_len, rt.vllm_max_model_len)
+        context = min(context or rt.vllm.max_model_len, rt.vllm.max_model_len)
     return context
 
 
@@ -121,7 +135,8 @@ def check_backends(cfg: RunConfig) -> None:
     for backend in serving_backends(cfg):
         if backend.package is None or backend.python_field is None:
             continue
-        field, module = f"runtime.{backend.python_field}", backend.package
+        field = f"runtime.{backend.python_field.replace('_', '.', 1)}"  # runtime.vllm.python
+        module = backend.package
         exe = getattr(rt, f"resolved_{backend.python_field}")()
         probe = [exe, "-c", "import importlib.util, sys; "
                  "sys.exit(importlib.util.find_spec(sys.argv[1]) is None)", module]

@@ -66,16 +66,16 @@ SGLANG_OWNED = {
     "--port": "a free port", "--device": "runtime.device",
     "--max-running-requests": "runtime.engine_max_batch",
     "--enable-memory-saver": "a cell's role switches", "--enable-metrics": "the adapter",
-    "--mem-fraction-static": "runtime.sglang_mem_fraction", "--dtype": "tidal's float32",
+    "--mem-fraction-static": "runtime.sglang.mem_fraction", "--dtype": "tidal's float32",
     "--weight-version": "tidal's weight versions", "--api-key": "the run's token guard",
 }
 
 
 def sglang_settings(rt: RuntimeConfig) -> dict[str, Any]:
     """What an ``SGLangCellHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``;
-    ``sglang_args`` by ``check``)."""
-    return {"python": rt.resolved_sglang_python(), "mem_fraction": rt.sglang_mem_fraction,
-            "dtype": "float32", "args": list(rt.sglang_args)}
+    ``sglang.args`` by ``check``)."""
+    return {"python": rt.resolved_sglang_python(), "mem_fraction": rt.sglang.mem_fraction,
+            "dtype": "float32", "args": list(rt.sglang.args)}
 
 
 def _smi(*query: str) -> str:
@@ -303,5 +303,5 @@ def check(cfg: RunConfig) -> None:
                           "CUDA-only): set runtime.use_gpus: true and runtime.device cuda or "
                           "auto, or use 'builtin' or 'vllm'")
     vllm_host.refuse_tiny(rt, "runtime.cell_backend", "SGLang")
-    check_extra_args(rt.sglang_args, SGLANG_OWNED, "runtime.sglang_args", "SGLang")
+    check_extra_args(rt.sglang.args, SGLANG_OWNED, "runtime.sglang.args", "SGLang")
     rt.resolved_sglang_python()

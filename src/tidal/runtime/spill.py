@@ -1,9 +1,9 @@
 """Where a run's engines put their weights while asleep, and that nothing of it stays behind.
 
 In: a run directory. Out: ``spill_dir`` (``DIR/spill``: a built-in engine's level-1 sleep writes
-``tidal-spill-<served model>-<pid>.safetensors`` there, ``serving.engine.spill_path``), ``remove``
-(the directory deleted: when a run's parts stop, at ``--resume`` and by the sweep of the other
-nodes, so an engine killed while asleep leaves no copy of the model), and ``stale_in_tmp``
+``tidal-spill-<served model>-<pid>.safetensors`` there, ``serving.engine_config.spill_path``),
+``remove`` (the directory deleted: when a run's parts stop, at ``--resume`` and by the sweep of
+the other nodes, so an engine killed while asleep leaves no copy of the model), and ``stale_in_tmp``
 (spill files that older tidal versions wrote to the system's temporary directory, which
 ``tidal run`` prints a warning about, naming the command that removes them). Invariant: tidal
 writes no spill file outside a run directory.

@@ -127,7 +127,7 @@ def check(cfg: RunConfig) -> None:
         return
     rt = cfg.runtime
     vllm_host.refuse_tiny(rt, "runtime.cell_backend", "vLLM")
-    check_extra_args(rt.vllm_args, vllm_host.VLLM_OWNED, "runtime.vllm_args", "vLLM")
+    check_extra_args(rt.vllm.args, vllm_host.VLLM_OWNED, "runtime.vllm.args", "vLLM")
     if rt.cell_cpus is not None:
         raise ConfigError("runtime.cell_cpus", "not supported when cells are vLLM servers "
                           "(the quota covers built-in engines)")

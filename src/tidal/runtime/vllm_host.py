@@ -4,7 +4,7 @@ vllm``); cells keep the built-in engine.
 In: the same calls as ``EngineHost`` from the driver and the supervisor (``start``, ``describe``,
 ``load_weights``, ``kill_engine``, ``stop``). Out: the server's URL; the engine joins the proxy
 with backend ``vllm`` (``tidal.serving.vllm_adapter``). The server runs from the vLLM venv's
-python (``runtime.vllm_python``, default ``$TIDAL_VLLM_PYTHON``) on a free port of its node's
+python (``runtime.vllm.python``, default ``$TIDAL_VLLM_PYTHON``) on a free port of its node's
 address (the proxy reaches it from any node of a Ray cluster), in its own process group (vLLM
 starts an engine-core child: both end together), with ``VLLM_SERVER_DEV_MODE=1``, tidal's
 worker extension (``tidal.training.vllm_sync``), tidal's KV connector (``kv_dir``: one
@@ -44,10 +44,10 @@ SERVED_NAME = "tidal"
 VLLM_OWNED = {
     "--model": "runtime.model", "--served-model-name": "the proxy's model name",
     "--host": "the node's address", "--port": "a free port",
-    "--max-model-len": "runtime.vllm_max_model_len", "--max-num-seqs": "runtime.engine_max_batch",
-    "--dtype": "runtime.vllm_dtype", "--tensor-parallel-size": "runtime.vllm_tensor_parallel",
-    "-tp": "runtime.vllm_tensor_parallel", "--enforce-eager": "runtime.vllm_cuda_graphs",
-    "--kv-cache-memory-bytes": "runtime.vllm_kv_cache_gb",
+    "--max-model-len": "runtime.vllm.max_model_len", "--max-num-seqs": "runtime.engine_max_batch",
+    "--dtype": "runtime.vllm.dtype", "--tensor-parallel-size": "runtime.vllm.tensor_parallel",
+    "-tp": "runtime.vllm.tensor_parallel", "--enforce-eager": "runtime.vllm.cuda_graphs",
+    "--kv-cache-memory-bytes": "runtime.vllm.kv_cache_gb",
     "--worker-extension-cls": "tidal's weight loading", "--middleware": "the run's token guard",
     "--api-key": "the run's token guard", "--enable-sleep-mode": "a cell's role switches",
     "--kv-transfer-config": "tidal's KV handoff between the run's vLLM servers",
@@ -65,19 +65,19 @@ def kv_dir(run_dir: Path) -> str:
 
 def vllm_settings(rt: RuntimeConfig) -> dict[str, Any]:
     """What a ``VLLMEngineHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``;
-    ``vllm_args`` by ``check``)."""
-    return {"python": rt.resolved_vllm_python(), "kv_cache_gb": rt.vllm_kv_cache_gb,
-            "max_model_len": rt.vllm_max_model_len, "device": rt.device if rt.use_gpus
-            else "cpu", "tensor_parallel": rt.vllm_tensor_parallel, "dtype": rt.vllm_dtype,
-            "cuda_graphs": rt.vllm_cuda_graphs, "args": list(rt.vllm_args)}
+    ``vllm.args`` by ``check``)."""
+    return {"python": rt.resolved_vllm_python(), "kv_cache_gb": rt.vllm.kv_cache_gb,
+            "max_model_len": rt.vllm.max_model_len, "device": rt.device if rt.use_gpus
+            else "cpu", "tensor_parallel": rt.vllm.tensor_parallel, "dtype": rt.vllm.dtype,
+            "cuda_graphs": rt.vllm.cuda_graphs, "args": list(rt.vllm.args)}
 
 
 def serves_bfloat16(rt: RuntimeConfig) -> bool:
-    """Whether this run's vLLM servers hold their weights in bfloat16: ``runtime.vllm_dtype``
+    """Whether this run's vLLM servers hold their weights in bfloat16: ``runtime.vllm.dtype``
     bfloat16, or 'auto' on GPUs (``serve_args``: engines with GPUs run on CUDA)."""
-    if rt.vllm_dtype == "auto":
+    if rt.vllm.dtype == "auto":
         return rt.use_gpus and rt.device != "cpu"
-    return rt.vllm_dtype == "bfloat16"
+    return rt.vllm.dtype == "bfloat16"
 
 
 def cpu_thread_bind(tp: int, cpus: list[int]) -> str:
@@ -87,7 +87,7 @@ def cpu_thread_bind(tp: int, cpus: list[int]) -> str:
     one-node host always has. Fewer CPUs than workers is one ``RuntimeFailure`` line."""
     cpus = sorted(cpus)
     if tp > len(cpus):
-        raise RuntimeFailure(f"runtime.vllm_tensor_parallel: {tp} CPU workers, but this "
+        raise RuntimeFailure(f"runtime.vllm.tensor_parallel: {tp} CPU workers, but this "
                              f"engine may use {len(cpus)} CPUs ({cpus})")
     share = len(cpus) // tp
     return "|".join(",".join(str(c) for c in cpus[i * share:(i + 1) * share])
@@ -101,7 +101,7 @@ def tensor_parallel(settings: dict[str, Any], device: str, gpu_ids: list[str]) -
     cuda = device.startswith("cuda")
     tp = settings.get("tensor_parallel") or (max(len(gpu_ids), 1) if cuda else 1)
     if cuda and gpu_ids and tp > len(gpu_ids):
-        raise RuntimeFailure(f"runtime.vllm_tensor_parallel: {tp} GPUs per vLLM engine, but "
+        raise RuntimeFailure(f"runtime.vllm.tensor_parallel: {tp} GPUs per vLLM engine, but "
                              f"Ray gave this engine {len(gpu_ids)} ({gpu_ids}): raise "
                              "cluster.cell_gpus / standalone_gpus or lower it")
     return tp
@@ -281,7 +281,7 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("runtime.standalone_backend", "'vllm' serves standalone engines, "
                           "and cluster.standalone_count is 0")
     refuse_tiny(rt, "runtime.standalone_backend", "vLLM")
-    check_extra_args(rt.vllm_args, VLLM_OWNED, "runtime.vllm_args", "vLLM")
+    check_extra_args(rt.vllm.args, VLLM_OWNED, "runtime.vllm.args", "vLLM")
     rt.resolved_vllm_python()
 
 

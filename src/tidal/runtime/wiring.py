@@ -46,6 +46,7 @@ from tidal.runtime.trainer_loop import TrainerLoop
 if TYPE_CHECKING:
     from tidal.agents.workload import Workload
     from tidal.control.controller import Controller
+    from tidal.control.policy import Policy
     from tidal.training.core import CoreTrainer
     from tidal.training.trajectory_buffer import TrajectoryBuffer
     from tidal.types import Event
@@ -206,7 +207,8 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
 def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: Parts,
          engines: Engines, proxy_url: str, token: str,
          core_pool: concurrent.futures.ThreadPoolExecutor, outputs: RunOutputs,
-         host: str = "127.0.0.1", workload: Workload | None = None) -> Wired:
+         host: str = "127.0.0.1", workload: Workload | None = None,
+         policy: Policy | None = None) -> Wired:
     from tidal.agents import HarnessPool, PoolConfig
     from tidal.control.decision_log import DecisionLog, jsonl_file_sink
     from tidal.control.factory import build_controller
@@ -231,7 +233,7 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     weights = Weights()
     actuator = RayActuator(clock, admin, engines, weights, c.kv_handoff, parts, link)
     ctl = build_controller(cfg, clock, actuator, DecisionLog(
-        outputs.since_first_dispatch(jsonl_file_sink(decisions)), keep=False))
+        outputs.since_first_dispatch(jsonl_file_sink(decisions)), keep=False), policy)
     ctl.metrics.budget_groups = c.batch_groups * c.updates_per_burst  # per burst
     guarded, listeners = parts.guard_handler(ctl.handle), []
 

@@ -1,8 +1,9 @@
 """Start and stop ``tidal engine`` / ``tidal proxy`` as real child processes on loopback.
 
-In: a model directory or engine URLs, a port. Out: a handle that waits until ``/health``
-answers (bounded) and stops the process (terminate, then kill). Used by the integration tests,
-the benchmarks and local runs.
+In: a model directory or engine URLs, a port, and the settings (``contracts.launch``'s
+``EngineSettings``, ``ProxySettings``: passed to the child as JSON). Out: a handle that waits
+until ``/health`` answers (bounded) and stops the process (terminate, then kill). Used by the
+integration tests, the benchmarks and local runs.
 
 A port tidal picks itself is never raced for: the parent binds and listens (port 0, the kernel
 chooses), hands the socket to the child (``pass_fds``, its number in ``$TIDAL_LISTEN_FD``) and
@@ -20,9 +21,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from tidal.contracts.launch import EngineSettings, ProxySettings
 from tidal.errors import TimeoutExpired
 
 LISTEN_FD_ENV = "TIDAL_LISTEN_FD"
@@ -115,74 +118,47 @@ class ServerProcess:
             self._log.close()
 
 
-def start_engine(model_dir: str | Path, port: int | None = None, name: str | None = None,
-                 max_batch: int = 64, log_path: Path | None = None,
-                 step_in_thread: bool = False, seed: int = 0,
-                 device: str = "cpu", token: str | None = None,
-                 host: str = "127.0.0.1", prefix_cache_mb: float = 0.0,
-                 spill_dir: str | Path | None = None,
-                 deterministic: bool = False) -> ServerProcess:
-    """``tidal engine`` on ``host:port``; ``token`` (default ``$TIDAL_ENGINE_TOKEN``, the run's
+def start_engine(model_dir: str | Path, port: int | None = None, *, token: str | None = None,
+                 log_path: Path | None = None, **fields: Any) -> ServerProcess:
+    """``tidal engine`` on ``host:port`` with ``EngineSettings(**fields)`` (given as ``--settings
+    JSON``; the defaults the contract's); ``token`` (default ``$TIDAL_ENGINE_TOKEN``, the run's
     token in a runtime actor) goes through the environment, never the command line. A host
     beyond loopback (a cluster node's address) needs the token: the engine refuses otherwise."""
+    host = fields.get("host", "127.0.0.1")
     sock = None if port else bound_socket(host)
     port = port or sock.getsockname()[1]
     token = token if token is not None else os.environ.get("TIDAL_ENGINE_TOKEN")
-    args = ["engine", "--model", str(model_dir), "--host", host, "--port", str(port),
-            "--max-batch", str(max_batch), "--seed", str(seed)]
-    if name is not None:  # else the engine serves the model under its directory's name
-        args += ["--name", name]
-    if device != "cpu":
-        args += ["--device", device]
-    if step_in_thread:
-        args.append("--step-in-thread")
-    if prefix_cache_mb:
-        args += ["--prefix-cache-mb", str(prefix_cache_mb)]
-    if spill_dir is not None:  # a run's spill/ directory (else a sleep holds weights in memory)
-        args += ["--spill-dir", str(spill_dir)]
-    if deterministic:
-        args.append("--deterministic")
-    return ServerProcess(args, port, log_path, env={"TIDAL_ENGINE_TOKEN": token or ""},
-                         token=token, host=host, sock=sock)
+    settings = EngineSettings(model_dir=str(model_dir), port=port, **{
+        k: str(v) if k == "spill_dir" and v is not None else v for k, v in fields.items()})
+    return ServerProcess(engine_args(settings), port, log_path,
+                         env={"TIDAL_ENGINE_TOKEN": token or ""}, token=token, host=host,
+                         sock=sock)
 
 
 def start_proxy(engines: list[str], cells: list[str], admin_token: str,
-                port: int | None = None, cap: int = 64, kv_handoff: bool = True,
-                require_registration: bool = False, log_path: Path | None = None,
-                request_timeout_s: float | None = None,
-                engine_token: str | None = None, seed: int | None = None,
-                admission: str | float = "off", admission_order: str = "longest_waiting",
-                engine_curve: list[tuple[int, float]] | None = None,
-                affinity: bool = True,
-                backend_modules: list[str] | tuple[str, ...] = ()) -> ServerProcess:
-    """``tidal proxy`` on ``port``; ready once ``/live`` answers (``/health`` is 503 until an
-    engine serves). ``engine_token``: default ``$TIDAL_ENGINE_TOKEN``, else the admin token.
-    ``seed``: the run's seed, from which unseeded calls of executions get theirs.
-    ``backend_modules``: the run's ``runtime.backend_modules`` (the proxy loads their
-    adapters)."""
+                port: int | None = None, *, engine_token: str | None = None,
+                log_path: Path | None = None, **fields: Any) -> ServerProcess:
+    """``tidal proxy`` on ``port`` with ``ProxySettings(engines=..., cells=..., **fields)``
+    (given as ``--settings JSON``; the defaults the contract's); ready once ``/live`` answers
+    (``/health`` is 503 until an engine serves). The tokens go through the environment:
+    ``engine_token`` default ``$TIDAL_ENGINE_TOKEN``, else the admin token."""
     sock = None if port else bound_socket()
     port = port or sock.getsockname()[1]
-    args = ["proxy", "--port", str(port), "--cap", str(cap),
-            "--kv-handoff" if kv_handoff else "--no-kv-handoff"]
-    if require_registration:
-        args.append("--require-registration")
-    if not affinity:
-        args.append("--no-affinity")
-    if request_timeout_s is not None:
-        args += ["--request-timeout-s", str(request_timeout_s)]
-    if seed is not None:
-        args += ["--seed", str(seed)]
-    if admission != "off":  # admission control: the engines' concurrency targets
-        args += ["--admission", str(admission), "--admission-order", admission_order]
-        if engine_curve:
-            args += ["--engine-curve", ",".join(f"{b}:{t:g}" for b, t in engine_curve)]
-    for module in backend_modules:  # the user's engine backends (their adapters)
-        args += ["--backend-module", module]
-    for url in engines:
-        args += ["--engine", url]
-    for url in cells:
-        args += ["--cell", url]
+    if "admission" in fields:  # a latency target in seconds, or a rule's name
+        fields["admission"] = str(fields["admission"])
+    settings = ProxySettings(engines=list(engines), cells=list(cells), port=port, **fields)
     env = {"TIDAL_ADMIN_TOKEN": admin_token}
     if engine_token is not None:
         env["TIDAL_ENGINE_TOKEN"] = engine_token
-    return ServerProcess(args, port, log_path, env=env, health_path="/live", sock=sock)
+    return ServerProcess(proxy_args(settings), port, log_path, env=env, health_path="/live",
+                         sock=sock)
+
+
+def engine_args(settings: EngineSettings) -> list[str]:
+    """The command line of ``tidal engine`` with ``settings`` (no secret on it)."""
+    return ["engine", "--settings", settings.model_dump_json()]
+
+
+def proxy_args(settings: ProxySettings) -> list[str]:
+    """The command line of ``tidal proxy`` with ``settings`` (no secret on it)."""
+    return ["proxy", "--settings", settings.model_dump_json()]

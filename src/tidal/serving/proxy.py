@@ -19,6 +19,11 @@ destination's in-flight set while the blob is imported; if that destination's dr
 before the request is sent, the attempt releases the import and moves on with the same blob
 (re-routed, never sent to a draining engine); once sent, the destination pins the adopted cache
 on abort and the next hop exports it from there (a chained handoff).
+
+Over 500 lines on purpose: one class whose methods share each call's state across attempts,
+retries, drains and handoffs (invariant 4 is kept across all of them, so they read best
+together); the admission queue, health monitor, KV handoff, OpenAI shapes and HTTP front are
+modules of their own (``admission``, ``health``, ``kv_handoff``, ``openai_api``, ``proxy_app``).
 """
 
 from __future__ import annotations

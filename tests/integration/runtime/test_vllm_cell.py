@@ -51,7 +51,7 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
     monkeypatch.setenv("TIDAL_ENGINE_TOKEN", token)
     host = VLLMCellHost("c0", str(smollm2), 4, str(tmp_path), {
         "python": VLLM_PYTHON, "kv_cache_gb": 1, "max_model_len": 512,
-        "args": ["--max-num-batched-tokens", "1024"]})  # runtime.vllm_args
+        "args": ["--max-num-batched-tokens", "1024"]})  # runtime.vllm.args
     model, tok = load_model(smollm2)
     layout = ParamLayout.of(model)
     pub = FilePublisher(tmp_path / "w", layout)

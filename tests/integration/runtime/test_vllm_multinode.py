@@ -62,8 +62,8 @@ def _kill_server_when_busy(runtime: Runtime, name: str, seen: dict) -> None:
 @pytest.mark.timeout(1200)
 def test_vllm_engines_on_three_other_nodes(cluster, smollm2, tmp_path):
     cfg = load_yaml(CONFIG).model_dump(mode="json")
-    cfg["runtime"].update(ray_address=cluster.address, placement_strategy="STRICT_SPREAD",
-                          vllm_python=VLLM_PYTHON)
+    cfg["runtime"].update(ray_address=cluster.address, placement_strategy="STRICT_SPREAD")
+    cfg["runtime"]["vllm"]["python"] = VLLM_PYTHON
     out = tmp_path / "run"
     runtime = Runtime(RunConfig.model_validate(cfg), out)
     seen: dict = {}

@@ -47,7 +47,7 @@ def test_a_signal_while_followers_start_is_handled_at_once(tmp_path, monkeypatch
         raise KeyboardInterrupt(f"signal {signum}")
 
     prev = signal.signal(signal.SIGALRM, interrupt)
-    signal.alarm(2)  # what SIGTERM does in `tidal run` (driver._trap_sigterm)
+    signal.alarm(2)  # what SIGTERM does in `tidal run` (ray_start.trap_sigterm)
     t0 = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):

@@ -1,4 +1,4 @@
-"""``driver._ray_init``: Ray's init installs a SIGTERM handler (``sys.exit(15)`` wherever it
+"""``ray_start.ray_init``: Ray's init installs a SIGTERM handler (``sys.exit(15)`` wherever it
 lands); the run's own handler (SIGTERM as an interrupt that stops every part) must survive it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import types
 
-from tidal.runtime.driver import _ray_init
+from tidal.runtime.ray_start import ray_init
 
 
 def test_the_runs_sigterm_handler_survives_rays_init():
@@ -26,7 +26,7 @@ def test_the_runs_sigterm_handler_survives_rays_init():
 
     prev = signal.signal(signal.SIGTERM, ours)
     try:
-        _ray_init(ray, num_cpus=1)
+        ray_init(ray, num_cpus=1)
         assert signal.getsignal(signal.SIGTERM) is ours and installed == []
         assert inits == [{"num_cpus": 1}]
         assert utils.set_sigterm_handler is set_sigterm_handler  # given back after the call

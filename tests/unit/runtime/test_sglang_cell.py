@@ -93,7 +93,7 @@ def test_an_sglang_cell_sleeps_wakes_and_loads_over_sglangs_routes(
         # ... which no other local user can read off the server's command line (issue 29)
         argv = Path(f"/proc/{host.server.proc.pid}/cmdline").read_bytes().split(b"\0")
         assert b"tok-1" not in b" ".join(argv)
-        i = argv.index(b"--context-length")  # runtime.sglang_args, after tidal's own
+        i = argv.index(b"--context-length")  # runtime.sglang.args, after tidal's own
         assert argv[i + 1] == b"256" and argv.index(b"--weight-version") < i
         d = host.describe()
         assert d["backend"] == "sglang" and d["version"] == "v0" and d["alive"]
@@ -180,12 +180,12 @@ def _cfg(**runtime):
     ({}, "runtime.cell_backend", "CUDA-only"),
     ({"use_gpus": True, "device": "cpu"}, "runtime.cell_backend", "use_gpus"),
     ({"use_gpus": True, "model": "tiny"}, "runtime.cell_backend", "tiny"),
-    ({"use_gpus": True}, "runtime.sglang_python", "pip install sglang"),
-    ({"use_gpus": True, "sglang_python": "/nonexistent/python"}, "runtime.sglang_python",
+    ({"use_gpus": True}, "runtime.sglang.python", "pip install sglang"),
+    ({"use_gpus": True, "sglang": {"python": "/nonexistent/python"}}, "runtime.sglang.python",
      "not an executable"),
-    ({"use_gpus": True, "sglang_args": "--schedule-policy lpm --mem-fraction-static=0.9"},
-     "runtime.sglang_args", "--mem-fraction-static=0.9: tidal sets --mem-fraction-static of "
-     "each SGLang server itself (runtime.sglang_mem_fraction)"),
+    ({"use_gpus": True, "sglang": {"args": "--schedule-policy lpm --mem-fraction-static=0.9"}},
+     "runtime.sglang.args", "--mem-fraction-static=0.9: tidal sets --mem-fraction-static of "
+     "each SGLang server itself (runtime.sglang.mem_fraction)"),
 ])
 def test_what_sglang_cells_need_is_checked(monkeypatch, runtime, field, words):
     monkeypatch.delenv("TIDAL_SGLANG_PYTHON", raising=False)

@@ -29,7 +29,11 @@ from tidal.types import Direction
 
 def _cfg(cells=None, **runtime) -> RunConfig:
     base = load_yaml("configs/vllm.yaml").model_dump(mode="json")
-    base["runtime"].update(runtime)
+    for key, value in runtime.items():  # a backend's section (vllm, sglang) is merged
+        if isinstance(value, dict) and isinstance(base["runtime"].get(key), dict):
+            base["runtime"][key] = {**base["runtime"][key], **value}
+        else:
+            base["runtime"][key] = value
     if cells is not None:
         base["cluster"]["cells"] = cells
     return validate_model(RunConfig, base)
@@ -50,7 +54,7 @@ def test_vllm_yaml_serves_every_engine_with_vllm(vllm_python):
 def test_vllm_args_reach_each_servers_settings(vllm_python):
     from tidal.runtime.vllm_host import vllm_settings
 
-    cfg = _cfg(vllm_args="--enable-prefix-caching --max-num-batched-tokens 4096")
+    cfg = _cfg(vllm={"args": "--enable-prefix-caching --max-num-batched-tokens 4096"})
     check_config(cfg)
     assert vllm_settings(cfg.runtime)["args"] == [
         "--enable-prefix-caching", "--max-num-batched-tokens", "4096"]
@@ -67,13 +71,13 @@ def test_a_cell_may_name_its_own_backend(vllm_python):
      "sglang"),
     ({"model": "tiny", "standalone_backend": "builtin"}, None, "runtime.cell_backend", "tiny"),
     ({"cell_cpus": 1.0, "standalone_backend": "builtin"}, None, "runtime.cell_cpus", "vLLM"),
-    ({"vllm_args": "--enable-prefix-caching --max-num-seqs 8"}, None, "runtime.vllm_args",
+    ({"vllm": {"args": "--enable-prefix-caching --max-num-seqs 8"}}, None, "runtime.vllm.args",
      "--max-num-seqs: tidal sets --max-num-seqs of each vLLM server itself "
      "(runtime.engine_max_batch)"),
-    ({"vllm_args": ["--max_model_len=1024"]}, None, "runtime.vllm_args",
-     "(runtime.vllm_max_model_len)"),  # vLLM's underscore spelling, with its value attached
-    ({"vllm_args": ["-tp", "2"], "standalone_backend": "builtin"}, None, "runtime.vllm_args",
-     "(runtime.vllm_tensor_parallel)"),
+    ({"vllm": {"args": ["--max_model_len=1024"]}}, None, "runtime.vllm.args",
+     "(runtime.vllm.max_model_len)"),  # vLLM's underscore spelling, with its value attached
+    ({"vllm": {"args": ["-tp", "2"]}, "standalone_backend": "builtin"}, None, "runtime.vllm.args",
+     "(runtime.vllm.tensor_parallel)"),
 ])
 def test_what_vllm_cells_cannot_do_is_refused(vllm_python, runtime, cells, field, words):
     with pytest.raises(ConfigError) as info:
@@ -219,7 +223,7 @@ def test_a_parallel_size_beyond_the_engines_gpus_is_one_line():
     from tidal.runtime.cell import RuntimeFailure
     from tidal.runtime.vllm_host import serve_args
 
-    with pytest.raises(RuntimeFailure, match=r"runtime.vllm_tensor_parallel: 4 GPUs per vLLM "
+    with pytest.raises(RuntimeFailure, match=r"runtime.vllm.tensor_parallel: 4 GPUs per vLLM "
                                              r"engine, but Ray gave this engine 2"):
         serve_args({"tensor_parallel": 4}, "cuda", ["0", "1"])
 
@@ -227,13 +231,15 @@ def test_a_parallel_size_beyond_the_engines_gpus_is_one_line():
 def test_the_vllm_settings_come_from_the_config(vllm_python):
     from tidal.runtime.vllm_host import vllm_settings
 
-    cfg = _cfg(vllm_tensor_parallel=2, vllm_dtype="bfloat16", vllm_cuda_graphs=False)
+    cfg = _cfg(vllm={"tensor_parallel": 2, "dtype": "bfloat16", "cuda_graphs": False})
     got = vllm_settings(cfg.runtime)
     assert (got["tensor_parallel"], got["dtype"], got["cuda_graphs"], got["device"]) == (
         2, "bfloat16", False, "cpu")
-    for field, value in [("vllm_tensor_parallel", 0), ("vllm_dtype", "fp8")]:
-        with pytest.raises(ConfigError, match=f"runtime.{field}"):
-            _cfg(**{field: value})
+    for field, value in [("tensor_parallel", 0), ("dtype", "fp8")]:
+        with pytest.raises(ConfigError, match=f"runtime.vllm.{field}"):
+            _cfg(vllm={field: value})
+    with pytest.raises(ConfigError, match=r"^runtime.vllm_args: moved to runtime.vllm.args$"):
+        _cfg(vllm_args=["--enable-prefix-caching"])
 
 
 @pytest.mark.parametrize("tp, cpus, expected", [

@@ -22,7 +22,11 @@ from tidal.runtime.wiring import check_config as _check
 
 def _cfg(**runtime) -> RunConfig:
     base = load_yaml("configs/vllm.yaml").model_dump(mode="json")
-    base["runtime"].update(runtime)
+    for key, value in runtime.items():  # a backend's section (vllm, sglang) is merged
+        if isinstance(value, dict) and isinstance(base["runtime"].get(key), dict):
+            base["runtime"][key] = {**base["runtime"][key], **value}
+        else:
+            base["runtime"][key] = value
     return validate_model(RunConfig, base)
 
 
@@ -30,7 +34,7 @@ def test_vllm_yaml_needs_a_vllm_python(monkeypatch):
     monkeypatch.delenv("TIDAL_VLLM_PYTHON", raising=False)
     with pytest.raises(ConfigError) as info:
         _check(_cfg())
-    assert info.value.field == "runtime.vllm_python"
+    assert info.value.field == "runtime.vllm.python"
     assert "make vllm-venv" in info.value.message and "TIDAL_VLLM_PYTHON" in info.value.message
 
 
@@ -38,7 +42,7 @@ def test_a_vllm_python_that_is_not_there_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("TIDAL_VLLM_PYTHON", str(tmp_path / "nope" / "python"))
     with pytest.raises(ConfigError) as info:
         _check(_cfg())
-    assert info.value.field == "runtime.vllm_python" and "nope" in info.value.message
+    assert info.value.field == "runtime.vllm.python" and "nope" in info.value.message
 
 
 def test_the_field_wins_over_the_environment(monkeypatch, tmp_path):
@@ -46,7 +50,7 @@ def test_the_field_wins_over_the_environment(monkeypatch, tmp_path):
     exe.write_text("#!/bin/sh\n")
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("TIDAL_VLLM_PYTHON", "/nonexistent/python")
-    cfg = _cfg(vllm_python=str(exe))
+    cfg = _cfg(vllm={"python": str(exe)})
     _check(cfg)
     assert cfg.runtime.resolved_vllm_python() == str(exe)
 
@@ -73,10 +77,10 @@ def test_unknown_backends_are_config_errors(value):
 
 
 def test_kv_cache_is_positive():
-    assert _cfg(vllm_kv_cache_gb=0.25).runtime.vllm_kv_cache_gb == 0.25
+    assert _cfg(vllm={"kv_cache_gb": 0.125}).runtime.vllm.kv_cache_gb == 0.125
     with pytest.raises(ConfigError) as info:
-        _cfg(vllm_kv_cache_gb=0)
-    assert info.value.field == "runtime.vllm_kv_cache_gb"
+        _cfg(vllm={"kv_cache_gb": 0})
+    assert info.value.field == "runtime.vllm.kv_cache_gb"
 
 
 def test_the_bridge_counts_tokens_by_engine_and_version_and_moves_between_engines():

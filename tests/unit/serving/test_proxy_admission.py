@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from tidal.contracts.launch import ProxySettings
 from tidal.errors import ConfigError
 from tidal.models import load_model
 from tidal.serving.engine import Engine, EngineConfig
@@ -70,7 +71,7 @@ def test_run_passes_admission_to_the_proxy_command(monkeypatch):
     launch.start_proxy([], [], "tok", port=9, admission="saturation",
                        engine_curve=[(1, 100.0), (32, 2000.0)])
     launch.start_proxy([], [], "tok", port=9)
-    on, off = seen
-    assert on[on.index("--admission") + 1] == "saturation"
-    assert on[on.index("--engine-curve") + 1] == "1:100,32:2000"
-    assert "--admission" not in off and "--engine-curve" not in off
+    on, off = (ProxySettings.model_validate_json(args[args.index("--settings") + 1])
+               for args in seen)
+    assert on.admission == "saturation" and on.engine_curve == [(1, 100.0), (32, 2000.0)]
+    assert off.admission == "off" and off.engine_curve is None
