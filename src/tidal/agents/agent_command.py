@@ -9,7 +9,7 @@ arguments; ``{prompt}``, ``{task_file}``,
 workspace first. The environment adds ``OPENAI_BASE_URL`` (the proxy's per-execution URL, so a
 program that cannot add headers is still identified), ``OPENAI_API_KEY`` (a key bound to the
 execution), ``OPENAI_MODEL``, ``TIDAL_EXECUTION_ID``, ``TIDAL_WORKSPACE``, ``TIDAL_TASK_FILE``.
-Out: an ``AgentOutcome`` with the exit code, the last ``TAIL_CHARS`` of stdout / stderr (the
+Out: an ``Outcome`` with the exit code, the last ``TAIL_CHARS`` of stdout / stderr (the
 full streams are in ``.tidal/stdout.log`` / ``stderr.log`` of the workspace) and the stdout tail
 as the answer; a non-zero exit closes the execution ``failed``.
 Kept: the program is ended with its execution: cancelled (the execution's timeout, the run's
@@ -31,8 +31,10 @@ import string
 import sys
 from pathlib import Path
 
-from tidal.agents.kinds import AgentContext, AgentOutcome, register_agent_kind, unused
+from tidal.agents.kinds import AgentContext, register_agent_kind, unused
 from tidal.config import AgentConfig
+from tidal.contracts.close import CloseReason
+from tidal.contracts.executions import Outcome, Turn
 from tidal.errors import ConfigError
 
 TAIL_CHARS = 4000
@@ -66,7 +68,7 @@ class CommandKind:
                 f"{field}.args.{sorted(spec.args)[0]}", "the 'command' kind takes no args"
             )
 
-    async def run(self, ctx: AgentContext) -> AgentOutcome:
+    async def run(self, ctx: AgentContext) -> Outcome:
         ws = ctx.workspace
         (ws / self.task_file).write_text(json.dumps(ctx.row.to_json(), default=str))
         values = {
@@ -109,13 +111,13 @@ class CommandKind:
             await _end(proc)
             await _end_strays(ctx.api_key)
         stdout, stderr = _tail(logs / "stdout.log"), _tail(logs / "stderr.log")
-        return AgentOutcome(
+        return Outcome(
             answer=stdout.strip(),
             exit_code=code,
             stdout_tail=stdout,
             stderr_tail=stderr,
-            reason="completed" if code == 0 else "failed",
-            transcript=[{"action": f"exit {code}", "observation": stdout}],
+            reason=CloseReason.COMPLETED if code == 0 else CloseReason.FAILED,
+            transcript=[Turn(action=f"exit {code}", observation=stdout)],
         )
 
 

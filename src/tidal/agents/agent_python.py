@@ -4,10 +4,11 @@ the proxy), the task row and the workspace.
 
 In: ``task.agent.function`` (``module:function`` or ``file.py:function``, an ``async def``) that
 takes any of ``client``, ``row``, ``workspace``, ``model``, ``ctx`` by name. Out: an
-``AgentOutcome``: the function may return a number (the reward), None (the run's reward function
+``Outcome``: the function may return a number (the reward), None (the run's reward function
 scores the execution), a string (the final answer, scored by the reward function), a dict
-``{reward, answer}`` or an ``AgentOutcome``. The client does not retry (the proxy already
-carries a call across engine moves; a failed call is the agent's to see).
+``{reward, answer, transcript}`` or an ``Outcome`` (``tidal.contracts.executions``). The client
+does not retry (the proxy already carries a call across engine moves; a failed call is the
+agent's to see).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import inspect
 from numbers import Real
 
 from tidal.agents.callables import load_callable, parameters
-from tidal.agents.kinds import AgentContext, AgentOutcome, register_agent_kind, unused
+from tidal.agents.kinds import AgentContext, register_agent_kind, unused
 from tidal.config import AgentConfig
+from tidal.contracts.executions import Outcome, Turn
 from tidal.errors import ConfigError
 
 _GIVEN = ("client", "row", "workspace", "model", "ctx")
@@ -46,7 +48,7 @@ class PythonKind:
         self.names = list(_GIVEN) if "**" in names else names
         self.field = field
 
-    async def run(self, ctx: AgentContext) -> AgentOutcome:
+    async def run(self, ctx: AgentContext) -> Outcome:
         import openai
 
         async with openai.AsyncOpenAI(
@@ -62,27 +64,27 @@ class PythonKind:
             return outcome_of(await self.fn(**{n: given[n] for n in self.names}))
 
 
-def outcome_of(res: object) -> AgentOutcome:
-    """A python agent's return value as an ``AgentOutcome`` (``TypeError`` if it is none of
-    the accepted shapes)."""
-    if isinstance(res, AgentOutcome):
+def outcome_of(res: object) -> Outcome:
+    """A python agent's return value as an ``Outcome`` (``TypeError`` if it is none of the
+    accepted shapes; a transcript's turns are ``Turn``s or their dicts)."""
+    if isinstance(res, Outcome):
         return res
     if res is None:
-        return AgentOutcome()
+        return Outcome()
     if isinstance(res, bool) or not isinstance(res, Real | str | dict):
         raise TypeError(
             f"the agent returned {type(res).__name__}: expected a number, None, "
-            "a str, a dict {reward, answer} or an AgentOutcome"
+            "a str, a dict {reward, answer} or an Outcome"
         )
     if isinstance(res, Real):
-        return AgentOutcome(reward=float(res))
+        return Outcome(reward=float(res))
     if isinstance(res, str):
-        return AgentOutcome(answer=res)
+        return Outcome(answer=res)
     reward = res.get("reward")
-    return AgentOutcome(
+    return Outcome(
         reward=None if reward is None else float(reward),
         answer=str(res.get("answer", "")),
-        transcript=list(res.get("transcript", [])),
+        transcript=[Turn.model_validate(t) for t in res.get("transcript", [])],
     )
 
 

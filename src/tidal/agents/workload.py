@@ -2,10 +2,12 @@
 built (and so checked) once, and one execution of it.
 
 In: the run config. Out: ``Workload`` (``job(burst, group, seed)`` -> the ``AgentJob`` every
-execution of that group runs: the same row, GRPO compares answers to one prompt) and
-``run_job``: one execution in its workspace (the row's ``workspace_files`` written first, the
-agent run under the execution's timeout, then the reward). ``check_workload`` is what ``tidal
-check`` and ``tidal run`` call before anything starts: a bad field is one ``ConfigError``.
+execution of that group runs: the same row, GRPO compares answers to one prompt; a built-in
+source's row comes from the group's seed, ``tidal.agents.builtin_tasks``) and ``run_job``: one
+execution in its workspace (the row's ``workspace_files`` written first, the agent run under the
+execution's timeout, then the reward), ending in an ``Outcome`` with its close reason.
+``check_workload`` is what ``tidal check`` and ``tidal run`` call before anything starts: a bad
+field is one ``ConfigError``.
 Close reasons: the agent's own (``completed``, or ``failed`` for a non-zero exit or an agent
 that raised), ``timeout`` (cancelled at ``timeout_s``, then scored as it stands) and
 ``reward_error`` (the reward raised or returned a non-number: logged with the execution id and
@@ -21,10 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.agents.kinds import AgentContext, AgentKind, AgentOutcome, build_agent
+from tidal.agents import builtin_tasks
+from tidal.agents.kinds import AgentContext, AgentKind, build_agent
 from tidal.agents.rewards import Reward, RewardError
 from tidal.agents.tasks import TaskRow, load_rows, row_for
 from tidal.config import RunConfig
+from tidal.contracts.close import CloseReason
+from tidal.contracts.executions import Outcome
 from tidal.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -44,12 +49,14 @@ class AgentJob:
 class Workload:
     def __init__(self, cfg: RunConfig) -> None:
         task = cfg.task
-        if task is None:
-            raise ConfigError("task", "no task section (the run uses runtime.task)")
         c = cfg.control
         self.groups_per_burst = c.quota_executions // c.group_size
         self.seed = cfg.seed
-        self.rows = load_rows(task.source, cfg.seed)
+        self.source = task.source
+        self.max_turns = task.max_turns
+        self.builtin = task.source.kind in builtin_tasks.BUILTIN_SOURCES
+        # a built-in source has no rows to load: each group's row comes from its seed
+        self.rows = [] if self.builtin else load_rows(task.source, cfg.seed)
         self.agent = build_agent(task.agent.model_copy(deep=True))
         check_rows = getattr(self.agent, "check_rows", None)
         if check_rows is not None:  # a kind that brings its own tasks (verifiers) meets the rows
@@ -67,7 +74,10 @@ class Workload:
         self.system_prompt = task.source.system_prompt
 
     def job(self, burst: int, group: int, seed: int) -> AgentJob:
-        row = row_for(self.rows, self.seed, burst, group, self.groups_per_burst)
+        if self.builtin:
+            row = builtin_tasks.row(self.source, seed, group)
+        else:
+            row = row_for(self.rows, self.seed, burst, group, self.groups_per_burst)
         if self.system_prompt:
             row = TaskRow(
                 row.index,
@@ -79,19 +89,17 @@ class Workload:
         return AgentJob(row, self.agent, self.reward, seed, self.args)
 
 
-def check_workload(cfg: RunConfig) -> Workload | None:
-    """The workload built from ``cfg.task`` (None without one); raises ``ConfigError``."""
-    return Workload(cfg) if cfg.task is not None else None
+def check_workload(cfg: RunConfig) -> Workload:
+    """The workload built from ``cfg.task``; raises ``ConfigError``."""
+    return Workload(cfg)
 
 
-@dataclass
-class JobResult:
-    reason: str
-    reward: float
-    outcome: AgentOutcome
+def closed(outcome: Outcome, reason: CloseReason, reward: float | None) -> Outcome:
+    """``outcome`` with its close reason and reward decided (validated again)."""
+    return Outcome.model_validate({**outcome.model_dump(), "reason": reason, "reward": reward})
 
 
-async def run_job(job: AgentJob, ctx: AgentContext) -> JobResult:
+async def run_job(job: AgentJob, ctx: AgentContext) -> Outcome:
     """One execution: files written, the agent under ``ctx.timeout_s``, then the reward.
     Never raises (but for cancellation): every failure is a close reason."""
     ws = ctx.workspace
@@ -105,40 +113,40 @@ async def run_job(job: AgentJob, ctx: AgentContext) -> JobResult:
     try:
         outcome = await asyncio.wait_for(job.agent.run(ctx), ctx.timeout_s)
     except TimeoutError:
-        outcome = AgentOutcome(reason="timeout")
-    except Exception as exc:  # the agent is the user's code: its failure closes it "failed"
+        outcome = Outcome(reason=CloseReason.TIMEOUT)
+    except Exception as exc:  # the agent is the user's code: its failure closes it FAILED
         log.warning(
             "execution %s: the agent failed: %s: %s",
             ctx.execution_id,
             type(exc).__name__,
             str(exc).splitlines()[0][:200] if str(exc) else "",
         )
-        outcome = AgentOutcome(reason="failed")
+        outcome = Outcome(reason=CloseReason.FAILED, detail=_line(exc))
     if outcome.reward is not None:
-        return JobResult(outcome.reason, float(outcome.reward), outcome)
+        return outcome
     if job.reward is None:
         log.error(
             "execution %s: reward_error: no task.reward and the agent returned no reward",
             ctx.execution_id,
         )
-        return JobResult("reward_error", 0.0, outcome)
+        return closed(outcome, CloseReason.REWARD_ERROR, None)
     try:
         reward = await job.reward.score(ctx.row, outcome, ws)
     except RewardError as exc:
         log.error("execution %s: reward_error: %s", ctx.execution_id, exc)
-        return JobResult("reward_error", 0.0, outcome)
-    return JobResult(outcome.reason, reward, outcome)
+        return closed(outcome, CloseReason.REWARD_ERROR, None)
+    return closed(outcome, outcome.reason, reward)
 
 
-def write_outcome(ws: Path, result: JobResult) -> None:
+def _line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def write_outcome(ws: Path, outcome: Outcome) -> None:
     """``.tidal/outcome.json`` in the workspace: the close reason, reward and exit code."""
     (ws / ".tidal").mkdir(parents=True, exist_ok=True)
     (ws / ".tidal" / "outcome.json").write_text(
         json.dumps(
-            {
-                "reason": result.reason,
-                "reward": result.reward,
-                "exit_code": result.outcome.exit_code,
-            }
+            {"reason": outcome.reason, "reward": outcome.reward, "exit_code": outcome.exit_code}
         )
     )

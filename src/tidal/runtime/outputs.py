@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from tidal.clock import Clock
 from tidal.contracts import run_files as schema
+from tidal.contracts.close import CloseReason
+from tidal.contracts.executions import ExecutionOutcome
 from tidal.control.queued_waits import KEYS as QUEUED_KEYS
 from tidal.types import Role
 
@@ -180,10 +182,10 @@ def sum_by_cell(metrics: list[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def close_reasons(results: list[Any]) -> dict[str, int]:
+def close_reasons(results: list[ExecutionOutcome]) -> dict[str, int]:
     reasons: dict[str, int] = {}
     for r in results:
-        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+        reasons[r.outcome.reason] = reasons.get(r.outcome.reason, 0) + 1
     return reasons
 
 
@@ -208,7 +210,8 @@ def switch_times(plans_done: list[tuple[Any, float]]) -> dict[str, dict[str, flo
 
 
 def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], version: int,
-            bursts_s: float, group_size: int, results: list[Any], stats: dict[str, Any],
+            bursts_s: float, group_size: int, results: list[ExecutionOutcome],
+            stats: dict[str, Any],
             engines: list[dict], start_pids: dict[str, int], bridge: LedgerBridge,
             actuator: RayActuator,
             replaced: list[dict[str, Any]], resumed: dict[str, int] | None,
@@ -243,8 +246,8 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "engine_memory": {e["name"]: e["memory"] for e in engines if e.get("memory")},
         "device_peak_mb": device_peaks(metrics, engines),
         "engine_step_failures": stats["engine_step_failures"],
-        "failed_requests": reasons.get("failed", 0),
-        "timed_out_executions": reasons.get("timeout", 0),
+        "failed_requests": reasons.get(CloseReason.FAILED, 0),
+        "timed_out_executions": reasons.get(CloseReason.TIMEOUT, 0),
         "dispatched": bridge.n_dispatched, "closed": len(results), "close_reasons": reasons,
         "trained_executions": sum(m["n_groups"] for m in metrics) * group_size,
         "lost_executions": bridge.lost, "record_errors": bridge.record_errors[:10],
@@ -264,5 +267,6 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "mean_reward_per_step": [round(m["mean_reward"], 4) for m in metrics],
         "verl_metrics": [{k: round(v, 4) for k, v in row.items()}  # one per version
                          for row in ctl.metrics.rows],
-        "mean_reward": (sum(r.reward for r in results) / len(results)) if results else 0.0,
+        "mean_reward": (sum(r.outcome.reward or 0.0 for r in results) / len(results)
+                        if results else 0.0),
     }

@@ -47,7 +47,7 @@ class Machine:
         return cls(len(os.sched_getaffinity(0)), gpus)
 
 
-def check_run(cfg: RunConfig, machine: Machine | None = None) -> Workload | None:
+def check_run(cfg: RunConfig, machine: Machine | None = None) -> Workload:
     """Every check ``tidal run`` makes before it starts Ray (``ConfigError`` on the first).
     Out: the ``task:`` section's workload, built by the check (``wiring.check_config``)."""
     from tidal.control.factory import check_policy

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from tidal.clock import Clock, WallClock
-from tidal.contracts.close import CLOSE_REASONS
+from tidal.contracts.close import CLOSE_REASONS, CloseReason
 from tidal.errors import LedgerError
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class ExecutionRegistry:
             self.events.launched(execution_id, state.group_id)
         return state
 
-    def close(self, execution_id: str, reason: str = "completed",
+    def close(self, execution_id: str, reason: str = CloseReason.COMPLETED,
               reward: float | None = None) -> bool:
         """Close once; returns False (and counts) for a duplicate close."""
         if reason not in CLOSE_REASONS:
@@ -160,6 +160,6 @@ class ExecutionRegistry:
         for state in idle:
             log.info("execution %s idle for %.0f s: closed (timeout)", state.execution_id,
                      now - state.seen_s)
-            self.close(state.execution_id, "timeout")
+            self.close(state.execution_id, CloseReason.TIMEOUT)
         self.expired += len(idle)
         return len(idle)
