@@ -110,21 +110,16 @@ class TaskConfig(Strict):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     max_turns: int = Field(1, ge=1, description="model calls per execution at most")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _builtin_defaults(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        src = data.get("source", {"kind": "arithmetic"})
-        kind = src.get("kind") if isinstance(src, dict) else getattr(src, "kind", None)
+    def with_builtin_defaults(self) -> TaskConfig:
+        """This section with a built-in source's step and reward filled in where it names none
+        (decided when the workload is built, never stored: ``--set task.source.kind=...`` on a
+        resolved config picks the new source's)."""
+        kind = self.source.kind
         if kind not in BUILTIN_SOURCES:
-            return data
-        agent = data.get("agent", {})
-        out = dict(data)
-        if isinstance(agent, dict) and agent.get("kind", "chat") == "chat" and not agent.get(
-            "step"
-        ):
-            out["agent"] = {**agent, "step": f"{_BUILTIN}:{kind}_step"}
-        if data.get("reward") is None:
-            out["reward"] = {"function": f"{_BUILTIN}:{kind}_reward"}
-        return out
+            return self
+        update: dict[str, Any] = {}
+        if self.agent.kind == "chat" and not self.agent.step:
+            update["agent"] = self.agent.model_copy(update={"step": f"{_BUILTIN}:{kind}_step"})
+        if self.reward is None:
+            update["reward"] = RewardConfig(function=f"{_BUILTIN}:{kind}_reward")
+        return self.model_copy(update=update)

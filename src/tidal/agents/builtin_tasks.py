@@ -1,9 +1,9 @@
 """The built-in task sources (``task.source.kind: arithmetic | workspace``): a row per group
 from the group's seed, the ``step`` the ``chat`` agent kind calls after each answer, and the
 reward. They run the road every user task runs (task source -> agent kind -> ``Outcome``):
-``tidal.config.TaskConfig`` fills in ``task.agent.step`` and ``task.reward.function`` with the
-names below when a config leaves them out, and a config without a ``task:`` section gets the
-``arithmetic`` source.
+``TaskConfig.with_builtin_defaults`` fills in ``task.agent.step`` and ``task.reward.function``
+with the names below when a config leaves them out, and a config without a ``task:`` section
+gets the ``arithmetic`` source.
 
 In: the source config and a group's seed (``row``); per turn the row, the model's answer and the
 execution's workspace (``*_step``). Out: a ``TaskRow`` (chat messages, the reference answer, the

@@ -48,7 +48,7 @@ class AgentJob:
 
 class Workload:
     def __init__(self, cfg: RunConfig) -> None:
-        task = cfg.task
+        task = cfg.task.with_builtin_defaults()  # a built-in source's step and reward
         c = cfg.control
         self.groups_per_burst = c.quota_executions // c.group_size
         self.seed = cfg.seed

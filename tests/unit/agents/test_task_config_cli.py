@@ -108,3 +108,17 @@ def test_an_unknown_task_source_is_one_line(capsys):
     argv = ["run", str(ROOT / "configs" / "tiny.yaml"), "--set", "task.source.kind=mine"]
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith("tidal: error: task.source.kind: ")
+
+
+def test_a_builtin_source_set_on_the_command_line_gets_its_own_step_and_reward():
+    """The step and reward of a built-in source are decided when the workload is built, so a
+    ``--set`` on a resolved config (which holds none) picks the new source's."""
+    from tidal.agents.workload import Workload
+    from tidal.commands.run import build_config
+
+    cfg = build_config(str(ROOT / "configs" / "tiny.yaml"),
+                       sets=("task.source.kind=workspace", "task.max_turns=3"))
+    assert cfg.task.agent.step is None and cfg.task.reward is None
+    w = Workload(cfg)
+    assert w.agent.step.__name__ == "workspace_step" and w.max_turns == 3
+    assert w.job(0, 0, seed=5).row.metadata["data_files"] == ["data0.txt", "data1.txt"]
