@@ -86,3 +86,8 @@ def test_the_quickstart_runs_through_agent_kind_run(cluster, tmp_path, monkeypat
         assert r.outcome.reason == CloseReason.COMPLETED
         assert r.outcome.transcript == by_id[r.execution_id].transcript
         assert 1 <= r.outcome.turns <= cfg.task.max_turns and r.outcome.reward is not None
+        # each call counted to its execution by the execution's own URL and key (no header,
+        # no run token): the proxy holds one record per turn
+        calls = httpx.get(f"{cluster.url}/tidal/executions/{r.execution_id}/records",
+                          headers=cluster.admin).json()["calls"]
+        assert len(calls) == r.outcome.turns
