@@ -54,9 +54,14 @@ class PoolConfig(BaseModel):
 
 class HarnessPool:
     def __init__(
-        self, config: PoolConfig, workspace_root: Path, events: LedgerEvents | None = None
+        self,
+        config: PoolConfig,
+        workspace_root: Path,
+        events: LedgerEvents | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,  # the proxy's, for the admin calls
     ) -> None:
         self.config = config
+        self._transport = transport
         self.workspace_root = Path(workspace_root)
         self.events = events or EventLog()
         self._slots = asyncio.Semaphore(config.max_concurrent)
@@ -79,6 +84,7 @@ class HarnessPool:
             limits=limits,
             timeout=self.config.request_timeout_s,
             headers=auth,
+            transport=self._transport,
         ) as admin:
             for (group, _), eid in zip(tasks, ids, strict=True):
                 self.events.dispatched(eid, group)
