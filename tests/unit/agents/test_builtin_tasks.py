@@ -217,3 +217,45 @@ def test_a_sampled_name_with_a_nul_byte_is_no_such_file(tmp_path):
     _, steps = _play(env, ws, ["read data\x000.txt", "write ans\x00wer.txt 5"])
     assert "no such file" in steps[0].observation
     assert not steps[1].done and not (ws / "answer.txt").exists()
+
+
+def test_the_builtin_sources_behave_as_the_environments_they_replaced(tmp_path, monkeypatch):
+    """``tests/fixtures/builtin_tasks_before.json`` holds what the former ``WorkspaceTask`` and
+    ``ArithmeticTask`` (``agents/environments.py``, main at f1516d2) gave for 24 seeds and
+    scripted answers: prompts, observations, ends, scores and each command's tool latency. The
+    task sources, run turn by turn as the chat kind runs them, give the same."""
+    import json
+    from pathlib import Path
+
+    before = json.loads((Path(__file__).parents[2] / "fixtures" / "builtin_tasks_before.json")
+                        .read_text())
+    waits: list[float] = []
+
+    async def no_wait(delay_s):
+        waits.append(delay_s)
+
+    monkeypatch.setattr(bt.asyncio, "sleep", no_wait)
+    monkeypatch.setattr(bt, "LATENCY_CAP_S", 5.0)
+    for case in before["workspace"]:
+        row = bt.workspace_row(case["seed"], tool_latency_s=0.15)
+        assert row.messages == [{"role": "system", "content": case["system"]},
+                                {"role": "user", "content": case["first"]}]
+        ws = tmp_path / f"ws{case['seed']}"
+        ws.mkdir()
+        for name, text in row.metadata["workspace_files"].items():
+            (ws / name).write_text(text)
+        waits.clear()
+        steps = []
+        for action in case["actions"]:
+            out = asyncio.run(bt.workspace_step(row, action, ws))
+            steps.append([out["observation"], out["done"]])
+            if out["done"]:
+                break
+        assert steps == case["steps"], case["seed"]
+        assert bt.workspace_reward(row, ws) == case["score"]
+        assert waits == case["latencies_s"]
+    for case in before["arithmetic"]:
+        row = bt.arithmetic_row(case["seed"])
+        assert row.messages[0]["content"] == case["system"]
+        assert row.messages[1]["content"] == case["prompt"] and row.answer == case["sum"]
+        assert bt.arithmetic_step(row, str(case["sum"]))["reward"] == case["right"]
