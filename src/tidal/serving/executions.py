@@ -1,8 +1,8 @@
-"""Ledger events of the execution lifecycle, as harnesses report them (the proxy for external
-harnesses, the harness pool for its own).
+"""Ledger events of the execution lifecycle: the proxy's registry of executions, the one owner
+of their registration and close (the harness pool registers and closes its own here over HTTP,
+as external harnesses do, and reports the close this registry kept to the run's ledger).
 
-In: registrations, launches and closes of executions (the harness pool's own, or external
-harnesses over HTTP). Out: ``dispatched`` / ``launched`` / ``closed`` callbacks that the control
+In: registrations, launches and closes of executions over HTTP. Out: ``dispatched`` / ``launched`` / ``closed`` callbacks that the control
 plane's execution ledger implements. Invariant kept here: an execution closes exactly once;
 a duplicate close is ignored and counted. Bounded: at most ``max_open`` open executions; a
 closed one keeps only its id and outcome (metadata dropped), the newest ``max_closed`` of them
