@@ -3,11 +3,12 @@ of their registration and close (the harness pool registers and closes its own h
 as external harnesses do, and reports the close this registry kept to the run's ledger).
 
 In: registrations, launches and closes of executions over HTTP. Out: ``dispatched`` /
-``launched`` / ``closed`` callbacks that the control plane's execution ledger implements. Invariant kept here: an execution closes exactly once;
-a duplicate close is ignored and counted. Bounded: at most ``max_open`` open executions; a
-closed one keeps only its id and outcome (metadata dropped), the newest ``max_closed`` of them
-(for duplicate closes and refusing a closed id's calls); an open one idle (no registration,
-launch or call) for ``idle_s`` plus its own ``timeout_s`` is closed as ``timeout``.
+``launched`` / ``closed`` callbacks that the control plane's execution ledger implements.
+Invariant kept here: an execution closes exactly once; a duplicate close is ignored and counted.
+Bounded: at most ``max_open`` open executions; a closed one keeps only its id and outcome
+(metadata dropped), the newest ``max_closed`` of them (for duplicate closes and refusing a
+closed id's calls); an open one idle (no registration, launch or call) for ``idle_s`` plus its
+own ``timeout_s`` is closed as ``timeout``.
 """
 
 from __future__ import annotations
