@@ -12,7 +12,7 @@ In: an execution's task row (prompt or messages), its per-execution base URL and
 sampling settings; ``task.agent.args``: ``tokenizer`` (the model directory whose chat template
 renders the prompts, required), ``renderer`` (a ``renderers`` config name, default
 ``default``), ``tool_parser`` (optional), ``environment`` and ``environment_args`` (optional).
-Out: ``AgentOutcome`` with the last answer's text (and the environment's reward). The proxy
+Out: an ``Outcome`` with the last answer's text (and the environment's reward). The proxy
 records the token ids the engine sampled, which are the ids verifiers received
 (``tests/integration/serving/test_openai_conformance.py``, ``test_verifiers_run.py``).
 """
@@ -26,9 +26,10 @@ if TYPE_CHECKING:
     from renderers import Renderer
     from verifiers.v1 import Task
 
-    from tidal.agents.kinds import AgentContext, AgentOutcome
+    from tidal.agents.kinds import AgentContext
     from tidal.agents.tasks import TaskRow
     from tidal.config import AgentConfig
+    from tidal.contracts.executions import Outcome
 
 ARGS = ("tokenizer", "renderer", "tool_parser", "environment", "environment_args")
 
@@ -134,8 +135,8 @@ class VerifiersKind:
             raise ConfigError(f"{field}.args.environment_args", "needs args.environment")
         self.tasks = load_environment(args, field) if args.get("environment") else None
 
-    async def run(self, ctx: AgentContext) -> AgentOutcome:
-        from tidal.agents.kinds import AgentOutcome
+    async def run(self, ctx: AgentContext) -> Outcome:
+        from tidal.contracts.executions import Outcome, Turn
 
         if self.tasks is not None:
             return await self._run_environment(ctx)
@@ -152,15 +153,9 @@ class VerifiersKind:
             {"max_tokens": ctx.max_tokens, "temperature": ctx.temperature},
             session=ctx.execution_id,
         )
-        return AgentOutcome(
+        return Outcome(
             answer=out["content"] or "",
-            transcript=[
-                {
-                    "action": out["content"] or "",
-                    "observation": "",
-                    "completion_tokens": len(out["completion_ids"]),
-                }
-            ],
+            transcript=[Turn(action=out["content"] or "")],
         )
 
     def check_rows(self, rows: list[Any]) -> None:
@@ -174,11 +169,11 @@ class VerifiersKind:
             except ValueError as exc:
                 raise ConfigError(f"{self.field}.args.environment_args", str(exc)) from None
 
-    async def _run_environment(self, ctx: AgentContext) -> AgentOutcome:
+    async def _run_environment(self, ctx: AgentContext) -> Outcome:
         """The environment's task of this row, its episode, its reward; the trace's token ids,
         sampled mask and log-probs go to ``.tidal/verifiers_trace.json`` in the workspace."""
-        from tidal.agents.kinds import AgentOutcome
         from tidal.agents.verifiers_env_episode import run_task
+        from tidal.contracts.executions import Outcome, Turn
 
         task = task_for_row(self.tasks, ctx.row)
         out = await run_task(
@@ -200,14 +195,7 @@ class VerifiersKind:
         where = ctx.workspace / ".tidal"
         where.mkdir(parents=True, exist_ok=True)
         (where / "verifiers_trace.json").write_text(json.dumps(trace))
-        sampled = [t for t, m in zip(out.token_ids, out.sampled_mask, strict=True) if m]
-        return AgentOutcome(
-            reward=out.reward,
-            answer=out.answer,
-            transcript=[
-                {"action": out.answer, "observation": "", "completion_tokens": len(sampled)}
-            ],
-        )
+        return Outcome(reward=out.reward, answer=out.answer, transcript=[Turn(action=out.answer)])
 
 
 def load_environment(args: dict, field: str) -> list[Any]:

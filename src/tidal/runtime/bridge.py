@@ -28,6 +28,7 @@ from tidal.clock import Clock
 from tidal.contracts import run_files as schema
 from tidal.contracts.calls import CallRecord, ExecutionRecord
 from tidal.contracts.close import CloseReason
+from tidal.contracts.executions import ExecutionOutcome
 from tidal.runtime.tasks import Parts
 from tidal.training.records import record_from_proxy
 from tidal.training.trajectory_buffer import TrajectoryBuffer
@@ -115,7 +116,7 @@ class LedgerBridge:
             log.error("execution %s: record not delivered to training: %s", eid, exc)
             self.record_errors.append(f"{eid}: {exc}")
 
-    def write_executions(self, path: Path, results: list[Any], t0: float,
+    def write_executions(self, path: Path, results: list[ExecutionOutcome], t0: float,
                          mode: str = "w") -> None:
         """One line per closed execution (``tidal calibrate`` fits the simulator on them):
         times in seconds since ``t0`` (the first dispatch), the proxy's token counts per model
@@ -123,24 +124,23 @@ class LedgerBridge:
         the transcript (actions and observations)."""
         with open(path, mode) as fh:
             for r in results:
-                t = self.timing.get(r.execution_id, {})
+                t, out = self.timing.get(r.execution_id, {}), r.outcome
                 calls = [c.model_dump(exclude_none=True) for c in t.get("calls", [])]
-                for c, turn in zip(calls, r.transcript, strict=False):
-                    if "t_call" not in turn:  # an agent kind that does not time its calls
+                for c, turn in zip(calls, out.transcript, strict=False):
+                    if turn.t_call is None:  # an agent kind that does not time its calls
                         break
-                    c.update({"start_s": round(turn["t_call"] - t0, 4),
-                              "call_s": round(turn["call_s"], 4),
-                              "tool_s": round(turn["tool_s"], 4)})
+                    c.update({"start_s": round(turn.t_call - t0, 4),
+                              "call_s": round(turn.call_s or 0.0, 4),
+                              "tool_s": round(turn.tool_s or 0.0, 4)})
                 fh.write(json.dumps(schema.check(schema.ExecutionLine, {
                     "execution": r.execution_id, "group": r.group_id, "burst": t.get("burst"),
-                    "reason": r.reason, "reward": r.reward,
+                    "reason": out.reason, "reward": out.reward or 0.0,
                     **{f"{k}_s": round(t[k] - t0, 4) for k in ("dispatched", "launched",
                                                                 "closed") if k in t},
                     "calls": calls,
                     # what the agent did: its text actions and what the tools answered
-                    "transcript": [{"action": turn.get("action", ""),
-                                    "observation": turn.get("observation", "")}
-                                   for turn in r.transcript]}, "executions.jsonl (written)"))
+                    "transcript": [{"action": turn.action, "observation": turn.observation}
+                                   for turn in out.transcript]}, "executions.jsonl (written)"))
                          + "\n")
 
     def _count(self, calls: list[CallRecord]) -> None:

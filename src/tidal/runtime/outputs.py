@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from tidal.clock import Clock
 from tidal.contracts import run_files as schema
+from tidal.contracts.close import CloseReason
+from tidal.contracts.executions import ExecutionOutcome
 from tidal.control.queued_waits import KEYS as QUEUED_KEYS
 from tidal.types import Role
 
@@ -181,17 +183,17 @@ def sum_by_cell(metrics: list[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def mean_reward(results: list[Any]) -> float | None:
+def mean_reward(results: list[ExecutionOutcome]) -> float | None:
     """The mean reward of the scored executions (``reward_error`` ones have none); None when
     none was scored. Each term divided first: no overflow for any finite rewards."""
-    scored = [r.reward for r in results if r.reward is not None]
+    scored = [r.outcome.reward for r in results if r.outcome.reward is not None]
     return sum(x / len(scored) for x in scored) if scored else None
 
 
-def close_reasons(results: list[Any]) -> dict[str, int]:
+def close_reasons(results: list[ExecutionOutcome]) -> dict[str, int]:
     reasons: dict[str, int] = {}
     for r in results:
-        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+        reasons[r.outcome.reason] = reasons.get(r.outcome.reason, 0) + 1
     return reasons
 
 
@@ -216,7 +218,8 @@ def switch_times(plans_done: list[tuple[Any, float]]) -> dict[str, dict[str, flo
 
 
 def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], version: int,
-            bursts_s: float, group_size: int, results: list[Any], stats: dict[str, Any],
+            bursts_s: float, group_size: int, results: list[ExecutionOutcome],
+            stats: dict[str, Any],
             engines: list[dict], start_pids: dict[str, int], bridge: LedgerBridge,
             actuator: RayActuator,
             replaced: list[dict[str, Any]], resumed: dict[str, int] | None,
@@ -255,8 +258,8 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "engine_memory": {e["name"]: e["memory"] for e in engines if e.get("memory")},
         "device_peak_mb": device_peaks(metrics, engines),
         "engine_step_failures": stats["engine_step_failures"],
-        "failed_requests": reasons.get("failed", 0),
-        "timed_out_executions": reasons.get("timeout", 0),
+        "failed_requests": reasons.get(CloseReason.FAILED, 0),
+        "timed_out_executions": reasons.get(CloseReason.TIMEOUT, 0),
         "dispatched": bridge.n_dispatched, "closed": len(results), "close_reasons": reasons,
         "trained_executions": sum(m.get("n_executions", m["n_groups"] * group_size)
                                   for m in metrics),
@@ -280,6 +283,6 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "mean_reward": mean_reward(results),
         # tidal.control.ledger's rule: a reward_error member trains nowhere, its group on its
         # scored members; a group with fewer than 2 scored members is dropped
-        "reward_errors": reasons.get("reward_error", 0),
+        "reward_errors": reasons.get(CloseReason.REWARD_ERROR, 0),
         "groups_dropped": s["groups_dropped"],
     }

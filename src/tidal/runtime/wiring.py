@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def check_config(cfg: RunConfig) -> Workload | None:
+def check_config(cfg: RunConfig) -> Workload:
     """What ``tidal run`` refuses before it starts anything (one line naming the field). Out:
     the ``task:`` section's workload, built (its rows loaded, its code imported) once."""
     deterministic.check(cfg)  # what runtime.deterministic cannot make token-identical
@@ -145,11 +145,9 @@ class Wired:
                           "every transition plan and cell replacement done after the last step")
 
     async def close(self) -> None:
-        from tidal.agents.agent_command import end_all
-        from tidal.agents.python_workers import close_all
+        from tidal.agents.pool import HarnessPool
 
-        end_all()  # a command agent's program never outlives the run
-        close_all()  # nor a worker of the user's Python code (killed, never waited on)
+        HarnessPool.end_all()  # no agent program or Python worker outlives the run
         self.buffer.close()
         self.core.close()
         await self.admin.aclose()
@@ -209,7 +207,9 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
          core_pool: concurrent.futures.ThreadPoolExecutor, outputs: RunOutputs,
          host: str = "127.0.0.1", workload: Workload | None = None,
          policy: Policy | None = None) -> Wired:
-    from tidal.agents import HarnessPool, PoolConfig
+    """``workload``: the one ``check_config`` built (None: built here)."""
+    from tidal.agents.pool import HarnessPool, PoolConfig
+    from tidal.agents.workload import Workload
     from tidal.control.decision_log import DecisionLog, jsonl_file_sink
     from tidal.control.factory import build_controller
 
@@ -255,14 +255,14 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     cl = cfg.cluster
     slots = cl.standalone_count * cl.standalone_slots + sum(s.slots for s in cl.cell_specs())
     pool = HarnessPool(PoolConfig(
-        proxy_url=proxy_url, max_concurrent=slots, max_turns=rt.max_turns,
+        proxy_url=proxy_url, max_concurrent=slots, max_turns=cfg.task.max_turns,
         max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
         timeout_s=rt.execution_timeout_s, token=token), out / "workspaces", bridge)
     held = {r.execution_id: r for r in ck.records} if ck else {}
     gate = (deterministic.Boundaries(clock, admin, engines, buffer, rt.start_timeout_s)
             if rt.deterministic else None)
     dispatcher = Dispatcher(cfg, pool, bridge, handle, clock, parts, set(trainer.trained_groups),
-                            held, ctl, workload, gate)
+                            held, ctl, workload or Workload(cfg), gate)
     listeners.append(dispatcher.notify)  # a group held by the policy looks again
     trainer.settled = dispatcher.settled  # a step short of groups that cannot come goes on
     return Wired(admin, decisions, buffer, core, outputs, actuator, ctl, handle, bridge,

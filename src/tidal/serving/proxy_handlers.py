@@ -325,9 +325,12 @@ class ProxyHandlers:
         body = body or CloseBody()
         try:
             first = self.registry.close(execution_id, body.reason, body.reward)
+            state = self.registry.get(execution_id)
         except LedgerError as exc:
             raise NotFound(str(exc)) from None
+        # the close this registry keeps (the first one): what the caller reports onwards
         return {"execution_id": execution_id, "closed": True, "duplicate": not first,
+                "reason": state.closed_reason, "reward": state.reward,
                 "calls": len(self.proxy.records.calls(execution_id))}
 
     # -- admin ---------------------------------------------------------------------------

@@ -62,10 +62,10 @@ def test_a_command_runs_in_its_workspace_and_its_reward_follows(tmp_path):
     reward = Reward(RewardConfig(function=f"{FIXTURES / 'verl_reward.py'}:compute_score"))
     row = TaskRow(0, prompt="6 * 7?", answer="42")
     done = asyncio.run(run_job(AgentJob(row, agent, reward, 0, {}), _ctx(tmp_path, row)))
-    assert done.outcome.exit_code == 3 and done.reason == "failed"  # a non-zero exit
+    assert done.exit_code == 3 and done.reason == "failed"  # a non-zero exit
     assert done.reward == 1.0  # scored on its stdout (verl's solution_str)
-    assert done.outcome.stdout_tail.startswith("http://127.0.0.1:9/x/b0-g0-e0/v1")
-    assert done.outcome.stderr_tail == "oops\n"
+    assert done.stdout_tail.startswith("http://127.0.0.1:9/x/b0-g0-e0/v1")
+    assert done.stderr_tail == "oops\n"
     seen = (tmp_path / "seen.json").read_text()
     assert '"prompt": "6 * 7?"' in seen and '"answer"' not in seen  # never the reference
 
@@ -88,7 +88,7 @@ def test_a_child_in_its_own_session_does_not_outlive_its_execution(tmp_path):
     row = TaskRow(0, prompt="p")
     reward = Reward(RewardConfig(builtin="exact"))
     done = asyncio.run(run_job(AgentJob(row, agent, reward, 0, {}), _ctx(tmp_path, row)))
-    assert done.outcome.exit_code == 0
+    assert done.exit_code == 0
     assert not running("61.0732"), "a child in its own session outlived its execution"
 
 

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal.agents.workload import Workload
 from tidal.clock import ManualClock, WallClock
 from tidal.config import load_yaml
 from tidal.control.factory import build_controller
@@ -111,7 +112,7 @@ def _wired(clock, cfg=CFG):
 
     bridge = _Bridge(handle, clock)
     pool = _Pool(bridge)
-    d = Dispatcher(cfg, pool, bridge, handle, clock, Parts(), set(), {}, ctl)
+    d = Dispatcher(cfg, pool, bridge, handle, clock, Parts(), set(), {}, ctl, Workload(cfg))
     listeners.append(d.notify)
     return ctl, pool, d, handle
 

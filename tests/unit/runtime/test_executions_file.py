@@ -2,9 +2,9 @@
 harness's call timings, one line per execution (what ``tidal calibrate`` fits on)."""
 
 import json
-from types import SimpleNamespace
 
 from tidal.clock import ManualClock
+from tidal.contracts.executions import ExecutionOutcome, Outcome, Turn
 from tidal.contracts.run_files import CallLine
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.tasks import Parts
@@ -30,10 +30,10 @@ def test_one_line_per_execution_with_times_tokens_and_timings(tmp_path):
     bridge.timing["b1-g0-e0"]["calls"] = [
         CallLine(prompt_tokens=20, output_tokens=8, engines=["s0"]),
         CallLine(prompt_tokens=40, output_tokens=5, engines=["c1", "s0"])]
-    result = SimpleNamespace(execution_id="b1-g0-e0", group_id="b1-g0", reason="completed",
-                             reward=1.0, transcript=[
-                                 {"t_call": 100.75, "call_s": 1.0, "tool_s": 0.25},
-                                 {"t_call": 102.25, "call_s": 1.25, "tool_s": 0.5}])
+    result = ExecutionOutcome(execution_id="b1-g0-e0", group_id="b1-g0", outcome=Outcome(
+        reward=1.0, transcript=[Turn(action="read a", observation="a: 1", t_call=100.75,
+                                     call_s=1.0, tool_s=0.25),
+                                Turn(action="done", t_call=102.25, call_s=1.25, tool_s=0.5)]))
     path = tmp_path / "executions.jsonl"
     bridge.write_executions(path, [result], t0=100.0)
     (line,) = [json.loads(x) for x in path.read_text().splitlines()]
@@ -42,5 +42,6 @@ def test_one_line_per_execution_with_times_tokens_and_timings(tmp_path):
     assert [c["start_s"] for c in line["calls"]] == [0.75, 2.25]
     assert [(c["call_s"], c["tool_s"]) for c in line["calls"]] == [(1.0, 0.25), (1.25, 0.5)]
     assert line["calls"][1]["engines"] == ["c1", "s0"]
+    assert line["transcript"][0] == {"action": "read a", "observation": "a: 1"}
     bridge.write_executions(path, [result], t0=100.0, mode="a")  # a resumed run appends
     assert len(path.read_text().splitlines()) == 2

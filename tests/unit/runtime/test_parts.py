@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal.agents.workload import Workload
 from tidal.clock import ManualClock
 from tidal.config import load_yaml
 from tidal.contracts.calls import ExecutionRecord
@@ -102,7 +103,8 @@ def test_dispatch_of_a_resumed_run_runs_only_what_was_not_closed():
         clock = ManualClock()
         d = Dispatcher(CFG, pool, bridge, events.append, clock, parts,
                        trained={"b1-g0"}, held=held,
-                       ctl=build_controller(CFG, clock, FakeActuator(clock)))
+                       ctl=build_controller(CFG, clock, FakeActuator(clock)),
+                       workload=Workload(CFG))
 
         async def wait_published(b):
             published.append(b)
