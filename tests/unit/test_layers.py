@@ -296,11 +296,17 @@ def test_the_runtime_sees_only_the_workload_the_pool_and_outcome():
 
 def _close_reason_literals(path: Path, root: Path = SRC) -> list[str]:
     """String constants spelling a close reason, but for dict keys (a foreign API's field,
-    e.g. vLLM's ``"timeout"``)."""
+    e.g. vLLM's ``"timeout"``) and the values of ``STATUS_*`` names (a foreign API's own status
+    vocabulary, e.g. OpenAI Responses' ``"completed"``, named once where it is used)."""
     from tidal.contracts.close import CLOSE_REASONS
 
     tree = ast.parse(path.read_text(), str(path))
     keys = {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys if k}
+    keys |= {id(c) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+             and all(isinstance(t, ast.Name | ast.Tuple) for t in n.targets)
+             and all(name.id.startswith("STATUS_") for t in n.targets
+                     for name in ast.walk(t) if isinstance(name, ast.Name))
+             for c in ast.walk(n.value) if isinstance(c, ast.Constant)}
     return [f"{path.relative_to(root)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
             if isinstance(n, ast.Constant) and isinstance(n.value, str)
             and n.value in CLOSE_REASONS and id(n) not in keys]

@@ -185,7 +185,8 @@ async def stream_pieces(h: ProxyHandlers, c: _Call) -> AsyncIterator[Piece]:
             if chunk.text and not hold:
                 yield Piece("text", chunk.text)
         if task.cancelled() or task.exception() is not None:
-            yield Piece("error", "cancelled" if task.cancelled() else str(task.exception()))
+            why = "the engine call was cancelled" if task.cancelled() else str(task.exception())
+            yield Piece("error", why)
             return
         try:
             sampled = await finish(h, c, task.result())
