@@ -25,6 +25,7 @@ from tidal.backends import NAME as BACKEND_NAME
 from tidal.contracts.close import CloseReason
 from tidal.errors import LedgerError, TimeoutExpired
 from tidal.serving.chat import tool_parser
+from tidal.serving.execution_identity import CALLER, Caller
 from tidal.serving.executions import ExecutionRegistry
 from tidal.serving.openai_api import (
     VERSIONS_HEADER,
@@ -139,9 +140,15 @@ class ProxyHandlers:
         if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
             raise Unauthorized("missing or wrong bearer token")
 
-    def execution_of(self, header: str | None, user: str | None) -> str | None:
-        """The call's execution (header, else the body's ``user``), launched; None: none."""
+    def execution_of(self, header: str | None, user: str | None,
+                     caller: Caller | None = None) -> str | None:
+        """The call's execution (header, else the body's ``user``), launched; None: none.
+        The header was checked against ``caller`` at the door (``ExecutionIdentity``); the
+        body's ``user`` is checked here: only a caller that may name it names it (401)."""
         eid = header or user
+        if header is None and user is not None and caller is not None \
+                and not caller.may_name(user):
+            raise Unauthorized(caller.refusal(user))
         required = self.proxy.config.require_registration
         if eid is None:
             if required:
@@ -183,17 +190,18 @@ class ProxyHandlers:
         return await self.proxy.tokenize(prompt=body.prompt, timeout_s=self.timeout_of(eid))
 
     async def serve(self, raw: bytes, header_eid: str | None, kind: str,
-                    session: str | None = None) -> Response:
+                    session: str | None = None, caller: Caller | None = None) -> Response:
         """One OpenAI or token-in call from its raw body: the hot path, shared by the
         FastAPI routes (and their OpenAPI document) and the ASGI fast path in front of the
-        framework. ``kind``: completions, chat or generate (token in)."""
+        framework. ``kind``: completions, chat or generate (token in); ``caller``: who
+        calls (``ExecutionIdentity``'s ``scope["tidal.caller"]``)."""
         t_entry = time.perf_counter()
         body = validate_body(raw, REQUESTS[kind])
         if header_eid is not None and len(header_eid) > 128:
             raise BadRequest("X-Tidal-Execution: at most 128 characters")
         if session is not None and len(session) > 256:
             raise BadRequest("X-Session-ID: at most 256 characters")
-        eid = self.execution_of(header_eid, body.user)
+        eid = self.execution_of(header_eid, body.user, caller)
         self.check_model(body.model)
         t_up = time.perf_counter()
         prompt = await self.prompt_of(body, kind, eid)
@@ -259,7 +267,8 @@ class ProxyHandlers:
     # -- OpenAI routes -------------------------------------------------------------------
     async def _route(self, request: Request, kind: str) -> Response:
         return await self.serve(await request.body(), request.headers.get("x-tidal-execution"),
-                                kind, request.headers.get("x-session-id"))
+                                kind, request.headers.get("x-session-id"),
+                                request.scope.get(CALLER))
 
     async def completions(self, request: Request) -> Response:
         return await self._route(request, "completions")
