@@ -98,6 +98,23 @@ class CloseBody(BaseModel):
 
 REQUESTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatRequest,
                                         "generate": TokenInRequest}
+ROUTE_OF = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+            "generate": "/inference/v1/generate"}
+
+
+def for_route(exc: ServingError, route: str) -> ServingError:
+    """An engine's refusal (``adapters.raise_for``: it names the engine's route, whatever the
+    caller called) as the caller's own route's error; any other error as it is."""
+    detail = getattr(exc, "detail", None)
+    return exc if detail is None else type(exc)(f"{route}: {detail}")
+
+
+async def on_route(work, route: str):
+    """``await work``, an engine's refusal named for the caller's ``route``."""
+    try:
+        return await work
+    except ServingError as exc:
+        raise for_route(exc, route) from None
 
 
 def json_response(body: dict, headers: dict[str, str] | None = None) -> Response:
@@ -191,6 +208,11 @@ class ProxyHandlers:
 
     async def serve(self, raw: bytes, header_eid: str | None, kind: str,
                     session: str | None = None, caller: Caller | None = None) -> Response:
+        return await on_route(self._serve(raw, header_eid, kind, session, caller),
+                              ROUTE_OF[kind])
+
+    async def _serve(self, raw: bytes, header_eid: str | None, kind: str,
+                     session: str | None, caller: Caller | None) -> Response:
         """One OpenAI or token-in call from its raw body: the hot path, shared by the
         FastAPI routes (and their OpenAPI document) and the ASGI fast path in front of the
         framework. ``kind``: completions, chat or generate (token in); ``caller``: who
@@ -254,10 +276,10 @@ class ProxyHandlers:
         params, rid, model = body.sampling(), uuid.uuid4().hex, self._model_name(body)
         parse = self.parser if chat and body.parses_tools else None
         queue: asyncio.Queue[tuple[int, TokenChunk | None]] = asyncio.Queue()
-        tasks = [asyncio.create_task(self.proxy.complete(
+        tasks = [asyncio.create_task(on_route(self.proxy.complete(
             c.eid, c.prompt, choice_params(params, i),
             on_chunk=lambda ch, i=i: queue.put_nowait((i, ch)), timeout_s=c.timeout_s,
-            session=c.session, bridged=c.bridged)) for i in range(n)]
+            session=c.session, bridged=c.bridged), ROUTE_OF[c.kind])) for i in range(n)]
         for i, task in enumerate(tasks):
             task.add_done_callback(lambda _, i=i: queue.put_nowait((i, None)))
         usage = body.stream_options is not None and body.stream_options.include_usage

@@ -19,8 +19,8 @@ from tidal.models import load_model
 from tidal.models.tokenizer import HFTokenizer
 from tidal.serving.engine import Engine, EngineConfig
 from tidal.serving.engine_server import build_engine_app
-from tidal.serving.proxy import Proxy, ProxyConfig
 from tidal.serving.execution_keys import execution_key, execution_url
+from tidal.serving.proxy import Proxy, ProxyConfig
 from tidal.serving.proxy_app import build_proxy_app
 from tidal.testing.chat_models import (
     HERMES_TOOLS_TEMPLATE,
