@@ -206,6 +206,15 @@ def find(run_dir: str | Path) -> Path | None:
     return None
 
 
+def how_to_continue(run_dir: str | Path) -> str:
+    """What a stopped run's last line tells the user to do: resume from its checkpoint, or,
+    stopped before its first one, start it again (``--resume`` would refuse: no checkpoint)."""
+    if find(run_dir) is not None:
+        return f"Continue the run with: tidal run --resume {run_dir}"
+    return (f"It stopped before its first checkpoint, so it cannot be resumed; start it again "
+            f"with: tidal run {Path(run_dir) / 'config.yaml'} --out {run_dir}")
+
+
 def load(run_dir: str | Path) -> Checkpoint:
     """The checkpoint of ``run_dir``; a missing or damaged one is one ``ConfigError`` line."""
     where = find(run_dir)
