@@ -80,12 +80,13 @@ def _ray_init(ray: Any, **kwargs: object) -> None:
 
 
 def _init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None,
-                       object_store_bytes: int) -> None:
+                       object_store_bytes: int, temp_dir: Path | None = None) -> None:
     """A one-machine Ray whose every process (GCS, raylet, workers, this driver) listens on
     loopback only, without a dashboard. Ray turns ``_node_ip_address="127.0.0.1"`` into the
     host's address unless it believes clusters are off (its Windows/macOS default), so that
     belief is held for the start (the raylet and workers get 127.0.0.1 on their command line)
-    and given back after it: a later ``--address`` run resolves node addresses as usual."""
+    and given back after it: a later ``--address`` run resolves node addresses as usual.
+    ``temp_dir``: Ray's session folder's parent (``runtime.ray_temp``; None: Ray's default)."""
     from ray._private import ray_constants
 
     key = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -95,6 +96,7 @@ def _init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None,
         _ray_init(ray, num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                   object_store_memory=object_store_bytes,
                   _node_ip_address="127.0.0.1", log_to_driver=False,
+                  **({"_temp_dir": str(temp_dir)} if temp_dir is not None else {}),
                   # no idle Python workers started ahead of need: every worker this run uses
                   # hosts a named actor, started on its creation (3 idle ones held ~240 MB)
                   _system_config={"enable_worker_prestart": False,
@@ -131,6 +133,7 @@ class Runtime:
         # owns every background task: none dies unseen; a dead proxy is the cause it names
         self.parts = Parts(root_cause=self._proxy_lost)
         self.ray_started = False
+        self.ray_temp: Path | None = None  # a one-machine Ray's own session folder (ray_temp)
         self.cpu_groups: Any = None  # runtime.cell_cpus: one CPU-quota cgroup per engine
         self.cpu_stats: dict[str, dict[str, float]] = {}
         self.placement: Placement | None = None
@@ -211,8 +214,12 @@ class Runtime:
             if rt.ray_address:
                 _ray_init(ray, address=rt.ray_address, log_to_driver=False)  # logs: logs/
             else:
+                from tidal.runtime import ray_temp
+
+                self.ray_temp = ray_temp.make()
                 _init_loopback_ray(ray, rt.ray_num_cpus, rt.ray_num_gpus,
-                                   rt.ray_object_store_mb * 1024 * 1024)
+                                   rt.ray_object_store_mb * 1024 * 1024,
+                                   ray_temp.for_ray(self.ray_temp))
             self.ray_started = True
             _trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
         if rt.ray_address:  # the cluster's nodes, before any placement
@@ -266,6 +273,10 @@ class Runtime:
             spill.remove(self.out)
         if self.ray_started:
             ray.shutdown()
+        if self.ray_temp is not None:  # Ray's logs into logs/ray, its session folder gone
+            from tidal.runtime import ray_temp
+
+            ray_temp.finish(self.ray_temp, self.out)
         if self.core_pool is not None:
             self.core_pool.shutdown(wait=False, cancel_futures=True)
         if self.cpu_groups is not None:

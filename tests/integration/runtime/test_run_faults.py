@@ -2,7 +2,8 @@
 
 One run of ``configs/tiny.yaml`` as a child process, checked while it runs: no process's command
 line and no Ray log holds either of the run's two tokens (which differ), every listening socket
-of the run's process tree is on loopback; then its proxy is SIGKILLed after the first step: the
+of the run's process tree is on loopback, Ray's session folder is the run's own (not in
+``/tmp/ray``); then its proxy is SIGKILLed after the first step: the
 run stops within 30 s with one line naming the dead proxy and the ``--resume`` command, no
 traceback, and nothing of it left running. A second run gets SIGTERM while it starts its parts
 and exits promptly, saying how to start it again (no checkpoint yet: ``--resume`` would refuse).
@@ -40,6 +41,13 @@ def _args(p: psutil.Process) -> str:
         return " ".join(p.cmdline())
     except psutil.Error:
         return ""
+
+
+def _argv(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
 
 
 def _loopback(ip: str) -> bool:
@@ -97,7 +105,14 @@ def test_no_token_in_sight_loopback_only_and_a_dead_proxy_stops_the_run_in_one_l
         shown = [a for p in psutil.process_iter() if (a := _args(p))
                  and (admin in a or engine in a)]
         assert shown == []
-        for log in Path("/tmp/ray").glob("session_*/logs/*"):
+        # issue 38 item 20: Ray's session folder is the run's own (mode 700, not in the
+        # world-writable /tmp/ray), and goes with the run, its logs kept in DIR/logs/ray
+        (session,) = {a.split("=", 1)[1] for p in tree for a in _argv(p)
+                      if a.startswith("--session-dir=")}
+        session = Path(session)
+        private = session.parent.parent  # Ray makes its own folders mode 777: not this one
+        assert private.name.startswith("tidal-ray-") and private.stat().st_mode & 0o777 == 0o700
+        for log in session.glob("logs/*"):
             if log.is_file() and log.stat().st_mtime >= t0:
                 text = log.read_bytes()
                 assert admin.encode() not in text and engine.encode() not in text, log
@@ -127,6 +142,7 @@ def test_no_token_in_sight_loopback_only_and_a_dead_proxy_stops_the_run_in_one_l
     assert not (out / "summary.json").exists()
     assert _ended(tree[1:], 20) == []  # everything the run started is stopped
     assert not (out / "spill").exists()  # a sleeping cell's weights went with its engine
+    assert not private.exists() and (out / "logs" / "ray" / session.name).is_dir()
 
 
 def test_sigterm_while_the_run_starts_its_parts_ends_it_promptly(tmp_path):
