@@ -43,6 +43,7 @@ from tidal.runtime.engines import EngineId, Engines, engine_ids, model_path
 from tidal.runtime.outputs import RunOutputs, summary
 from tidal.runtime.placement import Placement
 from tidal.runtime.proxy_watch import ProxyLost
+from tidal.runtime.stopping import run_loop
 from tidal.runtime.tasks import Parts, remote
 from tidal.runtime.trainer_loop import core_pool
 from tidal.runtime.wiring import Wired, wire
@@ -173,7 +174,8 @@ class Runtime:
         try:
             self._start_parts(ray)
             sampler.rename({pid: f"engine-{eid}" for eid, pid in self.engines.start_pids.items()})
-            out = asyncio.run(self._supervised())
+            # a stop bounds the tasks' end and never waits for a stuck thread (``stopping``)
+            out = run_loop(self._supervised())
         finally:
             try:
                 self._stop_parts(ray)
