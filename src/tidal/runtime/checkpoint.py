@@ -62,6 +62,8 @@ class RunState:
     # run's summary counts them: a failure before a driver crash is not forgotten)
     close_reasons: dict[str, int] = field(default_factory=dict)
     resumes: int = 0
+    # lines of executions.jsonl this cut covers (a resumed run cuts the file back to them)
+    execution_lines: int = 0
 
 
 @dataclass
