@@ -1,9 +1,11 @@
 """``tidal proxy``: the OpenAI-compatible front door that routes, drains and records.
 
 In: engine URLs (standalone ``--engine``, rollout cells ``--cell`` in cell order). Out: an HTTP
-server on loopback; admin routes (and closing an execution, ``/docs``) need ``--admin-token``
-(or ``$TIDAL_ADMIN_TOKEN``), which is also the bearer token sent to the engines unless
-``--engine-token`` names another. Bound beyond loopback every route needs the token.
+server on loopback; every route but the model routes and ``/health`` / ``/live`` (registering,
+closing, records, engines, stats, ``/docs``) needs ``--admin-token`` (or
+``$TIDAL_ADMIN_TOKEN``), which is also the bearer token sent to the engines unless
+``--engine-token`` names another; an execution's key calls only its own model calls
+(``serving.execution_identity``). Bound beyond loopback no call is anonymous.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def command(port: int, host: str, engines: tuple[str, ...], cells: tuple[str, ..
             raise click.UsageError(f"--host {host} is not loopback: give --admin-token (or "
                                    f"set TIDAL_ADMIN_TOKEN); every route will need it")
         click.echo(f"tidal proxy: listening on {host}, beyond this machine: every route but "
-                   f"/health needs the admin token", err=True)
+                   f"/health needs the admin token (model calls: it or an execution's key)",
+                   err=True)
     if not admin_token:
         click.echo("tidal proxy: no --admin-token: admin routes are disabled", err=True)
     if request_timeout_s <= 0:
