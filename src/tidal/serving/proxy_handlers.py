@@ -163,8 +163,9 @@ class ProxyHandlers:
         The header was checked against ``caller`` at the door (``ExecutionIdentity``); the
         body's ``user`` is checked here: only a caller that may name it names it (401)."""
         eid = header or user
-        if header is None and user is not None and caller is not None \
-                and not caller.may_name(user):
+        if caller is None:  # not behind the door: no one proved anything
+            caller = Caller(enforced=bool(self.proxy.config.admin_token))
+        if header is None and user is not None and not caller.may_name(user):
             raise Unauthorized(caller.refusal(user))
         required = self.proxy.config.require_registration
         if eid is None:
@@ -208,15 +209,16 @@ class ProxyHandlers:
 
     async def serve(self, raw: bytes, header_eid: str | None, kind: str,
                     session: str | None = None, caller: Caller | None = None) -> Response:
+        """One OpenAI or token-in call from its raw body: the hot path, shared by the
+        FastAPI routes (and their OpenAPI document) and the ASGI fast path in front of the
+        framework. ``kind``: completions, chat or generate (token in); ``caller``: who
+        calls (``ExecutionIdentity``'s ``scope["tidal.caller"]``). An engine's refusal is
+        answered naming the caller's route."""
         return await on_route(self._serve(raw, header_eid, kind, session, caller),
                               ROUTE_OF[kind])
 
     async def _serve(self, raw: bytes, header_eid: str | None, kind: str,
                      session: str | None, caller: Caller | None) -> Response:
-        """One OpenAI or token-in call from its raw body: the hot path, shared by the
-        FastAPI routes (and their OpenAPI document) and the ASGI fast path in front of the
-        framework. ``kind``: completions, chat or generate (token in); ``caller``: who
-        calls (``ExecutionIdentity``'s ``scope["tidal.caller"]``)."""
         t_entry = time.perf_counter()
         body = validate_body(raw, REQUESTS[kind])
         if header_eid is not None and len(header_eid) > 128:
