@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 OUT    ?= runs/quickstart
 
 .PHONY: venv demo compare sim-vs-real sim-demo docs test test-unit test-vllm test-vllm-run vllm-venv lint fmt clean \
-	gpu-kit gpu-check
+	gpu-kit gpu-check harnesses
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -74,13 +74,24 @@ docs: $(STAMP)
 
 # -rfE: each failure and error by name at the end; --durations=15: the 15 slowest tests
 PYTEST_REPORT ?= -rfE --durations=15
-test: $(STAMP)
+test: $(STAMP) $(HARNESSES)/.stamp
 	$(BIN)/ruff check src tests benchmarks
 	$(MKDOCS) build --strict --quiet --site-dir $(SITE_DIR)
 	$(BIN)/python -m pytest $(PYTEST_REPORT) tests
 	# tests/gpu skip without CUDA; dry-run them with the CPU as the device so they stay runnable
 	# (test_check_kit.py: the GPU check, benchmarks/gpu/check.py, with tiny sizes on the CPU)
 	TIDAL_TEST_DEVICE=cpu $(BIN)/python -m pytest tests/gpu
+
+# The agent harnesses people run, from npm, unmodified, into ./harnesses (ignored by git; Node 20):
+# Claude Code and Codex CLI, what configs/claude-code.yaml and configs/codex.yaml run
+# (docs/agents.md). About 660 MB; 8 to 12 s measured (2026-12-06).
+HARNESSES := harnesses
+HARNESS_PACKAGES := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+$(HARNESSES)/.stamp:
+	npm install --prefix $(HARNESSES) --no-audit --no-fund --save-exact $(HARNESS_PACKAGES)
+	touch $@
+
+harnesses: $(HARNESSES)/.stamp
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_REPORT) tests/unit
@@ -141,4 +152,4 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix src tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs $(SITE_DIR) .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs $(SITE_DIR) .pytest_cache .ruff_cache $(HARNESSES)

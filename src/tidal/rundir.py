@@ -225,8 +225,9 @@ def _group_rewards(path: Path) -> dict[str, float] | None:
         return None
     by: dict[str, list[float]] = {}
     for r in rows:
-        by.setdefault(r.group, []).append(r.reward)
-    return {g: sum(v) / len(v) for g, v in by.items()}
+        if r.reward is not None:  # reward_error: no reward
+            by.setdefault(r.group, []).append(r.reward)
+    return {g: sum(x / len(v) for x in v) for g, v in by.items()}
 
 
 def _read_json(path: Path) -> JSON:

@@ -136,6 +136,16 @@ class TrainerReady(Event):
 
 
 @dataclass(frozen=True)
+class BatchShort(Event):
+    """Step ``step`` trains ``groups`` groups, fewer than ``batch_groups``: no more can come
+    before its burst's weights are published (groups of the burst were dropped, e.g. for
+    ``reward_error`` members); the supply view counts only those."""
+
+    step: int
+    groups: int
+
+
+@dataclass(frozen=True)
 class TrainerStepDone(Event):
     """One optimizer step (verl: one fit step / collection) finished.
 

@@ -6,8 +6,9 @@ In: ``task.agent.function`` (``module:function`` or ``file.py:function``, an ``a
 takes any of ``client``, ``row``, ``workspace``, ``model``, ``ctx`` by name. Out: an
 ``AgentOutcome``: the function may return a number (the reward), None (the run's reward function
 scores the execution), a string (the final answer, scored by the reward function), a dict
-``{reward, answer}`` or an ``AgentOutcome``. The client does not retry (the proxy already
-carries a call across engine moves; a failed call is the agent's to see).
+``{reward, answer}`` or an ``AgentOutcome``; a reward that is NaN, an infinity or a bool
+closes the execution ``reward_error`` (no reward, never a stand-in). The client does not retry
+(the proxy already carries a call across engine moves; a failed call is the agent's to see).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from numbers import Real
 from tidal.agents.callables import load_callable, parameters
 from tidal.agents.kinds import AgentContext, AgentOutcome, register_agent_kind, unused
 from tidal.config import AgentConfig
+from tidal.contracts.executions import finite_reward
 from tidal.errors import ConfigError
 
 _GIVEN = ("client", "row", "workspace", "model", "ctx")
@@ -66,24 +68,34 @@ def outcome_of(res: object) -> AgentOutcome:
     """A python agent's return value as an ``AgentOutcome`` (``TypeError`` if it is none of
     the accepted shapes)."""
     if isinstance(res, AgentOutcome):
-        return res
+        return _checked(res)
     if res is None:
         return AgentOutcome()
-    if isinstance(res, bool) or not isinstance(res, Real | str | dict):
+    if not isinstance(res, Real | str | dict):
         raise TypeError(
             f"the agent returned {type(res).__name__}: expected a number, None, "
             "a str, a dict {reward, answer} or an AgentOutcome"
         )
-    if isinstance(res, Real):
-        return AgentOutcome(reward=float(res))
+    if isinstance(res, Real):  # a bool too: refused by finite_reward
+        return _checked(AgentOutcome(reward=res))  # type: ignore[arg-type]
     if isinstance(res, str):
         return AgentOutcome(answer=res)
-    reward = res.get("reward")
-    return AgentOutcome(
-        reward=None if reward is None else float(reward),
+    return _checked(AgentOutcome(
+        reward=res.get("reward"),
         answer=str(res.get("answer", "")),
         transcript=list(res.get("transcript", [])),
-    )
+    ))
+
+
+def _checked(out: AgentOutcome) -> AgentOutcome:
+    """``out`` with a finite float reward, or closed ``reward_error`` without one."""
+    if out.reward is None:
+        return out
+    try:
+        out.reward = finite_reward(out.reward)
+    except ValueError:
+        out.reward, out.reason = None, "reward_error"
+    return out
 
 
 register_agent_kind("python", PythonKind)

@@ -7,6 +7,15 @@ answer, metadata columns). Out: a list of ``TaskRow``, and ``row_for(rows, seed,
 the row of one GRPO group, in a seeded order that a resumed run reproduces (every execution of a
 group gets the same row). Bad input (a missing file, a mapping naming a column the data lacks)
 is a ``ConfigError`` naming the field, raised before anything starts.
+
+Every row is checked when the rows load (``tidal check`` and ``tidal run`` alike; generated
+sources too: every row is in memory already), nothing coerced: a prompt is text (a null, a
+number or a missing column is a mistake, never the text "None"), chat messages are a list of
+``{role, content}``, a ``data_source`` is text, a ``workspace_files`` value is a mapping of
+relative paths to text and a ``test_command`` a list of strings. Each mistake is one line
+naming the row (and the file's line for JSONL) and the column; up to ``MAX_MISTAKES`` lines in
+one ``ConfigError`` on ``task.source``. A file that is not UTF-8, a directory where a file is
+wanted and an empty file are each one line on ``task.source.path``.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from tidal.errors import ConfigError
 from tidal.seeding import derive_seed
 
 FIELD = "task.source"
+MAX_MISTAKES = 20  # lines of row mistakes shown (then how many more)
 
 
 @dataclass(frozen=True)
@@ -66,19 +76,62 @@ class TaskRow:
 
 def load_rows(src: TaskSourceConfig, seed: int) -> list[TaskRow]:
     """Every row of the source (at most ``limit``), mapped; ``ConfigError`` on bad input."""
-    if src.kind == "reasoning_gym":
-        rows = _reasoning_gym(src, seed)
-    elif src.kind == "swe_repos":
-        from tidal.agents.swe_repos import rows as swe_rows
+    if src.kind in ("reasoning_gym", "swe_repos"):  # generated here: checked all the same
+        if src.kind == "reasoning_gym":
+            rows = _reasoning_gym(src, seed)
+        else:
+            from tidal.agents.swe_repos import rows as swe_rows
 
-        rows = swe_rows(src.size, seed)
+            rows = swe_rows(src.size, seed)
+        rows = rows[: src.limit] if src.limit is not None else rows
+        mistakes = [m for row in rows for m in row_mistakes(row)]
     else:
-        rows = _mapped(src, _records(src))
-    if src.limit is not None:
-        rows = rows[: src.limit]
+        records, where = _records(src)
+        if src.limit is not None:
+            records, where = records[: src.limit], where[: src.limit]
+        rows, mistakes = _mapped(src, records, where)
+    _raise(mistakes)
     if not rows:
         raise ConfigError(f"{FIELD}.path", "the source holds no rows")
     return rows
+
+
+def _raise(mistakes: list[str]) -> None:
+    if mistakes:
+        more = len(mistakes) - MAX_MISTAKES
+        raise ConfigError(FIELD, f"{len(mistakes)} mistake(s) in the rows:\n  "
+                          + "\n  ".join(mistakes[:MAX_MISTAKES])
+                          + (f"\n  ... and {more} more" if more > 0 else ""))
+
+
+def row_mistakes(row: TaskRow, at: str | None = None,
+                 prompt: str | None = "prompt") -> list[str]:
+    """What is wrong with one row, one line per mistake naming the row (``at``) and the column
+    (``prompt``: the prompt's column, None for a chat row); empty: nothing."""
+    at, out = at or f"row {row.index}", []
+    if prompt is not None and not isinstance(row.prompt, str):
+        out.append(f"{at}: column {prompt!r} is {_kind(row.prompt)}, not text")
+    files = row.metadata.get("workspace_files")
+    if files is not None:
+        if not isinstance(files, dict):
+            out.append(f"{at}: column 'workspace_files' is {_kind(files)}, not a mapping of "
+                       "relative paths to text")
+        else:
+            out += [f"{at}: column 'workspace_files': {name!r} is {_kind(text)}, not text"
+                    for name, text in files.items() if not isinstance(text, str)]
+            out += [f"{at}: column 'workspace_files': {name!r} is not a relative path inside "
+                    "the workspace" for name in files
+                    if not isinstance(name, str) or not name or name.startswith("/")
+                    or ".." in Path(name).parts]
+    cmd = row.metadata.get("test_command")
+    if cmd is not None and not (isinstance(cmd, list) and cmd
+                                and all(isinstance(a, str) for a in cmd)):
+        out.append(f"{at}: column 'test_command' is {_kind(cmd)}, not a list of strings")
+    return out
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else type(value).__name__
 
 
 def row_for(
@@ -93,7 +146,8 @@ def row_for(
     return rows[order[at]]
 
 
-def _records(src: TaskSourceConfig) -> list[dict[str, Any]]:
+def _records(src: TaskSourceConfig) -> tuple[list[dict[str, Any]], list[str]]:
+    """The source's records and where each is (``row i``, and the line of a JSONL file)."""
     if src.path is None:
         raise ConfigError(f"{FIELD}.path", f"a '{src.kind}' source needs a path")
     path = Path(src.path)
@@ -105,17 +159,35 @@ def _records(src: TaskSourceConfig) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
 
         try:
-            return pq.read_table(path).to_pylist()
+            records = pq.read_table(path).to_pylist()
         except Exception as exc:  # pyarrow's errors carry no common base
             raise ConfigError(
                 f"{FIELD}.path", f"{path}: not a Parquet file ({str(exc).splitlines()[0][:120]})"
             ) from None
-    return _disk(path, src.split)
+    else:
+        records = _disk(path, src.split)
+    if not records:
+        raise ConfigError(f"{FIELD}.path", f"{path}: holds no rows (an empty table)")
+    return records, [f"row {i}" for i in range(len(records))]
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+def _jsonl(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    if path.is_dir():
+        raise ConfigError(f"{FIELD}.path", f"{path}: a directory, not a JSONL file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{FIELD}.path", f"{path}: cannot read: {exc.strerror}") from None
+    out, where = [], []
+    for n, raw in enumerate(data.splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{FIELD}.path",
+                f"{path}:{n}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
+                f"{exc.start + 1})",
+            ) from None
         if not line.strip():
             continue
         try:
@@ -124,8 +196,14 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
             raise ConfigError(f"{FIELD}.path", f"{path}:{n}: not JSON ({exc.msg})") from None
         if not isinstance(rec, dict):
             raise ConfigError(f"{FIELD}.path", f"{path}:{n}: a line must be a JSON object")
+        where.append(f"row {len(out)} ({path.name}:{n})")
         out.append(rec)
-    return out
+    if not out:
+        raise ConfigError(
+            f"{FIELD}.path",
+            f"{path}: holds no rows (an empty file: one JSON object per line expected)",
+        )
+    return out, where
 
 
 def _disk(path: Path, split: str | None) -> list[dict[str, Any]]:
@@ -150,13 +228,17 @@ def _disk(path: Path, split: str | None) -> list[dict[str, Any]]:
     return ds.to_list()
 
 
-def _mapped(src: TaskSourceConfig, records: list[dict[str, Any]]) -> list[TaskRow]:
+def _mapped(
+    src: TaskSourceConfig, records: list[dict[str, Any]], where: list[str]
+) -> tuple[list[TaskRow], list[str]]:
+    """The rows, and one line per mistake (a row missing the prompt column, a null or
+    non-text prompt, messages that are not chat messages, a non-text data source)."""
     if (src.prompt is None) == (src.messages is None):
         raise ConfigError(
             f"{FIELD}.prompt",
             "map exactly one of prompt (a text column) and messages (a chat-messages column)",
         )
-    columns = set(records[0]) if records else set()
+    columns = {c: None for rec in records for c in rec}  # every row's, in order
     named = {
         "prompt": src.prompt,
         "messages": src.messages,
@@ -174,26 +256,31 @@ def _mapped(src: TaskSourceConfig, records: list[dict[str, Any]]) -> list[TaskRo
             )
     ds_col = src.data_source or ("data_source" if "data_source" in columns else None)
     used = {c for c in named.values() if c} | ({ds_col} if ds_col else set())
-    meta_cols = src.metadata if src.metadata is not None else sorted(columns - used)
-    rows = []
+    meta_cols = src.metadata if src.metadata is not None else sorted(set(columns) - used)
+    rows, mistakes = [], []
     for i, rec in enumerate(records):
+        at = where[i]
+        missing = [c for c in (src.prompt, src.messages) if c is not None and c not in rec]
+        mistakes += [f"{at}: no column {c!r}" for c in missing]
         msgs = rec.get(src.messages) if src.messages else None
-        if src.messages and not _is_chat(msgs):
-            raise ConfigError(
-                f"{FIELD}.messages",
-                f"row {i}: column {src.messages!r} is not a list of {{role, content}} messages",
+        if src.messages and not missing and not _is_chat(msgs):
+            mistakes.append(
+                f"{at}: column {src.messages!r} is not a list of {{role, content}} messages"
             )
-        rows.append(
-            TaskRow(
-                i,
-                prompt=None if src.prompt is None else str(rec[src.prompt]),
-                messages=msgs,
-                answer=rec.get(src.answer) if src.answer else None,
-                metadata={c: rec.get(c) for c in meta_cols},
-                data_source=str(rec[ds_col]) if ds_col else src.kind,
-            )
+        source = rec.get(ds_col) if ds_col else src.kind
+        if not isinstance(source, str):
+            mistakes.append(f"{at}: column {ds_col!r} is {_kind(source)}, not text")
+        row = TaskRow(
+            i,
+            prompt=None if src.prompt is None else rec.get(src.prompt),
+            messages=msgs,
+            answer=rec.get(src.answer) if src.answer else None,
+            metadata={c: rec.get(c) for c in meta_cols},
+            data_source=source if isinstance(source, str) else "",
         )
-    return rows
+        mistakes += row_mistakes(row, at, src.prompt) if not missing else []
+        rows.append(row)
+    return rows, mistakes
 
 
 def _is_chat(value: object) -> bool:

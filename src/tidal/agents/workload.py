@@ -8,8 +8,11 @@ agent run under the execution's timeout, then the reward). ``check_workload`` is
 check`` and ``tidal run`` call before anything starts: a bad field is one ``ConfigError``.
 Close reasons: the agent's own (``completed``, or ``failed`` for a non-zero exit or an agent
 that raised), ``timeout`` (cancelled at ``timeout_s``, then scored as it stands) and
-``reward_error`` (the reward raised or returned a non-number: logged with the execution id and
-the exception's line, counted, never a silent 0).
+``reward_error`` (the reward raised or returned a non-number, or the agent's own reward was
+NaN, an infinity or a bool: logged with the execution id and the exception's line, counted; the
+reward is None, never a silent 0). A row whose ``workspace_files`` cannot be written (not a
+mapping of relative paths to text, a path outside the workspace) closes its execution
+``failed`` with the reason logged, never the run.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tidal.agents.kinds import AgentContext, AgentKind, AgentOutcome, build_agen
 from tidal.agents.rewards import Reward, RewardError
 from tidal.agents.tasks import TaskRow, load_rows, row_for
 from tidal.config import RunConfig
+from tidal.contracts.executions import finite_reward
 from tidal.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -87,8 +91,25 @@ def check_workload(cfg: RunConfig) -> Workload | None:
 @dataclass
 class JobResult:
     reason: str
-    reward: float
+    reward: float | None  # None exactly when the reason is reward_error
     outcome: AgentOutcome
+
+
+def write_files(ws: Path, files: object) -> None:
+    """The row's ``workspace_files`` (relative path -> text) into ``ws``; ``ValueError``
+    naming what is wrong."""
+    if not files:
+        return
+    if not isinstance(files, dict):
+        raise ValueError(f"workspace_files is {type(files).__name__}, not a mapping path -> text")
+    for rel, text in files.items():
+        if not isinstance(text, str):
+            raise ValueError(f"workspace_files[{rel!r}] is {type(text).__name__}, not text")
+        path = (ws / rel).resolve()
+        if not path.is_relative_to(ws.resolve()):
+            raise ValueError(f"workspace file {rel!r} is outside the workspace")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
 async def run_job(job: AgentJob, ctx: AgentContext) -> JobResult:
@@ -96,12 +117,11 @@ async def run_job(job: AgentJob, ctx: AgentContext) -> JobResult:
     Never raises (but for cancellation): every failure is a close reason."""
     ws = ctx.workspace
     ws.mkdir(parents=True, exist_ok=True)
-    for rel, text in (ctx.row.metadata.get("workspace_files") or {}).items():
-        path = (ws / rel).resolve()
-        if not path.is_relative_to(ws.resolve()):
-            raise ValueError(f"workspace file {rel!r} is outside the workspace")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    try:
+        write_files(ws, ctx.row.metadata.get("workspace_files"))
+    except (ValueError, OSError) as exc:  # a bad row fails its execution, never the run
+        log.warning("execution %s failed: task row %d: %s", ctx.execution_id, ctx.row.index, exc)
+        return JobResult("failed", 0.0, AgentOutcome(reason="failed"))
     try:
         outcome = await asyncio.wait_for(job.agent.run(ctx), ctx.timeout_s)
     except TimeoutError:
@@ -114,19 +134,27 @@ async def run_job(job: AgentJob, ctx: AgentContext) -> JobResult:
             str(exc).splitlines()[0][:200] if str(exc) else "",
         )
         outcome = AgentOutcome(reason="failed")
+    if outcome.reason == "reward_error":  # the agent's own reward was not a finite number
+        log.error("execution %s: reward_error: the agent's reward is not a finite number",
+                  ctx.execution_id)
+        return JobResult("reward_error", None, outcome)
     if outcome.reward is not None:
-        return JobResult(outcome.reason, float(outcome.reward), outcome)
+        try:
+            return JobResult(outcome.reason, finite_reward(outcome.reward), outcome)
+        except ValueError as exc:
+            log.error("execution %s: reward_error: %s", ctx.execution_id, exc)
+            return JobResult("reward_error", None, outcome)
     if job.reward is None:
         log.error(
             "execution %s: reward_error: no task.reward and the agent returned no reward",
             ctx.execution_id,
         )
-        return JobResult("reward_error", 0.0, outcome)
+        return JobResult("reward_error", None, outcome)
     try:
         reward = await job.reward.score(ctx.row, outcome, ws)
     except RewardError as exc:
         log.error("execution %s: reward_error: %s", ctx.execution_id, exc)
-        return JobResult("reward_error", 0.0, outcome)
+        return JobResult("reward_error", None, outcome)
     return JobResult(outcome.reason, reward, outcome)
 
 

@@ -52,8 +52,9 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     cfg = build_config(config, policy, address, bursts, sets)
 
     def show(line: dict) -> None:
+        r = line["mean_reward"]  # any finite reward (1e308 in 4 significant digits)
         click.echo(f"burst {line['burst']} step {line['step']:3d} v{line['version']:<3d} "
-                   f"reward {line['mean_reward']:.3f} loss {line['loss']:+.4f} "
+                   f"reward {f'{r:.3f}' if abs(r) < 1e6 else f'{r:.4g}'} loss {line['loss']:+.4f} "
                    f"w {line['waterlevel']:3d} roles {' '.join(line['roles'])}")
 
     console = Console()

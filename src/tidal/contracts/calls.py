@@ -134,15 +134,24 @@ class CallRecord(BaseModel):
 
 class ExecutionRecord(BaseModel):
     """A closed execution: its model calls in order, the reward it was scored with and why it
-    closed. Timed-out and cancelled executions are kept: they are scored on what they made."""
+    closed. Timed-out and cancelled executions are kept: they are scored on what they made.
+    A ``reward_error`` execution has no reward (None, never a stand-in 0.0); every other one a
+    finite reward."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     execution_id: str
     group_id: str
     calls: list[CallRecord]
-    reward: float
+    reward: float | None = Field(allow_inf_nan=False)
     reason: CloseReason = CloseReason.COMPLETED
+
+    @model_validator(mode="after")
+    def _reward_iff_scored(self) -> ExecutionRecord:
+        if (self.reward is None) != (self.reason is CloseReason.REWARD_ERROR):
+            raise ValueError("reward is None exactly when the reason is reward_error "
+                             f"(reason {self.reason.value}, reward {self.reward})")
+        return self
 
     def min_version(self) -> int:
         """The oldest weight version any of its tokens came from (``NO_VERSION``: none)."""

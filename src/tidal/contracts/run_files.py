@@ -126,7 +126,7 @@ class ExecutionLine(_Line):
     group: str
     burst: int | None
     reason: CloseReason
-    reward: float
+    reward: float | None  # None: reward_error (never a stand-in 0.0)
     dispatched_s: float | None = None
     launched_s: float | None = None
     closed_s: float | None = None
@@ -172,7 +172,11 @@ class Summary(_Line):
     trained_executions: int | None = None
     close_reasons: dict[str, int] | None = None
     mean_reward_per_step: list[float] | None = None
-    mean_reward: float | None = None
+    mean_reward: float | None = None  # over the scored executions
+    # executions closed reward_error (no reward), and groups dropped for fewer than 2 scored
+    # members (tidal.control.ledger's rule)
+    reward_errors: int | None = None
+    groups_dropped: int | None = None
     final_roles: str | None = None
     verl_metrics: list[dict[str, float]] | None = None
     t0_utc: str | None = None  # the first dispatch as UTC: every file's time zero

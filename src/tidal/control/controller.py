@@ -34,6 +34,7 @@ from tidal.control.policy import Action, CellView, Decision, Observation, PlanSt
 from tidal.control.supply import SupplyTracker
 from tidal.errors import ConfigError, InvariantViolation
 from tidal.types import (
+    BatchShort,
     BurstStarted,
     Direction,
     EngineCapacityChanged,
@@ -135,6 +136,7 @@ class Controller:
         self.steps_in_version = 0
         self.trainer_waiting = False
         self.assigned_in_batch = 0
+        self.batch_missing = 0  # groups the current batch will not get (``BatchShort``)
         self.bursts_ended = 0
         self.bursts_started = 0
         self._announced: dict[int, int] = {}
@@ -220,6 +222,9 @@ class Controller:
         self.trainer_waiting = True
         self.metrics.step_begin(ev.t_s)
 
+    def _on_batch_short(self, ev: BatchShort) -> None:
+        self.batch_missing = max(0, self.supply.batch_groups - ev.groups)
+
     def _on_weights(self, ev: WeightSyncDone) -> None:
         self.version = max(self.version, ev.version)
         self.steps_in_version = 0
@@ -256,7 +261,7 @@ class Controller:
         self.trainer_waiting = False
         self.trainer_step = max(self.trainer_step, ev.step + 1)
         self.steps_in_version += 1
-        self.assigned_in_batch = 0
+        self.assigned_in_batch = self.batch_missing = 0
         self._cycle_waits.append(ev.wait_s)
         self._cycle_queue.append(ev.queue_at_start)
         self.metrics.step_done(ev.t_s, ev.wait_s, ev.compute_s, ev.alloc_s, ev.final_of_burst,
@@ -324,7 +329,8 @@ class Controller:
             queued=lg.total.queued,
             running=lg.total.running,
             pending_dispatch=self.pending_dispatch,
-            supply=self.supply.view(now, lg.ready_unassigned, self.assigned_in_batch),
+            supply=self.supply.view(now, lg.ready_unassigned,
+                                    self.assigned_in_batch + self.batch_missing),
             ready_groups=lg.ready_unassigned,
             groups_generated=lg.groups_ready_total,
             batch_groups=self.settings.batch_groups,
@@ -521,6 +527,7 @@ class Controller:
             "request_retries": lg.retries,
             "close_reasons": {r.value: n for r, n in lg.close_reasons.items()},
             "groups_ready": lg.groups_ready_total,
+            "groups_dropped": lg.groups_dropped,  # settled with < 2 scored members
             "trainer_steps": self.trainer_step,
             "version": self.version,
         }
@@ -535,6 +542,7 @@ _HANDLERS: dict[type[Event], str] = {  # event type: the Controller method that 
     GroupsAssigned: "_on_assigned",
     BurstStarted: "_on_burst_started",
     TrainerReady: "_on_trainer_ready",
+    BatchShort: "_on_batch_short",
     TrainerStepDone: "_trainer_step_done",
     WeightSyncDone: "_on_weights",
     TransitionStepDone: "_step_done",

@@ -8,6 +8,16 @@ Invariant 1 (DESIGN.md): ``d >= p >= f`` and ``w = d - f = queued + running >= 0
 an execution closes exactly once (a duplicate close is ignored and counted); request retries
 change no counter. Closing a still-queued execution counts it as launched and finished at once,
 so the identity holds for cancellations before launch too.
+
+A ``reward_error`` member (its reward function raised, or gave a non-finite value; it carries no
+reward, never a stand-in 0.0) is settled without a score. The rule (``min_scored``): a group is
+settled once every member is scored or ``reward_error``; it is ready when at least
+``min(2, size)`` members are scored, and trains on those (its advantages are over the scored
+members only), else it is dropped and counted (``groups_dropped``). Why: one unscorable member
+should not cost the group's other answers their signal, and the scored members' mean is still a
+fair baseline for them; a single scored member has no one to be compared with (its advantage is
+0 by definition), so such a group carries nothing to train. The trajectory buffer applies the
+same rule to the records (``tidal.training.trajectory_buffer``).
 """
 
 from __future__ import annotations
@@ -59,11 +69,23 @@ class Group:
     members: list[ExecutionId] = field(default_factory=list)
     closed: int = 0
     scored: int = 0
+    errors: int = 0  # members closed ``reward_error`` (settled, no score)
     assigned: bool = False
+    dropped: bool = False
+
+    @property
+    def settled(self) -> bool:
+        """Every member is in and either scored or ``reward_error``."""
+        return len(self.members) == self.size and self.scored + self.errors == self.size
 
     @property
     def ready(self) -> bool:
-        return len(self.members) == self.size and self.scored == self.size
+        return self.settled and self.scored >= min_scored(self.size)
+
+
+def min_scored(size: int) -> int:
+    """Scored members a group needs to train (the module's rule): 2, or 1 for a group of 1."""
+    return min(2, size)
 
 
 class Ledger:
@@ -80,6 +102,7 @@ class Ledger:
         self.retries = 0
         self.close_reasons: dict[CloseReason, int] = {r: 0 for r in CloseReason}
         self.groups_ready_total = 0
+        self.groups_dropped = 0  # settled with fewer than min_scored scored members
 
     # ------------------------------------------------------------------ events
     def dispatch(self, execution_id: ExecutionId, group_id: GroupId, group_size: int,
@@ -115,11 +138,14 @@ class Ledger:
 
     def close(self, execution_id: ExecutionId, reason: CloseReason,
               reward: float | None = None) -> bool:
-        """Closes exactly once; returns False for an ignored duplicate."""
+        """Closes exactly once; returns False for an ignored duplicate. A ``reward_error``
+        close carries no reward (``LedgerError`` otherwise) and settles the member unscored."""
         ex = self._get(execution_id)
         if ex.state is ExecState.CLOSED:
             self.duplicate_closes += 1
             return False
+        if reason is CloseReason.REWARD_ERROR and reward is not None:
+            raise LedgerError(f"execution {execution_id!r} closed reward_error with a reward")
         counters = self._counters(ex.burst)
         if ex.state is ExecState.QUEUED:
             counters.launched += 1
@@ -131,7 +157,10 @@ class Ledger:
         self.close_reasons[reason] += 1
         group = self.groups[ex.group_id]
         group.closed += 1
-        if reward is not None:
+        if reason is CloseReason.REWARD_ERROR:
+            group.errors += 1
+            self._settle(group)
+        elif reward is not None:
             self._score(ex, reward)
         return True
 
@@ -139,7 +168,7 @@ class Ledger:
         ex = self._get(execution_id)
         if ex.state is not ExecState.CLOSED:
             raise LedgerError(f"execution {execution_id!r} scored before it closed")
-        if ex.reward is not None:
+        if ex.reward is not None or ex.reason is CloseReason.REWARD_ERROR:
             return False
         self._score(ex, reward)
         return True
@@ -153,7 +182,8 @@ class Ledger:
         for gid in group_ids:
             group = self.groups.get(gid)
             if group is None or not group.ready:
-                raise LedgerError(f"group {gid!r} assigned to a batch before it is ready")
+                why = " (dropped: fewer than 2 scored members)" if group and group.dropped else ""
+                raise LedgerError(f"group {gid!r} assigned to a batch before it is ready{why}")
             if group.assigned:
                 raise LedgerError(f"group {gid!r} assigned twice")
             group.assigned = True
@@ -207,6 +237,16 @@ class Ledger:
         ex.reward = float(reward)
         group = self.groups[ex.group_id]
         group.scored += 1
-        if group.ready and not group.assigned:
+        self._settle(group)
+
+    def _settle(self, group: Group) -> None:
+        """A settled group becomes ready (``min_scored`` scored members) or is dropped."""
+        if not group.settled or group.assigned or group.dropped \
+                or group.group_id in self._ready_unassigned:
+            return
+        if group.ready:
             self._ready_unassigned[group.group_id] = None
             self.groups_ready_total += 1
+        else:
+            group.dropped = True
+            self.groups_dropped += 1

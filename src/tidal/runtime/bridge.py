@@ -6,6 +6,10 @@ API. Out: ``ExecutionDispatched`` / ``ExecutionLaunched`` / ``ExecutionClosed`` 
 controller, and one ``ExecutionRecord`` per closed execution into the trajectory buffer.
 Invariant 7 is counted here: ``lost`` = executions dispatched whose record never reached the
 trajectory buffer (it must end at 0).
+
+A ``reward_error`` execution (reward None) reaches the ledger and the buffer as it is, with no
+stand-in 0.0: its record is delivered (so it is not lost), and the ledger's rule decides what its
+group trains (``tidal.control.ledger``).
 """
 
 from __future__ import annotations
@@ -81,12 +85,13 @@ class LedgerBridge:
     def closed(self, execution_id: str, group_id: str, reason: str,
                reward: float | None) -> None:
         self.close_counts[reason] = self.close_counts.get(reason, 0) + 1
-        self.rewards.append(reward or 0.0)
+        if reward is not None:  # reward_error: no reward to add
+            self.rewards.append(reward)
         self.timing.setdefault(execution_id, {})["closed"] = self.clock.now()
         self.handle(ExecutionClosed(self.clock.now(), execution_id,
                                                CloseReason(reason), reward))
         task = self.parts.spawn(f"record of {execution_id}",
-                                self._record(execution_id, group_id, reason, reward or 0.0))
+                                self._record(execution_id, group_id, reason, reward))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self._record_of[execution_id] = task
@@ -119,7 +124,7 @@ class LedgerBridge:
             self.file.add(self.lines(results, self.t0()))
         return results
 
-    async def _record(self, eid: str, gid: str, reason: str, reward: float) -> None:
+    async def _record(self, eid: str, gid: str, reason: str, reward: float | None) -> None:
         try:
             resp = await self.admin.get(f"/tidal/executions/{eid}/records")
             resp.raise_for_status()
@@ -184,6 +189,11 @@ class LedgerBridge:
                 if a != b:
                     key = f"{a}->{b}"
                     self.engine_handoffs[key] = self.engine_handoffs.get(key, 0) + 1
+
+    @property
+    def pending(self) -> int:
+        """Records of closed executions still on their way to the trajectory buffer."""
+        return len(self._tasks)
 
     @property
     def lost(self) -> int:

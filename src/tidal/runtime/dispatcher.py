@@ -108,12 +108,14 @@ class Dispatcher:
         # executions this dispatcher dispatched (handed to the pool, or restored through the
         # bridge); the bridge counts each one when its dispatch reaches the ledger
         self.issued = 0
+        self.dispatched_bursts = 0  # bursts whose every group was handed off (or restored)
         self._changed = asyncio.Event()  # set after every event the controller handled
 
     async def run(self, first_burst: int, version: Callable[[], int],
                   wait_published: Callable[[int], Awaitable[None]]) -> None:
         """Every burst from ``first_burst``: wait for the previous one's weights, dispatch
         (deterministic: once every routed engine serves them)."""
+        self.dispatched_bursts = first_burst
         for b in range(first_burst, self.cfg.control.bursts or 0):
             await wait_published(b)
             self.bridge.burst = b
@@ -122,6 +124,7 @@ class Dispatcher:
                 await self.gate.at(b, f"v{version()}", [g.group_id for g in groups])
             self.handle(BurstStarted(self.clock.now(), b, quota, version()))
             await self._dispatch(b, groups)
+            self.dispatched_bursts = b + 1
 
     def notify(self) -> None:
         """The controller handled an event: the waterlevel or the dispatch hold may have
@@ -133,6 +136,13 @@ class Dispatcher:
         the pool whose dispatch has not reached the ledger yet (the pool reports it from its
         own task), so a group handed off a moment ago counts as the simulator's would."""
         return self.ctl.ledger.waterlevel + self.issued - self.bridge.n_dispatched
+
+    def settled(self, burst: int) -> bool:
+        """No more training data can arrive before ``burst`` is published: its every group
+        is dispatched, every execution closed, and every closed one's record delivered to the
+        trajectory buffer (or failed); a group still short then never completes."""
+        return (self.dispatched_bursts > burst and self.outstanding() == 0
+                and self.bridge.pending == 0)
 
     async def _dispatch(self, burst: int, groups: list[GroupPlan]) -> None:
         interval_s, first = self.cfg.runtime.dispatch_interval_s, True

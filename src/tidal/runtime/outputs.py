@@ -143,7 +143,8 @@ def step_line(ctl: Controller, burst: int, step: int, version: int, report: Step
     line = {"t": round(elapsed_s, 3), "burst": burst, "step": step,
             "version": version, "mean_reward": report.mean_reward,
             "loss": report.loss, "grad_norm": report.grad_norm,
-            "n_groups": report.n_groups, "n_tokens": report.n_tokens,
+            "n_groups": report.n_groups, "n_executions": report.n_executions,
+            "n_tokens": report.n_tokens,
             "max_staleness": report.max_staleness, "step_s": round(dt, 3),
             "compute_s": round(report.compute_s, 3), "update_s": round(report.update_s, 3),
             "core_compute_s": round(report.core_compute_s, 3),
@@ -180,6 +181,13 @@ def sum_by_cell(metrics: list[dict[str, Any]]) -> dict[str, int]:
         for cell, n in m["micro_steps_by_cell"].items():
             out[cell] = out.get(cell, 0) + n
     return dict(sorted(out.items()))
+
+
+def mean_reward(results: list[Any]) -> float | None:
+    """The mean reward of the scored executions (``reward_error`` ones have none); None when
+    none was scored. Each term divided first: no overflow for any finite rewards."""
+    scored = [r.reward for r in results if r.reward is not None]
+    return sum(x / len(scored) for x in scored) if scored else None
 
 
 def close_reasons(results: list[Any]) -> dict[str, int]:
@@ -248,7 +256,8 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "failed_requests": reasons.get("failed", 0),
         "timed_out_executions": reasons.get("timeout", 0),
         "dispatched": bridge.n_dispatched, "closed": len(results), "close_reasons": reasons,
-        "trained_executions": sum(m["n_groups"] for m in metrics) * group_size,
+        "trained_executions": sum(m.get("n_executions", m["n_groups"] * group_size)
+                                  for m in metrics),
         "lost_executions": bridge.lost, "record_errors": bridge.record_errors[:10],
         "ledger_waterlevel_end": s["waterlevel"], "duplicate_closes": s["duplicate_closes"],
         "engines": {e["name"]: {"state": e["state"], "version": e["version"],
@@ -266,5 +275,9 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "mean_reward_per_step": [round(m["mean_reward"], 4) for m in metrics],
         "verl_metrics": [{k: round(v, 4) for k, v in row.items()}  # one per version
                          for row in ctl.metrics.rows],
-        "mean_reward": (sum(r.reward for r in results) / len(results)) if results else 0.0,
+        "mean_reward": mean_reward(results),
+        # tidal.control.ledger's rule: a reward_error member trains nowhere, its group on its
+        # scored members; a group with fewer than 2 scored members is dropped
+        "reward_errors": reasons.get("reward_error", 0),
+        "groups_dropped": s["groups_dropped"],
     }

@@ -7,6 +7,16 @@ line, a checkpoint (every ``runtime.checkpoint_every_steps`` and at each burst e
 final step of a burst the publisher loads the new version and ``bursts_published`` advances
 (the dispatcher waits on it). Invariant 7's second half: each group is trained exactly once
 (``trained_groups``, restored from the checkpoint on a resume).
+
+Every wait for data is bounded. A step waits for ``control.batch_groups`` ready groups; once
+nothing more can arrive before its burst is published (``settled``: the burst fully dispatched,
+every execution closed and its record delivered, so groups dropped by the ledger's rule or lost
+will not come), it trains on its share of what is ready (``BatchShort`` tells the controller),
+and with nothing ready it stops the run with a ``RuntimeFailure`` naming the burst. Without
+progress (an execution closing, a record arriving, a group getting ready, cell 0's role
+changing, a move of cells advancing) for ``runtime.step_data_timeout_s`` (plus
+``runtime.execution_timeout_s`` while executions run, plus ``control.step_timeout_s`` while a
+move is in flight) it stops with ``TimeoutExpired``.
 """
 
 from __future__ import annotations
@@ -21,12 +31,13 @@ from typing import TYPE_CHECKING
 from tidal.clock import Clock
 from tidal.config import RunConfig
 from tidal.control.step_inputs import StepInputs
+from tidal.errors import TimeoutExpired
 from tidal.runtime import checkpoint
 from tidal.runtime.actuator import RayActuator
 from tidal.runtime.cell import RuntimeFailure
 from tidal.runtime.outputs import RunOutputs, step_line
 from tidal.runtime.publisher import Publisher
-from tidal.types import Event, GroupsAssigned, TrainerReady, TrainerStepDone
+from tidal.types import BatchShort, Event, GroupsAssigned, TrainerReady, TrainerStepDone
 
 if TYPE_CHECKING:
     from tidal.control.controller import Controller
@@ -73,6 +84,9 @@ class TrainerLoop:
         self.bursts_published = self.first_step // cfg.control.updates_per_burst
         self._published = asyncio.Condition()
         self._rows_logged = 0  # verl metric rows (one per closed version) already in a line
+        # burst -> True once no more data can arrive before it is published (wired to the
+        # dispatcher: ``Dispatcher.settled``); None: always wait for a full batch
+        self.settled: Callable[[int], bool] | None = None
 
     async def wait_published(self, burst: int, trainer: asyncio.Task) -> None:
         """Until ``burst`` bursts are published (the dispatcher starts the next one then)."""
@@ -90,18 +104,22 @@ class TrainerLoop:
         first_b, first_u = divmod(step, c.updates_per_burst)
         for b in range(first_b, c.bursts or 0):
             for u in range(first_u if b == first_b else 0, c.updates_per_burst):
-                await self._step(b, step, final=u == c.updates_per_burst - 1)
+                await self._step(b, step, final=u == c.updates_per_burst - 1,
+                                 left=c.updates_per_burst - u)
                 step += 1
             async with self._published:
                 self.bursts_published = b + 1
                 self._published.notify_all()
 
-    async def _step(self, burst: int, step: int, final: bool) -> None:
+    async def _step(self, burst: int, step: int, final: bool, left: int = 1) -> None:
+        """Step ``step`` of ``burst``, with ``left`` steps of the burst to go (this one too)."""
         wait_s, inputs = 0.0, StepInputs()  # verl's: from the GPUs' return
         inputs.ready(self.clock.now(), 0 in self.actuator.training, len(self.buffer))
         self.handle(TrainerReady(self.clock.now(), step))  # wants the next batch
+        need = self.cfg.control.batch_groups
         while True:
-            wait_s += await self._core_active(inputs)
+            waited, need = await self._core_active(inputs, burst, step, left, need)
+            wait_s += waited
             await self.actuator.revive_satellites()
             async with self.actuator.trainer_lock:
                 if 0 not in self.actuator.training:
@@ -109,7 +127,7 @@ class TrainerLoop:
                 t0 = self.clock.now()
                 inputs.collected(t0, len(self.buffer))
                 report = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, self.core.train_step, final)
+                    self.pool, self.core.train_step, final, need)
                 break
         dt = self.clock.now() - t0
         if report is None:
@@ -132,18 +150,49 @@ class TrainerLoop:
         self.outputs.step(line)
         await self._checkpoint(step, final)
 
-    async def _core_active(self, inputs: StepInputs) -> float:
-        """Wait until cell 0's trainer worker is active and a full batch of groups is ready
-        (so a step never holds the trainer lock while waiting for data, which would keep the
-        core from returning to rollout); returns the wait."""
-        t0, need = self.clock.now(), self.cfg.control.batch_groups
-        # takeable: ready groups (deterministic: the ready ones next in dispatch order)
-        while 0 not in self.actuator.training or self.buffer.takeable() < need:
-            inputs.gpus(self.clock.now(), 0 in self.actuator.training, len(self.buffer))
+    async def _core_active(self, inputs: StepInputs, burst: int, step: int, left: int,
+                           need: int) -> tuple[float, int]:
+        """Wait until cell 0's trainer worker is active and ``need`` groups are ready (so a
+        step never holds the trainer lock while waiting for data, which would keep the core
+        from returning to rollout); returns the wait and the groups the step trains (fewer
+        than ``need`` once no more can come: its share of the ready ones over the ``left``
+        steps of the burst). Bounded: see the module's docstring."""
+        t0 = self.clock.now()
+        rt, ledger = self.cfg.runtime, self.ctl.ledger
+        seen, since = None, t0
+        while True:
+            # takeable: ready groups (deterministic: the ready ones next in dispatch order)
+            have, training = self.buffer.takeable(), 0 in self.actuator.training
+            if have < need and self.settled is not None and self.settled(burst):
+                if have == 0:
+                    raise RuntimeFailure(
+                        f"step {step}: no group can come for it: every group of burst {burst} "
+                        f"was trained or dropped ({ledger.groups_dropped} dropped: fewer than "
+                        f"2 scored members; {self.buffer.stats.groups_dropped_stale} stale)")
+                need = -(-have // left)  # this step's share of what is left
+                self.handle(BatchShort(self.clock.now(), step, need))
+            if training and have >= need:
+                return self.clock.now() - t0, need
+            fl = self.ctl.inflight  # a move of cells: its steps are bounded on their own
+            mark = (ledger.total.dispatched, ledger.total.finished,
+                    self.buffer.stats.records_in, have, training, len(self.ctl.plans_done),
+                    self.ctl.plans_aborted, fl and (fl.plan.plan_id, fl.step))
+            now = self.clock.now()
+            if mark != seen:
+                seen, since = mark, now
+            bound = (rt.step_data_timeout_s
+                     + (rt.execution_timeout_s if ledger.waterlevel else 0)
+                     + (self.cfg.control.step_timeout_s if fl else 0))
+            if now - since > bound:
+                raise TimeoutExpired(
+                    f"step {step}: {have} of {need} groups ready and no progress for "
+                    f"{bound:g} s (runtime.step_data_timeout_s"
+                    f"{' + execution_timeout_s: executions running' if ledger.waterlevel else ''}"
+                    f"{' + control.step_timeout_s: a move in flight' if fl else ''})")
+            inputs.gpus(now, training, len(self.buffer))
             self.actuator.training_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.actuator.training_changed.wait(), 0.05)
-        return self.clock.now() - t0
 
     async def _checkpoint(self, step: int, final: bool) -> None:
         every = self.cfg.runtime.checkpoint_every_steps

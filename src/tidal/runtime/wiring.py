@@ -263,6 +263,7 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     dispatcher = Dispatcher(cfg, pool, bridge, handle, clock, parts, set(trainer.trained_groups),
                             held, ctl, workload, gate)
     listeners.append(dispatcher.notify)  # a group held by the policy looks again
+    trainer.settled = dispatcher.settled  # a step short of groups that cannot come goes on
     return Wired(admin, decisions, buffer, core, outputs, actuator, ctl, handle, bridge,
                  publisher, trainer,
                  CellSupervisor(engines, actuator, admin, weights, clock, rt.start_timeout_s),

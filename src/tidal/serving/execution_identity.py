@@ -1,7 +1,8 @@
 """The proxy's door: who is calling, and which execution a call is counted to. Every request
 passes here first; it is the only place the proxy checks credentials.
 
-Callers, by their ``Authorization: Bearer`` credential:
+Callers, by their ``Authorization: Bearer`` credential (or, without that header, Anthropic's
+``x-api-key``, what an Anthropic SDK sends its key as):
 
 - **admin** (the run's admin token: the driver, its harness pool, an operator): every route,
   and it may name any execution (``X-Tidal-Execution``, ``/x/<id>/...`` or the body's ``user``):
@@ -72,6 +73,9 @@ class ExecutionIdentity:
     def _caller(self, headers) -> Caller | str:
         """The caller of a request's headers, or the reason its credential is refused."""
         given = next((v for k, v in headers if k == b"authorization"), None)
+        if given is None:  # an Anthropic SDK's key
+            api_key = next((v for k, v in headers if k == b"x-api-key"), None)
+            given = None if api_key is None else b"Bearer " + api_key
         if given is None or not self.token:
             return Caller(enforced=bool(self.token))
         kind, _, secret = given.partition(b" ")

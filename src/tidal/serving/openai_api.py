@@ -37,7 +37,7 @@ __all__ = ["MAX_PROMPT_CHARS", "ChatMessage"]
 MAX_PROMPT_IDS = 131_072  # token-id prompts (the served context is checked by the engine)
 MAX_CHOICES = 16
 INT64 = {"ge": -(2**63), "le": 2**63 - 1}
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=2**31 - 1)]  # "4" and true refused
 
 
 def check_stops(v):

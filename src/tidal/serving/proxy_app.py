@@ -33,6 +33,7 @@ from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from tidal.serving.anthropic_api import CountTokensRequest, MessagesRequest
 from tidal.serving.execution_identity import ExecutionIdentity
 from tidal.serving.executions import EventLog, ExecutionRegistry
 from tidal.serving.fast_path import MAX_BODY_BYTES, FastPath
@@ -47,6 +48,7 @@ from tidal.serving.proxy_handlers import (
     RegisterBody,
     Unauthorized,
 )
+from tidal.serving.responses_api import ResponsesRequest
 from tidal.serving.token_in import TokenInRequest
 
 if TYPE_CHECKING:
@@ -81,6 +83,9 @@ ROUTES: tuple[tuple[str, str, str, Access, type[BaseModel] | None], ...] = (
     ("POST", "/v1/completions", "completions", "model", CompletionRequest),
     ("POST", "/v1/chat/completions", "chat", "model", ChatRequest),
     ("POST", "/inference/v1/generate", "generate", "model", TokenInRequest),
+    ("POST", "/v1/messages", "messages", "model", MessagesRequest),
+    ("POST", "/v1/messages/count_tokens", "count_tokens", "model", CountTokensRequest),
+    ("POST", "/v1/responses", "responses", "model", ResponsesRequest),
     ("GET", "/v1/models", "models", "model", None),
     ("GET", "/health", "health", "open", None),
     ("GET", "/live", "live", "open", None),
@@ -111,7 +116,8 @@ def _openapi(app: FastAPI) -> Callable[[], dict]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatRequest, TokenInRequest):
+            for model in (CompletionRequest, ChatRequest, TokenInRequest, MessagesRequest,
+                          CountTokensRequest, ResponsesRequest):
                 spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(spec.pop("$defs", {}))
                 schemas[model.__name__] = spec

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tidal.backends import NAME as BACKEND_NAME
 from tidal.contracts.close import CloseReason
 from tidal.errors import LedgerError, TimeoutExpired
+from tidal.serving import anthropic_api, responses_api
 from tidal.serving.chat import tool_parser
 from tidal.serving.execution_identity import CALLER, Caller
 from tidal.serving.executions import ExecutionRegistry
@@ -221,6 +222,19 @@ class ProxyHandlers:
                      session: str | None, caller: Caller | None) -> Response:
         t_entry = time.perf_counter()
         body = validate_body(raw, REQUESTS[kind])
+        call, t_engine = await self.prepare(body, kind, header_eid, session, caller)
+        if body.stream:
+            return self.answer_stream(call)
+        return await self.answer_whole(call, t_entry + t_engine)
+
+    async def prepare(self, body: OpenAIBody, kind: str, header_eid: str | None,
+                      session: str | None, caller: Caller | None = None
+                      ) -> tuple[_Call, float]:
+        """A validated call on its way to the engines: its execution named (by ``caller``'s
+        right, ``execution_of``) and launched, its model checked, its prompt tokenized (chat:
+        bridged to the ids the model sampled earlier); also the seconds spent waiting on an
+        engine to tokenize. Every route that samples (OpenAI, token in, Anthropic Messages,
+        Responses) goes through here."""
         if header_eid is not None and len(header_eid) > 128:
             raise BadRequest("X-Tidal-Execution: at most 128 characters")
         if session is not None and len(session) > 256:
@@ -232,14 +246,11 @@ class ProxyHandlers:
         bridged = None
         if kind == "chat" and eid is not None:  # the model's own ids for its earlier turns
             bridged = await self.proxy.bridge(eid, prompt)
-        t_entry += time.perf_counter() - t_up  # an engine's time, not the proxy's
+        t_engine = time.perf_counter() - t_up  # an engine's time, not the proxy's
         if not prompt:
             raise BadRequest("prompt is empty")
-        call = _Call(eid, bridged or prompt, body, kind, session, bridged is not None,
-                     self.timeout_of(eid))
-        if body.stream:
-            return self.answer_stream(call)
-        return await self.answer_whole(call, t_entry)
+        return _Call(eid, bridged or prompt, body, kind, session, bridged is not None,
+                     self.timeout_of(eid)), t_engine
 
     def _model_name(self, body: OpenAIBody) -> str:
         return body.model or next((m.model for m in self.proxy.router.members.values()),
@@ -302,6 +313,15 @@ class ProxyHandlers:
 
     async def generate(self, request: Request) -> Response:
         return await self._route(request, "generate")
+
+    async def messages(self, request: Request) -> Response:
+        return await anthropic_api.messages(self, request)
+
+    async def count_tokens(self, request: Request) -> Response:
+        return await anthropic_api.count_tokens(self, request)
+
+    async def responses(self, request: Request) -> Response:
+        return await responses_api.responses(self, request)
 
     async def models(self) -> dict:
         cards: dict[str, dict] = {}

@@ -28,7 +28,8 @@ from tidal.serving.protocol import (
     check_temperature,
 )
 
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# strict: a token id is a JSON integer; "4", 4.0 and true are refused, never coerced
+TokenId = Annotated[int, Field(strict=True, ge=0, le=2**31 - 1)]
 DEFAULT_MAX_TOKENS = 16  # vLLM's default for a request that names none
 
 

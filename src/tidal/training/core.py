@@ -50,7 +50,7 @@ from tidal.training.coordinator import Coordinator, CoordinatorConfig, StepInfo
 from tidal.training.groups import CommError, GroupRegistry
 from tidal.training.packing import PackingBuffer, PackingConfig
 from tidal.training.rpc import RpcServer
-from tidal.training.trajectory_buffer import TrajectoryBuffer
+from tidal.training.trajectory_buffer import TrajectoryBuffer, mean_of
 from tidal.training.transport import BroadcastTransport, SharedMemoryTransport, WeightPublisher
 from tidal.training.worker import GradientWorker, ShardedWorker
 
@@ -168,6 +168,7 @@ class CoreTrainer:
         self.rpc = RpcServer(self.coordinator.handle, self.coordinator.on_disconnect,
                              self._authkey, config.host)
         self._step = 0
+        self._groups_wanted = config.groups_per_step
         self._worker_id = "cell0:core"
 
     def address(self) -> dict[str, object]:
@@ -179,7 +180,7 @@ class CoreTrainer:
 
     def _pump(self) -> None:
         """Move fresh ready groups into the open batch; seal it when full or the stream ended."""
-        want = self.config.groups_per_step - self.packing.n_groups()
+        want = self._groups_wanted - self.packing.n_groups()
         if want > 0:
             timeout = self.config.data_poll_s if not self.packing.progress()["pending"] else 0.0
             groups = self.trajectories.take(want, self.version, timeout_s=timeout)
@@ -187,7 +188,7 @@ class CoreTrainer:
                 self.packing.add_groups(groups)
                 self._groups_in_step += len(groups)
                 self._last_data_s = self.clock.now()
-        if self.packing.n_groups() >= self.config.groups_per_step or (
+        if self.packing.n_groups() >= self._groups_wanted or (
             self.trajectories.exhausted()
         ):
             self.packing.seal()
@@ -227,8 +228,11 @@ class CoreTrainer:
         # Waiting is not reading the clock; an Event gives a bounded, interruptible sleep.
         threading.Event().wait(seconds)
 
-    def train_step(self, final: bool = True) -> StepReport | None:
-        """One optimizer update over ``groups_per_step`` groups; None if the stream was empty."""
+    def train_step(self, final: bool = True, groups: int | None = None) -> StepReport | None:
+        """One optimizer update over ``groups`` groups (default ``groups_per_step``; fewer when
+        the caller knows no more can come, e.g. groups of the burst were dropped); None if the
+        stream was empty."""
+        self._groups_wanted = groups or self.config.groups_per_step
         self.onload()
         step, version = self._step, self.version
         snapshot = self.full_params()
@@ -282,7 +286,7 @@ class CoreTrainer:
         report = StepReport(
             step, version, final, len(summary.groups), summary.n_executions,
             summary.n_trainable_tokens, by_cell, summary.reclaimed, summary.reopened, norm, loss,
-            sum(rewards) / len(rewards), summary.max_staleness, [c for c, _ in members],
+            mean_of(rewards), summary.max_staleness, [c for c, _ in members],
             [g.group_id for g in summary.groups], t_update - t_compute,
             self.clock.now() - t_update, self.worker.compute_s, self.worker.n_tokens, peaks,
         )

@@ -25,7 +25,7 @@ from tidal.errors import RecordError
 from tidal.types import CHAIN_WINDOW_CALLS, continues_chain
 
 
-def record_from_proxy(execution_id: str, group_id: str, calls: list[dict], reward: float,
+def record_from_proxy(execution_id: str, group_id: str, calls: list[dict], reward: float | None,
                       reason: str = "completed") -> ExecutionRecord:
     """The record of a closed execution from the proxy's wire JSON of its calls (the admin
     route's ``calls``: ``CallRecord`` dumps). ``reason``: its close reason. A value the models

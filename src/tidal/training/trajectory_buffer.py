@@ -4,6 +4,12 @@ In: ``ExecutionRecord`` objects (any thread; the proxy's record stream). Records
 ``group_id``; a group is ready once ``group_size`` records are in. Out: ``ReadyGroup`` objects
 with group-normalised advantages and per-token staleness, handed to the trainer by ``take``.
 
+A ``reward_error`` record (reward None) is kept with its group but not trained: the group's
+advantages are over its scored members only, and a group with fewer than ``min(2, group_size)``
+scored members is dropped and counted (``groups_dropped_reward``), the ledger's rule
+(``tidal.control.ledger``). Advantages are computed scale-free (``group_advantages``): any finite
+reward, 1e308 included, gives finite advantages.
+
 Invariant 6: the staleness bound is enforced when data is consumed. ``take(..., version=v)``
 never returns a group holding a token older than ``v - max_policy_lag``; such groups are
 discarded and counted (their ids are kept so a dispatcher can run them again). ``on_stale``
@@ -64,11 +70,24 @@ def member_key(execution_id: str) -> tuple:
 
 
 def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """GRPO advantage: reward minus the group mean, over the group's (population) std."""
+    """GRPO advantage: reward minus the group mean, over the group's (population) std plus
+    ``eps``. Computed on the rewards divided by their largest magnitude ``s`` (the same value:
+    ``(r - m) / (sd + eps) = (x - m/s) / (sd/s + eps/s)``), so no sum or square overflows for
+    any finite reward; a group of equal rewards gets zeros."""
     n = len(rewards)
-    mean = sum(rewards) / n
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
-    return [(r - mean) / (std + eps) for r in rewards]
+    if not rewards or max(rewards) == min(rewards):
+        return [0.0] * n
+    scale = max(abs(r) for r in rewards)
+    xs = [r / scale for r in rewards]
+    mean = mean_of(xs)
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / n)
+    return [(x - mean) / (std + eps / scale) for x in xs]
+
+
+def mean_of(values: list[float]) -> float:
+    """The mean of finite values without overflow (each divided by the count first)."""
+    n = len(values)
+    return sum(v / n for v in values) if n else 0.0
 
 
 @dataclass
@@ -76,17 +95,18 @@ class ReadyGroup:
     """A complete GRPO group: records, their advantages and token sequences."""
 
     group_id: str
-    records: list[ExecutionRecord]
+    records: list[ExecutionRecord]  # the scored members (what trains)
     advantages: list[float]
     sequences: list[list[TrainSequence]]  # per record
     staleness: list[list[list[int]]] = field(default_factory=list)  # per record, seq, token
     consumed_version: int | None = None
+    unscored: list[ExecutionRecord] = field(default_factory=list)  # reward_error members
 
     def min_version(self) -> int:
         return min(r.min_version() for r in self.records)
 
     def mean_reward(self) -> float:
-        return sum(r.reward for r in self.records) / len(self.records)
+        return mean_of([r.reward for r in self.records if r.reward is not None])
 
 
 @dataclass
@@ -96,6 +116,8 @@ class BufferStats:
     groups_taken: int = 0
     groups_dropped_stale: int = 0
     groups_dropped_uniform: int = 0
+    groups_dropped_reward: int = 0  # fewer than min(2, group_size) scored members
+    records_unscored: int = 0  # reward_error records (kept out of training)
     tokens_dropped_stale: int = 0
     max_staleness_taken: int = 0
     dropped_group_ids: list[str] = field(default_factory=list)
@@ -173,20 +195,36 @@ class TrajectoryBuffer:
     def _make_ready(self, group_id: str, records: list[ExecutionRecord]) -> None:
         if self.config.ordered:
             records = sorted(records, key=lambda r: member_key(r.execution_id))
-        rewards = [r.reward for r in records]
+        scored = [r for r in records if r.reward is not None]
+        unscored = [r for r in records if r.reward is None]
+        self.stats.records_unscored += len(unscored)
+        if len(scored) < min(2, self.config.group_size):
+            self.stats.groups_dropped_reward += 1
+            self._forget(group_id)
+            log.warning("dropped group %s: %d of %d members scored (reward_error), fewer than "
+                        "2", group_id, len(scored), len(records))
+            return
+        rewards = [r.reward for r in scored]
         if self.config.drop_uniform_groups and max(rewards) == min(rewards):
             self.stats.groups_dropped_uniform += 1
+            self._forget(group_id)
             return
         advantages = group_advantages(rewards, self.config.advantage_eps)
-        sequences = [record_to_sequences(r) for r in records]
-        self._ready.append(ReadyGroup(group_id, list(records), advantages, sequences))
+        sequences = [record_to_sequences(r) for r in scored]
+        self._ready.append(ReadyGroup(group_id, scored, advantages, sequences,
+                                      unscored=unscored))
         self.stats.groups_ready += 1
+
+    def _forget(self, group_id: str) -> None:
+        """A dropped group never becomes ready: the ordered take goes on without it."""
+        if group_id in self._expected:
+            self._expected.remove(group_id)
 
     def held_records(self) -> list[ExecutionRecord]:
         """Every record in the buffer not yet taken (ready and incomplete groups), for a
         checkpoint; ``add`` them back to restore."""
         with self._cv:
-            out = [r for g in self._ready for r in g.records]
+            out = [r for g in self._ready for r in (*g.records, *g.unscored)]
             out += [r for members in self._partial.values() for r in members]
             return out
 

@@ -86,7 +86,8 @@ def step_rewards(run: RunData) -> list[tuple[int, float, float | None, int]]:
     execs = read_lines(run.path / "executions.jsonl", schema.ExecutionLine) or []
     by_group: dict[str, list[float]] = {}
     for e in execs:
-        by_group.setdefault(e.group, []).append(e.reward)
+        if e.reward is not None:  # reward_error: no reward
+            by_group.setdefault(e.group, []).append(e.reward)
     out = []
     for m in run.metrics or []:
         vals = [r for g in m.get("groups") or [] for r in by_group.get(str(g), [])]

@@ -53,6 +53,7 @@ def test_the_model_routes_are_declared_once():
     without parameters (matched exactly at the door)."""
     assert set(FastPath.ROUTES) <= model_routes()
     assert {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate",
+            "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
             "/v1/models"} == model_routes()
     assert all("{" not in p for p in model_routes())
     assert {access for *_, access, _ in ROUTES} == {"model", "open", "admin"}
@@ -66,6 +67,9 @@ def test_an_execution_key_calls_its_own_model_routes_only():
         ("POST", "/v1/chat/completions", _bearer(KEY)),
         ("POST", "/inference/v1/generate", _bearer(KEY)),
         ("GET", base + "/models", _bearer(KEY)),
+        # the dialects' routes: the same rule (an Anthropic SDK sends its key as x-api-key)
+        ("POST", base.removesuffix("/v1") + "/v1/messages", {"x-api-key": KEY}),
+        ("POST", "/v1/responses", _bearer(KEY)),
         # every route that is not a model call: the admin token only
         ("GET", "/tidal/executions/other/records", _bearer(KEY)),
         ("POST", "/tidal/executions/other/close", _bearer(KEY)),
@@ -78,12 +82,14 @@ def test_an_execution_key_calls_its_own_model_routes_only():
         ("GET", base.removesuffix("/v1") + "/tidal/stats", _bearer(KEY)),
         ("POST", "/v1/some-new-route", _bearer(KEY)),
     ])
-    assert statuses == [200] * 4 + [401] * 10
+    assert statuses == [200] * 6 + [401] * 10
     assert [p for p, _, _ in seen] == ["/v1/chat/completions", "/v1/chat/completions",
-                                       "/inference/v1/generate", "/v1/models"]
+                                       "/inference/v1/generate", "/v1/models", "/v1/messages",
+                                       "/v1/responses"]
     for _, headers, caller in seen:
         assert headers[b"x-tidal-execution"] == b"b1-g2-e3"
-        assert headers[b"authorization"] == f"Bearer {KEY}".encode()  # never the run's token
+        given = headers.get(b"authorization") or b"Bearer " + headers[b"x-api-key"]
+        assert given == f"Bearer {KEY}".encode()  # passed on as it came: never the run's token
         assert caller.execution == "b1-g2-e3" and not caller.admin
 
 
@@ -97,6 +103,8 @@ def test_naming_an_execution_needs_its_key_or_the_admin_token():
         ("POST", victim + "/completions", _bearer(KEY)),
         ("POST", "/v1/completions", {**_bearer(KEY), "X-Tidal-Execution": "victim"}),
         ("POST", "/v1/completions", _bearer("tx-victim.0123456789abcdef")),
+        ("POST", victim.removesuffix("/v1") + "/v1/messages", {"x-api-key": "sk-ant-none"}),
+        ("POST", "/v1/responses", {**_bearer(KEY), "X-Tidal-Execution": "victim"}),
         # the admin token names any execution (the driver's own harness pool)
         ("POST", "/v1/completions", {**_bearer(TOKEN), "X-Tidal-Execution": "victim"}),
         ("POST", victim + "/completions", _bearer(TOKEN)),
@@ -105,7 +113,7 @@ def test_naming_an_execution_needs_its_key_or_the_admin_token():
         ("POST", "/v1/completions", _bearer("sk-placeholder")),
         ("GET", "/health", {}),
     ])
-    assert statuses == [401] * 6 + [200, 200, 400, 200, 200]
+    assert statuses == [401] * 8 + [200, 200, 400, 200, 200]
     assert [h.get(b"x-tidal-execution") for _, h, _ in seen[:2]] == [b"victim", b"victim"]
     assert b"x-tidal-execution" not in seen[2][1] and not seen[2][2].admin
 
