@@ -81,6 +81,15 @@ class AgentConfig(Strict):
     task_file: str = Field("task.json", pattern=r"^[A-Za-z0-9_.-]+$", description="the task "
                            "row as JSON in each workspace")
     args: dict[str, Any] = Field(default_factory=dict, description="arguments of the kind")
+    user: str = Field("auto", pattern=r"^[a-z_][a-z0-9_-]*$", description="command: the "
+                      "user the program runs as, in its own PID namespace: 'auto' = "
+                      "'tidal-agent' (created if absent) when tidal runs as root, else tidal's "
+                      "own user; a user name; or 'root' (no switch). See docs/security.md")
+    output_limit_bytes: int = Field(16 * 2**20, ge=1024, description="command: bytes kept "
+                                    "of each of stdout and stderr (.tidal/stdout.log, "
+                                    "stderr.log); the rest is dropped, marked in the log")
+    workers: int = Field(2, ge=1, le=64, description="python: worker processes the agent "
+                         "function (and the run's reward function) runs in")
 
 
 class TaskConfig(Strict):

@@ -5,18 +5,24 @@ execution's workspace, with the model behind ``OPENAI_BASE_URL`` / ``OPENAI_API_
 In: ``task.agent.command`` (the program, ``{python}`` for tidal's own interpreter, and its
 arguments; ``{prompt}``, ``{task_file}``,
 ``{workspace}``, ``{execution_id}``, ``{base_url}``, ``{api_key}``, ``{model}`` are filled in, in
-``task.agent.env`` values too). The task row is written as JSON to ``task.agent.task_file`` in the
-workspace first. The environment adds ``OPENAI_BASE_URL`` (the proxy's per-execution URL, so a
-program that cannot add headers is still identified), ``OPENAI_API_KEY`` (a key bound to the
-execution), ``OPENAI_MODEL``, ``TIDAL_EXECUTION_ID``, ``TIDAL_WORKSPACE``, ``TIDAL_TASK_FILE``.
+``task.agent.env`` values too). The task row (without its reference answer) is written as JSON to
+``task.agent.task_file`` in the workspace first. The environment adds ``OPENAI_BASE_URL`` (the
+proxy's per-execution URL, so a program that cannot add headers is still identified),
+``OPENAI_API_KEY`` (a key bound to the execution), ``OPENAI_MODEL``, ``TIDAL_EXECUTION_ID``,
+``TIDAL_WORKSPACE``, ``TIDAL_TASK_FILE``.
+The run's tokens (``TIDAL_*TOKEN*``) are never passed on.
 Out: an ``AgentOutcome`` with the exit code, the last ``TAIL_CHARS`` of stdout / stderr (the
-full streams are in ``.tidal/stdout.log`` / ``stderr.log`` of the workspace) and the stdout tail
-as the answer; a non-zero exit closes the execution ``failed``.
-Kept: the program is ended with its execution: cancelled (the execution's timeout, the run's
-end) its group gets SIGTERM, then SIGKILL after ``GRACE_S``; its group is killed when the
-leader exits too, then any process still carrying the execution's mark (``TIDAL_EXECUTION_KEY``
-in its environment: a child that started its own session), and ``end_all`` kills any group
-still alive at the run's end.
+streams are in ``.tidal/stdout.log`` / ``stderr.log`` of the workspace, each cut at
+``task.agent.output_limit_bytes``: the rest is read and dropped, a line at the log's end and the
+outcome's ``detail`` say so) and the stdout tail as the answer; a non-zero exit closes the
+execution ``failed``.
+Kept: the program runs in the sandbox ``task.agent.user`` asks for (``tidal.agents.sandbox``:
+its own PID namespace, and as root its own user with the run directory hidden). It is ended
+with its execution: cancelled (the execution's timeout, the run's end) its group gets SIGTERM,
+then SIGKILL after ``GRACE_S``; its group is killed when the leader exits too, and with it the
+namespace: every process the program started, wherever it went. Without namespaces (a host
+that has none), any process still carrying the execution's mark (``TIDAL_EXECUTION_KEY`` in its
+environment) is killed instead. ``end_all`` kills any group still alive at the run's end.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import sys
 from pathlib import Path
 
 from tidal.agents.kinds import AgentContext, AgentOutcome, register_agent_kind, unused
+from tidal.agents.sandbox import environment, interpreter_paths, sandbox_for
 from tidal.config import AgentConfig
 from tidal.errors import ConfigError
 
@@ -40,6 +47,8 @@ GRACE_S = 3.0
 FIELDS = ("prompt", "task_file", "workspace", "execution_id", "base_url", "api_key", "model")
 _LIVE: set[int] = set()  # process groups of running programs
 _MARK = "TIDAL_EXECUTION_KEY"
+CHUNK = 1 << 16
+_CUT = "\n[tidal: output truncated"
 
 
 class CommandKind:
@@ -65,10 +74,20 @@ class CommandKind:
             raise ConfigError(
                 f"{field}.args.{sorted(spec.args)[0]}", "the 'command' kind takes no args"
             )
+        self.user, self.user_field = spec.user, f"{field}.user"
+        # checked here (tidal check too); the agents' user is created by the first execution
+        self.sandbox = sandbox_for(spec.user, self.user_field, create=False)
+        # tidal's interpreter and its imports, for ``{python}`` and the venv's scripts
+        self.expose = interpreter_paths()
+        self.limit = spec.output_limit_bytes
 
     async def run(self, ctx: AgentContext) -> AgentOutcome:
+        if not self.sandbox.ready:  # the first execution creates the agents' user
+            self.sandbox = sandbox_for(self.user, self.user_field)
         ws = ctx.workspace
-        (ws / self.task_file).write_text(json.dumps(ctx.row.to_json(), default=str))
+        # the row without its reference answer: the agent is what is trained
+        row = {k: v for k, v in ctx.row.to_json().items() if k != "answer"}
+        (ws / self.task_file).write_text(json.dumps(row, default=str))
         values = {
             "prompt": ctx.row.text(),
             "task_file": str(ws / self.task_file),
@@ -79,44 +98,83 @@ class CommandKind:
             "model": ctx.model,
         }
         env = {
-            **os.environ,
+            **environment(),
             "OPENAI_BASE_URL": ctx.base_url,
             "OPENAI_API_KEY": ctx.api_key,
             "OPENAI_MODEL": ctx.model,
             "TIDAL_EXECUTION_ID": ctx.execution_id,
             "TIDAL_WORKSPACE": str(ws),
             "TIDAL_TASK_FILE": values["task_file"],
-            _MARK: ctx.api_key,  # run-unique: finds what the program started, wherever it went
             **{k: v.format(**values) for k, v in self.env.items()},
         }
+        if not self.sandbox.kills_descendants:  # run-unique: finds what the program started
+            env[_MARK] = ctx.api_key
         logs = ws / ".tidal"
         logs.mkdir(exist_ok=True)
-        with open(logs / "stdout.log", "wb") as out, open(logs / "stderr.log", "wb") as err:
-            proc = await asyncio.create_subprocess_exec(
-                self.program,
-                *(a.format(**values) for a in self.argv),
-                cwd=ws,
-                env=env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
+        self.sandbox.prepare(ws)  # logs too (a harness writes there): tidal never reads them
+        argv = [self.program, *(a.format(**values) for a in self.argv)]
+        proc = await asyncio.create_subprocess_exec(
+            *self.sandbox.argv(argv, ws, self.expose),
+            cwd=ws,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
         _LIVE.add(proc.pid)
+        copies = [
+            asyncio.ensure_future(_copy(proc.stdout, logs / "stdout.log", self.limit)),
+            asyncio.ensure_future(_copy(proc.stderr, logs / "stderr.log", self.limit)),
+        ]
         try:
             code = await proc.wait()
         finally:
             await _end(proc)
-            await _end_strays(ctx.api_key)
-        stdout, stderr = _tail(logs / "stdout.log"), _tail(logs / "stderr.log")
+            if not self.sandbox.kills_descendants:
+                await _end_strays(ctx.api_key)
+            # every writer is gone: the pipes end (bounded: a stray holding one is cut off)
+            done, pending = await asyncio.wait(copies, timeout=GRACE_S)
+            for task in pending:
+                task.cancel()
+        tails, cut = ["", ""], []
+        for i, (name, task) in enumerate(zip(("stdout", "stderr"), copies, strict=True)):
+            if task in done and not task.cancelled() and task.exception() is None:
+                tails[i], dropped = task.result()
+                if dropped:
+                    cut.append(f"{name} truncated at {self.limit} bytes ({dropped} dropped)")
+        stdout, stderr = tails
         return AgentOutcome(
-            answer=stdout.strip(),
+            answer=stdout.split(_CUT, 1)[0].strip(),
             exit_code=code,
             stdout_tail=stdout,
             stderr_tail=stderr,
             reason="completed" if code == 0 else "failed",
             transcript=[{"action": f"exit {code}", "observation": stdout}],
+            detail="; ".join(cut),
         )
+
+
+async def _copy(stream: asyncio.StreamReader | None, path: Path, limit: int) -> tuple[str, int]:
+    """``stream`` into ``path`` up to ``limit`` bytes, the rest read and dropped (the program
+    never blocks on a full pipe); a dropped tail is marked at the log's end. Returns the log's
+    last ``TAIL_CHARS`` (kept here: the log's path is in the agent's workspace, never read back)
+    and the bytes dropped."""
+    kept = dropped = 0
+    tail = b""
+    with open(path, "wb") as fh:
+        while stream is not None and (chunk := await stream.read(CHUNK)):
+            room = max(0, limit - kept)
+            if room:
+                fh.write(chunk[:room])
+                tail = (tail + chunk[:room])[-TAIL_CHARS:]
+                kept += min(room, len(chunk))
+            dropped += max(0, len(chunk) - room)
+        if dropped:
+            mark = f"{_CUT} after {limit} bytes: {dropped} bytes dropped]\n".encode()
+            fh.write(mark)
+            tail = (tail + mark)[-TAIL_CHARS:]
+    return tail.decode("utf-8", "replace"), dropped
 
 
 def executable(program: str, field: str) -> str:
@@ -211,13 +269,6 @@ def end_all() -> int:
         _signal(pgid, signal.SIGKILL)
     _LIVE.clear()
     return len(live)
-
-
-def _tail(path: Path) -> str:
-    with open(path, "rb") as fh:
-        fh.seek(0, os.SEEK_END)
-        fh.seek(max(0, fh.tell() - TAIL_CHARS))
-        return fh.read().decode("utf-8", "replace")
 
 
 register_agent_kind("command", CommandKind)

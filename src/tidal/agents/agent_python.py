@@ -6,9 +6,15 @@ In: ``task.agent.function`` (``module:function`` or ``file.py:function``, an ``a
 takes any of ``client``, ``row``, ``workspace``, ``model``, ``ctx`` by name. Out: an
 ``AgentOutcome``: the function may return a number (the reward), None (the run's reward function
 scores the execution), a string (the final answer, scored by the reward function), a dict
-``{reward, answer}`` or an ``AgentOutcome``; a reward that is NaN, an infinity or a bool
-closes the execution ``reward_error`` (no reward, never a stand-in). The client does not retry
-(the proxy already carries a call across engine moves; a failed call is the agent's to see).
+``{reward, answer}`` or an ``AgentOutcome``; a reward that is not finite (NaN, an infinity) or
+a bool closes the execution ``reward_error`` with no reward (``finite_reward``). The client does not
+retry (the proxy already carries a call across engine moves; a failed call is the agent's to
+see).
+
+Kept: the function never runs in the driver's event loop: each call runs in a worker process
+(``tidal.agents.python_workers``, ``task.agent.workers`` of them) on the worker's own loop, and
+is killed with its worker when it outlives the execution's timeout (an agent that swallows
+cancellation or blocks with ``time.sleep`` holds neither the driver nor the run).
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ from numbers import Real
 
 from tidal.agents.callables import load_callable, parameters
 from tidal.agents.kinds import AgentContext, AgentOutcome, register_agent_kind, unused
+from tidal.agents.python_workers import pool
 from tidal.config import AgentConfig
-from tidal.contracts.executions import finite_reward
+from tidal.contracts.executions import Outcome, finite_reward
 from tidal.errors import ConfigError
 
-_GIVEN = ("client", "row", "workspace", "model", "ctx")
+GIVEN = ("client", "row", "workspace", "model", "ctx")
 
 
 class PythonKind:
@@ -39,29 +46,68 @@ class PythonKind:
                 f"{field}.function", f"{spec.function}: must be an async function (async def)"
             )
         names = parameters(self.fn)
-        unknown = [n for n in names if n not in (*_GIVEN, "**")]
+        unknown = [n for n in names if n not in (*GIVEN, "**")]
         if unknown:
             raise ConfigError(
                 f"{field}.function",
-                f"{spec.function}: parameter {unknown[0]!r} is none of {', '.join(_GIVEN)}",
+                f"{spec.function}: parameter {unknown[0]!r} is none of {', '.join(GIVEN)}",
             )
-        self.names = list(_GIVEN) if "**" in names else names
-        self.field = field
+        self.names = list(GIVEN) if "**" in names else names
+        self.field, self.spec, self.workers = field, spec.function, spec.workers
 
     async def run(self, ctx: AgentContext) -> AgentOutcome:
-        import openai
+        """The function's outcome, from a worker process (``WorkerError`` if it raised or its
+        worker was killed; ``TimeoutError`` past ``ctx.timeout_s``)."""
+        done = await pool(self.workers).call(
+            "agent", {"fn": self.spec, "names": self.names, "ctx": ctx}, ctx.timeout_s
+        )
+        if not isinstance(done, dict):
+            raise TypeError(f"the agent's worker answered {type(done).__name__}")
+        return _agent_outcome(Outcome.model_validate(done))  # checked: a worker is not trusted
 
-        async with openai.AsyncOpenAI(
-            base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, timeout=ctx.timeout_s
-        ) as client:
-            given = {
-                "client": client,
-                "row": ctx.row,
-                "workspace": ctx.workspace,
-                "model": ctx.model,
-                "ctx": ctx,
-            }
-            return outcome_of(await self.fn(**{n: given[n] for n in self.names}))
+
+def _agent_outcome(out: Outcome) -> AgentOutcome:
+    """``Outcome`` as the ``AgentOutcome`` the harness pool still reads (goes with it)."""
+    return AgentOutcome(
+        reward=out.reward,
+        answer=out.answer,
+        transcript=[t.model_dump(exclude_none=True) for t in out.transcript],
+        exit_code=out.exit_code,
+        reason=out.reason.value,
+        detail=out.detail,
+    )
+
+
+def outcome_dict(res: object) -> dict:
+    """A python agent's return value as the ``Outcome`` (a dict) its worker sends back (in the
+    worker): a non-finite reward becomes reason ``reward_error`` with no reward and the why in
+    ``detail``; transcript entries are ``Turn``s (their ``action``, ``observation`` and
+    timings)."""
+    out = outcome_of(res)
+    done = {
+        "reason": out.reason,
+        "reward": None,
+        "answer": out.answer,
+        "transcript": [_turn(t) for t in out.transcript],
+        "detail": out.detail,
+    }
+    if out.reward is not None:
+        try:
+            done["reward"] = finite_reward(out.reward)
+        except ValueError as exc:
+            done.update(reason="reward_error", detail=f"the agent returned a {exc}")
+    return done
+
+
+def _turn(entry: object) -> dict:
+    given = entry if isinstance(entry, dict) else {"action": entry}
+    turn = {"action": str(given.get("action", "")),
+            "observation": str(given.get("observation", ""))}
+    for key in ("t_call", "call_s", "tool_s"):
+        value = given.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+            turn[key] = float(value)
+    return turn
 
 
 def outcome_of(res: object) -> AgentOutcome:
@@ -93,8 +139,9 @@ def _checked(out: AgentOutcome) -> AgentOutcome:
         return out
     try:
         out.reward = finite_reward(out.reward)
-    except ValueError:
+    except ValueError as exc:
         out.reward, out.reason = None, "reward_error"
+        out.detail = f"the agent returned a {exc}"
     return out
 
 

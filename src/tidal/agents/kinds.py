@@ -64,6 +64,7 @@ class AgentOutcome:
     stdout_tail: str = ""
     stderr_tail: str = ""
     reason: str = "completed"
+    detail: str = ""  # one line: what went wrong or was cut (e.g. output truncated)
 
 
 class AgentKind(Protocol):

@@ -9,7 +9,9 @@ A user function is called in one of two styles, told apart by its parameter name
 - verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``, as it is (a verl
   user's reward file works unchanged; a dict answer gives its ``score``, as in verl);
 - tidal's: any of ``row``, ``answer``, ``workspace``, ``transcript``, ``outcome`` by name.
-Sync functions run in a worker thread, async ones on the loop, each bounded by ``timeout_s``.
+Each runs in a worker process (``tidal.agents.python_workers``), never in the driver: one that
+does not return within ``timeout_s`` is killed with its worker (``reward_error``), and no thread
+of the driver waits on it (SIGTERM still ends the run).
 Builtins: ``reasoning_gym`` (the dataset's own ``score_answer``, on the ``<answer>`` tag when the
 text has one), ``math_verify`` (math-verify's parse + verify against the reference), ``tests``
 (the workspace's tests: 1 if they pass, else 0) and ``exact``.
@@ -18,7 +20,6 @@ text has one), ``math_verify`` (math-verify's parse + verify against the referen
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
 import os
@@ -29,6 +30,8 @@ from pathlib import Path
 
 from tidal.agents.callables import load_callable, parameters
 from tidal.agents.kinds import AgentOutcome
+from tidal.agents.python_workers import WorkerError, pool
+from tidal.agents.sandbox import environment, interpreter_paths, sandbox_for
 from tidal.agents.tasks import TaskRow
 from tidal.config import RewardConfig
 from tidal.errors import ConfigError, TidalError
@@ -100,12 +103,21 @@ class Reward:
                 }
             )
             kwargs = {n: given[n] for n in self.names}
-            if inspect.iscoroutinefunction(self.fn):
-                return await self.fn(**kwargs)
-            return await asyncio.to_thread(self.fn, **kwargs)
+            return await self._in_worker(
+                "reward", {"fn": self.cfg.function, "kwargs": kwargs}
+            )
         if self.cfg.builtin == "tests":
             return await run_tests(row, workspace, self.cfg.timeout_s)
-        return await asyncio.to_thread(_BUILTINS[self.cfg.builtin or ""], row, outcome.answer)
+        return await self._in_worker(
+            "builtin", {"name": self.cfg.builtin, "row": row, "answer": outcome.answer}
+        )
+
+    async def _in_worker(self, op: str, payload: dict) -> object:
+        """The scorer's value, computed in a worker process killed at ``timeout_s``."""
+        try:
+            return await pool().call(op, payload, self.cfg.timeout_s)
+        except WorkerError as exc:
+            raise RewardError(str(exc)) from None
 
 
 def number(value: object) -> float:
@@ -150,7 +162,9 @@ _BUILTINS = {"reasoning_gym": _reasoning_gym, "math_verify": _math_verify, "exac
 
 async def run_tests(row: TaskRow, workspace: Path, timeout_s: float) -> float:
     """1.0 if the row's test command (default ``python -m pytest -q``) exits 0 in the
-    workspace, else 0.0; run as its own process group, killed at ``timeout_s``."""
+    workspace, else 0.0; run in the agents' sandbox (the tests are the agent's work: as root
+    they run as the agent's user, ``tidal.agents.sandbox``), killed at ``timeout_s`` with
+    everything they started."""
     argv = row.metadata.get("test_command") or [
         sys.executable,
         "-m",
@@ -160,20 +174,22 @@ async def run_tests(row: TaskRow, workspace: Path, timeout_s: float) -> float:
         "-p",
         "no:cacheprovider",
     ]
+    box = sandbox_for("auto")
+    box.prepare(workspace)
     proc = await asyncio.create_subprocess_exec(
-        *argv,
+        *box.argv(list(argv), workspace, interpreter_paths()),
         cwd=workspace,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
         start_new_session=True,
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        env={**environment(), "PYTHONDONTWRITEBYTECODE": "1"},
     )
     try:
         code = await asyncio.wait_for(proc.wait(), timeout_s)
     finally:
         if proc.returncode is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # and with its namespace, all it started
             await proc.wait()
     return 1.0 if code == 0 else 0.0
 

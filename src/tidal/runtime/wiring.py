@@ -145,8 +145,10 @@ class Wired:
 
     async def close(self) -> None:
         from tidal.agents.agent_command import end_all
+        from tidal.agents.python_workers import close_all
 
         end_all()  # a command agent's program never outlives the run
+        close_all()  # nor a worker of the user's Python code (killed, never waited on)
         self.buffer.close()
         self.core.close()
         await self.admin.aclose()

@@ -94,7 +94,7 @@ from tidal.control.policy import registered_mechanics
 from tidal.control.verl import dispatch_budget
 from tidal.sim import perf
 from tidal.sim.costs import kv_handoff_s, step_duration_s, train_rate_tok_s
-from tidal.sim.scenario import Scenario
+from tidal.sim.scenario import Scenario, train_work_tokens
 from tidal.sim.workloads import make_workload
 
 
@@ -180,8 +180,10 @@ def draw_candidates(sc: Scenario) -> Candidates:
             tools_s -= spec.turns[-1][1]
             work = dec + pre * eng.prefill_equiv
             roll += work / eng.decode_tok_s_per_gpu + ctx_sum * eng.kv_gpu_s_per_ctx_token
-            tokens += dec + pre
-            tokens_to += dec + pre if spec.timeout_s is None else spec.prompt_tokens
+            # Training work of the sequence (token equivalents, attention included).
+            tokens += train_work_tokens(dec + pre, tr)
+            tokens_to += train_work_tokens(dec + pre if spec.timeout_s is None
+                                           else spec.prompt_tokens, tr)
             # Prefill may run at the whole engine's speed: only decode bounds the latency.
             longest = max(longest, dec / eng.seq_cap_tok_s + tools_s)
             d_to = dec / eng.seq_cap_tok_s + tools_s

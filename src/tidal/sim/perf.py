@@ -8,13 +8,17 @@ with every derived speed and cost filled in (peak decode, per-sequence cap, pref
 equivalents, training tokens/s per GPU, optimizer, offload / onload, weight sync, KV handoff).
 
 The decode step of ``n`` resident sequences with ``S`` context tokens in all (roofline):
-``max(bytes / (tp * HBM * e_dec), n * 2 * active / (tp * FLOPs * e_dec)) + overhead``, with
-``bytes = dense weights + routed experts * (1 - (1 - k/E)**n) + kv * S + state * n``
+``max(bytes / (tp * HBM * e_dec), n * 2 * M / (tp * FLOPs * e_dec)) + overhead`` (``M`` below),
+with ``bytes = dense weights + routed experts * (1 - (1 - k/E)**n) + kv * S + state * n``
 (reading the experts a batch touches; reading the KV cache and the linear-attention state).
 When the cache holds only a share ``f`` of the sequences (``tp * HBM * mem_fraction - weights``
 over what they need), ``f`` of them decode at a time: every sequence advances at ``f / step``.
-Training: ``2 * active * (3 + recompute + old-log-prob + reference)`` FLOPs per token at
-``mfu``; Adam reads and writes 16 bytes per parameter on the core cell; offload and onload
+Training: per pass (3 for forward and backward, + recompute + old-log-prob + reference) a
+sequence of ``L`` tokens costs ``2 * M * L`` FLOPs in its matmuls (``M``: the active
+parameters less an untied input embedding, a lookup) plus ``a * L**2 / 2`` in causal attention
+(``a = 4 * full-attention layers * attention dim`` per (token, earlier token) pair), at
+``mfu``; the trainer counts work in token equivalents, ``L + a / (2 M) * L**2 / 2``;
+Adam reads and writes 16 bytes per parameter on the core cell; offload and onload
 move weights, gradients and optimizer state over the host link; a weight sync moves the
 weights over the scale-out link; links run at ``link`` efficiency. Pure functions.
 """
@@ -122,18 +126,33 @@ def build_engine(gpu: GpuProfile, model: ModelProfile, tp: int, mem_fraction: fl
         keep_prob=1.0 - (model.experts_per_tok / model.experts if model.experts else 0.0),
         kv_bytes_per_token=model.kv_bytes_per_token,
         state_bytes_per_seq=2 * model.state_bytes_per_seq,  # read and written every step
-        flops_per_token=2 * model.active_params, bytes_s=tp * gpu.hbm_bytes_s * e_dec,
+        flops_per_token=2 * model.matmul_params, bytes_s=tp * gpu.hbm_bytes_s * e_dec,
         flops_s=tp * gpu.flops * e_dec, prefill_flops_s=tp * gpu.flops * mfu,
         overhead_s=overhead,
         kv_capacity_bytes=max(0.0, tp * gpu.hbm_gb * 1e9 * mem_fraction - model.weight_bytes),
-        attn_flops_per_pair=4.0 * model.full_attention_layers * model.attn_dim)
+        attn_flops_per_pair=model.attn_flops_per_pair)
 
 
 def train_flops_per_token(cm: CostModelConfig) -> float:
-    """Forward + backward (+ recomputed forward) + old-log-prob + reference passes."""
+    """Matmul FLOPs of one trained token over the forward + backward (+ recomputed forward) +
+    old-log-prob + reference passes (attention comes on top: ``train_sequence_flops``)."""
     model = load_model(cm.model)
     passes = 3 + cm.recompute + cm.old_log_prob + cm.ref_log_prob
-    return 2 * model.active_params * passes
+    return 2 * model.matmul_params * passes
+
+
+def attn_tokens_per_pair(model: ModelProfile) -> float:
+    """Token equivalents (matmul FLOPs of one token, per pass) of one causal attention pair."""
+    return model.attn_flops_per_pair / (2 * model.matmul_params)
+
+
+def train_sequence_flops(cm: CostModelConfig, tokens: float) -> float:
+    """Training FLOPs of one sequence of ``tokens`` tokens over every pass: its matmuls and
+    its causal attention (``tokens**2 / 2`` pairs)."""
+    model = load_model(cm.model)
+    passes = 3 + cm.recompute + cm.old_log_prob + cm.ref_log_prob
+    return passes * (2 * model.matmul_params * tokens
+                     + model.attn_flops_per_pair * tokens * tokens / 2)
 
 
 def resolve(sc: Scenario) -> Scenario:
@@ -169,6 +188,7 @@ def resolve(sc: Scenario) -> Scenario:
             "prefill_equiv": std.prefill_s(1.0) * cm.engine_tp * peak}),
         "trainer": sc.trainer.model_copy(update={
             "train_tok_s_per_gpu": gpu.flops * cm.efficiency.mfu / train_flops_per_token(cm),
+            "attn_tokens_per_pair": attn_tokens_per_pair(model),
             "optimizer_s": cm.optimizer_overhead_s + adam_s, "host_gb_s": host_gb_s,
             "weight_passes": 3 + cm.recompute + cm.old_log_prob + cm.ref_log_prob}),
         "costs": sc.costs.model_copy(update={

@@ -57,6 +57,20 @@ class ModelProfile:
     experts_per_tok: int
     bytes_per_param: int
     attn_dim: int = 0  # query heads x head dim (attention scores and values per context token)
+    input_embed_params: float = 0.0  # an untied input embedding: a lookup, no FLOPs
+
+    @property
+    def matmul_params(self) -> float:
+        """Active parameters a token multiplies through (2 FLOPs each per forward pass): the
+        active ones less an untied input embedding, which is a table lookup (a tied one is
+        the output head's matrix, a matmul)."""
+        return self.active_params - self.input_embed_params
+
+    @property
+    def attn_flops_per_pair(self) -> float:
+        """Forward FLOPs of one (token, earlier token) pair: scores and values (2 + 2 FLOPs
+        per attention dimension) in every full-attention layer."""
+        return 4.0 * self.full_attention_layers * self.attn_dim
 
     @property
     def total_params(self) -> float:
@@ -189,10 +203,12 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelProfile:
     else:
         expert_params, k = 0.0, 0
         mlp = 3 * hidden * _int(cfg, "intermediate_size")
-    embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    tied = bool(cfg.get("tie_word_embeddings"))
+    embed = vocab * hidden * (1 if tied else 2)
     dense = float(embed + full * attn + linear * lin + layers * mlp)
     return ModelProfile(name=name, layers=layers, hidden=hidden, full_attention_layers=full,
                         kv_bytes_per_token=float(2 * full * kv_heads * head_dim * nbytes),
                         state_bytes_per_seq=float(state), dense_params=dense,
                         expert_params=expert_params, experts=experts, experts_per_tok=k,
-                        bytes_per_param=nbytes, attn_dim=heads * head_dim)
+                        bytes_per_param=nbytes, attn_dim=heads * head_dim,
+                        input_embed_params=0.0 if tied else float(vocab * hidden))

@@ -46,6 +46,16 @@ class Row(Strict):
     warmup_versions: int = Field(1, ge=0, description="versions left out of per_version")
     published: float
     calibrate: bool = False
+    workload: Literal["known", "unpublished"] = Field(
+        ..., description="known: the run's workload is an input of its scenario (published "
+        "lengths quoted in the file's header, or one workload shared by every run of the "
+        "table and pinned by its calibration rows): the row is judged; unpublished: the "
+        "table's runs differ in workload and it is not published: printed with its error, "
+        "never judged")
+
+    @property
+    def judged(self) -> bool:
+        return self.workload == "known"
 
 
 class Phases(Strict):
@@ -93,6 +103,9 @@ def load(name_or_path: str) -> PublishedFile:
             raise ConfigError(f"rows.{r.id}.baseline", f"a {r.metric} needs a baseline policy")
         if r.calibrate and (r.metric != "makespan_h" or r.per_version):
             raise ConfigError(f"rows.{r.id}.calibrate", "only makespan_h rows calibrate")
+        if r.calibrate and not r.judged:
+            raise ConfigError(f"rows.{r.id}.workload", "a calibration row needs its workload "
+                                                       "known")
         for name in (r.scenario, r.baseline_scenario):
             if name is not None:
                 scenario_in(pf, name)  # every scenario a row names loads
@@ -236,12 +249,38 @@ def evaluate(pf: PublishedFile, run: Makespans, seeds: int = 1) -> list[Outcome]
     return out
 
 
-def summary(outcomes: list[Outcome], tolerance: float = 0.1) -> str:
-    """One line: rows within ``tolerance`` (relative, every metric) and the worst row."""
+def _kind_line(label: str, outcomes: list[Outcome], tolerance: float) -> str:
+    if not outcomes:
+        return f"{label}: none"
     worst = max(outcomes, key=lambda o: abs(o.relative_error))
     within = sum(abs(o.relative_error) <= tolerance for o in outcomes)
-    return (f"{within}/{len(outcomes)} rows within {tolerance:.0%}; worst {worst.row.id} "
+    return (f"{label}: {within}/{len(outcomes)} within {tolerance:.0%}, worst {worst.row.id} "
             f"{worst.relative_error:+.1%}")
+
+
+def counts(outcomes: list[Outcome], tolerance: float = 0.1) -> str:
+    """Per kind of row, how many are within ``tolerance``: judged (calibration rows apart)
+    and unjudged (workload unpublished)."""
+    judged = [o for o in outcomes if o.row.judged]
+    cal = [o for o in judged if o.row.calibrate]
+    pred = [o for o in judged if not o.row.calibrate]
+    return "; ".join([_kind_line("calibration rows", cal, tolerance),
+                      _kind_line("judged rows (workload known)", pred, tolerance),
+                      _kind_line("unjudged rows (workload unpublished)",
+                                 [o for o in outcomes if not o.row.judged], tolerance)])
+
+
+def summary(outcomes: list[Outcome], tolerance: float = 0.1) -> str:
+    """The closing lines: judged rows within ``tolerance`` (relative, every metric; the
+    calibration rows counted apart), the unjudged ones, each kind's worst row."""
+    judged = [o for o in outcomes if o.row.judged]
+    within = sum(abs(o.relative_error) <= tolerance for o in judged)
+    pred = [o for o in judged if not o.row.calibrate]
+    return (f"all files: {within}/{len(judged)} judged rows within {tolerance:.0%} "
+            f"({sum(abs(o.relative_error) <= tolerance for o in pred)}/{len(pred)} outside "
+            f"the {len(judged) - len(pred)} calibration rows); "
+            f"{sum(not o.row.judged for o in outcomes)} unjudged rows (workload unpublished)"
+            f"\n{counts(outcomes, tolerance)}")
 
 
 def table(pf: PublishedFile, outcomes: list[Outcome]) -> str:
@@ -251,7 +290,8 @@ def table(pf: PublishedFile, outcomes: list[Outcome]) -> str:
              f"{'predicted':>10} {'error':>8} {'seeds sd':>9}"]
     for o in outcomes:
         r = o.row
-        role = "calibrated" if r.calibrate else "prediction"
+        role = ("calibrated" if r.calibrate else "prediction" if r.judged
+                else "unjudged")
         metric = r.metric if r.baseline is None else f"vs {r.baseline.split(':')[-1]}"
         if r.metric == "speedup":
             metric = "speed-up"
@@ -261,7 +301,8 @@ def table(pf: PublishedFile, outcomes: list[Outcome]) -> str:
         lines.append(f"{r.id:<{w}} {role:<11} {mech:<26} {metric:<11} "
                      f"{fmt.format(r.published):>9} "
                      f"{fmt.format(o.predicted):>10} {err:>8} "
-                     f"{(fmt.format(o.spread) if o.spread else '-'):>9}")
+                     f"{(fmt.format(o.spread) if o.spread else '-'):>9}"
+                     + ("" if r.judged else "  workload unpublished"))
     return "\n".join(lines)
 
 

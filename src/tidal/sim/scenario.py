@@ -38,12 +38,68 @@ from tidal.specs import parse_policy_spec, resolved
 
 
 class Dist(Strict):
-    """A capped lognormal: ``median * exp(sigma * z)``, clipped to [lo, cap]."""
+    """A capped lognormal: ``median * exp(sigma * z)``, clipped to [lo, cap]. Give either its
+    ``median`` or its ``mean`` (the mean after clipping, e.g. a run's published mean response
+    length): the median is then solved for from the mean, ``sigma``, ``cap`` and ``lo``."""
 
     median: float = Field(..., ge=0.0)
     sigma: float = Field(0.0, ge=0.0)
     cap: float | None = Field(None, gt=0.0)
     lo: float = Field(0.0, ge=0.0)
+    mean: float | None = Field(None, gt=0.0, description="the clipped mean the median is "
+                               "solved from (instead of giving the median)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _median_from_mean(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("mean") is None:
+            return data
+        mean, sigma = data["mean"], data.get("sigma", 0.0)
+        cap, lo = data.get("cap"), data.get("lo", 0.0)
+        for key, v in (("mean", mean), ("sigma", sigma), ("lo", lo)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{key} must be a number")
+        if mean < lo or (cap is not None and mean > cap):
+            raise ValueError(f"mean {mean} must lie within [lo, cap]")
+        median = median_for_mean(float(mean), float(sigma), cap, float(lo))
+        given = data.get("median")
+        if given is not None and abs(given - median) > 1e-6 * max(1.0, median):
+            raise ValueError(f"give median or mean, not both (median {given} does not give "
+                             f"mean {mean})")
+        return {**data, "median": median}
+
+
+def clipped_lognormal_mean(median: float, sigma: float, cap: float | None,
+                           lo: float = 0.0) -> float:
+    """``E[clip(median * exp(sigma * Z), lo, cap)]`` for a standard normal ``Z``."""
+    import math
+
+    def phi(x: float) -> float:
+        return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+    if median <= 0:
+        return lo
+    if sigma == 0:
+        return min(max(median, lo), cap if cap is not None else math.inf)
+    up = math.inf if cap is None else math.log(cap / median) / sigma
+    down = -math.inf if lo <= 0 else math.log(lo / median) / sigma
+    # E[X; down < z < up] = median * e^(s^2/2) * (Phi(up - s) - Phi(down - s))
+    body = median * math.exp(sigma * sigma / 2) * (phi(up - sigma) - phi(down - sigma))
+    return body + (0.0 if cap is None else cap * (1 - phi(up))) + lo * phi(down)
+
+
+def median_for_mean(mean: float, sigma: float, cap: float | None, lo: float = 0.0) -> float:
+    """The median whose clipped lognormal has this mean (bisection in log space)."""
+    import math
+
+    lo_m, hi_m = math.log(max(1e-9, mean)) - 20 * sigma - 1, math.log(max(1e-9, mean)) + 1
+    for _ in range(200):
+        mid = (lo_m + hi_m) / 2
+        if clipped_lognormal_mean(math.exp(mid), sigma, cap, lo) < mean:
+            lo_m = mid
+        else:
+            hi_m = mid
+    return round(math.exp((lo_m + hi_m) / 2), 3)
 
 
 class Drift(Strict):
@@ -114,9 +170,19 @@ class TrainerConfig(Strict):
     weight_passes: int = Field(4, ge=1, description="passes over the weights per trained "
                                "token (forward, recompute, backward, old log-probs; set by "
                                "the cost model)")
+    attn_tokens_per_pair: float = Field(0.0, ge=0.0, description="training work of one causal "
+                                        "attention (token, earlier token) pair in token "
+                                        "equivalents (set by the cost model): a sequence of L "
+                                        "tokens is L + this * L**2 / 2 tokens of work")
     fixed_step_s: float = Field(0.0, ge=0.0, description="fixed cost of every trainer step "
                                 "(reward, advantage, launches, step and weight-update "
                                 "overheads), paid on the training GPUs")
+
+
+def train_work_tokens(tokens: float, trainer: TrainerConfig) -> float:
+    """Training work of one sequence of ``tokens`` tokens in token equivalents: its tokens
+    plus its causal attention pairs (``tokens**2 / 2``) at ``attn_tokens_per_pair``."""
+    return tokens + trainer.attn_tokens_per_pair * tokens * tokens / 2
 
 
 class Efficiencies(Strict):

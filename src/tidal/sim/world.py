@@ -46,7 +46,7 @@ from tidal.sim import (
 from tidal.sim.actuator import SimActuator
 from tidal.sim.dispatch import ExecRec
 from tidal.sim.engines import Engine
-from tidal.sim.scenario import Scenario
+from tidal.sim.scenario import Scenario, train_work_tokens
 from tidal.sim.trainer import Trainer
 from tidal.sim.workloads import make_workload
 from tidal.types import (
@@ -413,9 +413,11 @@ class World:
         dispatch.fill(self)
 
     def consume_group(self, gid: str, version: int) -> tuple[float, int, int]:
-        """Training tokens of a group taken by the trainer, its staleness sum and size."""
+        """Training work of a group taken by the trainer (token equivalents: each sequence's
+        tokens and attention pairs), its staleness sum and size."""
         members = self.groups.pop(gid)
-        return (float(sum(ex.ctx for ex in members)),
+        tr = self.scenario.trainer
+        return (float(sum(train_work_tokens(ex.ctx, tr) for ex in members)),
                 sum(version - ex.first_version for ex in members), len(members))
 
     # ----------------------------------------------------------------- ticks

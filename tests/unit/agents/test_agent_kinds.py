@@ -63,11 +63,12 @@ def test_a_command_runs_in_its_workspace_and_its_reward_follows(tmp_path):
     assert done.reward == 1.0  # scored on its stdout (verl's solution_str)
     assert done.outcome.stdout_tail.startswith("http://127.0.0.1:9/x/b0-g0-e0/v1")
     assert done.outcome.stderr_tail == "oops\n"
-    assert '"prompt": "6 * 7?"' in (tmp_path / "seen.json").read_text()
+    seen = (tmp_path / "seen.json").read_text()
+    assert '"prompt": "6 * 7?"' in seen and '"answer"' not in seen  # never the reference
 
 
 def test_a_command_past_its_timeout_is_ended_with_its_children(tmp_path):
-    agent = _command("sh", "-c", "sleep 60 & echo $! > child.pid; sleep 60")
+    agent = _command("sh", "-c", "sleep 61.0731 & sleep 60")
     row = TaskRow(0, prompt="p", metadata={"workspace_files": {"src/a.py": "x = 1\n"}})
     reward = Reward(RewardConfig(function=f"{FIXTURES / 'verl_reward.py'}:compute_score"))
     t0 = time.monotonic()
@@ -75,19 +76,31 @@ def test_a_command_past_its_timeout_is_ended_with_its_children(tmp_path):
     assert done.reason == "timeout" and done.reward == 0.0
     assert time.monotonic() - t0 < 4.0 + GRACE_S + 5  # the timeout, the grace, slack
     assert (tmp_path / "src" / "a.py").read_text() == "x = 1\n"  # the row's files came first
-    child = int((tmp_path / "child.pid").read_text())
-    assert not _alive(child), "the command's child outlived its execution"
+    assert not running("61.0731"), "the command's child outlived its execution"
 
 
 def test_a_child_in_its_own_session_does_not_outlive_its_execution(tmp_path):
     # as mini-swe-agent runs each bash action: a new session, out of the program's group
-    agent = _command("sh", "-c", "setsid sleep 60 & echo $! > child.pid; sleep 0.3; exit 0")
+    agent = _command("sh", "-c", "setsid sleep 61.0732 & sleep 0.3; exit 0")
     row = TaskRow(0, prompt="p")
     reward = Reward(RewardConfig(builtin="exact"))
     done = asyncio.run(run_job(AgentJob(row, agent, reward, 0, {}), _ctx(tmp_path, row)))
     assert done.outcome.exit_code == 0
-    child = int((tmp_path / "child.pid").read_text())
-    assert not _alive(child), "a child in its own session outlived its execution"
+    assert not running("61.0732"), "a child in its own session outlived its execution"
+
+
+def running(marker: str) -> list[int]:
+    """Live processes (not zombies) whose command line holds ``marker`` (an agent's children
+    live in its PID namespace: the pids they see are not the host's)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            hit = marker.encode() in (entry / "cmdline").read_bytes()
+            if hit and _alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def _alive(pid: int) -> bool:

@@ -49,13 +49,21 @@ def test_tidal_signature_gets_workspace_and_transcript(tmp_path, monkeypatch):
 def test_library_scorers():
     (row,) = load_rows(TaskSourceConfig(kind="reasoning_gym", name="basic_arithmetic", size=1), 3)
     rg = Reward(RewardConfig(builtin="reasoning_gym"))
-    assert _score(rg, row, f"<answer>{row.answer}</answer>") == 1.0
-    assert _score(rg, row, str(row.answer)) == 1.0
-    assert _score(rg, row, "no idea") == 0.0
     mv = Reward(RewardConfig(builtin="math_verify"))
-    assert _score(mv, TaskRow(0, answer="$\\frac{1}{2}$"), "The answer is $0.5$") == 1.0
-    assert _score(mv, TaskRow(0, answer="$3$"), "The answer is $4$") == 0.0
-    assert _score(Reward(RewardConfig(builtin="exact")), TaskRow(0, answer="x"), " x ") == 1.0
+    exact = Reward(RewardConfig(builtin="exact"))
+    cases = [
+        (rg, row, f"<answer>{row.answer}</answer>", 1.0),
+        (rg, row, str(row.answer), 1.0),
+        (rg, row, "no idea", 0.0),
+        (mv, TaskRow(0, answer="$\\frac{1}{2}$"), "The answer is $0.5$", 1.0),
+        (mv, TaskRow(0, answer="$3$"), "The answer is $4$", 0.0),
+        (exact, TaskRow(0, answer="x"), " x ", 1.0),
+    ]
+
+    async def scores():  # one loop: the scorers' worker process starts once
+        return [await r.score(w, AgentOutcome(answer=a), Path(".")) for r, w, a, _ in cases]
+
+    assert asyncio.run(scores()) == [want for *_, want in cases]
 
 
 @pytest.mark.parametrize(

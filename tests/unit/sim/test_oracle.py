@@ -24,7 +24,7 @@ from tidal.sim.oracle import (
     training_configs,
 )
 from tidal.sim.runner import run_policy
-from tidal.sim.scenario import Scenario, load
+from tidal.sim.scenario import Scenario, load, train_work_tokens
 from tidal.sim.workloads import make_workload
 from tidal.testing.sim_scenarios import tiny_scenario
 
@@ -67,13 +67,13 @@ def bound_before(sc: Scenario) -> float:
         for spec in wl.group(ctrl.group_size):
             roll += (spec.decode_tokens + spec.prefill_tokens * eng.prefill_equiv) \
                 / eng.decode_tok_s_per_gpu + kv_context_tokens(spec) * eng.kv_gpu_s_per_ctx_token
-            train += spec.train_tokens / tr.train_tok_s_per_gpu
+            train += train_work_tokens(spec.train_tokens, tr) / tr.train_tok_s_per_gpu
             d = spec.min_duration_s(eng.seq_cap_tok_s)
             if spec.timeout_s is not None:
                 d = min(d, spec.timeout_s)
             slot_s += d
             longest = max(longest, d)
-            tok += spec.train_tokens
+            tok += train_work_tokens(spec.train_tokens, tr)  # attention included
         work.append(roll + train)
         tokens.append(tok)
         duration.append(longest)
@@ -110,12 +110,12 @@ def test_no_policy_finishes_below_the_bound(scenario, seed):
 
 
 def sync_heavy(seed: int) -> Scenario:
-    """dapo-math scaled down with a slow weight sync (18 s: links at 8 %), where F7 charges
+    """dapo-math scaled down with a slow weight sync (15 s: links at 10 %), where F7 charges
     every GPU."""
     base = load("dapo-math-32gpu").scaled(0.5, bursts=4)
     cm = base.costmodel
     assert cm is not None
-    slow = cm.model_copy(update={"efficiency": cm.efficiency.model_copy(update={"link": 0.08})})
+    slow = cm.model_copy(update={"efficiency": cm.efficiency.model_copy(update={"link": 0.1})})
     return base.model_copy(update={"seed": seed, "costmodel": slow})
 
 

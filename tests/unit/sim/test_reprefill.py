@@ -149,7 +149,9 @@ def test_multi_turn_fully_async_finishes_every_execution():
     res = run_policy(sc, "static:cells=1", check=True)
     w = res.world
     assert res.summary["trainer_steps"] == sc.total_steps
-    assert res.summary["request_retries"] > 100 and res.summary["reprefill_tokens"] > 0
+    # (55 retries since training counts its attention FLOPs: 69K-token contexts train 2x
+    # slower, so fewer executions meet a sync)
+    assert res.summary["request_retries"] > 40 and res.summary["reprefill_tokens"] > 0
     # Executions still running at the end are recent ones (an execution takes a few
     # versions); none of the early ones is stuck.
-    assert w.live and min(ex.burst for ex in w.live.values()) >= sc.control.bursts - 10
+    assert all(ex.burst >= sc.control.bursts - 10 for ex in w.live.values())

@@ -151,6 +151,7 @@ def test_published_files_define_scenarios_inline_and_compare_speed_ups(tmp_path,
                 "baseline_scenario": "base",
                 "per_version": True,
                 "published": 1.5,
+                "workload": "known",
             }
         ],
     )
@@ -164,14 +165,17 @@ def test_published_files_define_scenarios_inline_and_compare_speed_ups(tmp_path,
     )
     assert main(["validate", str(f)]) == 0
     text = capsys.readouterr().out
-    assert "speed-up" in text and "rows within 10%; worst half-batch" in text
+    assert "speed-up" in text and "judged rows (workload known): " in text
+    assert "1 within 10%, worst half-batch" in text
     tol = abs(out.relative_error) * 0.5
     assert main(["validate", str(f), "--tolerance", f"{tol:.4f}"]) == 1
 
 
 def test_a_bad_inline_scenario_or_row_names_its_field(tmp_path):
     f = _published(
-        tmp_path, [{"id": "r", "scenario": "nowhere", "policy": "tidal", "published": 1.0}]
+        tmp_path,
+        [{"id": "r", "scenario": "nowhere", "policy": "tidal", "published": 1.0,
+          "workload": "known"}],
     )
     with pytest.raises(ConfigError, match="nowhere"):
         P.load(str(f))
@@ -184,6 +188,7 @@ def test_a_bad_inline_scenario_or_row_names_its_field(tmp_path):
                 "policy": "tidal",
                 "metric": "speedup",
                 "published": 1.0,
+                "workload": "known",
             }
         ],
     )
