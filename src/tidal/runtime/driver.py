@@ -163,6 +163,9 @@ class Runtime:
             (self.out / "config.yaml").write_text(dump_yaml(self.cfg))
         else:
             checkpoint.end_stale_processes(self.out)
+            from tidal.runtime import ray_temp
+
+            ray_temp.sweep(self.out)  # the Ray folder a killed incarnation left in /tmp
         spill.remove(self.out)  # weights an earlier, killed run's sleeping engines left here
         t0 = time.perf_counter()
         # SIGTERM (kill, a scheduler's stop) ends the run like Ctrl-C: everything this run
@@ -218,7 +221,7 @@ class Runtime:
             else:
                 from tidal.runtime import ray_temp
 
-                self.ray_temp = ray_temp.make()
+                self.ray_temp = ray_temp.make(self.out)
                 _init_loopback_ray(ray, rt.ray_num_cpus, rt.ray_num_gpus,
                                    rt.ray_object_store_mb * 1024 * 1024,
                                    ray_temp.for_ray(self.ray_temp))

@@ -6,8 +6,9 @@ Ray instead gives it ``/tmp/tidal-ray-<random>/ray``: Ray makes that folder worl
 but the one around it is this user's alone (mode 700), so no other user reaches anything in it.
 It is short on purpose: the sockets' paths inside must stay under the 107 bytes of a Unix
 socket path, which a run directory of any depth cannot promise. At the run's end Ray's logs move
-into ``DIR/logs/ray`` and the folder is removed. A cluster joined with ``--address`` keeps its
-own (``tidal cluster``).
+into ``DIR/logs/ray`` and the folder is removed. A killed run (SIGKILL) cannot do that: its folder
+is named in ``DIR/logs/ray-temp`` and ``--resume`` ends it the same way (``sweep``). A cluster
+joined with ``--address`` keeps its own (``tidal cluster``).
 
 In: the run directory. Out: the folder for ``ray.init(_temp_dir=...)`` (``make``, ``for_ray``),
 and its end
@@ -26,9 +27,28 @@ log = logging.getLogger(__name__)
 PREFIX = "tidal-ray-"
 
 
-def make() -> Path:
-    """A new folder only this user can enter (mode 700); Ray's goes inside (``for_ray``)."""
-    return Path(tempfile.mkdtemp(prefix=PREFIX))
+MARK = "ray-temp"  # in DIR/logs: the folder of the run's Ray, for a resume to sweep
+
+
+def make(run_dir: Path) -> Path:
+    """A new folder only this user can enter (mode 700); Ray's goes inside (``for_ray``).
+    Its path is noted in ``run_dir/logs`` until ``finish``."""
+    private = Path(tempfile.mkdtemp(prefix=PREFIX))
+    (run_dir / "logs" / MARK).write_text(str(private))
+    return private
+
+
+def sweep(run_dir: Path) -> None:
+    """The folder a killed incarnation of this run left (``--resume``, after its processes
+    are ended): its logs kept, the folder removed."""
+    mark = run_dir / "logs" / MARK
+    try:
+        private = Path(mark.read_text().strip())
+    except OSError:
+        return
+    if private.name.startswith(PREFIX) and private.parent == Path(tempfile.gettempdir()):
+        finish(private, run_dir)
+    mark.unlink(missing_ok=True)
 
 
 def for_ray(private: Path) -> Path:
@@ -48,3 +68,5 @@ def finish(private: Path, run_dir: Path) -> None:
     shutil.rmtree(private, ignore_errors=True)
     if private.exists():
         log.warning("Ray's session folder %s could not be removed", private)
+    else:
+        (run_dir / "logs" / MARK).unlink(missing_ok=True)
