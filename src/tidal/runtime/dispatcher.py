@@ -143,7 +143,9 @@ class Dispatcher:
             self.issued += len(grp.run)
             self.runs.append(self.parts.spawn(
                 f"harness pool, group {grp.group_id}",
-                self.pool.run([(grp.group_id, job)] * len(grp.run), list(grp.run))))
+                # their lines go into executions.jsonl as soon as the group has ended
+                self.bridge.lines_after(
+                    self.pool.run([(grp.group_id, job)] * len(grp.run), list(grp.run)))))
 
     async def _admitted(self, grp: GroupPlan) -> None:
         """Returns once the policy's dispatch hold admits ``grp`` (at once without a hold).

@@ -26,6 +26,7 @@ from tidal.contracts import run_files as schema
 from tidal.contracts.close import CloseReason
 from tidal.contracts.executions import ExecutionOutcome
 from tidal.control.queued_waits import KEYS as QUEUED_KEYS
+from tidal.runtime.executions_file import ExecutionsFile
 from tidal.types import Role
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class RunOutputs:
         self.mode = "a" if append else "w"  # a resumed run continues its logs
         self.on_step, self.on_state = on_step, on_state
         self.metrics: list[dict[str, Any]] = []
+        self.executions = ExecutionsFile(out / "executions.jsonl", append)
         self.t_offset = resumed_elapsed_s
         self.t_first = clock.now()
         self._held: list[tuple[Callable[[dict[str, Any]], None], dict[str, Any]]] | None = []

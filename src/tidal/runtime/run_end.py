@@ -98,6 +98,10 @@ def stop_parts(run: Runtime, ray: Any) -> None:
         spill.remove(run.out)
     if run.ray_started:
         ray.shutdown()
+    if run.ray_temp is not None:  # Ray's logs into logs/ray, its session folder gone
+        from tidal.runtime import ray_temp
+
+        ray_temp.finish(run.ray_temp, run.out)
     if run.core_pool is not None:
         run.core_pool.shutdown(wait=False, cancel_futures=True)
     if run.cpu_groups is not None:

@@ -246,9 +246,12 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     bridge = LedgerBridge(handle, clock, admin, buffer, c.group_size, parts,
                           tokens=rt.deterministic)
     publisher = Publisher(engines, actuator, admin, weights, files.path, handle, clock)
+    # executions.jsonl line by line as groups end (a killed run keeps what it closed)
+    bridge.file, bridge.t0 = outputs.executions, lambda: outputs.t0
     if ck is not None:
         publisher.restore(ck.state.published_version, ck.state.published_path)
         outputs.restore_metrics(ck.state.metrics_lines)
+        outputs.executions.restore(ck.state.execution_lines)
     carried = dict(ck.state.close_reasons) if ck else {}
     trainer = TrainerLoop(cfg, core, buffer, actuator, publisher, outputs, ctl, handle, clock,
                           core_pool, ck, lambda: merge_counts(carried, bridge.close_counts))

@@ -107,7 +107,7 @@ def test_drain_vllm_to_builtin_and_back_is_one_answer(servers):
                 "id": "builtin", "url": builtin.url, "kind": "cell", "cell_index": 0})
             await c.post("/tidal/engines/builtin/drain", headers=H)  # start on vLLM
             call = asyncio.create_task(c.post("/v1/chat/completions", headers={
-                "X-Tidal-Execution": "vt"}, json={
+                **H, "X-Tidal-Execution": "vt"}, json={
                 "messages": [{"role": "user", "content": "Tell me about Paris."}],
                 "max_tokens": 100, "ignore_eos": True, "temperature": 0, "logprobs": True}))
             await asyncio.sleep(1.5)
