@@ -359,7 +359,8 @@ class Runtime:
             bridge=w.bridge, actuator=w.actuator, replaced=w.supervisor.replaced,
             resumed=({"at_step": st.step, "restored_records": len(self.ck.records),
                       "resumes": st.resumes + 1} if st else None),
-            closed_before=dict(st.close_reasons) if st else {})}
+            closed_before=dict(st.close_reasons) if st else {},
+            publication=w.publisher.report())}
 
     async def _join_engines(self, w: Wired) -> None:
         from tidal.runtime.cell import RuntimeFailure

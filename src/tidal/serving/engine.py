@@ -84,6 +84,7 @@ class Engine:
         self.model, self.tokenizer = model.to(self.device), tokenizer
         self.clock = clock or WallClock()
         self.weight_version = weight_version
+        self.last_pause_s = 0.0  # how long the last weight load held the engine's steps
         self._weights_source = Path(model_dir)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -331,17 +332,21 @@ class Engine:
         if self._sleeping:  # nothing serves that a bad version could spoil: one pass
             async with self._step_lock:
                 if self._sleeping:
+                    t0 = self.clock.now()
                     await asyncio.to_thread(self._load_asleep, sd)
                     self._after_load(path, version)
+                    self.last_pause_s = self.clock.now() - t0
                     return
         await asyncio.to_thread(self.model.check_weights, sd)
         async with self._step_lock:
+            t0 = self.clock.now()
             if self._sleeping:
                 self.model.materialize(self.device)
                 self._sleeping = False
                 self._drop_spill()
             self.model.load_weights(sd)
             self._after_load(path, version)
+            self.last_pause_s = self.clock.now() - t0  # no step ran meanwhile
 
     def _load_asleep(self, sd: Mapping[str, torch.Tensor]) -> None:
         """A sleeping engine's load (its wake into a version): the weights are materialised and
@@ -365,6 +370,21 @@ class Engine:
         self._weights_source = Path(path)
         self.weight_version = version
         log.info("engine %s loaded weights %s from %s", self.config.name, version, path)
+
+    async def weight_hashes(self) -> dict[str, str]:
+        """sha256 (16 hex digits) of each parameter's bytes as served, between two steps: what
+        a carrier delivered, checked bit for bit against the trainer's tensors."""
+        import hashlib
+
+        def digest() -> dict[str, str]:
+            return {n: hashlib.sha256(p.detach().cpu().contiguous().reshape(-1)
+                                      .view(torch.uint8).numpy()).hexdigest()[:16]
+                    for n, p in self.model.named_parameters()}
+
+        async with self._step_lock:
+            if self._sleeping:
+                return {}
+            return await asyncio.to_thread(digest)
 
     async def export_kv(self, request_id: str) -> bytes:
         async with self._step_lock:  # the cache may still be written by a running step

@@ -211,7 +211,8 @@ class EngineHandlers:
         except (TidalError, OSError, ValueError) as exc:  # the old version keeps serving
             raise BadRequest(f"path: no weights of this model at {body.path!r}: "
                              f"{str(exc)[:300]}") from None
-        return {"status": "ok", "weight_version": self.engine.weight_version}
+        return {"status": "ok", "weight_version": self.engine.weight_version,
+                "pause_s": round(self.engine.last_pause_s, 6)}
 
     async def update_weight_version(self, body: VersionBody) -> dict:
         self.engine.weight_version = body.new_version
@@ -219,6 +220,10 @@ class EngineHandlers:
 
     async def weight_info(self) -> dict:
         return {"weight_version": self.engine.weight_version}
+
+    async def weight_hashes(self) -> dict:
+        return {"weight_version": self.engine.weight_version,
+                "hashes": await self.engine.weight_hashes()}
 
     # -- KV handoff ------------------------------------------------------------------------
     async def export_kv(self, request_id: str) -> Response:
@@ -266,6 +271,7 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
     ("POST", "/update_weights", "update_weights"),
     ("POST", "/update_weight_version", "update_weight_version"),
     ("GET", "/weight_info", "weight_info"),
+    ("GET", "/tidal/weights/hashes", "weight_hashes"),
     ("GET", "/tidal/kv/{request_id}", "export_kv"),
     ("POST", "/tidal/kv", "import_kv"),
     ("DELETE", "/tidal/kv/{key}", "release_kv"),
