@@ -41,11 +41,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tidal.models.base import all_finite
 from tidal.training.flat import ParamLayout
 from tidal.training.transport import TransportError
 
 SHM_ROOT = Path("/dev/shm")
 BUCKET_BYTES = 64 * 2**20  # a broadcast bucket: big enough for link speed, small to stage
+STAGE_BYTES = 32 * 2**20  # a cast (bfloat16) or device (GPU) piece on its way into a segment
 _DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 _LABEL_WIDTH = 24  # "v" + digits; the header is padded to this label width (fixed data offset)
@@ -88,12 +90,11 @@ def _header(layout: ParamLayout, dtype: torch.dtype, label: str) -> bytes:
     return struct.pack("<Q", width) + blob.ljust(width)
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """Every value finite: a sum first (one read, no allocation; NaN and inf propagate), the
-    exact test only if the sum overflowed or is not finite."""
-    if t.numel() == 0:
-        return True
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+def _pwrite(fd: int, data, at: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n
 
 
 class SegmentRing:
@@ -145,29 +146,32 @@ class SegmentRing:
     def publish_stream(self, version: int,
                        params: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Write ``version`` from (name, tensor) pairs in layout order (a tensor may be on a
-        GPU: cast there, copied once); a non-finite value or a name out of order aborts it (no
-        segment of that version appears). ``OSError`` (e.g. /dev/shm full) -> TransportError."""
+        GPU, or in another dtype: cast into a staging buffer kept between versions); a
+        non-finite value or a name out of order aborts it (no segment of that version
+        appears). ``OSError`` (e.g. /dev/shm full) -> TransportError. The bytes go in by
+        ``pwrite`` (one copy by the kernel into the segment's pages): writing through a mapping
+        costs a page fault per page, which on a virtual machine dominates the copy."""
         final, tmp = Path(self.path(version)), self.dir / f".v{version}.tmp"
         try:
             self._slot(tmp)
-            with _mapped(tmp, self.nbytes, writable=True) as whole:
-                whole[: self._head_len].copy_(torch.frombuffer(
-                    bytearray(_header(self.layout, self.dtype, f"v{version}")), dtype=torch.uint8))
-                data = whole[self._head_len :].view(self.dtype)
+            fd = os.open(tmp, os.O_WRONLY)
+            try:
+                _pwrite(fd, _header(self.layout, self.dtype, f"v{version}"), 0)
                 names = iter(zip(self.layout.names, self.layout.offsets, strict=True))
+                size = self.dtype.itemsize
                 for name, tensor in params:
                     want, off = next(names, (None, 0))
                     if name != want:
                         raise TransportError(f"publication out of layout order at {name}")
                     t = tensor.detach()
-                    if not _finite(t):
+                    if not all_finite(t):
                         raise TransportError(f"v{version}: parameter {name} holds NaN or "
                                              "infinite values; not published")
-                    src = t.reshape(-1).to(self.dtype)
-                    data[off : off + src.numel()].copy_(src)
+                    self._write(fd, t.reshape(-1), self._head_len + off * size)
                 if next(names, None) is not None:
                     raise TransportError(f"publication of v{version} ended early")
-                del data
+            finally:
+                os.close(fd)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise TransportError(f"shared memory {tmp}: {exc}") from None
@@ -176,6 +180,25 @@ class SegmentRing:
             raise
         os.replace(tmp, final)
         self.published.append((version, str(final)))
+
+    _stage: torch.Tensor | None = None
+
+    def _write(self, fd: int, flat: torch.Tensor, at: int) -> None:
+        """``flat``'s values, as ``self.dtype``, at byte ``at``: straight from a contiguous
+        CPU tensor of that dtype, else through the staging buffer in pieces."""
+        if flat.device.type == "cpu" and flat.dtype == self.dtype and flat.is_contiguous():
+            _pwrite(fd, flat.view(torch.uint8).numpy(), at)
+            return
+        if self._stage is None:
+            pin = torch.cuda.is_available() and flat.device.type == "cuda"
+            self._stage = torch.empty(STAGE_BYTES // self.dtype.itemsize, dtype=self.dtype,
+                                      pin_memory=pin)
+        n = self._stage.numel()
+        for a in range(0, flat.numel(), n):
+            part = flat[a : a + n]
+            buf = self._stage[: part.numel()]
+            buf.copy_(part)
+            _pwrite(fd, buf.view(torch.uint8).numpy(), at + a * self.dtype.itemsize)
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
