@@ -41,7 +41,7 @@ def test_measured_costs_are_scaled_to_the_scenarios_bytes_per_gpu_and_priced_exa
 def test_a_check_without_the_figures_is_refused_naming_the_option(tmp_path):
     bad = tmp_path / "check.json"
     bad.write_text(json.dumps({"steps": {"decode": {"figures": []}}}))
-    with pytest.raises(ConfigError, match="--costs-from.*sleep level 1"):
+    with pytest.raises(ConfigError, match=r"--costs-from.*sleep level 1"):
         read_check(bad)
     with pytest.raises(ConfigError, match="--costs-from"):
         read_check(tmp_path / "missing.json")
