@@ -22,8 +22,9 @@ from pydantic import BaseModel, ConfigDict
 from tidal.errors import ConfigError
 
 GiB = 2**30
-SLEEP = "sleep level 1 (rollout -> training)"
-WAKE = "wake level 1 (training -> rollout)"
+# the steady state first (a second level-1 sleep reuses the first one's pinned buffers)
+SLEEP = ("sleep level 1 again (rollout -> training)", "sleep level 1 (rollout -> training)")
+WAKE = ("wake level 1 again (training -> rollout)", "wake level 1 (training -> rollout)")
 # the runtime's trainer -> engine path, newest name first (the check names its carrier)
 SYNC = ("tidal run: trainer -> engine", "tidal: trainer -> engine")
 
@@ -53,8 +54,10 @@ def read_check(path: str | Path) -> MeasuredCosts:
     except (OSError, ValueError) as exc:
         raise ConfigError("--costs-from", f"{path}: not a GPU check's JSON ({exc})") from None
     figs = _figures(report)
-    sync = next((figs[n] for n in SYNC if n in figs), None)
-    missing = [n for n in (SLEEP, WAKE) if n not in figs] + ([] if sync else [SYNC[-1]])
+    sync, sleep, wake = (next((figs[n] for n in names if n in figs), None)
+                         for names in (SYNC, SLEEP, WAKE))
+    missing = [names[-1] for names, f in ((SLEEP, sleep), (WAKE, wake), (SYNC, sync))
+               if f is None]
     if missing:
         raise ConfigError("--costs-from", f"{path}: no figure {missing[0]!r} (a GPU check "
                           "whose sleep_wake and weight_update steps ran)")
@@ -68,7 +71,7 @@ def read_check(path: str | Path) -> MeasuredCosts:
         gib = float(m.group(1))
     return MeasuredCosts(source=str(path), date=str(report.get("date", "?")),
                          device=str(report.get("device", "?")), weights_gib=gib,
-                         sleep_s=float(figs[SLEEP]["value"]), wake_s=float(figs[WAKE]["value"]),
+                         sleep_s=float(sleep["value"]), wake_s=float(wake["value"]),
                          sync_gbps=float(sync["value"]), sync_figure=str(sync["figure"]))
 
 
