@@ -92,7 +92,7 @@ def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, burst
             trace=str(Path(trace).resolve()))})
     measured = None
     if costs_from is not None:  # read before anything runs: a bad file fails at once
-        from tidal.commands.measured_costs import read_check
+        from tidal.sim.measured_costs import read_check
 
         measured = read_check(costs_from)
     baseline = sweep_and_report(sc) if sweep == "static" or measured else None
@@ -110,7 +110,7 @@ def costs_report(sc: Any, specs: list[str], results: list[Any], baseline: Any,
     from rich.console import Console
     from rich.table import Table
 
-    from tidal.commands import measured_costs
+    from tidal.sim import measured_costs
     from tidal.sim.runner import compare
     from tidal.sim.sweep import sweep_static
 

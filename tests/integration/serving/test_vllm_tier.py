@@ -296,7 +296,7 @@ def test_each_carrier_of_tidal_run_delivers_bit_for_bit_into_vllm_workers(server
         assert got == {n: tensor_sha(t) for n, t in moved.items()}
         assert host._sync.version() == "v5"
     finally:
-        writer.publish_stream(6, iter(original.items()))
-        host._sync.load_file(writer.ensure_file(6), "v0")  # the other tests' server as it was
+        writer.publish_stream(0, iter(original.items()))
+        host._sync.load_file(writer.ensure_file(0), "v0")  # the other tests' server as it was
         host._sync.close()
         writer.close()

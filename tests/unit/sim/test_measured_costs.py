@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.commands.measured_costs import apply, assumed, read_check
+from tidal.sim.measured_costs import apply, assumed, read_check
 from tidal.errors import ConfigError
 from tidal.sim import perf
 from tidal.sim import scenario as scenarios
