@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tidal.sim.measured_costs import apply, assumed, read_check
 from tidal.errors import ConfigError
 from tidal.sim import perf
 from tidal.sim import scenario as scenarios
+from tidal.sim.measured_costs import apply, assumed, read_check
 
 H200 = Path(__file__).parents[3] / "benchmarks" / "gpu" / "results" / "2026-12-04-h200.json"
 
