@@ -14,7 +14,8 @@ Device: the model and every KV cache live on ``EngineConfig.device`` (CPU, or a 
 must be visible); each step's ``[B, V]`` logits come back to the CPU once, so sampling, log-probs
 and the seeded CPU generators behave the same on every device. Sleep frees the weights and KV
 memory on the device (CUDA's cached blocks too); weight files are always read on the CPU and
-copied in.
+copied in (or, from CUDA IPC, mapped and copied device to device). Over 500 lines: the request
+loop, control calls and weight loads share one lock and one state, kept in one class.
 """
 
 from __future__ import annotations
