@@ -8,9 +8,9 @@ fixture prints the mode.
 
 Checks: the engines of ``tiny.yaml`` sit on three different nodes (node ids from Ray); cells
 move both ways and a drained request's KV cache moves between nodes (one engine per node: every
-handoff crosses the bridge); weights reach every engine across
-nodes by the broadcast carrier (the decision log names it per engine and publication); a satellite on another node
-joins the core's steps; and a node lost mid-run (its raylet and every process on it killed)
+handoff crosses the bridge); weights reach every engine across nodes by the broadcast carrier
+(the decision log names it per engine and publication); a satellite on another node joins the
+core's steps; and a node lost mid-run (its raylet and every process on it killed)
 costs nothing: its cell is replaced on a surviving node, no request fails, no execution is lost
 or trained twice, and the summary counts the node in ``nodes_lost``. After every run no process
 of it is left on any node.
