@@ -175,6 +175,7 @@ class EngineHost:
         return self.loaded_version
 
     _pause_s: float | None = None
+    _recv_group: tuple[str, object] | None = None  # (key, group) of the broadcast carrier
 
     def weight_hashes(self) -> dict:
         """The engine's served version and the sha256 of each weight (``/tidal/weights/
@@ -202,16 +203,26 @@ class EngineHost:
     def receive_segment(self, host: str, port: int, key: str, version: str,
                         timeout_s: float) -> dict:
         """The broadcast carrier's receiving end: join the driver's side group for this
-        version (rank 1), receive its segment into this node's shared memory (a version
-        received whole, else nothing), load it from there (``load_version``). The newest two
-        received versions are kept (the engine's source)."""
+        engine (rank 1; kept for later versions under the same ``key``), receive a segment
+        into this node's shared memory (a version received whole, else nothing), load it from
+        there (``load_version``). The newest two received versions are kept (the engine's
+        source)."""
         from tidal.training.carriers import join_group, recv_segment
 
         d = self.received_dir()
         if not d.exists():
             remove_orphan_received_dirs()
-        group = join_group(host, port, 1, 2, key, "gloo", timeout_s)
-        _, path = recv_segment(group, d, timeout_s)
+        kept = self._recv_group
+        group = kept[1] if kept is not None and kept[0] == key else None
+        try:
+            if group is None:  # the driver's group for this engine: joined once, then kept
+                self._recv_group = None
+                group = join_group(host, port, 1, 2, key, "gloo", timeout_s)
+            _, path = recv_segment(group, d, timeout_s)
+        except BaseException:
+            self._recv_group = None  # the driver forms a new one for the next version
+            raise
+        self._recv_group = (key, group)
         out = self.load_version(path, version)
         for old in sorted(d.glob("*.safetensors"), key=os.path.getmtime)[:-2]:
             old.unlink(missing_ok=True)

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -185,6 +186,8 @@ class Handoff:
     group_timeout_s: float = 60.0
     host: str = "127.0.0.1"  # the driver node's address (a broadcast group's store)
     deliveries: list[Delivery] = field(default_factory=list)
+    # engine id -> (its actor, the side group, its key): the broadcast group kept per engine
+    _links: dict[Any, tuple[Any, Any, str]] = field(default_factory=dict)
 
     def carriers(self, eid: EngineId) -> list[str]:
         local = self.engines.transport(eid) == "file"
@@ -248,30 +251,41 @@ class Handoff:
 
     def _broadcast(self, eid: EngineId, actor: ActorHandle, seg: str, version: int,
                    label: str) -> tuple[Callable[[], Awaitable[Any]], int]:
-        """A two-member side group for this version (this driver rank 0 at a fresh store, the
-        engine's host rank 1): the host receives the segment into its node's shared memory and
-        loads it from there."""
+        """A two-member side group per engine (this driver rank 0 at its own store, the
+        engine's host rank 1), formed at the engine's first broadcast and kept for the next
+        ones (forming one across nodes can take a second); the host receives each segment into
+        its node's shared memory and loads it from there. A failed broadcast drops the group
+        (the next one forms a new group); a replaced engine (another actor) gets a new one."""
         from tidal.training.carriers import group_on, send_segment
         from tidal.training.groups import store_on
 
         timeout_s = self.group_timeout_s
 
         async def run() -> Any:
-            key = f"tidal-w/{eid}/v{version}/"
-            store = await asyncio.to_thread(store_on, self.host, 0, 2, True, timeout_s)
+            link = self._links.get(eid)
+            if link is not None and link[0] is actor:
+                _, group, key = link
+                store = group.store
+            else:
+                self._links.pop(eid, None)
+                group, key = None, f"tidal-w/{eid}/{secrets.token_hex(8)}/"  # never reused
+                store = await asyncio.to_thread(store_on, self.host, 0, 2, True, timeout_s)
 
-            def send() -> int:
-                return send_segment(group_on(store, 0, 2, key, "gloo", timeout_s), seg,
-                                    version, timeout_s=timeout_s)
+            def send() -> Any:
+                g = group or group_on(store, 0, 2, key, "gloo", timeout_s)
+                send_segment(g, seg, version, timeout_s=timeout_s)
+                return g
 
             recv = actor.receive_segment.remote(self.host, store.port, key, label, timeout_s)
             sent = asyncio.ensure_future(asyncio.to_thread(send))
             try:
                 out = await recv
+                formed = await sent
             except BaseException:
+                self._links.pop(eid, None)
                 sent.cancel()
                 raise
-            await sent
+            self._links[eid] = (actor, formed, key)
             return out
 
         return run, os.path.getsize(seg)

@@ -86,6 +86,15 @@ def test_each_carrier_delivers_the_version_bit_for_bit(engine, carrier):
     assert d.bytes >= 4 * ParamLayout.of(engine.model).numel and d.pause_s <= d.seconds
     served = engine.host.weight_hashes()
     assert served["weight_version"] == "v1" and served["hashes"] == want
+    if carrier == "broadcast":  # the next version over the same group, kept by both ends
+        h = _handoff(writer, carrier)
+        asyncio.run(h.deliver(EngineId.cell(0), engine.actor, 1, "v1"))
+        group = h._links[EngineId.cell(0)][1]
+        want = _version(engine, writer, 2)
+        d = asyncio.run(h.deliver(EngineId.cell(0), engine.actor, 2, "v2"))
+        assert (d.carrier, d.label) == ("broadcast", "v2")
+        assert h._links[EngineId.cell(0)][1] is group
+        assert engine.host.weight_hashes()["hashes"] == want
     writer.close()
 
 
