@@ -13,7 +13,7 @@ formatting in ``tidal.config_base``; both are re-exported here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -234,6 +234,11 @@ class RuntimeConfig(Strict):
     keep_weights: int = Field(0, ge=0, description="published weight versions "
                               "(DIR/weights/v<n>.safetensors) left after a successful run, "
                               "newest first (0: none); during a run they stay for --resume")
+    weight_carrier: Literal["auto", "shm", "broadcast", "file", "object"] = Field(
+        "auto", description="how each published version reaches an engine (docs/weights.md): "
+        "auto = shared memory on the driver's node, a gloo broadcast to other nodes, the file "
+        "and Ray's object store as fallbacks; another value is tried first for every engine "
+        "(the others stay as fallbacks)")
     torch_threads: int = Field(1, ge=1, description="threads of the core trainer (driver)")
     deterministic: bool = Field(False, description="two seeded runs of one config are "
                                 "token-identical end to end (completions, token ids, rewards, "

@@ -219,13 +219,34 @@ def switch_times(plans_done: list[tuple[Any, float]]) -> dict[str, dict[str, flo
     return out
 
 
+def switch_steps(plans_done: list[tuple[Any, float]],
+                 step_log: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per direction, each plan step's cost (the actuator's measured duration of every run of
+    that step kind in a finished plan): n, p50 (the lower median) and max, in seconds, in plan
+    order, so a slow switch names its slow step."""
+    direction = {p.plan_id: p.direction.value for p, _ in plans_done}
+    by: dict[str, dict[str, list[float]]] = {}
+    for rec in step_log:
+        d = direction.get(rec["plan_id"])
+        if d is not None:
+            by.setdefault(d, {}).setdefault(rec["step"], []).append(rec["duration_s"])
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for d in ("to_training", "to_rollout"):
+        for step, ds in by.get(d, {}).items():
+            ds = sorted(ds)
+            out.setdefault(d, {})[step] = {"n": len(ds), "p50_s": round(ds[(len(ds) - 1) // 2], 4),
+                                           "max_s": round(ds[-1], 4)}
+    return out
+
+
 def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], version: int,
             bursts_s: float, group_size: int, results: list[ExecutionOutcome],
             stats: dict[str, Any],
             engines: list[dict], start_pids: dict[str, int], bridge: LedgerBridge,
             actuator: RayActuator,
             replaced: list[dict[str, Any]], resumed: dict[str, int] | None,
-            closed_before: dict[str, int]) -> dict[str, Any]:
+            closed_before: dict[str, int],
+            publication: dict[str, Any] | None = None) -> dict[str, Any]:
     """``summary.json``: what the run did, from the figures of each part; the close reasons
     count the executions an earlier incarnation closed before the checkpoint it resumed."""
     s, reasons = ctl.summary(), merge_counts(close_reasons(results), closed_before)
@@ -257,6 +278,9 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         **{k: stats[k] for k in QUEUED_KEYS if k in stats},
         "backend_by_engine": {e["name"]: e.get("backend", "builtin") for e in engines},
         "switch_s": switch_times(ctl.plans_done),
+        "switch_steps_s": switch_steps(ctl.plans_done, actuator.step_log),
+        # each version's write and each engine's load (carrier, GB/s), beside memcpy GB/s
+        "publication": publication,
         "engine_memory": {e["name"]: e["memory"] for e in engines if e.get("memory")},
         "device_peak_mb": device_peaks(metrics, engines),
         "engine_step_failures": stats["engine_step_failures"],

@@ -68,7 +68,8 @@ async def finish(run: Runtime, w: Wired, bursts_s: float) -> dict[str, Any]:
         bridge=w.bridge, actuator=w.actuator, replaced=w.supervisor.replaced,
         resumed=({"at_step": st.step, "restored_records": len(run.ck.records),
                   "resumes": st.resumes + 1} if st else None),
-        closed_before=dict(st.close_reasons) if st else {})}
+        closed_before=dict(st.close_reasons) if st else {},
+        publication=w.publisher.report())}
 
 
 def stop_parts(run: Runtime, ray: Any) -> None:

@@ -150,6 +150,8 @@ class Wired:
         HarnessPool.end_all()  # no agent program or Python worker outlives the run
         self.buffer.close()
         self.core.close()
+        if self.publisher.handoff is not None:  # the segments in shared memory
+            self.publisher.handoff.writer.close()
         await self.admin.aclose()
         self.decisions.close()
         self.outputs.write_steps(self.actuator.step_log)
@@ -179,8 +181,11 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
     device = trainer_device(rt.resolved_device(torch.cuda.is_available()), gpu_ids,
                             os.environ.get("CUDA_VISIBLE_DEVICES"))
     # in bfloat16 when every engine serves in it (half the bytes each version; vLLM on GPUs)
+    from tidal.runtime.handoff import version_writer
+
     files = FilePublisher(out / "weights", ParamLayout.of(model), keep=2,
                           dtype=getattr(torch, published_dtype(cfg)))
+    files = version_writer(files, out)  # a shared-memory segment per version, the file after
     if rt.fsdp == "on" and torch.device(device).type != "cpu":
         raise ConfigError("runtime.fsdp", "'on' needs a CPU trainer (a sharded core cannot "
                           "be offloaded while cell 0 serves); use 'auto'")
@@ -199,6 +204,7 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
         coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s), shard=shard,
         host=host),
         buffer, clock, publishers=[files], pad_id=tok.eos_id)
+    files.restream = core.stream_params
     return buffer, core, files
 
 
@@ -245,7 +251,10 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     actuator.bind(handle)
     bridge = LedgerBridge(handle, clock, admin, buffer, c.group_size, parts,
                           tokens=rt.deterministic)
-    publisher = Publisher(engines, actuator, admin, weights, files.path, handle, clock)
+    from tidal.runtime.handoff import Handoff
+
+    publisher = Publisher(engines, actuator, admin, weights, files.path, handle, clock,
+                          handoff=Handoff(engines, files, rt.weight_carrier, host=host))
     # executions.jsonl line by line as groups end (a killed run keeps what it closed)
     bridge.file, bridge.t0 = outputs.executions, lambda: outputs.t0
     if ck is not None:
