@@ -23,8 +23,10 @@ def test_every_command_and_option_has_help_text():
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["engine", "--model", ".", "--port", "99999"],
-     "Invalid value for '--port': 99999 is not in the range 1<=x<=65535. (see `tidal engine -h`)"),
-    (["proxy", "--port", "0"], "Invalid value for '--port': 0 is not in the range 1<=x<=65535."),
+     "Invalid value for --port: Input should be less than or equal to 65535 "
+     "(see `tidal engine -h`)"),
+    (["proxy", "--port", "0"],
+     "Invalid value for --port: Input should be greater than or equal to 1"),
     (["simulate", "dapo-math-32gpu", "--policy", "waterlevel:bogus=1"],
      "policy.args.bogus: waterlevel takes no argument 'bogus' (it takes: core_may_stay)"),
     (["run", "configs/tiny.yaml", "--policy", "static:bogus=1"],

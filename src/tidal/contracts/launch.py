@@ -21,7 +21,7 @@ class ProxySettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    port: int = Field(8200, ge=0, le=65535, description="TCP port to listen on.")
+    port: int = Field(8200, ge=1, le=65535, description="TCP port to listen on.")
     host: str = Field("127.0.0.1", description="Address to listen on.")
     engines: list[str] = Field(default_factory=list, json_schema_extra={"flag": "--engine"},
                                description="Standalone engine URL (repeatable).")
@@ -73,7 +73,7 @@ class EngineSettings(BaseModel):
 
     model_dir: str = Field(json_schema_extra={"flag": "--model"}, description="Model "
                            "directory (tiny GPT or HF Llama, e.g. from `tidal model`).")
-    port: int = Field(8100, ge=0, le=65535, description="TCP port to listen on.")
+    port: int = Field(8100, ge=1, le=65535, description="TCP port to listen on.")
     host: str = Field("127.0.0.1", description="Address to listen on.")
     name: str | None = Field(None, description="Served model name (default: directory name).")
     max_batch: int = Field(32, ge=1, description="Sequences decoded together at most "
