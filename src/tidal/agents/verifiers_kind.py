@@ -5,7 +5,8 @@ turn) against the proxy's token-in route ``/inference/v1/generate``.
 With ``task.agent.args.environment`` (``module:function`` returning a ``verifiers.v1.Taskset``,
 e.g. ``tidal.agents.verifiers_envs:reasoning_gym_env``, called with ``environment_args``) an
 execution plays the environment's task at its row's index through verifiers' ``TrainClient``
-(``verifiers_env_episode``) and its reward is the task's own rewards' sum; without it, the row's
+(``verifiers_env_episode``; several turns when the task gives feedback, up to
+``runtime.max_turns``) and its reward is the task's own rewards' sum; without it, the row's
 messages go through ``renderers.client.generate`` and the run's reward function scores.
 
 In: an execution's task row (prompt or messages), its per-execution base URL and key, the
@@ -175,8 +176,9 @@ class VerifiersKind:
                 raise ConfigError(f"{self.field}.args.environment_args", str(exc)) from None
 
     async def _run_environment(self, ctx: AgentContext) -> AgentOutcome:
-        """The environment's task of this row, its episode, its reward; the trace's token ids,
-        sampled mask and log-probs go to ``.tidal/verifiers_trace.json`` in the workspace."""
+        """The environment's task of this row, its episode (up to ``runtime.max_turns`` turns
+        when the task gives feedback), its reward; the trace's token ids, sampled mask and
+        log-probs, and each turn's ids, go to ``.tidal/verifiers_trace.json`` in the workspace."""
         from tidal.agents.kinds import AgentOutcome
         from tidal.agents.verifiers_env_episode import run_task
 
@@ -189,6 +191,7 @@ class VerifiersKind:
             self.tokenizer,
             {"max_tokens": ctx.max_tokens, "temperature": ctx.temperature},
             session=ctx.execution_id,
+            max_turns=ctx.max_turns,
         )
         trace = {
             "token_ids": out.token_ids,
@@ -196,16 +199,21 @@ class VerifiersKind:
             "logprobs": out.logprobs,
             "rewards": out.rewards,
             "reward": out.reward,
+            "turns": out.turns,
         }
         where = ctx.workspace / ".tidal"
         where.mkdir(parents=True, exist_ok=True)
         (where / "verifiers_trace.json").write_text(json.dumps(trace))
-        sampled = [t for t, m in zip(out.token_ids, out.sampled_mask, strict=True) if m]
         return AgentOutcome(
             reward=out.reward,
             answer=out.answer,
             transcript=[
-                {"action": out.answer, "observation": "", "completion_tokens": len(sampled)}
+                {
+                    "action": turn["content"],
+                    "observation": turn["feedback"] or "",
+                    "completion_tokens": len(turn["completion_ids"]),
+                }
+                for turn in out.turns
             ],
         )
 
