@@ -68,6 +68,19 @@ def train_client(base_url: str, api_key: str, tokenizer_dir: str) -> TrainClient
     )
 
 
+def renderers_lock_for_this_loop() -> None:
+    """renderers keeps one module-level ``asyncio.Lock`` (``renderers.client``), bound to the
+    first loop that waits on it; a process that runs episodes on more than one loop (one
+    ``asyncio.run`` per run) gets a fresh one for the running loop."""
+    import asyncio
+
+    from renderers import client as rclient
+
+    lock = getattr(rclient, "_max_prompt_len_lock", None)
+    if lock is not None and getattr(lock, "_loop", None) not in (None, asyncio.get_running_loop()):
+        rclient._max_prompt_len_lock = asyncio.Lock()
+
+
 def last_answer(trace: Trace) -> str:
     """The text of the trace's last assistant message ("" when it has none)."""
     for node in reversed(trace.nodes):
@@ -104,6 +117,7 @@ async def run_task(
     )
     feedback = getattr(task, "feedback", None)
     turns: list[dict] = []
+    renderers_lock_for_this_loop()
     client = train_client(base_url, api_key, tokenizer_dir)
     try:
         while True:

@@ -73,18 +73,12 @@ async def run_episode(
     """One single-turn episode: ``messages`` rendered by ``renderer``, sampled through the
     token-in route under ``base_url`` (an OpenAI ``/v1`` base). Returns verifiers' result
     dict (``prompt_ids``, ``completion_ids``, ``completion_logprobs``, ``content``, ...)."""
-    import asyncio
-
     import openai
-    from renderers import client as rclient
     from renderers.client import generate
 
-    # renderers keeps one module-level asyncio.Lock, bound to the first loop that awaited it;
-    # a process that runs episodes on more than one loop (one asyncio.run each) needs a fresh one
-    lock = getattr(rclient, "_max_prompt_len_lock", None)
-    if lock is not None and getattr(lock, "_loop", None) not in (None,
-                                                                asyncio.get_running_loop()):
-        rclient._max_prompt_len_lock = asyncio.Lock()
+    from tidal.agents.verifiers_env_episode import renderers_lock_for_this_loop
+
+    renderers_lock_for_this_loop()
 
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
         return await generate(
