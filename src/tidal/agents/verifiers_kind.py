@@ -123,7 +123,8 @@ class VerifiersKind:
         self.tokenizer = model_dir(str(args["tokenizer"]))
         if args.get("environment") and args.get("tool_parser"):
             raise ConfigError(
-                f"{field}.args.tool_parser", "not used with an environment (its turns carry no tools)"
+                f"{field}.args.tool_parser",
+                "not used with an environment (its turns carry no tools)",
             )
         if args.get("environment_args") is not None and not args.get("environment"):
             raise ConfigError(f"{field}.args.environment_args", "needs args.environment")
