@@ -14,12 +14,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from tidal.agents.kinds import AgentContext, AgentOutcome, build_agent
+from tidal.agents.kinds import AgentContext, build_agent
 from tidal.agents.python_workers import _PROCS
 from tidal.agents.rewards import Reward
 from tidal.agents.sandbox import Sandbox
 from tidal.agents.tasks import TaskRow
 from tidal.config import AgentConfig, RewardConfig
+from tidal.contracts.executions import Outcome
 
 N = 40
 
@@ -50,7 +51,7 @@ def commands(top: Path) -> None:
 
 def workers() -> None:
     reward = Reward(RewardConfig(builtin="exact"))
-    row, out = TaskRow(0, prompt="p", answer="a"), AgentOutcome(answer="a")
+    row, out = TaskRow(0, prompt="p", answer="a"), Outcome(answer="a")
 
     async def go():
         t0 = time.monotonic()

@@ -66,7 +66,7 @@ async def run_mode(proxy_url: str, handoff: bool, drains: int, concurrency: int,
             # pin the load on s0: s1 is drained while the calls start
             await c.post("/tidal/engines/s1/drain", headers=H)
             calls = [asyncio.create_task(c.post("/v1/completions", headers={
-                "X-Tidal-Execution": f"d{i}-{k}"}, json={
+                **H, "X-Tidal-Execution": f"d{i}-{k}"}, json={
                 "prompt": [(k * 7 + j) % 300 + 1 for j in range(prompt_tokens)],
                 "max_tokens": 160, "ignore_eos": True})) for k in range(concurrency)]
             await asyncio.sleep(2.0)  # every call is past its prefill and decoding

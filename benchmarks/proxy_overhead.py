@@ -49,7 +49,8 @@ def cpu_s(pid: int) -> float:
 async def load(url: str, concurrency: int, calls_per_exec: int, max_tokens: int,
                tag: str) -> list[float]:
     lat: list[float] = []
-    # the engine takes calls with the run's token only; the proxy's OpenAI routes ignore it
+    # the engine takes calls with the run's token only; the proxy takes it as its admin
+    # token, which may name any execution (as the driver's own harness pool does)
     pool = HTTPPool(url, {"Authorization": f"Bearer {TOKEN}"}, max_idle=concurrency,
                     timeout_s=600, connect_timeout_s=120)
 

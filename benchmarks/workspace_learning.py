@@ -1,9 +1,10 @@
 """GRPO on the multi-turn workspace task through the real serving path: does reward rise?
 
 Each burst: ``groups * updates_per_burst`` workspace tasks (``group_size`` executions each, one
-seed per group) run concurrently in the harness pool, which talks to a real built-in engine
-process through a real proxy process (every call's tokens, log-probs and weight versions are
-recorded there); the proxy's records become ``ExecutionRecord`` objects
+seed per group; the built-in ``workspace`` source run by the ``chat`` agent kind, as
+``configs/quickstart.yaml``) run concurrently in the harness pool, which talks to a real
+built-in engine process through a real proxy process (every call's tokens, log-probs and weight
+versions are recorded there); the proxy's records become ``ExecutionRecord`` objects
 (``tidal.training.records.record_from_proxy``) in the trajectory buffer; ``CoreTrainer`` takes
 ``updates_per_burst`` GRPO steps of ``groups`` groups each, publishes the last version with a
 ``FilePublisher``, and the engine loads it in place (``/update_weights``) before the next burst.
@@ -23,21 +24,20 @@ import asyncio
 import json
 import logging
 import os
-import random
 import resource
 import secrets
 import statistics
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import httpx
 import torch
 
-from tidal.agents import HarnessPool, PoolConfig, WorkspaceTask
-from tidal.agents.environments import ToolLatency
+from tidal.agents import HarnessPool, PoolConfig
+from tidal.agents.workload import AgentJob, Workload
 from tidal.clock import WallClock
+from tidal.config import RunConfig, validate_model
 from tidal.models import fetch, load_model
 from tidal.serving.launch import start_engine, start_proxy
 from tidal.training.core import CoreTrainer, TrainerConfig
@@ -48,22 +48,27 @@ from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferC
 from tidal.training.transport import FilePublisher
 
 
-def make_task(seed: int, median_s: float, n_files: int) -> WorkspaceTask:
-    return WorkspaceTask(seed, ToolLatency(random.Random(seed + 7), median_s=median_s,
-                                           sigma=1.0, cap_s=20 * median_s + 0.01),
-                         n_files=n_files)
+def workspace_jobs(median_s: float, max_turns: int):
+    """``seed -> AgentJob`` of the built-in workspace source (tool latency median ``median_s``)."""
+    workload = Workload(validate_model(RunConfig, {"task": {
+        "source": {"kind": "workspace", "tool_latency_s": median_s}, "max_turns": max_turns}}))
+
+    def job(seed: int) -> AgentJob:
+        return workload.job(0, 0, seed)
+
+    return job
 
 
 async def run_executions(pool: HarnessPool, admin: httpx.AsyncClient,
                          tasks: list[tuple[str, object]]) -> tuple[list, list]:
-    results = await pool.run(tasks)
+    closed = await pool.run(tasks)
     records = []
-    for r in results:
-        resp = await admin.get(f"/tidal/executions/{r.execution_id}/records")
+    for c in closed:
+        resp = await admin.get(f"/tidal/executions/{c.execution_id}/records")
         resp.raise_for_status()
-        records.append(record_from_proxy(r.execution_id, r.group_id, resp.json()["calls"],
-                                         r.reward, r.reason))
-    return results, records
+        records.append(record_from_proxy(c.execution_id, c.group_id, resp.json()["calls"],
+                                         c.outcome.reward or 0.0, c.outcome.reason))
+    return [c.outcome for c in closed], records
 
 
 def cpu_s(pid: int | None = None) -> float:
@@ -76,14 +81,14 @@ def cpu_s(pid: int | None = None) -> float:
 
 
 def describe(results: list) -> dict:
-    rewards = [r.reward for r in results]
+    rewards = [r.reward or 0.0 for r in results]
     hist: dict[str, int] = {}
     for x in rewards:
         hist[f"{x:.2f}"] = hist.get(f"{x:.2f}", 0) + 1
     return {"n": len(rewards), "mean_reward": sum(rewards) / len(rewards),
             "solved": sum(x == 1.0 for x in rewards) / len(rewards),
-            "mean_turns": sum(r.turns for r in results) / len(results),
-            "reasons": sorted({r.reason for r in results}),
+            "mean_turns": sum(r.turns for r in results) / len(results),  # Outcome.turns
+            "reasons": sorted({str(r.reason) for r in results}),
             "histogram": dict(sorted(hist.items()))}
 
 
@@ -173,13 +178,14 @@ async def main_async(args, out: Path) -> dict:
         eng = httpx.AsyncClient(base_url=engine.url, timeout=600)
         pool_cfg = PoolConfig(proxy_url=proxy.url, max_concurrent=args.concurrency,
                               max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens,
-                              temperature=args.temperature, timeout_s=args.execution_timeout)
+                              temperature=args.temperature, timeout_s=args.execution_timeout,
+                              token=token)
         with tempfile.TemporaryDirectory() as tmp:
             pool = HarnessPool(pool_cfg, Path(tmp) / "ws")
-            mk = partial(make_task, median_s=args.latency_median, n_files=args.n_files)
+            mk = workspace_jobs(args.latency_median, args.max_turns)
             if args.baseline:
                 t0 = time.monotonic()
-                tasks = [(f"base-{i}", partial(mk, 10_000_000 + args.seed * 1000 + i))
+                tasks = [(f"base-{i}", mk(10_000_000 + args.seed * 1000 + i))
                          for i in range(args.baseline)]
                 results, records = await run_executions(pool, admin, tasks)
                 base = describe(results)
@@ -187,7 +193,8 @@ async def main_async(args, out: Path) -> dict:
                 base["output_tokens"] = sum(len(c.output_token_ids) for rec in records
                                             for c in rec.calls)
                 base["transcripts"] = [{"reward": r.reward, "turns": r.turns,
-                                        "transcript": r.transcript} for r in results[:8]]
+                                        "transcript": [t.model_dump() for t in r.transcript]}
+                                       for r in results[:8]]
                 metrics["baseline"] = base
                 print(f"baseline over {base['n']} executions: mean reward "
                       f"{base['mean_reward']:.3f}, solved {base['solved']:.2f}, histogram "
@@ -226,7 +233,7 @@ async def train(args, model, tok, pool, admin, eng, mk, tmp: Path, metrics: dict
         for b in range(args.bursts):
             tb, eng_c0 = time.monotonic(), cpu_s(engine_pid)
             n_groups = args.groups * args.updates_per_burst
-            tasks = [(f"b{b}-g{g}", partial(mk, args.seed * 1_000_003 + b * 1000 + g))
+            tasks = [(f"b{b}-g{g}", mk(args.seed * 1_000_003 + b * 1000 + g))
                      for g in range(n_groups) for _ in range(args.group_size)]
             results, records = await run_executions(pool, admin, tasks)
             for rec in records:
@@ -238,7 +245,8 @@ async def train(args, model, tok, pool, admin, eng, mk, tmp: Path, metrics: dict
             if b == 0 and "baseline" not in metrics:  # the untrained model's first burst
                 metrics["baseline"] = {**stats, "from": "burst 0 (weights v0)",
                                        "transcripts": [{"reward": r.reward,
-                                                        "transcript": r.transcript}
+                                                        "transcript": [t.model_dump()
+                                                                       for t in r.transcript]}
                                                        for r in results[::len(results) // 8]]}
                 print(f"burst 0 (untrained): mean reward {stats['mean_reward']:.3f}, histogram "
                       f"{stats['histogram']}", flush=True)
@@ -305,7 +313,6 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-6)
     ap.add_argument("--token-budget", type=int, default=2048)
     ap.add_argument("--latency-median", type=float, default=0.15, help="tool latency median, s")
-    ap.add_argument("--n-files", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--engine-max-batch", type=int, default=32)
     ap.add_argument("--execution-timeout", type=float, default=300.0)

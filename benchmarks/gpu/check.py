@@ -50,6 +50,8 @@ STEPS = (
     ("trainer_offload", "trainer_steps", "trainer_offload", 100),
     ("trainer_precision", "trainer_steps", "trainer_precision", 60),
     ("engine_vs_cpu", "engine_steps", "engine_vs_cpu", 120),
+    ("weight_carriers", "carrier_steps", "weight_carriers", 150),
+    ("weight_broadcast", "carrier_steps", "weight_broadcast", 90),
     ("weight_update", "trainer_steps", "weight_update", 150),
     ("fsdp_two_ranks", "trainer_steps", "fsdp_two_ranks", 60),
 )

@@ -65,8 +65,22 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         click.echo("tidal: interrupted", err=True)
-        return 130
+        return _interrupted(argv)
+    except SystemExit as exc:
+        if exc.code == 130:  # a run stopped by Ctrl-C or SIGTERM (its parts are stopped)
+            _interrupted(argv)
+        raise
     return 0
+
+
+def _interrupted(argv: list[str] | None) -> int:
+    """The process is ``tidal`` itself (``argv`` None): it exits within a moment whatever
+    thread is stuck (``runtime.stopping.exit_soon``); called in-process (tests), nothing."""
+    if argv is None:
+        from tidal.runtime.stopping import exit_soon
+
+        exit_soon(130)
+    return 130
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ formatting in ``tidal.config_base``; both are re-exported here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -190,6 +190,11 @@ class SglangSettings(Strict):
         lambda cls, v: _split_args(v)))
 
 
+MOVED_TO_TASK = {"task": "task.source.kind (arithmetic | workspace)",
+                 "max_turns": "task.max_turns",
+                 "tool_latency_s": "task.source.tool_latency_s (with task.source.kind: workspace)"}
+
+
 class RuntimeConfig(Strict):
     """What ``tidal run`` needs beyond the control plane: model, engines, task, trainer."""
 
@@ -211,11 +216,6 @@ class RuntimeConfig(Strict):
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
     fsdp_ranks: int = Field(1, ge=1, description="FSDP2 ranks (processes) per training cell; "
                             "rank 0 of each cell starts the others")
-    task: str = Field("arithmetic", description="the built-in task when the config has no "
-                      "task section: 'arithmetic' (single-turn) or 'workspace' (multi-turn tools)")
-    max_turns: int = Field(1, ge=1, description="model calls per execution at most")
-    tool_latency_s: float = Field(0.2, ge=0.0, description="median tool-call latency "
-                                  "(workspace task; lognormal, long-tailed)")
     max_tokens: int = Field(24, ge=1, description="tokens per model call")
     temperature: float = Field(1.0, ge=0.0)
     execution_timeout_s: float = Field(120.0, gt=0.0)
@@ -234,6 +234,11 @@ class RuntimeConfig(Strict):
     keep_weights: int = Field(0, ge=0, description="published weight versions "
                               "(DIR/weights/v<n>.safetensors) left after a successful run, "
                               "newest first (0: none); during a run they stay for --resume")
+    weight_carrier: Literal["auto", "shm", "broadcast", "file", "object"] = Field(
+        "auto", description="how each published version reaches an engine (docs/weights.md): "
+        "auto = shared memory on the driver's node, a gloo broadcast to other nodes, the file "
+        "and Ray's object store as fallbacks; another value is tried first for every engine "
+        "(the others stay as fallbacks)")
     torch_threads: int = Field(1, ge=1, description="threads of the core trainer (driver)")
     deterministic: bool = Field(False, description="two seeded runs of one config are "
                                 "token-identical end to end (completions, token ids, rewards, "
@@ -349,14 +354,14 @@ class RuntimeConfig(Strict):
             raise ConfigError("runtime.sglang.python", f"{exe}: not an executable python")
         return exe
 
-    @field_validator("task")
+    @model_validator(mode="before")
     @classmethod
-    def _builtin_task(cls, v: str) -> str:
-        if v not in ("arithmetic", "workspace"):
-            raise ValueError(f"{v!r} is not a built-in task (arithmetic, workspace); your own "
-                             "tasks, reward and agent go in the config's task: section "
-                             "(docs/agents.md: Train your own agent)")
-        return v
+    def _moved_to_task(cls, data: Any) -> Any:
+        """Keys that moved to the ``task:`` section: refused with their new place."""
+        for old, new in MOVED_TO_TASK.items():
+            if isinstance(data, dict) and old in data:
+                raise FieldError(old, f"moved: set {new} instead")
+        return data
 
     @model_validator(mode="after")
     def _temperature_floor(self) -> RuntimeConfig:
@@ -386,8 +391,8 @@ class RunConfig(Strict):
     control: ControlConfig = Field(default_factory=ControlConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
-    task: TaskConfig | None = Field(None, description="the user's tasks, reward and agent "
-                                    "(None: the built-in runtime.task)")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="the tasks, reward and "
+                             "agent (absent: the built-in arithmetic source)")
 
     @model_validator(mode="after")
     def _backends_registered(self) -> RunConfig:

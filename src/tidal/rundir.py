@@ -141,11 +141,12 @@ class RunData:
         standalone = int(cl.get("standalone_count", 0) or 0)
         if standalone:
             cells += f" + {standalone} standalone engine{'s' if standalone > 1 else ''}"
-        task = rt.get("task", "?")
-        if isinstance(cfg.get("task"), dict):  # the user's task: section
+        task = rt.get("task", "arithmetic")  # an older run kept its built-in task there
+        if isinstance(cfg.get("task"), dict):  # the task: section
             src, agent = cfg["task"].get("source") or {}, cfg["task"].get("agent") or {}
-            task = (f"{src.get('kind', '?')}{':' + src['name'] if src.get('name') else ''}, "
-                    f"{agent.get('kind', 'chat')} agent")
+            kind, by = src.get("kind", "?"), agent.get("kind", "chat")
+            task = kind if kind in ("arithmetic", "workspace") and by == "chat" else (
+                f"{kind}{':' + src['name'] if src.get('name') else ''}, {by} agent")
         return (f"policy `{self.policy}` · {cells} · model `{rt.get('model', '?')}` · "
                 f"task `{task}` · {ctl.get('bursts', '?')} bursts × "
                 f"{ctl.get('updates_per_burst', '?')} updates × {ctl.get('batch_groups', '?')} "

@@ -18,11 +18,14 @@ class TaskSourceConfig(Strict):
     """Where task rows come from (``tidal.agents.tasks``): a file or saved dataset with a field
     mapping, or a procedural generator."""
 
-    kind: str = Field(pattern="^(jsonl|parquet|disk|reasoning_gym|swe_repos)$", description=
+    kind: str = Field(pattern="^(jsonl|parquet|disk|reasoning_gym|swe_repos|arithmetic|"
+                      "workspace)$", description=
                       "'jsonl' / 'parquet' (a local file), 'disk' (a Hugging Face dataset "
                       "saved with save_to_disk), 'reasoning_gym' (create_dataset(name, size, "
-                      "seed), generated here) or 'swe_repos' (small Python repos with a failing "
-                      "test, generated in each workspace)")
+                      "seed), generated here), 'swe_repos' (small Python repos with a failing "
+                      "test, generated in each workspace), or a built-in task generated from "
+                      "each group's seed: 'arithmetic' (single-turn) or 'workspace' (multi-turn "
+                      "file tools)")
     path: str | None = Field(None, description="the file or directory (jsonl, parquet, disk)")
     split: str | None = Field(None, description="the split of a saved DatasetDict (disk)")
     prompt: str | None = Field(None, description="the column holding the prompt text")
@@ -41,6 +44,15 @@ class TaskSourceConfig(Strict):
     system_prompt: str | None = Field(None, description="a system message put before each "
                                       "row's prompt")
     limit: int | None = Field(None, ge=1, description="use the first N rows only")
+    tool_latency_s: float | None = Field(None, ge=0.0, description="workspace: the median "
+                                         "tool-call latency (lognormal, long-tailed; None: "
+                                         "0.2 s)")
+
+    @model_validator(mode="after")
+    def _latency_for_workspace(self) -> TaskSourceConfig:
+        if self.tool_latency_s is not None and self.kind != "workspace":
+            raise FieldError("tool_latency_s", "used by the 'workspace' source only")
+        return self
 
 
 class RewardConfig(Strict):
@@ -92,10 +104,31 @@ class AgentConfig(Strict):
                          "function (and the run's reward function) runs in")
 
 
+BUILTIN_SOURCES = ("arithmetic", "workspace")  # tidal.agents.builtin_tasks
+_BUILTIN = "tidal.agents.builtin_tasks"
+
+
 class TaskConfig(Strict):
     """The run's workload: task rows, how an execution is scored, what runs it. Absent: the
-    built-in ``runtime.task``."""
+    built-in ``arithmetic`` source. A built-in source (``arithmetic``, ``workspace``) run by the
+    ``chat`` kind gets its step and reward (``tidal.agents.builtin_tasks``) unless the config
+    names its own."""
 
-    source: TaskSourceConfig
+    source: TaskSourceConfig = Field(default_factory=lambda: TaskSourceConfig(kind="arithmetic"))
     reward: RewardConfig | None = Field(None, description="None: the agent returns rewards")
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    max_turns: int = Field(1, ge=1, description="model calls per execution at most")
+
+    def with_builtin_defaults(self) -> TaskConfig:
+        """This section with a built-in source's step and reward filled in where it names none
+        (decided when the workload is built, never stored: ``--set task.source.kind=...`` on a
+        resolved config picks the new source's)."""
+        kind = self.source.kind
+        if kind not in BUILTIN_SOURCES:
+            return self
+        update: dict[str, Any] = {}
+        if self.agent.kind == "chat" and not self.agent.step:
+            update["agent"] = self.agent.model_copy(update={"step": f"{_BUILTIN}:{kind}_step"})
+        if self.reward is None:
+            update["reward"] = RewardConfig(function=f"{_BUILTIN}:{kind}_reward")
+        return self.model_copy(update=update)

@@ -167,7 +167,9 @@ class TrainerStepDone(Event):
 class WeightSyncDone(Event):
     version: int
     duration_s: float = 0.0
-    transports: tuple[tuple[str, str], ...] = ()  # (engine id, "file" | "object") per load
+    transports: tuple[tuple[str, str], ...] = ()  # (engine id, its carrier) per load
+    # what it cost: write_s, bytes, gbps, engines: {id: {carrier, bytes, seconds, pause_s}}
+    detail: dict | None = None
 
 
 @dataclass(frozen=True)

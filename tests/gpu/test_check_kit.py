@@ -78,7 +78,7 @@ def test_dry_run_writes_every_step_to_the_json_and_the_table(tmp_path, check):
     assert list(steps) == ["environment", *(s[0] for s in check.STEPS)]
     for name, res in steps.items():
         assert set(res) == {"status", "reason", "figures", "seconds"}, name
-        want = "skipped" if name == "fsdp_two_ranks" else "ok"
+        want = "skipped" if name == "fsdp_two_ranks" else "ok"  # broadcast: gloo on CPU
         assert res["status"] == want, (name, res["reason"], proc.stdout[-4000:])
         for row in res["figures"]:
             assert set(row) == {"figure", "value", "unit", "sim", "note"}, (name, row)
@@ -90,6 +90,11 @@ def test_dry_run_writes_every_step_to_the_json_and_the_table(tmp_path, check):
         "sim": None,
         "note": "",
     }
+    carriers = {r["figure"]: r for r in steps["weight_carriers"]["figures"]}
+    assert carriers["tidal run: trainer -> engine"]["value"] > 0
+    assert carriers["ipc: trainer -> engine (same GPU)"]["note"] == "CUDA IPC needs CUDA"
+    (bcast,) = steps["weight_broadcast"]["figures"]
+    assert bcast["figure"].startswith("broadcast (gloo") and bcast["value"] > 0
     decode = {r["figure"]: r for r in steps["decode"]["figures"]}
     for b in (1, 8, 32, 128):
         assert decode[f"decode b={b}"]["value"] > 0 and decode[f"decode b={b}"]["sim"] > 0

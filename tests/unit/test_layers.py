@@ -266,3 +266,59 @@ def test_the_policy_name_rule_sees_each_form(tmp_path):
                  "def f(n):\n    return n in ('verl-default', 'x')\n"):
         (tmp_path / "m.py").write_text(code)
         assert _policy_name_keys(tmp_path / "m.py", {"waterlevel", "verl-default"}), code
+
+
+# what the runtime may import of the workload (DESIGN.md, "One road for an execution"): the
+# workload, the pool, and nothing else; how an execution ended comes as contracts' ``Outcome``
+RUNTIME_FROM_AGENTS = {
+    "tidal.agents.pool": {"HarnessPool", "PoolConfig"},
+    "tidal.agents.workload": {"Workload", "check_workload"},
+}
+
+
+def _agents_names(path: Path) -> set[str]:
+    """``module:name`` for every import of ``tidal.agents`` in ``path`` (at any depth)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {f"{a.name}:*" for a in node.names if a.name.startswith("tidal.agents")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tidal.agents"):
+            out |= {f"{node.module}:{a.name}" for a in node.names}
+    return out
+
+
+def test_the_runtime_sees_only_the_workload_the_pool_and_outcome():
+    seen = {n for p in _package("runtime") for n in _agents_names(p)}
+    allowed = {f"{m}:{n}" for m, names in RUNTIME_FROM_AGENTS.items() for n in names}
+    assert seen <= allowed, sorted(seen - allowed)
+    assert "tidal.agents.pool:HarnessPool" in seen  # the test reads real imports
+
+
+def _close_reason_literals(path: Path, root: Path = SRC) -> list[str]:
+    """String constants spelling a close reason, but for dict keys (a foreign API's field,
+    e.g. vLLM's ``"timeout"``) and the values of ``STATUS_*`` names (a foreign API's own status
+    vocabulary, e.g. OpenAI Responses' ``"completed"``, named once where it is used)."""
+    from tidal.contracts.close import CLOSE_REASONS
+
+    tree = ast.parse(path.read_text(), str(path))
+    keys = {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys if k}
+    keys |= {id(c) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+             and all(isinstance(t, ast.Name | ast.Tuple) for t in n.targets)
+             and all(name.id.startswith("STATUS_") for t in n.targets
+                     for name in ast.walk(t) if isinstance(name, ast.Name))
+             for c in ast.walk(n.value) if isinstance(c, ast.Constant)}
+    return [f"{path.relative_to(root)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and n.value in CLOSE_REASONS and id(n) not in keys]
+
+
+def test_no_close_reason_literal_outside_contracts(tmp_path):
+    """``CloseReason`` is the one spelling; a literal would drift from it unseen."""
+    found = [hit for p in sorted(SRC.rglob("*.py"))
+             if "contracts" not in p.relative_to(SRC).parts
+             for hit in _close_reason_literals(p)]
+    assert not found, found
+    planted = tmp_path / "planted.py"  # the check finds what it looks for, and only that
+    planted.write_text('a = {"timeout": 1.0}\nb = "timeout"\nc = f(reason="failed")\n')
+    assert _close_reason_literals(planted, tmp_path) == ["planted.py:2: 'timeout'",
+                                                         "planted.py:3: 'failed'"]

@@ -11,7 +11,7 @@ proxy's per-execution URL, so a program that cannot add headers is still identif
 ``OPENAI_API_KEY`` (a key bound to the execution), ``OPENAI_MODEL``, ``TIDAL_EXECUTION_ID``,
 ``TIDAL_WORKSPACE``, ``TIDAL_TASK_FILE``.
 The run's tokens (``TIDAL_*TOKEN*``) are never passed on.
-Out: an ``AgentOutcome`` with the exit code, the last ``TAIL_CHARS`` of stdout / stderr (the
+Out: an ``Outcome`` with the exit code, the last ``TAIL_CHARS`` of stdout / stderr (the
 streams are in ``.tidal/stdout.log`` / ``stderr.log`` of the workspace, each cut at
 ``task.agent.output_limit_bytes``: the rest is read and dropped, a line at the log's end and the
 outcome's ``detail`` say so) and the stdout tail as the answer; a non-zero exit closes the
@@ -37,9 +37,11 @@ import string
 import sys
 from pathlib import Path
 
-from tidal.agents.kinds import AgentContext, AgentOutcome, register_agent_kind, unused
+from tidal.agents.kinds import AgentContext, register_agent_kind, unused
 from tidal.agents.sandbox import environment, interpreter_paths, sandbox_for
 from tidal.config import AgentConfig
+from tidal.contracts.close import CloseReason
+from tidal.contracts.executions import Outcome, Turn
 from tidal.errors import ConfigError
 
 TAIL_CHARS = 4000
@@ -81,7 +83,7 @@ class CommandKind:
         self.expose = interpreter_paths()
         self.limit = spec.output_limit_bytes
 
-    async def run(self, ctx: AgentContext) -> AgentOutcome:
+    async def run(self, ctx: AgentContext) -> Outcome:
         if not self.sandbox.ready:  # the first execution creates the agents' user
             self.sandbox = sandbox_for(self.user, self.user_field)
         ws = ctx.workspace
@@ -144,13 +146,13 @@ class CommandKind:
                 if dropped:
                     cut.append(f"{name} truncated at {self.limit} bytes ({dropped} dropped)")
         stdout, stderr = tails
-        return AgentOutcome(
+        return Outcome(
             answer=stdout.split(_CUT, 1)[0].strip(),
             exit_code=code,
             stdout_tail=stdout,
             stderr_tail=stderr,
-            reason="completed" if code == 0 else "failed",
-            transcript=[{"action": f"exit {code}", "observation": stdout}],
+            reason=CloseReason.COMPLETED if code == 0 else CloseReason.FAILED,
+            transcript=[Turn(action=f"exit {code}", observation=stdout)],
             detail="; ".join(cut),
         )
 

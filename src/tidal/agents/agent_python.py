@@ -4,9 +4,9 @@ the proxy), the task row and the workspace.
 
 In: ``task.agent.function`` (``module:function`` or ``file.py:function``, an ``async def``) that
 takes any of ``client``, ``row``, ``workspace``, ``model``, ``ctx`` by name. Out: an
-``AgentOutcome``: the function may return a number (the reward), None (the run's reward function
+``Outcome``: the function may return a number (the reward), None (the run's reward function
 scores the execution), a string (the final answer, scored by the reward function), a dict
-``{reward, answer}`` or an ``AgentOutcome``; a reward that is not finite (NaN, an infinity) or
+``{reward, answer}`` or an ``Outcome``; a reward that is not finite (NaN, an infinity) or
 a bool closes the execution ``reward_error`` with no reward (``finite_reward``). The client does not
 retry (the proxy already carries a call across engine moves; a failed call is the agent's to
 see).
@@ -23,10 +23,11 @@ import inspect
 from numbers import Real
 
 from tidal.agents.callables import load_callable, parameters
-from tidal.agents.kinds import AgentContext, AgentOutcome, register_agent_kind, unused
+from tidal.agents.kinds import AgentContext, register_agent_kind, unused
 from tidal.agents.python_workers import pool
 from tidal.config import AgentConfig
-from tidal.contracts.executions import Outcome, finite_reward
+from tidal.contracts.close import CloseReason
+from tidal.contracts.executions import Outcome, Turn, finite_reward
 from tidal.errors import ConfigError
 
 GIVEN = ("client", "row", "workspace", "model", "ctx")
@@ -55,7 +56,7 @@ class PythonKind:
         self.names = list(GIVEN) if "**" in names else names
         self.field, self.spec, self.workers = field, spec.function, spec.workers
 
-    async def run(self, ctx: AgentContext) -> AgentOutcome:
+    async def run(self, ctx: AgentContext) -> Outcome:
         """The function's outcome, from a worker process (``WorkerError`` if it raised or its
         worker was killed; ``TimeoutError`` past ``ctx.timeout_s``)."""
         done = await pool(self.workers).call(
@@ -63,43 +64,20 @@ class PythonKind:
         )
         if not isinstance(done, dict):
             raise TypeError(f"the agent's worker answered {type(done).__name__}")
-        return _agent_outcome(Outcome.model_validate(done))  # checked: a worker is not trusted
-
-
-def _agent_outcome(out: Outcome) -> AgentOutcome:
-    """``Outcome`` as the ``AgentOutcome`` the harness pool still reads (goes with it)."""
-    return AgentOutcome(
-        reward=out.reward,
-        answer=out.answer,
-        transcript=[t.model_dump(exclude_none=True) for t in out.transcript],
-        exit_code=out.exit_code,
-        reason=out.reason.value,
-        detail=out.detail,
-    )
+        return Outcome.model_validate(done)  # checked: a worker is not trusted
 
 
 def outcome_dict(res: object) -> dict:
-    """A python agent's return value as the ``Outcome`` (a dict) its worker sends back (in the
-    worker): a non-finite reward becomes reason ``reward_error`` with no reward and the why in
-    ``detail``; transcript entries are ``Turn``s (their ``action``, ``observation`` and
-    timings)."""
-    out = outcome_of(res)
-    done = {
-        "reason": out.reason,
-        "reward": None,
-        "answer": out.answer,
-        "transcript": [_turn(t) for t in out.transcript],
-        "detail": out.detail,
-    }
-    if out.reward is not None:
-        try:
-            done["reward"] = finite_reward(out.reward)
-        except ValueError as exc:
-            done.update(reason="reward_error", detail=f"the agent returned a {exc}")
-    return done
+    """A python agent's return value as the ``Outcome`` (its JSON dict) its worker sends back
+    (in the worker)."""
+    return outcome_of(res).model_dump(mode="json")
 
 
-def _turn(entry: object) -> dict:
+def _turn(entry: object) -> Turn:
+    """A transcript entry (a ``Turn``, a dict or a bare action) as a ``Turn``; timings that are
+    not non-negative numbers are left out."""
+    if isinstance(entry, Turn):
+        return entry
     given = entry if isinstance(entry, dict) else {"action": entry}
     turn = {"action": str(given.get("action", "")),
             "observation": str(given.get("observation", ""))}
@@ -107,42 +85,36 @@ def _turn(entry: object) -> dict:
         value = given.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
             turn[key] = float(value)
-    return turn
+    return Turn(**turn)
 
 
-def outcome_of(res: object) -> AgentOutcome:
-    """A python agent's return value as an ``AgentOutcome`` (``TypeError`` if it is none of
-    the accepted shapes)."""
-    if isinstance(res, AgentOutcome):
-        return _checked(res)
+def outcome_of(res: object) -> Outcome:
+    """A python agent's return value as an ``Outcome`` (``TypeError`` if it is none of the
+    accepted shapes). A reward that is not finite, or a bool, closes it ``reward_error`` with
+    no reward and the why in ``detail``."""
+    if isinstance(res, Outcome):
+        return res
     if res is None:
-        return AgentOutcome()
+        return Outcome()
     if not isinstance(res, Real | str | dict):
         raise TypeError(
             f"the agent returned {type(res).__name__}: expected a number, None, "
-            "a str, a dict {reward, answer} or an AgentOutcome"
+            "a str, a dict {reward, answer} or an Outcome"
         )
-    if isinstance(res, Real):  # a bool too: refused by finite_reward
-        return _checked(AgentOutcome(reward=res))  # type: ignore[arg-type]
     if isinstance(res, str):
-        return AgentOutcome(answer=res)
-    return _checked(AgentOutcome(
-        reward=res.get("reward"),
-        answer=str(res.get("answer", "")),
-        transcript=list(res.get("transcript", [])),
-    ))
-
-
-def _checked(out: AgentOutcome) -> AgentOutcome:
-    """``out`` with a finite float reward, or closed ``reward_error`` without one."""
-    if out.reward is None:
-        return out
+        return Outcome(answer=res)
+    if isinstance(res, dict):
+        reward, answer = res.get("reward"), str(res.get("answer", ""))
+        turns = [_turn(t) for t in res.get("transcript", [])]
+    else:  # a number (a bool too: refused by finite_reward)
+        reward, answer, turns = res, "", []
+    if reward is None:
+        return Outcome(answer=answer, transcript=turns)
     try:
-        out.reward = finite_reward(out.reward)
+        return Outcome(reward=finite_reward(reward), answer=answer, transcript=turns)
     except ValueError as exc:
-        out.reward, out.reason = None, "reward_error"
-        out.detail = f"the agent returned a {exc}"
-    return out
+        return Outcome(reason=CloseReason.REWARD_ERROR, answer=answer, transcript=turns,
+                       detail=f"the agent returned a {exc}")
 
 
 register_agent_kind("python", PythonKind)

@@ -2,12 +2,13 @@
 adds kinds to without editing tidal.
 
 In: an ``AgentContext`` per execution (its id and group, the task row, its own workspace, an
-OpenAI base URL and key bound to it, the model name, the limits). Out: an ``AgentOutcome`` (a
-reward, or None to leave it to the run's reward function; the final answer, a transcript, a
-command's exit code and output tails). A kind is constructed once per run from the config's
-``task.agent`` section (its constructor checks its input and raises a ``ConfigError`` naming the
-field: that runs before anything starts) and its ``run`` is called once per execution; the
-harness pool cancels it at the execution's timeout.
+OpenAI base URL and key bound to it, the model name, the limits). Out: an ``Outcome``
+(``tidal.contracts.executions``: a reward, or None to leave it to the run's reward function; the
+final answer, the transcript as ``Turn``s, a command's exit code and output tails): ``run`` is the
+only way an execution ends, built-in tasks (``tidal.agents.builtin_tasks``) included. A kind is
+constructed once per run from the config's ``task.agent`` section (its constructor checks its
+input and raises a ``ConfigError`` naming the field: that runs before anything starts) and its
+``run`` is called once per execution; the harness pool cancels it at the execution's timeout.
 
 Built-in kinds: ``chat`` (here: tidal's multi-turn loop over the row's messages, with the
 environment's feedback from the user's optional ``step`` callable), ``python``
@@ -30,6 +31,7 @@ import httpx
 from tidal.agents.callables import load_callable, parameters
 from tidal.agents.tasks import TaskRow
 from tidal.config import AgentConfig
+from tidal.contracts.executions import Outcome, Turn
 from tidal.errors import ConfigError
 
 
@@ -53,23 +55,9 @@ class AgentContext:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class AgentOutcome:
-    """What an agent returns; ``reward`` None leaves the score to the reward function."""
-
-    reward: float | None = None
-    answer: str = ""
-    transcript: list[dict] = field(default_factory=list)
-    exit_code: int | None = None
-    stdout_tail: str = ""
-    stderr_tail: str = ""
-    reason: str = "completed"
-    detail: str = ""  # one line: what went wrong or was cut (e.g. output truncated)
-
-
 class AgentKind(Protocol):
     def __init__(self, spec: AgentConfig, field: str = "task.agent") -> None: ...
-    async def run(self, ctx: AgentContext) -> AgentOutcome: ...
+    async def run(self, ctx: AgentContext) -> Outcome: ...
 
 
 _KINDS: dict[str, Callable[..., AgentKind]] = {}
@@ -147,8 +135,8 @@ class ChatKind:
                 "unknown argument of the 'chat' kind (known: system_prompt)",
             )
 
-    async def run(self, ctx: AgentContext) -> AgentOutcome:
-        out = AgentOutcome()
+    async def run(self, ctx: AgentContext) -> Outcome:
+        answer, reward, transcript = "", None, []
         messages = ctx.row.chat(self.system_prompt)
         async with httpx.AsyncClient(
             base_url=ctx.base_url,
@@ -169,29 +157,29 @@ class ChatKind:
                 )
                 if resp.status_code != 200:
                     raise ValueError(f"proxy answered {resp.status_code}: {resp.text[:200]}")
-                out.answer = resp.json()["choices"][0]["message"]["content"] or ""
+                answer = resp.json()["choices"][0]["message"]["content"] or ""
                 t_tool = time.monotonic()
-                obs, done, reward = await self._feedback(ctx, out.answer, messages, turn)
-                # timings (monotonic clock) for `tidal calibrate`, as the built-in loop's
-                out.transcript.append(
-                    {
-                        "action": out.answer,
-                        "observation": obs or "",
-                        "t_call": t_call,
-                        "call_s": t_tool - t_call,
-                        "tool_s": time.monotonic() - t_tool,
-                    }
+                obs, done, given = await self._feedback(ctx, answer, messages, turn)
+                # timings (monotonic clock) for `tidal calibrate`: call start, call and tool s
+                transcript.append(
+                    Turn(
+                        action=answer,
+                        observation=obs or "",
+                        t_call=t_call,
+                        call_s=t_tool - t_call,
+                        tool_s=time.monotonic() - t_tool,
+                    )
                 )
-                if reward is not None:
-                    out.reward = reward
+                if given is not None:
+                    reward = given
                 if done:
                     break
                 messages = [
                     *messages,
-                    {"role": "assistant", "content": out.answer},
+                    {"role": "assistant", "content": answer},
                     {"role": "user", "content": obs or ""},
                 ]
-        return out
+        return Outcome(reward=reward, answer=answer, transcript=transcript)
 
     async def _feedback(
         self, ctx: AgentContext, answer: str, messages: list[dict], turn: int

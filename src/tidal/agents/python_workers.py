@@ -277,7 +277,7 @@ async def _serve(out) -> None:
         try:
             answer({"id": msg["id"], "ok": True, "value": await _OPS[msg["op"]](msg)})
         except asyncio.CancelledError:
-            answer({"id": msg["id"], "ok": False, "error": "cancelled"})
+            answer({"id": msg["id"], "ok": False, "error": "the call was cancelled"})
         except Exception as exc:  # the user's code may raise anything
             answer({"id": msg["id"], "ok": False, "error": _error(exc)})
         finally:

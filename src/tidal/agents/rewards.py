@@ -1,7 +1,7 @@
 """Rewards from the user's code or a library scorer, computed once per closed execution.
 
 In: ``task.reward`` (a ``module:function`` / ``file.py:function``, or a builtin) and, per
-execution, its task row, its ``AgentOutcome`` and its workspace. Out: a float, or a
+execution, its task row, its ``Outcome`` and its workspace. Out: a float, or a
 ``RewardError`` (one line: the exception's type and line, or the non-number returned) that closes
 the execution with reason ``reward_error``: a reward that fails is never a silent 0.
 
@@ -29,11 +29,11 @@ from numbers import Real
 from pathlib import Path
 
 from tidal.agents.callables import load_callable, parameters
-from tidal.agents.kinds import AgentOutcome
 from tidal.agents.python_workers import WorkerError, pool
 from tidal.agents.sandbox import environment, interpreter_paths, sandbox_for
 from tidal.agents.tasks import TaskRow
 from tidal.config import RewardConfig
+from tidal.contracts.executions import Outcome
 from tidal.errors import ConfigError, TidalError
 
 VERL = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -70,7 +70,7 @@ class Reward:
         elif cfg.builtin == "reasoning_gym":
             import reasoning_gym  # noqa: F401
 
-    async def score(self, row: TaskRow, outcome: AgentOutcome, workspace: Path) -> float:
+    async def score(self, row: TaskRow, outcome: Outcome, workspace: Path) -> float:
         """The execution's reward, or ``RewardError``."""
         try:
             value = await asyncio.wait_for(self._call(row, outcome, workspace), self.cfg.timeout_s)
@@ -84,7 +84,7 @@ class Reward:
             raise RewardError(f"{type(exc).__name__}: {_line(exc)}{_where(exc)}") from None
         return number(value)
 
-    async def _call(self, row: TaskRow, outcome: AgentOutcome, workspace: Path) -> object:
+    async def _call(self, row: TaskRow, outcome: Outcome, workspace: Path) -> object:
         if self.fn is not None:
             given = (
                 {

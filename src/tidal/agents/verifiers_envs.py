@@ -98,7 +98,7 @@ def reasoning_gym_feedback_env(
 ) -> ReasoningGymTaskset:
     """``reasoning_gym_env``'s taskset, multi-turn: each task answers a wrong reply with a
     feedback turn (``task.agent.args.environment:
-    tidal.agents.verifiers_envs:reasoning_gym_feedback_env``; turns up to ``runtime.max_turns``)."""
+    tidal.agents.verifiers_envs:reasoning_gym_feedback_env``; turns up to ``task.max_turns``)."""
     taskset = reasoning_gym_env(name, size, seed, args, system_prompt)
     taskset.task_type = ReasoningGymFeedbackTask
     return taskset

@@ -6,14 +6,14 @@ With ``task.agent.args.environment`` (``module:function`` returning a ``verifier
 e.g. ``tidal.agents.verifiers_envs:reasoning_gym_env``, called with ``environment_args``) an
 execution plays the environment's task at its row's index through verifiers' ``TrainClient``
 (``verifiers_env_episode``; several turns when the task gives feedback, up to
-``runtime.max_turns``) and its reward is the task's own rewards' sum; without it, the row's
+``task.max_turns``) and its reward is the task's own rewards' sum; without it, the row's
 messages go through ``renderers.client.generate`` and the run's reward function scores.
 
 In: an execution's task row (prompt or messages), its per-execution base URL and key, the
 sampling settings; ``task.agent.args``: ``tokenizer`` (the model directory whose chat template
 renders the prompts, required), ``renderer`` (a ``renderers`` config name, default
 ``default``), ``tool_parser`` (optional), ``environment`` and ``environment_args`` (optional).
-Out: ``AgentOutcome`` with the last answer's text (and the environment's reward). The proxy
+Out: an ``Outcome`` with the last answer's text (and the environment's reward). The proxy
 records the token ids the engine sampled, which are the ids verifiers received
 (``tests/integration/serving/test_openai_conformance.py``, ``test_verifiers_run.py``).
 """
@@ -27,9 +27,10 @@ if TYPE_CHECKING:
     from renderers import Renderer
     from verifiers.v1 import Task
 
-    from tidal.agents.kinds import AgentContext, AgentOutcome
+    from tidal.agents.kinds import AgentContext
     from tidal.agents.tasks import TaskRow
     from tidal.config import AgentConfig
+    from tidal.contracts.executions import Outcome
 
 ARGS = ("tokenizer", "renderer", "tool_parser", "environment", "environment_args")
 
@@ -130,8 +131,8 @@ class VerifiersKind:
             raise ConfigError(f"{field}.args.environment_args", "needs args.environment")
         self.tasks = load_environment(args, field) if args.get("environment") else None
 
-    async def run(self, ctx: AgentContext) -> AgentOutcome:
-        from tidal.agents.kinds import AgentOutcome
+    async def run(self, ctx: AgentContext) -> Outcome:
+        from tidal.contracts.executions import Outcome, Turn
 
         if self.tasks is not None:
             return await self._run_environment(ctx)
@@ -148,15 +149,9 @@ class VerifiersKind:
             {"max_tokens": ctx.max_tokens, "temperature": ctx.temperature},
             session=ctx.execution_id,
         )
-        return AgentOutcome(
+        return Outcome(
             answer=out["content"] or "",
-            transcript=[
-                {
-                    "action": out["content"] or "",
-                    "observation": "",
-                    "completion_tokens": len(out["completion_ids"]),
-                }
-            ],
+            transcript=[Turn(action=out["content"] or "")],
         )
 
     def check_rows(self, rows: list[Any]) -> None:
@@ -170,12 +165,12 @@ class VerifiersKind:
             except ValueError as exc:
                 raise ConfigError(f"{self.field}.args.environment_args", str(exc)) from None
 
-    async def _run_environment(self, ctx: AgentContext) -> AgentOutcome:
-        """The environment's task of this row, its episode (up to ``runtime.max_turns`` turns
+    async def _run_environment(self, ctx: AgentContext) -> Outcome:
+        """The environment's task of this row, its episode (up to ``task.max_turns`` turns
         when the task gives feedback), its reward; the trace's token ids, sampled mask and
         log-probs, and each turn's ids, go to ``.tidal/verifiers_trace.json`` in the workspace."""
-        from tidal.agents.kinds import AgentOutcome
         from tidal.agents.verifiers_env_episode import run_task
+        from tidal.contracts.executions import Outcome, Turn
 
         task = task_for_row(self.tasks, ctx.row)
         out = await run_task(
@@ -199,15 +194,11 @@ class VerifiersKind:
         where = ctx.workspace / ".tidal"
         where.mkdir(parents=True, exist_ok=True)
         (where / "verifiers_trace.json").write_text(json.dumps(trace))
-        return AgentOutcome(
+        return Outcome(
             reward=out.reward,
             answer=out.answer,
             transcript=[
-                {
-                    "action": turn["content"],
-                    "observation": turn["feedback"] or "",
-                    "completion_tokens": len(turn["completion_ids"]),
-                }
+                Turn(action=turn["content"], observation=turn["feedback"] or "")
                 for turn in out.turns
             ],
         )

@@ -2,10 +2,12 @@
 built (and so checked) once, and one execution of it.
 
 In: the run config. Out: ``Workload`` (``job(burst, group, seed)`` -> the ``AgentJob`` every
-execution of that group runs: the same row, GRPO compares answers to one prompt) and
-``run_job``: one execution in its workspace (the row's ``workspace_files`` written first, the
-agent run under the execution's timeout, then the reward). ``check_workload`` is what ``tidal
-check`` and ``tidal run`` call before anything starts: a bad field is one ``ConfigError``.
+execution of that group runs: the same row, GRPO compares answers to one prompt; a built-in
+source's row comes from the group's seed, ``tidal.agents.builtin_tasks``) and ``run_job``: one
+execution in its workspace (the row's ``workspace_files`` written first, the agent run under the
+execution's timeout, then the reward), ending in an ``Outcome`` with its close reason.
+``check_workload`` is what ``tidal check`` and ``tidal run`` call before anything starts: a bad
+field is one ``ConfigError``.
 Close reasons: the agent's own (``completed``, or ``failed`` for a non-zero exit or an agent
 that raised), ``timeout`` (cancelled at ``timeout_s``, then scored as it stands) and
 ``reward_error`` (the reward raised or returned a non-number, or the agent's own reward was
@@ -24,11 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.agents.kinds import AgentContext, AgentKind, AgentOutcome, build_agent
+from tidal.agents import builtin_tasks
+from tidal.agents.kinds import AgentContext, AgentKind, build_agent
 from tidal.agents.rewards import Reward, RewardError
 from tidal.agents.tasks import TaskRow, load_rows, row_for
 from tidal.config import RunConfig
-from tidal.contracts.executions import finite_reward
+from tidal.contracts.close import CloseReason
+from tidal.contracts.executions import Outcome, finite_reward
 from tidal.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -47,13 +51,15 @@ class AgentJob:
 
 class Workload:
     def __init__(self, cfg: RunConfig) -> None:
-        task = cfg.task
-        if task is None:
-            raise ConfigError("task", "no task section (the run uses runtime.task)")
+        task = cfg.task.with_builtin_defaults()  # a built-in source's step and reward
         c = cfg.control
         self.groups_per_burst = c.quota_executions // c.group_size
         self.seed = cfg.seed
-        self.rows = load_rows(task.source, cfg.seed)
+        self.source = task.source
+        self.max_turns = task.max_turns
+        self.builtin = task.source.kind in builtin_tasks.BUILTIN_SOURCES
+        # a built-in source has no rows to load: each group's row comes from its seed
+        self.rows = [] if self.builtin else load_rows(task.source, cfg.seed)
         self.agent = build_agent(task.agent.model_copy(deep=True))
         check_rows = getattr(self.agent, "check_rows", None)
         if check_rows is not None:  # a kind that brings its own tasks (verifiers) meets the rows
@@ -71,7 +77,10 @@ class Workload:
         self.system_prompt = task.source.system_prompt
 
     def job(self, burst: int, group: int, seed: int) -> AgentJob:
-        row = row_for(self.rows, self.seed, burst, group, self.groups_per_burst)
+        if self.builtin:
+            row = builtin_tasks.row(self.source, seed, group)
+        else:
+            row = row_for(self.rows, self.seed, burst, group, self.groups_per_burst)
         if self.system_prompt:
             row = TaskRow(
                 row.index,
@@ -83,16 +92,9 @@ class Workload:
         return AgentJob(row, self.agent, self.reward, seed, self.args)
 
 
-def check_workload(cfg: RunConfig) -> Workload | None:
-    """The workload built from ``cfg.task`` (None without one); raises ``ConfigError``."""
-    return Workload(cfg) if cfg.task is not None else None
-
-
-@dataclass
-class JobResult:
-    reason: str
-    reward: float | None  # None exactly when the reason is reward_error
-    outcome: AgentOutcome
+def check_workload(cfg: RunConfig) -> Workload:
+    """The workload built from ``cfg.task``; raises ``ConfigError``."""
+    return Workload(cfg)
 
 
 def write_files(ws: Path, files: object) -> None:
@@ -112,7 +114,13 @@ def write_files(ws: Path, files: object) -> None:
         path.write_text(text)
 
 
-async def run_job(job: AgentJob, ctx: AgentContext) -> JobResult:
+
+def closed(outcome: Outcome, reason: CloseReason, reward: float | None) -> Outcome:
+    """``outcome`` with its close reason and reward decided (validated again)."""
+    return Outcome.model_validate({**outcome.model_dump(), "reason": reason, "reward": reward})
+
+
+async def run_job(job: AgentJob, ctx: AgentContext) -> Outcome:
     """One execution: files written, the agent under ``ctx.timeout_s``, then the reward.
     Never raises (but for cancellation): every failure is a close reason."""
     ws = ctx.workspace
@@ -121,52 +129,53 @@ async def run_job(job: AgentJob, ctx: AgentContext) -> JobResult:
         write_files(ws, ctx.row.metadata.get("workspace_files"))
     except (ValueError, OSError) as exc:  # a bad row fails its execution, never the run
         log.warning("execution %s failed: task row %d: %s", ctx.execution_id, ctx.row.index, exc)
-        return JobResult("failed", 0.0, AgentOutcome(reason="failed"))
+        return Outcome(reason=CloseReason.FAILED, reward=0.0,
+                       detail=f"task row {ctx.row.index}: {exc}")
     try:
         outcome = await asyncio.wait_for(job.agent.run(ctx), ctx.timeout_s)
     except TimeoutError:
-        outcome = AgentOutcome(reason="timeout")
-    except Exception as exc:  # the agent is the user's code: its failure closes it "failed"
+        outcome = Outcome(reason=CloseReason.TIMEOUT)
+    except Exception as exc:  # the agent is the user's code: its failure closes it FAILED
         log.warning(
             "execution %s: the agent failed: %s: %s",
             ctx.execution_id,
             type(exc).__name__,
             str(exc).splitlines()[0][:200] if str(exc) else "",
         )
-        outcome = AgentOutcome(reason="failed")
-    if outcome.reason == "reward_error":  # the agent's own reward was not a finite number
+        outcome = Outcome(reason=CloseReason.FAILED, detail=_line(exc))
+    if outcome.reason is CloseReason.REWARD_ERROR:  # the agent's own reward was not finite
         log.error("execution %s: reward_error: the agent's reward is not a finite number",
                   ctx.execution_id)
-        return JobResult("reward_error", None, outcome)
+        return outcome
     if outcome.reward is not None:
         try:
-            return JobResult(outcome.reason, finite_reward(outcome.reward), outcome)
+            return closed(outcome, outcome.reason, finite_reward(outcome.reward))
         except ValueError as exc:
             log.error("execution %s: reward_error: %s", ctx.execution_id, exc)
-            return JobResult("reward_error", None, outcome)
+            return closed(outcome, CloseReason.REWARD_ERROR, None)
     if job.reward is None:
         log.error(
             "execution %s: reward_error: no task.reward and the agent returned no reward",
             ctx.execution_id,
         )
-        return JobResult("reward_error", None, outcome)
+        return closed(outcome, CloseReason.REWARD_ERROR, None)
     try:
         reward = await job.reward.score(ctx.row, outcome, ws)
     except RewardError as exc:
         log.error("execution %s: reward_error: %s", ctx.execution_id, exc)
-        return JobResult("reward_error", None, outcome)
-    return JobResult(outcome.reason, reward, outcome)
+        return closed(outcome, CloseReason.REWARD_ERROR, None)
+    return closed(outcome, outcome.reason, reward)
 
 
-def write_outcome(ws: Path, result: JobResult) -> None:
+def _line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def write_outcome(ws: Path, outcome: Outcome) -> None:
     """``.tidal/outcome.json`` in the workspace: the close reason, reward and exit code."""
     (ws / ".tidal").mkdir(parents=True, exist_ok=True)
     (ws / ".tidal" / "outcome.json").write_text(
         json.dumps(
-            {
-                "reason": result.reason,
-                "reward": result.reward,
-                "exit_code": result.outcome.exit_code,
-            }
+            {"reason": outcome.reason, "reward": outcome.reward, "exit_code": outcome.exit_code}
         )
     )

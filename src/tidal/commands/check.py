@@ -43,9 +43,10 @@ def command(config: str, quiet: bool) -> None:
         where = f"can be enforced here (cgroup v1 cpu at {cpu_cgroup_base()})"
     except CpuQuotaError as exc:
         where = f"cannot be enforced here: {exc}"
-    if workload is not None:
-        click.echo(f"# task: {len(workload.rows)} rows ({cfg.task.source.kind}), agent kind "
-                   f"{cfg.task.agent.kind!r}", err=True)
+    rows = (f"{len(workload.rows)} rows" if not workload.builtin
+            else "a row from each group's seed")
+    click.echo(f"# task: {rows} ({cfg.task.source.kind}), agent kind "
+               f"{cfg.task.agent.kind!r}", err=True)
     click.echo(f"# runtime.cell_cpus {rt.cell_cpus}: per-cell CPU quotas {where}", err=True)
     try:
         import torch

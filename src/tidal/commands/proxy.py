@@ -1,11 +1,13 @@
 """``tidal proxy``: the OpenAI-compatible front door that routes, drains and records.
 
 In: engine URLs (standalone ``--engine``, rollout cells ``--cell`` in cell order). Out: an HTTP
-server on loopback; admin routes (and closing an execution, ``/docs``) need ``--admin-token``
-(or ``$TIDAL_ADMIN_TOKEN``), which is also the bearer token sent to the engines unless
-``--engine-token`` names another. Bound beyond loopback every route needs the token. The
-options are ``tidal.contracts.launch.ProxySettings``'s fields (``serving.launch`` passes them
-as ``--settings JSON``).
+server on loopback; every route but the model routes and ``/health`` / ``/live`` (registering,
+closing, records, engines, stats, ``/docs``) needs ``--admin-token`` (or
+``$TIDAL_ADMIN_TOKEN``), which is also the bearer token sent to the engines unless
+``--engine-token`` names another; an execution's key calls only its own model calls
+(``serving.execution_identity``). Bound beyond loopback no call is anonymous.
+The options are ``tidal.contracts.launch.ProxySettings``'s fields (``serving.launch`` passes
+them as ``--settings JSON``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def serve(s: ProxySettings, admin_token: str | None, engine_token: str | None) -
             raise click.UsageError(f"--host {s.host} is not loopback: give --admin-token (or "
                                    f"set TIDAL_ADMIN_TOKEN); every route will need it")
         click.echo(f"tidal proxy: listening on {s.host}, beyond this machine: every route but "
-                   f"/health needs the admin token", err=True)
+                   f"/health needs the admin token (model calls: it or an execution's key)",
+                   err=True)
     if not admin_token:
         click.echo("tidal proxy: no --admin-token: admin routes are disabled", err=True)
     proxy = Proxy(ProxyConfig(host=s.host, port=s.port, admin_token=admin_token,

@@ -118,8 +118,10 @@ def _run(cfg: Any, policy: Any, run_dir: Any, console: Any, resume: bool, show: 
             beat.stop()
     except KeyboardInterrupt:
         click.echo(counter.line(), err=True)
-        click.echo(f"tidal: run interrupted; its parts are stopped. Continue it with: "
-                   f"tidal run --resume {run_dir}", err=True)
+        from tidal.runtime.checkpoint import how_to_continue
+
+        click.echo(f"tidal: run interrupted; its parts are stopped. "
+                   f"{how_to_continue(run_dir)}", err=True)
         raise SystemExit(130) from None
 
 

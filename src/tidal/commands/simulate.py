@@ -58,10 +58,15 @@ if TYPE_CHECKING:
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 @click.option("--no-floor", is_flag=True,
               help="Skip the rollout-floor column (one more run per policy, training ~free).")
+@click.option("--costs-from", "costs_from", type=click.Path(dir_okay=False), default=None,
+              metavar="FILE",
+              help="A GPU check's JSON (benchmarks/gpu/results/): also print each policy's "
+                   "saving against the best static split with the switch costs tidal measured "
+                   "there (sleep, wake, weight sync), beside the scenario's assumed ones.")
 def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, bursts: int | None,
             scale: float, trace: str | None, mechanics: str, modules: tuple[str, ...],
             sweep: str | None, admission: str | None, check: bool, no_plots: bool,
-            no_floor: bool) -> None:
+            no_floor: bool, costs_from: str | None) -> None:
     from tidal.config import ControlConfig, validate_model
     from tidal.sim import scenario as scenarios
 
@@ -85,9 +90,52 @@ def command(scenario: str, policies: tuple[str, ...], out_dir: str | None, burst
     if trace is not None:
         sc = sc.model_copy(update={"workload": scenarios.WorkloadConfig(
             trace=str(Path(trace).resolve()))})
-    baseline = sweep_and_report(sc) if sweep == "static" else None
-    run_and_report(sc, list(policies) or list(sc.policies), out_dir, check=check,
-                   plots=not no_plots, baseline=baseline, floor=not no_floor)
+    measured = None
+    if costs_from is not None:  # read before anything runs: a bad file fails at once
+        from tidal.sim.measured_costs import read_check
+
+        measured = read_check(costs_from)
+    baseline = sweep_and_report(sc) if sweep == "static" or measured else None
+    specs = list(policies) or list(sc.policies)
+    results = run_and_report(sc, specs, out_dir, check=check, plots=not no_plots,
+                             baseline=baseline, floor=not no_floor)
+    if measured is not None:
+        costs_report(sc, specs, results, baseline, measured)
+
+
+def costs_report(sc: Any, specs: list[str], results: list[Any], baseline: Any,
+                 measured: Any) -> None:
+    """Each policy's saving against the best static split with the scenario's assumed costs
+    (the runs above) and with the measured ones (every split and policy run again)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tidal.sim import measured_costs
+    from tidal.sim.runner import compare
+    from tidal.sim.sweep import sweep_static
+
+    console = Console(width=None if Console().is_terminal else 200)
+    sc_m, used = measured_costs.apply(sc, measured)
+    base_m = sweep_static(sc_m)
+    again = compare(sc_m, specs, keep_log=False)
+    had = measured_costs.assumed(sc)
+    console.print(f"switch costs per move: assumed sleep {had['sleep_s']:.2f} s, wake "
+                  f"{had['wake_s']:.2f} s, weight sync {had['sync_s']:.2f} s; measured "
+                  f"({measured.device}, {measured.date}: {measured.source}) sleep "
+                  f"{used['sleep_s']:.2f} s, wake {used['wake_s']:.2f} s, weight sync "
+                  f"{used['sync_s']:.2f} s ({measured.sync_gbps:.2f} GB/s per GPU, "
+                  f"'{measured.sync_figure}'; the check's {measured.weights_gib:.1f} GiB on one "
+                  f"GPU scaled to this scenario's bytes per GPU)")
+    table = Table(title=f"{sc.name}: saving against the best static split, by the costs it "
+                        "rests on", title_justify="left")
+    for name in ("policy", "assumed costs: makespan h", "saved", "measured costs: makespan h",
+                 "saved "):
+        table.add_column(name, justify="left" if name == "policy" else "right")
+    for r, m in zip(results, again, strict=True):
+        a_s, m_s = r.summary["makespan_s"], m.summary["makespan_s"]
+        table.add_row(r.spec, f"{a_s / 3600:.3f}", f"{100 * baseline.saving(a_s):+.1f}%",
+                      f"{m_s / 3600:.3f}", f"{100 * base_m.saving(m_s):+.1f}%")
+    console.print(table)
 
 
 def sweep_and_report(sc: Any) -> Any:

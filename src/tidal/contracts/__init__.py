@@ -24,7 +24,8 @@ from tidal.contracts.calls import (
     version_spans,
 )
 from tidal.contracts.close import CLOSE_REASONS, CloseReason
-from tidal.contracts.executions import Outcome, Turn, finite_reward
+from tidal.contracts.executions import ExecutionOutcome, Outcome, Turn, finite_reward
 
-__all__ = ["CLOSE_REASONS", "NO_VERSION", "CallRecord", "CloseReason", "ExecutionRecord",
-           "Outcome", "Segment", "Turn", "finite_reward", "version_number", "version_spans"]
+__all__ = ["CLOSE_REASONS", "NO_VERSION", "CallRecord", "CloseReason", "ExecutionOutcome",
+           "ExecutionRecord", "Outcome", "Segment", "Turn", "finite_reward", "version_number",
+           "version_spans"]

@@ -72,3 +72,14 @@ def finite_reward(value: object) -> float:
     if not math.isfinite(out):
         raise ValueError(f"reward is {out!r}, not finite")
     return out
+
+
+class ExecutionOutcome(BaseModel):
+    """One execution of the harness pool, closed: its id, its group and its ``Outcome`` (what
+    the pool returns to the runtime; ``executions.jsonl`` is written from it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    execution_id: str
+    group_id: str
+    outcome: Outcome

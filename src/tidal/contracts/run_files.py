@@ -193,6 +193,11 @@ class Summary(_Line):
     cached_token_share: float | None = None  # prompt tokens engines found cached
     cached_token_share_by_engine: dict[str, float] | None = None
     switch_s: dict[str, dict[str, float]] | None = None  # direction -> n, p50_s, max_s
+    # direction -> plan step -> n, p50_s, max_s (each step's measured cost)
+    switch_steps_s: dict[str, dict[str, dict[str, float]]] | None = None
+    # versions, bytes_per_version, memcpy_gbps, gbps / write_s / engine_load_s /
+    # engine_pause_s as {p50, max}, carriers (loads per carrier), fallbacks
+    publication: dict[str, Any] | None = None
     # GPU runs: torch's allocator peak per process (engine-<id>, trainer-c<cell>), MB
     device_peak_mb: dict[str, float] | None = None
     # runtime.deterministic: on or off; seconds dispatch waited at weight-version boundaries

@@ -211,7 +211,8 @@ class Controller:
         self._cycle_stale = True
         self.log.write({"type": "weights_published", "t": round(ev.t_s, 6),
                         "version": ev.version, "duration_s": round(ev.duration_s, 6),
-                        **({"transports": dict(ev.transports)} if ev.transports else {})})
+                        **({"transports": dict(ev.transports)} if ev.transports else {}),
+                        **(ev.detail or {})})
 
     def _on_capacity(self, ev: EngineCapacityChanged) -> None:
         self.cells.set_standalone(ev.engine_id, ev.slots)

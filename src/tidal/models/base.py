@@ -43,7 +43,16 @@ def all_finite(tensor: torch.Tensor) -> bool:
     case; only a sum that overflowed from finite values needs the exact elementwise check."""
     if not tensor.is_floating_point():
         return True
-    if bool(torch.isfinite(tensor.sum())):
+    if (tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64)
+            and tensor.is_contiguous() and tensor.numel()):
+        # numpy's sum: one pass on one thread; torch's threaded reduction measured 3-10x
+        # slower on two busy cores (SmolLM2's weights 0.16-0.24 s against 0.77-2.2 s)
+        import numpy as np
+
+        with np.errstate(over="ignore", invalid="ignore"):
+            if bool(np.isfinite(np.add.reduce(tensor.detach().numpy().reshape(-1)))):
+                return True
+    elif bool(torch.isfinite(tensor.sum())):
         return True
     return bool(torch.isfinite(tensor).all())
 

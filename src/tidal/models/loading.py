@@ -11,6 +11,9 @@ updates.
 from __future__ import annotations
 
 import json
+import mmap
+import os
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -115,10 +118,41 @@ class WeightFile(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:
             raise KeyError(name)
+        view = self._view(name)
+        if view is not None:
+            return view
         try:
             return self._file.get_tensor(name).to(self.dtype)
         except (SafetensorError, OSError) as exc:
             raise TidalError(f"{self.path}: tensor {name} not readable ({exc})") from None
+
+    _mm: mmap.mmap | None = None
+
+    def _view(self, name: str) -> torch.Tensor | None:
+        """Tensor ``name`` as a read-only view of the file's mapping, when it is stored in
+        ``dtype``: the mapping is populated in one call (``MAP_POPULATE``), so checking a
+        version reads it at memory speed instead of a page fault per page, and nothing is
+        copied (None: another dtype, read by safetensors)."""
+        entry = self._header.get(name)
+        if entry is None or _SAFETENSORS_DTYPES.get(entry["dtype"]) != self.dtype:
+            return None
+        start, end = entry["data_offsets"]
+        if self._mm is None:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._mm = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
+            except (OSError, ValueError):
+                return None
+            finally:
+                os.close(fd)
+        if self._data_start + end > len(self._mm):
+            raise TidalError(f"{self.path}: tensor {name} truncated")
+        with warnings.catch_warnings():  # read-only: a view is read, never written
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self._mm, dtype=self.dtype, offset=self._data_start + start,
+                                    count=(end - start) // self.dtype.itemsize)
+        return flat.view(entry["shape"])
 
     def shape_of(self, name: str) -> list[int]:
         """A tensor's shape from the file's header (nothing read)."""

@@ -50,11 +50,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Weights:
-    """The latest version published to engines (path on local disk, label ``v<n>``)."""
+    """The latest version published to engines (path on local disk, label ``v<n>``) and the
+    handoff that carries it to an engine (``runtime.handoff``; None: ``Engines.load``)."""
 
     version: int = 0
     path: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    handoff: Any = None
 
     @property
     def label(self) -> str:
@@ -368,6 +370,13 @@ class RayActuator:
         if self.weights.path is None:
             return
         eid = EngineId.cell(cell)
+        if self.weights.handoff is not None:  # its carrier (shared memory, a broadcast, ...)
+            d = await self.weights.handoff.deliver(eid, self._cell(cell), self.weights.version,
+                                                   self.weights.label)
+            if d.label != self.weights.label:
+                raise RuntimeFailure(f"cell {cell} serves {d.label!r} after loading "
+                                     f"{self.weights.label!r}")
+            return
         if self.engines.transport(eid) == "object":
             await asyncio.to_thread(self.engines.blob, self.weights.path)
         served = await remote(self.engines.load(eid, self._cell(cell), self.weights.path,

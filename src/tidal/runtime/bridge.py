@@ -28,6 +28,8 @@ from tidal.clock import Clock
 from tidal.contracts import run_files as schema
 from tidal.contracts.calls import CallRecord, ExecutionRecord
 from tidal.contracts.close import CloseReason
+from tidal.contracts.executions import ExecutionOutcome, Outcome
+from tidal.runtime.executions_file import ExecutionsFile
 from tidal.runtime.tasks import Parts
 from tidal.training.records import record_from_proxy
 from tidal.training.trajectory_buffer import TrajectoryBuffer
@@ -66,6 +68,10 @@ class LedgerBridge:
         # "<from>-><to>" -> calls that continued on another engine (a drain, a lost engine)
         self.engine_handoffs: dict[str, int] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._record_of: dict[str, asyncio.Task] = {}  # execution id -> its record's fetch
+        # executions.jsonl as the run goes (``wiring`` sets it; None: written at the end only)
+        self.file: ExecutionsFile | None = None
+        self.t0: Callable[[], float] = lambda: 0.0  # the run's time zero (``RunOutputs.t0``)
 
     def dispatched(self, execution_id: str, group_id: str) -> None:
         self.n_dispatched += 1
@@ -89,6 +95,8 @@ class LedgerBridge:
                                 self._record(execution_id, group_id, reason, reward))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        self._record_of[execution_id] = task
+        task.add_done_callback(lambda _: self._record_of.pop(execution_id, None))
 
     def restore(self, record: ExecutionRecord) -> None:
         """An execution closed before a resume (its record came from the checkpoint): the
@@ -100,6 +108,22 @@ class LedgerBridge:
         self.buffer.add(record)
         self.recorded += 1
         self.restored.add(eid)
+        if self.file is not None:  # closed before the resume: its line, if the file lacks it
+            self.file.add([self._line(eid, gid, record.reason.value, record.reward,
+                                      [schema.CallLine.of(c, tokens=self.tokens)
+                                       for c in record.calls], [], self.t0())])
+
+    async def lines_after(self, run: Any) -> list[Any]:
+        """``await run`` (a group's executions in the harness pool), then their lines into
+        ``executions.jsonl`` once their records are in (at most 60 s): a run killed later
+        keeps them."""
+        results = await run
+        pending = [t for r in results if (t := self._record_of.get(r.execution_id))]
+        if pending:
+            await asyncio.wait(pending, timeout=60.0)
+        if self.file is not None:
+            self.file.add(self.lines(results, self.t0()))
+        return results
 
     async def _record(self, eid: str, gid: str, reason: str, reward: float | None) -> None:
         try:
@@ -115,33 +139,44 @@ class LedgerBridge:
             log.error("execution %s: record not delivered to training: %s", eid, exc)
             self.record_errors.append(f"{eid}: {exc}")
 
-    def write_executions(self, path: Path, results: list[Any], t0: float,
+    def write_executions(self, path: Path, results: list[ExecutionOutcome], t0: float,
                          mode: str = "w") -> None:
         """One line per closed execution (``tidal calibrate`` fits the simulator on them):
         times in seconds since ``t0`` (the first dispatch), the proxy's token counts per model
         call joined with the harness's timings of that call and of the tool step after it, and
-        the transcript (actions and observations)."""
+        the transcript (actions and observations). With ``file`` set, only the executions it
+        lacks are added to it (the rest were written as their groups ended)."""
+        if self.file is not None:
+            self.file.add(self.lines(results, t0))
+            return
         with open(path, mode) as fh:
-            for r in results:
-                t = self.timing.get(r.execution_id, {})
-                calls = [c.model_dump(exclude_none=True) for c in t.get("calls", [])]
-                for c, turn in zip(calls, r.transcript, strict=False):
-                    if "t_call" not in turn:  # an agent kind that does not time its calls
-                        break
-                    c.update({"start_s": round(turn["t_call"] - t0, 4),
-                              "call_s": round(turn["call_s"], 4),
-                              "tool_s": round(turn["tool_s"], 4)})
-                fh.write(json.dumps(schema.check(schema.ExecutionLine, {
-                    "execution": r.execution_id, "group": r.group_id, "burst": t.get("burst"),
-                    "reason": r.reason, "reward": r.reward,
-                    **{f"{k}_s": round(t[k] - t0, 4) for k in ("dispatched", "launched",
-                                                                "closed") if k in t},
-                    "calls": calls,
-                    # what the agent did: its text actions and what the tools answered
-                    "transcript": [{"action": turn.get("action", ""),
-                                    "observation": turn.get("observation", "")}
-                                   for turn in r.transcript]}, "executions.jsonl (written)"))
-                         + "\n")
+            for line in self.lines(results, t0):
+                fh.write(json.dumps(line) + "\n")
+
+    def lines(self, results: list[ExecutionOutcome], t0: float) -> list[dict[str, Any]]:
+        return [self._line(r.execution_id, r.group_id, r.outcome,
+                           self.timing.get(r.execution_id, {}).get("calls", []), t0)
+                for r in results]
+
+    def _line(self, eid: str, gid: str, out: Outcome, call_lines: list[Any],
+              t0: float) -> dict[str, Any]:
+        t = self.timing.get(eid, {})
+        calls = [c.model_dump(exclude_none=True) for c in call_lines]
+        for c, turn in zip(calls, out.transcript, strict=False):
+            if turn.t_call is None:  # an agent kind that does not time its calls
+                break
+            c.update({"start_s": round(turn.t_call - t0, 4),
+                      "call_s": round(turn.call_s or 0.0, 4),
+                      "tool_s": round(turn.tool_s or 0.0, 4)})
+        return schema.check(schema.ExecutionLine, {
+            "execution": eid, "group": gid, "burst": t.get("burst"),
+            "reason": out.reason, "reward": out.reward,
+            **{f"{k}_s": round(t[k] - t0, 4) for k in ("dispatched", "launched",
+                                                        "closed") if k in t},
+            "calls": calls,
+            # what the agent did: its text actions and what the tools answered
+            "transcript": [{"action": turn.action, "observation": turn.observation}
+                           for turn in out.transcript]}, "executions.jsonl (written)")
 
     def _count(self, calls: list[CallRecord]) -> None:
         for call in calls:

@@ -171,7 +171,62 @@ class EngineHost:
         self.loaded_version = out["weight_version"]
         self.loaded_path = path
         self.state = "awake"
+        self._pause_s = out.get("pause_s")
         return self.loaded_version
+
+    _pause_s: float | None = None
+    _recv_group: tuple[str, object] | None = None  # (key, group) of the broadcast carrier
+
+    def weight_hashes(self) -> dict:
+        """The engine's served version and the sha256 of each weight (``/tidal/weights/
+        hashes``): what a carrier delivered, checked bit for bit."""
+        if self.proc is None:
+            raise RuntimeFailure(f"engine {self.name} is not started")
+        resp = httpx.get(f"{self.proc.url}/tidal/weights/hashes", timeout=60,
+                         headers=self.proc.headers)
+        resp.raise_for_status()
+        return resp.json()
+
+    def load_version(self, path: str, version: str) -> dict:
+        """``load_weights`` (a shared-memory segment or a file), timed: the label served after
+        it, and the pause the engine saw (how long the built-in engine held its steps; a
+        server's whole load, paused and out of routing)."""
+        import time
+
+        t0 = time.perf_counter()
+        self._pause_s = None
+        label = self.load_weights(path, version)
+        took = time.perf_counter() - t0
+        return {"label": label, "seconds": took,
+                "pause_s": self._pause_s if self._pause_s is not None else took}
+
+    def receive_segment(self, host: str, port: int, key: str, version: str,
+                        timeout_s: float) -> dict:
+        """The broadcast carrier's receiving end: join the driver's side group for this
+        engine (rank 1; kept for later versions under the same ``key``), receive a segment
+        into this node's shared memory (a version received whole, else nothing), load it from
+        there (``load_version``). The newest two received versions are kept (the engine's
+        source)."""
+        from tidal.training.carriers import join_group, recv_segment
+
+        d = self.received_dir()
+        if not d.exists():
+            remove_orphan_received_dirs()
+        kept = self._recv_group
+        group = kept[1] if kept is not None and kept[0] == key else None
+        try:
+            if group is None:  # the driver's group for this engine: joined once, then kept
+                self._recv_group = None
+                group = join_group(host, port, 1, 2, key, "gloo", timeout_s)
+            _, path = recv_segment(group, d, timeout_s)
+        except BaseException:
+            self._recv_group = None  # the driver forms a new one for the next version
+            raise
+        self._recv_group = (key, group)
+        out = self.load_version(path, version)
+        for old in sorted(d.glob("*.safetensors"), key=os.path.getmtime)[:-2]:
+            old.unlink(missing_ok=True)
+        return out
 
     def received_dir(self) -> Path:
         """This node's shared-memory directory of the versions that came across nodes."""

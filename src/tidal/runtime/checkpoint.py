@@ -62,6 +62,8 @@ class RunState:
     # run's summary counts them: a failure before a driver crash is not forgotten)
     close_reasons: dict[str, int] = field(default_factory=dict)
     resumes: int = 0
+    # lines of executions.jsonl this cut covers (a resumed run cuts the file back to them)
+    execution_lines: int = 0
 
 
 @dataclass
@@ -204,6 +206,15 @@ def find(run_dir: str | Path) -> Path | None:
         if (root / name / "state.json").is_file():
             return root / name
     return None
+
+
+def how_to_continue(run_dir: str | Path) -> str:
+    """What a stopped run's last line tells the user to do: resume from its checkpoint, or,
+    stopped before its first one, start it again (``--resume`` would refuse: no checkpoint)."""
+    if find(run_dir) is not None:
+        return f"Continue the run with: tidal run --resume {run_dir}"
+    return (f"It stopped before its first checkpoint, so it cannot be resumed; start it again "
+            f"with: tidal run {Path(run_dir) / 'config.yaml'} --out {run_dir}")
 
 
 def load(run_dir: str | Path) -> Checkpoint:

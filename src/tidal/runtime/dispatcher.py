@@ -2,8 +2,9 @@
 
 In: the run config, the groups already trained and the records held by a checkpoint (a resumed
 run), and a ``wait_published(burst)`` that returns once the previous burst's weights are out.
-Out: per burst a ``BurstStarted`` to the controller, then each group's executions handed to the
-harness pool (``dispatch_interval_s`` apart), each a task owned by the run's ``Parts``. A group
+Out: per burst a ``BurstStarted`` to the controller, then each group's executions (the
+workload's job of the group: row, agent kind, reward) handed to the harness pool
+(``dispatch_interval_s`` apart), each a task owned by the run's ``Parts``. A group
 trained before a resume is skipped; an execution closed before it has its record restored
 through the bridge instead of running again. Invariant 7 (nothing lost or trained twice) across a
 resume rests on this: ``plan`` is the one place that decides what runs.
@@ -18,15 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tidal.clock import Clock
 from tidal.config import RunConfig
 from tidal.contracts.calls import ExecutionRecord
+from tidal.contracts.executions import ExecutionOutcome
 from tidal.control.dispatch_hold import may_dispatch
 from tidal.errors import TimeoutExpired
 from tidal.runtime.tasks import Parts
@@ -35,7 +35,7 @@ from tidal.types import BurstStarted, Event
 
 if TYPE_CHECKING:
     from tidal.agents.pool import HarnessPool
-    from tidal.agents.workload import AgentJob, Workload
+    from tidal.agents.workload import Workload
     from tidal.control.controller import Controller
     from tidal.runtime.bridge import LedgerBridge
     from tidal.runtime.deterministic import Boundaries
@@ -73,35 +73,16 @@ def plan_burst(cfg: RunConfig, burst: int, trained: set[str],
     return quota, plans
 
 
-def task_factory(cfg: RunConfig, seed: int, burst: int = 0, group: int = 0,
-                 workload: Workload | None = None) -> Callable[[], object] | AgentJob:
-    """What every execution of one group runs (the same problem: GRPO compares answers to one
-    prompt): the run's ``task:`` section's ``AgentJob`` (``workload``), else the built-in
-    ``runtime.task``'s environment factory."""
-    from tidal.agents import ArithmeticTask, WorkspaceTask
-    from tidal.agents.environments import ToolLatency
-
-    if workload is not None:
-        return workload.job(burst, group, seed)
-    rt = cfg.runtime
-    if rt.task == "arithmetic":
-        return partial(ArithmeticTask, seed)
-    latency = partial(ToolLatency, median_s=rt.tool_latency_s)
-    # its own stream, independent of the task drawn from the same group seed
-    return lambda: WorkspaceTask(seed, latency=latency(random.Random(derive_seed("latency",
-                                                                              seed))))
-
-
 class Dispatcher:
     def __init__(self, cfg: RunConfig, pool: HarnessPool, bridge: LedgerBridge,
                  handle: Callable[[Event], None], clock: Clock, parts: Parts,
                  trained: set[str], held: dict[str, ExecutionRecord], ctl: Controller,
-                 workload: Workload | None = None, gate: Boundaries | None = None) -> None:
+                 workload: Workload, gate: Boundaries | None = None) -> None:
         self.cfg, self.pool, self.bridge, self.handle = cfg, pool, bridge, handle
         # runtime.deterministic (``runtime.deterministic.Boundaries``): the burst's training
         # order and the hold until every routed engine serves the published version
         self.gate = gate
-        self.workload = workload  # tidal.agents.workload.Workload of a task: section
+        self.workload = workload  # the task: section's (tidal.agents.workload.Workload)
         self.clock, self.parts, self.ctl = clock, parts, ctl
         self.trained, self.held = trained, dict(held)
         self.runs: list[asyncio.Task] = []
@@ -157,11 +138,14 @@ class Dispatcher:
                 await self.clock.asleep(interval_s)
             first = False
             await self._admitted(grp)
-            make = task_factory(self.cfg, grp.seed, burst, grp.index, self.workload)
+            # every execution of a group runs the same job (GRPO compares answers to one prompt)
+            job = self.workload.job(burst, grp.index, grp.seed)
             self.issued += len(grp.run)
             self.runs.append(self.parts.spawn(
                 f"harness pool, group {grp.group_id}",
-                self.pool.run([(grp.group_id, make)] * len(grp.run), list(grp.run))))
+                # their lines go into executions.jsonl as soon as the group has ended
+                self.bridge.lines_after(
+                    self.pool.run([(grp.group_id, job)] * len(grp.run), list(grp.run)))))
 
     async def _admitted(self, grp: GroupPlan) -> None:
         """Returns once the policy's dispatch hold admits ``grp`` (at once without a hold).
@@ -202,6 +186,6 @@ class Dispatcher:
             for w in waits:
                 w.cancel()
 
-    async def results(self) -> list[Any]:
+    async def results(self) -> list[ExecutionOutcome]:
         """Every dispatched execution's result, in dispatch order."""
         return [r for batch in await asyncio.gather(*self.runs) for r in batch]

@@ -20,7 +20,6 @@ summary adds the seconds each group was throttled."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import functools
 import json
@@ -44,6 +43,7 @@ from tidal.runtime.outputs import RunOutputs
 from tidal.runtime.placement import Placement
 from tidal.runtime.proxy_watch import ProxyLost
 from tidal.runtime.ray_start import alive_nodes, init_loopback_ray, ray_init, trap_sigterm
+from tidal.runtime.stopping import run_loop
 from tidal.runtime.tasks import Parts
 from tidal.runtime.trainer_loop import core_pool
 from tidal.runtime.wiring import Wired, wire
@@ -73,6 +73,7 @@ class Runtime:
         # owns every background task: none dies unseen; a dead proxy is the cause it names
         self.parts = Parts(root_cause=self._proxy_lost)
         self.ray_started = False
+        self.ray_temp: Path | None = None  # a one-machine Ray's own session folder (ray_temp)
         self.cpu_groups: Any = None  # runtime.cell_cpus: one CPU-quota cgroup per engine
         self.cpu_stats: dict[str, dict[str, float]] = {}
         self.placement: Placement | None = None
@@ -101,6 +102,9 @@ class Runtime:
             (self.out / "config.yaml").write_text(dump_yaml(self.cfg))
         else:
             checkpoint.end_stale_processes(self.out)
+            from tidal.runtime import ray_temp
+
+            ray_temp.sweep(self.out)  # the Ray folder a killed incarnation left in /tmp
         spill.remove(self.out)  # weights an earlier, killed run's sleeping engines left here
         t0 = time.perf_counter()
         # SIGTERM (kill, a scheduler's stop) ends the run like Ctrl-C: everything this run
@@ -112,7 +116,8 @@ class Runtime:
         try:
             self._start_parts(ray)
             sampler.rename({pid: f"engine-{eid}" for eid, pid in self.engines.start_pids.items()})
-            out = asyncio.run(self._supervised())
+            # a stop bounds the tasks' end and never waits for a stuck thread (``stopping``)
+            out = run_loop(self._supervised())
         finally:
             try:
                 run_end.stop_parts(self, ray)
@@ -153,8 +158,12 @@ class Runtime:
             if rt.ray_address:
                 ray_init(ray, address=rt.ray_address, log_to_driver=False)  # logs: logs/
             else:
+                from tidal.runtime import ray_temp
+
+                self.ray_temp = ray_temp.make(self.out)
                 init_loopback_ray(ray, rt.ray_num_cpus, rt.ray_num_gpus,
-                                   rt.ray_object_store_mb * 1024 * 1024)
+                                  rt.ray_object_store_mb * 1024 * 1024,
+                                  ray_temp.for_ray(self.ray_temp))
             self.ray_started = True
             trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
         if rt.ray_address:  # the cluster's nodes, before any placement

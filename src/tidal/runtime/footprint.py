@@ -5,18 +5,22 @@ and satellites, the proxy all descend from it on a local cluster) and a sampling
 ``MemorySampler.summary()`` for ``summary.json``'s ``memory``: per process (labelled by what it
 runs) its peak RSS in MB, the sum of the per-process peaks by kind, and the machine's used
 memory at the start (baseline) and its peak. Samples are taken by one daemon thread, every
-``interval_s`` (bounded: 0.05-10 s); ``stop`` ends it within one interval.
+``interval_s`` (bounded: 0.05-10 s); ``stop`` ends it within one interval. A process that exits
+while it is being sampled (a command agent's short-lived child) is skipped or keeps the label it
+could get; no error ends the thread (the first is logged, the sampling goes on).
 Processes of other nodes of a Ray cluster are not seen (their node's memory is theirs).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from typing import Any
 
 import psutil
 
+log = logging.getLogger(__name__)
 _MB = 1024 * 1024
 _RAY_DAEMONS = (
     "gcs_server",
@@ -55,7 +59,10 @@ def label(proc: psutil.Process, root_pid: int) -> str:
     for d in _RAY_DAEMONS:
         if d in text:
             return f"ray-{d.removesuffix('.py')}-{proc.pid}"
-    return f"{proc.name()}-{proc.pid}"
+    try:
+        return f"{proc.name()}-{proc.pid}"
+    except psutil.Error:  # it exited between the two reads
+        return f"pid{proc.pid}"
 
 
 def kind(name: str) -> str:
@@ -76,6 +83,7 @@ class MemorySampler:
         self.baseline_mb = psutil.virtual_memory().used / _MB
         self.machine_peak_mb = self.baseline_mb
         self.samples = 0
+        self.errors = 0  # samples an unexpected error cut short (the first is logged)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="memory-sampler", daemon=True)
 
@@ -85,7 +93,12 @@ class MemorySampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.sample()
+            try:
+                self.sample()
+            except Exception:  # a sampler that dies samples nothing after: never end the loop
+                self.errors += 1
+                if self.errors == 1:
+                    log.exception("memory sampler: a sample failed (sampling goes on)")
             self._stop.wait(self.interval_s)
 
     def sample(self) -> None:
@@ -96,11 +109,11 @@ class MemorySampler:
         for p in procs:
             try:
                 rss = p.memory_info().rss / _MB
-            except psutil.Error:
+                if p.pid not in self.labels:
+                    self.parent[p.pid] = p.ppid()
+                    self.labels[p.pid] = label(p, self.root.pid)
+            except psutil.Error:  # gone (NoSuchProcess) or closed to us (AccessDenied)
                 continue
-            if p.pid not in self.labels:
-                self.labels[p.pid] = label(p, self.root.pid)
-                self.parent[p.pid] = p.ppid()
             self.peak_mb[p.pid] = max(self.peak_mb.get(p.pid, 0.0), rss)
         self.machine_peak_mb = max(self.machine_peak_mb, psutil.virtual_memory().used / _MB)
         self.samples += 1

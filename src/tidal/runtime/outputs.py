@@ -23,7 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from tidal.clock import Clock
 from tidal.contracts import run_files as schema
+from tidal.contracts.close import CloseReason
+from tidal.contracts.executions import ExecutionOutcome
 from tidal.control.queued_waits import KEYS as QUEUED_KEYS
+from tidal.runtime.executions_file import ExecutionsFile
 from tidal.types import Role
 
 if TYPE_CHECKING:
@@ -41,6 +44,7 @@ class RunOutputs:
         self.mode = "a" if append else "w"  # a resumed run continues its logs
         self.on_step, self.on_state = on_step, on_state
         self.metrics: list[dict[str, Any]] = []
+        self.executions = ExecutionsFile(out / "executions.jsonl", append)
         self.t_offset = resumed_elapsed_s
         self.t_first = clock.now()
         self._held: list[tuple[Callable[[dict[str, Any]], None], dict[str, Any]]] | None = []
@@ -181,17 +185,17 @@ def sum_by_cell(metrics: list[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def mean_reward(results: list[Any]) -> float | None:
+def mean_reward(results: list[ExecutionOutcome]) -> float | None:
     """The mean reward of the scored executions (``reward_error`` ones have none); None when
     none was scored. Each term divided first: no overflow for any finite rewards."""
-    scored = [r.reward for r in results if r.reward is not None]
+    scored = [r.outcome.reward for r in results if r.outcome.reward is not None]
     return sum(x / len(scored) for x in scored) if scored else None
 
 
-def close_reasons(results: list[Any]) -> dict[str, int]:
+def close_reasons(results: list[ExecutionOutcome]) -> dict[str, int]:
     reasons: dict[str, int] = {}
     for r in results:
-        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+        reasons[r.outcome.reason] = reasons.get(r.outcome.reason, 0) + 1
     return reasons
 
 
@@ -215,12 +219,34 @@ def switch_times(plans_done: list[tuple[Any, float]]) -> dict[str, dict[str, flo
     return out
 
 
+def switch_steps(plans_done: list[tuple[Any, float]],
+                 step_log: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per direction, each plan step's cost (the actuator's measured duration of every run of
+    that step kind in a finished plan): n, p50 (the lower median) and max, in seconds, in plan
+    order, so a slow switch names its slow step."""
+    direction = {p.plan_id: p.direction.value for p, _ in plans_done}
+    by: dict[str, dict[str, list[float]]] = {}
+    for rec in step_log:
+        d = direction.get(rec["plan_id"])
+        if d is not None:
+            by.setdefault(d, {}).setdefault(rec["step"], []).append(rec["duration_s"])
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for d in ("to_training", "to_rollout"):
+        for step, ds in by.get(d, {}).items():
+            ds = sorted(ds)
+            out.setdefault(d, {})[step] = {"n": len(ds), "p50_s": round(ds[(len(ds) - 1) // 2], 4),
+                                           "max_s": round(ds[-1], 4)}
+    return out
+
+
 def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], version: int,
-            bursts_s: float, group_size: int, results: list[Any], stats: dict[str, Any],
+            bursts_s: float, group_size: int, results: list[ExecutionOutcome],
+            stats: dict[str, Any],
             engines: list[dict], start_pids: dict[str, int], bridge: LedgerBridge,
             actuator: RayActuator,
             replaced: list[dict[str, Any]], resumed: dict[str, int] | None,
-            closed_before: dict[str, int]) -> dict[str, Any]:
+            closed_before: dict[str, int],
+            publication: dict[str, Any] | None = None) -> dict[str, Any]:
     """``summary.json``: what the run did, from the figures of each part; the close reasons
     count the executions an earlier incarnation closed before the checkpoint it resumed."""
     s, reasons = ctl.summary(), merge_counts(close_reasons(results), closed_before)
@@ -252,11 +278,14 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         **{k: stats[k] for k in QUEUED_KEYS if k in stats},
         "backend_by_engine": {e["name"]: e.get("backend", "builtin") for e in engines},
         "switch_s": switch_times(ctl.plans_done),
+        "switch_steps_s": switch_steps(ctl.plans_done, actuator.step_log),
+        # each version's write and each engine's load (carrier, GB/s), beside memcpy GB/s
+        "publication": publication,
         "engine_memory": {e["name"]: e["memory"] for e in engines if e.get("memory")},
         "device_peak_mb": device_peaks(metrics, engines),
         "engine_step_failures": stats["engine_step_failures"],
-        "failed_requests": reasons.get("failed", 0),
-        "timed_out_executions": reasons.get("timeout", 0),
+        "failed_requests": reasons.get(CloseReason.FAILED, 0),
+        "timed_out_executions": reasons.get(CloseReason.TIMEOUT, 0),
         "dispatched": bridge.n_dispatched, "closed": len(results), "close_reasons": reasons,
         "trained_executions": sum(m.get("n_executions", m["n_groups"] * group_size)
                                   for m in metrics),
@@ -280,6 +309,6 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "mean_reward": mean_reward(results),
         # tidal.control.ledger's rule: a reward_error member trains nowhere, its group on its
         # scored members; a group with fewer than 2 scored members is dropped
-        "reward_errors": reasons.get("reward_error", 0),
+        "reward_errors": reasons.get(CloseReason.REWARD_ERROR, 0),
         "groups_dropped": s["groups_dropped"],
     }

@@ -11,7 +11,8 @@ Why stop rather than restart: the proxy holds the run's in-flight state that not
 drains in progress); a new proxy could not deliver those calls' records, so the run would train
 on less than it dispatched. The checkpoint already holds a consistent cut (every closed
 execution trained or held), so ``tidal run --resume DIR`` continues with nothing lost or trained
-twice; the error says so and names the command.
+twice; the error names that command, or, with no checkpoint written yet, the command that
+starts the run again (``checkpoint.how_to_continue``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from tidal.clock import Clock
+from tidal.runtime.checkpoint import how_to_continue
 from tidal.runtime.tasks import RunStopped
 
 
@@ -49,9 +51,8 @@ def lost(proc: subprocess.Popen, run_dir: Path, grace_s: float = 0.0) -> ProxyLo
         code = None
     if code is None:
         return None
-    return ProxyLost(f"run stopped: the proxy (pid {proc.pid}) {_how(code)}; nothing is lost "
-                     f"(see {run_dir / 'logs' / 'proxy.log'}). Continue the run with: "
-                     f"tidal run --resume {run_dir}")
+    return ProxyLost(f"run stopped: the proxy (pid {proc.pid}) {_how(code)} (see "
+                     f"{run_dir / 'logs' / 'proxy.log'}). {how_to_continue(run_dir)}")
 
 
 async def watch(proc: subprocess.Popen, run_dir: Path, clock: Clock,

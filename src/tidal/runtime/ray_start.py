@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 
@@ -44,12 +45,13 @@ def ray_init(ray: Any, **kwargs: object) -> None:
 
 
 def init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None,
-                       object_store_bytes: int) -> None:
+                       object_store_bytes: int, temp_dir: Path | None = None) -> None:
     """A one-machine Ray whose every process (GCS, raylet, workers, this driver) listens on
     loopback only, without a dashboard. Ray turns ``_node_ip_address="127.0.0.1"`` into the
     host's address unless it believes clusters are off (its Windows/macOS default), so that
     belief is held for the start (the raylet and workers get 127.0.0.1 on their command line)
-    and given back after it: a later ``--address`` run resolves node addresses as usual."""
+    and given back after it: a later ``--address`` run resolves node addresses as usual.
+    ``temp_dir``: Ray's session folder's parent (``runtime.ray_temp``; None: Ray's default)."""
     from ray._private import ray_constants
 
     key = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -59,6 +61,7 @@ def init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None,
         ray_init(ray, num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                   object_store_memory=object_store_bytes,
                   _node_ip_address="127.0.0.1", log_to_driver=False,
+                  **({"_temp_dir": str(temp_dir)} if temp_dir is not None else {}),
                   # no idle Python workers started ahead of need: every worker this run uses
                   # hosts a named actor, started on its creation (3 idle ones held ~240 MB)
                   _system_config={"enable_worker_prestart": False,

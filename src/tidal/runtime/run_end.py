@@ -68,7 +68,8 @@ async def finish(run: Runtime, w: Wired, bursts_s: float) -> dict[str, Any]:
         bridge=w.bridge, actuator=w.actuator, replaced=w.supervisor.replaced,
         resumed=({"at_step": st.step, "restored_records": len(run.ck.records),
                   "resumes": st.resumes + 1} if st else None),
-        closed_before=dict(st.close_reasons) if st else {})}
+        closed_before=dict(st.close_reasons) if st else {},
+        publication=w.publisher.report())}
 
 
 def stop_parts(run: Runtime, ray: Any) -> None:
@@ -98,6 +99,10 @@ def stop_parts(run: Runtime, ray: Any) -> None:
         spill.remove(run.out)
     if run.ray_started:
         ray.shutdown()
+    if run.ray_temp is not None:  # Ray's logs into logs/ray, its session folder gone
+        from tidal.runtime import ray_temp
+
+        ray_temp.finish(run.ray_temp, run.out)
     if run.core_pool is not None:
         run.core_pool.shutdown(wait=False, cancel_futures=True)
     if run.cpu_groups is not None:

@@ -204,6 +204,7 @@ class TrainerLoop:
             published_version=w.version, published_path=w.path,
             trained_groups=list(self.trained_groups),
             metrics_lines=len(self.outputs.metrics),
+            execution_lines=self.outputs.executions.lines,
             elapsed_s=round(self.outputs.elapsed(), 3),
             resumes=(self.ck.state.resumes + 1) if self.ck else 0,
             close_reasons=self.close_reasons())

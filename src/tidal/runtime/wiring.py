@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def check_config(cfg: RunConfig) -> Workload | None:
+def check_config(cfg: RunConfig) -> Workload:
     """What ``tidal run`` refuses before it starts anything (one line naming the field). Out:
     the ``task:`` section's workload, built (its rows loaded, its code imported) once."""
     deterministic.check(cfg)  # what runtime.deterministic cannot make token-identical
@@ -145,13 +145,13 @@ class Wired:
                           "every transition plan and cell replacement done after the last step")
 
     async def close(self) -> None:
-        from tidal.agents.agent_command import end_all
-        from tidal.agents.python_workers import close_all
+        from tidal.agents.pool import HarnessPool
 
-        end_all()  # a command agent's program never outlives the run
-        close_all()  # nor a worker of the user's Python code (killed, never waited on)
+        HarnessPool.end_all()  # no agent program or Python worker outlives the run
         self.buffer.close()
         self.core.close()
+        if self.publisher.handoff is not None:  # the segments in shared memory
+            self.publisher.handoff.writer.close()
         await self.admin.aclose()
         self.decisions.close()
         self.outputs.write_steps(self.actuator.step_log)
@@ -181,8 +181,11 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
     device = trainer_device(rt.resolved_device(torch.cuda.is_available()), gpu_ids,
                             os.environ.get("CUDA_VISIBLE_DEVICES"))
     # in bfloat16 when every engine serves in it (half the bytes each version; vLLM on GPUs)
+    from tidal.runtime.handoff import version_writer
+
     files = FilePublisher(out / "weights", ParamLayout.of(model), keep=2,
                           dtype=getattr(torch, published_dtype(cfg)))
+    files = version_writer(files, out)  # a shared-memory segment per version, the file after
     if rt.fsdp == "on" and torch.device(device).type != "cpu":
         raise ConfigError("runtime.fsdp", "'on' needs a CPU trainer (a sharded core cannot "
                           "be offloaded while cell 0 serves); use 'auto'")
@@ -201,6 +204,7 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
         coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s), shard=shard,
         host=host),
         buffer, clock, publishers=[files], pad_id=tok.eos_id)
+    files.restream = core.stream_params
     return buffer, core, files
 
 
@@ -209,7 +213,9 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
          core_pool: concurrent.futures.ThreadPoolExecutor, outputs: RunOutputs,
          host: str = "127.0.0.1", workload: Workload | None = None,
          policy: Policy | None = None) -> Wired:
-    from tidal.agents import HarnessPool, PoolConfig
+    """``workload``: the one ``check_config`` built (None: built here)."""
+    from tidal.agents.pool import HarnessPool, PoolConfig
+    from tidal.agents.workload import Workload
     from tidal.control.decision_log import DecisionLog, jsonl_file_sink
     from tidal.control.factory import build_controller
 
@@ -245,24 +251,30 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     actuator.bind(handle)
     bridge = LedgerBridge(handle, clock, admin, buffer, c.group_size, parts,
                           tokens=rt.deterministic)
-    publisher = Publisher(engines, actuator, admin, weights, files.path, handle, clock)
+    from tidal.runtime.handoff import Handoff
+
+    publisher = Publisher(engines, actuator, admin, weights, files.path, handle, clock,
+                          handoff=Handoff(engines, files, rt.weight_carrier, host=host))
+    # executions.jsonl line by line as groups end (a killed run keeps what it closed)
+    bridge.file, bridge.t0 = outputs.executions, lambda: outputs.t0
     if ck is not None:
         publisher.restore(ck.state.published_version, ck.state.published_path)
         outputs.restore_metrics(ck.state.metrics_lines)
+        outputs.executions.restore(ck.state.execution_lines)
     carried = dict(ck.state.close_reasons) if ck else {}
     trainer = TrainerLoop(cfg, core, buffer, actuator, publisher, outputs, ctl, handle, clock,
                           core_pool, ck, lambda: merge_counts(carried, bridge.close_counts))
     cl = cfg.cluster
     slots = cl.standalone_count * cl.standalone_slots + sum(s.slots for s in cl.cell_specs())
     pool = HarnessPool(PoolConfig(
-        proxy_url=proxy_url, max_concurrent=slots, max_turns=rt.max_turns,
+        proxy_url=proxy_url, max_concurrent=slots, max_turns=cfg.task.max_turns,
         max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
         timeout_s=rt.execution_timeout_s, token=token), out / "workspaces", bridge)
     held = {r.execution_id: r for r in ck.records} if ck else {}
     gate = (deterministic.Boundaries(clock, admin, engines, buffer, rt.start_timeout_s)
             if rt.deterministic else None)
     dispatcher = Dispatcher(cfg, pool, bridge, handle, clock, parts, set(trainer.trained_groups),
-                            held, ctl, workload, gate)
+                            held, ctl, workload or Workload(cfg), gate)
     listeners.append(dispatcher.notify)  # a group held by the policy looks again
     trainer.settled = dispatcher.settled  # a step short of groups that cannot come goes on
     return Wired(admin, decisions, buffer, core, outputs, actuator, ctl, handle, bridge,

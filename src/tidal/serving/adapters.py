@@ -24,6 +24,7 @@ from tidal.serving.protocol import (
     GenerateRequest,
     NotFound,
     Overloaded,
+    ServingError,
     TokenChunk,
 )
 
@@ -174,14 +175,18 @@ def raise_for(resp: Response, path: str) -> None:
         msg = resp.json().get("error", {}).get("message") or resp.text
     except (ValueError, AttributeError):
         msg = resp.text
-    msg = f"{path}: {msg}"[:500]
+    detail = str(msg)[:480]
     if resp.status_code == 404:
-        raise NotFound(msg)
-    if resp.status_code == 503:
-        raise Overloaded(msg)
-    if resp.status_code < 500:
-        raise BadRequest(msg)
-    raise EngineError(msg)  # it answered: alive, but failing this call
+        cls: type[ServingError] = NotFound
+    elif resp.status_code == 503:
+        cls = Overloaded
+    elif resp.status_code < 500:
+        cls = BadRequest
+    else:
+        cls = EngineError  # it answered: alive, but failing this call
+    err = cls(f"{path}: {detail}")
+    err.detail = detail  # what the engine said, without its route (the proxy names its own)
+    raise err
 
 
 class NoKVHandoff:

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from tidal.serving.execution_identity import CALLER
 from tidal.serving.openai_api import (
     VERSIONS_HEADER,
     ChatRequest,
@@ -117,7 +118,7 @@ async def _route(h: ProxyHandlers, request: Request, d: Dialect) -> Response:
     session = next((headers[k] for k in SESSION_HEADERS if k in headers),
                    getattr(body, "prompt_cache_key", None))
     call, t_engine = await h.prepare(chat, "chat", headers.get("x-tidal-execution"),
-                                     session)
+                                     session, request.scope.get(CALLER))
     if chat.max_tokens is None:  # Responses' default: what the served context leaves
         lens = [m.max_model_len for m in h.proxy.router.members.values() if m.max_model_len]
         if lens:
@@ -185,7 +186,8 @@ async def stream_pieces(h: ProxyHandlers, c: _Call) -> AsyncIterator[Piece]:
             if chunk.text and not hold:
                 yield Piece("text", chunk.text)
         if task.cancelled() or task.exception() is not None:
-            yield Piece("error", "cancelled" if task.cancelled() else str(task.exception()))
+            why = "the engine call was cancelled" if task.cancelled() else str(task.exception())
+            yield Piece("error", why)
             return
         try:
             sampled = await finish(h, c, task.result())

@@ -14,7 +14,9 @@ Device: the model and every KV cache live on ``EngineConfig.device`` (CPU, or a 
 must be visible); each step's ``[B, V]`` logits come back to the CPU once, so sampling, log-probs
 and the seeded CPU generators behave the same on every device. Sleep frees the weights and KV
 memory on the device (CUDA's cached blocks too); weight files are always read on the CPU and
-copied in. The settings (``EngineConfig``) and the spill file's place are in ``engine_config``.
+copied in (or, from CUDA IPC, mapped and copied device to device). The settings (``EngineConfig``)
+and the spill file's place are in ``engine_config``. Over 500 lines: the request loop, control
+calls and weight loads share one lock and one state, kept in one class.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from tidal.clock import Clock, WallClock
 from tidal.errors import TidalError
 from tidal.models import CausalLM, Tokenizer, open_weights
-from tidal.models.device import device_peak_mb, resolve_device
+from tidal.models.device import HostStash, device_peak_mb, resolve_device
 from tidal.serving.engine_config import EngineConfig, spill_path
 from tidal.serving.engine_state import KVStore, RateMeter, Request, sample_batch
 from tidal.serving.prefix_cache import PrefixCache
@@ -51,7 +53,8 @@ class Engine:
         self.model, self.tokenizer = model.to(self.device), tokenizer
         self.clock = clock or WallClock()
         self.weight_version = weight_version
-        self._weights_source = Path(model_dir)
+        self.last_pause_s = 0.0  # how long the last weight load held the engine's steps
+        self._weights_source: Path | None = Path(model_dir)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -62,6 +65,9 @@ class Engine:
         self._sleeping = False
         self._spill: Path | None = None
         self._held: dict[str, torch.Tensor] | None = None  # level 1 without a spill_dir
+        # level 1's pinned host buffers (on CUDA; CPU tensors stay as they are), allocated at
+        # the first sleep and reused by every later one: a copy at the host link's speed
+        self._stash = HostStash()
         self._wakeup = asyncio.Event()
         self._step_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
@@ -240,8 +246,9 @@ class Engine:
         return self._sleeping
 
     async def sleep(self, level: int = 1) -> None:
-        """Abort everything, drop every KV cache and free the weights. Level 1 spills the current
-        weights to disk first; level 2 reloads from the last weight source on wake."""
+        """Abort everything, drop every KV cache and free the weights. Level 1 keeps the current
+        weights first: in pinned host buffers kept across sleeps (no ``spill_dir``), or spilled
+        to disk; level 2 reloads from the last weight source on wake."""
         if level not in (1, 2):
             raise BadRequest("sleep level must be 1 or 2")
         async with self._step_lock:
@@ -252,16 +259,18 @@ class Engine:
                 from safetensors.torch import save_file
 
                 # parameters, not state_dict(): a tied head must not appear twice
-                sd = {k: v.detach().contiguous().cpu()
-                      for k, v in self.model.named_parameters()}
-                if self.config.spill_dir is None:
-                    self._held = sd
+                if self.config.spill_dir is None:  # pinned host buffers, kept across sleeps
+                    self._held = {k: self._stash.to_host(k, v.detach())
+                                  for k, v in self.model.named_parameters()}
+                    self._stash.settle()
                 else:
+                    sd = {k: v.detach().contiguous().cpu()
+                          for k, v in self.model.named_parameters()}
                     self._spill = spill_path(self.config.spill_dir, self.config.name)
                     self._spill.parent.mkdir(parents=True, exist_ok=True)
                     # off the loop: /health and control routes keep answering while it writes
                     await asyncio.to_thread(save_file, sd, str(self._spill))
-                del sd
+                    del sd
             self.model.free_weights()
             self._sleeping = True
         log.info("engine %s asleep (level %d)", self.config.name, level)
@@ -272,6 +281,9 @@ class Engine:
                 return
             if self._held is not None:
                 sd = self._held
+            elif self._spill is None and self._weights_source is None:
+                raise TidalError("no weights to wake from (the last version came in memory): "
+                                 "load a version instead")
             else:
                 sd = await asyncio.to_thread(open_weights, self._spill or self._weights_source)
             self.model.materialize(self.device)
@@ -298,17 +310,39 @@ class Engine:
         if self._sleeping:  # nothing serves that a bad version could spoil: one pass
             async with self._step_lock:
                 if self._sleeping:
+                    t0 = self.clock.now()
                     await asyncio.to_thread(self._load_asleep, sd)
                     self._after_load(path, version)
+                    self.last_pause_s = self.clock.now() - t0
                     return
         await asyncio.to_thread(self.model.check_weights, sd)
         async with self._step_lock:
+            t0 = self.clock.now()
             if self._sleeping:
                 self.model.materialize(self.device)
                 self._sleeping = False
                 self._drop_spill()
             self.model.load_weights(sd)
             self._after_load(path, version)
+            self.last_pause_s = self.clock.now() - t0  # no step ran meanwhile
+
+    async def update_weights_from(self, named: Mapping[str, torch.Tensor], version: str) -> None:
+        """A version handed over in memory (CUDA IPC: the trainer's device tensors mapped into
+        this process), checked whole, then copied in between two steps (device to device).
+        The engine then has no file to wake from: a level-2 sleep needs a load after it."""
+        await asyncio.to_thread(self.model.check_weights, named)
+        async with self._step_lock:
+            t0 = self.clock.now()
+            if self._sleeping:
+                self.model.materialize(self.device)
+                self._sleeping = False
+                self._drop_spill()
+            self.model.load_weights(named)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the sender may free its tensors next
+            self.prefix.clear()
+            self._weights_source, self.weight_version = None, version
+            self.last_pause_s = self.clock.now() - t0
 
     def _load_asleep(self, sd: Mapping[str, torch.Tensor]) -> None:
         """A sleeping engine's load (its wake into a version): the weights are materialised and
@@ -332,6 +366,21 @@ class Engine:
         self._weights_source = Path(path)
         self.weight_version = version
         log.info("engine %s loaded weights %s from %s", self.config.name, version, path)
+
+    async def weight_hashes(self) -> dict[str, str]:
+        """sha256 (16 hex digits) of each parameter's bytes as served, between two steps: what
+        a carrier delivered, checked bit for bit against the trainer's tensors."""
+        import hashlib
+
+        def digest() -> dict[str, str]:
+            return {n: hashlib.sha256(p.detach().cpu().contiguous().reshape(-1)
+                                      .view(torch.uint8).numpy()).hexdigest()[:16]
+                    for n, p in self.model.named_parameters()}
+
+        async with self._step_lock:
+            if self._sleeping:
+                return {}
+            return await asyncio.to_thread(digest)
 
     async def export_kv(self, request_id: str) -> bytes:
         async with self._step_lock:  # the cache may still be written by a running step

@@ -84,6 +84,15 @@ class WeightsBody(BaseModel):
     weight_version: str = Field(..., min_length=1, max_length=128)
 
 
+class IpcBody(BaseModel):
+    """A version as CUDA IPC handles (``tidal.training.carriers.ipc_export``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    handles: list[dict] = Field(..., min_length=1)
+    weight_version: str = Field(..., min_length=1, max_length=128)
+
+
 class VersionBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -211,7 +220,19 @@ class EngineHandlers:
         except (TidalError, OSError, ValueError) as exc:  # the old version keeps serving
             raise BadRequest(f"path: no weights of this model at {body.path!r}: "
                              f"{str(exc)[:300]}") from None
-        return {"status": "ok", "weight_version": self.engine.weight_version}
+        return {"status": "ok", "weight_version": self.engine.weight_version,
+                "pause_s": round(self.engine.last_pause_s, 6)}
+
+    async def update_weights_ipc(self, body: IpcBody) -> dict:
+        from tidal.training.carriers import ipc_import
+
+        try:
+            named = ipc_import(body.handles)
+            await self.engine.update_weights_from(named, body.weight_version)
+        except (TidalError, RuntimeError, KeyError, TypeError, ValueError) as exc:
+            raise BadRequest(f"handles: not a version of this model: {str(exc)[:300]}") from None
+        return {"status": "ok", "weight_version": self.engine.weight_version,
+                "pause_s": round(self.engine.last_pause_s, 6)}
 
     async def update_weight_version(self, body: VersionBody) -> dict:
         self.engine.weight_version = body.new_version
@@ -219,6 +240,10 @@ class EngineHandlers:
 
     async def weight_info(self) -> dict:
         return {"weight_version": self.engine.weight_version}
+
+    async def weight_hashes(self) -> dict:
+        return {"weight_version": self.engine.weight_version,
+                "hashes": await self.engine.weight_hashes()}
 
     # -- KV handoff ------------------------------------------------------------------------
     async def export_kv(self, request_id: str) -> Response:
@@ -265,7 +290,9 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
     ("GET", "/is_sleeping", "is_sleeping"),
     ("POST", "/update_weights", "update_weights"),
     ("POST", "/update_weight_version", "update_weight_version"),
+    ("POST", "/tidal/weights/ipc", "update_weights_ipc"),
     ("GET", "/weight_info", "weight_info"),
+    ("GET", "/tidal/weights/hashes", "weight_hashes"),
     ("GET", "/tidal/kv/{request_id}", "export_kv"),
     ("POST", "/tidal/kv", "import_kv"),
     ("DELETE", "/tidal/kv/{key}", "release_kv"),

@@ -1,13 +1,14 @@
-"""Ledger events of the execution lifecycle, as harnesses report them (the proxy for external
-harnesses, the harness pool for its own).
+"""Ledger events of the execution lifecycle: the proxy's registry of executions, the one owner
+of their registration and close (the harness pool registers and closes its own here over HTTP,
+as external harnesses do, and reports the close this registry kept to the run's ledger).
 
-In: registrations, launches and closes of executions (the harness pool's own, or external
-harnesses over HTTP). Out: ``dispatched`` / ``launched`` / ``closed`` callbacks that the control
-plane's execution ledger implements. Invariant kept here: an execution closes exactly once;
-a duplicate close is ignored and counted. Bounded: at most ``max_open`` open executions; a
-closed one keeps only its id and outcome (metadata dropped), the newest ``max_closed`` of them
-(for duplicate closes and refusing a closed id's calls); an open one idle (no registration,
-launch or call) for ``idle_s`` plus its own ``timeout_s`` is closed as ``timeout``.
+In: registrations, launches and closes of executions over HTTP. Out: ``dispatched`` /
+``launched`` / ``closed`` callbacks that the control plane's execution ledger implements.
+Invariant kept here: an execution closes exactly once; a duplicate close is ignored and counted.
+Bounded: at most ``max_open`` open executions; a closed one keeps only its id and outcome
+(metadata dropped), the newest ``max_closed`` of them (for duplicate closes and refusing a
+closed id's calls); an open one idle (no registration, launch or call) for ``idle_s`` plus its
+own ``timeout_s`` is closed as ``timeout``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from tidal.clock import Clock, WallClock
-from tidal.contracts.close import CLOSE_REASONS
+from tidal.contracts.close import CLOSE_REASONS, CloseReason
 from tidal.errors import LedgerError
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class ExecutionRegistry:
             self.events.launched(execution_id, state.group_id)
         return state
 
-    def close(self, execution_id: str, reason: str = "completed",
+    def close(self, execution_id: str, reason: str = CloseReason.COMPLETED,
               reward: float | None = None) -> bool:
         """Close once; returns False (and counts) for a duplicate close."""
         if reason not in CLOSE_REASONS:
@@ -160,6 +161,6 @@ class ExecutionRegistry:
         for state in idle:
             log.info("execution %s idle for %.0f s: closed (timeout)", state.execution_id,
                      now - state.seen_s)
-            self.close(state.execution_id, "timeout")
+            self.close(state.execution_id, CloseReason.TIMEOUT)
         self.expired += len(idle)
         return len(idle)

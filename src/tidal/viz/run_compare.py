@@ -154,7 +154,7 @@ COLUMNS = (("policy", "label", 0), ("run time s", "run_time_s", 2),
            ("reward last q", "reward_last_quarter", 3),
            ("reward mean ± se", "reward_mean_se", 0),
            ("to training", "switches_to_training", 0), ("to rollout", "switches_to_rollout", 0),
-           ("reroutes", "rerouted_requests", 0), ("failed", "failed_requests", 0),
+           ("reroutes", "rerouted_requests", 0), ("failed requests", "failed_requests", 0),
            ("lost", "lost_executions", 0))
 
 

@@ -129,7 +129,18 @@ def render_report(run: RunData, shown: list[tuple[str, str]],
                  f"{mean_g:.3f} ± {se:.3f} (standard error over {n_groups} groups: the noise "
                  f"a seed alone moves it by)" if se is not None else
                  "– (needs executions.jsonl with two or more groups)"))
+    pub = s.get("publication")
+    if pub:  # newer runtimes only
+        g, w, ld = pub.get("gbps") or {}, pub.get("write_s") or {}, pub.get("engine_load_s") or {}
+        rows.append(("weight publication",
+                     f"{_num(g.get('p50'), 2)} GB/s p50 (max {_num(g.get('max'), 2)}) beside "
+                     f"memcpy {_num(pub.get('memcpy_gbps'), 1)} GB/s; write p50 "
+                     f"{_num(w.get('p50'), 3)} s, engine load p50 {_num(ld.get('p50'), 3)} s; "
+                     f"{_num(pub.get('bytes_per_version'))} bytes a version; carriers "
+                     + ", ".join(f"{k} {v}" for k, v in (pub.get("carriers") or {}).items())
+                     + f"; {_num(pub.get('fallbacks'))} fallbacks"))
     out += ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    out += switch_step_table(s.get("switch_steps_s"))
     bursts = burst_rows(run)
     out += ["## Bursts", ""]
     if bursts:
@@ -161,6 +172,19 @@ def render_report(run: RunData, shown: list[tuple[str, str]],
             "every move with its steps, reroutes as arrows, trainer steps, weight "
             "publications); open it at https://ui.perfetto.dev."]
     return "\n".join(out).rstrip() + "\n"
+
+
+def switch_step_table(steps: dict | None) -> list[str]:
+    """``report.md``'s switch costs: per direction, each plan step's p50 and max."""
+    if not steps:
+        return []
+    out = ["## Switch steps", "", "Each plan step's measured duration (s) per direction.", "",
+           "| direction | step | n | p50 s | max s |", "|---|---|---:|---:|---:|"]
+    for direction, by_step in steps.items():
+        for step, c in by_step.items():
+            out.append(f"| {direction} | {step} | {c['n']} | {c['p50_s']:.3f} "
+                       f"| {c['max_s']:.3f} |")
+    return [*out, ""]
 
 
 def _num(val: object, digits: int | None = None) -> str:

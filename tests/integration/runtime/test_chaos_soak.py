@@ -48,9 +48,9 @@ def _soak_config(tmp: Path) -> tuple[Path, dict]:
     cfg["name"] = "soak"
     cfg["control"].update(group_size=GROUP_SIZE, batch_groups=BATCH_GROUPS,
                           updates_per_burst=UPDATES, bursts=BURSTS)
-    cfg["runtime"].update(task="workspace", max_turns=2, max_tokens=24, tool_latency_s=0.25,
-                          dispatch_interval_s=0.3, run_timeout_s=600,
+    cfg["runtime"].update(max_tokens=24, dispatch_interval_s=0.3, run_timeout_s=600,
                           tiny_max_seq_len=512)
+    cfg["task"] = {"source": {"kind": "workspace", "tool_latency_s": 0.25}, "max_turns": 2}
     path = tmp / "soak.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path, cfg

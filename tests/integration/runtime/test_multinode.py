@@ -8,9 +8,9 @@ fixture prints the mode.
 
 Checks: the engines of ``tiny.yaml`` sit on three different nodes (node ids from Ray); cells
 move both ways and a drained request's KV cache moves between nodes (one engine per node: every
-handoff crosses the bridge); weights reach every engine across
-nodes (the decision log names the transport per publication); a satellite on another node
-joins the core's steps; and a node lost mid-run (its raylet and every process on it killed)
+handoff crosses the bridge); weights reach every engine across nodes by the broadcast carrier
+(the decision log names it per engine and publication); a satellite on another node joins the
+core's steps; and a node lost mid-run (its raylet and every process on it killed)
 costs nothing: its cell is replaced on a surviving node, no request fails, no execution is lost
 or trained twice, and the summary counts the node in ``nodes_lost``. After every run no process
 of it is left on any node.
@@ -94,11 +94,13 @@ def test_tiny_run_spreads_its_engines_over_three_nodes(cluster, tmp_path):
         assert not engine["restarted"], name
         if engine["state"] == "awake":
             assert engine["version"] == "v4", (name, engine)
-    # every publication crossed nodes through the object store (no engine on the driver's node)
+    # every publication crossed nodes by the broadcast carrier (a gloo group across the
+    # bridge, into each node's shared memory; no engine on the driver's node), none fell back
     records = [json.loads(x) for x in (out / "decisions.jsonl").read_text().splitlines()]
     pubs = [r for r in records if r["type"] == "weights_published"]
     assert [p["version"] for p in pubs] == [2, 4]
-    assert all(p["transports"] and set(p["transports"].values()) == {"object"} for p in pubs)
+    assert all(p["transports"] and set(p["transports"].values()) == {"broadcast"} for p in pubs)
+    assert not any("fell_back_from" in e for p in pubs for e in p["engines"].values()), pubs
 
 
 def test_a_satellite_on_another_node_joins_the_cores_steps(cluster, tmp_path):

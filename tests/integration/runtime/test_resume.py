@@ -69,6 +69,13 @@ def test_driver_killed_mid_burst_resumes_without_loss_or_repeats(tmp_path):
     assert len(trained) == len(set(trained)), "a group was trained twice"
     assert sorted(trained) == expected_groups(cfg)
     assert summary["trained_executions"] == len(trained) * cfg["control"]["group_size"]
+    # issue 38 item 17: executions.jsonl holds every execution once, those closed before the
+    # kill included (on main only the resumed incarnation's were there)
+    lines = [json.loads(x) for x in (out / "executions.jsonl").read_text().splitlines()]
+    ids = [x["execution"] for x in lines]
+    assert len(ids) == len(set(ids)), "an execution has two lines"
+    assert {x["group"] for x in lines} >= set(trained)
+    assert len(lines) == sum(summary["close_reasons"].values()), summary["close_reasons"]
     # the killed driver's engines, proxy and Ray processes are gone
     for row in left:
         if row["pid"] == first.pid:

@@ -93,6 +93,18 @@ def test_vllm_run_every_engine_vllm(smollm2, tmp_path, monkeypatch):
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     loads = [st for st in steps if st["step"] == "load_weights"]
     assert loads and all(st["ok"] for st in steps), [st for st in steps if not st["ok"]]
+    # every version reached every vLLM engine through shared memory, never the file, and the
+    # decision log names each engine's carrier, bytes, seconds and pause
+    published = [json.loads(x) for x in (out / "decisions.jsonl").read_text().splitlines()
+                 if '"weights_published"' in x]
+    assert len(published) == bursts, published
+    for rec in published:
+        assert rec["engines"] and set(rec["transports"].values()) == {"shm"}, rec
+        assert all(e["carrier"] == "shm" and e["bytes"] > 0 and e["pause_s"] <= e["seconds"]
+                   for e in rec["engines"].values()), rec
+    pub = summary["publication"]
+    assert set(pub["carriers"]) == {"shm"} and pub["fallbacks"] == 0, pub
+    assert set(summary["switch_steps_s"]) == {"to_training", "to_rollout"}, summary
     # the cells' servers released memory while their cell trained (RSS measured). On the CPU
     # a woken server's KV cache is resident only once calls touch it: a cell that served
     # nothing between a wake and its next release frees no RSS there (CI 2026-12-04: c0's

@@ -16,6 +16,7 @@ import json
 import httpx
 import pytest
 
+from tidal.serving.execution_keys import execution_key, execution_url
 from tidal.serving.launch import start_engine, start_proxy
 
 anthropic = pytest.importorskip("anthropic")
@@ -70,13 +71,14 @@ def _records(url: str, eid: str) -> list[dict]:
 
 
 def _claude(url: str, eid: str):
-    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0,
-                               default_headers={"X-Tidal-Execution": eid})
+    """A harness's Anthropic client: its execution's URL and key (sent as ``x-api-key``)."""
+    return anthropic.Anthropic(base_url=execution_url(url, eid).removesuffix("/v1"),
+                               api_key=execution_key(TOKEN, eid), max_retries=0)
 
 
 def _openai(url: str, eid: str):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                         default_headers={"X-Tidal-Execution": eid})
+    return openai.OpenAI(base_url=execution_url(url, eid), api_key=execution_key(TOKEN, eid),
+                         max_retries=0)
 
 
 def test_messages_tool_round_trip(served, tool_model):
@@ -172,7 +174,7 @@ def test_messages_refused_fields_are_named(served, extra, field):
 def test_messages_headers_and_beta_query(served):
     r = httpx.post(f"{served}/v1/messages?beta=true", json={
         "model": "tiny", "max_tokens": 3, "messages": QUESTION, "metadata": {"user_id": "u"}},
-        headers={"anthropic-version": "2023-06-01", "x-api-key": "k",
+        headers={"anthropic-version": "2023-06-01", "x-api-key": execution_key(TOKEN, "a-beta"),
                  "anthropic-beta": "claude-code-20250219", "X-Tidal-Execution": "a-beta"})
     assert r.status_code == 200, r.text
     assert r.json()["type"] == "message" and r.headers["x-tidal-weight-versions"]

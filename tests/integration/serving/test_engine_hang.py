@@ -110,7 +110,8 @@ def test_a_hung_engine_holds_no_call(tiny_model, tmp_path):
         async def main():
             nonlocal stopped
             limits = httpx.Limits(max_connections=CALLS + 8)
-            async with httpx.AsyncClient(base_url=proxy.url, timeout=120, limits=limits) as client:
+            async with httpx.AsyncClient(base_url=proxy.url, timeout=120, limits=limits,
+                                         headers=admin) as client:
                 calls = [asyncio.create_task(_timed(client, i)) for i in range(CALLS)]
                 t_stop = await _stop_when_busy(engines[0], client, admin)
                 stopped = True

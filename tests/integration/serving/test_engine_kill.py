@@ -72,7 +72,7 @@ def test_a_killed_engine_fails_no_call(tiny_model, tmp_path):
 
         async def main():
             limits = httpx.Limits(max_connections=CALLS + 8)
-            async with httpx.AsyncClient(base_url=proxy.url, timeout=180,
+            async with httpx.AsyncClient(base_url=proxy.url, timeout=180, headers=admin,
                                          limits=limits) as client:
                 t0 = time.monotonic()
                 calls = [asyncio.create_task(_call(client, i)) for i in range(CALLS)]

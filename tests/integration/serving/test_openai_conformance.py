@@ -16,6 +16,7 @@ import json
 import httpx
 import pytest
 
+from tidal.serving.execution_keys import execution_key, execution_url
 from tidal.serving.launch import start_engine, start_proxy
 
 openai = pytest.importorskip("openai")
@@ -62,8 +63,9 @@ def served(tool_model, tmp_path_factory):
 
 
 def _client(url: str, eid: str):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                         default_headers={"X-Tidal-Execution": eid})
+    """A harness's client: its execution's base URL and key."""
+    return openai.OpenAI(base_url=execution_url(url, eid), api_key=execution_key(TOKEN, eid),
+                         max_retries=0)
 
 
 def _records(url: str, eid: str) -> list[dict]:
@@ -188,10 +190,11 @@ def test_verifiers_train_client_over_the_token_in_route(served, tool_model):
     dataset = reasoning_gym.create_dataset("basic_arithmetic", size=3, seed=7)
 
     async def episode(i: int, entry: dict) -> tuple[dict, float]:
-        out = await run_episode(f"{served}/v1", "x", "tiny", renderer,
+        out = await run_episode(execution_url(served, f"vf{i}"),
+                                execution_key(TOKEN, f"vf{i}"), "tiny", renderer,
                                 [{"role": "user", "content": entry["question"]}],
                                 {"max_tokens": 12, "temperature": 1.0, "top_p": 0.95},
-                                session=f"vf{i}", headers={"X-Tidal-Execution": f"vf{i}"})
+                                session=f"vf{i}")
         return out, float(dataset.score_answer(out["content"] or "", entry))
 
     async def main():

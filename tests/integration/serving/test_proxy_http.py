@@ -9,22 +9,32 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tidal.serving.execution_keys import execution_key, execution_url
+
 
 @pytest.fixture(scope="module")
 def client(cluster):
     with httpx.Client(base_url=cluster.url, timeout=60) as c:
+        c.admin, c.token = cluster.admin, cluster.token  # sent only where a test says so
         yield c
 
 
 def _register(client) -> str:
-    return client.post("/tidal/executions", json={"group_id": "g"}).json()["execution_id"]
+    """A new execution, registered as the driver does (the admin token: the client's)."""
+    return client.post("/tidal/executions", json={"group_id": "g"},
+                       headers=client.admin).json()["execution_id"]
+
+
+def _as(client, eid: str) -> dict[str, str]:
+    """The headers of a harness of execution ``eid``: its own key."""
+    return {"Authorization": f"Bearer {execution_key(client.token, eid)}"}
 
 
 def test_openai_client_is_a_harness(cluster, client):
     openai = pytest.importorskip("openai")
     eid = _register(client)
-    oa = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused",
-                       default_headers={"X-Tidal-Execution": eid})
+    oa = openai.OpenAI(base_url=execution_url(cluster.url, eid),
+                       api_key=execution_key(cluster.token, eid))
     chat = oa.chat.completions.create(model="tiny", max_tokens=8, logprobs=True,
                                       messages=[{"role": "user", "content": "12 plus 30?"}])
     assert chat.choices[0].finish_reason in ("stop", "length")
@@ -63,20 +73,19 @@ def test_openai_client_is_a_harness(cluster, client):
 def test_bad_input_gets_a_clear_4xx(client, body, status, needle):
     eid = _register(client)
     kw = {"content": body} if isinstance(body, str) else {"json": body}
-    r = client.post("/v1/completions", headers={"X-Tidal-Execution": eid,
-                                                "content-type": "application/json"}, **kw)
+    headers = {**_as(client, eid), "content-type": "application/json"}
+    r = client.post("/v1/completions", headers=headers, **kw)
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
 
 
 def test_unknown_or_closed_execution_and_admin_auth(cluster, client):
-    r = client.post("/v1/completions", headers={"X-Tidal-Execution": "nobody"},
-                    json={"prompt": "x"})
+    r = client.post("/v1/completions", headers=_as(client, "nobody"), json={"prompt": "x"})
     assert r.status_code == 404 and "unknown execution" in r.json()["error"]["message"]
     eid = _register(client)
     client.post(f"/tidal/executions/{eid}/close", json={"reason": "timeout"},
                 headers=cluster.admin)
-    r = client.post("/v1/completions", headers={"X-Tidal-Execution": eid}, json={"prompt": "x"})
+    r = client.post("/v1/completions", headers=_as(client, eid), json={"prompt": "x"})
     assert r.status_code == 409
     assert client.post("/tidal/executions/nobody/close", json={},
                        headers=cluster.admin).status_code == 404
@@ -85,6 +94,8 @@ def test_unknown_or_closed_execution_and_admin_auth(cluster, client):
                              ("POST", "/tidal/engines/s0/drain"),
                              ("POST", "/tidal/engines/s0/undrain"),
                              ("POST", f"/tidal/executions/{eid}/close"),
+                             ("POST", "/tidal/executions"),
+                             ("GET", f"/tidal/executions/{eid}/records"),
                              ("GET", "/docs"), ("GET", "/openapi.json")):
             r = client.request(method, path, headers=headers)
             assert r.status_code == 401, (method, path, r.text)
@@ -101,7 +112,8 @@ def test_heads_and_bodies_are_bounded(cluster, client):
     for url in (cluster.url, engine):
         r = httpx.get(f"{url}/health", headers={**cluster.admin, "x-big": "a" * 1_000_000})
         assert r.status_code == 431, (url, r.status_code)
-    r = client.post("/tidal/executions", json={"metadata": {"blob": "a" * 2_000_000}})
+    r = client.post("/tidal/executions", json={"metadata": {"blob": "a" * 2_000_000}},
+                    headers=cluster.admin)
     assert r.status_code == 413 and "content-length" in r.json()["error"]["message"]
     assert client.get("/health").status_code == 200
     assert httpx.get(f"{engine}/health", headers=cluster.admin).status_code == 200

@@ -16,7 +16,8 @@ _UNDO = {"/sleep": "/wake_up", "/pause": "/resume"}
 
 
 def test_no_proxy_operation_answers_5xx_or_hangs(cluster):
-    eid = httpx.post(f"{cluster.url}/tidal/executions", json={}).json()["execution_id"]
+    eid = httpx.post(f"{cluster.url}/tidal/executions", json={},
+                     headers=cluster.admin).json()["execution_id"]
     _fuzz_all(cluster.url, cluster.admin, min_operations=12, execution=eid)
 
 

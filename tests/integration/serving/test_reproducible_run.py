@@ -1,7 +1,7 @@
 """Two seeded runs give identical completions and rewards (issue 19, item 7).
 
 The smallest real path of a one-engine ``tiny.yaml`` run: the run's tasks (``plan_burst`` and
-``task_factory``: task choice and tool latency from the seed and the group), the real harness
+the ``Workload``'s job: task choice and tool latency from the seed and the group), the real harness
 pool, a fresh proxy over HTTP per run stamping each call's seed from (run seed, execution id,
 call index), one built-in engine process. The two runs are served by two engine processes
 with different engine seeds (an engine's own stream must not matter); a run with another run
@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 
 from tidal.agents import HarnessPool, PoolConfig
-from tidal.config import load_yaml
-from tidal.runtime.dispatcher import plan_burst, task_factory
+from tidal.agents.workload import Workload
+from tidal.config import TaskConfig, load_yaml
+from tidal.runtime.dispatcher import plan_burst
 from tidal.serving.launch import start_engine, start_proxy
 
 TOKEN = "repro-token"
@@ -26,10 +27,11 @@ CONFIG = Path(__file__).parents[3] / "configs" / "tiny.yaml"
 
 def _config(seed: int, task: str):
     cfg = load_yaml(CONFIG)
-    rt = {"task": task, "tool_latency_s": 0.01, "max_tokens": 24,
-          "max_turns": 3 if task == "workspace" else 1}
+    source = {"kind": task, **({"tool_latency_s": 0.01} if task == "workspace" else {})}
     return cfg.model_copy(update={
-        "seed": seed, "runtime": cfg.runtime.model_copy(update=rt),
+        "seed": seed, "runtime": cfg.runtime.model_copy(update={"max_tokens": 24}),
+        "task": TaskConfig.model_validate({"source": source,
+                                           "max_turns": 3 if task == "workspace" else 1}),
         "cluster": cfg.cluster.model_copy(update={"cell_count": 0, "standalone_count": 1})})
 
 
@@ -44,21 +46,21 @@ def _run(engine_url: str, logs: Path, seed: int, tag: str) -> dict[str, tuple]:
         for task in ("arithmetic", "workspace"):
             cfg = _config(seed, task)
             rt = cfg.runtime
-            pool = HarnessPool(PoolConfig(proxy_url=proxy.url, max_turns=rt.max_turns,
+            pool = HarnessPool(PoolConfig(proxy_url=proxy.url, max_turns=cfg.task.max_turns,
                                           max_tokens_per_turn=rt.max_tokens,
                                           temperature=rt.temperature, token=TOKEN),
                                logs / f"ws-{tag}-{task}")
             _, groups = plan_burst(cfg, 0, set(), {})
             tasks, ids = [], []
             for grp in groups[:1]:  # one GRPO group of each task
-                make = task_factory(cfg, grp.seed)
-                tasks += [(grp.group_id, make)] * len(grp.run)
+                job = Workload(cfg).job(0, grp.index, grp.seed)
+                tasks += [(grp.group_id, job)] * len(grp.run)
                 ids += [f"{task}-{e}" for e in grp.run]
             for r in asyncio.run(pool.run(tasks, ids)):
-                assert r.reason == "completed", r
+                assert r.outcome.reason == "completed", r
                 calls = httpx.get(f"{proxy.url}/tidal/executions/{r.execution_id}/records",
                                   headers={"Authorization": f"Bearer {TOKEN}"}).json()["calls"]
-                out[r.execution_id] = (r.reward, [t["action"] for t in r.transcript],
+                out[r.execution_id] = (r.outcome.reward, [t.action for t in r.outcome.transcript],
                                        [c["output_token_ids"] for c in calls])
         return out
     finally:

@@ -78,7 +78,7 @@ async def _busy_engine(client, engines) -> int:
 def _run(engines, proxy, disturb, tag: str):
     async def main():
         refs = await _references(engines[1].url)
-        async with httpx.AsyncClient(base_url=proxy.url, timeout=180) as client:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=180, headers=ADMIN) as client:
             calls = [asyncio.create_task(_generate(client, i, tag)) for i in range(CALLS)]
             victim = await _busy_engine(client, engines)
             await disturb(client, engines, victim)

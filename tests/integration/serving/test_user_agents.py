@@ -73,17 +73,18 @@ def test_a_shell_script_with_curl_is_an_agent(cluster, tmp_path):
     )
     results = _run(cluster, tmp_path, workload, events)
     for r in results:
-        assert (r.reason, r.exit_code) == ("completed", 0), (
+        assert (r.outcome.reason, r.outcome.exit_code) == ("completed", 0), (
             r,
-            (r.workspace / ".tidal" / "stderr.log").read_text(),
+            ((tmp_path / r.execution_id) / ".tidal" / "stderr.log").read_text(),
         )
-        assert r.reward in (0.0, 0.1, 1.0)
+        assert r.outcome.reward in (0.0, 0.1, 1.0)
         calls = _calls(cluster, r.execution_id)
         assert len(calls) == 2  # both curl calls, counted to this execution by its key
         assert all(c["segments"] and c["segments"][0]["token_ids"] for c in calls)
-        second = json.loads((r.workspace / "turn2.json").read_text())
+        second = json.loads(((tmp_path / r.execution_id) / "turn2.json").read_text())
         assert second["choices"][0]["message"]["content"] is not None
-        assert json.loads((r.workspace / ".tidal" / "outcome.json").read_text())["exit_code"] == 0
+        outcome = (tmp_path / r.execution_id) / ".tidal" / "outcome.json"
+        assert json.loads(outcome.read_text())["exit_code"] == 0
     assert [e[0] for e in events.events].count("closed") == 4
 
 
@@ -95,9 +96,9 @@ def test_the_python_agent_example_runs_with_asyncopenai(cluster, tmp_path):
     )
     results = _run(cluster, tmp_path, workload, events)
     for r in results:
-        assert r.reason == "completed" and r.reward in (0.0, 1.0), r
+        assert r.outcome.reason == "completed" and r.outcome.reward in (0.0, 1.0), r
         assert len(_calls(cluster, r.execution_id)) == 2
-        assert (r.workspace / "answer.txt").is_file()
+        assert ((tmp_path / r.execution_id) / "answer.txt").is_file()
     closed = [e for e in events.events if e[0] == "closed"]
     assert len(closed) == 4 and {e[3] for e in closed} == {"completed"}
 
@@ -118,9 +119,10 @@ def test_the_chat_loop_takes_the_environment_feedback_of_a_step_function(cluster
     )
     job = workload.job(0, 0, seed=0)
     (result,) = asyncio.run(pool.run([("b0-g0", job)], [f"{tmp_path.name[:20]}-chat"]))
-    assert result.reason == "completed" and result.reward in (0.25, 1.0)
-    assert result.turns == 3  # the step ended the episode at its third answer, not max_turns
-    assert result.transcript[0]["observation"].startswith("Not yet")
+    out = result.outcome
+    assert out.reason == "completed" and out.reward in (0.25, 1.0)
+    assert out.turns == 3  # the step ended the episode at its third answer, not max_turns
+    assert out.transcript[0].observation.startswith("Not yet")
     calls = _calls(cluster, result.execution_id)
     assert len(calls) == 3
     # each call's prompt extends the previous one: the feedback went back to the model

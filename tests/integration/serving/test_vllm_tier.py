@@ -11,6 +11,7 @@ import asyncio
 import os
 import subprocess
 import time
+import types
 
 import httpx
 import pytest
@@ -37,6 +38,7 @@ def servers(smollm2, tmp_path_factory):
 
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "TIDAL_RECORD_WEIGHT_HASHES": "1",  # the carriers' test checks them bit for bit
            "PYTHONPATH": _tidal_path(logs / "pythonpath")}  # tidal's worker extension
     log = open(logs / "vllm.log", "wb")  # noqa: SIM115
     vllm = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
@@ -107,7 +109,7 @@ def test_drain_vllm_to_builtin_and_back_is_one_answer(servers):
                 "id": "builtin", "url": builtin.url, "kind": "cell", "cell_index": 0})
             await c.post("/tidal/engines/builtin/drain", headers=H)  # start on vLLM
             call = asyncio.create_task(c.post("/v1/chat/completions", headers={
-                "X-Tidal-Execution": "vt"}, json={
+                **H, "X-Tidal-Execution": "vt"}, json={
                 "messages": [{"role": "user", "content": "Tell me about Paris."}],
                 "max_tokens": 100, "ignore_eos": True, "temperature": 0, "logprobs": True}))
             await asyncio.sleep(1.5)
@@ -240,3 +242,61 @@ def test_shm_publication_loads_into_the_live_server(servers, smollm2):
         pub.publish(0, original)  # the other tests' server as it was
         pub.close()
     assert vllm_logprobs()[0] == ids0
+
+
+@pytest.mark.parametrize("carrier", ["shm", "broadcast", "file"])
+def test_each_carrier_of_tidal_run_delivers_bit_for_bit_into_vllm_workers(servers, smollm2,
+                                                                         tmp_path, carrier):
+    """``tidal run``'s handoff (``runtime.handoff``) into a vLLM engine host: the core's
+    version as a shared-memory segment (``shm``: the workers load it from /dev/shm), received
+    over a gloo side group into the host's node (``broadcast``), or the run's file; every
+    tensor the workers received has the trainer's sha256, the server's label is the version;
+    then the original weights are back under v0."""
+    import torch
+
+    from tidal.models import load_model
+    from tidal.runtime.engines import EngineId
+    from tidal.runtime.handoff import Handoff, VersionWriter
+    from tidal.runtime.vllm_host import VLLMEngineHost
+    from tidal.training.carriers import SegmentRing
+    from tidal.training.flat import ParamLayout
+    from tidal.training.transport import FilePublisher
+    from tidal.training.vllm_sync import VLLMWeightPublisher, tensor_sha
+
+    url, _, _ = servers
+    model, _ = load_model(smollm2)
+    layout = ParamLayout.of(model)
+    # the engine host of a standalone vLLM engine, bound to this module's server
+    host = VLLMEngineHost("s0", str(smollm2), 4, str(tmp_path), {"device": "cpu"})
+    host._sync = VLLMWeightPublisher(url, None, "file")
+    host.alive = lambda: True  # the fixture's server: its process is the fixture's
+
+    class AsActor:  # host.method.remote(*args) as on a Ray actor handle
+        def __getattr__(self, name):
+            method = getattr(host, name)
+
+            class _R:
+                @staticmethod
+                def remote(*a):
+                    return asyncio.to_thread(method, *a)
+            return _R
+
+    files = FilePublisher(tmp_path / "weights", layout)
+    writer = VersionWriter(files, SegmentRing(tmp_path / "shm", layout))
+    handoff = Handoff(types.SimpleNamespace(transport=lambda eid: "file"), writer, carrier,
+                      call_timeout_s=120, group_timeout_s=60)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(2)
+    moved = {n: p * (1 + 0.01 * torch.randn_like(p)) for n, p in original.items()}
+    try:
+        writer.publish_stream(5, iter(moved.items()))
+        d = asyncio.run(handoff.deliver(EngineId("s", 0), AsActor(), 5, "v5"))
+        assert (d.carrier, d.label, d.failed) == (carrier, "v5", ())
+        (got,) = host._sync.rpc("tidal_received_hashes")
+        assert got == {n: tensor_sha(t) for n, t in moved.items()}
+        assert host._sync.version() == "v5"
+    finally:
+        writer.publish_stream(0, iter(original.items()))
+        host._sync.load_file(writer.ensure_file(0), "v0")  # the other tests' server as it was
+        host._sync.close()
+        writer.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tidal.agents.agent_python import outcome_of
-from tidal.agents.kinds import AgentContext, AgentOutcome, build_agent
+from tidal.agents.kinds import AgentContext, build_agent
 from tidal.agents.rewards import Reward
 from tidal.agents.tasks import TaskRow
 from tidal.agents.workload import AgentJob, run_job
@@ -26,7 +26,7 @@ def _ctx(ws: Path, row: TaskRow) -> AgentContext:
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), True,
                                    {"reward": float("nan")}, {"reward": False, "answer": "a"},
-                                   AgentOutcome(reward=float("nan"))])
+                                   {"reward": -float("inf"), "answer": "b"}])
 def test_a_non_finite_or_bool_reward_is_a_reward_error(value):
     out = outcome_of(value)
     assert (out.reason, out.reward) == ("reward_error", None)

@@ -16,12 +16,13 @@ import threading
 import time
 from pathlib import Path
 
-from tidal.agents.kinds import AgentContext, AgentOutcome, build_agent
+from tidal.agents.kinds import AgentContext, build_agent
 from tidal.agents.python_workers import CANCEL_GRACE_S
 from tidal.agents.rewards import Reward, RewardError
 from tidal.agents.tasks import TaskRow
 from tidal.agents.workload import AgentJob, run_job
 from tidal.config import AgentConfig, RewardConfig
+from tidal.contracts.executions import Outcome, Turn
 
 AGENTS = """\
 import asyncio, time
@@ -104,7 +105,7 @@ def test_an_agent_gets_its_context_and_its_answer_comes_back(tmp_path):
     out = asyncio.run(_agent(tmp_path, "fine").run(_ctx(tmp_path / "ws", 20.0)))
     assert out.reason == "completed" and out.reward == 0.5 and out.answer == "b0-g0-e0"
     # checked as an Outcome: its transcript as Turns (what a Turn does not hold is left out)
-    assert out.transcript == [{"action": "a", "observation": "o", "call_s": 0.5}]
+    assert out.transcript == [Turn(action="a", observation="o", call_s=0.5)]
 
 
 def test_a_reward_that_never_returns_is_killed_and_leaves_no_thread(tmp_path):
@@ -114,7 +115,7 @@ def test_a_reward_that_never_returns_is_killed_and_leaves_no_thread(tmp_path):
 
     async def scored():
         try:
-            await reward.score(TaskRow(0), AgentOutcome(answer="a"), tmp_path)
+            await reward.score(TaskRow(0), Outcome(answer="a"), tmp_path)
         except RewardError as exc:
             return str(exc)
         return "scored"
@@ -129,7 +130,7 @@ def test_a_reward_that_never_returns_is_killed_and_leaves_no_thread(tmp_path):
 DRIVER = """\
 import asyncio, signal, sys
 from pathlib import Path
-from tidal.agents.kinds import AgentOutcome
+from tidal.contracts.executions import Outcome, Turn
 from tidal.agents.python_workers import _PROCS
 from tidal.agents.rewards import Reward
 from tidal.agents.tasks import TaskRow
@@ -142,7 +143,7 @@ signal.signal(signal.SIGTERM, stop)
 reward = Reward(RewardConfig(function=sys.argv[1], timeout_s=600))
 
 async def main():
-    task = asyncio.ensure_future(reward.score(TaskRow(0), AgentOutcome(answer="a"), Path(".")))
+    task = asyncio.ensure_future(reward.score(TaskRow(0), Outcome(answer="a"), Path(".")))
     while not _PROCS:
         await asyncio.sleep(0.05)
     print(*_PROCS, flush=True)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tidal.agents.kinds import AgentOutcome
 from tidal.agents.rewards import Reward, RewardError
 from tidal.agents.tasks import TaskRow, load_rows
 from tidal.config import RewardConfig, TaskSourceConfig
+from tidal.contracts.executions import Outcome, Turn
 from tidal.errors import ConfigError
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "agents"
@@ -20,7 +20,7 @@ VERL_FILE = FIXTURES / "verl_reward.py"
 
 
 def _score(reward: Reward, row: TaskRow, answer: str, ws: Path = Path(".")) -> float:
-    return asyncio.run(reward.score(row, AgentOutcome(answer=answer), ws))
+    return asyncio.run(reward.score(row, Outcome(answer=answer), ws))
 
 
 def test_a_verl_reward_file_is_used_unchanged():
@@ -41,7 +41,7 @@ def test_tidal_signature_gets_workspace_and_transcript(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "out.txt").write_text("yes")
     reward = Reward(RewardConfig(function="user_reward:score"))
-    out = AgentOutcome(transcript=[{"action": "a"}])
+    out = Outcome(transcript=[Turn(action="a")])
     assert asyncio.run(reward.score(TaskRow(0, answer="yes"), out, tmp_path)) == 2.0
     assert _score(Reward(RewardConfig(function="user_reward:ascore")), TaskRow(0), "abc") == 3
 
@@ -61,7 +61,7 @@ def test_library_scorers():
     ]
 
     async def scores():  # one loop: the scorers' worker process starts once
-        return [await r.score(w, AgentOutcome(answer=a), Path(".")) for r, w, a, _ in cases]
+        return [await r.score(w, Outcome(answer=a), Path(".")) for r, w, a, _ in cases]
 
     assert asyncio.run(scores()) == [want for *_, want in cases]
 

@@ -86,11 +86,39 @@ def test_the_shipped_agent_configs_check(name, capsys, monkeypatch):
     assert main(["check", "-q", f"configs/{name}.yaml"]) == 0
 
 
-def test_an_unknown_builtin_task_points_to_the_task_section(capsys):
+@pytest.mark.parametrize(
+    ("key", "value", "place"),
+    [
+        ("task", "workspace", "task.source.kind (arithmetic | workspace)"),
+        ("max_turns", "3", "task.max_turns"),
+        ("tool_latency_s", "0.1", "task.source.tool_latency_s"),
+    ],
+)
+def test_the_old_task_keys_name_their_new_place(capsys, key, value, place):
     assert main(["check", str(ROOT / "configs" / "tiny.yaml")]) == 0
     capsys.readouterr()
-    assert main(["run", str(ROOT / "configs" / "tiny.yaml"), "--set", "runtime.task=mine"]) == 2
+    argv = ["run", str(ROOT / "configs" / "tiny.yaml"), "--set", f"runtime.{key}={value}"]
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tidal: error: runtime.task: 'mine' is not a built-in task") and (
-        "task: section" in err
-    )
+    assert err.startswith(f"tidal: error: runtime.{key}: moved: set {place}"), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_an_unknown_task_source_is_one_line(capsys):
+    argv = ["run", str(ROOT / "configs" / "tiny.yaml"), "--set", "task.source.kind=mine"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("tidal: error: task.source.kind: ")
+
+
+def test_a_builtin_source_set_on_the_command_line_gets_its_own_step_and_reward():
+    """The step and reward of a built-in source are decided when the workload is built, so a
+    ``--set`` on a resolved config (which holds none) picks the new source's."""
+    from tidal.agents.workload import Workload
+    from tidal.commands.run import build_config
+
+    cfg = build_config(str(ROOT / "configs" / "tiny.yaml"),
+                       sets=("task.source.kind=workspace", "task.max_turns=3"))
+    assert cfg.task.agent.step is None and cfg.task.reward is None
+    w = Workload(cfg)
+    assert w.agent.step.__name__ == "workspace_step" and w.max_turns == 3
+    assert w.job(0, 0, seed=5).row.metadata["data_files"] == ["data0.txt", "data1.txt"]

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal.agents.workload import Workload
 from tidal.clock import ManualClock, WallClock
 from tidal.config import load_yaml
 from tidal.control.factory import build_controller
@@ -68,6 +69,9 @@ class _Bridge:
     def __init__(self, handle, clock) -> None:
         self.handle, self.clock, self.burst, self.n_dispatched = handle, clock, 0, 0
 
+    async def lines_after(self, run):  # executions.jsonl: not this test's
+        return await run
+
     def dispatched(self, eid, gid):
         self.n_dispatched += 1
         self.handle(ExecutionDispatched(self.clock.now(), eid, gid, SIZE, self.burst))
@@ -111,7 +115,7 @@ def _wired(clock, cfg=CFG):
 
     bridge = _Bridge(handle, clock)
     pool = _Pool(bridge)
-    d = Dispatcher(cfg, pool, bridge, handle, clock, Parts(), set(), {}, ctl)
+    d = Dispatcher(cfg, pool, bridge, handle, clock, Parts(), set(), {}, ctl, Workload(cfg))
     listeners.append(d.notify)
     return ctl, pool, d, handle
 

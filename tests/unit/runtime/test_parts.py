@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal.agents.workload import Workload
 from tidal.clock import ManualClock
 from tidal.config import load_yaml
 from tidal.contracts.calls import ExecutionRecord
@@ -92,6 +93,9 @@ class _Bridge:
     def restore(self, rec):
         self.restored.append(rec.execution_id)
 
+    async def lines_after(self, run):  # executions.jsonl: not this test's
+        return await run
+
 
 def test_dispatch_of_a_resumed_run_runs_only_what_was_not_closed():
     """Resume at burst 1 with group 0 trained and one record of group 1 held."""
@@ -102,7 +106,8 @@ def test_dispatch_of_a_resumed_run_runs_only_what_was_not_closed():
         clock = ManualClock()
         d = Dispatcher(CFG, pool, bridge, events.append, clock, parts,
                        trained={"b1-g0"}, held=held,
-                       ctl=build_controller(CFG, clock, FakeActuator(clock)))
+                       ctl=build_controller(CFG, clock, FakeActuator(clock)),
+                       workload=Workload(CFG))
 
         async def wait_published(b):
             published.append(b)
@@ -250,3 +255,53 @@ def _swallow(fn, event):
     still reaches the run."""
     with contextlib.suppress(Exception):
         fn(event)
+
+
+class _LoadingActor:
+    """An engine host whose load reads the version it is handed (the whole file, as the
+    built-in engine checks it), or refuses it."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.read: list[tuple[str, str, int]] = []
+        self.fail = fail
+        self.load_version = SimpleNamespace(remote=self._load)
+
+    async def _load(self, path, label):
+        if self.fail:
+            raise RuntimeError("engine gone")
+        self.read.append((path, label, len(Path(path).read_bytes())))
+        return {"label": label, "seconds": 0.01, "pause_s": 0.002}
+
+
+def test_a_publication_by_handoff_names_each_engines_carrier_and_writes_the_file(tmp_path):
+    import torch
+
+    from tidal.runtime.handoff import Handoff, VersionWriter
+    from tidal.training.carriers import SegmentRing
+    from tidal.training.flat import ParamLayout
+    from tidal.training.transport import FilePublisher
+
+    model = torch.nn.Linear(4, 3)
+    layout = ParamLayout.of(model)
+    writer = VersionWriter(FilePublisher(tmp_path / "weights", layout),
+                           SegmentRing(tmp_path / "shm", layout))
+    writer.publish_stream(1, ((n, p.detach()) for n, p in model.named_parameters()))
+    s0, c1, c2 = EngineId("s", 0), EngineId.cell(1), EngineId.cell(2)
+    actors = {s0: _LoadingActor(), c1: _LoadingActor(), c2: _LoadingActor(fail=True)}
+    engines = _engines(actors, {}, None)
+    events: list = []
+    cells = SimpleNamespace(is_asleep=lambda i: False)
+    pub = Publisher(engines, cells, None, Weights(), writer.path, events.append,
+                    ManualClock(), handoff=Handoff(engines, writer))
+    asyncio.run(pub.publish(1))
+    seg = str(tmp_path / "shm" / "v1.safetensors")
+    assert actors[s0].read == actors[c1].read == [(seg, "v1", writer.segments.nbytes)]
+    (done,) = events
+    assert dict(done.transports) == {"s0": "shm", "c1": "shm"}  # c2 failed: logged, left out
+    assert done.detail["engines"]["s0"] == {"carrier": "shm", "bytes": writer.segments.nbytes,
+                                            "seconds": done.detail["engines"]["s0"]["seconds"],
+                                            "pause_s": 0.002}
+    assert Path(writer.path(1)).read_bytes() == Path(seg).read_bytes()  # the checkpoint's file
+    report = pub.report()
+    assert report["carriers"] == {"shm": 2} and report["memcpy_gbps"] > 0
+    assert pub.weights.handoff is pub.handoff  # the actuator's loads take the same road

@@ -19,6 +19,7 @@ from tidal.models import load_model
 from tidal.models.tokenizer import HFTokenizer
 from tidal.serving.engine import Engine, EngineConfig
 from tidal.serving.engine_server import build_engine_app
+from tidal.serving.execution_keys import execution_key, execution_url
 from tidal.serving.proxy import Proxy, ProxyConfig
 from tidal.serving.proxy_app import build_proxy_app
 from tidal.testing.chat_models import (
@@ -68,9 +69,9 @@ async def _serving(serve_asgi, stack, model_dirs, affinity=True, prefix_cache_mb
 async def _conversation(url: str, eid: str, turns: list[str], first_tokens: int = 32,
                         temperature: float = 0.0, opening: list[dict] = QUESTION) -> None:
     """A harness that keeps its history as text and re-sends all of it each turn."""
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
-                                  default_headers={"X-Tidal-Execution": eid,
-                                                   "X-Session-ID": f"s-{eid}"}) as oa:
+    async with openai.AsyncOpenAI(base_url=execution_url(url, eid),
+                                  api_key=execution_key("t", eid), max_retries=0,
+                                  default_headers={"X-Session-ID": f"s-{eid}"}) as oa:
         messages = list(opening)
         for i, user in enumerate([None, *turns]):
             if user is not None:

@@ -145,18 +145,6 @@ def test_loopback_hosts(host, loop):
     assert is_loopback(host) is loop
 
 
-def test_which_proxy_paths_need_the_token():
-    from tidal.serving.proxy_app import needs_token
-
-    loopback, exposed = needs_token(True), needs_token(False)
-    assert [loopback(p) for p in ("/v1/completions", "/v1/chat/completions", "/health",
-                                  "/tidal/executions", "/tidal/executions/x/close", "/docs",
-                                  "/openapi.json")] == [False, False, False, False, True,
-                                                        True, True]
-    assert [exposed(p) for p in ("/v1/completions", "/tidal/executions", "/health",
-                                 "/live")] == [True, True, False, False]
-
-
 def test_binding_beyond_loopback_needs_a_token(tiny_dir, monkeypatch):
     from click.testing import CliRunner
 

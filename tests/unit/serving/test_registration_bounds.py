@@ -27,7 +27,9 @@ def test_registration_metadata_is_capped_and_dropped_at_close(serve_asgi):
         proxy = Proxy(ProxyConfig(admin_token=TOKEN))
         app = build_proxy_app(proxy)
         registry = app.state.registry
-        async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+        # registering is the driver's (the admin token); naming by header with it too
+        async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url, timeout=30,
+                                                             headers=ADMIN) as c:
             big = await c.post("/tidal/executions", json={"metadata": {"b": "a" * 5000}})
             ids = [(await c.post("/tidal/executions", json={"metadata": {"b": blob}})
                     ).json()["execution_id"] for _ in range(300)]

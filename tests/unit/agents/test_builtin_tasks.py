@@ -1,16 +1,51 @@
+"""The built-in task sources (``tidal.agents.builtin_tasks``): the workspace task's commands,
+score and latency, the arithmetic task, as the ``chat`` kind's step and reward see them."""
+
 from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 
-from tidal.agents import ArithmeticTask, EventLog, ExecutionRegistry, WorkspaceTask
-from tidal.agents.environments import ToolLatency
+from tidal.agents import EventLog, ExecutionRegistry
+from tidal.agents import builtin_tasks as bt
 
 
-def _fast(seed, **kw):
-    return WorkspaceTask(seed, ToolLatency(random.Random(seed), median_s=0.001, cap_s=0.01), **kw)
+@pytest.fixture(autouse=True)
+def _fast_tools(monkeypatch):
+    monkeypatch.setattr(bt, "LATENCY_CAP_S", 0.01)
+
+
+class _Env:
+    """One execution of the workspace task driven turn by turn, as the chat kind does."""
+
+    def __init__(self, seed):
+        self.row = bt.workspace_row(seed, tool_latency_s=0.001)
+        self.data_files = self.row.metadata["data_files"]
+        self.ws = None
+
+    async def reset(self, ws):
+        ws.mkdir(parents=True, exist_ok=True)
+        for name, text in self.row.metadata["workspace_files"].items():
+            (ws / name).write_text(text)
+        self.ws = ws
+        return self.row.messages[-1]["content"]
+
+    async def step(self, action):
+        return SimpleNamespace(**await bt.workspace_step(self.row, action, self.ws))
+
+    def score(self):
+        return bt.workspace_reward(self.row, self.ws)
+
+    @property
+    def counts(self):
+        return bt.Episode.load(self.row, self.ws).counts
+
+
+def _fast(seed):
+    return _Env(seed)
 
 
 def _numbers(ws, env):
@@ -41,7 +76,7 @@ def test_exact_solution_scores_one_and_ends_the_task(tmp_path):
     assert "data0.txt" in first and "answer.txt" in first
     assert steps[0].observation.splitlines() == [f"data0.txt: {a}", f"data1.txt: {b}",
                                                  "Now write their sum to answer.txt."]
-    assert not steps[0].done and steps[0].reward == 0.0
+    assert not steps[0].done and steps[0].reward == pytest.approx(0.4)  # the score so far
     assert len(steps) == 2 and steps[1].done and steps[1].reward == 1.0
     assert env2.score() == 1.0
     assert (tmp_path / "ws2" / "answer.txt").read_text() == f"{a + b}\n"
@@ -85,7 +120,7 @@ def test_right_sum_in_a_sloppy_line_still_scores_one(tmp_path):
     for i, line in enumerate(lines):
         env = _fast(5)
         _, steps = _play(env, tmp_path / f"v{i}", [line])
-        assert steps[0].reward == 1.0 and env.exact_commands == i  # only the second is exact
+        assert steps[0].reward == 1.0 and env.counts.exact_commands == i  # only the second is exact
     env = _fast(5)  # the last integer is the answer: a wrong result after the right one fails
     _, steps = _play(env, tmp_path / "w", [f"write answer.txt {a + b} or {a + b + 1}"])
     assert steps[0].reward == pytest.approx(0.2)
@@ -111,43 +146,49 @@ def test_bad_commands_and_path_escapes_are_refused(tmp_path):
     assert env.score() == pytest.approx(0.1 / 7, abs=1e-6)
 
 
-def test_commands_per_turn_are_capped_and_done_ends(tmp_path):
-    env = _fast(4, max_commands=2)
+def test_commands_per_turn_are_capped_and_done_ends(tmp_path, monkeypatch):
+    monkeypatch.setattr(bt, "MAX_COMMANDS", 2)
+    env = _fast(4)
     _, steps = _play(env, tmp_path / "ws", ["ls\nls\nread data0.txt", "done\nread data1.txt"])
-    assert steps[0].observation.count("data0.txt") == 2 and env.read_files == set()
+    assert steps[0].observation.count("data0.txt") == 2 and env.counts.read_files == []
     assert steps[1].done and steps[1].observation == "done"
-    assert steps[1].reward == pytest.approx(0.1) and env.commands == 3
+    assert steps[1].reward == pytest.approx(0.1) and env.counts.commands == 3
 
 
 def test_workspace_tasks_are_deterministic_per_seed(tmp_path):
-    contents = []
-    for i in range(2):
-        env = _fast(7, n_files=3, max_number=50)
-        asyncio.run(env.reset(tmp_path / f"ws{i}"))
-        contents.append((_numbers(tmp_path / f"ws{i}", env), env.expected))
-    assert contents[0] == contents[1] and len(contents[0][0]) == 3
-    assert sum(contents[0][0]) == contents[0][1]
-    other = _fast(8, n_files=3, max_number=50)
-    asyncio.run(other.reset(tmp_path / "ws9"))
-    assert _numbers(tmp_path / "ws9", other) != contents[0][0]
+    rows = [bt.workspace_row(7) for _ in range(2)]
+    assert rows[0] == rows[1] and len(rows[0].metadata["workspace_files"]) == 2
+    numbers = [int(t) for t in rows[0].metadata["workspace_files"].values()]
+    assert sum(numbers) == rows[0].answer
+    others = [bt.workspace_row(s).metadata["workspace_files"] for s in range(8, 14)]
+    assert any(o != rows[0].metadata["workspace_files"] for o in others)
 
 
-def test_tool_latency_is_long_tailed_and_seeded():
-    lat = ToolLatency(random.Random(0), median_s=0.3, sigma=1.5, cap_s=1e9)
-    draws = sorted(lat.median_s * lat.rng.lognormvariate(0, lat.sigma) for _ in range(2000))
+def test_tool_latency_is_long_tailed_seeded_and_replayed(tmp_path, monkeypatch):
+    monkeypatch.setattr(bt, "LATENCY_CAP_S", 1e9)
+    rng = random.Random(0)
+    draws = sorted(0.3 * rng.lognormvariate(0, bt.LATENCY_SIGMA) for _ in range(2000))
     assert 0.2 < draws[1000] < 0.45 and draws[1980] > 10 * draws[1000]
-    assert WorkspaceTask(0, latency_median_s=0.1).latency.median_s == 0.1
+    # the k-th command of an execution waits the k-th draw of its group's latency stream
+    row = bt.workspace_row(3, tool_latency_s=0.3)
+    stream = random.Random(row.metadata["latency_seed"])
+    want = [0.3 * stream.lognormvariate(0, bt.LATENCY_SIGMA) for _ in range(3)]
+    ep = bt.Episode(row, tmp_path)
+    got = []
+    for k in range(3):
+        ep.counts.commands = k
+        got.append(ep._latency_s())
+    assert got == want
 
 
-def test_arithmetic_task_checks_the_sum(tmp_path):
-    async def main():
-        env = ArithmeticTask(3)
-        q = await env.reset(tmp_path)
-        assert (await env.step(str(env.a + env.b))).reward == 1.0
-        assert (await env.step("no idea")).reward == 0.0
-        return q
-
-    assert "plus" in asyncio.run(main())
+def test_arithmetic_task_checks_the_sum():
+    row = bt.arithmetic_row(3)
+    assert "plus" in row.messages[-1]["content"]
+    assert row.messages[0] == {"role": "system", "content": bt.ARITHMETIC_PROMPT}
+    assert bt.arithmetic_step(row, str(row.answer)) == {"observation": "", "done": True,
+                                                         "reward": 1.0}
+    assert bt.arithmetic_reward(row, "no idea") == 0.0
+    assert bt.arithmetic_reward(row, f"{row.answer} or {row.answer + 1}") == 1.0
 
 
 def test_registry_closes_exactly_once_and_emits_events():
@@ -176,3 +217,45 @@ def test_a_sampled_name_with_a_nul_byte_is_no_such_file(tmp_path):
     _, steps = _play(env, ws, ["read data\x000.txt", "write ans\x00wer.txt 5"])
     assert "no such file" in steps[0].observation
     assert not steps[1].done and not (ws / "answer.txt").exists()
+
+
+def test_the_builtin_sources_behave_as_the_environments_they_replaced(tmp_path, monkeypatch):
+    """``tests/fixtures/builtin_tasks_before.json`` holds what the former ``WorkspaceTask`` and
+    ``ArithmeticTask`` (``agents/environments.py``, main at f1516d2) gave for 24 seeds and
+    scripted answers: prompts, observations, ends, scores and each command's tool latency. The
+    task sources, run turn by turn as the chat kind runs them, give the same."""
+    import json
+    from pathlib import Path
+
+    before = json.loads((Path(__file__).parents[2] / "fixtures" / "builtin_tasks_before.json")
+                        .read_text())
+    waits: list[float] = []
+
+    async def no_wait(delay_s):
+        waits.append(delay_s)
+
+    monkeypatch.setattr(bt.asyncio, "sleep", no_wait)
+    monkeypatch.setattr(bt, "LATENCY_CAP_S", 5.0)
+    for case in before["workspace"]:
+        row = bt.workspace_row(case["seed"], tool_latency_s=0.15)
+        assert row.messages == [{"role": "system", "content": case["system"]},
+                                {"role": "user", "content": case["first"]}]
+        ws = tmp_path / f"ws{case['seed']}"
+        ws.mkdir()
+        for name, text in row.metadata["workspace_files"].items():
+            (ws / name).write_text(text)
+        waits.clear()
+        steps = []
+        for action in case["actions"]:
+            out = asyncio.run(bt.workspace_step(row, action, ws))
+            steps.append([out["observation"], out["done"]])
+            if out["done"]:
+                break
+        assert steps == case["steps"], case["seed"]
+        assert bt.workspace_reward(row, ws) == case["score"]
+        assert waits == case["latencies_s"]
+    for case in before["arithmetic"]:
+        row = bt.arithmetic_row(case["seed"])
+        assert row.messages[0]["content"] == case["system"]
+        assert row.messages[1]["content"] == case["prompt"] and row.answer == case["sum"]
+        assert bt.arithmetic_step(row, str(case["sum"]))["reward"] == case["right"]

@@ -1,0 +1,88 @@
+"""A weight version from the trainer into a built-in engine, by carrier, beside memcpy.
+
+One process, a randomly initialised Llama of SmolLM2-135M's shape (0.54 GB float32; no weights
+on disk needed) serving in the built-in ``Engine``. Per carrier, best of ``--repeats``:
+- write: the core's write of the version (``SegmentRing`` into /dev/shm, reusing the pages of
+  the version before last; ``FilePublisher`` into the run directory's disk);
+- load: ``Engine.update_weights`` from that path (checked whole, then read into its weights);
+- GB/s: the version's bytes over write + load;
+beside memcpy: ``dst.copy_(src)`` of the same bytes between two buffers already in memory.
+(``tidal run`` adds a Ray call and an HTTP request per engine: the decision log's
+``weights_published`` has those figures per run.)
+
+Run: ``.venv/bin/python benchmarks/publication.py [--repeats 3] [--dir /tmp]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tidal.models.llama import SMOLLM2_135M, LlamaConfig, LlamaForCausalLM
+from tidal.runtime.publisher import memcpy_gbps
+from tidal.serving.engine import Engine, EngineConfig
+from tidal.training.carriers import SegmentRing, segment_root
+from tidal.training.flat import ParamLayout
+from tidal.training.transport import FilePublisher
+
+
+class _Ids:
+    eos_id = 0
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig.model_validate(SMOLLM2_135M))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the file goes (disk)")
+    args = ap.parse_args()
+    trainer = model()
+    layout = ParamLayout.of(trainer)
+    nbytes = layout.numel * 4
+    print(f"version: {layout.numel / 1e6:.1f}M parameters, {nbytes / 1e9:.3f} GB float32")
+    print(f"memcpy: {memcpy_gbps(nbytes):.2f} GB/s (best of 3, {nbytes / 1e9:.2f} GB)")
+    engine = Engine(model(), _Ids(), "/nonexistent", EngineConfig(name="bench"))
+    params = dict(trainer.named_parameters())
+    root = Path(args.dir) / "tidal-publication-bench"
+    carriers = {"shm": SegmentRing(segment_root("bench"), layout),
+                "file": FilePublisher(root, layout)}
+
+    async def load(path: str, label: str) -> float:
+        t0 = time.perf_counter()
+        await engine.update_weights(path, label)
+        return time.perf_counter() - t0
+
+    for name, writer in carriers.items():
+        best = None
+        for r in range(args.repeats + 2):  # the first two fill the ring (new pages)
+            version = 10 * (r + 1)
+            t0 = time.perf_counter()
+            writer.publish_stream(version, iter(params.items()))
+            write_s = time.perf_counter() - t0
+            load_s = asyncio.run(load(writer.path(version), f"v{version}"))
+            if r >= 2 and (best is None or write_s + load_s < sum(best)):
+                best = (write_s, load_s)
+        assert best is not None
+        total = sum(best)
+        print(f"{name:5s} write {best[0]:.3f} s, load {best[1]:.3f} s (pause "
+              f"{engine.last_pause_s:.3f} s): {nbytes / total / 1e9:.2f} GB/s")
+    carriers["shm"].close()
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Issue 38 item (16): the memory sampler outlives the processes it samples. A child that exits
+while it is being read (``psutil.NoSuchProcess`` between its memory and its parent, as a command
+agent's short-lived children do) is skipped, and the thread goes on sampling (on main it died
+with the traceback and sampled nothing after)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+
+from tidal.runtime.footprint import MemorySampler
+
+
+def test_a_child_gone_mid_sample_does_not_stop_the_sampler(monkeypatch):
+    root = os.getpid()
+    real_ppid = psutil.Process.ppid
+
+    def exited(self):  # every child "exits" between its memory read and its parent read
+        if self.pid != root:
+            raise psutil.NoSuchProcess(self.pid)
+        return real_ppid(self)
+
+    monkeypatch.setattr(psutil.Process, "ppid", exited)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        sampler = MemorySampler(root, interval_s=0.05).start()
+        deadline = time.monotonic() + 10
+        while sampler.samples < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sampler._thread.is_alive() and sampler.samples >= 5
+        assert child.pid not in sampler.peak_mb  # skipped while it could not be read
+        monkeypatch.undo()  # the child readable again: the next samples see it
+        time.sleep(0.3)
+        memory = sampler.stop()
+    finally:
+        child.kill()
+        child.wait()
+    assert sampler.errors == 0 and child.pid in sampler.peak_mb
+    assert memory["samples"] >= 6 and "driver" in memory["processes_mb"]
+
+
+def test_short_lived_children_in_a_loop(tmp_path):
+    """The real race: a shell starting a child every few milliseconds, sampled every 50 ms."""
+    churn = subprocess.Popen(["sh", "-c", "while true; do /bin/true; done"])
+    try:
+        sampler = MemorySampler(os.getpid(), interval_s=0.05).start()
+        time.sleep(1.5)
+        assert sampler._thread.is_alive()
+        memory = sampler.stop()
+    finally:
+        churn.kill()
+        churn.wait()
+    assert sampler.errors == 0 and memory["samples"] >= 10
