@@ -15,6 +15,7 @@ import importlib.util
 import httpx
 import pytest
 
+from tidal.serving.execution_keys import execution_key, execution_url
 from tidal.serving.launch import start_engine, start_proxy
 
 if importlib.util.find_spec("verifiers") is None or importlib.util.find_spec("renderers") is None:
@@ -61,8 +62,8 @@ def _episodes(url: str, model: str, tasks: list, prefix: str, max_turns: int) ->
             *[
                 run_task(
                     task,
-                    f"{url}/x/{prefix}{i}/v1",
-                    "unused",
+                    execution_url(url, f"{prefix}{i}"),
+                    execution_key(TOKEN, f"{prefix}{i}"),
                     "tiny",
                     model,
                     SAMPLING,
