@@ -1,11 +1,14 @@
-"""A verifiers (``verifiers.v1``) environment built on a reasoning-gym dataset, in-process and
-without network: the example that ``configs/verifiers.yaml`` trains.
+"""verifiers (``verifiers.v1``) environments built on a reasoning-gym dataset, in-process and
+without network: the examples that ``configs/verifiers.yaml`` (single-turn) and
+``configs/verifiers-multiturn.yaml`` (a feedback turn after every wrong answer) train.
 
 In: a reasoning-gym dataset name, size, seed and generator args (rows generated here by
 ``reasoning_gym.create_dataset``, nothing downloaded), an optional system prompt. Out: a
 ``verifiers.v1.Taskset`` whose tasks carry the question as their prompt and the reasoning-gym
 entry as data; the task's ``@vf.reward`` scores the trace's last assistant message with the
-dataset's own ``score_answer``. Any ``verifiers.v1`` taskset whose tasks score offline (their
+dataset's own ``score_answer``; the multi-turn task's ``feedback`` (the hook
+``verifiers_env_episode`` asks between turns) tells the model its answer's score and asks again
+until it is right. Any ``verifiers.v1`` taskset whose tasks score offline (their
 reward functions take ``task`` and ``trace``, not ``runtime``) can stand in its place.
 """
 
@@ -36,12 +39,29 @@ class ReasoningGymTask(vf.Task[ReasoningGymData, vf.State, vf.TaskConfig]):
         return float(score(last_answer(trace), task.entry))
 
 
+class ReasoningGymFeedbackTask(ReasoningGymTask):
+    """The same task, multi-turn: after a wrong answer the user says so and asks again."""
+
+    retry: str = "Not right (score {score:.2f}). Try again: reply with the answer only."
+
+    async def feedback(self, task: ReasoningGymData, trace: vf.Trace) -> str | None:
+        """The next user message after a model turn; ``None`` (the answer is right) ends."""
+        score = await self.correct(task, trace)
+        return None if score >= 1.0 else self.retry.format(score=score)
+
+
 class ReasoningGymTaskset(vf.Taskset[ReasoningGymTask, vf.TasksetConfig]):
     """The dataset's entries in order, one task each."""
 
-    def __init__(self, entries: list[dict[str, Any]], system_prompt: str | None) -> None:
+    def __init__(
+        self,
+        entries: list[dict[str, Any]],
+        system_prompt: str | None,
+        task_type: type[ReasoningGymTask] = ReasoningGymTask,
+    ) -> None:
         super().__init__(vf.TasksetConfig())
         self.entries, self.default_system_prompt = entries, system_prompt
+        self.task_type = task_type
 
     def load(self) -> Iterator[ReasoningGymTask]:
         for i, entry in enumerate(self.entries):
@@ -51,7 +71,7 @@ class ReasoningGymTaskset(vf.Taskset[ReasoningGymTask, vf.TasksetConfig]):
                 entry=entry,
                 system_prompt=self.default_system_prompt,
             )
-            yield ReasoningGymTask(data)
+            yield self.task_type(data)
 
 
 def reasoning_gym_env(
@@ -67,3 +87,18 @@ def reasoning_gym_env(
 
     entries = list(reasoning_gym.create_dataset(name, size=size, seed=seed, **(args or {})))
     return ReasoningGymTaskset(entries, system_prompt)
+
+
+def reasoning_gym_feedback_env(
+    name: str,
+    size: int,
+    seed: int,
+    args: dict[str, Any] | None = None,
+    system_prompt: str | None = None,
+) -> ReasoningGymTaskset:
+    """``reasoning_gym_env``'s taskset, multi-turn: each task answers a wrong reply with a
+    feedback turn (``task.agent.args.environment:
+    tidal.agents.verifiers_envs:reasoning_gym_feedback_env``; turns up to ``task.max_turns``)."""
+    taskset = reasoning_gym_env(name, size, seed, args, system_prompt)
+    taskset.task_type = ReasoningGymFeedbackTask
+    return taskset

@@ -5,7 +5,8 @@ turn) against the proxy's token-in route ``/inference/v1/generate``.
 With ``task.agent.args.environment`` (``module:function`` returning a ``verifiers.v1.Taskset``,
 e.g. ``tidal.agents.verifiers_envs:reasoning_gym_env``, called with ``environment_args``) an
 execution plays the environment's task at its row's index through verifiers' ``TrainClient``
-(``verifiers_env_episode``) and its reward is the task's own rewards' sum; without it, the row's
+(``verifiers_env_episode``; several turns when the task gives feedback, up to
+``task.max_turns``) and its reward is the task's own rewards' sum; without it, the row's
 messages go through ``renderers.client.generate`` and the run's reward function scores.
 
 In: an execution's task row (prompt or messages), its per-execution base URL and key, the
@@ -73,18 +74,12 @@ async def run_episode(
     """One single-turn episode: ``messages`` rendered by ``renderer``, sampled through the
     token-in route under ``base_url`` (an OpenAI ``/v1`` base). Returns verifiers' result
     dict (``prompt_ids``, ``completion_ids``, ``completion_logprobs``, ``content``, ...)."""
-    import asyncio
-
     import openai
-    from renderers import client as rclient
     from renderers.client import generate
 
-    # renderers keeps one module-level asyncio.Lock, bound to the first loop that awaited it;
-    # a process that runs episodes on more than one loop (one asyncio.run each) needs a fresh one
-    lock = getattr(rclient, "_max_prompt_len_lock", None)
-    if lock is not None and getattr(lock, "_loop", None) not in (None,
-                                                                asyncio.get_running_loop()):
-        rclient._max_prompt_len_lock = asyncio.Lock()
+    from tidal.agents.verifiers_env_episode import renderers_lock_for_this_loop
+
+    renderers_lock_for_this_loop()
 
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
         return await generate(
@@ -129,7 +124,8 @@ class VerifiersKind:
         self.tokenizer = model_dir(str(args["tokenizer"]))
         if args.get("environment") and args.get("tool_parser"):
             raise ConfigError(
-                f"{field}.args.tool_parser", "not used with an environment (single-turn, no tools)"
+                f"{field}.args.tool_parser",
+                "not used with an environment (its turns carry no tools)",
             )
         if args.get("environment_args") is not None and not args.get("environment"):
             raise ConfigError(f"{field}.args.environment_args", "needs args.environment")
@@ -170,8 +166,9 @@ class VerifiersKind:
                 raise ConfigError(f"{self.field}.args.environment_args", str(exc)) from None
 
     async def _run_environment(self, ctx: AgentContext) -> Outcome:
-        """The environment's task of this row, its episode, its reward; the trace's token ids,
-        sampled mask and log-probs go to ``.tidal/verifiers_trace.json`` in the workspace."""
+        """The environment's task of this row, its episode (up to ``task.max_turns`` turns
+        when the task gives feedback), its reward; the trace's token ids, sampled mask and
+        log-probs, and each turn's ids, go to ``.tidal/verifiers_trace.json`` in the workspace."""
         from tidal.agents.verifiers_env_episode import run_task
         from tidal.contracts.executions import Outcome, Turn
 
@@ -184,6 +181,7 @@ class VerifiersKind:
             self.tokenizer,
             {"max_tokens": ctx.max_tokens, "temperature": ctx.temperature},
             session=ctx.execution_id,
+            max_turns=ctx.max_turns,
         )
         trace = {
             "token_ids": out.token_ids,
@@ -191,11 +189,19 @@ class VerifiersKind:
             "logprobs": out.logprobs,
             "rewards": out.rewards,
             "reward": out.reward,
+            "turns": out.turns,
         }
         where = ctx.workspace / ".tidal"
         where.mkdir(parents=True, exist_ok=True)
         (where / "verifiers_trace.json").write_text(json.dumps(trace))
-        return Outcome(reward=out.reward, answer=out.answer, transcript=[Turn(action=out.answer)])
+        return Outcome(
+            reward=out.reward,
+            answer=out.answer,
+            transcript=[
+                Turn(action=turn["content"], observation=turn["feedback"] or "")
+                for turn in out.turns
+            ],
+        )
 
 
 def load_environment(args: dict, field: str) -> list[Any]:
