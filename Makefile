@@ -76,6 +76,7 @@ docs: $(STAMP)
 PYTEST_REPORT ?= -rfE --durations=15
 test: $(STAMP) $(HARNESSES)/.stamp
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(MKDOCS) build --strict --quiet --site-dir $(SITE_DIR)
 	$(BIN)/python -m pytest $(PYTEST_REPORT) tests
 	# tests/gpu skip without CUDA; dry-run them with the CPU as the device so they stay runnable
@@ -147,6 +148,7 @@ gpu-check: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 fmt: $(STAMP)
 	$(BIN)/ruff format src tests benchmarks

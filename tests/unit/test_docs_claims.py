@@ -37,16 +37,18 @@ SCOPED = [
     (r"KV (?:cache )?handoff|handing its KV|KV cache over",
      r"built-in|re-?prefill|vLLM|kv_handoff|KV connector|cost model|simulator's mechanics|"
      r"the mechanics",
-     "a rerouted call keeps its KV on the built-in engine only; other backends re-prefill"),
+     "a rerouted call keeps its KV on the built-in engine, and on vLLM within one node (tidal's "
+     "KV connector); other moves re-prefill"),
     (r"SGLang[^.]*\b(?:GPU|tested)\b[^.]*\b(?:tested|GPU)\b|\btested\b[^.]*\bGPU\b[^.]*SGLang",
      r"skipped|not run|has not run|not yet",
      "the SGLang GPU test has been skipped on every GPU machine so far (docs/gpu.md)"),
     (r"cluster of (?:separate )?machines|several machines|multiple machines",
      r"one host|one machine|namespaces|not been run|would have to",
      "clusters were tested on one host's network namespaces only"),
-    (r"receive weights by shared memory|published to engines \(shared memory",
-     r"does not use|not wired|file",
-     "tidal run publishes a file (FilePublisher); shared memory and broadcast are library code"),
+    (r"receive weights by (?:shared memory|CUDA IPC)|published to engines \((?:shared memory|CUDA)",
+     r"does not use|not wired|node|fallback",
+     "tidal run publishes by shared memory on the driver's node and a broadcast to other nodes; "
+     "CUDA IPC is written but not used by tidal run"),
 ]
 
 
@@ -104,7 +106,7 @@ def test_the_rules_catch_what_they_are_for():
         "KV handoff": "tidal reroutes live requests with KV handoff.",
         "SGLang": "SGLang is tested on a GPU.",
         "machines": "It runs on a cluster of machines.",
-        "shared memory": "engines receive weights by shared memory or broadcast.",
+        "shared memory": "engines receive weights by CUDA IPC.",
     }
     for (claim, scope, _), text in zip(SCOPED, planted.values(), strict=True):
         assert re.search(claim, text) and not re.search(scope, text), text

@@ -109,9 +109,10 @@ class LedgerBridge:
         self.recorded += 1
         self.restored.add(eid)
         if self.file is not None:  # closed before the resume: its line, if the file lacks it
-            self.file.add([self._line(eid, gid, record.reason.value, record.reward,
+            out = Outcome(reason=record.reason, reward=record.reward)  # no transcript kept
+            self.file.add([self._line(eid, gid, out,
                                       [schema.CallLine.of(c, tokens=self.tokens)
-                                       for c in record.calls], [], self.t0())])
+                                       for c in record.calls], self.t0())])
 
     async def lines_after(self, run: Any) -> list[Any]:
         """``await run`` (a group's executions in the harness pool), then their lines into

@@ -20,7 +20,7 @@ from tidal.runtime.stopping import run_loop
 STUCK = textwrap.dedent("""
     import asyncio, time
     import click
-    from tidal.runtime import driver
+    from tidal.runtime import ray_start
     from tidal.runtime.stopping import run_loop
 
     async def stubborn():
@@ -37,7 +37,7 @@ STUCK = textwrap.dedent("""
 
     @click.command("stuck-test")
     def command() -> None:
-        driver._trap_sigterm()
+        ray_start.trap_sigterm()
         try:
             run_loop(main(), cancel_s=1.0)
         except KeyboardInterrupt:
