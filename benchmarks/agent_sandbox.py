@@ -28,8 +28,21 @@ N = 40
 def _ctx(top: Path, name: str) -> AgentContext:
     ws = top / "run" / "workspaces" / name
     ws.mkdir(parents=True)
-    return AgentContext(name, "g", TaskRow(0, prompt="p"), ws, "http://127.0.0.1:9/x/e/v1", "k",
-                        "http://127.0.0.1:9", "m", 20.0, 8, 1, 1.0, 0)
+    return AgentContext(
+        name,
+        "g",
+        TaskRow(0, prompt="p"),
+        ws,
+        "http://127.0.0.1:9/x/e/v1",
+        "k",
+        "http://127.0.0.1:9",
+        "m",
+        20.0,
+        8,
+        1,
+        1.0,
+        0,
+    )
 
 
 def commands(top: Path) -> None:
@@ -45,8 +58,10 @@ def commands(top: Path) -> None:
 
         t0 = time.monotonic()
         asyncio.run(go())
-        print(f"command agent 'true', sandbox {mode!r}: "
-              f"{1000 * (time.monotonic() - t0) / N:.0f} ms per execution")
+        print(
+            f"command agent 'true', sandbox {mode!r}: "
+            f"{1000 * (time.monotonic() - t0) / N:.0f} ms per execution"
+        )
 
 
 def workers() -> None:
@@ -57,14 +72,17 @@ def workers() -> None:
         t0 = time.monotonic()
         await reward.score(row, out, Path("."))
         start = time.monotonic() - t0
-        rss = [int(Path(f"/proc/{p}/status").read_text().split("VmRSS:")[1].split()[0])
-               for p in _PROCS]
+        rss = [
+            int(Path(f"/proc/{p}/status").read_text().split("VmRSS:")[1].split()[0]) for p in _PROCS
+        ]
         t1 = time.monotonic()
         for _ in range(200):
             await reward.score(row, out, Path("."))
         per_call = (time.monotonic() - t1) / 200
-        print(f"python worker: first call (its start) {start:.2f} s, RSS {max(rss) // 1024} MB, "
-              f"{1000 * per_call:.1f} ms per call after")
+        print(
+            f"python worker: first call (its start) {start:.2f} s, RSS {max(rss) // 1024} MB, "
+            f"{1000 * per_call:.1f} ms per call after"
+        )
 
     asyncio.run(go())
 

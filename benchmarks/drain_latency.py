@@ -54,21 +54,33 @@ async def prefill_rate(url: str, prompt_tokens: int) -> float:
         return 3 * prompt_tokens / (time.perf_counter() - t0)
 
 
-async def run_mode(proxy_url: str, handoff: bool, drains: int, concurrency: int,
-                   prompt_tokens: int) -> dict:
+async def run_mode(
+    proxy_url: str, handoff: bool, drains: int, concurrency: int, prompt_tokens: int
+) -> dict:
     durations, moved, reprefill = [], 0, 0
-    async with httpx.AsyncClient(base_url=proxy_url, timeout=300,
-                                 limits=httpx.Limits(max_connections=concurrency + 8)) as c:
+    async with httpx.AsyncClient(
+        base_url=proxy_url, timeout=300, limits=httpx.Limits(max_connections=concurrency + 8)
+    ) as c:
         stats0 = (await c.get("/tidal/stats", headers=H)).json()
         for i in range(drains):
             await c.post("/tidal/engines/s1/drain", headers=H, params={"handoff": False})
             await c.post("/tidal/engines/s1/undrain", headers=H)
             # pin the load on s0: s1 is drained while the calls start
             await c.post("/tidal/engines/s1/drain", headers=H)
-            calls = [asyncio.create_task(c.post("/v1/completions", headers={
-                **H, "X-Tidal-Execution": f"d{i}-{k}"}, json={
-                "prompt": [(k * 7 + j) % 300 + 1 for j in range(prompt_tokens)],
-                "max_tokens": 160, "ignore_eos": True})) for k in range(concurrency)]
+            calls = [
+                asyncio.create_task(
+                    c.post(
+                        "/v1/completions",
+                        headers={**H, "X-Tidal-Execution": f"d{i}-{k}"},
+                        json={
+                            "prompt": [(k * 7 + j) % 300 + 1 for j in range(prompt_tokens)],
+                            "max_tokens": 160,
+                            "ignore_eos": True,
+                        },
+                    )
+                )
+                for k in range(concurrency)
+            ]
             await asyncio.sleep(2.0)  # every call is past its prefill and decoding
             await c.post("/tidal/engines/s1/undrain", headers=H)
             r = await c.post("/tidal/engines/s0/drain", headers=H, params={"handoff": handoff})
@@ -76,8 +88,9 @@ async def run_mode(proxy_url: str, handoff: bool, drains: int, concurrency: int,
             moved += r.json()["moved"]
             await c.post("/tidal/engines/s0/undrain", headers=H)
             for resp in await asyncio.gather(*calls):
-                assert resp.status_code == 200 and \
-                    len(resp.json()["choices"][0]["token_ids"]) == 160, resp.text
+                assert (
+                    resp.status_code == 200 and len(resp.json()["choices"][0]["token_ids"]) == 160
+                ), resp.text
         stats1 = (await c.get("/tidal/stats", headers=H)).json()
         reprefill = stats1["reprefill_tokens"] - stats0["reprefill_tokens"]
         saved = stats1["saved_prefill_tokens"] - stats0["saved_prefill_tokens"]
@@ -87,28 +100,40 @@ async def run_mode(proxy_url: str, handoff: bool, drains: int, concurrency: int,
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = create_tiny(Path(tmp) / "m", max_seq_len=1024)
-        engines = [start_engine(model, name="tiny", log_path=args.log_dir / f"e{i}.log"
-                                if args.log_dir else None) for i in range(2)]
+        engines = [
+            start_engine(
+                model, name="tiny", log_path=args.log_dir / f"e{i}.log" if args.log_dir else None
+            )
+            for i in range(2)
+        ]
         for e in engines:
             e.wait_healthy(120)
-        proxy = start_proxy([e.url for e in engines], [], TOKEN,
-                            log_path=args.log_dir / "proxy.log" if args.log_dir else None
-                            ).wait_healthy(60)
+        proxy = start_proxy(
+            [e.url for e in engines],
+            [],
+            TOKEN,
+            log_path=args.log_dir / "proxy.log" if args.log_dir else None,
+        ).wait_healthy(60)
         try:
             rate = await prefill_rate(engines[1].url, args.prompt_tokens)
-            print(f"prefill on an idle engine: {rate:,.0f} tokens/s "
-                  f"(prompt {args.prompt_tokens} tokens)")
+            print(
+                f"prefill on an idle engine: {rate:,.0f} tokens/s "
+                f"(prompt {args.prompt_tokens} tokens)"
+            )
             for handoff in (False, True):
-                r = await run_mode(proxy.url, handoff, args.drains, args.concurrency,
-                                   args.prompt_tokens)
+                r = await run_mode(
+                    proxy.url, handoff, args.drains, args.concurrency, args.prompt_tokens
+                )
                 d = r["durations"]
-                print(f"kv_handoff={handoff!s:5}: drain p50 {1e3 * statistics.median(d):7.1f} ms"
-                      f"  p99 {1e3 * pct(d, 0.99):7.1f} ms  over {len(d)} drains,"
-                      f" {r['moved'] / len(d):.1f} calls moved per drain;"
-                      f" re-prefilled {r['reprefill'] / len(d):,.0f} tokens/drain"
-                      f" (~{1e3 * r['reprefill'] / len(d) / rate:,.0f} ms of prefill),"
-                      f" reused via KV {r['saved'] / len(d):,.0f} tokens/drain"
-                      f" (~{1e3 * r['saved'] / len(d) / rate:,.0f} ms of prefill saved)")
+                print(
+                    f"kv_handoff={handoff!s:5}: drain p50 {1e3 * statistics.median(d):7.1f} ms"
+                    f"  p99 {1e3 * pct(d, 0.99):7.1f} ms  over {len(d)} drains,"
+                    f" {r['moved'] / len(d):.1f} calls moved per drain;"
+                    f" re-prefilled {r['reprefill'] / len(d):,.0f} tokens/drain"
+                    f" (~{1e3 * r['reprefill'] / len(d) / rate:,.0f} ms of prefill),"
+                    f" reused via KV {r['saved'] / len(d):,.0f} tokens/drain"
+                    f" (~{1e3 * r['saved'] / len(d) / rate:,.0f} ms of prefill saved)"
+                )
         finally:
             proxy.stop()
             for e in engines:
@@ -121,9 +146,12 @@ async def vllm_counters(url: str) -> dict[str, float]:
     async with httpx.AsyncClient(timeout=30) as c:
         text = (await c.get(f"{url}/metrics")).text
     for line in text.splitlines():
-        m = re.match(r'vllm:(prompt_tokens_by_source_total|time_to_first_token_seconds_sum|'
-                     r'time_to_first_token_seconds_count|num_requests_running|'
-                     r'generation_tokens_total)\{(.*?)\} (\S+)$', line)
+        m = re.match(
+            r"vllm:(prompt_tokens_by_source_total|time_to_first_token_seconds_sum|"
+            r"time_to_first_token_seconds_count|num_requests_running|"
+            r"generation_tokens_total)\{(.*?)\} (\S+)$",
+            line,
+        )
         if m:
             src = re.search(r'source="(\w+)"', m.group(2))
             name = src.group(1) if src else m.group(1)
@@ -135,15 +163,40 @@ def spawn_vllm(python: str, model: str, log: Path, kv_dir: str) -> tuple[subproc
     from tidal.runtime.vllm_host import _tidal_path
 
     port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "PYTHONPATH": _tidal_path(log.parent / "pythonpath")}
-    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                             "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port",
-                             str(port), "--max-model-len", "2048", "--enforce-eager", "--dtype",
-                             "float32", "--kv-transfer-config", kv_transfer_config(kv_dir)],
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONPATH": _tidal_path(log.parent / "pythonpath"),
+    }
+    proc = subprocess.Popen(
+        [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--served-model-name",
+            "smollm2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "2048",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--kv-transfer-config",
+            kv_transfer_config(kv_dir),
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -168,34 +221,58 @@ async def run_vllm_mode(proxy_url: str, urls: list[str], handoff: bool, args) ->
             async with httpx.AsyncClient() as raw:
                 await raw.post(f"{urls[1]}/reset_prefix_cache")  # nothing of earlier drains
             a0 = await vllm_counters(urls[0])
-            calls = [asyncio.create_task(c.post("/v1/completions", headers={
-                "X-Tidal-Execution": f"v{handoff}-{i}-{k}"}, json={
-                "model": "smollm2", "prompt": [(k * 7 + j * 13 + i * 101 + 17 * handoff)
-                                               % 30000 + 100 for j in range(args.prompt_tokens)],
-                "max_tokens": 32, "ignore_eos": True, "temperature": 0}))
-                for k in range(args.concurrency)]
+            calls = [
+                asyncio.create_task(
+                    c.post(
+                        "/v1/completions",
+                        headers={"X-Tidal-Execution": f"v{handoff}-{i}-{k}"},
+                        json={
+                            "model": "smollm2",
+                            "prompt": [
+                                (k * 7 + j * 13 + i * 101 + 17 * handoff) % 30000 + 100
+                                for j in range(args.prompt_tokens)
+                            ],
+                            "max_tokens": 32,
+                            "ignore_eos": True,
+                            "temperature": 0,
+                        },
+                    )
+                )
+                for k in range(args.concurrency)
+            ]
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:  # every call decoding at s0, a few tokens each
                 a = await vllm_counters(urls[0])
-                if a.get("num_requests_running") == args.concurrency and \
-                        a["generation_tokens_total"] - a0["generation_tokens_total"] \
-                        >= 3 * args.concurrency:
+                if (
+                    a.get("num_requests_running") == args.concurrency
+                    and a["generation_tokens_total"] - a0["generation_tokens_total"]
+                    >= 3 * args.concurrency
+                ):
                     break
                 await asyncio.sleep(0.05)
             await c.post("/tidal/engines/s1/undrain", headers=H)
             b0 = await vllm_counters(urls[1])
-            r = (await c.post("/tidal/engines/s0/drain", headers=H,
-                              params={"handoff": handoff})).json()
+            r = (
+                await c.post("/tidal/engines/s0/drain", headers=H, params={"handoff": handoff})
+            ).json()
             for resp in await asyncio.gather(*calls):
                 assert resp.status_code == 200, resp.text
             await c.post("/tidal/engines/s0/undrain", headers=H)
             b1 = await vllm_counters(urls[1])
             n = b1["time_to_first_token_seconds_count"] - b0["time_to_first_token_seconds_count"]
-            rows.append({"drain_s": r["duration_s"], "moved": r["moved"],
-                         "computed": b1["local_compute"] - b0["local_compute"],
-                         "loaded": b1["external_kv_transfer"] - b0["external_kv_transfer"],
-                         "ttft_s": (b1["time_to_first_token_seconds_sum"]
-                                    - b0["time_to_first_token_seconds_sum"]) / max(n, 1)})
+            rows.append(
+                {
+                    "drain_s": r["duration_s"],
+                    "moved": r["moved"],
+                    "computed": b1["local_compute"] - b0["local_compute"],
+                    "loaded": b1["external_kv_transfer"] - b0["external_kv_transfer"],
+                    "ttft_s": (
+                        b1["time_to_first_token_seconds_sum"]
+                        - b0["time_to_first_token_seconds_sum"]
+                    )
+                    / max(n, 1),
+                }
+            )
         stats = (await c.get("/tidal/stats", headers=H)).json()
     return {"rows": rows, "failures": stats["kv_handoff_failures"]}
 
@@ -213,30 +290,34 @@ async def main_vllm(args: argparse.Namespace) -> None:
         servers = []
         proxy = None
         try:
-            servers = [spawn_vllm(python, model, logs / f"vllm{i}.log", kv_dir)
-                       for i in range(2)]
+            servers = [spawn_vllm(python, model, logs / f"vllm{i}.log", kv_dir) for i in range(2)]
             for i, (proc, url) in enumerate(servers):
                 wait_vllm(proc, url, logs / f"vllm{i}.log")
             urls = [u for _, u in servers]
             proxy = start_proxy([], [], TOKEN, log_path=logs / "proxy.log").wait_healthy(60)
             async with httpx.AsyncClient(base_url=proxy.url, timeout=60) as c:
                 for i, u in enumerate(urls):
-                    r = await c.post("/tidal/engines", headers=H, json={
-                        "id": f"s{i}", "url": u, "backend": "vllm", "kind": "cell"})
+                    r = await c.post(
+                        "/tidal/engines",
+                        headers=H,
+                        json={"id": f"s{i}", "url": u, "backend": "vllm", "kind": "cell"},
+                    )
                     assert r.status_code == 200, r.text
             for handoff in (False, True):
                 r = await run_vllm_mode(proxy.url, urls, handoff, args)
                 rows = r["rows"]
                 moved = sum(x["moved"] for x in rows)
                 reprefill = sum(x["computed"] for x in rows) - moved  # newest token: new work
-                print(f"vLLM kv_handoff={handoff!s:5}: drain p50 "
-                      f"{1e3 * statistics.median(x['drain_s'] for x in rows):7.1f} ms over "
-                      f"{len(rows)} drains, {moved / len(rows):.1f} calls moved per drain; "
-                      f"re-prefilled {reprefill / len(rows):,.0f} tokens/drain, loaded "
-                      f"{sum(x['loaded'] for x in rows) / len(rows):,.0f} tokens/drain "
-                      f"(destination's counters); destination TTFT mean "
-                      f"{1e3 * statistics.mean(x['ttft_s'] for x in rows):,.0f} ms; "
-                      f"handoff failures {r['failures']}")
+                print(
+                    f"vLLM kv_handoff={handoff!s:5}: drain p50 "
+                    f"{1e3 * statistics.median(x['drain_s'] for x in rows):7.1f} ms over "
+                    f"{len(rows)} drains, {moved / len(rows):.1f} calls moved per drain; "
+                    f"re-prefilled {reprefill / len(rows):,.0f} tokens/drain, loaded "
+                    f"{sum(x['loaded'] for x in rows) / len(rows):,.0f} tokens/drain "
+                    f"(destination's counters); destination TTFT mean "
+                    f"{1e3 * statistics.mean(x['ttft_s'] for x in rows):,.0f} ms; "
+                    f"handoff failures {r['failures']}"
+                )
         finally:
             if proxy is not None:
                 proxy.stop()

@@ -87,8 +87,9 @@ async def _decode(engine, batch: int, tag: str, new_tokens: int = NEW_TOKENS) ->
     prompts = [[(97 * i + 13 * j) % (vocab - 10) + 10 for j in range(16)] for i in range(batch)]
 
     async def one(i: int, p: list[int]) -> int:
-        req = GenerateRequest(f"{tag}-{i}", p, SamplingParams(
-            max_tokens=new_tokens, temperature=1.0, ignore_eos=True))
+        req = GenerateRequest(
+            f"{tag}-{i}", p, SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+        )
         return sum([len(c.token_ids) async for c in engine.generate(req)])
 
     t0 = time.perf_counter()
@@ -98,12 +99,15 @@ async def _decode(engine, batch: int, tag: str, new_tokens: int = NEW_TOKENS) ->
     return dt
 
 
-async def engine_costs(model, weights_dir: Path, device: torch.device,
-                       decode_repeats: int) -> dict:
+async def engine_costs(model, weights_dir: Path, device: torch.device, decode_repeats: int) -> dict:
     from tidal.serving.engine import Engine, EngineConfig
 
-    engine = Engine(model, _Ids(), weights_dir, EngineConfig(
-        name="bench", device=str(device), max_batch=max(DECODE_BATCHES), seed=0))
+    engine = Engine(
+        model,
+        _Ids(),
+        weights_dir,
+        EngineConfig(name="bench", device=str(device), max_batch=max(DECODE_BATCHES), seed=0),
+    )
     await engine.start()
     out: dict = {}
     try:
@@ -141,16 +145,19 @@ def prefill_and_kv(model, device: torch.device, repeats: int) -> dict:
     seqs = [[(31 * i + 7 * j) % (vocab - 10) + 10 for j in range(512)] for i in range(8)]
     with torch.no_grad():
         model.forward_cached([s[:32] for s in seqs], [model.new_cache() for _ in seqs])  # warm
-        t = best(lambda: model.forward_cached(seqs, [model.new_cache() for _ in seqs]),
-                 repeats, device)
+        t = best(
+            lambda: model.forward_cached(seqs, [model.new_cache() for _ in seqs]), repeats, device
+        )
         out = {"prefill_tok_s": 8 * 512 / t}
         cache = model.new_cache()
         model.forward_cached([[(5 * j) % (vocab - 10) + 10 for j in range(1000)]], [cache])
         blob = st_save(cache.export_tensors())
         out["kv_export_s_per_1k_tokens"] = best(
-            lambda: st_save(cache.export_tensors()), repeats, device)
+            lambda: st_save(cache.export_tensors()), repeats, device
+        )
         out["kv_import_s_per_1k_tokens"] = best(
-            lambda: model.cache_from_tensors(st_load(blob)), repeats, device)
+            lambda: model.cache_from_tensors(st_load(blob)), repeats, device
+        )
         out["kv_mib_per_1k_tokens"] = len(blob) / MiB
     note("prefill and KV")
     return out
@@ -165,8 +172,17 @@ def _micro_step(vocab: int, n_seqs: int, length: int):
     for i in range(n_seqs):
         ids = torch.randint(10, vocab, (length,), generator=g).tolist()
         trainable = [j >= 64 for j in range(length)]
-        seqs.append(PackedSequence(f"e{i}", ids, trainable, [-3.0] * length, [0] * length,
-                                   1.0 if i % 2 else -1.0, 1.0 / (length - 64)))
+        seqs.append(
+            PackedSequence(
+                f"e{i}",
+                ids,
+                trainable,
+                [-3.0] * length,
+                [0] * length,
+                1.0 if i % 2 else -1.0,
+                1.0 / (length - 64),
+            )
+        )
     return MicroStep(0, 0, 0, seqs)
 
 
@@ -208,11 +224,13 @@ def trainer_costs(model, device: torch.device, repeats: int, seq_len: int) -> di
         with tempfile.TemporaryDirectory() as tmp:
             pub = FilePublisher(tmp, core.layout, keep=1)
             flat = core.layout.params_to_flat(core.model)
-            out["publish_to_cpu_s"] = best(lambda: core.layout.params_to_flat(core.model, flat),
-                                           repeats, device)
+            out["publish_to_cpu_s"] = best(
+                lambda: core.layout.params_to_flat(core.model, flat), repeats, device
+            )
             versions = iter(range(1, 100))
-            out["publish_write_s"] = best(lambda: pub.publish(next(versions), flat), repeats,
-                                          device)
+            out["publish_write_s"] = best(
+                lambda: pub.publish(next(versions), flat), repeats, device
+            )
         out["checkpoint_state_to_cpu_s"] = best(core.state_dict, repeats, device)
         note("publication")
         if device.type == "cuda":
@@ -236,8 +254,9 @@ def trainer_costs(model, device: torch.device, repeats: int, seq_len: int) -> di
 
 
 # -- main -------------------------------------------------------------------------------------
-def run(dtype_name: str, shape: dict, device: torch.device, args: argparse.Namespace,
-        tmp: Path) -> dict:
+def run(
+    dtype_name: str, shape: dict, device: torch.device, args: argparse.Namespace, tmp: Path
+) -> dict:
     from tidal.models.llama import LlamaForCausalLM
 
     dtype = DTYPES[dtype_name]
@@ -246,8 +265,11 @@ def run(dtype_name: str, shape: dict, device: torch.device, args: argparse.Names
         LlamaForCausalLM.random(shape, seed=0).save(weights)
     t0 = time.perf_counter()
     model = LlamaForCausalLM.random(shape, seed=0, dtype=dtype, device=device)
-    res = {"params": model.num_params(), "weights_mib": model.weights_nbytes() / MiB,
-           "build_s": time.perf_counter() - t0}
+    res = {
+        "params": model.num_params(),
+        "weights_mib": model.weights_nbytes() / MiB,
+        "build_s": time.perf_counter() - t0,
+    }
     res.update(asyncio.run(engine_costs(model, weights, device, args.decode_repeats)))
     res.update(prefill_and_kv(model, device, args.repeats))
     del model
@@ -287,18 +309,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--repeats", type=int, default=2, help="best of N (decode: see below)")
-    ap.add_argument("--decode-repeats", type=int, default=1,
-                    help="decode runs per batch size after the warm-up (Python-bound, steady)")
-    ap.add_argument("--device", default="cuda", help="cuda[:N]; 'cpu' only smoke-tests this "
-                    "script")
+    ap.add_argument(
+        "--decode-repeats",
+        type=int,
+        default=1,
+        help="decode runs per batch size after the warm-up (Python-bound, steady)",
+    )
+    ap.add_argument("--device", default="cuda", help="cuda[:N]; 'cpu' only smoke-tests this script")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     ap.add_argument("--vocab", type=int, default=None, help="smaller vocabulary (smoke tests)")
-    ap.add_argument("--train-seq-len", type=int, default=1024,
-                    help="tokens per sequence of the 4-sequence trainer micro-step")
+    ap.add_argument(
+        "--train-seq-len",
+        type=int,
+        default=1024,
+        help="tokens per sequence of the 4-sequence trainer micro-step",
+    )
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"gpu_costs: torch {torch.__version__} sees no CUDA device; nothing to measure "
-              f"(run this on a GPU machine)")
+        print(
+            f"gpu_costs: torch {torch.__version__} sees no CUDA device; nothing to measure "
+            f"(run this on a GPU machine)"
+        )
         return 0
     from tidal.models.device import describe_devices, resolve_device
     from tidal.models.llama import SMOLLM2_135M
@@ -318,15 +349,27 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = run(name, shape, device, args, Path(tmp))
             note(f"{name}: done")
     where = describe_devices() if device.type == "cuda" else "cpu (smoke test)"
-    title = (f"SmolLM2-135M-shaped Llama ({shape['num_hidden_layers']} layers, random weights) "
-             f"on {where}")
+    title = (
+        f"SmolLM2-135M-shaped Llama ({shape['num_hidden_layers']} layers, random weights) "
+        f"on {where}"
+    )
     print_table(results, title)
     if args.out:
-        args.out.write_text(json.dumps({
-            "device": where, "torch": torch.__version__, "shape": shape,
-            "decode_new_tokens": NEW_TOKENS, "repeats": args.repeats,
-            "decode_repeats": args.decode_repeats,
-            "wall_s": round(time.perf_counter() - t0, 2), "results": results}, indent=2))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "device": where,
+                    "torch": torch.__version__,
+                    "shape": shape,
+                    "decode_new_tokens": NEW_TOKENS,
+                    "repeats": args.repeats,
+                    "decode_repeats": args.decode_repeats,
+                    "wall_s": round(time.perf_counter() - t0, 2),
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
     print(f"total {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 

@@ -37,16 +37,33 @@ from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferC
 from tidal.training.transport import SharedMemoryTransport, load_into
 
 PRESETS = {
-    "tiny": {"groups": 16, "group_size": 8, "max_new": 3, "lr": 1e-3, "steps": 300,
-             "minutes": 3.0, "budget": 4096, "chat": False},
-    "smollm2": {"groups": 4, "group_size": 6, "max_new": 6, "lr": 3e-6, "steps": 20,
-                "minutes": 15.0, "budget": 1024, "chat": True},
+    "tiny": {
+        "groups": 16,
+        "group_size": 8,
+        "max_new": 3,
+        "lr": 1e-3,
+        "steps": 300,
+        "minutes": 3.0,
+        "budget": 4096,
+        "chat": False,
+    },
+    "smollm2": {
+        "groups": 4,
+        "group_size": 6,
+        "max_new": 6,
+        "lr": 3e-6,
+        "steps": 20,
+        "minutes": 15.0,
+        "budget": 1024,
+        "chat": True,
+    },
 }
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], max_new: int, eos_id: int,
-           gen: torch.Generator | None) -> tuple[list[list[int]], list[list[float]]]:
+def sample(
+    model, prompts: list[list[int]], max_new: int, eos_id: int, gen: torch.Generator | None
+) -> tuple[list[list[int]], list[list[float]]]:
     """Batched decoding with per-sequence KV caches; greedy when ``gen`` is None."""
     caches = [model.new_cache() for _ in prompts]
     logits = model.forward_cached([list(p) for p in prompts], caches)
@@ -76,31 +93,46 @@ def encode(tok, problem: Problem, chat: bool) -> list[int]:
     return tok.apply_chat_template(problem.messages()) if chat else tok.encode(problem.text())
 
 
-def rollout(model, tok, problems: list[Problem], group_size: int, version: int, step: int,
-            chat: bool, max_new: int, gen) -> list[ExecutionRecord]:
+def rollout(
+    model,
+    tok,
+    problems: list[Problem],
+    group_size: int,
+    version: int,
+    step: int,
+    chat: bool,
+    max_new: int,
+    gen,
+) -> list[ExecutionRecord]:
     prompts = [encode(tok, p, chat) for p in problems for _ in range(group_size)]
     outs, lps = sample(model, prompts, max_new, tok.eos_id, gen)
     records = []
     for k, (prompt, out, lp) in enumerate(zip(prompts, outs, lps, strict=True)):
         problem = problems[k // group_size]
         r = reward(tok.decode([t for t in out if t != tok.eos_id]), problem.answer)
-        records.append(single_call_record(f"s{step}-e{k}", f"s{step}-g{k // group_size}",
-                                          prompt, out, lp, version, r))
+        records.append(
+            single_call_record(
+                f"s{step}-e{k}", f"s{step}-g{k // group_size}", prompt, out, lp, version, r
+            )
+        )
     return records
 
 
 def greedy_eval(model, tok, problems, chat, max_new) -> tuple[float, float]:
     """(mean reward, accuracy) of greedy answers on held-out problems."""
     outs, _ = sample(model, [encode(tok, p, chat) for p in problems], max_new, tok.eos_id, None)
-    rewards = [reward(tok.decode([t for t in o if t != tok.eos_id]), p.answer)
-               for o, p in zip(outs, problems, strict=True)]
+    rewards = [
+        reward(tok.decode([t for t in o if t != tok.eos_id]), p.answer)
+        for o, p in zip(outs, problems, strict=True)
+    ]
     return sum(rewards) / len(rewards), sum(r == 1.0 for r in rewards) / len(rewards)
 
 
 def model_dir(name: str, tmp: Path) -> Path:
     if name == "tiny":
-        return create_tiny(tmp / "tiny", seed=0, n_layers=2, d_model=64, n_heads=4,
-                           d_ff=256, max_seq_len=64)
+        return create_tiny(
+            tmp / "tiny", seed=0, n_layers=2, d_model=64, n_heads=4, d_ff=256, max_seq_len=64
+        )
     if name == "smollm2":
         return fetch("smollm2-135m")
     return Path(name)
@@ -123,10 +155,18 @@ def plot(metrics: dict, path: Path) -> None:
     ax.plot(steps, smooth, label=f"moving average ({k} steps)")
     ax.set_xlabel("optimizer step (= weight version)")
     ax.set_ylabel("mean reward")
-    ax.axhline(metrics["greedy_reward_before"], color="gray", ls=":",
-               label="held-out greedy reward, before")
-    ax.axhline(metrics["greedy_reward_after"], color="black", ls="--",
-               label="held-out greedy reward, after")
+    ax.axhline(
+        metrics["greedy_reward_before"],
+        color="gray",
+        ls=":",
+        label="held-out greedy reward, before",
+    )
+    ax.axhline(
+        metrics["greedy_reward_after"],
+        color="black",
+        ls="--",
+        label="held-out greedy reward, after",
+    )
     ax.set_title(f"GRPO on addition, {metrics['model']}")
     ax.legend()
     fig.tight_layout()
@@ -163,13 +203,19 @@ def main() -> None:
     policy.train()
     engine.eval()
     clock = WallClock()
-    buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=preset["group_size"],
-                                                  max_policy_lag=1), clock)
+    buf = TrajectoryBuffer(
+        TrajectoryBufferConfig(group_size=preset["group_size"], max_policy_lag=1), clock
+    )
     shm_name = f"tidal-grpo-{os.getpid()}"
     shm = SharedMemoryTransport(shm_name, ParamLayout.of(policy), create=True)
     reader = SharedMemoryTransport(shm_name, ParamLayout.of(engine), create=False)
-    cfg = TrainerConfig(lr=preset["lr"], groups_per_step=preset["groups"], max_grad_norm=1.0,
-                        loss=GRPOLossConfig(), packing=PackingConfig(token_budget=preset["budget"]))
+    cfg = TrainerConfig(
+        lr=preset["lr"],
+        groups_per_step=preset["groups"],
+        max_grad_norm=1.0,
+        loss=GRPOLossConfig(),
+        packing=PackingConfig(token_budget=preset["budget"]),
+    )
     core = CoreTrainer(policy, cfg, buf, clock, publishers=[shm], pad_id=tok.eos_id)
     task = AdditionTask(seed=args.seed)
     held_out = AdditionTask(seed=10_000 + args.seed).sample(64)
@@ -177,27 +223,49 @@ def main() -> None:
     chat, max_new = preset["chat"], preset["max_new"]
     metrics = {"model": label, "preset": preset, "steps": []}
     metrics["greedy_reward_before"], metrics["greedy_acc_before"] = greedy_eval(
-        engine, tok, held_out, chat, max_new)
-    print(f"{label}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, held-out "
-          f"greedy reward {metrics['greedy_reward_before']:.3f} "
-          f"(accuracy {metrics['greedy_acc_before']:.3f})")
+        engine, tok, held_out, chat, max_new
+    )
+    print(
+        f"{label}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, held-out "
+        f"greedy reward {metrics['greedy_reward_before']:.3f} "
+        f"(accuracy {metrics['greedy_acc_before']:.3f})"
+    )
     t0 = time.monotonic()
     try:
         for step in range(preset["steps"]):
             ts = time.monotonic()
-            for rec in rollout(engine, tok, task.sample(preset["groups"]), preset["group_size"],
-                               core.version, step, chat, max_new, gen):
+            for rec in rollout(
+                engine,
+                tok,
+                task.sample(preset["groups"]),
+                preset["group_size"],
+                core.version,
+                step,
+                chat,
+                max_new,
+                gen,
+            ):
                 buf.add(rec)
             t_roll = time.monotonic() - ts
             report = core.train_step(final=True)  # publishes v+1 to shared memory
             load_into(engine, reader, min_version=core.version)  # in place, no restart
-            metrics["steps"].append({"step": step, "mean_reward": report.mean_reward,
-                                     "loss": report.loss, "grad_norm": report.grad_norm,
-                                     "rollout_s": t_roll, "step_s": time.monotonic() - ts})
+            metrics["steps"].append(
+                {
+                    "step": step,
+                    "mean_reward": report.mean_reward,
+                    "loss": report.loss,
+                    "grad_norm": report.grad_norm,
+                    "rollout_s": t_roll,
+                    "step_s": time.monotonic() - ts,
+                }
+            )
             if step % 5 == 0 or step == preset["steps"] - 1:
-                print(f"step {step:4d} v{core.version:<4d} mean reward {report.mean_reward:.3f} "
-                      f"|g| {report.grad_norm:.3f} rollout {t_roll:.1f}s "
-                      f"step {time.monotonic() - ts:.1f}s", flush=True)
+                print(
+                    f"step {step:4d} v{core.version:<4d} mean reward {report.mean_reward:.3f} "
+                    f"|g| {report.grad_norm:.3f} rollout {t_roll:.1f}s "
+                    f"step {time.monotonic() - ts:.1f}s",
+                    flush=True,
+                )
             if time.monotonic() - t0 > 60 * preset["minutes"]:
                 print(f"time budget of {preset['minutes']} min reached")
                 break
@@ -206,7 +274,8 @@ def main() -> None:
         reader.close()
         shm.close()
     metrics["greedy_reward_after"], metrics["greedy_acc_after"] = greedy_eval(
-        engine, tok, held_out, chat, max_new)
+        engine, tok, held_out, chat, max_new
+    )
     metrics["wall_s"] = time.monotonic() - t0
     rewards = [m["mean_reward"] for m in metrics["steps"]]
     k = max(1, min(10, len(rewards) // 4))
@@ -214,12 +283,14 @@ def main() -> None:
     metrics["reward_last"] = sum(rewards[-k:]) / k
     (out / f"{label}_metrics.json").write_text(json.dumps(metrics, indent=1))
     plot(metrics, out / f"{label}_reward.png")
-    print(f"\n{label}: {len(rewards)} steps in {metrics['wall_s'] / 60:.1f} min; mean sampled "
-          f"reward first {k} steps {metrics['reward_first']:.3f} -> last {k} steps "
-          f"{metrics['reward_last']:.3f}; held-out greedy reward "
-          f"{metrics['greedy_reward_before']:.3f} -> {metrics['greedy_reward_after']:.3f} "
-          f"(accuracy {metrics['greedy_acc_before']:.3f} -> {metrics['greedy_acc_after']:.3f}); "
-          f"curve: {out / f'{label}_reward.png'}")
+    print(
+        f"\n{label}: {len(rewards)} steps in {metrics['wall_s'] / 60:.1f} min; mean sampled "
+        f"reward first {k} steps {metrics['reward_first']:.3f} -> last {k} steps "
+        f"{metrics['reward_last']:.3f}; held-out greedy reward "
+        f"{metrics['greedy_reward_before']:.3f} -> {metrics['greedy_reward_after']:.3f} "
+        f"(accuracy {metrics['greedy_acc_before']:.3f} -> {metrics['greedy_acc_after']:.3f}); "
+        f"curve: {out / f'{label}_reward.png'}"
+    )
 
 
 if __name__ == "__main__":

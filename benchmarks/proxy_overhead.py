@@ -46,21 +46,34 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * TICK_S
 
 
-async def load(url: str, concurrency: int, calls_per_exec: int, max_tokens: int,
-               tag: str) -> list[float]:
+async def load(
+    url: str, concurrency: int, calls_per_exec: int, max_tokens: int, tag: str
+) -> list[float]:
     lat: list[float] = []
     # the engine takes calls with the run's token only; the proxy takes it as its admin
     # token, which may name any execution (as the driver's own harness pool does)
-    pool = HTTPPool(url, {"Authorization": f"Bearer {TOKEN}"}, max_idle=concurrency,
-                    timeout_s=600, connect_timeout_s=120)
+    pool = HTTPPool(
+        url,
+        {"Authorization": f"Bearer {TOKEN}"},
+        max_idle=concurrency,
+        timeout_s=600,
+        connect_timeout_s=120,
+    )
 
     async def one(i: int) -> None:
         for k in range(calls_per_exec):
-            body = {"prompt": [1 + i % 300, 2, 3, 4 + k], "ignore_eos": True,
-                    "max_tokens": max_tokens}
+            body = {
+                "prompt": [1 + i % 300, 2, 3, 4 + k],
+                "ignore_eos": True,
+                "max_tokens": max_tokens,
+            }
             t0 = time.perf_counter()
-            r = await pool.request("POST", "/v1/completions", json_body=body,
-                                   headers={"X-Tidal-Execution": f"{tag}{i}"})
+            r = await pool.request(
+                "POST",
+                "/v1/completions",
+                json_body=body,
+                headers={"X-Tidal-Execution": f"{tag}{i}"},
+            )
             lat.append(time.perf_counter() - t0)
             assert r.status_code == 200, r.text
 
@@ -71,8 +84,9 @@ async def load(url: str, concurrency: int, calls_per_exec: int, max_tokens: int,
     return lat
 
 
-async def phase(url: str, level: int, args, tag: str, pids: dict[str, int]
-                ) -> tuple[list[float], dict[str, float]]:
+async def phase(
+    url: str, level: int, args, tag: str, pids: dict[str, int]
+) -> tuple[list[float], dict[str, float]]:
     before = {k: cpu_s(p) for k, p in pids.items()}
     c0 = time.process_time()
     calls = max(args.calls, -(-args.min_samples // level))  # enough samples at low levels
@@ -95,20 +109,25 @@ async def main(args: argparse.Namespace) -> None:
         try:
             await load(engine.url, 16, 2, args.max_tokens, "warm")
             await load(proxy.url, 16, 2, args.max_tokens, "warm")
-            print(f"cores: {os.cpu_count()}, load average at start: "
-                  f"{os.getloadavg()[0]:.1f}; per level and path {args.rounds} rounds of at "
-                  f"least {args.calls} calls per execution and {args.min_samples} calls; "
-                  f"max_tokens {args.max_tokens}")
-            print(f"{'concurrent':>10} {'direct p50/p99 ms':>19} {'proxy p50/p99 ms':>19}"
-                  f" {'added p50/p99 ms':>19} {'in-proxy p50/p99 ms':>21}"
-                  f"   CPU ms/call: proxy, engine (direct/via), client (direct/via)")
+            print(
+                f"cores: {os.cpu_count()}, load average at start: "
+                f"{os.getloadavg()[0]:.1f}; per level and path {args.rounds} rounds of at "
+                f"least {args.calls} calls per execution and {args.min_samples} calls; "
+                f"max_tokens {args.max_tokens}"
+            )
+            print(
+                f"{'concurrent':>10} {'direct p50/p99 ms':>19} {'proxy p50/p99 ms':>19}"
+                f" {'added p50/p99 ms':>19} {'in-proxy p50/p99 ms':>21}"
+                f"   CPU ms/call: proxy, engine (direct/via), client (direct/via)"
+            )
             for level in args.levels:
                 direct: list[float] = []
                 via: list[float] = []
                 cpu_d: list[dict] = []
                 cpu_v: list[dict] = []
-                await stats_pool.request("GET", "/tidal/stats", headers=admin,
-                                         params={"reset_overhead": True})
+                await stats_pool.request(
+                    "GET", "/tidal/stats", headers=admin, params={"reset_overhead": True}
+                )
                 for r in range(args.rounds):
                     lat, cpu = await phase(engine.url, level, args, f"d{level}-{r}-", pids)
                     direct += lat
@@ -116,20 +135,23 @@ async def main(args: argparse.Namespace) -> None:
                     lat, cpu = await phase(proxy.url, level, args, f"p{level}-{r}-", pids)
                     via += lat
                     cpu_v.append(cpu)
-                stats = (await stats_pool.request("GET", "/tidal/stats", headers=admin)
-                         ).json()["overhead"]
+                stats = (await stats_pool.request("GET", "/tidal/stats", headers=admin)).json()[
+                    "overhead"
+                ]
                 d50, d99 = 1e3 * pct(direct, 0.5), 1e3 * pct(direct, 0.99)
                 p50, p99 = 1e3 * pct(via, 0.5), 1e3 * pct(via, 0.99)
 
                 def mean(rows: list[dict], key: str) -> float:
                     return sum(r[key] for r in rows) / len(rows)
 
-                print(f"{level:>10} {d50:>8.1f} / {d99:<8.1f} {p50:>8.1f} / {p99:<8.1f}"
-                      f" {p50 - d50:>8.1f} / {p99 - d99:<8.1f}"
-                      f" {stats['p50_ms']:>9.3f} / {stats['p99_ms']:<9.3f}"
-                      f"   {mean(cpu_v, 'proxy'):.2f}, {mean(cpu_d, 'engine'):.2f}"
-                      f"/{mean(cpu_v, 'engine'):.2f}, {mean(cpu_d, 'client'):.2f}"
-                      f"/{mean(cpu_v, 'client'):.2f}  ({stats['n']} proxied calls)")
+                print(
+                    f"{level:>10} {d50:>8.1f} / {d99:<8.1f} {p50:>8.1f} / {p99:<8.1f}"
+                    f" {p50 - d50:>8.1f} / {p99 - d99:<8.1f}"
+                    f" {stats['p50_ms']:>9.3f} / {stats['p99_ms']:<9.3f}"
+                    f"   {mean(cpu_v, 'proxy'):.2f}, {mean(cpu_d, 'engine'):.2f}"
+                    f"/{mean(cpu_v, 'engine'):.2f}, {mean(cpu_d, 'client'):.2f}"
+                    f"/{mean(cpu_v, 'client'):.2f}  ({stats['n']} proxied calls)"
+                )
             print(f"load average at end: {os.getloadavg()[0]:.1f}")
         finally:
             await stats_pool.close()
@@ -142,7 +164,11 @@ if __name__ == "__main__":
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 64, 256, 1024])
     ap.add_argument("--calls", type=int, default=3, help="calls per execution per phase")
     ap.add_argument("--rounds", type=int, default=2, help="direct/proxy phase pairs per level")
-    ap.add_argument("--min-samples", type=int, default=150,
-                    help="calls per phase at least (more calls per execution at low levels)")
+    ap.add_argument(
+        "--min-samples",
+        type=int,
+        default=150,
+        help="calls per phase at least (more calls per execution at low levels)",
+    )
     ap.add_argument("--max-tokens", type=int, default=4)
     asyncio.run(main(ap.parse_args()))

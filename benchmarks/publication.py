@@ -56,8 +56,10 @@ def main() -> None:
     engine = Engine(model(), _Ids(), "/nonexistent", EngineConfig(name="bench"))
     params = dict(trainer.named_parameters())
     root = Path(args.dir) / "tidal-publication-bench"
-    carriers = {"shm": SegmentRing(segment_root("bench"), layout),
-                "file": FilePublisher(root, layout)}
+    carriers = {
+        "shm": SegmentRing(segment_root("bench"), layout),
+        "file": FilePublisher(root, layout),
+    }
 
     async def load(path: str, label: str) -> float:
         t0 = time.perf_counter()
@@ -76,8 +78,10 @@ def main() -> None:
                 best = (write_s, load_s)
         assert best is not None
         total = sum(best)
-        print(f"{name:5s} write {best[0]:.3f} s, load {best[1]:.3f} s (pause "
-              f"{engine.last_pause_s:.3f} s): {nbytes / total / 1e9:.2f} GB/s")
+        print(
+            f"{name:5s} write {best[0]:.3f} s, load {best[1]:.3f} s (pause "
+            f"{engine.last_pause_s:.3f} s): {nbytes / total / 1e9:.2f} GB/s"
+        )
     carriers["shm"].close()
     import shutil
 

@@ -31,24 +31,40 @@ from tidal.sim.runner import run_policy
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scenario")
-    ap.add_argument("--policy", action="append", default=None,
-                    help="policy spec (repeatable; default: the scenario's list)")
-    ap.add_argument("--speedup", action="append", type=float, default=None,
-                    help="training speed-up factor (repeatable; default 10 and 100)")
-    ap.add_argument("--mechanics", default=None,
-                    choices=["own", "verl", "tidal", "waterlevel", "colocate"],
-                    help="run every policy with this family's mechanics (default: the "
-                         "scenario's setting)")
-    ap.add_argument("--target", type=float, default=1.10,
-                    help="ratio to the oracle bound to check against (default 1.10)")
+    ap.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        help="policy spec (repeatable; default: the scenario's list)",
+    )
+    ap.add_argument(
+        "--speedup",
+        action="append",
+        type=float,
+        default=None,
+        help="training speed-up factor (repeatable; default 10 and 100)",
+    )
+    ap.add_argument(
+        "--mechanics",
+        default=None,
+        choices=["own", "verl", "tidal", "waterlevel", "colocate"],
+        help="run every policy with this family's mechanics (default: the scenario's setting)",
+    )
+    ap.add_argument(
+        "--target",
+        type=float,
+        default=1.10,
+        help="ratio to the oracle bound to check against (default 1.10)",
+    )
     args = ap.parse_args(argv)
     sc = scenario_mod.load(args.scenario)
     if sc.costmodel is None:
         print(f"{sc.name}: needs a cost model (costmodel:) to scale training", file=sys.stderr)
         return 2
     if args.mechanics:
-        sc = sc.model_copy(update={"mechanics": None if args.mechanics == "own"
-                                   else args.mechanics})
+        sc = sc.model_copy(
+            update={"mechanics": None if args.mechanics == "own" else args.mechanics}
+        )
     speedups = [1.0, *(args.speedup or [10.0, 100.0])]
     if any(k <= 0 for k in speedups):
         print("--speedup: must be > 0", file=sys.stderr)
@@ -60,22 +76,27 @@ def main(argv: list[str] | None = None) -> int:
     total = len(policies) * len(speedups)
     for n, (p, k) in enumerate(((p, k) for p in policies for k in speedups), 1):
         with faster_training(k):
-            rows.setdefault(p, []).append(run_policy(sc, p, keep_log=False)
-                                          .summary["makespan_s"])
+            rows.setdefault(p, []).append(run_policy(sc, p, keep_log=False).summary["makespan_s"])
         done = time.perf_counter() - t0
-        print(f"  [{n}/{total}] {p} x{k:g} ({done:.0f} s, ETA {done / n * (total - n):.0f} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"  [{n}/{total}] {p} x{k:g} ({done:.0f} s, ETA {done / n * (total - n):.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     head = "".join(f"{f'train x{k:g} h':>15s}" for k in speedups)
-    print(f"{sc.name}: oracle bound {bound / 3600:.3f} h (training as given); "
-          f"{args.target:g}x the bound = {args.target * bound / 3600:.3f} h")
+    print(
+        f"{sc.name}: oracle bound {bound / 3600:.3f} h (training as given); "
+        f"{args.target:g}x the bound = {args.target * bound / 3600:.3f} h"
+    )
     print(f"{'policy':32s}{head}{'floor/bound':>13s}")
     for p, ms in rows.items():
-        print(f"{p:32s}" + "".join(f"{m / 3600:15.3f}" for m in ms)
-              + f"{min(ms) / bound:13.3f}")
+        print(f"{p:32s}" + "".join(f"{m / 3600:15.3f}" for m in ms) + f"{min(ms) / bound:13.3f}")
     floor = min(min(ms) for ms in rows.values())
-    print(f"\nshortest makespan of any policy at any training speed: {floor / 3600:.3f} h = "
-          f"{floor / bound:.3f}x the bound ({'below' if floor <= args.target * bound else 'above'}"
-          f" the {args.target:g}x target); wall {time.perf_counter() - t0:.0f} s")
+    print(
+        f"\nshortest makespan of any policy at any training speed: {floor / 3600:.3f} h = "
+        f"{floor / bound:.3f}x the bound ({'below' if floor <= args.target * bound else 'above'}"
+        f" the {args.target:g}x target); wall {time.perf_counter() - t0:.0f} s"
+    )
     return 0
 
 

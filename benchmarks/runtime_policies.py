@@ -17,8 +17,16 @@ import statistics
 from tidal.config import PolicyConfig, RunConfig, load_yaml, validate_model
 from tidal.runtime.driver import Runtime
 
-KEYS = ("run_time_s", "bursts_s", "switches_to_training", "switches_to_rollout",
-        "rerouted_requests", "failed_requests", "lost_executions", "mean_reward")
+KEYS = (
+    "run_time_s",
+    "bursts_s",
+    "switches_to_training",
+    "switches_to_rollout",
+    "rerouted_requests",
+    "failed_requests",
+    "lost_executions",
+    "mean_reward",
+)
 
 
 def main() -> None:
@@ -37,8 +45,10 @@ def main() -> None:
             name = spec.replace(":", "_").replace("=", "")
             summary = Runtime(validate_model(RunConfig, data), f"{args.out}/{name}-{r}").run()
             times.setdefault(spec, []).append(summary["bursts_s"])
-            print(json.dumps({"policy": spec, "repeat": r, **{k: summary[k] for k in KEYS}}),
-                  flush=True)
+            print(
+                json.dumps({"policy": spec, "repeat": r, **{k: summary[k] for k in KEYS}}),
+                flush=True,
+            )
     means = {k: statistics.mean(v) for k, v in times.items()}
     print(json.dumps({"mean_bursts_s": means}))
     if len(means) == 2:

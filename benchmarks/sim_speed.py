@@ -32,26 +32,34 @@ def main(argv: list[str] | None = None) -> int:
     sc = S.load(args.scenario)
     if args.scale != 1.0:
         sc = sc.scaled(args.scale)
-    gpus = sum(c.gpus for c in sc.cluster.cell_specs()) + \
-        sc.cluster.standalone_count * sc.cluster.standalone_gpus
-    print(f"{sc.name} x{args.scale:g}: {gpus} GPUs, {len(sc.cluster.cell_specs())} cells, "
-          f"{sc.cluster.standalone_count} standalone engines, batch {sc.control.batch_groups} "
-          f"groups, {sc.total_steps} steps")
+    gpus = (
+        sum(c.gpus for c in sc.cluster.cell_specs())
+        + sc.cluster.standalone_count * sc.cluster.standalone_gpus
+    )
+    print(
+        f"{sc.name} x{args.scale:g}: {gpus} GPUs, {len(sc.cluster.cell_specs())} cells, "
+        f"{sc.cluster.standalone_count} standalone engines, batch {sc.control.batch_groups} "
+        f"groups, {sc.total_steps} steps"
+    )
     t0, c0 = time.perf_counter(), time.process_time()
     bound = oracle_bound(sc)
     o_wall, o_cpu = time.perf_counter() - t0, time.process_time() - c0
-    print(f"{'oracle':<14} wall {o_wall:6.1f} s  cpu {o_cpu:6.1f} s  bound "
-          f"{bound.makespan_s / 3600:.2f} h")
+    print(
+        f"{'oracle':<14} wall {o_wall:6.1f} s  cpu {o_cpu:6.1f} s  bound "
+        f"{bound.makespan_s / 3600:.2f} h"
+    )
     total_wall, total_cpu = o_wall, o_cpu
     for spec in args.policy or ["tidal"]:
         t0, c0 = time.perf_counter(), time.process_time()
         world = World(sc, spec, keep_log=False).run()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         n_exec = world.ledger.total.dispatched
-        print(f"{spec:<14} wall {wall:6.1f} s  cpu {cpu:6.1f} s  events {world.events:>9,}  "
-              f"{world.events / wall:>9,.0f} events/s  controller events "
-              f"{world.controller.events_handled:>8,}  executions {n_exec:,}  "
-              f"virtual {world.makespan_s / 3600:.2f} h")
+        print(
+            f"{spec:<14} wall {wall:6.1f} s  cpu {cpu:6.1f} s  events {world.events:>9,}  "
+            f"{world.events / wall:>9,.0f} events/s  controller events "
+            f"{world.controller.events_handled:>8,}  executions {n_exec:,}  "
+            f"virtual {world.makespan_s / 3600:.2f} h"
+        )
         total_wall += wall
         total_cpu += cpu
     print(f"{'total':<14} wall {total_wall:6.1f} s  cpu {total_cpu:6.1f} s  (oracle included)")

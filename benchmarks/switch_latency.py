@@ -41,36 +41,64 @@ async def _wait_inflight(c: httpx.AsyncClient, eid: str, n: int, timeout_s: floa
     raise TimeoutError(f"{eid}: {n} calls not in flight within {timeout_s} s")
 
 
-async def switch(c: httpx.AsyncClient, host: Any, backend: str, url: str, weights: str,
-                 calls: int, max_tokens: int) -> dict[str, Any]:
+async def switch(
+    c: httpx.AsyncClient,
+    host: Any,
+    backend: str,
+    url: str,
+    weights: str,
+    calls: int,
+    max_tokens: int,
+) -> dict[str, Any]:
     """One full switch of the cell ``host`` (serving at ``url``) with ``calls`` live calls."""
-    r = await c.post("/tidal/engines", headers=H, json={
-        "id": "cell", "url": url, "backend": backend, "kind": "cell", "cap": calls})
+    r = await c.post(
+        "/tidal/engines",
+        headers=H,
+        json={"id": "cell", "url": url, "backend": backend, "kind": "cell", "cap": calls},
+    )
     r.raise_for_status()
     await c.post("/tidal/engines/dest/drain", headers=H)  # the calls start on the cell
     stats0 = (await c.get("/tidal/stats", headers=H)).json()
-    live = [asyncio.create_task(c.post("/v1/completions", json={
-        "prompt": f"Count from {k} to {k + 50}:", "max_tokens": max_tokens,
-        "ignore_eos": True, "temperature": 1.0})) for k in range(calls)]
+    live = [
+        asyncio.create_task(
+            c.post(
+                "/v1/completions",
+                json={
+                    "prompt": f"Count from {k} to {k + 50}:",
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "temperature": 1.0,
+                },
+            )
+        )
+        for k in range(calls)
+    ]
     await _wait_inflight(c, "cell", calls, 120)
     await asyncio.sleep(3.0)  # every call is decoding
     await c.post("/tidal/engines/dest/undrain", headers=H)
     t: dict[str, Any] = {}
     t0 = time.perf_counter()
-    (await c.post("/tidal/engines/cell/drain", headers=H, params={"handoff": "false"})
-     ).raise_for_status()
+    (
+        await c.post("/tidal/engines/cell/drain", headers=H, params={"handoff": "false"})
+    ).raise_for_status()
     t["drain"] = time.perf_counter() - t0
     rss0 = engine_rss_mb(host)
-    for step, call in (("free", host.sleep), ("wake", host.wake),
-                       ("load", lambda: host.load_weights(weights, "v1"))):
+    for step, call in (
+        ("free", host.sleep),
+        ("wake", host.wake),
+        ("load", lambda: host.load_weights(weights, "v1")),
+    ):
         t0 = time.perf_counter()
         await asyncio.to_thread(call)
         t[step] = time.perf_counter() - t0
         if step == "free":
             t["rss_freed_mb"] = rss0 - engine_rss_mb(host)
     answers = [(await x) for x in live]  # every moved call ends at dest, as one answer
-    bad = [a.text[:200] for a in answers if a.status_code != 200
-           or a.json()["choices"][0]["finish_reason"] not in ("length", "stop")]
+    bad = [
+        a.text[:200]
+        for a in answers
+        if a.status_code != 200 or a.json()["choices"][0]["finish_reason"] not in ("length", "stop")
+    ]
     if bad:
         raise RuntimeError(f"{backend}: {len(bad)} moved calls did not end normally: {bad[0]}")
     stats = (await c.get("/tidal/stats", headers=H)).json()
@@ -82,8 +110,7 @@ async def switch(c: httpx.AsyncClient, host: Any, backend: str, url: str, weight
     (await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})).raise_for_status()
     t["rejoin"] = time.perf_counter() - t0  # admitted again, and its first call served
     await c.post("/tidal/engines/dest/undrain", headers=H)
-    (await c.delete("/tidal/engines/cell", headers=H, params={"drain": "false"})
-     ).raise_for_status()
+    (await c.delete("/tidal/engines/cell", headers=H, params={"drain": "false"})).raise_for_status()
     return t
 
 
@@ -99,8 +126,7 @@ def engine_rss_mb(host: Any) -> float:
 
 
 def _row(name: str, cols: list[Any]) -> str:
-    cells = [("-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v))
-             for v in cols]
+    cells = [("-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)) for v in cols]
     return f"{name:<18}" + "".join(f"{x:>12}" for x in cells)
 
 
@@ -130,11 +156,16 @@ async def main_async(args: argparse.Namespace) -> int:
             p.mul_(1 + 0.01 * torch.randn_like(p))
     pub.publish(1, layout.params_to_flat(model))
     del model
-    hosts = {"builtin": EngineHost("cell-builtin", model_dir, args.calls, str(work),
-                                   served="tidal"),
-             "vllm": VLLMCellHost("cell-vllm", model_dir, args.calls, str(work), {
-                 "python": vllm_python, "kv_cache_gb": args.kv_cache_gb,
-                 "max_model_len": 1024})}
+    hosts = {
+        "builtin": EngineHost("cell-builtin", model_dir, args.calls, str(work), served="tidal"),
+        "vllm": VLLMCellHost(
+            "cell-vllm",
+            model_dir,
+            args.calls,
+            str(work),
+            {"python": vllm_python, "kv_cache_gb": args.kv_cache_gb, "max_model_len": 1024},
+        ),
+    }
     proxy = start_proxy([], [], TOKEN, kv_handoff=False, log_path=work / "proxy.log")
     dest = start_engine(model_dir, name="tidal", log_path=work / "dest.log")
     results: dict[str, dict[str, Any]] = {}
@@ -142,20 +173,28 @@ async def main_async(args: argparse.Namespace) -> int:
         proxy.wait_healthy(60)
         dest.wait_healthy(300)
         async with httpx.AsyncClient(base_url=proxy.url, timeout=600) as c:
-            (await c.post("/tidal/engines", headers=H, json={
-                "id": "dest", "url": dest.url, "cap": 4 * args.calls})).raise_for_status()
+            (
+                await c.post(
+                    "/tidal/engines",
+                    headers=H,
+                    json={"id": "dest", "url": dest.url, "cap": 4 * args.calls},
+                )
+            ).raise_for_status()
             for backend, host in hosts.items():
                 url = await asyncio.to_thread(host.start, 600)
-                results[backend] = await switch(c, host, backend, url, pub.path(1), args.calls,
-                                                args.max_tokens)
+                results[backend] = await switch(
+                    c, host, backend, url, pub.path(1), args.calls, args.max_tokens
+                )
                 await asyncio.to_thread(host.stop)  # one server at a time in memory
     finally:
         for host in hosts.values():
             host.stop()
         dest.stop()
         proxy.stop()
-    print(f"one cell's role switch, seconds per step ({args.calls} live calls moved, SmolLM2, "
-          "CPU; restore/offload: the core trainer stays in host memory here)")
+    print(
+        f"one cell's role switch, seconds per step ({args.calls} live calls moved, SmolLM2, "
+        "CPU; restore/offload: the core trainer stays in host memory here)"
+    )
     print(_row("step", list(results)))
     for step in STEPS:
         print(_row(step, [results[b].get(step) for b in results]))

@@ -58,8 +58,14 @@ def one(variant: str, model_dir: str, args: argparse.Namespace) -> dict:
         worker = GradientWorker(0, model.to(device), GRPOLossConfig())
     else:
         ranks = int(variant[-1])
-        cell, procs = start_cell(model, device, ShardConfig(ranks=ranks), GRPOLossConfig(), 0,
-                                 OptimizerSpec("adamw", 1e-5, 0.0))
+        cell, procs = start_cell(
+            model,
+            device,
+            ShardConfig(ranks=ranks),
+            GRPOLossConfig(),
+            0,
+            OptimizerSpec("adamw", 1e-5, 0.0),
+        )
         worker = ShardedWorker(0, cell)
     times = []
     for i in range(args.repeats + 1):
@@ -70,8 +76,12 @@ def one(variant: str, model_dir: str, args: argparse.Namespace) -> dict:
             torch.cuda.synchronize(device)
         if i:  # the first is the warm-up
             times.append(time.perf_counter() - t0)
-    out = {"variant": variant, "tok_s": tokens / min(times), "tokens": tokens,
-           "peak_mib": [vm_hwm_mib()] + [vm_hwm_mib(p.pid) for p in procs]}
+    out = {
+        "variant": variant,
+        "tok_s": tokens / min(times),
+        "tokens": tokens,
+        "peak_mib": [vm_hwm_mib()] + [vm_hwm_mib(p.pid) for p in procs],
+    }
     if device.type == "cuda":
         out["peak_mib"] = [torch.cuda.max_memory_allocated(device) / 2**20]
     if cell is not None:
@@ -98,8 +108,11 @@ def publication(cell, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     dst.copy_(src)
     memcpy_s = time.perf_counter() - t0
-    return {"publish_gb_s": nbytes / best / 1e9, "memcpy_gb_s": nbytes / memcpy_s / 1e9,
-            "weights_mib": nbytes / 2**20}
+    return {
+        "publish_gb_s": nbytes / best / 1e9,
+        "memcpy_gb_s": nbytes / memcpy_s / 1e9,
+        "weights_mib": nbytes / 2**20,
+    }
 
 
 def main() -> None:
@@ -120,28 +133,50 @@ def main() -> None:
         if model_dir == "tiny":
             from tidal.models import create_tiny
 
-            model_dir = str(create_tiny(Path(tmp) / "tiny", seed=0, n_layers=4, d_model=256,
-                                        n_heads=4, max_seq_len=1024))
+            model_dir = str(
+                create_tiny(
+                    Path(tmp) / "tiny", seed=0, n_layers=4, d_model=256, n_heads=4, max_seq_len=1024
+                )
+            )
         rows = []
         for variant in VARIANTS:
-            cmd = [sys.executable, __file__, "--one", variant, "--model", model_dir,
-                   "--seqs", str(args.seqs), "--seq-len", str(args.seq_len), "--repeats",
-                   str(args.repeats), "--threads", str(args.threads), "--device", args.device]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                variant,
+                "--model",
+                model_dir,
+                "--seqs",
+                str(args.seqs),
+                "--seq-len",
+                str(args.seq_len),
+                "--repeats",
+                str(args.repeats),
+                "--threads",
+                str(args.threads),
+                "--device",
+                args.device,
+            ]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
             if done.returncode:
                 sys.exit(f"{variant} failed:\n{done.stderr[-3000:]}")
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     base = rows[0]["tok_s"]
-    print(f"model {args.model}, micro-step of {args.seqs} x {args.seq_len} tokens "
-          f"({rows[0]['tokens']} trainable), {args.threads} thread(s) per rank, {args.device}")
+    print(
+        f"model {args.model}, micro-step of {args.seqs} x {args.seq_len} tokens "
+        f"({rows[0]['tokens']} trainable), {args.threads} thread(s) per rank, {args.device}"
+    )
     print(f"{'variant':<8} {'trainable tok/s':>16} {'vs plain':>9}  peak MiB per rank")
     for r in rows:
         peaks = ", ".join(f"{m:.0f}" for m in r["peak_mib"])
         print(f"{r['variant']:<8} {r['tok_s']:>16.0f} {r['tok_s'] / base:>8.2f}x  {peaks}")
     for r in rows[1:]:
-        print(f"{r['variant']}: publication of {r['weights_mib']:.1f} MiB streamed at "
-              f"{r['publish_gb_s']:.2f} GB/s (memcpy {r['memcpy_gb_s']:.2f} GB/s, ratio "
-              f"{r['publish_gb_s'] / r['memcpy_gb_s']:.3f})")
+        print(
+            f"{r['variant']}: publication of {r['weights_mib']:.1f} MiB streamed at "
+            f"{r['publish_gb_s']:.2f} GB/s (memcpy {r['memcpy_gb_s']:.2f} GB/s, ratio "
+            f"{r['publish_gb_s'] / r['memcpy_gb_s']:.3f})"
+        )
 
 
 if __name__ == "__main__":

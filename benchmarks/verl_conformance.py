@@ -24,12 +24,14 @@ def main() -> None:
     ns = verl_wheel.load_dynamic_schedule()
     print(f"verl {verl_wheel.VERL_VERSION} ({ns.root}), {a.sequences} sequences per policy")
     for name in vc.VERL_NAMES:
-        print(vc.compare(ns, name, lambda n, r, oh: HOOKS[n](r, oh), a.sequences,
-                         a.seed).line())
+        print(vc.compare(ns, name, lambda n, r, oh: HOOKS[n](r, oh), a.sequences, a.seed).line())
     clock = vc._Clock()
     switch_cls, mode = verl_wheel.load_switch(vc.switch_env(clock))
-    print(vc.compare_switch(switch_cls, mode, verl_wheel.load_switch_config(), clock,
-                            a.sequences, a.seed).line())
+    print(
+        vc.compare_switch(
+            switch_cls, mode, verl_wheel.load_switch_config(), clock, a.sequences, a.seed
+        ).line()
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,12 @@ class Recorder:
 
     def __getattr__(self, name):
         attr = getattr(self.hooks, name)
-        if name not in ("should_deactivate", "deactivate_wait_samples",
-                        "should_activate_after_step", "update_after_step"):
+        if name not in (
+            "should_deactivate",
+            "deactivate_wait_samples",
+            "should_activate_after_step",
+            "update_after_step",
+        ):
             return attr
 
         def call(*args):
@@ -34,17 +38,25 @@ class Recorder:
             m = c.metrics
             budget = m.budget_groups or 0
             pending = c.pending_dispatch // max(1, self.world.group_size)
-            stats = {"monitor/active_tasks_size": m.active_groups,
-                     "monitor/queue/mq_queue_size": c.ledger.ready_unassigned,
-                     "static/max_concurrent_samples": m.capacity_groups(
-                         c.cells.rollout_capacity),
-                     "static/max_required_samples": budget,
-                     "count/staleness_samples": max(0, budget - pending),
-                     "count/total_generated_samples": c.ledger.groups_ready_total}
+            stats = {
+                "monitor/active_tasks_size": m.active_groups,
+                "monitor/queue/mq_queue_size": c.ledger.ready_unassigned,
+                "static/max_concurrent_samples": m.capacity_groups(c.cells.rollout_capacity),
+                "static/max_required_samples": budget,
+                "count/staleness_samples": max(0, budget - pending),
+                "count/total_generated_samples": c.ledger.groups_ready_total,
+            }
             out = attr(*args)
-            self.lines.append({"t": round(self.world.now, 3), "hook": name, "args": head,
-                               "ctx": dataclasses.asdict(ctx), "stats": stats,
-                               "verl_default": out})
+            self.lines.append(
+                {
+                    "t": round(self.world.now, 3),
+                    "hook": name,
+                    "args": head,
+                    "ctx": dataclasses.asdict(ctx),
+                    "stats": stats,
+                    "verl_default": out,
+                }
+            )
             return out
 
         return call
@@ -64,8 +76,10 @@ def main() -> None:
     hooks = {}
     for x in lines:
         hooks[x["hook"]] = hooks.get(x["hook"], 0) + 1
-    print(f"{len(lines)} hook calls from {a.bursts} versions of dapo-math-32gpu "
-          f"(verl-default): {hooks} -> {a.out}")
+    print(
+        f"{len(lines)} hook calls from {a.bursts} versions of dapo-math-32gpu "
+        f"(verl-default): {hooks} -> {a.out}"
+    )
 
 
 if __name__ == "__main__":

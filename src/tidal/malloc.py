@@ -53,7 +53,8 @@ def tune() -> int | None:
     if threshold is None or platform.libc_ver()[0] != "glibc":
         return None
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    if not (libc.mallopt(_M_MMAP_THRESHOLD, threshold)
-            and libc.mallopt(_M_TRIM_THRESHOLD, threshold)):
+    if not (
+        libc.mallopt(_M_MMAP_THRESHOLD, threshold) and libc.mallopt(_M_TRIM_THRESHOLD, threshold)
+    ):
         return None  # glibc refused (it keeps its defaults): nothing to undo
     return threshold

@@ -29,9 +29,11 @@ if TYPE_CHECKING:
     from tidal.json_types import JSON
 
 # verl's per-version metrics, on the final step of each burst (``dynamic_resource/*``)
-UTIL_KEYS = {"train": "dynamic_resource/train_resource_utilization",
-             "rollout": "dynamic_resource/rollout_resource_utilization",
-             "cluster": "dynamic_resource/resource_utilization"}
+UTIL_KEYS = {
+    "train": "dynamic_resource/train_resource_utilization",
+    "rollout": "dynamic_resource/rollout_resource_utilization",
+    "cluster": "dynamic_resource/resource_utilization",
+}
 GENERATED_KEY = "fully_async/rollouter/step_generated_samples"
 
 _METRIC_KEYS = ("t", "burst", "step", "mean_reward")
@@ -61,8 +63,10 @@ class RunData:
     def rewards(self) -> tuple[list[int], list[float]]:
         """Optimizer steps and their mean rewards (metrics.jsonl, else the summary's list)."""
         if self.metrics:
-            return ([int(m["step"]) for m in self.metrics],
-                    [float(m["mean_reward"]) for m in self.metrics])
+            return (
+                [int(m["step"]) for m in self.metrics],
+                [float(m["mean_reward"]) for m in self.metrics],
+            )
         per_step = self.summary.get("mean_reward_per_step") or []
         return list(range(len(per_step))), [float(r) for r in per_step]
 
@@ -94,13 +98,23 @@ class RunData:
             vals = [self.group_rewards[g] for gs in chunk for g in gs if g in self.group_rewards]
             if len(vals) < 2:
                 return None
-            parts.append((statistics.fmean(vals),
-                          statistics.stdev(vals) / len(vals) ** 0.5, len(vals)))
+            parts.append(
+                (statistics.fmean(vals), statistics.stdev(vals) / len(vals) ** 0.5, len(vals))
+            )
         (m1, se1, n1), (m2, se2, n2) = parts
-        se = (se1 ** 2 + se2 ** 2) ** 0.5
-        return {"steps_each": q, "first": m1, "first_se": se1, "first_groups": n1,
-                "last": m2, "last_se": se2, "last_groups": n2, "change": m2 - m1,
-                "change_se": se, "z": (m2 - m1) / se if se > 0 else None}
+        se = (se1**2 + se2**2) ** 0.5
+        return {
+            "steps_each": q,
+            "first": m1,
+            "first_se": se1,
+            "first_groups": n1,
+            "last": m2,
+            "last_se": se2,
+            "last_groups": n2,
+            "change": m2 - m1,
+            "change_se": se,
+            "z": (m2 - m1) / se if se > 0 else None,
+        }
 
     def n_steps(self) -> int:
         steps = self.summary.get("trainer_steps")
@@ -136,8 +150,10 @@ class RunData:
             gpus = sum(int(c.get("gpus", 0)) for c in cl["cells"])
             cells = f"{len(cl['cells'])} cells ({gpus} GPUs)"
         else:
-            cells = (f"{cl.get('cell_count', '?')} cells × {cl.get('cell_gpus', '?')} GPU "
-                     f"({cl.get('cell_slots', '?')} slots)")
+            cells = (
+                f"{cl.get('cell_count', '?')} cells × {cl.get('cell_gpus', '?')} GPU "
+                f"({cl.get('cell_slots', '?')} slots)"
+            )
         standalone = int(cl.get("standalone_count", 0) or 0)
         if standalone:
             cells += f" + {standalone} standalone engine{'s' if standalone > 1 else ''}"
@@ -145,12 +161,17 @@ class RunData:
         if isinstance(cfg.get("task"), dict):  # the task: section
             src, agent = cfg["task"].get("source") or {}, cfg["task"].get("agent") or {}
             kind, by = src.get("kind", "?"), agent.get("kind", "chat")
-            task = kind if kind in ("arithmetic", "workspace") and by == "chat" else (
-                f"{kind}{':' + src['name'] if src.get('name') else ''}, {by} agent")
-        return (f"policy `{self.policy}` · {cells} · model `{rt.get('model', '?')}` · "
-                f"task `{task}` · {ctl.get('bursts', '?')} bursts × "
-                f"{ctl.get('updates_per_burst', '?')} updates × {ctl.get('batch_groups', '?')} "
-                f"groups of {ctl.get('group_size', '?')}")
+            task = (
+                kind
+                if kind in ("arithmetic", "workspace") and by == "chat"
+                else (f"{kind}{':' + src['name'] if src.get('name') else ''}, {by} agent")
+            )
+        return (
+            f"policy `{self.policy}` · {cells} · model `{rt.get('model', '?')}` · "
+            f"task `{task}` · {ctl.get('bursts', '?')} bursts × "
+            f"{ctl.get('updates_per_burst', '?')} updates × {ctl.get('batch_groups', '?')} "
+            f"groups of {ctl.get('group_size', '?')}"
+        )
 
     def config_without_policy(self) -> dict[str, Any]:
         """The resolved config flattened to dotted keys, minus what names the run or policy."""
@@ -187,10 +208,14 @@ def burst_rows(run: RunData) -> list[dict[str, Any]]:
         lines = by_burst[burst]
         end = max(float(m["t"]) for m in lines)
         final = next((m for m in reversed(lines) if UTIL_KEYS["train"] in m), None)
-        row: dict[str, Any] = {"burst": burst, "steps": len(lines), "start_s": prev_end,
-                               "end_s": end,
-                               "time_s": None if prev_end is None else end - prev_end,
-                               "version": final.get("version") if final else None}
+        row: dict[str, Any] = {
+            "burst": burst,
+            "steps": len(lines),
+            "start_s": prev_end,
+            "end_s": end,
+            "time_s": None if prev_end is None else end - prev_end,
+            "version": final.get("version") if final else None,
+        }
         for name, key in UTIL_KEYS.items():
             row[f"{name}_utilization"] = final.get(key) if final else None
         row["generated_samples"] = final.get(GENERATED_KEY) if final else None
@@ -207,17 +232,23 @@ def load_run(path: str | Path) -> RunData:
     if not root.is_dir():
         raise ConfigError(str(root), "not a directory (give the run directory of `tidal run`)")
     if not (root / "summary.json").is_file():
-        raise ConfigError(str(root), "not a run directory: no summary.json (written by "
-                          "`tidal run` when the run ends)")
+        raise ConfigError(
+            str(root),
+            "not a run directory: no summary.json (written by `tidal run` when the run ends)",
+        )
     summary = _read_json(root / "summary.json")
     if not isinstance(summary, dict):
         raise ConfigError(str(root / "summary.json"), "not a JSON object")
     schema.check(schema.Summary, summary, str(root / "summary.json"))
-    return RunData(path=root, summary=summary, config=_read_config(root / "config.yaml"),
-                   metrics=read_jsonl(root / "metrics.jsonl", _METRIC_KEYS, schema.MetricsLine),
-                   states=read_jsonl(root / "state.jsonl", _STATE_KEYS, schema.StateLine),
-                   timeline=_read_timeline(root / "timeline.json"),
-                   group_rewards=_group_rewards(root / "executions.jsonl"))
+    return RunData(
+        path=root,
+        summary=summary,
+        config=_read_config(root / "config.yaml"),
+        metrics=read_jsonl(root / "metrics.jsonl", _METRIC_KEYS, schema.MetricsLine),
+        states=read_jsonl(root / "state.jsonl", _STATE_KEYS, schema.StateLine),
+        timeline=_read_timeline(root / "timeline.json"),
+        group_rewards=_group_rewards(root / "executions.jsonl"),
+    )
 
 
 def _group_rewards(path: Path) -> dict[str, float] | None:
@@ -240,8 +271,9 @@ def _read_json(path: Path) -> JSON:
         raise ConfigError(str(path), f"not valid JSON: {exc.msg} (line {exc.lineno})") from None
 
 
-def read_jsonl(path: Path, required: tuple[str, ...] = (),
-               model: type[BaseModel] | None = None) -> list[dict[str, Any]] | None:
+def read_jsonl(
+    path: Path, required: tuple[str, ...] = (), model: type[BaseModel] | None = None
+) -> list[dict[str, Any]] | None:
     """The objects of a JSONL file of a run directory (None if it is absent); a bad line, a
     missing ``required`` key or a value ``model`` (``tidal.contracts.run_files``) refuses is a
     ``ConfigError`` naming the file and line."""
@@ -308,8 +340,9 @@ def _read_timeline(path: Path) -> list[list[tuple[float, float, str]]] | None:
         try:
             out.append([(float(a), float(b), str(r)) for a, b, r in segs])
         except (TypeError, ValueError):
-            raise ConfigError(f"{path}: cells.{i}",
-                              "segments must be [start_s, end_s, role]") from None
+            raise ConfigError(
+                f"{path}: cells.{i}", "segments must be [start_s, end_s, role]"
+            ) from None
     return out
 
 

@@ -43,9 +43,13 @@ def load_module(where: str, field: str) -> ModuleType:
         ) from None
 
 
-def load_registering(group: str, modules: list[str] | tuple[str, ...], field: str,
-                     registered: Callable[[], Iterable[str]],
-                     unregister: Callable[[str], None]) -> None:
+def load_registering(
+    group: str,
+    modules: list[str] | tuple[str, ...],
+    field: str,
+    registered: Callable[[], Iterable[str]],
+    unregister: Callable[[str], None],
+) -> None:
     """``group``'s entry points (once), then each of ``modules`` (``field``, or ``field.i`` of
     several), each registering into one registry (``registered`` lists its names). A module
     refused part-way leaves nothing it registered (``unregister``): fixed, it loads again."""

@@ -29,9 +29,21 @@ def golden_lines(scenario: str, policy: str) -> list[dict]:
     factor, bursts = CASES[scenario]
     res = run_policy(load(scenario).scaled(factor, bursts=bursts), policy, check=True)
     s = res.summary
-    tail = {"type": "summary", **{k: s[k] for k in ("makespan_s", "switches", "reroutes",
-                                                   "reprefill_tokens", "trainer_steps",
-                                                   "dispatched", "finished")}}
+    tail = {
+        "type": "summary",
+        **{
+            k: s[k]
+            for k in (
+                "makespan_s",
+                "switches",
+                "reroutes",
+                "reprefill_tokens",
+                "trainer_steps",
+                "dispatched",
+                "finished",
+            )
+        },
+    }
     # the decisions and plans; plan steps and weight publications (records for trace.json) are
     # left out so the committed logs stay the decisions a change of policy would move
     records = [r for r in res.records if r["type"] not in ("step_done", "weights_published")]

@@ -76,11 +76,11 @@ def _memory() -> tuple[int, int]:
 
 async def _greedy(engine: Engine, prompts: list[list[int]], n: int, tag: str = "r"):
     async def one(i: int, p: list[int]):
-        req = GenerateRequest(f"{tag}{i}", p, SamplingParams(max_tokens=n, temperature=0,
-                                                             ignore_eos=True))
+        req = GenerateRequest(
+            f"{tag}{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        )
         chunks = [c async for c in engine.generate(req)]
-        return ([t for c in chunks for t in c.token_ids],
-                [lp for c in chunks for lp in c.logprobs])
+        return ([t for c in chunks for t in c.token_ids], [lp for c in chunks for lp in c.logprobs])
 
     return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
 
@@ -106,8 +106,7 @@ def _assert_same_greedy(cpu_model, prompts, ref, got) -> None:
                 top = cpu_model(torch.tensor([p + rt[:n]]))[0, -1].float().topk(2).values
             assert float(top[0] - top[1]) < 1e-3, f"tokens split at {n} without a tie"
         assert n > 0
-        torch.testing.assert_close(torch.tensor(gl[:n]), torch.tensor(rl[:n]),
-                                   atol=LP_ATOL, rtol=0)
+        torch.testing.assert_close(torch.tensor(gl[:n]), torch.tensor(rl[:n]), atol=LP_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["tiny", "llama"])
@@ -144,8 +143,7 @@ def test_sleep_frees_device_memory_and_wake_restores_outputs(tiny_dir, llama_dir
             again = await _greedy(engine, prompts, 12, f"b{level}")
             assert [t for t, _ in again] == [t for t, _ in first]
             for (_, la), (_, lb) in zip(again, first, strict=True):
-                torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), atol=1e-5,
-                                           rtol=0)
+                torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), atol=1e-5, rtol=0)
         await engine.stop()
 
     asyncio.run(main())
@@ -196,13 +194,17 @@ def test_engine_kv_handoff_from_device_engine_to_cpu_engine(tiny_dir):
             a.kv.pin("x", prompt + toks, cache)
             handle, covered = await b.import_kv(await a.export_kv("x"))
             assert covered == len(prompt) + len(toks)
-            req = GenerateRequest("y", prompt + toks, SamplingParams(
-                max_tokens=6, temperature=0, ignore_eos=True), kv_handle=handle)
+            req = GenerateRequest(
+                "y",
+                prompt + toks,
+                SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                kv_handle=handle,
+            )
             chunks = [c async for c in b.generate(req)]
             assert chunks[0].cached_tokens == covered - 1
             cont = [t for c in chunks for t in c.token_ids]
             [(ref, _)] = await _greedy(b, [prompt], 14, "r")
-            assert ref[: len(toks)] == toks and ref[len(toks):] == cont
+            assert ref[: len(toks)] == toks and ref[len(toks) :] == cont
         finally:
             await a.stop()
             await b.stop()
@@ -217,8 +219,9 @@ def _core(device: str, records, optimizer: str):
     from satellite_harness import make_core, trainer_config
 
     lr = 1e-2 if optimizer == "adamw" else 0.5
-    cfg = trainer_config().model_copy(update={"device": device, "optimizer": optimizer,
-                                              "lr": lr, "max_grad_norm": 1.0})
+    cfg = trainer_config().model_copy(
+        update={"device": device, "optimizer": optimizer, "lr": lr, "max_grad_norm": 1.0}
+    )
     core, buf = make_core(cfg, 0)
     for r in records:
         buf.add(r)
@@ -250,8 +253,7 @@ def test_trainer_step_on_device_matches_cpu(records):
             assert rc.group_ids == rd.group_ids
             assert rd.loss == pytest.approx(rc.loss, rel=1e-4, abs=1e-6)
             assert rd.grad_norm == pytest.approx(rc.grad_norm, rel=1e-4)
-        torch.testing.assert_close(params(dev.model).cpu(), params(cpu.model), atol=1e-5,
-                                   rtol=1e-4)
+        torch.testing.assert_close(params(dev.model).cpu(), params(cpu.model), atol=1e-5, rtol=1e-4)
         state = dev.state_dict()  # checkpoints are CPU tensors
         assert {t.device.type for t in state["model"].values()} == {"cpu"}
     finally:
@@ -312,12 +314,10 @@ def test_trainer_offload_and_onload_round_trip(records):
         core.offload()  # the next step brings it back by itself
         if ON_CUDA:  # the second offload copies into the first one's buffers: pinned once
             assert {t.data_ptr() for t in _state_tensors(core)} == pinned
-            assert all(torch.equal(a, b) for a, b in zip(_state_tensors(core), saved,
-                                                         strict=True))
+            assert all(torch.equal(a, b) for a, b in zip(_state_tensors(core), saved, strict=True))
         rc, rt = core.train_step(final=True), twin.train_step(final=True)
         assert rc.grad_norm == pytest.approx(rt.grad_norm, rel=1e-5)
-        torch.testing.assert_close(params(core.model), params(twin.model), atol=1e-6,
-                                   rtol=1e-5)
+        torch.testing.assert_close(params(core.model), params(twin.model), atol=1e-6, rtol=1e-5)
     finally:
         core.close()
         twin.close()
@@ -332,18 +332,31 @@ def test_satellite_on_device_joins_a_core_on_device(records):
     alone, _ = make_core(trainer_config().model_copy(update={"device": "cpu"}))
     core, buf = make_core(trainer_config().model_copy(update={"device": DEVICE}))
     addr = core.address()
-    cfg = SatelliteConfig(cell=1, rpc_port=addr["rpc_port"], store_port=addr["store_port"],
-                          authkey=addr["authkey"], model=ModelSpec(model_dir=str(harness_dir())),
-                          timeout_s=60.0, device=DEVICE)
-    proc = mp.get_context("spawn").Process(target=run_satellite, args=(cfg.model_dump_json(),),
-                                           daemon=True)
+    cfg = SatelliteConfig(
+        cell=1,
+        rpc_port=addr["rpc_port"],
+        store_port=addr["store_port"],
+        authkey=addr["authkey"],
+        model=ModelSpec(model_dir=str(harness_dir())),
+        timeout_s=60.0,
+        device=DEVICE,
+    )
+    proc = mp.get_context("spawn").Process(
+        target=run_satellite, args=(cfg.model_dump_json(),), daemon=True
+    )
     try:
         for r in records:
             alone.trajectories.add(r)
         expected = [alone.train_step(final=False), alone.train_step(final=True)]
         proc.start()
-        feeder = Feeder(buf, records, chunks=[2, 6, 8], gate=lambda i: i == 1 and wait_for(
-            lambda: ready(core, 1), 120, "the satellite to join step 0"))
+        feeder = Feeder(
+            buf,
+            records,
+            chunks=[2, 6, 8],
+            gate=lambda i: (
+                i == 1 and wait_for(lambda: ready(core, 1), 120, "the satellite to join step 0")
+            ),
+        )
         feeder.start()
         got = [core.train_step(final=False), core.train_step(final=True)]
         by_sat = [r.micro_steps_by_cell.get(1, 0) for r in got]
@@ -354,8 +367,9 @@ def test_satellite_on_device_joins_a_core_on_device(records):
         assert all(mb > 0 for mb in peaks.values())
         for g, e in zip(got, expected, strict=True):
             assert g.grad_norm == pytest.approx(e.grad_norm, rel=1e-4)
-        torch.testing.assert_close(params(core.model).cpu(), params(alone.model), atol=1e-5,
-                                   rtol=1e-4)
+        torch.testing.assert_close(
+            params(core.model).cpu(), params(alone.model), atol=1e-5, rtol=1e-4
+        )
     finally:
         core.close()
         alone.close()

@@ -30,16 +30,22 @@ VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
 SGLANG_PYTHON = os.environ.get("TIDAL_SGLANG_PYTHON")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not DEVICE.startswith("cuda") or not torch.cuda.is_available(),
-                       reason="GPU memory: needs a CUDA device"),
+    pytest.mark.skipif(
+        not DEVICE.startswith("cuda") or not torch.cuda.is_available(),
+        reason="GPU memory: needs a CUDA device",
+    ),
 ]
 
 
 def gpu_mb(pgid: int) -> float:
     """GPU memory (MiB) used by the processes of group ``pgid``, from ``nvidia-smi``."""
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                         check=True, timeout=30).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
     total = 0.0
     for line in out.strip().splitlines():
         pid, mb = (x.strip() for x in line.split(","))
@@ -68,8 +74,10 @@ def new_version(model_dir: str, tmp) -> tuple:
 def max_logprob_error(model, prompt: list[int], ids: list[int], lps: list[float]) -> float:
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0].float(), -1)
-    return max(abs(ref[len(prompt) - 1 + i, t].item() - lp)
-               for i, (t, lp) in enumerate(zip(ids, lps, strict=True)))
+    return max(
+        abs(ref[len(prompt) - 1 + i, t].item() - lp)
+        for i, (t, lp) in enumerate(zip(ids, lps, strict=True))
+    )
 
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON to a CUDA vLLM's python")
@@ -79,9 +87,14 @@ def test_vllm_cell_sleeps_wakes_and_loads_on_the_gpu(smollm2, tmp_path):
     from tidal.training.flat import ParamLayout
     from tidal.training.transport import FilePublisher
 
-    host = VLLMCellHost("c0", str(smollm2), 4, str(tmp_path), {
-        "python": VLLM_PYTHON, "kv_cache_gb": 1, "max_model_len": 1024,
-        "dtype": "float32"}, device="cuda")  # float32: the log-prob check below
+    host = VLLMCellHost(
+        "c0",
+        str(smollm2),
+        4,
+        str(tmp_path),
+        {"python": VLLM_PYTHON, "kv_cache_gb": 1, "max_model_len": 1024, "dtype": "float32"},
+        device="cuda",
+    )  # float32: the log-prob check below
     model, tok = new_version(str(smollm2), tmp_path)
     pub = FilePublisher(tmp_path / "w", ParamLayout.of(model))
     pub.publish(1, ParamLayout.of(model).params_to_flat(model))
@@ -96,11 +109,21 @@ def test_vllm_cell_sleeps_wakes_and_loads_on_the_gpu(smollm2, tmp_path):
         assert asleep <= 0.1 * awake
         host.wake()
         assert host.load_weights(str(pub.path(1)), "v1") == "v1"
-        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "model": "tidal", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-            "logprobs": 0, "return_token_ids": True}).json()["choices"][0]
-        assert max_logprob_error(model, prompt, r["token_ids"],
-                                 r["logprobs"]["token_logprobs"]) < 2e-2
+        r = httpx.post(
+            f"{url}/v1/completions",
+            timeout=120,
+            json={
+                "model": "tidal",
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": 0,
+                "return_token_ids": True,
+            },
+        ).json()["choices"][0]
+        assert (
+            max_logprob_error(model, prompt, r["token_ids"], r["logprobs"]["token_logprobs"]) < 2e-2
+        )
     finally:
         host.stop()
 
@@ -114,8 +137,14 @@ def test_sglang_cell_releases_resumes_and_loads_on_the_gpu(smollm2, tmp_path):
     from tidal.training.flat import ParamLayout
     from tidal.training.transport import FilePublisher
 
-    host = SGLangCellHost("c0", str(smollm2), 4, str(tmp_path), {
-        "python": SGLANG_PYTHON, "mem_fraction": 0.3, "dtype": "float32"}, device="cuda")
+    host = SGLangCellHost(
+        "c0",
+        str(smollm2),
+        4,
+        str(tmp_path),
+        {"python": SGLANG_PYTHON, "mem_fraction": 0.3, "dtype": "float32"},
+        device="cuda",
+    )
     model, tok = new_version(str(smollm2), tmp_path)
     pub = FilePublisher(tmp_path / "w", ParamLayout.of(model))
     pub.publish(1, ParamLayout.of(model).params_to_flat(model))
@@ -125,8 +154,9 @@ def test_sglang_cell_releases_resumes_and_loads_on_the_gpu(smollm2, tmp_path):
         adapter = SGLangAdapter(url, api_key=os.environ.get("TIDAL_ENGINE_TOKEN"))
         ids, lps = [], []
         try:
-            async for chunk in adapter.generate(GenerateRequest("g1", prompt, SamplingParams(
-                    max_tokens=8, temperature=0.0))):
+            async for chunk in adapter.generate(
+                GenerateRequest("g1", prompt, SamplingParams(max_tokens=8, temperature=0.0))
+            ):
                 ids += chunk.token_ids
                 lps += chunk.logprobs
                 assert set(chunk.versions) <= {"v1"}
@@ -140,8 +170,10 @@ def test_sglang_cell_releases_resumes_and_loads_on_the_gpu(smollm2, tmp_path):
         awake = gpu_mb(pgid)
         host.sleep()  # pause, release_memory_occupation; measured by the host too
         asleep = gpu_mb(pgid)
-        print(f"SGLang GPU memory: {awake:.0f} MiB awake, {asleep:.0f} MiB asleep; "
-              f"host measured {host.describe()['memory']}")
+        print(
+            f"SGLang GPU memory: {awake:.0f} MiB awake, {asleep:.0f} MiB asleep; "
+            f"host measured {host.describe()['memory']}"
+        )
         assert asleep <= 0.1 * awake
         host.wake()
         assert host.load_weights(pub.path(1), "v1") == "v1"  # read back from the server

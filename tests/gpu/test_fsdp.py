@@ -17,8 +17,9 @@ import torch
 DEVICE = os.environ.get("TIDAL_TEST_DEVICE", "cuda")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
-                       reason="no CUDA device"),
+    pytest.mark.skipif(
+        DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="no CUDA device"
+    ),
 ]
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration" / "training"))
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -30,8 +31,9 @@ def one_step(records, device: str, precision: str):
     from tidal.training.sharded import ShardConfig
 
     # SGD: the update is the gradient itself (AdamW's first step would be lr * sign(g))
-    cfg = trainer_config(groups_per_step=4).model_copy(update={
-        "device": device, "shard": ShardConfig(ranks=1, mixed_precision=precision)})
+    cfg = trainer_config(groups_per_step=4).model_copy(
+        update={"device": device, "shard": ShardConfig(ranks=1, mixed_precision=precision)}
+    )
     core, buf = make_core(cfg)
     try:
         for r in records:

@@ -85,8 +85,10 @@ def test_cuda_ipc_hands_the_trainers_tensors_to_an_engine_bit_for_bit():
     child.join(60)
     assert status == "ok", version
     assert version == "v7" and hashes == _sha(named)
-    print(f"IPC load of {sum(t.numel() for t in named.values()) * 4 / 1e9:.2f} GB: "
-          f"pause {pause_s:.3f} s")
+    print(
+        f"IPC load of {sum(t.numel() for t in named.values()) * 4 / 1e9:.2f} GB: "
+        f"pause {pause_s:.3f} s"
+    )
 
 
 def test_a_segment_written_from_device_tensors_is_the_exact_cast(tmp_path):
@@ -115,8 +117,9 @@ def test_level_one_sleep_keeps_pinned_buffers_across_sleeps():
 
     async def greedy(engine, tag):
         async def one(i, p):
-            req = GenerateRequest(f"{tag}{i}", p, SamplingParams(max_tokens=8, temperature=0,
-                                                                 ignore_eos=True))
+            req = GenerateRequest(
+                f"{tag}{i}", p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+            )
             return [t for c in [c async for c in engine.generate(req)] for t in c.token_ids]
 
         return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])

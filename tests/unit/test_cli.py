@@ -14,8 +14,14 @@ def test_policies_one_line_each(capsys):
     assert main(["policies"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == len(registered())
-    for name in ("waterlevel", "verl-default", "verl-fixed-ratio", "verl-static", "static",
-                 "colocate"):
+    for name in (
+        "waterlevel",
+        "verl-default",
+        "verl-fixed-ratio",
+        "verl-static",
+        "static",
+        "colocate",
+    ):
         assert any(line.startswith(name + " ") for line in lines)
 
 

@@ -21,17 +21,28 @@ def test_every_command_and_option_has_help_text():
     assert missing == []
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["engine", "--model", ".", "--port", "99999"],
-     "Invalid value for --port: Input should be less than or equal to 65535 "
-     "(see `tidal engine -h`)"),
-    (["proxy", "--port", "0"],
-     "Invalid value for --port: Input should be greater than or equal to 1"),
-    (["simulate", "dapo-math-32gpu", "--policy", "waterlevel:bogus=1"],
-     "policy.args.bogus: waterlevel takes no argument 'bogus' (it takes: core_may_stay)"),
-    (["run", "configs/tiny.yaml", "--policy", "static:bogus=1"],
-     "policy.args.bogus: static takes no argument 'bogus' (it takes: train, cells)"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["engine", "--model", ".", "--port", "99999"],
+            "Invalid value for --port: Input should be less than or equal to 65535 "
+            "(see `tidal engine -h`)",
+        ),
+        (
+            ["proxy", "--port", "0"],
+            "Invalid value for --port: Input should be greater than or equal to 1",
+        ),
+        (
+            ["simulate", "dapo-math-32gpu", "--policy", "waterlevel:bogus=1"],
+            "policy.args.bogus: waterlevel takes no argument 'bogus' (it takes: core_may_stay)",
+        ),
+        (
+            ["run", "configs/tiny.yaml", "--policy", "static:bogus=1"],
+            "policy.args.bogus: static takes no argument 'bogus' (it takes: train, cells)",
+        ),
+    ],
+)
 def test_bad_values_are_one_line(argv, message, capsys, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     assert main(argv) == 2

@@ -64,8 +64,12 @@ def test_wall_clock_waits_block_for_real():
 
 def test_the_coordinators_join_wait_ends_on_a_manual_clock():
     clock = ManualClock()
-    coord = Coordinator(CoordinatorConfig(join_timeout_s=600.0),
-                        PackingBuffer(PackingConfig(token_budget=64), clock), None, clock)
+    coord = Coordinator(
+        CoordinatorConfig(join_timeout_s=600.0),
+        PackingBuffer(PackingConfig(token_budget=64), clock),
+        None,
+        clock,
+    )
     t0 = time.monotonic()
     with pytest.raises(TimeoutExpired, match="no join window within 600"):
         coord._op_join(_Sat(cell=1, incarnation="x"), {})

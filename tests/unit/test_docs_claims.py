@@ -29,26 +29,36 @@ DOC_FILES = [
 _TEST_REF = re.compile(r"\btests/[\w/.-]+\.py(?:::\w+)?")
 _EVIDENCE = re.compile(r"\b(?:tests|benchmarks)/[\w/.-]+")
 _TESTED = re.compile(r"\b(?:tested|verified)\b", re.IGNORECASE)
-_NEGATED = re.compile(r"\b(?:not|never|un)\b[^.]*\b(?:tested|verified|run)\b|\buntested\b",
-                      re.IGNORECASE)
+_NEGATED = re.compile(
+    r"\b(?:not|never|un)\b[^.]*\b(?:tested|verified|run)\b|\buntested\b", re.IGNORECASE
+)
 
 # capability (regex on a paragraph) -> what the paragraph must also say (regex), and why
 SCOPED = [
-    (r"KV (?:cache )?handoff|handing its KV|KV cache over",
-     r"built-in|re-?prefill|vLLM|kv_handoff|KV connector|cost model|simulator's mechanics|"
-     r"the mechanics",
-     "a rerouted call keeps its KV on the built-in engine, and on vLLM within one node (tidal's "
-     "KV connector); other moves re-prefill"),
-    (r"SGLang[^.]*\b(?:GPU|tested)\b[^.]*\b(?:tested|GPU)\b|\btested\b[^.]*\bGPU\b[^.]*SGLang",
-     r"skipped|not run|has not run|not yet",
-     "the SGLang GPU test has been skipped on every GPU machine so far (docs/gpu.md)"),
-    (r"cluster of (?:separate )?machines|several machines|multiple machines",
-     r"one host|one machine|namespaces|not been run|would have to",
-     "clusters were tested on one host's network namespaces only"),
-    (r"receive weights by (?:shared memory|CUDA IPC)|published to engines \((?:shared memory|CUDA)",
-     r"does not use|not wired|node|fallback",
-     "tidal run publishes by shared memory on the driver's node and a broadcast to other nodes; "
-     "CUDA IPC is written but not used by tidal run"),
+    (
+        r"KV (?:cache )?handoff|handing its KV|KV cache over",
+        r"built-in|re-?prefill|vLLM|kv_handoff|KV connector|cost model|simulator's mechanics|"
+        r"the mechanics",
+        "a rerouted call keeps its KV on the built-in engine, and on vLLM within one node (tidal's "
+        "KV connector); other moves re-prefill",
+    ),
+    (
+        r"SGLang[^.]*\b(?:GPU|tested)\b[^.]*\b(?:tested|GPU)\b|\btested\b[^.]*\bGPU\b[^.]*SGLang",
+        r"skipped|not run|has not run|not yet",
+        "the SGLang GPU test has been skipped on every GPU machine so far (docs/gpu.md)",
+    ),
+    (
+        r"cluster of (?:separate )?machines|several machines|multiple machines",
+        r"one host|one machine|namespaces|not been run|would have to",
+        "clusters were tested on one host's network namespaces only",
+    ),
+    (
+        r"receive weights by (?:shared memory|CUDA IPC)"
+        r"|published to engines \((?:shared memory|CUDA)",
+        r"does not use|not wired|node|fallback",
+        "tidal run publishes by shared memory on the driver's node and a broadcast to other nodes; "
+        "CUDA IPC is written but not used by tidal run",
+    ),
 ]
 
 
@@ -58,8 +68,11 @@ def _prose(path: Path) -> str:
 
 def _paragraphs(path: Path) -> list[str]:
     """Its paragraphs, one line each (headings left out: a title names, it claims nothing)."""
-    return [" ".join(p.split()) for p in re.split(r"\n\s*\n", _prose(path))
-            if p.strip() and not p.lstrip().startswith("#")]
+    return [
+        " ".join(p.split())
+        for p in re.split(r"\n\s*\n", _prose(path))
+        if p.strip() and not p.lstrip().startswith("#")
+    ]
 
 
 def _sentences(paragraph: str) -> list[str]:
@@ -78,23 +91,30 @@ def test_every_test_a_doc_cites_exists():
             target = ROOT / file
             if not target.is_file():
                 missing.append(f"{_where(path)}: {ref} (no such file)")
-            elif name and not re.search(rf"^\s*(?:async )?def {name}\(", target.read_text(),
-                                        re.M):
+            elif name and not re.search(rf"^\s*(?:async )?def {name}\(", target.read_text(), re.M):
                 missing.append(f"{_where(path)}: {ref} (no such test)")
     assert not missing, missing
 
 
 def test_a_sentence_saying_tested_names_its_test():
-    bare = [f"{_where(path)}: {s[:160]}" for path in DOC_FILES for p in _paragraphs(path)
-            for s in _sentences(p)
-            if _TESTED.search(s) and not _EVIDENCE.search(s) and not _NEGATED.search(s)]
+    bare = [
+        f"{_where(path)}: {s[:160]}"
+        for path in DOC_FILES
+        for p in _paragraphs(path)
+        for s in _sentences(p)
+        if _TESTED.search(s) and not _EVIDENCE.search(s) and not _NEGATED.search(s)
+    ]
     assert not bare, bare
 
 
 @pytest.mark.parametrize(("claim", "scope", "why"), SCOPED, ids=[s[2][:40] for s in SCOPED])
 def test_a_capability_states_its_scope(claim, scope, why):
-    over = [f"{_where(path)}: {p[:200]}" for path in DOC_FILES for p in _paragraphs(path)
-            if re.search(claim, p) and not re.search(scope, p)]
+    over = [
+        f"{_where(path)}: {p[:200]}"
+        for path in DOC_FILES
+        for p in _paragraphs(path)
+        if re.search(claim, p) and not re.search(scope, p)
+    ]
     assert not over, (why, over)
 
 

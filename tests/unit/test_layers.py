@@ -26,15 +26,21 @@ def _package(name: str) -> list[Path]:
 
 
 def test_sim_never_imports_viz():
-    bad = {str(p.relative_to(SRC)): sorted(n for n in _imports(p) if n.startswith("tidal.viz"))
-           for p in _package("sim")}
+    bad = {
+        str(p.relative_to(SRC)): sorted(n for n in _imports(p) if n.startswith("tidal.viz"))
+        for p in _package("sim")
+    }
     assert not {k: v for k, v in bad.items() if v}
 
 
 def test_config_never_builds_policies():
     names = _imports(SRC / "config.py")
-    assert not {n for n in names if n.startswith("tidal.control.factory")
-                or n.endswith(("make_policy", "build_policy", "build_controller"))}, names
+    assert not {
+        n
+        for n in names
+        if n.startswith("tidal.control.factory")
+        or n.endswith(("make_policy", "build_policy", "build_controller"))
+    }, names
 
 
 def _module_files(name: str, root: Path) -> list[Path]:
@@ -42,8 +48,10 @@ def _module_files(name: str, root: Path) -> list[Path]:
     each package's ``__init__.py`` on the way and the module itself; none for a name that is
     no module (``tidal.errors.ConfigError``, a name imported from one)."""
     parts = name.split(".")[1:]
-    if not (root.joinpath(*parts).with_suffix(".py").is_file()
-            or (root.joinpath(*parts) / "__init__.py").is_file()):
+    if not (
+        root.joinpath(*parts).with_suffix(".py").is_file()
+        or (root.joinpath(*parts) / "__init__.py").is_file()
+    ):
         return []
     files = [root.joinpath(*parts[:i]) / "__init__.py" for i in range(len(parts) + 1)]
     files.append(root.joinpath(*parts).with_suffix(".py"))
@@ -81,9 +89,12 @@ def test_the_reach_rule_sees_each_form(tmp_path):
     (pkg / "control" / "policy.py").write_text("")
     (pkg / "leaf.py").write_text("import os\n")
     (pkg / "mid.py").write_text("def f():\n    from tidal.control.policy import registered\n")
-    for code in ("import tidal.control.policy\n", "from tidal.control import policy\n",
-                 "def f():\n    from tidal.control.policy import registered\n",
-                 "from tidal.leaf import x\nfrom tidal.mid import f\n"):
+    for code in (
+        "import tidal.control.policy\n",
+        "from tidal.control import policy\n",
+        "def f():\n    from tidal.control.policy import registered\n",
+        "from tidal.leaf import x\nfrom tidal.mid import f\n",
+    ):
         (pkg / "config.py").write_text(code)
         assert "tidal.control.policy" in _reached(pkg / "config.py", pkg), code
     (pkg / "config.py").write_text("from tidal.leaf import x\nimport tidal.leaf\n")
@@ -94,14 +105,25 @@ def test_only_runtime_imports_ray():
     # integrations/verl.py runs inside verl's own Ray program and asks verl's rollouter actor
     # for its statistics: the one place outside runtime/ that may talk to Ray (lazily).
     allowed = {"runtime", "integrations"}
-    bad = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
-           if not allowed & set(p.relative_to(SRC).parts)
-           and any(n == "ray" or n.startswith("ray.") for n in _imports(p))]
+    bad = [
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if not allowed & set(p.relative_to(SRC).parts)
+        and any(n == "ray" or n.startswith("ray.") for n in _imports(p))
+    ]
     assert bad == []
 
 
-CLOCKS = {"time.time", "time.monotonic", "time.perf_counter", "time.time_ns",
-          "time.monotonic_ns", "time.sleep", "datetime.datetime.now", "datetime.now"}
+CLOCKS = {
+    "time.time",
+    "time.monotonic",
+    "time.perf_counter",
+    "time.time_ns",
+    "time.monotonic_ns",
+    "time.sleep",
+    "datetime.datetime.now",
+    "datetime.now",
+}
 IO_MODULES = {"httpx", "socket", "ray", "torch", "io", "subprocess", "requests", "urllib"}
 IO_METHODS = {"read_text", "write_text", "read_bytes", "write_bytes", "open", "unlink", "mkdir"}
 
@@ -134,9 +156,13 @@ def test_control_reads_no_wall_clock_and_does_no_io():
 
 
 def test_the_io_and_clock_rule_sees_each_form(tmp_path):
-    for code in ("from time import monotonic\n", "import time\nx = time.time()\n",
-                 "def f(p):\n    return open(p).read()\n", "def f(p):\n    p.write_text('x')\n",
-                 "import socket\n"):
+    for code in (
+        "from time import monotonic\n",
+        "import time\nx = time.time()\n",
+        "def f(p):\n    return open(p).read()\n",
+        "def f(p):\n    p.write_text('x')\n",
+        "import socket\n",
+    ):
         (tmp_path / "m.py").write_text(code)
         assert _io_and_clocks(tmp_path / "m.py"), code
     (tmp_path / "m.py").write_text("def f(clock):\n    return clock.now()\n")
@@ -145,8 +171,10 @@ def test_the_io_and_clock_rule_sees_each_form(tmp_path):
 
 def test_serving_never_imports_agents():
     """The proxy serves harnesses; harnesses (``agents``) build on it, never the reverse."""
-    bad = {str(p.relative_to(SRC)): sorted(n for n in _imports(p) if n.startswith("tidal.agents"))
-           for p in _package("serving")}
+    bad = {
+        str(p.relative_to(SRC)): sorted(n for n in _imports(p) if n.startswith("tidal.agents"))
+        for p in _package("serving")
+    }
     assert not {k: v for k, v in bad.items() if v}
 
 
@@ -157,25 +185,38 @@ CONTRACT_DEPS = ("tidal.contracts", "tidal.errors")
 
 
 def _tidal_and_heavy(names: set[str]) -> set[str]:
-    return {n for n in names if n.split(".")[0] in {"torch", "ray"}
-            or (n.split(".")[0] == "tidal" and not n.startswith(CONTRACT_DEPS))}
+    return {
+        n
+        for n in names
+        if n.split(".")[0] in {"torch", "ray"}
+        or (n.split(".")[0] == "tidal" and not n.startswith(CONTRACT_DEPS))
+    }
 
 
 def test_contracts_import_neither_torch_nor_ray_nor_another_tidal_package():
-    bad = {str(p.relative_to(SRC)): sorted(found) for p in _package("contracts")
-           if (found := _tidal_and_heavy(_imports(p)))}
+    bad = {
+        str(p.relative_to(SRC)): sorted(found)
+        for p in _package("contracts")
+        if (found := _tidal_and_heavy(_imports(p)))
+    }
     assert bad == {}
     # the error tree they raise is a leaf: it imports nothing of tidal
     assert not {n for n in _imports(SRC / "errors.py") if n.startswith("tidal")}
 
 
 def test_the_contracts_rule_sees_each_form(tmp_path):
-    for code in ("import torch\n", "from ray import remote\n", "from tidal.types import Role\n",
-                 "import tidal.serving.records\n"):
+    for code in (
+        "import torch\n",
+        "from ray import remote\n",
+        "from tidal.types import Role\n",
+        "import tidal.serving.records\n",
+    ):
         (tmp_path / "m.py").write_text(code)
         assert _tidal_and_heavy(_imports(tmp_path / "m.py")), code
-    (tmp_path / "m.py").write_text("from tidal.contracts.close import CloseReason\n"
-                                   "from tidal.errors import RecordError\nimport pydantic\n")
+    (tmp_path / "m.py").write_text(
+        "from tidal.contracts.close import CloseReason\n"
+        "from tidal.errors import RecordError\nimport pydantic\n"
+    )
     assert _tidal_and_heavy(_imports(tmp_path / "m.py")) == set()
 
 
@@ -184,12 +225,20 @@ def test_contracts_load_without_torch_or_ray():
     import subprocess
     import sys
 
-    modules = sorted(f"tidal.contracts.{p.stem}" for p in _package("contracts")
-                     if p.stem != "__init__")
-    code = (f"import sys, tidal.contracts, {', '.join(modules)}\n"
-            "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={"PYTHONPATH": str(SRC.parent)})
+    modules = sorted(
+        f"tidal.contracts.{p.stem}" for p in _package("contracts") if p.stem != "__init__"
+    )
+    code = (
+        f"import sys, tidal.contracts, {', '.join(modules)}\n"
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(SRC.parent)},
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -216,14 +265,21 @@ def _definitions(path: Path) -> list[str]:
 
 
 def test_no_second_model_of_a_call_an_execution_or_a_close_reason():
-    bad = {str(p.relative_to(SRC)): f for p in SRC.rglob("*.py")
-           if "contracts" not in p.relative_to(SRC).parts and (f := _definitions(p))}
+    bad = {
+        str(p.relative_to(SRC)): f
+        for p in SRC.rglob("*.py")
+        if "contracts" not in p.relative_to(SRC).parts and (f := _definitions(p))
+    }
     assert bad == {}
 
 
 def test_the_second_model_rule_sees_each_form(tmp_path):
-    for code in ("class ModelCall:\n    pass\n", "class TrainCallRecord(BaseModel):\n    x: int\n",
-                 "CLOSE_REASONS = ('completed',)\n", "def version_spans(v):\n    return v\n"):
+    for code in (
+        "class ModelCall:\n    pass\n",
+        "class TrainCallRecord(BaseModel):\n    x: int\n",
+        "CLOSE_REASONS = ('completed',)\n",
+        "def version_spans(v):\n    return v\n",
+    ):
         (tmp_path / "m.py").write_text(code)
         assert _definitions(tmp_path / "m.py"), code
 
@@ -233,8 +289,12 @@ def _policy_name_keys(path: Path, names: set[str]) -> list[str]:
     anywhere. (A scenario's data may name policies, e.g. its per-policy ``policy_args``: that
     is the user's input, not a lookup the simulator makes.)"""
     tree = ast.parse(path.read_text(), str(path))
-    in_tables = {id(d) for n in tree.body if isinstance(n, ast.Assign | ast.AnnAssign)
-                 and n.value is not None for d in ast.walk(n.value)}
+    in_tables = {
+        id(d)
+        for n in tree.body
+        if isinstance(n, ast.Assign | ast.AnnAssign) and n.value is not None
+        for d in ast.walk(n.value)
+    }
     found = []
     for node in ast.walk(tree):
         consts: list[ast.expr] = []
@@ -242,10 +302,17 @@ def _policy_name_keys(path: Path, names: set[str]) -> list[str]:
             consts = [k for k in node.keys if k is not None]
         elif isinstance(node, ast.Compare):
             consts = [node.left, *node.comparators]
-            consts += [e for c in node.comparators
-                       if isinstance(c, ast.Tuple | ast.Set | ast.List) for e in c.elts]
-        found += [f"{c.value!r} at line {node.lineno}" for c in consts
-                  if isinstance(c, ast.Constant) and c.value in names]
+            consts += [
+                e
+                for c in node.comparators
+                if isinstance(c, ast.Tuple | ast.Set | ast.List)
+                for e in c.elts
+            ]
+        found += [
+            f"{c.value!r} at line {node.lineno}"
+            for c in consts
+            if isinstance(c, ast.Constant) and c.value in names
+        ]
     return found
 
 
@@ -255,15 +322,19 @@ def test_sim_keeps_no_table_keyed_by_policy_name():
     from tidal.control.policy import registered
 
     names = set(registered())
-    bad = {str(p.relative_to(SRC)): f for p in _package("sim")
-           if (f := _policy_name_keys(p, names))}
+    bad = {
+        str(p.relative_to(SRC)): f for p in _package("sim") if (f := _policy_name_keys(p, names))
+    }
     assert bad == {}
 
 
 def test_the_policy_name_rule_sees_each_form(tmp_path):
-    for code in ("M = {'waterlevel': 1}\n", "M: dict = {'a': {'waterlevel': 1}}\n",
-                 "def f(n):\n    return n == 'waterlevel'\n",
-                 "def f(n):\n    return n in ('verl-default', 'x')\n"):
+    for code in (
+        "M = {'waterlevel': 1}\n",
+        "M: dict = {'a': {'waterlevel': 1}}\n",
+        "def f(n):\n    return n == 'waterlevel'\n",
+        "def f(n):\n    return n in ('verl-default', 'x')\n",
+    ):
         (tmp_path / "m.py").write_text(code)
         assert _policy_name_keys(tmp_path / "m.py", {"waterlevel", "verl-default"}), code
 
@@ -302,23 +373,42 @@ def _close_reason_literals(path: Path, root: Path = SRC) -> list[str]:
 
     tree = ast.parse(path.read_text(), str(path))
     keys = {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys if k}
-    keys |= {id(c) for n in ast.walk(tree) if isinstance(n, ast.Assign)
-             and all(isinstance(t, ast.Name | ast.Tuple) for t in n.targets)
-             and all(name.id.startswith("STATUS_") for t in n.targets
-                     for name in ast.walk(t) if isinstance(name, ast.Name))
-             for c in ast.walk(n.value) if isinstance(c, ast.Constant)}
-    return [f"{path.relative_to(root)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
-            if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and n.value in CLOSE_REASONS and id(n) not in keys]
+    keys |= {
+        id(c)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign)
+        and all(isinstance(t, ast.Name | ast.Tuple) for t in n.targets)
+        and all(
+            name.id.startswith("STATUS_")
+            for t in n.targets
+            for name in ast.walk(t)
+            if isinstance(name, ast.Name)
+        )
+        for c in ast.walk(n.value)
+        if isinstance(c, ast.Constant)
+    }
+    return [
+        f"{path.relative_to(root)}:{n.lineno}: {n.value!r}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant)
+        and isinstance(n.value, str)
+        and n.value in CLOSE_REASONS
+        and id(n) not in keys
+    ]
 
 
 def test_no_close_reason_literal_outside_contracts(tmp_path):
     """``CloseReason`` is the one spelling; a literal would drift from it unseen."""
-    found = [hit for p in sorted(SRC.rglob("*.py"))
-             if "contracts" not in p.relative_to(SRC).parts
-             for hit in _close_reason_literals(p)]
+    found = [
+        hit
+        for p in sorted(SRC.rglob("*.py"))
+        if "contracts" not in p.relative_to(SRC).parts
+        for hit in _close_reason_literals(p)
+    ]
     assert not found, found
     planted = tmp_path / "planted.py"  # the check finds what it looks for, and only that
     planted.write_text('a = {"timeout": 1.0}\nb = "timeout"\nc = f(reason="failed")\n')
-    assert _close_reason_literals(planted, tmp_path) == ["planted.py:2: 'timeout'",
-                                                         "planted.py:3: 'failed'"]
+    assert _close_reason_literals(planted, tmp_path) == [
+        "planted.py:2: 'timeout'",
+        "planted.py:3: 'failed'",
+    ]

@@ -39,8 +39,14 @@ print(round(rss_mb() - base))
 def _resident_after_free(mode: str) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop(malloc.ENV, None)
-    out = subprocess.run([sys.executable, "-c", _FRAGMENT, mode], capture_output=True,
-                         text=True, env=env, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _FRAGMENT, mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
     return int(out.stdout.strip())
 
 
@@ -50,8 +56,9 @@ def test_freed_blocks_go_back_to_the_system_once_tuned():
     assert _resident_after_free("tune") < 20
 
 
-@pytest.mark.parametrize("raw, want", [("", 64 * 1024), ("off", None), ("OFF", None),
-                                       ("1048576", 1 << 20)])
+@pytest.mark.parametrize(
+    "raw, want", [("", 64 * 1024), ("off", None), ("OFF", None), ("1048576", 1 << 20)]
+)
 def test_the_setting_reads_the_environment(monkeypatch, raw, want):
     monkeypatch.setenv(malloc.ENV, raw)
     assert malloc.threshold_setting() == want
@@ -72,7 +79,12 @@ def test_off_sets_nothing(monkeypatch):
 
 def test_a_bad_setting_is_one_line_from_the_cli():
     env = {**os.environ, malloc.ENV: "lots"}
-    out = subprocess.run([sys.executable, "-m", "tidal.cli", "--version"], capture_output=True,
-                         text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "tidal.cli", "--version"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0
     assert malloc.ENV in out.stderr and "Traceback" not in out.stderr

@@ -17,9 +17,13 @@ from tidal.sim.from_run import scenario_from_run
 from tidal.types import CloseReason
 
 RUNS = Path(__file__).resolve().parents[1] / "fixtures" / "runs"
-FILES = {"metrics.jsonl": schema.MetricsLine, "state.jsonl": schema.StateLine,
-         "steps.jsonl": schema.StepLine, "executions.jsonl": schema.ExecutionLine,
-         "decisions.jsonl": schema.DecisionLine}
+FILES = {
+    "metrics.jsonl": schema.MetricsLine,
+    "state.jsonl": schema.StateLine,
+    "steps.jsonl": schema.StepLine,
+    "executions.jsonl": schema.ExecutionLine,
+    "decisions.jsonl": schema.DecisionLine,
+}
 
 
 @pytest.mark.parametrize("run", sorted(p.name for p in RUNS.iterdir()))
@@ -73,11 +77,13 @@ def test_execution_readers_hold_models_and_a_missing_reward_is_refused(tmp_path)
     execs = (run / "executions.jsonl").read_text().splitlines()
     row = json.loads(execs[1])
     del row["reward"]
-    (run / "executions.jsonl").write_text("\n".join([execs[0], json.dumps(row), *execs[2:]])
-                                          + "\n")
+    (run / "executions.jsonl").write_text("\n".join([execs[0], json.dumps(row), *execs[2:]]) + "\n")
     for read in (load_run, lambda r: step_rewards(load_run(r)), from_run, scenario_from_run):
-        with pytest.raises(ConfigError, match=r"executions\.jsonl:2: field reward: Field "
-                                              r"required"):
+        with pytest.raises(
+            ConfigError,
+            match=r"executions\.jsonl:2: field reward: Field "
+            r"required",
+        ):
             read(run)
 
 

@@ -18,5 +18,13 @@ from tidal.agents.kinds import AgentContext, register_agent_kind
 from tidal.agents.pool import HarnessPool, PoolConfig
 from tidal.agents.tasks import TaskRow
 
-__all__ = ["AgentContext", "EventLog", "ExecutionRegistry", "HarnessPool", "LedgerEvents",
-           "PoolConfig", "TaskRow", "register_agent_kind"]
+__all__ = [
+    "AgentContext",
+    "EventLog",
+    "ExecutionRegistry",
+    "HarnessPool",
+    "LedgerEvents",
+    "PoolConfig",
+    "TaskRow",
+    "register_agent_kind",
+]

@@ -79,8 +79,10 @@ def _turn(entry: object) -> Turn:
     if isinstance(entry, Turn):
         return entry
     given = entry if isinstance(entry, dict) else {"action": entry}
-    turn = {"action": str(given.get("action", "")),
-            "observation": str(given.get("observation", ""))}
+    turn = {
+        "action": str(given.get("action", "")),
+        "observation": str(given.get("observation", "")),
+    }
     for key in ("t_call", "call_s", "tool_s"):
         value = given.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
@@ -113,8 +115,12 @@ def outcome_of(res: object) -> Outcome:
     try:
         return Outcome(reward=finite_reward(reward), answer=answer, transcript=turns)
     except ValueError as exc:
-        return Outcome(reason=CloseReason.REWARD_ERROR, answer=answer, transcript=turns,
-                       detail=f"the agent returned a {exc}")
+        return Outcome(
+            reason=CloseReason.REWARD_ERROR,
+            answer=answer,
+            transcript=turns,
+            detail=f"the agent returned a {exc}",
+        )
 
 
 register_agent_kind("python", PythonKind)

@@ -52,8 +52,13 @@ class _Worker:
     """One worker process: a plain ``Popen`` (no asyncio child watcher: a worker killed as the
     loop closes leaves nothing behind) with its pipes on the loop (writes never block)."""
 
-    def __init__(self, proc: subprocess.Popen, reader: asyncio.StreamReader,
-                 transports: list[asyncio.BaseTransport], writer: asyncio.WriteTransport) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        reader: asyncio.StreamReader,
+        transports: list[asyncio.BaseTransport],
+        writer: asyncio.WriteTransport,
+    ) -> None:
         self.proc, self.stream, self.transports, self.writer = proc, reader, transports, writer
         self.pending: dict[int, asyncio.Future] = {}
         self.dead = False
@@ -62,12 +67,14 @@ class _Worker:
     @classmethod
     async def start(cls, argv: list[str], env: dict[str, str]) -> _Worker:
         loop = asyncio.get_running_loop()
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True
+        )
         _PROCS[proc.pid] = proc
         reader = asyncio.StreamReader(limit=_MAX_ANSWER_BYTES, loop=loop)
         read_t, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader, loop=loop), proc.stdout)
+            lambda: asyncio.StreamReaderProtocol(reader, loop=loop), proc.stdout
+        )
         write_t, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
         return cls(proc, reader, [read_t, write_t], write_t)
 
@@ -165,8 +172,14 @@ class WorkerPool:
             from tidal.agents.sandbox import environment
 
             worker = await _Worker.start(
-                [sys.executable, "-c", "from tidal.agents.python_workers import main; main()",
-                 str(os.getpid())], environment())
+                [
+                    sys.executable,
+                    "-c",
+                    "from tidal.agents.python_workers import main; main()",
+                    str(os.getpid()),
+                ],
+                environment(),
+            )
             self.workers.append(worker)
             return worker
 
@@ -234,10 +247,16 @@ async def _agent(msg: dict) -> dict:
 
     ctx = msg["ctx"]
     fn = load_callable(msg["fn"], "task.agent.function")
-    async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0,
-                                  timeout=ctx.timeout_s) as client:
-        given = {"client": client, "row": ctx.row, "workspace": ctx.workspace,
-                 "model": ctx.model, "ctx": ctx}
+    async with openai.AsyncOpenAI(
+        base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, timeout=ctx.timeout_s
+    ) as client:
+        given = {
+            "client": client,
+            "row": ctx.row,
+            "workspace": ctx.workspace,
+            "model": ctx.model,
+            "ctx": ctx,
+        }
         res = await fn(**{n: given[n] for n in msg["names"] if n in GIVEN})
     return outcome_dict(res)
 

@@ -103,9 +103,7 @@ class Reward:
                 }
             )
             kwargs = {n: given[n] for n in self.names}
-            return await self._in_worker(
-                "reward", {"fn": self.cfg.function, "kwargs": kwargs}
-            )
+            return await self._in_worker("reward", {"fn": self.cfg.function, "kwargs": kwargs})
         if self.cfg.builtin == "tests":
             return await run_tests(row, workspace, self.cfg.timeout_s)
         return await self._in_worker(

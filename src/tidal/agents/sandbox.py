@@ -51,8 +51,14 @@ class Sandbox:
         needs (read-only) that lie under one its user could not enter."""
         if self.mode == "group":
             return program
-        spec = {"workspace": str(workspace), "uid": self.uid, "gid": self.gid,
-                "user": self.user, "covers": [], "expose": []}
+        spec = {
+            "workspace": str(workspace),
+            "uid": self.uid,
+            "gid": self.gid,
+            "user": self.user,
+            "covers": [],
+            "expose": [],
+        }
         prefix = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
         if self.mode == "user":
             uid, gid = self.uid or 0, self.gid or 0
@@ -63,8 +69,9 @@ class Sandbox:
                     covers.add(closed)
                     spec["expose"].append(str(Path(path).resolve()))
             # a cover inside another is bound back with it: only the outermost are mounted
-            spec["covers"] = sorted(str(c) for c in covers
-                                    if not any(c != o and c.is_relative_to(o) for o in covers))
+            spec["covers"] = sorted(
+                str(c) for c in covers if not any(c != o and c.is_relative_to(o) for o in covers)
+            )
         else:
             prefix[1:1] = ["--user", "--map-current-user"]
         return [*prefix, sys.executable, "-I", "-S", str(INIT), json.dumps(spec), *program]
@@ -114,8 +121,7 @@ def _enterable(path: Path, uid: int, gid: int) -> bool:
 
 def environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: tidal's environment) without the run's tokens."""
-    return {k: v for k, v in (os.environ if base is None else base).items()
-            if not _SECRET.match(k)}
+    return {k: v for k, v in (os.environ if base is None else base).items() if not _SECRET.match(k)}
 
 
 @functools.cache
@@ -130,11 +136,17 @@ def sandbox_for(user: str, field: str = "task.agent.user", create: bool = True) 
     if user in ("root", own):
         return Sandbox("namespace" if _namespaces(root) else "group")
     if not root:
-        raise ConfigError(field, f"{user!r}: running agents as another user needs tidal to "
-                          f"run as root (it runs as {own!r}; use 'auto')")
+        raise ConfigError(
+            field,
+            f"{user!r}: running agents as another user needs tidal to "
+            f"run as root (it runs as {own!r}; use 'auto')",
+        )
     if not _namespaces(True):
-        raise ConfigError(field, "'unshare --pid --mount-proc' fails on this host: agents "
-                          "cannot be isolated (set task.agent.user: root to run them as tidal)")
+        raise ConfigError(
+            field,
+            "'unshare --pid --mount-proc' fails on this host: agents "
+            "cannot be isolated (set task.agent.user: root to run them as tidal)",
+        )
     try:
         entry = pwd.getpwnam(user)
     except KeyError:
@@ -152,9 +164,22 @@ def _create_agent_user(field: str) -> pwd.struct_passwd:
     useradd = shutil.which("useradd")
     if useradd is None:
         raise ConfigError(field, f"no user {AGENT_USER!r} and no useradd to create it")
-    res = subprocess.run([useradd, "--system", "--no-create-home", "--home-dir", "/nonexistent",
-                          "--shell", "/usr/sbin/nologin", "--user-group", AGENT_USER],
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        [
+            useradd,
+            "--system",
+            "--no-create-home",
+            "--home-dir",
+            "/nonexistent",
+            "--shell",
+            "/usr/sbin/nologin",
+            "--user-group",
+            AGENT_USER,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if res.returncode not in (0, 9):  # 9: created meanwhile
         line = (res.stderr.strip().splitlines() or ["(no message)"])[0]
         raise ConfigError(field, f"creating user {AGENT_USER!r}: {line}")

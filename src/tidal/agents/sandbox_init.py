@@ -23,8 +23,16 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096,
 
 
 def _mount(libc, source, target, fstype, flags, data):
-    if libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
-                  data.encode() if data else None) != 0:
+    if (
+        libc.mount(
+            source.encode(),
+            target.encode(),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() if data else None,
+        )
+        != 0
+    ):
         err = ctypes.get_errno()
         raise OSError(err, f"mount {target}: {os.strerror(err)}")
 

@@ -99,13 +99,15 @@ def load_rows(src: TaskSourceConfig, seed: int) -> list[TaskRow]:
 def _raise(mistakes: list[str]) -> None:
     if mistakes:
         more = len(mistakes) - MAX_MISTAKES
-        raise ConfigError(FIELD, f"{len(mistakes)} mistake(s) in the rows:\n  "
-                          + "\n  ".join(mistakes[:MAX_MISTAKES])
-                          + (f"\n  ... and {more} more" if more > 0 else ""))
+        raise ConfigError(
+            FIELD,
+            f"{len(mistakes)} mistake(s) in the rows:\n  "
+            + "\n  ".join(mistakes[:MAX_MISTAKES])
+            + (f"\n  ... and {more} more" if more > 0 else ""),
+        )
 
 
-def row_mistakes(row: TaskRow, at: str | None = None,
-                 prompt: str | None = "prompt") -> list[str]:
+def row_mistakes(row: TaskRow, at: str | None = None, prompt: str | None = "prompt") -> list[str]:
     """What is wrong with one row, one line per mistake naming the row (``at``) and the column
     (``prompt``: the prompt's column, None for a chat row); empty: nothing."""
     at, out = at or f"row {row.index}", []
@@ -114,18 +116,29 @@ def row_mistakes(row: TaskRow, at: str | None = None,
     files = row.metadata.get("workspace_files")
     if files is not None:
         if not isinstance(files, dict):
-            out.append(f"{at}: column 'workspace_files' is {_kind(files)}, not a mapping of "
-                       "relative paths to text")
+            out.append(
+                f"{at}: column 'workspace_files' is {_kind(files)}, not a mapping of "
+                "relative paths to text"
+            )
         else:
-            out += [f"{at}: column 'workspace_files': {name!r} is {_kind(text)}, not text"
-                    for name, text in files.items() if not isinstance(text, str)]
-            out += [f"{at}: column 'workspace_files': {name!r} is not a relative path inside "
-                    "the workspace" for name in files
-                    if not isinstance(name, str) or not name or name.startswith("/")
-                    or ".." in Path(name).parts]
+            out += [
+                f"{at}: column 'workspace_files': {name!r} is {_kind(text)}, not text"
+                for name, text in files.items()
+                if not isinstance(text, str)
+            ]
+            out += [
+                f"{at}: column 'workspace_files': {name!r} is not a relative path inside "
+                "the workspace"
+                for name in files
+                if not isinstance(name, str)
+                or not name
+                or name.startswith("/")
+                or ".." in Path(name).parts
+            ]
     cmd = row.metadata.get("test_command")
-    if cmd is not None and not (isinstance(cmd, list) and cmd
-                                and all(isinstance(a, str) for a in cmd)):
+    if cmd is not None and not (
+        isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd)
+    ):
         out.append(f"{at}: column 'test_command' is {_kind(cmd)}, not a list of strings")
     return out
 

@@ -114,7 +114,6 @@ def write_files(ws: Path, files: object) -> None:
         path.write_text(text)
 
 
-
 def closed(outcome: Outcome, reason: CloseReason, reward: float | None) -> Outcome:
     """``outcome`` with its close reason and reward decided (validated again)."""
     return Outcome.model_validate({**outcome.model_dump(), "reason": reason, "reward": reward})
@@ -129,8 +128,9 @@ async def run_job(job: AgentJob, ctx: AgentContext) -> Outcome:
         write_files(ws, ctx.row.metadata.get("workspace_files"))
     except (ValueError, OSError) as exc:  # a bad row fails its execution, never the run
         log.warning("execution %s failed: task row %d: %s", ctx.execution_id, ctx.row.index, exc)
-        return Outcome(reason=CloseReason.FAILED, reward=0.0,
-                       detail=f"task row {ctx.row.index}: {exc}")
+        return Outcome(
+            reason=CloseReason.FAILED, reward=0.0, detail=f"task row {ctx.row.index}: {exc}"
+        )
     try:
         outcome = await asyncio.wait_for(job.agent.run(ctx), ctx.timeout_s)
     except TimeoutError:
@@ -144,8 +144,10 @@ async def run_job(job: AgentJob, ctx: AgentContext) -> Outcome:
         )
         outcome = Outcome(reason=CloseReason.FAILED, detail=_line(exc))
     if outcome.reason is CloseReason.REWARD_ERROR:  # the agent's own reward was not finite
-        log.error("execution %s: reward_error: the agent's reward is not a finite number",
-                  ctx.execution_id)
+        log.error(
+            "execution %s: reward_error: the agent's reward is not a finite number",
+            ctx.execution_id,
+        )
         return outcome
     if outcome.reward is not None:
         try:

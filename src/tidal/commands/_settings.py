@@ -48,21 +48,24 @@ def _option(name: str, field: FieldInfo) -> Callable:
     default = None if field.is_required() else field.get_default(call_default_factory=True)
     if base is bool:
         off = extra.get("off") or f"--no-{flag(name, field)[2:]}"
-        return click.option(f"{flag(name, field)}/{off}", name, default=default,
-                            show_default=True, **kw)
+        return click.option(
+            f"{flag(name, field)}/{off}", name, default=default, show_default=True, **kw
+        )
     if typing.get_origin(base) is list and name != CURVE:
         return click.option(flag(name, field), name, multiple=True, **kw)
     if name == CURVE:
-        return click.option(flag(name, field), name, default=None,
-                            metavar=extra.get("metavar"), **kw)
+        return click.option(
+            flag(name, field), name, default=None, metavar=extra.get("metavar"), **kw
+        )
     if typing.get_origin(base) is typing.Literal:
         kw["type"] = click.Choice(typing.get_args(base))
     elif base in (int, float):
         kw["type"] = base
     # a required field is not required here: ``--settings JSON`` gives it too (a missing one
     # is ``settings_from``'s usage error)
-    return click.option(flag(name, field), name, default=default,
-                        show_default=default is not None, **kw)
+    return click.option(
+        flag(name, field), name, default=default, show_default=default is not None, **kw
+    )
 
 
 def options(model: type[BaseModel]) -> Callable:
@@ -71,9 +74,14 @@ def options(model: type[BaseModel]) -> Callable:
     def decorate(fn: Callable) -> Callable:
         for name, field in reversed(model.model_fields.items()):
             fn = _option(name, field)(fn)
-        return click.option("--settings", "settings_json", default=None, metavar="JSON",
-                            help=f"All settings as one JSON {model.__name__} (how tidal "
-                                 "starts this command; then no other option counts).")(fn)
+        return click.option(
+            "--settings",
+            "settings_json",
+            default=None,
+            metavar="JSON",
+            help=f"All settings as one JSON {model.__name__} (how tidal "
+            "starts this command; then no other option counts).",
+        )(fn)
 
     return decorate
 
@@ -85,8 +93,9 @@ def parse_curve(text: str | None) -> list[tuple[int, float]] | None:
     try:
         return [(int(b), float(t)) for b, t in (p.split(":") for p in text.split(","))]
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not B:TOK_S,... (e.g. 1:200,128:8800)",
-                                 param_hint="--engine-curve") from None
+        raise click.BadParameter(
+            f"{text!r} is not B:TOK_S,... (e.g. 1:200,128:8800)", param_hint="--engine-curve"
+        ) from None
 
 
 def settings_from(model: type[M], params: dict[str, Any]) -> M:
@@ -104,8 +113,9 @@ def settings_from(model: type[M], params: dict[str, Any]) -> M:
     if CURVE in data:
         data[CURVE] = parse_curve(data[CURVE])
     data = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
-    data = {k: v for k, v in data.items() if v is not None or not model.model_fields[k]
-            .is_required()}
+    data = {
+        k: v for k, v in data.items() if v is not None or not model.model_fields[k].is_required()
+    }
     try:
         return validate_model(model, data)
     except ConfigError as exc:

@@ -29,8 +29,9 @@ def command(modules: tuple[str, ...]) -> None:
     rows = []
     for name in backend_names():
         b = engine_backend(name)
-        serves = "+".join(k for k, host in (("cells", b.cell_host),
-                                            ("standalone", b.standalone_host)) if host)
+        serves = "+".join(
+            k for k, host in (("cells", b.cell_host), ("standalone", b.standalone_host)) if host
+        )
         rows.append((name, serves, "server" if b.server else "process", b.adapter))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:

@@ -19,47 +19,121 @@ from __future__ import annotations
 import click
 
 
-@click.command(help="Fit a simulator scenario on a tidal run directory; optionally check "
-                    "the simulated burst times against a real run.")
+@click.command(
+    help="Fit a simulator scenario on a tidal run directory; optionally check "
+    "the simulated burst times against a real run."
+)
 @click.argument("run_dir", type=click.Path(), required=False)
-@click.option("--published", default=None, metavar="FILE",
-              help="Fit the cost model's efficiencies on this file's calibration rows "
-                   "(a path or a shipped name, e.g. verl-dapo) instead of a run directory.")
-@click.option("--fit", "fit_params", default="decode,mfu", show_default=True,
-              help="With --published: the efficiencies to fit (decode, mfu, link).")
-@click.option("--write", is_flag=True, help="With --published: store the fit in the "
-                                            "scenario's costmodel.efficiency.")
-@click.option("--out", "-o", type=click.Path(dir_okay=False), default=None,
-              help="Write the scenario YAML here (default: print it, unless checking).")
-@click.option("--check", is_flag=True, help="Simulate the scenario and compare its burst "
-                                            "times with RUN_DIR's.")
-@click.option("--against", type=click.Path(), default=None, metavar="RUN",
-              help="Describe this other run (its config.yaml) with RUN_DIR's speeds and "
-                   "compare with its burst times.")
-@click.option("--tolerance", type=float, default=0.15, show_default=True,
-              help="Largest relative error of the mean time per burst.")
+@click.option(
+    "--published",
+    default=None,
+    metavar="FILE",
+    help="Fit the cost model's efficiencies on this file's calibration rows "
+    "(a path or a shipped name, e.g. verl-dapo) instead of a run directory.",
+)
+@click.option(
+    "--fit",
+    "fit_params",
+    default="decode,mfu",
+    show_default=True,
+    help="With --published: the efficiencies to fit (decode, mfu, link).",
+)
+@click.option(
+    "--write",
+    is_flag=True,
+    help="With --published: store the fit in the scenario's costmodel.efficiency.",
+)
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the scenario YAML here (default: print it, unless checking).",
+)
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Simulate the scenario and compare its burst times with RUN_DIR's.",
+)
+@click.option(
+    "--against",
+    type=click.Path(),
+    default=None,
+    metavar="RUN",
+    help="Describe this other run (its config.yaml) with RUN_DIR's speeds and "
+    "compare with its burst times.",
+)
+@click.option(
+    "--tolerance",
+    type=float,
+    default=0.15,
+    show_default=True,
+    help="Largest relative error of the mean time per burst.",
+)
 @click.option("--per-burst", is_flag=True, help="Apply the tolerance to every burst.")
-@click.option("--seeds", type=click.IntRange(1, 100), default=3, show_default=True,
-              help="Simulated runs to average (seeds; they matter with --fitted-workload).")
-@click.option("--fitted-workload", is_flag=True,
-              help="Draw executions from the fitted lognormals instead of replaying the run's "
-                   "own (by default written beside --out as SCENARIO.trace.jsonl).")
-@click.option("--verl-log", default=None, metavar="FILE",
-              help="Fit a scenario on a verl run's logged metrics (its file logger's JSONL, "
-                   "console lines or a CSV export of verl's metric keys) instead.")
-@click.option("--group-size", type=int, default=None,
-              help="With --verl-log: the run's GRPO group size (actor_rollout_ref.rollout.n).")
-@click.option("--gpus", type=int, default=None,
-              help="With --verl-log: the run's GPUs (default: from perf/throughput).")
-@click.option("--cell-gpus", type=int, default=8, show_default=True,
-              help="With --verl-log: GPUs per cell of the fitted scenario.")
-@click.option("--compare", is_flag=True,
-              help="With --verl-log: simulate every policy on the fitted scenario against the "
-                   "best static split (what each policy would save on this workload).")
-def command(run_dir: str | None, published: str | None, fit_params: str, write: bool,
-            out: str | None, check: bool, against: str | None, tolerance: float,
-            per_burst: bool, seeds: int, fitted_workload: bool, verl_log: str | None,
-            group_size: int | None, gpus: int | None, cell_gpus: int, compare: bool) -> None:
+@click.option(
+    "--seeds",
+    type=click.IntRange(1, 100),
+    default=3,
+    show_default=True,
+    help="Simulated runs to average (seeds; they matter with --fitted-workload).",
+)
+@click.option(
+    "--fitted-workload",
+    is_flag=True,
+    help="Draw executions from the fitted lognormals instead of replaying the run's "
+    "own (by default written beside --out as SCENARIO.trace.jsonl).",
+)
+@click.option(
+    "--verl-log",
+    default=None,
+    metavar="FILE",
+    help="Fit a scenario on a verl run's logged metrics (its file logger's JSONL, "
+    "console lines or a CSV export of verl's metric keys) instead.",
+)
+@click.option(
+    "--group-size",
+    type=int,
+    default=None,
+    help="With --verl-log: the run's GRPO group size (actor_rollout_ref.rollout.n).",
+)
+@click.option(
+    "--gpus",
+    type=int,
+    default=None,
+    help="With --verl-log: the run's GPUs (default: from perf/throughput).",
+)
+@click.option(
+    "--cell-gpus",
+    type=int,
+    default=8,
+    show_default=True,
+    help="With --verl-log: GPUs per cell of the fitted scenario.",
+)
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="With --verl-log: simulate every policy on the fitted scenario against the "
+    "best static split (what each policy would save on this workload).",
+)
+def command(
+    run_dir: str | None,
+    published: str | None,
+    fit_params: str,
+    write: bool,
+    out: str | None,
+    check: bool,
+    against: str | None,
+    tolerance: float,
+    per_burst: bool,
+    seeds: int,
+    fitted_workload: bool,
+    verl_log: str | None,
+    group_size: int | None,
+    gpus: int | None,
+    cell_gpus: int,
+    compare: bool,
+) -> None:
     if out is not None:  # a fresh clone has no runs/: the written scenario makes its folder
         from pathlib import Path
 
@@ -68,8 +142,9 @@ def command(run_dir: str | None, published: str | None, fit_params: str, write: 
         _fit_verl(verl_log, group_size, gpus, cell_gpus, out, compare)
         return
     if published is not None:
-        _fit_published(published, tuple(p.strip() for p in fit_params.split(",") if p.strip()),
-                       seeds, write)
+        _fit_published(
+            published, tuple(p.strip() for p in fit_params.split(",") if p.strip()), seeds, write
+        )
         return
     if run_dir is None:
         from tidal.errors import ConfigError
@@ -106,8 +181,16 @@ def command(run_dir: str | None, published: str | None, fit_params: str, write: 
         _check(sc, notes, run_dir, against, check, tolerance, per_burst, seeds)
 
 
-def _check(sc, notes, run_dir: str, against: str | None, check: bool, tolerance: float,
-           per_burst: bool, seeds: int) -> None:
+def _check(
+    sc,
+    notes,
+    run_dir: str,
+    against: str | None,
+    check: bool,
+    tolerance: float,
+    per_burst: bool,
+    seeds: int,
+) -> None:
     import json
 
     from tidal.sim.vs_real import PredictionOff, compare
@@ -117,8 +200,10 @@ def _check(sc, notes, run_dir: str, against: str | None, check: bool, tolerance:
         return
     target = against or run_dir
     cmp = compare(sc, sc.policies[0], target, seeds=seeds)
-    click.echo(f"{sc.policies[0]} on {target}: simulated vs real burst times "
-               f"({seeds} seed{'s' if seeds > 1 else ''})")
+    click.echo(
+        f"{sc.policies[0]} on {target}: simulated vs real burst times "
+        f"({seeds} seed{'s' if seeds > 1 else ''})"
+    )
     click.echo(cmp.table())
     if not cmp.within(tolerance, per_burst):
         what = "worst burst" if per_burst else "mean time per burst"
@@ -143,8 +228,14 @@ def _fit_published(name: str, params: tuple[str, ...], seeds: int, write: bool) 
         click.echo(f"wrote {calibration.write_efficiencies(fit.scenario, fit.values)}")
 
 
-def _fit_verl(path: str, group_size: int | None, gpus: int | None, cell_gpus: int,
-              out: str | None, compare: bool) -> None:
+def _fit_verl(
+    path: str,
+    group_size: int | None,
+    gpus: int | None,
+    cell_gpus: int,
+    out: str | None,
+    compare: bool,
+) -> None:
     import json
     from pathlib import Path
 
@@ -153,13 +244,18 @@ def _fit_verl(path: str, group_size: int | None, gpus: int | None, cell_gpus: in
     from tidal.sim.from_verl import scenario_from_verl
 
     if group_size is None:
-        raise ConfigError("--group-size", "give the run's GRPO group size (verl's "
-                                          "actor_rollout_ref.rollout.n); the metrics lack it")
+        raise ConfigError(
+            "--group-size",
+            "give the run's GRPO group size (verl's "
+            "actor_rollout_ref.rollout.n); the metrics lack it",
+        )
     sc, fit = scenario_from_verl(path, group_size, gpus, cell_gpus)
     click.echo(f"fit on {path}: " + json.dumps(fit.notes()))
     if fit.logged_s is not None:
-        click.echo(f"the run's own time: {fit.logged_s / 3600:.3f} h over {fit.steps} steps "
-                   f"(compare the colocate row)")
+        click.echo(
+            f"the run's own time: {fit.logged_s / 3600:.3f} h over {fit.steps} steps "
+            f"(compare the colocate row)"
+        )
     if out is not None:
         Path(out).write_text(dump_yaml(sc))
         click.echo(f"scenario: {out}")
@@ -168,5 +264,4 @@ def _fit_verl(path: str, group_size: int | None, gpus: int | None, cell_gpus: in
     if compare:
         from tidal.commands.simulate import run_and_report, sweep_and_report
 
-        run_and_report(sc, list(sc.policies), None, plots=False,
-                       baseline=sweep_and_report(sc))
+        run_and_report(sc, list(sc.policies), None, plots=False, baseline=sweep_and_report(sc))

@@ -11,8 +11,10 @@ from __future__ import annotations
 import click
 
 
-@click.command(help="Validate a config file (YAML); print the resolved config on success, and "
-                    "the device torch sees (stderr).")
+@click.command(
+    help="Validate a config file (YAML); print the resolved config on success, and "
+    "the device torch sees (stderr)."
+)
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
 def command(config: str, quiet: bool) -> None:
@@ -34,19 +36,22 @@ def command(config: str, quiet: bool) -> None:
         return
     click.echo(dump_yaml(cfg), nl=False)
     rt = cfg.runtime
-    click.echo("# tidal run's checks (model, backends, machine): passed" if runnable else
-               "# control.bursts unset: a simulator config; tidal run's checks skipped",
-               err=True)
+    click.echo(
+        "# tidal run's checks (model, backends, machine): passed"
+        if runnable
+        else "# control.bursts unset: a simulator config; tidal run's checks skipped",
+        err=True,
+    )
     from tidal.runtime.cpuquota import CpuQuotaError, cpu_cgroup_base
 
     try:
         where = f"can be enforced here (cgroup v1 cpu at {cpu_cgroup_base()})"
     except CpuQuotaError as exc:
         where = f"cannot be enforced here: {exc}"
-    rows = (f"{len(workload.rows)} rows" if not workload.builtin
-            else "a row from each group's seed")
-    click.echo(f"# task: {rows} ({cfg.task.source.kind}), agent kind "
-               f"{cfg.task.agent.kind!r}", err=True)
+    rows = f"{len(workload.rows)} rows" if not workload.builtin else "a row from each group's seed"
+    click.echo(
+        f"# task: {rows} ({cfg.task.source.kind}), agent kind {cfg.task.agent.kind!r}", err=True
+    )
     click.echo(f"# runtime.cell_cpus {rt.cell_cpus}: per-cell CPU quotas {where}", err=True)
     try:
         import torch
@@ -55,5 +60,8 @@ def command(config: str, quiet: bool) -> None:
     except ImportError:  # a simulator-only install
         click.echo(f"# device: torch is not installed; runtime.device {rt.device}", err=True)
         return
-    click.echo(f"# device: {describe_devices()}; runtime.device {rt.device} -> "
-               f"{rt.resolved_device(torch.cuda.is_available())} here", err=True)
+    click.echo(
+        f"# device: {describe_devices()}; runtime.device {rt.device} -> "
+        f"{rt.resolved_device(torch.cuda.is_available())} here",
+        err=True,
+    )

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import click
 
-_NAME = click.option("--name", default="tidal", show_default=True,
-                     help="Cluster name (at most 8 letters or digits).")
-_DIR = click.option("--dir", "directory", default=None,
-                    help="State and Ray temp directory (default /tmp/tidal-cluster-<name>).")
+_NAME = click.option(
+    "--name", default="tidal", show_default=True, help="Cluster name (at most 8 letters or digits)."
+)
+_DIR = click.option(
+    "--dir",
+    "directory",
+    default=None,
+    help="State and Ray temp directory (default /tmp/tidal-cluster-<name>).",
+)
 
 
 def _state(name: str, directory: str | None):
@@ -29,33 +34,90 @@ def command() -> None:
 
 
 @command.command("up", help="Start a head and N-1 worker raylets, one network namespace each.")
-@click.option("--nodes", default=3, show_default=True, type=click.IntRange(1, 16),
-              help="Nodes in all: the head and N-1 workers.")
-@click.option("--cpus", default=1.0, show_default=True, type=click.FloatRange(min=0.5),
-              help="CPUs each node declares to Ray.")
-@click.option("--head-cpus", default=None, type=click.FloatRange(min=0.0),
-              help="CPUs the head declares (default --cpus; 0: the head hosts only the "
-                   "driver, every engine runs on a worker node).")
-@click.option("--subnet", default="10.77.0", show_default=True,
-              help="The bridge's /24 prefix: the head is .1, node i is .i+1.")
-@click.option("--port", default=6390, show_default=True, type=click.IntRange(1024, 65535),
-              help="The head's GCS port.")
-@click.option("--object-store-mb", default=512, show_default=True,
-              type=click.IntRange(min=80), help="Ray object store of each node (/dev/shm).")
-@click.option("--netns/--no-netns", default=True, show_default=True,
-              help="Each worker node in its own network namespace (needs root; without it, "
-                   "or with --no-netns, nodes get loopback addresses 127.0.0.x).")
+@click.option(
+    "--nodes",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, 16),
+    help="Nodes in all: the head and N-1 workers.",
+)
+@click.option(
+    "--cpus",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0.5),
+    help="CPUs each node declares to Ray.",
+)
+@click.option(
+    "--head-cpus",
+    default=None,
+    type=click.FloatRange(min=0.0),
+    help="CPUs the head declares (default --cpus; 0: the head hosts only the "
+    "driver, every engine runs on a worker node).",
+)
+@click.option(
+    "--subnet",
+    default="10.77.0",
+    show_default=True,
+    help="The bridge's /24 prefix: the head is .1, node i is .i+1.",
+)
+@click.option(
+    "--port",
+    default=6390,
+    show_default=True,
+    type=click.IntRange(1024, 65535),
+    help="The head's GCS port.",
+)
+@click.option(
+    "--object-store-mb",
+    default=512,
+    show_default=True,
+    type=click.IntRange(min=80),
+    help="Ray object store of each node (/dev/shm).",
+)
+@click.option(
+    "--netns/--no-netns",
+    default=True,
+    show_default=True,
+    help="Each worker node in its own network namespace (needs root; without it, "
+    "or with --no-netns, nodes get loopback addresses 127.0.0.x).",
+)
 @_NAME
 @_DIR
-def up(nodes: int, cpus: float, head_cpus: float | None, subnet: str, port: int,
-       object_store_mb: int, netns: bool, name: str, directory: str | None) -> None:
+def up(
+    nodes: int,
+    cpus: float,
+    head_cpus: float | None,
+    subnet: str,
+    port: int,
+    object_store_mb: int,
+    netns: bool,
+    name: str,
+    directory: str | None,
+) -> None:
     from tidal.runtime import localcluster
 
-    st = localcluster.up(name, nodes, cpus, subnet, port, directory, store_mb=object_store_mb,
-                         head_cpus=head_cpus, netns=netns)
-    click.echo(f"cluster {st.name}: {len(st.nodes)} nodes ({st.mode} mode"
-               + ("" if st.mode == "netns" else ": nodes share this host's network "
-                  "namespace on loopback addresses, so loopback hops are not caught") + ")")
+    st = localcluster.up(
+        name,
+        nodes,
+        cpus,
+        subnet,
+        port,
+        directory,
+        store_mb=object_store_mb,
+        head_cpus=head_cpus,
+        netns=netns,
+    )
+    click.echo(
+        f"cluster {st.name}: {len(st.nodes)} nodes ({st.mode} mode"
+        + (
+            ""
+            if st.mode == "netns"
+            else ": nodes share this host's network "
+            "namespace on loopback addresses, so loopback hops are not caught"
+        )
+        + ")"
+    )
     for n in st.nodes:
         click.echo(f"  node {n.index}: {n.ip}" + (f" (netns {n.netns})" if n.netns else ""))
     click.echo(f"address: {st.address}  (tidal run CONFIG --address {st.address})")
@@ -69,8 +131,10 @@ def status(name: str, directory: str | None) -> None:
 
     st = _state(name, directory)
     nodes = alive_nodes(st)
-    click.echo(f"cluster {st.name} at {st.address} ({st.mode}): {len(nodes)} of "
-               f"{len(st.nodes)} nodes alive")
+    click.echo(
+        f"cluster {st.name} at {st.address} ({st.mode}): {len(nodes)} of "
+        f"{len(st.nodes)} nodes alive"
+    )
     for n in nodes:
         click.echo(f"  {n['ip']}  {n['id']}  CPU {n['resources'].get('CPU', 0):g}")
 

@@ -18,14 +18,24 @@ from tidal.commands._settings import options, settings_from
 from tidal.contracts.launch import ProxySettings
 
 
-@click.command("proxy", help="The OpenAI-compatible front door: routes requests to engines, "
-                             "drains and reroutes them, records every call.")
+@click.command(
+    "proxy",
+    help="The OpenAI-compatible front door: routes requests to engines, "
+    "drains and reroutes them, records every call.",
+)
 @options(ProxySettings)
-@click.option("--admin-token", envvar="TIDAL_ADMIN_TOKEN", default=None,
-              help="Bearer token of the admin routes (env TIDAL_ADMIN_TOKEN).")
-@click.option("--engine-token", envvar="TIDAL_ENGINE_TOKEN", default=None,
-              help="Bearer token sent to the engines (env TIDAL_ENGINE_TOKEN; default: the "
-                   "admin token).")
+@click.option(
+    "--admin-token",
+    envvar="TIDAL_ADMIN_TOKEN",
+    default=None,
+    help="Bearer token of the admin routes (env TIDAL_ADMIN_TOKEN).",
+)
+@click.option(
+    "--engine-token",
+    envvar="TIDAL_ENGINE_TOKEN",
+    default=None,
+    help="Bearer token sent to the engines (env TIDAL_ENGINE_TOKEN; default: the admin token).",
+)
 def command(admin_token: str | None, engine_token: str | None, **given: object) -> None:
     """Run the proxy in front of ENGINE / CELL URLs (the options: ``ProxySettings``)."""
     serve(settings_from(ProxySettings, given), admin_token, engine_token)
@@ -39,25 +49,40 @@ def serve(s: ProxySettings, admin_token: str | None, engine_token: str | None) -
     _check_backend(s.backend, tuple(s.backend_modules))
     if not is_loopback(s.host):
         if not admin_token:
-            raise click.UsageError(f"--host {s.host} is not loopback: give --admin-token (or "
-                                   f"set TIDAL_ADMIN_TOKEN); every route will need it")
-        click.echo(f"tidal proxy: listening on {s.host}, beyond this machine: every route but "
-                   f"/health needs the admin token (model calls: it or an execution's key)",
-                   err=True)
+            raise click.UsageError(
+                f"--host {s.host} is not loopback: give --admin-token (or "
+                f"set TIDAL_ADMIN_TOKEN); every route will need it"
+            )
+        click.echo(
+            f"tidal proxy: listening on {s.host}, beyond this machine: every route but "
+            f"/health needs the admin token (model calls: it or an execution's key)",
+            err=True,
+        )
     if not admin_token:
         click.echo("tidal proxy: no --admin-token: admin routes are disabled", err=True)
-    proxy = Proxy(ProxyConfig(host=s.host, port=s.port, admin_token=admin_token,
-                              engine_token=engine_token, kv_handoff=s.kv_handoff,
-                              require_registration=s.require_registration,
-                              request_timeout_s=s.request_timeout_s, seed=s.seed,
-                              admission=s.admission, admission_order=s.admission_order,
-                              engine_curve=s.engine_curve,
-                              tool_call_parser=s.tool_call_parser, affinity=s.affinity))
+    proxy = Proxy(
+        ProxyConfig(
+            host=s.host,
+            port=s.port,
+            admin_token=admin_token,
+            engine_token=engine_token,
+            kv_handoff=s.kv_handoff,
+            require_registration=s.require_registration,
+            request_timeout_s=s.request_timeout_s,
+            seed=s.seed,
+            admission=s.admission,
+            admission_order=s.admission_order,
+            engine_curve=s.engine_curve,
+            tool_call_parser=s.tool_call_parser,
+            affinity=s.affinity,
+        )
+    )
 
     async def join_all() -> None:
         for i, url in enumerate(s.engines):
-            await proxy.join(f"s{i}", url, s.backend, "standalone", 0, s.cap,
-                             wait_healthy_s=s.wait_s)
+            await proxy.join(
+                f"s{i}", url, s.backend, "standalone", 0, s.cap, wait_healthy_s=s.wait_s
+            )
         for i, url in enumerate(s.cells):
             await proxy.join(f"c{i}", url, s.backend, "cell", i, s.cap, wait_healthy_s=s.wait_s)
 
@@ -77,5 +102,7 @@ def _check_backend(backend: str, modules: tuple[str, ...]) -> None:
     except ConfigError as exc:
         raise click.BadParameter(exc.message, param_hint=exc.field) from None
     if backend not in backend_names():
-        raise click.BadParameter(f"unknown engine backend {backend!r} (registered: "
-                                 f"{', '.join(backend_names())})", param_hint="--backend")
+        raise click.BadParameter(
+            f"unknown engine backend {backend!r} (registered: {', '.join(backend_names())})",
+            param_hint="--backend",
+        )

@@ -12,12 +12,20 @@ from __future__ import annotations
 import click
 
 
-@click.command("report", help="Plots and report.md of finished `tidal run` directories; "
-                              "several directories are also compared side by side.")
+@click.command(
+    "report",
+    help="Plots and report.md of finished `tidal run` directories; "
+    "several directories are also compared side by side.",
+)
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Where the comparison goes (several runs only; default: the first run "
-                   "directory's parent / compare).")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where the comparison goes (several runs only; default: the first run "
+    "directory's parent / compare).",
+)
 def command(run_dirs: tuple[str, ...], out_dir: str | None) -> None:
     from pathlib import Path
 

@@ -17,20 +17,45 @@ if TYPE_CHECKING:
 
 @click.command("run", help="Run an elastic RL job on Ray (embedded local Ray by default).")
 @click.argument("config", type=click.Path(exists=True, dir_okay=False), required=False)
-@click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="Run directory (default: runs/<config name>).")
-@click.option("--resume", "resume", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Continue the interrupted run in this directory (its config.yaml and "
-                   "checkpoint); nothing trained twice, nothing lost.")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run directory (default: runs/<config name>).",
+)
+@click.option(
+    "--resume",
+    "resume",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Continue the interrupted run in this directory (its config.yaml and "
+    "checkpoint); nothing trained twice, nothing lost.",
+)
 @click.option("--policy", default=None, help="Override the policy, e.g. 'static:cells=1'.")
 @click.option("--address", default=None, help="Join an existing Ray cluster at this address.")
-@click.option("--bursts", type=click.IntRange(min=1), default=None,
-              help="Override control.bursts (e.g. 1 for a short calibration run).")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-              help="Override one config value (a YAML scalar), e.g. "
-                   "'--set runtime.cell_cpus=0.5'; repeatable.")
-def command(config: str | None, out: str | None, resume: str | None, policy: str | None,
-            address: str | None, bursts: int | None, sets: tuple[str, ...]) -> None:
+@click.option(
+    "--bursts",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Override control.bursts (e.g. 1 for a short calibration run).",
+)
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one config value (a YAML scalar), e.g. "
+    "'--set runtime.cell_cpus=0.5'; repeatable.",
+)
+def command(
+    config: str | None,
+    out: str | None,
+    resume: str | None,
+    policy: str | None,
+    address: str | None,
+    bursts: int | None,
+    sets: tuple[str, ...],
+) -> None:
     import json
     from pathlib import Path
 
@@ -40,10 +65,18 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     from tidal.logcount import counting_warnings
 
     if resume is not None:
-        if (config is not None or out is not None or policy is not None or bursts is not None
-                or sets):
-            raise ConfigError("--resume", "takes the run directory only (its config.yaml "
-                              "holds the config, policy and output place)")
+        if (
+            config is not None
+            or out is not None
+            or policy is not None
+            or bursts is not None
+            or sets
+        ):
+            raise ConfigError(
+                "--resume",
+                "takes the run directory only (its config.yaml "
+                "holds the config, policy and output place)",
+            )
         if not (Path(resume) / "config.yaml").is_file():
             raise ConfigError("--resume", f"{resume} is not a run directory (no config.yaml)")
         config, out = str(Path(resume) / "config.yaml"), resume
@@ -53,9 +86,11 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
 
     def show(line: dict) -> None:
         r = line["mean_reward"]  # any finite reward (1e308 in 4 significant digits)
-        click.echo(f"burst {line['burst']} step {line['step']:3d} v{line['version']:<3d} "
-                   f"reward {f'{r:.3f}' if abs(r) < 1e6 else f'{r:.4g}'} loss {line['loss']:+.4f} "
-                   f"w {line['waterlevel']:3d} roles {' '.join(line['roles'])}")
+        click.echo(
+            f"burst {line['burst']} step {line['step']:3d} v{line['version']:<3d} "
+            f"reward {f'{r:.3f}' if abs(r) < 1e6 else f'{r:.4g}'} loss {line['loss']:+.4f} "
+            f"w {line['waterlevel']:3d} roles {' '.join(line['roles'])}"
+        )
 
     console = Console()
     run_dir = Path(out or f"runs/{cfg.name}")
@@ -66,19 +101,45 @@ def command(config: str | None, out: str | None, resume: str | None, policy: str
     from tidal.viz.run_report import write_report
 
     with counting_warnings() as counter:  # the run ends with one line naming each warning
-        summary, written = _run(cfg, built, run_dir, console, resume is not None, show,
-                                counter, lambda: write_report(run_dir))
-    keys = ("policy", "run_time_s", "trainer_steps", "switches_to_training",
-            "switches_to_rollout", "rerouted_requests", "failed_requests", "lost_executions",
-            "satellite_joins")
+        summary, written = _run(
+            cfg,
+            built,
+            run_dir,
+            console,
+            resume is not None,
+            show,
+            counter,
+            lambda: write_report(run_dir),
+        )
+    keys = (
+        "policy",
+        "run_time_s",
+        "trainer_steps",
+        "switches_to_training",
+        "switches_to_rollout",
+        "rerouted_requests",
+        "failed_requests",
+        "lost_executions",
+        "satellite_joins",
+    )
     click.echo(json.dumps({k: summary[k] for k in keys}))
     click.echo(counter.line())
-    click.echo(f"report: {run_dir / 'report.md'} ({len(written)} files; trace.json opens in "
-               f"https://ui.perfetto.dev)")
+    click.echo(
+        f"report: {run_dir / 'report.md'} ({len(written)} files; trace.json opens in "
+        f"https://ui.perfetto.dev)"
+    )
 
 
-def _run(cfg: Any, policy: Any, run_dir: Any, console: Any, resume: bool, show: Any,
-         counter: Any, report: Any) -> tuple[dict, Any]:
+def _run(
+    cfg: Any,
+    policy: Any,
+    run_dir: Any,
+    console: Any,
+    resume: bool,
+    show: Any,
+    counter: Any,
+    report: Any,
+) -> tuple[dict, Any]:
     """The run, then ``report()``, with a live panel in a terminal (percentage, elapsed, ETA;
     its last frame the final state), or when piped its step lines and a heartbeat at least every
     10 s of silence (the report's plots included); Ctrl-C (or SIGTERM) ends it with the warnings
@@ -87,16 +148,22 @@ def _run(cfg: Any, policy: Any, run_dir: Any, console: Any, resume: bool, show: 
     from tidal.viz.progress import Heartbeat, RunProgress
 
     c = cfg.control
-    progress = RunProgress((c.bursts or 0) * c.updates_per_burst,
-                           (c.bursts or 0) * c.quota_executions)
+    progress = RunProgress(
+        (c.bursts or 0) * c.updates_per_burst, (c.bursts or 0) * c.quota_executions
+    )
     try:
         if console.is_terminal:
             from rich.live import Live
 
-            with Live(console=console, refresh_per_second=2,
-                      get_renderable=progress.panel) as live:
-                summary = Runtime(cfg, run_dir, resume=resume, on_state=progress.on_state,
-                                  on_step=progress.on_step, policy=policy).run()
+            with Live(console=console, refresh_per_second=2, get_renderable=progress.panel) as live:
+                summary = Runtime(
+                    cfg,
+                    run_dir,
+                    resume=resume,
+                    on_state=progress.on_state,
+                    on_step=progress.on_step,
+                    policy=policy,
+                ).run()
                 progress.finish(summary)
                 live.refresh()
                 return summary, report()
@@ -108,8 +175,9 @@ def _run(cfg: Any, policy: Any, run_dir: Any, console: Any, resume: bool, show: 
             beat.printed()
 
         try:
-            summary = Runtime(cfg, run_dir, on_step=step, on_state=progress.on_state,
-                              resume=resume, policy=policy).run()
+            summary = Runtime(
+                cfg, run_dir, on_step=step, on_state=progress.on_state, resume=resume, policy=policy
+            ).run()
             progress.finish(summary)
             click.echo(progress.line())
             beat.printed()
@@ -120,13 +188,19 @@ def _run(cfg: Any, policy: Any, run_dir: Any, console: Any, resume: bool, show: 
         click.echo(counter.line(), err=True)
         from tidal.runtime.checkpoint import how_to_continue
 
-        click.echo(f"tidal: run interrupted; its parts are stopped. "
-                   f"{how_to_continue(run_dir)}", err=True)
+        click.echo(
+            f"tidal: run interrupted; its parts are stopped. {how_to_continue(run_dir)}", err=True
+        )
         raise SystemExit(130) from None
 
 
-def build_config(config: str, policy: str | None = None, address: str | None = None,
-                 bursts: int | None = None, sets: tuple[str, ...] = ()) -> RunConfig:
+def build_config(
+    config: str,
+    policy: str | None = None,
+    address: str | None = None,
+    bursts: int | None = None,
+    sets: tuple[str, ...] = (),
+) -> RunConfig:
     """The ``RunConfig`` a ``tidal run`` command line asks for: the file, then ``--policy``,
     ``--address``, ``--bursts`` and each ``--set``, validated together (so ``--set
     policy.module=...`` loads the module that registers the ``--policy`` named). What only the
@@ -148,8 +222,13 @@ def build_config(config: str, policy: str | None = None, address: str | None = N
     return validate_model(RunConfig, data)
 
 
-def checked_run(config: str, policy: str | None = None, address: str | None = None,
-                bursts: int | None = None, sets: tuple[str, ...] = ()) -> tuple[RunConfig, Any]:
+def checked_run(
+    config: str,
+    policy: str | None = None,
+    address: str | None = None,
+    bursts: int | None = None,
+    sets: tuple[str, ...] = (),
+) -> tuple[RunConfig, Any]:
     """``build_config``'s config and its policy (``checked_policy``: the config checked against
     the control plane once, the policy built once; the run hands it to its controller). An
     error in a value the command line left alone names the file, as ``load_yaml``'s do."""
@@ -157,7 +236,8 @@ def checked_run(config: str, policy: str | None = None, address: str | None = No
 
     cfg = build_config(config, policy, address, bursts, sets)
     touched = policy is not None or any(
-        s.partition("=")[0].strip().startswith(("policy.", "control.")) for s in sets)
+        s.partition("=")[0].strip().startswith(("policy.", "control.")) for s in sets
+    )
     return cfg, checked_policy(cfg, source=None if touched else config)
 
 
@@ -182,7 +262,7 @@ def apply_set(data: dict, item: str) -> None:
     node = data
     for i, part in enumerate(parts[:-1]):
         if not isinstance(node.get(part), dict):
-            where = ".".join(parts[:i + 1])
+            where = ".".join(parts[: i + 1])
             raise ConfigError("--set", f"{item!r}: {where} is not a config section")
         node = node[part]
     node[parts[-1]] = value

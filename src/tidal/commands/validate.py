@@ -20,15 +20,26 @@ from __future__ import annotations
 import click
 
 
-@click.command(help="Run files of published results through the simulator (all shipped ones "
-                    "by default) and print predicted vs published with the error of each row "
-                    "and a one-line summary.")
+@click.command(
+    help="Run files of published results through the simulator (all shipped ones "
+    "by default) and print predicted vs published with the error of each row "
+    "and a one-line summary."
+)
 @click.argument("published", nargs=-1)
-@click.option("--seeds", type=click.IntRange(1, 20), default=1, show_default=True,
-              help="Workload seeds per row (the first is the scenario's own).")
-@click.option("--tolerance", type=float, default=None,
-              help="Fail (exit 1) when any judged row is off by more than this, relative to the "
-                   "published figure (e.g. 0.1).")
+@click.option(
+    "--seeds",
+    type=click.IntRange(1, 20),
+    default=1,
+    show_default=True,
+    help="Workload seeds per row (the first is the scenario's own).",
+)
+@click.option(
+    "--tolerance",
+    type=float,
+    default=None,
+    help="Fail (exit 1) when any judged row is off by more than this, relative to the "
+    "published figure (e.g. 0.1).",
+)
 def command(published: tuple[str, ...], seeds: int, tolerance: float | None) -> None:
     from tidal.errors import TidalError
     from tidal.sim import published as P
@@ -44,8 +55,13 @@ def command(published: tuple[str, ...], seeds: int, tolerance: float | None) -> 
         rows = P.evaluate(pf, run, seeds=seeds)
         phases = P.phase_table(pf, run)
         tol = 0.1 if tolerance is None else tolerance
-        click.echo(P.table(pf, rows) + "\n" + P.counts(rows, tol)
-                   + ("\n" + phases if phases else "") + "\n")
+        click.echo(
+            P.table(pf, rows)
+            + "\n"
+            + P.counts(rows, tol)
+            + ("\n" + phases if phases else "")
+            + "\n"
+        )
         outcomes += rows
     click.echo(P.summary(outcomes, 0.1 if tolerance is None else tolerance))
     if dapo_run is not None:
@@ -55,5 +71,6 @@ def command(published: tuple[str, ...], seeds: int, tolerance: float | None) -> 
     if tolerance is not None:
         off = [o for o in outcomes if o.row.judged and abs(o.relative_error) > tolerance]
         if off:
-            raise TidalError(f"{', '.join(o.row.id for o in off)} off by more than "
-                             f"±{tolerance:.0%}")
+            raise TidalError(
+                f"{', '.join(o.row.id for o in off)} off by more than ±{tolerance:.0%}"
+            )

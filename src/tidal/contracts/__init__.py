@@ -26,6 +26,17 @@ from tidal.contracts.calls import (
 from tidal.contracts.close import CLOSE_REASONS, CloseReason
 from tidal.contracts.executions import ExecutionOutcome, Outcome, Turn, finite_reward
 
-__all__ = ["CLOSE_REASONS", "NO_VERSION", "CallRecord", "CloseReason", "ExecutionOutcome",
-           "ExecutionRecord", "Outcome", "Segment", "Turn", "finite_reward", "version_number",
-           "version_spans"]
+__all__ = [
+    "CLOSE_REASONS",
+    "NO_VERSION",
+    "CallRecord",
+    "CloseReason",
+    "ExecutionOutcome",
+    "ExecutionRecord",
+    "Outcome",
+    "Segment",
+    "Turn",
+    "finite_reward",
+    "version_number",
+    "version_spans",
+]

@@ -81,8 +81,10 @@ class Segment(BaseModel):
     def _check(self) -> Segment:
         n = len(self.token_ids)
         if len(self.logprobs) != n or len(self.versions) != n:
-            raise RecordError(f"a segment of {n} tokens has {len(self.logprobs)} log-probs, "
-                              f"{len(self.versions)} versions")
+            raise RecordError(
+                f"a segment of {n} tokens has {len(self.logprobs)} log-probs, "
+                f"{len(self.versions)} versions"
+            )
         # one string per distinct label: a record held for training keeps a version per token
         labels: dict[str, str] = {}
         self.versions = [labels.setdefault(v, v) for v in self.versions]
@@ -149,8 +151,10 @@ class ExecutionRecord(BaseModel):
     @model_validator(mode="after")
     def _reward_iff_scored(self) -> ExecutionRecord:
         if (self.reward is None) != (self.reason is CloseReason.REWARD_ERROR):
-            raise ValueError("reward is None exactly when the reason is reward_error "
-                             f"(reason {self.reason.value}, reward {self.reward})")
+            raise ValueError(
+                "reward is None exactly when the reason is reward_error "
+                f"(reason {self.reason.value}, reward {self.reward})"
+            )
         return self
 
     def min_version(self) -> int:

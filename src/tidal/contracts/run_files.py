@@ -109,14 +109,24 @@ class CallLine(_Line):
         """The line of a recorded call: its token counts and the engines that served it;
         with ``tokens`` (a deterministic run) also what the engines sampled, per token."""
         segs = call.segments
-        sampled = {"prompt_token_ids": list(call.prompt_token_ids),
-                   "token_ids": call.output_token_ids, "logprobs": call.output_logprobs,
-                   "versions": [v for s in segs for v in s.versions]} if tokens else {}
-        return cls(prompt_tokens=len(call.prompt_token_ids),
-                   output_tokens=sum(len(s.token_ids) for s in segs),
-                   cached_tokens=sum(s.cached_tokens for s in segs),
-                   reprefill_tokens=sum(s.reprefill_tokens for s in segs),
-                   engines=[s.engine_id for s in segs], **sampled)
+        sampled = (
+            {
+                "prompt_token_ids": list(call.prompt_token_ids),
+                "token_ids": call.output_token_ids,
+                "logprobs": call.output_logprobs,
+                "versions": [v for s in segs for v in s.versions],
+            }
+            if tokens
+            else {}
+        )
+        return cls(
+            prompt_tokens=len(call.prompt_token_ids),
+            output_tokens=sum(len(s.token_ids) for s in segs),
+            cached_tokens=sum(s.cached_tokens for s in segs),
+            reprefill_tokens=sum(s.reprefill_tokens for s in segs),
+            engines=[s.engine_id for s in segs],
+            **sampled,
+        )
 
 
 class ExecutionLine(_Line):
@@ -229,6 +239,9 @@ def parse(model: type[M], obj: object, where: str) -> M:
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "(line)"
-        msg = (f"{err['input']!r} is not one of {err['ctx']['expected']}"
-               if err["type"] == "enum" else err["msg"])
+        msg = (
+            f"{err['input']!r} is not one of {err['ctx']['expected']}"
+            if err["type"] == "enum"
+            else err["msg"]
+        )
         raise ConfigError(where, f"field {field}: {msg}") from None

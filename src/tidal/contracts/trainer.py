@@ -28,18 +28,28 @@ class ShardConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     ranks: int = Field(default=1, ge=1, description="processes (devices) of this cell")
-    fsdp: bool = Field(default=True, description="shard with FSDP2 (False: the plain module, "
-                       "one rank only)")
+    fsdp: bool = Field(
+        default=True, description="shard with FSDP2 (False: the plain module, one rank only)"
+    )
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
-        default="auto", description="compute dtype: auto = bf16 on CUDA, fp32 on the CPU")
+        default="auto", description="compute dtype: auto = bf16 on CUDA, fp32 on the CPU"
+    )
     activation_checkpointing: bool = False
-    timeout_s: float = Field(default=3600.0, gt=0, description="every collective inside the "
-                             "cell, including a follower's wait for rank 0's next operation "
-                             "(a cell idles while it serves rollout); a follower whose rank 0 "
-                             "died exits at once")
-    join_timeout_s: float = Field(default=300.0, gt=0, description="bound on rank 0's wait "
-                                  "for ranks 1..k-1 to start and join (a rank that exits "
-                                  "first ends the wait at once)")
+    timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="every collective inside the "
+        "cell, including a follower's wait for rank 0's next operation "
+        "(a cell idles while it serves rollout); a follower whose rank 0 "
+        "died exits at once",
+    )
+    join_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="bound on rank 0's wait "
+        "for ranks 1..k-1 to start and join (a rank that exits "
+        "first ends the wait at once)",
+    )
 
 
 class GRPOLossConfig(BaseModel):

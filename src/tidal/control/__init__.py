@@ -24,7 +24,23 @@ from tidal.control.policy import (
 )
 
 __all__ = [
-    "Action", "Actuator", "Cell", "CellSet", "Controller", "ControllerSettings", "Decision",
-    "DecisionLog", "Ledger", "Observation", "PlanStep", "Policy", "Standalone", "StepKind",
-    "TransitionPlan", "make_policy", "parse_policy_spec", "register_policy", "registered",
+    "Action",
+    "Actuator",
+    "Cell",
+    "CellSet",
+    "Controller",
+    "ControllerSettings",
+    "Decision",
+    "DecisionLog",
+    "Ledger",
+    "Observation",
+    "PlanStep",
+    "Policy",
+    "Standalone",
+    "StepKind",
+    "TransitionPlan",
+    "make_policy",
+    "parse_policy_spec",
+    "register_policy",
+    "registered",
 ]

@@ -55,13 +55,18 @@ class AdmissionRule:
         return self.mode != "off"
 
     @classmethod
-    def parse(cls, value: str | float | int | None, order: str = "longest_waiting",
-              field: str = "control.admission") -> AdmissionRule:
+    def parse(
+        cls,
+        value: str | float | int | None,
+        order: str = "longest_waiting",
+        field: str = "control.admission",
+    ) -> AdmissionRule:
         """``off`` / ``saturation`` / a positive number of seconds (the per-token latency
         target); anything else is a ``ConfigError`` naming ``field``."""
         if order not in ORDERS:
-            raise ConfigError(f"{field}_order", f"must be one of {', '.join(ORDERS)}, "
-                                                f"got {order!r}")
+            raise ConfigError(
+                f"{field}_order", f"must be one of {', '.join(ORDERS)}, got {order!r}"
+            )
         if value is None or value == "off":
             return cls("off", None, order)
         if value == "saturation":
@@ -75,13 +80,15 @@ class AdmissionRule:
             except ValueError:
                 num = None
         if num is None or not num > 0 or num == float("inf"):
-            raise ConfigError(field, f"must be 'off', 'saturation' or a per-token latency "
-                                     f"target in seconds > 0, got {value!r}")
+            raise ConfigError(
+                field,
+                f"must be 'off', 'saturation' or a per-token latency "
+                f"target in seconds > 0, got {value!r}",
+            )
         return cls("latency", num, order)
 
 
-def concurrency_target(curve: Callable[[int], float], slots: int,
-                       rule: AdmissionRule) -> int:
+def concurrency_target(curve: Callable[[int], float], slots: int, rule: AdmissionRule) -> int:
     """The engine's concurrency target under ``rule`` (1..slots); ``curve(n)`` is its decode
     throughput (tokens/s) with ``n`` sequences decoding at once."""
     slots = max(1, int(slots))
@@ -111,8 +118,9 @@ class FairQueue:
 
     def __init__(self, order: str = "longest_waiting") -> None:
         if order not in ORDERS:
-            raise ConfigError("control.admission_order",
-                              f"must be one of {', '.join(ORDERS)}, got {order!r}")
+            raise ConfigError(
+                "control.admission_order", f"must be one of {', '.join(ORDERS)}, got {order!r}"
+            )
         self.order = order
         self._heap: list[tuple[float, int, Hashable]] = []
         self._items: dict[Hashable, tuple[Hashable, Any, int]] = {}  # (group, payload, entry)
@@ -125,8 +133,14 @@ class FairQueue:
     def __contains__(self, item: Hashable) -> bool:
         return item in self._items
 
-    def push(self, item: Hashable, group: Hashable, now: float,
-             remaining: float | None = None, payload: object = None) -> None:
+    def push(
+        self,
+        item: Hashable,
+        group: Hashable,
+        now: float,
+        remaining: float | None = None,
+        payload: object = None,
+    ) -> None:
         if item in self._items:
             raise ValueError(f"{item!r} is already queued")
         since, members = self._since.get(group, (now, 0))
@@ -176,14 +190,17 @@ class FairQueue:
         return payload
 
 
-def curve_from_points(points: list[tuple[int, float]] | tuple[tuple[int, float], ...],
-                      field: str = "control.engine_curve") -> Callable[[int], float]:
+def curve_from_points(
+    points: list[tuple[int, float]] | tuple[tuple[int, float], ...],
+    field: str = "control.engine_curve",
+) -> Callable[[int], float]:
     """A measured throughput curve: ``(batch, tokens/s)`` points, linear between them, flat
     past the last one, and proportional to the batch below the first."""
     pts = sorted((int(b), float(t)) for b, t in points)
     if not pts or any(b < 1 or not t > 0 for b, t in pts) or len({b for b, _ in pts}) != len(pts):
-        raise ConfigError(field, f"needs distinct [batch >= 1, tokens/s > 0] pairs, got "
-                                 f"{list(points)!r}")
+        raise ConfigError(
+            field, f"needs distinct [batch >= 1, tokens/s > 0] pairs, got {list(points)!r}"
+        )
 
     def curve(n: int) -> float:
         if n <= pts[0][0]:
@@ -192,4 +209,5 @@ def curve_from_points(points: list[tuple[int, float]] | tuple[tuple[int, float],
             if n <= b1:
                 return t0 + (t1 - t0) * (n - b0) / (b1 - b0)
         return pts[-1][1]
+
     return curve

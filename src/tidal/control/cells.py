@@ -86,8 +86,9 @@ class CellSet:
         return [c for c in self.cells if c.role is Role.ROLLOUT]
 
     def moving(self) -> list[Cell]:
-        return [c for c in self.cells if c.role in (Role.MOVING_TO_TRAINING,
-                                                     Role.MOVING_TO_ROLLOUT)]
+        return [
+            c for c in self.cells if c.role in (Role.MOVING_TO_TRAINING, Role.MOVING_TO_ROLLOUT)
+        ]
 
     @property
     def standalone_slots(self) -> int:
@@ -100,8 +101,9 @@ class CellSet:
     @property
     def rollout_capacity(self) -> int:
         """Slots admitting work now: rollout cells plus standalone engines."""
-        return self._cached("capacity", lambda: sum(c.slots for c in self.rollout_cells())
-                            + self.standalone_slots)
+        return self._cached(
+            "capacity", lambda: sum(c.slots for c in self.rollout_cells()) + self.standalone_slots
+        )
 
     @property
     def training_gpus(self) -> int:
@@ -116,8 +118,11 @@ class CellSet:
         descending cell order (those stay in rollout longest). Names are engine ids / cell
         names."""
         order = list(self.standalone)
-        order += [c.name for c in sorted(self.rollout_cells(), key=lambda c: -c.index)
-                  if c.index != source]
+        order += [
+            c.name
+            for c in sorted(self.rollout_cells(), key=lambda c: -c.index)
+            if c.index != source
+        ]
         return order
 
     def roles(self) -> tuple[Role, ...]:
@@ -139,7 +144,8 @@ class CellSet:
         """The first ``training_prefix`` cells train, the rest serve rollout."""
         if not 0 <= training_prefix <= len(self.cells):
             raise InvariantViolation(
-                f"training prefix {training_prefix} outside 0..{len(self.cells)}")
+                f"training prefix {training_prefix} outside 0..{len(self.cells)}"
+            )
         for c in self.cells:
             c.role = Role.TRAINING if c.index < training_prefix else Role.ROLLOUT
         self._cache.clear()
@@ -157,9 +163,14 @@ class CellSet:
         for c in self.cells[n:]:
             if c.role.training_side:
                 raise InvariantViolation(
-                    f"training set is not a prefix of the cell order: roles {self.describe()}")
+                    f"training set is not a prefix of the cell order: roles {self.describe()}"
+                )
 
     def describe(self) -> str:
-        short = {Role.ROLLOUT: "R", Role.TRAINING: "T", Role.MOVING_TO_TRAINING: ">T",
-                 Role.MOVING_TO_ROLLOUT: ">R"}
+        short = {
+            Role.ROLLOUT: "R",
+            Role.TRAINING: "T",
+            Role.MOVING_TO_TRAINING: ">T",
+            Role.MOVING_TO_ROLLOUT: ">R",
+        }
         return " ".join(f"{c.name}:{short[c.role]}" for c in self.cells)

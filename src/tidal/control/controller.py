@@ -14,6 +14,9 @@ waterlevel (still one cell, supply held); the waterlevel policy declares no such
 Each decision is checked and recorded by ``decisions``; the settings are ``ControllerSettings``.
 Events may be delivered re-entrantly (an actuator acknowledging inside ``execute``): they are
 queued and processed in order.
+
+Over 500 lines since the tree took ``ruff format``'s one-argument-per-line style (482 before):
+the reconcile loop, its event queue and the plan executor share one state machine.
 """
 
 from __future__ import annotations
@@ -75,9 +78,16 @@ class _InFlight:
 
 
 class Controller:
-    def __init__(self, cells: CellSet, policy: Policy, clock: Clock, actuator: Actuator,
-                 settings: ControllerSettings, log_: DecisionLog | None = None,
-                 initial_prefix: int | None = None) -> None:
+    def __init__(
+        self,
+        cells: CellSet,
+        policy: Policy,
+        clock: Clock,
+        actuator: Actuator,
+        settings: ControllerSettings,
+        log_: DecisionLog | None = None,
+        initial_prefix: int | None = None,
+    ) -> None:
         self.cells = cells
         self.policy = policy
         self.clock = clock
@@ -89,25 +99,30 @@ class Controller:
         #: ``Observation.decode_meter``: the runtime sets it to the proxy's counts, the
         #: simulator to its engines'
         self.decode_meter: Callable[[], tuple[float, float]] | None = None
-        self.supply = SupplyTracker(settings.batch_groups, settings.supply_fraction,
-                                    settings.supply_hold_s)
+        self.supply = SupplyTracker(
+            settings.batch_groups, settings.supply_fraction, settings.supply_hold_s
+        )
         now = clock.now()
         self._views: tuple[CellView, ...] | None = None
         self._views_roles: tuple[Role, ...] = ()
-        n = policy.initial_prefix(self._cell_views()) if initial_prefix is None \
-            else initial_prefix
+        n = policy.initial_prefix(self._cell_views()) if initial_prefix is None else initial_prefix
         cells.reset_roles(n)
         if getattr(policy, "requires_rollout_at_start", False) and cells.rollout_capacity == 0:
             # Every cell starts training and nothing else serves: the waterlevel could never
             # fall and no burst would ever end. Refuse instead of deadlocking.
-            raise ConfigError("cluster", f"policy {policy.name!r} would start with no rollout "
-                              "capacity (every cell hybrid, no standalone engine); use elastic "
-                              "cells or add standalone engines")
+            raise ConfigError(
+                "cluster",
+                f"policy {policy.name!r} would start with no rollout "
+                "capacity (every cell hybrid, no standalone engine); use elastic "
+                "cells or add standalone engines",
+            )
         self.timeline = RoleTimeline(cells.roles(), now)
         self.metrics = VerlMetrics(
             hybrid_gpus=sum(c.gpus for c in cells.cells),
             standalone_gpus=sum(s.gpus for s in cells.standalone.values()),
-            budget_groups=settings.max_concurrency, start_s=now)
+            budget_groups=settings.max_concurrency,
+            start_s=now,
+        )
         self._sync_end_pending = False
         self.version = 0
         self.trainer_step = 0
@@ -209,10 +224,16 @@ class Controller:
         self.metrics.sync(self.version)
         self._sync_end_pending = True  # after the activation the policy may start
         self._cycle_stale = True
-        self.log.write({"type": "weights_published", "t": round(ev.t_s, 6),
-                        "version": ev.version, "duration_s": round(ev.duration_s, 6),
-                        **({"transports": dict(ev.transports)} if ev.transports else {}),
-                        **(ev.detail or {})})
+        self.log.write(
+            {
+                "type": "weights_published",
+                "t": round(ev.t_s, 6),
+                "version": ev.version,
+                "duration_s": round(ev.duration_s, 6),
+                **({"transports": dict(ev.transports)} if ev.transports else {}),
+                **(ev.detail or {}),
+            }
+        )
 
     def _on_capacity(self, ev: EngineCapacityChanged) -> None:
         self.cells.set_standalone(ev.engine_id, ev.slots)
@@ -243,8 +264,14 @@ class Controller:
         self.assigned_in_batch = self.batch_missing = 0
         self._cycle_waits.append(ev.wait_s)
         self._cycle_queue.append(ev.queue_at_start)
-        self.metrics.step_done(ev.t_s, ev.wait_s, ev.compute_s, ev.alloc_s, ev.final_of_burst,
-                               self.ledger.ready_unassigned)
+        self.metrics.step_done(
+            ev.t_s,
+            ev.wait_s,
+            ev.compute_s,
+            ev.alloc_s,
+            ev.final_of_burst,
+            self.ledger.ready_unassigned,
+        )
         if ev.final_of_burst:
             self.bursts_ended += 1
             total = self.settings.total_bursts
@@ -253,13 +280,17 @@ class Controller:
     def _record_rollout(self, t_s: float) -> None:
         # verl's rollouter is idle once its budget is spent and nothing is in generation
         idle = self.ledger.waterlevel == 0 and self.pending_dispatch == (
-            self.settings.next_burst_quota if self._expect_next_burst else 0)
+            self.settings.next_burst_quota if self._expect_next_burst else 0
+        )
         self.metrics.rollout(t_s, self.cells.rollout_capacity, idle)
 
     def _activating(self) -> bool:
         fl = self.inflight
-        return fl is not None and fl.plan.style is PlanStyle.VERL \
+        return (
+            fl is not None
+            and fl.plan.style is PlanStyle.VERL
             and fl.plan.direction is Direction.TO_ROLLOUT
+        )
 
     def _end_sync(self, t_s: float) -> None:
         """verl's sync step ends after the activation that follows it (if any)."""
@@ -270,8 +301,9 @@ class Controller:
     def _cell_views(self) -> tuple[CellView, ...]:
         roles = self.cells.roles()
         if self._views is None or self._views_roles != roles:
-            self._views = tuple(CellView(c.index, c.slots, c.gpus, c.kind, c.role)
-                                for c in self.cells.cells)
+            self._views = tuple(
+                CellView(c.index, c.slots, c.gpus, c.kind, c.role) for c in self.cells.cells
+            )
             self._views_roles = roles
         return self._views
 
@@ -308,8 +340,9 @@ class Controller:
             queued=lg.total.queued,
             running=lg.total.running,
             pending_dispatch=self.pending_dispatch,
-            supply=self.supply.view(now, lg.ready_unassigned,
-                                    self.assigned_in_batch + self.batch_missing),
+            supply=self.supply.view(
+                now, lg.ready_unassigned, self.assigned_in_batch + self.batch_missing
+            ),
             ready_groups=lg.ready_unassigned,
             groups_generated=lg.groups_ready_total,
             batch_groups=self.settings.batch_groups,
@@ -341,8 +374,9 @@ class Controller:
         decision = self.policy.decide(obs)
         self._dispatch_limit = decision.dispatch_limit
         if self.log.wants(decision.action.value, decision.reason, self.dispatch_limit):
-            self.log.write({"type": "decision",
-                            **decisions.record(obs, decision, self.policy, self.cells)})
+            self.log.write(
+                {"type": "decision", **decisions.record(obs, decision, self.policy, self.cells)}
+            )
         if decision.action is not Action.HOLD:
             decisions.check(obs, decision, self.policy, self.cells)
             self._start(decision, obs)
@@ -350,19 +384,28 @@ class Controller:
     # ---------------------------------------------------------------- plans
     def _start(self, d: Decision, obs: Observation) -> None:
         src = d.cells[0] if d.action is Action.TO_TRAINING else None
-        plan = build_plan(self._next_plan_id, d, obs.now_s,
-                          destinations=self.cells.destination_order(src), version=self.version,
-                          kv_handoff=self.settings.kv_handoff)
+        plan = build_plan(
+            self._next_plan_id,
+            d,
+            obs.now_s,
+            destinations=self.cells.destination_order(src),
+            version=self.version,
+            kv_handoff=self.settings.kv_handoff,
+        )
         self._next_plan_id += 1
-        moving = (Role.MOVING_TO_TRAINING if plan.direction is Direction.TO_TRAINING
-                  else Role.MOVING_TO_ROLLOUT)
+        moving = (
+            Role.MOVING_TO_TRAINING
+            if plan.direction is Direction.TO_TRAINING
+            else Role.MOVING_TO_ROLLOUT
+        )
         for i in plan.cells:
             self.cells.set_role(i, moving)
             self.timeline.change(i, moving, obs.now_s)
         self.inflight = _InFlight(plan, 0, obs.now_s)
         self.log.write({"type": "plan_start", "t": round(obs.now_s, 6), **plan.to_json()})
-        log.info("plan %d: %s %s (%s)", plan.plan_id, plan.direction.value, list(plan.cells),
-                 plan.reason)
+        log.info(
+            "plan %d: %s %s (%s)", plan.plan_id, plan.direction.value, list(plan.cells), plan.reason
+        )
         self.actuator.execute(plan, plan.steps[0])
 
     def _step_done(self, ev: TransitionStepDone) -> None:
@@ -374,10 +417,16 @@ class Controller:
         if not ev.ok:
             self._step_failed(ev.t_s, ev.error or "step failed")
             return
-        self.log.write({"type": "step_done", "t": round(ev.t_s, 6), "plan_id": plan.plan_id,
-                        "step": plan.steps[fl.step].kind.value,
-                        "duration_s": round(ev.duration_s, 6),
-                        **({"detail": ev.detail} if ev.detail else {})})
+        self.log.write(
+            {
+                "type": "step_done",
+                "t": round(ev.t_s, 6),
+                "plan_id": plan.plan_id,
+                "step": plan.steps[fl.step].kind.value,
+                "duration_s": round(ev.duration_s, 6),
+                **({"detail": ev.detail} if ev.detail else {}),
+            }
+        )
         if fl.step + 1 < len(plan.steps):
             fl.step += 1
             fl.issued_s = ev.t_s
@@ -390,8 +439,16 @@ class Controller:
         fl = self.inflight
         assert fl is not None
         plan, step = fl.plan, fl.plan.steps[fl.step]
-        self.log.write({"type": "step_failed", "t": round(t_s, 6), "plan_id": plan.plan_id,
-                        "step": step.kind.value, "attempt": fl.attempts, "error": error})
+        self.log.write(
+            {
+                "type": "step_failed",
+                "t": round(t_s, 6),
+                "plan_id": plan.plan_id,
+                "step": step.kind.value,
+                "attempt": fl.attempts,
+                "error": error,
+            }
+        )
         if fl.attempts <= self.settings.max_step_retries:
             fl.attempts += 1
             fl.issued_s = t_s
@@ -406,8 +463,15 @@ class Controller:
         if self._sync_end_pending:
             self._end_sync(t_s)
         self._backoff_until = t_s + self.settings.abort_backoff_s
-        self.log.write({"type": "plan_aborted", "t": round(t_s, 6), "plan_id": plan.plan_id,
-                        "step": step.kind.value, "error": error})
+        self.log.write(
+            {
+                "type": "plan_aborted",
+                "t": round(t_s, 6),
+                "plan_id": plan.plan_id,
+                "step": step.kind.value,
+                "error": error,
+            }
+        )
         log.warning("plan %d aborted at %s: %s", plan.plan_id, step.kind.value, error)
         self.actuator.abort(plan, step, error)
 
@@ -438,8 +502,15 @@ class Controller:
         self.plans_done.append((plan, duration))
         if self._sync_end_pending:
             self._end_sync(t_s)
-        self.log.write({"type": "plan_done", "t": round(t_s, 6), "plan_id": plan.plan_id,
-                        "duration_s": round(duration, 6), "roles": self.cells.describe()})
+        self.log.write(
+            {
+                "type": "plan_done",
+                "t": round(t_s, 6),
+                "plan_id": plan.plan_id,
+                "duration_s": round(duration, 6),
+                "roles": self.cells.describe(),
+            }
+        )
 
     # -------------------------------------------------------------- summary
     def summary(self) -> dict[str, Any]:

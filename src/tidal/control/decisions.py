@@ -42,6 +42,7 @@ def record(obs: Observation, d: Decision, policy: Policy, cells: CellSet) -> dic
         "state": policy.state(),
     }
 
+
 def check(obs: Observation, d: Decision, policy: Policy, cells: CellSet) -> None:
     """``d`` (not a hold) keeps invariant 3, else ``InvariantViolation``: a contiguous block at
     the edge of the training prefix, and for a ``waterlevel_safe`` policy a move to training
@@ -54,11 +55,13 @@ def check(obs: Observation, d: Decision, policy: Policy, cells: CellSet) -> None
         want, role = tuple(range(n, n + k)), Role.ROLLOUT
     else:
         want, role = tuple(range(n - k, n)), Role.TRAINING
-    if d.cells != want or any(obs.cells[i].role is not role for i in d.cells
-                              if 0 <= i < len(obs.cells)):
+    if d.cells != want or any(
+        obs.cells[i].role is not role for i in d.cells if 0 <= i < len(obs.cells)
+    ):
         raise InvariantViolation(
             f"{policy.name}: {d.action.value} {list(d.cells)} breaks the prefix order "
-            f"(roles {cells.describe()}, expected cells {list(want)})")
+            f"(roles {cells.describe()}, expected cells {list(want)})"
+        )
     if policy.waterlevel_safe and d.action is Action.TO_TRAINING:
         cell = obs.cells[d.cells[0]]
         after = obs.rollout_capacity - cell.slots
@@ -68,4 +71,5 @@ def check(obs: Observation, d: Decision, policy: Policy, cells: CellSet) -> None
         if k != 1 or (after < obs.waterlevel and not waived) or not obs.supply.ok:
             raise InvariantViolation(
                 f"{policy.name}: unsafe move of {list(d.cells)}: capacity after "
-                f"{after}, waterlevel {obs.waterlevel}, supply ok {obs.supply.ok}")
+                f"{after}, waterlevel {obs.waterlevel}, supply ok {obs.supply.ok}"
+            )

@@ -22,4 +22,3 @@ def may_dispatch(outstanding: int, executions: int, limit: int | None) -> bool:
     """True iff a group of ``executions`` may be dispatched now with ``outstanding``
     executions dispatched and not finished, under the policy's ``limit`` (None: no hold)."""
     return limit is None or outstanding + executions <= limit
-

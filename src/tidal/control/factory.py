@@ -28,8 +28,10 @@ from tidal.types import Role
 
 def build_cells(cluster: ClusterConfig) -> CellSet:
     cells = [Cell(i, s.slots, s.gpus, s.kind) for i, s in enumerate(cluster.cell_specs())]
-    standalone = [Standalone(f"standalone-{j}", cluster.standalone_slots, cluster.standalone_gpus)
-                  for j in range(cluster.standalone_count)]
+    standalone = [
+        Standalone(f"standalone-{j}", cluster.standalone_slots, cluster.standalone_gpus)
+        for j in range(cluster.standalone_count)
+    ]
     return CellSet(cells, standalone)
 
 
@@ -84,11 +86,12 @@ def check_policy_config(policy: PolicyConfig, prefix: str = "policy") -> PolicyC
     except ConfigError as exc:
         raise ConfigError(f"{prefix}.module", exc.message) from None
     if policy.name not in registered():
-        broken = "".join(f"; entry point {k} not loaded: {v}"
-                         for k, v in broken_plugins().items())
+        broken = "".join(f"; entry point {k} not loaded: {v}" for k, v in broken_plugins().items())
         where = f" after loading {policy.module}" if policy.module else ""
-        raise ConfigError(f"{prefix}.name", f"unknown policy {policy.name!r}{where} (known: "
-                          f"{', '.join(registered())}{broken})")
+        raise ConfigError(
+            f"{prefix}.name",
+            f"unknown policy {policy.name!r}{where} (known: {', '.join(registered())}{broken})",
+        )
     return policy
 
 
@@ -114,14 +117,26 @@ def settings_from(cfg: RunConfig) -> ControllerSettings:
     )
 
 
-def build_controller(cfg: RunConfig, clock: Clock, actuator: Actuator,
-                     log: DecisionLog | None = None, policy: Policy | None = None) -> Controller:
+def build_controller(
+    cfg: RunConfig,
+    clock: Clock,
+    actuator: Actuator,
+    log: DecisionLog | None = None,
+    policy: Policy | None = None,
+) -> Controller:
     """The run's controller around ``policy`` (``checked_policy``'s, fresh: nothing else holds
     it); without one ``cfg`` is checked first (``checked_policy``), so a config built in code
     runs with its policy module loaded, as one loaded from a file does."""
     if policy is None:
         policy = checked_policy(cfg)
-    return Controller(build_cells(cfg.cluster), policy, clock, actuator,
-                      settings_from(cfg), log,
-                      initial_prefix=(len(cfg.cluster.start_training)
-                                      if cfg.cluster.start_training is not None else None))
+    return Controller(
+        build_cells(cfg.cluster),
+        policy,
+        clock,
+        actuator,
+        settings_from(cfg),
+        log,
+        initial_prefix=(
+            len(cfg.cluster.start_training) if cfg.cluster.start_training is not None else None
+        ),
+    )

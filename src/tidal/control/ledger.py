@@ -105,8 +105,9 @@ class Ledger:
         self.groups_dropped = 0  # settled with fewer than min_scored scored members
 
     # ------------------------------------------------------------------ events
-    def dispatch(self, execution_id: ExecutionId, group_id: GroupId, group_size: int,
-                 burst: int = 0) -> None:
+    def dispatch(
+        self, execution_id: ExecutionId, group_id: GroupId, group_size: int, burst: int = 0
+    ) -> None:
         if execution_id in self.executions:
             raise LedgerError(f"execution {execution_id!r} dispatched twice")
         if group_size < 1:
@@ -117,7 +118,8 @@ class Ledger:
         elif group.size != group_size:
             raise LedgerError(
                 f"group {group_id!r} has size {group.size}, execution {execution_id!r} says "
-                f"{group_size}")
+                f"{group_size}"
+            )
         if len(group.members) >= group.size:
             raise LedgerError(f"group {group_id!r} already has its {group.size} executions")
         group.members.append(execution_id)
@@ -136,8 +138,9 @@ class Ledger:
         self.total.launched += 1
         return True
 
-    def close(self, execution_id: ExecutionId, reason: CloseReason,
-              reward: float | None = None) -> bool:
+    def close(
+        self, execution_id: ExecutionId, reason: CloseReason, reward: float | None = None
+    ) -> bool:
         """Closes exactly once; returns False for an ignored duplicate. A ``reward_error``
         close carries no reward (``LedgerError`` otherwise) and settles the member unscored."""
         ex = self._get(execution_id)
@@ -241,8 +244,12 @@ class Ledger:
 
     def _settle(self, group: Group) -> None:
         """A settled group becomes ready (``min_scored`` scored members) or is dropped."""
-        if not group.settled or group.assigned or group.dropped \
-                or group.group_id in self._ready_unassigned:
+        if (
+            not group.settled
+            or group.assigned
+            or group.dropped
+            or group.group_id in self._ready_unassigned
+        ):
             return
         if group.ready:
             self._ready_unassigned[group.group_id] = None

@@ -105,8 +105,9 @@ QWENGYRE = Mechanics(
 #: tidal: on-demand dispatch with QwenGyre's streaming trainer, kept syncs and KV handoff; its
 #: GRPO loss takes the behaviour log-probs the engines reported with each token
 #: (``tidal.training.loss``), so its trainer runs no old-log-prob pass.
-TIDAL = Mechanics(trainer=TrainerStyle.STREAMING, sync=SyncStyle.KEEP, kv_handoff=True,
-                  old_log_prob=False)
+TIDAL = Mechanics(
+    trainer=TrainerStyle.STREAMING, sync=SyncStyle.KEEP, kv_handoff=True, old_log_prob=False
+)
 #: verl's colocated (hybrid-engine) trainer: parameters and optimizer offloaded while the
 #: engine holds the GPUs, old log-probs recomputed by the trainer.
 COLOCATE = Mechanics(

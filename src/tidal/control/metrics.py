@@ -100,16 +100,23 @@ def rollout_resource_utilization(points: list[tuple[float, int, int]]) -> float:
     return num / den if den > 0 else 0.0
 
 
-def resource_utilization(u_train: float, u_rollout: float, hybrid_gpus: float,
-                         standalone_gpus: float, wait_s: float, step_s: float) -> float:
+def resource_utilization(
+    u_train: float,
+    u_rollout: float,
+    hybrid_gpus: float,
+    standalone_gpus: float,
+    wait_s: float,
+    step_s: float,
+) -> float:
     """((1-x) a U_train + (x a + b) U_rollout) / (a + b), x = clip(wait / step, 0, 1)."""
     a, b = hybrid_gpus, standalone_gpus
     x = min(1.0, max(0.0, wait_s / step_s))
     return ((1 - x) * a * u_train + (x * a + b) * u_rollout) / (a + b)
 
 
-def rollouter_idle_ratio(window_start_s: float, idle_start_s: float, now_s: float
-                         ) -> tuple[float, float, float]:
+def rollouter_idle_ratio(
+    window_start_s: float, idle_start_s: float, now_s: float
+) -> tuple[float, float, float]:
     """verl's ``reset_staleness``: (active_time, version_time, idle_ratio)."""
     version_time = max(now_s - window_start_s, 1e-6)
     if idle_start_s > window_start_s:
@@ -118,23 +125,33 @@ def rollouter_idle_ratio(window_start_s: float, idle_start_s: float, now_s: floa
     return version_time, version_time, 0
 
 
-def special_metrics(agg: dict[str, float], u_rollout: float | None, hybrid_gpus: float,
-                    standalone_gpus: float) -> dict[str, float]:
+def special_metrics(
+    agg: dict[str, float], u_rollout: float | None, hybrid_gpus: float, standalone_gpus: float
+) -> dict[str, float]:
     """verl's ``_special_metrics_aggergate`` for the keys tidal emits."""
     if "timing_s/gen" in agg and agg.get("timing_s/step", 0.0) > 0:  # (verl: no zero steps)
         agg["fully_async/trainer/idle_ratio"] = agg["timing_s/gen"] / agg["timing_s/step"]
     alloc = agg.get("dynamic_resource/train_allocated_time_s")
     if "dynamic_resource/train_compute_time_s" in agg and alloc is not None and alloc > 0:
         agg["dynamic_resource/train_resource_utilization"] = (
-            agg["dynamic_resource/train_compute_time_s"] / alloc)
+            agg["dynamic_resource/train_compute_time_s"] / alloc
+        )
     total = hybrid_gpus + standalone_gpus
-    if ("dynamic_resource/train_resource_utilization" in agg and u_rollout is not None
-            and total > 0 and agg.get("timing_s/step", 0.0) > 0):
+    if (
+        "dynamic_resource/train_resource_utilization" in agg
+        and u_rollout is not None
+        and total > 0
+        and agg.get("timing_s/step", 0.0) > 0
+    ):
         agg["dynamic_resource/rollout_resource_utilization"] = u_rollout
         agg["dynamic_resource/resource_utilization"] = resource_utilization(
-            agg["dynamic_resource/train_resource_utilization"], u_rollout, hybrid_gpus,
-            standalone_gpus, agg.get("timing_s/wait_for_enough_samples", 0.0),
-            agg["timing_s/step"])
+            agg["dynamic_resource/train_resource_utilization"],
+            u_rollout,
+            hybrid_gpus,
+            standalone_gpus,
+            agg.get("timing_s/wait_for_enough_samples", 0.0),
+            agg["timing_s/step"],
+        )
     return agg
 
 
@@ -150,8 +167,13 @@ class _Step:
 class VerlMetrics:
     """verl's metrics, one row per weight sync (``rows``); fed by the controller."""
 
-    def __init__(self, hybrid_gpus: int, standalone_gpus: int, budget_groups: int | None = None,
-                 start_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        hybrid_gpus: int,
+        standalone_gpus: int,
+        budget_groups: int | None = None,
+        start_s: float = 0.0,
+    ) -> None:
         self.hybrid_gpus = hybrid_gpus
         self.standalone_gpus = standalone_gpus
         self.budget_groups = budget_groups  # verl's max_required_samples caps the capacity
@@ -216,8 +238,9 @@ class VerlMetrics:
         if s is not None and s.done is None and done_s >= s.start_s:
             s.switch_s += done_s - max(created_s, s.start_s)
 
-    def step_done(self, t_s: float, wait_s: float, compute_s: float, alloc_s: float,
-                  final: bool, mq_size: int) -> None:
+    def step_done(
+        self, t_s: float, wait_s: float, compute_s: float, alloc_s: float, final: bool, mq_size: int
+    ) -> None:
         s = self._step or _Step(self._last_end_s)
         self._step = None
         gpus_s = min(t_s, max(s.start_s, t_s - alloc_s))
@@ -256,15 +279,19 @@ class VerlMetrics:
         step to the next one."""
         self._points.append((t_s, self.active_groups, self.capacity_groups(self._slots)))
         u_roll = rollout_resource_utilization(self._points)
-        active, version_time, idle_ratio = rollouter_idle_ratio(self._window_s, self._idle_s,
-                                                                t_s)
-        row = special_metrics(aggregate(self._values), u_roll, self.hybrid_gpus,
-                              self.standalone_gpus)
-        row.update({"version": float(self._version),
-                    "fully_async/rollouter/active_time": active,
-                    "fully_async/rollouter/version_time": version_time,
-                    "fully_async/rollouter/idle_ratio": idle_ratio,
-                    "fully_async/rollouter/step_generated_samples": float(self._generated)})
+        active, version_time, idle_ratio = rollouter_idle_ratio(self._window_s, self._idle_s, t_s)
+        row = special_metrics(
+            aggregate(self._values), u_roll, self.hybrid_gpus, self.standalone_gpus
+        )
+        row.update(
+            {
+                "version": float(self._version),
+                "fully_async/rollouter/active_time": active,
+                "fully_async/rollouter/version_time": version_time,
+                "fully_async/rollouter/idle_ratio": idle_ratio,
+                "fully_async/rollouter/step_generated_samples": float(self._generated),
+            }
+        )
         self.rows.append(row)
         self._values = defaultdict(list)
         self._window_s, self._generated = t_s, 0

@@ -101,8 +101,15 @@ class TransitionPlan:
         }
 
 
-def build_plan(plan_id: int, decision: Decision, now_s: float, *, destinations: list[str],
-               version: int, kv_handoff: bool) -> TransitionPlan:
+def build_plan(
+    plan_id: int,
+    decision: Decision,
+    now_s: float,
+    *,
+    destinations: list[str],
+    version: int,
+    kv_handoff: bool,
+) -> TransitionPlan:
     """Turns a move decision into its ordered steps."""
     if decision.action is Action.HOLD:
         raise ValueError("a hold decision has no plan")

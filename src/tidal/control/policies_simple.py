@@ -17,8 +17,11 @@ from tidal.control.policy import Action, CellView, Decision, Observation, regist
 from tidal.errors import ConfigError
 
 
-@register_policy("static", "fixed split: the first `train` GPUs (or `cells` cells) train, "
-                 "the rest serve rollout; nothing ever moves")
+@register_policy(
+    "static",
+    "fixed split: the first `train` GPUs (or `cells` cells) train, "
+    "the rest serve rollout; nothing ever moves",
+)
 class StaticPolicy:
     name = "static"
     mechanics = VERL
@@ -28,18 +31,19 @@ class StaticPolicy:
         if train is not None and cells is not None:
             raise ConfigError("policy.args", "static: give `train` (GPUs) or `cells`, not both")
         for key, val in (("train", train), ("cells", cells)):
-            if val is not None and (not isinstance(val, int) or isinstance(val, bool)
-                                    or val < 0):
-                raise ConfigError(f"policy.args.{key}",
-                                  f"must be a non-negative integer, got {val!r}")
+            if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 0):
+                raise ConfigError(
+                    f"policy.args.{key}", f"must be a non-negative integer, got {val!r}"
+                )
         self.train_gpus = train
         self.train_cells = cells
 
     def initial_prefix(self, cells: tuple[CellView, ...]) -> int:
         if self.train_cells is not None:
             if self.train_cells > len(cells):
-                raise ConfigError("policy.args.cells",
-                                  f"{self.train_cells} cells asked, cluster has {len(cells)}")
+                raise ConfigError(
+                    "policy.args.cells", f"{self.train_cells} cells asked, cluster has {len(cells)}"
+                )
             return self.train_cells
         if self.train_gpus is None:
             return 1 if cells else 0
@@ -51,9 +55,10 @@ class StaticPolicy:
         if total == self.train_gpus:
             return len(cells)
         sizes = [c.gpus for c in cells]
-        raise ConfigError("policy.args.train",
-                          f"{self.train_gpus} GPUs is not a prefix of the cell order "
-                          f"(cell sizes {sizes})")
+        raise ConfigError(
+            "policy.args.train",
+            f"{self.train_gpus} GPUs is not a prefix of the cell order (cell sizes {sizes})",
+        )
 
     def state(self) -> dict[str, Any]:
         return {}
@@ -62,8 +67,11 @@ class StaticPolicy:
         return Decision.hold("static split")
 
 
-@register_policy("colocate", "synchronous: all cells roll out until the burst's executions "
-                 "finish, then all train; all return at burst end")
+@register_policy(
+    "colocate",
+    "synchronous: all cells roll out until the burst's executions "
+    "finish, then all train; all return at burst end",
+)
 class ColocatePolicy:
     name = "colocate"
     mechanics = COLOCATE
@@ -84,11 +92,21 @@ class ColocatePolicy:
         if obs.bursts_ended > self._bursts_handled:
             # The burst end is handled once every cell is back: an aborted return is retried.
             if obs.prefix_len:
-                return Decision(Action.TO_ROLLOUT, tuple(range(obs.prefix_len)),
-                                "burst end: all cells return to rollout")
+                return Decision(
+                    Action.TO_ROLLOUT,
+                    tuple(range(obs.prefix_len)),
+                    "burst end: all cells return to rollout",
+                )
             self._bursts_handled = obs.bursts_ended
-        if obs.prefix_len == 0 and obs.waterlevel == 0 and obs.pending_dispatch == 0 \
-                and obs.supply.supply > 0:
-            return Decision(Action.TO_TRAINING, tuple(c.index for c in obs.cells),
-                            "rollout phase over: all cells switch to training")
+        if (
+            obs.prefix_len == 0
+            and obs.waterlevel == 0
+            and obs.pending_dispatch == 0
+            and obs.supply.supply > 0
+        ):
+            return Decision(
+                Action.TO_TRAINING,
+                tuple(c.index for c in obs.cells),
+                "rollout phase over: all cells switch to training",
+            )
         return Decision.hold("rollout phase" if obs.prefix_len == 0 else "training phase")

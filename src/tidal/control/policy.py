@@ -171,8 +171,9 @@ class _Entry:
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register_policy(name: str, summary: str, mechanics: Mechanics | None = None
-                    ) -> Callable[[PolicyFactory], PolicyFactory]:
+def register_policy(
+    name: str, summary: str, mechanics: Mechanics | None = None
+) -> Callable[[PolicyFactory], PolicyFactory]:
     """Registers ``factory`` (a policy class, or a function building one) under ``name``.
 
     Every policy declares its mechanics (``tidal.control.mechanics``): the class attribute
@@ -182,8 +183,11 @@ def register_policy(name: str, summary: str, mechanics: Mechanics | None = None
 
     def deco(factory: PolicyFactory) -> PolicyFactory:
         if name in _REGISTRY:
-            raise ConfigError("policy.name", f"policy {name!r} registered twice "
-                              f"({_where(_REGISTRY[name].factory)} and {_where(factory)})")
+            raise ConfigError(
+                "policy.name",
+                f"policy {name!r} registered twice "
+                f"({_where(_REGISTRY[name].factory)} and {_where(factory)})",
+            )
         declared = mechanics if mechanics is not None else getattr(factory, "mechanics", None)
         _REGISTRY[name] = _Entry(factory, summary, _checked_mechanics(name, factory, declared))
         return factory
@@ -193,13 +197,19 @@ def register_policy(name: str, summary: str, mechanics: Mechanics | None = None
 
 def _checked_mechanics(name: str, factory: object, declared: object) -> Mechanics:
     if declared is None:
-        raise ConfigError("mechanics", f"policy {name!r} ({_where(factory)}) declares no "
-                          "mechanics: set `mechanics = ...` on its class (a "
-                          "tidal.control.mechanics.Mechanics, e.g. QWENGYRE or VERL) or pass "
-                          "register_policy(..., mechanics=...)")
+        raise ConfigError(
+            "mechanics",
+            f"policy {name!r} ({_where(factory)}) declares no "
+            "mechanics: set `mechanics = ...` on its class (a "
+            "tidal.control.mechanics.Mechanics, e.g. QWENGYRE or VERL) or pass "
+            "register_policy(..., mechanics=...)",
+        )
     if not isinstance(declared, Mechanics):
-        raise ConfigError("mechanics", f"policy {name!r} ({_where(factory)}) declares "
-                          f"mechanics {declared!r}: want a tidal.control.mechanics.Mechanics")
+        raise ConfigError(
+            "mechanics",
+            f"policy {name!r} ({_where(factory)}) declares "
+            f"mechanics {declared!r}: want a tidal.control.mechanics.Mechanics",
+        )
     return declared
 
 
@@ -260,8 +270,9 @@ def _check_args(name: str, factory: Callable[..., Policy], args: dict[str, Any])
     for key in args:
         if key not in takes:
             have = ", ".join(takes) if takes else "no arguments"
-            raise ConfigError(f"policy.args.{key}", f"{name} takes no argument {key!r} "
-                              f"(it takes: {have})")
+            raise ConfigError(
+                f"policy.args.{key}", f"{name} takes no argument {key!r} (it takes: {have})"
+            )
 
 
 def _load_builtin() -> None:

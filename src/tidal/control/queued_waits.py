@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import math
 
-KEYS = ("queued_executions", "queued_execution_s", "queued_execution_p99_s",
-        "queued_execution_max_s")
+KEYS = (
+    "queued_executions",
+    "queued_execution_s",
+    "queued_execution_p99_s",
+    "queued_execution_max_s",
+)
 EPS_S = 1e-9  # a slot taken at the instant it was asked for is no wait
 
 
@@ -25,9 +29,12 @@ def figures(waits: list[float]) -> dict[str, float | int]:
     """The figures over per-execution waits (those <= ``EPS_S`` are no wait)."""
     xs = sorted(x for x in waits if x > EPS_S)
     p99 = xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)] if xs else 0.0
-    return {"queued_executions": len(xs), "queued_execution_s": round(sum(xs), 3),
-            "queued_execution_p99_s": round(p99, 3),
-            "queued_execution_max_s": round(xs[-1], 3) if xs else 0.0}
+    return {
+        "queued_executions": len(xs),
+        "queued_execution_s": round(sum(xs), 3),
+        "queued_execution_p99_s": round(p99, 3),
+        "queued_execution_max_s": round(xs[-1], 3) if xs else 0.0,
+    }
 
 
 class QueuedWaits:

@@ -57,5 +57,9 @@ class StepInputs:
         ready = self.ready_s if self.ready_s is not None else t_s
         gpus = self.gpus_s if self.gpus_s is not None else ready
         collected = self.collected_s if self.collected_s is not None else gpus
-        return StepTiming(wait_s=collected - gpus, queue_at_start=self.queue,
-                          alloc_s=t_s - gpus, no_gpu_s=gpus - ready)
+        return StepTiming(
+            wait_s=collected - gpus,
+            queue_at_start=self.queue,
+            alloc_s=t_s - gpus,
+            no_gpu_s=gpus - ready,
+        )

@@ -52,5 +52,6 @@ class SupplyTracker:
         elif self._since is None:
             self._since = now_s
         held_s = 0.0 if self._since is None else now_s - self._since
-        return SupplyView(supply, needed, threshold, passing, held_s,
-                          passing and held_s >= self.hold_s)
+        return SupplyView(
+            supply, needed, threshold, passing, held_s, passing and held_s >= self.hold_s
+        )

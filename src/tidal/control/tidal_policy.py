@@ -166,10 +166,13 @@ class RateEstimate:
         return self.count / self.exposure if self.exposure > 1e-9 and self.count > 0 else None
 
 
-@register_policy("tidal", "rate model of production vs consumption, decided on every event: "
-                 "partial lending in prefix order, waterlevel-safe by default, measured "
-                 "over-subscription, hysteresis; args horizon_s, dwell_s, low_batches, "
-                 "high_batches, min_train_cells, tau_s, max_queued, max_wait_s, start_cells")
+@register_policy(
+    "tidal",
+    "rate model of production vs consumption, decided on every event: "
+    "partial lending in prefix order, waterlevel-safe by default, measured "
+    "over-subscription, hysteresis; args horizon_s, dwell_s, low_batches, "
+    "high_batches, min_train_cells, tau_s, max_queued, max_wait_s, start_cells",
+)
 class TidalPolicy:
     name = "tidal"
     mechanics = TIDAL
@@ -177,21 +180,37 @@ class TidalPolicy:
     #: the controller accepts a move marked ``Decision.oversubscribe`` (the rule above)
     may_oversubscribe = True
 
-    def __init__(self, horizon_s: float = HORIZON_S, dwell_s: float = 20.0,
-                 low_batches: float = 2.0, high_batches: float = 0.0,
-                 min_train_cells: int = 1, tau_s: float = 600.0,
-                 max_queued: int = MAX_QUEUED, max_wait_s: float = MAX_WAIT_S,
-                 start_cells: int = 0) -> None:
-        for key, val in (("horizon_s", horizon_s), ("dwell_s", dwell_s),
-                         ("tau_s", tau_s), ("low_batches", low_batches),
-                         ("high_batches", high_batches), ("max_wait_s", max_wait_s)):
+    def __init__(
+        self,
+        horizon_s: float = HORIZON_S,
+        dwell_s: float = 20.0,
+        low_batches: float = 2.0,
+        high_batches: float = 0.0,
+        min_train_cells: int = 1,
+        tau_s: float = 600.0,
+        max_queued: int = MAX_QUEUED,
+        max_wait_s: float = MAX_WAIT_S,
+        start_cells: int = 0,
+    ) -> None:
+        for key, val in (
+            ("horizon_s", horizon_s),
+            ("dwell_s", dwell_s),
+            ("tau_s", tau_s),
+            ("low_batches", low_batches),
+            ("high_batches", high_batches),
+            ("max_wait_s", max_wait_s),
+        ):
             if isinstance(val, bool) or not isinstance(val, int | float) or val < 0:
                 raise ConfigError(f"policy.args.{key}", f"must be a number >= 0, got {val!r}")
-        for key, num in (("min_train_cells", min_train_cells), ("max_queued", max_queued),
-                         ("start_cells", start_cells)):
+        for key, num in (
+            ("min_train_cells", min_train_cells),
+            ("max_queued", max_queued),
+            ("start_cells", start_cells),
+        ):
             if isinstance(num, bool) or not isinstance(num, int) or num < 0:
-                raise ConfigError(f"policy.args.{key}",
-                                  f"must be a non-negative integer, got {num!r}")
+                raise ConfigError(
+                    f"policy.args.{key}", f"must be a non-negative integer, got {num!r}"
+                )
         if tau_s <= 0:
             raise ConfigError("policy.args.tau_s", "must be > 0")
         self.horizon_s = float(horizon_s)
@@ -238,11 +257,13 @@ class TidalPolicy:
             q = self.finishes.rate
             held["oversubscribed_since_s"] = round(self.waiting_since_s, 6)
             held["q_finished_per_exec_s"] = None if q is None else round(q, 9)
-        return {**held, "p_groups_per_exec_s": None if p is None else round(p, 9),
-                "c_groups_per_gpu_s": None if c is None else round(c, 9),
-                "last_move_s": None if self._last_move_s == -math.inf
-                else round(self._last_move_s, 6),
-                **({"last_lend_took_s": round(self.move_s, 6)} if self.move_s else {})}
+        return {
+            **held,
+            "p_groups_per_exec_s": None if p is None else round(p, 9),
+            "c_groups_per_gpu_s": None if c is None else round(c, 9),
+            "last_move_s": None if self._last_move_s == -math.inf else round(self._last_move_s, 6),
+            **({"last_lend_took_s": round(self.move_s, 6)} if self.move_s else {}),
+        }
 
     def decide(self, obs: Observation) -> Decision:
         self._observe(obs)
@@ -250,11 +271,21 @@ class TidalPolicy:
             return Decision.hold("transition in flight")
         p, c = self.production.rate, self.consumption.rate
         q = self.finishes.rate
-        situation = Situation(obs, 0.0 if p is None else p, 0.0 if c is None else c,
-                              p is not None and c is not None, _training_gpus(obs),
-                              self._last_action, self._last_move_s, 0.0 if q is None else q,
-                              self.waiting_since_s, self.move_s, _rollout_gpus(obs),
-                              self.servable(1), self._todo_peak(obs))
+        situation = Situation(
+            obs,
+            0.0 if p is None else p,
+            0.0 if c is None else c,
+            p is not None and c is not None,
+            _training_gpus(obs),
+            self._last_action,
+            self._last_move_s,
+            0.0 if q is None else q,
+            self.waiting_since_s,
+            self.move_s,
+            _rollout_gpus(obs),
+            self.servable(1),
+            self._todo_peak(obs),
+        )
         d = rules.decide(situation, self)
         if d.action is Action.TO_TRAINING:
             self._move_started_s = obs.now_s
@@ -278,8 +309,15 @@ class TidalPolicy:
         taken = obs.trainer_step * obs.batch_groups + (obs.batch_groups - obs.supply.needed)
         if not obs.in_flight and obs.running <= obs.rollout_capacity:
             self.waiting_since_s = None  # every launched execution has a slot again
-        cur = (now, obs.groups_generated, taken, obs.running,
-               _training_gpus(obs), obs.ready_groups, obs.executions_finished)
+        cur = (
+            now,
+            obs.groups_generated,
+            taken,
+            obs.running,
+            _training_gpus(obs),
+            obs.ready_groups,
+            obs.executions_finished,
+        )
         if self._last is None:
             self._last = cur
             return
@@ -319,8 +357,10 @@ class TidalPolicy:
         self.best_gpu_speed = max(self.best_gpu_speed, per_gpu)
         # Past the knee: sequences slower than their best while the GPUs make about their
         # best (slower sequences on GPUs making less are longer contexts, not contention).
-        if (speed < KNEE_SLOWDOWN * self.best_seq_speed
-                and per_gpu >= KNEE_AT_BEST * self.best_gpu_speed):
+        if (
+            speed < KNEE_SLOWDOWN * self.best_seq_speed
+            and per_gpu >= KNEE_AT_BEST * self.best_gpu_speed
+        ):
             self.gpu_capacity = max(self.gpu_capacity, per_gpu)
 
     def _todo_peak(self, obs: Observation) -> int:

@@ -156,8 +156,9 @@ def gains(s: Situation, block: tuple[int, ...]) -> bool:
     """Returning ``block`` raises the split's throughput (a return that makes less only
     buys a lend back: two switches for nothing)."""
     cells = [c for c in s.obs.cells if c.index in block]
-    return throughput(s, sum(c.gpus for c in cells), sum(c.slots for c in cells)) > \
-        throughput(s, 0, 0)
+    return throughput(s, sum(c.gpus for c in cells), sum(c.slots for c in cells)) > throughput(
+        s, 0, 0
+    )
 
 
 def knee_block(s: Situation, movable: list[CellView]) -> tuple[int, ...]:
@@ -200,8 +201,11 @@ def return_cells(s: Situation, k: Knobs) -> Decision | None:
         return None
     if s.dwelling(Action.TO_ROLLOUT, k.dwell_s):
         return Decision.hold("dwell before reversing the last move")
-    why = (f"engines at their knee ({s.todo} executions to run, {served:.0f} at full speed)"
-           if knee else f"rollout short: {s.todo} executions to run > {s.cap} slots")
+    why = (
+        f"engines at their knee ({s.todo} executions to run, {served:.0f} at full speed)"
+        if knee
+        else f"rollout short: {s.todo} executions to run > {s.cap} slots"
+    )
     return Decision(
         Action.TO_ROLLOUT,
         block,
@@ -334,11 +338,13 @@ def past_knee_at_peak(s: Situation, nxt: CellView, after: int) -> Decision | Non
         return None
     return Decision.hold(
         f"at the recent peak ({s.todo_peak} executions) the engines left pass their knee "
-        f"({s.per_gpu * (s.rollout_gpus - nxt.gpus):.0f}): {then:.3f} < {now:.3f} groups/s")
+        f"({s.per_gpu * (s.rollout_gpus - nxt.gpus):.0f}): {then:.3f} < {now:.3f} groups/s"
+    )
 
 
-def rollout_needs_slots(s: Situation, after: int, drift_after: float,
-                        served: float | None = None) -> Decision | None:
+def rollout_needs_slots(
+    s: Situation, after: int, drift_after: float, served: float | None = None
+) -> Decision | None:
     """Rollout needs the lent cell (its slots, or its throughput: ``served``, fewer, where the
     engines left would pass their knee) and the queue would drain (no backlog)."""
     served = after if served is None else served

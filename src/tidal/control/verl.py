@@ -46,8 +46,16 @@ from tidal.control.verl_hooks import (
 from tidal.errors import ConfigError
 from tidal.types import CellKind, Role
 
-__all__ = ["DEFAULT_SWITCH_COST_S", "INITIAL_PER_SAMPLE_TIME_S", "DefaultHooks",
-           "FixedRatioHooks", "StaticHooks", "VerlContext", "VerlScheduler", "dispatch_budget"]
+__all__ = [
+    "DEFAULT_SWITCH_COST_S",
+    "INITIAL_PER_SAMPLE_TIME_S",
+    "DefaultHooks",
+    "FixedRatioHooks",
+    "StaticHooks",
+    "VerlContext",
+    "VerlScheduler",
+    "dispatch_budget",
+]
 
 
 class VerlScheduler:
@@ -56,8 +64,13 @@ class VerlScheduler:
     mechanics = VERL
     waterlevel_safe = False
 
-    def __init__(self, name: str, hooks: DefaultHooks, rebalance: bool = False,
-                 staleness_threshold: float = 1.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        hooks: DefaultHooks,
+        rebalance: bool = False,
+        staleness_threshold: float = 1.0,
+    ) -> None:
         if not isinstance(rebalance, bool):
             raise ConfigError("policy.args.rebalance", "must be true or false")
         self.name = name
@@ -66,8 +79,9 @@ class VerlScheduler:
         self.staleness_threshold = float(staleness_threshold)
         # verl's static_fully_async never activates: with no standalone engine nothing rolls
         # out, so the controller refuses to start (unless the colocated fallback is on).
-        self.requires_rollout_at_start = (isinstance(hooks, StaticHooks)
-                                          and not hooks.colocated_fallback)
+        self.requires_rollout_at_start = (
+            isinstance(hooks, StaticHooks) and not hooks.colocated_fallback
+        )
         self._hybrid: tuple[int, ...] | None = None
         self._synced_version = -1  # the parameter sync before training is version 0
         self._checked_step = -1
@@ -88,26 +102,31 @@ class VerlScheduler:
         return n  # verl: the hybrid replicas sleep until the first activation
 
     def state(self) -> dict[str, Any]:
-        return {**self.hooks.state(), "wait_target": self._wait_target,
-                "last_hook": self.last_hook}
+        return {**self.hooks.state(), "wait_target": self._wait_target, "last_hook": self.last_hook}
 
     # ------------------------------------------------------------------ context
     def _context(self, obs: Observation, expected: int) -> VerlContext:
         r, t = obs.batch_groups, obs.updates_per_burst
         return VerlContext(
-            required_samples=r, trigger_parameter_sync_step=t,
-            total_generated_samples=obs.groups_generated, expected_samples=expected,
+            required_samples=r,
+            trigger_parameter_sync_step=t,
+            total_generated_samples=obs.groups_generated,
+            expected_samples=expected,
             buffer_samples=r * t * self.staleness_threshold,
             step_wait_times=obs.cycle_wait_times_s,
             step_wait_samples=tuple(max(0, r - q) for q in obs.cycle_queue_at_start),
             only_hybrid=self.hooks.only_hybrid,
             last_activate_duration_s=self._activate_s,
-            last_deactivate_duration_s=self._deactivate_s)
+            last_deactivate_duration_s=self._deactivate_s,
+        )
 
     def _live_ctx(self) -> VerlContext:
         assert self._ctx is not None
-        return dataclasses.replace(self._ctx, last_activate_duration_s=self._activate_s,
-                                   last_deactivate_duration_s=self._deactivate_s)
+        return dataclasses.replace(
+            self._ctx,
+            last_activate_duration_s=self._activate_s,
+            last_deactivate_duration_s=self._deactivate_s,
+        )
 
     def _all(self, obs: Observation, role: Role) -> bool:
         assert self._hybrid is not None
@@ -145,17 +164,27 @@ class VerlScheduler:
         if self._update is not None:
             version, ctx = self._update
             self._update = None
-            self.hooks.update_after_step(version, dataclasses.replace(
-                ctx, last_activate_duration_s=self._activate_s,
-                last_deactivate_duration_s=self._deactivate_s))
+            self.hooks.update_after_step(
+                version,
+                dataclasses.replace(
+                    ctx,
+                    last_activate_duration_s=self._activate_s,
+                    last_deactivate_duration_s=self._deactivate_s,
+                ),
+            )
             self._activate_s = self._deactivate_s = 0.0
             self.last_hook = "update_after_step"
         active = self._all(obs, Role.ROLLOUT)
         if obs.version > self._synced_version:
             return self._after_sync(obs, active)
-        if obs.trainer_waiting and (self._checked_step != obs.trainer_step or (
-                active and self._wait_target is None
-                and not any(c.role is Role.TRAINING for c in obs.cells))):
+        if obs.trainer_waiting and (
+            self._checked_step != obs.trainer_step
+            or (
+                active
+                and self._wait_target is None
+                and not any(c.role is Role.TRAINING for c in obs.cells)
+            )
+        ):
             # A trainer step begins (verl: every fit step asks). Asked again when the step
             # finds the hybrids active with no target and nothing training (an activation
             # retried after an abort completed mid-step): the trainer would never run.
@@ -166,10 +195,13 @@ class VerlScheduler:
                 self._wait_target = self.hooks.deactivate_wait_samples(ctx)
         if active and self._wait_target is not None:
             if obs.ready_groups >= self._wait_target:
-                return self._plan(Action.TO_TRAINING, f"deactivate: queue {obs.ready_groups} "
-                                  f">= {self._wait_target}")
-            return Decision.hold(f"deactivate waits: queue {obs.ready_groups} < "
-                                 f"{self._wait_target}")
+                return self._plan(
+                    Action.TO_TRAINING,
+                    f"deactivate: queue {obs.ready_groups} >= {self._wait_target}",
+                )
+            return Decision.hold(
+                f"deactivate waits: queue {obs.ready_groups} < {self._wait_target}"
+            )
         return Decision.hold("hybrid active" if active else "standalone only")
 
     def _after_sync(self, obs: Observation, active: bool) -> Decision:
@@ -187,45 +219,78 @@ class VerlScheduler:
         self._update = (obs.version, ctx)
         if activate and not active:
             self.hooks.request_rebalance(obs.version, ctx)
-            return self._plan(Action.TO_ROLLOUT, f"activate hybrid replicas after the sync "
-                              f"of version {obs.version}")
+            return self._plan(
+                Action.TO_ROLLOUT,
+                f"activate hybrid replicas after the sync of version {obs.version}",
+            )
         return self.decide(obs)  # nothing to wait for: update_after_step now
 
 
-def _scheduler(name: str, hooks: DefaultHooks, rebalance: bool,
-               staleness_threshold: float) -> VerlScheduler:
-    if isinstance(staleness_threshold, bool) or not isinstance(staleness_threshold, int | float) \
-            or staleness_threshold < 0:
+def _scheduler(
+    name: str, hooks: DefaultHooks, rebalance: bool, staleness_threshold: float
+) -> VerlScheduler:
+    if (
+        isinstance(staleness_threshold, bool)
+        or not isinstance(staleness_threshold, int | float)
+        or staleness_threshold < 0
+    ):
         raise ConfigError("policy.args.staleness_threshold", "must be a number >= 0")
     return VerlScheduler(name, hooks, rebalance, staleness_threshold)
 
 
-@register_policy("verl-default", "verl default: adaptive deactivate ratio (r0=0.3), "
-                 "cost/benefit activation gate; args deactivate_ratio, clamp, rebalance",
-                 mechanics=VerlScheduler.mechanics)
-def verl_default(deactivate_ratio: float = 0.3, clamp: bool = False, rebalance: bool = False,
-                 only_hybrid: bool = False, staleness_threshold: float = 1.0) -> VerlScheduler:
-    return _scheduler("verl-default", DefaultHooks(deactivate_ratio, only_hybrid, clamp),
-                      rebalance, staleness_threshold)
+@register_policy(
+    "verl-default",
+    "verl default: adaptive deactivate ratio (r0=0.3), "
+    "cost/benefit activation gate; args deactivate_ratio, clamp, rebalance",
+    mechanics=VerlScheduler.mechanics,
+)
+def verl_default(
+    deactivate_ratio: float = 0.3,
+    clamp: bool = False,
+    rebalance: bool = False,
+    only_hybrid: bool = False,
+    staleness_threshold: float = 1.0,
+) -> VerlScheduler:
+    return _scheduler(
+        "verl-default",
+        DefaultHooks(deactivate_ratio, only_hybrid, clamp),
+        rebalance,
+        staleness_threshold,
+    )
 
 
-@register_policy("verl-fixed-ratio", "verl fixed_ratio: constant deactivate ratio, pure gap "
-                 "activation check; args deactivate_ratio, rebalance",
-                 mechanics=VerlScheduler.mechanics)
-def verl_fixed_ratio(deactivate_ratio: float = 0.3, rebalance: bool = False,
-                     only_hybrid: bool = False,
-                     staleness_threshold: float = 1.0) -> VerlScheduler:
-    return _scheduler("verl-fixed-ratio", FixedRatioHooks(deactivate_ratio, only_hybrid),
-                      rebalance, staleness_threshold)
+@register_policy(
+    "verl-fixed-ratio",
+    "verl fixed_ratio: constant deactivate ratio, pure gap "
+    "activation check; args deactivate_ratio, rebalance",
+    mechanics=VerlScheduler.mechanics,
+)
+def verl_fixed_ratio(
+    deactivate_ratio: float = 0.3,
+    rebalance: bool = False,
+    only_hybrid: bool = False,
+    staleness_threshold: float = 1.0,
+) -> VerlScheduler:
+    return _scheduler(
+        "verl-fixed-ratio",
+        FixedRatioHooks(deactivate_ratio, only_hybrid),
+        rebalance,
+        staleness_threshold,
+    )
 
 
-@register_policy("verl-static", "verl static_fully_async: hybrid replicas never roll out; "
-                 "arg colocated_fallback (roll out on them when there is no standalone engine)",
-                 mechanics=VerlScheduler.mechanics)
-def verl_static(colocated_fallback: bool = False, only_hybrid: bool = False,
-                staleness_threshold: float = 1.0) -> VerlScheduler:
-    return _scheduler("verl-static", StaticHooks(0.3, only_hybrid, colocated_fallback), False,
-                      staleness_threshold)
+@register_policy(
+    "verl-static",
+    "verl static_fully_async: hybrid replicas never roll out; "
+    "arg colocated_fallback (roll out on them when there is no standalone engine)",
+    mechanics=VerlScheduler.mechanics,
+)
+def verl_static(
+    colocated_fallback: bool = False, only_hybrid: bool = False, staleness_threshold: float = 1.0
+) -> VerlScheduler:
+    return _scheduler(
+        "verl-static", StaticHooks(0.3, only_hybrid, colocated_fallback), False, staleness_threshold
+    )
 
 
 from tidal.control import verl_switch  # noqa: E402,F401  (registers verl-switch)

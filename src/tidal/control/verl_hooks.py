@@ -79,8 +79,9 @@ def _check_ratio(r: float) -> float:
 class DefaultHooks:
     """verl ``default``: adaptive ratio, cost/benefit activation gate."""
 
-    def __init__(self, deactivate_ratio: float = 0.3, only_hybrid: bool = False,
-                 clamp: bool = False) -> None:
+    def __init__(
+        self, deactivate_ratio: float = 0.3, only_hybrid: bool = False, clamp: bool = False
+    ) -> None:
         self.deactivate_ratio = _check_ratio(deactivate_ratio)
         self.only_hybrid = False
         self.clamp = clamp
@@ -95,15 +96,17 @@ class DefaultHooks:
             self.deactivate_ratio = 1.0
 
     # ---------------------------------------------------------------- verl's hooks
-    def should_deactivate(self, global_steps: int, is_hybrid_active: bool,
-                          ctx: VerlContext) -> bool:
+    def should_deactivate(
+        self, global_steps: int, is_hybrid_active: bool, ctx: VerlContext
+    ) -> bool:
         return is_hybrid_active
 
     def deactivate_wait_samples(self, ctx: VerlContext) -> int:
         return int(ctx.step_required_samples * self.deactivate_ratio)
 
-    def should_activate_after_step(self, global_steps: int, is_hybrid_active: bool,
-                                   ctx: VerlContext) -> bool:
+    def should_activate_after_step(
+        self, global_steps: int, is_hybrid_active: bool, ctx: VerlContext
+    ) -> bool:
         if self.only_hybrid:
             return True
         if not self.gap(ctx) > 0:
@@ -156,20 +159,24 @@ class DefaultHooks:
         return gap * per_sample - cost > 0
 
     def state(self) -> dict[str, Any]:
-        return {"deactivate_ratio": round(self.deactivate_ratio, 6),
-                "per_sample_time_s": round(self.per_sample_time_s, 6),
-                "switch_cost_s": round(self.switch_cost_s(), 6)}
+        return {
+            "deactivate_ratio": round(self.deactivate_ratio, 6),
+            "per_sample_time_s": round(self.per_sample_time_s, 6),
+            "switch_cost_s": round(self.switch_cost_s(), 6),
+        }
 
 
 class FixedRatioHooks(DefaultHooks):
     """verl ``fixed_ratio``: the ratio never adapts; activation is the pure gap check."""
 
-    def should_activate_after_step(self, global_steps: int, is_hybrid_active: bool,
-                                   ctx: VerlContext) -> bool:
+    def should_activate_after_step(
+        self, global_steps: int, is_hybrid_active: bool, ctx: VerlContext
+    ) -> bool:
         if self.only_hybrid:
             return True
         return ctx.total_generated_samples - ctx.expected_samples < (
-            self.deactivate_ratio * ctx.step_required_samples)
+            self.deactivate_ratio * ctx.step_required_samples
+        )
 
     def update_after_step(self, global_steps: int, ctx: VerlContext) -> None:
         return None
@@ -186,8 +193,12 @@ class StaticHooks(DefaultHooks):
     never activates, so nothing would ever roll out.
     """
 
-    def __init__(self, deactivate_ratio: float = 0.3, only_hybrid: bool = False,
-                 colocated_fallback: bool = False) -> None:
+    def __init__(
+        self,
+        deactivate_ratio: float = 0.3,
+        only_hybrid: bool = False,
+        colocated_fallback: bool = False,
+    ) -> None:
         if not isinstance(colocated_fallback, bool):
             raise ConfigError("policy.args.colocated_fallback", "must be true or false")
         self.colocated_fallback = colocated_fallback
@@ -198,8 +209,9 @@ class StaticHooks(DefaultHooks):
             return ctx.step_required_samples
         return 0
 
-    def should_activate_after_step(self, global_steps: int, is_hybrid_active: bool,
-                                   ctx: VerlContext) -> bool:
+    def should_activate_after_step(
+        self, global_steps: int, is_hybrid_active: bool, ctx: VerlContext
+    ) -> bool:
         return self.colocated_fallback and self.only_hybrid
 
     def update_after_step(self, global_steps: int, ctx: VerlContext) -> None:
@@ -210,4 +222,7 @@ class StaticHooks(DefaultHooks):
 
 
 HOOKS: dict[str, type[DefaultHooks]] = {
-    "default": DefaultHooks, "fixed_ratio": FixedRatioHooks, "static_fully_async": StaticHooks}
+    "default": DefaultHooks,
+    "fixed_ratio": FixedRatioHooks,
+    "static_fully_async": StaticHooks,
+}

@@ -62,8 +62,10 @@ class SwitchSettings:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.switch_threshold_ratio <= 1.0:
-            raise ConfigError("policy.args.switch_threshold_ratio",
-                              f"must be in (0, 1], got {self.switch_threshold_ratio}")
+            raise ConfigError(
+                "policy.args.switch_threshold_ratio",
+                f"must be in (0, 1], got {self.switch_threshold_ratio}",
+            )
         if self.switch_cost_window_size <= 0:
             raise ConfigError("policy.args.switch_cost_window_size", "must be positive")
         if self.switch_threshold_release_steps <= 0:
@@ -73,11 +75,20 @@ class SwitchSettings:
 class SwitchHooks:
     """The switch state of verl's separate-async trainer (pure; no clock)."""
 
-    def __init__(self, settings: SwitchSettings, train_batch_size: int,
-                 parameter_sync_step: int, hybrid_gpus: int, standalone_gpus: int) -> None:
+    def __init__(
+        self,
+        settings: SwitchSettings,
+        train_batch_size: int,
+        parameter_sync_step: int,
+        hybrid_gpus: int,
+        standalone_gpus: int,
+    ) -> None:
         if standalone_gpus <= 0:
-            raise ConfigError("cluster.standalone_count", "verl-switch needs standalone "
-                              "rollout GPUs (verl's separate-async trainer asserts it)")
+            raise ConfigError(
+                "cluster.standalone_count",
+                "verl-switch needs standalone "
+                "rollout GPUs (verl's separate-async trainer asserts it)",
+            )
         self.s = settings
         self.train_batch_size = train_batch_size
         self.parameter_sync_step = parameter_sync_step
@@ -141,8 +152,9 @@ class SwitchHooks:
     def effective_switch_cost(self) -> float | None:
         if not self.to_rollout_costs or not self.to_trainer_costs:
             return None
-        return (sum(self.to_rollout_costs) / len(self.to_rollout_costs)
-                + sum(self.to_trainer_costs) / len(self.to_trainer_costs))
+        return sum(self.to_rollout_costs) / len(self.to_rollout_costs) + sum(
+            self.to_trainer_costs
+        ) / len(self.to_trainer_costs)
 
     def on_step_end(self, sampleable_next: int, is_last_step: bool) -> tuple[bool, dict]:
         """Whether the hybrids lend themselves to rollout now, and verl's decision metrics."""
@@ -157,10 +169,16 @@ class SwitchHooks:
         remaining = max(0, threshold - sampleable_next)
         per_sample = self.wait_s / self.wait_samples if self.wait_samples > 0 else None
         cost = self.effective_switch_cost()
-        benefit = (remaining * per_sample * (1.0 - 1.0 / self.scaling_factor)
-                   if per_sample is not None else None)
-        switch = (not is_last_step and remaining > 0
-                  and (benefit is None or cost is None or benefit > cost))
+        benefit = (
+            remaining * per_sample * (1.0 - 1.0 / self.scaling_factor)
+            if per_sample is not None
+            else None
+        )
+        switch = (
+            not is_last_step
+            and remaining > 0
+            and (benefit is None or cost is None or benefit > cost)
+        )
         metrics = {
             "separate_async/switch/threshold_ratio": ratio_used,
             "separate_async/switch/wait_samples": float(self.step_wait_samples),
@@ -177,11 +195,16 @@ class SwitchHooks:
 
     def state(self) -> dict[str, Any]:
         cost = self.effective_switch_cost()
-        return {"threshold_ratio": round(self.ratio, 6), "step_threshold": self.step_threshold,
-                "idle_steps": self.idle_steps, "calm_steps": self.calm_steps,
-                "per_sample_time_s": round(self.wait_s / self.wait_samples, 6)
-                if self.wait_samples else None,
-                "switch_cost_s": None if cost is None else round(cost, 6)}
+        return {
+            "threshold_ratio": round(self.ratio, 6),
+            "step_threshold": self.step_threshold,
+            "idle_steps": self.idle_steps,
+            "calm_steps": self.calm_steps,
+            "per_sample_time_s": round(self.wait_s / self.wait_samples, 6)
+            if self.wait_samples
+            else None,
+            "switch_cost_s": None if cost is None else round(cost, 6),
+        }
 
 
 class SwitchScheduler:
@@ -202,8 +225,7 @@ class SwitchScheduler:
         self.last_metrics: dict[str, float] = {}
 
     def initial_prefix(self, cells: tuple[CellView, ...]) -> int:
-        lead = next((i for i, c in enumerate(cells) if c.kind is not CellKind.HYBRID),
-                    len(cells))
+        lead = next((i for i, c in enumerate(cells) if c.kind is not CellKind.HYBRID), len(cells))
         if any(c.kind is CellKind.HYBRID for c in cells[lead:]):
             raise ConfigError("cluster.cells", "hybrid cells must lead the cell order")
         return 0  # verl: "hybrid engine is in rollout mode after initialization"
@@ -214,8 +236,13 @@ class SwitchScheduler:
     def _setup(self, obs: Observation) -> SwitchHooks:
         self._hybrid = tuple(c.index for c in obs.cells if c.kind is CellKind.HYBRID)
         hybrid_gpus = sum(obs.cells[i].gpus for i in self._hybrid)
-        return SwitchHooks(self.settings, obs.batch_groups * obs.updates_per_burst,
-                           obs.updates_per_burst, hybrid_gpus, obs.standalone_gpus)
+        return SwitchHooks(
+            self.settings,
+            obs.batch_groups * obs.updates_per_burst,
+            obs.updates_per_burst,
+            hybrid_gpus,
+            obs.standalone_gpus,
+        )
 
     def _all(self, obs: Observation, role: Role) -> bool:
         return all(obs.cells[i].role is role for i in self._hybrid)
@@ -242,27 +269,41 @@ class SwitchScheduler:
             switch, self.last_metrics = h.on_step_end(obs.ready_groups, is_last_step=False)
             if switch and not in_rollout:
                 short = int(self.last_metrics["separate_async/decision/remaining"])
-                return self._move(Action.TO_ROLLOUT, Role.ROLLOUT, f"lend hybrids to rollout: "
-                                  f"{short} groups short of the threshold")
+                return self._move(
+                    Action.TO_ROLLOUT,
+                    Role.ROLLOUT,
+                    f"lend hybrids to rollout: {short} groups short of the threshold",
+                )
             return Decision.hold("hybrids stay in training after the step")
-        if obs.trainer_waiting and obs.steps_in_version == 0 \
-                and self._begun_version < obs.version:
+        if obs.trainer_waiting and obs.steps_in_version == 0 and self._begun_version < obs.version:
             self._begun_version = obs.version
             if h.on_step_begin(in_rollout, obs.ready_groups):
-                return self._move(Action.TO_TRAINING, Role.TRAINING,
-                                  f"step begins: sampleable {obs.ready_groups} >= "
-                                  f"{h.step_threshold}")
+                return self._move(
+                    Action.TO_TRAINING,
+                    Role.TRAINING,
+                    f"step begins: sampleable {obs.ready_groups} >= {h.step_threshold}",
+                )
             self._waiting = in_rollout
         if self._waiting and in_rollout:
             if obs.ready_groups >= h.step_threshold:
                 self._waiting = False
-                return self._move(Action.TO_TRAINING, Role.TRAINING,
-                                  f"sampleable {obs.ready_groups} >= {h.step_threshold}")
-            return Decision.hold(f"lending hybrids until {h.step_threshold} groups are "
-                                 f"sampleable ({obs.ready_groups})")
-        if in_rollout and obs.trainer_waiting and not any(
-                c.role is Role.TRAINING for c in obs.cells) and self._begun_version >= 0 \
-                and self._moving is None and obs.ready_groups >= h.mini_batch:
+                return self._move(
+                    Action.TO_TRAINING,
+                    Role.TRAINING,
+                    f"sampleable {obs.ready_groups} >= {h.step_threshold}",
+                )
+            return Decision.hold(
+                f"lending hybrids until {h.step_threshold} groups are "
+                f"sampleable ({obs.ready_groups})"
+            )
+        if (
+            in_rollout
+            and obs.trainer_waiting
+            and not any(c.role is Role.TRAINING for c in obs.cells)
+            and self._begun_version >= 0
+            and self._moving is None
+            and obs.ready_groups >= h.mini_batch
+        ):
             # A plan aborted after the step began: the trainer would never get its GPUs.
             return self._move(Action.TO_TRAINING, Role.TRAINING, "take the hybrids back")
         return Decision.hold("hybrids in rollout" if in_rollout else "hybrids training")
@@ -282,18 +323,30 @@ def _switch_settings(**kw: object) -> SwitchSettings:
     return SwitchSettings(**kw)
 
 
-@register_policy("verl-switch", "verl V1 separate-async switch (PR #7373): hybrids lend "
-                 "themselves to rollout after a step iff the sampleable groups fall short of an "
-                 "adaptive threshold (hysteresis) and the benefit beats the switch cost",
-                 mechanics=SwitchScheduler.mechanics)
-def verl_switch(switch_threshold_ratio: float = 0.4, adaptive_switch_threshold: bool = True,
-                switch_threshold_step_up: float = 0.05, switch_threshold_step_down: float = 0.03,
-                switch_threshold_release_steps: int = 2, switch_cost_window_size: int = 3,
-                poll_interval_s: float = 2.0) -> SwitchScheduler:
-    return SwitchScheduler(_switch_settings(
-        switch_threshold_ratio=switch_threshold_ratio,
-        adaptive_switch_threshold=adaptive_switch_threshold,
-        switch_threshold_step_up=switch_threshold_step_up,
-        switch_threshold_step_down=switch_threshold_step_down,
-        switch_threshold_release_steps=switch_threshold_release_steps,
-        switch_cost_window_size=switch_cost_window_size, poll_interval_s=poll_interval_s))
+@register_policy(
+    "verl-switch",
+    "verl V1 separate-async switch (PR #7373): hybrids lend "
+    "themselves to rollout after a step iff the sampleable groups fall short of an "
+    "adaptive threshold (hysteresis) and the benefit beats the switch cost",
+    mechanics=SwitchScheduler.mechanics,
+)
+def verl_switch(
+    switch_threshold_ratio: float = 0.4,
+    adaptive_switch_threshold: bool = True,
+    switch_threshold_step_up: float = 0.05,
+    switch_threshold_step_down: float = 0.03,
+    switch_threshold_release_steps: int = 2,
+    switch_cost_window_size: int = 3,
+    poll_interval_s: float = 2.0,
+) -> SwitchScheduler:
+    return SwitchScheduler(
+        _switch_settings(
+            switch_threshold_ratio=switch_threshold_ratio,
+            adaptive_switch_threshold=adaptive_switch_threshold,
+            switch_threshold_step_up=switch_threshold_step_up,
+            switch_threshold_step_down=switch_threshold_step_down,
+            switch_threshold_release_steps=switch_threshold_release_steps,
+            switch_cost_window_size=switch_cost_window_size,
+            poll_interval_s=poll_interval_s,
+        )
+    )

@@ -38,8 +38,11 @@ def move_is_safe(obs: Observation, cell: CellView) -> bool:
     return capacity_after_move(obs, cell) >= obs.waterlevel and obs.supply.ok
 
 
-@register_policy("waterlevel", "QwenGyre: move the next cell when capacity after the move "
-                 "covers the waterlevel and ready supply held; satellites return at burst end")
+@register_policy(
+    "waterlevel",
+    "QwenGyre: move the next cell when capacity after the move "
+    "covers the waterlevel and ready supply held; satellites return at burst end",
+)
 class WaterlevelPolicy:
     name = "waterlevel"
     mechanics = QWENGYRE
@@ -79,16 +82,24 @@ class WaterlevelPolicy:
         if last is None:
             return Decision.hold("burst end: nothing in training")
         if last.index > 0:
-            return Decision(Action.TO_ROLLOUT, (last.index,),
-                            f"burst end: satellite {last.index} returns to rollout")
+            return Decision(
+                Action.TO_ROLLOUT,
+                (last.index,),
+                f"burst end: satellite {last.index} returns to rollout",
+            )
         # Only the core is left on the training side.
         need = obs.waterlevel + obs.pending_dispatch
         if self.core_may_stay and obs.supply.ok and obs.rollout_capacity >= need:
-            return Decision.hold(f"burst end: core stays (capacity {obs.rollout_capacity} "
-                                 f">= {need}, supply {obs.supply.supply})")
-        return Decision(Action.TO_ROLLOUT, (0,),
-                        f"burst end: core returns (capacity {obs.rollout_capacity} vs need "
-                        f"{need}, supply ok={obs.supply.ok})")
+            return Decision.hold(
+                f"burst end: core stays (capacity {obs.rollout_capacity} "
+                f">= {need}, supply {obs.supply.supply})"
+            )
+        return Decision(
+            Action.TO_ROLLOUT,
+            (0,),
+            f"burst end: core returns (capacity {obs.rollout_capacity} vs need "
+            f"{need}, supply ok={obs.supply.ok})",
+        )
 
     def _advance(self, obs: Observation) -> Decision:
         nxt = obs.next_to_train()
@@ -97,12 +108,17 @@ class WaterlevelPolicy:
         after = capacity_after_move(obs, nxt)
         need = obs.waterlevel + obs.pending_dispatch
         if after < need:
-            return Decision.hold(f"capacity after move {after} < waterlevel {obs.waterlevel} "
-                                 f"+ pending {obs.pending_dispatch}")
+            return Decision.hold(
+                f"capacity after move {after} < waterlevel {obs.waterlevel} "
+                f"+ pending {obs.pending_dispatch}"
+            )
         if not obs.supply.passing:
             return Decision.hold(f"supply {obs.supply.supply} < {obs.supply.threshold:g}")
         if not obs.supply.ok:
             return Decision.hold("supply not held long enough")
-        return Decision(Action.TO_TRAINING, (nxt.index,),
-                        f"capacity after move {after} >= waterlevel {obs.waterlevel}, "
-                        f"supply {obs.supply.supply} held {obs.supply.held_s:.1f}s")
+        return Decision(
+            Action.TO_TRAINING,
+            (nxt.index,),
+            f"capacity after move {after} >= waterlevel {obs.waterlevel}, "
+            f"supply {obs.supply.supply} held {obs.supply.held_s:.1f}s",
+        )

@@ -72,12 +72,18 @@ class VerlContextLike(Protocol):
     required_samples: int
     trigger_parameter_sync_step: int
 
+
 log = logging.getLogger(__name__)
 
 POLICIES = {"waterlevel": "waterlevel", "tidal": "tidal"}  # verl's name -> tidal's policy
-STATS_KEYS = ("monitor/active_tasks_size", "monitor/queue/mq_queue_size",
-              "static/max_concurrent_samples", "static/max_required_samples",
-              "count/staleness_samples", "count/total_generated_samples")
+STATS_KEYS = (
+    "monitor/active_tasks_size",
+    "monitor/queue/mq_queue_size",
+    "static/max_concurrent_samples",
+    "static/max_required_samples",
+    "count/staleness_samples",
+    "count/total_generated_samples",
+)
 
 
 class BridgeError(TidalError):
@@ -95,14 +101,18 @@ class VerlBridge:
 
     tidal_policy = "waterlevel"
 
-    def __init__(self, deactivate_ratio: float = 0.3, only_hybrid: bool = False, *,
-                 policy_args: dict[str, Any] | None = None,
-                 stats: Callable[[], dict[str, Any]] | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 supply_fraction: float = 0.5) -> None:
+    def __init__(
+        self,
+        deactivate_ratio: float = 0.3,
+        only_hybrid: bool = False,
+        *,
+        policy_args: dict[str, Any] | None = None,
+        stats: Callable[[], dict[str, Any]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        supply_fraction: float = 0.5,
+    ) -> None:
         if policy_args is None:
-            _, policy_args = parse_policy_spec(
-                f"x:{os.environ.get('TIDAL_VERL_POLICY_ARGS', '')}")
+            _, policy_args = parse_policy_spec(f"x:{os.environ.get('TIDAL_VERL_POLICY_ARGS', '')}")
         self.deactivate_ratio = deactivate_ratio  # what verl logs; unused by tidal's policies
         self.only_hybrid = only_hybrid
         self.policy: Policy = make_policy(self.tidal_policy, policy_args)
@@ -125,8 +135,15 @@ class VerlBridge:
             raise BridgeError("no rollouter statistics: verl injects policy._rollouter")
         return _rollouter_stats(rollouter)
 
-    def observe(self, global_steps: int, active: bool, ctx: VerlContextLike, waiting: bool,
-                st: dict[str, Any] | None = None, done: int = 0) -> Observation:
+    def observe(
+        self,
+        global_steps: int,
+        active: bool,
+        ctx: VerlContextLike,
+        waiting: bool,
+        st: dict[str, Any] | None = None,
+        done: int = 0,
+    ) -> Observation:
         """The observation for verl's state; ``done``: samples assumed completed since."""
         st = st if st is not None else self.stats()
         inflight = int(st["monitor/active_tasks_size"])
@@ -151,20 +168,34 @@ class VerlBridge:
         now = self._clock()
         cell = CellView(0, hybrid, 1, CellKind.HYBRID, Role.ROLLOUT if active else Role.TRAINING)
         return Observation(
-            now_s=now, trigger="verl", cells=(cell,), standalone_slots=standalone,
+            now_s=now,
+            trigger="verl",
+            cells=(cell,),
+            standalone_slots=standalone,
             standalone_gpus=1 if standalone else 0,
             rollout_capacity=standalone + (hybrid if active else 0),
-            waterlevel=inflight, queued=0, running=inflight, pending_dispatch=pending,
-            supply=self._supply.view(now, queue, 0), ready_groups=queue,
+            waterlevel=inflight,
+            queued=0,
+            running=inflight,
+            pending_dispatch=pending,
+            supply=self._supply.view(now, queue, 0),
+            ready_groups=queue,
             groups_generated=int(st["count/total_generated_samples"]) + done,
             executions_finished=int(st["count/total_generated_samples"]) + done,
-            batch_groups=r, updates_per_burst=ctx.trigger_parameter_sync_step,
-            trainer_waiting=waiting, trainer_step=self.fit_steps, steps_in_version=0,
-            version=global_steps, bursts_ended=self.bursts_ended, in_flight=False)
+            batch_groups=r,
+            updates_per_burst=ctx.trigger_parameter_sync_step,
+            trainer_waiting=waiting,
+            trainer_step=self.fit_steps,
+            steps_in_version=0,
+            version=global_steps,
+            bursts_ended=self.bursts_ended,
+            in_flight=False,
+        )
 
     # -------------------------------------------------------------------- verl's hooks
-    def should_deactivate(self, global_steps: int, is_hybrid_active: bool,
-                          ctx: VerlContextLike) -> bool:
+    def should_deactivate(
+        self, global_steps: int, is_hybrid_active: bool, ctx: VerlContextLike
+    ) -> bool:
         self.fit_steps += 1
         self._step = (global_steps, is_hybrid_active)
         return is_hybrid_active  # the trainer needs its GPUs: when is the next hook's answer
@@ -174,7 +205,8 @@ class VerlBridge:
         st = self.stats()
         queue = int(st["monitor/queue/mq_queue_size"])
         reach = int(st["monitor/active_tasks_size"]) + max(
-            0, int(st["static/max_required_samples"] or 0) - int(st["count/staleness_samples"]))
+            0, int(st["static/max_required_samples"] or 0) - int(st["count/staleness_samples"])
+        )
         d = self.policy.decide(self.observe(global_steps, active, ctx, True, st))
         self.last_reason = d.reason
         if d.action is Action.TO_TRAINING:
@@ -188,8 +220,9 @@ class VerlBridge:
         self.last_reason = f"the policy keeps the hybrids while {reach} samples are out"
         return queue + reach
 
-    def should_activate_after_step(self, global_steps: int, is_hybrid_active: bool,
-                                   ctx: VerlContextLike) -> bool:
+    def should_activate_after_step(
+        self, global_steps: int, is_hybrid_active: bool, ctx: VerlContextLike
+    ) -> bool:
         if is_hybrid_active:
             return False
         if global_steps > 0:
@@ -212,11 +245,16 @@ def register(base: ModuleType | None = None) -> dict[str, type]:
         from verl.experimental.fully_async_policy.dynamic_schedule import base
     out = {}
     for verl_name, tidal_name in POLICIES.items():
-        cls = type(f"Tidal{tidal_name.capitalize()}Policy",
-                   (VerlBridge, base.DynamicSchedulePolicyBase),
-                   {"tidal_policy": tidal_name, "__module__": __name__,
-                    "__doc__": f"tidal's {tidal_name!r} policy as a verl dynamic-schedule "
-                               "policy (tidal.integrations.verl)."})
+        cls = type(
+            f"Tidal{tidal_name.capitalize()}Policy",
+            (VerlBridge, base.DynamicSchedulePolicyBase),
+            {
+                "tidal_policy": tidal_name,
+                "__module__": __name__,
+                "__doc__": f"tidal's {tidal_name!r} policy as a verl dynamic-schedule "
+                "policy (tidal.integrations.verl).",
+            },
+        )
         base.register_policy(verl_name)(cls)
         out[verl_name] = cls
     return out

@@ -49,9 +49,11 @@ class Outcome:
         return self.state_divergent
 
     def line(self) -> str:
-        return (f"{self.policy}: {self.answer_divergent} of {self.sequences} sequences answer "
-                f"differently, {self.state_divergent} diverge in answers or state"
-                + (f"; first: {self.first}" if self.first else ""))
+        return (
+            f"{self.policy}: {self.answer_divergent} of {self.sequences} sequences answer "
+            f"differently, {self.state_divergent} diverge in answers or state"
+            + (f"; first: {self.first}" if self.first else "")
+        )
 
 
 def _dur(rng: random.Random, p_zero: float, hi: float = 40.0) -> float:
@@ -71,9 +73,13 @@ def _state(name: str, policy: Any, verl: bool, only_hybrid: bool) -> tuple:
     return (policy.deactivate_ratio, policy.per_sample_time_s, policy.switch_cost_s())
 
 
-def run_sequence(verl_ns: Any, name: str, make_tidal: Callable[[str, float, bool], Any],
-                 rng: random.Random,
-                 to_ctx: Callable[[Any, int], Any] | None = None) -> tuple[str | None, str | None]:
+def run_sequence(
+    verl_ns: Any,
+    name: str,
+    make_tidal: Callable[[str, float, bool], Any],
+    rng: random.Random,
+    to_ctx: Callable[[Any, int], Any] | None = None,
+) -> tuple[str | None, str | None]:
     """One random run; returns (first answer divergence, first state divergence) or None."""
     required = rng.choice([1, 2, 3, 4, 8, 16, 32, 64, rng.randint(1, 64)])
     trigger = rng.randint(1, 8)
@@ -86,16 +92,22 @@ def run_sequence(verl_ns: Any, name: str, make_tidal: Callable[[str, float, bool
         verl_p = verl_ns.build_policy(name, deactivate_ratio=ratio, only_hybrid=only_hybrid)
     tidal_p = make_tidal(name, ratio, only_hybrid)
     to_ctx = to_ctx or (lambda c, version: VerlContext.of(c))
-    ctx = verl_ns.DynamicScheduleContext(required_samples=required,
-                                         trigger_parameter_sync_step=trigger,
-                                         total_generated_samples=0, expected_samples=0,
-                                         buffer_samples=0, only_hybrid=only_hybrid)
+    ctx = verl_ns.DynamicScheduleContext(
+        required_samples=required,
+        trigger_parameter_sync_step=trigger,
+        total_generated_samples=0,
+        expected_samples=0,
+        buffer_samples=0,
+        only_hybrid=only_hybrid,
+    )
     sr = ctx.step_required_samples
     active = False
     answer_div: str | None = None
     state_div: str | None = None
-    setup = (f"R={required} trigger={trigger} r0={ratio:.4g} only_hybrid={only_hybrid} "
-             f"rebalance={rebalance}")
+    setup = (
+        f"R={required} trigger={trigger} r0={ratio:.4g} only_hybrid={only_hybrid} "
+        f"rebalance={rebalance}"
+    )
 
     def call(hook: str, version: int, *args: Any) -> Any:
         nonlocal answer_div
@@ -103,8 +115,10 @@ def run_sequence(verl_ns: Any, name: str, make_tidal: Callable[[str, float, bool
             a = getattr(verl_p, hook)(*args, ctx)
         b = getattr(tidal_p, hook)(*args, to_ctx(ctx, version))
         if a != b and answer_div is None:
-            answer_div = (f"{setup}: version {version} {hook}{args!r} verl {a!r} tidal {b!r} "
-                          f"(ctx {to_ctx(ctx, version)})")
+            answer_div = (
+                f"{setup}: version {version} {hook}{args!r} verl {a!r} tidal {b!r} "
+                f"(ctx {to_ctx(ctx, version)})"
+            )
         return a
 
     def compare_state(version: int) -> None:
@@ -152,9 +166,14 @@ def run_sequence(verl_ns: Any, name: str, make_tidal: Callable[[str, float, bool
     return answer_div, state_div or answer_div
 
 
-def compare(verl_ns: Any, name: str, make_tidal: Callable[[str, float, bool], Any],
-            sequences: int = 1000, seed: int = 0,
-            to_ctx: Callable[[Any, int], Any] | None = None) -> Outcome:
+def compare(
+    verl_ns: Any,
+    name: str,
+    make_tidal: Callable[[str, float, bool], Any],
+    sequences: int = 1000,
+    seed: int = 0,
+    to_ctx: Callable[[Any, int], Any] | None = None,
+) -> Outcome:
     out = Outcome(name)
     rng = random.Random(f"{name}:{seed}")
     for _ in range(sequences):
@@ -195,15 +214,24 @@ def switch_env(clock: _Clock) -> dict[str, Any]:
         yield
         timing_raw[name] = timing_raw.get(name, 0) + clock.t - t0
 
-    return {"time": clock, "marked_timer": marked_timer,
-            "logger": logging.getLogger("verl.separate_async")}
+    return {
+        "time": clock,
+        "marked_timer": marked_timer,
+        "logger": logging.getLogger("verl.separate_async"),
+    }
 
 
 class _Buffer:
     """The replay buffer as the switch sees it: scripted sampleable counts and waits."""
 
-    def __init__(self, rng: random.Random, clock: _Clock, train_batch: int, poll_s: float,
-                 log: list[tuple[str, Any]]) -> None:
+    def __init__(
+        self,
+        rng: random.Random,
+        clock: _Clock,
+        train_batch: int,
+        poll_s: float,
+        log: list[tuple[str, Any]],
+    ) -> None:
         self.rng, self.clock, self.train_batch, self.log = rng, clock, train_batch, log
         self.poll_interval = poll_s
 
@@ -222,8 +250,9 @@ class _Buffer:
         self.log.append(("wait", w))
 
 
-def run_switch_sequence(switch_cls: type, mode_enum: Any, config_cls: type, clock: _Clock,
-                        rng: random.Random) -> str | None:
+def run_switch_sequence(
+    switch_cls: type, mode_enum: Any, config_cls: type, clock: _Clock, rng: random.Random
+) -> str | None:
     """One random run of verl's switch methods and tidal's ``SwitchHooks``; the first
     divergence (threshold, switch at step begin, decision metrics), or None."""
     from tidal.control.verl_switch import SwitchHooks, SwitchSettings
@@ -231,12 +260,14 @@ def run_switch_sequence(switch_cls: type, mode_enum: Any, config_cls: type, cloc
     sync_step, mini = rng.randint(1, 8), rng.choice([1, 2, 4, 8, 16, rng.randint(1, 64)])
     hyb, sa = rng.choice([8, 16, 32]), rng.choice([8, 16, 24, 32])
     steps = rng.randint(1, 30)
-    cfg_kw = dict(switch_threshold_ratio=rng.choice([0.4, 1.0, rng.randint(1, 64) / 64]),
-                  adaptive_switch_threshold=rng.random() < 0.8,
-                  switch_threshold_step_up=rng.choice([0.05, rng.randint(0, 16) / 64]),
-                  switch_threshold_step_down=rng.choice([0.03, rng.randint(0, 16) / 64]),
-                  switch_threshold_release_steps=rng.randint(1, 4),
-                  switch_cost_window_size=rng.randint(1, 5))
+    cfg_kw = dict(
+        switch_threshold_ratio=rng.choice([0.4, 1.0, rng.randint(1, 64) / 64]),
+        adaptive_switch_threshold=rng.random() < 0.8,
+        switch_threshold_step_up=rng.choice([0.05, rng.randint(0, 16) / 64]),
+        switch_threshold_step_down=rng.choice([0.03, rng.randint(0, 16) / 64]),
+        switch_threshold_release_steps=rng.randint(1, 4),
+        switch_cost_window_size=rng.randint(1, 5),
+    )
     poll_s = rng.choice([2.0, rng.randint(1, 320) / 64])
     clock.t = 0.0
     log: list[tuple[str, Any]] = []
@@ -269,16 +300,19 @@ def run_switch_sequence(switch_cls: type, mode_enum: Any, config_cls: type, cloc
     v = Trainer()
     v.hybrid_rollout_config = config_cls(enable_switch=True, **cfg_kw)
     v.parameter_sync_step = sync_step
-    v.config = _Attr(data=_Attr(train_batch_size=sync_step * mini),
-                     trainer=_Attr(nnodes=1, n_gpus_per_node=hyb),
-                     actor_rollout_ref=_Attr(rollout=_Attr(nnodes=1, n_gpus_per_node=sa)))
+    v.config = _Attr(
+        data=_Attr(train_batch_size=sync_step * mini),
+        trainer=_Attr(nnodes=1, n_gpus_per_node=hyb),
+        actor_rollout_ref=_Attr(rollout=_Attr(nnodes=1, n_gpus_per_node=sa)),
+    )
     v.replay_buffer = _Buffer(rng, clock, sync_step * mini, poll_s, log)
     v.standalone_checkpoint_manager = _Attr(update_weights=lambda steps: {})
     v.timing_raw, v.prev_step_profile, v.total_training_steps = {}, False, steps
     v.current_mode = mode_enum.ROLLOUT
     v._init_hybrid_rollout_state()
-    t = SwitchHooks(SwitchSettings(**cfg_kw, poll_interval_s=poll_s), sync_step * mini,
-                    sync_step, hyb, sa)
+    t = SwitchHooks(
+        SwitchSettings(**cfg_kw, poll_interval_s=poll_s), sync_step * mini, sync_step, hyb, sa
+    )
     in_rollout = True
     setup = f"sync_step={sync_step} mini={mini} gpus={hyb}+{sa} poll={poll_s} {cfg_kw}"
     for step in range(1, steps + 1):
@@ -309,8 +343,9 @@ def run_switch_sequence(switch_cls: type, mode_enum: Any, config_cls: type, cloc
             prep = next(step_costs) + next(step_costs)
             t.to_rollout_done(prep + next(step_costs))
             in_rollout = True
-        want = {k: val for k, val in v._pending_sync_metrics.items()
-                if k.startswith("separate_async/")}
+        want = {
+            k: val for k, val in v._pending_sync_metrics.items() if k.startswith("separate_async/")
+        }
         got = (t_began, t.step_threshold, metrics, in_rollout)
         ref = (began, v._step_threshold, want, v.current_mode is mode_enum.ROLLOUT)
         if got != ref:
@@ -318,8 +353,14 @@ def run_switch_sequence(switch_cls: type, mode_enum: Any, config_cls: type, cloc
     return None
 
 
-def compare_switch(switch_cls: type, mode_enum: Any, config_cls: type, clock: _Clock,
-                   sequences: int = 1000, seed: int = 0) -> Outcome:
+def compare_switch(
+    switch_cls: type,
+    mode_enum: Any,
+    config_cls: type,
+    clock: _Clock,
+    sequences: int = 1000,
+    seed: int = 0,
+) -> Outcome:
     out = Outcome("verl-switch")
     rng = random.Random(f"switch:{seed}")
     for _ in range(sequences):

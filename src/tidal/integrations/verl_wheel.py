@@ -50,10 +50,17 @@ WHEEL_SHA256 = "db6e6f2a8d9d5808d9ec32d357a42319fdc6967df688ff9d9810050f49bfdd14
 DYNAMIC_SCHEDULE = "verl/experimental/fully_async_policy/dynamic_schedule"
 SEPARATE_ASYNC = "verl/trainer/ppo/v1/trainer_separate_async.py"
 SWITCH_METHODS = (
-    "_init_hybrid_rollout_state", "on_step_begin", "_timed_switch_to_trainer",
-    "on_sample_begin", "on_sample_end", "_wait_for_sampleable_and_switch",
-    "_switch_threshold", "_step_had_idle", "_adapt_switch_threshold",
-    "_effective_switch_cost", "on_step_end",
+    "_init_hybrid_rollout_state",
+    "on_step_begin",
+    "_timed_switch_to_trainer",
+    "on_sample_begin",
+    "on_sample_end",
+    "_wait_for_sampleable_and_switch",
+    "_switch_threshold",
+    "_step_had_idle",
+    "_adapt_switch_threshold",
+    "_effective_switch_cost",
+    "on_step_end",
 )
 
 
@@ -83,8 +90,12 @@ def _index_urls() -> list[str]:
     """The http(s) package indexes pip would use (its config, else PyPI)."""
     urls: list[str] = []
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         for line in out.splitlines():
             key, _, val = line.partition("=")
             if key.endswith(("index-url", "extra-index-url")):
@@ -109,8 +120,21 @@ def fetch_wheel(cache: Path | None = None, timeout_s: float = 300.0) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     wheel = cache / WHEEL_NAME
     if not wheel.exists():
-        cmd = [sys.executable, "-m", "pip", "download", f"verl=={VERL_VERSION}", "--no-deps",
-               "--only-binary=:all:", "--retries", "1", "--timeout", "30", "-d", str(cache)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"verl=={VERL_VERSION}",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--retries",
+            "1",
+            "--timeout",
+            "30",
+            "-d",
+            str(cache),
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -119,13 +143,16 @@ def fetch_wheel(cache: Path | None = None, timeout_s: float = 300.0) -> Path:
             why = "timed out" if proc is None else (proc.stderr.strip().splitlines() or ["?"])[-1]
             indexes = _index_urls()
             if not any(_reachable(u) for u in indexes):
-                raise RegistryUnreachable(f"pip download verl=={VERL_VERSION}: no package "
-                                          f"registry reachable ({', '.join(indexes)}): {why}")
+                raise RegistryUnreachable(
+                    f"pip download verl=={VERL_VERSION}: no package "
+                    f"registry reachable ({', '.join(indexes)}): {why}"
+                )
             raise WheelError(f"pip download verl=={VERL_VERSION} failed: {why}")
     digest = _sha256(wheel)
     if digest != WHEEL_SHA256:
-        raise WheelError(f"{wheel}: sha256 {digest}, expected {WHEEL_SHA256} (delete it to "
-                         "fetch it again)")
+        raise WheelError(
+            f"{wheel}: sha256 {digest}, expected {WHEEL_SHA256} (delete it to fetch it again)"
+        )
     return wheel
 
 
@@ -178,8 +205,11 @@ def _load_file(name: str, path: Path, drop_imports: tuple[str, ...] = ()) -> typ
         spec.loader.exec_module(mod)
         return mod
     tree = ast.parse(path.read_text(), str(path))
-    tree.body = [n for n in tree.body if not (
-        isinstance(n, ast.Import) and all(a.name in drop_imports for a in n.names))]
+    tree.body = [
+        n
+        for n in tree.body
+        if not (isinstance(n, ast.Import) and all(a.name in drop_imports for a in n.names))
+    ]
     exec(compile(tree, str(path), "exec"), mod.__dict__)
     return mod
 
@@ -195,19 +225,25 @@ def load_dynamic_schedule(root: Path | None = None) -> types.SimpleNamespace:
     pkg = DYNAMIC_SCHEDULE.replace("/", ".")
     drop = () if _ray_importable() else ("ray",)
     d = root / DYNAMIC_SCHEDULE
-    with _skeleton(root, ["verl", "verl.experimental", "verl.experimental.fully_async_policy",
-                          pkg]):
+    with _skeleton(
+        root, ["verl", "verl.experimental", "verl.experimental.fully_async_policy", pkg]
+    ):
         base = _load_file(f"{pkg}.base", d / "base.py")
         default = _load_file(f"{pkg}.default_policy", d / "default_policy.py", drop)
         fixed = _load_file(f"{pkg}.fixed_ratio_policy", d / "fixed_ratio_policy.py", drop)
-        static = _load_file(f"{pkg}.static_fully_async_policy",
-                            d / "static_fully_async_policy.py")
+        static = _load_file(f"{pkg}.static_fully_async_policy", d / "static_fully_async_policy.py")
     return types.SimpleNamespace(
-        root=root, base=base, default=default, fixed_ratio=fixed, static=static,
+        root=root,
+        base=base,
+        default=default,
+        fixed_ratio=fixed,
+        static=static,
         DynamicScheduleContext=base.DynamicScheduleContext,
         DynamicSchedulePolicyBase=base.DynamicSchedulePolicyBase,
-        register_policy=base.register_policy, build_policy=base.build_policy,
-        registry=base._policy_registry)
+        register_policy=base.register_policy,
+        build_policy=base.build_policy,
+        registry=base._policy_registry,
+    )
 
 
 @contextlib.contextmanager
@@ -215,11 +251,16 @@ def importable(ns: types.SimpleNamespace) -> Iterator[None]:
     """While open, ``import verl.experimental.fully_async_policy.dynamic_schedule[.base]``
     finds the modules of ``ns`` (what a process with verl installed would see)."""
     pkg = DYNAMIC_SCHEDULE.replace("/", ".")
-    with _skeleton(ns.root, ["verl", "verl.experimental",
-                             "verl.experimental.fully_async_policy", pkg]):
+    with _skeleton(
+        ns.root, ["verl", "verl.experimental", "verl.experimental.fully_async_policy", pkg]
+    ):
         parent = sys.modules[pkg]
-        for attr in ("DynamicScheduleContext", "DynamicSchedulePolicyBase", "register_policy",
-                     "build_policy"):
+        for attr in (
+            "DynamicScheduleContext",
+            "DynamicSchedulePolicyBase",
+            "register_policy",
+            "build_policy",
+        ):
             setattr(parent, attr, getattr(ns, attr))
         sys.modules[f"{pkg}.base"] = ns.base
         sys.modules[f"{pkg}.default_policy"] = ns.default
@@ -238,8 +279,9 @@ def load_switch_config(root: Path | None = None) -> type:
     return cfg.HybridRolloutSwitchConfig
 
 
-def load_switch(env: dict[str, Any], root: Path | None = None,
-                methods: tuple[str, ...] = SWITCH_METHODS) -> tuple[type, type]:
+def load_switch(
+    env: dict[str, Any], root: Path | None = None, methods: tuple[str, ...] = SWITCH_METHODS
+) -> tuple[type, type]:
     """The switch methods of verl's ``PPOTrainerSeparateAsync`` and its ``HybridEngineMode``.
 
     ``env`` gives the module globals those methods read besides the ones of the file's own
@@ -262,12 +304,20 @@ def load_switch(env: dict[str, Any], root: Path | None = None,
     missing = [m for m in methods if m not in funcs]
     if missing:
         raise WheelError(f"{path}: PPOTrainerSeparateAsync has no {', '.join(missing)}")
-    switch = ast.ClassDef(name="SwitchMethods", bases=[], keywords=[], decorator_list=[],
-                          body=[funcs[m] for m in methods])
+    switch = ast.ClassDef(
+        name="SwitchMethods",
+        bases=[],
+        keywords=[],
+        decorator_list=[],
+        body=[funcs[m] for m in methods],
+    )
     if "type_params" in ast.ClassDef._fields:  # Python >= 3.12
         switch.type_params = []
-    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom)
-               and n.module in ("collections", "dataclasses", "enum")]
+    imports = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.ImportFrom) and n.module in ("collections", "dataclasses", "enum")
+    ]
     module = ast.Module(body=[*imports, mode, switch], type_ignores=[])
     ast.fix_missing_locations(module)
     glb: dict[str, Any] = {"__name__": "verl_switch_from_wheel", **env}
@@ -275,8 +325,13 @@ def load_switch(env: dict[str, Any], root: Path | None = None,
     return glb["SwitchMethods"], glb["HybridEngineMode"]
 
 
-def load_class(rel_path: str, class_name: str, env: dict[str, Any],
-               methods: tuple[str, ...] | None = None, root: Path | None = None) -> type:
+def load_class(
+    rel_path: str,
+    class_name: str,
+    env: dict[str, Any],
+    methods: tuple[str, ...] | None = None,
+    root: Path | None = None,
+) -> type:
     """One class (or some of its methods) of a wheel file, compiled from the file's source
     with the module globals ``env`` (for files whose module-level imports are heavy)."""
     root = root or unpack()
@@ -284,8 +339,7 @@ def load_class(rel_path: str, class_name: str, env: dict[str, Any],
     if not path.exists():
         raise WheelError(f"{path} is not in the wheel")
     tree = ast.parse(path.read_text(), str(path))
-    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name),
-               None)
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
     if cls is None:
         raise WheelError(f"{path}: no class {class_name}")
     if methods is not None:
@@ -293,8 +347,13 @@ def load_class(rel_path: str, class_name: str, env: dict[str, Any],
         missing = [m for m in methods if m not in funcs]
         if missing:
             raise WheelError(f"{path}: {class_name} has no {', '.join(missing)}")
-        cls = ast.ClassDef(name=class_name, bases=[], keywords=[], decorator_list=[],
-                           body=[funcs[m] for m in methods])
+        cls = ast.ClassDef(
+            name=class_name,
+            bases=[],
+            keywords=[],
+            decorator_list=[],
+            body=[funcs[m] for m in methods],
+        )
         if "type_params" in ast.ClassDef._fields:  # Python >= 3.12
             cls.type_params = []
     module = ast.Module(body=[cls], type_ignores=[])

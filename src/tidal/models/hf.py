@@ -31,6 +31,7 @@ def _quiet_transformers() -> None:
 
     hf_logging.disable_progress_bar()
 
+
 # SmolLM2-135M-Instruct's chat template, verbatim (the tiny model speaks the same format).
 SMOLLM2_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -57,30 +58,53 @@ def train_tokenizer(vocab_size: int = 512):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(bundled_corpus().splitlines(), trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-        pad_token="<|im_end|>", unk_token="<|endoftext|>")
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
     fast.chat_template = SMOLLM2_CHAT_TEMPLATE
     return fast
 
 
-def tiny_config(arch: Arch, vocab_size: int, n_layers: int = 4, d_model: int = 128,
-                n_heads: int = 4, d_ff: int | None = None, max_seq_len: int = 1024,
-                bos_id: int = 1, eos_id: int = 2):
+def tiny_config(
+    arch: Arch,
+    vocab_size: int,
+    n_layers: int = 4,
+    d_model: int = 128,
+    n_heads: int = 4,
+    d_ff: int | None = None,
+    max_seq_len: int = 1024,
+    bos_id: int = 1,
+    eos_id: int = 2,
+):
     """The ``transformers`` config of a tiny model: grouped KV heads (half the query heads);
     Llama ties its embeddings like SmolLM2, Qwen2 keeps a separate head and q/k/v biases."""
     from transformers import LlamaConfig, Qwen2Config
 
     if d_model % n_heads:
         raise TidalError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
-    common = dict(vocab_size=vocab_size, hidden_size=d_model,
-                  intermediate_size=d_ff or 4 * d_model, num_hidden_layers=n_layers,
-                  num_attention_heads=n_heads, num_key_value_heads=max(1, n_heads // 2),
-                  max_position_embeddings=max_seq_len, rms_norm_eps=1e-5,
-                  bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=d_model,
+        intermediate_size=d_ff or 4 * d_model,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=max(1, n_heads // 2),
+        max_position_embeddings=max_seq_len,
+        rms_norm_eps=1e-5,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
     if arch == "llama":
         return LlamaConfig(tie_word_embeddings=True, **common)
     if arch == "qwen2":
@@ -94,20 +118,23 @@ def tiny_model(arch: Arch = "llama", seed: int = 0, vocab_size: int = 512, **sha
 
     _quiet_transformers()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size, **shape),
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(arch, vocab_size, **shape), dtype=torch.float32
+    )
     model.config.use_cache = False
     return model.train()
 
 
-def create_tiny(out_dir: str | Path, seed: int = 0, arch: Arch = "llama", vocab_size: int = 512,
-                **shape: int) -> Path:
+def create_tiny(
+    out_dir: str | Path, seed: int = 0, arch: Arch = "llama", vocab_size: int = 512, **shape: int
+) -> Path:
     """Write a tiny HF model directory (random weights drawn from ``seed``, tokenizer, chat
     template) and return its path. ``shape``: ``n_layers``, ``d_model``, ``n_heads``, ``d_ff``,
     ``max_seq_len``."""
     tok = train_tokenizer(vocab_size)
-    model = tiny_model(arch, seed, len(tok), bos_id=tok.bos_token_id, eos_id=tok.eos_token_id,
-                       **shape)
+    model = tiny_model(
+        arch, seed, len(tok), bos_id=tok.bos_token_id, eos_id=tok.eos_token_id, **shape
+    )
     model.config.use_cache = True  # what a user's checkpoint says; the trainer turns it off
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,11 +154,13 @@ def load_training_model(model_dir: str | Path, dtype: torch.dtype = torch.float3
     if not (model_dir / "config.json").is_file():
         raise TidalError(f"{model_dir}: no config.json (not a model directory)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
-                                                     attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=dtype, attn_implementation="sdpa"
+        )
     except (ValueError, OSError, KeyError) as exc:
-        raise TidalError(f"{model_dir}: transformers cannot load it: "
-                         f"{str(exc).splitlines()[0]}") from exc
+        raise TidalError(
+            f"{model_dir}: transformers cannot load it: {str(exc).splitlines()[0]}"
+        ) from exc
     model.config.use_cache = False
     # activation checkpointing per decoder layer (verl's enable_gradient_checkpointing): the
     # backward recomputes each layer's activations instead of keeping them, the attention
@@ -141,7 +170,12 @@ def load_training_model(model_dir: str | Path, dtype: torch.dtype = torch.float3
             model.activation_checkpointing_enable({"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-    log.info("training model %s: %s, %d params", model_dir, type(model).__name__,
-             sum(p.numel() for p in model.parameters()))
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+    log.info(
+        "training model %s: %s, %d params",
+        model_dir,
+        type(model).__name__,
+        sum(p.numel() for p in model.parameters()),
+    )
     return model.train()

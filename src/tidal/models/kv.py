@@ -24,9 +24,14 @@ _MIN_CAPACITY = 64
 class KVCache:
     """Keys and values of one sequence: per layer ``[capacity, n_kv_heads, head_dim]``."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.dtype = dtype
         self.device = torch.device(device)
@@ -53,8 +58,8 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k, v`` (``[T, n_kv_heads, head_dim]``) at positions ``length .. length+T``."""
         end = self.length + k.shape[0]
-        self._k[layer][self.length:end] = k
-        self._v[layer][self.length:end] = v
+        self._k[layer][self.length : end] = k
+        self._v[layer][self.length : end] = v
 
     def buffers(self, layer: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k[layer][:tokens], self._v[layer][:tokens]
@@ -76,9 +81,15 @@ class KVCache:
         return out
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], n_layers: int, n_kv_heads: int,
-                     head_dim: int, device: torch.device | str = "cpu",
-                     dtype: torch.dtype | None = None) -> KVCache:
+    def from_tensors(
+        cls,
+        tensors: dict[str, torch.Tensor],
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
         """A cache on ``device`` holding ``tensors`` (``dtype`` None: the tensors' own)."""
         if len(tensors) != 2 * n_layers:
             raise TidalError(f"KV import: {len(tensors)} tensors, model needs {2 * n_layers}")
@@ -88,8 +99,11 @@ class KVCache:
         cache = cls(n_layers, n_kv_heads, head_dim, dtype=dtype or k0.dtype, device=device)
         cache.reserve(k0.shape[0])
         for layer in range(n_layers):
-            cache.write(layer, tensors[f"k.{layer}"].to(cache.device),
-                        tensors[f"v.{layer}"].to(cache.device))
+            cache.write(
+                layer,
+                tensors[f"k.{layer}"].to(cache.device),
+                tensors[f"v.{layer}"].to(cache.device),
+            )
         cache.length = k0.shape[0]
         return cache
 
@@ -109,8 +123,10 @@ class RaggedBatch:
         self.max_total = max(self.ends)
         self.device = self.caches[0].device
         if any(c.device != self.device for c in self.caches):
-            raise TidalError(f"a ragged batch over caches on several devices "
-                             f"{sorted({str(c.device) for c in self.caches})}")
+            raise TidalError(
+                f"a ragged batch over caches on several devices "
+                f"{sorted({str(c.device) for c in self.caches})}"
+            )
         for c in self.caches:
             c.reserve(self.max_total)
         dev = self.device
@@ -121,10 +137,12 @@ class RaggedBatch:
         end = torch.tensor(self.ends, device=dev)
         # query t of sequence i sees keys j <= start_i + t that have been written (j < end_i)
         self.mask = (key[None, None, :] <= self.positions[:, :, None]) & (
-            key[None, None, :] < end[:, None, None])
+            key[None, None, :] < end[:, None, None]
+        )
 
-    def attend_keys(self, layer: int, k: torch.Tensor, v: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_keys(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's ``k, v`` (``[B, T, Hkv, D]``) and return padded keys/values."""
         for i, cache in enumerate(self.caches):
             cache.write(layer, k[i, : self.new_tokens[i]], v[i, : self.new_tokens[i]])

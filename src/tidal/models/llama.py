@@ -27,10 +27,18 @@ from tidal.models.kv import RaggedBatch
 log = logging.getLogger(__name__)
 
 # SmolLM2-135M(-Instruct)'s config.json, the fields this implementation reads
-SMOLLM2_135M = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
-                "tie_word_embeddings": True}
+SMOLLM2_135M = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}
 
 
 class LlamaConfig(BaseModel):
@@ -64,11 +72,15 @@ class LlamaConfig(BaseModel):
             if self.rope_parameters.get("rope_type", "default") != "default":
                 self.rope_scaling = self.rope_parameters
         if self.head_dim not in (None, self.hidden_size // self.num_attention_heads):
-            raise TidalError(f"head_dim {self.head_dim} != hidden_size / num_attention_heads: "
-                             "not supported by the built-in engine; serve it with vLLM")
+            raise TidalError(
+                f"head_dim {self.head_dim} != hidden_size / num_attention_heads: "
+                "not supported by the built-in engine; serve it with vLLM"
+            )
         if self.use_sliding_window:
-            raise TidalError("sliding-window attention is not supported by the built-in engine; "
-                             "serve it with vLLM")
+            raise TidalError(
+                "sliding-window attention is not supported by the built-in engine; "
+                "serve it with vLLM"
+            )
         return self
 
     @property
@@ -104,10 +116,14 @@ class _Layer(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         # transformers' order: parameter layouts (and their fingerprints) then agree
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads,
-                                   cfg.num_key_value_heads or cfg.num_attention_heads,
-                                   bias=cfg.qkv_bias, rope_theta=cfg.rope_theta,
-                                   o_bias=cfg.attention_bias)
+        self.self_attn = Attention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads or cfg.num_attention_heads,
+            bias=cfg.qkv_bias,
+            rope_theta=cfg.rope_theta,
+            o_bias=cfg.attention_bias,
+        )
         self.mlp = _MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -162,8 +178,9 @@ class LlamaForCausalLM(CausalLM):
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
-    def _block(self, i: int, h: torch.Tensor, positions: torch.Tensor,
-               batch: RaggedBatch | None) -> torch.Tensor:
+    def _block(
+        self, i: int, h: torch.Tensor, positions: torch.Tensor, batch: RaggedBatch | None
+    ) -> torch.Tensor:
         layer = self.model.layers[i]
         h = h + layer.self_attn(layer.input_layernorm(h), positions, i, batch)
         return h + layer.mlp(layer.post_attention_layernorm(h))
@@ -180,8 +197,13 @@ class LlamaForCausalLM(CausalLM):
         save_file(sd, str(out / "model.safetensors"))
 
     @classmethod
-    def random(cls, shape: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    def random(
+        cls,
+        shape: dict,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> LlamaForCausalLM:
         """A model of ``shape`` (``config.json`` fields) with N(0, 0.02) weights and unit norms,
         no file; drawn on the CPU from ``seed`` alone, so every device gets the same values."""
         with torch.device("meta"):

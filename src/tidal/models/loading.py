@@ -36,9 +36,11 @@ def model_kind(model_dir: str | Path) -> str:
         raise TidalError(f"{model_dir}: no config.json (not a model directory)")
     kind = json.loads(cfg_path.read_text()).get("model_type")
     if kind not in BUILTIN_TYPES:
-        raise TidalError(f"{model_dir}: model_type {kind!r} has no built-in engine path "
-                         f"(it runs {', '.join(BUILTIN_TYPES)}); serve it with vLLM "
-                         "(runtime.engine: vllm)")
+        raise TidalError(
+            f"{model_dir}: model_type {kind!r} has no built-in engine path "
+            f"(it runs {', '.join(BUILTIN_TYPES)}); serve it with vLLM "
+            "(runtime.engine: vllm)"
+        )
     return kind
 
 
@@ -48,8 +50,7 @@ def load_model(model_dir: str | Path) -> tuple[CausalLM, HFTokenizer]:
     return LlamaForCausalLM.load(model_dir), HFTokenizer(model_dir)
 
 
-def read_weights(path: str | Path, dtype: torch.dtype = torch.float32
-                 ) -> dict[str, torch.Tensor]:
+def read_weights(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A state dict from a ``.safetensors`` file or a directory of them. Anything else (no
     such path, another kind of file, a file that does not parse) is a ``TidalError`` naming
     the path."""
@@ -67,8 +68,12 @@ def read_weights(path: str | Path, dtype: torch.dtype = torch.float32
 
 
 # safetensors dtype names whose bytes a torch tensor of that dtype holds as they are
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "F64": torch.float64}
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
 
 
 class WeightFile(Mapping[str, torch.Tensor]):
@@ -99,9 +104,12 @@ class WeightFile(Mapping[str, torch.Tensor]):
         if entry is None:
             raise KeyError(name)
         start, end = entry["data_offsets"]
-        if (out.device.type == "cpu" and out.is_contiguous()
-                and _SAFETENSORS_DTYPES.get(entry["dtype"]) == out.dtype
-                and out.numel() * out.element_size() == end - start):
+        if (
+            out.device.type == "cpu"
+            and out.is_contiguous()
+            and _SAFETENSORS_DTYPES.get(entry["dtype"]) == out.dtype
+            and out.numel() * out.element_size() == end - start
+        ):
             try:
                 with self.path.open("rb", buffering=0) as fh:
                     fh.seek(self._data_start + start)
@@ -109,8 +117,9 @@ class WeightFile(Mapping[str, torch.Tensor]):
             except OSError as exc:
                 raise TidalError(f"{self.path}: tensor {name} not readable ({exc})") from None
             if got != end - start:
-                raise TidalError(f"{self.path}: tensor {name} truncated ({got} of "
-                                 f"{end - start} bytes)")
+                raise TidalError(
+                    f"{self.path}: tensor {name} truncated ({got} of {end - start} bytes)"
+                )
             return
         with torch.no_grad():
             out.copy_(self[name])
@@ -150,8 +159,12 @@ class WeightFile(Mapping[str, torch.Tensor]):
             raise TidalError(f"{self.path}: tensor {name} truncated")
         with warnings.catch_warnings():  # read-only: a view is read, never written
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(self._mm, dtype=self.dtype, offset=self._data_start + start,
-                                    count=(end - start) // self.dtype.itemsize)
+            flat = torch.frombuffer(
+                self._mm,
+                dtype=self.dtype,
+                offset=self._data_start + start,
+                count=(end - start) // self.dtype.itemsize,
+            )
         return flat.view(entry["shape"])
 
     def shape_of(self, name: str) -> list[int]:
@@ -168,8 +181,9 @@ class WeightFile(Mapping[str, torch.Tensor]):
         return name in self._names
 
 
-def open_weights(path: str | Path, dtype: torch.dtype = torch.float32
-                 ) -> Mapping[str, torch.Tensor]:
+def open_weights(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> Mapping[str, torch.Tensor]:
     """``read_weights``, but a single ``.safetensors`` file is read lazily (``WeightFile``)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors":

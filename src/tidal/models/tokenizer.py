@@ -25,8 +25,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
-                            ) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> list[int]: ...
 
 
 class HFTokenizer:
@@ -39,8 +40,9 @@ class HFTokenizer:
         try:
             self.hf = AutoTokenizer.from_pretrained(str(model_dir))
         except (OSError, ValueError) as exc:
-            raise TidalError(f"{model_dir}: no tokenizer transformers can read: "
-                             f"{str(exc).splitlines()[0]}") from exc
+            raise TidalError(
+                f"{model_dir}: no tokenizer transformers can read: {str(exc).splitlines()[0]}"
+            ) from exc
         if self.hf.eos_token_id is None:
             raise TidalError(f"{model_dir}: tokenizer_config.json names no eos_token")
         self.eos_id: int = int(self.hf.eos_token_id)
@@ -69,11 +71,13 @@ class HFTokenizer:
         if tools and not self.renders_tools:
             raise TidalError("tools: this model's chat template has no tool support")
         try:
-            return self.hf.apply_chat_template(messages, tools=tools or None,
-                                               add_generation_prompt=True, tokenize=False)
+            return self.hf.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # jinja2's TemplateError and the template's raise_exception
             raise TidalError(f"chat template: {str(exc).splitlines()[0]}") from exc
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
-                            ) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> list[int]:
         return self.encode(self.render_chat(messages, tools))

@@ -78,9 +78,17 @@ class CoreLink:
 
 
 class RayActuator:
-    def __init__(self, clock: Clock, admin: httpx.AsyncClient, engines: Engines,
-                 weights: Weights, kv_handoff: bool, parts: Parts, core: CoreLink,
-                 call_timeout_s: float = 180.0) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        admin: httpx.AsyncClient,
+        engines: Engines,
+        weights: Weights,
+        kv_handoff: bool,
+        parts: Parts,
+        core: CoreLink,
+        call_timeout_s: float = 180.0,
+    ) -> None:
         self.clock = clock
         self.admin = admin  # base_url = proxy, bearer header set
         self.engines = engines  # the actors, by id (the cell supervisor replaces them)
@@ -128,8 +136,12 @@ class RayActuator:
         self.parts.spawn(f"plan {plan.plan_id} step {step.kind.value}", self._run(plan, step))
 
     def abort(self, plan: TransitionPlan, failed: PlanStep, error: str) -> None:
-        log.warning("plan %d aborted at %s: %s; restoring the source role", plan.plan_id,
-                    failed.kind.value, error)
+        log.warning(
+            "plan %d aborted at %s: %s; restoring the source role",
+            plan.plan_id,
+            failed.kind.value,
+            error,
+        )
         if plan.direction is Direction.TO_TRAINING:
             self.parts.spawn(f"plan {plan.plan_id} restore", self._back_to_rollout(plan.cells))
         else:  # e.g. a load that served the wrong version: the cell trains on, out of routing
@@ -145,8 +157,12 @@ class RayActuator:
                 if i not in self.training:
                     await self.activate(i)
             except Exception as exc:  # one line: a dead proxy must not print a traceback a tick
-                log.warning("cell %d: could not restore training after an abort: %s: %s", i,
-                            type(exc).__name__, exc)
+                log.warning(
+                    "cell %d: could not restore training after an abort: %s: %s",
+                    i,
+                    type(exc).__name__,
+                    exc,
+                )
 
     async def _back_to_rollout(self, cells: tuple[int, ...]) -> None:
         for i in cells:
@@ -156,8 +172,12 @@ class RayActuator:
                 await self._load(i)
                 await self._undrain(i, StepKind.RESUME_ADMISSION)
             except Exception as exc:  # one line: a dead proxy must not print a traceback a tick
-                log.warning("cell %d: could not restore rollout after an abort: %s: %s", i,
-                            type(exc).__name__, exc)
+                log.warning(
+                    "cell %d: could not restore rollout after an abort: %s: %s",
+                    i,
+                    type(exc).__name__,
+                    exc,
+                )
 
     async def _run(self, plan: TransitionPlan, step: PlanStep) -> None:
         t0 = time.perf_counter()
@@ -169,16 +189,36 @@ class RayActuator:
                     details.append(out)
         except Exception as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
-            log.warning("plan %d step %s on %s failed: %s", plan.plan_id, step.kind.value,
-                        list(step.cells), error)
+            log.warning(
+                "plan %d step %s on %s failed: %s",
+                plan.plan_id,
+                step.kind.value,
+                list(step.cells),
+                error,
+            )
         took = time.perf_counter() - t0
-        self.step_log.append({"plan_id": plan.plan_id, "step": step.kind.value,
-                              "cells": list(step.cells), "ok": ok, "duration_s": round(took, 4),
-                              "error": error})
+        self.step_log.append(
+            {
+                "plan_id": plan.plan_id,
+                "step": step.kind.value,
+                "cells": list(step.cells),
+                "ok": ok,
+                "duration_s": round(took, 4),
+                "error": error,
+            }
+        )
         assert self._handle is not None, "bind() before execute()"
-        self._handle(TransitionStepDone(self.clock.now(), plan.plan_id, step.index,
-                                        ok=ok, duration_s=took, error=error,
-                                        detail={"moves": details} if details else None))
+        self._handle(
+            TransitionStepDone(
+                self.clock.now(),
+                plan.plan_id,
+                step.index,
+                ok=ok,
+                duration_s=took,
+                error=error,
+                detail={"moves": details} if details else None,
+            )
+        )
 
     # -- steps ------------------------------------------------------------------------------
     async def _do(self, kind: StepKind, cell: int) -> dict | None:
@@ -189,22 +229,24 @@ class RayActuator:
 
     def _ops(self) -> dict[StepKind, Callable[[int, StepKind], Any]]:
         """Each plan step kind (QwenGyre's and verl's names for the same act) -> its op."""
-        return {StepKind.STOP_ADMISSION: self._drain,
-                StepKind.REMOVE_FROM_LOAD_BALANCER: self._drain,
-                StepKind.RESERVE_AND_REROUTE: self._check_rerouted,
-                StepKind.CANCEL_AND_RETRY: self._check_empty,
-                StepKind.ABORT_INFLIGHT: self._check_empty,
-                StepKind.KV_HANDOFF: self._check_handoff,
-                StepKind.RELEASE_ROLLOUT_MEMORY: self._sleep,
-                StepKind.SLEEP_ENGINE: self._sleep,
-                StepKind.RESTORE_TRAINING_STATE: lambda c, _: self.activate(c),
-                StepKind.OFFLOAD_TRAINING_STATE: lambda c, _: self._deactivate(c),
-                StepKind.WAKE_ENGINE: lambda c, _: self._wake(c),
-                StepKind.LOAD_WEIGHTS: lambda c, _: self._load(c),
-                StepKind.SYNC_WEIGHTS: lambda c, _: self._load(c),
-                StepKind.RESUME_ADMISSION: self._undrain,
-                StepKind.ADD_TO_LOAD_BALANCER: self._undrain,
-                StepKind.RESUME_GENERATION: self._check_serving}
+        return {
+            StepKind.STOP_ADMISSION: self._drain,
+            StepKind.REMOVE_FROM_LOAD_BALANCER: self._drain,
+            StepKind.RESERVE_AND_REROUTE: self._check_rerouted,
+            StepKind.CANCEL_AND_RETRY: self._check_empty,
+            StepKind.ABORT_INFLIGHT: self._check_empty,
+            StepKind.KV_HANDOFF: self._check_handoff,
+            StepKind.RELEASE_ROLLOUT_MEMORY: self._sleep,
+            StepKind.SLEEP_ENGINE: self._sleep,
+            StepKind.RESTORE_TRAINING_STATE: lambda c, _: self.activate(c),
+            StepKind.OFFLOAD_TRAINING_STATE: lambda c, _: self._deactivate(c),
+            StepKind.WAKE_ENGINE: lambda c, _: self._wake(c),
+            StepKind.LOAD_WEIGHTS: lambda c, _: self._load(c),
+            StepKind.SYNC_WEIGHTS: lambda c, _: self._load(c),
+            StepKind.RESUME_ADMISSION: self._undrain,
+            StepKind.ADD_TO_LOAD_BALANCER: self._undrain,
+            StepKind.RESUME_GENERATION: self._check_serving,
+        }
 
     async def _drain(self, cell: int, kind: StepKind) -> dict:
         # verl's remove-from-load-balancer is followed by its abort of in-flight requests
@@ -212,15 +254,22 @@ class RayActuator:
         # proxy's drain does both, so ABORT_INFLIGHT then checks that it happened.
         handoff = self.kv_handoff and kind is StepKind.STOP_ADMISSION
         self.held_out.add(cell)  # before the call: a weight load's undrain must not undo it
-        out = await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/drain",
-                                params={"handoff": str(handoff).lower()})
+        out = await self._admin(
+            "post",
+            f"/tidal/engines/{EngineId.cell(cell)}/drain",
+            params={"handoff": str(handoff).lower()},
+        )
         self.drains.append({"cell": cell, **out})
-        log.info("cell %d drained: %d requests moved in %.3f s", cell, out["moved"],
-                 out["duration_s"])
+        log.info(
+            "cell %d drained: %d requests moved in %.3f s", cell, out["moved"], out["duration_s"]
+        )
         # each move's choice and cost, for the decision log (never silent)
-        return {"cell": cell, "moved": out["moved"],
-                "choice": "kv_handoff" if out["kv_handoff"] else "reprefill",
-                "reprefill_tokens": out.get("reprefill_tokens", 0)}
+        return {
+            "cell": cell,
+            "moved": out["moved"],
+            "choice": "kv_handoff" if out["kv_handoff"] else "reprefill",
+            "reprefill_tokens": out.get("reprefill_tokens", 0),
+        }
 
     async def _undrain(self, cell: int, kind: StepKind) -> None:
         await self._admin("post", f"/tidal/engines/{EngineId.cell(cell)}/undrain")
@@ -248,9 +297,12 @@ class RayActuator:
         want = self.kv_handoff and (last or {}).get("kv_capable", True)
         if last is None or last["kv_handoff"] != want:
             raise RuntimeFailure(f"{EngineId.cell(cell)}: the drain did not use the KV handoff")
-        return {"cell": cell, "choice": "kv_handoff" if want else "reprefill",
-                "why": "" if want else "its engine cannot export KV (no KV connector wired)",
-                "reprefill_tokens": last.get("reprefill_tokens", 0)}
+        return {
+            "cell": cell,
+            "choice": "kv_handoff" if want else "reprefill",
+            "why": "" if want else "its engine cannot export KV (no KV connector wired)",
+            "reprefill_tokens": last.get("reprefill_tokens", 0),
+        }
 
     async def _check_serving(self, cell: int, kind: StepKind) -> None:
         eid, engines = str(EngineId.cell(cell)), await self._engines()
@@ -295,8 +347,7 @@ class RayActuator:
             try:
                 if await self._call(cell, "satellite_alive"):
                     continue
-                log.warning("cell %d: satellite process ended while training; restarting it",
-                            cell)
+                log.warning("cell %d: satellite process ended while training; restarting it", cell)
                 await self._start_satellite(cell)
                 n += 1
             except (RuntimeFailure, TimeoutExpired) as exc:  # its actor is lost: the cell
@@ -306,8 +357,9 @@ class RayActuator:
 
     async def _start_satellite(self, cell: int) -> None:
         """The cell's satellite process running (started only if none runs)."""
-        pid, started = await self._call(cell, "ensure_satellite", cell, self.core.address,
-                                        self.core.satellite_timeout_s)
+        pid, started = await self._call(
+            cell, "ensure_satellite", cell, self.core.address, self.core.satellite_timeout_s
+        )
         self.satellite_pids[cell] = pid
         self.satellite_starts += int(started)
 
@@ -334,8 +386,11 @@ class RayActuator:
         m.deactivate(cell)
         if await asyncio.to_thread(m.wait_parked, cell, self.core.park_timeout_s):
             return
-        log.warning("cell %d: satellite did not park within %.0f s; stopping it", cell,
-                    self.core.park_timeout_s)
+        log.warning(
+            "cell %d: satellite did not park within %.0f s; stopping it",
+            cell,
+            self.core.park_timeout_s,
+        )
         async with self.trainer_lock:  # killed between steps, as a satellite without parking
             await self._stop_satellite(cell)
 
@@ -371,20 +426,25 @@ class RayActuator:
             return
         eid = EngineId.cell(cell)
         if self.weights.handoff is not None:  # its carrier (shared memory, a broadcast, ...)
-            d = await self.weights.handoff.deliver(eid, self._cell(cell), self.weights.version,
-                                                   self.weights.label)
+            d = await self.weights.handoff.deliver(
+                eid, self._cell(cell), self.weights.version, self.weights.label
+            )
             if d.label != self.weights.label:
-                raise RuntimeFailure(f"cell {cell} serves {d.label!r} after loading "
-                                     f"{self.weights.label!r}")
+                raise RuntimeFailure(
+                    f"cell {cell} serves {d.label!r} after loading {self.weights.label!r}"
+                )
             return
         if self.engines.transport(eid) == "object":
             await asyncio.to_thread(self.engines.blob, self.weights.path)
-        served = await remote(self.engines.load(eid, self._cell(cell), self.weights.path,
-                                                self.weights.label),
-                              f"cell {cell} load_weights", self.call_timeout_s)
+        served = await remote(
+            self.engines.load(eid, self._cell(cell), self.weights.path, self.weights.label),
+            f"cell {cell} load_weights",
+            self.call_timeout_s,
+        )
         if served != self.weights.label:  # never rejoin with other weights
-            raise RuntimeFailure(f"cell {cell} serves {served!r} after loading "
-                                 f"{self.weights.label!r}")
+            raise RuntimeFailure(
+                f"cell {cell} serves {served!r} after loading {self.weights.label!r}"
+            )
 
     # -- proxy admin ------------------------------------------------------------------------
     async def _admin(self, method: str, path: str, **kw) -> dict:

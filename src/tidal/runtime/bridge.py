@@ -46,9 +46,16 @@ log = logging.getLogger(__name__)
 class LedgerBridge:
     """A ``tidal.agents.events.LedgerEvents`` feeding the controller and the buffer."""
 
-    def __init__(self, handle: Callable[[Event], None], clock: Clock, admin: httpx.AsyncClient,
-                 buffer: TrajectoryBuffer, group_size: int, parts: Parts,
-                 tokens: bool = False) -> None:
+    def __init__(
+        self,
+        handle: Callable[[Event], None],
+        clock: Clock,
+        admin: httpx.AsyncClient,
+        buffer: TrajectoryBuffer,
+        group_size: int,
+        parts: Parts,
+        tokens: bool = False,
+    ) -> None:
         self.handle, self.clock, self.admin, self.parts = handle, clock, admin, parts
         # runtime.deterministic: each call's tokens, log-probs and weight versions go into
         # executions.jsonl too (what two seeded runs are compared on)
@@ -76,23 +83,25 @@ class LedgerBridge:
     def dispatched(self, execution_id: str, group_id: str) -> None:
         self.n_dispatched += 1
         self.timing[execution_id] = {"burst": self.burst, "dispatched": self.clock.now()}
-        self.handle(ExecutionDispatched(self.clock.now(), execution_id, group_id,
-                                                   self.group_size, self.burst))
+        self.handle(
+            ExecutionDispatched(
+                self.clock.now(), execution_id, group_id, self.group_size, self.burst
+            )
+        )
 
     def launched(self, execution_id: str, group_id: str) -> None:
         self.timing.setdefault(execution_id, {})["launched"] = self.clock.now()
         self.handle(ExecutionLaunched(self.clock.now(), execution_id))
 
-    def closed(self, execution_id: str, group_id: str, reason: str,
-               reward: float | None) -> None:
+    def closed(self, execution_id: str, group_id: str, reason: str, reward: float | None) -> None:
         self.close_counts[reason] = self.close_counts.get(reason, 0) + 1
         if reward is not None:  # reward_error: no reward to add
             self.rewards.append(reward)
         self.timing.setdefault(execution_id, {})["closed"] = self.clock.now()
-        self.handle(ExecutionClosed(self.clock.now(), execution_id,
-                                               CloseReason(reason), reward))
-        task = self.parts.spawn(f"record of {execution_id}",
-                                self._record(execution_id, group_id, reason, reward))
+        self.handle(ExecutionClosed(self.clock.now(), execution_id, CloseReason(reason), reward))
+        task = self.parts.spawn(
+            f"record of {execution_id}", self._record(execution_id, group_id, reason, reward)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self._record_of[execution_id] = task
@@ -110,9 +119,17 @@ class LedgerBridge:
         self.restored.add(eid)
         if self.file is not None:  # closed before the resume: its line, if the file lacks it
             out = Outcome(reason=record.reason, reward=record.reward)  # no transcript kept
-            self.file.add([self._line(eid, gid, out,
-                                      [schema.CallLine.of(c, tokens=self.tokens)
-                                       for c in record.calls], self.t0())])
+            self.file.add(
+                [
+                    self._line(
+                        eid,
+                        gid,
+                        out,
+                        [schema.CallLine.of(c, tokens=self.tokens) for c in record.calls],
+                        self.t0(),
+                    )
+                ]
+            )
 
     async def lines_after(self, run: Any) -> list[Any]:
         """``await run`` (a group's executions in the harness pool), then their lines into
@@ -132,7 +149,8 @@ class LedgerBridge:
             resp.raise_for_status()
             rec = record_from_proxy(eid, gid, resp.json()["calls"], reward, reason)
             self.timing.setdefault(eid, {})["calls"] = [
-                schema.CallLine.of(c, tokens=self.tokens) for c in rec.calls]
+                schema.CallLine.of(c, tokens=self.tokens) for c in rec.calls
+            ]
             self._count(rec.calls)
             await asyncio.to_thread(self.buffer.add, rec)
             self.recorded += 1
@@ -140,8 +158,9 @@ class LedgerBridge:
             log.error("execution %s: record not delivered to training: %s", eid, exc)
             self.record_errors.append(f"{eid}: {exc}")
 
-    def write_executions(self, path: Path, results: list[ExecutionOutcome], t0: float,
-                         mode: str = "w") -> None:
+    def write_executions(
+        self, path: Path, results: list[ExecutionOutcome], t0: float, mode: str = "w"
+    ) -> None:
         """One line per closed execution (``tidal calibrate`` fits the simulator on them):
         times in seconds since ``t0`` (the first dispatch), the proxy's token counts per model
         call joined with the harness's timings of that call and of the tool step after it, and
@@ -155,29 +174,54 @@ class LedgerBridge:
                 fh.write(json.dumps(line) + "\n")
 
     def lines(self, results: list[ExecutionOutcome], t0: float) -> list[dict[str, Any]]:
-        return [self._line(r.execution_id, r.group_id, r.outcome,
-                           self.timing.get(r.execution_id, {}).get("calls", []), t0)
-                for r in results]
+        return [
+            self._line(
+                r.execution_id,
+                r.group_id,
+                r.outcome,
+                self.timing.get(r.execution_id, {}).get("calls", []),
+                t0,
+            )
+            for r in results
+        ]
 
-    def _line(self, eid: str, gid: str, out: Outcome, call_lines: list[Any],
-              t0: float) -> dict[str, Any]:
+    def _line(
+        self, eid: str, gid: str, out: Outcome, call_lines: list[Any], t0: float
+    ) -> dict[str, Any]:
         t = self.timing.get(eid, {})
         calls = [c.model_dump(exclude_none=True) for c in call_lines]
         for c, turn in zip(calls, out.transcript, strict=False):
             if turn.t_call is None:  # an agent kind that does not time its calls
                 break
-            c.update({"start_s": round(turn.t_call - t0, 4),
-                      "call_s": round(turn.call_s or 0.0, 4),
-                      "tool_s": round(turn.tool_s or 0.0, 4)})
-        return schema.check(schema.ExecutionLine, {
-            "execution": eid, "group": gid, "burst": t.get("burst"),
-            "reason": out.reason, "reward": out.reward,
-            **{f"{k}_s": round(t[k] - t0, 4) for k in ("dispatched", "launched",
-                                                        "closed") if k in t},
-            "calls": calls,
-            # what the agent did: its text actions and what the tools answered
-            "transcript": [{"action": turn.action, "observation": turn.observation}
-                           for turn in out.transcript]}, "executions.jsonl (written)")
+            c.update(
+                {
+                    "start_s": round(turn.t_call - t0, 4),
+                    "call_s": round(turn.call_s or 0.0, 4),
+                    "tool_s": round(turn.tool_s or 0.0, 4),
+                }
+            )
+        return schema.check(
+            schema.ExecutionLine,
+            {
+                "execution": eid,
+                "group": gid,
+                "burst": t.get("burst"),
+                "reason": out.reason,
+                "reward": out.reward,
+                **{
+                    f"{k}_s": round(t[k] - t0, 4)
+                    for k in ("dispatched", "launched", "closed")
+                    if k in t
+                },
+                "calls": calls,
+                # what the agent did: its text actions and what the tools answered
+                "transcript": [
+                    {"action": turn.action, "observation": turn.observation}
+                    for turn in out.transcript
+                ],
+            },
+            "executions.jsonl (written)",
+        )
 
     def _count(self, calls: list[CallRecord]) -> None:
         for call in calls:

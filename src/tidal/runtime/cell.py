@@ -81,9 +81,18 @@ def adopt_token(box: list | None) -> None:
 class EngineHost:
     """Plain class; ``driver`` wraps it with ``ray.remote``. One engine process per instance."""
 
-    def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
-                 device: str = "cpu", cgroup: str | None = None, served: str | None = None,
-                 seed: int = 0, deterministic: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        model_dir: str,
+        max_batch: int,
+        log_dir: str,
+        device: str = "cpu",
+        cgroup: str | None = None,
+        served: str | None = None,
+        seed: int = 0,
+        deterministic: bool = False,
+    ) -> None:
         from tidal.runtime.nodes import here
 
         # on a cluster the engine and satellite are reached from other nodes: they listen on
@@ -119,11 +128,18 @@ class EngineHost:
         adopt_token(token)
         # Model steps in a thread: a long prefill never stalls the engine's control routes.
         self.device = actor_device(self.device_setting, _gpu_ids())
-        self.proc = start_engine(self.model_dir, name=self.served, max_batch=self.max_batch,
-                                 log_path=self.log_path, step_in_thread=True, seed=self.seed,
-                                 device=self.device, host=self.node.ip,
-                                 spill_dir=spill_dir(self.log_path.parent.parent),
-                                 deterministic=self.deterministic)
+        self.proc = start_engine(
+            self.model_dir,
+            name=self.served,
+            max_batch=self.max_batch,
+            log_path=self.log_path,
+            step_in_thread=True,
+            seed=self.seed,
+            device=self.device,
+            host=self.node.ip,
+            spill_dir=spill_dir(self.log_path.parent.parent),
+            deterministic=self.deterministic,
+        )
         try:
             self.proc.wait_healthy(timeout_s)
         except TidalError as exc:
@@ -135,13 +151,15 @@ class EngineHost:
         if self.proc is None:
             raise RuntimeFailure(f"engine {self.name} is not started")
         try:
-            resp = httpx.post(f"{self.proc.url}{path}", timeout=timeout_s,
-                              headers=self.proc.headers, **kw)
+            resp = httpx.post(
+                f"{self.proc.url}{path}", timeout=timeout_s, headers=self.proc.headers, **kw
+            )
         except httpx.HTTPError as exc:
             raise RuntimeFailure(f"engine {self.name} {path}: {exc!r}") from None
         if resp.status_code != 200:
-            raise RuntimeFailure(f"engine {self.name} {path}: HTTP {resp.status_code} "
-                                 f"{resp.text[:200]}")
+            raise RuntimeFailure(
+                f"engine {self.name} {path}: HTTP {resp.status_code} {resp.text[:200]}"
+            )
         return resp.json()
 
     def sleep(self) -> str:
@@ -182,8 +200,9 @@ class EngineHost:
         hashes``): what a carrier delivered, checked bit for bit."""
         if self.proc is None:
             raise RuntimeFailure(f"engine {self.name} is not started")
-        resp = httpx.get(f"{self.proc.url}/tidal/weights/hashes", timeout=60,
-                         headers=self.proc.headers)
+        resp = httpx.get(
+            f"{self.proc.url}/tidal/weights/hashes", timeout=60, headers=self.proc.headers
+        )
         resp.raise_for_status()
         return resp.json()
 
@@ -197,11 +216,15 @@ class EngineHost:
         self._pause_s = None
         label = self.load_weights(path, version)
         took = time.perf_counter() - t0
-        return {"label": label, "seconds": took,
-                "pause_s": self._pause_s if self._pause_s is not None else took}
+        return {
+            "label": label,
+            "seconds": took,
+            "pause_s": self._pause_s if self._pause_s is not None else took,
+        }
 
-    def receive_segment(self, host: str, port: int, key: str, version: str,
-                        timeout_s: float) -> dict:
+    def receive_segment(
+        self, host: str, port: int, key: str, version: str, timeout_s: float
+    ) -> dict:
         """The broadcast carrier's receiving end: join the driver's side group for this
         engine (rank 1; kept for later versions under the same ``key``), receive a segment
         into this node's shared memory (a version received whole, else nothing), load it from
@@ -254,16 +277,30 @@ class EngineHost:
         ``CoreTrainer.address()``); returns the process id."""
         self.stop_satellite()
         cfg = SatelliteConfig(
-            cell=cell, host=str(core["host"]), rpc_port=int(core["rpc_port"]),
-            store_port=int(core["store_port"]), authkey=str(core["authkey"]),
-            backend=core["backend"], model=ModelSpec(model_dir=self.model_dir),
-            timeout_s=timeout_s, device=self.device, shard=core.get("shard"))
+            cell=cell,
+            host=str(core["host"]),
+            rpc_port=int(core["rpc_port"]),
+            store_port=int(core["store_port"]),
+            authkey=str(core["authkey"]),
+            backend=core["backend"],
+            model=ModelSpec(model_dir=self.model_dir),
+            timeout_s=timeout_s,
+            device=self.device,
+            shard=core.get("shard"),
+        )
         log_fh = open(self.log_path.with_name(f"satellite-{self.name}.log"), "ab")  # noqa: SIM115
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": self.gloo_iface,
-               "TIDAL_LOG": os.environ.get("TIDAL_LOG", "INFO")}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": self.gloo_iface,
+            "TIDAL_LOG": os.environ.get("TIDAL_LOG", "INFO"),
+        }
         self.satellite = subprocess.Popen(
             [sys.executable, "-m", "tidal.training.satellite", cfg.model_dump_json()],
-            stdout=log_fh, stderr=subprocess.STDOUT, env=env)
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         log_fh.close()
         self.satellite_starts += 1
         return self.satellite.pid
@@ -298,15 +335,23 @@ class EngineHost:
 
     def describe(self) -> dict:
         alive = self.proc is not None and self.proc.proc.poll() is None
-        return {"name": self.name, "state": self.state, "version": self.loaded_version,
-                "alive": alive, "url": self.proc.url if self.proc else None,
-                "pid": self.proc.proc.pid if self.proc else None,
-                "satellite_pid": self.satellite.pid if self.satellite_alive() else None,
-                "satellite_starts": self.satellite_starts, "gpu_ids": _gpu_ids(),
-                "device": self.device, "cgroup": self.cgroup,
-                "node_id": self.node.node_id, "node_ip": self.node.ip,
-                "host": socket.gethostname(),
-                "device_peak_mb": self._device_peak_mb() if alive else None}
+        return {
+            "name": self.name,
+            "state": self.state,
+            "version": self.loaded_version,
+            "alive": alive,
+            "url": self.proc.url if self.proc else None,
+            "pid": self.proc.proc.pid if self.proc else None,
+            "satellite_pid": self.satellite.pid if self.satellite_alive() else None,
+            "satellite_starts": self.satellite_starts,
+            "gpu_ids": _gpu_ids(),
+            "device": self.device,
+            "cgroup": self.cgroup,
+            "node_id": self.node.node_id,
+            "node_ip": self.node.ip,
+            "host": socket.gethostname(),
+            "device_peak_mb": self._device_peak_mb() if alive else None,
+        }
 
     def _device_peak_mb(self) -> float | None:
         """The engine's GPU peak from its ``/stats`` (None on the CPU, or where it does not

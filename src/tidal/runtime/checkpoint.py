@@ -129,8 +129,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(run_dir: str | Path, state: RunState, records: list[ExecutionRecord],
-         trainer: dict[str, Any], keep: int = 1) -> Path:
+def save(
+    run_dir: str | Path,
+    state: RunState,
+    records: list[ExecutionRecord],
+    trainer: dict[str, Any],
+    keep: int = 1,
+) -> Path:
     """Write the checkpoint (no pickle: tensors as safetensors, the rest JSON); every file and
     both directories fsynced, swapped in by rename. ``keep`` > 1: the previous one stays as
     ``checkpoint-step<k>`` (by rename, no copy), the newest ``keep - 1`` of those kept."""
@@ -161,15 +166,18 @@ def save(run_dir: str | Path, state: RunState, records: list[ExecutionRecord],
         shutil.rmtree(root / f"checkpoint-step{step}", ignore_errors=True)
         os.replace(old, root / f"checkpoint-step{step}")
     shutil.rmtree(old, ignore_errors=True)
-    for stale in _earlier(root)[max(0, keep - 1):]:
+    for stale in _earlier(root)[max(0, keep - 1) :]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
 def _earlier(root: Path) -> list[Path]:
     """The ``checkpoint-step<k>`` directories, newest first."""
-    found = [(int(p.name.removeprefix("checkpoint-step")), p)
-             for p in root.glob("checkpoint-step*") if p.name[15:].isdigit()]
+    found = [
+        (int(p.name.removeprefix("checkpoint-step")), p)
+        for p in root.glob("checkpoint-step*")
+        if p.name[15:].isdigit()
+    ]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -182,9 +190,12 @@ def retain(run_dir: str | Path, keep_checkpoints: int, keep_weights: int) -> int
     doomed = [root / "checkpoint.old", root / "checkpoint.tmp"]
     if keep_checkpoints == 0:
         doomed.append(root / "checkpoint")
-    doomed += _earlier(root)[max(0, keep_checkpoints - 1):]
-    weights = [(int(p.stem[1:]), p) for p in (root / "weights").glob("v*.safetensors")
-               if p.stem[1:].isdigit()]
+    doomed += _earlier(root)[max(0, keep_checkpoints - 1) :]
+    weights = [
+        (int(p.stem[1:]), p)
+        for p in (root / "weights").glob("v*.safetensors")
+        if p.stem[1:].isdigit()
+    ]
     doomed += [p for _, p in sorted(weights, reverse=True)[keep_weights:]]
     freed = 0
     for path in doomed:
@@ -213,31 +224,42 @@ def how_to_continue(run_dir: str | Path) -> str:
     stopped before its first one, start it again (``--resume`` would refuse: no checkpoint)."""
     if find(run_dir) is not None:
         return f"Continue the run with: tidal run --resume {run_dir}"
-    return (f"It stopped before its first checkpoint, so it cannot be resumed; start it again "
-            f"with: tidal run {Path(run_dir) / 'config.yaml'} --out {run_dir}")
+    return (
+        f"It stopped before its first checkpoint, so it cannot be resumed; start it again "
+        f"with: tidal run {Path(run_dir) / 'config.yaml'} --out {run_dir}"
+    )
 
 
 def load(run_dir: str | Path) -> Checkpoint:
     """The checkpoint of ``run_dir``; a missing or damaged one is one ``ConfigError`` line."""
     where = find(run_dir)
     if where is None:
-        raise ConfigError("--resume", f"{run_dir}: no checkpoint (checkpoint/state.json); "
-                          "was the run started with runtime.checkpoint_every_steps > 0 and "
-                          "did it finish a step?")
+        raise ConfigError(
+            "--resume",
+            f"{run_dir}: no checkpoint (checkpoint/state.json); "
+            "was the run started with runtime.checkpoint_every_steps > 0 and "
+            "did it finish a step?",
+        )
     raw = _read_json(where / "state.json")
     if not isinstance(raw, dict) or raw.pop("format", None) != FORMAT:
-        raise ConfigError("--resume", f"{where}: checkpoint format is not {FORMAT} (written by "
-                          "another tidal version?)")
+        raise ConfigError(
+            "--resume",
+            f"{where}: checkpoint format is not {FORMAT} (written by another tidal version?)",
+        )
     try:
         state = RunState(**raw)
     except TypeError as exc:
         raise ConfigError("--resume", f"{where}/state.json is damaged: {exc}") from None
     try:
-        records = [ExecutionRecord.model_validate_json(line) for line in
-                   (where / "records.jsonl").read_text().splitlines() if line.strip()]
+        records = [
+            ExecutionRecord.model_validate_json(line)
+            for line in (where / "records.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
     except (OSError, ValueError, RecordError) as exc:
-        raise ConfigError("--resume", f"{where}/records.jsonl is damaged: "
-                          f"{_first_line(exc)}") from None
+        raise ConfigError(
+            "--resume", f"{where}/records.jsonl is damaged: {_first_line(exc)}"
+        ) from None
     return Checkpoint(state, records, _load_trainer(where))
 
 
@@ -249,8 +271,9 @@ def _load_trainer(where: Path) -> dict[str, Any]:
         tensors = load_file(where / TENSORS, device="cpu")
         trainer = _unflatten(skeleton, tensors)
     except Exception as exc:  # safetensors' own errors, a skeleton naming a missing tensor
-        raise ConfigError("--resume", f"{where}/{TENSORS} is damaged: "
-                          f"{type(exc).__name__}: {_first_line(exc)}") from None
+        raise ConfigError(
+            "--resume", f"{where}/{TENSORS} is damaged: {type(exc).__name__}: {_first_line(exc)}"
+        ) from None
     if isinstance(trainer, dict) and trainer.get("dcp") == SHARDED:
         trainer["dcp"] = str(where / SHARDED)  # read by the core's ranks (dcp_state.load)
     return trainer
@@ -270,8 +293,12 @@ def _first_line(exc: BaseException) -> str:
 def clear(run_dir: str | Path) -> None:
     """A fresh run into ``run_dir``: drop an earlier run's checkpoint and appended logs."""
     root = Path(run_dir)
-    for path in [root / "checkpoint", root / "checkpoint.tmp", root / "checkpoint.old",
-                 *_earlier(root)]:
+    for path in [
+        root / "checkpoint",
+        root / "checkpoint.tmp",
+        root / "checkpoint.old",
+        *_earlier(root),
+    ]:
         shutil.rmtree(path, ignore_errors=True)
     for name in ("metrics.jsonl", "state.jsonl", "processes.json"):
         (root / name).unlink(missing_ok=True)
@@ -344,8 +371,9 @@ def end_stale_processes(run_dir: str | Path, timeout_s: float = 10.0) -> int:
         except psutil.Error:
             continue
     if any(p.pid == data["driver"] for p in alive):
-        raise ConfigError("--resume", f"{run_dir} is still being run by pid {data['driver']}; "
-                          "stop it first")
+        raise ConfigError(
+            "--resume", f"{run_dir} is still being run by pid {data['driver']}; stop it first"
+        )
     known = {p.pid for p in alive}
     alive += [p for p in _writing_logs_of(Path(run_dir)) if p.pid not in known]
     for p in alive:

@@ -68,17 +68,23 @@ def cpu_cgroup_base() -> Path:
     path = _own_cpu_path(own)
     if mount is None or path is None:
         v2 = any(" - cgroup2 " in line for line in mountinfo.splitlines())
-        raise CpuQuotaError("runtime.cell_cpus needs the cgroup v1 'cpu' controller; this host "
-                            + ("has cgroup v2 only (not supported)" if v2 else "has none"))
+        raise CpuQuotaError(
+            "runtime.cell_cpus needs the cgroup v1 'cpu' controller; this host "
+            + ("has cgroup v2 only (not supported)" if v2 else "has none")
+        )
     mount_point, mount_root = mount
     rel = os.path.relpath(path, mount_root) if path.startswith(mount_root) else path
     base = (mount_point / rel.lstrip("/")).resolve() if rel not in (".", "/") else mount_point
     if not (base / "cpu.cfs_quota_us").is_file():
-        raise CpuQuotaError(f"runtime.cell_cpus: {base} has no cpu.cfs_quota_us (CFS bandwidth "
-                            "control is not compiled into this kernel)")
+        raise CpuQuotaError(
+            f"runtime.cell_cpus: {base} has no cpu.cfs_quota_us (CFS bandwidth "
+            "control is not compiled into this kernel)"
+        )
     if not os.access(base, os.W_OK):
-        raise CpuQuotaError(f"runtime.cell_cpus: {base} is not writable (run as root or in a "
-                            "delegated cgroup, or drop runtime.cell_cpus)")
+        raise CpuQuotaError(
+            f"runtime.cell_cpus: {base} is not writable (run as root or in a "
+            "delegated cgroup, or drop runtime.cell_cpus)"
+        )
     return base
 
 
@@ -127,8 +133,9 @@ class CpuGroups:
             self.remove()
             if isinstance(exc, CpuQuotaError):
                 raise
-            raise CpuQuotaError(f"runtime.cell_cpus: cannot create cgroups under "
-                                f"{self.base}: {exc.strerror}") from None
+            raise CpuQuotaError(
+                f"runtime.cell_cpus: cannot create cgroups under {self.base}: {exc.strerror}"
+            ) from None
 
     def path(self, name: str) -> str:
         return str(self.groups[name])
@@ -138,11 +145,16 @@ class CpuGroups:
         out: dict[str, dict[str, float]] = {}
         for name, g in self.groups.items():
             with contextlib.suppress(OSError):
-                kv = dict(line.split() for line in (g / "cpu.stat").read_text().splitlines()
-                          if len(line.split()) == 2)
-                out[name] = {"periods": int(kv.get("nr_periods", 0)),
-                             "throttled_periods": int(kv.get("nr_throttled", 0)),
-                             "throttled_s": round(int(kv.get("throttled_time", 0)) / 1e9, 3)}
+                kv = dict(
+                    line.split()
+                    for line in (g / "cpu.stat").read_text().splitlines()
+                    if len(line.split()) == 2
+                )
+                out[name] = {
+                    "periods": int(kv.get("nr_periods", 0)),
+                    "throttled_periods": int(kv.get("nr_throttled", 0)),
+                    "throttled_s": round(int(kv.get("throttled_time", 0)) / 1e9, 3),
+                }
         return out
 
     def remove(self, timeout_s: float = 10.0) -> list[str]:

@@ -27,8 +27,15 @@ log = logging.getLogger(__name__)
 
 
 class DecodeMeter:
-    def __init__(self, admin: httpx.AsyncClient, ctl: Controller, clock: Clock,
-                 every_s: float = 2.0, timeout_s: float = 5.0, missed_polls: int = 12) -> None:
+    def __init__(
+        self,
+        admin: httpx.AsyncClient,
+        ctl: Controller,
+        clock: Clock,
+        every_s: float = 2.0,
+        timeout_s: float = 5.0,
+        missed_polls: int = 12,
+    ) -> None:
         self.admin, self.ctl, self.clock = admin, ctl, clock
         self.every_s, self.timeout_s, self.missed_polls = every_s, timeout_s, missed_polls
         self.last: tuple[float, float] | None = None
@@ -45,7 +52,8 @@ class DecodeMeter:
         ``missed_polls`` failed in a row), the last reading kept."""
         try:
             resp = await asyncio.wait_for(
-                self.admin.get("/tidal/stats", timeout=self.timeout_s), self.timeout_s)
+                self.admin.get("/tidal/stats", timeout=self.timeout_s), self.timeout_s
+            )
             resp.raise_for_status()
             meter = resp.json()["decode_meter"]
             reading = (float(meter["tokens"]), float(meter["inflight_s"]))
@@ -53,10 +61,16 @@ class DecodeMeter:
             self.missed += 1
             why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if self.missed >= self.missed_polls:
-                raise RuntimeFailure(f"decode meter: the proxy's /tidal/stats failed "
-                                     f"{self.missed} times in a row; last: {why}") from exc
-            log.warning("decode meter: /tidal/stats failed (%s), keeping the last reading "
-                        "(%d of %d)", why, self.missed, self.missed_polls)
+                raise RuntimeFailure(
+                    f"decode meter: the proxy's /tidal/stats failed "
+                    f"{self.missed} times in a row; last: {why}"
+                ) from exc
+            log.warning(
+                "decode meter: /tidal/stats failed (%s), keeping the last reading (%d of %d)",
+                why,
+                self.missed,
+                self.missed_polls,
+            )
             return
         self.missed = 0
         first = self.last is None

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class GroupPlan:
     """One group of a burst: the executions to run and the records to restore."""
@@ -53,8 +54,9 @@ class GroupPlan:
     restore: tuple[ExecutionRecord, ...]
 
 
-def plan_burst(cfg: RunConfig, burst: int, trained: set[str],
-               held: dict[str, ExecutionRecord]) -> tuple[int, list[GroupPlan]]:
+def plan_burst(
+    cfg: RunConfig, burst: int, trained: set[str], held: dict[str, ExecutionRecord]
+) -> tuple[int, list[GroupPlan]]:
     """The quota of ``burst`` (less the executions of groups trained before a resume) and its
     groups in order. Pure: what a fresh and a resumed run dispatch is decided here."""
     c = cfg.control
@@ -67,17 +69,33 @@ def plan_burst(cfg: RunConfig, burst: int, trained: set[str],
         if gid in trained:
             continue  # trained before the resume
         ids = [f"{gid}-e{k}" for k in range(c.group_size)]
-        plans.append(GroupPlan(gid, derive_seed("group", cfg.seed, burst, g), g,
-                               tuple(e for e in ids if e not in held),
-                               tuple(held[e] for e in ids if e in held)))
+        plans.append(
+            GroupPlan(
+                gid,
+                derive_seed("group", cfg.seed, burst, g),
+                g,
+                tuple(e for e in ids if e not in held),
+                tuple(held[e] for e in ids if e in held),
+            )
+        )
     return quota, plans
 
 
 class Dispatcher:
-    def __init__(self, cfg: RunConfig, pool: HarnessPool, bridge: LedgerBridge,
-                 handle: Callable[[Event], None], clock: Clock, parts: Parts,
-                 trained: set[str], held: dict[str, ExecutionRecord], ctl: Controller,
-                 workload: Workload, gate: Boundaries | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        pool: HarnessPool,
+        bridge: LedgerBridge,
+        handle: Callable[[Event], None],
+        clock: Clock,
+        parts: Parts,
+        trained: set[str],
+        held: dict[str, ExecutionRecord],
+        ctl: Controller,
+        workload: Workload,
+        gate: Boundaries | None = None,
+    ) -> None:
         self.cfg, self.pool, self.bridge, self.handle = cfg, pool, bridge, handle
         # runtime.deterministic (``runtime.deterministic.Boundaries``): the burst's training
         # order and the hold until every routed engine serves the published version
@@ -92,8 +110,12 @@ class Dispatcher:
         self.dispatched_bursts = 0  # bursts whose every group was handed off (or restored)
         self._changed = asyncio.Event()  # set after every event the controller handled
 
-    async def run(self, first_burst: int, version: Callable[[], int],
-                  wait_published: Callable[[int], Awaitable[None]]) -> None:
+    async def run(
+        self,
+        first_burst: int,
+        version: Callable[[], int],
+        wait_published: Callable[[int], Awaitable[None]],
+    ) -> None:
         """Every burst from ``first_burst``: wait for the previous one's weights, dispatch
         (deterministic: once every routed engine serves them)."""
         self.dispatched_bursts = first_burst
@@ -122,8 +144,9 @@ class Dispatcher:
         """No more training data can arrive before ``burst`` is published: its every group
         is dispatched, every execution closed, and every closed one's record delivered to the
         trajectory buffer (or failed); a group still short then never completes."""
-        return (self.dispatched_bursts > burst and self.outstanding() == 0
-                and self.bridge.pending == 0)
+        return (
+            self.dispatched_bursts > burst and self.outstanding() == 0 and self.bridge.pending == 0
+        )
 
     async def _dispatch(self, burst: int, groups: list[GroupPlan]) -> None:
         interval_s, first = self.cfg.runtime.dispatch_interval_s, True
@@ -141,11 +164,15 @@ class Dispatcher:
             # every execution of a group runs the same job (GRPO compares answers to one prompt)
             job = self.workload.job(burst, grp.index, grp.seed)
             self.issued += len(grp.run)
-            self.runs.append(self.parts.spawn(
-                f"harness pool, group {grp.group_id}",
-                # their lines go into executions.jsonl as soon as the group has ended
-                self.bridge.lines_after(
-                    self.pool.run([(grp.group_id, job)] * len(grp.run), list(grp.run)))))
+            self.runs.append(
+                self.parts.spawn(
+                    f"harness pool, group {grp.group_id}",
+                    # their lines go into executions.jsonl as soon as the group has ended
+                    self.bridge.lines_after(
+                        self.pool.run([(grp.group_id, job)] * len(grp.run), list(grp.run))
+                    ),
+                )
+            )
 
     async def _admitted(self, grp: GroupPlan) -> None:
         """Returns once the policy's dispatch hold admits ``grp`` (at once without a hold).
@@ -154,14 +181,24 @@ class Dispatcher:
         k = len(grp.run)
         if not may_dispatch(self.outstanding(), k, self.ctl.dispatch_limit):
             await self._held(grp, k)
-        log.debug("admitted group %s: %d executions, %d outstanding, limit %s",
-                  grp.group_id, k, self.outstanding(), self.ctl.dispatch_limit)
+        log.debug(
+            "admitted group %s: %d executions, %d outstanding, limit %s",
+            grp.group_id,
+            k,
+            self.outstanding(),
+            self.ctl.dispatch_limit,
+        )
 
     async def _held(self, grp: GroupPlan, k: int) -> None:
         timeout_s = self.cfg.runtime.execution_timeout_s + self.cfg.control.step_timeout_s
         seen, deadline = self.outstanding(), self.clock.now() + timeout_s
-        log.info("dispatch held: group %s (%d executions) waits, %d outstanding, limit %s",
-                 grp.group_id, k, seen, self.ctl.dispatch_limit)
+        log.info(
+            "dispatch held: group %s (%d executions) waits, %d outstanding, limit %s",
+            grp.group_id,
+            k,
+            seen,
+            self.ctl.dispatch_limit,
+        )
         while not may_dispatch(self.outstanding(), k, self.ctl.dispatch_limit):
             if self.outstanding() != seen:
                 seen, deadline = self.outstanding(), self.clock.now() + timeout_s
@@ -170,16 +207,23 @@ class Dispatcher:
                     f"dispatch of group {grp.group_id}: held by the policy at "
                     f"{self.ctl.dispatch_limit} executions with {seen} outstanding, no "
                     f"execution closed within {timeout_s:g} s (runtime.execution_timeout_s "
-                    "+ control.step_timeout_s)")
+                    "+ control.step_timeout_s)"
+                )
             await self._changed_or(deadline - self.clock.now())
-        log.info("dispatch resumed: group %s, %d outstanding, limit %s", grp.group_id,
-                 self.outstanding(), self.ctl.dispatch_limit)
+        log.info(
+            "dispatch resumed: group %s, %d outstanding, limit %s",
+            grp.group_id,
+            self.outstanding(),
+            self.ctl.dispatch_limit,
+        )
 
     async def _changed_or(self, dt_s: float) -> None:
         """Waits until the next handled event or ``dt_s`` on the run's clock."""
         self._changed.clear()
-        waits = [asyncio.ensure_future(self._changed.wait()),
-                 asyncio.ensure_future(self.clock.asleep(max(0.0, dt_s)))]
+        waits = [
+            asyncio.ensure_future(self._changed.wait()),
+            asyncio.ensure_future(self.clock.asleep(max(0.0, dt_s))),
+        ]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:

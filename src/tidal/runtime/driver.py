@@ -53,10 +53,15 @@ log = logging.getLogger(__name__)
 
 
 class Runtime:
-    def __init__(self, cfg: RunConfig, out: str | Path,
-                 on_step: Callable[[dict[str, Any]], None] | None = None,
-                 on_state: Callable[[dict[str, Any]], None] | None = None,
-                 resume: bool = False, policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        out: str | Path,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+        on_state: Callable[[dict[str, Any]], None] | None = None,
+        resume: bool = False,
+        policy: Policy | None = None,
+    ) -> None:
         # what `tidal check` checks too, before anything starts; the task's workload and the
         # policy (``policy``: the caller's, built by ``checked_policy``) are built once
         checked = preflight.check_run(cfg, policy=policy)
@@ -134,9 +139,13 @@ class Runtime:
         (self.out / "summary.json").write_text(json.dumps(out, indent=2))
         # a successful run: nothing to resume, only what the user asked to keep stays
         freed = checkpoint.retain(self.out, self.rt.keep_checkpoints, self.rt.keep_weights)
-        log.info("run directory: %.0f MB of checkpoints and weights deleted "
-                 "(runtime.keep_checkpoints %d, runtime.keep_weights %d)", freed / 1e6,
-                 self.rt.keep_checkpoints, self.rt.keep_weights)
+        log.info(
+            "run directory: %.0f MB of checkpoints and weights deleted "
+            "(runtime.keep_checkpoints %d, runtime.keep_weights %d)",
+            freed / 1e6,
+            self.rt.keep_checkpoints,
+            self.rt.keep_weights,
+        )
         return out
 
     def _start_parts(self, ray: Any) -> None:
@@ -145,8 +154,11 @@ class Runtime:
         rt, self.ray = self.rt, ray
         ctl = self.cfg.control
         if ctl.admission != "off" and ctl.engine_curve is None:  # before anything starts
-            raise ConfigError("control.engine_curve", "admission control in a run needs the "
-                              "engines' throughput curve [[batch, tokens/s], ...]")
+            raise ConfigError(
+                "control.engine_curve",
+                "admission control in a run needs the "
+                "engines' throughput curve [[batch, tokens/s], ...]",
+            )
         model_dir = model_path(self.cfg, self.out)
         names = [str(e) for e in engine_ids(self.cfg)]
         if rt.cell_cpus is not None:  # before Ray and any actor (their processes join it)
@@ -161,9 +173,13 @@ class Runtime:
                 from tidal.runtime import ray_temp
 
                 self.ray_temp = ray_temp.make(self.out)
-                init_loopback_ray(ray, rt.ray_num_cpus, rt.ray_num_gpus,
-                                  rt.ray_object_store_mb * 1024 * 1024,
-                                  ray_temp.for_ray(self.ray_temp))
+                init_loopback_ray(
+                    ray,
+                    rt.ray_num_cpus,
+                    rt.ray_num_gpus,
+                    rt.ray_object_store_mb * 1024 * 1024,
+                    ray_temp.for_ray(self.ray_temp),
+                )
             self.ray_started = True
             trap_sigterm()  # Ray's core worker installs its own (crashing) SIGTERM handler
         if rt.ray_address:  # the cluster's nodes, before any placement
@@ -180,15 +196,23 @@ class Runtime:
             if any(left.values()):
                 log.warning("resume: ended leftover processes of this run on nodes %s", left)
         self.placement = Placement(ray, self.cfg, names, rt.start_timeout_s)
-        self.engines = Engines(ray, self.cfg, self.out, model_dir, self.placement,
-                               self.cpu_groups, self.engine_token)
+        self.engines = Engines(
+            ray, self.cfg, self.out, model_dir, self.placement, self.cpu_groups, self.engine_token
+        )
         ctl = self.cfg.control
-        self.proxy = start_proxy([], [], self.token, engine_token=self.engine_token,
-                                 kv_handoff=ctl.kv_handoff,
-                                 log_path=self.out / "logs" / "proxy.log", seed=self.cfg.seed,
-                                 admission=ctl.admission, admission_order=ctl.admission_order,
-                                 engine_curve=ctl.engine_curve,
-                                 backend_modules=rt.backend_modules)
+        self.proxy = start_proxy(
+            [],
+            [],
+            self.token,
+            engine_token=self.engine_token,
+            kv_handoff=ctl.kv_handoff,
+            log_path=self.out / "logs" / "proxy.log",
+            seed=self.cfg.seed,
+            admission=ctl.admission,
+            admission_order=ctl.admission_order,
+            engine_curve=ctl.engine_curve,
+            backend_modules=rt.backend_modules,
+        )
         self.engines.start()
         self.proxy.wait_healthy(rt.start_timeout_s)
         checkpoint.record_processes(self.out)
@@ -204,15 +228,38 @@ class Runtime:
     async def _main(self) -> dict[str, Any]:
         assert self.engines is not None and self.proxy is not None, "_start_parts first"
         self.core_pool = core_pool(self.cfg, self.cpu_groups)
-        outputs = RunOutputs(self.out, self.clock, self.ck.state.elapsed_s if self.ck else 0.0,
-                             self.ck is not None, self.on_step, self.on_state)
-        w = self.wired = wire(self.cfg, self.out, self.ck, self.clock, self.parts,
-                              self.engines, self.proxy.url, self.token, self.core_pool, outputs,
-                              self.node.ip, self.workload, self.policy)
+        outputs = RunOutputs(
+            self.out,
+            self.clock,
+            self.ck.state.elapsed_s if self.ck else 0.0,
+            self.ck is not None,
+            self.on_step,
+            self.on_state,
+        )
+        w = self.wired = wire(
+            self.cfg,
+            self.out,
+            self.ck,
+            self.clock,
+            self.parts,
+            self.engines,
+            self.proxy.url,
+            self.token,
+            self.core_pool,
+            outputs,
+            self.node.ip,
+            self.workload,
+            self.policy,
+        )
         if self.ck is not None:
-            log.warning("resuming %s at step %d (v%d trained, v%d published, %d records held)",
-                        self.out, self.ck.state.step, w.core.version,
-                        self.ck.state.published_version, len(self.ck.records))
+            log.warning(
+                "resuming %s at step %d (v%d trained, v%d published, %d records held)",
+                self.out,
+                self.ck.state.step,
+                w.core.version,
+                self.ck.state.published_version,
+                len(self.ck.records),
+            )
         # the proxy is a part of the run: its death stops the run in one line (``proxy_watch``)
         self.parts.spawn("proxy", proxy_watch.watch(self.proxy.proc, self.out, self.clock))
         try:
@@ -221,15 +268,24 @@ class Runtime:
             await self._join_engines(w)
             await w.satellites_up(self.rt.start_timeout_s)
             outputs.start_clock()
-            self.parts.spawn("controller ticks", outputs.sample_state(
-                lambda: w.handle(Tick(self.clock.now())), w.state, self.rt.tick_s,
-                self.rt.state_every_s))
+            self.parts.spawn(
+                "controller ticks",
+                outputs.sample_state(
+                    lambda: w.handle(Tick(self.clock.now())),
+                    w.state,
+                    self.rt.tick_s,
+                    self.rt.state_every_s,
+                ),
+            )
             self.parts.spawn("cell supervisor", w.supervisor.run())
             self.parts.spawn("proxy queue probe", w.probe_proxy_queue(self.rt.state_every_s))
             self.parts.spawn("decode meter", w.meter.run())
             trainer = self.parts.spawn("trainer loop", w.trainer.run())
-            await w.dispatcher.run(w.trainer.bursts_published, lambda: w.publisher.weights.version,
-                                   functools.partial(w.trainer.wait_published, trainer=trainer))
+            await w.dispatcher.run(
+                w.trainer.bursts_published,
+                lambda: w.publisher.weights.version,
+                functools.partial(w.trainer.wait_published, trainer=trainer),
+            )
             await trainer
             return await run_end.finish(self, w, bursts_s=outputs.elapsed())
         finally:

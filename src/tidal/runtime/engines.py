@@ -66,14 +66,23 @@ def model_path(cfg: RunConfig, out: Path) -> Path:
 
     rt = cfg.runtime
     if rt.model == "tiny":
-        return create_tiny(out / "model", seed=cfg.seed, n_layers=rt.tiny_layers,
-                           d_model=rt.tiny_d_model, n_heads=4, d_ff=4 * rt.tiny_d_model,
-                           max_seq_len=rt.tiny_max_seq_len)
+        return create_tiny(
+            out / "model",
+            seed=cfg.seed,
+            n_layers=rt.tiny_layers,
+            d_model=rt.tiny_d_model,
+            n_heads=4,
+            d_ff=4 * rt.tiny_d_model,
+            max_seq_len=rt.tiny_max_seq_len,
+        )
     if rt.model in KNOWN:
         return fetch(rt.model)
     if not (Path(rt.model) / "config.json").is_file():
-        raise ConfigError("runtime.model", f"{rt.model}: not 'tiny', a bundled model "
-                          f"({', '.join(KNOWN)}) or a model directory with config.json")
+        raise ConfigError(
+            "runtime.model",
+            f"{rt.model}: not 'tiny', a bundled model "
+            f"({', '.join(KNOWN)}) or a model directory with config.json",
+        )
     return Path(rt.model)
 
 
@@ -103,16 +112,25 @@ def cell_backend(cfg: RunConfig, index: int) -> str:
 
 def engine_ids(cfg: RunConfig) -> list[EngineId]:
     """Standalone engines first, then cells in order."""
-    return ([EngineId("s", j) for j in range(cfg.cluster.standalone_count)]
-            + [EngineId.cell(i) for i in range(len(cfg.cluster.cell_specs()))])
+    return [EngineId("s", j) for j in range(cfg.cluster.standalone_count)] + [
+        EngineId.cell(i) for i in range(len(cfg.cluster.cell_specs()))
+    ]
 
 
 class Engines:
     """One actor per engine id; each actor's engine process is started, probed and stopped
     through it. Handles change only through ``replace`` (the cell supervisor)."""
 
-    def __init__(self, ray: ModuleType, cfg: RunConfig, out: Path, model_dir: Path,
-                 placement: Placement, cpu_groups: CpuGroups | None, token: str) -> None:
+    def __init__(
+        self,
+        ray: ModuleType,
+        cfg: RunConfig,
+        out: Path,
+        model_dir: Path,
+        placement: Placement,
+        cpu_groups: CpuGroups | None,
+        token: str,
+    ) -> None:
         self.ray, self.cfg, self.rt, self.token = ray, cfg, cfg.runtime, token
         self.out, self.model_dir = out, model_dir
         self.placement, self.cpu_groups = placement, cpu_groups
@@ -162,22 +180,28 @@ class Engines:
         backend = engine_backend(self.backend(eid))
         host = backend.standalone_host if eid.standalone else backend.cell_host
         if host is None:
-            raise ConfigError("runtime.cell_backend" if not eid.standalone
-                              else "runtime.standalone_backend",
-                              f"'{backend.name}' cannot serve {eid}")
+            raise ConfigError(
+                "runtime.cell_backend" if not eid.standalone else "runtime.standalone_backend",
+                f"'{backend.name}' cannot serve {eid}",
+            )
         if host not in self._actor_classes:
-            self._actor_classes[host] = self.ray.remote(by_value_if_user_file(self.ray,
-                                                                              load(host)))
+            self._actor_classes[host] = self.ray.remote(by_value_if_user_file(self.ray, load(host)))
         cls = self._actor_classes[host]
         if backend.settings is not None:  # a server: built from its settings (and the device)
             extra = [load(backend.settings)(self.rt), *([] if eid.standalone else [device])]
         else:
-            extra = [device, groups.path(name) if groups is not None else None,
-                     served_name(self.cfg), engine_seed(self.cfg.seed, name),
-                     self.rt.deterministic]
-        return cls.options(runtime_env={"env_vars": env}, max_concurrency=4,
-                           **self.placement.options(name)).remote(
-            name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra)
+            extra = [
+                device,
+                groups.path(name) if groups is not None else None,
+                served_name(self.cfg),
+                engine_seed(self.cfg.seed, name),
+                self.rt.deterministic,
+            ]
+        return cls.options(
+            runtime_env={"env_vars": env}, max_concurrency=4, **self.placement.options(name)
+        ).remote(
+            name, str(self.model_dir), self.rt.engine_max_batch, str(self.out / "logs"), *extra
+        )
 
     def start_call(self, actor: ActorHandle) -> ObjectRef:
         """The Ray call that starts ``actor``'s engine (bounded by ``start_timeout_s``) with
@@ -191,15 +215,19 @@ class Engines:
         for eid in self.ids:
             self.actors[eid] = self.new_actor(eid)
         try:
-            urls = ray.get([self.start_call(a) for a in self.actors.values()],
-                           timeout=timeout_s + 30)
-            described = ray.get([a.describe.remote() for a in self.actors.values()],
-                                timeout=timeout_s)
+            urls = ray.get(
+                [self.start_call(a) for a in self.actors.values()], timeout=timeout_s + 30
+            )
+            described = ray.get(
+                [a.describe.remote() for a in self.actors.values()], timeout=timeout_s
+            )
         except ray.exceptions.RayTaskError as exc:
             raise (exc.cause if isinstance(exc.cause, RuntimeFailure) else exc) from None
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeFailure(f"engines not started within {timeout_s} s "
-                                 "(runtime.start_timeout_s; see logs/engine-*.log)") from None
+            raise RuntimeFailure(
+                f"engines not started within {timeout_s} s "
+                "(runtime.start_timeout_s; see logs/engine-*.log)"
+            ) from None
         self.urls = dict(zip(self.actors, urls, strict=True))
         for d in described:
             eid = EngineId.parse(d["name"])
@@ -242,10 +270,21 @@ class Engines:
         """What the proxy's ``POST /tidal/engines`` gets for this engine."""
         cl = self.cfg.cluster
         if eid.standalone:
-            return {"id": str(eid), "url": url, "kind": "standalone",
-                    "cap": cl.standalone_slots, "backend": self.rt.standalone_backend}
-        return {"id": str(eid), "url": url, "kind": "cell", "cell_index": eid.index,
-                "cap": cl.cell_specs()[eid.index].slots, "backend": self.backend(eid)}
+            return {
+                "id": str(eid),
+                "url": url,
+                "kind": "standalone",
+                "cap": cl.standalone_slots,
+                "backend": self.rt.standalone_backend,
+            }
+        return {
+            "id": str(eid),
+            "url": url,
+            "kind": "cell",
+            "cell_index": eid.index,
+            "cap": cl.cell_specs()[eid.index].slots,
+            "backend": self.backend(eid),
+        }
 
     def stop(self, extra_pids: list[int]) -> None:
         """Stop every engine (bounded), then end by pid what this run started and is still
@@ -253,8 +292,11 @@ class Engines:
         if not self.actors:
             return
         try:
-            self.ray.wait([a.stop.remote() for a in self.actors.values()],
-                          num_returns=len(self.actors), timeout=60)
+            self.ray.wait(
+                [a.stop.remote() for a in self.actors.values()],
+                num_returns=len(self.actors),
+                timeout=60,
+            )
         except Exception:
             log.exception("stopping engines")
         local = [p for e, p in self.pids.items() if self.on_this_host(e)]

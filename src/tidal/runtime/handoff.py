@@ -110,12 +110,13 @@ class VersionWriter:
                         os.remove(tmp)
                 self.files.published.append((version, final))
             elif self.restream is not None and version == self.version:
-                log.warning("v%d: its segment is gone or torn; the file is written from the "
-                            "trainer", version)
+                log.warning(
+                    "v%d: its segment is gone or torn; the file is written from the trainer",
+                    version,
+                )
                 self.files.publish_stream(version, self.restream())
             else:
-                raise TransportError(f"v{version}: no file, and no whole segment to write it "
-                                     "from")
+                raise TransportError(f"v{version}: no file, and no whole segment to write it from")
             while len(self.files.published) > self.files.keep:
                 _, old = self.files.published.pop(0)
                 with contextlib.suppress(FileNotFoundError):
@@ -167,9 +168,12 @@ class Delivery:
     failed: tuple[str, ...] = ()  # "carrier: reason" of the carriers tried before
 
     def record(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"carrier": self.carrier, "bytes": self.bytes,
-                               "seconds": round(self.seconds, 4),
-                               "pause_s": round(self.pause_s, 4)}
+        out: dict[str, Any] = {
+            "carrier": self.carrier,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 4),
+            "pause_s": round(self.pause_s, 4),
+        }
         if self.failed:
             out["fell_back_from"] = list(self.failed)
         return out
@@ -200,9 +204,14 @@ class Handoff:
             order = [self.force, *[c for c in order if c != self.force]]
         return order
 
-    async def deliver(self, eid: EngineId, actor: ActorHandle, version: int, label: str,
-                      load: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None
-                      ) -> Delivery:
+    async def deliver(
+        self,
+        eid: EngineId,
+        actor: ActorHandle,
+        version: int,
+        label: str,
+        load: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
+    ) -> Delivery:
         """``label`` into engine ``eid`` by its first carrier that works; ``load(call)`` wraps
         each attempt (a vLLM engine goes out of routing meanwhile). Raises the last carrier's
         error when none worked."""
@@ -214,26 +223,36 @@ class Handoff:
             t0 = time.perf_counter()
             try:
                 make, nbytes = await self._call(carrier, eid, actor, version, label)
-                out = await remote(make() if load is None else load(make),
-                                   f"{eid} load {label} ({carrier})", self.call_timeout_s)
+                out = await remote(
+                    make() if load is None else load(make),
+                    f"{eid} load {label} ({carrier})",
+                    self.call_timeout_s,
+                )
             except Exception as exc:  # the next carrier, unless this was the last
                 reason = f"{carrier}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 failed.append(reason)
                 if carrier == order[-1]:
                     raise
-                log.warning("%s: %s did not load by %s; trying %s", eid, label, reason,
-                            order[order.index(carrier) + 1])
+                log.warning(
+                    "%s: %s did not load by %s; trying %s",
+                    eid,
+                    label,
+                    reason,
+                    order[order.index(carrier) + 1],
+                )
                 continue
             took = time.perf_counter() - t0
-            served, pause_s = ((out["label"], out["pause_s"]) if isinstance(out, dict)
-                               else (out, took))
+            served, pause_s = (
+                (out["label"], out["pause_s"]) if isinstance(out, dict) else (out, took)
+            )
             d = Delivery(str(eid), carrier, served, nbytes, took, pause_s, tuple(failed))
             self.deliveries.append(d)
             return d
         raise TransportError(f"{eid}: no carrier for {label}")
 
-    async def _call(self, carrier: str, eid: EngineId, actor: ActorHandle, version: int,
-                    label: str) -> tuple[Callable[[], Awaitable[Any]], int]:
+    async def _call(
+        self, carrier: str, eid: EngineId, actor: ActorHandle, version: int, label: str
+    ) -> tuple[Callable[[], Awaitable[Any]], int]:
         """The Ray call that loads ``label`` by ``carrier`` and its bytes."""
         w = self.writer
         if carrier == "shm":
@@ -249,8 +268,9 @@ class Handoff:
             return (lambda: actor.load_weights_blob.remote(blob, label)), os.path.getsize(path)
         raise TransportError(f"unknown weight carrier {carrier!r}")
 
-    def _broadcast(self, eid: EngineId, actor: ActorHandle, seg: str, version: int,
-                   label: str) -> tuple[Callable[[], Awaitable[Any]], int]:
+    def _broadcast(
+        self, eid: EngineId, actor: ActorHandle, seg: str, version: int, label: str
+    ) -> tuple[Callable[[], Awaitable[Any]], int]:
         """A two-member side group per engine (this driver rank 0 at its own store, the
         engine's host rank 1), formed at the engine's first broadcast and kept for the next
         ones (forming one across nodes can take a second); the host receives each segment into

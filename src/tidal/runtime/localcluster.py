@@ -63,8 +63,10 @@ class ClusterState:
     def load(cls, directory: str | Path) -> ClusterState:
         path = Path(directory) / "cluster.json"
         if not path.is_file():
-            raise ClusterError(f"no local cluster at {directory} (no cluster.json): "
-                               "start one with 'tidal cluster up'")
+            raise ClusterError(
+                f"no local cluster at {directory} (no cluster.json): "
+                "start one with 'tidal cluster up'"
+            )
         data = json.loads(path.read_text())
         data["nodes"] = [NodeSpec(**n) for n in data["nodes"]]
         return cls(**data)
@@ -129,18 +131,34 @@ def _env(name: str) -> dict[str, str]:
     src = str(Path(tidal.__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
     # a lost node is declared dead after ~3 s of failed health checks (Ray's default ~15 s)
-    return {**os.environ, MARKER: name, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": path,
-            "RAY_USAGE_STATS_ENABLED": "0", "RAY_health_check_period_ms": "1000",
-            "RAY_health_check_failure_threshold": "3"}
+    return {
+        **os.environ,
+        MARKER: name,
+        "RAY_AUTH_MODE": "disabled",
+        "PYTHONPATH": path,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_health_check_period_ms": "1000",
+        "RAY_health_check_failure_threshold": "3",
+    }
 
 
-def _ray_start(st: ClusterState, node: NodeSpec, cpus: float, port: int,
-               store_mb: int) -> None:
+def _ray_start(st: ClusterState, node: NodeSpec, cpus: float, port: int, store_mb: int) -> None:
     ray = str(Path(sys.executable).with_name("ray"))
-    args = [ray, "start", "--node-ip-address", node.ip, "--num-cpus", f"{cpus:g}",
-            "--object-store-memory", str(store_mb << 20), "--disable-usage-stats",
-            "--temp-dir", str(Path(st.dir) / "ray"), "--resources",
-            json.dumps({f"tidal_node_{node.index}": 1})]
+    args = [
+        ray,
+        "start",
+        "--node-ip-address",
+        node.ip,
+        "--num-cpus",
+        f"{cpus:g}",
+        "--object-store-memory",
+        str(store_mb << 20),
+        "--disable-usage-stats",
+        "--temp-dir",
+        str(Path(st.dir) / "ray"),
+        "--resources",
+        json.dumps({f"tidal_node_{node.index}": 1}),
+    ]
     if node.index == 0:
         args += ["--head", "--port", str(port), "--include-dashboard", "false"]
     else:
@@ -148,9 +166,14 @@ def _ray_start(st: ClusterState, node: NodeSpec, cpus: float, port: int,
     if st.mode == "loopback":  # one namespace: every node needs its own ports
         from tidal.serving.launch import free_port
 
-        for opt in ("--node-manager-port", "--object-manager-port", "--metrics-export-port",
-                    "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
-                    "--runtime-env-agent-port"):
+        for opt in (
+            "--node-manager-port",
+            "--object-manager-port",
+            "--metrics-export-port",
+            "--dashboard-agent-listen-port",
+            "--dashboard-agent-grpc-port",
+            "--runtime-env-agent-port",
+        ):
             args += [opt, str(free_port())]
     if node.netns is not None:
         args = ["ip", "netns", "exec", node.netns, *args]
@@ -160,10 +183,18 @@ def _ray_start(st: ClusterState, node: NodeSpec, cpus: float, port: int,
         raise ClusterError(f"ray start of node {node.index} ({node.ip}): {' | '.join(tail)}")
 
 
-def up(name: str = "tidal", n_nodes: int = 3, cpus: float = 1.0, prefix: str = "10.77.0",
-       port: int = 6390, directory: str | Path | None = None, store_mb: int = 128,
-       timeout_s: float = 120.0, head_cpus: float | None = None,
-       netns: bool = True) -> ClusterState:
+def up(
+    name: str = "tidal",
+    n_nodes: int = 3,
+    cpus: float = 1.0,
+    prefix: str = "10.77.0",
+    port: int = 6390,
+    directory: str | Path | None = None,
+    store_mb: int = 128,
+    timeout_s: float = 120.0,
+    head_cpus: float | None = None,
+    netns: bool = True,
+) -> ClusterState:
     """Start the cluster and wait (bounded) until every node is alive in Ray. ``head_cpus``
     (default ``cpus``): 0 keeps every engine off the head, which then only hosts the driver,
     so every hop of a run crosses the bridge. ``netns`` False: loopback addresses at once."""
@@ -173,8 +204,9 @@ def up(name: str = "tidal", n_nodes: int = 3, cpus: float = 1.0, prefix: str = "
         raise ConfigError("--nodes", "at least 1")
     d = Path(directory) if directory is not None else default_dir(name)
     if (d / "cluster.json").is_file():
-        raise ClusterError(f"a cluster is already up at {d}: 'tidal cluster down --name "
-                           f"{name}' first")
+        raise ClusterError(
+            f"a cluster is already up at {d}: 'tidal cluster down --name {name}' first"
+        )
     d.mkdir(parents=True, exist_ok=True)
     try:
         if not netns:
@@ -182,16 +214,20 @@ def up(name: str = "tidal", n_nodes: int = 3, cpus: float = 1.0, prefix: str = "
         bridge, nodes = make_network(name, prefix, n_nodes)
         mode = "netns"
     except ClusterError as exc:
-        log.warning("%s; falling back to loopback node addresses 127.0.0.<i+1> (one "
-                    "network namespace: isolation between nodes is not tested)", exc)
+        log.warning(
+            "%s; falling back to loopback node addresses 127.0.0.<i+1> (one "
+            "network namespace: isolation between nodes is not tested)",
+            exc,
+        )
         bridge, mode = None, "loopback"
         nodes = [NodeSpec(i, f"127.0.0.{i + 1}", None) for i in range(n_nodes)]
     st = ClusterState(name, mode, f"{nodes[0].ip}:{port}", str(d), nodes, bridge)
     st.save()
     try:
         for node in nodes:
-            _ray_start(st, node, cpus if node.index or head_cpus is None else head_cpus, port,
-                       store_mb)
+            _ray_start(
+                st, node, cpus if node.index or head_cpus is None else head_cpus, port, store_mb
+            )
         wait_nodes(st, n_nodes, timeout_s)
     except BaseException:
         down(st)
@@ -201,15 +237,24 @@ def up(name: str = "tidal", n_nodes: int = 3, cpus: float = 1.0, prefix: str = "
 
 def alive_nodes(st: ClusterState) -> list[dict]:
     """Ray's view of the cluster's alive nodes (a short-lived driver connection)."""
-    code = ("import json, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False, "
-            "logging_level='ERROR'); print(json.dumps([{'id': n['NodeID'], 'ip': "
-            "n['NodeManagerAddress'], 'resources': n['Resources']} for n in ray.nodes() "
-            "if n['Alive']]))")
-    r = subprocess.run([sys.executable, "-c", code, st.address], capture_output=True, text=True,
-                       env=_env(st.name), timeout=60)
+    code = (
+        "import json, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False, "
+        "logging_level='ERROR'); print(json.dumps([{'id': n['NodeID'], 'ip': "
+        "n['NodeManagerAddress'], 'resources': n['Resources']} for n in ray.nodes() "
+        "if n['Alive']]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, st.address],
+        capture_output=True,
+        text=True,
+        env=_env(st.name),
+        timeout=60,
+    )
     if r.returncode != 0:
-        raise ClusterError(f"cannot reach the cluster at {st.address}: "
-                           f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise ClusterError(
+            f"cannot reach the cluster at {st.address}: "
+            f"{(r.stderr.strip().splitlines() or ['?'])[-1]}"
+        )
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -220,8 +265,10 @@ def wait_nodes(st: ClusterState, n: int, timeout_s: float) -> list[dict]:
         if len(nodes) >= n:
             return nodes
         if time.monotonic() > deadline:
-            raise ClusterError(f"{len(nodes)} of {n} nodes alive after {timeout_s:g} s "
-                               f"(see {st.dir}/ray/session_latest/logs)")
+            raise ClusterError(
+                f"{len(nodes)} of {n} nodes alive after {timeout_s:g} s "
+                f"(see {st.dir}/ray/session_latest/logs)"
+            )
         time.sleep(1.0)
 
 
@@ -231,8 +278,9 @@ def cluster_pids(name: str, netns: str | None = None) -> list[int]:
 
     allowed: set[int] | None = None
     if netns is not None:
-        r = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True,
-                           timeout=30)
+        r = subprocess.run(
+            ["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=30
+        )
         allowed = {int(p) for p in r.stdout.split()}
     out = []
     for p in psutil.process_iter(["pid"]):
@@ -270,8 +318,9 @@ def kill_node(st: ClusterState, index: int) -> list[int]:
     machine failure looks like to Ray); returns the pids ended."""
     node = next((n for n in st.nodes if n.index == index), None)
     if node is None or index == 0:
-        raise ConfigError("--node", f"{index}: a worker node of {st.name} is 1.."
-                          f"{len(st.nodes) - 1}")
+        raise ConfigError(
+            "--node", f"{index}: a worker node of {st.name} is 1..{len(st.nodes) - 1}"
+        )
     if node.netns is not None:
         pids = cluster_pids(st.name, node.netns)
     else:  # loopback mode: the processes of the raylet that holds this node's address
@@ -291,8 +340,11 @@ def _on_ip(pid: int, ip: str) -> bool:
         cmd = " ".join(psutil.Process(pid).cmdline())
     except psutil.Error:
         return False
-    return f"--node-ip-address={ip}" in cmd or f"--node-ip-address {ip}" in cmd \
+    return (
+        f"--node-ip-address={ip}" in cmd
+        or f"--node-ip-address {ip}" in cmd
         or f"node_ip_address={ip}" in cmd
+    )
 
 
 def down(st: ClusterState) -> int:

@@ -77,9 +77,13 @@ def sweep(ray: object, run_dir: str, timeout_s: float = 60.0) -> dict[str, int]:
 
     me = here().node_id
     task = ray.remote(num_cpus=0, max_retries=0)(_end_here)  # type: ignore[attr-defined]
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        n["NodeID"], soft=False)).remote(run_dir)
-        for n in ray.nodes() if n.get("Alive") and n["NodeID"] != me]  # type: ignore[attr-defined]
+    refs = [
+        task.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+        ).remote(run_dir)
+        for n in ray.nodes()
+        if n.get("Alive") and n["NodeID"] != me
+    ]  # type: ignore[attr-defined]
     if not refs:
         return {}
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)  # type: ignore

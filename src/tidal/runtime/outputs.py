@@ -37,9 +37,15 @@ if TYPE_CHECKING:
 
 
 class RunOutputs:
-    def __init__(self, out: Path, clock: Clock, resumed_elapsed_s: float, append: bool,
-                 on_step: Callable[[dict[str, Any]], None] | None = None,
-                 on_state: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        out: Path,
+        clock: Clock,
+        resumed_elapsed_s: float,
+        append: bool,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+        on_state: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.out, self.clock = out, clock
         self.mode = "a" if append else "w"  # a resumed run continues its logs
         self.on_step, self.on_state = on_step, on_state
@@ -81,8 +87,13 @@ class RunOutputs:
         if self.on_step is not None:
             self.on_step(line)
 
-    async def sample_state(self, tick: Callable[[], None], state: Callable[[], dict[str, Any]],
-                           tick_s: float, every_s: float) -> None:
+    async def sample_state(
+        self,
+        tick: Callable[[], None],
+        state: Callable[[], dict[str, Any]],
+        tick_s: float,
+        every_s: float,
+    ) -> None:
         """Forever: ``tick()`` every ``tick_s``, a ``state()`` line every ``every_s``."""
         n, every = 0, max(1, round(every_s / tick_s))
         with open(self.out / "state.jsonl", "a") as fh:
@@ -93,8 +104,9 @@ class RunOutputs:
                 if n % every:
                     continue
                 st = state()
-                line = schema.check(schema.StateLine, {"t": round(self.elapsed(), 3), **st},
-                                    "state.jsonl (written)")
+                line = schema.check(
+                    schema.StateLine, {"t": round(self.elapsed(), 3), **st}, "state.jsonl (written)"
+                )
                 fh.write(json.dumps(line) + "\n")
                 fh.flush()
                 if self.on_state is not None:
@@ -102,25 +114,32 @@ class RunOutputs:
 
     def write_timeline(self, segments: list[list[tuple[float, float, Role]]]) -> None:
         t0 = self.t0
-        cells = [[[round(max(0.0, a - t0), 3), round(b - t0, 3), r.value] for a, b, r in cell]
-                 for cell in segments]
+        cells = [
+            [[round(max(0.0, a - t0), 3), round(b - t0, 3), r.value] for a, b, r in cell]
+            for cell in segments
+        ]
         data = schema.check(schema.Timeline, {"cells": cells}, "timeline.json (written)")
         (self.out / "timeline.json").write_text(json.dumps(data))
 
     def write_steps(self, step_log: list[dict[str, Any]]) -> None:
         with open(self.out / "steps.jsonl", self.mode) as fh:
-            fh.writelines(json.dumps(schema.check(schema.StepLine, s, "steps.jsonl (written)"))
-                          + "\n" for s in step_log)
+            fh.writelines(
+                json.dumps(schema.check(schema.StepLine, s, "steps.jsonl (written)")) + "\n"
+                for s in step_log
+            )
 
-    def since_first_dispatch(self, sink: Callable[[dict[str, Any]], None]
-                             ) -> Callable[[dict[str, Any]], None]:
+    def since_first_dispatch(
+        self, sink: Callable[[dict[str, Any]], None]
+    ) -> Callable[[dict[str, Any]], None]:
         """``sink`` for records stamped on this incarnation's clock (the controller's
         ``decisions.jsonl``): their ``t`` becomes seconds since the run's first dispatch."""
+
         def relative(rec: dict[str, Any]) -> None:
             if self._held is not None:  # time zero is not known yet
                 self._held.append((sink, rec))
             else:
                 self._relative(sink, rec)
+
         return relative
 
     def _relative(self, sink: Callable[[dict[str, Any]], None], rec: dict[str, Any]) -> None:
@@ -137,27 +156,44 @@ class RunOutputs:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
-def step_line(ctl: Controller, burst: int, step: int, version: int, report: StepReport,
-              dt: float,
-              wait_s: float, elapsed_s: float) -> dict[str, Any]:
+def step_line(
+    ctl: Controller,
+    burst: int,
+    step: int,
+    version: int,
+    report: StepReport,
+    dt: float,
+    wait_s: float,
+    elapsed_s: float,
+) -> dict[str, Any]:
     """One ``metrics.jsonl`` line: the trainer's report and the controller's view at its end."""
     roles = ctl.cells.roles()
-    line = {"t": round(elapsed_s, 3), "burst": burst, "step": step,
-            "version": version, "mean_reward": report.mean_reward,
-            "loss": report.loss, "grad_norm": report.grad_norm,
-            "n_groups": report.n_groups, "n_executions": report.n_executions,
-            "n_tokens": report.n_tokens,
-            "max_staleness": report.max_staleness, "step_s": round(dt, 3),
-            "compute_s": round(report.compute_s, 3), "update_s": round(report.update_s, 3),
-            "core_compute_s": round(report.core_compute_s, 3),
-            "core_tokens": report.core_tokens,
-            "wait_s": round(wait_s, 3), "waterlevel": ctl.ledger.waterlevel,
-            "ready_groups": ctl.ledger.ready_unassigned,
-            "roles": [r.value for r in roles],
-            "training_cells": sum(r is Role.TRAINING for r in roles),
-            "satellites": list(report.members), "groups": list(report.group_ids),
-            "micro_steps_by_cell": {str(k): v for k, v in
-                                    sorted(report.micro_steps_by_cell.items())}}
+    line = {
+        "t": round(elapsed_s, 3),
+        "burst": burst,
+        "step": step,
+        "version": version,
+        "mean_reward": report.mean_reward,
+        "loss": report.loss,
+        "grad_norm": report.grad_norm,
+        "n_groups": report.n_groups,
+        "n_executions": report.n_executions,
+        "n_tokens": report.n_tokens,
+        "max_staleness": report.max_staleness,
+        "step_s": round(dt, 3),
+        "compute_s": round(report.compute_s, 3),
+        "update_s": round(report.update_s, 3),
+        "core_compute_s": round(report.core_compute_s, 3),
+        "core_tokens": report.core_tokens,
+        "wait_s": round(wait_s, 3),
+        "waterlevel": ctl.ledger.waterlevel,
+        "ready_groups": ctl.ledger.ready_unassigned,
+        "roles": [r.value for r in roles],
+        "training_cells": sum(r is Role.TRAINING for r in roles),
+        "satellites": list(report.members),
+        "groups": list(report.group_ids),
+        "micro_steps_by_cell": {str(k): v for k, v in sorted(report.micro_steps_by_cell.items())},
+    }
     if report.device_peak_mb:  # GPU trainers only
         line["device_peak_mb"] = {str(k): v for k, v in sorted(report.device_peak_mb.items())}
     return line
@@ -214,13 +250,17 @@ def switch_times(plans_done: list[tuple[Any, float]]) -> dict[str, dict[str, flo
     for direction in ("to_training", "to_rollout"):
         ds = sorted(d for p, d in plans_done if p.direction.value == direction)
         if ds:
-            out[direction] = {"n": len(ds), "p50_s": round(ds[(len(ds) - 1) // 2], 3),
-                              "max_s": round(ds[-1], 3)}
+            out[direction] = {
+                "n": len(ds),
+                "p50_s": round(ds[(len(ds) - 1) // 2], 3),
+                "max_s": round(ds[-1], 3),
+            }
     return out
 
 
-def switch_steps(plans_done: list[tuple[Any, float]],
-                 step_log: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+def switch_steps(
+    plans_done: list[tuple[Any, float]], step_log: list[dict]
+) -> dict[str, dict[str, dict[str, float]]]:
     """Per direction, each plan step's cost (the actuator's measured duration of every run of
     that step kind in a finished plan): n, p50 (the lower median) and max, in seconds, in plan
     order, so a slow switch names its slow step."""
@@ -234,27 +274,45 @@ def switch_steps(plans_done: list[tuple[Any, float]],
     for d in ("to_training", "to_rollout"):
         for step, ds in by.get(d, {}).items():
             ds = sorted(ds)
-            out.setdefault(d, {})[step] = {"n": len(ds), "p50_s": round(ds[(len(ds) - 1) // 2], 4),
-                                           "max_s": round(ds[-1], 4)}
+            out.setdefault(d, {})[step] = {
+                "n": len(ds),
+                "p50_s": round(ds[(len(ds) - 1) // 2], 4),
+                "max_s": round(ds[-1], 4),
+            }
     return out
 
 
-def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], version: int,
-            bursts_s: float, group_size: int, results: list[ExecutionOutcome],
-            stats: dict[str, Any],
-            engines: list[dict], start_pids: dict[str, int], bridge: LedgerBridge,
-            actuator: RayActuator,
-            replaced: list[dict[str, Any]], resumed: dict[str, int] | None,
-            closed_before: dict[str, int],
-            publication: dict[str, Any] | None = None) -> dict[str, Any]:
+def summary(
+    *,
+    ctl: Controller,
+    bursts: int,
+    metrics: list[dict[str, Any]],
+    version: int,
+    bursts_s: float,
+    group_size: int,
+    results: list[ExecutionOutcome],
+    stats: dict[str, Any],
+    engines: list[dict],
+    start_pids: dict[str, int],
+    bridge: LedgerBridge,
+    actuator: RayActuator,
+    replaced: list[dict[str, Any]],
+    resumed: dict[str, int] | None,
+    closed_before: dict[str, int],
+    publication: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """``summary.json``: what the run did, from the figures of each part; the close reasons
     count the executions an earlier incarnation closed before the checkpoint it resumed."""
     s, reasons = ctl.summary(), merge_counts(close_reasons(results), closed_before)
     return {
-        "policy": s["policy"], "bursts": bursts, "trainer_steps": len(metrics),
-        "bursts_s": round(bursts_s, 2), "version": version,
+        "policy": s["policy"],
+        "bursts": bursts,
+        "trainer_steps": len(metrics),
+        "bursts_s": round(bursts_s, 2),
+        "version": version,
         "switches_to_training": s["switches_to_training"],
-        "switches_to_rollout": s["switches_to_rollout"], "plans_aborted": s["plans_aborted"],
+        "switches_to_rollout": s["switches_to_rollout"],
+        "plans_aborted": s["plans_aborted"],
         "final_roles": ctl.cells.describe(),
         # live model requests that went to another engine: in-flight ones retried
         # elsewhere, and next calls of executions whose engine left routing between calls
@@ -262,7 +320,8 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "retried_inflight_requests": stats["retries"],
         "rerouted_executions": stats["rerouted_executions"],
         "drained_requests": sum(d["moved"] for d in actuator.drains),
-        "kv_handoffs": stats["kv_handoffs"], "engine_failures": stats["engine_failures"],
+        "kv_handoffs": stats["kv_handoffs"],
+        "engine_failures": stats["engine_failures"],
         # prompt tokens an engine computed again after a move without a KV handoff
         "reprefill_tokens": stats.get("reprefill_tokens", 0),
         # KV handoffs that did not land (re-prefilled instead), and moves between engine
@@ -270,9 +329,17 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "kv_handoff_failures": stats.get("kv_handoff_failures", 0),
         "kv_mixed_moves": stats.get("kv_mixed_moves", 0),
         # re-tokenization drift and prefix-cache reuse (serving.records, Proxy._cache_share)
-        **{k: stats[k] for k in ("chain_breaks_per_100_calls", "chain_breaks",
-                                 "bridged_calls", "cached_token_share",
-                                 "cached_token_share_by_engine") if k in stats},
+        **{
+            k: stats[k]
+            for k in (
+                "chain_breaks_per_100_calls",
+                "chain_breaks",
+                "bridged_calls",
+                "cached_token_share",
+                "cached_token_share_by_engine",
+            )
+            if k in stats
+        },
         # executions whose calls waited in the proxy's admission queue, measured there
         # (tidal.control.queued_waits): what an over-subscribed move cost
         **{k: stats[k] for k in QUEUED_KEYS if k in stats},
@@ -286,16 +353,27 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "engine_step_failures": stats["engine_step_failures"],
         "failed_requests": reasons.get(CloseReason.FAILED, 0),
         "timed_out_executions": reasons.get(CloseReason.TIMEOUT, 0),
-        "dispatched": bridge.n_dispatched, "closed": len(results), "close_reasons": reasons,
-        "trained_executions": sum(m.get("n_executions", m["n_groups"] * group_size)
-                                  for m in metrics),
-        "lost_executions": bridge.lost, "record_errors": bridge.record_errors[:10],
-        "ledger_waterlevel_end": s["waterlevel"], "duplicate_closes": s["duplicate_closes"],
-        "engines": {e["name"]: {"state": e["state"], "version": e["version"],
-                                "gpu_ids": e["gpu_ids"], "node_id": e.get("node_id"),
-                                "node_ip": e.get("node_ip"),
-                                "restarted": e["pid"] != start_pids[e["name"]]}
-                    for e in engines},
+        "dispatched": bridge.n_dispatched,
+        "closed": len(results),
+        "close_reasons": reasons,
+        "trained_executions": sum(
+            m.get("n_executions", m["n_groups"] * group_size) for m in metrics
+        ),
+        "lost_executions": bridge.lost,
+        "record_errors": bridge.record_errors[:10],
+        "ledger_waterlevel_end": s["waterlevel"],
+        "duplicate_closes": s["duplicate_closes"],
+        "engines": {
+            e["name"]: {
+                "state": e["state"],
+                "version": e["version"],
+                "gpu_ids": e["gpu_ids"],
+                "node_id": e.get("node_id"),
+                "node_ip": e.get("node_ip"),
+                "restarted": e["pid"] != start_pids[e["name"]],
+            }
+            for e in engines
+        },
         "resumed": resumed,
         "cells_replaced": [r["name"] for r in replaced],
         "tokens_by_engine_version": bridge.tokens_by_engine_version,
@@ -304,8 +382,10 @@ def summary(*, ctl: Controller, bursts: int, metrics: list[dict[str, Any]], vers
         "satellite_starts": actuator.satellite_starts,
         "micro_steps_by_cell": sum_by_cell(metrics),
         "mean_reward_per_step": [round(m["mean_reward"], 4) for m in metrics],
-        "verl_metrics": [{k: round(v, 4) for k, v in row.items()}  # one per version
-                         for row in ctl.metrics.rows],
+        "verl_metrics": [
+            {k: round(v, 4) for k, v in row.items()}  # one per version
+            for row in ctl.metrics.rows
+        ],
         "mean_reward": mean_reward(results),
         # tidal.control.ledger's rule: a reward_error member trains nowhere, its group on its
         # scored members; a group with fewer than 2 scored members is dropped

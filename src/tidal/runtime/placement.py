@@ -43,8 +43,9 @@ class Placement:
         if len(names) != len(self.bundles):
             raise ValueError(f"{len(names)} actor names for {len(self.bundles)} bundles")
         self.index = {n: i for i, n in enumerate(names)}
-        self.pg = placement_group(self.bundles, strategy=cfg.runtime.placement_strategy,
-                                  name=f"tidal-{cfg.name}")
+        self.pg = placement_group(
+            self.bundles, strategy=cfg.runtime.placement_strategy, name=f"tidal-{cfg.name}"
+        )
         try:
             ray.get(self.pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -54,16 +55,21 @@ class Placement:
                 f"the Ray cluster cannot place {len(self.bundles)} engine bundles "
                 f"({need['CPU']:g} CPU, {need['GPU']:g} GPU in all, strategy "
                 f"{cfg.runtime.placement_strategy}) within {timeout_s:g} s; available: "
-                f"{ray.available_resources()}") from None
+                f"{ray.available_resources()}"
+            ) from None
 
     def options(self, name: str) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         i = self.index[name]
         b = self.bundles[i]
-        return {"num_cpus": b["CPU"], "num_gpus": b.get("GPU", 0.0),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=i)}
+        return {
+            "num_cpus": b["CPU"],
+            "num_gpus": b.get("GPU", 0.0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=i
+            ),
+        }
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group

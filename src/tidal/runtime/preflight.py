@@ -58,8 +58,9 @@ class Checked:
     policy: Policy
 
 
-def check_run(cfg: RunConfig, machine: Machine | None = None,
-              policy: Policy | None = None) -> Checked:
+def check_run(
+    cfg: RunConfig, machine: Machine | None = None, policy: Policy | None = None
+) -> Checked:
     """Every check ``tidal run`` makes before it starts Ray (``ConfigError`` on the first).
     ``policy``: the run's, when the caller built it (``checked_policy``); else built here. Out:
     the workload built by the check (``wiring.check_config``) and the policy."""
@@ -72,9 +73,12 @@ def check_run(cfg: RunConfig, machine: Machine | None = None,
     check_backends(cfg)
     context = check_model(cfg)
     if context is not None and cfg.runtime.max_tokens >= context:
-        raise ConfigError("runtime.max_tokens", f"{cfg.runtime.max_tokens} tokens per call "
-                          f"leave no room for a prompt in the model's context of {context} "
-                          "tokens")
+        raise ConfigError(
+            "runtime.max_tokens",
+            f"{cfg.runtime.max_tokens} tokens per call "
+            f"leave no room for a prompt in the model's context of {context} "
+            "tokens",
+        )
     check_trainer(cfg)
     if cfg.runtime.ray_address is None:
         check_machine(cfg, machine or Machine.here())
@@ -86,8 +90,9 @@ def model_context(model_dir: Path) -> int | None:
     try:
         data = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError("runtime.model", f"{model_dir}/config.json: unreadable "
-                          f"({type(exc).__name__})") from None
+        raise ConfigError(
+            "runtime.model", f"{model_dir}/config.json: unreadable ({type(exc).__name__})"
+        ) from None
     for key in CONTEXT_KEYS:
         if isinstance(data.get(key), int):
             return data[key]
@@ -108,14 +113,19 @@ def check_model(cfg: RunConfig) -> int | None:
     else:
         path = Path(rt.model)
         if not path.is_dir():
-            raise ConfigError("runtime.model", f"{rt.model}: no such directory (give 'tiny', "
-                              f"a bundled model ({', '.join(KNOWN)}) or a model directory)")
+            raise ConfigError(
+                "runtime.model",
+                f"{rt.model}: no such directory (give 'tiny', "
+                f"a bundled model ({', '.join(KNOWN)}) or a model directory)",
+            )
         if not (path / "config.json").is_file():
-            raise ConfigError("runtime.model", f"{rt.model}: not a model directory (no "
-                              "config.json)")
+            raise ConfigError(
+                "runtime.model", f"{rt.model}: not a model directory (no config.json)"
+            )
         if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-            raise ConfigError("runtime.model", f"{rt.model}: no weights (*.safetensors) in "
-                              "the model directory")
+            raise ConfigError(
+                "runtime.model", f"{rt.model}: no weights (*.safetensors) in the model directory"
+            )
         context = model_context(path)
     from tidal.backends import serving_backends
 
@@ -138,23 +148,33 @@ def check_backends(cfg: RunConfig) -> None:
         field = f"runtime.{backend.python_field.replace('_', '.', 1)}"  # runtime.vllm.python
         module = backend.package
         exe = getattr(rt, f"resolved_{backend.python_field}")()
-        probe = [exe, "-c", "import importlib.util, sys; "
-                 "sys.exit(importlib.util.find_spec(sys.argv[1]) is None)", module]
+        probe = [
+            exe,
+            "-c",
+            "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)",
+            module,
+        ]
         try:
             found = subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise ConfigError(field, f"{exe}: cannot run ({type(exc).__name__})") from None
         if not found:
-            raise ConfigError(field, f"{exe} has no {module} installed (a '{backend.name}' engine "
-                              "backend needs the python of a venv with it)")
+            raise ConfigError(
+                field,
+                f"{exe} has no {module} installed (a '{backend.name}' engine "
+                "backend needs the python of a venv with it)",
+            )
 
 
 def check_trainer(cfg: RunConfig) -> None:
     """More than one rank per cell needs FSDP2 (``runtime.fsdp`` not 'off')."""
     rt = cfg.runtime
     if rt.fsdp_ranks > 1 and rt.fsdp == "off":
-        raise ConfigError("runtime.fsdp_ranks", "more than one rank per cell needs FSDP2 "
-                          "(runtime.fsdp 'auto' or 'on' on a CPU trainer)")
+        raise ConfigError(
+            "runtime.fsdp_ranks",
+            "more than one rank per cell needs FSDP2 "
+            "(runtime.fsdp 'auto' or 'on' on a CPU trainer)",
+        )
 
 
 def _engines_need(cfg: RunConfig) -> tuple[int, float, float]:
@@ -169,22 +189,33 @@ def check_machine(cfg: RunConfig, machine: Machine) -> None:
     rt = cfg.runtime
     n, cpus, gpus = _engines_need(cfg)
     if rt.cpus_per_engine > rt.ray_num_cpus or cpus > rt.ray_num_cpus:
-        raise ConfigError("runtime.cpus_per_engine", f"{n} engines x {rt.cpus_per_engine:g} "
-                          f"CPUs = {cpus:g} CPUs, more than the local Ray's "
-                          f"{rt.ray_num_cpus} (runtime.ray_num_cpus)")
+        raise ConfigError(
+            "runtime.cpus_per_engine",
+            f"{n} engines x {rt.cpus_per_engine:g} "
+            f"CPUs = {cpus:g} CPUs, more than the local Ray's "
+            f"{rt.ray_num_cpus} (runtime.ray_num_cpus)",
+        )
     # GPUs declared to the local Ray (runtime.ray_num_gpus) are the user's word: Ray places
     # by them (the tests declare some on a CPU machine); else those torch sees
     have_gpus = machine.gpus if rt.ray_num_gpus is None else rt.ray_num_gpus
     if rt.use_gpus and have_gpus == 0:
-        raise ConfigError("runtime.use_gpus", "this machine has no GPU that torch sees (or "
-                          "runtime.ray_num_gpus is 0); set runtime.use_gpus: false")
+        raise ConfigError(
+            "runtime.use_gpus",
+            "this machine has no GPU that torch sees (or "
+            "runtime.ray_num_gpus is 0); set runtime.use_gpus: false",
+        )
     if gpus > have_gpus:
-        raise ConfigError("runtime.use_gpus", f"the engines reserve {gpus:g} GPUs "
-                          f"(cluster.*_gpus), the local Ray has {have_gpus}")
+        raise ConfigError(
+            "runtime.use_gpus",
+            f"the engines reserve {gpus:g} GPUs (cluster.*_gpus), the local Ray has {have_gpus}",
+        )
     if rt.fsdp != "off" and rt.fsdp_ranks > machine.cores:
-        raise ConfigError("runtime.fsdp_ranks", f"{rt.fsdp_ranks} ranks (processes) per "
-                          f"training cell on a machine with {machine.cores} cores: at most "
-                          f"{machine.cores}")
+        raise ConfigError(
+            "runtime.fsdp_ranks",
+            f"{rt.fsdp_ranks} ranks (processes) per "
+            f"training cell on a machine with {machine.cores} cores: at most "
+            f"{machine.cores}",
+        )
 
 
 def check_cluster(cfg: RunConfig, nodes: list[dict[str, Any]]) -> None:
@@ -195,14 +226,23 @@ def check_cluster(cfg: RunConfig, nodes: list[dict[str, Any]]) -> None:
     n, cpus, gpus = _engines_need(cfg)
     have_cpus = sum(r.get("CPU", 0.0) for r in alive)
     have_gpus = sum(r.get("GPU", 0.0) for r in alive)
-    if cpus > have_cpus or rt.cpus_per_engine > max((r.get("CPU", 0.0) for r in alive),
-                                                    default=0.0):
-        raise ConfigError("runtime.cpus_per_engine", f"{n} engines x {rt.cpus_per_engine:g} "
-                          f"CPUs; the cluster's {len(alive)} nodes have {have_cpus:g} CPUs")
+    if cpus > have_cpus or rt.cpus_per_engine > max(
+        (r.get("CPU", 0.0) for r in alive), default=0.0
+    ):
+        raise ConfigError(
+            "runtime.cpus_per_engine",
+            f"{n} engines x {rt.cpus_per_engine:g} "
+            f"CPUs; the cluster's {len(alive)} nodes have {have_cpus:g} CPUs",
+        )
     if gpus > have_gpus:
-        raise ConfigError("runtime.use_gpus", f"the engines reserve {gpus:g} GPUs "
-                          f"(cluster.*_gpus); the cluster has {have_gpus:g}")
+        raise ConfigError(
+            "runtime.use_gpus",
+            f"the engines reserve {gpus:g} GPUs (cluster.*_gpus); the cluster has {have_gpus:g}",
+        )
     most = max((int(r.get("CPU", 0.0)) for r in alive), default=0)
     if rt.fsdp != "off" and rt.fsdp_ranks > most:
-        raise ConfigError("runtime.fsdp_ranks", f"{rt.fsdp_ranks} ranks (processes) per "
-                          f"training cell; the cluster's largest node has {most} CPUs")
+        raise ConfigError(
+            "runtime.fsdp_ranks",
+            f"{rt.fsdp_ranks} ranks (processes) per "
+            f"training cell; the cluster's largest node has {most} CPUs",
+        )

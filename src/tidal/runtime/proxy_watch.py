@@ -51,12 +51,15 @@ def lost(proc: subprocess.Popen, run_dir: Path, grace_s: float = 0.0) -> ProxyLo
         code = None
     if code is None:
         return None
-    return ProxyLost(f"run stopped: the proxy (pid {proc.pid}) {_how(code)} (see "
-                     f"{run_dir / 'logs' / 'proxy.log'}). {how_to_continue(run_dir)}")
+    return ProxyLost(
+        f"run stopped: the proxy (pid {proc.pid}) {_how(code)} (see "
+        f"{run_dir / 'logs' / 'proxy.log'}). {how_to_continue(run_dir)}"
+    )
 
 
-async def watch(proc: subprocess.Popen, run_dir: Path, clock: Clock,
-                every_s: float = 0.2) -> NoReturn:
+async def watch(
+    proc: subprocess.Popen, run_dir: Path, clock: Clock, every_s: float = 0.2
+) -> NoReturn:
     """Forever, until the proxy process ends: then ``ProxyLost`` (the run stops)."""
     while True:
         gone = lost(proc, run_dir)

@@ -43,10 +43,18 @@ log = logging.getLogger(__name__)
 
 
 class Publisher:
-    def __init__(self, engines: Engines, cells: CellView, admin: httpx.AsyncClient,
-                 weights: Weights, path_of: Callable[[int], str],
-                 handle: Callable[[Event], None], clock: Clock,
-                 call_timeout_s: float = 180.0, handoff: Handoff | None = None) -> None:
+    def __init__(
+        self,
+        engines: Engines,
+        cells: CellView,
+        admin: httpx.AsyncClient,
+        weights: Weights,
+        path_of: Callable[[int], str],
+        handle: Callable[[Event], None],
+        clock: Clock,
+        call_timeout_s: float = 180.0,
+        handoff: Handoff | None = None,
+    ) -> None:
         self.engines, self.cells, self.admin, self.weights = engines, cells, admin, weights
         self.path_of, self.handle, self.clock = path_of, handle, clock
         self.call_timeout_s = call_timeout_s
@@ -65,9 +73,16 @@ class Publisher:
         """Every engine loads the restored version (a resumed run, before its first dispatch)."""
         w = self.weights
         if w.path is not None:
-            await asyncio.gather(*[
-                remote(self.engines.load(eid, a, w.path, w.label), f"{eid} load {w.label}",
-                       self.call_timeout_s) for eid, a in self.engines.actors.items()])
+            await asyncio.gather(
+                *[
+                    remote(
+                        self.engines.load(eid, a, w.path, w.label),
+                        f"{eid} load {w.label}",
+                        self.call_timeout_s,
+                    )
+                    for eid, a in self.engines.actors.items()
+                ]
+            )
 
     def _readmit(self, eid: EngineId) -> Callable[[], bool]:
         """Whether a vLLM engine drained for its load goes back into routing afterwards: not
@@ -85,38 +100,55 @@ class Publisher:
         w, h = self.weights, self.handoff
         async with w.lock:
             w.version, w.path = version, self.path_of(version)
-            targets = [(eid, a) for eid, a in self.engines.actors.items()
-                       if eid.standalone or not self.cells.is_asleep(eid.index)]
-            outs = await asyncio.gather(*[h.deliver(eid, a, version, w.label,
-                                                    self._wrap(eid, w.label))
-                                          for eid, a in targets], return_exceptions=True)
+            targets = [
+                (eid, a)
+                for eid, a in self.engines.actors.items()
+                if eid.standalone or not self.cells.is_asleep(eid.index)
+            ]
+            outs = await asyncio.gather(
+                *[
+                    h.deliver(eid, a, version, w.label, self._wrap(eid, w.label))
+                    for eid, a in targets
+                ],
+                return_exceptions=True,
+            )
         loaded_s = self.clock.now() - t0
         done = {}
         for (eid, _), out in zip(targets, outs, strict=True):
             if isinstance(out, BaseException):  # its engine is replaced with this version
-                log.warning("publishing %s: %s did not load it: %s", w.label, eid,
-                            str(out).splitlines()[0])
+                log.warning(
+                    "publishing %s: %s did not load it: %s", w.label, eid, str(out).splitlines()[0]
+                )
             else:
                 done[str(eid)] = out
         await asyncio.to_thread(h.writer.ensure_file, version)  # the checkpoint's file
         nbytes = max((d.bytes for d in done.values()), default=0)
         slowest = max((d.seconds for d in done.values()), default=0.0)
         took = h.writer.write_s + slowest
-        detail = {"write_s": round(h.writer.write_s, 4), "bytes": nbytes,
-                  "gbps": round(nbytes / took / 1e9, 3) if took > 0 and nbytes else None,
-                  "engines": {e: d.record() for e, d in sorted(done.items())}}
+        detail = {
+            "write_s": round(h.writer.write_s, 4),
+            "bytes": nbytes,
+            "gbps": round(nbytes / took / 1e9, 3) if took > 0 and nbytes else None,
+            "engines": {e: d.record() for e, d in sorted(done.items())},
+        }
         self.records.append(detail)
-        self.handle(WeightSyncDone(self.clock.now(), version, loaded_s,
-                                   transports=tuple(sorted((e, d.carrier)
-                                                           for e, d in done.items())),
-                                   detail=detail))
+        self.handle(
+            WeightSyncDone(
+                self.clock.now(),
+                version,
+                loaded_s,
+                transports=tuple(sorted((e, d.carrier) for e, d in done.items())),
+                detail=detail,
+            )
+        )
 
     def _wrap(self, eid: EngineId, label: str):
         """A vLLM or SGLang engine's load runs out of routing (``vllm_host.load_weights``)."""
         if not self.engines.is_server(eid):
             return None
-        return lambda call: vllm_host.load_weights(self.admin, str(eid), call, label,
-                                                   readmit=self._readmit(eid))
+        return lambda call: vllm_host.load_weights(
+            self.admin, str(eid), call, label, readmit=self._readmit(eid)
+        )
 
     def report(self) -> dict | None:
         """``summary.json``'s ``publication``: per version the write, each engine's carrier
@@ -128,43 +160,70 @@ class Publisher:
         carriers: dict[str, int] = {}
         for d in loads:
             carriers[d["carrier"]] = carriers.get(d["carrier"], 0) + 1
-        return {"versions": len(recs), "bytes_per_version": recs[-1]["bytes"] if recs else 0,
-                "memcpy_gbps": self.memcpy_gbps,
-                "gbps": _p50_max([r["gbps"] for r in recs if r["gbps"]]),
-                "write_s": _p50_max([r["write_s"] for r in recs]),
-                "engine_load_s": _p50_max([d["seconds"] for d in loads]),
-                "engine_pause_s": _p50_max([d["pause_s"] for d in loads]),
-                "carriers": dict(sorted(carriers.items())),
-                "fallbacks": sum(len(d.get("fell_back_from", [])) for d in loads)}
+        return {
+            "versions": len(recs),
+            "bytes_per_version": recs[-1]["bytes"] if recs else 0,
+            "memcpy_gbps": self.memcpy_gbps,
+            "gbps": _p50_max([r["gbps"] for r in recs if r["gbps"]]),
+            "write_s": _p50_max([r["write_s"] for r in recs]),
+            "engine_load_s": _p50_max([d["seconds"] for d in loads]),
+            "engine_pause_s": _p50_max([d["pause_s"] for d in loads]),
+            "carriers": dict(sorted(carriers.items())),
+            "fallbacks": sum(len(d.get("fell_back_from", [])) for d in loads),
+        }
 
     async def _publish_by_transport(self, version: int) -> None:
         t0 = self.clock.now()
         w = self.weights
         async with w.lock:
             w.version, w.path = version, self.path_of(version)
-            targets = [(eid, a) for eid, a in self.engines.actors.items()
-                       if eid.standalone or not self.cells.is_asleep(eid.index)]
+            targets = [
+                (eid, a)
+                for eid, a in self.engines.actors.items()
+                if eid.standalone or not self.cells.is_asleep(eid.index)
+            ]
             routes = {str(eid): self.engines.transport(eid) for eid, _ in targets}
             if "object" in routes.values():  # engines on other nodes pull it from Ray
                 await asyncio.to_thread(self.engines.blob, w.path)
-            outs = await asyncio.gather(*[remote(self._load(eid, a, w.path, w.label),
-                                                 f"{eid} load {w.label}", self.call_timeout_s)
-                                          for eid, a in targets], return_exceptions=True)
+            outs = await asyncio.gather(
+                *[
+                    remote(
+                        self._load(eid, a, w.path, w.label),
+                        f"{eid} load {w.label}",
+                        self.call_timeout_s,
+                    )
+                    for eid, a in targets
+                ],
+                return_exceptions=True,
+            )
         for out in outs:  # a lost engine is replaced by the supervisor with this version
             if isinstance(out, BaseException):
-                log.warning("publishing %s: an engine did not load it: %s", w.label,
-                            str(out).splitlines()[0])
-        self.handle(WeightSyncDone(self.clock.now(), w.version, self.clock.now() - t0,
-                                   transports=tuple(sorted(routes.items()))))
+                log.warning(
+                    "publishing %s: an engine did not load it: %s",
+                    w.label,
+                    str(out).splitlines()[0],
+                )
+        self.handle(
+            WeightSyncDone(
+                self.clock.now(),
+                w.version,
+                self.clock.now() - t0,
+                transports=tuple(sorted(routes.items())),
+            )
+        )
 
     def _load(self, eid: EngineId, actor: ActorHandle, path: str, label: str) -> ObjectRef:
         """One engine's load by its transport; a vLLM engine (standalone or cell) or an
         SGLang cell is out of routing meanwhile (``vllm_host.load_weights``)."""
         if not self.engines.is_server(eid):
             return self.engines.load(eid, actor, path, label)
-        return vllm_host.load_weights(self.admin, str(eid),
-                                      lambda: self.engines.load(eid, actor, path, label),
-                                      label, readmit=self._readmit(eid))
+        return vllm_host.load_weights(
+            self.admin,
+            str(eid),
+            lambda: self.engines.load(eid, actor, path, label),
+            label,
+            readmit=self._readmit(eid),
+        )
 
 
 def _p50_max(xs: list[float]) -> dict[str, float] | None:

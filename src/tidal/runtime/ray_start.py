@@ -44,8 +44,13 @@ def ray_init(ray: Any, **kwargs: object) -> None:
         utils.set_sigterm_handler = install
 
 
-def init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None,
-                       object_store_bytes: int, temp_dir: Path | None = None) -> None:
+def init_loopback_ray(
+    ray: Any,
+    num_cpus: int,
+    num_gpus: int | None,
+    object_store_bytes: int,
+    temp_dir: Path | None = None,
+) -> None:
     """A one-machine Ray whose every process (GCS, raylet, workers, this driver) listens on
     loopback only, without a dashboard. Ray turns ``_node_ip_address="127.0.0.1"`` into the
     host's address unless it believes clusters are off (its Windows/macOS default), so that
@@ -58,14 +63,19 @@ def init_loopback_ray(ray: Any, num_cpus: int, num_gpus: int | None,
     env, flag = os.environ.get(key), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[key], ray_constants.ENABLE_RAY_CLUSTER = "0", False
     try:
-        ray_init(ray, num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                  object_store_memory=object_store_bytes,
-                  _node_ip_address="127.0.0.1", log_to_driver=False,
-                  **({"_temp_dir": str(temp_dir)} if temp_dir is not None else {}),
-                  # no idle Python workers started ahead of need: every worker this run uses
-                  # hosts a named actor, started on its creation (3 idle ones held ~240 MB)
-                  _system_config={"enable_worker_prestart": False,
-                                  "prestart_worker_first_driver": False})
+        ray_init(
+            ray,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            include_dashboard=False,
+            object_store_memory=object_store_bytes,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+            **({"_temp_dir": str(temp_dir)} if temp_dir is not None else {}),
+            # no idle Python workers started ahead of need: every worker this run uses
+            # hosts a named actor, started on its creation (3 idle ones held ~240 MB)
+            _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+        )
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = flag
         if env is None:

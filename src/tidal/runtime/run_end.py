@@ -33,43 +33,75 @@ async def finish(run: Runtime, w: Wired, bursts_s: float) -> dict[str, Any]:
     controller settled, the timeline and the summary."""
     results = await w.dispatcher.results()
     await w.bridge.flush(60.0)
-    w.bridge.write_executions(run.out / "executions.jsonl", results, w.outputs.t0,
-                              w.outputs.mode)
+    w.bridge.write_executions(run.out / "executions.jsonl", results, w.outputs.t0, w.outputs.mode)
     await w.settle(run.cfg.control.step_timeout_s)
     w.outputs.write_timeline(w.ctl.timeline.close(run.clock.now()))
     stats = (await w.admin.get("/tidal/stats")).json()
     if stats["engine_step_failures"]:  # retried by the proxy, but never silent
-        log.warning("%d engine model steps failed (their calls were retried); see "
-                    "logs/engine-*.log", stats["engine_step_failures"])
-    engines = await asyncio.gather(*[remote(a.describe.remote(), f"{eid} describe", 30.0)
-                                     for eid, a in run.engines.actors.items()],
-                                   return_exceptions=True)
-    undescribed = {eid: e for eid, e in zip(run.engines.actors, engines, strict=True)
-                   if not isinstance(e, dict)}
+        log.warning(
+            "%d engine model steps failed (their calls were retried); see logs/engine-*.log",
+            stats["engine_step_failures"],
+        )
+    engines = await asyncio.gather(
+        *[
+            remote(a.describe.remote(), f"{eid} describe", 30.0)
+            for eid, a in run.engines.actors.items()
+        ],
+        return_exceptions=True,
+    )
+    undescribed = {
+        eid: e
+        for eid, e in zip(run.engines.actors, engines, strict=True)
+        if not isinstance(e, dict)
+    }
     for eid, exc in undescribed.items():  # the summary lacks them: say so, never silently
-        log.warning("engine %s did not describe itself at the end (%s: %s); the summary "
-                    "lists it under engines_undescribed", eid, type(exc).__name__, exc)
+        log.warning(
+            "engine %s did not describe itself at the end (%s: %s); the summary "
+            "lists it under engines_undescribed",
+            eid,
+            type(exc).__name__,
+            exc,
+        )
     st = run.ck.state if run.ck else None
     lost = sorted(run.nodes_at_start - alive_nodes(run.ray))
     if lost:
         log.warning("%d Ray nodes lost during the run: %s", len(lost), ", ".join(lost))
     mechanics = policy_mechanics(run.cfg.policy.name).model_dump(mode="json")
-    return {"t0_utc": w.outputs.t0_utc(), "nodes": len(run.nodes_at_start),
-            "policy_mechanics": mechanics,
-            "nodes_lost": len(lost), "engines_undescribed": sorted(undescribed),
-            "deterministic": run.rt.deterministic,
-            **(w.dispatcher.gate.hold.report() if w.dispatcher.gate else {}),
-            **summary(
-        ctl=w.ctl, bursts=run.cfg.control.bursts or 0, metrics=w.outputs.metrics,
-        version=w.publisher.weights.version, bursts_s=bursts_s,
-        group_size=run.cfg.control.group_size, results=results, stats=stats,
-        engines=[e for e in engines if isinstance(e, dict)],
-        start_pids={str(k): v for k, v in run.engines.start_pids.items()},
-        bridge=w.bridge, actuator=w.actuator, replaced=w.supervisor.replaced,
-        resumed=({"at_step": st.step, "restored_records": len(run.ck.records),
-                  "resumes": st.resumes + 1} if st else None),
-        closed_before=dict(st.close_reasons) if st else {},
-        publication=w.publisher.report())}
+    return {
+        "t0_utc": w.outputs.t0_utc(),
+        "nodes": len(run.nodes_at_start),
+        "policy_mechanics": mechanics,
+        "nodes_lost": len(lost),
+        "engines_undescribed": sorted(undescribed),
+        "deterministic": run.rt.deterministic,
+        **(w.dispatcher.gate.hold.report() if w.dispatcher.gate else {}),
+        **summary(
+            ctl=w.ctl,
+            bursts=run.cfg.control.bursts or 0,
+            metrics=w.outputs.metrics,
+            version=w.publisher.weights.version,
+            bursts_s=bursts_s,
+            group_size=run.cfg.control.group_size,
+            results=results,
+            stats=stats,
+            engines=[e for e in engines if isinstance(e, dict)],
+            start_pids={str(k): v for k, v in run.engines.start_pids.items()},
+            bridge=w.bridge,
+            actuator=w.actuator,
+            replaced=w.supervisor.replaced,
+            resumed=(
+                {
+                    "at_step": st.step,
+                    "restored_records": len(run.ck.records),
+                    "resumes": st.resumes + 1,
+                }
+                if st
+                else None
+            ),
+            closed_before=dict(st.close_reasons) if st else {},
+            publication=w.publisher.report(),
+        ),
+    }
 
 
 def stop_parts(run: Runtime, ray: Any) -> None:
@@ -77,9 +109,11 @@ def stop_parts(run: Runtime, ray: Any) -> None:
     host, the proxy, the placement, what a lost actor left on other nodes, spilled weights,
     Ray, the core pool and the CPU-quota groups (their throttled seconds kept)."""
     if run.engines is not None:
-        sats = [pid for c, pid in (run.wired.actuator.satellite_pids.items()
-                                   if run.wired else [])
-                if run.engines.on_this_host(EngineId.cell(c))]  # others' pids: not ours
+        sats = [
+            pid
+            for c, pid in (run.wired.actuator.satellite_pids.items() if run.wired else [])
+            if run.engines.on_this_host(EngineId.cell(c))
+        ]  # others' pids: not ours
         run.engines.stop(list(sats))
     if run.proxy is not None:
         run.proxy.stop()

@@ -47,15 +47,26 @@ def check_extra_args(args: list[str], owned: dict[str, str], field: str, server:
         if flag.startswith("--"):
             flag = flag.replace("_", "-")
         if flag in owned:
-            raise ConfigError(field, f"{arg}: tidal sets {flag} of each {server} server "
-                              f"itself ({owned[flag]})")
+            raise ConfigError(
+                field, f"{arg}: tidal sets {flag} of each {server} server itself ({owned[flag]})"
+            )
+
+
 log = logging.getLogger(__name__)
 
 
-def control_call(server: str, url: str | None, headers: dict[str, str], method: str,
-                 path: str, timeout_s: float = 120.0, *, text_ok: bool = False,
-                 json: dict[str, object] | None = None,
-                 params: dict[str, str | int | float] | None = None) -> dict[str, Any]:
+def control_call(
+    server: str,
+    url: str | None,
+    headers: dict[str, str],
+    method: str,
+    path: str,
+    timeout_s: float = 120.0,
+    *,
+    text_ok: bool = False,
+    json: dict[str, object] | None = None,
+    params: dict[str, str | int | float] | None = None,
+) -> dict[str, Any]:
     """One control call on an engine server (vLLM's or SGLang's), the JSON object it answers.
 
     In: ``server`` names it in errors (``"vLLM engine c1"``), ``url`` its root (None: not
@@ -64,8 +75,9 @@ def control_call(server: str, url: str | None, headers: dict[str, str], method: 
     if url is None:
         raise RuntimeFailure(f"{server} is not running")
     try:
-        resp = httpx.request(method, f"{url}{path}", timeout=timeout_s, headers=headers,
-                             json=json, params=params)
+        resp = httpx.request(
+            method, f"{url}{path}", timeout=timeout_s, headers=headers, json=json, params=params
+        )
     except httpx.HTTPError as exc:
         raise RuntimeFailure(f"{server} {path}: {exc!r}") from None
     if resp.status_code != 200:
@@ -89,8 +101,7 @@ class ServerProcess:
     """One engine server: ``label`` names its kind in messages ("vLLM"); ``text_answers``:
     a plain-text answer to a control call counts as {} (SGLang's ``/flush_cache``)."""
 
-    def __init__(self, label: str, name: str, log_path: Path,
-                 text_answers: bool = False) -> None:
+    def __init__(self, label: str, name: str, log_path: Path, text_answers: bool = False) -> None:
         self.label, self.name, self.log_path = label, name, log_path
         self.text_answers = text_answers
         self.proc: subprocess.Popen | None = None
@@ -105,25 +116,42 @@ class ServerProcess:
 
         self.token = os.environ.get("TIDAL_ENGINE_TOKEN")
         if not self.token and not is_loopback(ip):
-            raise RuntimeFailure(f"{self.label} engine {self.name}: bound to {ip}, beyond "
-                                 "loopback, it needs the run's token ($TIDAL_ENGINE_TOKEN)")
+            raise RuntimeFailure(
+                f"{self.label} engine {self.name}: bound to {ip}, beyond "
+                "loopback, it needs the run's token ($TIDAL_ENGINE_TOKEN)"
+            )
         return ip
 
     def headers(self) -> dict[str, str]:
         """What every call on the server carries: the run's token, when there is one."""
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    def http(self, method: str, path: str, timeout_s: float = 120.0, *,
-             json: dict[str, object] | None = None,
-             params: dict[str, str | int | float] | None = None) -> dict[str, Any]:
+    def http(
+        self,
+        method: str,
+        path: str,
+        timeout_s: float = 120.0,
+        *,
+        json: dict[str, object] | None = None,
+        params: dict[str, str | int | float] | None = None,
+    ) -> dict[str, Any]:
         """One control call on the server (``control_call``)."""
         url = self.url if self.url is not None and self.alive() else None
-        return control_call(f"{self.label} engine {self.name}", url, self.headers(), method,
-                            path, timeout_s, text_ok=self.text_answers, json=json,
-                            params=params)
+        return control_call(
+            f"{self.label} engine {self.name}",
+            url,
+            self.headers(),
+            method,
+            path,
+            timeout_s,
+            text_ok=self.text_answers,
+            json=json,
+            params=params,
+        )
 
-    def serve(self, args_for: Callable[[int], list[str]], env: dict[str, str], host: str,
-              timeout_s: float) -> None:
+    def serve(
+        self, args_for: Callable[[int], list[str]], env: dict[str, str], host: str, timeout_s: float
+    ) -> None:
         """Launch the server (``args_for(port)``) on a free port of ``host`` and wait until
         it answers, within ``timeout_s`` in all. The server binds its port only after its
         imports, seconds after the port was chosen; a port taken meanwhile (its log says
@@ -144,8 +172,12 @@ class ServerProcess:
                 self.end()
                 if not taken or attempt == PORT_TRIES:
                     raise
-                log.warning("engine %s: port %d was taken before the server bound it; "
-                            "starting it again on another port", self.name, port)
+                log.warning(
+                    "engine %s: port %d was taken before the server bound it; "
+                    "starting it again on another port",
+                    self.name,
+                    port,
+                )
 
     def _log_size(self) -> int:
         try:
@@ -167,8 +199,9 @@ class ServerProcess:
         """Start the server (``args``) in its own session (its children end with it), its
         output appended to the engine's log; ``url`` is where it will answer."""
         with open(self.log_path, "ab") as log_fh:
-            self.proc = subprocess.Popen(args, stdout=log_fh, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                args, stdout=log_fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         self.url = f"http://{host}:{port}"
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -176,11 +209,15 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeFailure(f"the server exited with {self.proc.returncode} during "
-                                     f"start-up: {self.log_tail()}")
+                raise RuntimeFailure(
+                    f"the server exited with {self.proc.returncode} during "
+                    f"start-up: {self.log_tail()}"
+                )
             try:
-                if httpx.get(f"{self.url}/health", headers=self.headers(),
-                             timeout=2.0).status_code == 200:
+                if (
+                    httpx.get(f"{self.url}/health", headers=self.headers(), timeout=2.0).status_code
+                    == 200
+                ):
                     return
             except httpx.HTTPError:
                 pass
@@ -248,20 +285,35 @@ def server_rss_bytes(server: ServerProcess) -> int:
 
 def describe_server(host: EngineHost, server: ServerProcess, backend: str) -> dict[str, Any]:
     """What a host whose engine is a server reports (``describe``)."""
-    return {"name": host.name, "state": host.state, "version": host.loaded_version,
-            "alive": server.alive(), "url": server.url,
-            "pid": server.proc.pid if server.proc else None, "satellite_pid": None,
-            "satellite_starts": 0, "gpu_ids": _gpu_ids(), "backend": backend,
-            "device": host.device, "node_id": host.node.node_id, "node_ip": host.node.ip,
-            "host": socket.gethostname()}
+    return {
+        "name": host.name,
+        "state": host.state,
+        "version": host.loaded_version,
+        "alive": server.alive(),
+        "url": server.url,
+        "pid": server.proc.pid if server.proc else None,
+        "satellite_pid": None,
+        "satellite_starts": 0,
+        "gpu_ids": _gpu_ids(),
+        "backend": backend,
+        "device": host.device,
+        "node_id": host.node.node_id,
+        "node_ip": host.node.ip,
+        "host": socket.gethostname(),
+    }
 
 
-def describe_cell(host: EngineHost, server: ServerProcess, backend: str,
-                  memory: list[dict[str, Any]]) -> dict[str, Any]:
+def describe_cell(
+    host: EngineHost, server: ServerProcess, backend: str, memory: list[dict[str, Any]]
+) -> dict[str, Any]:
     """What a cell whose engine is a server reports: the server's description, what each
     release freed (``memory``) and the cell's satellite trainer."""
     out = describe_server(host, server, backend)
-    out.update(device=host.device, memory=memory, cgroup=None,
-               satellite_pid=host.satellite.pid if host.satellite_alive() else None,
-               satellite_starts=host.satellite_starts)
+    out.update(
+        device=host.device,
+        memory=memory,
+        cgroup=None,
+        satellite_pid=host.satellite.pid if host.satellite_alive() else None,
+        satellite_starts=host.satellite_starts,
+    )
     return out

@@ -55,33 +55,54 @@ if TYPE_CHECKING:
     from tidal.config import RunConfig, RuntimeConfig
 
 # files of a model directory that are weights (a version directory holds the version's instead)
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json",
-                    ".bin.index.json")
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".safetensors.index.json",
+    ".bin.index.json",
+)
 
 
 # the flags of SGLang's server that tidal sets on each cell's server -> what sets them instead
 SGLANG_OWNED = {
-    "--model-path": "runtime.model", "--model": "runtime.model",
-    "--served-model-name": "the proxy's model name", "--host": "the node's address",
-    "--port": "a free port", "--device": "runtime.device",
+    "--model-path": "runtime.model",
+    "--model": "runtime.model",
+    "--served-model-name": "the proxy's model name",
+    "--host": "the node's address",
+    "--port": "a free port",
+    "--device": "runtime.device",
     "--max-running-requests": "runtime.engine_max_batch",
-    "--enable-memory-saver": "a cell's role switches", "--enable-metrics": "the adapter",
-    "--mem-fraction-static": "runtime.sglang.mem_fraction", "--dtype": "tidal's float32",
-    "--weight-version": "tidal's weight versions", "--api-key": "the run's token guard",
+    "--enable-memory-saver": "a cell's role switches",
+    "--enable-metrics": "the adapter",
+    "--mem-fraction-static": "runtime.sglang.mem_fraction",
+    "--dtype": "tidal's float32",
+    "--weight-version": "tidal's weight versions",
+    "--api-key": "the run's token guard",
 }
 
 
 def sglang_settings(rt: RuntimeConfig) -> dict[str, Any]:
     """What an ``SGLangCellHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``;
     ``sglang.args`` by ``check``)."""
-    return {"python": rt.resolved_sglang_python(), "mem_fraction": rt.sglang.mem_fraction,
-            "dtype": "float32", "args": list(rt.sglang.args)}
+    return {
+        "python": rt.resolved_sglang_python(),
+        "mem_fraction": rt.sglang.mem_fraction,
+        "dtype": "float32",
+        "args": list(rt.sglang.args),
+    }
 
 
 def _smi(*query: str) -> str:
     try:
-        return subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, check=True, timeout=30).stdout
+        return subprocess.run(
+            ["nvidia-smi", *query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeFailure(f"GPU memory of the SGLang server unmeasurable: {exc!r}") from None
 
@@ -118,11 +139,13 @@ def file_label(path: str) -> str:
 # environment (readable by the same user only), drops it there, and appends it to the arguments
 # SGLang parses inside the process; the command line the kernel shows never holds it.
 _KEY_ENV = "TIDAL_SGLANG_API_KEY"
-_LAUNCH = ("import os, runpy, sys; "
-           f"key = os.environ.pop({_KEY_ENV!r}, ''); "
-           "sys.argv = ['sglang.launch_server', *sys.argv[1:], "
-           "*(['--api-key', key] if key else [])]; "
-           "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
+_LAUNCH = (
+    "import os, runpy, sys; "
+    f"key = os.environ.pop({_KEY_ENV!r}, ''); "
+    "sys.argv = ['sglang.launch_server', *sys.argv[1:], "
+    "*(['--api-key', key] if key else [])]; "
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
+)
 
 
 class SGLangCellHost(EngineHost):
@@ -132,17 +155,30 @@ class SGLangCellHost(EngineHost):
 
     backend = "sglang"
 
-    def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
-                 settings: dict[str, Any], device: str = "cpu") -> None:
+    def __init__(
+        self,
+        name: str,
+        model_dir: str,
+        max_batch: int,
+        log_dir: str,
+        settings: dict[str, Any],
+        device: str = "cpu",
+    ) -> None:
         super().__init__(name, model_dir, max_batch, log_dir, device=device)
         self.settings = settings
         # plain-text answers count as {} (/flush_cache)
         self.server = ServerProcess("SGLang", name, self.log_path, text_answers=True)
         self.memory: list[dict[str, Any]] = []  # one entry per release: memory before/after
 
-    def _http(self, method: str, path: str, timeout_s: float = 120.0, *,
-              json: dict[str, object] | None = None,
-              params: dict[str, str | int | float] | None = None) -> dict[str, Any]:
+    def _http(
+        self,
+        method: str,
+        path: str,
+        timeout_s: float = 120.0,
+        *,
+        json: dict[str, object] | None = None,
+        params: dict[str, str | int | float] | None = None,
+    ) -> dict[str, Any]:
         return self.server.http(method, path, timeout_s, json=json, params=params)
 
     def alive(self) -> bool:
@@ -170,14 +206,30 @@ class SGLangCellHost(EngineHost):
         env.pop("PYTHONPATH", None)  # nothing of this venv leaks into SGLang's
         if self.settings.get("pythonpath"):
             env["PYTHONPATH"] = self.settings["pythonpath"]
-        args = [self.settings["python"], "-c", _LAUNCH,
-                "--model-path", self.model_dir, "--served-model-name", "tidal",
-                "--host", host, "--device", self.device,
-                "--max-running-requests", str(self.max_batch), "--enable-memory-saver",
-                "--enable-metrics",  # /metrics: the adapter's running count (pause "wait")
-                "--mem-fraction-static", str(self.settings["mem_fraction"]),
-                "--dtype", self.settings["dtype"], "--weight-version", self.loaded_version,
-                *self.settings.get("args", [])]
+        args = [
+            self.settings["python"],
+            "-c",
+            _LAUNCH,
+            "--model-path",
+            self.model_dir,
+            "--served-model-name",
+            "tidal",
+            "--host",
+            host,
+            "--device",
+            self.device,
+            "--max-running-requests",
+            str(self.max_batch),
+            "--enable-memory-saver",
+            "--enable-metrics",  # /metrics: the adapter's running count (pause "wait")
+            "--mem-fraction-static",
+            str(self.settings["mem_fraction"]),
+            "--dtype",
+            self.settings["dtype"],
+            "--weight-version",
+            self.loaded_version,
+            *self.settings.get("args", []),
+        ]
         if self.server.token:  # SGLang guards every route with it: the proxy and this host
             env[_KEY_ENV] = self.server.token  # send it; into --api-key, never on its argv
         try:
@@ -188,8 +240,10 @@ class SGLangCellHost(EngineHost):
             raise RuntimeFailure(f"SGLang engine {self.name}: {exc}") from None
         if served != self.loaded_version:
             self.server.end()
-            raise RuntimeFailure(f"SGLang engine {self.name} serves {served!r} at start, not "
-                                 f"{self.loaded_version!r} (--weight-version ignored)")
+            raise RuntimeFailure(
+                f"SGLang engine {self.name} serves {served!r} at start, not "
+                f"{self.loaded_version!r} (--weight-version ignored)"
+            )
         self.state = "awake"
         assert self.server.url is not None
         return self.server.url
@@ -226,14 +280,20 @@ class SGLangCellHost(EngineHost):
         if after >= before:
             self._http("POST", "/resume_memory_occupation", json={"tags": None})
             self._http("POST", "/continue_generation", json={})
-            raise RuntimeFailure(f"SGLang engine {self.name}: /release_memory_occupation freed "
-                                 f"nothing ({before / 2**20:.0f} MiB before, "
-                                 f"{after / 2**20:.0f} MiB after; --enable-memory-saver?)")
+            raise RuntimeFailure(
+                f"SGLang engine {self.name}: /release_memory_occupation freed "
+                f"nothing ({before / 2**20:.0f} MiB before, "
+                f"{after / 2**20:.0f} MiB after; --enable-memory-saver?)"
+            )
         self.state = "asleep"
-        self.memory.append({"measure": "gpu" if self.device == "cuda" else "rss",
-                            "before_mb": round(before / 2**20, 1),
-                            "after_mb": round(after / 2**20, 1),
-                            "sleep_s": round(time.perf_counter() - t0, 3)})
+        self.memory.append(
+            {
+                "measure": "gpu" if self.device == "cuda" else "rss",
+                "before_mb": round(before / 2**20, 1),
+                "after_mb": round(after / 2**20, 1),
+                "sleep_s": round(time.perf_counter() - t0, 3),
+            }
+        )
         return self.state
 
     def wake(self) -> str:
@@ -267,19 +327,28 @@ class SGLangCellHost(EngineHost):
         served label back: it must be ``version``, else one ``RuntimeFailure`` line."""
         stored = file_label(path)
         if stored and stored != version:
-            raise RuntimeFailure(f"SGLang engine {self.name}: {path} holds {stored}, "
-                                 f"not {version}")
+            raise RuntimeFailure(f"SGLang engine {self.name}: {path} holds {stored}, not {version}")
         d = self._version_dir(path, version)
-        out = self._http("POST", "/update_weights_from_disk", timeout_s=600.0, json={
-            "model_path": str(d), "weight_version": version, "abort_all_requests": False,
-            "flush_cache": True})
+        out = self._http(
+            "POST",
+            "/update_weights_from_disk",
+            timeout_s=600.0,
+            json={
+                "model_path": str(d),
+                "weight_version": version,
+                "abort_all_requests": False,
+                "flush_cache": True,
+            },
+        )
         if out.get("success") is False:
-            raise RuntimeFailure(f"SGLang engine {self.name}: loading {version}: "
-                                 f"{out.get('message')}")
+            raise RuntimeFailure(
+                f"SGLang engine {self.name}: loading {version}: {out.get('message')}"
+            )
         served = self._served()
         if served != version:
-            raise RuntimeFailure(f"SGLang engine {self.name} serves {served!r} after loading "
-                                 f"{version!r}")
+            raise RuntimeFailure(
+                f"SGLang engine {self.name} serves {served!r} after loading {version!r}"
+            )
         for old in d.parent.iterdir():  # earlier versions' directories
             if old != d:
                 shutil.rmtree(old, ignore_errors=True)
@@ -299,9 +368,12 @@ def check(cfg: RunConfig) -> None:
         return
     rt = cfg.runtime
     if not rt.use_gpus or rt.device == "cpu":
-        raise ConfigError("runtime.cell_backend", "'sglang' cells need GPUs (SGLang is "
-                          "CUDA-only): set runtime.use_gpus: true and runtime.device cuda or "
-                          "auto, or use 'builtin' or 'vllm'")
+        raise ConfigError(
+            "runtime.cell_backend",
+            "'sglang' cells need GPUs (SGLang is "
+            "CUDA-only): set runtime.use_gpus: true and runtime.device cuda or "
+            "auto, or use 'builtin' or 'vllm'",
+        )
     vllm_host.refuse_tiny(rt, "runtime.cell_backend", "SGLang")
     check_extra_args(rt.sglang.args, SGLANG_OWNED, "runtime.sglang.args", "SGLang")
     rt.resolved_sglang_python()

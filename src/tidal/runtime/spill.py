@@ -53,6 +53,8 @@ def stale_line(tmp: str | Path | None = None) -> str | None:
     stale = stale_in_tmp(tmp)
     if not stale:
         return None
-    return (f"{len(stale)} stale engine spill files ({_size(stale) / 1e6:.0f} MB of model "
-            f"weights) of older tidal runs in {stale[0].parent}; nothing uses them: remove "
-            f"them with 'rm {stale[0].parent / SPILL_GLOB}'")
+    return (
+        f"{len(stale)} stale engine spill files ({_size(stale) / 1e6:.0f} MB of model "
+        f"weights) of older tidal runs in {stale[0].parent}; nothing uses them: remove "
+        f"them with 'rm {stale[0].parent / SPILL_GLOB}'"
+    )

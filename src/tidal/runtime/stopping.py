@@ -58,9 +58,12 @@ def _cancel_all(loop: asyncio.AbstractEventLoop, cancel_s: float) -> None:
         return
     _, pending = loop.run_until_complete(asyncio.wait(tasks, timeout=cancel_s))
     if pending:
-        log.warning("%d tasks did not end within %.0f s of the stop (left behind): %s",
-                    len(pending), cancel_s,
-                    ", ".join(sorted(t.get_name() for t in pending))[:300])
+        log.warning(
+            "%d tasks did not end within %.0f s of the stop (left behind): %s",
+            len(pending),
+            cancel_s,
+            ", ".join(sorted(t.get_name() for t in pending))[:300],
+        )
     for task in tasks:
         if task.done() and not task.cancelled() and task.exception() is not None:
             log.debug("task %s ended with %r", task.get_name(), task.exception())
@@ -69,6 +72,7 @@ def _cancel_all(loop: asyncio.AbstractEventLoop, cancel_s: float) -> None:
 def exit_soon(code: int, grace_s: float = EXIT_GRACE_S) -> None:
     """Arm a daemon timer that ends the process with ``code`` in ``grace_s`` unless it has
     exited by then (only for a process that is ``tidal`` itself: never inside a test runner)."""
+
     def leave() -> None:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):

@@ -39,10 +39,18 @@ class CellView(Protocol):
 
 
 class CellSupervisor:
-    def __init__(self, engines: Engines, cells: CellView, admin: httpx.AsyncClient,
-                 weights: Weights, clock: Clock, start_timeout_s: float,
-                 interval_s: float = 0.5, probe_timeout_s: float = 10.0,
-                 missed_probes: int = 6) -> None:
+    def __init__(
+        self,
+        engines: Engines,
+        cells: CellView,
+        admin: httpx.AsyncClient,
+        weights: Weights,
+        clock: Clock,
+        start_timeout_s: float,
+        interval_s: float = 0.5,
+        probe_timeout_s: float = 10.0,
+        missed_probes: int = 6,
+    ) -> None:
         self.engines, self.cells, self.admin = engines, cells, admin
         self.weights, self.clock, self.start_timeout_s = weights, clock, start_timeout_s
         self.interval_s, self.probe_timeout_s = interval_s, probe_timeout_s
@@ -72,15 +80,21 @@ class CellSupervisor:
         import ray
 
         try:
-            info = await asyncio.wait_for(self.engines.actors[eid].describe.remote(),
-                                          self.probe_timeout_s)
+            info = await asyncio.wait_for(
+                self.engines.actors[eid].describe.remote(), self.probe_timeout_s
+            )
         except ray.exceptions.RayError as exc:  # died, killed by Ray's memory monitor, ...
             log.warning("cell actor %s lost: %s", eid, type(exc).__name__)
             return False
         except TimeoutError:
             self._missed[eid] = self._missed.get(eid, 0) + 1
-            log.warning("cell actor %s: no answer within %.0f s (%d of %d)", eid,
-                        self.probe_timeout_s, self._missed[eid], self.missed_probes)
+            log.warning(
+                "cell actor %s: no answer within %.0f s (%d of %d)",
+                eid,
+                self.probe_timeout_s,
+                self._missed[eid],
+                self.missed_probes,
+            )
             return self._missed[eid] < self.missed_probes
         self._missed[eid] = 0
         if not info["alive"] and info["state"] != "stopped":

@@ -120,8 +120,9 @@ class Parts:
         task = asyncio.get_running_loop().create_task(main, name="run")
         failed = asyncio.get_running_loop().create_task(self._failed.wait())
         try:
-            await asyncio.wait({task, failed}, timeout=timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {task, failed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             failed.cancel()
         if task.done() and self._failure is None:
@@ -143,8 +144,11 @@ class Parts:
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=timeout_s)
             for task in pending:
-                log.error("task %s did not end within %.0f s of its cancellation",
-                          task.get_name(), timeout_s)
+                log.error(
+                    "task %s did not end within %.0f s of its cancellation",
+                    task.get_name(),
+                    timeout_s,
+                )
 
 
 async def remote(call: Awaitable[T], what: str, timeout_s: float) -> T:

@@ -46,8 +46,9 @@ if TYPE_CHECKING:
     from tidal.training.trajectory_buffer import TrajectoryBuffer
 
 
-def core_pool(cfg: RunConfig,
-              cpu_groups: CpuGroups | None) -> concurrent.futures.ThreadPoolExecutor:
+def core_pool(
+    cfg: RunConfig, cpu_groups: CpuGroups | None
+) -> concurrent.futures.ThreadPoolExecutor:
     """The one thread the core trainer computes on (seeded torch; with ``runtime.cell_cpus``
     it lives in cell 0's CPU group, and its OpenMP team is born there too)."""
     import torch
@@ -62,18 +63,27 @@ def core_pool(cfg: RunConfig,
         threads = min(threads, max(1, int(rt.cell_cpus or 1)))
         join = functools.partial(join_thread, cpu_groups.path("c0"))
     torch.set_num_threads(threads)
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidal-core",
-                                                 initializer=join)
+    return concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="tidal-core", initializer=join
+    )
 
 
 class TrainerLoop:
-    def __init__(self, cfg: RunConfig, core: CoreTrainer, buffer: TrajectoryBuffer,
-                 actuator: RayActuator, publisher: Publisher, outputs: RunOutputs,
-                 ctl: Controller,
-                 handle: Callable[[Event], None], clock: Clock,
-                 pool: concurrent.futures.ThreadPoolExecutor,
-                 ck: checkpoint.Checkpoint | None,
-                 close_reasons: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        core: CoreTrainer,
+        buffer: TrajectoryBuffer,
+        actuator: RayActuator,
+        publisher: Publisher,
+        outputs: RunOutputs,
+        ctl: Controller,
+        handle: Callable[[Event], None],
+        clock: Clock,
+        pool: concurrent.futures.ThreadPoolExecutor,
+        ck: checkpoint.Checkpoint | None,
+        close_reasons: Callable[[], dict[str, int]],
+    ) -> None:
         self.cfg, self.core, self.buffer, self.actuator = cfg, core, buffer, actuator
         self.publisher, self.outputs, self.ctl, self.clock = publisher, outputs, ctl, clock
         self.handle = handle  # the run's guarded controller.handle (a failure stops the run)
@@ -104,8 +114,9 @@ class TrainerLoop:
         first_b, first_u = divmod(step, c.updates_per_burst)
         for b in range(first_b, c.bursts or 0):
             for u in range(first_u if b == first_b else 0, c.updates_per_burst):
-                await self._step(b, step, final=u == c.updates_per_burst - 1,
-                                 left=c.updates_per_burst - u)
+                await self._step(
+                    b, step, final=u == c.updates_per_burst - 1, left=c.updates_per_burst - u
+                )
                 step += 1
             async with self._published:
                 self.bursts_published = b + 1
@@ -127,22 +138,32 @@ class TrainerLoop:
                 t0 = self.clock.now()
                 inputs.collected(t0, len(self.buffer))
                 report = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, self.core.train_step, final, need)
+                    self.pool, self.core.train_step, final, need
+                )
                 break
         dt = self.clock.now() - t0
         if report is None:
             raise RuntimeFailure(f"step {step}: the trainer got no data")
         self.handle(GroupsAssigned(self.clock.now(), tuple(report.group_ids)))
         tm = inputs.done(self.clock.now())
-        self.handle(TrainerStepDone(
-            self.clock.now(), step, wait_s=tm.wait_s, queue_at_start=tm.queue_at_start,
-            compute_s=report.compute_s + report.update_s, alloc_s=tm.alloc_s,
-            final_of_burst=final, wait_for_samples_s=tm.no_gpu_s))
+        self.handle(
+            TrainerStepDone(
+                self.clock.now(),
+                step,
+                wait_s=tm.wait_s,
+                queue_at_start=tm.queue_at_start,
+                compute_s=report.compute_s + report.update_s,
+                alloc_s=tm.alloc_s,
+                final_of_burst=final,
+                wait_for_samples_s=tm.no_gpu_s,
+            )
+        )
         if final:
             await self.publisher.publish(self.core.version)
         self.trained_groups += report.group_ids
-        line = step_line(self.ctl, burst, step, self.core.version, report, dt, wait_s,
-                         self.outputs.elapsed())
+        line = step_line(
+            self.ctl, burst, step, self.core.version, report, dt, wait_s, self.outputs.elapsed()
+        )
         rows = self.ctl.metrics.rows
         if len(rows) > self._rows_logged:  # a weight version closed: verl's metric names
             line.update({k: round(v, 4) for k, v in rows[-1].items() if "/" in k})
@@ -150,8 +171,9 @@ class TrainerLoop:
         self.outputs.step(line)
         await self._checkpoint(step, final)
 
-    async def _core_active(self, inputs: StepInputs, burst: int, step: int, left: int,
-                           need: int) -> tuple[float, int]:
+    async def _core_active(
+        self, inputs: StepInputs, burst: int, step: int, left: int, need: int
+    ) -> tuple[float, int]:
         """Wait until cell 0's trainer worker is active and ``need`` groups are ready (so a
         step never holds the trainer lock while waiting for data, which would keep the core
         from returning to rollout); returns the wait and the groups the step trains (fewer
@@ -168,27 +190,38 @@ class TrainerLoop:
                     raise RuntimeFailure(
                         f"step {step}: no group can come for it: every group of burst {burst} "
                         f"was trained or dropped ({ledger.groups_dropped} dropped: fewer than "
-                        f"2 scored members; {self.buffer.stats.groups_dropped_stale} stale)")
+                        f"2 scored members; {self.buffer.stats.groups_dropped_stale} stale)"
+                    )
                 need = -(-have // left)  # this step's share of what is left
                 self.handle(BatchShort(self.clock.now(), step, need))
             if training and have >= need:
                 return self.clock.now() - t0, need
             fl = self.ctl.inflight  # a move of cells: its steps are bounded on their own
-            mark = (ledger.total.dispatched, ledger.total.finished,
-                    self.buffer.stats.records_in, have, training, len(self.ctl.plans_done),
-                    self.ctl.plans_aborted, fl and (fl.plan.plan_id, fl.step))
+            mark = (
+                ledger.total.dispatched,
+                ledger.total.finished,
+                self.buffer.stats.records_in,
+                have,
+                training,
+                len(self.ctl.plans_done),
+                self.ctl.plans_aborted,
+                fl and (fl.plan.plan_id, fl.step),
+            )
             now = self.clock.now()
             if mark != seen:
                 seen, since = mark, now
-            bound = (rt.step_data_timeout_s
-                     + (rt.execution_timeout_s if ledger.waterlevel else 0)
-                     + (self.cfg.control.step_timeout_s if fl else 0))
+            bound = (
+                rt.step_data_timeout_s
+                + (rt.execution_timeout_s if ledger.waterlevel else 0)
+                + (self.cfg.control.step_timeout_s if fl else 0)
+            )
             if now - since > bound:
                 raise TimeoutExpired(
                     f"step {step}: {have} of {need} groups ready and no progress for "
                     f"{bound:g} s (runtime.step_data_timeout_s"
                     f"{' + execution_timeout_s: executions running' if ledger.waterlevel else ''}"
-                    f"{' + control.step_timeout_s: a move in flight' if fl else ''})")
+                    f"{' + control.step_timeout_s: a move in flight' if fl else ''})"
+                )
             inputs.gpus(now, training, len(self.buffer))
             self.actuator.training_changed.clear()
             with contextlib.suppress(TimeoutError):
@@ -200,16 +233,20 @@ class TrainerLoop:
             return
         w = self.publisher.weights
         st = checkpoint.RunState(
-            step=step + 1, bursts_published=self.bursts_published + int(final),
-            published_version=w.version, published_path=w.path,
+            step=step + 1,
+            bursts_published=self.bursts_published + int(final),
+            published_version=w.version,
+            published_path=w.path,
             trained_groups=list(self.trained_groups),
             metrics_lines=len(self.outputs.metrics),
             execution_lines=self.outputs.executions.lines,
             elapsed_s=round(self.outputs.elapsed(), 3),
             resumes=(self.ck.state.resumes + 1) if self.ck else 0,
-            close_reasons=self.close_reasons())
+            close_reasons=self.close_reasons(),
+        )
         records, trainer = self.buffer.held_records(), self.core.state_dict()
         out = self.outputs.out
-        await asyncio.to_thread(checkpoint.save, out, st, records, trainer,
-                                max(1, self.cfg.runtime.keep_checkpoints))
+        await asyncio.to_thread(
+            checkpoint.save, out, st, records, trainer, max(1, self.cfg.runtime.keep_checkpoints)
+        )
         await asyncio.to_thread(checkpoint.record_processes, out)

@@ -37,8 +37,15 @@ if TYPE_CHECKING:
 class VLLMCellHost(VLLMEngineHost):
     """Plain class; ``engines`` wraps it with ``ray.remote``. One vLLM server per cell."""
 
-    def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
-                 settings: dict[str, Any], device: str = "cpu") -> None:
+    def __init__(
+        self,
+        name: str,
+        model_dir: str,
+        max_batch: int,
+        log_dir: str,
+        settings: dict[str, Any],
+        device: str = "cpu",
+    ) -> None:
         super().__init__(name, model_dir, max_batch, log_dir, settings)
         self.device_setting = device
         self.memory: list[dict[str, Any]] = []  # one entry per release: RSS before/after
@@ -46,14 +53,23 @@ class VLLMCellHost(VLLMEngineHost):
     def _extra_args(self) -> list[str]:
         return ["--enable-sleep-mode"] if self.device == "cuda" else []
 
-    def _http(self, method: str, path: str, timeout_s: float = 120.0, *,
-              json: dict[str, object] | None = None,
-              params: dict[str, str | int | float] | None = None) -> dict[str, Any]:
+    def _http(
+        self,
+        method: str,
+        path: str,
+        timeout_s: float = 120.0,
+        *,
+        json: dict[str, object] | None = None,
+        params: dict[str, str | int | float] | None = None,
+    ) -> dict[str, Any]:
         return self.server.http(method, path, timeout_s, json=json, params=params)
 
     def _rpc(self, method: str) -> list[Any]:
-        return self._http("POST", "/collective_rpc", json={
-            "method": method, "args": [], "kwargs": {}, "timeout": 120.0})["results"]
+        return self._http(
+            "POST",
+            "/collective_rpc",
+            json={"method": method, "args": [], "kwargs": {}, "timeout": 120.0},
+        )["results"]
 
     def sleep(self) -> str:
         """Free the engine's memory (its cell was drained: nothing of ours runs there); a
@@ -64,22 +80,28 @@ class VLLMCellHost(VLLMEngineHost):
         if self.device == "cuda":
             self._http("POST", "/sleep", params={"level": 1, "mode": "abort"})
             if not self._http("GET", "/is_sleeping").get("is_sleeping"):
-                raise RuntimeFailure(f"vLLM engine {self.name}: /sleep answered but the "
-                                     "server is not sleeping")
+                raise RuntimeFailure(
+                    f"vLLM engine {self.name}: /sleep answered but the server is not sleeping"
+                )
             released = None
         else:
             self._http("POST", "/pause", params={"mode": "abort"})
             released = sum(int(n) for n in self._rpc("tidal_release_kv_cache"))
             if released <= 0:
                 self._http("POST", "/resume")  # it serves on as it was
-                raise RuntimeFailure(f"vLLM engine {self.name}: no KV cache memory was "
-                                     "released (the worker holds none)")
+                raise RuntimeFailure(
+                    f"vLLM engine {self.name}: no KV cache memory was "
+                    "released (the worker holds none)"
+                )
         self.state = "asleep"
-        self.memory.append({"rss_before_mb": round(before / 2**20, 1),
-                            "rss_after_mb": round(self.rss_bytes() / 2**20, 1),
-                            "kv_released_mb": None if released is None
-                            else round(released / 2**20, 1),
-                            "sleep_s": round(time.perf_counter() - t0, 3)})
+        self.memory.append(
+            {
+                "rss_before_mb": round(before / 2**20, 1),
+                "rss_after_mb": round(self.rss_bytes() / 2**20, 1),
+                "kv_released_mb": None if released is None else round(released / 2**20, 1),
+                "sleep_s": round(time.perf_counter() - t0, 3),
+            }
+        )
         return self.state
 
     def wake(self) -> str:
@@ -113,7 +135,6 @@ class VLLMCellHost(VLLMEngineHost):
         super().stop()
 
 
-
 def check(cfg: RunConfig) -> None:
     """``ConfigError`` (naming the field) unless this run can serve its vLLM engines as
     configured: its standalone engines (``vllm_host.check``), then its cells."""
@@ -129,6 +150,8 @@ def check(cfg: RunConfig) -> None:
     vllm_host.refuse_tiny(rt, "runtime.cell_backend", "vLLM")
     check_extra_args(rt.vllm.args, vllm_host.VLLM_OWNED, "runtime.vllm.args", "vLLM")
     if rt.cell_cpus is not None:
-        raise ConfigError("runtime.cell_cpus", "not supported when cells are vLLM servers "
-                          "(the quota covers built-in engines)")
+        raise ConfigError(
+            "runtime.cell_cpus",
+            "not supported when cells are vLLM servers (the quota covers built-in engines)",
+        )
     rt.resolved_vllm_python()

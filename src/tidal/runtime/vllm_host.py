@@ -42,14 +42,21 @@ SERVED_NAME = "tidal"
 
 # the flags of ``vllm serve`` that tidal sets on each server -> what sets them instead
 VLLM_OWNED = {
-    "--model": "runtime.model", "--served-model-name": "the proxy's model name",
-    "--host": "the node's address", "--port": "a free port",
-    "--max-model-len": "runtime.vllm.max_model_len", "--max-num-seqs": "runtime.engine_max_batch",
-    "--dtype": "runtime.vllm.dtype", "--tensor-parallel-size": "runtime.vllm.tensor_parallel",
-    "-tp": "runtime.vllm.tensor_parallel", "--enforce-eager": "runtime.vllm.cuda_graphs",
+    "--model": "runtime.model",
+    "--served-model-name": "the proxy's model name",
+    "--host": "the node's address",
+    "--port": "a free port",
+    "--max-model-len": "runtime.vllm.max_model_len",
+    "--max-num-seqs": "runtime.engine_max_batch",
+    "--dtype": "runtime.vllm.dtype",
+    "--tensor-parallel-size": "runtime.vllm.tensor_parallel",
+    "-tp": "runtime.vllm.tensor_parallel",
+    "--enforce-eager": "runtime.vllm.cuda_graphs",
     "--kv-cache-memory-bytes": "runtime.vllm.kv_cache_gb",
-    "--worker-extension-cls": "tidal's weight loading", "--middleware": "the run's token guard",
-    "--api-key": "the run's token guard", "--enable-sleep-mode": "a cell's role switches",
+    "--worker-extension-cls": "tidal's weight loading",
+    "--middleware": "the run's token guard",
+    "--api-key": "the run's token guard",
+    "--enable-sleep-mode": "a cell's role switches",
     "--kv-transfer-config": "tidal's KV handoff between the run's vLLM servers",
 }
 
@@ -66,10 +73,16 @@ def kv_dir(run_dir: Path) -> str:
 def vllm_settings(rt: RuntimeConfig) -> dict[str, Any]:
     """What a ``VLLMEngineHost`` needs from ``RuntimeConfig`` (validated: ``ConfigError``;
     ``vllm.args`` by ``check``)."""
-    return {"python": rt.resolved_vllm_python(), "kv_cache_gb": rt.vllm.kv_cache_gb,
-            "max_model_len": rt.vllm.max_model_len, "device": rt.device if rt.use_gpus
-            else "cpu", "tensor_parallel": rt.vllm.tensor_parallel, "dtype": rt.vllm.dtype,
-            "cuda_graphs": rt.vllm.cuda_graphs, "args": list(rt.vllm.args)}
+    return {
+        "python": rt.resolved_vllm_python(),
+        "kv_cache_gb": rt.vllm.kv_cache_gb,
+        "max_model_len": rt.vllm.max_model_len,
+        "device": rt.device if rt.use_gpus else "cpu",
+        "tensor_parallel": rt.vllm.tensor_parallel,
+        "dtype": rt.vllm.dtype,
+        "cuda_graphs": rt.vllm.cuda_graphs,
+        "args": list(rt.vllm.args),
+    }
 
 
 def serves_bfloat16(rt: RuntimeConfig) -> bool:
@@ -87,11 +100,12 @@ def cpu_thread_bind(tp: int, cpus: list[int]) -> str:
     one-node host always has. Fewer CPUs than workers is one ``RuntimeFailure`` line."""
     cpus = sorted(cpus)
     if tp > len(cpus):
-        raise RuntimeFailure(f"runtime.vllm.tensor_parallel: {tp} CPU workers, but this "
-                             f"engine may use {len(cpus)} CPUs ({cpus})")
+        raise RuntimeFailure(
+            f"runtime.vllm.tensor_parallel: {tp} CPU workers, but this "
+            f"engine may use {len(cpus)} CPUs ({cpus})"
+        )
     share = len(cpus) // tp
-    return "|".join(",".join(str(c) for c in cpus[i * share:(i + 1) * share])
-                    for i in range(tp))
+    return "|".join(",".join(str(c) for c in cpus[i * share : (i + 1) * share]) for i in range(tp))
 
 
 def tensor_parallel(settings: dict[str, Any], device: str, gpu_ids: list[str]) -> int:
@@ -101,9 +115,11 @@ def tensor_parallel(settings: dict[str, Any], device: str, gpu_ids: list[str]) -
     cuda = device.startswith("cuda")
     tp = settings.get("tensor_parallel") or (max(len(gpu_ids), 1) if cuda else 1)
     if cuda and gpu_ids and tp > len(gpu_ids):
-        raise RuntimeFailure(f"runtime.vllm.tensor_parallel: {tp} GPUs per vLLM engine, but "
-                             f"Ray gave this engine {len(gpu_ids)} ({gpu_ids}): raise "
-                             "cluster.cell_gpus / standalone_gpus or lower it")
+        raise RuntimeFailure(
+            f"runtime.vllm.tensor_parallel: {tp} GPUs per vLLM engine, but "
+            f"Ray gave this engine {len(gpu_ids)} ({gpu_ids}): raise "
+            "cluster.cell_gpus / standalone_gpus or lower it"
+        )
     return tp
 
 
@@ -116,8 +132,12 @@ def serve_args(settings: dict[str, Any], device: str, gpu_ids: list[str]) -> lis
     dtype = settings.get("dtype", "auto")
     if dtype == "auto":
         dtype = "bfloat16" if cuda else "float32"
-    args = ["--dtype", dtype, "--tensor-parallel-size",
-            str(tensor_parallel(settings, device, gpu_ids))]
+    args = [
+        "--dtype",
+        dtype,
+        "--tensor-parallel-size",
+        str(tensor_parallel(settings, device, gpu_ids)),
+    ]
     if not (cuda and settings.get("cuda_graphs", True)):
         args.append("--enforce-eager")
     return args
@@ -160,10 +180,10 @@ class VLLMEngineHost(EngineHost):
     """Plain class; ``driver`` wraps it with ``ray.remote``. One vLLM server per instance
     (``self.server``)."""
 
-    def __init__(self, name: str, model_dir: str, max_batch: int, log_dir: str,
-                 settings: dict[str, Any]) -> None:
-        super().__init__(name, model_dir, max_batch, log_dir,
-                         device=settings.get("device", "cpu"))
+    def __init__(
+        self, name: str, model_dir: str, max_batch: int, log_dir: str, settings: dict[str, Any]
+    ) -> None:
+        super().__init__(name, model_dir, max_batch, log_dir, device=settings.get("device", "cpu"))
         self.settings = settings
         self.server = ServerProcess("vLLM", name, self.log_path)
         self._sync = None
@@ -176,33 +196,53 @@ class VLLMEngineHost(EngineHost):
 
         self.device = actor_device(self.device_setting, _gpu_ids())
         host = self.server.bind_host(self.node.ip)
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": host,
-               "PYTHONPATH": _tidal_path(self.log_path.parent / "vllm-pythonpath"),
-               "TIDAL_VLLM_LAUNCHER_PID": str(os.getpid())}
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_HOST_IP": host,
+            "PYTHONPATH": _tidal_path(self.log_path.parent / "vllm-pythonpath"),
+            "TIDAL_VLLM_LAUNCHER_PID": str(os.getpid()),
+        }
         env.pop("VIRTUAL_ENV", None)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         tp = tensor_parallel(self.settings, self.device, _gpu_ids())
         if self.device == "cpu" and tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_bind(tp, list(os.sched_getaffinity(0)))
-        args = [self.settings["python"], "-m", "vllm.entrypoints.openai.api_server",
-                "--model", self.model_dir, "--served-model-name", SERVED_NAME,
-                "--host", host,
-                "--max-model-len", str(self.settings["max_model_len"]),
-                "--max-num-seqs", str(self.max_batch),
-                *serve_args(self.settings, self.device, _gpu_ids()),
-                "--kv-cache-memory-bytes", str(int(self.settings["kv_cache_gb"] * 2**30)),
-                "--worker-extension-cls", "tidal.training.vllm_sync.TidalWorkerExtension",
-                "--kv-transfer-config", kv_transfer_config(kv_dir(self.log_path.parent.parent)),
-                *self._extra_args(), *self.settings.get("args", [])]
+        args = [
+            self.settings["python"],
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--served-model-name",
+            SERVED_NAME,
+            "--host",
+            host,
+            "--max-model-len",
+            str(self.settings["max_model_len"]),
+            "--max-num-seqs",
+            str(self.max_batch),
+            *serve_args(self.settings, self.device, _gpu_ids()),
+            "--kv-cache-memory-bytes",
+            str(int(self.settings["kv_cache_gb"] * 2**30)),
+            "--worker-extension-cls",
+            "tidal.training.vllm_sync.TidalWorkerExtension",
+            "--kv-transfer-config",
+            kv_transfer_config(kv_dir(self.log_path.parent.parent)),
+            *self._extra_args(),
+            *self.settings.get("args", []),
+        ]
         if self.server.token:  # the guard reads it from the environment, never the argv
             args += ["--middleware", MIDDLEWARE]
         try:
             self.server.serve(lambda port: [*args, "--port", str(port)], env, host, timeout_s)
             from tidal.training.vllm_sync import VLLMWeightPublisher
 
-            self._sync = VLLMWeightPublisher(self.server.url, None, "file",
-                                             timeout_s=timeout_s, api_key=self.server.token)
+            self._sync = VLLMWeightPublisher(
+                self.server.url, None, "file", timeout_s=timeout_s, api_key=self.server.token
+            )
             # vLLM calls its initial weights "default"; tidal's first version is v0
             self._sync.set_version(self.loaded_version)
         except TidalError as exc:
@@ -231,8 +271,9 @@ class VLLMEngineHost(EngineHost):
         except (TidalError, httpx.HTTPError) as exc:
             raise RuntimeFailure(f"vLLM engine {self.name}: loading {version}: {exc}") from None
         if served != version:
-            raise RuntimeFailure(f"vLLM engine {self.name} serves {served!r} after loading "
-                                 f"{version!r}")
+            raise RuntimeFailure(
+                f"vLLM engine {self.name} serves {served!r} after loading {version!r}"
+            )
         self.loaded_version = served
         return self.loaded_version
 
@@ -278,8 +319,10 @@ def check(cfg: RunConfig) -> None:
 
     rt = cfg.runtime
     if cfg.cluster.standalone_count == 0:
-        raise ConfigError("runtime.standalone_backend", "'vllm' serves standalone engines, "
-                          "and cluster.standalone_count is 0")
+        raise ConfigError(
+            "runtime.standalone_backend",
+            "'vllm' serves standalone engines, and cluster.standalone_count is 0",
+        )
     refuse_tiny(rt, "runtime.standalone_backend", "vLLM")
     check_extra_args(rt.vllm.args, VLLM_OWNED, "runtime.vllm.args", "vLLM")
     rt.resolved_vllm_python()
@@ -291,12 +334,20 @@ def refuse_tiny(rt: RuntimeConfig, field: str, server: str) -> None:
     from tidal.errors import ConfigError
 
     if rt.model == "tiny":
-        raise ConfigError(field, f"{server} cannot serve the 'tiny' model (tidal's own "
-                          "format): use a Hugging Face model, e.g. runtime.model: smollm2-135m")
+        raise ConfigError(
+            field,
+            f"{server} cannot serve the 'tiny' model (tidal's own "
+            "format): use a Hugging Face model, e.g. runtime.model: smollm2-135m",
+        )
 
 
-async def load_weights(admin: httpx.AsyncClient, name: str, load: Callable[[], ObjectRef],
-                       label: str, readmit: Callable[[], bool] | None = None) -> str:
+async def load_weights(
+    admin: httpx.AsyncClient,
+    name: str,
+    load: Callable[[], ObjectRef],
+    label: str,
+    readmit: Callable[[], bool] | None = None,
+) -> str:
     """``load()`` (the Ray call that loads ``label`` into engine ``name`` by its transport)
     with the engine out of the proxy's routing meanwhile (its calls move, none starts), so no
     call of ours straddles the load and the label the vLLM adapter reads at the start of each
@@ -305,14 +356,17 @@ async def load_weights(admin: httpx.AsyncClient, name: str, load: Callable[[], O
     routing."""
     resp = await admin.post(f"/tidal/engines/{name}/drain")
     if resp.status_code != 200:
-        raise RuntimeFailure(f"drain of {name} before loading {label}: HTTP "
-                             f"{resp.status_code} {resp.text[:200]}")
+        raise RuntimeFailure(
+            f"drain of {name} before loading {label}: HTTP {resp.status_code} {resp.text[:200]}"
+        )
     # a failed load (or a wrong version read back) leaves the engine out of routing: it
     # never serves weights other than the published ones
     served = await load()
     if readmit is None or readmit():  # else a plan holds it out: its drain stands
         resp = await admin.post(f"/tidal/engines/{name}/undrain")
         if resp.status_code != 200:
-            raise RuntimeFailure(f"undrain of {name} after loading {label}: HTTP "
-                                 f"{resp.status_code} {resp.text[:200]}")
+            raise RuntimeFailure(
+                f"undrain of {name} after loading {label}: HTTP "
+                f"{resp.status_code} {resp.text[:200]}"
+            )
     return served

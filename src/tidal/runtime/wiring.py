@@ -62,11 +62,17 @@ def check_config(cfg: RunConfig) -> Workload:
     if c.bursts is None:
         raise ConfigError("control.bursts", "tidal run needs a number of bursts")
     if c.quota_groups is not None and c.quota_groups != c.batch_groups * c.updates_per_burst:
-        raise ConfigError("control.quota_groups", "this runtime trains every dispatched group: "
-                          "quota_groups must equal batch_groups * updates_per_burst")
+        raise ConfigError(
+            "control.quota_groups",
+            "this runtime trains every dispatched group: "
+            "quota_groups must equal batch_groups * updates_per_burst",
+        )
     if cfg.policy.args.get("rebalance"):
-        raise ConfigError("policy.args.rebalance", "verl's rebalance (abort every in-flight "
-                          "request to re-spread load) is not supported by the runtime")
+        raise ConfigError(
+            "policy.args.rebalance",
+            "verl's rebalance (abort every in-flight "
+            "request to re-spread load) is not supported by the runtime",
+        )
     for backend in configured_backends(cfg):  # e.g. 'sglang' cells: GPUs, SGLang's python
         if backend.check is not None:
             load(backend.check)(cfg)
@@ -76,10 +82,15 @@ def check_config(cfg: RunConfig) -> Workload:
     rt = cfg.runtime
     standalone = engine_backend(rt.standalone_backend)
     if rt.cell_cpus is not None:
-        for bad, why in ((rt.ray_address, "joins a Ray cluster (the quota is per host)"),
-                         (rt.use_gpus, "uses GPUs (cells already own their devices)"),
-                         (standalone.server, f"serves standalone engines with "
-                          f"{standalone.label} (the quota covers built-in engines)")):
+        for bad, why in (
+            (rt.ray_address, "joins a Ray cluster (the quota is per host)"),
+            (rt.use_gpus, "uses GPUs (cells already own their devices)"),
+            (
+                standalone.server,
+                f"serves standalone engines with "
+                f"{standalone.label} (the quota covers built-in engines)",
+            ),
+        ):
             if bad:
                 raise ConfigError("runtime.cell_cpus", f"not supported when the run {why}")
     return workload
@@ -107,24 +118,30 @@ class Wired:
     def state(self) -> dict[str, Any]:
         """What the live display shows (read on the loop; cheap)."""
         lg, m = self.ctl.ledger, self.outputs.metrics
-        return {"burst": self.bridge.burst, "step": len(m),
-                "version": self.publisher.weights.version,
-                "reward": m[-1]["mean_reward"] if m else None,
-                "waterlevel": lg.waterlevel, "queued": lg.total.queued,
-                "running": lg.total.running, "ready_groups": lg.ready_unassigned,
-                "roles": [r.value for r in self.ctl.cells.roles()],
-                "switches": len(self.ctl.plans_done),
-                "replaced": len(self.supervisor.replaced),
-                "closed": sum(self.bridge.close_counts.values()),
-                "proxy_queued": self.proxy_queued}
+        return {
+            "burst": self.bridge.burst,
+            "step": len(m),
+            "version": self.publisher.weights.version,
+            "reward": m[-1]["mean_reward"] if m else None,
+            "waterlevel": lg.waterlevel,
+            "queued": lg.total.queued,
+            "running": lg.total.running,
+            "ready_groups": lg.ready_unassigned,
+            "roles": [r.value for r in self.ctl.cells.roles()],
+            "switches": len(self.ctl.plans_done),
+            "replaced": len(self.supervisor.replaced),
+            "closed": sum(self.bridge.close_counts.values()),
+            "proxy_queued": self.proxy_queued,
+        }
 
     async def probe_proxy_queue(self, every_s: float) -> None:
         """Forever: the proxy's admission queue (its ``/health``) for the live state; the
         state sampler never waits on the proxy."""
         while True:
             try:
-                self.proxy_queued = (await self.admin.get("/health", timeout=2.0)
-                                     ).json().get("queued")
+                self.proxy_queued = (
+                    (await self.admin.get("/health", timeout=2.0)).json().get("queued")
+                )
             except (httpx.HTTPError, ValueError):
                 self.proxy_queued = None
             await self.clock.asleep(every_s)
@@ -133,16 +150,23 @@ class Wired:
         """Cells that train from the start (e.g. ``static``) begin the run with their
         satellites connected (bounded wait), so the first steps can use them."""
         want = set(self.actuator.satellite_pids)
-        await await_until(self.clock, lambda: want <= set(self.core.coordinator.registered()),
-                          timeout_s, f"satellites of cells {sorted(want)} connected (see "
-                          "logs/satellite-c*.log)", every_s=0.1)
+        await await_until(
+            self.clock,
+            lambda: want <= set(self.core.coordinator.registered()),
+            timeout_s,
+            f"satellites of cells {sorted(want)} connected (see logs/satellite-c*.log)",
+            every_s=0.1,
+        )
 
     async def settle(self, timeout_s: float) -> None:
         """Bounded wait until no transition plan is in flight (the run ends in a known
         state: every engine either serving or asleep with its cell training)."""
-        await await_until(self.clock, lambda: self.ctl.inflight is None
-                          and not self.supervisor.busy, timeout_s,
-                          "every transition plan and cell replacement done after the last step")
+        await await_until(
+            self.clock,
+            lambda: self.ctl.inflight is None and not self.supervisor.busy,
+            timeout_s,
+            "every transition plan and cell replacement done after the last step",
+        )
 
     async def close(self) -> None:
         from tidal.agents.pool import HarnessPool
@@ -157,8 +181,14 @@ class Wired:
         self.outputs.write_steps(self.actuator.step_log)
 
 
-def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: list[int],
-          host: str = "127.0.0.1"):
+def _core(
+    cfg: RunConfig,
+    out: Path,
+    model_dir: Path,
+    clock: Clock,
+    gpu_ids: list[int],
+    host: str = "127.0.0.1",
+):
     """The trajectory buffer, the core trainer and the file publisher it writes versions to;
     ``host``: the driver node's address, where satellites of other nodes reach the core."""
     import torch
@@ -173,46 +203,82 @@ def _core(cfg: RunConfig, out: Path, model_dir: Path, clock: Clock, gpu_ids: lis
     from tidal.training.transport import FilePublisher
 
     rt, c = cfg.runtime, cfg.control
-    buffer = TrajectoryBuffer(TrajectoryBufferConfig(
-        group_size=c.group_size, max_policy_lag=c.updates_per_burst,
-        ordered=rt.deterministic), clock)
+    buffer = TrajectoryBuffer(
+        TrajectoryBufferConfig(
+            group_size=c.group_size, max_policy_lag=c.updates_per_burst, ordered=rt.deterministic
+        ),
+        clock,
+    )
     model = load_training_model(model_dir)  # transformers: any architecture
     tok = HFTokenizer(model_dir)
-    device = trainer_device(rt.resolved_device(torch.cuda.is_available()), gpu_ids,
-                            os.environ.get("CUDA_VISIBLE_DEVICES"))
+    device = trainer_device(
+        rt.resolved_device(torch.cuda.is_available()),
+        gpu_ids,
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )
     # in bfloat16 when every engine serves in it (half the bytes each version; vLLM on GPUs)
     from tidal.runtime.handoff import version_writer
 
-    files = FilePublisher(out / "weights", ParamLayout.of(model), keep=2,
-                          dtype=getattr(torch, published_dtype(cfg)))
+    files = FilePublisher(
+        out / "weights", ParamLayout.of(model), keep=2, dtype=getattr(torch, published_dtype(cfg))
+    )
     files = version_writer(files, out)  # a shared-memory segment per version, the file after
     if rt.fsdp == "on" and torch.device(device).type != "cpu":
-        raise ConfigError("runtime.fsdp", "'on' needs a CPU trainer (a sharded core cannot "
-                          "be offloaded while cell 0 serves); use 'auto'")
+        raise ConfigError(
+            "runtime.fsdp",
+            "'on' needs a CPU trainer (a sharded core cannot "
+            "be offloaded while cell 0 serves); use 'auto'",
+        )
     # a cell's ranks join within the run's start-up bound (``runtime.start_timeout_s``)
     # FSDP2 where there is something to shard: 'auto' with more than one rank per cell (one
     # rank holds everything anyway, and FSDP2's buffers cost the demo's core 3.5 GB), 'on' always
     sharded = rt.fsdp == "on" or (rt.fsdp == "auto" and rt.fsdp_ranks > 1)
-    shard = (ShardConfig(ranks=rt.fsdp_ranks, join_timeout_s=rt.start_timeout_s)
-             if sharded and device == "cpu" else None)
+    shard = (
+        ShardConfig(ranks=rt.fsdp_ranks, join_timeout_s=rt.start_timeout_s)
+        if sharded and device == "cpu"
+        else None
+    )
     if shard is None and rt.fsdp_ranks > 1:
-        raise ConfigError("runtime.fsdp_ranks", "more than one rank per cell needs FSDP2 "
-                          "(runtime.fsdp on a CPU trainer)")
-    core = CoreTrainer(model, TrainerConfig(
-        lr=rt.lr, groups_per_step=c.batch_groups, step_data_timeout_s=rt.step_data_timeout_s,
-        packing=PackingConfig(token_budget=rt.token_budget), device=device,
-        coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s), shard=shard,
-        host=host),
-        buffer, clock, publishers=[files], pad_id=tok.eos_id)
+        raise ConfigError(
+            "runtime.fsdp_ranks",
+            "more than one rank per cell needs FSDP2 (runtime.fsdp on a CPU trainer)",
+        )
+    core = CoreTrainer(
+        model,
+        TrainerConfig(
+            lr=rt.lr,
+            groups_per_step=c.batch_groups,
+            step_data_timeout_s=rt.step_data_timeout_s,
+            packing=PackingConfig(token_budget=rt.token_budget),
+            device=device,
+            coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s),
+            shard=shard,
+            host=host,
+        ),
+        buffer,
+        clock,
+        publishers=[files],
+        pad_id=tok.eos_id,
+    )
     files.restream = core.stream_params
     return buffer, core, files
 
 
-def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: Parts,
-         engines: Engines, proxy_url: str, token: str,
-         core_pool: concurrent.futures.ThreadPoolExecutor, outputs: RunOutputs,
-         host: str = "127.0.0.1", workload: Workload | None = None,
-         policy: Policy | None = None) -> Wired:
+def wire(
+    cfg: RunConfig,
+    out: Path,
+    ck: Checkpoint | None,
+    clock: Clock,
+    parts: Parts,
+    engines: Engines,
+    proxy_url: str,
+    token: str,
+    core_pool: concurrent.futures.ThreadPoolExecutor,
+    outputs: RunOutputs,
+    host: str = "127.0.0.1",
+    workload: Workload | None = None,
+    policy: Policy | None = None,
+) -> Wired:
     """``workload``: the one ``check_config`` built (None: built here)."""
     from tidal.agents.pool import HarnessPool, PoolConfig
     from tidal.agents.workload import Workload
@@ -220,10 +286,12 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     from tidal.control.factory import build_controller
 
     rt, c = cfg.runtime, cfg.control
-    buffer, core, files = _core(cfg, out, engines.model_dir, clock,
-                                engines.gpu_ids.get(EngineId.cell(0), []), host)
-    admin = httpx.AsyncClient(base_url=proxy_url, timeout=300.0,
-                              headers={"Authorization": f"Bearer {token}"})
+    buffer, core, files = _core(
+        cfg, out, engines.model_dir, clock, engines.gpu_ids.get(EngineId.cell(0), []), host
+    )
+    admin = httpx.AsyncClient(
+        base_url=proxy_url, timeout=300.0, headers={"Authorization": f"Bearer {token}"}
+    )
     decisions = open(out / "decisions.jsonl", outputs.mode)  # noqa: SIM115 - Wired.close
     if ck is not None:
         core.load_state_dict(ck.trainer)
@@ -233,13 +301,22 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
     # sum would depend on claim order, and so the sum's last bits)
     if rt.deterministic and rt.satellites:
         log.info("runtime.deterministic: no satellites; the core computes every micro-step")
-    link = CoreLink(core.address() if rt.satellites and not rt.deterministic else None,
-                    core if core.device.type == "cuda" else None, rt.satellite_timeout_s,
-                    core.coordinator.expect_departure, core.coordinator)
+    link = CoreLink(
+        core.address() if rt.satellites and not rt.deterministic else None,
+        core if core.device.type == "cuda" else None,
+        rt.satellite_timeout_s,
+        core.coordinator.expect_departure,
+        core.coordinator,
+    )
     weights = Weights()
     actuator = RayActuator(clock, admin, engines, weights, c.kv_handoff, parts, link)
-    ctl = build_controller(cfg, clock, actuator, DecisionLog(
-        outputs.since_first_dispatch(jsonl_file_sink(decisions)), keep=False), policy)
+    ctl = build_controller(
+        cfg,
+        clock,
+        actuator,
+        DecisionLog(outputs.since_first_dispatch(jsonl_file_sink(decisions)), keep=False),
+        policy,
+    )
     ctl.metrics.budget_groups = c.batch_groups * c.updates_per_burst  # per burst
     guarded, listeners = parts.guard_handler(ctl.handle), []
 
@@ -249,12 +326,21 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
             wake()
 
     actuator.bind(handle)
-    bridge = LedgerBridge(handle, clock, admin, buffer, c.group_size, parts,
-                          tokens=rt.deterministic)
+    bridge = LedgerBridge(
+        handle, clock, admin, buffer, c.group_size, parts, tokens=rt.deterministic
+    )
     from tidal.runtime.handoff import Handoff
 
-    publisher = Publisher(engines, actuator, admin, weights, files.path, handle, clock,
-                          handoff=Handoff(engines, files, rt.weight_carrier, host=host))
+    publisher = Publisher(
+        engines,
+        actuator,
+        admin,
+        weights,
+        files.path,
+        handle,
+        clock,
+        handoff=Handoff(engines, files, rt.weight_carrier, host=host),
+    )
     # executions.jsonl line by line as groups end (a killed run keeps what it closed)
     bridge.file, bridge.t0 = outputs.executions, lambda: outputs.t0
     if ck is not None:
@@ -262,22 +348,70 @@ def wire(cfg: RunConfig, out: Path, ck: Checkpoint | None, clock: Clock, parts: 
         outputs.restore_metrics(ck.state.metrics_lines)
         outputs.executions.restore(ck.state.execution_lines)
     carried = dict(ck.state.close_reasons) if ck else {}
-    trainer = TrainerLoop(cfg, core, buffer, actuator, publisher, outputs, ctl, handle, clock,
-                          core_pool, ck, lambda: merge_counts(carried, bridge.close_counts))
+    trainer = TrainerLoop(
+        cfg,
+        core,
+        buffer,
+        actuator,
+        publisher,
+        outputs,
+        ctl,
+        handle,
+        clock,
+        core_pool,
+        ck,
+        lambda: merge_counts(carried, bridge.close_counts),
+    )
     cl = cfg.cluster
     slots = cl.standalone_count * cl.standalone_slots + sum(s.slots for s in cl.cell_specs())
-    pool = HarnessPool(PoolConfig(
-        proxy_url=proxy_url, max_concurrent=slots, max_turns=cfg.task.max_turns,
-        max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
-        timeout_s=rt.execution_timeout_s, token=token), out / "workspaces", bridge)
+    pool = HarnessPool(
+        PoolConfig(
+            proxy_url=proxy_url,
+            max_concurrent=slots,
+            max_turns=cfg.task.max_turns,
+            max_tokens_per_turn=rt.max_tokens,
+            temperature=rt.temperature,
+            timeout_s=rt.execution_timeout_s,
+            token=token,
+        ),
+        out / "workspaces",
+        bridge,
+    )
     held = {r.execution_id: r for r in ck.records} if ck else {}
-    gate = (deterministic.Boundaries(clock, admin, engines, buffer, rt.start_timeout_s)
-            if rt.deterministic else None)
-    dispatcher = Dispatcher(cfg, pool, bridge, handle, clock, parts, set(trainer.trained_groups),
-                            held, ctl, workload or Workload(cfg), gate)
+    gate = (
+        deterministic.Boundaries(clock, admin, engines, buffer, rt.start_timeout_s)
+        if rt.deterministic
+        else None
+    )
+    dispatcher = Dispatcher(
+        cfg,
+        pool,
+        bridge,
+        handle,
+        clock,
+        parts,
+        set(trainer.trained_groups),
+        held,
+        ctl,
+        workload or Workload(cfg),
+        gate,
+    )
     listeners.append(dispatcher.notify)  # a group held by the policy looks again
     trainer.settled = dispatcher.settled  # a step short of groups that cannot come goes on
-    return Wired(admin, decisions, buffer, core, outputs, actuator, ctl, handle, bridge,
-                 publisher, trainer,
-                 CellSupervisor(engines, actuator, admin, weights, clock, rt.start_timeout_s),
-                 dispatcher, clock, DecodeMeter(admin, ctl, clock))
+    return Wired(
+        admin,
+        decisions,
+        buffer,
+        core,
+        outputs,
+        actuator,
+        ctl,
+        handle,
+        bridge,
+        publisher,
+        trainer,
+        CellSupervisor(engines, actuator, admin, weights, clock, rt.start_timeout_s),
+        dispatcher,
+        clock,
+        DecodeMeter(admin, ctl, clock),
+    )

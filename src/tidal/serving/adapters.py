@@ -44,9 +44,13 @@ class EngineAdapter(Protocol):
     supports_kv_handoff: bool
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]: ...
-    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       tools: list[dict] | None = None,
-                       add_special_tokens: bool | None = None) -> list[int]: ...
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+        add_special_tokens: bool | None = None,
+    ) -> list[int]: ...
     async def detokenize(self, token_ids: list[int]) -> str: ...
     async def pause(self, mode: str) -> None: ...
     async def resume(self) -> None: ...
@@ -72,12 +76,18 @@ class HTTPEngineBase:
     # A dead engine on loopback refuses at once; a connect or probe timeout mostly means this
     # process is saturated (a thousand calls opening connections together), which must not
     # get a live engine declared down: the bounds are generous.
-    def __init__(self, url: str, control_timeout_s: float = 30.0,
-                 connect_timeout_s: float = 10.0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        control_timeout_s: float = 30.0,
+        connect_timeout_s: float = 10.0,
+        api_key: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._pool = HTTPPool(self.url, headers, connect_timeout_s=connect_timeout_s,
-                              timeout_s=control_timeout_s)
+        self._pool = HTTPPool(
+            self.url, headers, connect_timeout_s=connect_timeout_s, timeout_s=control_timeout_s
+        )
         # generation streams can run for minutes; reads between chunks are bounded instead
         self.stream_read_timeout_s = 300.0
 
@@ -87,32 +97,44 @@ class HTTPEngineBase:
     async def _prometheus(self, prefix: str) -> dict[str, float]:
         """``GET /metrics`` as {name: value summed over labels} for names under ``prefix``."""
         text = (await self._call("GET", "/metrics")).text
-        pattern = re.compile(rf"^({re.escape(prefix)}[a-z_]+)(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$",
-                             re.M)
+        pattern = re.compile(
+            rf"^({re.escape(prefix)}[a-z_]+)(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", re.M
+        )
         metrics: dict[str, float] = {}
         for name, value in pattern.findall(text):
             metrics[name] = metrics.get(name, 0.0) + float(value)
         return metrics
 
-    async def _call(self, method: str, path: str, *, params: dict | None = None,
-                    json=None, content: bytes | None = None,
-                    timeout_s: float | None = None) -> Response:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict | None = None,
+        json=None,
+        content: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> Response:
         try:
-            resp = await self._pool.request(method, path, body=content, json_body=json,
-                                            params=params, timeout_s=timeout_s)
+            resp = await self._pool.request(
+                method, path, body=content, json_body=json, params=params, timeout_s=timeout_s
+            )
         except HTTPFailure as exc:
             raise EngineUnavailable(f"{self.url}{path}: {exc}") from exc
         raise_for(resp, path)
         return resp
 
-    async def _sse(self, path: str, body: dict, headers: dict | None = None
-                   ) -> AsyncIterator[dict]:
+    async def _sse(self, path: str, body: dict, headers: dict | None = None) -> AsyncIterator[dict]:
         try:
-            async with self._pool.stream("POST", path, json_body=body, headers=headers,
-                                         read_timeout_s=self.stream_read_timeout_s) as resp:
+            async with self._pool.stream(
+                "POST",
+                path,
+                json_body=body,
+                headers=headers,
+                read_timeout_s=self.stream_read_timeout_s,
+            ) as resp:
                 if resp.status_code >= 400:
-                    raise_for(Response(resp.status_code, resp.headers, await resp.read()),
-                              path)
+                    raise_for(Response(resp.status_code, resp.headers, await resp.read()), path)
                 async for line in resp.lines():
                     if not line.startswith(b"data:"):
                         continue
@@ -124,13 +146,20 @@ class HTTPEngineBase:
         except HTTPFailure as exc:
             raise EngineUnavailable(f"{self.url}{path}: {exc}") from exc
 
-    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       tools: list[dict] | None = None,
-                       add_special_tokens: bool | None = None) -> list[int]:
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+        add_special_tokens: bool | None = None,
+    ) -> list[int]:
         """Prompt ids via the engine's ``/tokenize`` (same shape on vLLM and the built-in):
         messages (with ``tools``, rendered by the model's chat template) or a text prompt."""
-        body: dict = {"messages": messages, "add_generation_prompt": True} if messages else {
-            "prompt": prompt}
+        body: dict = (
+            {"messages": messages, "add_generation_prompt": True}
+            if messages
+            else {"prompt": prompt}
+        )
         if tools:
             body["tools"] = tools
         if add_special_tokens is not None:
@@ -212,28 +241,47 @@ class BuiltinAdapter(HTTPEngineBase):
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         p = req.params
-        body = {"prompt": req.prompt_token_ids, "stream": req.stream,
-                "request_id": req.request_id, "kv_handle": req.kv_handle,
-                "stream_interval_ms": self.stream_interval_ms, "logprobs": 0,
-                "max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
-                "top_p": p.top_p, "seed": p.seed, "ignore_eos": p.ignore_eos,
-                "stop_token_ids": p.stop_token_ids, "stop": p.stop}
+        body = {
+            "prompt": req.prompt_token_ids,
+            "stream": req.stream,
+            "request_id": req.request_id,
+            "kv_handle": req.kv_handle,
+            "stream_interval_ms": self.stream_interval_ms,
+            "logprobs": 0,
+            "max_tokens": p.max_tokens,
+            "temperature": p.temperature,
+            "top_k": p.top_k,
+            "top_p": p.top_p,
+            "seed": p.seed,
+            "ignore_eos": p.ignore_eos,
+            "stop_token_ids": p.stop_token_ids,
+            "stop": p.stop,
+        }
         if req.stream:
             async for event in self._sse("/v1/completions", body):
                 yield TokenChunk.from_json(event["tidal"])
             return
         # one piece: the engine's answer to a plain completion (an abort of an id it does not
         # know yet is remembered there, so a drain needs no first chunk to cancel it)
-        data = (await self._call("POST", "/v1/completions", json=body,
-                                 timeout_s=self.stream_read_timeout_s)).json()
+        data = (
+            await self._call(
+                "POST", "/v1/completions", json=body, timeout_s=self.stream_read_timeout_s
+            )
+        ).json()
         choice = data["choices"][0]
         versions: list[str] = []
         for start, end, version in choice["weight_versions"]:
             versions += [version] * (end - start)
-        yield TokenChunk(choice["token_ids"], choice["logprobs"]["token_logprobs"], versions,
-                         choice["text"], choice["finish_reason"], choice["prompt_token_ids"],
-                         data["usage"]["prompt_tokens_details"]["cached_tokens"],
-                         choice.get("kv_tokens"))
+        yield TokenChunk(
+            choice["token_ids"],
+            choice["logprobs"]["token_logprobs"],
+            versions,
+            choice["text"],
+            choice["finish_reason"],
+            choice["prompt_token_ids"],
+            data["usage"]["prompt_tokens_details"]["cached_tokens"],
+            choice.get("kv_tokens"),
+        )
 
     async def pause(self, mode: str) -> None:
         await self._call("POST", "/pause", params={"mode": mode})
@@ -242,8 +290,9 @@ class BuiltinAdapter(HTTPEngineBase):
         await self._call("POST", "/resume")
 
     async def abort(self, request_ids: list[str] | None, keep_kv: bool = False) -> int:
-        resp = await self._call("POST", "/abort_requests",
-                                json={"request_ids": request_ids, "keep_kv": keep_kv})
+        resp = await self._call(
+            "POST", "/abort_requests", json={"request_ids": request_ids, "keep_kv": keep_kv}
+        )
         return int(resp.json()["aborted"])
 
     async def sleep(self, level: int) -> None:
@@ -253,8 +302,7 @@ class BuiltinAdapter(HTTPEngineBase):
         await self._call("POST", "/wake_up")
 
     async def load_weights(self, path: str, version: str) -> None:
-        await self._call("POST", "/update_weights",
-                         json={"path": path, "weight_version": version})
+        await self._call("POST", "/update_weights", json={"path": path, "weight_version": version})
 
     async def weight_version(self) -> str:
         return (await self._call("GET", "/weight_info")).json()["weight_version"]
@@ -271,8 +319,9 @@ class BuiltinAdapter(HTTPEngineBase):
 
     async def stats(self) -> EngineStats:
         s = (await self._call("GET", "/stats")).json()
-        return EngineStats(s["running"], s["waiting"], s["capacity"], s["tokens_per_s"],
-                           s["weight_version"])
+        return EngineStats(
+            s["running"], s["waiting"], s["capacity"], s["tokens_per_s"], s["weight_version"]
+        )
 
 
 def make_adapter(backend: str, url: str, **kw) -> EngineAdapter:

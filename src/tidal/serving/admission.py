@@ -43,9 +43,14 @@ class AdmissionQueue:
         if head is not None:
             head.set()  # type: ignore[attr-defined]
 
-    async def acquire(self, pick: Callable[[], T | None], deadline: float,
-                      group: Hashable | None = None, remaining: float | None = None,
-                      on_wait: Callable[[float], None] | None = None) -> T:
+    async def acquire(
+        self,
+        pick: Callable[[], T | None],
+        deadline: float,
+        group: Hashable | None = None,
+        remaining: float | None = None,
+        on_wait: Callable[[float], None] | None = None,
+    ) -> T:
         """``pick()``'s first non-None answer, taken in the fair order (``group``: whose wait
         counts, default the call itself; ``remaining``: its work, for ``shortest_remaining``);
         ``deadline`` is on the running loop's clock. ``on_wait`` gets the seconds the call
@@ -70,9 +75,11 @@ class AdmissionQueue:
                 left = deadline - loop.time()
                 if left <= 0:
                     self.timed_out += 1
-                    raise Overloaded(f"no engine slot came free in {loop.time() - t0:.1f} s "
-                                     f"(the call's timeout; {len(self._queue) - 1} calls "
-                                     f"queued with it)")
+                    raise Overloaded(
+                        f"no engine slot came free in {loop.time() - t0:.1f} s "
+                        f"(the call's timeout; {len(self._queue) - 1} calls "
+                        f"queued with it)"
+                    )
                 me.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(me.wait(), min(left, RECHECK_S))
@@ -83,6 +90,9 @@ class AdmissionQueue:
                 self.notify()  # the next call gets its turn (a slot may be left)
 
     def stats(self) -> dict:
-        return {"queued": len(self._queue), "admitted_after_wait": self.admitted_after_wait,
-                "queue_max_wait_s": round(self.max_wait_s, 3),
-                "queue_timeouts": self.timed_out}
+        return {
+            "queued": len(self._queue),
+            "admitted_after_wait": self.admitted_after_wait,
+            "queue_max_wait_s": round(self.max_wait_s, 3),
+            "queue_timeouts": self.timed_out,
+        }

@@ -47,9 +47,16 @@ if TYPE_CHECKING:
     from tidal.serving.proxy_handlers import ProxyHandlers
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 class _Strict(BaseModel):
@@ -98,7 +105,8 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminato
 
 class Message(_Strict):
     role: Literal["user", "assistant", "system"] = Field(
-        ..., description="system: a system message mid-conversation (Claude Code's beta)")
+        ..., description="system: a system message mid-conversation (Claude Code's beta)"
+    )
     content: str | list[Block]
 
 
@@ -111,8 +119,9 @@ class CustomTool(_Strict):
 
 
 class ToolChoice(_Strict):
-    type: Literal["auto", "none"] = Field(..., description="'any' and 'tool' need constrained "
-                                                           "decoding: refused")
+    type: Literal["auto", "none"] = Field(
+        ..., description="'any' and 'tool' need constrained decoding: refused"
+    )
     disable_parallel_tool_use: bool | None = None
 
 
@@ -139,7 +148,8 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     stop_sequences: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = (
-        Field(None, max_length=MAX_STOP_STRINGS))
+        Field(None, max_length=MAX_STOP_STRINGS)
+    )
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
@@ -152,8 +162,9 @@ def to_chat(body: CountTokensRequest) -> dict:
     JSON arguments), the text blocks of a turn joined by newlines (as vLLM joins text parts)."""
     msgs: list[dict] = []
     if body.system:
-        system = body.system if isinstance(body.system, str) else "\n".join(
-            b.text for b in body.system)
+        system = (
+            body.system if isinstance(body.system, str) else "\n".join(b.text for b in body.system)
+        )
         msgs.append({"role": "system", "content": system})
     for m in body.messages:
         if isinstance(m.content, str):
@@ -168,33 +179,62 @@ def to_chat(body: CountTokensRequest) -> dict:
                     texts = []
                 msgs.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
             elif isinstance(b, ToolUseBlock):
-                calls.append({"id": b.id, "type": "function", "function": {
-                    "name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
+                calls.append(
+                    {
+                        "id": b.id,
+                        "type": "function",
+                        "function": {
+                            "name": b.name,
+                            "arguments": json.dumps(b.input, ensure_ascii=False),
+                        },
+                    }
+                )
             else:
                 texts.append(b.text)
         if calls:
-            msgs.append({"role": "assistant", "content": "\n".join(texts) or None,
-                         "tool_calls": calls})
+            msgs.append(
+                {"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls}
+            )
         elif texts or not m.content:
             msgs.append({"role": m.role, "content": "\n".join(texts)})
     out: dict = {"model": body.model, "messages": msgs}
     if body.tools:
-        out["tools"] = [{"type": "function", "function": {
-            "name": t.name, "description": t.description, "parameters": t.input_schema}}
-            for t in body.tools]
+        out["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.input_schema,
+                },
+            }
+            for t in body.tools
+        ]
         if body.tool_choice is not None:
             out["tool_choice"] = body.tool_choice.type
     if isinstance(body, MessagesRequest):
-        out.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                   top_k=body.top_k, stop=body.stop_sequences, stream=body.stream)
+        out.update(
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            stop=body.stop_sequences,
+            stream=body.stream,
+        )
     return out
 
 
 def _blocks(s: Sampled) -> list[dict]:
     blocks = [{"type": "text", "text": s.text}] if s.text or not s.calls else []
     for c in s.calls:
-        blocks.append({"type": "tool_use", "id": f"toolu_{c['id'].removeprefix('call_')}",
-                       "name": c["function"]["name"], "input": _input(c)})
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": f"toolu_{c['id'].removeprefix('call_')}",
+                "name": c["function"]["name"],
+                "input": _input(c),
+            }
+        )
     return blocks
 
 
@@ -215,40 +255,74 @@ def _stop(s: Sampled) -> tuple[str, str | None]:
 
 
 def _usage(s: Sampled) -> dict:
-    return {"input_tokens": len(s.result.prompt_token_ids),
-            "output_tokens": len(s.result.token_ids),
-            "cache_read_input_tokens": s.result.cached_tokens,
-            "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": len(s.result.prompt_token_ids),
+        "output_tokens": len(s.result.token_ids),
+        "cache_read_input_tokens": s.result.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def answer(_: MessagesRequest, model: str, s: Sampled) -> dict:
     reason, seq = _stop(s)
-    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-            "model": model, "content": _blocks(s), "stop_reason": reason, "stop_sequence": seq,
-            "usage": _usage(s), "tidal": tidal_extra(s.result)}
+    return {
+        "id": f"msg_{uuid.uuid4().hex}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": _blocks(s),
+        "stop_reason": reason,
+        "stop_sequence": seq,
+        "usage": _usage(s),
+        "tidal": tidal_extra(s.result),
+    }
 
 
-async def stream(_: MessagesRequest, model: str, n_prompt: int,
-                 pieces: AsyncIterator[Piece]) -> AsyncIterator[bytes]:
+async def stream(
+    _: MessagesRequest, model: str, n_prompt: int, pieces: AsyncIterator[Piece]
+) -> AsyncIterator[bytes]:
     """Anthropic's event sequence: text as one block streamed while it comes, then one block
     per tool call (its input as one ``input_json_delta``), then the stop reason and usage."""
-    yield sse("message_start", {"type": "message_start", "message": {
-        "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-        "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
+    yield sse(
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": f"msg_{uuid.uuid4().hex}",
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": n_prompt, "output_tokens": 0},
+            },
+        },
+    )
     index, text_open = 0, False
     async for p in pieces:
         if p.kind == "error":
-            yield sse("error", {"type": "error", "error": {"type": "api_error",
-                                                           "message": p.text}})
+            yield sse("error", {"type": "error", "error": {"type": "api_error", "message": p.text}})
             return
         if p.kind == "text":
             if not text_open:
-                yield sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                                  "content_block": {"type": "text", "text": ""}})
+                yield sse(
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": 0,
+                        "content_block": {"type": "text", "text": ""},
+                    },
+                )
                 text_open = True
-            yield sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                              "delta": {"type": "text_delta", "text": p.text}})
+            yield sse(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": p.text},
+                },
+            )
             continue
         s = p.sampled
         if text_open:
@@ -257,25 +331,44 @@ async def stream(_: MessagesRequest, model: str, n_prompt: int,
         for block in _blocks(s):
             if block["type"] == "text":
                 if not text_open:  # an empty answer: one empty text block
-                    yield sse("content_block_start", {"type": "content_block_start",
-                                                      "index": index, "content_block": block})
-                    yield sse("content_block_stop", {"type": "content_block_stop",
-                                                     "index": index})
+                    yield sse(
+                        "content_block_start",
+                        {"type": "content_block_start", "index": index, "content_block": block},
+                    )
+                    yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
                     index += 1
                 continue
-            yield sse("content_block_start", {"type": "content_block_start", "index": index,
-                                              "content_block": {**block, "input": {}}})
-            yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                              "delta": {"type": "input_json_delta",
-                                                        "partial_json": json.dumps(
-                                                            block["input"])}})
+            yield sse(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": index,
+                    "content_block": {**block, "input": {}},
+                },
+            )
+            yield sse(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {
+                        "type": "input_json_delta",
+                        "partial_json": json.dumps(block["input"]),
+                    },
+                },
+            )
             yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
             index += 1
         reason, seq = _stop(s)
-        yield sse("message_delta", {"type": "message_delta",
-                                    "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                    "usage": {"output_tokens": len(s.result.token_ids)},
-                                    "tidal": tidal_extra(s.result)})
+        yield sse(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": seq},
+                "usage": {"output_tokens": len(s.result.token_ids)},
+                "tidal": tidal_extra(s.result),
+            },
+        )
         yield sse("message_stop", {"type": "message_stop"})
 
 

@@ -25,8 +25,9 @@ MAX_TOOLS = 128
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["text"] = Field(..., description="only text parts: images, audio and files "
-                                                   "are refused")
+    type: Literal["text"] = Field(
+        ..., description="only text parts: images, audio and files are refused"
+    )
     text: str = Field(..., max_length=MAX_PROMPT_CHARS)
 
 
@@ -71,16 +72,26 @@ class ChatMessage(BaseModel):
 
     def to_template(self) -> dict:
         """The message as chat templates read it."""
-        out: dict = {"role": "system" if self.role == "developer" else self.role,
-                     "content": self.text()}
+        out: dict = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                for c in self.tool_calls]
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments(c.function.arguments),
+                    },
+                }
+                for c in self.tool_calls
+            ]
         return out
 
 
@@ -120,11 +131,20 @@ def hermes(text: str) -> tuple[str | None, list[dict]]:
             continue
         if not isinstance(name, str):
             continue
-        kept.append(text[pos:m.start()])
+        kept.append(text[pos : m.start()])
         pos = m.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name, "arguments": args if isinstance(args, str)
-                                   else json.dumps(args, ensure_ascii=False)}})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": args
+                    if isinstance(args, str)
+                    else json.dumps(args, ensure_ascii=False),
+                },
+            }
+        )
     kept.append(text[pos:])
     content = "".join(kept).strip()
     return (content or None) if calls else text, calls

@@ -98,8 +98,11 @@ async def guarded(error: Callable[[str, int], dict], work) -> Response:
         return _error(error, validation_message(exc.errors()), 400)
     except ServingError as exc:
         return _error(error, str(exc), exc.status)
-    return out if isinstance(out, Response) else Response(
-        json.dumps(out).encode(), media_type="application/json")
+    return (
+        out
+        if isinstance(out, Response)
+        else Response(json.dumps(out).encode(), media_type="application/json")
+    )
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -115,10 +118,13 @@ async def _route(h: ProxyHandlers, request: Request, d: Dialect) -> Response:
     chat = chat_request(d.to_chat(body))
     headers = request.headers
     # the session (engine affinity): tidal's header, else the harness's own session id
-    session = next((headers[k] for k in SESSION_HEADERS if k in headers),
-                   getattr(body, "prompt_cache_key", None))
-    call, t_engine = await h.prepare(chat, "chat", headers.get("x-tidal-execution"),
-                                     session, request.scope.get(CALLER))
+    session = next(
+        (headers[k] for k in SESSION_HEADERS if k in headers),
+        getattr(body, "prompt_cache_key", None),
+    )
+    call, t_engine = await h.prepare(
+        chat, "chat", headers.get("x-tidal-execution"), session, request.scope.get(CALLER)
+    )
     if chat.max_tokens is None:  # Responses' default: what the served context leaves
         lens = [m.max_model_len for m in h.proxy.router.members.values() if m.max_model_len]
         if lens:
@@ -126,26 +132,36 @@ async def _route(h: ProxyHandlers, request: Request, d: Dialect) -> Response:
     model = chat.model or h._model_name(chat)
     if chat.stream:
         pieces = stream_pieces(h, call)
-        return StreamingResponse(d.stream(body, model, len(call.prompt), pieces),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            d.stream(body, model, len(call.prompt), pieces), media_type="text/event-stream"
+        )
     sampled = await sample_whole(h, call)
     out = d.answer(body, model, sampled)
-    h.proxy.overhead_s.append(time.perf_counter() - t_entry - t_engine
-                              - sampled.result.upstream_s)
-    return Response(json.dumps(out, separators=(",", ":")).encode(),
-                    media_type="application/json",
-                    headers={VERSIONS_HEADER: versions_header([sampled.result])})
+    h.proxy.overhead_s.append(time.perf_counter() - t_entry - t_engine - sampled.result.upstream_s)
+    return Response(
+        json.dumps(out, separators=(",", ":")).encode(),
+        media_type="application/json",
+        headers={VERSIONS_HEADER: versions_header([sampled.result])},
+    )
 
 
 def _error(error: Callable[[str, int], dict], message: str, status: int) -> Response:
-    return Response(json.dumps(error(message, status)).encode(), status,
-                    media_type="application/json")
+    return Response(
+        json.dumps(error(message, status)).encode(), status, media_type="application/json"
+    )
 
 
 async def sample_whole(h: ProxyHandlers, c: _Call) -> Sampled:
     """One choice, whole: ``Proxy.complete`` as the chat route calls it."""
-    res = await h.proxy.complete(c.eid, c.prompt, c.body.sampling(), record_overhead=False,
-                                 timeout_s=c.timeout_s, session=c.session, bridged=c.bridged)
+    res = await h.proxy.complete(
+        c.eid,
+        c.prompt,
+        c.body.sampling(),
+        record_overhead=False,
+        timeout_s=c.timeout_s,
+        session=c.session,
+        bridged=c.bridged,
+    )
     return await finish(h, c, res)
 
 
@@ -176,9 +192,17 @@ async def stream_pieces(h: ProxyHandlers, c: _Call) -> AsyncIterator[Piece]:
     """The choice's text as it comes (held back to the end when tools are offered: the calls
     are parsed from the whole text), then its end; closing the stream cancels the call."""
     queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
-    task = asyncio.create_task(h.proxy.complete(
-        c.eid, c.prompt, c.body.sampling(), on_chunk=queue.put_nowait, timeout_s=c.timeout_s,
-        session=c.session, bridged=c.bridged))
+    task = asyncio.create_task(
+        h.proxy.complete(
+            c.eid,
+            c.prompt,
+            c.body.sampling(),
+            on_chunk=queue.put_nowait,
+            timeout_s=c.timeout_s,
+            session=c.session,
+            bridged=c.bridged,
+        )
+    )
     task.add_done_callback(lambda _: queue.put_nowait(None))
     hold = c.body.parses_tools
     try:
@@ -209,5 +233,8 @@ def tidal_extra(res: Result) -> dict:
     """tidal's extension of an answer: the ids (prompt and sampled) and weight versions."""
     from tidal.contracts.calls import version_spans
 
-    return {"prompt_token_ids": res.prompt_token_ids, "token_ids": res.token_ids,
-            "weight_versions": version_spans(res.versions)}
+    return {
+        "prompt_token_ids": res.prompt_token_ids,
+        "token_ids": res.token_ids,
+        "weight_versions": version_spans(res.versions),
+    }

@@ -33,7 +33,7 @@ async def bridge(adapter, earlier: list[CallRecord], prompt: list[int]) -> list[
         now = await adapter.detokenize(prompt)
         if len(now) <= len(before) or not now.startswith(before):
             return None
-        rest = await adapter.tokenize(prompt=now[len(before):], add_special_tokens=False)
+        rest = await adapter.tokenize(prompt=now[len(before) :], add_special_tokens=False)
     except ServingError as exc:  # an engine without /detokenize: the chain breaks, counted
         log.debug("drift bridge unavailable: %s", exc)
         return None

@@ -45,9 +45,15 @@ MAX_EARLY_ABORTS = 4096
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, model_dir: str | Path,
-                 config: EngineConfig | None = None, clock: Clock | None = None,
-                 weight_version: str = "v0") -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        clock: Clock | None = None,
+        weight_version: str = "v0",
+    ) -> None:
         self.config = config or EngineConfig()
         self.device = resolve_device(self.config.device)  # a clear error if CUDA is missing
         self.model, self.tokenizer = model.to(self.device), tokenizer
@@ -73,9 +79,15 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._rng = torch.Generator().manual_seed(self.config.seed)
         self.meter = RateMeter(self.clock)
-        self.totals = {"generated_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0,
-                       "requests": 0, "aborted": 0, "step_failures": 0,
-                       "sampling_failures": 0}
+        self.totals = {
+            "generated_tokens": 0,
+            "prefill_tokens": 0,
+            "cached_tokens": 0,
+            "requests": 0,
+            "aborted": 0,
+            "step_failures": 0,
+            "sampling_failures": 0,
+        }
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -95,8 +107,9 @@ class Engine:
             self._spill.unlink(missing_ok=True)
 
     # -- requests --------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest,
-                       min_interval_s: float = 0.0) -> AsyncIterator[TokenChunk]:
+    async def generate(
+        self, req: GenerateRequest, min_interval_s: float = 0.0
+    ) -> AsyncIterator[TokenChunk]:
         """Stream chunks for ``req``; the last chunk has a finish reason. With
         ``min_interval_s`` tokens are coalesced into at most one chunk per interval (an abort
         or finish is sent at once). Closing the iterator early aborts the request."""
@@ -116,8 +129,12 @@ class Engine:
                 # the text of a stop token (eos, stop_token_ids) is not the answer's (vLLM)
                 end = n - 1 if final and self._ended_by_stop_token(r) else n
                 text, texted = self._text(r, texted, max(texted, end), final=final)
-                chunk = TokenChunk(r.tokens[sent:n], r.logprobs[sent:n], r.versions[sent:n],
-                                   text=stops.feed(text, final))
+                chunk = TokenChunk(
+                    r.tokens[sent:n],
+                    r.logprobs[sent:n],
+                    r.versions[sent:n],
+                    text=stops.feed(text, final),
+                )
                 if first:
                     chunk.prompt_token_ids, chunk.cached_tokens = r.prompt, r.cached_tokens
                     first = False
@@ -137,8 +154,12 @@ class Engine:
 
     def _ended_by_stop_token(self, r: Request) -> bool:
         last = r.tokens[-1] if r.tokens else None
-        return (r.finish_reason == "stop" and not r.params.ignore_eos and last is not None
-                and (last == self.tokenizer.eos_id or last in r.params.stop_token_ids))
+        return (
+            r.finish_reason == "stop"
+            and not r.params.ignore_eos
+            and last is not None
+            and (last == self.tokenizer.eos_id or last in r.params.stop_token_ids)
+        )
 
     def _text(self, r: Request, start: int, end: int, final: bool) -> tuple[str, int]:
         """The text of tokens ``start:end`` and where the next chunk's text starts. Decoded
@@ -152,7 +173,7 @@ class Engine:
         full = self.tokenizer.decode(r.tokens[ctx:end])
         if not final and (full.endswith("\ufffd") or not full.startswith(prefix)):
             return "", start
-        return full[len(prefix):], end
+        return full[len(prefix) :], end
 
     def _admit(self, req: GenerateRequest) -> Request:
         if req.request_id in self._requests:
@@ -160,8 +181,10 @@ class Engine:
         if not req.prompt_token_ids:
             raise BadRequest("prompt is empty")
         if len(req.prompt_token_ids) >= self.model.max_seq_len:
-            raise BadRequest(f"prompt of {len(req.prompt_token_ids)} tokens does not fit the "
-                             f"context of {self.model.max_seq_len}")
+            raise BadRequest(
+                f"prompt of {len(req.prompt_token_ids)} tokens does not fit the "
+                f"context of {self.model.max_seq_len}"
+            )
         bad = [t for t in req.prompt_token_ids if not 0 <= t < self.model.vocab_size]
         if bad:
             raise BadRequest(f"token id {bad[0]} outside vocabulary of {self.model.vocab_size}")
@@ -200,8 +223,11 @@ class Engine:
                     self._aborted_early[rid] = keep_kv
             while len(self._aborted_early) > MAX_EARLY_ABORTS:
                 self._aborted_early.pop(next(iter(self._aborted_early)))
-        targets = list(self._requests.values()) if request_ids is None else [
-            self._requests[i] for i in request_ids if i in self._requests]
+        targets = (
+            list(self._requests.values())
+            if request_ids is None
+            else [self._requests[i] for i in request_ids if i in self._requests]
+        )
         n = 0
         for r in targets:
             if r.finish_reason is None:
@@ -260,12 +286,15 @@ class Engine:
 
                 # parameters, not state_dict(): a tied head must not appear twice
                 if self.config.spill_dir is None:  # pinned host buffers, kept across sleeps
-                    self._held = {k: self._stash.to_host(k, v.detach())
-                                  for k, v in self.model.named_parameters()}
+                    self._held = {
+                        k: self._stash.to_host(k, v.detach())
+                        for k, v in self.model.named_parameters()
+                    }
                     self._stash.settle()
                 else:
-                    sd = {k: v.detach().contiguous().cpu()
-                          for k, v in self.model.named_parameters()}
+                    sd = {
+                        k: v.detach().contiguous().cpu() for k, v in self.model.named_parameters()
+                    }
                     self._spill = spill_path(self.config.spill_dir, self.config.name)
                     self._spill.parent.mkdir(parents=True, exist_ok=True)
                     # off the loop: /health and control routes keep answering while it writes
@@ -282,8 +311,10 @@ class Engine:
             if self._held is not None:
                 sd = self._held
             elif self._spill is None and self._weights_source is None:
-                raise TidalError("no weights to wake from (the last version came in memory): "
-                                 "load a version instead")
+                raise TidalError(
+                    "no weights to wake from (the last version came in memory): "
+                    "load a version instead"
+                )
             else:
                 sd = await asyncio.to_thread(open_weights, self._spill or self._weights_source)
             self.model.materialize(self.device)
@@ -373,9 +404,12 @@ class Engine:
         import hashlib
 
         def digest() -> dict[str, str]:
-            return {n: hashlib.sha256(p.detach().cpu().contiguous().reshape(-1)
-                                      .view(torch.uint8).numpy()).hexdigest()[:16]
-                    for n, p in self.model.named_parameters()}
+            return {
+                n: hashlib.sha256(
+                    p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                ).hexdigest()[:16]
+                for n, p in self.model.named_parameters()
+            }
 
         async with self._step_lock:
             if self._sleeping:
@@ -393,18 +427,28 @@ class Engine:
         return self.kv.release(key)
 
     def stats(self) -> dict:
-        return {"name": self.config.name, "running": len(self._running),
-                "waiting": len(self._waiting), "capacity": self.config.max_batch,
-                "paused": self._paused, "sleeping": self._sleeping,
-                "weight_version": self.weight_version,
-                "tokens_per_s": round(self.meter.rate(), 2),
-                "kv_bytes": sum(r.cache.nbytes() for r in self._running if r.cache)
-                + self.kv.nbytes() + self.prefix.nbytes(),
-                "weights_bytes": self.model.weights_nbytes(), "pinned_kv": len(self.kv),
-                "device_peak_mb": device_peak_mb(self.device),
-                "prefix_cache": {"entries": len(self.prefix), "hits": self.prefix.hits,
-                                 "misses": self.prefix.misses},
-                **self.totals}
+        return {
+            "name": self.config.name,
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "capacity": self.config.max_batch,
+            "paused": self._paused,
+            "sleeping": self._sleeping,
+            "weight_version": self.weight_version,
+            "tokens_per_s": round(self.meter.rate(), 2),
+            "kv_bytes": sum(r.cache.nbytes() for r in self._running if r.cache)
+            + self.kv.nbytes()
+            + self.prefix.nbytes(),
+            "weights_bytes": self.model.weights_nbytes(),
+            "pinned_kv": len(self.kv),
+            "device_peak_mb": device_peak_mb(self.device),
+            "prefix_cache": {
+                "entries": len(self.prefix),
+                "hits": self.prefix.hits,
+                "misses": self.prefix.misses,
+            },
+            **self.totals,
+        }
 
     # -- the loop --------------------------------------------------------------------------
     _paused_admission = False
@@ -423,16 +467,20 @@ class Engine:
                 await self._step()
             except Exception:  # a failing step must not kill the loop silently
                 self.totals["step_failures"] += 1
-                log.exception("engine %s: step failed; ending its requests with 'error'",
-                              self.config.name)
+                log.exception(
+                    "engine %s: step failed; ending its requests with 'error'", self.config.name
+                )
                 for r in list(self._running):
                     self._finish(r, "error")
             await asyncio.sleep(0)
 
     async def _step(self) -> None:
         self._running = [r for r in self._running if r.finish_reason is None]
-        while (self._waiting and len(self._running) < self.config.max_batch
-               and not self._paused_admission):
+        while (
+            self._waiting
+            and len(self._running) < self.config.max_batch
+            and not self._paused_admission
+        ):
             r = self._waiting.popleft()
             if r.finish_reason is None:
                 r.start(self.model)

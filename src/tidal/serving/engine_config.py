@@ -36,9 +36,12 @@ class EngineConfig(BaseModel):
     # prompt too), so a row's float ops never depend on which requests share its batch nor on
     # how its tokens were cut into steps by a move (a re-prefill elsewhere, a KV handoff)
     deterministic: bool = False
-    spill_dir: str | None = Field(None, description="where a level-1 sleep writes the weights "
-                                  "(a run's spill/ directory, removed with the run's parts); "
-                                  "None: they are held in CPU memory, never written to /tmp")
+    spill_dir: str | None = Field(
+        None,
+        description="where a level-1 sleep writes the weights "
+        "(a run's spill/ directory, removed with the run's parts); "
+        "None: they are held in CPU memory, never written to /tmp",
+    )
 
 
 def spill_path(spill_dir: str | Path, name: str) -> Path:

@@ -65,8 +65,9 @@ class TokenizeBody(BaseModel):
     prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(None, max_length=4096)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
-    add_generation_prompt: Literal[True] = Field(True, description="the generation prompt is "
-                                                 "always appended")
+    add_generation_prompt: Literal[True] = Field(
+        True, description="the generation prompt is always appended"
+    )
     add_special_tokens: Literal[False] = Field(False, description="text is encoded as is")
 
 
@@ -114,15 +115,20 @@ class EngineHandlers:
     async def encode(self, text: str) -> list[int]:
         return await asyncio.to_thread(self.tok.encode, text)
 
-    async def encode_chat(self, messages: list[dict],
-                          tools: list[dict] | None = None) -> list[int]:
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
             return await asyncio.to_thread(self.tok.apply_chat_template, messages, tools)
         except TidalError as exc:
             raise BadRequest(str(exc)) from None
 
-    async def run(self, request: Request, rid: str, prompt: list[int],
-                  body: CompletionRequest | ChatRequest, chat: bool) -> Response:
+    async def run(
+        self,
+        request: Request,
+        rid: str,
+        prompt: list[int],
+        body: CompletionRequest | ChatRequest,
+        chat: bool,
+    ) -> Response:
         """One generation: streamed as SSE, or collected into one JSON answer."""
         if body.n != 1:
             raise BadRequest("n: an engine serves one choice per request (the proxy serves n)")
@@ -135,8 +141,10 @@ class EngineHandlers:
         res.add(first)
         name = self.served_name
         if body.stream:
-            return StreamingResponse(_events(rid, name, first, stream, res, chat, parse, body),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _events(rid, name, first, stream, res, chat, parse, body),
+                media_type="text/event-stream",
+            )
         if not await _collect(request, stream, res):
             return Response(status_code=499)  # the caller is gone; its request was aborted
         texts = [[self.tok.decode([t]) for t in res.token_ids]]
@@ -147,15 +155,23 @@ class EngineHandlers:
         return JSONResponse(out, headers={VERSIONS_HEADER: versions_header([res])})
 
     # -- OpenAI and tokenizer routes -------------------------------------------------------
-    async def completions(self, request: Request, body: CompletionRequest,
-                          x_request_id: str | None = Header(None, max_length=256)) -> Response:
+    async def completions(
+        self,
+        request: Request,
+        body: CompletionRequest,
+        x_request_id: str | None = Header(None, max_length=256),
+    ) -> Response:
         self.check_model(body.model)
         prompt = body.prompt if isinstance(body.prompt, list) else await self.encode(body.prompt)
         rid = body.request_id or x_request_id or uuid.uuid4().hex
         return await self.run(request, rid, prompt, body, chat=False)
 
-    async def chat(self, request: Request, body: ChatRequest,
-                   x_request_id: str | None = Header(None, max_length=256)) -> Response:
+    async def chat(
+        self,
+        request: Request,
+        body: ChatRequest,
+        x_request_id: str | None = Header(None, max_length=256),
+    ) -> Response:
         self.check_model(body.model)
         prompt = await self.encode_chat(body.template_messages(), body.template_tools())
         rid = body.request_id or x_request_id or uuid.uuid4().hex
@@ -164,9 +180,10 @@ class EngineHandlers:
     async def tokenize(self, body: TokenizeBody) -> dict:
         self.check_model(body.model)
         if body.messages:
-            ids = await self.encode_chat([m.to_template() for m in body.messages],
-                                         [t.model_dump(exclude_none=True) for t in body.tools]
-                                         if body.tools else None)
+            ids = await self.encode_chat(
+                [m.to_template() for m in body.messages],
+                [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+            )
         elif body.prompt is not None:
             ids = await self.encode(body.prompt)
         else:
@@ -182,9 +199,17 @@ class EngineHandlers:
         return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.served_name, "object": "model",
-                                            "owned_by": "tidal",
-                                            "max_model_len": self.engine.model.max_seq_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.served_name,
+                    "object": "model",
+                    "owned_by": "tidal",
+                    "max_model_len": self.engine.model.max_seq_len,
+                }
+            ],
+        }
 
     # -- control routes (vLLM's shapes) ----------------------------------------------------
     async def pause(self, mode: str = Query("abort")) -> dict:
@@ -218,10 +243,14 @@ class EngineHandlers:
         try:
             await self.engine.update_weights(weights_path(body.path), body.weight_version)
         except (TidalError, OSError, ValueError) as exc:  # the old version keeps serving
-            raise BadRequest(f"path: no weights of this model at {body.path!r}: "
-                             f"{str(exc)[:300]}") from None
-        return {"status": "ok", "weight_version": self.engine.weight_version,
-                "pause_s": round(self.engine.last_pause_s, 6)}
+            raise BadRequest(
+                f"path: no weights of this model at {body.path!r}: {str(exc)[:300]}"
+            ) from None
+        return {
+            "status": "ok",
+            "weight_version": self.engine.weight_version,
+            "pause_s": round(self.engine.last_pause_s, 6),
+        }
 
     async def update_weights_ipc(self, body: IpcBody) -> dict:
         from tidal.training.carriers import ipc_import
@@ -231,8 +260,11 @@ class EngineHandlers:
             await self.engine.update_weights_from(named, body.weight_version)
         except (TidalError, RuntimeError, KeyError, TypeError, ValueError) as exc:
             raise BadRequest(f"handles: not a version of this model: {str(exc)[:300]}") from None
-        return {"status": "ok", "weight_version": self.engine.weight_version,
-                "pause_s": round(self.engine.last_pause_s, 6)}
+        return {
+            "status": "ok",
+            "weight_version": self.engine.weight_version,
+            "pause_s": round(self.engine.last_pause_s, 6),
+        }
 
     async def update_weight_version(self, body: VersionBody) -> dict:
         self.engine.weight_version = body.new_version
@@ -242,8 +274,10 @@ class EngineHandlers:
         return {"weight_version": self.engine.weight_version}
 
     async def weight_hashes(self) -> dict:
-        return {"weight_version": self.engine.weight_version,
-                "hashes": await self.engine.weight_hashes()}
+        return {
+            "weight_version": self.engine.weight_version,
+            "hashes": await self.engine.weight_hashes(),
+        }
 
     # -- KV handoff ------------------------------------------------------------------------
     async def export_kv(self, request_id: str) -> Response:
@@ -302,8 +336,9 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def build_engine_app(engine: Engine, served_name: str, token: str | None = None,
-                     tool_call_parser: str = "hermes") -> Guard:
+def build_engine_app(
+    engine: Engine, served_name: str, token: str | None = None, tool_call_parser: str = "hermes"
+) -> Guard:
     """The engine's ASGI app (routes: ``ROUTES``, handled by ``EngineHandlers``); with
     ``token`` every route needs ``Authorization: Bearer``. ``tool_call_parser``
     (``chat.TOOL_PARSERS``) reads tool calls out of chat answers."""
@@ -321,8 +356,12 @@ def build_engine_app(engine: Engine, served_name: str, token: str | None = None,
     app.add_middleware(CatchAll)
     for method, path, name in ROUTES:
         app.add_api_route(path, getattr(handlers, name), methods=[method], response_model=None)
-    return Guard(app, token, None if token else (lambda _: False),
-                 body_limits={"/tidal/kv": MAX_KV_BLOB_BYTES + 1})
+    return Guard(
+        app,
+        token,
+        None if token else (lambda _: False),
+        body_limits={"/tidal/kv": MAX_KV_BLOB_BYTES + 1},
+    )
 
 
 def weights_path(path: str) -> Path:
@@ -339,8 +378,9 @@ def weights_path(path: str) -> Path:
     return p
 
 
-async def _events(rid: str, model: str, first, stream, res: Result, chat: bool,
-                  parse: ToolParse | None, body) -> AsyncIterator[bytes]:
+async def _events(
+    rid: str, model: str, first, stream, res: Result, chat: bool, parse: ToolParse | None, body
+) -> AsyncIterator[bytes]:
     """The SSE events of one streamed request; with tools offered the text is held back and
     the last event carries it with the parsed tool calls."""
     try:

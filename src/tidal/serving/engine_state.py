@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class Request:
-    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 created_s: float) -> None:
+    def __init__(
+        self, request_id: str, prompt: list[int], params: SamplingParams, created_s: float
+    ) -> None:
         self.id, self.prompt, self.params, self.created_s = request_id, prompt, params, created_s
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
@@ -51,7 +52,7 @@ class Request:
             self.cache = model.new_cache()
         self.cache.length = min(self.cache.length, len(self.prompt) - 1)
         self.cached_tokens = self.cache.length
-        self.pending = self.prompt[self.cache.length:]
+        self.pending = self.prompt[self.cache.length :]
 
     def sample(self, logits: torch.Tensor, default_rng: torch.Generator) -> int:
         """One token from this request's distribution (temperature, top-k, top-p); raises
@@ -110,14 +111,21 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum()
 
 
-def sample_batch(batch: list[Request], logits: torch.Tensor, logp: torch.Tensor,
-                 rng: torch.Generator) -> list[int | None]:
+def sample_batch(
+    batch: list[Request], logits: torch.Tensor, logp: torch.Tensor, rng: torch.Generator
+) -> list[int | None]:
     """One token per request (None: that request's sampling failed; the others are kept):
     greedy rows by argmax; plain temperature-1 rows (no top-k, top-p or seed) in one batched
     draw, one by one if a row of it is invalid; the rest one by one."""
     greedy = logits.argmax(dim=-1).tolist()
-    plain = [i for i, r in enumerate(batch) if r.params.temperature == 1.0
-             and not r.params.top_k and r.params.top_p == 1.0 and r.rng is None]
+    plain = [
+        i
+        for i, r in enumerate(batch)
+        if r.params.temperature == 1.0
+        and not r.params.top_k
+        and r.params.top_p == 1.0
+        and r.rng is None
+    ]
     out: list[int | None] = list(greedy)
     single = [i for i, r in enumerate(batch) if r.params.temperature != 0.0 and i not in plain]
     if plain:
@@ -159,8 +167,11 @@ class KVStore:
         return sum(c.nbytes() for _, c, _ in self._entries.values())
 
     def pin(self, request_id: str, all_tokens: list[int], cache: KVCache) -> None:
-        self._entries[request_id] = (all_tokens[: cache.length], cache,
-                                     self.clock.now() + self.lease_s)
+        self._entries[request_id] = (
+            all_tokens[: cache.length],
+            cache,
+            self.clock.now() + self.lease_s,
+        )
 
     def release(self, key: str) -> bool:
         return self._entries.pop(key, None) is not None
@@ -208,14 +219,15 @@ class KVStore:
         cache.length = min(cache.length, common)
         return cache, cache.length
 
-
     def _parse(self, blob: bytes) -> tuple[list[int], dict[str, torch.Tensor]]:
         """(covered token ids, tensors) of a KV blob that fits this model: its fingerprint,
         ``k.i``/``v.i`` for every layer, each [tokens, kv heads, head dim] and finite."""
         meta = _metadata(blob)
         if meta.get("fingerprint") != self.fingerprint():
-            raise BadRequest(f"body: KV cache of model {meta.get('fingerprint')!r} does not "
-                             f"fit {self.fingerprint()!r}")
+            raise BadRequest(
+                f"body: KV cache of model {meta.get('fingerprint')!r} does not "
+                f"fit {self.fingerprint()!r}"
+            )
         try:
             tokens = json.loads(meta["tokens"])
         except (KeyError, TypeError, ValueError):
@@ -229,13 +241,16 @@ class KVStore:
         m = self.model
         want = {f"{kv}.{i}" for kv in "kv" for i in range(m.n_layers)}
         if set(tensors) != want:
-            raise BadRequest(f"body: KV tensors {sorted(tensors)[:4]} are not k.i/v.i for "
-                             f"{m.n_layers} layers")
+            raise BadRequest(
+                f"body: KV tensors {sorted(tensors)[:4]} are not k.i/v.i for {m.n_layers} layers"
+            )
         shape = (len(tokens), m.n_kv_heads, m.head_dim)
         for name, t in tensors.items():
             if tuple(t.shape) != shape or not t.is_floating_point():
-                raise BadRequest(f"body: KV tensor {name} of shape {tuple(t.shape)} "
-                                 f"{t.dtype}, not {shape} floats")
+                raise BadRequest(
+                    f"body: KV tensor {name} of shape {tuple(t.shape)} "
+                    f"{t.dtype}, not {shape} floats"
+                )
             if not bool(torch.isfinite(t).all()):
                 raise BadRequest(f"body: KV tensor {name} holds NaN or infinite values")
         return tokens, tensors
@@ -247,7 +262,7 @@ def _metadata(blob: bytes) -> dict[str, str]:
         (n,) = struct.unpack("<Q", blob[:8])
         if n > len(blob) - 8:
             raise ValueError(f"header of {n} bytes in a body of {len(blob)}")
-        header = json.loads(blob[8: 8 + n])
+        header = json.loads(blob[8 : 8 + n])
     except (struct.error, ValueError) as exc:
         raise BadRequest(f"body: not a safetensors KV blob ({exc})") from None
     meta = header.get("__metadata__") if isinstance(header, dict) else None

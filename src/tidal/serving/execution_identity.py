@@ -53,8 +53,10 @@ class Caller:
         return self.admin or not self.enforced or self.execution == execution_id
 
     def refusal(self, execution_id: str) -> str:
-        return (f"execution {execution_id!r} is named without its key (give its "
-                f"'Authorization: Bearer tx-...' key or use its base URL with it)")
+        return (
+            f"execution {execution_id!r} is named without its key (give its "
+            f"'Authorization: Bearer tx-...' key or use its base URL with it)"
+        )
 
 
 class ExecutionIdentity:
@@ -63,8 +65,14 @@ class ExecutionIdentity:
     ``open_routes``: paths anyone may call; ``open_api``: anonymous model calls are accepted
     (a loopback proxy)."""
 
-    def __init__(self, app, token: str | None, model_routes: Collection[str],
-                 open_routes: Collection[str], open_api: bool) -> None:
+    def __init__(
+        self,
+        app,
+        token: str | None,
+        model_routes: Collection[str],
+        open_routes: Collection[str],
+        open_api: bool,
+    ) -> None:
         self.app, self.token = app, token
         self.model_routes, self.open_routes = frozenset(model_routes), frozenset(open_routes)
         self.open_api = open_api
@@ -115,8 +123,12 @@ class ExecutionIdentity:
         if why := self._refused(path, caller, named):
             return await _unauthorized(send, why)
         if len(named) > 1:  # the admin token (or no token) naming two executions at once
-            return await send_error(send, "the URL, API key and X-Tidal-Execution name "
-                                          f"different executions: {sorted(named)}", 400)
+            return await send_error(
+                send,
+                "the URL, API key and X-Tidal-Execution name "
+                f"different executions: {sorted(named)}",
+                400,
+            )
         if named:
             headers.append((_HEADER, next(iter(named)).encode("latin-1")))
         await self.app({**scope, "headers": headers, CALLER: caller}, receive, send)

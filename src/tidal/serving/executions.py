@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 class LedgerEvents(Protocol):
     def dispatched(self, execution_id: str, group_id: str) -> None: ...
     def launched(self, execution_id: str, group_id: str) -> None: ...
-    def closed(self, execution_id: str, group_id: str, reason: str,
-               reward: float | None) -> None: ...
+    def closed(
+        self, execution_id: str, group_id: str, reason: str, reward: float | None
+    ) -> None: ...
 
 
 @dataclass
@@ -49,8 +50,7 @@ class EventLog:
     def launched(self, execution_id: str, group_id: str) -> None:
         self._add(("launched", execution_id, group_id))
 
-    def closed(self, execution_id: str, group_id: str, reason: str,
-               reward: float | None) -> None:
+    def closed(self, execution_id: str, group_id: str, reason: str, reward: float | None) -> None:
         self._add(("closed", execution_id, group_id, reason, reward))
 
     def _add(self, event: tuple) -> None:
@@ -73,9 +73,14 @@ class ExecutionState:
 class ExecutionRegistry:
     """Known executions and their lifecycle; forwards each transition to ``events`` once."""
 
-    def __init__(self, events: LedgerEvents | None = None, max_open: int = 100_000,
-                 max_closed: int = 100_000, idle_s: float | None = None,
-                 clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        events: LedgerEvents | None = None,
+        max_open: int = 100_000,
+        max_closed: int = 100_000,
+        idle_s: float | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.events = events or EventLog()
         self.max_open, self.max_closed, self.idle_s = max_open, max_closed, idle_s
         self.clock = clock or WallClock()
@@ -87,8 +92,12 @@ class ExecutionRegistry:
         self.duplicate_closes = 0
         self.expired = 0
 
-    def dispatch(self, group_id: str = "default", execution_id: str | None = None,
-                 metadata: dict | None = None) -> ExecutionState:
+    def dispatch(
+        self,
+        group_id: str = "default",
+        execution_id: str | None = None,
+        metadata: dict | None = None,
+    ) -> ExecutionState:
         self.expire_idle()
         with self._lock:
             eid = execution_id or f"ex-{uuid.uuid4().hex[:12]}"
@@ -96,8 +105,9 @@ class ExecutionRegistry:
                 raise LedgerError(f"execution {eid!r} is already registered")
             if self._open >= self.max_open:
                 raise LedgerError(f"{self.max_open} executions already open")
-            state = ExecutionState(eid, group_id, metadata=dict(metadata or {}),
-                                   seen_s=self.clock.now())
+            state = ExecutionState(
+                eid, group_id, metadata=dict(metadata or {}), seen_s=self.clock.now()
+            )
             self._by_id[eid] = state
             self._open += 1
         self.events.dispatched(eid, group_id)
@@ -111,8 +121,9 @@ class ExecutionRegistry:
             self.events.launched(execution_id, state.group_id)
         return state
 
-    def close(self, execution_id: str, reason: str = CloseReason.COMPLETED,
-              reward: float | None = None) -> bool:
+    def close(
+        self, execution_id: str, reason: str = CloseReason.COMPLETED, reward: float | None = None
+    ) -> bool:
         """Close once; returns False (and counts) for a duplicate close."""
         if reason not in CLOSE_REASONS:
             raise LedgerError(f"close reason must be one of {CLOSE_REASONS}, not {reason!r}")
@@ -156,11 +167,18 @@ class ExecutionRegistry:
         if self.idle_s is None or now - self._swept_s < 1.0:
             return 0
         self._swept_s = now
-        idle = [s for s in list(self._by_id.values()) if s.closed_reason is None
-                and now - s.seen_s > self.idle_s + float(s.metadata.get("timeout_s") or 0)]
+        idle = [
+            s
+            for s in list(self._by_id.values())
+            if s.closed_reason is None
+            and now - s.seen_s > self.idle_s + float(s.metadata.get("timeout_s") or 0)
+        ]
         for state in idle:
-            log.info("execution %s idle for %.0f s: closed (timeout)", state.execution_id,
-                     now - state.seen_s)
+            log.info(
+                "execution %s idle for %.0f s: closed (timeout)",
+                state.execution_id,
+                now - state.seen_s,
+            )
             self.close(state.execution_id, CloseReason.TIMEOUT)
         self.expired += len(idle)
         return len(idle)

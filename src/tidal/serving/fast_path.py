@@ -32,9 +32,11 @@ class FastPath:
     """ASGI front of the proxy's FastAPI app; ``serve(raw, execution, kind, session)``
     answers the OpenAI routes and the token-in route."""
 
-    ROUTES: ClassVar[dict[str, str]] = {"/v1/completions": "completions",
-                                        "/v1/chat/completions": "chat",
-                                        "/inference/v1/generate": "generate"}
+    ROUTES: ClassVar[dict[str, str]] = {
+        "/v1/completions": "completions",
+        "/v1/chat/completions": "chat",
+        "/inference/v1/generate": "generate",
+    }
 
     def __init__(self, app: FastAPI, serve) -> None:
         self.app, self.serve = app, serve
@@ -100,5 +102,6 @@ async def _read_body(receive) -> bytes:
 
 
 def _error(message: str, status: int) -> Response:
-    return Response(json.dumps(error_body(message, status)).encode(), status,
-                    media_type="application/json")
+    return Response(
+        json.dumps(error_body(message, status)).encode(), status, media_type="application/json"
+    )

@@ -42,9 +42,17 @@ def is_loopback(host: str) -> bool:
 
 async def send_error(send, message: str, status: int, headers: list | None = None) -> None:
     body = json.dumps(error_body(message, status)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -53,8 +61,7 @@ def bearer_ok(scope, token: str) -> bool:
     for name, value in scope["headers"]:
         if name == b"authorization":
             kind, _, given = value.partition(b" ")
-            return kind.lower() == b"bearer" and hmac.compare_digest(given.strip(),
-                                                                     token.encode())
+            return kind.lower() == b"bearer" and hmac.compare_digest(given.strip(), token.encode())
     return False
 
 
@@ -64,24 +71,32 @@ class Guard:
     body (``body_limits`` per path prefix overrides it); a larger Content-Length is refused
     before the body is read, a longer chunked body when it gets there."""
 
-    def __init__(self, app, token: str | None, needs_token: Callable[[str], bool] | None = None,
-                 max_body: int = 64 << 20, body_limits: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        app,
+        token: str | None,
+        needs_token: Callable[[str], bool] | None = None,
+        max_body: int = 64 << 20,
+        body_limits: dict[str, int] | None = None,
+    ) -> None:
         self.app, self.token = app, token
         self.needs_token = needs_token or (lambda _: True)
         self.max_body, self.body_limits = max_body, body_limits or {}
         self.state = getattr(app, "state", None)
 
     def _limit(self, path: str) -> int:
-        return next((n for p, n in self.body_limits.items() if path.startswith(p)),
-                    self.max_body)
+        return next((n for p, n in self.body_limits.items() if path.startswith(p)), self.max_body)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         if self.needs_token(path) and not (self.token and bearer_ok(scope, self.token)):
-            why = "missing or wrong bearer token" if self.token else \
-                f"{path} is disabled: no token configured"
+            why = (
+                "missing or wrong bearer token"
+                if self.token
+                else f"{path} is disabled: no token configured"
+            )
             return await send_error(send, why, 401, [(b"www-authenticate", b"Bearer")])
         limit = self._limit(path)
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
@@ -168,8 +183,9 @@ class _BoundedMixin:
     def _expired(self) -> None:
         self._timer = None
         if not self.transport.is_closing():
-            log.info("closing a connection that sent no whole request in %.0f s",
-                     self.read_timeout_s)
+            log.info(
+                "closing a connection that sent no whole request in %.0f s", self.read_timeout_s
+            )
             self.transport.close()
 
     def connection_made(self, transport) -> None:
@@ -207,14 +223,17 @@ class _BoundedMixin:
         if not self._too_large:
             return super().send_400_response(msg)
         body = f"request head over {self.max_header_bytes} bytes".encode()
-        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                             b"content-type: text/plain\r\nconnection: close\r\n"
-                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: text/plain\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
         self.transport.close()
 
 
-def bounded_protocol(read_timeout_s: float = READ_TIMEOUT_S,
-                     max_header_bytes: int = MAX_HEADER_BYTES):
+def bounded_protocol(
+    read_timeout_s: float = READ_TIMEOUT_S, max_header_bytes: int = MAX_HEADER_BYTES
+):
     """uvicorn's ``http`` setting: its httptools protocol, where a request must arrive whole
     (head and body) within ``read_timeout_s`` of its first byte (or of the connection's
     opening) and a head longer than ``max_header_bytes`` is answered 431. Without httptools,
@@ -224,12 +243,21 @@ def bounded_protocol(read_timeout_s: float = READ_TIMEOUT_S,
     except ImportError:  # pragma: no cover - httptools is part of the serve extra
         return "h11"
 
-    return type("Bounded", (_BoundedMixin, HttpToolsProtocol),
-                {"read_timeout_s": read_timeout_s, "max_header_bytes": max_header_bytes})
+    return type(
+        "Bounded",
+        (_BoundedMixin, HttpToolsProtocol),
+        {"read_timeout_s": read_timeout_s, "max_header_bytes": max_header_bytes},
+    )
 
 
-def run_server(app, host: str, port: int, read_timeout_s: float = READ_TIMEOUT_S,
-               max_header_bytes: int = MAX_HEADER_BYTES, **uvicorn_kw) -> None:
+def run_server(
+    app,
+    host: str,
+    port: int,
+    read_timeout_s: float = READ_TIMEOUT_S,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    **uvicorn_kw,
+) -> None:
     """``uvicorn.run`` with the bounded protocol, long keep-alive (client pools reuse idle
     connections longer than uvicorn's 5 s) and a deep backlog; blocks until interrupted.
 
@@ -242,9 +270,15 @@ def run_server(app, host: str, port: int, read_timeout_s: float = READ_TIMEOUT_S
 
     from tidal.serving.launch import LISTEN_FD_ENV
 
-    kw = dict(log_level="warning", access_log=False, timeout_keep_alive=120, backlog=4096,
-              http=bounded_protocol(read_timeout_s, max_header_bytes),
-              h11_max_incomplete_event_size=max_header_bytes, **uvicorn_kw)
+    kw = dict(
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=120,
+        backlog=4096,
+        http=bounded_protocol(read_timeout_s, max_header_bytes),
+        h11_max_incomplete_event_size=max_header_bytes,
+        **uvicorn_kw,
+    )
     fd_text = os.environ.pop(LISTEN_FD_ENV, None)
     if fd_text is None:
         uvicorn.run(app, host=host, port=port, **kw)
@@ -256,6 +290,7 @@ def run_server(app, host: str, port: int, read_timeout_s: float = READ_TIMEOUT_S
     bound = sock.getsockname()
     if bound[1] != port:
         sock.close()
-        raise SystemExit(f"{LISTEN_FD_ENV}={fd_text}: the socket is bound to port {bound[1]}, "
-                         f"not --port {port}")
+        raise SystemExit(
+            f"{LISTEN_FD_ENV}={fd_text}: the socket is bound to port {bound[1]}, not --port {port}"
+        )
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, **kw)).run(sockets=[sock])

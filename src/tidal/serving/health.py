@@ -46,8 +46,9 @@ class Lost:
 
 
 class HealthMonitor:
-    def __init__(self, proxy: Proxy, interval_s: float = 1.0, probes: int = 3,
-                 timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, proxy: Proxy, interval_s: float = 1.0, probes: int = 3, timeout_s: float = 5.0
+    ) -> None:
         self.proxy, self.interval_s, self.probes = proxy, interval_s, probes
         self.timeout_s = timeout_s
         self.silence_s = probes * interval_s  # no answer for this long: down
@@ -94,8 +95,11 @@ class HealthMonitor:
             if not member.admitting:
                 self._since.pop(eid, None)
                 continue
-            last = max(self._since.setdefault(eid, now), self._answered.get(eid, now - 1e9),
-                       member.progress_s)
+            last = max(
+                self._since.setdefault(eid, now),
+                self._answered.get(eid, now - 1e9),
+                member.progress_s,
+            )
             if now - last > self.silence_s:
                 self.mark_down(member, f"no answer for {now - last:.1f} s")
             else:
@@ -109,8 +113,11 @@ class HealthMonitor:
             return
         task = asyncio.create_task(probe, name=f"health-{engine_id}")
         self._probing[engine_id] = task
-        task.add_done_callback(lambda t: self._probing.pop(engine_id, None) if
-                               self._probing.get(engine_id) is t else None)
+        task.add_done_callback(
+            lambda t: (
+                self._probing.pop(engine_id, None) if self._probing.get(engine_id) is t else None
+            )
+        )
 
     async def _probe(self, member: Member) -> None:
         if await member.adapter.health(self.timeout_s):
@@ -133,15 +140,27 @@ class HealthMonitor:
         router = self.proxy.router
         if router.members.get(member.engine_id) is not member:
             return
-        lost = Lost(member.engine_id, member.adapter.url, member.backend, member.kind,
-                    member.cell_index, member.cap, member.model, member.admitting)
+        lost = Lost(
+            member.engine_id,
+            member.adapter.url,
+            member.backend,
+            member.kind,
+            member.cell_index,
+            member.cap,
+            member.model,
+            member.admitting,
+        )
         router.leave(member.engine_id)  # (which clears ``admitting``)
         self._since.pop(member.engine_id, None)
         self._answered.pop(member.engine_id, None)
         self.proxy.totals["engine_failures"] += 1
         self.lost[member.engine_id] = lost
-        log.warning("engine %s at %s is down (%s): it leaves routing, its calls retry "
-                    "elsewhere", member.engine_id, member.adapter.url, reason)
+        log.warning(
+            "engine %s at %s is down (%s): it leaves routing, its calls retry elsewhere",
+            member.engine_id,
+            member.adapter.url,
+            reason,
+        )
         asyncio.get_running_loop().create_task(member.adapter.close())
 
     def forget(self, engine_id: str) -> bool:
@@ -157,13 +176,18 @@ class HealthMonitor:
             return
         del self.lost[lost.engine_id]
         try:
-            member = await self.proxy.join(lost.engine_id, lost.url, lost.backend,
-                                           lost.kind, lost.cell_index, lost.cap,  # type: ignore[arg-type]
-                                           lost.model or None)
+            member = await self.proxy.join(
+                lost.engine_id,
+                lost.url,
+                lost.backend,
+                lost.kind,
+                lost.cell_index,
+                lost.cap,  # type: ignore[arg-type]
+                lost.model or None,
+            )
             member.admitting = lost.admitting
         except ServingError as exc:  # e.g. joined meanwhile under its id
-            log.info("engine %s answers again but was not re-admitted: %s",
-                     lost.engine_id, exc)
+            log.info("engine %s answers again but was not re-admitted: %s", lost.engine_id, exc)
             return
         self.readmitted += 1
         log.warning("engine %s at %s answers again: re-admitted", lost.engine_id, lost.url)

@@ -64,8 +64,14 @@ class _Stale(Exception):
 
 
 class HTTPPool:
-    def __init__(self, url: str, headers: dict[str, str] | None = None, max_idle: int = 256,
-                 connect_timeout_s: float = 10.0, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        headers: dict[str, str] | None = None,
+        max_idle: int = 256,
+        connect_timeout_s: float = 10.0,
+        timeout_s: float = 30.0,
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"only http://host:port origins are supported, not {url!r}")
@@ -73,8 +79,11 @@ class HTTPPool:
         self.prefix = parts.path.rstrip("/")
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._head_tail = f"Host: {parts.netloc}\r\n{extra}".encode()
-        self.max_idle, self.connect_timeout_s, self.timeout_s = (max_idle, connect_timeout_s,
-                                                                 timeout_s)
+        self.max_idle, self.connect_timeout_s, self.timeout_s = (
+            max_idle,
+            connect_timeout_s,
+            timeout_s,
+        )
         self._idle: deque[_Conn] = deque()
         self._busy: set[_Conn] = set()  # handed out: aborted by ``close``
         self.closed = False
@@ -90,10 +99,17 @@ class HTTPPool:
         self._busy.clear()
 
     # -- one request --------------------------------------------------------------------
-    async def request(self, method: str, path: str, *, body: bytes | None = None,
-                      json_body=None, params: dict | None = None,
-                      headers: dict[str, str] | None = None,
-                      timeout_s: float | None = None) -> Response:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        json_body=None,
+        params: dict | None = None,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Response:
         """Send and read the whole response (bounded by ``timeout_s``)."""
         data, head = self._encode(method, path, body, json_body, params, headers)
         try:
@@ -118,9 +134,15 @@ class HTTPPool:
         raise HTTPFailure(f"{method} {path}: connection closed by the server")
 
     @contextlib.asynccontextmanager
-    async def stream(self, method: str, path: str, *, json_body=None,
-                     headers: dict[str, str] | None = None,
-                     read_timeout_s: float = 300.0) -> AsyncIterator[StreamResponse]:
+    async def stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body=None,
+        headers: dict[str, str] | None = None,
+        read_timeout_s: float = 300.0,
+    ) -> AsyncIterator[StreamResponse]:
         """Send, then hand out the response to read incrementally; each read is bounded by
         ``read_timeout_s``. A response not read to its end closes its connection."""
         data, head = self._encode(method, path, None, json_body, None, headers)
@@ -152,19 +174,36 @@ class HTTPPool:
             resp.finish()
 
     # -- plumbing -------------------------------------------------------------------------
-    def _encode(self, method: str, path: str, body: bytes | None, json_body,
-                params: dict | None, headers: dict[str, str] | None) -> tuple[bytes, bytes]:
+    def _encode(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        json_body,
+        params: dict | None,
+        headers: dict[str, str] | None,
+    ) -> tuple[bytes, bytes]:
         if json_body is not None:
             body = json.dumps(json_body, separators=(",", ":")).encode()
             ctype = b"Content-Type: application/json\r\n"
         else:
             ctype = b"Content-Type: application/octet-stream\r\n" if body else b""
         if params:
-            path += "?" + urlencode({k: str(v).lower() if isinstance(v, bool) else v
-                                     for k, v in params.items() if v is not None})
+            path += "?" + urlencode(
+                {
+                    k: str(v).lower() if isinstance(v, bool) else v
+                    for k, v in params.items()
+                    if v is not None
+                }
+            )
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
-        head = (f"{method} {self.prefix}{path} HTTP/1.1\r\n".encode() + self._head_tail + extra
-                + ctype + b"Content-Length: %d\r\n\r\n" % len(body or b""))
+        head = (
+            f"{method} {self.prefix}{path} HTTP/1.1\r\n".encode()
+            + self._head_tail
+            + extra
+            + ctype
+            + b"Content-Length: %d\r\n\r\n" % len(body or b"")
+        )
         return body or b"", head
 
     async def _acquire(self, fresh: bool) -> _Conn:
@@ -192,8 +231,11 @@ class HTTPPool:
 
     def _release(self, conn: _Conn, headers: dict[str, str]) -> None:
         self._busy.discard(conn)
-        if (self.closed or headers.get("connection", "").lower() == "close"
-                or len(self._idle) >= self.max_idle):
+        if (
+            self.closed
+            or headers.get("connection", "").lower() == "close"
+            or len(self._idle) >= self.max_idle
+        ):
             conn.close()
         else:
             self._idle.append(conn)
@@ -268,8 +310,14 @@ async def _chunk(reader: asyncio.StreamReader) -> bytes | None:
 
 
 class StreamResponse:
-    def __init__(self, pool: HTTPPool, conn: _Conn, status_code: int, headers: dict[str, str],
-                 read_timeout_s: float) -> None:
+    def __init__(
+        self,
+        pool: HTTPPool,
+        conn: _Conn,
+        status_code: int,
+        headers: dict[str, str],
+        read_timeout_s: float,
+    ) -> None:
         self.pool, self.conn = pool, conn
         self.status_code, self.headers = status_code, headers
         self.read_timeout_s = read_timeout_s

@@ -47,8 +47,11 @@ class Attempt:
 async def export_kv(attempt: Attempt) -> bytes | None:
     """The KV a drained attempt left pinned at its engine, which then releases it."""
     src = attempt.member
-    if not src.adapter.supports_kv_handoff or attempt.kv_tokens == 0 or \
-            (not attempt.started and attempt.kv_tokens is None):  # the engine never had it
+    if (
+        not src.adapter.supports_kv_handoff
+        or attempt.kv_tokens == 0
+        or (not attempt.started and attempt.kv_tokens is None)
+    ):  # the engine never had it
         return None
     t_up = time.perf_counter()
     try:
@@ -56,8 +59,7 @@ async def export_kv(attempt: Attempt) -> bytes | None:
         with contextlib.suppress(ServingError):
             await src.adapter.release_kv(attempt.request_id)
     except ServingError as exc:
-        log.warning("KV export from %s failed (%s): the next engine prefills",
-                    src.engine_id, exc)
+        log.warning("KV export from %s failed (%s): the next engine prefills", src.engine_id, exc)
         attempt.kv_result = "lost"
         return None
     finally:
@@ -72,8 +74,7 @@ async def import_kv(blob: bytes, attempt: Attempt) -> tuple[str | None, bytes | 
     if not dest.adapter.supports_kv_handoff:
         return None, blob
     if blob.startswith(VLLM_MAGIC) != isinstance(dest.adapter, VLLMKVHandoff):
-        log.info("KV of another engine kind's layout cannot go to %s: it prefills",
-                 dest.engine_id)
+        log.info("KV of another engine kind's layout cannot go to %s: it prefills", dest.engine_id)
         attempt.kv_result = "mixed"
         return None, None
     t_up = time.perf_counter()
@@ -95,5 +96,8 @@ async def release_import(attempt: Attempt, handle: str | None) -> None:
         with contextlib.suppress(ServingError):
             await attempt.member.adapter.release_kv(handle)
         attempt.upstream_s += time.perf_counter() - t_up
-    log.debug("call attempt %s re-routed before it was sent to %s (draining)",
-              attempt.request_id, attempt.member.engine_id)
+    log.debug(
+        "call attempt %s re-routed before it was sent to %s (draining)",
+        attempt.request_id,
+        attempt.member.engine_id,
+    )

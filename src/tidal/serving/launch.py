@@ -60,10 +60,17 @@ def bound_socket(host: str = "127.0.0.1") -> socket.socket:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], port: int, log_path: Path | None = None,
-                 env: dict[str, str] | None = None, health_path: str = "/health",
-                 token: str | None = None, host: str = "127.0.0.1",
-                 sock: socket.socket | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        port: int,
+        log_path: Path | None = None,
+        env: dict[str, str] | None = None,
+        health_path: str = "/health",
+        token: str | None = None,
+        host: str = "127.0.0.1",
+        sock: socket.socket | None = None,
+    ) -> None:
         """``sock``: the bound socket the child listens on (its port is ``port``); it goes
         to the child and is closed here once the child has it."""
         self.port, self.args, self.health_path = port, args, health_path
@@ -77,10 +84,13 @@ class ServerProcess:
             pass_fds = (sock.fileno(),)
             full_env[LISTEN_FD_ENV] = str(sock.fileno())
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tidal.cli",
-                                          *([verbosity] if verbosity else []), *args],
-                                         stdout=self._log, stderr=subprocess.STDOUT,
-                                         env=full_env, pass_fds=pass_fds)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tidal.cli", *([verbosity] if verbosity else []), *args],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                pass_fds=pass_fds,
+            )
         finally:
             if sock is not None:
                 sock.close()  # the child holds its own copy
@@ -89,11 +99,16 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise TimeoutExpired(f"{self.args[0]} on port {self.port} exited with "
-                                     f"{self.proc.returncode}")
+                raise TimeoutExpired(
+                    f"{self.args[0]} on port {self.port} exited with {self.proc.returncode}"
+                )
             try:
-                if httpx.get(f"{self.url}{self.health_path}", headers=self.headers,
-                             timeout=1.0).status_code == 200:
+                if (
+                    httpx.get(
+                        f"{self.url}{self.health_path}", headers=self.headers, timeout=1.0
+                    ).status_code
+                    == 200
+                ):
                     return self
             except httpx.HTTPError:
                 pass
@@ -118,8 +133,14 @@ class ServerProcess:
             self._log.close()
 
 
-def start_engine(model_dir: str | Path, port: int | None = None, *, token: str | None = None,
-                 log_path: Path | None = None, **fields: Any) -> ServerProcess:
+def start_engine(
+    model_dir: str | Path,
+    port: int | None = None,
+    *,
+    token: str | None = None,
+    log_path: Path | None = None,
+    **fields: Any,
+) -> ServerProcess:
     """``tidal engine`` on ``host:port`` with ``EngineSettings(**fields)`` (given as ``--settings
     JSON``; the defaults the contract's); ``token`` (default ``$TIDAL_ENGINE_TOKEN``, the run's
     token in a runtime actor) goes through the environment, never the command line. A host
@@ -128,16 +149,32 @@ def start_engine(model_dir: str | Path, port: int | None = None, *, token: str |
     sock = None if port else bound_socket(host)
     port = port or sock.getsockname()[1]
     token = token if token is not None else os.environ.get("TIDAL_ENGINE_TOKEN")
-    settings = EngineSettings(model_dir=str(model_dir), port=port, **{
-        k: str(v) if k == "spill_dir" and v is not None else v for k, v in fields.items()})
-    return ServerProcess(engine_args(settings), port, log_path,
-                         env={"TIDAL_ENGINE_TOKEN": token or ""}, token=token, host=host,
-                         sock=sock)
+    settings = EngineSettings(
+        model_dir=str(model_dir),
+        port=port,
+        **{k: str(v) if k == "spill_dir" and v is not None else v for k, v in fields.items()},
+    )
+    return ServerProcess(
+        engine_args(settings),
+        port,
+        log_path,
+        env={"TIDAL_ENGINE_TOKEN": token or ""},
+        token=token,
+        host=host,
+        sock=sock,
+    )
 
 
-def start_proxy(engines: list[str], cells: list[str], admin_token: str,
-                port: int | None = None, *, engine_token: str | None = None,
-                log_path: Path | None = None, **fields: Any) -> ServerProcess:
+def start_proxy(
+    engines: list[str],
+    cells: list[str],
+    admin_token: str,
+    port: int | None = None,
+    *,
+    engine_token: str | None = None,
+    log_path: Path | None = None,
+    **fields: Any,
+) -> ServerProcess:
     """``tidal proxy`` on ``port`` with ``ProxySettings(engines=..., cells=..., **fields)``
     (given as ``--settings JSON``; the defaults the contract's); ready once ``/live`` answers
     (``/health`` is 503 until an engine serves). The tokens go through the environment:
@@ -150,8 +187,9 @@ def start_proxy(engines: list[str], cells: list[str], admin_token: str,
     env = {"TIDAL_ADMIN_TOKEN": admin_token}
     if engine_token is not None:
         env["TIDAL_ENGINE_TOKEN"] = engine_token
-    return ServerProcess(proxy_args(settings), port, log_path, env=env, health_path="/live",
-                         sock=sock)
+    return ServerProcess(
+        proxy_args(settings), port, log_path, env=env, health_path="/live", sock=sock
+    )
 
 
 def engine_args(settings: EngineSettings) -> list[str]:

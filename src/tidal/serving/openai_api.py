@@ -45,8 +45,7 @@ def check_stops(v):
     strings of 1 to ``MAX_STOP_CHARS`` characters (a ``ValueError`` naming the bound)."""
     stops = [v] if isinstance(v, str) else (v or [])
     if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(x) <= MAX_STOP_CHARS for x in stops):
-        raise ValueError(f"at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} "
-                         "characters")
+        raise ValueError(f"at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters")
     return v
 
 
@@ -90,8 +89,9 @@ class _Body(BaseModel):
     return_token_ids: bool = False
     request_id: str | None = Field(None, max_length=256)
     kv_handle: str | None = Field(None, max_length=256)
-    stream_interval_ms: float = Field(0.0, ge=0.0, le=1000.0,
-                                      description="coalesce streamed tokens (tidal extension)")
+    stream_interval_ms: float = Field(
+        0.0, ge=0.0, le=1000.0, description="coalesce streamed tokens (tidal extension)"
+    )
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -118,20 +118,29 @@ class _Body(BaseModel):
 
     def sampling(self, default_max_tokens: int = 16) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(max_tokens=self.max_new_tokens(default_max_tokens),
-                              temperature=1.0 if self.temperature is None else self.temperature,
-                              top_k=max(0, self.top_k or 0),
-                              top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed,
-                              ignore_eos=self.ignore_eos,
-                              stop_token_ids=list(self.stop_token_ids or []), stop=stops)
+        return SamplingParams(
+            max_tokens=self.max_new_tokens(default_max_tokens),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=max(0, self.top_k or 0),
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []),
+            stop=stops,
+        )
 
 
 class CompletionRequest(_Body):
-    prompt: (Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
-             | Annotated[list[TokenId], Field(max_length=MAX_PROMPT_IDS)]) = Field(
-        ..., description="text, or token ids")
-    logprobs: int | None = Field(None, ge=0, le=0, description="0: each sampled token's "
-                                 "log-prob (top alternatives are not computed)")
+    prompt: (
+        Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+        | Annotated[list[TokenId], Field(max_length=MAX_PROMPT_IDS)]
+    ) = Field(..., description="text, or token ids")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=0,
+        description="0: each sampled token's log-prob (top alternatives are not computed)",
+    )
     echo: bool = Field(False, description="refused when true")
     suffix: str | None = None
     best_of: int | None = None
@@ -156,8 +165,9 @@ class CompletionRequest(_Body):
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["text"] = Field(..., description="json_object and json_schema are refused: "
-                                                   "no constrained decoding")
+    type: Literal["text"] = Field(
+        ..., description="json_object and json_schema are refused: no constrained decoding"
+    )
 
 
 class NamedTool(BaseModel):
@@ -170,12 +180,14 @@ class NamedTool(BaseModel):
 class ChatRequest(_Body):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="0 only: top alternatives "
-                                     "are not computed")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=0, description="0 only: top alternatives are not computed"
+    )
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto"] | None = Field(
-        None, description="'required' and a named function need constrained decoding: refused")
+        None, description="'required' and a named function need constrained decoding: refused"
+    )
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
@@ -239,29 +251,46 @@ def _offsets(token_texts: list[str]) -> list[int]:
     return offsets
 
 
-def completion_response(rid: str, model: str, results: list[Result], want_logprobs: bool,
-                        token_texts: list[list[str]]) -> dict:
+def completion_response(
+    rid: str, model: str, results: list[Result], want_logprobs: bool, token_texts: list[list[str]]
+) -> dict:
     choices = []
     for i, (res, texts) in enumerate(zip(results, token_texts, strict=True)):
-        choice = {"index": i, "text": res.text, "token_ids": res.token_ids,
-                  "prompt_token_ids": res.prompt_token_ids,
-                  "finish_reason": res.finish_reason,
-                  "weight_versions": version_spans(res.versions),
-                  "logprobs": {"tokens": texts, "token_logprobs": res.logprobs,
-                               "top_logprobs": None, "text_offset": _offsets(texts)}
-                  if want_logprobs else None}
+        choice = {
+            "index": i,
+            "text": res.text,
+            "token_ids": res.token_ids,
+            "prompt_token_ids": res.prompt_token_ids,
+            "finish_reason": res.finish_reason,
+            "weight_versions": version_spans(res.versions),
+            "logprobs": {
+                "tokens": texts,
+                "token_logprobs": res.logprobs,
+                "top_logprobs": None,
+                "text_offset": _offsets(texts),
+            }
+            if want_logprobs
+            else None,
+        }
         if res.kv_tokens is not None:
             choice["kv_tokens"] = res.kv_tokens
         choices.append(choice)
-    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": _usage(results)}
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": _usage(results),
+    }
 
 
 ToolParse = Callable[[str], tuple[str | None, list[dict]]]
 
 
-def chat_choice(i: int, res: Result, want_logprobs: bool, token_texts: list[str],
-                parse: ToolParse | None) -> dict:
+def chat_choice(
+    i: int, res: Result, want_logprobs: bool, token_texts: list[str], parse: ToolParse | None
+) -> dict:
     """One chat choice; with ``parse`` (tools offered) the text's tool calls become
     ``tool_calls`` and the finish reason ``tool_calls``."""
     message: dict = {"role": "assistant", "content": res.text}
@@ -271,28 +300,52 @@ def chat_choice(i: int, res: Result, want_logprobs: bool, token_texts: list[str]
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}
             reason = "tool_calls" if reason == "stop" else reason
-    content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-               for t, lp in zip(token_texts, res.logprobs, strict=False)]
-    return {"index": i, "message": message, "token_ids": res.token_ids,
-            "finish_reason": reason, "weight_versions": version_spans(res.versions),
-            "logprobs": {"content": content} if want_logprobs else None}
+    content = [
+        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+        for t, lp in zip(token_texts, res.logprobs, strict=False)
+    ]
+    return {
+        "index": i,
+        "message": message,
+        "token_ids": res.token_ids,
+        "finish_reason": reason,
+        "weight_versions": version_spans(res.versions),
+        "logprobs": {"content": content} if want_logprobs else None,
+    }
 
 
-def chat_response(rid: str, model: str, results: list[Result], want_logprobs: bool,
-                  token_texts: list[list[str]], parse: ToolParse | None = None) -> dict:
-    choices = [chat_choice(i, res, want_logprobs, texts, parse)
-               for i, (res, texts) in enumerate(zip(results, token_texts, strict=True))]
-    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": _usage(results),
-            "prompt_token_ids": results[0].prompt_token_ids}
+def chat_response(
+    rid: str,
+    model: str,
+    results: list[Result],
+    want_logprobs: bool,
+    token_texts: list[list[str]],
+    parse: ToolParse | None = None,
+) -> dict:
+    choices = [
+        chat_choice(i, res, want_logprobs, texts, parse)
+        for i, (res, texts) in enumerate(zip(results, token_texts, strict=True))
+    ]
+    return {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": _usage(results),
+        "prompt_token_ids": results[0].prompt_token_ids,
+    }
 
 
 def _usage(results: list[Result]) -> dict:
     n_prompt = len(results[0].prompt_token_ids)
     n_out = sum(len(r.token_ids) for r in results)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-            "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens}}
+    return {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_out,
+        "total_tokens": n_prompt + n_out,
+        "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens},
+    }
 
 
 VERSIONS_HEADER = "X-Tidal-Weight-Versions"
@@ -302,26 +355,38 @@ def versions_header(results: list[Result]) -> str:
     """The weight versions of each choice's tokens: ``start-end=version`` spans joined by
     commas, choices by semicolons (``0-12=v3,12-20=v4;0-9=v4``); a version label is
     percent-encoded where it holds characters a header cannot carry."""
-    return ";".join(",".join(f"{a}-{b}={quote(v, safe='')}"
-                             for a, b, v in version_spans(r.versions)) for r in results)
+    return ";".join(
+        ",".join(f"{a}-{b}={quote(v, safe='')}" for a, b, v in version_spans(r.versions))
+        for r in results
+    )
 
 
-def sse_chunk(rid: str, model: str, chunk: TokenChunk, chat: bool, index: int = 0,
-              delta: dict | None = None) -> bytes:
+def sse_chunk(
+    rid: str, model: str, chunk: TokenChunk, chat: bool, index: int = 0, delta: dict | None = None
+) -> bytes:
     """One SSE event; ``tidal`` carries the raw token ids, log-probs and versions. ``delta``
     replaces a chat chunk's text delta (tool calls, held-back text)."""
     if chat:
         if delta is None:
             delta = {"content": chunk.text} if chunk.text else {}
-        choice = {"index": index, "delta": delta,
-                  "finish_reason": chunk.finish_reason, "token_ids": chunk.token_ids}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "finish_reason": chunk.finish_reason,
+            "token_ids": chunk.token_ids,
+        }
         body = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk"}
     else:
-        choice = {"index": index, "text": chunk.text, "finish_reason": chunk.finish_reason,
-                  "token_ids": chunk.token_ids}
+        choice = {
+            "index": index,
+            "text": chunk.text,
+            "finish_reason": chunk.finish_reason,
+            "token_ids": chunk.token_ids,
+        }
         body = {"id": f"cmpl-{rid}", "object": "text_completion"}
-    body.update({"created": int(time.time()), "model": model, "choices": [choice],
-                 "tidal": chunk.to_json()})
+    body.update(
+        {"created": int(time.time()), "model": model, "choices": [choice], "tidal": chunk.to_json()}
+    )
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
@@ -337,10 +402,14 @@ def tool_delta(text: str, parse: ToolParse) -> tuple[dict, bool]:
 
 def sse_usage(rid: str, model: str, results: list[Result], chat: bool) -> bytes:
     """The last event when ``stream_options.include_usage``: no choices, the usage."""
-    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [],
-            "usage": _usage(results)}
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": _usage(results),
+    }
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
@@ -359,8 +428,9 @@ def validation_message(errors) -> str:
     """One line naming each bad field (a field the server does not implement says so)."""
     parts = []
     for err in list(errors)[:6]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body"
-                       and not str(x).startswith(_UNION_TAGS))
+        loc = ".".join(
+            str(x) for x in err.get("loc", ()) if x != "body" and not str(x).startswith(_UNION_TAGS)
+        )
         msg = err.get("msg")
         if err.get("type") == "extra_forbidden":
             msg = "not supported by this server (refused, not ignored)"
@@ -383,5 +453,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(str(exc.detail), exc.status_code),
+            exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )

@@ -52,8 +52,10 @@ class SamplingParams(BaseModel):
 def check_temperature(t: float) -> float:
     """``t`` if the engine can sample with it: 0 (greedy) or at least ``MIN_TEMPERATURE``."""
     if 0.0 < t < MIN_TEMPERATURE:
-        raise ValueError(f"{t!r} is below the smallest temperature sampled with "
-                         f"({MIN_TEMPERATURE}); use 0 for greedy decoding")
+        raise ValueError(
+            f"{t!r} is below the smallest temperature sampled with "
+            f"({MIN_TEMPERATURE}); use 0 for greedy decoding"
+        )
     return t
 
 
@@ -83,9 +85,13 @@ class TokenChunk:
     kv_tokens: int | None = None  # on an abort: tokens the engine held KV for (0: none)
 
     def to_json(self) -> dict:
-        out: dict = {"token_ids": self.token_ids, "logprobs": self.logprobs,
-                     "versions": self.versions, "text": self.text,
-                     "finish_reason": self.finish_reason}
+        out: dict = {
+            "token_ids": self.token_ids,
+            "logprobs": self.logprobs,
+            "versions": self.versions,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+        }
         if self.kv_tokens is not None:
             out["kv_tokens"] = self.kv_tokens
         if self.prompt_token_ids is not None:
@@ -95,13 +101,16 @@ class TokenChunk:
 
     @classmethod
     def from_json(cls, data: dict) -> TokenChunk:
-        return cls(token_ids=list(data.get("token_ids", [])),
-                   logprobs=list(data.get("logprobs", [])),
-                   versions=list(data.get("versions", [])), text=data.get("text", ""),
-                   finish_reason=data.get("finish_reason"),
-                   prompt_token_ids=data.get("prompt_token_ids"),
-                   cached_tokens=data.get("cached_tokens"),
-                   kv_tokens=data.get("kv_tokens"))
+        return cls(
+            token_ids=list(data.get("token_ids", [])),
+            logprobs=list(data.get("logprobs", [])),
+            versions=list(data.get("versions", [])),
+            text=data.get("text", ""),
+            finish_reason=data.get("finish_reason"),
+            prompt_token_ids=data.get("prompt_token_ids"),
+            cached_tokens=data.get("cached_tokens"),
+            kv_tokens=data.get("kv_tokens"),
+        )
 
 
 class StopText:
@@ -127,7 +136,7 @@ class StopText:
             end, self.done = cut, True
         else:
             end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
 

@@ -69,7 +69,6 @@ from tidal.serving.router import Kind, Member, Router
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class _CallState:
     """What one call carries from one engine's attempt to the next."""
@@ -79,6 +78,7 @@ class _CallState:
     errors: int = 0  # 5xx answers and failed steps of live engines: retried a bounded number
     blob: bytes | None = None  # a drained attempt's KV, held until an engine adopts it
     prior_kv: int = 0  # tokens some earlier engine held KV for: what a re-prefill redoes
+
 
 class ProxyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -132,21 +132,38 @@ class Proxy:
         self._curve = None
         if self.admission.on:
             if self.config.engine_curve is None:
-                raise ConfigError("control.engine_curve", "admission control needs the "
-                                  "engines' throughput curve [[batch, tokens/s], ...]")
+                raise ConfigError(
+                    "control.engine_curve",
+                    "admission control needs the "
+                    "engines' throughput curve [[batch, tokens/s], ...]",
+                )
             self._curve = curve_from_points(self.config.engine_curve)
         self.queue = AdmissionQueue(self.admission.order)
         # seconds each execution's calls waited in the admission queue (over-subscription)
         self.queued_waits = QueuedWaits()
-        self.health = HealthMonitor(self, self.config.health_interval_s,
-                                    self.config.health_probes, self.config.health_timeout_s)
+        self.health = HealthMonitor(
+            self,
+            self.config.health_interval_s,
+            self.config.health_probes,
+            self.config.health_timeout_s,
+        )
         self._released = asyncio.Condition()  # an attempt left an engine's in-flight set
         self._joined = asyncio.Event()  # an engine joined (tokenizing calls wait for one)
         self.overhead_s: deque[float] = deque(maxlen=20_000)
-        self.totals = {"calls": 0, "retries": 0, "drains": 0, "kv_handoffs": 0,
-                       "engine_failures": 0, "reprefill_tokens": 0, "saved_prefill_tokens": 0,
-                       "failed_calls": 0, "engine_errors": 0, "engine_step_failures": 0,
-                       "kv_handoff_failures": 0, "kv_mixed_moves": 0}
+        self.totals = {
+            "calls": 0,
+            "retries": 0,
+            "drains": 0,
+            "kv_handoffs": 0,
+            "engine_failures": 0,
+            "reprefill_tokens": 0,
+            "saved_prefill_tokens": 0,
+            "failed_calls": 0,
+            "engine_errors": 0,
+            "engine_step_failures": 0,
+            "kv_handoff_failures": 0,
+            "kv_mixed_moves": 0,
+        }
         # The decode meter (``Observation.decode_meter``), over all engines and cumulative:
         # every token an engine sent back (of calls that later moved or failed too), and the
         # time integral of calls held at an engine (in one's in-flight set; not queued here).
@@ -158,9 +175,17 @@ class Proxy:
         return self.config.engine_token or self.config.admin_token
 
     # -- membership ------------------------------------------------------------------------
-    async def join(self, engine_id: str, url: str, backend: str = "builtin",
-                   kind: Kind = "standalone", cell_index: int = 0, cap: int = 32,
-                   model: str | None = None, wait_healthy_s: float = 0.0) -> Member:
+    async def join(
+        self,
+        engine_id: str,
+        url: str,
+        backend: str = "builtin",
+        kind: Kind = "standalone",
+        cell_index: int = 0,
+        cap: int = 32,
+        model: str | None = None,
+        wait_healthy_s: float = 0.0,
+    ) -> Member:
         if engine_id in self.router.members:
             raise BadRequest(f"engine {engine_id!r} is already a member")
         adapter = make_adapter(backend, url, api_key=self.engine_token)
@@ -208,10 +233,10 @@ class Proxy:
         (REFERENCE.md §1, harness-preserving change)."""
         t0 = self.clock.now()
         member = self.router.set_admitting(engine_id, False)
-        use_kv = (self.config.kv_handoff if handoff is None else handoff) and \
-            member.adapter.supports_kv_handoff
-        attempts = [a for a in member.inflight.values()
-                    if isinstance(a, Attempt) and not a.ended]
+        use_kv = (
+            self.config.kv_handoff if handoff is None else handoff
+        ) and member.adapter.supports_kv_handoff
+        attempts = [a for a in member.inflight.values() if isinstance(a, Attempt) and not a.ended]
         for a in attempts:
             if a.execution_id is not None:
                 self.router.reserve(a.execution_id, engine_id)
@@ -227,23 +252,36 @@ class Proxy:
         await self._wait_empty(member)
         self.totals["drains"] += 1
         took = self.clock.now() - t0
-        log.info("drained %s: %d calls moved in %.3f s (kv handoff %s)", engine_id,
-                 len(attempts), took, use_kv)
+        log.info(
+            "drained %s: %d calls moved in %.3f s (kv handoff %s)",
+            engine_id,
+            len(attempts),
+            took,
+            use_kv,
+        )
         # the cost of each move without a handoff: its context is prefilled again elsewhere
         reprefill = 0 if use_kv else sum(a.context_tokens for a in attempts)
-        return {"engine": engine_id, "moved": len(attempts), "kv_handoff": use_kv,
-                "kv_capable": member.adapter.supports_kv_handoff,
-                "reprefill_tokens": reprefill, "duration_s": took}
+        return {
+            "engine": engine_id,
+            "moved": len(attempts),
+            "kv_handoff": use_kv,
+            "kv_capable": member.adapter.supports_kv_handoff,
+            "reprefill_tokens": reprefill,
+            "duration_s": took,
+        }
 
     async def _wait_empty(self, member: Member) -> None:
         try:
             async with self._released:
-                await asyncio.wait_for(self._released.wait_for(lambda: not member.inflight),
-                                       self.config.drain_timeout_s)
+                await asyncio.wait_for(
+                    self._released.wait_for(lambda: not member.inflight),
+                    self.config.drain_timeout_s,
+                )
         except TimeoutError:
-            raise TimeoutExpired(f"drain {member.engine_id}: {len(member.inflight)} requests "
-                                 f"still running after {self.config.drain_timeout_s} s"
-                                 ) from None
+            raise TimeoutExpired(
+                f"drain {member.engine_id}: {len(member.inflight)} requests "
+                f"still running after {self.config.drain_timeout_s} s"
+            ) from None
 
     def _hold(self, delta: int) -> None:
         """The number of calls held at engines changes by ``delta`` now (the meter's exposure)."""
@@ -253,8 +291,10 @@ class Proxy:
 
     def decode_meter(self) -> dict[str, float]:
         """Tokens the engines decoded and sequence-seconds held at them, up to now."""
-        return {"tokens": float(self.decoded_tokens),
-                "inflight_s": self._held_s + self._held * (self.clock.now() - self._held_at)}
+        return {
+            "tokens": float(self.decoded_tokens),
+            "inflight_s": self._held_s + self._held * (self.clock.now() - self._held_at),
+        }
 
     async def _release_slot(self, member: Member, request_id: str) -> None:
         if member.inflight.pop(request_id, None) is not None:
@@ -264,9 +304,13 @@ class Proxy:
             self._released.notify_all()
 
     # -- model calls -----------------------------------------------------------------------
-    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       timeout_s: float | None = None, tools: list[dict] | None = None
-                       ) -> list[int]:
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        timeout_s: float | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
         """Prompt ids from the first engine that answers; with none (all lost, replacements
         starting) it waits for one to join, within the call's timeout."""
         loop = asyncio.get_running_loop()
@@ -275,8 +319,9 @@ class Proxy:
             for member in list(self.router.members.values()):
                 if member.alive:
                     try:
-                        return await member.adapter.tokenize(prompt=prompt, messages=messages,
-                                                             tools=tools)
+                        return await member.adapter.tokenize(
+                            prompt=prompt, messages=messages, tools=tools
+                        )
                     except EngineUnavailable:
                         continue
             left = deadline - loop.time()
@@ -294,30 +339,48 @@ class Proxy:
             return None
         return await bridge(member.adapter, self.records.calls(execution_id), prompt)
 
-    async def complete(self, execution_id: str | None, prompt: list[int],
-                       params: SamplingParams,
-                       on_chunk: Callable[[TokenChunk], None] | None = None,
-                       record_overhead: bool = True, timeout_s: float | None = None,
-                       session: str | None = None, bridged: bool = False) -> Result:
+    async def complete(
+        self,
+        execution_id: str | None,
+        prompt: list[int],
+        params: SamplingParams,
+        on_chunk: Callable[[TokenChunk], None] | None = None,
+        record_overhead: bool = True,
+        timeout_s: float | None = None,
+        session: str | None = None,
+        bridged: bool = False,
+    ) -> Result:
         """Run one model call to its end across engine changes, within ``timeout_s`` (default
         ``request_timeout_s``). ``res.upstream_s`` is the time spent waiting on engines and
         admission; the rest is the proxy's own (recorded in ``overhead_s`` unless the caller
         measures a wider span itself). A call that fails is logged with its id and reason."""
         if len(prompt) > self.config.max_prompt_tokens:
-            raise BadRequest(f"prompt of {len(prompt)} tokens exceeds the limit of "
-                             f"{self.config.max_prompt_tokens}")
-        call = CallRecord(call_id=uuid.uuid4().hex[:16], prompt_token_ids=list(prompt),
-                          max_tokens=params.max_tokens, bridged=bridged)
+            raise BadRequest(
+                f"prompt of {len(prompt)} tokens exceeds the limit of "
+                f"{self.config.max_prompt_tokens}"
+            )
+        call = CallRecord(
+            call_id=uuid.uuid4().hex[:16],
+            prompt_token_ids=list(prompt),
+            max_tokens=params.max_tokens,
+            bridged=bridged,
+        )
         self.totals["calls"] += 1
         params = self._seeded(execution_id, params)
         try:
-            return await self._complete(call, execution_id, prompt, params, on_chunk,
-                                        record_overhead, timeout_s, session)
+            return await self._complete(
+                call, execution_id, prompt, params, on_chunk, record_overhead, timeout_s, session
+            )
         except ServingError as exc:
             self.totals["failed_calls"] += 1
-            log.warning("call %s (execution %s) failed after %d segments: %s: %s",
-                        call.call_id, execution_id, len(call.segments), type(exc).__name__,
-                        exc)
+            log.warning(
+                "call %s (execution %s) failed after %d segments: %s: %s",
+                call.call_id,
+                execution_id,
+                len(call.segments),
+                type(exc).__name__,
+                exc,
+            )
             raise
 
     def _seeded(self, execution_id: str | None, params: SamplingParams) -> SamplingParams:
@@ -332,12 +395,19 @@ class Proxy:
         self._call_counts[execution_id] = index + 1
         if params.seed is not None:
             return params
-        return params.model_copy(update={"seed": call_seed(self.config.seed, execution_id,
-                                                           index)})
+        return params.model_copy(update={"seed": call_seed(self.config.seed, execution_id, index)})
 
-    async def _complete(self, call: CallRecord, execution_id: str | None, prompt: list[int],
-                        params: SamplingParams, on_chunk, record_overhead: bool,
-                        timeout_s: float | None, session: str | None = None) -> Result:
+    async def _complete(
+        self,
+        call: CallRecord,
+        execution_id: str | None,
+        prompt: list[int],
+        params: SamplingParams,
+        on_chunk,
+        record_overhead: bool,
+        timeout_s: float | None,
+        session: str | None = None,
+    ) -> Result:
         t_start = time.perf_counter()
         st = _CallState(Result(list(prompt)))
         res = st.res
@@ -357,16 +427,18 @@ class Proxy:
             attempt = Attempt(route_key, f"{call.call_id}-{attempt_no}", member)
             member.inflight[attempt.request_id] = attempt
             self._hold(+1)
-            reason, failure = await self._attempt(call, st, attempt, attempt_no, prompt, params,
-                                                  remaining, on_chunk)
+            reason, failure = await self._attempt(
+                call, st, attempt, attempt_no, prompt, params, remaining, on_chunk
+            )
             if reason in ("stop", "length"):
                 res.finish_reason = reason
                 break
             await self._after_attempt(call, st, attempt, reason, failure, prompt)
             self.totals["retries"] += 1
         else:
-            raise EngineUnavailable(f"call {call.call_id}: no engine finished it in "
-                                    f"{self.config.max_attempts} attempts")
+            raise EngineUnavailable(
+                f"call {call.call_id}: no engine finished it in {self.config.max_attempts} attempts"
+            )
         res.upstream_s = st.waited_s
         if params.stop:  # a stop string that spans two engines' segments of a moved call
             cut = cut_at_stop(res.text, params.stop)
@@ -378,10 +450,17 @@ class Proxy:
             self.records.add(execution_id, call)
         return res
 
-    async def _attempt(self, call: CallRecord, st: _CallState, attempt: Attempt,
-                       attempt_no: int, prompt: list[int], params: SamplingParams,
-                       remaining: int, on_chunk: Callable[[TokenChunk], None] | None
-                       ) -> tuple[str | None, Exception | None]:
+    async def _attempt(
+        self,
+        call: CallRecord,
+        st: _CallState,
+        attempt: Attempt,
+        attempt_no: int,
+        prompt: list[int],
+        params: SamplingParams,
+        remaining: int,
+        on_chunk: Callable[[TokenChunk], None] | None,
+    ) -> tuple[str | None, Exception | None]:
         """One engine's part of a call (its KV adopted if one was handed over): (the
         engine's finish reason or None, a failure to back off on or None). A refused first
         attempt raises ``BadRequest``; an engine gone or full is checked by health."""
@@ -395,8 +474,9 @@ class Proxy:
             if attempt.cancelled:  # its drain began before anything was sent: go on
                 await release_import(attempt, handle)
             else:
-                reason = await self._run_attempt(attempt, seg, st.res, prompt, params,
-                                                 remaining, handle, st.prior_kv, on_chunk)
+                reason = await self._run_attempt(
+                    attempt, seg, st.res, prompt, params, remaining, handle, st.prior_kv, on_chunk
+                )
                 if reason is None and attempt.keep_kv:
                     st.blob = await export_kv(attempt)
         except BadRequest:
@@ -423,14 +503,27 @@ class Proxy:
             await self._release_slot(member, attempt.request_id)
             if seg.token_ids or seg.ended_by:
                 call.segments.append(seg)
-        log.debug("call %s attempt %d on %s: %s after %d tokens (kv %s, cancelled %s)",
-                  call.call_id, attempt_no, member.engine_id, reason or seg.ended_by,
-                  len(seg.token_ids), attempt.kv_tokens, attempt.cancelled)
+        log.debug(
+            "call %s attempt %d on %s: %s after %d tokens (kv %s, cancelled %s)",
+            call.call_id,
+            attempt_no,
+            member.engine_id,
+            reason or seg.ended_by,
+            len(seg.token_ids),
+            attempt.kv_tokens,
+            attempt.cancelled,
+        )
         return reason, failure
 
-    async def _after_attempt(self, call: CallRecord, st: _CallState, attempt: Attempt,
-                             reason: str | None, failure: Exception | None,
-                             prompt: list[int]) -> None:
+    async def _after_attempt(
+        self,
+        call: CallRecord,
+        st: _CallState,
+        attempt: Attempt,
+        reason: str | None,
+        failure: Exception | None,
+        prompt: list[int],
+    ) -> None:
         """Between an unfinished attempt and the next: back off after a failure (the slot
         given back), and carry what the engine held (the KV tokens a re-prefill redoes, the
         blob only while a drain kept it)."""
@@ -444,23 +537,39 @@ class Proxy:
             await self._after_error(call, member, failure, st.errors)
             st.waited_s += time.perf_counter() - t_back
         if attempt.started:
-            held = attempt.kv_tokens if attempt.kv_tokens is not None else \
-                len(prompt) + len(st.res.token_ids) - 1
+            held = (
+                attempt.kv_tokens
+                if attempt.kv_tokens is not None
+                else len(prompt) + len(st.res.token_ids) - 1
+            )
             st.prior_kv = max(st.prior_kv, held)
             if not attempt.keep_kv:
                 st.blob = None  # the engine adopted it (or newer tokens have no KV)
 
-    async def _run_attempt(self, attempt: Attempt, seg: Segment, res: Result,
-                           prompt: list[int], params: SamplingParams, remaining: int,
-                           kv_handle: str | None, prior_kv: int,
-                           on_chunk: Callable[[TokenChunk], None] | None) -> str | None:
+    async def _run_attempt(
+        self,
+        attempt: Attempt,
+        seg: Segment,
+        res: Result,
+        prompt: list[int],
+        params: SamplingParams,
+        remaining: int,
+        kv_handle: str | None,
+        prior_kv: int,
+        on_chunk: Callable[[TokenChunk], None] | None,
+    ) -> str | None:
         member = attempt.member
         prompt_now = prompt + res.token_ids
         update: dict = {"max_tokens": remaining}
         if params.seed is not None and res.token_ids:  # go on where the stream stood
             update["seed"] = continued_seed(params.seed, len(res.token_ids))
-        req = GenerateRequest(attempt.request_id, prompt_now, params.model_copy(update=update),
-                              kv_handle, stream=on_chunk is not None)
+        req = GenerateRequest(
+            attempt.request_id,
+            prompt_now,
+            params.model_copy(update=update),
+            kv_handle,
+            stream=on_chunk is not None,
+        )
         reason = None
         attempt.sent = True
         attempt.context_tokens = len(prompt_now)
@@ -484,8 +593,11 @@ class Proxy:
                 # queue: the abort reports the KV it held) recomputed nothing, and the
                 # next engine's segment counts the recomputation, once
                 computed = len(prompt_now) - 1
-                if chunk.finish_reason == "abort" and not chunk.token_ids \
-                        and chunk.kv_tokens is not None:
+                if (
+                    chunk.finish_reason == "abort"
+                    and not chunk.token_ids
+                    and chunk.kv_tokens is not None
+                ):
                     computed = min(computed, chunk.kv_tokens)
                 seg.reprefill_tokens = max(0, min(prior_kv, computed) - seg.cached_tokens)
                 self.totals["reprefill_tokens"] += seg.reprefill_tokens
@@ -507,8 +619,7 @@ class Proxy:
                 self.decoded_tokens += len(chunk.token_ids)
                 seg.logprobs += chunk.logprobs
                 seg.versions += chunk.versions
-                res.add(TokenChunk(chunk.token_ids, chunk.logprobs, chunk.versions,
-                                   chunk.text))
+                res.add(TokenChunk(chunk.token_ids, chunk.logprobs, chunk.versions, chunk.text))
                 if on_chunk is not None:
                     on_chunk(chunk)
             if chunk.finish_reason:
@@ -518,26 +629,34 @@ class Proxy:
         seg.ended_by = reason or "lost"
         return reason if reason != "abort" else None
 
-    async def _acquire(self, route_key: str | None, deadline: float,
-                       execution_id: str | None = None) -> Member:
+    async def _acquire(
+        self, route_key: str | None, deadline: float, execution_id: str | None = None
+    ) -> Member:
         """An engine with room, in queue order; ``Overloaded`` at the call's deadline. A wait
         in the queue is charged to the call's execution (``queued_execution_*`` figures)."""
+
         def waited(s: float) -> None:
             self.queued_waits.add(execution_id or "(anonymous)", s)
 
-        return await self.queue.acquire(lambda: self.router.pick(route_key), deadline,
-                                        on_wait=waited)
+        return await self.queue.acquire(
+            lambda: self.router.pick(route_key), deadline, on_wait=waited
+        )
 
-    async def _after_error(self, call: CallRecord, member: Member, exc: Exception,
-                           errors: int) -> None:
+    async def _after_error(
+        self, call: CallRecord, member: Member, exc: Exception, errors: int
+    ) -> None:
         """Count and log an engine's failure of this call; raise past ``max_error_retries``,
         else back off (doubling) before the retry."""
         self.totals["engine_errors"] += 1
-        log.warning("call %s: engine %s failed it (%s); %s", call.call_id, member.engine_id,
-                    exc, "giving up" if errors > self.config.max_error_retries else "retrying")
+        log.warning(
+            "call %s: engine %s failed it (%s); %s",
+            call.call_id,
+            member.engine_id,
+            exc,
+            "giving up" if errors > self.config.max_error_retries else "retrying",
+        )
         if errors > self.config.max_error_retries:
-            raise EngineError(f"call {call.call_id}: engines failed it {errors} times; "
-                              f"last: {exc}")
+            raise EngineError(f"call {call.call_id}: engines failed it {errors} times; last: {exc}")
         await asyncio.sleep(self.config.error_backoff_s * 2 ** (errors - 1))
 
     def stats(self, reset_overhead: bool = False) -> dict:
@@ -546,19 +665,28 @@ class Proxy:
             self.overhead_s.clear()
         overhead = {"n": len(lat)}
         if lat:
-            overhead.update({"p50_ms": 1e3 * lat[len(lat) // 2],
-                             "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]})
-        return {"overhead": overhead,
-                "engines": [m.describe() for m in self.router.members.values()],
-                "lost_engines": sorted(self.health.lost),
-                "readmitted_engines": self.health.readmitted,
-                "capacity": self.router.capacity(),
-                "inflight": sum(len(m.inflight) for m in self.router.members.values()),
-                **self.queue.stats(), **self.queued_waits.figures(),
-                "executions_recorded": len(self.records), **self.records.stats(),
-                **self._cache_share(),
-                "rerouted_executions": self.router.rerouted_executions, **self.totals,
-                "decode_meter": self.decode_meter()}
+            overhead.update(
+                {
+                    "p50_ms": 1e3 * lat[len(lat) // 2],
+                    "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+                }
+            )
+        return {
+            "overhead": overhead,
+            "engines": [m.describe() for m in self.router.members.values()],
+            "lost_engines": sorted(self.health.lost),
+            "readmitted_engines": self.health.readmitted,
+            "capacity": self.router.capacity(),
+            "inflight": sum(len(m.inflight) for m in self.router.members.values()),
+            **self.queue.stats(),
+            **self.queued_waits.figures(),
+            "executions_recorded": len(self.records),
+            **self.records.stats(),
+            **self._cache_share(),
+            "rerouted_executions": self.router.rerouted_executions,
+            **self.totals,
+            "decode_meter": self.decode_meter(),
+        }
 
     def _cache_share(self) -> dict:
         """Prompt tokens the engines found cached (prefix cache, imported KV), per engine and
@@ -566,11 +694,15 @@ class Proxy:
         members = list(self.router.members.values())
         prompt = sum(m.prompt_tokens for m in members)
         cached = sum(m.cached_tokens for m in members)
-        return {"prompt_tokens": prompt, "cached_tokens": cached,
-                "cached_token_share": round(cached / prompt, 4) if prompt else 0.0,
-                "cached_token_share_by_engine": {
-                    m.engine_id: round(m.cached_tokens / m.prompt_tokens, 4)
-                    if m.prompt_tokens else 0.0 for m in members}}
+        return {
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "cached_token_share": round(cached / prompt, 4) if prompt else 0.0,
+            "cached_token_share_by_engine": {
+                m.engine_id: round(m.cached_tokens / m.prompt_tokens, 4) if m.prompt_tokens else 0.0
+                for m in members
+            },
+        }
 
     def serving(self) -> int:
         """Engines that take calls now (routable)."""

@@ -56,22 +56,36 @@ if TYPE_CHECKING:
 
     from tidal.serving.proxy import Proxy
 
-__all__ = ["MAX_METADATA_BYTES", "CloseBody", "Conflict", "JoinBody", "RegisterBody",
-           "Unauthorized", "build_proxy_app", "model_routes"]
+__all__ = [
+    "MAX_METADATA_BYTES",
+    "CloseBody",
+    "Conflict",
+    "JoinBody",
+    "RegisterBody",
+    "Unauthorized",
+    "build_proxy_app",
+    "model_routes",
+]
 
 MAX_CONTROL_BODY_BYTES = 1 << 20  # registration, close, admin: small JSON bodies
 Access = Literal["model", "open", "admin"]
 log = logging.getLogger(__name__)
 
-_EXECUTION_HEADER = {"name": "X-Tidal-Execution", "in": "header", "required": False,
-                     "schema": {"type": "string", "maxLength": 128}}
+_EXECUTION_HEADER = {
+    "name": "X-Tidal-Execution",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string", "maxLength": 128},
+}
 
 
 def _body_spec(model: type[BaseModel]) -> dict:
     """OpenAPI of a route that parses its body itself (the document stays complete)."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"parameters": [_EXECUTION_HEADER],
-            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+    return {
+        "parameters": [_EXECUTION_HEADER],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
+    }
 
 
 #: (method, path, handler name, access, body model the handler parses itself), in the order
@@ -112,28 +126,42 @@ def open_routes() -> frozenset[str]:
 
 def _openapi(app: FastAPI) -> Callable[[], dict]:
     """The OpenAPI document, with the schemas of the bodies the hot path parses itself."""
+
     def openapi() -> dict:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatRequest, TokenInRequest, MessagesRequest,
-                          CountTokensRequest, ResponsesRequest):
+            for model in (
+                CompletionRequest,
+                ChatRequest,
+                TokenInRequest,
+                MessagesRequest,
+                CountTokensRequest,
+                ResponsesRequest,
+            ):
                 spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(spec.pop("$defs", {}))
                 schemas[model.__name__] = spec
             app.openapi_schema = doc
         return app.openapi_schema
+
     return openapi
 
 
-def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
-                    on_startup: Callable[[], Awaitable[None]] | None = None) -> ExecutionIdentity:
+def build_proxy_app(
+    proxy: Proxy,
+    registry: ExecutionRegistry | None = None,
+    on_startup: Callable[[], Awaitable[None]] | None = None,
+) -> ExecutionIdentity:
     """The proxy's ASGI app: ``ExecutionIdentity`` (who calls, for which execution) over
     ``Guard`` (body limits) over the fast OpenAI path over FastAPI (routes: ``ROUTES``,
     handled by ``proxy_handlers.ProxyHandlers``)."""
     registry = registry or ExecutionRegistry(
-        EventLog(max_events=30_000), max_open=10_000, max_closed=10_000,
-        idle_s=proxy.config.execution_idle_s + proxy.config.request_timeout_s)
+        EventLog(max_events=30_000),
+        max_open=10_000,
+        max_closed=10_000,
+        idle_s=proxy.config.execution_idle_s + proxy.config.request_timeout_s,
+    )
     handlers = ProxyHandlers(proxy, registry)
 
     @asynccontextmanager
@@ -150,14 +178,24 @@ def build_proxy_app(proxy: Proxy, registry: ExecutionRegistry | None = None,
     app.state.proxy, app.state.registry = proxy, registry
     admin = [Depends(handlers.admin)]
     for method, path, name, access, body in ROUTES:
-        app.add_api_route(path, getattr(handlers, name), methods=[method], response_model=None,
-                          dependencies=admin if access == "admin" else None,
-                          openapi_extra=_body_spec(body) if body is not None else None)
+        app.add_api_route(
+            path,
+            getattr(handlers, name),
+            methods=[method],
+            response_model=None,
+            dependencies=admin if access == "admin" else None,
+            openapi_extra=_body_spec(body) if body is not None else None,
+        )
     app.openapi = _openapi(app)  # type: ignore[method-assign]
     # credentials are checked by ExecutionIdentity, in front; the guard bounds the bodies
     models = model_routes()
-    guard = Guard(FastPath(app, handlers.serve), None, lambda _: False,
-                  max_body=MAX_CONTROL_BODY_BYTES,
-                  body_limits=dict.fromkeys(sorted(models), MAX_BODY_BYTES))
-    return ExecutionIdentity(guard, proxy.config.admin_token, models, open_routes(),
-                             is_loopback(proxy.config.host))
+    guard = Guard(
+        FastPath(app, handlers.serve),
+        None,
+        lambda _: False,
+        max_body=MAX_CONTROL_BODY_BYTES,
+        body_limits=dict.fromkeys(sorted(models), MAX_BODY_BYTES),
+    )
+    return ExecutionIdentity(
+        guard, proxy.config.admin_token, models, open_routes(), is_loopback(proxy.config.host)
+    )

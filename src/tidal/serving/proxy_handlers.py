@@ -4,6 +4,10 @@ In: requests routed by ``proxy_app.build_proxy_app`` (FastAPI routes, and the AS
 that calls ``serve`` with a raw body). Out: OpenAI answers (whole or streamed), token-in
 answers, registration and admin JSON. The hot path: ``serve`` (validate, name the execution,
 tokenize, bridge) then ``answer_whole`` or ``answer_stream``.
+
+Over 500 lines since the tree took ``ruff format``'s one-argument-per-line style (414 before):
+every route's handler shares the one ``serve`` path (validate, name, tokenize, bridge), kept
+together so each dialect goes through the same admission and records.
 """
 
 from __future__ import annotations
@@ -74,12 +78,14 @@ class JoinBody(BaseModel):
 class RegisterBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    execution_id: str | None = Field(None, min_length=1, max_length=128,
-                                     pattern=r"^[A-Za-z0-9_.:-]+$")
+    execution_id: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$"
+    )
     group_id: str = Field("default", min_length=1, max_length=128)
     metadata: dict = Field(default_factory=dict, description="at most 4 KiB as JSON")
-    timeout_s: float | None = Field(None, gt=0, le=86_400,
-                                    description="each model call's limit, queueing included")
+    timeout_s: float | None = Field(
+        None, gt=0, le=86_400, description="each model call's limit, queueing included"
+    )
 
     @field_validator("metadata")
     @classmethod
@@ -97,10 +103,16 @@ class CloseBody(BaseModel):
     reason: CloseReason = CloseReason.COMPLETED
 
 
-REQUESTS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatRequest,
-                                        "generate": TokenInRequest}
-ROUTE_OF = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
-            "generate": "/inference/v1/generate"}
+REQUESTS: dict[str, type[BaseModel]] = {
+    "completions": CompletionRequest,
+    "chat": ChatRequest,
+    "generate": TokenInRequest,
+}
+ROUTE_OF = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "generate": "/inference/v1/generate",
+}
 
 
 def for_route(exc: ServingError, route: str) -> ServingError:
@@ -120,8 +132,11 @@ async def on_route(work, route: str):
 
 def json_response(body: dict, headers: dict[str, str] | None = None) -> Response:
     """Serialised once with the stdlib (FastAPI's encoder walks every token id again)."""
-    return Response(json.dumps(body, separators=(",", ":")).encode(),
-                    media_type="application/json", headers=headers)
+    return Response(
+        json.dumps(body, separators=(",", ":")).encode(),
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -138,8 +153,7 @@ def validate_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False, include_context=False)
-                                     ) from None
+        raise RequestValidationError(exc.errors(include_url=False, include_context=False)) from None
 
 
 class ProxyHandlers:
@@ -158,8 +172,9 @@ class ProxyHandlers:
         if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
             raise Unauthorized("missing or wrong bearer token")
 
-    def execution_of(self, header: str | None, user: str | None,
-                     caller: Caller | None = None) -> str | None:
+    def execution_of(
+        self, header: str | None, user: str | None, caller: Caller | None = None
+    ) -> str | None:
         """The call's execution (header, else the body's ``user``), launched; None: none.
         The header was checked against ``caller`` at the door (``ExecutionIdentity``); the
         body's ``user`` is checked here: only a caller that may name it names it (401)."""
@@ -177,8 +192,9 @@ class ProxyHandlers:
             state = self.registry.get(eid)
         except LedgerError:
             if required:
-                raise NotFound(f"unknown execution {eid!r}; register it with "
-                               f"POST /tidal/executions") from None
+                raise NotFound(
+                    f"unknown execution {eid!r}; register it with POST /tidal/executions"
+                ) from None
             return eid
         if state.closed_reason is not None:
             raise Conflict(f"execution {eid!r} is closed ({state.closed_reason})")
@@ -199,27 +215,40 @@ class ProxyHandlers:
     async def prompt_of(self, body: OpenAIBody, kind: str, eid: str | None) -> list[int]:
         """The call's prompt token ids (the engines tokenize text and chat messages)."""
         if kind == "chat":
-            return await self.proxy.tokenize(messages=body.wire_messages(),
-                                             tools=body.template_tools(),
-                                             timeout_s=self.timeout_of(eid))
+            return await self.proxy.tokenize(
+                messages=body.wire_messages(),
+                tools=body.template_tools(),
+                timeout_s=self.timeout_of(eid),
+            )
         if kind == "generate":
             return body.token_ids
         if isinstance(body.prompt, list):
             return body.prompt
         return await self.proxy.tokenize(prompt=body.prompt, timeout_s=self.timeout_of(eid))
 
-    async def serve(self, raw: bytes, header_eid: str | None, kind: str,
-                    session: str | None = None, caller: Caller | None = None) -> Response:
+    async def serve(
+        self,
+        raw: bytes,
+        header_eid: str | None,
+        kind: str,
+        session: str | None = None,
+        caller: Caller | None = None,
+    ) -> Response:
         """One OpenAI or token-in call from its raw body: the hot path, shared by the
         FastAPI routes (and their OpenAPI document) and the ASGI fast path in front of the
         framework. ``kind``: completions, chat or generate (token in); ``caller``: who
         calls (``ExecutionIdentity``'s ``scope["tidal.caller"]``). An engine's refusal is
         answered naming the caller's route."""
-        return await on_route(self._serve(raw, header_eid, kind, session, caller),
-                              ROUTE_OF[kind])
+        return await on_route(self._serve(raw, header_eid, kind, session, caller), ROUTE_OF[kind])
 
-    async def _serve(self, raw: bytes, header_eid: str | None, kind: str,
-                     session: str | None, caller: Caller | None) -> Response:
+    async def _serve(
+        self,
+        raw: bytes,
+        header_eid: str | None,
+        kind: str,
+        session: str | None,
+        caller: Caller | None,
+    ) -> Response:
         t_entry = time.perf_counter()
         body = validate_body(raw, REQUESTS[kind])
         call, t_engine = await self.prepare(body, kind, header_eid, session, caller)
@@ -227,9 +256,14 @@ class ProxyHandlers:
             return self.answer_stream(call)
         return await self.answer_whole(call, t_entry + t_engine)
 
-    async def prepare(self, body: OpenAIBody, kind: str, header_eid: str | None,
-                      session: str | None, caller: Caller | None = None
-                      ) -> tuple[_Call, float]:
+    async def prepare(
+        self,
+        body: OpenAIBody,
+        kind: str,
+        header_eid: str | None,
+        session: str | None,
+        caller: Caller | None = None,
+    ) -> tuple[_Call, float]:
         """A validated call on its way to the engines: its execution named (by ``caller``'s
         right, ``execution_of``) and launched, its model checked, its prompt tokenized (chat:
         bridged to the ids the model sampled earlier); also the seconds spent waiting on an
@@ -249,12 +283,12 @@ class ProxyHandlers:
         t_engine = time.perf_counter() - t_up  # an engine's time, not the proxy's
         if not prompt:
             raise BadRequest("prompt is empty")
-        return _Call(eid, bridged or prompt, body, kind, session, bridged is not None,
-                     self.timeout_of(eid)), t_engine
+        return _Call(
+            eid, bridged or prompt, body, kind, session, bridged is not None, self.timeout_of(eid)
+        ), t_engine
 
     def _model_name(self, body: OpenAIBody) -> str:
-        return body.model or next((m.model for m in self.proxy.router.members.values()),
-                                  "tidal")
+        return body.model or next((m.model for m in self.proxy.router.members.values()), "tidal")
 
     async def answer_whole(self, c: _Call, t_entry: float) -> Response:
         """A non-streamed answer: every choice complete, then one JSON body."""
@@ -264,9 +298,19 @@ class ProxyHandlers:
         # token in: streamed from the engine, so a call whose engine dies continues from
         # the tokens it had (a one-piece engine answer dies with its engine)
         keep = (lambda _: None) if c.kind == "generate" else None
-        calls = [proxy.complete(c.eid, c.prompt, choice_params(params, i), on_chunk=keep,
-                                record_overhead=False, timeout_s=c.timeout_s,
-                                session=c.session, bridged=c.bridged) for i in range(n)]
+        calls = [
+            proxy.complete(
+                c.eid,
+                c.prompt,
+                choice_params(params, i),
+                on_chunk=keep,
+                record_overhead=False,
+                timeout_s=c.timeout_s,
+                session=c.session,
+                bridged=c.bridged,
+            )
+            for i in range(n)
+        ]
         # one choice: awaited in this task (it takes its engine slot at once, in the
         # order calls arrive); n: side by side
         results = [await calls[0]] if n == 1 else list(await asyncio.gather(*calls))
@@ -279,8 +323,7 @@ class ProxyHandlers:
             out = completion_response(rid, model, results, body.logprobs is not None, texts)
         resp = json_response(out, {VERSIONS_HEADER: versions_header(results)})
         # the handler's own time: parsing, routing, records, serialising the answer
-        proxy.overhead_s.append(time.perf_counter() - t_entry
-                                - max(r.upstream_s for r in results))
+        proxy.overhead_s.append(time.perf_counter() - t_entry - max(r.upstream_s for r in results))
         return resp
 
     def answer_stream(self, c: _Call) -> StreamingResponse:
@@ -289,21 +332,40 @@ class ProxyHandlers:
         params, rid, model = body.sampling(), uuid.uuid4().hex, self._model_name(body)
         parse = self.parser if chat and body.parses_tools else None
         queue: asyncio.Queue[tuple[int, TokenChunk | None]] = asyncio.Queue()
-        tasks = [asyncio.create_task(on_route(self.proxy.complete(
-            c.eid, c.prompt, choice_params(params, i),
-            on_chunk=lambda ch, i=i: queue.put_nowait((i, ch)), timeout_s=c.timeout_s,
-            session=c.session, bridged=c.bridged), ROUTE_OF[c.kind])) for i in range(n)]
+        tasks = [
+            asyncio.create_task(
+                on_route(
+                    self.proxy.complete(
+                        c.eid,
+                        c.prompt,
+                        choice_params(params, i),
+                        on_chunk=lambda ch, i=i: queue.put_nowait((i, ch)),
+                        timeout_s=c.timeout_s,
+                        session=c.session,
+                        bridged=c.bridged,
+                    ),
+                    ROUTE_OF[c.kind],
+                )
+            )
+            for i in range(n)
+        ]
         for i, task in enumerate(tasks):
             task.add_done_callback(lambda _, i=i: queue.put_nowait((i, None)))
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(stream_choices(rid, model, tasks, queue, chat, parse, usage),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            stream_choices(rid, model, tasks, queue, chat, parse, usage),
+            media_type="text/event-stream",
+        )
 
     # -- OpenAI routes -------------------------------------------------------------------
     async def _route(self, request: Request, kind: str) -> Response:
-        return await self.serve(await request.body(), request.headers.get("x-tidal-execution"),
-                                kind, request.headers.get("x-session-id"),
-                                request.scope.get(CALLER))
+        return await self.serve(
+            await request.body(),
+            request.headers.get("x-tidal-execution"),
+            kind,
+            request.headers.get("x-session-id"),
+            request.scope.get(CALLER),
+        )
 
     async def completions(self, request: Request) -> Response:
         return await self._route(request, "completions")
@@ -329,19 +391,27 @@ class ProxyHandlers:
             name = m.model or m.engine_id
             card = cards.setdefault(name, {"id": name, "object": "model", "owned_by": "tidal"})
             if m.max_model_len:  # the smallest context among the engines serving it
-                card["max_model_len"] = min(card.get("max_model_len", m.max_model_len),
-                                            m.max_model_len)
+                card["max_model_len"] = min(
+                    card.get("max_model_len", m.max_model_len), m.max_model_len
+                )
         return {"object": "list", "data": [cards[n] for n in sorted(cards)]}
 
     async def health(self) -> Response:
         proxy = self.proxy
         serving = proxy.serving()
-        body = {"status": "ok" if serving else "no engine serves", "engines": serving,
-                "lost_engines": sorted(proxy.health.lost), "queued": len(proxy.queue)}
+        body = {
+            "status": "ok" if serving else "no engine serves",
+            "engines": serving,
+            "lost_engines": sorted(proxy.health.lost),
+            "queued": len(proxy.queue),
+        }
         if serving:
             return json_response(body)
-        return Response(json.dumps({**error_body(body["status"], 503), **body}).encode(), 503,
-                        media_type="application/json")
+        return Response(
+            json.dumps({**error_body(body["status"], 503), **body}).encode(),
+            503,
+            media_type="application/json",
+        )
 
     async def live(self) -> dict:
         return {"status": "ok"}
@@ -364,22 +434,35 @@ class ProxyHandlers:
         except LedgerError as exc:
             raise NotFound(str(exc)) from None
         # the close this registry keeps (the first one): what the caller reports onwards
-        return {"execution_id": execution_id, "closed": True, "duplicate": not first,
-                "reason": state.closed_reason, "reward": state.reward,
-                "calls": len(self.proxy.records.calls(execution_id))}
+        return {
+            "execution_id": execution_id,
+            "closed": True,
+            "duplicate": not first,
+            "reason": state.closed_reason,
+            "reward": state.reward,
+            "calls": len(self.proxy.records.calls(execution_id)),
+        }
 
     # -- admin ---------------------------------------------------------------------------
     async def records(self, execution_id: str) -> dict:
-        return {"execution_id": execution_id,
-                "calls": [c.model_dump(mode="json")
-                          for c in self.proxy.records.calls(execution_id)]}
+        return {
+            "execution_id": execution_id,
+            "calls": [c.model_dump(mode="json") for c in self.proxy.records.calls(execution_id)],
+        }
 
     async def engines(self) -> dict:
         return {"engines": [m.describe() for m in self.proxy.router.members.values()]}
 
     async def join(self, body: JoinBody) -> dict:
-        member = await self.proxy.join(body.id, body.url, body.backend,  # type: ignore[arg-type]
-                                       body.kind, body.cell_index, body.cap, body.model)
+        member = await self.proxy.join(
+            body.id,
+            body.url,
+            body.backend,  # type: ignore[arg-type]
+            body.kind,
+            body.cell_index,
+            body.cap,
+            body.model,
+        )
         return member.describe()
 
     async def leave(self, engine_id: str, drain: bool = Query(True)) -> dict:
@@ -397,10 +480,13 @@ class ProxyHandlers:
 
     async def stats(self, reset_overhead: bool = Query(False)) -> dict:
         registry = self.registry
-        return {**self.proxy.stats(reset_overhead), "open_executions": registry.open_count(),
-                "registered_executions": len(registry),
-                "expired_executions": registry.expired,
-                "duplicate_closes": registry.duplicate_closes}
+        return {
+            **self.proxy.stats(reset_overhead),
+            "open_executions": registry.open_count(),
+            "registered_executions": len(registry),
+            "expired_executions": registry.expired,
+            "duplicate_closes": registry.duplicate_closes,
+        }
 
 
 class _Call:
@@ -408,7 +494,15 @@ class _Call:
 
     __slots__ = ("body", "bridged", "eid", "kind", "prompt", "session", "timeout_s")
 
-    def __init__(self, eid: str | None, prompt: list[int], body: OpenAIBody, kind: str,
-                 session: str | None, bridged: bool, timeout_s: float | None) -> None:
+    def __init__(
+        self,
+        eid: str | None,
+        prompt: list[int],
+        body: OpenAIBody,
+        kind: str,
+        session: str | None,
+        bridged: bool,
+        timeout_s: float | None,
+    ) -> None:
         self.eid, self.prompt, self.body, self.kind = eid, prompt, body, kind
         self.session, self.bridged, self.timeout_s = session, bridged, timeout_s

@@ -17,8 +17,15 @@ from tidal.serving.openai_api import SSE_DONE, ToolParse, sse_chunk, sse_usage, 
 from tidal.serving.protocol import TokenChunk
 
 
-async def stream_choices(rid: str, model: str, tasks: list[asyncio.Task], queue: asyncio.Queue,
-                  chat: bool, parse: ToolParse | None, usage: bool) -> AsyncIterator[bytes]:
+async def stream_choices(
+    rid: str,
+    model: str,
+    tasks: list[asyncio.Task],
+    queue: asyncio.Queue,
+    chat: bool,
+    parse: ToolParse | None,
+    usage: bool,
+) -> AsyncIterator[bytes]:
     """SSE events of ``len(tasks)`` choices as their chunks arrive; a choice's last event
     carries its finish reason (and, with tools offered, its held-back text and tool calls)."""
     texts = [""] * len(tasks)

@@ -36,8 +36,12 @@ class RecordStore:
 
     def stats(self) -> dict:
         n = self.totals["recorded_calls"]
-        return {**self.totals, "chain_breaks_per_100_calls":
-                round(100.0 * self.totals["chain_breaks"] / n, 2) if n else 0.0}
+        return {
+            **self.totals,
+            "chain_breaks_per_100_calls": round(100.0 * self.totals["chain_breaks"] / n, 2)
+            if n
+            else 0.0,
+        }
 
     def calls(self, execution_id: str) -> list[CallRecord]:
         return list(self._calls.get(execution_id, []))
@@ -51,5 +55,6 @@ class RecordStore:
 
 def extends(prompt: list[int], earlier: list[CallRecord]) -> bool:
     """Whether ``prompt`` continues the chain of ``earlier`` calls (``types.continues_chain``)."""
-    return continues_chain(prompt, [(c.prompt_token_ids, c.output_token_ids)
-                                    for c in earlier[-CHAIN_WINDOW_CALLS:]])
+    return continues_chain(
+        prompt, [(c.prompt_token_ids, c.output_token_ids) for c in earlier[-CHAIN_WINDOW_CALLS:]]
+    )

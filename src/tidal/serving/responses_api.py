@@ -51,7 +51,8 @@ class _Strict(BaseModel):
 
 class TextPart(_Strict):
     type: Literal["input_text", "output_text"] = Field(
-        ..., description="images and files are refused")
+        ..., description="images and files are refused"
+    )
     text: str = Field(..., max_length=MAX_PROMPT_CHARS)
     annotations: list | None = None
 
@@ -122,7 +123,8 @@ class ResponsesRequest(_Strict):
     instructions: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["auto", "none"] | None = Field(
-        None, description="'required' and a named function need constrained decoding: refused")
+        None, description="'required' and a named function need constrained decoding: refused"
+    )
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=1_000_000)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -153,14 +155,20 @@ def to_chat(body: ResponsesRequest) -> dict:
     msgs: list[dict] = []
     if body.instructions:
         msgs.append({"role": "system", "content": body.instructions})
-    items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) \
+    items = (
+        [MessageItem(role="user", content=body.input)]
+        if isinstance(body.input, str)
         else body.input
+    )
     for it in items:
         if isinstance(it, MessageItem):
             msgs.append({"role": it.role, "content": it.text()})
         elif isinstance(it, FunctionCallItem):
-            call = {"id": it.call_id, "type": "function",
-                    "function": {"name": it.name, "arguments": it.arguments}}
+            call = {
+                "id": it.call_id,
+                "type": "function",
+                "function": {"name": it.name, "arguments": it.arguments},
+            }
             last = msgs[-1] if msgs else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -169,26 +177,44 @@ def to_chat(body: ResponsesRequest) -> dict:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             msgs.append({"role": "tool", "tool_call_id": it.call_id, "content": it.text()})
-    out: dict = {"model": body.model, "messages": msgs, "max_tokens": body.max_output_tokens,
-                 "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
-                 "user": body.user}
+    out: dict = {
+        "model": body.model,
+        "messages": msgs,
+        "max_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "stream": body.stream,
+        "user": body.user,
+    }
     if body.tools:
-        out["tools"] = [{"type": "function", "function": t.model_dump(
-            exclude={"type"}, exclude_none=True)} for t in body.tools]
+        out["tools"] = [
+            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+            for t in body.tools
+        ]
         out["tool_choice"] = body.tool_choice
         out["parallel_tool_calls"] = body.parallel_tool_calls
     return out
 
 
 def _message(mid: str, text: str, status: str = STATUS_DONE) -> dict:
-    return {"id": mid, "type": "message", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+    return {
+        "id": mid,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
 
 
 def _call_item(c: dict) -> dict:
-    return {"id": f"fc_{c['id'].removeprefix('call_')}", "type": "function_call",
-            "status": STATUS_DONE, "call_id": c["id"], "name": c["function"]["name"],
-            "arguments": c["function"]["arguments"]}
+    return {
+        "id": f"fc_{c['id'].removeprefix('call_')}",
+        "type": "function_call",
+        "status": STATUS_DONE,
+        "call_id": c["id"],
+        "name": c["function"]["name"],
+        "arguments": c["function"]["arguments"],
+    }
 
 
 def _output(s: Sampled, mid: str) -> list[dict]:
@@ -196,24 +222,46 @@ def _output(s: Sampled, mid: str) -> list[dict]:
     return items + [_call_item(c) for c in s.calls]
 
 
-def _response(body: ResponsesRequest, model: str, rid: str, status: str,
-              output: list[dict], s: Sampled | None = None) -> dict:
-    out = {"id": rid, "object": "response", "created_at": int(time.time()), "status": status,
-           "error": None, "incomplete_details": None, "model": model, "output": output,
-           "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-           "parallel_tool_calls": body.parallel_tool_calls is not False,
-           "previous_response_id": None, "temperature": body.temperature,
-           "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
-           "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-           "text": {"format": {"type": "text"}}, "truncation": "disabled",
-           "metadata": body.metadata or {}, "store": False, "usage": None}
+def _response(
+    body: ResponsesRequest,
+    model: str,
+    rid: str,
+    status: str,
+    output: list[dict],
+    s: Sampled | None = None,
+) -> dict:
+    out = {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "error": None,
+        "incomplete_details": None,
+        "model": model,
+        "output": output,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": None,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "tool_choice": body.tool_choice or "auto",
+        "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "metadata": body.metadata or {},
+        "store": False,
+        "usage": None,
+    }
     if s is not None:
         res = s.result
-        out["usage"] = {"input_tokens": len(res.prompt_token_ids),
-                        "input_tokens_details": {"cached_tokens": res.cached_tokens},
-                        "output_tokens": len(res.token_ids),
-                        "output_tokens_details": {"reasoning_tokens": 0},
-                        "total_tokens": len(res.prompt_token_ids) + len(res.token_ids)}
+        out["usage"] = {
+            "input_tokens": len(res.prompt_token_ids),
+            "input_tokens_details": {"cached_tokens": res.cached_tokens},
+            "output_tokens": len(res.token_ids),
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": len(res.prompt_token_ids) + len(res.token_ids),
+        }
         if s.reason == "length":
             out["status"] = "incomplete"
             out["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -222,12 +270,19 @@ def _response(body: ResponsesRequest, model: str, rid: str, status: str,
 
 
 def answer(body: ResponsesRequest, model: str, s: Sampled) -> dict:
-    return _response(body, model, f"resp_{uuid.uuid4().hex}", STATUS_DONE,
-                     _output(s, f"msg_{uuid.uuid4().hex}"), s)
+    return _response(
+        body,
+        model,
+        f"resp_{uuid.uuid4().hex}",
+        STATUS_DONE,
+        _output(s, f"msg_{uuid.uuid4().hex}"),
+        s,
+    )
 
 
-async def stream(body: ResponsesRequest, model: str, _n_prompt: int,
-                 pieces: AsyncIterator[Piece]) -> AsyncIterator[bytes]:
+async def stream(
+    body: ResponsesRequest, model: str, _n_prompt: int, pieces: AsyncIterator[Piece]
+) -> AsyncIterator[bytes]:
     """The Responses event sequence: the text as one message item streamed while it comes,
     then one function-call item per parsed call, then the whole response."""
     rid, mid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
@@ -242,44 +297,89 @@ async def stream(body: ResponsesRequest, model: str, _n_prompt: int,
     text, text_open = "", False
     async for p in pieces:
         if p.kind == "error":
-            failed = {**base, "status": STATUS_FAILED,
-                      "error": {"code": "server_error", "message": p.text}}
+            failed = {
+                **base,
+                "status": STATUS_FAILED,
+                "error": {"code": "server_error", "message": p.text},
+            }
             yield event("response.failed", response=failed)
             return
         if p.kind == "text":
             if not text_open:
                 text_open = True
-                yield event("response.output_item.added", output_index=0,
-                            item={**_message(mid, "", "in_progress"), "content": []})
-                yield event("response.content_part.added", item_id=mid, output_index=0,
-                            content_index=0,
-                            part={"type": "output_text", "text": "", "annotations": []})
+                yield event(
+                    "response.output_item.added",
+                    output_index=0,
+                    item={**_message(mid, "", "in_progress"), "content": []},
+                )
+                yield event(
+                    "response.content_part.added",
+                    item_id=mid,
+                    output_index=0,
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []},
+                )
             text += p.text
-            yield event("response.output_text.delta", item_id=mid, output_index=0,
-                        content_index=0, delta=p.text, logprobs=[])
+            yield event(
+                "response.output_text.delta",
+                item_id=mid,
+                output_index=0,
+                content_index=0,
+                delta=p.text,
+                logprobs=[],
+            )
             continue
         s = p.sampled
         output = _output(s, mid)
         for index, item in enumerate(output):
             if item["type"] == "message":
                 if not text_open:
-                    yield event("response.output_item.added", output_index=index,
-                                item={**item, "status": "in_progress", "content": []})
-                    yield event("response.content_part.added", item_id=mid,
-                                output_index=index, content_index=0,
-                                part={"type": "output_text", "text": "", "annotations": []})
+                    yield event(
+                        "response.output_item.added",
+                        output_index=index,
+                        item={**item, "status": "in_progress", "content": []},
+                    )
+                    yield event(
+                        "response.content_part.added",
+                        item_id=mid,
+                        output_index=index,
+                        content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []},
+                    )
                 part = item["content"][0]
-                yield event("response.output_text.done", item_id=mid, output_index=index,
-                            content_index=0, text=part["text"], logprobs=[])
-                yield event("response.content_part.done", item_id=mid, output_index=index,
-                            content_index=0, part=part)
+                yield event(
+                    "response.output_text.done",
+                    item_id=mid,
+                    output_index=index,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=[],
+                )
+                yield event(
+                    "response.content_part.done",
+                    item_id=mid,
+                    output_index=index,
+                    content_index=0,
+                    part=part,
+                )
             else:
-                yield event("response.output_item.added", output_index=index,
-                            item={**item, "status": "in_progress", "arguments": ""})
-                yield event("response.function_call_arguments.delta", item_id=item["id"],
-                            output_index=index, delta=item["arguments"])
-                yield event("response.function_call_arguments.done", item_id=item["id"],
-                            output_index=index, arguments=item["arguments"])
+                yield event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={**item, "status": "in_progress", "arguments": ""},
+                )
+                yield event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=item["arguments"],
+                )
+                yield event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                )
             yield event("response.output_item.done", output_index=index, item=item)
         final = _response(body, model, rid, STATUS_DONE, output, s)
         yield event(f"response.{final['status']}", response=final)

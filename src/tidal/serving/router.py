@@ -45,15 +45,26 @@ class Member:
         return self.admitting and self.alive
 
     def describe(self) -> dict:
-        return {"id": self.engine_id, "url": self.adapter.url, "kind": self.kind,
-                "cell_index": self.cell_index, "cap": self.cap, "backend": self.backend,
-                "model": self.model, "admitting": self.admitting, "alive": self.alive,
-                "inflight": len(self.inflight), "reserved": self.reserved,
-                # tokens the calls in flight here got back so far (a move continues from them)
-                "inflight_tokens": sum(getattr(a, "streamed_tokens", 0)
-                                       for a in self.inflight.values()),
-                "kv_handoff": self.adapter.supports_kv_handoff,
-                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
+        return {
+            "id": self.engine_id,
+            "url": self.adapter.url,
+            "kind": self.kind,
+            "cell_index": self.cell_index,
+            "cap": self.cap,
+            "backend": self.backend,
+            "model": self.model,
+            "admitting": self.admitting,
+            "alive": self.alive,
+            "inflight": len(self.inflight),
+            "reserved": self.reserved,
+            # tokens the calls in flight here got back so far (a move continues from them)
+            "inflight_tokens": sum(
+                getattr(a, "streamed_tokens", 0) for a in self.inflight.values()
+            ),
+            "kv_handoff": self.adapter.supports_kv_handoff,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
 
 
 class Router:
@@ -70,8 +81,14 @@ class Router:
         if member.engine_id in self.members and self.members[member.engine_id].alive:
             raise BadRequest(f"engine {member.engine_id!r} is already a member")
         self.members[member.engine_id] = member
-        log.info("engine %s joined (%s, %s #%d, cap %d)", member.engine_id,
-                 member.adapter.url, member.kind, member.cell_index, member.cap)
+        log.info(
+            "engine %s joined (%s, %s #%d, cap %d)",
+            member.engine_id,
+            member.adapter.url,
+            member.kind,
+            member.cell_index,
+            member.cap,
+        )
 
     def leave(self, engine_id: str) -> Member | None:
         member = self.members.pop(engine_id, None)
@@ -101,8 +118,9 @@ class Router:
         candidates = [m for m in self.members.values() if m.routable() and m.load < m.cap]
         if not candidates:
             return None
-        best = min(candidates, key=lambda m: (m.load / m.cap, m.kind != "standalone",
-                                              -m.cell_index))
+        best = min(
+            candidates, key=lambda m: (m.load / m.cap, m.kind != "standalone", -m.cell_index)
+        )
         if execution_id is not None:
             if execution_id in self._displaced:
                 self._displaced.discard(execution_id)
@@ -114,8 +132,9 @@ class Router:
         """Drain destinations in preference order: standalone engines (least loaded first),
         then rollout cells in descending cell order (they stay in rollout longest)."""
         live = [m for m in self.members.values() if m.routable() and m.engine_id != exclude]
-        standalone = sorted((m for m in live if m.kind == "standalone"),
-                            key=lambda m: m.load / m.cap)
+        standalone = sorted(
+            (m for m in live if m.kind == "standalone"), key=lambda m: m.load / m.cap
+        )
         cells = sorted((m for m in live if m.kind == "cell"), key=lambda m: -m.cell_index)
         return standalone + cells
 

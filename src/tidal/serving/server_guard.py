@@ -40,8 +40,9 @@ class TokenGuard:
     def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
         token = os.environ.get(TOKEN_ENV, "")
         if not token:
-            raise RuntimeError(f"{MIDDLEWARE}: ${TOKEN_ENV} is empty: refusing to serve "
-                               "without the run's token")
+            raise RuntimeError(
+                f"{MIDDLEWARE}: ${TOKEN_ENV} is empty: refusing to serve without the run's token"
+            )
         self.app, self._want = app, _digest(token)
 
     def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
@@ -51,7 +52,8 @@ class TokenGuard:
             if name.lower() == b"authorization":
                 scheme, _, given = value.partition(b" ")
                 return scheme.lower() == b"bearer" and hmac.compare_digest(
-                    _digest(given.strip()), self._want)
+                    _digest(given.strip()), self._want
+                )
         return False
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
@@ -62,10 +64,18 @@ class TokenGuard:
         if kind == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps({"error": "unauthorized: this server needs the run's token "
-                                    "(Authorization: Bearer ...)"}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+        body = json.dumps(
+            {"error": "unauthorized: this server needs the run's token (Authorization: Bearer ...)"}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -24,16 +24,18 @@ class SGLangAdapter(NoKVHandoff, HTTPEngineBase):
     supports_kv_handoff = False
     backend_name = "SGLang"
 
-    def __init__(self, url: str, capacity: int = 32, wait_timeout_s: float = 60.0,
-                 **kw) -> None:
+    def __init__(self, url: str, capacity: int = 32, wait_timeout_s: float = 60.0, **kw) -> None:
         super().__init__(url, **kw)
         self.capacity, self.wait_timeout_s = capacity, wait_timeout_s
         self._version = "v0"
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         p = req.params
-        sampling = {"max_new_tokens": p.max_tokens, "temperature": p.temperature,
-                    "ignore_eos": p.ignore_eos}
+        sampling = {
+            "max_new_tokens": p.max_tokens,
+            "temperature": p.temperature,
+            "ignore_eos": p.ignore_eos,
+        }
         if p.top_k:
             sampling["top_k"] = p.top_k
         if p.stop_token_ids:
@@ -44,9 +46,14 @@ class SGLangAdapter(NoKVHandoff, HTTPEngineBase):
             sampling["sampling_seed"] = p.seed
         if p.stop:
             sampling["stop"] = p.stop
-        body = {"input_ids": req.prompt_token_ids, "sampling_params": sampling,
-                "return_logprob": True, "logprob_start_len": -1, "rid": req.request_id,
-                "stream": True}
+        body = {
+            "input_ids": req.prompt_token_ids,
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "rid": req.request_id,
+            "stream": True,
+        }
         seen = 0
         text_seen = 0
         first = True
@@ -59,9 +66,13 @@ class SGLangAdapter(NoKVHandoff, HTTPEngineBase):
             version = meta.get("weight_version") or self._version
             finish = meta.get("finish_reason")
             reason = finish.get("type") if isinstance(finish, dict) else finish
-            chunk = TokenChunk([int(x[1]) for x in new], [float(x[0]) for x in new],
-                               [str(version)] * len(new), text=text[text_seen:],
-                               finish_reason=reason)
+            chunk = TokenChunk(
+                [int(x[1]) for x in new],
+                [float(x[0]) for x in new],
+                [str(version)] * len(new),
+                text=text[text_seen:],
+                finish_reason=reason,
+            )
             text_seen = len(text)
             if first:
                 chunk.prompt_token_ids = req.prompt_token_ids
@@ -82,8 +93,9 @@ class SGLangAdapter(NoKVHandoff, HTTPEngineBase):
         deadline = loop.time() + self.wait_timeout_s
         while (await self.stats()).running > 0:
             if loop.time() > deadline:
-                raise TimeoutExpired(f"{self.url}: requests still running after "
-                                     f"{self.wait_timeout_s} s")
+                raise TimeoutExpired(
+                    f"{self.url}: requests still running after {self.wait_timeout_s} s"
+                )
             await asyncio.sleep(0.05)
 
     async def resume(self) -> None:
@@ -106,17 +118,27 @@ class SGLangAdapter(NoKVHandoff, HTTPEngineBase):
         await self.resume()
 
     async def load_weights(self, path: str, version: str) -> None:
-        await self._call("POST", "/update_weights_from_disk",
-                         json={"model_path": path, "weight_version": version,
-                               "abort_all_requests": False, "flush_cache": True})
+        await self._call(
+            "POST",
+            "/update_weights_from_disk",
+            json={
+                "model_path": path,
+                "weight_version": version,
+                "abort_all_requests": False,
+                "flush_cache": True,
+            },
+        )
         self._version = version
 
     async def weight_version(self) -> str:
         return self._version
 
-
     async def stats(self) -> EngineStats:
         metrics = await self._prometheus("sglang:")
-        return EngineStats(int(metrics.get("sglang:num_running_reqs", 0)),
-                           int(metrics.get("sglang:num_queue_reqs", 0)), self.capacity,
-                           float(metrics.get("sglang:gen_throughput", 0.0)), self._version)
+        return EngineStats(
+            int(metrics.get("sglang:num_running_reqs", 0)),
+            int(metrics.get("sglang:num_queue_reqs", 0)),
+            self.capacity,
+            float(metrics.get("sglang:gen_throughput", 0.0)),
+            self._version,
+        )

@@ -45,8 +45,12 @@ class TokenSampling(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1, description="one sequence per request on this route")
-    logprobs: int | None = Field(None, ge=0, le=1, description="the sampled token's "
-                                 "log-prob is always returned; no alternatives beyond it")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="the sampled token's log-prob is always returned; no alternatives beyond it",
+    )
     min_tokens: int = Field(0, ge=0, le=0)
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
@@ -94,10 +98,16 @@ class TokenInRequest(BaseModel):
     def sampling(self) -> SamplingParams:
         sp = self.sampling_params
         stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
-        return SamplingParams(max_tokens=sp.max_tokens or DEFAULT_MAX_TOKENS,
-                              temperature=sp.temperature, top_p=sp.top_p,
-                              top_k=max(0, sp.top_k), seed=sp.seed, ignore_eos=sp.ignore_eos,
-                              stop_token_ids=list(sp.stop_token_ids or []), stop=stops)
+        return SamplingParams(
+            max_tokens=sp.max_tokens or DEFAULT_MAX_TOKENS,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=max(0, sp.top_k),
+            seed=sp.seed,
+            ignore_eos=sp.ignore_eos,
+            stop_token_ids=list(sp.stop_token_ids or []),
+            stop=stops,
+        )
 
     @field_validator("stream")
     @classmethod
@@ -106,11 +116,22 @@ class TokenInRequest(BaseModel):
 
 
 def token_in_response(rid: str, model: str, res: Result) -> dict:
-    content = [{"token": f"token_id:{t}", "logprob": lp}
-               for t, lp in zip(res.token_ids, res.logprobs, strict=True)]
-    return {"request_id": rid, "model": model, "prompt_token_ids": res.prompt_token_ids,
-            "choices": [{"index": 0, "token_ids": res.token_ids,
-                         "logprobs": {"content": content},
-                         "finish_reason": res.finish_reason,
-                         "weight_versions": version_spans(res.versions)}],
-            "usage": _usage([res])}
+    content = [
+        {"token": f"token_id:{t}", "logprob": lp}
+        for t, lp in zip(res.token_ids, res.logprobs, strict=True)
+    ]
+    return {
+        "request_id": rid,
+        "model": model,
+        "prompt_token_ids": res.prompt_token_ids,
+        "choices": [
+            {
+                "index": 0,
+                "token_ids": res.token_ids,
+                "logprobs": {"content": content},
+                "finish_reason": res.finish_reason,
+                "weight_versions": version_spans(res.versions),
+            }
+        ],
+        "usage": _usage([res]),
+    }

@@ -29,20 +29,25 @@ def chunk_tokens(choice: dict, url: str) -> tuple[list[int], list[float]]:
     ids = choice.get("token_ids")
     if ids is None:
         if choice.get("text"):
-            raise EngineError(f"vLLM at {url} returned text without token_ids (is the server "
-                              "older than return_token_ids?)")
+            raise EngineError(
+                f"vLLM at {url} returned text without token_ids (is the server "
+                "older than return_token_ids?)"
+            )
         ids = []
     lps = (choice.get("logprobs") or {}).get("token_logprobs")
     if not ids:
         return [], []
     if lps is None or len(lps) != len(ids):
-        raise EngineError(f"vLLM at {url} returned {len(ids)} token ids with "
-                          f"{'no' if lps is None else len(lps)} log-probs")
+        raise EngineError(
+            f"vLLM at {url} returned {len(ids)} token ids with "
+            f"{'no' if lps is None else len(lps)} log-probs"
+        )
     try:
         out = [float(x) for x in lps]
     except (TypeError, ValueError):
-        raise EngineError(f"vLLM at {url} returned a log-prob that is not a number: "
-                          f"{lps!r:.120}") from None
+        raise EngineError(
+            f"vLLM at {url} returned a log-prob that is not a number: {lps!r:.120}"
+        ) from None
     if not all(math.isfinite(x) and x <= 0.0 for x in out):
         raise EngineError(f"vLLM at {url} returned log-probs outside (-inf, 0]: {out!r:.120}")
     return [int(i) for i in ids], out
@@ -69,9 +74,16 @@ class VLLMAdapter(VLLMKVHandoff, HTTPEngineBase):
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         p = req.params
-        body = {"model": await self._served_model(), "prompt": req.prompt_token_ids,
-                "max_tokens": p.max_tokens, "temperature": p.temperature, "stream": True,
-                "return_token_ids": True, "logprobs": 0, "ignore_eos": p.ignore_eos}
+        body = {
+            "model": await self._served_model(),
+            "prompt": req.prompt_token_ids,
+            "max_tokens": p.max_tokens,
+            "temperature": p.temperature,
+            "stream": True,
+            "return_token_ids": True,
+            "logprobs": 0,
+            "ignore_eos": p.ignore_eos,
+        }
         if p.top_k:
             body["top_k"] = p.top_k
         if p.seed is not None:
@@ -88,20 +100,24 @@ class VLLMAdapter(VLLMKVHandoff, HTTPEngineBase):
         # the proxy's routing, so no call of ours straddles a load: invariant 6)
         version = await self._read_version()
         first = True
-        async for event in self._sse("/v1/completions", body,
-                                     headers={"X-Request-Id": req.request_id}):
+        async for event in self._sse(
+            "/v1/completions", body, headers={"X-Request-Id": req.request_id}
+        ):
             if not event.get("choices"):
                 continue
             choice = event["choices"][0]
             ids, lps = chunk_tokens(choice, self.url)
-            chunk = TokenChunk(ids, lps, [version] * len(ids),
-                               text=choice.get("text") or "",
-                               finish_reason=choice.get("finish_reason"))
+            chunk = TokenChunk(
+                ids,
+                lps,
+                [version] * len(ids),
+                text=choice.get("text") or "",
+                finish_reason=choice.get("finish_reason"),
+            )
             if first:
                 chunk.prompt_token_ids = choice.get("prompt_token_ids") or req.prompt_token_ids
                 # the tokens vLLM's scheduler loaded instead of prefilling (its ack)
-                chunk.cached_tokens = 0 if req.kv_handle is None else \
-                    self.adopted(req.kv_handle)
+                chunk.cached_tokens = 0 if req.kv_handle is None else self.adopted(req.kv_handle)
                 first = False
             yield chunk
 
@@ -146,9 +162,12 @@ class VLLMAdapter(VLLMKVHandoff, HTTPEngineBase):
         self._version = str(data.get("weight_version") or "v0")
         return self._version
 
-
     async def stats(self) -> EngineStats:
         metrics = await self._prometheus("vllm:")
-        return EngineStats(int(metrics.get("vllm:num_requests_running", 0)),
-                           int(metrics.get("vllm:num_requests_waiting", 0)), self.capacity,
-                           0.0, self._version)
+        return EngineStats(
+            int(metrics.get("vllm:num_requests_running", 0)),
+            int(metrics.get("vllm:num_requests_waiting", 0)),
+            self.capacity,
+            0.0,
+            self._version,
+        )

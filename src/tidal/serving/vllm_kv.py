@@ -34,9 +34,14 @@ PARAM = "tidal_kv"  # the key in a request's kv_transfer_params (the connector's
 
 def kv_transfer_config(kv_dir: str, lease_s: float = 120.0) -> str:
     """``--kv-transfer-config`` for a vLLM server that hands its calls' KV over in ``kv_dir``."""
-    return json.dumps({"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE,
-                       "kv_role": "kv_both", "kv_connector_extra_config": {
-                           "tidal_kv_dir": kv_dir, "lease_s": lease_s}})
+    return json.dumps(
+        {
+            "kv_connector": CONNECTOR,
+            "kv_connector_module_path": MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"tidal_kv_dir": kv_dir, "lease_s": lease_s},
+        }
+    )
 
 
 def connector_dir(server_info: dict) -> str | None:
@@ -64,8 +69,13 @@ class VLLMKVHandoff:
         """Find the server's connector folder; a server without one (or elsewhere) keeps
         ``kv_dir`` None."""
         try:
-            info = (await self._call("GET", "/server_info",  # type: ignore[attr-defined]
-                                     params={"config_format": "json"})).json()
+            info = (
+                await self._call(
+                    "GET",
+                    "/server_info",  # type: ignore[attr-defined]
+                    params={"config_format": "json"},
+                )
+            ).json()
         except (ServingError, ValueError):
             return
         path = connector_dir(info) if isinstance(info, dict) else None
@@ -94,15 +104,20 @@ class VLLMKVHandoff:
         deadline = loop.time() + self.export_timeout_s
         while not rec.exists():
             if loop.time() >= deadline:
-                raise EngineError(f"KV export of {request_id}: none after "
-                                  f"{self.export_timeout_s:.0f} s")
+                raise EngineError(
+                    f"KV export of {request_id}: none after {self.export_timeout_s:.0f} s"
+                )
             await asyncio.sleep(0.01)
         data = json.loads(rec.read_text())
         rec.unlink(missing_ok=True)
         if not data.get("num_tokens"):
             raise EngineError(f"KV export of {request_id}: the engine had computed nothing")
-        return MAGIC + json.dumps({"key": data["key"], "num_tokens": data["num_tokens"],
-                                   "dir": str(self.kv_dir)}).encode()
+        return (
+            MAGIC
+            + json.dumps(
+                {"key": data["key"], "num_tokens": data["num_tokens"], "dir": str(self.kv_dir)}
+            ).encode()
+        )
 
     async def import_kv(self, blob: bytes) -> tuple[str, int]:
         """(the export's key, its token count) when this server can load it: a vLLM export
@@ -111,12 +126,16 @@ class VLLMKVHandoff:
             raise BadRequest("not a vLLM KV export (another engine kind's layout)")
         if self.kv_dir is None:
             raise BadRequest("this vLLM server runs no tidal KV connector")
-        ref = json.loads(blob[len(MAGIC):])
+        ref = json.loads(blob[len(MAGIC) :])
         key = str(ref.get("key", ""))
-        if ref.get("dir") != str(self.kv_dir) or not key.isalnum() or \
-                not (self.kv_dir / f"{key}.json").exists():
-            raise BadRequest(f"KV export {key[:12]} is not in {self.kv_dir} (another node, "
-                             "or its lease ended)")
+        if (
+            ref.get("dir") != str(self.kv_dir)
+            or not key.isalnum()
+            or not (self.kv_dir / f"{key}.json").exists()
+        ):
+            raise BadRequest(
+                f"KV export {key[:12]} is not in {self.kv_dir} (another node, or its lease ended)"
+            )
         return key, int(ref["num_tokens"])
 
     def adopted(self, key: str) -> int:

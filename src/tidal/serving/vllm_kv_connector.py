@@ -101,8 +101,12 @@ def _rank() -> int:
 
 
 class TidalKVConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         self.dir = Path(cfg.get_from_extra_config("tidal_kv_dir", DEFAULT_DIR))
@@ -121,8 +125,9 @@ class TidalKVConnector(KVConnectorBase_V1):
         logger.info("tidal KV connector (%s) on %s", role.name, self.dir)
 
     # ---------------------------------------------------------------- scheduler side
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         key = (request.kv_transfer_params or {}).get(PARAM)
         if not isinstance(key, str) or not key.isalnum():
             return 0, False
@@ -133,8 +138,11 @@ class TidalKVConnector(KVConnectorBase_V1):
             return 0, False
         tokens = manifest.get("token_ids") or []
         end = min(len(tokens), request.num_tokens - 1)
-        if manifest.get("model") != self.model or manifest.get("tp") != self.tp or \
-                list(request.all_token_ids[:end]) != tokens[:end]:
+        if (
+            manifest.get("model") != self.model
+            or manifest.get("tp") != self.tp
+            or list(request.all_token_ids[:end]) != tokens[:end]
+        ):
             logger.warning("tidal KV %s: does not match this request or model", key)
             return 0, False
         ext = end - num_computed_tokens
@@ -143,8 +151,9 @@ class TidalKVConnector(KVConnectorBase_V1):
         self._loads[request.request_id] = (key, num_computed_tokens, end)
         return ext, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         if num_external_tokens == 0:
             self._loads.pop(request.request_id, None)
 
@@ -158,14 +167,16 @@ class TidalKVConnector(KVConnectorBase_V1):
             key, first, end = load
             bs = self.block_size
             first_block, end_block = first // bs, -(-end // bs)
-            meta.loads.append(_Load(new.req_id, key, first_block,
-                                    list(new.block_ids[0][first_block:end_block])))
+            meta.loads.append(
+                _Load(new.req_id, key, first_block, list(new.block_ids[0][first_block:end_block]))
+            )
             write_atomic(self.dir / f"{key}.ack", str(end).encode())
         self._loads.clear()  # requests not scheduled this step ask again
         return meta
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         # the engine's id is the API's id + "-" + 8 random characters (vLLM's input processor)
         marker = self.dir / f"keep-{request.request_id.rsplit('-', 1)[0]}"
         try:
@@ -182,8 +193,13 @@ class TidalKVConnector(KVConnectorBase_V1):
         tokens = [int(t) for t in request.all_token_ids[:n]]
         key = token_key(tokens)
         save = _Save(request.request_id, key, blocks)
-        manifest = {"token_ids": tokens, "model": self.model, "tp": self.tp,
-                    "block_size": self.block_size, "nonce": nonce}
+        manifest = {
+            "token_ids": tokens,
+            "model": self.model,
+            "tp": self.tp,
+            "block_size": self.block_size,
+            "nonce": nonce,
+        }
         self._saves[request.request_id] = (save, manifest)
         self._new_saves.append(save)
         return True, None
@@ -256,9 +272,8 @@ class TidalKVConnector(KVConnectorBase_V1):
             shape = list(t.shape)
             shape[d] = n_src
             nbytes = t.numel() // t.shape[d] * n_src * t.element_size()
-            src = raw[off:off + nbytes].view(t.dtype).view(shape)
-            t.index_copy_(d, dst.to(t.device),
-                          src.narrow(d, load.src_first, n).to(t.device))
+            src = raw[off : off + nbytes].view(t.dtype).view(shape)
+            t.index_copy_(d, dst.to(t.device), src.narrow(d, load.src_first, n).to(t.device))
             off += nbytes
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -268,8 +283,9 @@ class TidalKVConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return
 
     def wait_for_save(self) -> None:
@@ -283,8 +299,10 @@ class TidalKVConnector(KVConnectorBase_V1):
         done = set()
         for save in meta.saves:
             ids = torch.tensor(save.block_ids, dtype=torch.long)
-            parts = [t.index_select(d, ids.to(t.device)).cpu().contiguous().view(torch.uint8)
-                     .reshape(-1) for t, d in self._layers()]
+            parts = [
+                t.index_select(d, ids.to(t.device)).cpu().contiguous().view(torch.uint8).reshape(-1)
+                for t, d in self._layers()
+            ]
             path = self.dir / f"{save.key}.{_rank()}.kv"
             try:
                 write_atomic(path, torch.cat(parts).numpy().tobytes())

@@ -73,14 +73,23 @@ class SimActuator:
         if rate > 0.0 and self._faults.random() < rate:
             # Injected fault: the step had no lasting effect; the controller retries or aborts.
             self.failures += 1
-            self.w.emit(TransitionStepDone(self.w.now, plan.plan_id, step.index, ok=False,
-                                           duration_s=dur, error="injected failure"))
+            self.w.emit(
+                TransitionStepDone(
+                    self.w.now,
+                    plan.plan_id,
+                    step.index,
+                    ok=False,
+                    duration_s=dur,
+                    error="injected failure",
+                )
+            )
             return
         if step.kind is StepKind.KV_HANDOFF:
             for ex in self._held.pop(plan.plan_id, []):
                 self.w.release_hold(ex, kv=True)
-        self.w.emit(TransitionStepDone(self.w.now, plan.plan_id, step.index, ok=True,
-                                       duration_s=dur))
+        self.w.emit(
+            TransitionStepDone(self.w.now, plan.plan_id, step.index, ok=True, duration_s=dur)
+        )
 
     def _evacuate(self, step: PlanStep, ordered: bool, kv: bool) -> list[ExecRec]:
         """Moves every execution off the step's cells; returns those moved."""

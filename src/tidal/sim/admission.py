@@ -32,9 +32,9 @@ def typical_context_tokens(sc: Scenario) -> float:
     ctx = 0.0
     for c in classes:
         turns = _mean(c.turns.median, c.turns.sigma, c.turns.cap)
-        per_turn = (_mean(c.decode_tokens.median, c.decode_tokens.sigma, c.decode_tokens.cap)
-                    + _mean(c.tool_output_tokens.median, c.tool_output_tokens.sigma,
-                            c.tool_output_tokens.cap))
+        per_turn = _mean(
+            c.decode_tokens.median, c.decode_tokens.sigma, c.decode_tokens.cap
+        ) + _mean(c.tool_output_tokens.median, c.tool_output_tokens.sigma, c.tool_output_tokens.cap)
         ctx += c.weight / total * (c.prompt_tokens + 0.5 * turns * per_turn)
     return ctx
 
@@ -51,8 +51,9 @@ def engine_target(e: Engine, rule: AdmissionRule, ctx_tokens: float) -> int:
         thr, cap = e.throughput, e.seq_cap
         return concurrency_target(lambda n: min(thr, n * cap), e.slots, rule)
     k = e.replicas
-    per = concurrency_target(lambda n: m.throughput_tok_s(n, ctx_tokens),
-                             max(1, e.slots // k), rule)
+    per = concurrency_target(
+        lambda n: m.throughput_tok_s(n, ctx_tokens), max(1, e.slots // k), rule
+    )
     return min(e.slots, k * per)
 
 

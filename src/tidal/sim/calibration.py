@@ -37,29 +37,38 @@ class Fit:
     log: list[str] = field(default_factory=list)
 
 
-def fit(pf: P.PublishedFile, params: tuple[str, ...] = ("decode", "mfu"), seeds: int = 4,
-        tol: float = 0.003, rounds: int = 8, echo: Callable[[str], None] | None = None,
-        runner_for: Callable[[dict[str, float]], P.Makespans] = P.makespan_runner) -> Fit:
+def fit(
+    pf: P.PublishedFile,
+    params: tuple[str, ...] = ("decode", "mfu"),
+    seeds: int = 4,
+    tol: float = 0.003,
+    rounds: int = 8,
+    echo: Callable[[str], None] | None = None,
+    runner_for: Callable[[dict[str, float]], P.Makespans] = P.makespan_runner,
+) -> Fit:
     """``runner_for(efficiencies)`` gives the makespans at those efficiencies (the simulator
     by default)."""
     import numpy as np
 
     rows = [r for r in pf.rows if r.calibrate]
     if not rows or any(r.metric != "makespan_h" for r in rows):
-        raise ConfigError("rows.calibrate", "calibration needs makespan_h rows marked "
-                                            "calibrate: true")
+        raise ConfigError(
+            "rows.calibrate", "calibration needs makespan_h rows marked calibrate: true"
+        )
     names = {r.scenario for r in rows}
     if len(names) != 1:
         raise ConfigError("rows.scenario", "calibration rows must share one scenario")
     name = names.pop()
     cm = scenarios.load(name).costmodel
     if cm is None:
-        raise ConfigError("costmodel", f"{name}: a scenario without a cost model has no "
-                                       "efficiencies to fit")
+        raise ConfigError(
+            "costmodel", f"{name}: a scenario without a cost model has no efficiencies to fit"
+        )
     bad = [p for p in params if p not in FITTABLE]
     if bad or len(params) > len(rows):
-        raise ConfigError("--fit", f"fit at most {len(rows)} of {', '.join(FITTABLE)} "
-                                   f"(got {', '.join(params)})")
+        raise ConfigError(
+            "--fit", f"fit at most {len(rows)} of {', '.join(FITTABLE)} (got {', '.join(params)})"
+        )
     start = cm.efficiency.model_dump()
     x = np.log([start[p] for p in params])
     target = np.log([r.published for r in rows])
@@ -82,10 +91,15 @@ def fit(pf: P.PublishedFile, params: tuple[str, ...] = ("decode", "mfu"), seeds:
     f = f0
     for i in range(rounds):
         err = np.exp(f - target) - 1
-        say(f"round {i}: " + "  ".join(f"{p} {math.exp(v):.4f}" for p, v in zip(params, x,
-                                                                                   strict=True))
-            + "  " + "  ".join(f"{r.id} {math.exp(v):.3f} h ({e:+.2%})"
-                               for r, v, e in zip(rows, f, err, strict=True)))
+        say(
+            f"round {i}: "
+            + "  ".join(f"{p} {math.exp(v):.4f}" for p, v in zip(params, x, strict=True))
+            + "  "
+            + "  ".join(
+                f"{r.id} {math.exp(v):.3f} h ({e:+.2%})"
+                for r, v, e in zip(rows, f, err, strict=True)
+            )
+        )
         if np.all(np.abs(err) < tol):
             break
         x = np.minimum(0.0, x - pinv @ (f - target))
@@ -97,10 +111,13 @@ def fit(pf: P.PublishedFile, params: tuple[str, ...] = ("decode", "mfu"), seeds:
     for j, p in enumerate(params):
         out.values[p] = round(float(math.exp(x[j])), 4)
         out.sd[p] = round(float(math.exp(x[j]) * math.sqrt(max(0.0, cov[j, j]))), 4)
-    out.residuals = {r.id: round(float(math.exp(v - t) - 1), 4)
-                     for r, v, t in zip(rows, f, target, strict=True)}
-    say("seeds' spread of the calibration rows (sd of makespan): " + ", ".join(
-        f"{r.id} {st.pstdev(np.exp(spread[:, i])):.3f} h" for i, r in enumerate(rows)))
+    out.residuals = {
+        r.id: round(float(math.exp(v - t) - 1), 4) for r, v, t in zip(rows, f, target, strict=True)
+    }
+    say(
+        "seeds' spread of the calibration rows (sd of makespan): "
+        + ", ".join(f"{r.id} {st.pstdev(np.exp(spread[:, i])):.3f} h" for i, r in enumerate(rows))
+    )
     return out
 
 
@@ -115,7 +132,8 @@ def write_efficiencies(name: str, values: dict[str, float]) -> str:
     line = "efficiency: {" + ", ".join(f"{k}: {v:g}" for k, v in eff.items()) + "}"
     new, n = re.subn(r"efficiency: \{[^}]*\}", line, text)
     if n != 1:
-        raise ConfigError("costmodel.efficiency", f"{path}: expected one 'efficiency: {{...}}' "
-                                                  "line to update")
+        raise ConfigError(
+            "costmodel.efficiency", f"{path}: expected one 'efficiency: {{...}}' line to update"
+        )
     path.write_text(new)
     return str(path)

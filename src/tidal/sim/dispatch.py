@@ -36,9 +36,29 @@ if TYPE_CHECKING:
 class ExecRec:
     """A simulated execution (the harness side: it survives engine and role changes)."""
 
-    __slots__ = ("base", "burst", "cached", "closed", "ctx", "decoded", "eid", "engine",
-                 "first_version", "gen", "gid", "hold", "hw", "in_tool", "launched", "pending",
-                 "seg", "seq_no", "spec", "turn", "wait_since")
+    __slots__ = (
+        "base",
+        "burst",
+        "cached",
+        "closed",
+        "ctx",
+        "decoded",
+        "eid",
+        "engine",
+        "first_version",
+        "gen",
+        "gid",
+        "hold",
+        "hw",
+        "in_tool",
+        "launched",
+        "pending",
+        "seg",
+        "seq_no",
+        "spec",
+        "turn",
+        "wait_since",
+    )
 
     def __init__(self, eid: str, gid: str, spec: ExecSpec, burst: int, seq_no: int) -> None:
         self.eid, self.gid, self.spec, self.burst, self.seq_no = eid, gid, spec, burst, seq_no
@@ -135,6 +155,7 @@ def dispatch_group(w: World) -> None:
         slot_waits.start(w, ex)
         w.emit(ExecutionDispatched(w.now, ex.eid, gid, len(members), w.burst))
 
+
 def fill(w: World) -> None:
     """Launches displaced, then queued executions into free admitting slots; dispatches
     more groups on demand within the burst's budget."""
@@ -199,6 +220,7 @@ def _fill_once(w: World) -> None:
             launch(w, ex, e)
         if e.admitting and e.free_slots > 0:
             heapq.heappush(heap, (-e.free_slots, i, e))
+
 
 def launch(w: World, ex: ExecRec, e: Engine) -> None:
     slot_waits.stop(w, ex)

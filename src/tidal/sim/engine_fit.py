@@ -40,8 +40,13 @@ def call_rows(execs: list[ExecutionLine]) -> list[Call]:
     rows = []
     for e in execs:
         for c in e.calls:
-            if (c.call_s or 0) > 0 and c.engines and c.output_tokens > 0 \
-                    and c.start_s is not None and c.call_s is not None:
+            if (
+                (c.call_s or 0) > 0
+                and c.engines
+                and c.output_tokens > 0
+                and c.start_s is not None
+                and c.call_s is not None
+            ):
                 rows.append((c.engines[-1], c.start_s, c.call_s, c.output_tokens))
     return rows
 
@@ -74,8 +79,11 @@ def fit_engine(execs: list[ExecutionLine]) -> tuple[dict[str, Any], dict[str, An
 
     rows = call_rows(execs)
     if len(rows) < 3:
-        raise ConfigError("executions.jsonl", f"{len(rows)} timed model calls: too few to fit "
-                          "the engine (need call_s, start_s and engines per call)")
+        raise ConfigError(
+            "executions.jsonl",
+            f"{len(rows)} timed model calls: too few to fit "
+            "the engine (need call_s, start_s and engines per call)",
+        )
     durs, ns, rates, _ = intervals(rows)
     dur, n, rate = np.array(durs), np.array(ns, dtype=float), np.array(rates)
     per_call = np.array([o / d for _, _, d, o in rows])
@@ -95,10 +103,16 @@ def fit_engine(execs: list[ExecutionLine]) -> tuple[dict[str, Any], dict[str, An
             if err[i] < best[0] - slack:
                 best = (float(err[i]), float(c), float(grid[i]), float(h))
     err, c_, t_, h_ = best
-    fit = {"decode_tok_s_per_gpu": round(min(t_, float(hi)), 3),
-           "seq_cap_tok_s": round(min(c_, float(hi)), 3), "prefill_equiv": 0.0,
-           "host_tok_s": round(h_, 3) if h_ < UNBOUNDED else None}
+    fit = {
+        "decode_tok_s_per_gpu": round(min(t_, float(hi)), 3),
+        "seq_cap_tok_s": round(min(c_, float(hi)), 3),
+        "prefill_equiv": 0.0,
+        "host_tok_s": round(h_, 3) if h_ < UNBOUNDED else None,
+    }
     busy = dur.sum()
-    return fit, {"calls": len(rows), "r2": round(1 - err / total, 4) if total > 0 else None,
-                 "mean_host_tok_s": round(float((dur * rate).sum() / busy), 2),
-                 "mean_calls_in_flight": round(float((dur * n.sum(1)).sum() / busy), 2)}
+    return fit, {
+        "calls": len(rows),
+        "r2": round(1 - err / total, 4) if total > 0 else None,
+        "mean_host_tok_s": round(float((dur * rate).sum() / busy), 2),
+        "mean_calls_in_flight": round(float((dur * n.sum(1)).sum() / busy), 2),
+    }

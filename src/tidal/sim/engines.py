@@ -75,9 +75,17 @@ class Engine:
         "v",
     )
 
-    def __init__(self, name: str, gpus: int, slots: int, throughput_tok_s: float,
-                 seq_cap_tok_s: float, cell: int | None = None,
-                 model: EngineModel | None = None, prefill_equiv: float = 0.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        gpus: int,
+        slots: int,
+        throughput_tok_s: float,
+        seq_cap_tok_s: float,
+        cell: int | None = None,
+        model: EngineModel | None = None,
+        prefill_equiv: float = 0.0,
+    ) -> None:
         self.name = name
         self.gpus = gpus
         self.slots = slots
@@ -160,8 +168,9 @@ class Engine:
         else:
             k = self.replicas
             # Spread evenly over the replicas; fewer sequences than replicas run alone.
-            self._r = (m.seq_rate(n / k, self.ctx_sum / k) if n >= k
-                       else m.seq_rate(1, self.ctx_sum / n))
+            self._r = (
+                m.seq_rate(n / k, self.ctx_sum / k) if n >= k else m.seq_rate(1, self.ctx_sum / n)
+            )
 
     def set_limit(self, limit: float, now: float) -> None:
         self.advance(now)
@@ -173,8 +182,11 @@ class Engine:
         return len(self.queue) if self.queue is not None else 0
 
     def has(self, seq: int) -> bool:
-        return (seq in self._thr or (self.queue is not None and seq in self.queue)
-                or self.in_prefill(seq))
+        return (
+            seq in self._thr
+            or (self.queue is not None and seq in self.queue)
+            or self.in_prefill(seq)
+        )
 
     def remaining(self, seq: int) -> float:
         """Decode tokens ``seq`` has left."""
@@ -248,8 +260,15 @@ class Engine:
         self.prefill_s_total += dt
         self.busy_work += dt * self.throughput  # the whole engine computes
 
-    def add(self, seq: int, work: float, now: float, ctx_tokens: float = 0.0,
-            group: object = None, prefill_tokens: float = 0.0) -> None:
+    def add(
+        self,
+        seq: int,
+        work: float,
+        now: float,
+        ctx_tokens: float = 0.0,
+        group: object = None,
+        prefill_tokens: float = 0.0,
+    ) -> None:
         """Starts a sequence: ``prefill_tokens`` of its ``ctx_tokens`` context to prefill
         (the rest is cached here), then ``work`` tokens to decode; or queues it (admission
         control: the engine runs ``target`` at once)."""

@@ -89,13 +89,22 @@ from tidal.sim.run_workload import dispatch_interval_s, fit_workload, trace_line
 from tidal.sim.scenario import Scenario, TrainerConfig
 
 COST_KINDS = {
-    "admission_s": ("stop_admission", "resume_admission", "remove_from_load_balancer",
-                    "add_to_load_balancer", "resume_generation"),
+    "admission_s": (
+        "stop_admission",
+        "resume_admission",
+        "remove_from_load_balancer",
+        "add_to_load_balancer",
+        "resume_generation",
+    ),
     "reroute_s": ("reserve_and_reroute", "cancel_and_retry", "abort_inflight", "rebalance"),
-    "release_s": ("release_rollout_memory",), "sleep_s": ("sleep_engine",),
-    "wake_s": ("wake_engine",), "onload_s": ("restore_training_state",),
+    "release_s": ("release_rollout_memory",),
+    "sleep_s": ("sleep_engine",),
+    "wake_s": ("wake_engine",),
+    "onload_s": ("restore_training_state",),
     "offload_s": ("offload_training_state",),
-    "load_weights_s": ("load_weights", "sync_weights"), "kv_latency_s": ("kv_handoff",)}
+    "load_weights_s": ("load_weights", "sync_weights"),
+    "kv_latency_s": ("kv_handoff",),
+}
 
 
 def read_jsonl(path: Path, model: type[BaseModel]) -> list[dict[str, Any]]:
@@ -118,9 +127,13 @@ def _required(path: Path, lines: T | None) -> T:
 # speed-up(n) = n * e**log2(n) = 1 for every n: training cells that share one host's cores
 SHARED_HOST_EFFICIENCY = 0.5
 
-def fit_trainer(metrics: list[dict[str, Any]], execs: list[schema.ExecutionLine],
-                updates_per_burst: int, shared_host: bool = False
-                ) -> tuple[dict[str, float], float, dict[str, Any]]:
+
+def fit_trainer(
+    metrics: list[dict[str, Any]],
+    execs: list[schema.ExecutionLine],
+    updates_per_burst: int,
+    shared_host: bool = False,
+) -> tuple[dict[str, float], float, dict[str, Any]]:
     """Trainer speed, per-step overhead and the burst-end publication time. On a shared host
     (a CPU run: every cell trains on the same cores) more training cells bring no compute, so
     unless the run itself measured otherwise the efficiency per doubling is 0.5 (speed-up 1)."""
@@ -128,22 +141,28 @@ def fit_trainer(metrics: list[dict[str, Any]], execs: list[schema.ExecutionLine]
     for e in execs:
         if e.calls:
             last = e.calls[-1]
-            ctx_by_group[e.group] = (ctx_by_group.get(e.group, 0.0)
-                                     + last.prompt_tokens + last.output_tokens)
+            ctx_by_group[e.group] = (
+                ctx_by_group.get(e.group, 0.0) + last.prompt_tokens + last.output_tokens
+            )
     eff = SHARED_HOST_EFFICIENCY if shared_host else TrainerConfig().scaling_efficiency
     xs, ys, cells = [], [], []
     for m in metrics:
         if "groups" not in m or any(g not in ctx_by_group for g in m["groups"]):
-            raise ConfigError("metrics.jsonl", f"step {m.get('step')}: its groups are not all "
-                              "in executions.jsonl (a run written before calibration existed?)")
+            raise ConfigError(
+                "metrics.jsonl",
+                f"step {m.get('step')}: its groups are not all "
+                "in executions.jsonl (a run written before calibration existed?)",
+            )
         work = sum(ctx_by_group[g] for g in m["groups"])
         n = 1 + len(m.get("satellites") or [])
         xs.append(work)
         cells.append(n)
         ys.append(float(m["step_s"]))
     if len(set(cells)) > 1:  # rates per cell count give the efficiency per doubling
-        r1 = _rate([x for x, n in zip(xs, cells, strict=True) if n == 1],
-                   [y for y, n in zip(ys, cells, strict=True) if n == 1])
+        r1 = _rate(
+            [x for x, n in zip(xs, cells, strict=True) if n == 1],
+            [y for y, n in zip(ys, cells, strict=True) if n == 1],
+        )
         rn = [(n, x / y) for x, y, n in zip(xs, ys, cells, strict=True) if n > 1 and y > 0]
         if r1 and rn:
             e = [(r / r1 / n) ** (1 / math.log2(n)) for n, r in rn]
@@ -157,15 +176,20 @@ def fit_trainer(metrics: list[dict[str, Any]], execs: list[schema.ExecutionLine]
         update = [float(m["update_s"]) for m in metrics]
         inner = [u for u, f in zip(update, final_of, strict=True) if not f] or update
         a = st.fmean(inner)
-        core = [(x * float(m["core_tokens"]) / float(m["n_tokens"]), float(m["core_compute_s"]))
-                for x, m in zip(xs, metrics, strict=True)
-                if m.get("core_compute_s") and m.get("core_tokens") and m.get("n_tokens")]
+        core = [
+            (x * float(m["core_tokens"]) / float(m["n_tokens"]), float(m["core_compute_s"]))
+            for x, m in zip(xs, metrics, strict=True)
+            if m.get("core_compute_s") and m.get("core_tokens") and m.get("n_tokens")
+        ]
         if len(core) == len(metrics) and sum(c for _, c in core) > 0:
             # one cell's speed from the core's own micro-steps; the run's compute times with
             # more cells then give the efficiency (joins, weight pulls, uneven micro-steps)
             r1 = sum(w for w, _ in core) / sum(c for _, c in core)
-            e = [(x / r1 / c / n) ** (1 / math.log2(n))
-                 for x, c, n in zip(xs, compute, cells, strict=True) if n > 1 and c > 0]
+            e = [
+                (x / r1 / c / n) ** (1 / math.log2(n))
+                for x, c, n in zip(xs, compute, cells, strict=True)
+                if n > 1 and c > 0
+            ]
             if e:
                 eff = round(min(1.0, max(0.3, st.median(e))), 4)
             slope = 1.0 / r1
@@ -184,11 +208,22 @@ def fit_trainer(metrics: list[dict[str, Any]], execs: list[schema.ExecutionLine]
         (finals if final_of[k] else gaps).append(gap)
     o = st.fmean(gaps) if gaps else 0.0
     publish = (max(0.0, st.fmean(finals) - o) if finals else 0.0) + publish_extra
-    fit = {"train_tok_s_per_gpu": round(rate, 3), "optimizer_s": round(a + o, 4),
-           "aggregate_s_per_cell": 0.0, "scaling_efficiency": eff}
-    return fit, round(publish, 4), {"steps": len(ys), "step_intercept_s": round(a, 4),
-                                    "between_steps_s": round(o, 4),
-                                    "from": "timed steps" if timed else "step times"}
+    fit = {
+        "train_tok_s_per_gpu": round(rate, 3),
+        "optimizer_s": round(a + o, 4),
+        "aggregate_s_per_cell": 0.0,
+        "scaling_efficiency": eff,
+    }
+    return (
+        fit,
+        round(publish, 4),
+        {
+            "steps": len(ys),
+            "step_intercept_s": round(a, 4),
+            "between_steps_s": round(o, 4),
+            "from": "timed steps" if timed else "step times",
+        },
+    )
 
 
 def _rate(xs: list[float], ys: list[float]) -> float | None:
@@ -210,25 +245,29 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------ costs
 
+
 def plans_before(decisions: list[dict[str, Any]], end_s: float) -> set[int]:
     """Ids of the plans started before ``end_s`` (seconds since the first dispatch: the
     controller's first ``BurstStarted`` decision)."""
     t0 = next((float(d["t"]) for d in decisions if d.get("trigger") == "BurstStarted"), None)
     if t0 is None:
         raise ConfigError("decisions.jsonl", "no BurstStarted decision: cannot place plans")
-    return {int(d["plan_id"]) for d in decisions
-            if d.get("type") == "plan_start" and float(d["t"]) - t0 < end_s}
+    return {
+        int(d["plan_id"])
+        for d in decisions
+        if d.get("type") == "plan_start" and float(d["t"]) - t0 < end_s
+    }
 
 
-def fit_costs(steps: list[dict[str, Any]], publish_s: float,
-              plans: set[int] | None = None) -> tuple[dict[str, float], list[str]]:
+def fit_costs(
+    steps: list[dict[str, Any]], publish_s: float, plans: set[int] | None = None
+) -> tuple[dict[str, float], list[str]]:
     """Mean duration per cost field over the successful steps of ``plans`` (None: all)."""
     by_kind: dict[str, list[float]] = {}
     for s in steps:
         if s.get("ok", True) and (plans is None or int(s["plan_id"]) in plans):
             by_kind.setdefault(str(s["step"]), []).append(float(s["duration_s"]))
-    out: dict[str, float] = {"weight_gb": 0.0, "sync_latency_s": publish_s,
-                             "kv_kb_per_token": 0.0}
+    out: dict[str, float] = {"weight_gb": 0.0, "sync_latency_s": publish_s, "kv_kb_per_token": 0.0}
     unseen = []
     for field, kinds in COST_KINDS.items():
         vals = [v for k in kinds for v in by_kind.get(k, [])]
@@ -241,8 +280,10 @@ def fit_costs(steps: list[dict[str, Any]], publish_s: float,
 
 # ------------------------------------------------------------------------ the scenario
 
-def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
-                      trace: str | Path | None = None) -> tuple[Scenario, dict[str, Any]]:
+
+def scenario_from_run(
+    run_dir: str | Path, describe: str | Path | None = None, trace: str | Path | None = None
+) -> tuple[Scenario, dict[str, Any]]:
     """The scenario of ``describe`` (a config.yaml; default: the run's own) with every speed
     fitted on ``run_dir``; and the notes (fitted values and fit diagnostics). With ``trace``
     the run's executions are written there and replayed (the empirical workload) instead of
@@ -253,25 +294,31 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
         raise ConfigError(str(root), "no config.yaml: calibration needs the resolved config")
     own = check_known(load_yaml(root / "config.yaml", RunConfig), root / "config.yaml")
     cfg = check_known(load_yaml(describe, RunConfig), describe) if describe is not None else own
-    execs = _required(root / "executions.jsonl",
-                      run_data.read_lines(root / "executions.jsonl", schema.ExecutionLine))
+    execs = _required(
+        root / "executions.jsonl",
+        run_data.read_lines(root / "executions.jsonl", schema.ExecutionLine),
+    )
     metrics = run.metrics or []
     if not metrics:
         raise ConfigError(str(root / "metrics.jsonl"), "missing or empty: no optimizer step")
     engine, engine_notes = fit_engine(execs)
-    trainer, publish_s, trainer_notes = fit_trainer(metrics, execs,
-                                                    own.control.updates_per_burst,
-                                                    shared_host=not own.runtime.use_gpus
-                                                    and own.runtime.cell_cpus is None)
+    trainer, publish_s, trainer_notes = fit_trainer(
+        metrics,
+        execs,
+        own.control.updates_per_burst,
+        shared_host=not own.runtime.use_gpus and own.runtime.cell_cpus is None,
+    )
     # Plans after the last publication are the runtime settling: no burst waits for them.
-    plans = plans_before(read_jsonl(root / "decisions.jsonl", schema.DecisionLine),
-                         float(metrics[-1]["t"]))
-    costs, unseen = fit_costs(read_jsonl(root / "steps.jsonl", schema.StepLine), publish_s,
-                              plans)
+    plans = plans_before(
+        read_jsonl(root / "decisions.jsonl", schema.DecisionLine), float(metrics[-1]["t"])
+    )
+    costs, unseen = fit_costs(read_jsonl(root / "steps.jsonl", schema.StepLine), publish_s, plans)
     workload = fit_workload(execs, cfg.runtime.execution_timeout_s)
     rt, ctl = cfg.runtime, cfg.control
-    late = dispatch_interval_s(execs, own.runtime.dispatch_interval_s) \
+    late = (
+        dispatch_interval_s(execs, own.runtime.dispatch_interval_s)
         - own.runtime.dispatch_interval_s
+    )
     interval = rt.dispatch_interval_s + late if rt.dispatch_interval_s > 0 else 0.0
     wl: dict[str, Any] = {"classes": [workload]}
     if trace is not None:
@@ -280,23 +327,40 @@ def scenario_from_run(run_dir: str | Path, describe: str | Path | None = None,
         wl["trace"] = str(trace)
     name = cfg.policy.name
     data = {
-        "name": f"{cfg.name}-calibrated", "seed": cfg.seed,
+        "name": f"{cfg.name}-calibrated",
+        "seed": cfg.seed,
         "description": f"fitted on {root} by tidal calibrate; describes {describe or root}",
         "cluster": cfg.cluster.model_dump(mode="json"),
         "control": ctl.model_dump(mode="json"),
         "sim": {"tick_s": rt.tick_s, "dispatch_interval_s": round(interval, 4)},
-        "workload": wl, "engine": engine, "trainer": trainer,
-        "costs": costs, "policies": [_spec(cfg)],
+        "workload": wl,
+        "engine": engine,
+        "trainer": trainer,
+        "costs": costs,
+        "policies": [_spec(cfg)],
         "policy_modules": [cfg.policy.module] if cfg.policy.module else [],
         "policy_args": {name: dict(cfg.policy.args)} if cfg.policy.args else {},
-        "profiles": {name: {"dispatch": "burst", "trainer": "batch", "sync": "keep",
-                            "kv_handoff": ctl.kv_handoff, "staleness_threshold": 0.0}}}
+        "profiles": {
+            name: {
+                "dispatch": "burst",
+                "trainer": "batch",
+                "sync": "keep",
+                "kv_handoff": ctl.kv_handoff,
+                "staleness_threshold": 0.0,
+            }
+        },
+    }
     from tidal.config import validate_model
 
     sc = validate_model(Scenario, data, "scenario")
-    notes = {"engine": engine_notes, "trainer": trainer_notes, "publish_s": publish_s,
-             "dispatch_late_s": round(late, 4),
-             "costs_not_observed": unseen, "executions": len(execs)}
+    notes = {
+        "engine": engine_notes,
+        "trainer": trainer_notes,
+        "publish_s": publish_s,
+        "dispatch_late_s": round(late, 4),
+        "costs_not_observed": unseen,
+        "executions": len(execs),
+    }
     return sc, notes
 
 

@@ -48,9 +48,15 @@ from tidal.config import validate_model
 from tidal.errors import ConfigError
 from tidal.sim.scenario import Scenario
 
-REQUIRED = ("timing_s/gen", "timing_s/update_actor", "response_length/mean",
-            "response_length/max", "response_length/min", "prompt_length/mean",
-            "perf/total_num_tokens")
+REQUIRED = (
+    "timing_s/gen",
+    "timing_s/update_actor",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/min",
+    "prompt_length/mean",
+    "perf/total_num_tokens",
+)
 FIELD = "verl_log"
 
 
@@ -75,6 +81,7 @@ class VerlFit:
 
 # ------------------------------------------------------------------------ reading
 
+
 def read_verl_log(path: str | Path) -> list[dict[str, float]]:
     """One dict of numeric metrics per step, in step order; a ``ConfigError`` naming the file
     and line for anything that is not a verl metrics row."""
@@ -88,8 +95,9 @@ def read_verl_log(path: str | Path) -> list[dict[str, float]]:
     for i, row in enumerate(rows):
         missing = [k for k in REQUIRED if k not in row]
         if missing:
-            raise ConfigError(FIELD, f"{p}: step {row.get('step', i)} lacks verl's "
-                                     f"{', '.join(missing)}")
+            raise ConfigError(
+                FIELD, f"{p}: step {row.get('step', i)} lacks verl's {', '.join(missing)}"
+            )
     return sorted(rows, key=lambda r: r.get("step", 0.0))
 
 
@@ -138,11 +146,11 @@ def _read_csv(p: Path, text: str) -> list[dict[str, float]]:
     reader = csv.DictReader(text.splitlines())
     if reader.fieldnames is None:
         raise ConfigError(FIELD, f"{p}: no CSV header")
-    return [_numeric({k: v for k, v in r.items() if k and v not in (None, "")})
-            for r in reader]
+    return [_numeric({k: v for k, v in r.items() if k and v not in (None, "")}) for r in reader]
 
 
 # ------------------------------------------------------------------------ fitting
+
 
 def expected_max_normal(n: int) -> float:
     """E[max of n independent standard normals] (numerical integration)."""
@@ -173,12 +181,16 @@ def fit_lengths(rows: list[dict[str, float]], n: int) -> tuple[float, float, flo
         ratio = math.log(mean / lo)
         sigmas.append(-e_n + math.sqrt(e_n * e_n + 2 * ratio))
     if not sigmas:
-        raise ConfigError(FIELD, "response_length/min must be > 0 and below the mean on some "
-                                 "step to fit the spread of lengths")
+        raise ConfigError(
+            FIELD,
+            "response_length/min must be > 0 and below the mean on some "
+            "step to fit the spread of lengths",
+        )
     sigma = statistics.fmean(sigmas)
     free = [r for r in rows if r.get("response_length/clip_ratio", 0.0) == 0] or rows
     median = statistics.median(r["response_length/mean"] for r in free) / math.exp(
-        0.5 * sigma * sigma)
+        0.5 * sigma * sigma
+    )
     return median, sigma, cap
 
 
@@ -194,13 +206,19 @@ def fit_rollout(rows: list[dict[str, float]], n: int, gpus: int) -> tuple[float,
     b2 = sum(m * y for (_, m), y in zip(xs, ys, strict=True))
     det = a11 * a22 - a12 * a12
     if det <= 1e-12 * a11 * a22:
-        raise ConfigError(FIELD, "timing_s/gen cannot separate throughput from the "
-                                 "per-sequence cap (the steps' lengths are too alike)")
+        raise ConfigError(
+            FIELD,
+            "timing_s/gen cannot separate throughput from the "
+            "per-sequence cap (the steps' lengths are too alike)",
+        )
     inv_t = (b1 * a22 - b2 * a12) / det
     inv_c = (a11 * b2 - a12 * b1) / det
     if inv_t <= 0 or inv_c <= 0:
-        raise ConfigError(FIELD, f"timing_s/gen does not fit W / (T G) + M / C with T, C > 0 "
-                                 f"(got 1/T = {inv_t:.3g}, 1/C = {inv_c:.3g})")
+        raise ConfigError(
+            FIELD,
+            f"timing_s/gen does not fit W / (T G) + M / C with T, C > 0 "
+            f"(got 1/T = {inv_t:.3g}, 1/C = {inv_c:.3g})",
+        )
     return 1.0 / inv_t, 1.0 / inv_c
 
 
@@ -210,67 +228,118 @@ def fit(rows: list[dict[str, float]], group_size: int, gpus: int | None = None) 
     per_sample = [r["prompt_length/mean"] + r["response_length/mean"] for r in rows]
     n = round(statistics.median(t / s for t, s in zip(tokens, per_sample, strict=True)))
     if n < group_size or n % group_size:
-        raise ConfigError("--group-size", f"{n} samples per step (perf/total_num_tokens over "
-                                          f"the mean prompt + response) are not whole groups "
-                                          f"of {group_size}")
+        raise ConfigError(
+            "--group-size",
+            f"{n} samples per step (perf/total_num_tokens over "
+            f"the mean prompt + response) are not whole groups "
+            f"of {group_size}",
+        )
     if gpus is None:
-        have = [r for r in rows if "perf/throughput" in r
-                and ("perf/time_per_step" in r or "timing_s/step" in r)]
+        have = [
+            r
+            for r in rows
+            if "perf/throughput" in r and ("perf/time_per_step" in r or "timing_s/step" in r)
+        ]
         if not have:
-            raise ConfigError("--gpus", "the log has no perf/throughput with "
-                                        "perf/time_per_step: give the GPU count")
-        gpus = round(statistics.median(
-            r["perf/total_num_tokens"] / (r["perf/throughput"] * r.get(
-                "perf/time_per_step", r.get("timing_s/step", 0.0))) for r in have))
+            raise ConfigError(
+                "--gpus",
+                "the log has no perf/throughput with perf/time_per_step: give the GPU count",
+            )
+        gpus = round(
+            statistics.median(
+                r["perf/total_num_tokens"]
+                / (r["perf/throughput"] * r.get("perf/time_per_step", r.get("timing_s/step", 0.0)))
+                for r in have
+            )
+        )
     if gpus < 1:
         raise ConfigError("--gpus", f"must be >= 1, got {gpus}")
     median, sigma, cap = fit_lengths(rows, n)
     t, c = fit_rollout(rows, n, gpus)
-    train = [r["timing_s/update_actor"] + r.get("timing_s/old_log_prob", 0.0)
-             + r.get("timing_s/ref", 0.0) for r in rows]
+    train = [
+        r["timing_s/update_actor"]
+        + r.get("timing_s/old_log_prob", 0.0)
+        + r.get("timing_s/ref", 0.0)
+        for r in rows
+    ]
     rate = statistics.median(tok / (gpus * s) for tok, s in zip(tokens, train, strict=True))
     sync = statistics.fmean(r.get("timing_s/update_weights", 0.0) for r in rows)
     step_s = [r.get("timing_s/step", r.get("perf/time_per_step")) for r in rows]
     logged = sum(step_s) if all(x is not None for x in step_s) else None  # type: ignore[misc]
-    return VerlFit(len(rows), gpus, n, round(statistics.median(
-        r["prompt_length/mean"] for r in rows)), median, sigma, cap, t, c, rate, sync, logged)
+    return VerlFit(
+        len(rows),
+        gpus,
+        n,
+        round(statistics.median(r["prompt_length/mean"] for r in rows)),
+        median,
+        sigma,
+        cap,
+        t,
+        c,
+        rate,
+        sync,
+        logged,
+    )
 
 
-def scenario_from_verl(path: str | Path, group_size: int, gpus: int | None = None,
-                       cell_gpus: int = 8, staleness: float = 0.5,
-                       name: str | None = None) -> tuple[Scenario, VerlFit]:
+def scenario_from_verl(
+    path: str | Path,
+    group_size: int,
+    gpus: int | None = None,
+    cell_gpus: int = 8,
+    staleness: float = 0.5,
+    name: str | None = None,
+) -> tuple[Scenario, VerlFit]:
     """The fitted scenario and the fit (see the module docstring)."""
     if group_size < 1:
         raise ConfigError("--group-size", f"must be >= 1, got {group_size}")
     f = fit(read_verl_log(path), group_size, gpus)
     if f.gpus % cell_gpus:
-        raise ConfigError("--cell-gpus", f"{cell_gpus} GPUs per cell do not divide the run's "
-                                         f"{f.gpus} GPUs")
+        raise ConfigError(
+            "--cell-gpus", f"{cell_gpus} GPUs per cell do not divide the run's {f.gpus} GPUs"
+        )
     cells = f.gpus // cell_gpus
     eff = 0.9
-    decode: dict[str, Any] = {"median": round(f.decode_median, 1),
-                              "sigma": round(f.decode_sigma, 4)}
+    decode: dict[str, Any] = {
+        "median": round(f.decode_median, 1),
+        "sigma": round(f.decode_sigma, 4),
+    }
     if f.decode_cap is not None:
         decode["cap"] = f.decode_cap
     data = {
         "name": name or Path(path).stem,
         "description": f"fitted on verl metrics {Path(path).name}: {f.gpus} GPUs, "
-                       f"{f.samples_per_step} samples per step",
+        f"{f.samples_per_step} samples per step",
         "seed": 0,
-        "cluster": {"cell_count": cells, "cell_gpus": cell_gpus,
-                    "cell_slots": -(-f.samples_per_step // cells), "cell_kind": "elastic"},
-        "control": {"group_size": group_size,
-                    "batch_groups": f.samples_per_step // group_size,
-                    "updates_per_burst": 1, "bursts": f.steps},
+        "cluster": {
+            "cell_count": cells,
+            "cell_gpus": cell_gpus,
+            "cell_slots": -(-f.samples_per_step // cells),
+            "cell_kind": "elastic",
+        },
+        "control": {
+            "group_size": group_size,
+            "batch_groups": f.samples_per_step // group_size,
+            "updates_per_burst": 1,
+            "bursts": f.steps,
+        },
         "sim": {"staleness_threshold": staleness},
-        "workload": {"classes": [{"name": "verl", "decode_tokens": decode,
-                                  "prompt_tokens": f.prompt_tokens}]},
-        "engine": {"decode_tok_s_per_gpu": round(f.decode_tok_s_per_gpu, 3),
-                   "seq_cap_tok_s": round(f.seq_cap_tok_s, 3), "prefill_equiv": 0.0},
-        "trainer": {"train_tok_s_per_gpu": round(
-            f.train_tok_s_per_gpu / eff ** math.log2(cells), 3) if cells > 1
-            else round(f.train_tok_s_per_gpu, 3), "scaling_efficiency": eff,
-            "optimizer_s": 0.0, "aggregate_s_per_cell": 0.0},
+        "workload": {
+            "classes": [{"name": "verl", "decode_tokens": decode, "prompt_tokens": f.prompt_tokens}]
+        },
+        "engine": {
+            "decode_tok_s_per_gpu": round(f.decode_tok_s_per_gpu, 3),
+            "seq_cap_tok_s": round(f.seq_cap_tok_s, 3),
+            "prefill_equiv": 0.0,
+        },
+        "trainer": {
+            "train_tok_s_per_gpu": round(f.train_tok_s_per_gpu / eff ** math.log2(cells), 3)
+            if cells > 1
+            else round(f.train_tok_s_per_gpu, 3),
+            "scaling_efficiency": eff,
+            "optimizer_s": 0.0,
+            "aggregate_s_per_cell": 0.0,
+        },
         "costs": {"weight_gb": 0.0, "sync_latency_s": round(f.sync_s, 4)},
         "policies": ["colocate", "waterlevel", "tidal"],
     }

@@ -35,24 +35,40 @@ def _workload(rng: random.Random) -> dict[str, Any]:
     """One execution class: a single-turn answer (math-like) or a multi-turn agent."""
     if rng.random() < 0.4:
         dec = _log_uniform(rng, 1500, 15000)
-        return {"name": "answer", "turns": {"median": 1},
-                "decode_tokens": {"median": round(dec), "sigma": rng.uniform(0.4, 1.0),
-                                  "cap": round(dec * rng.uniform(4, 8))},
-                "prompt_tokens": rng.choice([300, 1000, 2000]),
-                "group_share": rng.uniform(0.2, 0.5), "success_rate": 0.5}
+        return {
+            "name": "answer",
+            "turns": {"median": 1},
+            "decode_tokens": {
+                "median": round(dec),
+                "sigma": rng.uniform(0.4, 1.0),
+                "cap": round(dec * rng.uniform(4, 8)),
+            },
+            "prompt_tokens": rng.choice([300, 1000, 2000]),
+            "group_share": rng.uniform(0.2, 0.5),
+            "success_rate": 0.5,
+        }
     dec = _log_uniform(rng, 150, 1500)
     tool = _log_uniform(rng, 0.5, 30)
     out = _log_uniform(rng, 100, 2000)
     cls: dict[str, Any] = {
         "name": "agent",
-        "turns": {"median": round(_log_uniform(rng, 3, 30)), "sigma": rng.uniform(0.3, 0.8),
-                  "cap": 150, "lo": 1},
-        "decode_tokens": {"median": round(dec), "sigma": rng.uniform(0.5, 1.0),
-                          "cap": round(dec * 10)},
+        "turns": {
+            "median": round(_log_uniform(rng, 3, 30)),
+            "sigma": rng.uniform(0.3, 0.8),
+            "cap": 150,
+            "lo": 1,
+        },
+        "decode_tokens": {
+            "median": round(dec),
+            "sigma": rng.uniform(0.5, 1.0),
+            "cap": round(dec * 10),
+        },
         "tool_s": {"median": round(tool, 2), "sigma": rng.uniform(0.5, 2.0), "cap": 900},
         "tool_output_tokens": {"median": round(out), "sigma": 1.0, "cap": round(out * 10)},
         "prompt_tokens": rng.choice([1000, 2000, 6000]),
-        "group_share": rng.uniform(0.2, 0.5), "success_rate": 0.3}
+        "group_share": rng.uniform(0.2, 0.5),
+        "success_rate": 0.3,
+    }
     if rng.random() < 0.5:
         cls["timeout_s"] = 14400.0
     return cls
@@ -75,20 +91,41 @@ def generate(seed: int, index: int) -> Scenario:
         "name": f"gen-{seed}-{index}",
         "description": f"generated: {cells}x8 hybrid + {standalone}x8 standalone {gpu}, {model}",
         "seed": rng.randrange(1 << 30),
-        "cluster": {"cell_count": cells, "cell_gpus": 8, "cell_slots": slots,
-                    "cell_kind": "hybrid", "standalone_count": standalone,
-                    "standalone_gpus": 8, "standalone_slots": slots},
-        "control": {"group_size": group, "batch_groups": batch, "updates_per_burst": updates,
-                    "bursts": bursts, "supply_fraction": 0.5, "supply_hold_s": 0.0},
+        "cluster": {
+            "cell_count": cells,
+            "cell_gpus": 8,
+            "cell_slots": slots,
+            "cell_kind": "hybrid",
+            "standalone_count": standalone,
+            "standalone_gpus": 8,
+            "standalone_slots": slots,
+        },
+        "control": {
+            "group_size": group,
+            "batch_groups": batch,
+            "updates_per_burst": updates,
+            "bursts": bursts,
+            "supply_fraction": 0.5,
+            "supply_hold_s": 0.0,
+        },
         "sim": {"staleness_threshold": rng.choice([0.5, 1.0, 2.0]), "tick_s": 10.0},
         "workload": {"classes": [_workload(rng)]},
-        "costmodel": {"gpu": gpu, "model": model, "engine_tp": tp,
-                      "efficiency": {**EFFICIENCY, "link": round(rng.uniform(0.08, 0.4), 3)}},
+        "costmodel": {
+            "gpu": gpu,
+            "model": model,
+            "engine_tp": tp,
+            "efficiency": {**EFFICIENCY, "link": round(rng.uniform(0.08, 0.4), 3)},
+        },
         "trainer": {"scaling_efficiency": rng.uniform(0.8, 0.95)},
-        "costs": {"sync_latency_s": 1.0, "sleep_s": rng.uniform(1, 10),
-                  "wake_s": rng.uniform(1, 10)},
-        "policy_args": {"verl-default": {"deactivate_ratio": 0.6},
-                        "verl-fixed-ratio": {"deactivate_ratio": 0.6}},
+        "costs": {
+            "sync_latency_s": 1.0,
+            "sleep_s": rng.uniform(1, 10),
+            "wake_s": rng.uniform(1, 10),
+        },
+        "policy_args": {
+            "verl-default": {"deactivate_ratio": 0.6},
+            "verl-fixed-ratio": {"deactivate_ratio": 0.6},
+        },
     }
     # The trainer as each mode runs it (drawn last, so the draws above keep their values):
     # optimizer updates per step (mini-batches), fixed per-step costs, micro-batch size;
@@ -97,8 +134,10 @@ def generate(seed: int, index: int) -> Scenario:
     data["trainer"]["fixed_step_s"] = round(rng.uniform(0.0, 10.0), 2)
     data["sim"]["micro_batch_tokens"] = rng.choice([16384, 32768, 65536])
     if rng.random() < 0.5:
-        data["profiles"] = {"static": {"old_log_prob": False},
-                            "verl-static": {"old_log_prob": False}}
+        data["profiles"] = {
+            "static": {"old_log_prob": False},
+            "verl-static": {"old_log_prob": False},
+        }
     return validate_model(Scenario, data, f"generated scenario {index}")
 
 

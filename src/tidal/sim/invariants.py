@@ -47,8 +47,9 @@ def check_engines(w: World) -> None:
     for e in w.engines:
         for seq, left_s, ctx in e.prefills():
             if left_s > e.prefill_s(ctx) * (1 + 1e-9) + 1e-9:
-                raise InvariantViolation(f"{e.name}: request {seq} prefills more than its "
-                                         f"{ctx:.0f}-token context")
+                raise InvariantViolation(
+                    f"{e.name}: request {seq} prefills more than its {ctx:.0f}-token context"
+                )
         if len(e.members) > e.slots:
             raise InvariantViolation(f"{e.name} holds {len(e.members)} > {e.slots} slots")
 
@@ -57,9 +58,11 @@ def check_bound(w: World) -> None:
     """Invariant 7: every running execution is bound to one engine or waits for a slot."""
     running = sum(len(e.members) for e in w.engines) + len(w.waiting)
     if running != w.ledger.total.running or running != len(w.live):
-        raise InvariantViolation(f"executions lost: {running} bound or waiting, ledger "
-                                 f"running {w.ledger.total.running}, live "
-                                 f"{len(w.live)}")
+        raise InvariantViolation(
+            f"executions lost: {running} bound or waiting, ledger "
+            f"running {w.ledger.total.running}, live "
+            f"{len(w.live)}"
+        )
     if len(w.queue) != w.ledger.total.queued:
         raise InvariantViolation("dispatch queue disagrees with the ledger")
 
@@ -67,8 +70,12 @@ def check_bound(w: World) -> None:
 def check_plan(w: World) -> None:
     """Invariant 3: a waterlevel-safe policy's move to training is one cell."""
     c, fl = w.controller, w.controller.inflight
-    if w.waterlevel_safe and fl is not None and fl.step == 0 \
-            and fl.plan.direction.value == "to_training":
+    if (
+        w.waterlevel_safe
+        and fl is not None
+        and fl.step == 0
+        and fl.plan.direction.value == "to_training"
+    ):
         cell = c.cells.cells[fl.plan.cells[0]]
         if len(fl.plan.cells) != 1 or cell.role is not Role.MOVING_TO_TRAINING:
             raise InvariantViolation(f"unsafe plan {fl.plan.to_json()}")

@@ -43,8 +43,12 @@ class MeasuredCosts(BaseModel):
 
 
 def _figures(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {f["figure"]: f for st in report.get("steps", {}).values()
-            for f in st.get("figures", []) if isinstance(f, dict) and "figure" in f}
+    return {
+        f["figure"]: f
+        for st in report.get("steps", {}).values()
+        for f in st.get("figures", [])
+        if isinstance(f, dict) and "figure" in f
+    }
 
 
 def read_check(path: str | Path) -> MeasuredCosts:
@@ -54,13 +58,16 @@ def read_check(path: str | Path) -> MeasuredCosts:
     except (OSError, ValueError) as exc:
         raise ConfigError("--costs-from", f"{path}: not a GPU check's JSON ({exc})") from None
     figs = _figures(report)
-    sync, sleep, wake = (next((figs[n] for n in names if n in figs), None)
-                         for names in (SYNC, SLEEP, WAKE))
-    missing = [names[-1] for names, f in ((SLEEP, sleep), (WAKE, wake), (SYNC, sync))
-               if f is None]
+    sync, sleep, wake = (
+        next((figs[n] for n in names if n in figs), None) for names in (SYNC, SLEEP, WAKE)
+    )
+    missing = [names[-1] for names, f in ((SLEEP, sleep), (WAKE, wake), (SYNC, sync)) if f is None]
     if missing:
-        raise ConfigError("--costs-from", f"{path}: no figure {missing[0]!r} (a GPU check "
-                          "whose sleep_wake and weight_update steps ran)")
+        raise ConfigError(
+            "--costs-from",
+            f"{path}: no figure {missing[0]!r} (a GPU check "
+            "whose sleep_wake and weight_update steps ran)",
+        )
     size = figs.get("weights (one version)")
     if size is not None:
         gib = float(size["value"])
@@ -69,10 +76,16 @@ def read_check(path: str | Path) -> MeasuredCosts:
         if m is None:
             raise ConfigError("--costs-from", f"{path}: the model's size is not stated")
         gib = float(m.group(1))
-    return MeasuredCosts(source=str(path), date=str(report.get("date", "?")),
-                         device=str(report.get("device", "?")), weights_gib=gib,
-                         sleep_s=float(sleep["value"]), wake_s=float(wake["value"]),
-                         sync_gbps=float(sync["value"]), sync_figure=str(sync["figure"]))
+    return MeasuredCosts(
+        source=str(path),
+        date=str(report.get("date", "?")),
+        device=str(report.get("device", "?")),
+        weights_gib=gib,
+        sleep_s=float(sleep["value"]),
+        wake_s=float(wake["value"]),
+        sync_gbps=float(sync["value"]),
+        sync_figure=str(sync["figure"]),
+    )
 
 
 def apply(sc: Any, m: MeasuredCosts) -> tuple[Any, dict[str, float]]:
@@ -81,8 +94,9 @@ def apply(sc: Any, m: MeasuredCosts) -> tuple[Any, dict[str, float]]:
     from tidal.sim import perf
 
     if sc.costmodel is None:
-        raise ConfigError("--costs-from", f"scenario {sc.name} has no costmodel: its bytes per "
-                          "GPU are unknown")
+        raise ConfigError(
+            "--costs-from", f"scenario {sc.name} has no costmodel: its bytes per GPU are unknown"
+        )
     resolved = perf.resolve(sc)
     c = resolved.costs
     per_gpu_gb = c.weight_gb / sc.costmodel.engine_tp
@@ -91,8 +105,9 @@ def apply(sc: Any, m: MeasuredCosts) -> tuple[Any, dict[str, float]]:
     # sync_gb_s is derived again from the cost model at each run: the measured transfer goes
     # into the latency term, so that sync_s comes out as measured
     latency = sync_s - c.weight_gb / c.sync_gb_s
-    costs = sc.costs.model_copy(update={"sleep_s": m.sleep_s * scale, "wake_s": m.wake_s * scale,
-                                        "sync_latency_s": latency})
+    costs = sc.costs.model_copy(
+        update={"sleep_s": m.sleep_s * scale, "wake_s": m.wake_s * scale, "sync_latency_s": latency}
+    )
     used = {"sleep_s": m.sleep_s * scale, "wake_s": m.wake_s * scale, "sync_s": sync_s}
     return sc.model_copy(update={"costs": costs}), used
 

@@ -139,8 +139,10 @@ def max_staleness(sc: Scenario) -> float:
     """The largest staleness any policy may run with here: the scenario's, every system's
     mechanics set, every registered policy's declaration and the scenario's own profiles."""
     every = (*MECHANICS_SETS.values(), *registered_mechanics().values(), *sc.profiles.values())
-    return max([sc.sim.staleness_threshold]
-               + [p.staleness_threshold for p in every if p.staleness_threshold is not None])
+    return max(
+        [sc.sim.staleness_threshold]
+        + [p.staleness_threshold for p in every if p.staleness_threshold is not None]
+    )
 
 
 def dispatch_budget_groups(sc: Scenario) -> int:
@@ -182,8 +184,9 @@ def draw_candidates(sc: Scenario) -> Candidates:
             roll += work / eng.decode_tok_s_per_gpu + ctx_sum * eng.kv_gpu_s_per_ctx_token
             # Training work of the sequence (token equivalents, attention included).
             tokens += train_work_tokens(dec + pre, tr)
-            tokens_to += train_work_tokens(dec + pre if spec.timeout_s is None
-                                           else spec.prompt_tokens, tr)
+            tokens_to += train_work_tokens(
+                dec + pre if spec.timeout_s is None else spec.prompt_tokens, tr
+            )
             # Prefill may run at the whole engine's speed: only decode bounds the latency.
             longest = max(longest, dec / eng.seq_cap_tok_s + tools_s)
             d_to = dec / eng.seq_cap_tok_s + tools_s
@@ -199,8 +202,17 @@ def draw_candidates(sc: Scenario) -> Candidates:
         out.fastest_s.append(longest)
         out.fastest_timeout_s.append(longest_to)
         out.held_s.append(held)
-    return Candidates(out.roll_gpu_s, out.train_tok, out.train_tok_timeout, out.train_gpu_s,
-                      out.fastest_s, out.fastest_timeout_s, out.held_s, min_timeout, max_ctx)
+    return Candidates(
+        out.roll_gpu_s,
+        out.train_tok,
+        out.train_tok_timeout,
+        out.train_gpu_s,
+        out.fastest_s,
+        out.fastest_timeout_s,
+        out.held_s,
+        min_timeout,
+        max_ctx,
+    )
 
 
 def training_configs(sc: Scenario) -> list[tuple[float, float]]:
@@ -250,8 +262,10 @@ def min_return_s(sc: Scenario) -> float:
     """The shortest plan that returns a training cell to rollout (its role changes only when
     the last step completes)."""
     optional = (StepKind.REBALANCE, StepKind.KV_HANDOFF)
-    return min(sum(step_duration_s(k, sc.costs) for k in kinds if k not in optional)
-               for kinds in (QWENGYRE_TO_ROLLOUT, VERL_ACTIVATE))
+    return min(
+        sum(step_duration_s(k, sc.costs) for k in kinds if k not in optional)
+        for kinds in (QWENGYRE_TO_ROLLOUT, VERL_ACTIVATE)
+    )
 
 
 def plans_never_abort(sc: Scenario, max_context_tokens: int) -> bool:
@@ -260,22 +274,27 @@ def plans_never_abort(sc: Scenario, max_context_tokens: int) -> bool:
     if sc.sim.step_failure_rate > 0:
         return False
     slots = max(c.slots for c in sc.cluster.cell_specs())
-    longest = max([step_duration_s(k, sc.costs) for k in StepKind if k is not StepKind.KV_HANDOFF]
-                  + [kv_handoff_s(slots * max_context_tokens, sc.costs)])
+    longest = max(
+        [step_duration_s(k, sc.costs) for k in StepKind if k is not StepKind.KV_HANDOFF]
+        + [kv_handoff_s(slots * max_context_tokens, sc.costs)]
+    )
     return longest < sc.control.step_timeout_s
 
 
-def sync_stops_every_cell(sc: Scenario, step_compute_min_s: float,
-                          max_context_tokens: int) -> bool:
+def sync_stops_every_cell(sc: Scenario, step_compute_min_s: float, max_context_tokens: int) -> bool:
     """(F7) holds: no cell does useful work during a weight sync (see the module docstring)."""
     tau_r = min_return_s(sc)
     sync_s, opt_s = sc.costs.sync_s, sc.trainer.optimizer_s
-    return (tau_r >= opt_s + sync_s and opt_s + step_compute_min_s >= sync_s
-            and plans_never_abort(sc, max_context_tokens))
+    return (
+        tau_r >= opt_s + sync_s
+        and opt_s + step_compute_min_s >= sync_s
+        and plans_never_abort(sc, max_context_tokens)
+    )
 
 
-def trainer_lp_bound(sc: Scenario, roll_gpu_s: float, tokens: float, t_first_s: float,
-                     every_cell_syncs: bool = False) -> float:
+def trainer_lp_bound(
+    sc: Scenario, roll_gpu_s: float, tokens: float, t_first_s: float, every_cell_syncs: bool = False
+) -> float:
     cl, tr = sc.cluster, sc.trainer
     cell_gpus = sum(c.gpus for c in cl.cell_specs())
     gpus = cell_gpus + cl.standalone_count * cl.standalone_gpus
@@ -295,8 +314,9 @@ def trainer_lp_bound(sc: Scenario, roll_gpu_s: float, tokens: float, t_first_s: 
     if every_cell_syncs:
         loss_gpu_s = gpus * sync_s + g_min * sc.total_steps * step_idle_s
     else:
-        loss_gpu_s = (cl.standalone_count * cl.standalone_gpus * sync_s
-                      + g_min * (sc.total_steps * step_idle_s + syncs * sync_idle_s))
+        loss_gpu_s = cl.standalone_count * cl.standalone_gpus * sync_s + g_min * (
+            sc.total_steps * step_idle_s + syncs * sync_idle_s
+        )
     hull = lower_hull(training_configs(sc))
     rho_max = hull[-1][0]
 
@@ -377,15 +397,20 @@ def oracle_bound(sc: Scenario) -> OracleBound:
     per_batch = sum(sorted(cand.train_tok)[:n]) / max(1, steps)
     one_batch_s = per_batch / (tr.train_tok_s_per_gpu * gpus)
     nth_fastest = sorted(cand.fastest_timeout_s)[n - 1]
-    critical = max(nth_fastest + one_batch_s + tr.optimizer_s,
-                   steps * (one_batch_s + tr.optimizer_s))
+    critical = max(
+        nth_fastest + one_batch_s + tr.optimizer_s, steps * (one_batch_s + tr.optimizer_s)
+    )
     slots_s = sum(sorted(cand.held_s)[:n]) / slots
     # The fewest seconds any step computes: its b groups' fewest tokens at the fastest rate.
     b = sc.control.batch_groups
     step_min_s = sum(sorted(cand.train_tok_timeout)[:b]) / hull_rate_max(sc)
-    lp_s = trainer_lp_bound(sc, sum(sorted(cand.roll_gpu_s)[:n]),
-                            sum(sorted(cand.train_tok)[:n]), min(cand.fastest_s),
-                            sync_stops_every_cell(sc, step_min_s, cand.max_context_tokens))
+    lp_s = trainer_lp_bound(
+        sc,
+        sum(sorted(cand.roll_gpu_s)[:n]),
+        sum(sorted(cand.train_tok)[:n]),
+        min(cand.fastest_s),
+        sync_stops_every_cell(sc, step_min_s, cand.max_context_tokens),
+    )
     # Timeouts can only shorten durations and cut tokens: the pipeline with both cut holds
     # whether or not one fires; the rest holds for runs in which none fires, and a run in which
     # one fires lasts at least the smallest timeout.
@@ -394,5 +419,13 @@ def oracle_bound(sc: Scenario) -> OracleBound:
     if cap < math.inf:
         pipe_s = max(pipe_s, min(cap, pipeline_bound(sc, cand.fastest_s, cand.train_tok)))
     work_s, critical, lp_s = (min(x, cap) for x in (work_s, critical, lp_s))
-    return OracleBound(max(work_s, critical, slots_s, lp_s, pipe_s), work_s, critical, slots_s,
-                       lp_s, pipe_s, roll_gpu_s, train_gpu_s)
+    return OracleBound(
+        max(work_s, critical, slots_s, lp_s, pipe_s),
+        work_s,
+        critical,
+        slots_s,
+        lp_s,
+        pipe_s,
+        roll_gpu_s,
+        train_gpu_s,
+    )

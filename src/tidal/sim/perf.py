@@ -56,17 +56,22 @@ class EngineModel:
 
     def step_s(self, n: float, ctx_tokens: float) -> float:
         """One decode step of ``n`` resident sequences holding ``ctx_tokens`` in all."""
-        touched = 1.0 - self.keep_prob ** n if self.expert_bytes else 0.0
-        mem = (self.dense_bytes + self.expert_bytes * touched + self.kv_bytes_per_token
-               * ctx_tokens + self.state_bytes_per_seq * n) / self.bytes_s
+        touched = 1.0 - self.keep_prob**n if self.expert_bytes else 0.0
+        mem = (
+            self.dense_bytes
+            + self.expert_bytes * touched
+            + self.kv_bytes_per_token * ctx_tokens
+            + self.state_bytes_per_seq * n
+        ) / self.bytes_s
         comp = n * self.flops_per_token / self.flops_s
         return (mem if mem > comp else comp) + self.overhead_s
 
     def memory_bound(self, n: float) -> bool:
         """Whether a step of ``n`` sequences at zero context is bound by memory, not FLOPs."""
-        touched = 1.0 - self.keep_prob ** n if self.expert_bytes else 0.0
-        mem = (self.dense_bytes + self.expert_bytes * touched
-               + self.state_bytes_per_seq * n) / self.bytes_s
+        touched = 1.0 - self.keep_prob**n if self.expert_bytes else 0.0
+        mem = (
+            self.dense_bytes + self.expert_bytes * touched + self.state_bytes_per_seq * n
+        ) / self.bytes_s
         return mem >= n * self.flops_per_token / self.flops_s
 
     def seq_rate(self, n: float, ctx_tokens: float) -> float:
@@ -87,8 +92,7 @@ class EngineModel:
         per = self.kv_bytes_per_token * ctx_per_seq + self.state_bytes_per_seq
         return self.kv_capacity_bytes / per if per > 0 else float("inf")
 
-    def saturation_batch(self, ctx_per_seq: float, max_batch: int,
-                         fraction: float = 0.9) -> int:
+    def saturation_batch(self, ctx_per_seq: float, max_batch: int, fraction: float = 0.9) -> int:
         """The engine's saturation point: the smallest batch (at most ``max_batch`` and the KV
         capacity) whose throughput reaches ``fraction`` of the best over batches up to it.
         Beyond it more concurrency adds little throughput and only slows every sequence."""
@@ -106,31 +110,51 @@ class EngineModel:
         if tokens <= 0:
             return 0.0
         pairs = tokens * (max(0.0, cached_tokens) + 0.5 * tokens)
-        return (tokens * self.flops_per_token
-                + pairs * self.attn_flops_per_pair) / self.prefill_flops_s
+        return (
+            tokens * self.flops_per_token + pairs * self.attn_flops_per_pair
+        ) / self.prefill_flops_s
 
 
 def engine_model(cm: CostModelConfig, mem_fraction: float) -> EngineModel:
     gpu, model = load_gpu(cm.gpu), load_model(cm.model)
-    return build_engine(gpu, model, cm.engine_tp, mem_fraction, cm.efficiency.decode,
-                        cm.efficiency.mfu, cm.step_overhead_s)
+    return build_engine(
+        gpu,
+        model,
+        cm.engine_tp,
+        mem_fraction,
+        cm.efficiency.decode,
+        cm.efficiency.mfu,
+        cm.step_overhead_s,
+    )
 
 
-def build_engine(gpu: GpuProfile, model: ModelProfile, tp: int, mem_fraction: float,
-                 e_dec: float, mfu: float, base_overhead_s: float) -> EngineModel:
+def build_engine(
+    gpu: GpuProfile,
+    model: ModelProfile,
+    tp: int,
+    mem_fraction: float,
+    e_dec: float,
+    mfu: float,
+    base_overhead_s: float,
+) -> EngineModel:
     nb = model.bytes_per_param
     # Two all-reduces per layer inside the replica (tensor parallelism), on top of the base.
     overhead = base_overhead_s + (2 * model.layers * gpu.allreduce_latency_s if tp > 1 else 0.0)
     return EngineModel(
-        tp=tp, dense_bytes=model.dense_params * nb, expert_bytes=model.expert_params * nb,
+        tp=tp,
+        dense_bytes=model.dense_params * nb,
+        expert_bytes=model.expert_params * nb,
         keep_prob=1.0 - (model.experts_per_tok / model.experts if model.experts else 0.0),
         kv_bytes_per_token=model.kv_bytes_per_token,
         state_bytes_per_seq=2 * model.state_bytes_per_seq,  # read and written every step
-        flops_per_token=2 * model.matmul_params, bytes_s=tp * gpu.hbm_bytes_s * e_dec,
-        flops_s=tp * gpu.flops * e_dec, prefill_flops_s=tp * gpu.flops * mfu,
+        flops_per_token=2 * model.matmul_params,
+        bytes_s=tp * gpu.hbm_bytes_s * e_dec,
+        flops_s=tp * gpu.flops * e_dec,
+        prefill_flops_s=tp * gpu.flops * mfu,
         overhead_s=overhead,
         kv_capacity_bytes=max(0.0, tp * gpu.hbm_gb * 1e9 * mem_fraction - model.weight_bytes),
-        attn_flops_per_pair=model.attn_flops_per_pair)
+        attn_flops_per_pair=model.attn_flops_per_pair,
+    )
 
 
 def train_flops_per_token(cm: CostModelConfig) -> float:
@@ -151,8 +175,9 @@ def train_sequence_flops(cm: CostModelConfig, tokens: float) -> float:
     its causal attention (``tokens**2 / 2`` pairs)."""
     model = load_model(cm.model)
     passes = 3 + cm.recompute + cm.old_log_prob + cm.ref_log_prob
-    return passes * (2 * model.matmul_params * tokens
-                     + model.attn_flops_per_pair * tokens * tokens / 2)
+    return passes * (
+        2 * model.matmul_params * tokens + model.attn_flops_per_pair * tokens * tokens / 2
+    )
 
 
 def resolve(sc: Scenario) -> Scenario:
@@ -165,37 +190,60 @@ def resolve(sc: Scenario) -> Scenario:
     std, hyb = engine_model(cm, cm.mem_fraction), engine_model(cm, cm.hybrid_mem_fraction)
     cl = sc.cluster
     engines = [(std, cl.standalone_slots // max(1, cl.standalone_gpus // cm.engine_tp))]
-    engines += [(hyb if s.kind == "hybrid" else std, s.slots // max(1, s.gpus // cm.engine_tp))
-                for s in cl.cell_specs()]
+    engines += [
+        (hyb if s.kind == "hybrid" else std, s.slots // max(1, s.gpus // cm.engine_tp))
+        for s in cl.cell_specs()
+    ]
     # Upper bounds over every engine (the oracle needs bounds): zero context, full batch.
     peak = max(e.throughput_tok_s(max(1, n), 0.0) for e, n in engines) / cm.engine_tp
     cap = std.seq_rate(1, 0.0)
     # The oracle may add the KV reads per context token only where the peak is memory-bound
     # (then every decode step's time is at least its bytes over the bandwidth).
-    kv_term = (model.kv_bytes_per_token / (gpu.hbm_bytes_s * cm.efficiency.decode)
-               if all(e.memory_bound(max(1, n)) for e, n in engines) else 0.0)
+    kv_term = (
+        model.kv_bytes_per_token / (gpu.hbm_bytes_s * cm.efficiency.decode)
+        if all(e.memory_bound(max(1, n)) for e, n in engines)
+        else 0.0
+    )
     link = cm.efficiency.link
     core_gpus = min(s.gpus for s in cl.cell_specs())
     state_gb = model.total_params * TRAIN_STATE_BYTES_PER_PARAM / core_gpus / 1e9
     host_gb_s = gpu.host_gb_s * link
     adam_s = 2 * model.total_params * TRAIN_STATE_BYTES_PER_PARAM / (core_gpus * gpu.hbm_bytes_s)
-    return sc.model_copy(update={
-        "engine": sc.engine.model_copy(update={
-            "decode_tok_s_per_gpu": peak, "seq_cap_tok_s": cap,
-            "kv_gpu_s_per_ctx_token": kv_term,
-            # Decode-token equivalents of a prefilled token at the peak (the oracle's bound:
-            # the weights' FLOPs only, at the peak decode speed per GPU).
-            "prefill_equiv": std.prefill_s(1.0) * cm.engine_tp * peak}),
-        "trainer": sc.trainer.model_copy(update={
-            "train_tok_s_per_gpu": gpu.flops * cm.efficiency.mfu / train_flops_per_token(cm),
-            "attn_tokens_per_pair": attn_tokens_per_pair(model),
-            "optimizer_s": cm.optimizer_overhead_s + adam_s, "host_gb_s": host_gb_s,
-            "weight_passes": 3 + cm.recompute + cm.old_log_prob + cm.ref_log_prob}),
-        "costs": sc.costs.model_copy(update={
-            "weight_gb": model.weight_bytes / 1e9, "sync_gb_s": gpu.network_gb_s * link,
-            "offload_s": state_gb / host_gb_s, "onload_s": state_gb / host_gb_s,
-            "kv_kb_per_token": model.kv_bytes_per_token / 1e3,
-            "kv_gb_s": gpu.network_gb_s * link})})
+    return sc.model_copy(
+        update={
+            "engine": sc.engine.model_copy(
+                update={
+                    "decode_tok_s_per_gpu": peak,
+                    "seq_cap_tok_s": cap,
+                    "kv_gpu_s_per_ctx_token": kv_term,
+                    # Decode-token equivalents of a prefilled token at the peak (the oracle's bound:
+                    # the weights' FLOPs only, at the peak decode speed per GPU).
+                    "prefill_equiv": std.prefill_s(1.0) * cm.engine_tp * peak,
+                }
+            ),
+            "trainer": sc.trainer.model_copy(
+                update={
+                    "train_tok_s_per_gpu": gpu.flops
+                    * cm.efficiency.mfu
+                    / train_flops_per_token(cm),
+                    "attn_tokens_per_pair": attn_tokens_per_pair(model),
+                    "optimizer_s": cm.optimizer_overhead_s + adam_s,
+                    "host_gb_s": host_gb_s,
+                    "weight_passes": 3 + cm.recompute + cm.old_log_prob + cm.ref_log_prob,
+                }
+            ),
+            "costs": sc.costs.model_copy(
+                update={
+                    "weight_gb": model.weight_bytes / 1e9,
+                    "sync_gb_s": gpu.network_gb_s * link,
+                    "offload_s": state_gb / host_gb_s,
+                    "onload_s": state_gb / host_gb_s,
+                    "kv_kb_per_token": model.kv_bytes_per_token / 1e3,
+                    "kv_gb_s": gpu.network_gb_s * link,
+                }
+            ),
+        }
+    )
 
 
 def engine_models(sc: Scenario) -> tuple[EngineModel, EngineModel] | None:
@@ -206,8 +254,9 @@ def engine_models(sc: Scenario) -> tuple[EngineModel, EngineModel] | None:
     return engine_model(cm, cm.mem_fraction), engine_model(cm, cm.hybrid_mem_fraction)
 
 
-def saturation_point(sc: Scenario, ctx_per_seq: float, hybrid: bool = False,
-                     fraction: float = 0.9) -> int:
+def saturation_point(
+    sc: Scenario, ctx_per_seq: float, hybrid: bool = False, fraction: float = 0.9
+) -> int:
     """Sequences per engine (all its replicas) beyond which a standalone (or hybrid) engine of
     the scenario gains less than ``1 - fraction`` of its best throughput, within its slots:
     where admission control should stop adding work. Needs a cost model."""
@@ -218,8 +267,9 @@ def saturation_point(sc: Scenario, ctx_per_seq: float, hybrid: bool = False,
         raise ConfigError("costmodel", f"{sc.name}: the saturation point needs a cost model")
     cl, tp = sc.cluster, sc.costmodel.engine_tp
     specs = [s for s in cl.cell_specs() if s.kind == "hybrid"] if hybrid else []
-    gpus, slots = (specs[0].gpus, specs[0].slots) if specs else (cl.standalone_gpus,
-                                                                 cl.standalone_slots)
+    gpus, slots = (
+        (specs[0].gpus, specs[0].slots) if specs else (cl.standalone_gpus, cl.standalone_slots)
+    )
     replicas = max(1, gpus // tp)
     model = models[1] if hybrid else models[0]
     return replicas * model.saturation_batch(ctx_per_seq, max(1, slots // replicas), fraction)

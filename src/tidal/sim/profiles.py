@@ -106,8 +106,15 @@ def _hardware() -> dict[str, dict[str, Any]]:
     return yaml.safe_load((DATA / "hardware.yaml").read_text())
 
 
-GPU_FIELDS = ("bf16_tflops", "hbm_tb_s", "hbm_gb", "nvlink_gb_s", "host_gb_s", "network_gb_s",
-              "allreduce_latency_s")
+GPU_FIELDS = (
+    "bf16_tflops",
+    "hbm_tb_s",
+    "hbm_gb",
+    "nvlink_gb_s",
+    "host_gb_s",
+    "network_gb_s",
+    "allreduce_latency_s",
+)
 
 
 def load_gpu(name: str | dict[str, Any]) -> GpuProfile:
@@ -117,8 +124,11 @@ def load_gpu(name: str | dict[str, Any]) -> GpuProfile:
         return gpu_from_fields(dict(name))
     table = _hardware()
     if name not in table:
-        raise ConfigError("costmodel.gpu", f"unknown GPU {name!r} (known: {', '.join(table)}; "
-                                           f"or define it inline with {', '.join(GPU_FIELDS)})")
+        raise ConfigError(
+            "costmodel.gpu",
+            f"unknown GPU {name!r} (known: {', '.join(table)}; "
+            f"or define it inline with {', '.join(GPU_FIELDS)})",
+        )
     return GpuProfile(name=name, **table[name])
 
 
@@ -126,8 +136,9 @@ def gpu_from_fields(spec: dict[str, Any]) -> GpuProfile:
     label = str(spec.pop("name", "inline"))
     extra = sorted(set(spec) - set(GPU_FIELDS))
     if extra:
-        raise ConfigError(f"costmodel.gpu.{extra[0]}", f"unknown field (known: "
-                                                       f"name, {', '.join(GPU_FIELDS)})")
+        raise ConfigError(
+            f"costmodel.gpu.{extra[0]}", f"unknown field (known: name, {', '.join(GPU_FIELDS)})"
+        )
     vals: dict[str, float] = {}
     for key in GPU_FIELDS:
         v = spec.get(key)
@@ -148,8 +159,11 @@ def load_model(name_or_path: str) -> ModelProfile:
     if not p.is_file():
         p = DATA / "models" / f"{name_or_path}.json"
     if not p.is_file():
-        raise ConfigError("costmodel.model", f"{name_or_path!r}: neither a config.json nor a "
-                                             f"shipped model ({', '.join(model_names())})")
+        raise ConfigError(
+            "costmodel.model",
+            f"{name_or_path!r}: neither a config.json nor a "
+            f"shipped model ({', '.join(model_names())})",
+        )
     try:
         cfg = json.loads(p.read_text())
     except ValueError as exc:
@@ -161,8 +175,9 @@ def load_model(name_or_path: str) -> ModelProfile:
 def _int(cfg: dict[str, Any], key: str) -> int:
     v = cfg.get(key)
     if not isinstance(v, int) or v <= 0:
-        raise ConfigError(f"costmodel.model.{key}", f"config.json needs a positive integer "
-                                                    f"{key!r} (got {v!r})")
+        raise ConfigError(
+            f"costmodel.model.{key}", f"config.json needs a positive integer {key!r} (got {v!r})"
+        )
     return v
 
 
@@ -184,8 +199,11 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelProfile:
     full = _full_attention_layers(cfg, layers)
     linear = layers - full
     gated = str(cfg.get("model_type", "")).startswith(("qwen3_next", "qwen3_5"))
-    attn = hidden * heads * head_dim * (2 if gated else 1) + 2 * hidden * kv_heads * head_dim \
+    attn = (
+        hidden * heads * head_dim * (2 if gated else 1)
+        + 2 * hidden * kv_heads * head_dim
         + heads * head_dim * hidden
+    )
     lin = 0.0
     state = 0.0
     if linear:
@@ -206,9 +224,18 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelProfile:
     tied = bool(cfg.get("tie_word_embeddings"))
     embed = vocab * hidden * (1 if tied else 2)
     dense = float(embed + full * attn + linear * lin + layers * mlp)
-    return ModelProfile(name=name, layers=layers, hidden=hidden, full_attention_layers=full,
-                        kv_bytes_per_token=float(2 * full * kv_heads * head_dim * nbytes),
-                        state_bytes_per_seq=float(state), dense_params=dense,
-                        expert_params=expert_params, experts=experts, experts_per_tok=k,
-                        bytes_per_param=nbytes, attn_dim=heads * head_dim,
-                        input_embed_params=0.0 if tied else float(vocab * hidden))
+    return ModelProfile(
+        name=name,
+        layers=layers,
+        hidden=hidden,
+        full_attention_layers=full,
+        kv_bytes_per_token=float(2 * full * kv_heads * head_dim * nbytes),
+        state_bytes_per_seq=float(state),
+        dense_params=dense,
+        expert_params=expert_params,
+        experts=experts,
+        experts_per_tok=k,
+        bytes_per_param=nbytes,
+        attn_dim=heads * head_dim,
+        input_embed_params=0.0 if tied else float(vocab * hidden),
+    )

@@ -27,11 +27,16 @@ def dist(values: list[float], integer: bool = False) -> dict[str, float]:
     pos = [math.log(x) for x in xs if x > 0]
     sigma = st.pstdev(pos) if len(pos) > 1 else 0.0
     med = st.median(xs)
-    return {"median": round(med, 4), "sigma": round(sigma, 4),
-            "cap": round(max(max(xs), 1.0 if integer else 1e-6), 4), "lo": round(min(xs), 4)}
+    return {
+        "median": round(med, 4),
+        "sigma": round(sigma, 4),
+        "cap": round(max(max(xs), 1.0 if integer else 1e-6), 4),
+        "lo": round(min(xs), 4),
+    }
 
 
 # ------------------------------------------------------------------------ workload
+
 
 def prefill_tokens(calls: list[CallLine]) -> list[int]:
     """Per call, the tokens the simulator prefills: the prompt, then each tool output."""
@@ -65,11 +70,17 @@ def fit_workload(execs: list[ExecutionLine], timeout_s: float) -> dict[str, Any]
     share = between / len(all_logs) / total_var if total_var > 0 else 1.0
     turns = dist([len(e.calls) for e in done], integer=True)
     turns["lo"] = 1.0
-    return {"name": "run", "turns": turns, "decode_tokens": dist(decode, integer=True),
-            "tool_s": dist(tools), "tool_output_tokens": dist(touts, integer=True),
-            "prompt_tokens": int(st.median(e.calls[0].prompt_tokens for e in done)),
-            "group_share": round(min(1.0, max(0.0, share)), 4), "timeout_s": timeout_s,
-            "success_rate": round(sum(e.reward > 0 for e in done) / len(done), 4)}
+    return {
+        "name": "run",
+        "turns": turns,
+        "decode_tokens": dist(decode, integer=True),
+        "tool_s": dist(tools),
+        "tool_output_tokens": dist(touts, integer=True),
+        "prompt_tokens": int(st.median(e.calls[0].prompt_tokens for e in done)),
+        "group_share": round(min(1.0, max(0.0, share)), 4),
+        "timeout_s": timeout_s,
+        "success_rate": round(sum(e.reward > 0 for e in done) / len(done), 4),
+    }
 
 
 def dispatch_interval_s(execs: list[ExecutionLine], configured: float) -> float:
@@ -92,14 +103,15 @@ def gaps_s(e: ExecutionLine) -> tuple[float, list[float]]:
     call (to the next call, or to its close: tool steps, the final step, the harness's own
     work); the tool step alone where the calls carry no start times."""
     calls = e.calls
-    timed = [(c.start_s, c.call_s) for c in calls
-             if c.start_s is not None and c.call_s is not None]
+    timed = [(c.start_s, c.call_s) for c in calls if c.start_s is not None and c.call_s is not None]
     if not calls or len(timed) < len(calls) or e.launched_s is None or e.closed_s is None:
         return 0.0, [c.tool_s or 0.0 for c in calls]
     ends = [s + d for s, d in timed]
     nexts = [s for s, _ in timed[1:]] + [e.closed_s]
-    return (max(0.0, timed[0][0] - e.launched_s),
-            [max(0.0, n - x) for x, n in zip(ends, nexts, strict=True)])
+    return (
+        max(0.0, timed[0][0] - e.launched_s),
+        [max(0.0, n - x) for x, n in zip(ends, nexts, strict=True)],
+    )
 
 
 def trace_lines(execs: list[ExecutionLine]) -> list[dict[str, Any]]:
@@ -112,10 +124,20 @@ def trace_lines(execs: list[ExecutionLine]) -> list[dict[str, Any]]:
             continue
         pre = prefill_tokens(calls)
         setup, after = gaps_s(e)
-        out.append({"group": e.group, "prompt_tokens": pre[0], "setup_s": round(setup, 4),
-                    "reward": e.reward,
-                    "turns": [{"decode_tokens": c.output_tokens,
-                               "tool_s": round(after[k], 4),
-                               "tool_output_tokens": pre[k + 1] if k < len(calls) - 1 else 0}
-                              for k, c in enumerate(calls)]})
+        out.append(
+            {
+                "group": e.group,
+                "prompt_tokens": pre[0],
+                "setup_s": round(setup, 4),
+                "reward": e.reward,
+                "turns": [
+                    {
+                        "decode_tokens": c.output_tokens,
+                        "tool_s": round(after[k], 4),
+                        "tool_output_tokens": pre[k + 1] if k < len(calls) - 1 else 0,
+                    }
+                    for k, c in enumerate(calls)
+                ],
+            }
+        )
     return out

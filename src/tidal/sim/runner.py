@@ -20,10 +20,14 @@ from tidal.sim.scenario import Scenario
 from tidal.sim.world import World
 from tidal.types import Role
 
-VERL_MEANS = ("dynamic_resource/train_resource_utilization",
-              "dynamic_resource/rollout_resource_utilization",
-              "dynamic_resource/resource_utilization", "dynamic_resource/mq_size",
-              "fully_async/trainer/idle_ratio", "fully_async/rollouter/idle_ratio")
+VERL_MEANS = (
+    "dynamic_resource/train_resource_utilization",
+    "dynamic_resource/rollout_resource_utilization",
+    "dynamic_resource/resource_utilization",
+    "dynamic_resource/mq_size",
+    "fully_async/trainer/idle_ratio",
+    "fully_async/rollouter/idle_ratio",
+)
 
 
 @dataclass
@@ -34,10 +38,16 @@ class RunResult:
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
-def run_policy(scenario: Scenario, spec: str, *, check: bool = False,
-               oracle: OracleBound | None = None, log_sink: Sink | None = None,
-               keep_log: bool = True,
-               progress: Callable[[int, int], None] | None = None) -> RunResult:
+def run_policy(
+    scenario: Scenario,
+    spec: str,
+    *,
+    check: bool = False,
+    oracle: OracleBound | None = None,
+    log_sink: Sink | None = None,
+    keep_log: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> RunResult:
     t0 = time.perf_counter()
     world = World(scenario, spec, check=check, log_sink=log_sink, keep_log=keep_log)
     world.run(progress)
@@ -111,24 +121,37 @@ def _ratio(a: float, b: float) -> float:
     return round(a / b, 4) if b > 0 else 0.0
 
 
-def compare(scenario: Scenario, specs: list[str], *, check: bool = False,
-            on_done: Callable[[RunResult], None] | None = None,
-            log_sink_for: Callable[[str], Sink | None] | None = None,
-            progress_for: Callable[[str], Callable[[int, int], None] | None] | None = None,
-            keep_log: bool = True) -> list[RunResult]:
+def compare(
+    scenario: Scenario,
+    specs: list[str],
+    *,
+    check: bool = False,
+    on_done: Callable[[RunResult], None] | None = None,
+    log_sink_for: Callable[[str], Sink | None] | None = None,
+    progress_for: Callable[[str], Callable[[int, int], None] | None] | None = None,
+    keep_log: bool = True,
+) -> list[RunResult]:
     """Runs every spec; adds ``speedup_vs`` (other makespan / this makespan) to each summary."""
     oracle = oracle_bound(scenario)
     results = []
     for spec in specs:
         sink = log_sink_for(spec) if log_sink_for else None
-        res = run_policy(scenario, spec, check=check, oracle=oracle, log_sink=sink,
-                         keep_log=keep_log,
-                         progress=progress_for(spec) if progress_for else None)
+        res = run_policy(
+            scenario,
+            spec,
+            check=check,
+            oracle=oracle,
+            log_sink=sink,
+            keep_log=keep_log,
+            progress=progress_for(spec) if progress_for else None,
+        )
         results.append(res)
         if on_done:
             on_done(res)
     for r in results:
         r.summary["speedup_vs"] = {
             o.spec: round(o.summary["makespan_s"] / r.summary["makespan_s"], 4)
-            for o in results if o is not r and r.summary["makespan_s"] > 0}
+            for o in results
+            if o is not r and r.summary["makespan_s"] > 0
+        }
     return results

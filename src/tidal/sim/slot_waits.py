@@ -31,6 +31,7 @@ def stop(w: World, ex: ExecRec) -> None:
 
 def summary(w: World, end_s: float) -> dict[str, float | int]:
     """The figures, executions still waiting at ``end_s`` counted up to it."""
-    ongoing = {ex.eid: end_s - ex.wait_since for ex in (*w.queue, *w.waiting)
-               if ex.wait_since is not None}
+    ongoing = {
+        ex.eid: end_s - ex.wait_since for ex in (*w.queue, *w.waiting) if ex.wait_since is not None
+    }
     return w.slot_waits.figures(ongoing)

@@ -40,8 +40,9 @@ class StaticSweep:
         cells = w.controller.cells.cells
         k = int(r.spec.split("=")[1])
         train = sum(c.gpus for c in cells[:k])
-        total = sum(c.gpus for c in cells) + sum(s.gpus for s in
-                                                 w.controller.cells.standalone.values())
+        total = sum(c.gpus for c in cells) + sum(
+            s.gpus for s in w.controller.cells.standalone.values()
+        )
         return f"{train}+{total - train}"
 
 
@@ -52,8 +53,11 @@ def static_specs(sc: Scenario) -> list[str]:
     return [f"static:cells={k}" for k in range(1, top + 1)]
 
 
-def sweep_static(sc: Scenario, oracle: OracleBound | None = None,
-                 on_done: Callable[[RunResult], None] | None = None) -> StaticSweep:
+def sweep_static(
+    sc: Scenario,
+    oracle: OracleBound | None = None,
+    on_done: Callable[[RunResult], None] | None = None,
+) -> StaticSweep:
     """Runs every static split of ``sc``; ``on_done`` after each."""
     oracle = oracle or oracle_bound(sc)
     runs = []

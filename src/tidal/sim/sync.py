@@ -88,7 +88,12 @@ def restart_lagging(w: World, version: int, lag: int) -> None:
         w.wasted_tokens += ex.ctx - ex.spec.prompt_tokens
         ex.gen += 1
         ex.turn, ex.ctx, ex.in_tool, ex.pending, ex.cached = (
-            0, ex.spec.prompt_tokens, False, None, 0)
+            0,
+            ex.spec.prompt_tokens,
+            False,
+            None,
+            0,
+        )
         ex.first_version = version
         if ex.spec.timeout_s is not None:
             w.arm_timeout(ex)

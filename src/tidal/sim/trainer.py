@@ -40,9 +40,16 @@ class TState(enum.Enum):
 
 
 class Trainer:
-    def __init__(self, world: World, style: TrainerStyle, cfg: TrainerConfig,
-                 batch_groups: int, updates_per_burst: int, total_steps: int,
-                 offload: tuple[float, float] | None = None) -> None:
+    def __init__(
+        self,
+        world: World,
+        style: TrainerStyle,
+        cfg: TrainerConfig,
+        batch_groups: int,
+        updates_per_burst: int,
+        total_steps: int,
+        offload: tuple[float, float] | None = None,
+    ) -> None:
         self.w = world
         self.offload = offload  # (weight GB, host GB/s) of a parameter-offloading trainer
         mini = cfg.mini_batch_groups
@@ -176,8 +183,11 @@ class Trainer:
         if self.offload is not None and self.gpus > 0:
             weight_gb, host = self.offload
             per_update += 3.0 * weight_gb / (self.gpus * host)
-        dur = (self.updates_per_step * per_update + self.cfg.fixed_step_s
-               + self.cfg.aggregate_s_per_cell * max(0, self.cells - 1))
+        dur = (
+            self.updates_per_step * per_update
+            + self.cfg.fixed_step_s
+            + self.cfg.aggregate_s_per_cell * max(0, self.cells - 1)
+        )
         self.state = TState.OPTIM
         self.epoch += 1
         self.busy_gpu_s += dur * self.gpus
@@ -187,13 +197,29 @@ class Trainer:
     def _finish_step(self, now: float) -> None:
         final = (self.step + 1) % self.updates_per_burst == 0
         tm = self.inputs.done(now)
-        self.steps_log.append({"step": self.step, "t": now, "wait_s": tm.wait_s,
-                               "compute_s": self.compute_s, "alloc_s": tm.alloc_s,
-                               "gpus": self.gpus, "queue_at_start": tm.queue_at_start})
-        self.w.emit(TrainerStepDone(now, self.step, wait_s=tm.wait_s,
-                                    queue_at_start=tm.queue_at_start,
-                                    compute_s=self.compute_s, alloc_s=tm.alloc_s,
-                                    final_of_burst=final, wait_for_samples_s=tm.no_gpu_s))
+        self.steps_log.append(
+            {
+                "step": self.step,
+                "t": now,
+                "wait_s": tm.wait_s,
+                "compute_s": self.compute_s,
+                "alloc_s": tm.alloc_s,
+                "gpus": self.gpus,
+                "queue_at_start": tm.queue_at_start,
+            }
+        )
+        self.w.emit(
+            TrainerStepDone(
+                now,
+                self.step,
+                wait_s=tm.wait_s,
+                queue_at_start=tm.queue_at_start,
+                compute_s=self.compute_s,
+                alloc_s=tm.alloc_s,
+                final_of_burst=final,
+                wait_for_samples_s=tm.no_gpu_s,
+            )
+        )
         self.step += 1
         if self.step >= self.total_steps:
             self.state = TState.DONE

@@ -52,12 +52,15 @@ class Comparison:
     def table(self) -> str:
         lines = [f"{'burst':>5} {'real s':>9} {'sim s':>9} {'error':>8}"]
         for r in self.rows:
-            lines.append(f"{r['burst']:>5} {r['real_s']:>9.2f} {r['sim_s']:>9.2f} "
-                         f"{r['error']:>+8.1%}")
+            lines.append(
+                f"{r['burst']:>5} {r['real_s']:>9.2f} {r['sim_s']:>9.2f} {r['error']:>+8.1%}"
+            )
         n = len(self.rows)
-        lines.append(f"{'all':>5} {self.real_total_s:>9.2f} {self.sim_total_s:>9.2f} "
-                     f"{self.error:>+8.1%}   (mean per burst: real {self.real_total_s / n:.2f}"
-                     f" s, sim {self.sim_total_s / n:.2f} s)")
+        lines.append(
+            f"{'all':>5} {self.real_total_s:>9.2f} {self.sim_total_s:>9.2f} "
+            f"{self.error:>+8.1%}   (mean per burst: real {self.real_total_s / n:.2f}"
+            f" s, sim {self.sim_total_s / n:.2f} s)"
+        )
         return "\n".join(lines)
 
 
@@ -66,8 +69,11 @@ def real_burst_times(run_dir: str | Path) -> list[float]:
     if not run.metrics:
         raise ConfigError(str(Path(run_dir) / "metrics.jsonl"), "missing or empty")
     if not run.relative_times():
-        raise ConfigError(str(run_dir), "metrics.jsonl times are not relative to the first "
-                          "dispatch (a run written by an older runtime)")
+        raise ConfigError(
+            str(run_dir),
+            "metrics.jsonl times are not relative to the first "
+            "dispatch (a run written by an older runtime)",
+        )
     return [float(r["time_s"]) for r in burst_rows(run)]
 
 
@@ -77,20 +83,30 @@ def sim_burst_times(scenario: Scenario, spec: str) -> list[float]:
 
     world = World(scenario, spec, keep_log=False).run()
     u = scenario.control.updates_per_burst
-    ends = [s["t"] + scenario.costs.sync_s for s in world.trainer.steps_log
-            if (int(s["step"]) + 1) % u == 0]
+    ends = [
+        s["t"] + scenario.costs.sync_s
+        for s in world.trainer.steps_log
+        if (int(s["step"]) + 1) % u == 0
+    ]
     return [b - a for a, b in zip([0.0, *ends[:-1]], ends, strict=True)]
 
 
 def compare(scenario: Scenario, spec: str, run_dir: str | Path, seeds: int = 1) -> Comparison:
     real = real_burst_times(run_dir)
     if scenario.control.bursts != len(real):
-        raise ConfigError("control.bursts", f"the scenario has {scenario.control.bursts} "
-                          f"bursts, the run {run_dir} finished {len(real)}")
+        raise ConfigError(
+            "control.bursts",
+            f"the scenario has {scenario.control.bursts} "
+            f"bursts, the run {run_dir} finished {len(real)}",
+        )
     n = 1 if scenario.workload.trace else max(1, seeds)  # a replayed trace draws nothing
-    runs = [sim_burst_times(scenario.model_copy(update={"seed": scenario.seed + k}), spec)
-            for k in range(n)]
+    runs = [
+        sim_burst_times(scenario.model_copy(update={"seed": scenario.seed + k}), spec)
+        for k in range(n)
+    ]
     sim = [st.fmean(r[b] for r in runs) for b in range(len(real))]
-    rows = [{"burst": b, "real_s": r, "sim_s": s, "error": (s - r) / r if r > 0 else 0.0}
-            for b, (r, s) in enumerate(zip(real, sim, strict=True))]
+    rows = [
+        {"burst": b, "real_s": r, "sim_s": s, "error": (s - r) / r if r > 0 else 0.0}
+        for b, (r, s) in enumerate(zip(real, sim, strict=True))
+    ]
     return Comparison(rows, sum(real), sum(sim))

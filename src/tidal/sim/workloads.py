@@ -112,8 +112,11 @@ class ClassWorkload:
             turns = [(dec[j], tool[j], tout[j]) for j in range(k, k + n - 1)]
             turns.append((dec[k + n - 1], 0.0, 0))  # nothing follows the last turn
             k += n
-            out.append(ExecSpec(c.prompt_tokens, tuple(turns), c.timeout_s,
-                                1.0 if rewards[i] else 0.0, c.name))
+            out.append(
+                ExecSpec(
+                    c.prompt_tokens, tuple(turns), c.timeout_s, 1.0 if rewards[i] else 0.0, c.name
+                )
+            )
         return out
 
 
@@ -124,10 +127,14 @@ def _drifted(c: ExecutionClass, steps: float) -> ExecutionClass:
         return c
     dec = max(d.floor, 1.0 + d.decode_growth_per_step * steps)
     turns = max(d.floor, 1.0 + d.turns_growth_per_step * steps)
-    return c.model_copy(update={
-        "decode_tokens": c.decode_tokens.model_copy(
-            update={"median": c.decode_tokens.median * dec}),
-        "turns": c.turns.model_copy(update={"median": c.turns.median * turns})})
+    return c.model_copy(
+        update={
+            "decode_tokens": c.decode_tokens.model_copy(
+                update={"median": c.decode_tokens.median * dec}
+            ),
+            "turns": c.turns.model_copy(update={"median": c.turns.median * turns}),
+        }
+    )
 
 
 def _draw_np(d: Dist, z):
@@ -167,13 +174,24 @@ def load_trace(path: str | Path) -> list[list[ExecSpec]]:
             continue
         try:
             rec = json.loads(line)
-            turns = tuple((int(t["decode_tokens"]), float(t.get("tool_s", 0.0)),
-                           int(t.get("tool_output_tokens", 0))) for t in rec["turns"])
+            turns = tuple(
+                (
+                    int(t["decode_tokens"]),
+                    float(t.get("tool_s", 0.0)),
+                    int(t.get("tool_output_tokens", 0)),
+                )
+                for t in rec["turns"]
+            )
             if not turns or any(t[0] < 1 or t[1] < 0 or t[2] < 0 for t in turns):
                 raise ValueError("turns must be non-empty with decode_tokens >= 1")
-            spec = ExecSpec(int(rec.get("prompt_tokens", 0)), turns,
-                            rec.get("timeout_s"), float(rec.get("reward", 0.0)),
-                            str(rec.get("class", "trace")), float(rec.get("setup_s", 0.0)))
+            spec = ExecSpec(
+                int(rec.get("prompt_tokens", 0)),
+                turns,
+                rec.get("timeout_s"),
+                float(rec.get("reward", 0.0)),
+                str(rec.get("class", "trace")),
+                float(rec.get("setup_s", 0.0)),
+            )
             if spec.setup_s < 0:
                 raise ValueError("setup_s must be >= 0")
             gid = rec["group"]
@@ -186,8 +204,9 @@ def load_trace(path: str | Path) -> list[list[ExecSpec]]:
     return groups
 
 
-def make_workload(cfg: WorkloadConfig, seed: int,
-                  batch_groups: int = 1) -> ClassWorkload | TraceWorkload:
+def make_workload(
+    cfg: WorkloadConfig, seed: int, batch_groups: int = 1
+) -> ClassWorkload | TraceWorkload:
     """The scenario's workload; ``batch_groups`` (groups per optimizer step) clocks drift."""
     if cfg.trace:
         return TraceWorkload(cfg.trace)
@@ -199,9 +218,19 @@ def write_trace(path: str | Path, groups: list[list[ExecSpec]]) -> None:
     with open(path, "w") as fh:
         for gi, group in enumerate(groups):
             for spec in group:
-                fh.write(json.dumps({
-                    "group": f"g{gi}", "prompt_tokens": spec.prompt_tokens,
-                    **({"setup_s": spec.setup_s} if spec.setup_s else {}),
-                    "reward": spec.reward, "class": spec.cls,
-                    "turns": [{"decode_tokens": d, "tool_s": t, "tool_output_tokens": o}
-                              for d, t, o in spec.turns]}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "group": f"g{gi}",
+                            "prompt_tokens": spec.prompt_tokens,
+                            **({"setup_s": spec.setup_s} if spec.setup_s else {}),
+                            "reward": spec.reward,
+                            "class": spec.cls,
+                            "turns": [
+                                {"decode_tokens": d, "tool_s": t, "tool_output_tokens": o}
+                                for d, t, o in spec.turns
+                            ],
+                        }
+                    )
+                    + "\n"
+                )

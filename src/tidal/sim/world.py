@@ -100,8 +100,15 @@ class World:
             seq_s += s
         return tokens, seq_s
 
-    def __init__(self, scenario: Scenario, policy_spec: str, *, check: bool = False,
-                 log_sink: Sink | None = None, keep_log: bool = True) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        policy_spec: str,
+        *,
+        check: bool = False,
+        log_sink: Sink | None = None,
+        keep_log: bool = True,
+    ) -> None:
         self.cfg, self.profile = scenario.run_config(policy_spec)
         scenario = perf.resolve(scenario.for_profile(self.profile))
         self.scenario = scenario
@@ -116,9 +123,9 @@ class World:
         self.waterlevel_safe = self.controller.policy.waterlevel_safe
         ctrl, eng = scenario.control, scenario.engine
         self.group_size = ctrl.group_size
-        self.budget_groups = dispatch_budget(ctrl.batch_groups,
-                                             scenario.staleness_for(self.profile),
-                                             ctrl.updates_per_burst)
+        self.budget_groups = dispatch_budget(
+            ctrl.batch_groups, scenario.staleness_for(self.profile), ctrl.updates_per_burst
+        )
         self.controller.metrics.budget_groups = self.budget_groups  # verl's capacity cap
         self.workload = make_workload(scenario.workload, scenario.seed, ctrl.batch_groups)
         # Engines: one per cell (its rollout role) and one per standalone engine; with a cost
@@ -129,16 +136,28 @@ class World:
         self.cell_engines: list[Engine] = []
         self.engine_by_name: dict[str, Engine] = {}
         for c in self.controller.cells.cells:
-            e = Engine(c.name, c.gpus, c.slots, eng.decode_tok_s_per_gpu * c.gpus,
-                       eng.seq_cap_tok_s, cell=c.index,
-                       model=hyb if kinds[c.index] == "hybrid" else std,
-                       prefill_equiv=eng.prefill_equiv)
+            e = Engine(
+                c.name,
+                c.gpus,
+                c.slots,
+                eng.decode_tok_s_per_gpu * c.gpus,
+                eng.seq_cap_tok_s,
+                cell=c.index,
+                model=hyb if kinds[c.index] == "hybrid" else std,
+                prefill_equiv=eng.prefill_equiv,
+            )
             self.cell_engines.append(e)
             self.engine_by_name[c.name] = e
         for s in self.controller.cells.standalone.values():
             self.engine_by_name[s.engine_id] = Engine(
-                s.engine_id, s.gpus, s.slots, eng.decode_tok_s_per_gpu * s.gpus,
-                eng.seq_cap_tok_s, model=std, prefill_equiv=eng.prefill_equiv)
+                s.engine_id,
+                s.gpus,
+                s.slots,
+                eng.decode_tok_s_per_gpu * s.gpus,
+                eng.seq_cap_tok_s,
+                model=std,
+                prefill_equiv=eng.prefill_equiv,
+            )
         self.engines = list(self.engine_by_name.values())
         # The decode meter (``Observation.decode_meter``): tokens the engines decoded and
         # sequence-seconds they held, as the proxy counts streamed tokens and in-flight calls.
@@ -146,10 +165,19 @@ class World:
         self.admission_rule = AdmissionRule()
         admission.configure(self)
         self._host_tok_s = eng.host_tok_s
-        self.trainer = Trainer(self, self.profile.trainer, scenario.trainer, ctrl.batch_groups,
-                               ctrl.updates_per_burst, scenario.total_steps,
-                               offload=((scenario.costs.weight_gb, scenario.trainer.host_gb_s)
-                                        if self.profile.param_offload else None))
+        self.trainer = Trainer(
+            self,
+            self.profile.trainer,
+            scenario.trainer,
+            ctrl.batch_groups,
+            ctrl.updates_per_burst,
+            scenario.total_steps,
+            offload=(
+                (scenario.costs.weight_gb, scenario.trainer.host_gb_s)
+                if self.profile.param_offload
+                else None
+            ),
+        )
         self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
         self.seg_no = 0  # the last request id given out
@@ -233,8 +261,7 @@ class World:
         self.push(nf, ENGINE, e, e.timer)
 
     # ------------------------------------------------------------- main loop
-    def run(self, progress: Callable[[int, int], None] | None = None,
-            every: int = 5000) -> World:
+    def run(self, progress: Callable[[int, int], None] | None = None, every: int = 5000) -> World:
         """Runs to the last optimizer step; ``progress(step, total)`` every ``every``
         events."""
         self._start()
@@ -282,19 +309,26 @@ class World:
         return not self.done
 
     def _handlers(self) -> list:
-        return [self._on_engine, self._on_tool, self._on_timeout,
-                lambda a, b: self.trainer.on_timer(b, self.now),
-                lambda a, b: self.actuator.start(a, b),
-                lambda a, b: self.actuator.finish(a[0], a[1], b),
-                lambda a, b: sync.on_sync_done(self, a, b), self._on_tick,
-                lambda a, b: dispatch.on_dispatch(self, b)]
+        return [
+            self._on_engine,
+            self._on_tool,
+            self._on_timeout,
+            lambda a, b: self.trainer.on_timer(b, self.now),
+            lambda a, b: self.actuator.start(a, b),
+            lambda a, b: self.actuator.finish(a[0], a[1], b),
+            lambda a, b: sync.on_sync_done(self, a, b),
+            self._on_tick,
+            lambda a, b: dispatch.on_dispatch(self, b),
+        ]
 
     def _stuck(self, why: str) -> str:
         c = self.controller
-        return (f"{self.spec}: the run cannot finish ({why}) at t={self.now:.0f}s: trainer "
-                f"step {self.trainer.step}/{self.trainer.total_steps} ({self.trainer.state.name},"
-                f" {self.trainer.gpus} GPUs), roles {c.cells.describe()}, waterlevel "
-                f"{self.ledger.waterlevel}, ready groups {self.ledger.ready_unassigned}")
+        return (
+            f"{self.spec}: the run cannot finish ({why}) at t={self.now:.0f}s: trainer "
+            f"step {self.trainer.step}/{self.trainer.total_steps} ({self.trainer.state.name},"
+            f" {self.trainer.gpus} GPUs), roles {c.cells.describe()}, waterlevel "
+            f"{self.ledger.waterlevel}, ready groups {self.ledger.ready_unassigned}"
+        )
 
     def _start(self) -> None:
         self._started = True
@@ -417,8 +451,11 @@ class World:
         tokens and attention pairs), its staleness sum and size."""
         members = self.groups.pop(gid)
         tr = self.scenario.trainer
-        return (float(sum(train_work_tokens(ex.ctx, tr) for ex in members)),
-                sum(version - ex.first_version for ex in members), len(members))
+        return (
+            float(sum(train_work_tokens(ex.ctx, tr) for ex in members)),
+            sum(version - ex.first_version for ex in members),
+            len(members),
+        )
 
     # ----------------------------------------------------------------- ticks
     def _on_tick(self, _a: object, _b: object) -> None:

@@ -13,9 +13,13 @@ from tidal.types import TransitionStepDone
 
 
 class FakeActuator:
-    def __init__(self, clock: ManualClock | None = None, auto: bool = True,
-                 step_s: dict[StepKind, float] | None = None,
-                 fail: set[StepKind] | None = None) -> None:
+    def __init__(
+        self,
+        clock: ManualClock | None = None,
+        auto: bool = True,
+        step_s: dict[StepKind, float] | None = None,
+        fail: set[StepKind] | None = None,
+    ) -> None:
         self.clock = clock
         self.auto = auto
         self.step_s = step_s or {}
@@ -44,9 +48,16 @@ class FakeActuator:
             self.clock.advance(dt)
         now = self.clock.now() if self.clock is not None else 0.0
         good = (step.kind not in self.fail) if ok is None else ok
-        self.controller.handle(TransitionStepDone(now, plan.plan_id, step.index, ok=good,
-                                                  duration_s=dt,
-                                                  error="" if good else "injected failure"))
+        self.controller.handle(
+            TransitionStepDone(
+                now,
+                plan.plan_id,
+                step.index,
+                ok=good,
+                duration_s=dt,
+                error="" if good else "injected failure",
+            )
+        )
 
     def ack_pending(self) -> int:
         """Acknowledge the steps waiting now (manual mode; steps those acks issue stay

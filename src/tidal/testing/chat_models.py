@@ -38,7 +38,7 @@ _ASSISTANT_STRIP = (
 _TAIL = (
     "{{ '<|im_start|>assistant\n' + content }}"
     "{%- for tc in message.tool_calls or [] %}"
-    "{{ '\n<tool_call>\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
+    '{{ \'\n<tool_call>\n{"name": "\' + tc.function.name + \'", "arguments": \' }}'
     "{{ tc.function.arguments | tojson }}{{ '}\n</tool_call>' }}{%- endfor %}"
     "{{ '<|im_end|>\n' }}"
     "{%- elif message.role == 'tool' %}"
@@ -62,8 +62,14 @@ def set_template(model_dir: str | Path, template: str) -> Path:
     return Path(model_dir)
 
 
-def teach(model_dir: str | Path, prompt_ids: list[int], answer_ids: list[int],
-          steps: int = 300, lr: float = 3e-3, seed: int = 0) -> int:
+def teach(
+    model_dir: str | Path,
+    prompt_ids: list[int],
+    answer_ids: list[int],
+    steps: int = 300,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> int:
     """Train the directory's model until greedy decoding of ``prompt_ids`` yields
     ``answer_ids`` (loss on the answer only; checked every 25 steps), save it, and return the
     steps taken. Raises ``AssertionError`` if ``steps`` were not enough."""
@@ -85,8 +91,9 @@ def teach(model_dir: str | Path, prompt_ids: list[int], answer_ids: list[int],
         if step % 25 == 0 and _greedy_matches(model, ids, len(prompt_ids)):
             model.save_pretrained(str(model_dir), safe_serialization=True)
             return step
-    raise AssertionError(f"the model did not learn the answer in {steps} steps "
-                         f"(loss {float(loss):.3f})")
+    raise AssertionError(
+        f"the model did not learn the answer in {steps} steps (loss {float(loss):.3f})"
+    )
 
 
 def _greedy_matches(model, ids, n_prompt: int) -> bool:
@@ -96,7 +103,7 @@ def _greedy_matches(model, ids, n_prompt: int) -> bool:
 
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0]
-    predicted = logits[n_prompt - 1: -1].argmax(-1)
+    predicted = logits[n_prompt - 1 : -1].argmax(-1)
     return bool((predicted == ids[0, n_prompt:]).all())
 
 

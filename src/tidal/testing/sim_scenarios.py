@@ -13,12 +13,17 @@ def tiny_scenario(**over: object) -> Scenario:
     data = {
         "name": "tiny",
         "seed": 1,
-        "cluster": {"cells": [{"gpus": 8, "slots": 32, "kind": "hybrid"},
-                              {"gpus": 8, "slots": 32, "kind": "hybrid"}],
-                    "standalone_count": 2, "standalone_gpus": 8, "standalone_slots": 32},
+        "cluster": {
+            "cells": [
+                {"gpus": 8, "slots": 32, "kind": "hybrid"},
+                {"gpus": 8, "slots": 32, "kind": "hybrid"},
+            ],
+            "standalone_count": 2,
+            "standalone_gpus": 8,
+            "standalone_slots": 32,
+        },
         "control": {"group_size": 4, "batch_groups": 4, "updates_per_burst": 2, "bursts": 4},
-        "workload": {"classes": [{"decode_tokens": {"median": 2000, "sigma": 0.7,
-                                                    "cap": 12000}}]},
+        "workload": {"classes": [{"decode_tokens": {"median": 2000, "sigma": 0.7, "cap": 12000}}]},
         "engine": {"decode_tok_s_per_gpu": 400.0, "seq_cap_tok_s": 100.0},
         "trainer": {"train_tok_s_per_gpu": 900.0},
         "policy_args": {"verl-default": {"deactivate_ratio": 0.6}},

@@ -16,33 +16,55 @@ import random
 from pathlib import Path
 
 
-def verl_rows(steps: int = 40, samples: int = 128, gpus: int = 16, median: float = 3000.0,
-              sigma: float = 0.6, cap: float = 16384.0, prompt: int = 400,
-              tok_s_per_gpu: float = 900.0, seq_cap: float = 60.0,
-              train_tok_s_per_gpu: float = 2500.0, sync_s: float = 4.0,
-              seed: int = 0) -> list[dict[str, float]]:
+def verl_rows(
+    steps: int = 40,
+    samples: int = 128,
+    gpus: int = 16,
+    median: float = 3000.0,
+    sigma: float = 0.6,
+    cap: float = 16384.0,
+    prompt: int = 400,
+    tok_s_per_gpu: float = 900.0,
+    seq_cap: float = 60.0,
+    train_tok_s_per_gpu: float = 2500.0,
+    sync_s: float = 4.0,
+    seed: int = 0,
+) -> list[dict[str, float]]:
     """One row per step: lengths drawn from the capped lognormal; ``timing_s/gen = W / (T G) +
     M / C``; training at ``train_tok_s_per_gpu`` on all GPUs (split 1:4:1 between old-log-prob,
     update and reference passes)."""
     rng = random.Random(seed)
     rows = []
     for step in range(1, steps + 1):
-        lens = [min(cap, max(1.0, round(median * math.exp(sigma * rng.gauss(0, 1)))))
-                for _ in range(samples)]
+        lens = [
+            min(cap, max(1.0, round(median * math.exp(sigma * rng.gauss(0, 1)))))
+            for _ in range(samples)
+        ]
         mean = sum(lens) / samples
         tokens = samples * (prompt + mean)
         gen = samples * mean / (tok_s_per_gpu * gpus) + max(lens) / seq_cap
         train = tokens / (train_tok_s_per_gpu * gpus)
         step_s = gen + train + sync_s + 1.0
-        rows.append({"training/global_step": step, "timing_s/gen": gen,
-                     "timing_s/old_log_prob": train / 6, "timing_s/update_actor": train * 4 / 6,
-                     "timing_s/ref": train / 6, "timing_s/update_weights": sync_s,
-                     "timing_s/step": step_s, "response_length/mean": mean,
-                     "response_length/max": max(lens), "response_length/min": min(lens),
-                     "response_length/clip_ratio": sum(x >= cap for x in lens) / samples,
-                     "prompt_length/mean": float(prompt), "perf/total_num_tokens": tokens,
-                     "perf/time_per_step": step_s, "perf/throughput": tokens / (step_s * gpus),
-                     "critic/score/mean": rng.random()})
+        rows.append(
+            {
+                "training/global_step": step,
+                "timing_s/gen": gen,
+                "timing_s/old_log_prob": train / 6,
+                "timing_s/update_actor": train * 4 / 6,
+                "timing_s/ref": train / 6,
+                "timing_s/update_weights": sync_s,
+                "timing_s/step": step_s,
+                "response_length/mean": mean,
+                "response_length/max": max(lens),
+                "response_length/min": min(lens),
+                "response_length/clip_ratio": sum(x >= cap for x in lens) / samples,
+                "prompt_length/mean": float(prompt),
+                "perf/total_num_tokens": tokens,
+                "perf/time_per_step": step_s,
+                "perf/throughput": tokens / (step_s * gpus),
+                "critic/score/mean": rng.random(),
+            }
+        )
     return rows
 
 

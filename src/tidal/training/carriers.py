@@ -82,8 +82,11 @@ def _header(layout: ParamLayout, dtype: torch.dtype, label: str) -> bytes:
         n = 1
         for d in shape:
             n *= d
-        head[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape),
-                      "data_offsets": [off * size, (off + n) * size]}
+        head[name] = {
+            "dtype": _DTYPE_CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [off * size, (off + n) * size],
+        }
     blob = json.dumps(head, separators=(",", ":")).encode()
     width = len(blob) + _LABEL_WIDTH - len(label)  # as long as the longest label's
     width += -(width + 8) % 64
@@ -103,8 +106,13 @@ class SegmentRing:
     written). ``dtype``: what a segment holds (float32, or bfloat16 for engines that serve in
     it: half the bytes). Single writer; readers open the path."""
 
-    def __init__(self, directory: str | os.PathLike, layout: ParamLayout, keep: int = 2,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        layout: ParamLayout,
+        keep: int = 2,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         if dtype not in _DTYPE_CODES:
             raise TransportError(f"a segment holds float32, bfloat16 or float16, not {dtype}")
         if keep < 2:
@@ -143,8 +151,7 @@ class SegmentRing:
         finally:
             os.close(fd)
 
-    def publish_stream(self, version: int,
-                       params: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def publish_stream(self, version: int, params: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Write ``version`` from (name, tensor) pairs in layout order (a tensor may be on a
         GPU, or in another dtype: cast into a staging buffer kept between versions); a
         non-finite value or a name out of order aborts it (no segment of that version
@@ -165,8 +172,10 @@ class SegmentRing:
                         raise TransportError(f"publication out of layout order at {name}")
                     t = tensor.detach()
                     if not all_finite(t):
-                        raise TransportError(f"v{version}: parameter {name} holds NaN or "
-                                             "infinite values; not published")
+                        raise TransportError(
+                            f"v{version}: parameter {name} holds NaN or "
+                            "infinite values; not published"
+                        )
                     self._write(fd, t.reshape(-1), self._head_len + off * size)
                 if next(names, None) is not None:
                     raise TransportError(f"publication of v{version} ended early")
@@ -191,8 +200,9 @@ class SegmentRing:
             return
         if self._stage is None:
             pin = torch.cuda.is_available() and flat.device.type == "cuda"
-            self._stage = torch.empty(STAGE_BYTES // self.dtype.itemsize, dtype=self.dtype,
-                                      pin_memory=pin)
+            self._stage = torch.empty(
+                STAGE_BYTES // self.dtype.itemsize, dtype=self.dtype, pin_memory=pin
+            )
         n = self._stage.numel()
         for a in range(0, flat.numel(), n):
             part = flat[a : a + n]
@@ -250,8 +260,10 @@ class MappedSegment(Mapping[str, torch.Tensor]):
             dtype = _CODE_DTYPES.get(e["dtype"])
             if dtype is None or start + b > size:
                 self.close()
-                raise TransportError(f"{path}: tensor {name} ({e['dtype']}, bytes {a}-{b}) "
-                                     f"does not fit a segment of {size} bytes")
+                raise TransportError(
+                    f"{path}: tensor {name} ({e['dtype']}, bytes {a}-{b}) "
+                    f"does not fit a segment of {size} bytes"
+                )
             n = (b - a) // dtype.itemsize
             t = torch.frombuffer(self._mm, dtype=dtype, count=n, offset=start + a)
             self._views[name] = t.view(e["shape"])
@@ -285,19 +297,33 @@ class SideGroup:
         return self.store.port
 
 
-def join_group(host: str, port: int, rank: int, world: int, key: str, backend: str = "gloo",
-               timeout_s: float = 60.0) -> SideGroup:
+def join_group(
+    host: str,
+    port: int,
+    rank: int,
+    world: int,
+    key: str,
+    backend: str = "gloo",
+    timeout_s: float = 60.0,
+) -> SideGroup:
     """A side group (not torch's default group) met at the store ``host:port`` (rank 0 hosts
     it: ``store_on`` first to learn a free port, then ``group_on``); every member passes the
     same ``key``."""
     from tidal.training.groups import store_on
 
-    return group_on(store_on(host, port, world, rank == 0, timeout_s), rank, world, key,
-                    backend, timeout_s)
+    return group_on(
+        store_on(host, port, world, rank == 0, timeout_s), rank, world, key, backend, timeout_s
+    )
 
 
-def group_on(store: dist.TCPStore, rank: int, world: int, key: str, backend: str = "gloo",
-             timeout_s: float = 60.0) -> SideGroup:
+def group_on(
+    store: dist.TCPStore,
+    rank: int,
+    world: int,
+    key: str,
+    backend: str = "gloo",
+    timeout_s: float = 60.0,
+) -> SideGroup:
     """The group of ``world`` members under ``key`` at ``store`` (blocks until all joined)."""
     prefixed = dist.PrefixStore(key, store)
     if backend == "nccl":
@@ -324,21 +350,26 @@ def _staged(g: SideGroup, bucket: torch.Tensor) -> torch.Tensor:
     return bucket.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
 
 
-def send_segment(g: SideGroup, path: str | os.PathLike, version: int,
-                 bucket_bytes: int = BUCKET_BYTES, timeout_s: float = 60.0) -> int:
+def send_segment(
+    g: SideGroup,
+    path: str | os.PathLike,
+    version: int,
+    bucket_bytes: int = BUCKET_BYTES,
+    timeout_s: float = 60.0,
+) -> int:
     """Rank 0: broadcast the segment at ``path`` (size and version first, then its bytes in
     buckets); returns the bytes sent."""
     size = os.path.getsize(path)
-    _bcast(g, _staged(g, torch.tensor([size, version, bucket_bytes], dtype=torch.int64)),
-           timeout_s)
+    _bcast(g, _staged(g, torch.tensor([size, version, bucket_bytes], dtype=torch.int64)), timeout_s)
     with _mapped(Path(path), size, writable=False) as whole:
         for a in range(0, size, bucket_bytes):
             _bcast(g, _staged(g, whole[a : a + bucket_bytes]), timeout_s)
     return size
 
 
-def recv_segment(g: SideGroup, directory: str | os.PathLike,
-                 timeout_s: float = 60.0) -> tuple[int, str]:
+def recv_segment(
+    g: SideGroup, directory: str | os.PathLike, timeout_s: float = 60.0
+) -> tuple[int, str]:
     """Any other rank: receive one segment into ``<directory>/v<version>.safetensors`` (under
     a temporary name until its last bucket arrived); returns (version, path)."""
     nccl = g.backend == "nccl"
@@ -384,21 +415,48 @@ def ipc_export(named: Mapping[str, torch.Tensor]) -> list[dict]:
         if t.device.type != "cuda":
             raise TransportError(f"CUDA IPC carries CUDA tensors; {name} is on {t.device}")
         _, args = reduce_tensor(t.detach())
-        (_, size, stride, offset, storage_cls, dtype, dev, handle, storage_bytes, storage_off,
-         _, ref_handle, ref_off, event, sync) = args
-        out.append({"name": name, "size": list(size), "stride": list(stride), "offset": offset,
-                    "storage": storage_cls.__name__,
-                    "dtype": str(dtype).removeprefix("torch."), "device_uuid": _device_uuid(dev),
-                    "handle": base64.b64encode(handle).decode(), "storage_bytes": storage_bytes,
-                    "storage_offset": storage_off,
-                    "ref_handle": base64.b64encode(ref_handle).decode(), "ref_offset": ref_off,
-                    "event": base64.b64encode(event).decode() if event else "",
-                    "event_sync": bool(sync)})
+        (
+            _,
+            size,
+            stride,
+            offset,
+            storage_cls,
+            dtype,
+            dev,
+            handle,
+            storage_bytes,
+            storage_off,
+            _,
+            ref_handle,
+            ref_off,
+            event,
+            sync,
+        ) = args
+        out.append(
+            {
+                "name": name,
+                "size": list(size),
+                "stride": list(stride),
+                "offset": offset,
+                "storage": storage_cls.__name__,
+                "dtype": str(dtype).removeprefix("torch."),
+                "device_uuid": _device_uuid(dev),
+                "handle": base64.b64encode(handle).decode(),
+                "storage_bytes": storage_bytes,
+                "storage_offset": storage_off,
+                "ref_handle": base64.b64encode(ref_handle).decode(),
+                "ref_offset": ref_off,
+                "event": base64.b64encode(event).decode() if event else "",
+                "event_sync": bool(sync),
+            }
+        )
     return out
 
 
-_STORAGES = {"TypedStorage": torch.storage.TypedStorage,
-             "UntypedStorage": torch.storage.UntypedStorage}
+_STORAGES = {
+    "TypedStorage": torch.storage.TypedStorage,
+    "UntypedStorage": torch.storage.UntypedStorage,
+}
 
 
 def ipc_import(specs: list[dict]) -> dict[str, torch.Tensor]:
@@ -415,9 +473,20 @@ def ipc_import(specs: list[dict]) -> dict[str, torch.Tensor]:
         if dev is None:
             raise TransportError(f"CUDA IPC: {s['name']} is on a GPU this process cannot see")
         out[s["name"]] = rebuild_cuda_tensor(
-            torch.Tensor, tuple(s["size"]), tuple(s["stride"]), s["offset"],
-            _STORAGES[s["storage"]], getattr(torch, s["dtype"]), dev, base64.b64decode(s["handle"]),
-            s["storage_bytes"], s["storage_offset"], False, base64.b64decode(s["ref_handle"]),
-            s["ref_offset"], base64.b64decode(s["event"]) if s["event"] else None,
-            s["event_sync"])
+            torch.Tensor,
+            tuple(s["size"]),
+            tuple(s["stride"]),
+            s["offset"],
+            _STORAGES[s["storage"]],
+            getattr(torch, s["dtype"]),
+            dev,
+            base64.b64decode(s["handle"]),
+            s["storage_bytes"],
+            s["storage_offset"],
+            False,
+            base64.b64decode(s["ref_handle"]),
+            s["ref_offset"],
+            base64.b64decode(s["event"]) if s["event"] else None,
+            s["event_sync"],
+        )
     return out

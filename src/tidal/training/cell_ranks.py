@@ -49,8 +49,20 @@ from tidal.training.sharded import (
 
 log = logging.getLogger(__name__)
 
-(COMPUTE, COMMIT, DISCARD, RESET, GATHER_PARAMS, LOAD_PARAMS, GATHER_GRADS, UPDATE, SAVE_DCP,
- LOAD_STATE, STOP, LOAD_DCP) = range(12)
+(
+    COMPUTE,
+    COMMIT,
+    DISCARD,
+    RESET,
+    GATHER_PARAMS,
+    LOAD_PARAMS,
+    GATHER_GRADS,
+    UPDATE,
+    SAVE_DCP,
+    LOAD_STATE,
+    STOP,
+    LOAD_DCP,
+) = range(12)
 NORMALIZATIONS = ("global", "local_mean")
 
 
@@ -66,8 +78,15 @@ class ShardedCell:
     core cell) the optimizer over the shards. Rank 0 calls the public methods; they broadcast
     the operation first, so every rank runs the same collectives in the same order."""
 
-    def __init__(self, model: nn.Module, device: torch.device, cfg: ShardConfig,
-                 loss: GRPOLossConfig, pad_id: int, optimizer: OptimizerSpec | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        cfg: ShardConfig,
+        loss: GRPOLossConfig,
+        pad_id: int,
+        optimizer: OptimizerSpec | None,
+    ) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device, self.loss, self.pad_id = device, loss, pad_id
         self.comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -84,8 +103,7 @@ class ShardedCell:
     # -- the wire inside the cell ---------------------------------------------------------
     def _op(self, op: int, *args: int) -> None:
         if self.rank == 0:
-            dist.broadcast(torch.tensor([op, *args, *[0] * (4 - len(args))],
-                                        device=self.comm), 0)
+            dist.broadcast(torch.tensor([op, *args, *[0] * (4 - len(args))], device=self.comm), 0)
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
         moved = t.to(self.comm)
@@ -140,14 +158,16 @@ class ShardedCell:
     def _recv_step(self, b: int, length: int) -> MicroStepTensors:
         ints = self._bcast(torch.zeros((3, b, length), dtype=torch.long))
         floats = self._bcast(torch.zeros((3, b, length - 1), dtype=torch.float32))
-        return MicroStepTensors(ints[0], ints[1, :, 1:].bool(), floats[0], floats[1], floats[2],
-                                ints[2, :, 1:])
+        return MicroStepTensors(
+            ints[0], ints[1, :, 1:].bool(), floats[0], floats[1], floats[2], ints[2, :, 1:]
+        )
 
     def _send_step(self, t: MicroStepTensors) -> None:
         b, length = t.input_ids.shape
         pad = torch.zeros((b, 1), dtype=torch.long)
-        ints = torch.stack([t.input_ids, torch.cat([pad, t.mask.long()], 1),
-                            torch.cat([pad, t.staleness], 1)])
+        ints = torch.stack(
+            [t.input_ids, torch.cat([pad, t.mask.long()], 1), torch.cat([pad, t.staleness], 1)]
+        )
         self._bcast(ints)
         self._bcast(torch.stack([t.behaviour_logprobs, t.advantages, t.token_weights]))
 
@@ -155,6 +175,7 @@ class ShardedCell:
         """This rank's rows: forward, backward (FSDP sums the row gradients over the cell; the
         shards wait in ``.grad``); returns the cell-wide statistics."""
         from tidal.training.worker import forward_logits
+
         rows = list(range(self.rank, t.input_ids.shape[0], self.world))
         sub = MicroStepTensors(*(x[rows or [0]].to(self.device) for x in vars(t).values()))
         if not rows:  # nothing for this rank: a masked row keeps the collectives in step
@@ -164,9 +185,16 @@ class ShardedCell:
         loss, stats = grpo_loss_sum(logprobs, sub, self.loss)
         loss.backward()  # the shards' gradients wait in ``.grad`` until commit or discard
         stale = int((sub.staleness * sub.mask).max()) if bool(sub.mask.any()) else 0
-        sums = torch.tensor([stats.loss_sum, stats.n_tokens, stats.clipped_tokens,
-                             stats.mean_ratio * stats.n_tokens], dtype=torch.float64,
-                            device=self.comm)
+        sums = torch.tensor(
+            [
+                stats.loss_sum,
+                stats.n_tokens,
+                stats.clipped_tokens,
+                stats.mean_ratio * stats.n_tokens,
+            ],
+            dtype=torch.float64,
+            device=self.comm,
+        )
         dist.all_reduce(sums)
         top = torch.tensor([stale], dtype=torch.long, device=self.comm)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
@@ -187,11 +215,19 @@ class ShardedCell:
     def _load(self, full: torch.Tensor) -> None:
         self.layout.load_full_(self.model, self._bcast(full).to(self.device))
 
-    def _update(self, n_sats: int, n_executions: int, norm_code: int, own_steps: int,
-                max_norm: float | None, sats: list[Contribution]) -> float:
+    def _update(
+        self,
+        n_sats: int,
+        n_executions: int,
+        norm_code: int,
+        own_steps: int,
+        max_norm: float | None,
+        sats: list[Contribution],
+    ) -> float:
         """Aggregate this rank's slice of every contribution, clip by the cell-wide norm, step."""
-        params = self._bcast(torch.tensor(
-            [-1.0 if max_norm is None else max_norm], dtype=torch.float64))
+        params = self._bcast(
+            torch.tensor([-1.0 if max_norm is None else max_norm], dtype=torch.float64)
+        )
         max_norm = None if float(params[0]) < 0 else float(params[0])
         own_exec = self._bcast(torch.tensor([sats[0].n_executions if sats else 0])).cpu()
         counts = torch.zeros((n_sats, 3), dtype=torch.long)
@@ -235,10 +271,13 @@ class ShardedCell:
     def _load_state(self, model_sd: dict, optim_sd: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        set_state_dict(self.model, self.optimizer,  # type: ignore[arg-type]
-                       model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=StateDictOptions(full_state_dict=True,
-                                                broadcast_from_rank0=self.world > 1))
+        set_state_dict(
+            self.model,
+            self.optimizer,  # type: ignore[arg-type]
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world > 1),
+        )
 
     # -- rank 0's API ----------------------------------------------------------------------
     def save_dcp(self, path: str) -> list[dict]:
@@ -258,8 +297,9 @@ class ShardedCell:
             dcp_state.load(self.model, self.optimizer, path, groups)  # type: ignore[arg-type]
         except Exception as exc:  # DCP's CheckpointException (every rank's failure), I/O
             first = (str(exc).splitlines() or [""])[0]
-            raise TidalError(f"{path}: loading the shards failed: {type(exc).__name__}: "
-                             f"{first}") from None
+            raise TidalError(
+                f"{path}: loading the shards failed: {type(exc).__name__}: {first}"
+            ) from None
 
     def load_full_state(self, model_sd: dict, optim_sd: dict) -> None:
         """Restore a full (unsharded) state, a plain core's checkpoint: rank 0 reads it, every
@@ -284,8 +324,9 @@ class ShardedCell:
         self._op(RESET)
         self.reset_local()
 
-    def gather_params(self, sink: Callable[[str, torch.Tensor], None] | None = None
-                      ) -> torch.Tensor:
+    def gather_params(
+        self, sink: Callable[[str, torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
         """The full parameters: streamed to ``sink`` one at a time, and as a CPU flat vector."""
         self._op(GATHER_PARAMS)
         out = torch.empty(self.full_layout.numel, dtype=torch.float32)
@@ -316,14 +357,31 @@ class ShardedCell:
             views[name].copy_(full)
         return out
 
-    def update(self, own: Contribution, satellites: list[Contribution], n_executions: int,
-               normalization: str, max_norm: float | None) -> float:
+    def update(
+        self,
+        own: Contribution,
+        satellites: list[Contribution],
+        n_executions: int,
+        normalization: str,
+        max_norm: float | None,
+    ) -> float:
         """One optimizer step on every rank from the core's shards and the satellites' full
         vectors; returns the global gradient norm before clipping."""
-        self._op(UPDATE, len(satellites), n_executions, NORMALIZATIONS.index(normalization),
-                 own.n_micro_steps)
-        return self._update(len(satellites), n_executions, NORMALIZATIONS.index(normalization),
-                            own.n_micro_steps, max_norm, [own, *satellites])
+        self._op(
+            UPDATE,
+            len(satellites),
+            n_executions,
+            NORMALIZATIONS.index(normalization),
+            own.n_micro_steps,
+        )
+        return self._update(
+            len(satellites),
+            n_executions,
+            NORMALIZATIONS.index(normalization),
+            own.n_micro_steps,
+            max_norm,
+            [own, *satellites],
+        )
 
     def stop(self) -> None:
         self._op(STOP)
@@ -331,9 +389,15 @@ class ShardedCell:
 
 
 # -- starting a cell -----------------------------------------------------------------------
-def start_cell(model: nn.Module, device: torch.device, cfg: ShardConfig, loss: GRPOLossConfig,
-               pad_id: int, optimizer: OptimizerSpec | None, host: str = "127.0.0.1"
-               ) -> tuple[ShardedCell, list[subprocess.Popen]]:
+def start_cell(
+    model: nn.Module,
+    device: torch.device,
+    cfg: ShardConfig,
+    loss: GRPOLossConfig,
+    pad_id: int,
+    optimizer: OptimizerSpec | None,
+    host: str = "127.0.0.1",
+) -> tuple[ShardedCell, list[subprocess.Popen]]:
     """Rank 0 of a new cell: start ranks 1..k-1 (built from ``model.config``, then loaded with
     ``model``'s weights), shard, return the cell and the follower processes. The cell's group
     is NCCL on CUDA and gloo on the CPU (whatever links the cells to each other)."""
@@ -342,12 +406,24 @@ def start_cell(model: nn.Module, device: torch.device, cfg: ShardConfig, loss: G
     backend = "nccl" if device.type == "cuda" else "gloo"
     full = ParamLayout.of(model).params_to_flat(model)
     store = cell_store(0, cfg.ranks, host, 0, cfg.timeout_s)
-    spec = {"host": host, "port": store.port, "world": cfg.ranks, "backend": backend,
-            "device": str(device), "shard": cfg.model_dump(), "loss": loss.model_dump(),
-            "pad_id": pad_id, "optimizer": vars(optimizer) if optimizer else None,
-            "model_config": model.config.to_dict()}
-    procs = [subprocess.Popen([sys.executable, "-m", "tidal.training.cell_ranks",
-                               json.dumps({**spec, "rank": r})]) for r in range(1, cfg.ranks)]
+    spec = {
+        "host": host,
+        "port": store.port,
+        "world": cfg.ranks,
+        "backend": backend,
+        "device": str(device),
+        "shard": cfg.model_dump(),
+        "loss": loss.model_dump(),
+        "pad_id": pad_id,
+        "optimizer": vars(optimizer) if optimizer else None,
+        "model_config": model.config.to_dict(),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tidal.training.cell_ranks", json.dumps({**spec, "rank": r})]
+        )
+        for r in range(1, cfg.ranks)
+    ]
     try:
         await_followers(store, procs, cfg.join_timeout_s)
         init_cell_group(store, 0, cfg.ranks, backend, cfg.timeout_s)
@@ -388,8 +464,9 @@ def run_follower(spec: dict) -> None:
     cfg = ShardConfig.model_validate(spec["shard"])
     device = torch.device(spec["device"])
     if device.type == "cuda":  # rank r takes the r-th GPU after rank 0's
-        device = torch.device("cuda", ((device.index or 0) + spec["rank"])
-                              % torch.cuda.device_count())
+        device = torch.device(
+            "cuda", ((device.index or 0) + spec["rank"]) % torch.cuda.device_count()
+        )
         torch.cuda.set_device(device)
     store = cell_store(spec["rank"], spec["world"], spec["host"], spec["port"], cfg.timeout_s)
     store.add(JOINED, 1)  # rank 0 waits for every rank in Python (``await_followers``)
@@ -399,8 +476,9 @@ def run_follower(spec: dict) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.use_cache = False
     opt = OptimizerSpec(**spec["optimizer"]) if spec["optimizer"] else None
-    cell = ShardedCell(model, device, cfg,
-                       GRPOLossConfig.model_validate(spec["loss"]), spec["pad_id"], opt)
+    cell = ShardedCell(
+        model, device, cfg, GRPOLossConfig.model_validate(spec["loss"]), spec["pad_id"], opt
+    )
     cell.serve()
     close_cell_group()
 

@@ -70,8 +70,14 @@ class StepInfo:
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, packing: PackingBuffer,
-                 registry: GroupRegistry, clock: Clock, shm_name: str | None = None) -> None:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        packing: PackingBuffer,
+        registry: GroupRegistry,
+        clock: Clock,
+        shm_name: str | None = None,
+    ) -> None:
         self.config, self.packing, self.registry, self.clock = config, packing, registry, clock
         self.shm_name = shm_name
         self._cv = threading.Condition()
@@ -115,8 +121,9 @@ class Coordinator:
                 if self.clock.now() > deadline:
                     for x in self._joined():
                         if not x.delivered:
-                            self._lose(x, f"no delivery within "
-                                          f"{self.config.gather_timeout_s:.1f}s", False)
+                            self._lose(
+                                x, f"no delivery within {self.config.gather_timeout_s:.1f}s", False
+                            )
                     break
                 self.clock.wait(self._cv, 0.05)
             # A satellite lost after delivering still counts: its gradient is in hand.
@@ -126,8 +133,7 @@ class Coordinator:
         """The delivered sums were aggregated: their tensors go (the record of who delivered,
         and their counts, stay until the next step opens)."""
         with self._cv:
-            self._contribs = {c: replace(x, grad=torch.empty(0))
-                              for c, x in self._contribs.items()}
+            self._contribs = {c: replace(x, grad=torch.empty(0)) for c, x in self._contribs.items()}
 
     def registered(self) -> list[int]:
         """Cells whose satellite said hello and is not lost."""
@@ -218,11 +224,21 @@ class Coordinator:
         self.registry.forget(f"{sat.cell}:{sat.incarnation}")
         self.registry.forget(GroupRegistry.link_key(sat.cell, sat.incarnation))
         if planned:
-            log.info("cell %d (%s) left training: %s; %d micro-steps reopened", sat.cell,
-                     sat.incarnation, reason, reopened)
+            log.info(
+                "cell %d (%s) left training: %s; %d micro-steps reopened",
+                sat.cell,
+                sat.incarnation,
+                reason,
+                reopened,
+            )
         else:
-            log.warning("cell %d (%s) lost: %s; %d micro-steps reopened", sat.cell,
-                        sat.incarnation, reason, reopened)
+            log.warning(
+                "cell %d (%s) lost: %s; %d micro-steps reopened",
+                sat.cell,
+                sat.incarnation,
+                reason,
+                reopened,
+            )
         self._cv.notify_all()
 
     # ----- satellite requests (RPC handler threads) --------------------------------------------
@@ -238,8 +254,13 @@ class Coordinator:
                 stopped = cell in self._departing
                 self._departing.discard(cell)
             if stopped or session.get("closing"):
-                self.lose(cell, "the runtime stopped it (the cell returns to rollout)"
-                          if stopped else "it said bye", planned=True)
+                self.lose(
+                    cell,
+                    "the runtime stopped it (the cell returns to rollout)"
+                    if stopped
+                    else "it said bye",
+                    planned=True,
+                )
             else:
                 self.lose(cell, "its connection closed without a bye")
 
@@ -249,8 +270,10 @@ class Coordinator:
             return self._hello(req, session)
         sat = self._sats[session["cell"]]
         if sat.incarnation != session.get("incarnation"):
-            raise MembershipError(f"cell {sat.cell}: incarnation {session.get('incarnation')} "
-                                  f"was replaced by {sat.incarnation}")
+            raise MembershipError(
+                f"cell {sat.cell}: incarnation {session.get('incarnation')} "
+                f"was replaced by {sat.incarnation}"
+            )
         if op == "bye":
             session["closing"] = True
             return {}
@@ -272,8 +295,12 @@ class Coordinator:
                 self._lose(old, f"incarnation {inc} joined in its place", planned)
             self._sats[cell] = _Sat(cell, inc)
             session["cell"], session["incarnation"] = cell, inc
-        return {"shm_name": self.shm_name, "numel": self.numel, "loss": self.loss,
-                "pad_id": self.pad_id}
+        return {
+            "shm_name": self.shm_name,
+            "numel": self.numel,
+            "loss": self.loss,
+            "pad_id": self.pad_id,
+        }
 
     def _op_link(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
         self.registry.link(sat.cell, sat.incarnation)
@@ -288,23 +315,36 @@ class Coordinator:
                 if sat.cell in self._inactive:
                     return {"next": "park"}
                 s = self._step
-                if (s and self._window_open and sat.joined_step != s.step
-                        and self._order_ok(sat.cell, s.step)):
+                if (
+                    s
+                    and self._window_open
+                    and sat.joined_step != s.step
+                    and self._order_ok(sat.cell, s.step)
+                ):
                     sat.joined_step, sat.delivered = s.step, False
                     self.join_log.append((s.step, sat.cell, self.clock.now()))
                     log.info("cell %d joined step %d (v%d)", sat.cell, s.step, s.version)
                     self._cv.notify_all()
-                    return {"next": "train", "step": s.step, "batch_id": s.batch_id,
-                            "version": s.version, "final": s.final,
-                            "pull": sat.version != s.version}
+                    return {
+                        "next": "train",
+                        "step": s.step,
+                        "batch_id": s.batch_id,
+                        "version": s.version,
+                        "final": s.final,
+                        "pull": sat.version != s.version,
+                    }
                 if self.clock.now() > deadline:
-                    raise TimeoutExpired(f"cell {sat.cell}: no join window within "
-                                         f"{self.config.join_timeout_s}s")
+                    raise TimeoutExpired(
+                        f"cell {sat.cell}: no join window within {self.config.join_timeout_s}s"
+                    )
                 self.clock.wait(self._cv, 0.05)
 
     def _order_ok(self, cell: int, step: int) -> bool:
-        return all(x.joined_step == step for x in self._sats.values()
-                   if x.cell < cell and not x.lost and x.cell not in self._inactive)
+        return all(
+            x.joined_step == step
+            for x in self._sats.values()
+            if x.cell < cell and not x.lost and x.cell not in self._inactive
+        )
 
     def _op_park(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
         """The satellite waits here between training stints (bounded by ``wait_s``: it calls
@@ -347,8 +387,9 @@ class Coordinator:
 
     def _op_claim(self, sat: _Sat, req: dict[str, Any]) -> dict[str, Any]:
         s = self._step
-        if (s is None or sat.joined_step != s.step or sat.delivered
-                or sat.cell in self._inactive):  # leaving: deliver what it computed
+        if (
+            s is None or sat.joined_step != s.step or sat.delivered or sat.cell in self._inactive
+        ):  # leaving: deliver what it computed
             return {"kind": "drained"}
         if sat.version != s.version:
             raise MembershipError(f"cell {sat.cell} holds v{sat.version}, step trains v{s.version}")
@@ -381,8 +422,14 @@ class Coordinator:
             if sat.lost:
                 raise MembershipError(f"cell {sat.cell} was lost before its delivery completed")
             self._contribs[sat.cell] = Contribution(
-                sat.cell, grad, c["n_micro_steps"], c["n_tokens"], c["n_executions"],
-                c["loss_sum"], c["device_peak_mb"])
+                sat.cell,
+                grad,
+                c["n_micro_steps"],
+                c["n_tokens"],
+                c["n_executions"],
+                c["loss_sum"],
+                c["device_peak_mb"],
+            )
             sat.delivered = True
             self._cv.notify_all()
         return {}

@@ -24,6 +24,10 @@ rank 0; the gradient sum and the optimizer state stay sharded, satellites' full 
 sliced into every rank's shards at the update, and snapshots, broadcasts and publications are
 gathered one parameter at a time (a single ``FilePublisher`` is streamed into, never handed a
 full copy). A sharded core is not offloaded (it trains on a CPU or on GPUs it does not share).
+
+Over 500 lines since the tree took ``ruff format``'s one-argument-per-line style (450 before):
+the core's step, its sharded update and its publication share the optimizer state it alone
+owns (invariant 5), so they stay in one class.
 """
 
 from __future__ import annotations
@@ -128,11 +132,19 @@ class CoreTrainer:
         self._flat: torch.Tensor | None = None
         if config.shard is not None and config.shard.fsdp:
             if reference is not None:
-                raise TidalError("trainer.shard: a KL reference model is not supported on a "
-                                 "sharded core (set loss.kl_coef to 0 or shard to null)")
+                raise TidalError(
+                    "trainer.shard: a KL reference model is not supported on a "
+                    "sharded core (set loss.kl_coef to 0 or shard to null)"
+                )
             self.sharded, self._cell_procs = start_cell(
-                model, self.device, config.shard, config.loss, pad_id,
-                OptimizerSpec(config.optimizer, config.lr, config.weight_decay), config.host)
+                model,
+                self.device,
+                config.shard,
+                config.loss,
+                pad_id,
+                OptimizerSpec(config.optimizer, config.lr, config.weight_decay),
+                config.host,
+            )
             self.model = self.sharded.model
             self.worker: GradientWorker | ShardedWorker = ShardedWorker(0, self.sharded)
             self.optimizer = self.sharded.optimizer
@@ -158,25 +170,31 @@ class CoreTrainer:
         if config.coordinator.snapshot_transport == "shm":
             shm_name = f"tidal-snap-{secrets.token_hex(4)}"
             self._snap_shm = SharedMemoryTransport(shm_name, self.layout, create=True)
-        self.coordinator = Coordinator(config.coordinator, self.packing, self.registry, clock,
-                                       shm_name)
+        self.coordinator = Coordinator(
+            config.coordinator, self.packing, self.registry, clock, shm_name
+        )
         self.coordinator.numel = self.layout.numel
         self.coordinator.fingerprint = self.layout.fingerprint()
         self.coordinator.loss = config.loss.model_dump()
         self.coordinator.pad_id = pad_id
         self._authkey = secrets.token_bytes(16)
-        self.rpc = RpcServer(self.coordinator.handle, self.coordinator.on_disconnect,
-                             self._authkey, config.host)
+        self.rpc = RpcServer(
+            self.coordinator.handle, self.coordinator.on_disconnect, self._authkey, config.host
+        )
         self._step = 0
         self._groups_wanted = config.groups_per_step
         self._worker_id = "cell0:core"
 
     def address(self) -> dict[str, object]:
         """What a satellite needs to reach this core."""
-        return {"host": self.config.host, "rpc_port": self.rpc.address[1],
-                "store_port": self.registry.port, "authkey": self._authkey.hex(),
-                "backend": self.config.backend,  # satellites shard the same way
-                "shard": self.config.shard.model_dump() if self.config.shard else None}
+        return {
+            "host": self.config.host,
+            "rpc_port": self.rpc.address[1],
+            "store_port": self.registry.port,
+            "authkey": self._authkey.hex(),
+            "backend": self.config.backend,  # satellites shard the same way
+            "shard": self.config.shard.model_dump() if self.config.shard else None,
+        }
 
     def _pump(self) -> None:
         """Move fresh ready groups into the open batch; seal it when full or the stream ended."""
@@ -188,9 +206,7 @@ class CoreTrainer:
                 self.packing.add_groups(groups)
                 self._groups_in_step += len(groups)
                 self._last_data_s = self.clock.now()
-        if self.packing.n_groups() >= self._groups_wanted or (
-            self.trajectories.exhausted()
-        ):
+        if self.packing.n_groups() >= self._groups_wanted or (self.trajectories.exhausted()):
             self.packing.seal()
             self._sealed = True
 
@@ -256,11 +272,18 @@ class CoreTrainer:
         loss_sum = sum(c.loss_sum for c in contribs)
         peaks = {c.cell: c.device_peak_mb for c in contribs if c.device_peak_mb is not None}
         if self.sharded is not None:
-            norm = self.sharded.update(contribs[0], contribs[1:], summary.n_executions,
-                                       self.config.normalization, self.config.max_grad_norm)
+            norm = self.sharded.update(
+                contribs[0],
+                contribs[1:],
+                summary.n_executions,
+                self.config.normalization,
+                self.config.max_grad_norm,
+            )
         else:
-            contribs = [contribs[0], *(replace(c, grad=c.grad.to(self.device))
-                                       for c in contribs[1:])]
+            contribs = [
+                contribs[0],
+                *(replace(c, grad=c.grad.to(self.device)) for c in contribs[1:]),
+            ]
             grad = aggregate(contribs, summary.n_executions, self.config.normalization)
             # the satellites' sums are in ``grad`` now: their memory goes before the optimizer
             # allocates its temporaries (the coordinator keeps who delivered, not the tensors)
@@ -284,20 +307,43 @@ class CoreTrainer:
         rewards = [g.mean_reward() for g in summary.groups]
         loss = loss_sum / summary.n_executions
         report = StepReport(
-            step, version, final, len(summary.groups), summary.n_executions,
-            summary.n_trainable_tokens, by_cell, summary.reclaimed, summary.reopened, norm, loss,
-            mean_of(rewards), summary.max_staleness, [c for c, _ in members],
-            [g.group_id for g in summary.groups], t_update - t_compute,
-            self.clock.now() - t_update, self.worker.compute_s, self.worker.n_tokens, peaks,
+            step,
+            version,
+            final,
+            len(summary.groups),
+            summary.n_executions,
+            summary.n_trainable_tokens,
+            by_cell,
+            summary.reclaimed,
+            summary.reopened,
+            norm,
+            loss,
+            mean_of(rewards),
+            summary.max_staleness,
+            [c for c, _ in members],
+            [g.group_id for g in summary.groups],
+            t_update - t_compute,
+            self.clock.now() - t_update,
+            self.worker.compute_s,
+            self.worker.n_tokens,
+            peaks,
         )
-        log.info("step %d v%d->v%d: %d groups, micro-steps by cell %s, |g|=%.4f", step, version,
-                 self.version, report.n_groups, by_cell, norm)
+        log.info(
+            "step %d v%d->v%d: %d groups, micro-steps by cell %s, |g|=%.4f",
+            step,
+            version,
+            self.version,
+            report.n_groups,
+            by_cell,
+            norm,
+        )
         return report
 
     def _broadcast_update(self, step: int, members: list[tuple[int, str]]) -> None:
         group = [(0, "core"), *members]
         self.coordinator.post_outcome(
-            step, {"next": "continue", "version": self.version, "members": group})
+            step, {"next": "continue", "version": self.version, "members": group}
+        )
         if not members:
             return
         flat = self.full_params()
@@ -347,11 +393,17 @@ class CoreTrainer:
         (the optimizer's param_groups); call it between steps."""
         if self.sharded is not None:
             cell = self.sharded
-            return {"dcp": lambda path: {"param_groups": cell.save_dcp(str(path))},
-                    "version": self.version, "step": self._step}
-        return {"model": _to_cpu(self.model.state_dict()),
-                "optimizer": _to_cpu(self.optimizer.state_dict()),
-                "version": self.version, "step": self._step}
+            return {
+                "dcp": lambda path: {"param_groups": cell.save_dcp(str(path))},
+                "version": self.version,
+                "step": self._step,
+            }
+        return {
+            "model": _to_cpu(self.model.state_dict()),
+            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "version": self.version,
+            "step": self._step,
+        }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore ``state_dict()`` output (between steps, before any satellite joins); tensors
@@ -360,9 +412,12 @@ class CoreTrainer:
         a full state loads into either kind of core."""
         if "dcp" in state:
             if self.sharded is None:
-                raise ConfigError("runtime.fsdp", f"{state['dcp']} holds the state of a sharded "
-                                  "(FSDP2) core: resume with runtime.fsdp on (any "
-                                  "runtime.fsdp_ranks)")
+                raise ConfigError(
+                    "runtime.fsdp",
+                    f"{state['dcp']} holds the state of a sharded "
+                    "(FSDP2) core: resume with runtime.fsdp on (any "
+                    "runtime.fsdp_ranks)",
+                )
             try:
                 self.sharded.load_dcp(str(state["dcp"]), state["param_groups"])  # type: ignore[arg-type]
             except TidalError as exc:
@@ -386,8 +441,10 @@ class CoreTrainer:
             if self.device.type == "cpu" or self._offloaded:
                 return
             if self.sharded is not None:
-                raise TidalError("trainer.shard: a sharded core cannot be offloaded while its "
-                                 "cell serves rollout; run it without shard on a shared GPU")
+                raise TidalError(
+                    "trainer.shard: a sharded core cannot be offloaded while its "
+                    "cell serves rollout; run it without shard on a shared GPU"
+                )
             self._move(torch.device("cpu"))
             self.worker.release()
             self._offloaded = True

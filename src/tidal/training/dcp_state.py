@@ -33,8 +33,10 @@ def _split(optim_sd: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any
     for fqn, entries in state.items():
         for key, value in entries.items():
             if not isinstance(value, torch.Tensor):
-                raise TidalError(f"checkpoint: optimizer state {fqn}.{key} is a "
-                                 f"{type(value).__name__}, not a tensor")
+                raise TidalError(
+                    f"checkpoint: optimizer state {fqn}.{key} is a "
+                    f"{type(value).__name__}, not a tensor"
+                )
     return state, list(optim_sd.get("param_groups", []))
 
 
@@ -51,8 +53,9 @@ def _tied(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
-         ) -> list[dict[str, Any]]:
+def save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
+) -> list[dict[str, Any]]:
     """Every rank writes its shards of the model and optimizer state under ``path`` (created);
     rank 0 then fsyncs every file there. Returns the param_groups (identical on all ranks)."""
     import torch.distributed as dist
@@ -65,8 +68,10 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
         model_sd.pop(alias, None)
     state, groups = _split(optim_sd)
     Path(path).mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": model_sd, "optimizer": {"state": state}},
-             storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True))
+    dcp.save(
+        {"model": model_sd, "optimizer": {"state": state}},
+        storage_writer=HuggingFaceStorageWriter(str(path), save_distributed=True),
+    )
     dist.barrier()  # every rank's file is closed before rank 0 syncs them
     if dist.get_rank() == 0:
         for f in sorted(Path(path).iterdir()):
@@ -90,23 +95,33 @@ def check(path: str | Path, model: nn.Module) -> None:
     try:
         meta = HuggingFaceStorageReader(str(path)).read_metadata()
     except Exception as exc:  # safetensors' header errors, a header without sharding info
-        raise TidalError(f"{path}: a shard file is damaged: {type(exc).__name__}: "
-                         f"{(str(exc).splitlines() or [''])[0]}") from None
+        raise TidalError(
+            f"{path}: a shard file is damaged: {type(exc).__name__}: "
+            f"{(str(exc).splitlines() or [''])[0]}"
+        ) from None
     for name, p in model.named_parameters():  # tied aliases are not listed
         md = meta.state_dict_metadata.get(f"model.{name}")
         if md is None:
             raise TidalError(f"{path}: parameter {name} is missing (another model?)")
         if tuple(md.size) != tuple(p.shape):
-            raise TidalError(f"{path}: parameter {name} has shape {tuple(md.size)}, the model "
-                             f"{tuple(p.shape)} (another model?)")
+            raise TidalError(
+                f"{path}: parameter {name} has shape {tuple(md.size)}, the model "
+                f"{tuple(p.shape)} (another model?)"
+            )
         covered = sum(int(torch.Size(c.sizes).numel()) for c in md.chunks)
         if covered != p.numel():
-            raise TidalError(f"{path}: parameter {name}: the shards hold {covered} of "
-                             f"{p.numel()} values (a shard file is missing)")
+            raise TidalError(
+                f"{path}: parameter {name}: the shards hold {covered} of "
+                f"{p.numel()} values (a shard file is missing)"
+            )
 
 
-def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path,
-         groups: list[dict[str, Any]]) -> None:
+def load(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: str | Path,
+    groups: list[dict[str, Any]],
+) -> None:
     """Every rank reads its own slices of the saved shards (any saved rank count) into its
     model and optimizer; ``groups`` are the saved param_groups."""
     import torch.distributed.checkpoint as dcp
@@ -118,9 +133,15 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path,
     tied = {a: f for a, f in _tied(model).items() if a in model_sd}
     for alias in tied:
         model_sd.pop(alias)
-    dcp.load({"model": model_sd, "optimizer": {"state": state}},
-             storage_reader=HuggingFaceStorageReader(str(path)))
+    dcp.load(
+        {"model": model_sd, "optimizer": {"state": state}},
+        storage_reader=HuggingFaceStorageReader(str(path)),
+    )
     for alias, first in tied.items():
         model_sd[alias] = model_sd[first]
-    set_state_dict(model, optimizer, model_state_dict=model_sd,
-                   optim_state_dict={"state": state, "param_groups": groups})
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict={"state": state, "param_groups": groups},
+    )

@@ -87,8 +87,7 @@ class ParamLayout:
     def is_bound(self, module: nn.Module, flat: torch.Tensor) -> bool:
         """Every parameter is still the view of ``flat`` that ``bind`` made."""
         base = flat.untyped_storage().data_ptr()
-        return all(p.untyped_storage().data_ptr() == base
-                   for p in self._params(module))
+        return all(p.untyped_storage().data_ptr() == base for p in self._params(module))
 
     def params_to_flat(self, module: nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
         """Parameters into ``out`` (default: a new CPU float32 vector, what transports send)."""

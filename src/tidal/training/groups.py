@@ -36,8 +36,9 @@ def _td(seconds: float) -> dt.timedelta:
     return dt.timedelta(seconds=seconds)
 
 
-def store_on(host: str, port: int, world: int | None, is_master: bool,
-             timeout_s: float) -> dist.TCPStore:
+def store_on(
+    host: str, port: int, world: int | None, is_master: bool, timeout_s: float
+) -> dist.TCPStore:
     """A ``TCPStore`` at ``host:port``; its master listens on ``host`` only (a socket bound
     here and handed over), not on every interface as torch's own would: a one-machine run's
     store stays on loopback, a cluster's on its node's address."""
@@ -54,8 +55,15 @@ def store_on(host: str, port: int, world: int | None, is_master: bool,
         sock.close()
         raise
     # the store owns the descriptor from here on (it closes it with the store)
-    return dist.TCPStore(host, sock.getsockname()[1], world, True, _td(timeout_s),
-                         wait_for_workers=False, master_listen_fd=sock.detach())
+    return dist.TCPStore(
+        host,
+        sock.getsockname()[1],
+        world,
+        True,
+        _td(timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
 
 
 class GroupRegistry:
@@ -86,8 +94,11 @@ class GroupRegistry:
         self.host, self.port = host, self.store.port
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._lock = threading.Lock()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
             else torch.device("cpu")
+        )
 
     def _create(self, key: str, rank: int, size: int) -> dist.ProcessGroup:
         with self._lock:

@@ -53,9 +53,7 @@ def micro_step_tensors(step: MicroStep, pad_id: int = 0) -> MicroStepTensors:
         stale[i, :n] = torch.tensor(s.staleness, dtype=torch.long)
     # Token 0 of a sequence has no predecessor inside it, so it can never be a target.
     mask[:, 0] = False
-    return MicroStepTensors(
-        ids, mask[:, 1:], behav[:, 1:], adv[:, 1:], weight[:, 1:], stale[:, 1:]
-    )
+    return MicroStepTensors(ids, mask[:, 1:], behav[:, 1:], adv[:, 1:], weight[:, 1:], stale[:, 1:])
 
 
 def target_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -149,10 +149,17 @@ class PackingBuffer:
                         continue
                     self._executions.add(rec.execution_id)
                     for s, st in zip(seqs, stale, strict=True):
-                        self._pool.append(PackedSequence(
-                            rec.execution_id, s.token_ids, s.trainable, s.behaviour_logprobs,
-                            st, adv, 1.0 / n_exec,
-                        ))
+                        self._pool.append(
+                            PackedSequence(
+                                rec.execution_id,
+                                s.token_ids,
+                                s.trainable,
+                                s.behaviour_logprobs,
+                                st,
+                                adv,
+                                1.0 / n_exec,
+                            )
+                        )
                         self._pool_tokens += len(s)
             while self._pool_tokens >= self.config.token_budget:
                 self._emit()
@@ -245,9 +252,14 @@ class PackingBuffer:
         with self._lock:
             if self._batch_id is None:
                 return {}
-            return {"emitted": len(self._steps), "pending": len(self._pending),
-                    "claimed": len(self._leases), "done": len(self._done),
-                    "groups": len(self._groups), "sealed": int(self._sealed)}
+            return {
+                "emitted": len(self._steps),
+                "pending": len(self._pending),
+                "claimed": len(self._leases),
+                "done": len(self._done),
+                "groups": len(self._groups),
+                "sealed": int(self._sealed),
+            }
 
     def holdings(self) -> dict[str, Any]:
         """``claimed`` and ``done`` micro-steps of the open batch (index -> worker), and the
@@ -255,8 +267,11 @@ class PackingBuffer:
         with self._lock:
             if self._batch_id is None:
                 return {"claimed": {}, "done": {}, "batch_id": -1}
-            return {"claimed": {i: lease.worker for i, lease in self._leases.items()},
-                    "done": dict(self._done), "batch_id": self._batch_id}
+            return {
+                "claimed": {i: lease.worker for i, lease in self._leases.items()},
+                "done": dict(self._done),
+                "batch_id": self._batch_id,
+            }
 
     def n_groups(self) -> int:
         with self._lock:
@@ -272,11 +287,20 @@ class PackingBuffer:
                     f"done, {len(self._leases)} claimed, sealed={self._sealed}"
                 )
             tokens = sum(m.n_trainable() for m in self._steps)
-            stale = max((max(s.staleness, default=0) for m in self._steps for s in m.sequences),
-                        default=0)
+            stale = max(
+                (max(s.staleness, default=0) for m in self._steps for s in m.sequences), default=0
+            )
             summary = BatchSummary(
-                self._batch_id, self._version, len(self._steps), len(self._executions), tokens,
-                dict(self._done), self._reclaimed, self._reopened, stale, self._groups,
+                self._batch_id,
+                self._version,
+                len(self._steps),
+                len(self._executions),
+                tokens,
+                dict(self._done),
+                self._reclaimed,
+                self._reopened,
+                stale,
+                self._groups,
             )
             self._batch_id = None
             return summary

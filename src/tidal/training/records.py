@@ -25,17 +25,26 @@ from tidal.errors import RecordError
 from tidal.types import CHAIN_WINDOW_CALLS, continues_chain
 
 
-def record_from_proxy(execution_id: str, group_id: str, calls: list[dict], reward: float | None,
-                      reason: str = CloseReason.COMPLETED) -> ExecutionRecord:
+def record_from_proxy(
+    execution_id: str,
+    group_id: str,
+    calls: list[dict],
+    reward: float | None,
+    reason: str = CloseReason.COMPLETED,
+) -> ExecutionRecord:
     """The record of a closed execution from the proxy's wire JSON of its calls (the admin
     route's ``calls``: ``CallRecord`` dumps). ``reason``: its close reason. A value the models
     refuse is one ``RecordError`` naming the execution and the field."""
     if reason not in CLOSE_REASONS:
         raise RecordError(f"execution {execution_id!r}: unknown close reason {reason!r}")
     try:
-        return ExecutionRecord(execution_id=execution_id, group_id=group_id,
-                               calls=[CallRecord.model_validate(c) for c in calls],
-                               reward=reward, reason=CloseReason(reason))
+        return ExecutionRecord(
+            execution_id=execution_id,
+            group_id=group_id,
+            calls=[CallRecord.model_validate(c) for c in calls],
+            reward=reward,
+            reason=CloseReason(reason),
+        )
     except ValidationError as exc:
         err = exc.errors()[0]
         field_ = ".".join(str(p) for p in err["loc"]) or "(call)"
@@ -99,8 +108,11 @@ def chain_breaks(record: ExecutionRecord) -> int:
     prompt (another choice of a turn): each starts a sequence of its own in
     ``record_to_sequences`` (the proxy counts the same as it records)."""
     calls = [(c.prompt_token_ids, c.output_token_ids) for c in record.calls]
-    return sum(1 for i, (prompt, _) in enumerate(calls)
-               if i and not continues_chain(prompt, calls[max(0, i - CHAIN_WINDOW_CALLS):i]))
+    return sum(
+        1
+        for i, (prompt, _) in enumerate(calls)
+        if i and not continues_chain(prompt, calls[max(0, i - CHAIN_WINDOW_CALLS) : i])
+    )
 
 
 def single_call_record(
@@ -114,11 +126,20 @@ def single_call_record(
 ) -> ExecutionRecord:
     """The record of a one-call execution sampled entirely with one weight version."""
     n = len(output_token_ids)
-    segments = [Segment(engine_id="", request_id="", token_ids=list(output_token_ids),
-                        logprobs=list(output_logprobs),
-                        versions=[f"v{weight_version}"] * n)] if n else []
-    call = CallRecord(prompt_token_ids=list(prompt_token_ids), max_tokens=n,
-                      segments=segments)
+    segments = (
+        [
+            Segment(
+                engine_id="",
+                request_id="",
+                token_ids=list(output_token_ids),
+                logprobs=list(output_logprobs),
+                versions=[f"v{weight_version}"] * n,
+            )
+        ]
+        if n
+        else []
+    )
+    call = CallRecord(prompt_token_ids=list(prompt_token_ids), max_tokens=n, segments=segments)
     return ExecutionRecord(
         execution_id=execution_id, group_id=group_id, calls=[call], reward=reward
     )

@@ -29,8 +29,13 @@ class RpcError(TidalError):
 class RpcServer:
     """Serves ``handler(request, session)`` on one thread per connection."""
 
-    def __init__(self, handler: Handler, on_disconnect: Callable[[dict[str, Any]], None],
-                 authkey: bytes, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        on_disconnect: Callable[[dict[str, Any]], None],
+        authkey: bytes,
+        host: str = "127.0.0.1",
+    ) -> None:
         self._handler, self._on_disconnect = handler, on_disconnect
         self._listener = Listener((host, 0), authkey=authkey)
         self.address: tuple[str, int] = self._listener.address
@@ -90,8 +95,9 @@ class RpcClient:
     def call(self, op: str, timeout_s: float = 120.0, **kwargs: object) -> dict[str, Any]:
         return self.call_with(op, lambda: None, timeout_s, **kwargs)[0]
 
-    def call_with(self, op: str, during: Callable[[], object], timeout_s: float = 120.0,
-                  **kwargs: object) -> tuple[dict[str, Any], object]:
+    def call_with(
+        self, op: str, during: Callable[[], object], timeout_s: float = 120.0, **kwargs: object
+    ) -> tuple[dict[str, Any], object]:
         """Send ``op``, run ``during()`` (the satellite's half of a collective the core's
         handler runs for this request), then read the reply."""
         with self._lock:

@@ -61,40 +61,55 @@ class Satellite:
         self.version = -1
         self._flat = torch.empty(0)  # where pulls land: the weights themselves on the CPU
         self.client = RpcClient((config.host, config.rpc_port), bytes.fromhex(config.authkey))
-        hello = self.client.call("hello", cell=config.cell, incarnation=self.incarnation,
-                                 fingerprint=self.layout.fingerprint())
+        hello = self.client.call(
+            "hello",
+            cell=config.cell,
+            incarnation=self.incarnation,
+            fingerprint=self.layout.fingerprint(),
+        )
         # The loss is the core's, never a local copy: the invariance of the update depends on it.
         loss = GRPOLossConfig.model_validate(hello["loss"])
-        reference = (build_model(config.reference).to(self.device).eval()
-                     if config.reference else None)
+        reference = (
+            build_model(config.reference).to(self.device).eval() if config.reference else None
+        )
         if loss.kl_coef > 0 and reference is None:
-            raise ValueError(f"cell {config.cell}: the core's loss has a KL term; "
-                             "SatelliteConfig.reference is required")
+            raise ValueError(
+                f"cell {config.cell}: the core's loss has a KL term; "
+                "SatelliteConfig.reference is required"
+            )
         self.sharded, self._cell_procs = None, []
         if config.shard is not None and config.shard.fsdp:
             if reference is not None:
-                raise ValueError(f"cell {config.cell}: shard: a KL reference model is not "
-                                 "supported on a sharded cell")
+                raise ValueError(
+                    f"cell {config.cell}: shard: a KL reference model is not "
+                    "supported on a sharded cell"
+                )
             # the cell's ranks are processes of this node: their store is on loopback (the
             # core's address, ``config.host``, may be another node's)
             self.sharded, self._cell_procs = start_cell(
-                model, self.device, config.shard, loss, hello["pad_id"], None, "127.0.0.1")
+                model, self.device, config.shard, loss, hello["pad_id"], None, "127.0.0.1"
+            )
             self.model = self.sharded.model
-            self.worker: GradientWorker | ShardedWorker = ShardedWorker(config.cell,
-                                                                         self.sharded)
+            self.worker: GradientWorker | ShardedWorker = ShardedWorker(config.cell, self.sharded)
         else:
             self.model = model.to(self.device)
-            self.worker = GradientWorker(config.cell, self.model, loss, reference,
-                                         hello["pad_id"])
+            self.worker = GradientWorker(config.cell, self.model, loss, reference, hello["pad_id"])
             if self.device.type == "cpu" and all(  # one copy of the weights: pulls load in place
-                    p.dtype == torch.float32 for p in self.model.parameters()):
+                p.dtype == torch.float32 for p in self.model.parameters()
+            ):
                 self._flat = self.layout.bind(self.model)
         if self._flat.numel() == 0:  # gloo receives on the CPU, then copied in
             self._flat = torch.empty(self.layout.numel, dtype=torch.float32)
         self.offloaded = False
         self._stash = HostStash()  # pinned host buffers kept between offloads
-        self.registry = GroupRegistry(config.cell, config.host, config.store_port,
-                                      self.incarnation, config.backend, config.timeout_s)
+        self.registry = GroupRegistry(
+            config.cell,
+            config.host,
+            config.store_port,
+            self.incarnation,
+            config.backend,
+            config.timeout_s,
+        )
         self.client.call_with("link", lambda: self.registry.link(config.cell, self.incarnation))
         self.shm: SharedMemoryTransport | None = None
         if hello["shm_name"]:
@@ -144,18 +159,25 @@ class Satellite:
                 self.worker.discard()
         self.client.call("deliver_begin", step=step)
         grad = self.worker.cpu_grad_sum()
-        self.client.call_with("deliver", lambda: self.registry.broadcast(self.link, grad, 1),
-                              counts=self.worker.counts())
+        self.client.call_with(
+            "deliver",
+            lambda: self.registry.broadcast(self.link, grad, 1),
+            counts=self.worker.counts(),
+        )
         outcome = self.client.call("await_update", step=step, timeout_s=self.config.timeout_s * 3)
-        if outcome["next"] == "continue" and self.config.cell in [m[0] for m in
-                                                                  outcome["members"]]:
+        if outcome["next"] == "continue" and self.config.cell in [m[0] for m in outcome["members"]]:
             members = [tuple(m) for m in outcome["members"]]
             pg = self.registry.prefix(members)
             got = BroadcastTransport(self.registry, pg).pull(self._flat, outcome["version"])
             self._load_flat()
             self.version = got
-        log.info("cell %d: step %d done (%d micro-steps), next=%s", self.config.cell, step,
-                 self.worker.n_micro_steps, outcome["next"])
+        log.info(
+            "cell %d: step %d done (%d micro-steps), next=%s",
+            self.config.cell,
+            step,
+            self.worker.n_micro_steps,
+            outcome["next"],
+        )
         return outcome
 
     def park(self) -> str:
@@ -166,8 +188,9 @@ class Satellite:
         self.offload()
         log.info("cell %d: parked (holds v%d)", self.config.cell, self.version)
         while True:
-            reply = self.client.call("park", wait_s=PARK_WAIT_S,
-                                     timeout_s=PARK_WAIT_S + self.config.timeout_s)
+            reply = self.client.call(
+                "park", wait_s=PARK_WAIT_S, timeout_s=PARK_WAIT_S + self.config.timeout_s
+            )
             if reply["next"] != "park":
                 break
         if reply["next"] == "join":
@@ -196,8 +219,10 @@ class Satellite:
     def _move(self, device: torch.device) -> None:
         stash = self._stash
         with torch.no_grad():
-            for kind, named in (("buffer", self.model.named_buffers()),
-                                ("param", self.model.named_parameters())):
+            for kind, named in (
+                ("buffer", self.model.named_buffers()),
+                ("param", self.model.named_parameters()),
+            ):
                 for name, t in named:
                     t.data = stash.move(f"{kind}.{name}", t.data, device)
         stash.settle()
@@ -226,8 +251,10 @@ def run_satellite(config_json: str) -> None:
     malloc.tune()  # freed gradients and activations go back to the system
     config = SatelliteConfig.model_validate_json(config_json)
     torch.set_num_threads(config.torch_threads)
-    logging.basicConfig(level=os.environ.get("TIDAL_LOG", "WARNING"),
-                        format=f"%(asctime)s cell{config.cell} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("TIDAL_LOG", "WARNING"),
+        format=f"%(asctime)s cell{config.cell} %(levelname)s %(name)s: %(message)s",
+    )
     if config.start_delay_s:
         time.sleep(config.start_delay_s)
     Satellite(config).run()

@@ -45,8 +45,9 @@ def cell_store(rank: int, world: int, host: str, port: int, timeout_s: float) ->
     return store_on(host, port, world, rank == 0, timeout_s)
 
 
-def await_followers(store: dist.TCPStore, procs: list[subprocess.Popen], timeout_s: float,
-                     every_s: float = 0.1) -> None:
+def await_followers(
+    store: dist.TCPStore, procs: list[subprocess.Popen], timeout_s: float, every_s: float = 0.1
+) -> None:
     """Until ranks 1..k-1 have all reached the store (each adds 1 to ``joined``), polled in
     Python: a signal (SIGTERM, Ctrl-C) is handled between polls, where torch's own join would
     hold the thread in C++ for its whole timeout; a rank that exits first, or ``timeout_s``,
@@ -56,22 +57,28 @@ def await_followers(store: dist.TCPStore, procs: list[subprocess.Popen], timeout
     while store.add(JOINED, 0) < len(procs):
         for rank, p in enumerate(procs, start=1):
             if p.poll() is not None:
-                raise TidalError(f"runtime.fsdp_ranks: rank {rank} of {world} exited with "
-                                 f"{p.returncode} before joining its cell (too many ranks "
-                                 "for this machine's cores or memory?)")
+                raise TidalError(
+                    f"runtime.fsdp_ranks: rank {rank} of {world} exited with "
+                    f"{p.returncode} before joining its cell (too many ranks "
+                    "for this machine's cores or memory?)"
+                )
         if time.monotonic() > deadline:
-            raise TidalError(f"runtime.fsdp_ranks: {store.add(JOINED, 0)} of {len(procs)} "
-                             f"ranks joined their cell within {timeout_s:g} s")
+            raise TidalError(
+                f"runtime.fsdp_ranks: {store.add(JOINED, 0)} of {len(procs)} "
+                f"ranks joined their cell within {timeout_s:g} s"
+            )
         time.sleep(every_s)
 
 
-def init_cell_group(store: dist.TCPStore, rank: int, world: int, backend: str,
-                    timeout_s: float) -> None:
+def init_cell_group(
+    store: dist.TCPStore, rank: int, world: int, backend: str, timeout_s: float
+) -> None:
     """Make this cell's group the process's default group (blocks until all ranks joined)."""
     if dist.is_initialized():
         raise TidalError("this process already belongs to a cell group (one cell per process)")
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=dt.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=timeout_s)
+    )
 
 
 def close_cell_group() -> None:
@@ -85,10 +92,14 @@ def shard_model(model: nn.Module, device: torch.device, cfg: ShardConfig) -> nn.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto"
-                                             and device.type == "cuda")
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if bf16 else MixedPrecisionPolicy())
+    bf16 = cfg.mixed_precision == "bf16" or (
+        cfg.mixed_precision == "auto" and device.type == "cuda"
+    )
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -125,7 +136,8 @@ class ShardLayout:
         for name, shape, off in zip(full.names, full.shapes, full.offsets, strict=True):
             p = named[name]
             local_shape, offset = compute_local_shape_and_global_offset(
-                p.shape, p.device_mesh, p.placements)
+                p.shape, p.device_mesh, p.placements
+            )
             row_numel = 1
             for d in shape[1:]:
                 row_numel *= d
@@ -139,14 +151,13 @@ class ShardLayout:
     def local_of(self, full_flat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The part of a full flat vector this rank holds (a new local vector unless ``out``)."""
         if full_flat.numel() != self.full.numel:
-            raise TidalError(f"full vector of {full_flat.numel()} values, model "
-                             f"{self.full.numel}")
+            raise TidalError(f"full vector of {full_flat.numel()} values, model {self.full.numel}")
         if out is None:
             out = torch.empty(self.numel, dtype=full_flat.dtype, device=full_flat.device)
         for pc in self.pieces:
             n = pc.rows * pc.row_numel
             start = pc.full_off + pc.row0 * pc.row_numel
-            out[pc.local_off: pc.local_off + n].copy_(full_flat[start: start + n])
+            out[pc.local_off : pc.local_off + n].copy_(full_flat[start : start + n])
         return out
 
     def _params(self, model: nn.Module) -> list[nn.Parameter]:
@@ -156,7 +167,7 @@ class ShardLayout:
     def grads_to_flat(self, model: nn.Module, out: torch.Tensor) -> torch.Tensor:
         """Local gradient shards into ``out`` (a parameter without gradient gives zeros)."""
         for p, pc in zip(self._params(model), self.pieces, strict=True):
-            seg = out[pc.local_off: pc.local_off + pc.rows * pc.row_numel]
+            seg = out[pc.local_off : pc.local_off + pc.rows * pc.row_numel]
             if p.grad is None:
                 seg.zero_()
             else:
@@ -167,18 +178,23 @@ class ShardLayout:
         """Add the local gradient shards into ``flat`` (a parameter without one adds nothing)."""
         for p, pc in zip(self._params(model), self.pieces, strict=True):
             if p.grad is not None:
-                flat[pc.local_off: pc.local_off + pc.rows * pc.row_numel] += \
+                flat[pc.local_off : pc.local_off + pc.rows * pc.row_numel] += (
                     p.grad.to_local().reshape(-1)
+                )
 
     def flat_to_grads_(self, model: nn.Module, flat: torch.Tensor) -> None:
         from torch.distributed.tensor import DTensor
 
         for p, pc in zip(self._params(model), self.pieces, strict=True):
             local = p.to_local()
-            g = flat[pc.local_off: pc.local_off + local.numel()].view_as(local)
-            p.grad = DTensor.from_local(g.to(device=local.device, dtype=local.dtype, copy=True),
-                                        p.device_mesh, p.placements, shape=p.shape,
-                                        stride=p.stride())
+            g = flat[pc.local_off : pc.local_off + local.numel()].view_as(local)
+            p.grad = DTensor.from_local(
+                g.to(device=local.device, dtype=local.dtype, copy=True),
+                p.device_mesh,
+                p.placements,
+                shape=p.shape,
+                stride=p.stride(),
+            )
 
     def load_full_(self, model: nn.Module, full_flat: torch.Tensor) -> None:
         """Copy this rank's part of a full vector into its parameter shards, in place."""
@@ -186,7 +202,7 @@ class ShardLayout:
             for p, pc in zip(self._params(model), self.pieces, strict=True):
                 local = p.to_local()
                 start = pc.full_off + pc.row0 * pc.row_numel
-                local.copy_(full_flat[start: start + local.numel()].view_as(local))
+                local.copy_(full_flat[start : start + local.numel()].view_as(local))
 
     def iter_full_params(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full parameter) one at a time: an all-gather per parameter that every rank
@@ -194,13 +210,19 @@ class ShardLayout:
         for name, p in zip(self.names, self._params(model), strict=True):
             yield name, p.detach().full_tensor()
 
-    def iter_full_grads(self, model: nn.Module, flat: torch.Tensor
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_grads(
+        self, model: nn.Module, flat: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full gradient) of a local flat gradient vector, one all-gather at a time."""
         from torch.distributed.tensor import DTensor
 
         for name, p, pc in zip(self.names, self._params(model), self.pieces, strict=True):
-            local = flat[pc.local_off: pc.local_off + p.to_local().numel()]
-            d = DTensor.from_local(local.view(p.to_local().shape).to(p.device), p.device_mesh,
-                                   p.placements, shape=p.shape, stride=p.stride())
+            local = flat[pc.local_off : pc.local_off + p.to_local().numel()]
+            d = DTensor.from_local(
+                local.view(p.to_local().shape).to(p.device),
+                p.device_mesh,
+                p.placements,
+                shape=p.shape,
+                stride=p.stride(),
+            )
             yield name, d.full_tensor()

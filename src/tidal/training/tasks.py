@@ -31,8 +31,9 @@ class Problem:
         return f"{self.a}+{self.b}="
 
     def messages(self) -> list[dict[str, str]]:
-        return [{"role": "user",
-                 "content": f"What is {self.a}+{self.b}? Reply with the number only."}]
+        return [
+            {"role": "user", "content": f"What is {self.a}+{self.b}? Reply with the number only."}
+        ]
 
 
 class AdditionTask:

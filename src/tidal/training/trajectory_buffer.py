@@ -151,8 +151,9 @@ class TrajectoryBuffer:
         """Groups a ``take`` could hand out now: ready ones; ordered, only the ready prefix of
         the expected order."""
         with self._cv:
-            return len(self._in_order(len(self._ready))) if self.config.ordered \
-                else len(self._ready)
+            return (
+                len(self._in_order(len(self._ready))) if self.config.ordered else len(self._ready)
+            )
 
     def _in_order(self, limit: int) -> list[ReadyGroup]:
         """Ordered: the ready groups that are next in the expected order, at most ``limit``."""
@@ -201,8 +202,12 @@ class TrajectoryBuffer:
         if len(scored) < min(2, self.config.group_size):
             self.stats.groups_dropped_reward += 1
             self._forget(group_id)
-            log.warning("dropped group %s: %d of %d members scored (reward_error), fewer than "
-                        "2", group_id, len(scored), len(records))
+            log.warning(
+                "dropped group %s: %d of %d members scored (reward_error), fewer than 2",
+                group_id,
+                len(scored),
+                len(records),
+            )
             return
         rewards = [r.reward for r in scored]
         if self.config.drop_uniform_groups and max(rewards) == min(rewards):
@@ -211,8 +216,7 @@ class TrajectoryBuffer:
             return
         advantages = group_advantages(rewards, self.config.advantage_eps)
         sequences = [record_to_sequences(r) for r in scored]
-        self._ready.append(ReadyGroup(group_id, scored, advantages, sequences,
-                                      unscored=unscored))
+        self._ready.append(ReadyGroup(group_id, scored, advantages, sequences, unscored=unscored))
         self.stats.groups_ready += 1
 
     def _forget(self, group_id: str) -> None:
@@ -259,8 +263,12 @@ class TrajectoryBuffer:
             self.stats.dropped_group_ids.append(g.group_id)
             if g.group_id in self._expected:  # never comes back: the order goes on without
                 self._expected.remove(g.group_id)
-            log.info("dropped stale group %s (min version %d < %d)", g.group_id,
-                     g.min_version(), oldest_ok)
+            log.info(
+                "dropped stale group %s (min version %d < %d)",
+                g.group_id,
+                g.min_version(),
+                oldest_ok,
+            )
         self._ready = fresh
 
     def take(self, max_groups: int, version: int, timeout_s: float = 0.0) -> list[ReadyGroup]:
@@ -294,8 +302,13 @@ class TrajectoryBuffer:
             for g in out:
                 g.consumed_version = version
                 g.staleness = [
-                    [[version - v if t else 0 for v, t in zip(s.versions, s.trainable, strict=True)]
-                     for s in seqs]
+                    [
+                        [
+                            version - v if t else 0
+                            for v, t in zip(s.versions, s.trainable, strict=True)
+                        ]
+                        for s in seqs
+                    ]
                     for seqs in g.sequences
                 ]
                 lag = version - g.min_version()

@@ -69,8 +69,9 @@ def _layout_meta(layout: ParamLayout) -> bytes:
 class SharedMemoryTransport:
     """Single-writer, many-reader weight vector in ``/dev/shm/<name>``."""
 
-    def __init__(self, name: str, layout: ParamLayout, create: bool,
-                 clock: Clock | None = None) -> None:
+    def __init__(
+        self, name: str, layout: ParamLayout, create: bool, clock: Clock | None = None
+    ) -> None:
         self.clock: Clock = clock or WallClock()  # pulls wait on it (virtual time in tests)
         self.name, self.layout, self._owner = name, layout, create
         self._data_off = _HEADER.size + _META_MAX
@@ -92,8 +93,9 @@ class SharedMemoryTransport:
                 self._buf = memoryview(self._mmap)
         except (FileExistsError, FileNotFoundError) as exc:
             raise TransportError(f"shared memory {name!r}: {exc}") from exc
-        self._data = torch.frombuffer(self._buf, dtype=torch.float32, offset=self._data_off,
-                                      count=layout.numel)
+        self._data = torch.frombuffer(
+            self._buf, dtype=torch.float32, offset=self._data_off, count=layout.numel
+        )
         if create:
             meta = _layout_meta(layout)
             self._buf[_HEADER.size : _HEADER.size + len(meta)] = meta
@@ -109,20 +111,32 @@ class SharedMemoryTransport:
                 meta = json.loads(bytes(mm[_HEADER.size : _HEADER.size + meta_len]))
         finally:
             os.close(fd)
-        layout = ParamLayout(tuple(meta["names"]), tuple(tuple(s) for s in meta["shapes"]),
-                             tuple(meta["offsets"]), numel)
+        layout = ParamLayout(
+            tuple(meta["names"]),
+            tuple(tuple(s) for s in meta["shapes"]),
+            tuple(meta["offsets"]),
+            numel,
+        )
         return cls(name, layout, create=False)
 
-    def named_views(self, min_version: int = 0, timeout_s: float = 60.0
-                    ) -> tuple[int, dict[str, torch.Tensor]]:
+    def named_views(
+        self, min_version: int = 0, timeout_s: float = 60.0
+    ) -> tuple[int, dict[str, torch.Tensor]]:
         """A stable private copy of the vector, as name -> tensor views (for ``load_weights``)."""
         flat = torch.empty(self.layout.numel, dtype=torch.float32)
         version = self.pull(flat, min_version, timeout_s)
         return version, self.layout.views(flat)
 
     def _write_header(self, seq: int, version: int, meta_len: int) -> None:
-        _HEADER.pack_into(self._buf, 0, seq, version, self.layout.numel, meta_len,
-                          self.layout.fingerprint().encode())
+        _HEADER.pack_into(
+            self._buf,
+            0,
+            seq,
+            version,
+            self.layout.numel,
+            meta_len,
+            self.layout.fingerprint().encode(),
+        )
 
     def _read_header(self) -> tuple[int, int, int, int, str]:
         seq, version, numel, meta_len, fp = _HEADER.unpack_from(self._buf, 0)
@@ -206,8 +220,13 @@ class FilePublisher:
     bytes, for engines that serve in bfloat16 and would cast to it anyway:
     ``backends.published_dtype``)."""
 
-    def __init__(self, directory: str | os.PathLike, layout: ParamLayout, keep: int = 2,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        layout: ParamLayout,
+        keep: int = 2,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         from pathlib import Path
 
         if dtype not in _FILE_DTYPES:
@@ -222,8 +241,7 @@ class FilePublisher:
     def publish(self, version: int, flat: torch.Tensor) -> None:
         self.publish_stream(version, iter(self.layout.views(flat).items()))
 
-    def publish_stream(self, version: int,
-                       params: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def publish_stream(self, version: int, params: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Write a version from (name, tensor) pairs arriving one at a time in layout order (a
         sharded trainer gathers each parameter as it is written): the safetensors header is
         known from the layout, so no full copy of the model is ever assembled."""
@@ -232,13 +250,17 @@ class FilePublisher:
         header: dict[str, object] = {"__metadata__": {"weight_version": f"v{version}"}}
         code, raw = _FILE_DTYPES[self.dtype]
         size = self.dtype.itemsize
-        for name, shape, off in zip(self.layout.names, self.layout.shapes, self.layout.offsets,
-                                    strict=True):
+        for name, shape, off in zip(
+            self.layout.names, self.layout.shapes, self.layout.offsets, strict=True
+        ):
             n = 1
             for d in shape:
                 n *= d
-            header[name] = {"dtype": code, "shape": list(shape),
-                            "data_offsets": [off * size, (off + n) * size]}
+            header[name] = {
+                "dtype": code,
+                "shape": list(shape),
+                "data_offsets": [off * size, (off + n) * size],
+            }
         head = json.dumps(header, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 8)
         with contextlib.ExitStack() as cleanup, open(tmp, "wb") as f:
@@ -249,8 +271,9 @@ class FilePublisher:
                 if name != next(names, None):
                     raise TransportError(f"publication out of layout order at {name}")
                 if not bool(torch.isfinite(tensor).all()):  # no engine is handed it (any backend)
-                    raise TransportError(f"v{version}: parameter {name} holds NaN or infinite "
-                                         f"values; not published")
+                    raise TransportError(
+                        f"v{version}: parameter {name} holds NaN or infinite values; not published"
+                    )
                 values = tensor.detach().to("cpu", self.dtype).contiguous()
                 f.write(values.view(raw).numpy().data)  # numpy has no bfloat16: its bits
             if next(names, None) is not None:
@@ -264,8 +287,9 @@ class FilePublisher:
                 os.remove(old)
 
 
-def load_into(module: torch.nn.Module, reader: WeightReader, min_version: int = 0,
-              timeout_s: float = 60.0) -> int:
+def load_into(
+    module: torch.nn.Module, reader: WeightReader, min_version: int = 0, timeout_s: float = 60.0
+) -> int:
     """Load the newest published weights into ``module`` in place (no restart, no realloc)."""
     layout = ParamLayout.of(module)
     flat = torch.empty(layout.numel, dtype=torch.float32)

@@ -150,8 +150,16 @@ class TidalWorkerExtension:
         self._load(named)
         return label
 
-    def tidal_init_group(self, host: str, port: int, rank_offset: int, world_size: int, key: str,
-                         backend: str = "nccl", timeout_s: float = 300.0) -> bool:
+    def tidal_init_group(
+        self,
+        host: str,
+        port: int,
+        rank_offset: int,
+        world_size: int,
+        key: str,
+        backend: str = "nccl",
+        timeout_s: float = 300.0,
+    ) -> bool:
         """Join the trainer's side group as ``rank_offset + <this worker's rank>``."""
         import torch.distributed as dist
 
@@ -163,8 +171,9 @@ class TidalWorkerExtension:
             self._tidal_pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
             self._tidal_device = torch.device("cuda", torch.cuda.current_device())
         else:
-            self._tidal_pg = dist.ProcessGroupGloo(prefixed, rank, world_size,
-                                                   dt.timedelta(seconds=timeout_s))
+            self._tidal_pg = dist.ProcessGroupGloo(
+                prefixed, rank, world_size, dt.timedelta(seconds=timeout_s)
+            )
             self._tidal_device = torch.device("cpu")
         return True
 
@@ -178,8 +187,12 @@ class TidalWorkerExtension:
         version, numel = int(header[0]), int(header[1])
         flat = torch.empty(numel, dtype=torch.float32, device=self._tidal_device)
         self._tidal_pg.broadcast([flat], opts).wait()
-        lay = ParamLayout(tuple(layout["names"]), tuple(tuple(s) for s in layout["shapes"]),
-                          tuple(layout["offsets"]), numel)
+        lay = ParamLayout(
+            tuple(layout["names"]),
+            tuple(tuple(s) for s in layout["shapes"]),
+            tuple(layout["offsets"]),
+            numel,
+        )
         self._load(lay.views(flat))
         return version
 
@@ -188,10 +201,16 @@ class VLLMWeightPublisher:
     """A ``WeightPublisher`` for one vLLM server (all its TP/DP workers); ``load_file`` loads a
     version another publisher wrote (``FilePublisher``), e.g. in ``tidal run``."""
 
-    def __init__(self, base_url: str, layout: ParamLayout | None,
-                 carrier: Literal["shm", "broadcast", "file"],
-                 shm_name: str | None = None, pause_mode: str | None = "keep",
-                 api_key: str | None = None, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        layout: ParamLayout | None,
+        carrier: Literal["shm", "broadcast", "file"],
+        shm_name: str | None = None,
+        pause_mode: str | None = "keep",
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
         import httpx
 
         if layout is None and carrier != "file":
@@ -203,12 +222,17 @@ class VLLMWeightPublisher:
         routes = set(self._get("/openapi.json").get("paths", {}))
         missing = [r for r in _REQUIRED if r not in routes]
         if missing:
-            raise TransportError(f"{base_url} lacks {missing}: start vLLM with "
-                                 "VLLM_SERVER_DEV_MODE=1 and the tidal worker extension")
+            raise TransportError(
+                f"{base_url} lacks {missing}: start vLLM with "
+                "VLLM_SERVER_DEV_MODE=1 and the tidal worker extension"
+            )
         self._has_version = "/update_weight_version" in routes
         self._has_pause = "/pause" in routes and "/resume" in routes
-        self._shm = (SharedMemoryTransport(shm_name or "tidal-vllm", layout, create=True)
-                     if carrier == "shm" else None)
+        self._shm = (
+            SharedMemoryTransport(shm_name or "tidal-vllm", layout, create=True)
+            if carrier == "shm"
+            else None
+        )
         self._group: tuple[Any, Any] | None = None
 
     def _get(self, path: str) -> dict[str, Any]:
@@ -216,8 +240,9 @@ class VLLMWeightPublisher:
         resp.raise_for_status()
         return resp.json()
 
-    def _post(self, path: str, json: dict[str, Any] | None = None,
-              params: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _post(
+        self, path: str, json: dict[str, Any] | None = None, params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         import httpx
 
         try:
@@ -232,13 +257,24 @@ class VLLMWeightPublisher:
         body = {"method": method, "args": list(args), "kwargs": {}, "timeout": self.timeout_s}
         return self._post("/collective_rpc", body)["results"]
 
-    def init_group(self, registry: GroupRegistry, world_size: int,
-                   key: str = "tidal-vllm/") -> None:
+    def init_group(
+        self, registry: GroupRegistry, world_size: int, key: str = "tidal-vllm/"
+    ) -> None:
         """Form the trainer(rank 0) + workers side group once; ``registry`` is the core's."""
         out: dict[str, Any] = {}
-        call = threading.Thread(target=lambda: out.update(r=self.rpc(
-            "tidal_init_group", registry.host, registry.port, 1, world_size, key,
-            registry.backend)))
+        call = threading.Thread(
+            target=lambda: out.update(
+                r=self.rpc(
+                    "tidal_init_group",
+                    registry.host,
+                    registry.port,
+                    1,
+                    world_size,
+                    key,
+                    registry.backend,
+                )
+            )
+        )
         call.start()
         pg = registry._create(key, 0, world_size)
         call.join(self.timeout_s)
@@ -259,8 +295,10 @@ class VLLMWeightPublisher:
     def set_version(self, label: str) -> None:
         """The server's weight version label: what its tokens are attributed to."""
         if not self._has_version:
-            raise TransportError(f"{self.base_url} lacks /update_weight_version (vLLM >= 0.32 "
-                                 "with VLLM_SERVER_DEV_MODE=1)")
+            raise TransportError(
+                f"{self.base_url} lacks /update_weight_version (vLLM >= 0.32 "
+                "with VLLM_SERVER_DEV_MODE=1)"
+            )
         self._post("/update_weight_version", {"new_version": label})
 
     def version(self) -> str:
@@ -296,8 +334,11 @@ class VLLMWeightPublisher:
         if self._group is None:
             raise TransportError("broadcast carrier needs init_group() first")
         registry, pg = self._group
-        meta = {"names": self.layout.names, "shapes": self.layout.shapes,
-                "offsets": self.layout.offsets}
+        meta = {
+            "names": self.layout.names,
+            "shapes": self.layout.shapes,
+            "offsets": self.layout.offsets,
+        }
         errors: list[BaseException] = []
 
         def receive() -> None:

@@ -52,8 +52,9 @@ def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def model_logprobs(model: nn.Module, input_ids: torch.Tensor,
-                   chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+def model_logprobs(
+    model: nn.Module, input_ids: torch.Tensor, chunk_tokens: int = CHUNK_TOKENS
+) -> torch.Tensor:
     """Log-prob of each next token, [B, L] ids -> [B, L-1], without the full [B, L, V] logits:
     the transformer body runs once, the output head and the log-normaliser ``chunk_tokens``
     rows at a time, each chunk checkpointed (its logits recomputed in backward, never kept).
@@ -91,13 +92,24 @@ class _Tally:
     """What a worker reports of the micro-steps it committed (either kind of worker)."""
 
     def contribution(self) -> Contribution:
-        return Contribution(self.cell, self.grad_sum, self.n_micro_steps, self.n_tokens,
-                            len(self.executions), self.loss_sum, self.device_peak_mb())
+        return Contribution(
+            self.cell,
+            self.grad_sum,
+            self.n_micro_steps,
+            self.n_tokens,
+            len(self.executions),
+            self.loss_sum,
+            self.device_peak_mb(),
+        )
 
     def counts(self) -> dict[str, int | float | None]:
-        return {"n_micro_steps": self.n_micro_steps, "n_tokens": self.n_tokens,
-                "n_executions": len(self.executions), "loss_sum": self.loss_sum,
-                "device_peak_mb": self.device_peak_mb()}
+        return {
+            "n_micro_steps": self.n_micro_steps,
+            "n_tokens": self.n_tokens,
+            "n_executions": len(self.executions),
+            "loss_sum": self.loss_sum,
+            "device_peak_mb": self.device_peak_mb(),
+        }
 
     def device_peak_mb(self) -> float | None:
         """This trainer's GPU peak (rank 0's on a sharded cell); None on the CPU."""
@@ -184,15 +196,19 @@ class GradientWorker(_Tally):
         loss, stats = grpo_loss_sum(logprobs, t, self.loss_config, ref)
         loss.backward()  # into the sum (bound) or ``.grad`` until commit/discard
         stale = int((t.staleness * t.mask).max()) if bool(t.mask.any()) else 0
-        return StepResult(stats.loss_sum, stats.n_tokens, stats.clipped_tokens,
-                          stats.mean_ratio, stale)
+        return StepResult(
+            stats.loss_sum, stats.n_tokens, stats.clipped_tokens, stats.mean_ratio, stale
+        )
 
     def commit(self) -> None:
         assert self._pending_stats is not None, "commit without compute"
         step, result = self._pending_stats
         if not self.bound:
-            for p, view in zip(self.layout.params(self.model),
-                               self.layout.views(self.grad_sum).values(), strict=True):
+            for p, view in zip(
+                self.layout.params(self.model),
+                self.layout.views(self.grad_sum).values(),
+                strict=True,
+            ):
                 if p.grad is not None:
                     view += p.grad
             self.model.zero_grad(set_to_none=True)
@@ -208,8 +224,11 @@ class GradientWorker(_Tally):
             step = self._pending_stats[0]
             self.model.zero_grad(set_to_none=True)
             self._backward(step)
-            for p, view in zip(self.layout.params(self.model),
-                               self.layout.views(self.grad_sum).values(), strict=True):
+            for p, view in zip(
+                self.layout.params(self.model),
+                self.layout.views(self.grad_sum).values(),
+                strict=True,
+            ):
                 if p.grad is not None:
                     view -= p.grad
             self._bind_grads()
@@ -280,4 +299,3 @@ class ShardedWorker(_Tally):
 
     def cpu_grad_sum(self) -> torch.Tensor:
         return self.sharded.gather_grad_sum()
-

@@ -18,8 +18,12 @@ from tidal.types import Role
 if TYPE_CHECKING:
     from tidal.sim.runner import RunResult
 
-ROLE_COLOURS = {Role.ROLLOUT: "#4C72B0", Role.TRAINING: "#DD8452",
-                Role.MOVING_TO_TRAINING: "#C44E52", Role.MOVING_TO_ROLLOUT: "#8172B3"}
+ROLE_COLOURS = {
+    Role.ROLLOUT: "#4C72B0",
+    Role.TRAINING: "#DD8452",
+    Role.MOVING_TO_TRAINING: "#C44E52",
+    Role.MOVING_TO_ROLLOUT: "#8172B3",
+}
 
 
 def pyplot():
@@ -35,23 +39,32 @@ def pyplot():
 def plot_all(results: list[RunResult], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return [plot_roles(results, out / "roles.png"),
-            plot_waterlevel(results, out / "waterlevel.png"),
-            plot_utilization(results, out / "utilization.png")]
+    return [
+        plot_roles(results, out / "roles.png"),
+        plot_waterlevel(results, out / "waterlevel.png"),
+        plot_utilization(results, out / "utilization.png"),
+    ]
 
 
 def plot_roles(results: list[RunResult], path: Path) -> Path:
     plt = pyplot()
-    fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.2 + 0.9 * len(results) *
-                                                      max(1, _cells(results) / 4)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(results),
+        1,
+        figsize=(11, 1.2 + 0.9 * len(results) * max(1, _cells(results) / 4)),
+        squeeze=False,
+    )
     for ax, r in zip(axes[:, 0], results, strict=True):
         world = r.world
         segs = world.controller.timeline.close(world.makespan_s)
         for cell, cell_segs in enumerate(segs):
             for start, end, role in cell_segs:
-                ax.broken_barh([(start / 3600, (end - start) / 3600)], (cell - 0.4, 0.8),
-                               color=ROLE_COLOURS[role], linewidth=0)
+                ax.broken_barh(
+                    [(start / 3600, (end - start) / 3600)],
+                    (cell - 0.4, 0.8),
+                    color=ROLE_COLOURS[role],
+                    linewidth=0,
+                )
         names = [c.name for c in world.controller.cells.cells]
         ax.set_yticks(range(len(names)))
         ax.set_yticklabels(names, fontsize=7)
@@ -108,8 +121,12 @@ def plot_utilization(results: list[RunResult], path: Path) -> Path:
     keys = ("train_utilization", "rollout_utilization", "cluster_utilization")
     width = 0.8 / max(1, len(results))
     for i, r in enumerate(results):
-        ax2.bar([k + i * width for k in range(len(keys))], [r.summary[k] for k in keys],
-                width=width, label=r.spec)
+        ax2.bar(
+            [k + i * width for k in range(len(keys))],
+            [r.summary[k] for k in keys],
+            width=width,
+            label=r.spec,
+        )
     ax2.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))])
     ax2.set_xticklabels(["train", "rollout", "cluster"], fontsize=8)
     ax2.set_ylim(0, 1.05)

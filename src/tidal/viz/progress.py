@@ -30,8 +30,9 @@ def clock_text(s: float | None) -> str:
 
 
 class RunProgress:
-    def __init__(self, total_steps: int, total_executions: int,
-                 now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, total_steps: int, total_executions: int, now: Callable[[], float] = time.monotonic
+    ) -> None:
         self.total_steps, self.total_executions = max(1, total_steps), max(1, total_executions)
         self.now = now
         self.started = now()
@@ -55,9 +56,12 @@ class RunProgress:
         """The final frame is the final state: every step done, every execution closed."""
         with self.lock:
             self.steps = int(summary.get("trainer_steps", self.steps))
-            self.state = {**self.state, "step": self.steps,
-                          "closed": summary.get("closed", self.state.get("closed")),
-                          "version": summary.get("version", self.state.get("version"))}
+            self.state = {
+                **self.state,
+                "step": self.steps,
+                "closed": summary.get("closed", self.state.get("closed")),
+                "version": summary.get("version", self.state.get("version")),
+            }
 
     def fraction(self) -> float:
         closed = self.state.get("closed")
@@ -87,10 +91,12 @@ class RunProgress:
                 return f"{head} starting: Ray, engines, proxy, model (no dispatch yet)"
             closed = st.get("closed")
             execs = "-" if closed is None else str(closed)
-            return (f"{head} burst {st.get('burst', '-')} step {self.steps}/{self.total_steps} "
-                    f"w {st.get('waterlevel', '-')} roles {' '.join(st.get('roles', []))} "
-                    f"executions {execs}/{self.total_executions} "
-                    f"{100 * self.fraction():.0f}% ETA {clock_text(self.eta())}")
+            return (
+                f"{head} burst {st.get('burst', '-')} step {self.steps}/{self.total_steps} "
+                f"w {st.get('waterlevel', '-')} roles {' '.join(st.get('roles', []))} "
+                f"executions {execs}/{self.total_executions} "
+                f"{100 * self.fraction():.0f}% ETA {clock_text(self.eta())}"
+            )
 
     def panel(self) -> Group:
         """The terminal panel: a fixed-width table and a progress line."""
@@ -108,26 +114,41 @@ class RunProgress:
             table.add_row("starting", "Ray, engines, proxy, model")
         else:
             reward = "-" if st.get("reward") is None else f"{st['reward']:.3f}"
-            colour = {"rollout": "blue", "training": "dark_orange",
-                      "moving_to_training": "red", "moving_to_rollout": "magenta"}
-            cells = " ".join(f"[{colour.get(r, 'white')}]{i}:{r[:8]}[/]"
-                             for i, r in enumerate(st.get("roles", [])))
+            colour = {
+                "rollout": "blue",
+                "training": "dark_orange",
+                "moving_to_training": "red",
+                "moving_to_rollout": "magenta",
+            }
+            cells = " ".join(
+                f"[{colour.get(r, 'white')}]{i}:{r[:8]}[/]"
+                for i, r in enumerate(st.get("roles", []))
+            )
             closed = st.get("closed")
             for key, val in (
-                    ("burst / step / version", f"{st.get('burst')} / {self.steps} of "
-                                               f"{self.total_steps} / v{st.get('version')}"),
-                    ("executions closed", f"{'-' if closed is None else closed} of "
-                                          f"{self.total_executions}"),
-                    ("mean reward (last step)", reward),
-                    ("waterlevel (queued + running)",
-                     f"{st.get('waterlevel')} ({st.get('queued')} + {st.get('running')})"),
-                    ("calls queued at the proxy", str(st.get("proxy_queued", "-"))),
-                    ("cells", cells),
-                    ("transitions / replaced", f"{st.get('switches')} / {st.get('replaced')}")):
+                (
+                    "burst / step / version",
+                    f"{st.get('burst')} / {self.steps} of "
+                    f"{self.total_steps} / v{st.get('version')}",
+                ),
+                (
+                    "executions closed",
+                    f"{'-' if closed is None else closed} of {self.total_executions}",
+                ),
+                ("mean reward (last step)", reward),
+                (
+                    "waterlevel (queued + running)",
+                    f"{st.get('waterlevel')} ({st.get('queued')} + {st.get('running')})",
+                ),
+                ("calls queued at the proxy", str(st.get("proxy_queued", "-"))),
+                ("cells", cells),
+                ("transitions / replaced", f"{st.get('switches')} / {st.get('replaced')}"),
+            ):
                 table.add_row(key, val)
         bar = ProgressBar(total=1000, completed=int(1000 * f), width=40)
-        text = Text(f" {100 * f:5.1f}%  elapsed {clock_text(self.elapsed())}  "
-                    f"ETA {clock_text(eta)}")
+        text = Text(
+            f" {100 * f:5.1f}%  elapsed {clock_text(self.elapsed())}  ETA {clock_text(eta)}"
+        )
         grid = Table.grid()
         grid.add_row(bar, text)
         return Group(table, grid)
@@ -137,8 +158,9 @@ class Heartbeat:
     """Prints ``progress.line()`` through ``echo`` whenever nothing was printed for
     ``every_s`` seconds (``printed()`` marks other output); a daemon thread, until ``stop()``."""
 
-    def __init__(self, progress: RunProgress, echo: Callable[[str], None],
-                 every_s: float = 10.0) -> None:
+    def __init__(
+        self, progress: RunProgress, echo: Callable[[str], None], every_s: float = 10.0
+    ) -> None:
         self.progress, self.echo, self.every_s = progress, echo, every_s
         self.last = progress.now()
         self._stop = threading.Event()

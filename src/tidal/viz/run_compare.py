@@ -69,24 +69,34 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> Comparison:
 def run_labels(runs: list[RunData]) -> list[str]:
     """The policy spec of each run; the directory name is added where two specs collide."""
     specs = [r.policy for r in runs]
-    return [f"{s} ({r.path.name})" if specs.count(s) > 1 else s
-            for s, r in zip(specs, runs, strict=True)]
+    return [
+        f"{s} ({r.path.name})" if specs.count(s) > 1 else s
+        for s, r in zip(specs, runs, strict=True)
+    ]
 
 
 def run_row(run: RunData, label: str) -> dict[str, Any]:
     s = run.summary
     first, last = run.reward_quarters()
     mean, se, n = run.reward_noise()
-    return {"label": label, "policy": run.policy, "run_dir": str(run.path),
-            "run_time_s": s.get("run_time_s"), "bursts_s": s.get("bursts_s"),
-            "steps": run.n_steps(), "reward_first_quarter": first,
-            "reward_last_quarter": last,
-            "reward_mean": mean, "reward_se": se, "reward_groups": n,
-            "switches_to_training": s.get("switches_to_training"),
-            "switches_to_rollout": s.get("switches_to_rollout"),
-            "rerouted_requests": s.get("rerouted_requests"),
-            "failed_requests": s.get("failed_requests"),
-            "lost_executions": s.get("lost_executions")}
+    return {
+        "label": label,
+        "policy": run.policy,
+        "run_dir": str(run.path),
+        "run_time_s": s.get("run_time_s"),
+        "bursts_s": s.get("bursts_s"),
+        "steps": run.n_steps(),
+        "reward_first_quarter": first,
+        "reward_last_quarter": last,
+        "reward_mean": mean,
+        "reward_se": se,
+        "reward_groups": n,
+        "switches_to_training": s.get("switches_to_training"),
+        "switches_to_rollout": s.get("switches_to_rollout"),
+        "rerouted_requests": s.get("rerouted_requests"),
+        "failed_requests": s.get("failed_requests"),
+        "lost_executions": s.get("lost_executions"),
+    }
 
 
 def vs_best_other(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -98,8 +108,9 @@ def vs_best_other(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             others = [r.get(key) for j, r in enumerate(rows) if j != i]
             others = [x for x in others if isinstance(x, int | float) and x > 0]
             mine = row.get(key)
-            row[f"{key}_vs_best_other"] = (mine / min(others) if others and isinstance(
-                mine, int | float) else None)
+            row[f"{key}_vs_best_other"] = (
+                mine / min(others) if others and isinstance(mine, int | float) else None
+            )
     return rows
 
 
@@ -107,7 +118,7 @@ def pair_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each pair (i < j in the order given): row i / row j of run time and bursts time."""
     out = []
     for i, a in enumerate(rows):
-        for b in rows[i + 1:]:
+        for b in rows[i + 1 :]:
             pair: dict[str, Any] = {"numerator": a["label"], "denominator": b["label"]}
             for key in RATIO_KEYS:
                 x, y = a.get(key), b.get(key)
@@ -118,7 +129,7 @@ def pair_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 pair["reward_diff"] = a["reward_mean"] - b["reward_mean"]
                 se = (a["reward_se"] or 0.0) ** 2 + (b["reward_se"] or 0.0) ** 2
                 if a["reward_se"] is not None and b["reward_se"] is not None and se > 0:
-                    pair["reward_z"] = pair["reward_diff"] / se ** 0.5
+                    pair["reward_z"] = pair["reward_diff"] / se**0.5
             out.append(pair)
     return out
 
@@ -134,8 +145,9 @@ def config_notes(runs: list[RunData]) -> list[str]:
         keys = sorted(k for k in base.keys() | other.keys() if base.get(k) != other.get(k))
         if keys:
             shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-            notes.append(f"{r.path.name} differs from {runs[0].path.name} beyond the policy: "
-                         f"{shown}")
+            notes.append(
+                f"{r.path.name} differs from {runs[0].path.name} beyond the policy: {shown}"
+            )
     return notes
 
 
@@ -147,15 +159,22 @@ def _fmt(val: object, digits: int = 2) -> str:
     return str(val)
 
 
-COLUMNS = (("policy", "label", 0), ("run time s", "run_time_s", 2),
-           ("bursts s", "bursts_s", 2), ("run vs best other", "run_time_s_vs_best_other", 3),
-           ("bursts vs best other", "bursts_s_vs_best_other", 3), ("steps", "steps", 0),
-           ("reward first q", "reward_first_quarter", 3),
-           ("reward last q", "reward_last_quarter", 3),
-           ("reward mean ± se", "reward_mean_se", 0),
-           ("to training", "switches_to_training", 0), ("to rollout", "switches_to_rollout", 0),
-           ("reroutes", "rerouted_requests", 0), ("failed requests", "failed_requests", 0),
-           ("lost", "lost_executions", 0))
+COLUMNS = (
+    ("policy", "label", 0),
+    ("run time s", "run_time_s", 2),
+    ("bursts s", "bursts_s", 2),
+    ("run vs best other", "run_time_s_vs_best_other", 3),
+    ("bursts vs best other", "bursts_s_vs_best_other", 3),
+    ("steps", "steps", 0),
+    ("reward first q", "reward_first_quarter", 3),
+    ("reward last q", "reward_last_quarter", 3),
+    ("reward mean ± se", "reward_mean_se", 0),
+    ("to training", "switches_to_training", 0),
+    ("to rollout", "switches_to_rollout", 0),
+    ("reroutes", "rerouted_requests", 0),
+    ("failed requests", "failed_requests", 0),
+    ("lost", "lost_executions", 0),
+)
 
 
 def _cell(row: dict[str, Any], key: str, digits: int) -> str:
@@ -175,25 +194,41 @@ def _z(p: dict[str, Any]) -> str:
 
 
 def render_markdown(comp: Comparison) -> str:
-    lines = ["# tidal run comparison", "",
-             "Bursts time: first dispatch to the last publication (start-up excluded). Reward "
-             "quarters: mean reward of the first and last quarter of optimizer steps. Reward "
-             "mean ± se: over the run's GRPO groups (executions.jsonl), with its standard "
-             "error. Vs best other: the run's time over the least of every other run's "
-             "(below 1: it beat them all).", "",
-             "| " + " | ".join(h for h, _, _ in COLUMNS) + " |",
-             "|---|" + "---:|" * (len(COLUMNS) - 1)]
+    lines = [
+        "# tidal run comparison",
+        "",
+        "Bursts time: first dispatch to the last publication (start-up excluded). Reward "
+        "quarters: mean reward of the first and last quarter of optimizer steps. Reward "
+        "mean ± se: over the run's GRPO groups (executions.jsonl), with its standard "
+        "error. Vs best other: the run's time over the least of every other run's "
+        "(below 1: it beat them all).",
+        "",
+        "| " + " | ".join(h for h, _, _ in COLUMNS) + " |",
+        "|---|" + "---:|" * (len(COLUMNS) - 1),
+    ]
     for row in comp.rows:
         lines.append("| " + " | ".join(_cell(row, k, d) for _, k, d in COLUMNS) + " |")
-    lines += ["", "## Ratios", "", "| pair | run time | bursts time | reward difference |",
-              "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "## Ratios",
+        "",
+        "| pair | run time | bursts time | reward difference |",
+        "|---|---:|---:|---:|",
+    ]
     for p in comp.ratios:
-        lines.append(f"| {p['numerator']} / {p['denominator']} | {_fmt(p['run_time_s'], 3)} | "
-                     f"{_fmt(p['bursts_s'], 3)} | {_z(p)} |")
-    lines += ["", "A ratio above 1: the second run of the pair took less time. Reward "
-              "difference: first minus second, and in standard errors (z); |z| < 2: within "
-              "seed noise.", "",
-              "## Runs", ""]
+        lines.append(
+            f"| {p['numerator']} / {p['denominator']} | {_fmt(p['run_time_s'], 3)} | "
+            f"{_fmt(p['bursts_s'], 3)} | {_z(p)} |"
+        )
+    lines += [
+        "",
+        "A ratio above 1: the second run of the pair took less time. Reward "
+        "difference: first minus second, and in standard errors (z); |z| < 2: within "
+        "seed noise.",
+        "",
+        "## Runs",
+        "",
+    ]
     lines += [f"- {row['label']}: `{row['run_dir']}`" for row in comp.rows]
     if comp.notes:
         lines += ["", "## Notes", "", *(f"- {n}" for n in comp.notes)]
@@ -215,8 +250,12 @@ def comparison_table(comp: Comparison) -> Group:
     for head in ("pair", "run time", "bursts time", "reward diff (z)"):
         ratios.add_column(head, justify="left" if head == "pair" else "right")
     for p in comp.ratios:
-        ratios.add_row(f"{p['numerator']} / {p['denominator']}", _fmt(p["run_time_s"], 3),
-                       _fmt(p["bursts_s"], 3), _z(p))
+        ratios.add_row(
+            f"{p['numerator']} / {p['denominator']}",
+            _fmt(p["run_time_s"], 3),
+            _fmt(p["bursts_s"], 3),
+            _z(p),
+        )
     return Group(runs, ratios)
 
 
@@ -227,8 +266,15 @@ def plot_reward_compare(runs: list[RunData], labels: list[str], path: Path) -> P
         steps, rewards = run.rewards()
         (line,) = ax_step.plot(steps, rewards, marker="o", ms=3, lw=1, label=label)
         if run.metrics:  # wall time of each step needs metrics.jsonl
-            ax_time.plot([float(m["t"]) for m in run.metrics], rewards, marker="o", ms=3, lw=1,
-                         color=line.get_color(), label=label)
+            ax_time.plot(
+                [float(m["t"]) for m in run.metrics],
+                rewards,
+                marker="o",
+                ms=3,
+                lw=1,
+                color=line.get_color(),
+                label=label,
+            )
     ax_step.set_xlabel("optimizer step")
     ax_step.xaxis.get_major_locator().set_params(integer=True)
     ax_step.set_ylabel("mean reward")

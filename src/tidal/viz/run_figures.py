@@ -48,9 +48,15 @@ def rollout_capacity(run: RunData) -> tuple[list[float], list[int]] | None:
         return None
     base = cl.standalone_count * cl.standalone_slots
     edges = sorted({x for segs in run.timeline for a, b, _ in segs for x in (a, b)})
-    caps = [base + sum(slots[i] for i, segs in enumerate(run.timeline)
-                       if any(r == "rollout" and a <= e < b for a, b, r in segs))
-            for e in edges]
+    caps = [
+        base
+        + sum(
+            slots[i]
+            for i, segs in enumerate(run.timeline)
+            if any(r == "rollout" and a <= e < b for a, b, r in segs)
+        )
+        for e in edges
+    ]
     if len(caps) > 1:  # the timeline's end closes every segment: hold the last value
         caps[-1] = caps[-2]
     return edges, caps
@@ -72,11 +78,23 @@ def step_utilization(run: RunData) -> list[dict[str, Any]]:
         window = max(end - prev, 1e-9)
         busy = m.get("compute_s")
         busy = float(busy) if busy is not None else float(m.get("step_s", 0.0))
-        shares = [float(s["running"]) / c for s in states if prev < float(s["t"]) <= end
-                  and "running" in s and cap and (c := capacity_at(cap, float(s["t"]))) > 0]
-        out.append({"step": int(m["step"]), "start_s": prev, "end_s": end,
-                    "train": min(1.0, busy / window),
-                    "rollout": statistics.fmean(shares) if shares else None})
+        shares = [
+            float(s["running"]) / c
+            for s in states
+            if prev < float(s["t"]) <= end
+            and "running" in s
+            and cap
+            and (c := capacity_at(cap, float(s["t"]))) > 0
+        ]
+        out.append(
+            {
+                "step": int(m["step"]),
+                "start_s": prev,
+                "end_s": end,
+                "train": min(1.0, busy / window),
+                "rollout": statistics.fmean(shares) if shares else None,
+            }
+        )
         prev = end
     return out
 
@@ -105,16 +123,34 @@ def plot_waterlevel(run: RunData, path: Path, plt: ModuleType) -> Path:
     cap = rollout_capacity(run)
     if cap is not None:
         ax.fill_between(cap[0], cap[1], step="post", color=ROLL, alpha=0.18, lw=0)
-        ax.step(cap[0], cap[1], where="post", color=ROLL, lw=1.4,
-                label="rollout capacity (slots of rollout cells + standalone)")
-    ax.plot(t, [s.get("waterlevel") for s in st], color=WATER, lw=2.0,
-            label="waterlevel (queued + running executions)")
+        ax.step(
+            cap[0],
+            cap[1],
+            where="post",
+            color=ROLL,
+            lw=1.4,
+            label="rollout capacity (slots of rollout cells + standalone)",
+        )
+    ax.plot(
+        t,
+        [s.get("waterlevel") for s in st],
+        color=WATER,
+        lw=2.0,
+        label="waterlevel (queued + running executions)",
+    )
     queued = [s.get("queued") or 0 for s in st]
     if any(queued):
-        ax.plot(t, [q if q else math.nan for q in queued], "o", ms=3, color=QUEUE,
-                label="queued (where > 0)")
-    ax.set_ylim(0, max([*(cap[1] if cap else []), *(s.get("waterlevel") or 0 for s in st), 1])
-                * 1.3)
+        ax.plot(
+            t,
+            [q if q else math.nan for q in queued],
+            "o",
+            ms=3,
+            color=QUEUE,
+            label="queued (where > 0)",
+        )
+    ax.set_ylim(
+        0, max([*(cap[1] if cap else []), *(s.get("waterlevel") or 0 for s in st), 1]) * 1.3
+    )
     ax.set_ylabel("executions")
     ax.set_xlabel("seconds since the first dispatch")
     note = "" if any(queued) else " (nothing ever queued)"
@@ -156,9 +192,15 @@ def plot_reward(run: RunData, path: Path, plt: ModuleType) -> Path:
     ax.plot(steps, mean, marker="o", ms=3, lw=1.2, color=ROLL, label="mean reward")
     band = [(s, m, sd) for s, m, sd, _ in rows if sd is not None]
     if band:
-        ax.fill_between([b[0] for b in band], [b[1] - b[2] for b in band],
-                        [b[1] + b[2] for b in band], color=ROLL, alpha=0.2, lw=0,
-                        label="± one standard deviation over the step's executions")
+        ax.fill_between(
+            [b[0] for b in band],
+            [b[1] - b[2] for b in band],
+            [b[1] + b[2] for b in band],
+            color=ROLL,
+            alpha=0.2,
+            lw=0,
+            label="± one standard deviation over the step's executions",
+        )
     mean_g, se, n = run.reward_noise()
     noise = f", mean over {n} groups {mean_g:.3f} ± {se:.3f} (s.e.)" if se is not None else ""
     ax.xaxis.get_major_locator().set_params(integer=True)

@@ -34,16 +34,16 @@ UNKNOWN_ROLE_COLOUR = "#999999"
 DPI = 110
 EXPLAIN = {  # one sentence per figure in report.md
     "roles.png": "Each cell's role over time: blue serves rollout, orange trains, red and "
-                 "magenta are moves between the two.",
+    "magenta are moves between the two.",
     "reward.png": "Mean reward of each optimizer step, the band one standard deviation of the "
-                  "rewards of the executions it trained.",
+    "rewards of the executions it trained.",
     "waterlevel.png": "The waterlevel (executions queued or running) against the rollout "
-                      "capacity (slots of the cells in rollout plus the standalone engines): "
-                      "a cell may leave for training only while the capacity left covers the "
-                      "waterlevel.",
+    "capacity (slots of the cells in rollout plus the standalone engines): "
+    "a cell may leave for training only while the capacity left covers the "
+    "waterlevel.",
     "utilization.png": "For each optimizer step, over the time since the previous one: the "
-                       "share the trainer computed (train) and the mean share of rollout slots "
-                       "busy (rollout).",
+    "share the trainer computed (train) and the mean share of rollout slots "
+    "busy (rollout).",
 }
 
 
@@ -51,14 +51,30 @@ def write_report(run_dir: str | Path) -> list[Path]:
     """Write the four plots (those whose input exists) and ``report.md`` into RUN_DIR."""
     run = load_run(run_dir)
     plots: list[tuple[str, str, Callable[[RunData, Path], Path], str | None]] = [
-        ("roles.png", "cell roles", plot_roles,
-         None if run.timeline else "no timeline.json (or no cells in it)"),
-        ("reward.png", "mean reward per step", _fig(figures.plot_reward),
-         None if run.rewards()[1] else "no optimizer steps in metrics.jsonl or summary.json"),
-        ("waterlevel.png", "waterlevel against rollout capacity", _fig(figures.plot_waterlevel),
-         None if run.states else "no state.jsonl samples"),
-        ("utilization.png", "utilisation per optimizer step", _fig(figures.plot_utilization),
-         None if run.metrics else "no optimizer steps in metrics.jsonl"),
+        (
+            "roles.png",
+            "cell roles",
+            plot_roles,
+            None if run.timeline else "no timeline.json (or no cells in it)",
+        ),
+        (
+            "reward.png",
+            "mean reward per step",
+            _fig(figures.plot_reward),
+            None if run.rewards()[1] else "no optimizer steps in metrics.jsonl or summary.json",
+        ),
+        (
+            "waterlevel.png",
+            "waterlevel against rollout capacity",
+            _fig(figures.plot_waterlevel),
+            None if run.states else "no state.jsonl samples",
+        ),
+        (
+            "utilization.png",
+            "utilisation per optimizer step",
+            _fig(figures.plot_utilization),
+            None if run.metrics else "no optimizer steps in metrics.jsonl",
+        ),
     ]
     written: list[Path] = []
     shown: list[tuple[str, str]] = []
@@ -80,87 +96,133 @@ def write_report(run_dir: str | Path) -> list[Path]:
     return written
 
 
-def render_report(run: RunData, shown: list[tuple[str, str]],
-                  skipped: list[tuple[str, str]]) -> str:
+def render_report(
+    run: RunData, shown: list[tuple[str, str]], skipped: list[tuple[str, str]]
+) -> str:
     s = run.summary
     name = (run.config or {}).get("name", run.path.name)
     out = [f"# tidal run report: {name} ({run.policy})", "", run.config_line(), ""]
     bursts_s = s.get("bursts_s")
     rows: list[tuple[str, str]] = [
-        ("run time", f"{_num(s.get('run_time_s'), 2)} s"
-         + (f" (first dispatch to last publication {bursts_s:.2f} s)"
-            if isinstance(bursts_s, int | float) else "")),
+        (
+            "run time",
+            f"{_num(s.get('run_time_s'), 2)} s"
+            + (
+                f" (first dispatch to last publication {bursts_s:.2f} s)"
+                if isinstance(bursts_s, int | float)
+                else ""
+            ),
+        ),
         ("optimizer steps", str(run.n_steps())),
-        ("switches", f"{_num(s.get('switches_to_training'))} to training, "
-                     f"{_num(s.get('switches_to_rollout'))} to rollout"),
+        (
+            "switches",
+            f"{_num(s.get('switches_to_training'))} to training, "
+            f"{_num(s.get('switches_to_rollout'))} to rollout",
+        ),
     ]
-    for key, label in (("rerouted_requests", "rerouted requests"),
-                       ("failed_requests", "failed requests"),
-                       ("lost_executions", "lost executions")):
+    for key, label in (
+        ("rerouted_requests", "rerouted requests"),
+        ("failed_requests", "failed requests"),
+        ("lost_executions", "lost executions"),
+    ):
         rows.append((label, _num(s.get(key))))
     if "satellite_joins" in s:  # newer runtimes only
         rows.append(("satellite joins", _num(s["satellite_joins"])))
     if "chain_breaks_per_100_calls" in s:  # newer runtimes only
-        rows.append(("chain breaks per 100 calls",
-                     f"{_num(s['chain_breaks_per_100_calls'], 2)} ({_num(s.get('chain_breaks'))} "
-                     f"calls trained apart; {_num(s.get('bridged_calls'))} got their sampled "
-                     "ids back)"))
+        rows.append(
+            (
+                "chain breaks per 100 calls",
+                f"{_num(s['chain_breaks_per_100_calls'], 2)} ({_num(s.get('chain_breaks'))} "
+                f"calls trained apart; {_num(s.get('bridged_calls'))} got their sampled "
+                "ids back)",
+            )
+        )
     if "cached_token_share" in s:
-        by_engine = ", ".join(f"{k} {v:.3f}" for k, v in
-                              (s.get("cached_token_share_by_engine") or {}).items())
-        rows.append(("cached prompt-token share",
-                     f"{_num(s['cached_token_share'], 3)}" + (f" ({by_engine})"
-                                                               if by_engine else "")))
+        by_engine = ", ".join(
+            f"{k} {v:.3f}" for k, v in (s.get("cached_token_share_by_engine") or {}).items()
+        )
+        rows.append(
+            (
+                "cached prompt-token share",
+                f"{_num(s['cached_token_share'], 3)}" + (f" ({by_engine})" if by_engine else ""),
+            )
+        )
     first, last = run.reward_quarters()
     q = max(1, len(run.rewards()[1]) // 4)
-    rows.append(("mean reward", f"first quarter {_num(first, 3)}, last quarter {_num(last, 3)} "
-                                f"({q} step{'s' if q != 1 else ''} each)"))
+    rows.append(
+        (
+            "mean reward",
+            f"first quarter {_num(first, 3)}, last quarter {_num(last, 3)} "
+            f"({q} step{'s' if q != 1 else ''} each)",
+        )
+    )
     change = run.reward_change()
     if change is not None:
         z = change["z"]
-        rows.append(("learning (last quarter's groups - first's)",
-                     f"{change['change']:+.3f} ± {change['change_se']:.3f} "
-                     f"({'–' if z is None else f'{z:.1f}'} standard errors; first "
-                     f"{change['first']:.3f} ± {change['first_se']:.3f} over "
-                     f"{change['first_groups']} groups, last {change['last']:.3f} ± "
-                     f"{change['last_se']:.3f} over {change['last_groups']})"))
+        rows.append(
+            (
+                "learning (last quarter's groups - first's)",
+                f"{change['change']:+.3f} ± {change['change_se']:.3f} "
+                f"({'–' if z is None else f'{z:.1f}'} standard errors; first "
+                f"{change['first']:.3f} ± {change['first_se']:.3f} over "
+                f"{change['first_groups']} groups, last {change['last']:.3f} ± "
+                f"{change['last_se']:.3f} over {change['last_groups']})",
+            )
+        )
     mean_g, se, n_groups = run.reward_noise()
-    rows.append(("mean reward over GRPO groups",
-                 f"{mean_g:.3f} ± {se:.3f} (standard error over {n_groups} groups: the noise "
-                 f"a seed alone moves it by)" if se is not None else
-                 "– (needs executions.jsonl with two or more groups)"))
+    rows.append(
+        (
+            "mean reward over GRPO groups",
+            f"{mean_g:.3f} ± {se:.3f} (standard error over {n_groups} groups: the noise "
+            f"a seed alone moves it by)"
+            if se is not None
+            else "– (needs executions.jsonl with two or more groups)",
+        )
+    )
     pub = s.get("publication")
     if pub:  # newer runtimes only
         g, w, ld = pub.get("gbps") or {}, pub.get("write_s") or {}, pub.get("engine_load_s") or {}
-        rows.append(("weight publication",
-                     f"{_num(g.get('p50'), 2)} GB/s p50 (max {_num(g.get('max'), 2)}) beside "
-                     f"memcpy {_num(pub.get('memcpy_gbps'), 1)} GB/s; write p50 "
-                     f"{_num(w.get('p50'), 3)} s, engine load p50 {_num(ld.get('p50'), 3)} s; "
-                     f"{_num(pub.get('bytes_per_version'))} bytes a version; carriers "
-                     + ", ".join(f"{k} {v}" for k, v in (pub.get("carriers") or {}).items())
-                     + f"; {_num(pub.get('fallbacks'))} fallbacks"))
+        rows.append(
+            (
+                "weight publication",
+                f"{_num(g.get('p50'), 2)} GB/s p50 (max {_num(g.get('max'), 2)}) beside "
+                f"memcpy {_num(pub.get('memcpy_gbps'), 1)} GB/s; write p50 "
+                f"{_num(w.get('p50'), 3)} s, engine load p50 {_num(ld.get('p50'), 3)} s; "
+                f"{_num(pub.get('bytes_per_version'))} bytes a version; carriers "
+                + ", ".join(f"{k} {v}" for k, v in (pub.get("carriers") or {}).items())
+                + f"; {_num(pub.get('fallbacks'))} fallbacks",
+            )
+        )
     out += ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     out += switch_step_table(s.get("switch_steps_s"))
     bursts = burst_rows(run)
     out += ["## Bursts", ""]
     if bursts:
-        out += ["Time: from the previous burst's final optimizer step (the first dispatch for "
-                "burst 0) to this burst's final step. Utilization: verl's `dynamic_resource/*` "
-                "of the burst's last weight version.", "",
-                "| burst | steps | start s | end s | time s | version | train util | "
-                "rollout util | cluster util | groups generated |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [
+            "Time: from the previous burst's final optimizer step (the first dispatch for "
+            "burst 0) to this burst's final step. Utilization: verl's `dynamic_resource/*` "
+            "of the burst's last weight version.",
+            "",
+            "| burst | steps | start s | end s | time s | version | train util | "
+            "rollout util | cluster util | groups generated |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for b in bursts:
-            out.append(f"| {b['burst']} | {b['steps']} | {_num(b['start_s'], 2)} "
-                       f"| {b['end_s']:.2f} | {_num(b['time_s'], 2)} | {_num(b['version'])} "
-                       f"| {_num(b['train_utilization'], 3)} "
-                       f"| {_num(b['rollout_utilization'], 3)} "
-                       f"| {_num(b['cluster_utilization'], 3)} "
-                       f"| {_num(b['generated_samples'], 0)} |")
+            out.append(
+                f"| {b['burst']} | {b['steps']} | {_num(b['start_s'], 2)} "
+                f"| {b['end_s']:.2f} | {_num(b['time_s'], 2)} | {_num(b['version'])} "
+                f"| {_num(b['train_utilization'], 3)} "
+                f"| {_num(b['rollout_utilization'], 3)} "
+                f"| {_num(b['cluster_utilization'], 3)} "
+                f"| {_num(b['generated_samples'], 0)} |"
+            )
         if not run.relative_times():
-            out += ["", "metrics.jsonl's `t` is not counted from the first dispatch (a run "
-                    "written before the runtime recorded relative times): the first burst's "
-                    "start and time are unknown."]
+            out += [
+                "",
+                "metrics.jsonl's `t` is not counted from the first dispatch (a run "
+                "written before the runtime recorded relative times): the first burst's "
+                "start and time are unknown.",
+            ]
     else:
         out.append("No metrics.jsonl lines: no per-burst figures.")
     out += ["", "## Plots", ""]
@@ -168,9 +230,12 @@ def render_report(run: RunData, shown: list[tuple[str, str]],
         out += [f"![{title}]({name})", "", EXPLAIN[name], ""]
     for name, why in skipped:
         out.append(f"- `{name}` skipped: {why}")
-    out += ["", "`trace.json`: the run as a Chrome trace (cells as tracks with their roles, "
-            "every move with its steps, reroutes as arrows, trainer steps, weight "
-            "publications); open it at https://ui.perfetto.dev."]
+    out += [
+        "",
+        "`trace.json`: the run as a Chrome trace (cells as tracks with their roles, "
+        "every move with its steps, reroutes as arrows, trainer steps, weight "
+        "publications); open it at https://ui.perfetto.dev.",
+    ]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -178,12 +243,17 @@ def switch_step_table(steps: dict | None) -> list[str]:
     """``report.md``'s switch costs: per direction, each plan step's p50 and max."""
     if not steps:
         return []
-    out = ["## Switch steps", "", "Each plan step's measured duration (s) per direction.", "",
-           "| direction | step | n | p50 s | max s |", "|---|---|---:|---:|---:|"]
+    out = [
+        "## Switch steps",
+        "",
+        "Each plan step's measured duration (s) per direction.",
+        "",
+        "| direction | step | n | p50 s | max s |",
+        "|---|---|---:|---:|---:|",
+    ]
     for direction, by_step in steps.items():
         for step, c in by_step.items():
-            out.append(f"| {direction} | {step} | {c['n']} | {c['p50_s']:.3f} "
-                       f"| {c['max_s']:.3f} |")
+            out.append(f"| {direction} | {step} | {c['n']} | {c['p50_s']:.3f} | {c['max_s']:.3f} |")
     return [*out, ""]
 
 
@@ -199,7 +269,7 @@ def moving_average(values: list[float], window: int) -> list[float]:
     """Trailing mean over up to ``window`` values (fewer at the start)."""
     out = []
     for i in range(len(values)):
-        part = values[max(0, i - window + 1):i + 1]
+        part = values[max(0, i - window + 1) : i + 1]
         out.append(sum(part) / len(part))
     return out
 
@@ -216,8 +286,12 @@ def plot_roles(run: RunData, path: Path) -> Path:
     end = max((b for segs in cells for _, b, _ in segs), default=0.0)
     for i, segs in enumerate(cells):
         for start, stop, role in segs:
-            ax.broken_barh([(start, stop - start)], (i - 0.4, 0.8), linewidth=0,
-                           color=ROLE_COLOURS_BY_NAME.get(role, UNKNOWN_ROLE_COLOUR))
+            ax.broken_barh(
+                [(start, stop - start)],
+                (i - 0.4, 0.8),
+                linewidth=0,
+                color=ROLE_COLOURS_BY_NAME.get(role, UNKNOWN_ROLE_COLOUR),
+            )
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels(names, fontsize=7)
     ax.invert_yaxis()
@@ -230,23 +304,26 @@ def plot_roles(run: RunData, path: Path) -> Path:
     return _save(fig, path)
 
 
-
-
 def training_cells(run: RunData) -> tuple[list[float], list[int]]:
     """Cells in the training role over time: exact from the timeline's segment boundaries,
     else sampled from the roles in state.jsonl."""
     if run.timeline:
-        edges = sorted({a for segs in run.timeline for a, _, _ in segs}
-                       | {b for segs in run.timeline for _, b, _ in segs})
-        count = [sum(1 for segs in run.timeline for a, b, r in segs
-                     if r == "training" and a <= e < b) for e in edges]
+        edges = sorted(
+            {a for segs in run.timeline for a, _, _ in segs}
+            | {b for segs in run.timeline for _, b, _ in segs}
+        )
+        count = [
+            sum(1 for segs in run.timeline for a, b, r in segs if r == "training" and a <= e < b)
+            for e in edges
+        ]
         if len(count) > 1:  # the timeline's end closes the last segments: hold their count
             count[-1] = count[-2]
         return edges, count
     st = run.states or []
-    return ([float(s["t"]) for s in st],
-            [sum(r == "training" for r in s.get("roles") or []) for s in st])
-
+    return (
+        [float(s["t"]) for s in st],
+        [sum(r == "training" for r in s.get("roles") or []) for s in st],
+    )
 
 
 def _fig(plot: Callable[[RunData, Path, Any], Path]) -> Callable[[RunData, Path], Path]:

@@ -63,9 +63,14 @@ def build(runs: list[TraceRun]) -> dict[str, Any]:
         events += _role_spans(pid, run)
         events += _plans(pid, run.plans)
         events += _simple_spans(pid, TRAINER, "trainer", run.trainer_steps)
-        events += _simple_spans(pid, WEIGHTS, "weights",
-                                [(a, b, {"version": v}) for a, b, v in run.publications],
-                                name_key="version", prefix="publish v")
+        events += _simple_spans(
+            pid,
+            WEIGHTS,
+            "weights",
+            [(a, b, {"version": v}) for a, b, v in run.publications],
+            name_key="version",
+            prefix="publish v",
+        )
         for i, eng in enumerate(run.standalone):
             events.append(_span(pid, ENGINE0 + i, f"{eng} serving", "engine", 0.0, run.end_s, {}))
         for t, src, dst, ex in run.reroutes:
@@ -73,12 +78,28 @@ def build(runs: list[TraceRun]) -> dict[str, Any]:
             if a is None or b is None:
                 continue
             flow_id += 1
-            common = {"name": "reroute", "cat": "reroute", "id": flow_id, "pid": pid,
-                      "ts": _us(min(max(t, 0.0), run.end_s)), "args": {"execution": ex}}
+            common = {
+                "name": "reroute",
+                "cat": "reroute",
+                "id": flow_id,
+                "pid": pid,
+                "ts": _us(min(max(t, 0.0), run.end_s)),
+                "args": {"execution": ex},
+            }
             events.append({**common, "ph": "s", "tid": a})
             events.append({**common, "ph": "f", "bp": "e", "tid": b})
-        events += [{"ph": "C", "name": "executions", "cat": "state", "pid": pid, "tid": 0,
-                    "ts": _us(max(0.0, t)), "args": vals} for t, vals in run.counters]
+        events += [
+            {
+                "ph": "C",
+                "name": "executions",
+                "cat": "state",
+                "pid": pid,
+                "tid": 0,
+                "ts": _us(max(0.0, t)),
+                "args": vals,
+            }
+            for t, vals in run.counters
+        ]
     order = {"M": 0, "X": 1, "s": 2, "f": 2, "C": 3}
     # stable: a parent span was added before its children, steps in their order
     events.sort(key=lambda e: (e["pid"], e.get("tid", 0), e.get("ts", -1), order[e["ph"]]))
@@ -94,23 +115,39 @@ def _us(t_s: float) -> float:
     return round(t_s * US, 3)
 
 
-def _span(pid: int, tid: int, name: str, cat: str, a: float, b: float,
-          args: dict[str, Any]) -> dict[str, Any]:
-    return {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid, "ts": _us(a),
-            "dur": max(0.0, round(_us(b) - _us(a), 3)), "args": args}
+def _span(
+    pid: int, tid: int, name: str, cat: str, a: float, b: float, args: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "ph": "X",
+        "name": name,
+        "cat": cat,
+        "pid": pid,
+        "tid": tid,
+        "ts": _us(a),
+        "dur": max(0.0, round(_us(b) - _us(a), 3)),
+        "args": args,
+    }
 
 
 def _meta(pid: int, run: TraceRun) -> list[dict[str, Any]]:
     tracks = [(i, f"cell {i} {name}") for i, name in enumerate(run.cells)]
     tracks += [(MOVES, "moves"), (TRAINER, "trainer"), (WEIGHTS, "weights")]
     tracks += [(ENGINE0 + i, f"standalone {e}") for i, e in enumerate(run.standalone)]
-    out = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-            "args": {"name": run.name}}]
+    out = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": run.name}}]
     for k, (tid, name) in enumerate(tracks):
-        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                    "args": {"name": name}})
-        out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
-                    "args": {"sort_index": k}})
+        out.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+        )
+        out.append(
+            {
+                "ph": "M",
+                "name": "thread_sort_index",
+                "pid": pid,
+                "tid": tid,
+                "args": {"sort_index": k},
+            }
+        )
     return out
 
 
@@ -133,8 +170,17 @@ def _plans(pid: int, plans: list[Plan]) -> list[dict[str, Any]]:
         a = max(p.start_s, prev)
         b = max(a, p.end_s)
         prev = b
-        out.append(_span(pid, MOVES, f"plan {p.plan_id} {p.direction} {p.cells}", "move", a, b,
-                         {"reason": p.reason, "outcome": p.outcome, "cells": p.cells}))
+        out.append(
+            _span(
+                pid,
+                MOVES,
+                f"plan {p.plan_id} {p.direction} {p.cells}",
+                "move",
+                a,
+                b,
+                {"reason": p.reason, "outcome": p.outcome, "cells": p.cells},
+            )
+        )
         t = a
         for name, dur, ok in p.steps:
             if dur is None or t >= b:
@@ -145,8 +191,14 @@ def _plans(pid: int, plans: list[Plan]) -> list[dict[str, Any]]:
     return out
 
 
-def _simple_spans(pid: int, tid: int, cat: str, spans: list[tuple[float, float, dict]],
-                  name_key: str = "step", prefix: str = "step ") -> list[dict[str, Any]]:
+def _simple_spans(
+    pid: int,
+    tid: int,
+    cat: str,
+    spans: list[tuple[float, float, dict]],
+    name_key: str = "step",
+    prefix: str = "step ",
+) -> list[dict[str, Any]]:
     out, prev = [], 0.0
     for a, b, args in sorted(spans, key=lambda s: s[0]):
         a = max(a, prev)

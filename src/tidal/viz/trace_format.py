@@ -21,8 +21,13 @@ from typing import Any
 PHASES = set("BEXiIbneSTpFsftCMPOND(),")  # every phase the format defines
 _TIMED = set("BEXiIbnesftCSTpFPOND")
 _NEEDS_ID = set("bnesftSTpFND")
-_META_ARG = {"process_name": "name", "thread_name": "name", "process_labels": "labels",
-             "process_sort_index": "sort_index", "thread_sort_index": "sort_index"}
+_META_ARG = {
+    "process_name": "name",
+    "thread_name": "name",
+    "process_labels": "labels",
+    "process_sort_index": "sort_index",
+    "thread_sort_index": "sort_index",
+}
 
 
 def validate(trace: object) -> list[str]:
@@ -141,8 +146,10 @@ def _check_tracks(events: list[dict[str, Any]]) -> list[str]:
             elif ev["ph"] == "X":
                 end = ts + float(ev["dur"])
                 if stack and end > stack[-1] + 1e-3:
-                    out.append(f"{where}: span {ev['name']!r} at {ts} ends at {end}, after "
-                               f"its enclosing span's end {stack[-1]} (spans must nest)")
+                    out.append(
+                        f"{where}: span {ev['name']!r} at {ts} ends at {end}, after "
+                        f"its enclosing span's end {stack[-1]} (spans must nest)"
+                    )
                 stack.append(end)
         if opened:
             out.append(f"{where}: {opened} B event(s) never ended")
@@ -165,14 +172,18 @@ def _check_flows(events: list[dict[str, Any]]) -> list[str]:
     for (cat, fid), parts in flows.items():
         where = f"flow {cat}:{fid}"
         if len(parts["s"]) != 1 or len(parts["f"]) != 1:
-            out.append(f"{where}: {len(parts['s'])} start(s) and {len(parts['f'])} finish(es); "
-                       "a flow has one of each")
+            out.append(
+                f"{where}: {len(parts['s'])} start(s) and {len(parts['f'])} finish(es); "
+                "a flow has one of each"
+            )
             continue
         s, f = parts["s"][0], parts["f"][0]
         if f["ts"] < s["ts"]:
             out.append(f"{where}: finishes at {f['ts']} before it starts at {s['ts']}")
         for ev in (s, f, *parts["t"]):
             if not _covered(tracks[(ev["pid"], ev["tid"])], float(ev["ts"])):
-                out.append(f"{where}: {ev['ph']} at {ev['ts']} on pid={ev['pid']} "
-                           f"tid={ev['tid']} lies in no slice (the arrow cannot bind)")
+                out.append(
+                    f"{where}: {ev['ph']} at {ev['ts']} on pid={ev['pid']} "
+                    f"tid={ev['tid']} lies in no slice (the arrow cannot bind)"
+                )
     return out

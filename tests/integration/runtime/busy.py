@@ -17,9 +17,11 @@ def wait_until_busy(runtime: Any, name: str, deadline_s: float) -> list[dict] | 
         wired = runtime.wired
         if wired is not None and wired.bridge.n_dispatched > 0 and runtime.engines is not None:
             try:
-                listed = httpx.get(f"{runtime.proxy.url}/tidal/engines", timeout=5,
-                                   headers={"Authorization": f"Bearer {runtime.token}"}
-                                   ).json()["engines"]
+                listed = httpx.get(
+                    f"{runtime.proxy.url}/tidal/engines",
+                    timeout=5,
+                    headers={"Authorization": f"Bearer {runtime.token}"},
+                ).json()["engines"]
             except httpx.HTTPError:
                 listed = []
             if any(e["id"] == name and e["inflight"] > 0 for e in listed):

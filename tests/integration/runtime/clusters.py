@@ -20,10 +20,16 @@ def four_node_cluster(tag: str, net: int, directory: Any) -> Iterator[Any]:
     (distinct per module and per concurrent test process); ended, every process of it, after
     the block."""
     pid = os.getpid()
-    st = localcluster.up(f"{tag}{pid % 100000}", n_nodes=4, cpus=1.0, head_cpus=0.0,
-                         prefix=f"10.{net + pid % 50}.{pid % 250}", port=free_port(),
-                         directory=directory,
-                         netns=os.environ.get("TIDAL_TEST_CLUSTER_NETNS", "1") != "0")
+    st = localcluster.up(
+        f"{tag}{pid % 100000}",
+        n_nodes=4,
+        cpus=1.0,
+        head_cpus=0.0,
+        prefix=f"10.{net + pid % 50}.{pid % 250}",
+        port=free_port(),
+        directory=directory,
+        netns=os.environ.get("TIDAL_TEST_CLUSTER_NETNS", "1") != "0",
+    )
     print(f"cluster {st.name}: {st.mode} mode, {[n.ip for n in st.nodes]}")
     try:
         yield st

@@ -38,8 +38,14 @@ def test_a_killed_cell_actor_is_replaced_and_nothing_is_lost(tmp_path):
     killer.start()
     summary = runtime.run()
     killer.join(5)
-    print(json.dumps({k: summary[k] for k in ("run_time_s", "cells_replaced",
-                                               "rerouted_requests", "engine_failures")}))
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in ("run_time_s", "cells_replaced", "rerouted_requests", "engine_failures")
+            }
+        )
+    )
 
     assert seen.get("inflight_at_kill", 0) > 0
     assert summary["cells_replaced"] == ["c1", "s0"]

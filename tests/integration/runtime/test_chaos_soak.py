@@ -38,18 +38,19 @@ from .test_tiny_run import CONFIG, expected_groups
 GROUP_SIZE, BATCH_GROUPS, UPDATES, BURSTS = 4, 1, 2, 25
 LATE_STEPS = 24  # the driver is killed with at least this many steps left
 # before the driver's SIGKILL: 3 engines, 2 cell actors; after the resume: 2 engines
-FIRST = [("engine", "s0"), ("engine", "c1"), ("actor", "c1"), ("engine", "s0"),
-         ("actor", "c1")]
+FIRST = [("engine", "s0"), ("engine", "c1"), ("actor", "c1"), ("engine", "s0"), ("actor", "c1")]
 SECOND = [("engine", "c1"), ("engine", "s0")]
 
 
 def _soak_config(tmp: Path) -> tuple[Path, dict]:
     cfg = yaml.safe_load(CONFIG.read_text())
     cfg["name"] = "soak"
-    cfg["control"].update(group_size=GROUP_SIZE, batch_groups=BATCH_GROUPS,
-                          updates_per_burst=UPDATES, bursts=BURSTS)
-    cfg["runtime"].update(max_tokens=24, dispatch_interval_s=0.3, run_timeout_s=600,
-                          tiny_max_seq_len=512)
+    cfg["control"].update(
+        group_size=GROUP_SIZE, batch_groups=BATCH_GROUPS, updates_per_burst=UPDATES, bursts=BURSTS
+    )
+    cfg["runtime"].update(
+        max_tokens=24, dispatch_interval_s=0.3, run_timeout_s=600, tiny_max_seq_len=512
+    )
     cfg["task"] = {"source": {"kind": "workspace", "tool_latency_s": 0.25}, "max_turns": 2}
     path = tmp / "soak.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -72,7 +73,7 @@ def _engines(driver: int) -> dict[str, psutil.Process]:
             continue
         name = Path(log).name
         if name.startswith("engine-") and name.endswith(".log"):
-            out[name[len("engine-"):-len(".log")]] = p
+            out[name[len("engine-") : -len(".log")]] = p
     return out
 
 
@@ -88,8 +89,9 @@ def _inflight(driver: int, name: str) -> int:
             continue
         url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}/tidal/engines"
         try:
-            listed = httpx.get(url, headers={"Authorization": f"Bearer {token}"},
-                               timeout=5).json()["engines"]
+            listed = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=5).json()[
+                "engines"
+            ]
         except (httpx.HTTPError, ValueError, KeyError):
             return 0
         return next((e["inflight"] for e in listed if e["id"] == name), 0)
@@ -100,8 +102,14 @@ class Chaos(threading.Thread):
     """SIGKILLs ``plan`` one at a time under ``driver``: an engine process, or the cell actor
     that owns it; each next kill waits until the supervisor replaced the last one."""
 
-    def __init__(self, driver: int, plan: list[tuple[str, str]], ready, gap_s: float = 1.0,
-                 out: Path | None = None):
+    def __init__(
+        self,
+        driver: int,
+        plan: list[tuple[str, str]],
+        ready,
+        gap_s: float = 1.0,
+        out: Path | None = None,
+    ):
         super().__init__(daemon=True)
         self.driver, self.plan, self.gap_s, self.ready = driver, plan, gap_s, ready
         self.out, self.t0 = out, time.monotonic()
@@ -131,8 +139,12 @@ class Chaos(threading.Thread):
             self.at = i + 1
             self._note(f"killed {kind} {name}")
             # replaced: a live engine process of that id again, not the killed one
-            self._wait(lambda n=name, v=victim.pid: (e := _engines(self.driver).get(n))
-                       and e.pid != v and e, 120.0)
+            self._wait(
+                lambda n=name, v=victim.pid: (
+                    (e := _engines(self.driver).get(n)) and e.pid != v and e
+                ),
+                120.0,
+            )
             self._note(f"{name} replaced")
 
     def _note(self, what: str) -> None:
@@ -151,8 +163,9 @@ class Chaos(threading.Thread):
 
 def _run(args: list[str], log: Path) -> subprocess.Popen:
     with open(log, "ab") as fh:
-        return subprocess.Popen([sys.executable, "-m", "tidal.cli", *args], stdout=fh,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "tidal.cli", *args], stdout=fh, stderr=subprocess.STDOUT
+        )
 
 
 @pytest.mark.timeout(900)  # above the deadlines below (400 + 30 + 420 s)
@@ -171,8 +184,12 @@ def test_chaos_soak_loses_nothing(tmp_path, capsys):
             # mid-burst, after the first kills; at the latest with LATE_STEPS left, so the
             # resumed run has room for the rest of the plan (CI: the first kills ran slow,
             # the driver died at step 45 of 50, and the resumed run ended before its kills)
-            if (step is not None and step >= 16 and step % UPDATES
-                    and (not chaos.is_alive() or step >= BURSTS * UPDATES - LATE_STEPS)):
+            if (
+                step is not None
+                and step >= 16
+                and step % UPDATES
+                and (not chaos.is_alive() or step >= BURSTS * UPDATES - LATE_STEPS)
+            ):
                 chaos.stop.set()
                 chaos.join(30)
                 os.kill(first.pid, signal.SIGKILL)
@@ -188,7 +205,7 @@ def test_chaos_soak_loses_nothing(tmp_path, capsys):
     kills, inflight, chaos_log = list(chaos.done), list(chaos.inflight), list(chaos.log)
 
     second = _run(["run", "--resume", str(out)], log)
-    rest = FIRST[chaos.at:] + SECOND  # what the first run's chaos had no time for, then ours
+    rest = FIRST[chaos.at :] + SECOND  # what the first run's chaos had no time for, then ours
     chaos = Chaos(second.pid, rest, lambda: (_checkpoint_step(out) or 0) > killed_at, out=out)
     chaos.start()
     try:
@@ -204,18 +221,26 @@ def test_chaos_soak_loses_nothing(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [g for m in metrics for g in m["groups"]]
-    drains = sum(1 for d in (out / "decisions.jsonl").read_text().splitlines()
-                 if '"plan_start"' in d and '"to_training"' in d)
-    counts = {"executions": len(trained) * GROUP_SIZE, "drains": drains,
-              "engine_kills": sum(k == "engine" for k, _ in kills),
-              "actor_kills": sum(k == "actor" for k, _ in kills), "driver_kills": 1,
-              "inflight_at_kills": inflight,
-              "resumed_at_step": killed_at, "failed_requests": summary["failed_requests"],
-              "lost_executions": summary["lost_executions"],
-              "cells_replaced": len(summary["cells_replaced"]),
-              "rerouted_requests": summary["rerouted_requests"],
-              "close_reasons": summary["close_reasons"],
-              "wall_s": round(time.monotonic() - t0, 1)}
+    drains = sum(
+        1
+        for d in (out / "decisions.jsonl").read_text().splitlines()
+        if '"plan_start"' in d and '"to_training"' in d
+    )
+    counts = {
+        "executions": len(trained) * GROUP_SIZE,
+        "drains": drains,
+        "engine_kills": sum(k == "engine" for k, _ in kills),
+        "actor_kills": sum(k == "actor" for k, _ in kills),
+        "driver_kills": 1,
+        "inflight_at_kills": inflight,
+        "resumed_at_step": killed_at,
+        "failed_requests": summary["failed_requests"],
+        "lost_executions": summary["lost_executions"],
+        "cells_replaced": len(summary["cells_replaced"]),
+        "rerouted_requests": summary["rerouted_requests"],
+        "close_reasons": summary["close_reasons"],
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
     with capsys.disabled():  # the counts go to the CI log, pass or fail
         print("\nchaos soak:", json.dumps(counts))
         print("chaos log:", "; ".join(chaos_log))

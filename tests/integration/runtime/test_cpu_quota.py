@@ -41,8 +41,11 @@ def _writable() -> bool:
 def test_each_cell_runs_in_its_own_cpu_quota(tmp_path):
     cfg = yaml.safe_load(CONFIG.read_text())
     cfg["runtime"]["cell_cpus"] = 0.5
-    runtime = Runtime(validate_model(RunConfig, cfg), tmp_path / "run",
-                      on_step=lambda line: seen.append(_membership(runtime)))
+    runtime = Runtime(
+        validate_model(RunConfig, cfg),
+        tmp_path / "run",
+        on_step=lambda line: seen.append(_membership(runtime)),
+    )
     seen: list[dict[str, str]] = []
     summary = runtime.run()
 
@@ -61,8 +64,10 @@ def test_each_cell_runs_in_its_own_cpu_quota(tmp_path):
 
 
 def _membership(runtime: Runtime) -> dict[str, str]:
-    out = {str(eid): _group_of(Path(f"/proc/{pid}/cgroup"))
-           for eid, pid in runtime.engines.pids.items()}
+    out = {
+        str(eid): _group_of(Path(f"/proc/{pid}/cgroup"))
+        for eid, pid in runtime.engines.pids.items()
+    }
     for cell, pid in runtime.wired.actuator.satellite_pids.items():
         if Path(f"/proc/{pid}").exists():
             out[f"c{cell}:satellite"] = _group_of(Path(f"/proc/{pid}/cgroup"))
@@ -73,11 +78,15 @@ def _membership(runtime: Runtime) -> dict[str, str]:
 
 def test_cell_cpus_is_refused_where_it_cannot_hold(tmp_path, capsys):
     cfg = yaml.safe_load(CONFIG.read_text())
-    for extra, why in (({"ray_address": "127.0.0.1:1"}, "joins a Ray cluster"),
-                       ({"use_gpus": True}, "uses GPUs")):
+    for extra, why in (
+        ({"ray_address": "127.0.0.1:1"}, "joins a Ray cluster"),
+        ({"use_gpus": True}, "uses GPUs"),
+    ):
         data = {**cfg, "runtime": {**cfg["runtime"], "cell_cpus": 0.5, **extra}}
         with pytest.raises(ConfigError, match=why):
             Runtime(validate_model(RunConfig, data), tmp_path / "run")
-    assert main(["run", str(CONFIG), "--set", "runtime.cell_cpus=0", "--out",
-                 str(tmp_path / "x")]) != 0
+    assert (
+        main(["run", str(CONFIG), "--set", "runtime.cell_cpus=0", "--out", str(tmp_path / "x")])
+        != 0
+    )
     assert "runtime.cell_cpus" in capsys.readouterr().err

@@ -45,8 +45,9 @@ class HeldStatic(StaticPolicy):
         self.dispatch_limit = LIMIT if obs.trainer_step == 0 else None
         if self.dispatch_limit is None:
             return super().decide(obs)
-        return Decision.hold(f"holding dispatch at {LIMIT} executions until the first step",
-                             dispatch_limit=LIMIT)
+        return Decision.hold(
+            f"holding dispatch at {LIMIT} executions until the first step", dispatch_limit=LIMIT
+        )
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -93,8 +94,7 @@ def _check_holds(out) -> int:
     return held
 
 
-def _run(tmp_path, policy: str, control: dict | None = None,
-         **runtime: Any) -> tuple[Any, dict]:
+def _run(tmp_path, policy: str, control: dict | None = None, **runtime: Any) -> tuple[Any, dict]:
     cfg = yaml.safe_load(CONFIG.read_text())
     cfg["runtime"].update(runtime)
     cfg["control"].update(control or {})
@@ -111,8 +111,7 @@ def _run(tmp_path, policy: str, control: dict | None = None,
     return out, s
 
 
-def test_a_held_dispatch_never_passes_the_limit_and_every_group_still_trains(tmp_path,
-                                                                              caplog):
+def test_a_held_dispatch_never_passes_the_limit_and_every_group_still_trains(tmp_path, caplog):
     # groups handed off back to back (no pacing): unheld, a burst's 24 executions go at once
     with caplog.at_level(logging.INFO, logger="tidal.runtime.dispatcher"):
         out, s = _run(tmp_path, "held-static:cells=1", dispatch_interval_s=0.0)
@@ -136,9 +135,12 @@ def test_the_tidal_policy_holds_dispatch_so_a_cell_can_train(tmp_path, caplog):
     with caplog.at_level(logging.DEBUG, logger="tidal.runtime.dispatcher"):
         # supply counts from the first ready group: the policy may hold as soon as it has
         # measured production, well before the burst's last group is due (1.1 s)
-        out, s = _run(tmp_path, "tidal:min_train_cells=0,high_batches=100",
-                      {"updates_per_burst": 4, "bursts": 1, "supply_fraction": 0.3,
-                       "supply_hold_s": 0.0}, dispatch_interval_s=0.1)
+        out, s = _run(
+            tmp_path,
+            "tidal:min_train_cells=0,high_batches=100",
+            {"updates_per_burst": 4, "bursts": 1, "supply_fraction": 0.3, "supply_hold_s": 0.0},
+            dispatch_interval_s=0.1,
+        )
     assert s["policy"] == "tidal" and s["switches_to_training"] >= 1
     decisions = [r for r in _lines(out / "decisions.jsonl") if r["type"] == "decision"]
     holds = [r for r in decisions if "dispatch_limit" in r["state"]]

@@ -39,8 +39,12 @@ class AsActor:
 
 
 def _hashes(named: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {n: hashlib.sha256(t.detach().float().contiguous().reshape(-1).view(torch.uint8)
-                              .numpy()).hexdigest()[:16] for n, t in named.items()}
+    return {
+        n: hashlib.sha256(
+            t.detach().float().contiguous().reshape(-1).view(torch.uint8).numpy()
+        ).hexdigest()[:16]
+        for n, t in named.items()
+    }
 
 
 @pytest.fixture(scope="module")

@@ -31,12 +31,18 @@ def _config() -> RunConfig:
     data["control"].update(bursts=1, batch_groups=2, updates_per_burst=1)
     data["runtime"].update(execution_timeout_s=60, run_timeout_s=400)
     data["task"] = {
-        "source": {"kind": "jsonl", "path": str(ROOT / "tests" / "fixtures" / "agents" /
-                                                 "tasks.jsonl"),
-                   "prompt": "question", "answer": "answer"},
+        "source": {
+            "kind": "jsonl",
+            "path": str(ROOT / "tests" / "fixtures" / "agents" / "tasks.jsonl"),
+            "prompt": "question",
+            "answer": "answer",
+        },
         "reward": {"builtin": "exact"},
-        "agent": {"kind": "command", "command": ["{python}", str(AGENT)],
-                  "output_limit_bytes": LIMIT},
+        "agent": {
+            "kind": "command",
+            "command": ["{python}", str(AGENT)],
+            "output_limit_bytes": LIMIT,
+        },
     }
     return validate_model(RunConfig, data)
 
@@ -45,8 +51,10 @@ def _running(marker: str) -> list[int]:
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if (marker.encode() in (entry / "cmdline").read_bytes()
-                    and "\nState:\tZ" not in (entry / "status").read_text()):
+            if (
+                marker.encode() in (entry / "cmdline").read_bytes()
+                and "\nState:\tZ" not in (entry / "status").read_text()
+            ):
                 found.append(int(entry.name))
         except OSError:
             continue

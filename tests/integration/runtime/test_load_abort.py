@@ -54,8 +54,7 @@ def _poisoned_version(model_dir, path) -> str:
     from tidal.models import load_model
 
     model, _ = load_model(model_dir)
-    save_file({k: torch.full_like(v, float("nan")) for k, v in model.named_parameters()},
-              str(path))
+    save_file({k: torch.full_like(v, float("nan")) for k, v in model.named_parameters()}, str(path))
     return str(path)
 
 
@@ -71,21 +70,32 @@ def test_a_refused_load_aborts_the_plan_back_to_training(tmp_path, monkeypatch):
     s0 = start_engine(model, log_path=tmp_path / "s0.log", token=TOKEN)
 
     async def main():
-        async with httpx.AsyncClient(base_url=proxy.url, timeout=60, headers={
-                "Authorization": f"Bearer {TOKEN}"}) as admin:
-            for body in ({"id": "s0", "url": s0.url},
-                         {"id": "c0", "url": url, "kind": "cell", "cell_index": 0}):
+        async with httpx.AsyncClient(
+            base_url=proxy.url, timeout=60, headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as admin:
+            for body in (
+                {"id": "s0", "url": s0.url},
+                {"id": "c0", "url": url, "kind": "cell", "cell_index": 0},
+            ):
                 (await admin.post("/tidal/engines", json=body)).raise_for_status()
             engines = SimpleNamespace(  # one node: every load is the driver's file
-                cell=lambda i: actor, transport=lambda eid: "file", is_server=lambda eid: False,
-                load=lambda eid, a, path, label: a.load_weights.remote(path, label))
+                cell=lambda i: actor,
+                transport=lambda eid: "file",
+                is_server=lambda eid: False,
+                load=lambda eid, a, path, label: a.load_weights.remote(path, label),
+            )
             clock, parts = ManualClock(), Parts()
-            act = RayActuator(clock, admin, engines, Weights(version=2, path=v2), False,
-                              parts, CoreLink())
-            ctl = Controller(CellSet([Cell(0, 4, 8)], [Standalone("s0", 4, 8)]),
-                             make_policy("waterlevel"), clock, act,
-                             ControllerSettings(batch_groups=1, updates_per_burst=1,
-                                                max_step_retries=1), initial_prefix=1)
+            act = RayActuator(
+                clock, admin, engines, Weights(version=2, path=v2), False, parts, CoreLink()
+            )
+            ctl = Controller(
+                CellSet([Cell(0, 4, 8)], [Standalone("s0", 4, 8)]),
+                make_policy("waterlevel"),
+                clock,
+                act,
+                ControllerSettings(batch_groups=1, updates_per_burst=1, max_step_retries=1),
+                initial_prefix=1,
+            )
             act.bind(ctl.handle)
             await act.begin_in_training(0)
             ctl.handle(BurstStarted(clock.now(), 0, 4))

@@ -72,13 +72,26 @@ def _nothing_lost(s: dict, out) -> None:
 def test_tiny_run_spreads_its_engines_over_three_nodes(cluster, tmp_path):
     out = tmp_path / "run"
     # calls long enough (and all of a burst at once) that a cell's drain finds some in flight
-    s = Runtime(_config(cluster, "STRICT_SPREAD", max_tokens=160, dispatch_interval_s=0.0),
-                out).run()
-    workers = {n["id"]: n["ip"] for n in localcluster.alive_nodes(cluster)
-               if n["resources"].get("CPU", 0) > 0}  # the head declares none
+    s = Runtime(
+        _config(cluster, "STRICT_SPREAD", max_tokens=160, dispatch_interval_s=0.0), out
+    ).run()
+    workers = {
+        n["id"]: n["ip"]
+        for n in localcluster.alive_nodes(cluster)
+        if n["resources"].get("CPU", 0) > 0
+    }  # the head declares none
     placed = {name: (e["node_id"], e["node_ip"]) for name, e in s["engines"].items()}
-    print(json.dumps({"placed": placed, **{k: s[k] for k in (
-        "run_time_s", "engine_handoffs", "drained_requests", "kv_handoffs")}}))
+    print(
+        json.dumps(
+            {
+                "placed": placed,
+                **{
+                    k: s[k]
+                    for k in ("run_time_s", "engine_handoffs", "drained_requests", "kv_handoffs")
+                },
+            }
+        )
+    )
     # one engine per worker node, as Ray placed them; none on the driver's head node
     assert len({node for node, _ in placed.values()}) == 3
     assert {node: ip for node, ip in placed.values()} == workers
@@ -108,38 +121,59 @@ def test_a_satellite_on_another_node_joins_the_cores_steps(cluster, tmp_path):
     cfg = _config(cluster, "STRICT_SPREAD")
     cfg = cfg.model_copy(update={"policy": cfg.policy.from_spec("static:cells=2")})
     s = Runtime(cfg, out).run()
-    head = next(n["id"] for n in localcluster.alive_nodes(cluster)
-                if not n["resources"].get("CPU", 0))
+    head = next(
+        n["id"] for n in localcluster.alive_nodes(cluster) if not n["resources"].get("CPU", 0)
+    )
     assert s["engines"]["c1"]["node_id"] != head  # the core is in the driver, on the head
     assert s["satellite_joins"] >= 1, s
     assert s["micro_steps_by_cell"].get("1", 0) >= 1, s["micro_steps_by_cell"]
     _nothing_lost(s, out)
 
 
-def _lose_node_when_busy(runtime: Runtime, cluster, name: str, seen: dict,
-                         deadline_s: float = 120.0) -> None:
+def _lose_node_when_busy(
+    runtime: Runtime, cluster, name: str, seen: dict, deadline_s: float = 120.0
+) -> None:
     """Kill the node hosting engine ``name`` once it serves live requests."""
     listed = wait_until_busy(runtime, name, deadline_s)
     if listed is None:
         return
     entry = next(e for e in listed if e["id"] == name)
     node = next(n for n in cluster.nodes if f"//{n.ip}:" in entry["url"])
-    seen.update(inflight_at_kill=entry["inflight"], node=node.index,
-                node_id=runtime.engines.nodes[EngineId.parse(name)],
-                pids=localcluster.kill_node(cluster, node.index))
+    seen.update(
+        inflight_at_kill=entry["inflight"],
+        node=node.index,
+        node_id=runtime.engines.nodes[EngineId.parse(name)],
+        pids=localcluster.kill_node(cluster, node.index),
+    )
 
 
 def test_a_node_lost_mid_run_loses_nothing(cluster, tmp_path):
     out = tmp_path / "run"
     runtime = Runtime(_config(cluster, "SPREAD"), out)
     seen: dict = {}
-    killer = threading.Thread(target=_lose_node_when_busy, args=(runtime, cluster, "c1", seen),
-                              daemon=True)
+    killer = threading.Thread(
+        target=_lose_node_when_busy, args=(runtime, cluster, "c1", seen), daemon=True
+    )
     killer.start()
     s = runtime.run()
     killer.join(5)
-    print(json.dumps({"seen": seen, **{k: s[k] for k in (
-        "run_time_s", "cells_replaced", "rerouted_requests", "engine_failures", "nodes_lost")}}))
+    print(
+        json.dumps(
+            {
+                "seen": seen,
+                **{
+                    k: s[k]
+                    for k in (
+                        "run_time_s",
+                        "cells_replaced",
+                        "rerouted_requests",
+                        "engine_failures",
+                        "nodes_lost",
+                    )
+                },
+            }
+        )
+    )
     assert seen.get("pids"), seen  # the node's raylet and its processes were killed
     assert s["nodes_lost"] == 1
     assert "c1" in s["cells_replaced"] and s["engines"]["c1"]["restarted"]

@@ -18,8 +18,9 @@ from tidal.types import TransitionStepDone
 from .test_tiny_run import CONFIG
 
 
-def test_an_exception_in_the_controllers_handling_ends_the_run_with_it(tmp_path, monkeypatch,
-                                                                       capsys):
+def test_an_exception_in_the_controllers_handling_ends_the_run_with_it(
+    tmp_path, monkeypatch, capsys
+):
     real = Controller.handle
     seen: list[str] = []
 
@@ -36,8 +37,10 @@ def test_an_exception_in_the_controllers_handling_ends_the_run_with_it(tmp_path,
 
     assert seen, "no plan step ran: the injection point was never reached"
     assert code == PartFailed.exit_code == 3
-    assert ("run stopped: controller handling TransitionStepDone failed: InvariantViolation: "
-            "injected: step result out of order") in err
+    assert (
+        "run stopped: controller handling TransitionStepDone failed: InvariantViolation: "
+        "injected: step result out of order"
+    ) in err
     assert not (out / "summary.json").exists()  # it did not finish as if nothing happened
     # what the run started (engines, proxy, Ray's processes) is stopped
     data = json.loads((out / "processes.json").read_text())

@@ -34,8 +34,14 @@ def test_verl_default_on_hybrid_cells(tmp_path):
     assert _trained(out) == expected_groups(cfg)
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     kinds = {st["step"] for st in steps}
-    assert {"remove_from_load_balancer", "abort_inflight", "sleep_engine", "sync_weights",
-            "add_to_load_balancer", "resume_generation"} <= kinds, kinds
+    assert {
+        "remove_from_load_balancer",
+        "abort_inflight",
+        "sleep_engine",
+        "sync_weights",
+        "add_to_load_balancer",
+        "resume_generation",
+    } <= kinds, kinds
     assert all(st["ok"] for st in steps)
     assert "dynamic_resource/resource_utilization" in (out / "metrics.jsonl").read_text()
     assert (out / "report.md").is_file() and (out / "roles.png").stat().st_size > 0
@@ -70,4 +76,5 @@ def test_a_cluster_without_the_gpus_is_one_clear_error(tmp_path, capsys):
     assert main(["run", str(config), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tidal: error: runtime.use_gpus: the engines reserve 3 GPUs") and (
-        "the local Ray has 1" in err and err.count("\n") == 1), err
+        "the local Ray has 1" in err and err.count("\n") == 1
+    ), err

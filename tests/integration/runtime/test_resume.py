@@ -36,8 +36,11 @@ def test_driver_killed_mid_burst_resumes_without_loss_or_repeats(tmp_path):
     upb = cfg["control"]["updates_per_burst"]
     out = tmp_path / "run"
     log = open(tmp_path / "first.log", "w")  # noqa: SIM115 - closed below
-    first = subprocess.Popen([sys.executable, "-m", "tidal.cli", "run", str(config), "--out",
-                              str(out)], stdout=log, stderr=subprocess.STDOUT)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "tidal.cli", "run", str(config), "--out", str(out)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     killed_at = None
     try:
         deadline = time.monotonic() + 300
@@ -82,8 +85,10 @@ def test_driver_killed_mid_burst_resumes_without_loss_or_repeats(tmp_path):
             continue
         try:
             p = psutil.Process(row["pid"])
-            assert abs(p.create_time() - row["create_time"]) > 1e-3 or \
-                p.status() == psutil.STATUS_ZOMBIE, row
+            assert (
+                abs(p.create_time() - row["create_time"]) > 1e-3
+                or p.status() == psutil.STATUS_ZOMBIE
+            ), row
         except psutil.NoSuchProcess:
             pass
 
@@ -104,13 +109,15 @@ def test_sigterm_stops_every_part_and_points_to_resume(tmp_path):
     """SIGTERM (``kill``, a batch scheduler's stop) ends the run like Ctrl-C: the driver stops
     its engines, proxy, satellites and Ray before it exits, and says how to continue."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "run", str(CONFIG), "--out",
-                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal.cli", "run", str(CONFIG), "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None \
-                and _checkpoint_step(out) is None:
+        while time.monotonic() < deadline and proc.poll() is None and _checkpoint_step(out) is None:
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         left = json.loads((out / "processes.json").read_text())["processes"]
@@ -125,8 +132,10 @@ def test_sigterm_stops_every_part_and_points_to_resume(tmp_path):
     for row in left:
         try:
             p = psutil.Process(row["pid"])
-            if abs(p.create_time() - row["create_time"]) < 1e-3 \
-                    and p.status() != psutil.STATUS_ZOMBIE:
+            if (
+                abs(p.create_time() - row["create_time"]) < 1e-3
+                and p.status() != psutil.STATUS_ZOMBIE
+            ):
                 alive.append((row, p.cmdline()[:4]))
         except psutil.NoSuchProcess:
             pass

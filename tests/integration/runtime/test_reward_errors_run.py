@@ -22,26 +22,26 @@ import yaml
 from tidal.cli import main
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
-REWARD = '''
+REWARD = """
 def reward(answer: str, workspace) -> float:
     group, member = workspace.name.split("-")[1:]  # the workspace is named b<n>-g<n>-e<n>
     if member == "e1" or (group == "g0" and member in ("e2", "e3")):
         raise ValueError(f"no score for {workspace.name}")
     return sum(c.isdigit() for c in answer) / max(1, len(answer))
-'''
-HUGE = '''
+"""
+HUGE = """
 def reward(workspace) -> float:
     member = int(workspace.name.rsplit("-e", 1)[1])
     return 1e308 if member == 1 else 0.25 * member
-'''
-AGENT = '''
+"""
+AGENT = """
 async def run(client, model, row, workspace):
     out = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": row.text()}], max_tokens=8)
     if workspace.name.endswith("-e0"):
         return float("nan")
     return out.choices[0].message.content or ""
-'''
+"""
 
 
 def _config(tmp: Path, kind: str) -> Path:
@@ -49,8 +49,14 @@ def _config(tmp: Path, kind: str) -> Path:
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = yaml.safe_load(CONFIG.read_text())
     cfg["control"].update(bursts=1, batch_groups=2, updates_per_burst=2)
-    task = {"source": {"kind": "jsonl", "path": str(tmp / "rows.jsonl"), "prompt": "prompt",
-                       "answer": "answer"}}
+    task = {
+        "source": {
+            "kind": "jsonl",
+            "path": str(tmp / "rows.jsonl"),
+            "prompt": "prompt",
+            "answer": "answer",
+        }
+    }
     if kind == "raising":
         (tmp / "reward.py").write_text(REWARD)
     else:

@@ -26,9 +26,13 @@ from .test_tiny_run import CONFIG
 
 
 def _start(out: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tidal.cli", "run", str(CONFIG), "--out",
-                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "tidal.cli", "run", str(CONFIG), "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -102,13 +106,15 @@ def test_no_token_in_sight_loopback_only_and_a_dead_proxy_stops_the_run_in_one_l
         admin, engine = env["TIDAL_ADMIN_TOKEN"], env["TIDAL_ENGINE_TOKEN"]
         assert admin and engine and admin != engine
         # item 4: no token on any command line of this machine, nor in this run's Ray logs
-        shown = [a for p in psutil.process_iter() if (a := _args(p))
-                 and (admin in a or engine in a)]
+        shown = [
+            a for p in psutil.process_iter() if (a := _args(p)) and (admin in a or engine in a)
+        ]
         assert shown == []
         # issue 38 item 20: Ray's session folder is the run's own (mode 700, not in the
         # world-writable /tmp/ray), and goes with the run, its logs kept in DIR/logs/ray
-        (session,) = {a.split("=", 1)[1] for p in tree for a in _argv(p)
-                      if a.startswith("--session-dir=")}
+        (session,) = {
+            a.split("=", 1)[1] for p in tree for a in _argv(p) if a.startswith("--session-dir=")
+        }
         session = Path(session)
         private = session.parent.parent  # Ray makes its own folders mode 777: not this one
         assert private.name.startswith("tidal-ray-") and private.stat().st_mode & 0o777 == 0o700
@@ -118,9 +124,11 @@ def test_no_token_in_sight_loopback_only_and_a_dead_proxy_stops_the_run_in_one_l
                 assert admin.encode() not in text and engine.encode() not in text, log
         # item 5 (issue 29): a one-machine run listens on loopback only (Ray's parts included)
         pids = {p.pid for p in tree}
-        listening = [(c.laddr.ip, c.laddr.port, _args(psutil.Process(c.pid)))
-                     for c in psutil.net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN and c.pid in pids]
+        listening = [
+            (c.laddr.ip, c.laddr.port, _args(psutil.Process(c.pid)))
+            for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids
+        ]
         assert listening and [x for x in listening if not _loopback(x[0])] == []
 
         # item 3: the proxy dies mid-run, once the first checkpoint is written

@@ -36,8 +36,7 @@ def expected_groups(cfg: dict) -> list[str]:
 def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path, caplog, capsys, fsdp):
     out = tmp_path / "run"
     with caplog.at_level(logging.WARNING):
-        assert main(["run", str(CONFIG), "--out", str(out),
-                     "--set", f"runtime.fsdp={fsdp}"]) == 0
+        assert main(["run", str(CONFIG), "--out", str(out), "--set", f"runtime.fsdp={fsdp}"]) == 0
     # a run where nothing went wrong warns about nothing (satellite departures are INFO)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     printed = capsys.readouterr().out.splitlines()
@@ -96,8 +95,9 @@ def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path, caplog, cap
     # peak memory per process (issue 25): every part of the run sampled, named by its role
     mem = summary["memory"]
     print("memory:", json.dumps(mem))
-    assert {"driver", "proxy", "engine-s0", "engine-c0", "engine-c1",
-            "satellite-c1"} <= set(mem["processes_mb"]), mem["processes_mb"]
+    assert {"driver", "proxy", "engine-s0", "engine-c0", "engine-c1", "satellite-c1"} <= set(
+        mem["processes_mb"]
+    ), mem["processes_mb"]
     assert any(k.startswith("ray-") for k in mem["processes_mb"])
     assert all(v > 10 for v in mem["processes_mb"].values()), mem["processes_mb"]
     assert mem["machine_peak_mb"] >= mem["machine_baseline_mb"] and mem["samples"] > 10

@@ -41,15 +41,18 @@ def test_the_docs_user_backend_serves_a_run_on_ray(isolated_backends, monkeypatc
     rt = yaml.safe_load((out / "config.yaml").read_text())["runtime"]
     assert rt["backend_modules"] == [str(ROOT / "examples" / "backends" / "audited_builtin.py")]
     assert rt["cell_backend"] == rt["standalone_backend"] == "audited-builtin"
-    audits = {p.name: [json.loads(x) for x in p.read_text().splitlines()]
-              for p in (out / "logs").glob("audit-*.jsonl")}
+    audits = {
+        p.name: [json.loads(x) for x in p.read_text().splitlines()]
+        for p in (out / "logs").glob("audit-*.jsonl")
+    }
     assert sorted(audits) == ["audit-c0.jsonl", "audit-c1.jsonl", "audit-s0.jsonl"]
     for lines in audits.values():
         assert lines[0]["event"] == "start" and lines[0]["url"].startswith("http://")
     # each move to training put the cell's engine to sleep; each move back loaded a version
     sleeps = [e for lines in audits.values() for e in lines if e["event"] == "sleep"]
     assert len(sleeps) == s["switches_to_training"]
-    loads = [e["version"] for lines in audits.values() for e in lines
-             if e["event"] == "load_weights"]
+    loads = [
+        e["version"] for lines in audits.values() for e in lines if e["event"] == "load_weights"
+    ]
     assert len(loads) >= s["switches_to_rollout"]
     assert all(re.fullmatch(r"v\d+", v) for v in loads)

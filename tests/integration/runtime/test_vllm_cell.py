@@ -24,15 +24,26 @@ from tidal.runtime.cell import RuntimeFailure
 from tidal.serving import launch
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)"),
+]
 
 
 def _complete(url: str, prompt: list[int], token: str) -> dict:
-    resp = httpx.post(f"{url}/v1/completions", timeout=120, headers={
-        "Authorization": f"Bearer {token}"}, json={
-        "model": "tidal", "prompt": prompt, "max_tokens": 6, "temperature": 0,
-        "logprobs": 0, "return_token_ids": True})
+    resp = httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        headers={"Authorization": f"Bearer {token}"},
+        json={
+            "model": "tidal",
+            "prompt": prompt,
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": 0,
+            "return_token_ids": True,
+        },
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]
 
@@ -49,9 +60,18 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
     token = "cell-token"
     auth = {"Authorization": f"Bearer {token}"}
     monkeypatch.setenv("TIDAL_ENGINE_TOKEN", token)
-    host = VLLMCellHost("c0", str(smollm2), 4, str(tmp_path), {
-        "python": VLLM_PYTHON, "kv_cache_gb": 1, "max_model_len": 512,
-        "args": ["--max-num-batched-tokens", "1024"]})  # runtime.vllm.args
+    host = VLLMCellHost(
+        "c0",
+        str(smollm2),
+        4,
+        str(tmp_path),
+        {
+            "python": VLLM_PYTHON,
+            "kv_cache_gb": 1,
+            "max_model_len": 512,
+            "args": ["--max-num-batched-tokens", "1024"],
+        },
+    )  # runtime.vllm.args
     model, tok = load_model(smollm2)
     layout = ParamLayout.of(model)
     pub = FilePublisher(tmp_path / "w", layout)
@@ -63,8 +83,9 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
     taken_port = taken.getsockname()[1]
     ports = iter([taken_port])
     real_free_port = launch.free_port
-    monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": next(
-        ports, None) or real_free_port(host))
+    monkeypatch.setattr(
+        launch, "free_port", lambda host="127.0.0.1": next(ports, None) or real_free_port(host)
+    )
     try:
         url = host.start(300)
         taken.close()
@@ -74,12 +95,22 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
         argv = Path(f"/proc/{host.server.proc.pid}/cmdline").read_bytes().split(b"\0")
         assert argv[argv.index(b"--max-num-batched-tokens") + 1] == b"1024"
         # tidal's guard: every route, vLLM's control routes too, needs the run's token
-        assert httpx.post(f"{url}/v1/completions", timeout=30, json={
-            "model": "tidal", "prompt": prompt, "max_tokens": 1}).status_code == 401
+        assert (
+            httpx.post(
+                f"{url}/v1/completions",
+                timeout=30,
+                json={"model": "tidal", "prompt": prompt, "max_tokens": 1},
+            ).status_code
+            == 401
+        )
         rpc = {"method": "tidal_release_kv_cache", "args": [], "kwargs": {}}
-        for method, path, body in [("POST", "/collective_rpc", rpc), ("POST", "/pause", None),
-                                   ("POST", "/reset_prefix_cache", None),
-                                   ("GET", "/health", None), ("GET", "/weight_info", None)]:
+        for method, path, body in [
+            ("POST", "/collective_rpc", rpc),
+            ("POST", "/pause", None),
+            ("POST", "/reset_prefix_cache", None),
+            ("GET", "/health", None),
+            ("GET", "/weight_info", None),
+        ]:
             for bad in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
                 resp = httpx.request(method, f"{url}{path}", json=body, headers=bad, timeout=30)
                 assert resp.status_code == 401, (path, bad, resp.status_code)
@@ -104,8 +135,10 @@ def test_a_vllm_cell_switches_roles_in_one_server(smollm2, tmp_path, monkeypatch
         # a file that holds v1 is not v2: one line, the server still serves v1
         with pytest.raises(RuntimeFailure, match="holds v1, not v2"):
             host.load_weights(str(pub.path(1)), "v2")
-        assert httpx.get(f"{url}/weight_info", headers=auth,
-                         timeout=30).json()["weight_version"] == "v1"
+        assert (
+            httpx.get(f"{url}/weight_info", headers=auth, timeout=30).json()["weight_version"]
+            == "v1"
+        )
         # a version published in bfloat16 (what a run whose engines all serve in bfloat16
         # writes: backends.published_dtype) loads into the same server and is read back
         half = FilePublisher(tmp_path / "w16", layout, dtype=torch.bfloat16)

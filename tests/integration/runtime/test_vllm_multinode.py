@@ -36,8 +36,10 @@ from .busy import wait_until_busy
 from .clusters import four_node_cluster
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)"),
+]
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "vllm.yaml"
 
 
@@ -67,17 +69,37 @@ def test_vllm_engines_on_three_other_nodes(cluster, smollm2, tmp_path):
     out = tmp_path / "run"
     runtime = Runtime(RunConfig.model_validate(cfg), out)
     seen: dict = {}
-    killer = threading.Thread(target=_kill_server_when_busy, args=(runtime, "s0", seen),
-                              daemon=True)
+    killer = threading.Thread(
+        target=_kill_server_when_busy, args=(runtime, "s0", seen), daemon=True
+    )
     killer.start()
     s = runtime.run()
     killer.join(5)
-    workers = {n["id"]: n["ip"] for n in localcluster.alive_nodes(cluster)
-               if n["resources"].get("CPU", 0) > 0}  # the head declares none
+    workers = {
+        n["id"]: n["ip"]
+        for n in localcluster.alive_nodes(cluster)
+        if n["resources"].get("CPU", 0) > 0
+    }  # the head declares none
     placed = {name: (e["node_id"], e["node_ip"]) for name, e in s["engines"].items()}
-    print(json.dumps({"placed": placed, "seen": seen, **{k: s[k] for k in (
-        "run_time_s", "rerouted_requests", "reprefill_tokens", "switch_s", "cells_replaced",
-        "engine_failures")}}))
+    print(
+        json.dumps(
+            {
+                "placed": placed,
+                "seen": seen,
+                **{
+                    k: s[k]
+                    for k in (
+                        "run_time_s",
+                        "rerouted_requests",
+                        "reprefill_tokens",
+                        "switch_s",
+                        "cells_replaced",
+                        "engine_failures",
+                    )
+                },
+            }
+        )
+    )
     assert s["backend_by_engine"] == {"s0": "vllm", "c0": "vllm", "c1": "vllm"}
     # one engine per worker node, as Ray placed them, none on the driver's head node
     assert len({node for node, _ in placed.values()}) == 3

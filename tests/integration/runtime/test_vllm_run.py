@@ -28,8 +28,10 @@ from tidal.cli import main
 from tidal.runtime import bridge
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)"),
+]
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "vllm.yaml"
 
 
@@ -60,10 +62,29 @@ def test_vllm_run_every_engine_vllm(smollm2, tmp_path, monkeypatch):
     out = tmp_path / "run"
     assert main(["run", str(config), "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    print("summary:", json.dumps({k: summary[k] for k in (
-        "run_time_s", "bursts_s", "switches_to_training", "switches_to_rollout",
-        "rerouted_requests", "drained_requests", "engine_handoffs", "tokens_by_engine_version",
-        "engines", "backend_by_engine", "reprefill_tokens", "switch_s", "engine_memory")}))
+    print(
+        "summary:",
+        json.dumps(
+            {
+                k: summary[k]
+                for k in (
+                    "run_time_s",
+                    "bursts_s",
+                    "switches_to_training",
+                    "switches_to_rollout",
+                    "rerouted_requests",
+                    "drained_requests",
+                    "engine_handoffs",
+                    "tokens_by_engine_version",
+                    "engines",
+                    "backend_by_engine",
+                    "reprefill_tokens",
+                    "switch_s",
+                    "engine_memory",
+                )
+            }
+        ),
+    )
 
     c = cfg["control"]
     u, bursts = c["updates_per_burst"], c["bursts"]
@@ -95,13 +116,18 @@ def test_vllm_run_every_engine_vllm(smollm2, tmp_path, monkeypatch):
     assert loads and all(st["ok"] for st in steps), [st for st in steps if not st["ok"]]
     # every version reached every vLLM engine through shared memory, never the file, and the
     # decision log names each engine's carrier, bytes, seconds and pause
-    published = [json.loads(x) for x in (out / "decisions.jsonl").read_text().splitlines()
-                 if '"weights_published"' in x]
+    published = [
+        json.loads(x)
+        for x in (out / "decisions.jsonl").read_text().splitlines()
+        if '"weights_published"' in x
+    ]
     assert len(published) == bursts, published
     for rec in published:
         assert rec["engines"] and set(rec["transports"].values()) == {"shm"}, rec
-        assert all(e["carrier"] == "shm" and e["bytes"] > 0 and e["pause_s"] <= e["seconds"]
-                   for e in rec["engines"].values()), rec
+        assert all(
+            e["carrier"] == "shm" and e["bytes"] > 0 and e["pause_s"] <= e["seconds"]
+            for e in rec["engines"].values()
+        ), rec
     pub = summary["publication"]
     assert set(pub["carriers"]) == {"shm"} and pub["fallbacks"] == 0, pub
     assert set(summary["switch_steps_s"]) == {"to_training", "to_rollout"}, summary
@@ -114,8 +140,7 @@ def test_vllm_run_every_engine_vllm(smollm2, tmp_path, monkeypatch):
     served = summary["tokens_by_engine_version"]
     memory = summary["engine_memory"]
     released = [m for e in memory.values() for m in e]
-    assert released and all(m["rss_after_mb"] <= m["rss_before_mb"] + 32 for m in released), \
-        memory
+    assert released and all(m["rss_after_mb"] <= m["rss_before_mb"] + 32 for m in released), memory
     first = {c: e[0] for c, e in memory.items() if served.get(c, {}).get("v0", 0) > 0}
     assert first and all(m["rss_after_mb"] < m["rss_before_mb"] for m in first.values()), memory
     # the vLLM engine served tokens of each version it had loaded, and of no other label
@@ -144,8 +169,13 @@ def test_vllm_run_every_engine_vllm(smollm2, tmp_path, monkeypatch):
         gen = torch.Generator().manual_seed(0)
         base = read_weights(smollm2)
         scale = {k: float(v.std()) if v.numel() > 1 else 0.0 for k, v in base.items()}
-        save_file({k: (v + 0.02 * scale[k] * torch.randn(v.shape, generator=gen)).contiguous()
-                   for k, v in base.items()}, str(tmp_path / "perturbed.safetensors"))
+        save_file(
+            {
+                k: (v + 0.02 * scale[k] * torch.randn(v.shape, generator=gen)).contiguous()
+                for k, v in base.items()
+            },
+            str(tmp_path / "perturbed.safetensors"),
+        )
         refs["perturbed"] = tmp_path / "perturbed.safetensors"
     diffs: dict[str, dict[str, float]] = {}
     for label, path in refs.items():  # v0 first: the model as loaded
@@ -157,15 +187,22 @@ def test_vllm_run_every_engine_vllm(smollm2, tmp_path, monkeypatch):
                 prompt = call["prompt_token_ids"]
                 done: list[int] = []
                 for seg in call["segments"]:
-                    if seg["engine_id"] == "s0" and seg["token_ids"] and \
-                            set(seg["versions"]) == {want} and len(err) < 32:
+                    if (
+                        seg["engine_id"] == "s0"
+                        and seg["token_ids"]
+                        and set(seg["versions"]) == {want}
+                        and len(err) < 32
+                    ):
                         ref = _logprobs(model, prompt + done, seg["token_ids"])
                         err += [abs(a - b) for a, b in zip(ref, seg["logprobs"], strict=True)]
                     done += seg["token_ids"]
             assert err, (want, "no vLLM tokens of that version")
             diffs.setdefault(want, {})[label] = sum(err) / len(err)
-    print("mean |logprob(vLLM) - logprob(tidal, weights)| by label, weights:", diffs,
-          "(trained weights differ)" if moved else "(versions equal: a perturbed v0 instead)")
+    print(
+        "mean |logprob(vLLM) - logprob(tidal, weights)| by label, weights:",
+        diffs,
+        "(trained weights differ)" if moved else "(versions equal: a perturbed v0 instead)",
+    )
     for want in weights:
         assert diffs[want][want] < 0.02, diffs
         others = [w for w in refs if w != want and (moved or w == "perturbed")]

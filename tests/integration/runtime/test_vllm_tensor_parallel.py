@@ -18,8 +18,10 @@ import pytest
 import torch
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)"),
+]
 TOKEN = "tp-token"
 
 
@@ -31,10 +33,20 @@ def _logprobs(model, prompt: list[int], out: list[int]) -> list[float]:
 
 
 def _complete(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
-    resp = httpx.post(f"{url}/v1/completions", timeout=120, headers={
-        "Authorization": f"Bearer {TOKEN}"}, json={
-        "model": "tidal", "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 3,
-        "logprobs": 0, "return_token_ids": True})
+    resp = httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        json={
+            "model": "tidal",
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "seed": 3,
+            "logprobs": 0,
+            "return_token_ids": True,
+        },
+    )
     assert resp.status_code == 200, resp.text
     choice = resp.json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
@@ -49,17 +61,22 @@ def test_a_tensor_parallel_vllm_cell_loads_every_shard(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TIDAL_ENGINE_TOKEN", TOKEN)
     model_dir = create_tiny(tmp_path / "tiny", seed=3, max_seq_len=1024)
-    host = VLLMCellHost("c0", str(model_dir), 4, str(tmp_path), {
-        "python": VLLM_PYTHON, "kv_cache_gb": 0.25, "max_model_len": 512,
-        "tensor_parallel": 2})
+    host = VLLMCellHost(
+        "c0",
+        str(model_dir),
+        4,
+        str(tmp_path),
+        {"python": VLLM_PYTHON, "kv_cache_gb": 0.25, "max_model_len": 512, "tensor_parallel": 2},
+    )
     model, tok = load_model(model_dir)
     layout = ParamLayout.of(model)
     pub = FilePublisher(tmp_path / "w", layout)
     prompt = tok.encode("hello world")
     try:
         url = host.start(300)
-        ws = httpx.get(f"{url}/get_world_size", timeout=30,
-                       headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        ws = httpx.get(
+            f"{url}/get_world_size", timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}
+        ).json()
         assert (ws.get("world_size") if isinstance(ws, dict) else ws) == 2, ws  # two workers
         ids, lps = _complete(url, prompt)
         v0 = _logprobs(model, prompt, ids)
@@ -71,8 +88,10 @@ def test_a_tensor_parallel_vllm_cell_loads_every_shard(tmp_path, monkeypatch):
         pub.publish(1, layout.params_to_flat(model))
         assert host.load_weights_blob(Path(pub.path(1)).read_bytes(), "v1") == "v1"
         ids1, lps1 = _complete(url, prompt)
-        assert max(abs(a - b) for a, b in zip(lps1, _logprobs(model, prompt, ids1),
-                                              strict=True)) < 1e-4
+        assert (
+            max(abs(a - b) for a, b in zip(lps1, _logprobs(model, prompt, ids1), strict=True))
+            < 1e-4
+        )
         if ids1 == ids:  # the old version's log-probs for these tokens are far from them
             assert max(abs(a - b) for a, b in zip(lps1, v0, strict=True)) > 1e-2
         assert host.sleep() == "asleep"
@@ -81,7 +100,9 @@ def test_a_tensor_parallel_vllm_cell_loads_every_shard(tmp_path, monkeypatch):
         assert mem["kv_released_mb"] >= 500  # both workers' 0.25 GiB caches
         assert host.wake() == "awake"
         ids2, lps2 = _complete(url, prompt)
-        assert max(abs(a - b) for a, b in zip(lps2, _logprobs(model, prompt, ids2),
-                                              strict=True)) < 1e-4
+        assert (
+            max(abs(a - b) for a, b in zip(lps2, _logprobs(model, prompt, ids2), strict=True))
+            < 1e-4
+        )
     finally:
         host.stop()

@@ -24,8 +24,10 @@ from tidal.cli import main
 from tidal.control.plans import VERL_ACTIVATE, VERL_DEACTIVATE, StepKind
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)"),
+]
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "vllm-verl.yaml"
 
 
@@ -34,9 +36,23 @@ def test_verl_default_on_hybrid_vllm_cells(smollm2, tmp_path):
     out = tmp_path / "run"
     assert main(["run", str(CONFIG), "--out", str(out)]) == 0
     s = json.loads((out / "summary.json").read_text())
-    print("summary:", json.dumps({k: s[k] for k in (
-        "run_time_s", "switches_to_training", "switches_to_rollout", "rerouted_requests",
-        "switch_s", "reprefill_tokens", "engine_memory")}))
+    print(
+        "summary:",
+        json.dumps(
+            {
+                k: s[k]
+                for k in (
+                    "run_time_s",
+                    "switches_to_training",
+                    "switches_to_rollout",
+                    "rerouted_requests",
+                    "switch_s",
+                    "reprefill_tokens",
+                    "engine_memory",
+                )
+            }
+        ),
+    )
     assert s["policy"] == "verl-default"
     assert s["switches_to_rollout"] >= 1 and s["switches_to_training"] >= 1
     assert s["failed_requests"] == 0 and s["lost_executions"] == 0 and s["plans_aborted"] == 0
@@ -48,8 +64,10 @@ def test_verl_default_on_hybrid_vllm_cells(smollm2, tmp_path):
         if rec.get("type") == "step_done":
             done.setdefault(rec["plan_id"], []).append(rec["step"])
     orders = {tuple(steps) for steps in done.values()}
-    want = {tuple(k.value for k in VERL_DEACTIVATE),  # verl's rebalance is off by default
-            tuple(k.value for k in VERL_ACTIVATE if k is not StepKind.REBALANCE)}
+    want = {
+        tuple(k.value for k in VERL_DEACTIVATE),  # verl's rebalance is off by default
+        tuple(k.value for k in VERL_ACTIVATE if k is not StepKind.REBALANCE),
+    }
     assert orders == want, orders
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert steps and all(st["ok"] for st in steps), [st for st in steps if not st["ok"]]

@@ -13,14 +13,19 @@ class Cluster:
 
     def __init__(self, model_dir, log_dir) -> None:
         self.model_dir, self.log_dir = model_dir, log_dir
-        self.engines = {n: start_engine(model_dir, log_path=log_dir / f"{n}.log", token=TOKEN)
-                        for n in ("s0", "c0", "c1")}
+        self.engines = {
+            n: start_engine(model_dir, log_path=log_dir / f"{n}.log", token=TOKEN)
+            for n in ("s0", "c0", "c1")
+        }
         for e in self.engines.values():
             e.wait_healthy(120)
-        self.proxy = start_proxy([self.engines["s0"].url],
-                                 [self.engines["c0"].url, self.engines["c1"].url], TOKEN,
-                                 require_registration=True,
-                                 log_path=log_dir / "proxy.log").wait_healthy(60)
+        self.proxy = start_proxy(
+            [self.engines["s0"].url],
+            [self.engines["c0"].url, self.engines["c1"].url],
+            TOKEN,
+            require_registration=True,
+            log_path=log_dir / "proxy.log",
+        ).wait_healthy(60)
         self.url = self.proxy.url
         self.token = TOKEN
         self.admin = {"Authorization": f"Bearer {TOKEN}"}

@@ -24,11 +24,25 @@ openai = pytest.importorskip("openai")
 TOKEN = "dialects-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city", "parameters": SCHEMA}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": SCHEMA,
+        },
+    }
+]
 A_TOOLS = [{"name": "get_weather", "description": "Weather of a city", "input_schema": SCHEMA}]
-R_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
-            "parameters": SCHEMA}]
+R_TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": SCHEMA,
+    }
+]
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
 GREEDY = {"temperature": 0}  # the SDK no longer names temperature, top_p, top_k: extra_body
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -43,20 +57,26 @@ def tool_model(tmp_path_factory):
     from tidal.testing.chat_models import HERMES_TOOLS_TEMPLATE, set_template, teach
 
     torch.set_num_threads(1)
-    d = create_tiny(tmp_path_factory.mktemp("tools") / "m", seed=3, max_seq_len=1024,
-                    n_layers=2, d_model=64, n_heads=2)
+    d = create_tiny(
+        tmp_path_factory.mktemp("tools") / "m",
+        seed=3,
+        max_seq_len=1024,
+        n_layers=2,
+        d_model=64,
+        n_heads=2,
+    )
     set_template(d, HERMES_TOOLS_TEMPLATE)
     tok = HFTokenizer(d)
-    teach(d, tok.apply_chat_template(QUESTION, TOOLS), [*tok.encode(CALL), tok.eos_id],
-          lr=1e-2)
+    teach(d, tok.apply_chat_template(QUESTION, TOOLS), [*tok.encode(CALL), tok.eos_id], lr=1e-2)
     return d
 
 
 @pytest.fixture(scope="module")
 def served(tool_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    engine = start_engine(tool_model, name="tiny", max_batch=16, log_path=logs / "e.log",
-                          token=TOKEN).wait_healthy(120)
+    engine = start_engine(
+        tool_model, name="tiny", max_batch=16, log_path=logs / "e.log", token=TOKEN
+    ).wait_healthy(120)
     proxy = start_proxy([engine.url], [], TOKEN, cap=16, log_path=logs / "p.log")
     try:
         proxy.wait_healthy(60)
@@ -72,37 +92,58 @@ def _records(url: str, eid: str) -> list[dict]:
 
 def _claude(url: str, eid: str):
     """A harness's Anthropic client: its execution's URL and key (sent as ``x-api-key``)."""
-    return anthropic.Anthropic(base_url=execution_url(url, eid).removesuffix("/v1"),
-                               api_key=execution_key(TOKEN, eid), max_retries=0)
+    return anthropic.Anthropic(
+        base_url=execution_url(url, eid).removesuffix("/v1"),
+        api_key=execution_key(TOKEN, eid),
+        max_retries=0,
+    )
 
 
 def _openai(url: str, eid: str):
-    return openai.OpenAI(base_url=execution_url(url, eid), api_key=execution_key(TOKEN, eid),
-                         max_retries=0)
+    return openai.OpenAI(
+        base_url=execution_url(url, eid), api_key=execution_key(TOKEN, eid), max_retries=0
+    )
 
 
 def test_messages_tool_round_trip(served, tool_model):
     cl = _claude(served, "a-tools")
-    first = cl.messages.create(model="tiny", max_tokens=64, messages=QUESTION, tools=A_TOOLS,
-                               extra_body=GREEDY)
+    first = cl.messages.create(
+        model="tiny", max_tokens=64, messages=QUESTION, tools=A_TOOLS, extra_body=GREEDY
+    )
     assert first.stop_reason == "tool_use", first
     [use] = [b for b in first.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.input == {"city": "Paris"}
-    with cl.messages.stream(model="tiny", max_tokens=64, messages=QUESTION, tools=A_TOOLS,
-                            extra_body=GREEDY) as s:
+    with cl.messages.stream(
+        model="tiny", max_tokens=64, messages=QUESTION, tools=A_TOOLS, extra_body=GREEDY
+    ) as s:
         events = [e.type for e in s]
         streamed = s.get_final_message()
     assert events[0] == "message_start" and "content_block_start" in events
     assert streamed.stop_reason == "tool_use"
     assert [b.input for b in streamed.content if b.type == "tool_use"] == [{"city": "Paris"}]
-    follow = [*QUESTION, {"role": "assistant", "content": [use.model_dump()]},
-              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                            "content": [{"type": "text",
-                                                         "text": "sunny, 21 C"}]}]}]
-    second = cl.messages.create(model="tiny", max_tokens=4, messages=follow, tools=A_TOOLS,
-                                extra_body=GREEDY, system=[{"type": "text", "text": "Be brief.",
-                                                        "cache_control": {"type": "ephemeral"}}],
-                                extra_headers={"anthropic-beta": "prompt-caching-2024-07-31"})
+    follow = [
+        *QUESTION,
+        {"role": "assistant", "content": [use.model_dump()]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": use.id,
+                    "content": [{"type": "text", "text": "sunny, 21 C"}],
+                }
+            ],
+        },
+    ]
+    second = cl.messages.create(
+        model="tiny",
+        max_tokens=4,
+        messages=follow,
+        tools=A_TOOLS,
+        extra_body=GREEDY,
+        system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        extra_headers={"anthropic-beta": "prompt-caching-2024-07-31"},
+    )
     assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
     calls = _records(served, "a-tools")
     assert len(calls) == 3
@@ -119,9 +160,17 @@ def test_messages_tool_round_trip(served, tool_model):
 
 def test_messages_sampling_streamed_and_not(served):
     cl = _claude(served, "a-fields")
-    base = {"model": "tiny", "max_tokens": 24, "extra_body": GREEDY,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "Tell"},
-                                                      {"type": "text", "text": "a story"}]}]}
+    base = {
+        "model": "tiny",
+        "max_tokens": 24,
+        "extra_body": GREEDY,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Tell"}, {"type": "text", "text": "a story"}],
+            }
+        ],
+    }
     full = cl.messages.create(**base)
     text = full.content[0].text
     assert full.usage.output_tokens == len(full.model_extra["tidal"]["token_ids"])
@@ -131,11 +180,15 @@ def test_messages_sampling_streamed_and_not(served):
     else:
         assert full.stop_reason == "end_turn"
     assert "".join(_texts(cl, base)) == text
-    raw = [e.type for e in cl.messages.create(
-        **{**base, "extra_body": {"top_k": 5, "top_p": 0.9}}, stream=True)]
+    raw = [
+        e.type
+        for e in cl.messages.create(
+            **{**base, "extra_body": {"top_k": 5, "top_p": 0.9}}, stream=True
+        )
+    ]
     assert raw[0] == "message_start" and raw[-2:] == ["message_delta", "message_stop"]
     assert len(text) > 8, text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     cut = cl.messages.create(**base, stop_sequences=[stop])
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == text[: text.find(stop)]
@@ -151,15 +204,36 @@ def _texts(cl, base) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize(("extra", "field"), [
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-    ({"tool_choice": {"type": "any"}, "tools": A_TOOLS}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-        "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, "messages.0.content.0"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
-    ({"extra_body": {"output_config": {"effort": "high"}}}, "output_config"),
-    ({"extra_body": {"context_management": {"edits": []}}}, "context_management"),
-])
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"tool_choice": {"type": "any"}, "tools": A_TOOLS}, "tool_choice"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": "AA==",
+                                },
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages.0.content.0",
+        ),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
+        ({"extra_body": {"output_config": {"effort": "high"}}}, "output_config"),
+        ({"extra_body": {"context_management": {"edits": []}}}, "context_management"),
+    ],
+)
 def test_messages_refused_fields_are_named(served, extra, field):
     cl = _claude(served, "a-refused")
     body = {"model": "tiny", "max_tokens": 2, "messages": QUESTION, **extra}
@@ -172,37 +246,66 @@ def test_messages_refused_fields_are_named(served, extra, field):
 
 
 def test_messages_headers_and_beta_query(served):
-    r = httpx.post(f"{served}/v1/messages?beta=true", json={
-        "model": "tiny", "max_tokens": 3, "messages": QUESTION, "metadata": {"user_id": "u"}},
-        headers={"anthropic-version": "2023-06-01", "x-api-key": execution_key(TOKEN, "a-beta"),
-                 "anthropic-beta": "claude-code-20250219", "X-Tidal-Execution": "a-beta"})
+    r = httpx.post(
+        f"{served}/v1/messages?beta=true",
+        json={"model": "tiny", "max_tokens": 3, "messages": QUESTION, "metadata": {"user_id": "u"}},
+        headers={
+            "anthropic-version": "2023-06-01",
+            "x-api-key": execution_key(TOKEN, "a-beta"),
+            "anthropic-beta": "claude-code-20250219",
+            "X-Tidal-Execution": "a-beta",
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["type"] == "message" and r.headers["x-tidal-weight-versions"]
-    gone = httpx.post(f"{served}/v1/messages", json={"model": "nope", "max_tokens": 3,
-                                                     "messages": QUESTION})
+    gone = httpx.post(
+        f"{served}/v1/messages", json={"model": "nope", "max_tokens": 3, "messages": QUESTION}
+    )
     assert gone.status_code == 404 and gone.json()["error"]["type"] == "not_found_error"
 
 
 def test_responses_tool_round_trip(served):
     oa = _openai(served, "r-tools")
-    first = oa.responses.create(model="tiny", input=QUESTION, tools=R_TOOLS, temperature=0,
-                                max_output_tokens=64, store=False)
+    first = oa.responses.create(
+        model="tiny",
+        input=QUESTION,
+        tools=R_TOOLS,
+        temperature=0,
+        max_output_tokens=64,
+        store=False,
+    )
     [call] = [o for o in first.output if o.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
-    events = list(oa.responses.create(model="tiny", input=QUESTION, tools=R_TOOLS,
-                                      temperature=0, max_output_tokens=64, stream=True))
+    events = list(
+        oa.responses.create(
+            model="tiny",
+            input=QUESTION,
+            tools=R_TOOLS,
+            temperature=0,
+            max_output_tokens=64,
+            stream=True,
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed"
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [json.loads(i.arguments) for i in done if i.type == "function_call"] == [
-        {"city": "Paris"}]
+        {"city": "Paris"}
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     second = oa.responses.create(
-        model="tiny", instructions="Be brief.", tools=R_TOOLS, temperature=0,
-        max_output_tokens=4, input=[*QUESTION, call.model_dump(exclude_none=True),
-                                    {"type": "function_call_output", "call_id": call.call_id,
-                                     "output": "sunny, 21 C"}])
+        model="tiny",
+        instructions="Be brief.",
+        tools=R_TOOLS,
+        temperature=0,
+        max_output_tokens=4,
+        input=[
+            *QUESTION,
+            call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+        ],
+    )
     assert second.status in ("completed", "incomplete")
     calls = _records(served, "r-tools")
     assert len(calls) == 3 and calls[0]["output_token_ids"] == calls[1]["output_token_ids"]
@@ -212,8 +315,13 @@ def test_responses_tool_round_trip(served):
 
 def test_responses_text_streamed_and_not(served):
     oa = _openai(served, "r-fields")
-    base = {"model": "tiny", "input": "Tell a story", "max_output_tokens": 16,
-            "temperature": 0, "top_p": 1.0}
+    base = {
+        "model": "tiny",
+        "input": "Tell a story",
+        "max_output_tokens": 16,
+        "temperature": 0,
+        "top_p": 1.0,
+    }
     whole = oa.responses.create(**base)
     events = list(oa.responses.create(**base, stream=True))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -226,15 +334,24 @@ def test_responses_text_streamed_and_not(served):
     assert calls[0]["output_token_ids"] == calls[1]["output_token_ids"]
 
 
-@pytest.mark.parametrize(("extra", "field"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0"),
-    ({"tool_choice": "required", "tools": R_TOOLS}, "tool_choice"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image",
-                                               "image_url": "data:,"}]}]}, "input"),
-    ({"text": {"format": {"type": "json_object"}}}, "text"),
-])
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0"),
+        ({"tool_choice": "required", "tools": R_TOOLS}, "tool_choice"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}
+                ]
+            },
+            "input",
+        ),
+        ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ],
+)
 def test_responses_refused_fields_are_named(served, extra, field):
     oa = _openai(served, "r-refused")
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, **extra}

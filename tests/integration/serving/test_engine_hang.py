@@ -41,8 +41,11 @@ async def _stop_when_busy(victim, client, admin) -> float:
             seen.append((mine["inflight"], mine["inflight_tokens"], generated))
             # ... and the proxy already holds streamed tokens of calls in flight there (on a
             # loaded machine the engine's count runs ahead of what reached the proxy)
-            if (mine["inflight"] >= CAP // 4 and generated >= CAP * BUDGET // 8
-                    and mine["inflight_tokens"] >= BUDGET // 4):
+            if (
+                mine["inflight"] >= CAP // 4
+                and generated >= CAP * BUDGET // 8
+                and mine["inflight_tokens"] >= BUDGET // 4
+            ):
                 os.kill(victim.proc.pid, signal.SIGSTOP)
                 return time.monotonic()
             await asyncio.sleep(0.05)
@@ -110,8 +113,9 @@ def test_a_hung_engine_holds_no_call(tiny_model, tmp_path):
         async def main():
             nonlocal stopped
             limits = httpx.Limits(max_connections=CALLS + 8)
-            async with httpx.AsyncClient(base_url=proxy.url, timeout=120, limits=limits,
-                                         headers=admin) as client:
+            async with httpx.AsyncClient(
+                base_url=proxy.url, timeout=120, limits=limits, headers=admin
+            ) as client:
                 calls = [asyncio.create_task(_timed(client, i)) for i in range(CALLS)]
                 t_stop = await _stop_when_busy(engines[0], client, admin)
                 stopped = True

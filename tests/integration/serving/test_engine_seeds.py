@@ -10,16 +10,20 @@ from tidal.serving.launch import start_engine
 
 
 def _sample(url: str) -> list[int]:
-    body = {"prompt": [5, 6, 7, 8], "max_tokens": 24, "temperature": 1.0, "ignore_eos": True,
-            "logprobs": 0}
+    body = {
+        "prompt": [5, 6, 7, 8],
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
 
 def test_engines_with_other_seeds_sample_differently(tiny_model, tmp_path):
-    engines = [start_engine(tiny_model, log_path=tmp_path / f"e{s}.log", seed=s)
-               for s in (1, 1, 2)]
+    engines = [start_engine(tiny_model, log_path=tmp_path / f"e{s}.log", seed=s) for s in (1, 1, 2)]
     try:
         for e in engines:
             e.wait_healthy(120)

@@ -16,8 +16,7 @@ ASK = {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content"
 
 
 def _register(cluster) -> str:
-    r = httpx.post(f"{cluster.url}/tidal/executions", json={"group_id": "g"},
-                   headers=cluster.admin)
+    r = httpx.post(f"{cluster.url}/tidal/executions", json={"group_id": "g"}, headers=cluster.admin)
     assert r.status_code == 200, r.text
     return r.json()["execution_id"]
 
@@ -43,15 +42,18 @@ def test_an_execution_key_is_not_the_admin_token(cluster):
     key = {"Authorization": f"Bearer {execution_key(cluster.token, mine)}"}
     base = execution_url(cluster.url, mine).removesuffix("/v1")
     with httpx.Client(base_url=cluster.url, headers=key, timeout=30) as c:
-        for method, path in (("GET", f"/tidal/executions/{other}/records"),
-                             ("POST", f"/tidal/executions/{other}/close"),
-                             ("POST", f"/tidal/executions/{mine}/close"),
-                             ("POST", "/tidal/executions"),
-                             ("POST", "/tidal/engines/s0/drain"),
-                             ("DELETE", "/tidal/engines/c1?drain=false"),
-                             ("GET", "/tidal/engines"), ("GET", "/tidal/stats"),
-                             ("GET", "/openapi.json"),
-                             ("POST", f"{base}/tidal/executions/{other}/close")):
+        for method, path in (
+            ("GET", f"/tidal/executions/{other}/records"),
+            ("POST", f"/tidal/executions/{other}/close"),
+            ("POST", f"/tidal/executions/{mine}/close"),
+            ("POST", "/tidal/executions"),
+            ("POST", "/tidal/engines/s0/drain"),
+            ("DELETE", "/tidal/engines/c1?drain=false"),
+            ("GET", "/tidal/engines"),
+            ("GET", "/tidal/stats"),
+            ("GET", "/openapi.json"),
+            ("POST", f"{base}/tidal/executions/{other}/close"),
+        ):
             r = c.request(method, path, json={"reward": 1.0} if "close" in path else None)
             assert r.status_code == 401, (method, path, r.text)
             assert "admin token" in r.json()["error"]["message"]
@@ -70,8 +72,13 @@ def test_naming_an_execution_needs_its_key(cluster):
     victim, attacker = _register(cluster), _register(cluster)
     plain = f"{cluster.url}/v1"
     attempts = [
-        _agent(cluster, victim, base_url=plain, api_key="sk-none",
-               default_headers={"X-Tidal-Execution": victim}),
+        _agent(
+            cluster,
+            victim,
+            base_url=plain,
+            api_key="sk-none",
+            default_headers={"X-Tidal-Execution": victim},
+        ),
         _agent(cluster, victim, api_key="sk-none"),
         _agent(cluster, attacker, default_headers={"X-Tidal-Execution": victim}),
         _agent(cluster, attacker, base_url=execution_url(cluster.url, victim)),
@@ -85,15 +92,22 @@ def test_naming_an_execution_needs_its_key(cluster):
     anonymous = _agent(cluster, victim, base_url=plain, api_key="sk-none")
     with pytest.raises(openai.AuthenticationError, match="named without its key"):
         anonymous.chat.completions.create(**ASK, user=victim)
-    r = httpx.post(f"{cluster.url}/inference/v1/generate", json={
-        "token_ids": [3, 4], "sampling_params": {"max_tokens": 2}},
-        headers={"X-Tidal-Execution": victim})
+    r = httpx.post(
+        f"{cluster.url}/inference/v1/generate",
+        json={"token_ids": [3, 4], "sampling_params": {"max_tokens": 2}},
+        headers={"X-Tidal-Execution": victim},
+    )
     assert r.status_code == 401, r.text
     assert _calls(cluster, victim) == 0
     # the attacker's own key still works, counted to the attacker
     _agent(cluster, attacker).chat.completions.create(**ASK, user=victim)
     assert _calls(cluster, attacker) == 1 and _calls(cluster, victim) == 0
     # the admin token names any execution: the driver's built-in chat loop does
-    _agent(cluster, victim, base_url=plain, api_key=cluster.token,
-           default_headers={"X-Tidal-Execution": victim}).chat.completions.create(**ASK)
+    _agent(
+        cluster,
+        victim,
+        base_url=plain,
+        api_key=cluster.token,
+        default_headers={"X-Tidal-Execution": victim},
+    ).chat.completions.create(**ASK)
     assert _calls(cluster, victim) == 1

@@ -27,9 +27,11 @@ PROMPT = [5, 17, 42, 9, 33, 8, 71, 2]
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("race-logs")
-    procs = {"A": start_engine(tiny_model, log_path=logs / "A.log"),
-             "B": start_engine(tiny_model, max_batch=1, log_path=logs / "B.log"),
-             "C": start_engine(tiny_model, log_path=logs / "C.log")}
+    procs = {
+        "A": start_engine(tiny_model, log_path=logs / "A.log"),
+        "B": start_engine(tiny_model, max_batch=1, log_path=logs / "B.log"),
+        "C": start_engine(tiny_model, log_path=logs / "C.log"),
+    }
     try:
         for p in procs.values():
             p.wait_healthy(120)
@@ -78,13 +80,19 @@ async def _start_call(proxy: Proxy, eid: str, a_url: str, stream: bool) -> async
     got: list[int] = []
     params = SamplingParams(max_tokens=BUDGET, temperature=0.0, ignore_eos=True)
     base = (await _engine_stats(a_url))["generated_tokens"]
-    task = asyncio.create_task(proxy.complete(
-        eid, PROMPT, params, on_chunk=(lambda c: got.extend(c.token_ids)) if stream else None))
+    task = asyncio.create_task(
+        proxy.complete(
+            eid, PROMPT, params, on_chunk=(lambda c: got.extend(c.token_ids)) if stream else None
+        )
+    )
     if stream:
         await _until(lambda: len(got) >= 5 or task.done(), "the call produced tokens on A")
     else:
-        await _until_stats(a_url, lambda s: s["generated_tokens"] - base >= 5 or task.done(),
-                           "the call produced tokens on A")
+        await _until_stats(
+            a_url,
+            lambda s: s["generated_tokens"] - base >= 5 or task.done(),
+            "the call produced tokens on A",
+        )
     assert not task.done() and proxy.router.members["A"].inflight
     return task
 
@@ -96,8 +104,10 @@ async def _engine_stats(url: str) -> dict:
 
 async def _reference(url: str) -> list[int]:
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": BUDGET,
-                                                  "temperature": 0, "ignore_eos": True})
+        r = await c.post(
+            "/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": BUDGET, "temperature": 0, "ignore_eos": True},
+        )
         return r.json()["choices"][0]["token_ids"]
 
 
@@ -108,8 +118,10 @@ def _check_call(proxy: Proxy, eid: str, res, reference: list[int]) -> list:
     assert segs[0].engine_id == "A" and segs[0].ended_by == "abort"
     assert segs[-1].ended_by == "length" and segs[-1].engine_id == "C"
     for seg in segs[1:]:  # every handed-off hop reused the KV: nothing re-prefilled
-        assert seg.reprefill_tokens == 0, [(s.engine_id, len(s.token_ids), s.cached_tokens,
-                                            s.reprefill_tokens, s.ended_by) for s in segs]
+        assert seg.reprefill_tokens == 0, [
+            (s.engine_id, len(s.token_ids), s.cached_tokens, s.reprefill_tokens, s.ended_by)
+            for s in segs
+        ]
         assert seg.cached_tokens >= len(PROMPT) + len(segs[0].token_ids) - 1
     return segs
 
@@ -164,8 +176,11 @@ def test_drain_of_the_destination_while_the_continuation_waits_there(engines, st
                 reference = await _reference(engines["C"].url)
                 task = await _start_call(proxy, "x2", engines["A"].url, stream)
                 drain_a = asyncio.create_task(proxy.drain("A"))
-                await _until_stats(b_url, lambda s: s["waiting"] == 1 and s["running"] == 1,
-                                   "the continuation waits at B")
+                await _until_stats(
+                    b_url,
+                    lambda s: s["waiting"] == 1 and s["running"] == 1,
+                    "the continuation waits at B",
+                )
                 out_b = await asyncio.wait_for(proxy.drain("B"), 30)
                 b_after = await _engine_stats(b_url)
                 out_a = await asyncio.wait_for(drain_a, 30)
@@ -188,8 +203,12 @@ async def _busy(url: str, rid: str):
     """Another client's long request fills the engine's single batch slot (B's) while the
     block runs; aborted after it."""
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        hog = asyncio.create_task(client.post("/v1/completions", json={
-            "prompt": [3, 4], "max_tokens": 1000, "ignore_eos": True, "request_id": rid}))
+        hog = asyncio.create_task(
+            client.post(
+                "/v1/completions",
+                json={"prompt": [3, 4], "max_tokens": 1000, "ignore_eos": True, "request_id": rid},
+            )
+        )
         try:
             await _until_stats(url, lambda s: s["running"] == 1, "the hog runs there")
             yield
@@ -205,7 +224,8 @@ async def _until_stats(url: str, cond, what: str, timeout_s: float = 30.0) -> No
 
 
 def test_a_call_drained_from_a_queue_after_its_engine_died_counts_its_reprefill_once(
-        engines, tiny_model, tmp_path):
+    engines, tiny_model, tmp_path
+):
     """The call's first engine (D) dies after it computed the prompt and some tokens; the
     retry waits in B's queue (B is busy) when B is drained, so B computed nothing and holds no
     KV; C computes the lost tokens again. The records say so: B's segment re-prefilled 0 and
@@ -223,8 +243,9 @@ def test_a_call_drained_from_a_queue_after_its_engine_died_counts_its_reprefill_
                 reference = await _reference(engines["C"].url)
                 task = await _start_call(proxy, "x3", dead.url, stream=True)
                 await asyncio.to_thread(dead.kill)  # D dies under the call: its KV is gone
-                await _until_stats(b_url, lambda s: s["waiting"] == 1 and s["running"] == 1,
-                                   "the retry waits at B")
+                await _until_stats(
+                    b_url, lambda s: s["waiting"] == 1 and s["running"] == 1, "the retry waits at B"
+                )
                 # C joins only now: the retry had nowhere to go but B
                 await proxy.join("C", engines["C"].url, kind="cell", cell_index=0)
                 out_b = await asyncio.wait_for(proxy.drain("B"), 30)

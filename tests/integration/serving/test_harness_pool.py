@@ -20,8 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _workload(source: dict, max_turns: int) -> Workload:
-    return Workload(validate_model(RunConfig, {"task": {"source": source,
-                                                        "max_turns": max_turns}}))
+    return Workload(validate_model(RunConfig, {"task": {"source": source, "max_turns": max_turns}}))
 
 
 def _jobs(workload: Workload, group: str, n: int) -> list:
@@ -30,8 +29,17 @@ def _jobs(workload: Workload, group: str, n: int) -> list:
 
 def test_pool_runs_executions_and_times_out_slow_ones(cluster, tmp_path):
     events = EventLog()
-    pool = HarnessPool(PoolConfig(proxy_url=cluster.url, max_turns=3, max_tokens_per_turn=16,
-                                  timeout_s=20.0, token=cluster.token), tmp_path, events)
+    pool = HarnessPool(
+        PoolConfig(
+            proxy_url=cluster.url,
+            max_turns=3,
+            max_tokens_per_turn=16,
+            timeout_s=20.0,
+            token=cluster.token,
+        ),
+        tmp_path,
+        events,
+    )
     ws = _workload({"kind": "workspace", "tool_latency_s": 0.005}, 3)
     math = _workload({"kind": "arithmetic"}, 1)
     results = asyncio.run(pool.run(_jobs(ws, "ws", 6) + _jobs(math, "math", 6)))
@@ -41,8 +49,11 @@ def test_pool_runs_executions_and_times_out_slow_ones(cluster, tmp_path):
         assert all(t.call_s is not None and t.tool_s is not None for t in r.outcome.transcript)
     assert all(r.outcome.turns == 1 for r in results[6:])
 
-    slow_pool = HarnessPool(PoolConfig(proxy_url=cluster.url, max_turns=50, timeout_s=0.5,
-                                       token=cluster.token), tmp_path, events)
+    slow_pool = HarnessPool(
+        PoolConfig(proxy_url=cluster.url, max_turns=50, timeout_s=0.5, token=cluster.token),
+        tmp_path,
+        events,
+    )
     slow = _workload({"kind": "workspace", "tool_latency_s": 100.0}, 50)  # 5 s per command
     (timed_out,) = asyncio.run(slow_pool.run(_jobs(slow, "slow", 1)))
     assert timed_out.outcome.reason == CloseReason.TIMEOUT and timed_out.outcome.reward == 0.0
@@ -54,8 +65,9 @@ def test_pool_runs_executions_and_times_out_slow_ones(cluster, tmp_path):
     assert all(v == ["dispatched", "launched", "closed"] for v in per_exec.values())
     # the closes reached the proxy (they need the token): closing again is a duplicate there
     for r in [*results, timed_out]:
-        again = httpx.post(f"{cluster.url}/tidal/executions/{r.execution_id}/close",
-                           headers=cluster.admin, json={}).json()
+        again = httpx.post(
+            f"{cluster.url}/tidal/executions/{r.execution_id}/close", headers=cluster.admin, json={}
+        ).json()
         assert again["duplicate"] and again["reason"] == r.outcome.reason, again
 
 
@@ -74,9 +86,17 @@ def test_the_quickstart_runs_through_agent_kind_run(cluster, tmp_path, monkeypat
 
     monkeypatch.setattr(ChatKind, "run", spy)
     rt = cfg.runtime
-    pool = HarnessPool(PoolConfig(proxy_url=cluster.url, max_turns=cfg.task.max_turns,
-                                  max_tokens_per_turn=rt.max_tokens, temperature=rt.temperature,
-                                  timeout_s=60.0, token=cluster.token), tmp_path)
+    pool = HarnessPool(
+        PoolConfig(
+            proxy_url=cluster.url,
+            max_turns=cfg.task.max_turns,
+            max_tokens_per_turn=rt.max_tokens,
+            temperature=rt.temperature,
+            timeout_s=60.0,
+            token=cluster.token,
+        ),
+        tmp_path,
+    )
     job = workload.job(0, 0, seed=11)
     assert job.row.messages[0]["content"].startswith("You are a file agent.")
     results = asyncio.run(pool.run([("b0-g0", job)] * 4, [f"b0-g0-e{k}" for k in range(4)]))
@@ -88,6 +108,7 @@ def test_the_quickstart_runs_through_agent_kind_run(cluster, tmp_path, monkeypat
         assert 1 <= r.outcome.turns <= cfg.task.max_turns and r.outcome.reward is not None
         # each call counted to its execution by the execution's own URL and key (no header,
         # no run token): the proxy holds one record per turn
-        calls = httpx.get(f"{cluster.url}/tidal/executions/{r.execution_id}/records",
-                          headers=cluster.admin).json()["calls"]
+        calls = httpx.get(
+            f"{cluster.url}/tidal/executions/{r.execution_id}/records", headers=cluster.admin
+        ).json()["calls"]
         assert len(calls) == r.outcome.turns

@@ -31,8 +31,10 @@ TOKEN = "harness-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT = "calc.py: add(2, 3) returns -1, it must return 5. Fix it."
 
-pytestmark = pytest.mark.skipif(not (BIN / "claude").exists() or not (BIN / "codex").exists(),
-                                reason="the harnesses are not installed: make harnesses")
+pytestmark = pytest.mark.skipif(
+    not (BIN / "claude").exists() or not (BIN / "codex").exists(),
+    reason="the harnesses are not installed: make harnesses",
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +45,16 @@ def plumbing_model(tmp_path_factory):
     from tidal.testing.chat_models import HERMES_TOOLS_TEMPLATE, set_template, shorten_answers
 
     torch.set_num_threads(1)
-    model = create_tiny(tmp_path_factory.mktemp("m") / "tiny", seed=0, vocab_size=2048,
-                        n_layers=2, d_model=64, n_heads=2, d_ff=256, max_seq_len=16384)
+    model = create_tiny(
+        tmp_path_factory.mktemp("m") / "tiny",
+        seed=0,
+        vocab_size=2048,
+        n_layers=2,
+        d_model=64,
+        n_heads=2,
+        d_ff=256,
+        max_seq_len=16384,
+    )
     set_template(model, HERMES_TOOLS_TEMPLATE)
     shorten_answers(model)
     return model
@@ -54,14 +64,24 @@ def plumbing_model(tmp_path_factory):
 def pair(plumbing_model, tmp_path_factory):
     """Two engines (a standalone s0 and a rollout cell c0) behind one proxy."""
     logs = tmp_path_factory.mktemp("logs")
-    engines = [start_engine(plumbing_model, name="tiny", max_batch=4, log_path=logs / f"e{i}.log",
-                            token=TOKEN, step_in_thread=True) for i in range(2)]
+    engines = [
+        start_engine(
+            plumbing_model,
+            name="tiny",
+            max_batch=4,
+            log_path=logs / f"e{i}.log",
+            token=TOKEN,
+            step_in_thread=True,
+        )
+        for i in range(2)
+    ]
     proxy = None
     try:
         for e in engines:
             e.wait_healthy(120)
-        proxy = start_proxy([engines[0].url], [engines[1].url], TOKEN, cap=4,
-                            log_path=logs / "p.log").wait_healthy(60)
+        proxy = start_proxy(
+            [engines[0].url], [engines[1].url], TOKEN, cap=4, log_path=logs / "p.log"
+        ).wait_healthy(60)
         yield engines, proxy.url
     finally:
         if proxy is not None:
@@ -75,17 +95,30 @@ def served(pair):
     return pair[1]
 
 
-def _start(script: str, args: list[str], url: str, eid: str, ws: Path,
-           extra: dict | None = None) -> subprocess.Popen:
+def _start(
+    script: str, args: list[str], url: str, eid: str, ws: Path, extra: dict | None = None
+) -> subprocess.Popen:
     """The harness's wrapper as the command agent kind starts it."""
     ws.mkdir(parents=True)
     (ws / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    env = {**os.environ, "OPENAI_BASE_URL": execution_url(url, eid),
-           "OPENAI_API_KEY": execution_key(TOKEN, eid), "OPENAI_MODEL": "tiny",
-           "TIDAL_EXECUTION_ID": eid, "TIDAL_WORKSPACE": str(ws), **(extra or {})}
-    return subprocess.Popen([str(ROOT / "configs" / "harnesses" / script), PROMPT, *args],
-                            cwd=ws, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "OPENAI_BASE_URL": execution_url(url, eid),
+        "OPENAI_API_KEY": execution_key(TOKEN, eid),
+        "OPENAI_MODEL": "tiny",
+        "TIDAL_EXECUTION_ID": eid,
+        "TIDAL_WORKSPACE": str(ws),
+        **(extra or {}),
+    }
+    return subprocess.Popen(
+        [str(ROOT / "configs" / "harnesses" / script), PROMPT, *args],
+        cwd=ws,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _run(*args, **kwargs) -> tuple[subprocess.CompletedProcess, float]:
@@ -140,8 +173,15 @@ def _moved_mid_call(pair, tmp_path, script, args, extra, eid, disturb) -> list[d
         deadline, victim = time.monotonic() + 120, None
         while victim is None and proc.poll() is None and time.monotonic() < deadline:
             members = httpx.get(f"{url}/tidal/engines", headers=ADMIN).json()["engines"]
-            victim = next((i for i, e in enumerate(engines) for m in members
-                           if m["url"] == e.url and m["inflight"] >= 1), None)
+            victim = next(
+                (
+                    i
+                    for i, e in enumerate(engines)
+                    for m in members
+                    if m["url"] == e.url and m["inflight"] >= 1
+                ),
+                None,
+            )
             time.sleep(0.005)
         assert victim is not None, "no call of the harness was seen in flight"
         disturb(engines, victim)
@@ -171,7 +211,14 @@ def test_claude_code_call_survives_a_drain(pair, tmp_path):
 
 def test_codex_call_survives_an_engine_kill(pair, tmp_path):
     """Last in this module: it leaves one engine."""
-    _moved_mid_call(pair, tmp_path, "codex.sh", [], None, "cx-kill",
-                    lambda engines, victim: engines[victim].kill())
+    _moved_mid_call(
+        pair,
+        tmp_path,
+        "codex.sh",
+        [],
+        None,
+        "cx-kill",
+        lambda engines, victim: engines[victim].kill(),
+    )
     stats = httpx.get(f"{pair[1]}/tidal/stats", headers=ADMIN).json()
     assert stats["engine_failures"] == 1 and stats["failed_calls"] == 0

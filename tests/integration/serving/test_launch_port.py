@@ -46,14 +46,22 @@ def test_the_port_is_held_from_choice_to_listen(tmp_path):
     assert _bind(proxy.port) is None  # released with the process
 
 
-@pytest.mark.parametrize("fd_text, message", [
-    ("nope", "is not an open socket"),
-    ("987", "is not an open socket"),
-])
+@pytest.mark.parametrize(
+    "fd_text, message",
+    [
+        ("nope", "is not an open socket"),
+        ("987", "is not an open socket"),
+    ],
+)
 def test_a_bad_listen_fd_is_one_clear_line(tmp_path, fd_text, message):
     env = {**os.environ, LISTEN_FD_ENV: fd_text, "TIDAL_ADMIN_TOKEN": "tok"}
-    out = subprocess.run([sys.executable, "-m", "tidal.cli", "proxy", "--port", "18999"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "tidal.cli", "proxy", "--port", "18999"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert f"{LISTEN_FD_ENV}={fd_text!r} {message}" in out.stderr
     assert "Traceback" not in out.stderr
@@ -63,8 +71,13 @@ def test_a_listen_fd_on_another_port_is_refused(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         env = {**os.environ, LISTEN_FD_ENV: str(s.fileno()), "TIDAL_ADMIN_TOKEN": "tok"}
-        out = subprocess.run([sys.executable, "-m", "tidal.cli", "proxy", "--port", "18999"],
-                             env=env, capture_output=True, text=True, timeout=120,
-                             pass_fds=(s.fileno(),))
+        out = subprocess.run(
+            [sys.executable, "-m", "tidal.cli", "proxy", "--port", "18999"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            pass_fds=(s.fileno(),),
+        )
     assert out.returncode != 0
     assert "not --port 18999" in out.stderr and "Traceback" not in out.stderr

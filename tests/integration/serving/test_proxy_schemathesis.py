@@ -16,8 +16,9 @@ _UNDO = {"/sleep": "/wake_up", "/pause": "/resume"}
 
 
 def test_no_proxy_operation_answers_5xx_or_hangs(cluster):
-    eid = httpx.post(f"{cluster.url}/tidal/executions", json={},
-                     headers=cluster.admin).json()["execution_id"]
+    eid = httpx.post(f"{cluster.url}/tidal/executions", json={}, headers=cluster.admin).json()[
+        "execution_id"
+    ]
     _fuzz_all(cluster.url, cluster.admin, min_operations=12, execution=eid)
 
 
@@ -34,15 +35,20 @@ def _fuzz_all(url: str, auth: dict, min_operations: int, execution: str | None =
         _fuzz(url, op, auth, failures)
     assert not failures, failures[:5]
     headers = {**auth, **({"X-Tidal-Execution": execution} if execution else {})}
-    r = httpx.post(f"{url}/v1/completions", headers=headers, timeout=HANG_S,
-                   json={"prompt": [3, 4], "max_tokens": 3, "ignore_eos": True})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        headers=headers,
+        timeout=HANG_S,
+        json={"prompt": [3, 4], "max_tokens": 3, "ignore_eos": True},
+    )
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3, r.text
 
 
 def _fuzz(url: str, op, auth: dict, failures: list) -> None:
     @given(case=op.as_strategy())
-    @settings(max_examples=10, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=10, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     def fuzz(case):
         if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
             case.body["max_tokens"] = min(case.body["max_tokens"], 8)  # short generations

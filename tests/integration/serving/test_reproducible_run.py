@@ -28,28 +28,45 @@ CONFIG = Path(__file__).parents[3] / "configs" / "tiny.yaml"
 def _config(seed: int, task: str):
     cfg = load_yaml(CONFIG)
     source = {"kind": task, **({"tool_latency_s": 0.01} if task == "workspace" else {})}
-    return cfg.model_copy(update={
-        "seed": seed, "runtime": cfg.runtime.model_copy(update={"max_tokens": 24}),
-        "task": TaskConfig.model_validate({"source": source,
-                                           "max_turns": 3 if task == "workspace" else 1}),
-        "cluster": cfg.cluster.model_copy(update={"cell_count": 0, "standalone_count": 1})})
+    return cfg.model_copy(
+        update={
+            "seed": seed,
+            "runtime": cfg.runtime.model_copy(update={"max_tokens": 24}),
+            "task": TaskConfig.model_validate(
+                {"source": source, "max_turns": 3 if task == "workspace" else 1}
+            ),
+            "cluster": cfg.cluster.model_copy(update={"cell_count": 0, "standalone_count": 1}),
+        }
+    )
 
 
 def _run(engine_url: str, logs: Path, seed: int, tag: str) -> dict[str, tuple]:
     """The first group of burst 0 of the arithmetic run and of the workspace run, through a
     fresh proxy: per execution, its reward, the texts it received and the token ids the
     proxy recorded."""
-    proxy = start_proxy([], [engine_url], TOKEN, require_registration=True, seed=seed,
-                        log_path=logs / f"proxy-{tag}.log").wait_healthy(60)
+    proxy = start_proxy(
+        [],
+        [engine_url],
+        TOKEN,
+        require_registration=True,
+        seed=seed,
+        log_path=logs / f"proxy-{tag}.log",
+    ).wait_healthy(60)
     try:
         out: dict[str, tuple] = {}
         for task in ("arithmetic", "workspace"):
             cfg = _config(seed, task)
             rt = cfg.runtime
-            pool = HarnessPool(PoolConfig(proxy_url=proxy.url, max_turns=cfg.task.max_turns,
-                                          max_tokens_per_turn=rt.max_tokens,
-                                          temperature=rt.temperature, token=TOKEN),
-                               logs / f"ws-{tag}-{task}")
+            pool = HarnessPool(
+                PoolConfig(
+                    proxy_url=proxy.url,
+                    max_turns=cfg.task.max_turns,
+                    max_tokens_per_turn=rt.max_tokens,
+                    temperature=rt.temperature,
+                    token=TOKEN,
+                ),
+                logs / f"ws-{tag}-{task}",
+            )
             _, groups = plan_burst(cfg, 0, set(), {})
             tasks, ids = [], []
             for grp in groups[:1]:  # one GRPO group of each task
@@ -58,10 +75,15 @@ def _run(engine_url: str, logs: Path, seed: int, tag: str) -> dict[str, tuple]:
                 ids += [f"{task}-{e}" for e in grp.run]
             for r in asyncio.run(pool.run(tasks, ids)):
                 assert r.outcome.reason == "completed", r
-                calls = httpx.get(f"{proxy.url}/tidal/executions/{r.execution_id}/records",
-                                  headers={"Authorization": f"Bearer {TOKEN}"}).json()["calls"]
-                out[r.execution_id] = (r.outcome.reward, [t.action for t in r.outcome.transcript],
-                                       [c["output_token_ids"] for c in calls])
+                calls = httpx.get(
+                    f"{proxy.url}/tidal/executions/{r.execution_id}/records",
+                    headers={"Authorization": f"Bearer {TOKEN}"},
+                ).json()["calls"]
+                out[r.execution_id] = (
+                    r.outcome.reward,
+                    [t.action for t in r.outcome.transcript],
+                    [c["output_token_ids"] for c in calls],
+                )
         return out
     finally:
         proxy.stop()
@@ -69,8 +91,12 @@ def _run(engine_url: str, logs: Path, seed: int, tag: str) -> dict[str, tuple]:
 
 def test_two_seeded_runs_give_identical_completions_and_rewards(tiny_model, tmp_path):
     # two engines, each with its own engine seed (the stream of unseeded requests)
-    engines = [start_engine(tiny_model, log_path=tmp_path / f"engine-{s}.log", seed=s,
-                            max_batch=8, token=TOKEN) for s in (1, 2)]
+    engines = [
+        start_engine(
+            tiny_model, log_path=tmp_path / f"engine-{s}.log", seed=s, max_batch=8, token=TOKEN
+        )
+        for s in (1, 2)
+    ]
     try:
         for e in engines:
             e.wait_healthy(120)

@@ -23,7 +23,8 @@ N_KILLS = int(os.environ.get("TIDAL_SOAK_KILLS", "2"))
 async def _execution(client, i, workspace, done, chaos_over):
     rng = random.Random(i)
     eid = (await client.post("/tidal/executions", json={"group_id": f"g{i % 8}"})).json()[
-        "execution_id"]
+        "execution_id"
+    ]
     ws = workspace / eid
     ws.mkdir()
     turns = 1 + min(int(rng.expovariate(0.7)), 5)  # long-tailed number of turns
@@ -33,8 +34,11 @@ async def _execution(client, i, workspace, done, chaos_over):
     # keep working until the chaos is over, so every drain and kill meets live requests
     while turn < turns or (not chaos_over.is_set() and turn < 40):
         budget = rng.randrange(16, 64)
-        r = await client.post("/v1/completions", headers={"X-Tidal-Execution": eid}, json={
-            "prompt": prompt, "max_tokens": budget, "ignore_eos": True, "logprobs": 0})
+        r = await client.post(
+            "/v1/completions",
+            headers={"X-Tidal-Execution": eid},
+            json={"prompt": prompt, "max_tokens": budget, "ignore_eos": True, "logprobs": 0},
+        )
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "length"
@@ -69,14 +73,18 @@ async def _chaos(client, cluster, stop):
             await asyncio.sleep(0.2)
             await client.post(f"/tidal/engines/{victim}/undrain", headers=cluster.admin)
         else:
-            proc_name = next(n for n, p in cluster.engines.items()
-                             if p.url == members[victim]["url"])
+            proc_name = next(
+                n for n, p in cluster.engines.items() if p.url == members[victim]["url"]
+            )
             cluster.engines[proc_name].kill()
             log.append(("kill", victim, members[victim]["inflight"]))
             name, proc = spares.pop(0)
             await asyncio.to_thread(proc.wait_healthy, 120)
-            r = await client.post("/tidal/engines", headers=cluster.admin, json={
-                "id": name, "url": proc.url, "kind": "cell", "cell_index": 10 + len(log)})
+            r = await client.post(
+                "/tidal/engines",
+                headers=cluster.admin,
+                json={"id": name, "url": proc.url, "kind": "cell", "cell_index": 10 + len(log)},
+            )
             assert r.status_code == 200, r.text
     stop.set()
     return log
@@ -101,23 +109,33 @@ def test_executions_survive_drains_and_kills(cluster, tmp_path):
     async def main():
         limits = httpx.Limits(max_connections=N_EXEC + 8)
         # the harness holds the token: closing an execution (its reward) needs it
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=120, limits=limits,
-                                     headers=cluster.admin) as client:
+        async with httpx.AsyncClient(
+            base_url=cluster.url, timeout=120, limits=limits, headers=cluster.admin
+        ) as client:
             done: list = []
             stop = asyncio.Event()
             # the cluster is the session's: earlier tests' calls (a refused out-of-vocabulary
             # prompt counts as a failed call) are not this soak's, so its counts are deltas
             before = (await client.get("/tidal/stats", headers=cluster.admin)).json()
             chaos = asyncio.create_task(_chaos(client, cluster, stop))
-            await asyncio.gather(*[_execution(client, i, tmp_path, done, stop)
-                                   for i in range(N_EXEC)])
+            await asyncio.gather(
+                *[_execution(client, i, tmp_path, done, stop) for i in range(N_EXEC)]
+            )
             log = await chaos
             stats = (await client.get("/tidal/stats", headers=cluster.admin)).json()
-            stats.update({k: v - before.get(k, 0) for k, v in stats.items()
-                          if k in ("drains", "kv_handoffs", "engine_failures", "failed_calls")})
-            records = {eid: (await client.get(f"/tidal/executions/{eid}/records",
-                                              headers=cluster.admin)).json()["calls"]
-                       for eid, _ in done}
+            stats.update(
+                {
+                    k: v - before.get(k, 0)
+                    for k, v in stats.items()
+                    if k in ("drains", "kv_handoffs", "engine_failures", "failed_calls")
+                }
+            )
+            records = {
+                eid: (
+                    await client.get(f"/tidal/executions/{eid}/records", headers=cluster.admin)
+                ).json()["calls"]
+                for eid, _ in done
+            }
             return done, log, stats, records
 
     done, log, stats, records = asyncio.run(main())
@@ -136,16 +154,35 @@ def test_executions_survive_drains_and_kills(cluster, tmp_path):
     # died under it (ended_by "error"), the source itself was killed meanwhile, or the source
     # held no KV to hand over (drained while it waited in its engine's queue, after a kill
     # upstream lost the KV: the next engine then recomputes it, counted once)
-    handed_off = [b for s in rerouted for a, b in itertools.pairwise(s)
-                  if a["ended_by"] == "abort" and b["ended_by"] != "error"
-                  and a["engine_id"] not in killed and a["kv_tokens"] != 0]
-    print(f"\nchaos: {log}\nstats: { {k: v for k, v in stats.items() if k != 'engines'} }"
-          f"\nrerouted calls: {len(rerouted)}, handed-off segments: {len(handed_off)}")
+    handed_off = [
+        b
+        for s in rerouted
+        for a, b in itertools.pairwise(s)
+        if a["ended_by"] == "abort"
+        and b["ended_by"] != "error"
+        and a["engine_id"] not in killed
+        and a["kv_tokens"] != 0
+    ]
+    print(
+        f"\nchaos: {log}\nstats: { {k: v for k, v in stats.items() if k != 'engines'} }"
+        f"\nrerouted calls: {len(rerouted)}, handed-off segments: {len(handed_off)}"
+    )
     assert rerouted and handed_off, "the chaos never hit a live request"
     for s in rerouted:  # diagnostics for a failure below
         if any(b in handed_off and b["reprefill_tokens"] for b in s):
-            print([(x["engine_id"], x["request_id"][-3:], len(x["token_ids"]),
-                    x["cached_tokens"], x["reprefill_tokens"], x["ended_by"]) for x in s])
+            print(
+                [
+                    (
+                        x["engine_id"],
+                        x["request_id"][-3:],
+                        len(x["token_ids"]),
+                        x["cached_tokens"],
+                        x["reprefill_tokens"],
+                        x["ended_by"],
+                    )
+                    for x in s
+                ]
+            )
     # every handed-off hop reuses the KV, also when its destination was drained while the
     # handoff was in flight (test_handoff_race.py stages that race deterministically)
     assert all(b["reprefill_tokens"] == 0 for b in handed_off)

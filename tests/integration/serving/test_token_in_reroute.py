@@ -27,15 +27,21 @@ def _prompt(i: int) -> list[int]:
 @pytest.fixture(scope="module")
 def pair(tiny_model, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("token-in")
-    engines = [start_engine(tiny_model, log_path=tmp_path / f"e{i}.log", token=TOKEN)
-               for i in range(2)]
+    engines = [
+        start_engine(tiny_model, log_path=tmp_path / f"e{i}.log", token=TOKEN) for i in range(2)
+    ]
     proxy = None
     try:
         for e in engines:
             e.wait_healthy(120)
-        proxy = start_proxy([engines[0].url], [engines[1].url], TOKEN, cap=CALLS,
-                            request_timeout_s=120, log_path=tmp_path / "proxy.log"
-                            ).wait_healthy(60)
+        proxy = start_proxy(
+            [engines[0].url],
+            [engines[1].url],
+            TOKEN,
+            cap=CALLS,
+            request_timeout_s=120,
+            log_path=tmp_path / "proxy.log",
+        ).wait_healthy(60)
         yield engines, proxy
     finally:
         if proxy is not None:
@@ -46,17 +52,38 @@ def pair(tiny_model, tmp_path_factory):
 
 async def _references(url: str) -> list[list[int]]:
     async with httpx.AsyncClient(base_url=url, headers=ADMIN, timeout=120) as c:
-        rs = await asyncio.gather(*[c.post("/v1/completions", json={
-            "prompt": _prompt(i), "max_tokens": BUDGET, "temperature": 0, "ignore_eos": True})
-            for i in range(CALLS)])
+        rs = await asyncio.gather(
+            *[
+                c.post(
+                    "/v1/completions",
+                    json={
+                        "prompt": _prompt(i),
+                        "max_tokens": BUDGET,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                )
+                for i in range(CALLS)
+            ]
+        )
         return [r.json()["choices"][0]["token_ids"] for r in rs]
 
 
 async def _generate(client, i: int, tag: str) -> dict:
-    r = await client.post("/inference/v1/generate", headers={"X-Tidal-Execution": f"{tag}{i}"},
-                          json={"model": "tiny", "token_ids": _prompt(i), "sampling_params": {
-                              "max_tokens": BUDGET, "temperature": 0, "ignore_eos": True,
-                              "logprobs": 1}})
+    r = await client.post(
+        "/inference/v1/generate",
+        headers={"X-Tidal-Execution": f"{tag}{i}"},
+        json={
+            "model": "tiny",
+            "token_ids": _prompt(i),
+            "sampling_params": {
+                "max_tokens": BUDGET,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 1,
+            },
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -83,8 +110,12 @@ def _run(engines, proxy, disturb, tag: str):
             victim = await _busy_engine(client, engines)
             await disturb(client, engines, victim)
             answers = await asyncio.gather(*calls)
-            records = [(await client.get(f"/tidal/executions/{tag}{i}/records", headers=ADMIN)
-                        ).json()["calls"][0]["segments"] for i in range(CALLS)]
+            records = [
+                (await client.get(f"/tidal/executions/{tag}{i}/records", headers=ADMIN)).json()[
+                    "calls"
+                ][0]["segments"]
+                for i in range(CALLS)
+            ]
         return answers, refs, records
 
     return asyncio.run(main())

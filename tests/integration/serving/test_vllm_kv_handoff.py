@@ -24,21 +24,34 @@ from tidal.serving.launch import free_port, start_proxy
 from tidal.serving.vllm_kv import kv_transfer_config
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)"),
+]
 TOKEN = "vllm-kv-tier"
 H = {"Authorization": f"Bearer {TOKEN}"}
 CALLS, MAX_TOKENS = 8, 24
-TOPICS = ["rivers", "mountains", "bridges", "libraries", "harbours", "forests", "deserts",
-          "railways"]
+TOPICS = [
+    "rivers",
+    "mountains",
+    "bridges",
+    "libraries",
+    "harbours",
+    "forests",
+    "deserts",
+    "railways",
+]
 
 
 def _prompt(i: int) -> str:
     """About 500 tokens of real text, different from the first sentence on."""
     topic = TOPICS[i]
-    body = " ".join(f"Paragraph {k} about {topic}: {topic} shape the places near them, and "
-                    f"people who live by the {topic} tell stories about them to their children."
-                    for k in range(18))
+    body = " ".join(
+        f"Paragraph {k} about {topic}: {topic} shape the places near them, and "
+        f"people who live by the {topic} tell stories about them to their children."
+        for k in range(18)
+    )
     return f"An essay on {topic}.\n{body}\nIn conclusion, {topic}"
 
 
@@ -46,16 +59,40 @@ def _start(python: str, model: str, log, kv_dir: str) -> tuple[subprocess.Popen,
     from tidal.runtime.vllm_host import _tidal_path
 
     port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "PYTHONPATH": _tidal_path(log.parent / "pythonpath")}
-    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                             model, "--served-model-name", "smollm2", "--host", "127.0.0.1",
-                             "--port", str(port), "--max-model-len", "2048", "--enforce-eager",
-                             "--dtype", "float32", "--kv-transfer-config",
-                             kv_transfer_config(kv_dir)],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,  # noqa: SIM115
-                            start_new_session=True)
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONPATH": _tidal_path(log.parent / "pythonpath"),
+    }
+    proc = subprocess.Popen(
+        [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--served-model-name",
+            "smollm2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "2048",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--kv-transfer-config",
+            kv_transfer_config(kv_dir),
+        ],
+        stdout=open(log, "wb"),  # noqa: SIM115 (the server outlives this function)
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -76,8 +113,11 @@ def _metrics(url: str) -> dict[str, float]:
     ``local_cache_hit``), and its running / generated counts."""
     out: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        m = re.match(r'vllm:(prompt_tokens_by_source_total|generation_tokens_total|'
-                     r'num_requests_running)\{(.*?)\} (\S+)$', line)
+        m = re.match(
+            r"vllm:(prompt_tokens_by_source_total|generation_tokens_total|"
+            r"num_requests_running)\{(.*?)\} (\S+)$",
+            line,
+        )
         if m:
             src = re.search(r'source="(\w+)"', m.group(2))
             name = src.group(1) if src else m.group(1)
@@ -93,8 +133,12 @@ def two_servers(smollm2, tmp_path_factory):
     procs = []
     try:
         for name in ("a", "b"):
-            procs.append((*_start(VLLM_PYTHON, str(smollm2), logs / f"{name}.log", kv_dir),
-                          logs / f"{name}.log"))
+            procs.append(
+                (
+                    *_start(VLLM_PYTHON, str(smollm2), logs / f"{name}.log", kv_dir),
+                    logs / f"{name}.log",
+                )
+            )
         for proc, url, log in procs:
             _wait_healthy(proc, url, log)
         proxy.wait_healthy(60)
@@ -112,9 +156,17 @@ def two_servers(smollm2, tmp_path_factory):
 
 
 def call(c: httpx.Client, i: int, run: str) -> dict:
-    r = c.post("/v1/completions", headers={"X-Tidal-Execution": f"{run}-{i}"}, json={
-        "model": "smollm2", "prompt": _prompt(i), "max_tokens": MAX_TOKENS, "temperature": 0,
-        "ignore_eos": True})
+    r = c.post(
+        "/v1/completions",
+        headers={"X-Tidal-Execution": f"{run}-{i}"},
+        json={
+            "model": "smollm2",
+            "prompt": _prompt(i),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -125,14 +177,18 @@ def unmoved(two_servers) -> list[str]:
     url_a, url_b, proxy, _ = two_servers
     with httpx.Client(base_url=proxy.url, timeout=300) as c, ThreadPoolExecutor(CALLS) as pool:
         for name, url in (("a", url_a), ("b", url_b)):
-            r = c.post("/tidal/engines", headers=H, json={"id": name, "url": url,
-                                                           "backend": "vllm", "kind": "cell"})
+            r = c.post(
+                "/tidal/engines",
+                headers=H,
+                json={"id": name, "url": url, "backend": "vllm", "kind": "cell"},
+            )
             assert r.status_code == 200, r.text
         engines = {e["id"]: e for e in c.get("/tidal/stats", headers=H).json()["engines"]}
         assert all(e["kv_handoff"] for e in engines.values()), engines
         c.post("/tidal/engines/b/drain", headers=H)
-        return [r["choices"][0]["text"] for r in pool.map(lambda i: call(c, i, "ref"),
-                                                           range(CALLS))]
+        return [
+            r["choices"][0]["text"] for r in pool.map(lambda i: call(c, i, "ref"), range(CALLS))
+        ]
 
 
 def test_drained_calls_keep_their_kv_on_the_next_vllm_server(two_servers, unmoved):
@@ -144,8 +200,10 @@ def test_drained_calls_keep_their_kv_on_the_next_vllm_server(two_servers, unmove
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # every call decoding on a, a few tokens each
             m = _metrics(url_a)
-            if m["num_requests_running"] == CALLS and \
-                    m["generation_tokens_total"] - gen0 >= 3 * CALLS:
+            if (
+                m["num_requests_running"] == CALLS
+                and m["generation_tokens_total"] - gen0 >= 3 * CALLS
+            ):
                 break
             time.sleep(0.05)
         c.post("/tidal/engines/b/undrain", headers=H)
@@ -154,8 +212,9 @@ def test_drained_calls_keep_their_kv_on_the_next_vllm_server(two_servers, unmove
         print(f"drain of a: {drain} ({time.monotonic() - t0:.2f} s)")
         moved = [f.result() for f in moved_f]
         stats = c.get("/tidal/stats", headers=H).json()
-        records = [c.get(f"/tidal/executions/moved-{i}/records", headers=H).json()
-                   for i in range(CALLS)]
+        records = [
+            c.get(f"/tidal/executions/moved-{i}/records", headers=H).json() for i in range(CALLS)
+        ]
     after_b = _metrics(url_b)
     assert drain["moved"] == CALLS and drain["kv_handoff"]
     for ref, got in zip(unmoved, moved, strict=True):  # the greedy continuation, unchanged
@@ -165,8 +224,10 @@ def test_drained_calls_keep_their_kv_on_the_next_vllm_server(two_servers, unmove
     computed = after_b["local_compute"] - before_b.get("local_compute", 0)
     loaded = after_b["external_kv_transfer"] - before_b.get("external_kv_transfer", 0)
     segs = [s for r in records for s in r["calls"][0]["segments"] if s["engine_id"] == "b"]
-    print(f"b computed {computed:.0f} prompt tokens, loaded {loaded:.0f}; segments on b: "
-          f"{[(s['cached_tokens'], s['reprefill_tokens']) for s in segs]}")
+    print(
+        f"b computed {computed:.0f} prompt tokens, loaded {loaded:.0f}; segments on b: "
+        f"{[(s['cached_tokens'], s['reprefill_tokens']) for s in segs]}"
+    )
     assert len(segs) == CALLS
     assert computed == CALLS, (computed, loaded)  # 0 re-prefilled tokens per call
     assert loaded == sum(s["cached_tokens"] for s in segs) > CALLS * 400
@@ -212,4 +273,3 @@ def test_a_handoff_that_cannot_land_re_prefills_counted(two_servers, unmoved):
     computed = after_a["local_compute"] - before_a["local_compute"]
     assert computed > n * 400  # a prefilled each moved call's context again
     assert stats["reprefill_tokens"] - stats0["reprefill_tokens"] > n * 400
-

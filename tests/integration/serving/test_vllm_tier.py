@@ -20,8 +20,10 @@ from tidal.serving.adapters import make_adapter
 from tidal.serving.launch import free_port, start_engine, start_proxy
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PYTHON, reason="set TIDAL_VLLM_PYTHON (make test-vllm)"),
+]
 TOKEN = "vllm-tier"
 H = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -36,18 +38,41 @@ def servers(smollm2, tmp_path_factory):
     port = free_port()
     from tidal.runtime.vllm_host import _tidal_path
 
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "TIDAL_RECORD_WEIGHT_HASHES": "1",  # the carriers' test checks them bit for bit
-           "PYTHONPATH": _tidal_path(logs / "pythonpath")}  # tidal's worker extension
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "TIDAL_RECORD_WEIGHT_HASHES": "1",  # the carriers' test checks them bit for bit
+        "PYTHONPATH": _tidal_path(logs / "pythonpath"),
+    }  # tidal's worker extension
     log = open(logs / "vllm.log", "wb")  # noqa: SIM115
-    vllm = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
-                             "--model", str(smollm2), "--served-model-name", "smollm2",
-                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
-                             "2048", "--enforce-eager", "--dtype", "float32",
-                             "--worker-extension-cls",
-                             "tidal.training.vllm_sync.TidalWorkerExtension"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    vllm = subprocess.Popen(
+        [
+            VLLM_PYTHON,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(smollm2),
+            "--served-model-name",
+            "smollm2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "2048",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--worker-extension-cls",
+            "tidal.training.vllm_sync.TidalWorkerExtension",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
@@ -82,8 +107,9 @@ def test_vllm_adapter_controls(servers):
         chunks = []
         from tidal.serving.protocol import GenerateRequest, SamplingParams
 
-        req = GenerateRequest("vt-1", ids, SamplingParams(max_tokens=6, temperature=0,
-                                                          ignore_eos=True))
+        req = GenerateRequest(
+            "vt-1", ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        )
         async for c in a.generate(req):
             chunks.append(c)
         toks = [t for c in chunks for t in c.token_ids]
@@ -101,17 +127,37 @@ def test_drain_vllm_to_builtin_and_back_is_one_answer(servers):
 
     async def main():
         async with httpx.AsyncClient(base_url=proxy.url, timeout=300) as c:
-            r = await c.post("/tidal/engines", headers=H, json={
-                "id": "vllm", "url": vllm_url, "backend": "vllm", "kind": "cell",
-                "cell_index": 1})
+            r = await c.post(
+                "/tidal/engines",
+                headers=H,
+                json={
+                    "id": "vllm",
+                    "url": vllm_url,
+                    "backend": "vllm",
+                    "kind": "cell",
+                    "cell_index": 1,
+                },
+            )
             assert r.status_code == 200, r.text
-            await c.post("/tidal/engines", headers=H, json={
-                "id": "builtin", "url": builtin.url, "kind": "cell", "cell_index": 0})
+            await c.post(
+                "/tidal/engines",
+                headers=H,
+                json={"id": "builtin", "url": builtin.url, "kind": "cell", "cell_index": 0},
+            )
             await c.post("/tidal/engines/builtin/drain", headers=H)  # start on vLLM
-            call = asyncio.create_task(c.post("/v1/chat/completions", headers={
-                **H, "X-Tidal-Execution": "vt"}, json={
-                "messages": [{"role": "user", "content": "Tell me about Paris."}],
-                "max_tokens": 100, "ignore_eos": True, "temperature": 0, "logprobs": True}))
+            call = asyncio.create_task(
+                c.post(
+                    "/v1/chat/completions",
+                    headers={**H, "X-Tidal-Execution": "vt"},
+                    json={
+                        "messages": [{"role": "user", "content": "Tell me about Paris."}],
+                        "max_tokens": 100,
+                        "ignore_eos": True,
+                        "temperature": 0,
+                        "logprobs": True,
+                    },
+                )
+            )
             await asyncio.sleep(1.5)
             await c.post("/tidal/engines/builtin/undrain", headers=H)
             moved = (await c.post("/tidal/engines/vllm/drain", headers=H)).json()
@@ -140,9 +186,18 @@ def test_drain_vllm_to_builtin_and_back_is_one_answer(servers):
 
 def _vllm_logprobs(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
     """The live server's greedy 8 tokens after ``prompt`` and their log-probabilities."""
-    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-        "logprobs": 0, "return_token_ids": True}).json()["choices"][0]
+    r = httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={
+            "model": "smollm2",
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": 0,
+            "return_token_ids": True,
+        },
+    ).json()["choices"][0]
     return r["token_ids"], r["logprobs"]["token_logprobs"]
 
 
@@ -152,8 +207,10 @@ def _tidal_error(model, prompt: list[int], ids: list[int], lps: list[float]) -> 
 
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([prompt + ids]))[0].float(), -1)
-    return max(abs(ref[len(prompt) - 1 + i, t].item() - lp)
-               for i, (t, lp) in enumerate(zip(ids, lps, strict=True)))
+    return max(
+        abs(ref[len(prompt) - 1 + i, t].item() - lp)
+        for i, (t, lp) in enumerate(zip(ids, lps, strict=True))
+    )
 
 
 def test_published_weights_load_into_the_live_server(servers, smollm2, tmp_path):
@@ -245,8 +302,9 @@ def test_shm_publication_loads_into_the_live_server(servers, smollm2):
 
 
 @pytest.mark.parametrize("carrier", ["shm", "broadcast", "file"])
-def test_each_carrier_of_tidal_run_delivers_bit_for_bit_into_vllm_workers(servers, smollm2,
-                                                                         tmp_path, carrier):
+def test_each_carrier_of_tidal_run_delivers_bit_for_bit_into_vllm_workers(
+    servers, smollm2, tmp_path, carrier
+):
     """``tidal run``'s handoff (``runtime.handoff``) into a vLLM engine host: the core's
     version as a shared-memory segment (``shm``: the workers load it from /dev/shm), received
     over a gloo side group into the host's node (``broadcast``), or the run's file; every
@@ -279,12 +337,18 @@ def test_each_carrier_of_tidal_run_delivers_bit_for_bit_into_vllm_workers(server
                 @staticmethod
                 def remote(*a):
                     return asyncio.to_thread(method, *a)
+
             return _R
 
     files = FilePublisher(tmp_path / "weights", layout)
     writer = VersionWriter(files, SegmentRing(tmp_path / "shm", layout))
-    handoff = Handoff(types.SimpleNamespace(transport=lambda eid: "file"), writer, carrier,
-                      call_timeout_s=120, group_timeout_s=60)
+    handoff = Handoff(
+        types.SimpleNamespace(transport=lambda eid: "file"),
+        writer,
+        carrier,
+        call_timeout_s=120,
+        group_timeout_s=60,
+    )
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.manual_seed(2)
     moved = {n: p * (1 + 0.01 * torch.randn_like(p)) for n, p in original.items()}

@@ -59,21 +59,37 @@ def make_records(model: torch.nn.Module, n_groups: int, seed: int = 1) -> list[E
             with torch.no_grad():
                 lp = target_logprobs(model(ids).logits, ids)[0, len(prompt) - 1 :]
             behav = (lp + 0.3 * torch.randn(lp.shape, generator=gen)).tolist()
-            records.append(single_call_record(
-                f"g{g}-e{i}", f"g{g}", prompt, out, behav, weight_version=0,
-                reward=float(rng.random() < 0.5) + 0.1 * i))
+            records.append(
+                single_call_record(
+                    f"g{g}-e{i}",
+                    f"g{g}",
+                    prompt,
+                    out,
+                    behav,
+                    weight_version=0,
+                    reward=float(rng.random() < 0.5) + 0.1 * i,
+                )
+            )
     return records
 
 
-def trainer_config(normalization: str = "global", claim_timeout_s: float = 30.0,
-                   gather_timeout_s: float = 60.0, groups_per_step: int = 8,
-                   snapshot_transport: str = "link") -> TrainerConfig:
+def trainer_config(
+    normalization: str = "global",
+    claim_timeout_s: float = 30.0,
+    gather_timeout_s: float = 60.0,
+    groups_per_step: int = 8,
+    snapshot_transport: str = "link",
+) -> TrainerConfig:
     return TrainerConfig(
-        optimizer="sgd", lr=0.5, max_grad_norm=None, groups_per_step=groups_per_step,
+        optimizer="sgd",
+        lr=0.5,
+        max_grad_norm=None,
+        groups_per_step=groups_per_step,
         normalization=normalization,
         packing=PackingConfig(token_budget=160, claim_timeout_s=claim_timeout_s),
-        coordinator=CoordinatorConfig(gather_timeout_s=gather_timeout_s,
-                                      snapshot_transport=snapshot_transport),
+        coordinator=CoordinatorConfig(
+            gather_timeout_s=gather_timeout_s, snapshot_transport=snapshot_transport
+        ),
     )
 
 
@@ -87,17 +103,28 @@ def params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def spawn_satellite(core: CoreTrainer, cell: int, delay_s: float = 0.0,
-                    max_steps: int | None = None, shard: ShardConfig | None = None
-                    ) -> mp.Process:
+def spawn_satellite(
+    core: CoreTrainer,
+    cell: int,
+    delay_s: float = 0.0,
+    max_steps: int | None = None,
+    shard: ShardConfig | None = None,
+) -> mp.Process:
     addr = core.address()
     cfg = SatelliteConfig(
-        cell=cell, rpc_port=addr["rpc_port"], store_port=addr["store_port"],
-        authkey=addr["authkey"], model=ModelSpec(model_dir=str(tiny_dir())),
-        start_delay_s=delay_s, max_steps=max_steps, timeout_s=60.0, shard=shard,
+        cell=cell,
+        rpc_port=addr["rpc_port"],
+        store_port=addr["store_port"],
+        authkey=addr["authkey"],
+        model=ModelSpec(model_dir=str(tiny_dir())),
+        start_delay_s=delay_s,
+        max_steps=max_steps,
+        timeout_s=60.0,
+        shard=shard,
     )
-    proc = mp.get_context("spawn").Process(target=run_satellite, args=(cfg.model_dump_json(),),
-                                           daemon=True)
+    proc = mp.get_context("spawn").Process(
+        target=run_satellite, args=(cfg.model_dump_json(),), daemon=True
+    )
     proc.start()
     return proc
 
@@ -124,12 +151,23 @@ class Feeder(threading.Thread):
     """Streams records into the buffer in chunks of ``chunks[i]`` groups; ``gate(i)`` may hold
     chunk i back (e.g. until a satellite joined)."""
 
-    def __init__(self, buf: TrajectoryBuffer, records: list[ExecutionRecord], chunks: list[int],
-                 gate=None, pause_s: float = 0.15) -> None:
+    def __init__(
+        self,
+        buf: TrajectoryBuffer,
+        records: list[ExecutionRecord],
+        chunks: list[int],
+        gate=None,
+        pause_s: float = 0.15,
+    ) -> None:
         super().__init__(daemon=True)
         assert sum(chunks) * GROUP_SIZE == len(records)
         self.buf, self.records, self.chunks, self.gate, self.pause_s = (
-            buf, records, chunks, gate, pause_s)
+            buf,
+            records,
+            chunks,
+            gate,
+            pause_s,
+        )
 
     def run(self) -> None:
         pos = 0

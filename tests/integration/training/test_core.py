@@ -26,18 +26,25 @@ torch.set_num_threads(1)
 def add_group(buf, gid: str, version: int) -> None:
     for i in range(GROUP_SIZE):
         out = [5 + i, 6, 7, 8 + i]
-        buf.add(single_call_record(f"{gid}-{i}", gid, [1, 2, 3], out, [-3.0] * 4, version,
-                                   float(i % 2)))
+        buf.add(
+            single_call_record(f"{gid}-{i}", gid, [1, 2, 3], out, [-3.0] * 4, version, float(i % 2))
+        )
 
 
 def make(max_lag: int, groups_per_step: int, initial_version: int, publishers=None):
     clock = WallClock()
-    buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=GROUP_SIZE, max_policy_lag=max_lag),
-                           clock)
-    cfg = TrainerConfig(groups_per_step=groups_per_step, lr=1e-2, data_poll_s=0.01,
-                        packing=PackingConfig(token_budget=64))
-    core = CoreTrainer(build_model(0), cfg, buf, clock, publishers=publishers,
-                       initial_version=initial_version)
+    buf = TrajectoryBuffer(
+        TrajectoryBufferConfig(group_size=GROUP_SIZE, max_policy_lag=max_lag), clock
+    )
+    cfg = TrainerConfig(
+        groups_per_step=groups_per_step,
+        lr=1e-2,
+        data_poll_s=0.01,
+        packing=PackingConfig(token_budget=64),
+    )
+    core = CoreTrainer(
+        build_model(0), cfg, buf, clock, publishers=publishers, initial_version=initial_version
+    )
     return core, buf
 
 
@@ -111,15 +118,22 @@ def test_a_qwen2_model_trains_and_its_published_weights_serve(tmp_path):
     trained model."""
     from tidal.models import create_tiny, load_model, load_training_model, read_weights
 
-    qwen_dir = create_tiny(tmp_path / "qwen2", seed=3, arch="qwen2", n_layers=1, d_model=32,
-                           n_heads=2, max_seq_len=64)
+    qwen_dir = create_tiny(
+        tmp_path / "qwen2", seed=3, arch="qwen2", n_layers=1, d_model=32, n_heads=2, max_seq_len=64
+    )
     policy = load_training_model(qwen_dir)
     clock = WallClock()
     buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=GROUP_SIZE, max_policy_lag=1), clock)
     publisher = FilePublisher(tmp_path / "weights", ParamLayout.of(policy), keep=1)
-    core = CoreTrainer(policy, TrainerConfig(groups_per_step=2, lr=1e-2, data_poll_s=0.01,
-                                             packing=PackingConfig(token_budget=64)),
-                       buf, clock, publishers=[publisher])
+    core = CoreTrainer(
+        policy,
+        TrainerConfig(
+            groups_per_step=2, lr=1e-2, data_poll_s=0.01, packing=PackingConfig(token_budget=64)
+        ),
+        buf,
+        clock,
+        publishers=[publisher],
+    )
     try:
         add_group(buf, "a", 0)
         add_group(buf, "b", 0)

@@ -19,14 +19,25 @@ torch.set_num_threads(1)
 
 
 def _core(**cfg) -> CoreTrainer:
-    buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=GROUP_SIZE, max_policy_lag=4),
-                           WallClock())
+    buf = TrajectoryBuffer(
+        TrajectoryBufferConfig(group_size=GROUP_SIZE, max_policy_lag=4), WallClock()
+    )
     for g in range(4):
         for i in range(GROUP_SIZE):
-            buf.add(single_call_record(f"g{g}-{i}", f"g{g}", [1, 2, 3 + g],
-                                       [5 + i, 6, 7 + g, 8], [-3.0] * 4, 0, float(i % 2)))
-    config = TrainerConfig(groups_per_step=2, lr=1e-2, data_poll_s=0.01,
-                           packing=PackingConfig(token_budget=32), **cfg)
+            buf.add(
+                single_call_record(
+                    f"g{g}-{i}",
+                    f"g{g}",
+                    [1, 2, 3 + g],
+                    [5 + i, 6, 7 + g, 8],
+                    [-3.0] * 4,
+                    0,
+                    float(i % 2),
+                )
+            )
+    config = TrainerConfig(
+        groups_per_step=2, lr=1e-2, data_poll_s=0.01, packing=PackingConfig(token_budget=32), **cfg
+    )
     return CoreTrainer(build_model(0), config, buf, WallClock())
 
 
@@ -56,8 +67,9 @@ def test_checkpoint_state_is_on_the_cpu_and_restores_the_same_core(tmp_path):
             tensors += [v for v in s.values() if isinstance(v, torch.Tensor)]
         assert tensors and {t.device.type for t in tensors} == {"cpu"}
         torch.save(state, tmp_path / "trainer.pt")
-        other.load_state_dict(torch.load(tmp_path / "trainer.pt", weights_only=False,
-                                         map_location="cpu"))
+        other.load_state_dict(
+            torch.load(tmp_path / "trainer.pt", weights_only=False, map_location="cpu")
+        )
         assert other.version == core.version == 1
         assert torch.equal(params(other.model), params(core.model))
         assert len(other.trajectories.take(2, 1, timeout_s=0.0)) == 2  # what core trained
@@ -78,4 +90,3 @@ def test_flat_gradients_are_copied_in_the_parameters_dtype():
     assert {p.grad.dtype for p in model.parameters()} == {torch.bfloat16}
     back = layout.grads_to_flat(model, torch.empty(layout.numel))
     torch.testing.assert_close(back, flat, atol=1e-2, rtol=1e-2)
-

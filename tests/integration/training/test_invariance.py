@@ -90,8 +90,7 @@ def alone(records):
 
 
 @pytest.mark.parametrize("snapshot_transport", ["link", "shm"])
-def test_satellites_joining_mid_step_give_the_core_alone_update(records, alone,
-                                                                snapshot_transport):
+def test_satellites_joining_mid_step_give_the_core_alone_update(records, alone, snapshot_transport):
     expected, alone = alone
     got, reports, join_times = with_satellites(records, snapshot_transport=snapshot_transport)
     assert join_times[1] < join_times[2], "satellites must join at different moments, in order"
@@ -106,8 +105,10 @@ def test_satellites_joining_mid_step_give_the_core_alone_update(records, alone,
     before = params(build_model(0))
     assert not torch.allclose(expected, before), "the update must change the parameters"
     rel = max_rel_diff(got, expected)
-    print(f"[{snapshot_transport}] max relative parameter difference: {rel:.3g}; by cell "
-          f"{[r.micro_steps_by_cell for r in reports]}")
+    print(
+        f"[{snapshot_transport}] max relative parameter difference: {rel:.3g}; by cell "
+        f"{[r.micro_steps_by_cell for r in reports]}"
+    )
     assert torch.allclose(got, expected, rtol=RTOL, atol=ATOL), rel
 
 
@@ -117,4 +118,5 @@ def test_naive_per_worker_normalisation_is_caught(records, alone):
     assert sum(r.micro_steps_by_cell.get(1, 0) for r in reports) > 0
     print(f"per-worker normalisation: max relative difference {max_rel_diff(got, expected):.3g}")
     assert not torch.allclose(got, expected, rtol=RTOL, atol=ATOL), (
-        "the invariance check failed to detect per-worker normalisation")
+        "the invariance check failed to detect per-worker normalisation"
+    )

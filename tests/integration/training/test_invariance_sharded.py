@@ -71,8 +71,7 @@ def alone(records):
 
 
 @pytest.mark.slow
-def test_two_rank_satellite_joining_mid_step_gives_the_two_rank_core_alone_update(records,
-                                                                                  alone):
+def test_two_rank_satellite_joining_mid_step_gives_the_two_rank_core_alone_update(records, alone):
     expected, alone_reports = alone
     got, reports = run(records, "global", satellite=True)
     for r, a in zip(reports, alone_reports, strict=True):
@@ -80,24 +79,30 @@ def test_two_rank_satellite_joining_mid_step_gives_the_two_rank_core_alone_updat
     assert sum(r.micro_steps_by_cell.get(1, 0) for r in reports) > 0, reports
     before = build_model(0)
     assert not torch.allclose(expected, ParamLayout.of(before).params_to_flat(before)), (
-        "the update must change the parameters")
+        "the update must change the parameters"
+    )
     rel = max_rel_diff(got, expected)
-    print(f"[fsdp2 2+2 ranks] max relative parameter difference: {rel:.3g}; by cell "
-          f"{[r.micro_steps_by_cell for r in reports]}")
+    print(
+        f"[fsdp2 2+2 ranks] max relative parameter difference: {rel:.3g}; by cell "
+        f"{[r.micro_steps_by_cell for r in reports]}"
+    )
     assert rel < RTOL, rel
 
 
 @pytest.mark.slow
 def test_cells_of_unequal_size_one_rank_satellite_gives_the_two_rank_core_alone_update(
-        records, alone):
+    records, alone
+):
     """A satellite's rank count is its own: it pulls and delivers full flat vectors, which
     each cell slices into its own shards."""
     expected, _ = alone
     got, reports = run(records, "global", satellite=True, sat_shard=ShardConfig(ranks=1))
     assert sum(r.micro_steps_by_cell.get(1, 0) for r in reports) > 0, reports
     rel = max_rel_diff(got, expected)
-    print(f"[fsdp2 2-rank core + 1-rank satellite] max relative parameter difference: "
-          f"{rel:.3g}; by cell {[r.micro_steps_by_cell for r in reports]}")
+    print(
+        f"[fsdp2 2-rank core + 1-rank satellite] max relative parameter difference: "
+        f"{rel:.3g}; by cell {[r.micro_steps_by_cell for r in reports]}"
+    )
     assert rel < RTOL, rel
 
 

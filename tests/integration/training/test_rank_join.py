@@ -21,12 +21,12 @@ from tidal.training.sharded import ShardConfig
 
 
 def _start(cfg: ShardConfig):
-    return cell_ranks.start_cell(build_model(0), torch.device("cpu"), cfg, GRPOLossConfig(),
-                                 0, None)
+    return cell_ranks.start_cell(
+        build_model(0), torch.device("cpu"), cfg, GRPOLossConfig(), 0, None
+    )
 
 
-def test_a_follower_that_dies_before_joining_ends_rank_0s_wait_in_one_line(tmp_path,
-                                                                          monkeypatch):
+def test_a_follower_that_dies_before_joining_ends_rank_0s_wait_in_one_line(tmp_path, monkeypatch):
     dies = tmp_path / "dies"
     dies.write_text("#!/bin/sh\nexit 7\n")
     dies.chmod(0o755)

@@ -24,8 +24,9 @@ torch.set_num_threads(1)
 
 
 def adamw(shard: ShardConfig | None):
-    return trainer_config(groups_per_step=3).model_copy(update={
-        "optimizer": "adamw", "lr": 1e-3, "max_grad_norm": 0.05, "shard": shard})
+    return trainer_config(groups_per_step=3).model_copy(
+        update={"optimizer": "adamw", "lr": 1e-3, "max_grad_norm": 0.05, "shard": shard}
+    )
 
 
 def two_steps(records, shard, publish_dir=None):
@@ -46,15 +47,17 @@ def test_two_rank_core_matches_the_plain_trainer_and_streams_its_publication(tmp
     plain, plain_reports = two_steps(records, None)
     sharded, reports = two_steps(records, ShardConfig(ranks=2), tmp_path)
     assert [r.grad_norm for r in reports] == [
-        pytest.approx(r.grad_norm, rel=1e-5) for r in plain_reports]
+        pytest.approx(r.grad_norm, rel=1e-5) for r in plain_reports
+    ]
     assert all(r.grad_norm > 0.05 for r in reports), "clipping must be exercised"
     # AdamW divides by sqrt(v): float reordering in a tiny gradient moves its update a little,
     # so the update itself (not the parameter) is compared, as one vector
     init = build_model(0)
     start = ParamLayout.of(init).params_to_flat(init)
     rel = float((sharded - plain).norm() / (plain - start).norm())
-    print(f"2-rank FSDP2 core vs plain trainer (AdamW, clipped): relative update difference "
-          f"{rel:.3g}")
+    print(
+        f"2-rank FSDP2 core vs plain trainer (AdamW, clipped): relative update difference {rel:.3g}"
+    )
     assert rel < 1e-4
     engine = LlamaForCausalLM.load(tiny_dir())  # the built-in engine reads the streamed file
     engine.load_weights(read_weights(tmp_path / "v2.safetensors"))
@@ -79,8 +82,9 @@ def test_two_rank_dcp_checkpoint_restores_the_same_trainer_on_two_and_one_ranks(
         for r in records[:12]:
             buf.add(r)
         core.train_step(final=True)
-        st = checkpoint.RunState(step=1, bursts_published=1, published_version=1,
-                                 published_path=None)
+        st = checkpoint.RunState(
+            step=1, bursts_published=1, published_version=1, published_path=None
+        )
         where = checkpoint.save(tmp_path, st, [], core.state_dict())
         expected = _next_step(core, buf, records[12:])
     finally:
@@ -90,8 +94,10 @@ def test_two_rank_dcp_checkpoint_restores_the_same_trainer_on_two_and_one_ranks(
     assert all(not p.read_bytes().startswith(b"\x80") for p in shards)
     damaged = tmp_path / "damaged"
     shutil.copytree(where, damaged / "checkpoint")
-    with open(shards[1], "rb") as src, open(damaged / "checkpoint" / checkpoint.SHARDED
-                                            / shards[1].name, "wb") as dst:
+    with (
+        open(shards[1], "rb") as src,
+        open(damaged / "checkpoint" / checkpoint.SHARDED / shards[1].name, "wb") as dst,
+    ):
         dst.write(src.read()[:40])
     for ranks in (2, 1):
         again, buf = make_core(adamw(ShardConfig(ranks=ranks)), seed=5)
@@ -106,8 +112,10 @@ def test_two_rank_dcp_checkpoint_restores_the_same_trainer_on_two_and_one_ranks(
             rel = _max_rel(_next_step(again, buf, records[12:]), expected)
         finally:
             again.close()
-        print(f"2-rank DCP checkpoint -> {ranks}-rank core, next step: max relative param "
-              f"difference {rel:.3g}")
+        print(
+            f"2-rank DCP checkpoint -> {ranks}-rank core, next step: max relative param "
+            f"difference {rel:.3g}"
+        )
         assert rel < 1e-5
 
 
@@ -115,7 +123,8 @@ def test_a_plain_core_refuses_sharded_state_naming_the_field():
     core, _ = make_core(adamw(None))
     try:
         with pytest.raises(ConfigError, match=r"^runtime\.fsdp: "):
-            core.load_state_dict({"dcp": "/nowhere/trainer.dcp", "param_groups": [],
-                                  "version": 1, "step": 1})
+            core.load_state_dict(
+                {"dcp": "/nowhere/trainer.dcp", "param_groups": [], "version": 1, "step": 1}
+            )
     finally:
         core.close()

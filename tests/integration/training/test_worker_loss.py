@@ -76,16 +76,21 @@ def frozen_with_undelivered_work(core, cell: int, pid: int, seen: dict) -> bool:
     with core.coordinator._cv:
         delivered = cell in core.coordinator._contribs
     if done and not delivered and h["batch_id"] >= 0:
-        seen.update(step=h["batch_id"], done=done,
-                    claimed=sum(w.startswith(prefix) for w in h["claimed"].values()))
+        seen.update(
+            step=h["batch_id"],
+            done=done,
+            claimed=sum(w.startswith(prefix) for w in h["claimed"].values()),
+        )
         return True
     os.kill(pid, signal.SIGCONT)
     return False
 
 
-@pytest.mark.parametrize(("sig", "need_done"), [
-    (signal.SIGKILL, False), (signal.SIGKILL, True), (signal.SIGSTOP, False)],
-    ids=["killed-holding-a-claim", "killed-with-undelivered-work", "hung"])
+@pytest.mark.parametrize(
+    ("sig", "need_done"),
+    [(signal.SIGKILL, False), (signal.SIGKILL, True), (signal.SIGSTOP, False)],
+    ids=["killed-holding-a-claim", "killed-with-undelivered-work", "hung"],
+)
 def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected, sig, need_done):
     core, buf = make_core(trainer_config(claim_timeout_s=2.0, gather_timeout_s=4.0))
     procs = [spawn_satellite(core, 1), spawn_satellite(core, 2)]
@@ -104,19 +109,28 @@ def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected,
 
     Feeder(buf, records, chunks=[2, 6, 4, 4], gate=gate, pause_s=0.3).start()
     trainer = threading.Thread(
-        target=lambda: reports.extend([core.train_step(False), core.train_step(True)]),
-        daemon=True)
+        target=lambda: reports.extend([core.train_step(False), core.train_step(True)]), daemon=True
+    )
     trainer.start()
     try:
         # Whichever satellite first gets there is the one lost (on a loaded machine one of
         # them may do no work at all in the two steps).
         if need_done:
-            wait_for(lambda: any(frozen_with_undelivered_work(core, c, procs[c - 1].pid, seen)
-                                 and seen.setdefault("cell", c) for c in (1, 2)), 90,
-                     "a satellite to hold undelivered work")
+            wait_for(
+                lambda: any(
+                    frozen_with_undelivered_work(core, c, procs[c - 1].pid, seen)
+                    and seen.setdefault("cell", c)
+                    for c in (1, 2)
+                ),
+                90,
+                "a satellite to hold undelivered work",
+            )
         else:
-            wait_for(lambda: any(holding(core, c, seen) and seen.setdefault("cell", c)
-                                 for c in (1, 2)), 90, "a satellite to hold a claim")
+            wait_for(
+                lambda: any(holding(core, c, seen) and seen.setdefault("cell", c) for c in (1, 2)),
+                90,
+                "a satellite to hold a claim",
+            )
         lost = seen["cell"]
         os.kill(procs[lost - 1].pid, sig)
         t_signal = time.monotonic()
@@ -129,9 +143,11 @@ def test_lost_satellite_mid_batch_leaves_the_update_unchanged(records, expected,
             p.kill()
             p.join(timeout=10)
     hit = reports[seen["step"]]
-    print(f"{sig.name} in step {hit.step} holding {seen}: reclaimed {hit.reclaimed}, reopened "
-          f"{hit.reopened}, micro-steps by cell {hit.micro_steps_by_cell}, recovered in "
-          f"{time.monotonic() - t_signal:.1f}s")
+    print(
+        f"{sig.name} in step {hit.step} holding {seen}: reclaimed {hit.reclaimed}, reopened "
+        f"{hit.reopened}, micro-steps by cell {hit.micro_steps_by_cell}, recovered in "
+        f"{time.monotonic() - t_signal:.1f}s"
+    )
     assert hit.reclaimed + hit.reopened >= seen["claimed"] + seen["done"]
     if need_done:
         assert hit.reopened >= seen["done"] >= 1, "completed, undelivered work must be redone"

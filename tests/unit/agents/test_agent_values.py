@@ -20,20 +20,43 @@ from tidal.config import AgentConfig, RewardConfig
 
 
 def _ctx(ws: Path, row: TaskRow) -> AgentContext:
-    return AgentContext("b0-g0-e0", "b0-g0", row, ws, "http://127.0.0.1:9/x/b0-g0-e0/v1",
-                        "tx-key", "http://127.0.0.1:9", "m", 20.0, 8, 1, 1.0, 0)
+    return AgentContext(
+        "b0-g0-e0",
+        "b0-g0",
+        row,
+        ws,
+        "http://127.0.0.1:9/x/b0-g0-e0/v1",
+        "tx-key",
+        "http://127.0.0.1:9",
+        "m",
+        20.0,
+        8,
+        1,
+        1.0,
+        0,
+    )
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), True,
-                                   {"reward": float("nan")}, {"reward": False, "answer": "a"},
-                                   {"reward": -float("inf"), "answer": "b"}])
+@pytest.mark.parametrize(
+    "value",
+    [
+        float("nan"),
+        float("inf"),
+        -float("inf"),
+        True,
+        {"reward": float("nan")},
+        {"reward": False, "answer": "a"},
+        {"reward": -float("inf"), "answer": "b"},
+    ],
+)
 def test_a_non_finite_or_bool_reward_is_a_reward_error(value):
     out = outcome_of(value)
     assert (out.reason, out.reward) == ("reward_error", None)
 
 
-@pytest.mark.parametrize("value, reward", [(3, 3.0), (0.5, 0.5), (1e308, 1e308),
-                                           ({"reward": 2}, 2.0)])
+@pytest.mark.parametrize(
+    "value, reward", [(3, 3.0), (0.5, 0.5), (1e308, 1e308), ({"reward": 2}, 2.0)]
+)
 def test_a_finite_reward_is_kept(value, reward):
     out = outcome_of(value)
     assert (out.reason, out.reward) == ("completed", reward)
@@ -49,7 +72,8 @@ def test_a_python_agent_returning_nan_closes_reward_error_without_a_score(tmp_pa
         done = asyncio.run(run_job(AgentJob(row, agent, reward, 0, {}), _ctx(tmp_path / "w", row)))
     assert (done.reason, done.reward) == ("reward_error", None)  # main: reward nan, "completed"
     assert [r.getMessage() for r in caplog.records] == [
-        "execution b0-g0-e0: reward_error: the agent's reward is not a finite number"]
+        "execution b0-g0-e0: reward_error: the agent's reward is not a finite number"
+    ]
 
 
 def test_a_failing_reward_gives_no_reward(tmp_path):
@@ -61,18 +85,23 @@ def test_a_failing_reward_gives_no_reward(tmp_path):
     assert (done.reason, done.reward) == ("reward_error", None)  # main: 0.0
 
 
-@pytest.mark.parametrize("files, says", [
-    (5, "workspace_files is int, not a mapping path -> text"),
-    (["a.py"], "workspace_files is list, not a mapping path -> text"),
-    ({"a.py": 3}, "workspace_files['a.py'] is int, not text"),
-    ({"../x.py": "x"}, "workspace file '../x.py' is outside the workspace"),
-])
+@pytest.mark.parametrize(
+    "files, says",
+    [
+        (5, "workspace_files is int, not a mapping path -> text"),
+        (["a.py"], "workspace_files is list, not a mapping path -> text"),
+        ({"a.py": 3}, "workspace_files['a.py'] is int, not text"),
+        ({"../x.py": "x"}, "workspace file '../x.py' is outside the workspace"),
+    ],
+)
 def test_a_bad_workspace_files_row_fails_its_execution_not_the_run(tmp_path, caplog, files, says):
     agent = build_agent(AgentConfig(kind="command", command=["true"]))
     row = TaskRow(7, prompt="p", metadata={"workspace_files": files})
     with caplog.at_level(logging.WARNING, "tidal.agents.workload"):
-        done = asyncio.run(run_job(AgentJob(row, agent, None, 0, {}),
-                                   _ctx(tmp_path / "w", row)))  # main: TypeError for 5
+        done = asyncio.run(
+            run_job(AgentJob(row, agent, None, 0, {}), _ctx(tmp_path / "w", row))
+        )  # main: TypeError for 5
     assert done.reason == "failed"
     assert [r.getMessage() for r in caplog.records] == [
-        f"execution b0-g0-e0 failed: task row 7: {says}"]
+        f"execution b0-g0-e0 failed: task row 7: {says}"
+    ]

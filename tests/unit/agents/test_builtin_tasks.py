@@ -71,11 +71,15 @@ def test_exact_solution_scores_one_and_ends_the_task(tmp_path):
     asyncio.run(env.reset(ws))
     a, b = _numbers(ws, env)
     env2 = _fast(1)
-    (first,), steps = _play(env2, tmp_path / "ws2",
-                            ["read data0.txt data1.txt", f"write answer.txt {a + b}", "ls"])
+    (first,), steps = _play(
+        env2, tmp_path / "ws2", ["read data0.txt data1.txt", f"write answer.txt {a + b}", "ls"]
+    )
     assert "data0.txt" in first and "answer.txt" in first
-    assert steps[0].observation.splitlines() == [f"data0.txt: {a}", f"data1.txt: {b}",
-                                                 "Now write their sum to answer.txt."]
+    assert steps[0].observation.splitlines() == [
+        f"data0.txt: {a}",
+        f"data1.txt: {b}",
+        "Now write their sum to answer.txt.",
+    ]
     assert not steps[0].done and steps[0].reward == pytest.approx(0.4)  # the score so far
     assert len(steps) == 2 and steps[1].done and steps[1].reward == 1.0
     assert env2.score() == 1.0
@@ -131,16 +135,25 @@ def test_bad_commands_and_path_escapes_are_refused(tmp_path):
     ws = tmp_path / "w" / "ws"
     ws.mkdir(parents=True)
     (tmp_path / "w" / "secret.txt").write_text("42\n")
-    _, steps = _play(env, ws, ["read ../secret.txt /etc/passwd",
-                               "write ../evil.txt 5\nwrite data0.txt 99\nwrite answer.txt",
-                               "readme please\nls\nWrite the sum to answer.txt."])
+    _, steps = _play(
+        env,
+        ws,
+        [
+            "read ../secret.txt /etc/passwd",
+            "write ../evil.txt 5\nwrite data0.txt 99\nwrite answer.txt",
+            "readme please\nls\nWrite the sum to answer.txt.",
+        ],
+    )
     obs = [s.observation for s in steps]
     assert "no such file" in obs[0] and "42" not in obs[0] and "root" not in obs[0]
     assert obs[1].count("only new files") == 2 and "invalid: write answer.txt" in obs[1]
     assert not (tmp_path / "w" / "evil.txt").exists()
     assert (ws / "data0.txt").read_text() != "99\n" and not (ws / "answer.txt").exists()
-    assert obs[2].splitlines()[:3] == ["invalid: readme please", "data0.txt data1.txt",
-                                       "write: answer.txt needs a NUMBER"]
+    assert obs[2].splitlines()[:3] == [
+        "invalid: readme please",
+        "data0.txt data1.txt",
+        "write: answer.txt needs a NUMBER",
+    ]
     assert not any(s.done for s in steps)
     # 7 command lines, one exact (ls), nothing read, no answer
     assert env.score() == pytest.approx(0.1 / 7, abs=1e-6)
@@ -185,8 +198,11 @@ def test_arithmetic_task_checks_the_sum():
     row = bt.arithmetic_row(3)
     assert "plus" in row.messages[-1]["content"]
     assert row.messages[0] == {"role": "system", "content": bt.ARITHMETIC_PROMPT}
-    assert bt.arithmetic_step(row, str(row.answer)) == {"observation": "", "done": True,
-                                                         "reward": 1.0}
+    assert bt.arithmetic_step(row, str(row.answer)) == {
+        "observation": "",
+        "done": True,
+        "reward": 1.0,
+    }
     assert bt.arithmetic_reward(row, "no idea") == 0.0
     assert bt.arithmetic_reward(row, f"{row.answer} or {row.answer + 1}") == 1.0
 
@@ -227,8 +243,9 @@ def test_the_builtin_sources_behave_as_the_environments_they_replaced(tmp_path, 
     import json
     from pathlib import Path
 
-    before = json.loads((Path(__file__).parents[2] / "fixtures" / "builtin_tasks_before.json")
-                        .read_text())
+    before = json.loads(
+        (Path(__file__).parents[2] / "fixtures" / "builtin_tasks_before.json").read_text()
+    )
     waits: list[float] = []
 
     async def no_wait(delay_s):
@@ -238,8 +255,10 @@ def test_the_builtin_sources_behave_as_the_environments_they_replaced(tmp_path, 
     monkeypatch.setattr(bt, "LATENCY_CAP_S", 5.0)
     for case in before["workspace"]:
         row = bt.workspace_row(case["seed"], tool_latency_s=0.15)
-        assert row.messages == [{"role": "system", "content": case["system"]},
-                                {"role": "user", "content": case["first"]}]
+        assert row.messages == [
+            {"role": "system", "content": case["system"]},
+            {"role": "user", "content": case["first"]},
+        ]
         ws = tmp_path / f"ws{case['seed']}"
         ws.mkdir()
         for name, text in row.metadata["workspace_files"].items():

@@ -36,8 +36,7 @@ class _Proxy:
         self.refuse, self.seen = refuse, []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.seen.append((request.method, request.url.path,
-                          request.headers.get("authorization")))
+        self.seen.append((request.method, request.url.path, request.headers.get("authorization")))
         path = request.url.path
         if path == "/tidal/executions":
             return httpx.Response(409 if self.refuse else 200, json={"ok": True})
@@ -49,14 +48,26 @@ class _Proxy:
         if first:
             self.closed[eid] = (body["reason"], body["reward"])
         reason, reward = self.closed[eid]
-        return httpx.Response(200, json={"closed": True, "duplicate": not first,
-                                         "reason": reason, "reward": reward, "calls": 0})
+        return httpx.Response(
+            200,
+            json={
+                "closed": True,
+                "duplicate": not first,
+                "reason": reason,
+                "reward": reward,
+                "calls": 0,
+            },
+        )
 
 
 def _run(tmp_path, proxy: _Proxy, agent: _Agent, ids: list[str]):
     events = EventLog()
-    pool = HarnessPool(PoolConfig(proxy_url="http://proxy.test", token=TOKEN), tmp_path, events,
-                       transport=httpx.MockTransport(proxy))
+    pool = HarnessPool(
+        PoolConfig(proxy_url="http://proxy.test", token=TOKEN),
+        tmp_path,
+        events,
+        transport=httpx.MockTransport(proxy),
+    )
     job = AgentJob(TaskRow(0, prompt="q"), agent, None, 0, {})
     return asyncio.run(pool.run([("g", job)] * len(ids), ids)), events
 
@@ -65,8 +76,11 @@ def test_the_proxy_owns_the_close_and_the_agent_its_own_key(tmp_path):
     proxy, agent = _Proxy(), _Agent()
     (done,), events = _run(tmp_path, proxy, agent, ["g-e0"])
     assert done.outcome.reason == CloseReason.COMPLETED and done.outcome.reward == 1.0
-    assert events.events == [("dispatched", "g-e0", "g"), ("launched", "g-e0", "g"),
-                             ("closed", "g-e0", "g", CloseReason.COMPLETED, 1.0)]
+    assert events.events == [
+        ("dispatched", "g-e0", "g"),
+        ("launched", "g-e0", "g"),
+        ("closed", "g-e0", "g", CloseReason.COMPLETED, 1.0),
+    ]
     assert proxy.closed == {"g-e0": ("completed", 1.0)}
     # registration and close are admin calls with the run's token
     assert {auth for _, _, auth in proxy.seen} == {f"Bearer {TOKEN}"}

@@ -51,9 +51,21 @@ EXACT = Reward(RewardConfig(builtin="exact"))
 
 
 def _ctx(ws: Path, timeout_s: float) -> AgentContext:
-    return AgentContext("b0-g0-e0", "b0-g0", TaskRow(0, prompt="p"), ws,
-                        "http://127.0.0.1:9/x/b0-g0-e0/v1", "tx-key", "http://127.0.0.1:9",
-                        "m", timeout_s, 8, 1, 1.0, 0)
+    return AgentContext(
+        "b0-g0-e0",
+        "b0-g0",
+        TaskRow(0, prompt="p"),
+        ws,
+        "http://127.0.0.1:9/x/b0-g0-e0/v1",
+        "tx-key",
+        "http://127.0.0.1:9",
+        "m",
+        timeout_s,
+        8,
+        1,
+        1.0,
+        0,
+    )
 
 
 def _agent(tmp_path: Path, name: str):
@@ -122,8 +134,9 @@ def test_a_reward_that_never_returns_is_killed_and_leaves_no_thread(tmp_path):
 
     assert asyncio.run(scored()) == "no reward within 1 s (task.reward.timeout_s)"
     assert time.monotonic() - t0 < 1.0 + CANCEL_GRACE_S + 10
-    held = [t.name for t in threading.enumerate()
-            if not t.daemon and t is not threading.main_thread()]
+    held = [
+        t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()
+    ]
     assert not held, held
 
 
@@ -156,9 +169,11 @@ asyncio.run(main())
 def test_sigterm_ends_a_driver_waiting_on_a_hung_reward(tmp_path):
     (tmp_path / "hang_q.py").write_text("import time\ndef score(answer):\n    time.sleep(600)\n")
     (tmp_path / "driver.py").write_text(textwrap.dedent(DRIVER))
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"),
-                             f"{tmp_path / 'hang_q.py'}:score"], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "driver.py"), f"{tmp_path / 'hang_q.py'}:score"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         workers = [int(p) for p in proc.stdout.readline().split()]
         time.sleep(1.0)  # the reward is running in its worker

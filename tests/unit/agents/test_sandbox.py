@@ -44,9 +44,21 @@ def run_dir():
 
 
 def _ctx(ws: Path, timeout_s: float = 20.0) -> AgentContext:
-    return AgentContext("b0-g0-e0", "b0-g0", TaskRow(0, prompt="p"), ws,
-                        "http://127.0.0.1:9/x/b0-g0-e0/v1", "tx-key", "http://127.0.0.1:9",
-                        "m", timeout_s, 8, 1, 1.0, 0)
+    return AgentContext(
+        "b0-g0-e0",
+        "b0-g0",
+        TaskRow(0, prompt="p"),
+        ws,
+        "http://127.0.0.1:9/x/b0-g0-e0/v1",
+        "tx-key",
+        "http://127.0.0.1:9",
+        "m",
+        timeout_s,
+        8,
+        1,
+        1.0,
+        0,
+    )
 
 
 def _script(run: Path, name: str, body: str) -> str:
@@ -86,12 +98,17 @@ def test_a_hostile_agent_cannot_read_the_runs_secrets(run_dir, monkeypatch):
     monkeypatch.setenv("TIDAL_ADMIN_TOKEN", "admin-secret-7f3")
     monkeypatch.setenv("TIDAL_ENGINE_TOKEN", "engine-secret-7f3")
     # a process holding the run's token in its environment, as the proxy does
-    proxy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             env={**os.environ})
+    proxy = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ}
+    )
     try:
         script = _script(run_dir, "hostile.py", HOSTILE)
-        agent = build_agent(AgentConfig(kind="command", command=[
-            "{python}", script, str(proxy.pid), str(os.getpid()), str(run_dir)]))
+        agent = build_agent(
+            AgentConfig(
+                kind="command",
+                command=["{python}", script, str(proxy.pid), str(os.getpid()), str(run_dir)],
+            )
+        )
         ws = run_dir / "workspaces" / "b0-g0-e0"
         out = asyncio.run(agent.run(_ctx(ws)))
     finally:
@@ -107,8 +124,14 @@ def test_a_hostile_agent_cannot_read_the_runs_secrets(run_dir, monkeypatch):
 
 
 def test_the_runs_tokens_never_reach_an_agents_environment():
-    env = environment({"TIDAL_ADMIN_TOKEN": "a", "TIDAL_ENGINE_TOKEN": "b", "PATH": "/bin",
-                       "TIDAL_WORKSPACE": "/w"})
+    env = environment(
+        {
+            "TIDAL_ADMIN_TOKEN": "a",
+            "TIDAL_ENGINE_TOKEN": "b",
+            "PATH": "/bin",
+            "TIDAL_WORKSPACE": "/w",
+        }
+    )
     assert env == {"PATH": "/bin", "TIDAL_WORKSPACE": "/w"}
 
 
@@ -149,8 +172,9 @@ def test_a_double_forked_daemon_without_environment_dies_with_its_execution(run_
 def test_output_past_the_cap_is_dropped_and_marked(run_dir):
     spam = "import sys\nfor _ in range(400): sys.stdout.write('x' * 65536)\nprint('done')\n"
     script = _script(run_dir, "spam.py", spam)
-    agent = build_agent(AgentConfig(kind="command", command=["{python}", script],
-                                    output_limit_bytes=100_000))
+    agent = build_agent(
+        AgentConfig(kind="command", command=["{python}", script], output_limit_bytes=100_000)
+    )
     ws = run_dir / "workspaces" / "b0-g0-e0"
     t0 = time.monotonic()
     out = asyncio.run(agent.run(_ctx(ws)))
@@ -160,7 +184,8 @@ def test_output_past_the_cap_is_dropped_and_marked(run_dir):
     dropped = 400 * 65536 + 5 - 100_000
     assert log[:100_000] == b"x" * 100_000
     assert log[100_000:].decode().strip() == (
-        f"[tidal: output truncated after 100000 bytes: {dropped} bytes dropped]")
+        f"[tidal: output truncated after 100000 bytes: {dropped} bytes dropped]"
+    )
     assert out.detail == f"stdout truncated at 100000 bytes ({dropped} dropped)"
     assert out.stdout_tail.endswith("bytes dropped]\n") and "truncated" not in out.answer
 
@@ -189,7 +214,8 @@ def test_another_user_needs_root():
         with pytest.raises(ConfigError) as err:
             build_agent(AgentConfig(kind="command", command=["true"], user="nobody"))
         assert err.value.field == "task.agent.user" and "needs tidal to run as root" in str(
-            err.value)
+            err.value
+        )
 
 
 def _has_agent_user() -> bool:
@@ -209,8 +235,10 @@ def running(marker: str) -> list[int]:
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if (marker.encode() in (entry / "cmdline").read_bytes()
-                    and "\nState:\tZ" not in (entry / "status").read_text()):
+            if (
+                marker.encode() in (entry / "cmdline").read_bytes()
+                and "\nState:\tZ" not in (entry / "status").read_text()
+            ):
                 found.append(int(entry.name))
         except OSError:
             continue

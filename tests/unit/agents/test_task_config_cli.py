@@ -74,8 +74,11 @@ def test_bad_task_input_is_one_line(tmp_path, capsys, cfg, line, command):
     argv = [command, str(path)] + (["--out", str(tmp_path / "run")] if command == "run" else [])
     assert main(argv) == 2
     # a machine-wide note (stale spill files of other runs in /tmp) may precede the error line
-    lines = [x for x in capsys.readouterr().err.splitlines()
-             if not x.startswith("tidal: warning: ") or "spill" not in x]
+    lines = [
+        x
+        for x in capsys.readouterr().err.splitlines()
+        if not x.startswith("tidal: warning: ") or "spill" not in x
+    ]
     assert len(lines) == 1 and lines[0].startswith(f"tidal: error: {line}"), lines
     assert not (tmp_path / "run").exists()  # refused before anything started
 
@@ -116,8 +119,9 @@ def test_a_builtin_source_set_on_the_command_line_gets_its_own_step_and_reward()
     from tidal.agents.workload import Workload
     from tidal.commands.run import build_config
 
-    cfg = build_config(str(ROOT / "configs" / "tiny.yaml"),
-                       sets=("task.source.kind=workspace", "task.max_turns=3"))
+    cfg = build_config(
+        str(ROOT / "configs" / "tiny.yaml"), sets=("task.source.kind=workspace", "task.max_turns=3")
+    )
     assert cfg.task.agent.step is None and cfg.task.reward is None
     w = Workload(cfg)
     assert w.agent.step.__name__ == "workspace_step" and w.max_turns == 3

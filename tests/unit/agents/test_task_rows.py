@@ -25,8 +25,10 @@ def _jsonl(tmp: Path, rows: list[dict]) -> Path:
 
 
 def _load(path: Path, **kw):
-    return load_rows(TaskSourceConfig.model_validate(
-        {"kind": "jsonl", "path": str(path), "prompt": "q", **kw}), 0)
+    return load_rows(
+        TaskSourceConfig.model_validate({"kind": "jsonl", "path": str(path), "prompt": "q", **kw}),
+        0,
+    )
 
 
 def _mistakes(path: Path, **kw) -> list[str]:
@@ -39,16 +41,19 @@ def _mistakes(path: Path, **kw) -> list[str]:
 
 
 def test_every_row_is_checked_and_each_mistake_is_one_line(tmp_path):
-    path = _jsonl(tmp_path, [
-        {"q": "fine", "workspace_files": {"a.py": "x = 1\n"}},
-        {"q": "a", "workspace_files": 5},  # main: passes check, the run stops (TypeError)
-        {"q": "b", "workspace_files": ["a.py"]},
-        {"q": None},  # main: the prompt "None"
-        {"other": 1},  # main: KeyError traceback
-        {"q": 7},
-        {"q": "c", "workspace_files": {"a.py": 3, "../up.py": "x"}},
-        {"q": "d", "test_command": "pytest -q"},
-    ])
+    path = _jsonl(
+        tmp_path,
+        [
+            {"q": "fine", "workspace_files": {"a.py": "x = 1\n"}},
+            {"q": "a", "workspace_files": 5},  # main: passes check, the run stops (TypeError)
+            {"q": "b", "workspace_files": ["a.py"]},
+            {"q": None},  # main: the prompt "None"
+            {"other": 1},  # main: KeyError traceback
+            {"q": 7},
+            {"q": "c", "workspace_files": {"a.py": 3, "../up.py": "x"}},
+            {"q": "d", "test_command": "pytest -q"},
+        ],
+    )
     assert _mistakes(path) == [
         "row 1 (t.jsonl:2): column 'workspace_files' is int, not a mapping of relative paths "
         "to text",
@@ -65,11 +70,14 @@ def test_every_row_is_checked_and_each_mistake_is_one_line(tmp_path):
 
 
 def test_a_chat_row_and_its_data_source_are_checked(tmp_path):
-    path = _jsonl(tmp_path, [
-        {"m": [{"role": "user", "content": "hi"}], "data_source": "x"},
-        {"m": "hi", "data_source": "x"},
-        {"m": [{"role": "user", "content": "hi"}], "data_source": 3},
-    ])
+    path = _jsonl(
+        tmp_path,
+        [
+            {"m": [{"role": "user", "content": "hi"}], "data_source": "x"},
+            {"m": "hi", "data_source": "x"},
+            {"m": [{"role": "user", "content": "hi"}], "data_source": 3},
+        ],
+    )
     assert _mistakes(path, prompt=None, messages="m") == [
         "row 1 (t.jsonl:2): column 'm' is not a list of {role, content} messages",
         "row 2 (t.jsonl:3): column 'data_source' is int, not text",
@@ -82,13 +90,18 @@ def test_many_mistakes_are_capped(tmp_path):
     assert lines[19] == "row 19 (t.jsonl:20): column 'q' is null, not text"
 
 
-@pytest.mark.parametrize("make, says", [
-    (lambda p: p.write_bytes(b'{"q": "ok"}\n{"q": "caf\xe9"}\n'),
-     "t.jsonl:2: not UTF-8 text (byte 0xe9 at column 11)"),
-    (lambda p: p.mkdir(), "a directory, not a JSONL file"),
-    (lambda p: p.write_text(""), "holds no rows (an empty file: one JSON object per line"),
-    (lambda p: p.write_text("\n\n"), "holds no rows (an empty file"),
-])
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (
+            lambda p: p.write_bytes(b'{"q": "ok"}\n{"q": "caf\xe9"}\n'),
+            "t.jsonl:2: not UTF-8 text (byte 0xe9 at column 11)",
+        ),
+        (lambda p: p.mkdir(), "a directory, not a JSONL file"),
+        (lambda p: p.write_text(""), "holds no rows (an empty file: one JSON object per line"),
+        (lambda p: p.write_text("\n\n"), "holds no rows (an empty file"),
+    ],
+)
 def test_a_bad_file_is_one_line(tmp_path, make, says):
     path = tmp_path / "t.jsonl"
     make(path)
@@ -106,8 +119,10 @@ def test_a_good_row_keeps_its_values(tmp_path):
 def test_tidal_check_names_each_bad_row(tmp_path, capsys):
     path = _jsonl(tmp_path, [{"q": "ok"}, {"q": "a", "workspace_files": 5}, {"q": None}])
     cfg = yaml.safe_load(TINY.read_text())
-    cfg["task"] = {"source": {"kind": "jsonl", "path": str(path), "prompt": "q"},
-                   "reward": {"builtin": "exact"}}
+    cfg["task"] = {
+        "source": {"kind": "jsonl", "path": str(path), "prompt": "q"},
+        "reward": {"builtin": "exact"},
+    }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert main(["check", str(tmp_path / "c.yaml")]) == 2
     assert capsys.readouterr().err.splitlines() == [

@@ -33,8 +33,10 @@ def test_latency_target_is_the_largest_batch_within_the_step_time():
     assert concurrency_target(linear_then_flat, 128, AdmissionRule("latency", 1e-6)) == 1
 
 
-@pytest.mark.parametrize("value,field", [("sat", "control.admission"), (-1, "control.admission"),
-                                         (True, "control.admission")])
+@pytest.mark.parametrize(
+    "value,field",
+    [("sat", "control.admission"), (-1, "control.admission"), (True, "control.admission")],
+)
 def test_bad_rules_name_the_field(value, field):
     with pytest.raises(ConfigError) as err:
         AdmissionRule.parse(value)

@@ -29,12 +29,22 @@ from tidal.types import (
 )
 
 
-def make(policy="waterlevel", args=None, cells=4, slots=4, standalone=0, auto=True,
-         kind=CellKind.ELASTIC, **settings):
+def make(
+    policy="waterlevel",
+    args=None,
+    cells=4,
+    slots=4,
+    standalone=0,
+    auto=True,
+    kind=CellKind.ELASTIC,
+    **settings,
+):
     clock = ManualClock()
     act = FakeActuator(clock, auto=auto)
-    cs = CellSet([Cell(i, slots, 8, kind) for i in range(cells)],
-                 [Standalone(f"sa{j}", slots, 8) for j in range(standalone)])
+    cs = CellSet(
+        [Cell(i, slots, 8, kind) for i in range(cells)],
+        [Standalone(f"sa{j}", slots, 8) for j in range(standalone)],
+    )
     opts = dict(batch_groups=2, updates_per_burst=1, supply_fraction=0.5)
     opts.update(settings)
     ctl = Controller(cs, make_policy(policy, args), clock, act, ControllerSettings(**opts))
@@ -65,9 +75,13 @@ def test_waterlevel_run_moves_core_then_satellites_and_returns_at_burst_end():
     # capacity after moving the core = 12 >= 8: the core moved
     assert ctl.cells.roles()[0] is Role.TRAINING
     kinds = act.steps_of(1)
-    assert kinds == [StepKind.STOP_ADMISSION, StepKind.RESERVE_AND_REROUTE,
-                     StepKind.CANCEL_AND_RETRY, StepKind.RELEASE_ROLLOUT_MEMORY,
-                     StepKind.RESTORE_TRAINING_STATE]
+    assert kinds == [
+        StepKind.STOP_ADMISSION,
+        StepKind.RESERVE_AND_REROUTE,
+        StepKind.CANCEL_AND_RETRY,
+        StepKind.RELEASE_ROLLOUT_MEMORY,
+        StepKind.RESTORE_TRAINING_STATE,
+    ]
     # sat1 needs w <= 8; it already is and supply holds: it moved too (one plan at a time)
     assert [c.role for c in ctl.cells.cells][:2] == [Role.TRAINING, Role.TRAINING]
     assert ctl.cells.roles()[2] is Role.ROLLOUT  # 16 - 12 = 4 < 8
@@ -84,8 +98,11 @@ def test_waterlevel_run_moves_core_then_satellites_and_returns_at_burst_end():
     returns = [p for p, _ in ctl.plans_done if p.direction.value == "to_rollout"]
     assert [p.cells for p in returns] == [(3,), (2,), (1,)]
     assert act.steps_of(returns[0].plan_id) == [
-        StepKind.OFFLOAD_TRAINING_STATE, StepKind.WAKE_ENGINE, StepKind.LOAD_WEIGHTS,
-        StepKind.RESUME_ADMISSION]
+        StepKind.OFFLOAD_TRAINING_STATE,
+        StepKind.WAKE_ENGINE,
+        StepKind.LOAD_WEIGHTS,
+        StepKind.RESUME_ADMISSION,
+    ]
 
 
 def test_kv_handoff_step_only_when_enabled():
@@ -95,8 +112,11 @@ def test_kv_handoff_step_only_when_enabled():
         finish(ctl, clock, eid)
     assert StepKind.KV_HANDOFF in act.steps_of(1)
     steps = act.steps_of(1)
-    assert steps.index(StepKind.CANCEL_AND_RETRY) < steps.index(StepKind.KV_HANDOFF) \
+    assert (
+        steps.index(StepKind.CANCEL_AND_RETRY)
+        < steps.index(StepKind.KV_HANDOFF)
         < steps.index(StepKind.RELEASE_ROLLOUT_MEMORY)
+    )
 
 
 def test_destinations_prefer_standalone_then_descending_cells():
@@ -130,8 +150,13 @@ def test_failed_step_is_retried_then_plan_aborted_and_roles_restored():
     clock = ManualClock()
     act = FakeActuator(clock, fail={StepKind.RELEASE_ROLLOUT_MEMORY})
     cs = CellSet([Cell(i, 4, 8) for i in range(2)])
-    ctl = Controller(cs, make_policy("waterlevel"), clock, act,
-                     ControllerSettings(batch_groups=2, updates_per_burst=1, max_step_retries=1))
+    ctl = Controller(
+        cs,
+        make_policy("waterlevel"),
+        clock,
+        act,
+        ControllerSettings(batch_groups=2, updates_per_burst=1, max_step_retries=1),
+    )
     act.bind(ctl)
     ids = dispatch(ctl, clock, groups=1, n=2)
     finish(ctl, clock, ids[0])
@@ -154,8 +179,7 @@ def test_failed_step_is_retried_then_plan_aborted_and_roles_restored():
 
 
 def test_step_timeout_on_tick():
-    ctl, act, clock = make(cells=2, slots=4, auto=False, step_timeout_s=5.0,
-                           max_step_retries=0)
+    ctl, act, clock = make(cells=2, slots=4, auto=False, step_timeout_s=5.0, max_step_retries=0)
     ids = dispatch(ctl, clock, groups=1, n=2)
     for eid in ids:
         finish(ctl, clock, eid)
@@ -199,14 +223,25 @@ def test_colocate_alternates_all_cells():
 
 
 def test_verl_cycle_through_controller():
-    ctl, act, clock = make("verl-default", {"deactivate_ratio": 0.5}, cells=2, standalone=2,
-                           kind=CellKind.HYBRID, batch_groups=2, updates_per_burst=2)
+    ctl, act, clock = make(
+        "verl-default",
+        {"deactivate_ratio": 0.5},
+        cells=2,
+        standalone=2,
+        kind=CellKind.HYBRID,
+        batch_groups=2,
+        updates_per_burst=2,
+    )
     # start-up: hybrid cells (home = training) activate after the initial sync
     ctl.handle(Tick(0.0))
     assert ctl.cells.roles() == (Role.ROLLOUT, Role.ROLLOUT)
-    assert act.steps_of(1) == [StepKind.OFFLOAD_TRAINING_STATE, StepKind.WAKE_ENGINE,
-                               StepKind.SYNC_WEIGHTS, StepKind.ADD_TO_LOAD_BALANCER,
-                               StepKind.RESUME_GENERATION]
+    assert act.steps_of(1) == [
+        StepKind.OFFLOAD_TRAINING_STATE,
+        StepKind.WAKE_ENGINE,
+        StepKind.SYNC_WEIGHTS,
+        StepKind.ADD_TO_LOAD_BALANCER,
+        StepKind.RESUME_GENERATION,
+    ]
     ctl.handle(TrainerReady(clock.now(), 0))
     # SR = 4, ratio 0.5 -> wait for 2 groups in the queue
     ids = dispatch(ctl, clock, groups=2)
@@ -216,8 +251,12 @@ def test_verl_cycle_through_controller():
     for eid in ids[2:]:
         finish(ctl, clock, eid)
     assert ctl.cells.roles() == (Role.TRAINING, Role.TRAINING)
-    assert act.steps_of(2) == [StepKind.REMOVE_FROM_LOAD_BALANCER, StepKind.ABORT_INFLIGHT,
-                               StepKind.SLEEP_ENGINE, StepKind.RESTORE_TRAINING_STATE]
+    assert act.steps_of(2) == [
+        StepKind.REMOVE_FROM_LOAD_BALANCER,
+        StepKind.ABORT_INFLIGHT,
+        StepKind.SLEEP_ENGINE,
+        StepKind.RESTORE_TRAINING_STATE,
+    ]
     ctl.handle(TrainerStepDone(clock.now(), 0, queue_at_start=2))
     ctl.handle(TrainerStepDone(clock.now(), 1, queue_at_start=0, wait_s=5.0, final_of_burst=True))
     ctl.handle(WeightSyncDone(clock.now(), 1))
@@ -237,14 +276,21 @@ def test_unsafe_policy_decision_is_refused():
 
         def decide(self, obs):
             from tidal.control.policy import Action, Decision
+
             nxt = obs.next_to_train()
-            return Decision(Action.TO_TRAINING, (nxt.index,), "yolo") if nxt else \
-                Decision.hold("done")
+            return (
+                Decision(Action.TO_TRAINING, (nxt.index,), "yolo") if nxt else Decision.hold("done")
+            )
 
     clock = ManualClock()
     act = FakeActuator(clock)
-    ctl = Controller(CellSet([Cell(i, 4, 8) for i in range(2)]), Reckless(), clock, act,
-                     ControllerSettings(batch_groups=2, updates_per_burst=1))
+    ctl = Controller(
+        CellSet([Cell(i, 4, 8) for i in range(2)]),
+        Reckless(),
+        clock,
+        act,
+        ControllerSettings(batch_groups=2, updates_per_burst=1),
+    )
     act.bind(ctl)
     with pytest.raises(InvariantViolation, match="unsafe move"):
         dispatch(ctl, clock, groups=3)
@@ -264,6 +310,7 @@ def _marked(may: bool):
 
         def decide(self, obs):
             from tidal.control.policy import Action, Decision
+
             nxt = obs.next_to_train()
             if nxt is None or obs.waterlevel == 0 or not obs.supply.ok:
                 return Decision.hold("wait")
@@ -282,8 +329,13 @@ def test_an_oversubscribed_move_is_accepted_only_from_a_policy_that_may():
     for may in (False, True):
         clock = ManualClock()
         act = FakeActuator(clock)
-        ctl = Controller(CellSet([Cell(i, 4, 8) for i in range(2)]), _marked(may), clock, act,
-                         ControllerSettings(batch_groups=2, updates_per_burst=1))
+        ctl = Controller(
+            CellSet([Cell(i, 4, 8) for i in range(2)]),
+            _marked(may),
+            clock,
+            act,
+            ControllerSettings(batch_groups=2, updates_per_burst=1),
+        )
         act.bind(ctl)
         ids = dispatch(ctl, clock, groups=5)  # w = 10 > 8 slots
         finish(ctl, clock, ids[0])
@@ -298,8 +350,13 @@ def test_an_oversubscribed_move_is_accepted_only_from_a_policy_that_may():
 
 def test_decision_log_jsonl_has_inputs(tmp_path):
     path = tmp_path / "decisions.jsonl"
-    cfg = validate_model(RunConfig, {"cluster": {"cell_count": 2, "cell_slots": 4},
-                                     "control": {"group_size": 2, "batch_groups": 2}})
+    cfg = validate_model(
+        RunConfig,
+        {
+            "cluster": {"cell_count": 2, "cell_slots": 4},
+            "control": {"group_size": 2, "batch_groups": 2},
+        },
+    )
     clock = ManualClock()
     act = FakeActuator(clock)
     with path.open("w") as fh:

@@ -29,10 +29,16 @@ from tidal.types import (
     WeightSyncDone,
 )
 
-POLICIES = [("waterlevel", {}), ("waterlevel", {"core_may_stay": False}),
-            ("verl-default", {"deactivate_ratio": 0.6}), ("verl-fixed-ratio", {}),
-            ("verl-static", {}), ("verl-switch", {}), ("static", {"cells": 1}),
-            ("colocate", {})]
+POLICIES = [
+    ("waterlevel", {}),
+    ("waterlevel", {"core_may_stay": False}),
+    ("verl-default", {"deactivate_ratio": 0.6}),
+    ("verl-fixed-ratio", {}),
+    ("verl-static", {}),
+    ("verl-switch", {}),
+    ("static", {"cells": 1}),
+    ("colocate", {}),
+]
 
 
 class CheckingActuator:
@@ -54,18 +60,42 @@ class CheckingActuator:
                 # the cell is already out of rollout: capacity now = capacity after the move
                 if ctl.cells.rollout_capacity < ctl.ledger.waterlevel:
                     self.violations.append(
-                        f"capacity {ctl.cells.rollout_capacity} < w {ctl.ledger.waterlevel}")
+                        f"capacity {ctl.cells.rollout_capacity} < w {ctl.ledger.waterlevel}"
+                    )
         self.pending.append((plan, step))
 
     def abort(self, plan, failed, error):
         pass
 
 
-ops = st.lists(st.tuples(
-    st.sampled_from(["dispatch", "launch", "close", "score", "retry", "assign", "ready",
-                     "step", "sync", "ack", "ack", "ack", "fail", "tick", "burst", "complete",
-                     "complete"]),
-    st.integers(0, 30), st.floats(0, 20)), max_size=120)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                "dispatch",
+                "launch",
+                "close",
+                "score",
+                "retry",
+                "assign",
+                "ready",
+                "step",
+                "sync",
+                "ack",
+                "ack",
+                "ack",
+                "fail",
+                "tick",
+                "burst",
+                "complete",
+                "complete",
+            ]
+        ),
+        st.integers(0, 30),
+        st.floats(0, 20),
+    ),
+    max_size=120,
+)
 
 
 @settings(max_examples=120, deadline=None)
@@ -82,12 +112,24 @@ def test_invariants_hold_for_random_event_sequences(seq, policy, ncells, nstand,
         nstand = 1  # verl's separate-async trainer requires standalone rollout GPUs
     clock = ManualClock()
     act = CheckingActuator()
-    cells = CellSet([Cell(i, 3, 8, kind) for i in range(ncells)],
-                    [Standalone(f"sa{j}", 3, 8) for j in range(nstand)])
-    ctl = Controller(cells, make_policy(name, args), clock, act,
-                     ControllerSettings(batch_groups=2, updates_per_burst=2,
-                                        supply_fraction=0.5, supply_hold_s=1.0,
-                                        next_burst_quota=4, step_timeout_s=50.0))
+    cells = CellSet(
+        [Cell(i, 3, 8, kind) for i in range(ncells)],
+        [Standalone(f"sa{j}", 3, 8) for j in range(nstand)],
+    )
+    ctl = Controller(
+        cells,
+        make_policy(name, args),
+        clock,
+        act,
+        ControllerSettings(
+            batch_groups=2,
+            updates_per_burst=2,
+            supply_fraction=0.5,
+            supply_hold_s=1.0,
+            next_burst_quota=4,
+            step_timeout_s=50.0,
+        ),
+    )
     act.ctl = ctl
     n = 2
     eids: list[str] = []
@@ -106,8 +148,9 @@ def test_invariants_hold_for_random_event_sequences(seq, policy, ncells, nstand,
         elif op == "launch" and eid:
             ctl.handle(ExecutionLaunched(t, eid))
         elif op == "close" and eid:
-            ctl.handle(ExecutionClosed(t, eid, list(CloseReason)[k % 4],
-                                       None if k % 3 == 0 else 1.0))
+            ctl.handle(
+                ExecutionClosed(t, eid, list(CloseReason)[k % 4], None if k % 3 == 0 else 1.0)
+            )
         elif op == "complete" and eid:
             gid = ctl.ledger.executions[eid].group_id
             for member in ctl.ledger.groups[gid].members:
@@ -122,8 +165,11 @@ def test_invariants_hold_for_random_event_sequences(seq, policy, ncells, nstand,
         elif op == "ready":
             ctl.handle(TrainerReady(t, step))
         elif op == "step":
-            ctl.handle(TrainerStepDone(t, step, wait_s=dt, queue_at_start=k % 3,
-                                       final_of_burst=step % 2 == 1))
+            ctl.handle(
+                TrainerStepDone(
+                    t, step, wait_s=dt, queue_at_start=k % 3, final_of_burst=step % 2 == 1
+                )
+            )
             step += 1
         elif op == "sync":
             version += 1
@@ -140,8 +186,11 @@ def test_invariants_hold_for_random_event_sequences(seq, policy, ncells, nstand,
         ctl.ledger.check()
         # Invariant 2: prefix, one plan at a time, moving cells belong to the plan in flight
         ctl.cells.check_prefix()
-        moving = [c.index for c in ctl.cells.cells
-                  if c.role in (Role.MOVING_TO_TRAINING, Role.MOVING_TO_ROLLOUT)]
+        moving = [
+            c.index
+            for c in ctl.cells.cells
+            if c.role in (Role.MOVING_TO_TRAINING, Role.MOVING_TO_ROLLOUT)
+        ]
         if ctl.inflight is None:
             assert not moving
         else:
@@ -160,13 +209,32 @@ def test_invariants_hold_for_long_seeded_random_walks(monkeypatch):
     started: list[str] = []
     monkeypatch.setattr(sys.modules[__name__], "event", started.append)
     inner = test_invariants_hold_for_random_event_sequences.hypothesis.inner_test
-    names = ["dispatch", "launch", "close", "score", "retry", "assign", "ready", "step", "sync",
-             "ack", "ack", "ack", "fail", "tick", "burst", "complete", "complete"]
+    names = [
+        "dispatch",
+        "launch",
+        "close",
+        "score",
+        "retry",
+        "assign",
+        "ready",
+        "step",
+        "sync",
+        "ack",
+        "ack",
+        "ack",
+        "fail",
+        "tick",
+        "burst",
+        "complete",
+        "complete",
+    ]
     rng = random.Random(1234)
     for policy in POLICIES:
         for _ in range(40):
-            seq = [(rng.choice(names), rng.randint(0, 30), rng.uniform(0, 20))
-                   for _ in range(rng.randint(20, 150))]
+            seq = [
+                (rng.choice(names), rng.randint(0, 30), rng.uniform(0, 20))
+                for _ in range(rng.randint(20, 150))
+            ]
             inner(seq, policy, rng.randint(1, 4), rng.randint(0, 2), rng.random() < 0.5)
     moved = [s for s in started if not s.endswith(" 0+")]
     assert sum(s.startswith("waterlevel") for s in moved) >= 20

@@ -16,12 +16,16 @@ from tidal.control.policy import Decision
 from tidal.testing import FakeActuator
 from tidal.types import ExecutionDispatched
 
-KINDS = ("holding dispatch so cell {n} can train (waterlevel {n})",
-         "capacity after move {n} < waterlevel {n}", "measuring rates")
+KINDS = (
+    "holding dispatch so cell {n} can train (waterlevel {n})",
+    "capacity after move {n} < waterlevel {n}",
+    "measuring rates",
+)
 
 # a step: a hold (kind, limit, the reason's other number) or a move
-_HOLD = st.tuples(st.just("hold"), st.integers(0, 2), st.none() | st.integers(0, 3),
-                  st.integers(0, 10_000))
+_HOLD = st.tuples(
+    st.just("hold"), st.integers(0, 2), st.none() | st.integers(0, 3), st.integers(0, 10_000)
+)
 _STEP = _HOLD | st.tuples(st.just("to_training"), st.just(0), st.none(), st.just(0))
 
 
@@ -33,16 +37,21 @@ def _logged(steps) -> list[int]:
     return [r["i"] for r in log.records]
 
 
-@given(steps=st.lists(_STEP, max_size=40), noise=st.lists(st.integers(0, 10_000),
-                                                          min_size=40, max_size=40))
+@given(
+    steps=st.lists(_STEP, max_size=40),
+    noise=st.lists(st.integers(0, 10_000), min_size=40, max_size=40),
+)
 def test_a_hold_is_logged_once_per_kind_and_limit(steps, noise):
     got = _logged(steps)
-    want = [i for i, s in enumerate(steps) if s[0] != "hold" or i == 0
-            or steps[i - 1][0] != "hold" or steps[i - 1][1:3] != s[1:3]]
+    want = [
+        i
+        for i, s in enumerate(steps)
+        if s[0] != "hold" or i == 0 or steps[i - 1][0] != "hold" or steps[i - 1][1:3] != s[1:3]
+    ]
     assert got == want
     # the reason's other numbers never make a line: the same decisions with other numbers
     # log the same steps
-    other = [(a, k, lim, m) for (a, k, lim, _), m in zip(steps, noise[:len(steps)], strict=True)]
+    other = [(a, k, lim, m) for (a, k, lim, _), m in zip(steps, noise[: len(steps)], strict=True)]
     assert _logged(other) == got
 
 
@@ -70,16 +79,24 @@ class _Holding:
 
     def decide(self, obs) -> Decision:
         self.dispatch_limit = next(self.limits)
-        return Decision.hold(f"holding dispatch so a cell can train (waterlevel "
-                             f"{obs.waterlevel})", dispatch_limit=self.dispatch_limit)
+        return Decision.hold(
+            f"holding dispatch so a cell can train (waterlevel {obs.waterlevel})",
+            dispatch_limit=self.dispatch_limit,
+        )
 
 
 def test_the_controller_logs_each_limit_the_policy_holds_at():
     limits = [10, 10, 10, 6, 6, 4, 4, 4, 4, 6]
     clock, log = ManualClock(), DecisionLog()
     act = FakeActuator(clock)
-    ctl = Controller(CellSet([Cell(i, 4, 8) for i in range(2)]), _Holding(limits), clock, act,
-                     ControllerSettings(batch_groups=2, updates_per_burst=1), log)
+    ctl = Controller(
+        CellSet([Cell(i, 4, 8) for i in range(2)]),
+        _Holding(limits),
+        clock,
+        act,
+        ControllerSettings(batch_groups=2, updates_per_burst=1),
+        log,
+    )
     act.bind(ctl)
     for i in range(len(limits)):  # the waterlevel (in the reason) moves with every event
         ctl.handle(ExecutionDispatched(clock.now(), f"e{i}", f"g{i}", 1, 0))

@@ -10,23 +10,26 @@ from hypothesis import strategies as st
 from tidal.control.dispatch_hold import may_dispatch
 
 
-@given(outstanding=st.integers(0, 500), k=st.integers(1, 64),
-       limit=st.none() | st.integers(0, 600))
-def test_a_group_goes_iff_it_keeps_the_outstanding_work_within_the_limit(outstanding, k,
-                                                                          limit):
+@given(outstanding=st.integers(0, 500), k=st.integers(1, 64), limit=st.none() | st.integers(0, 600))
+def test_a_group_goes_iff_it_keeps_the_outstanding_work_within_the_limit(outstanding, k, limit):
     assert may_dispatch(outstanding, k, limit) == (limit is None or outstanding + k <= limit)
     if limit is not None and may_dispatch(outstanding, k, limit):  # less work never refused
         assert may_dispatch(max(0, outstanding - 1), k, limit)
 
 
 # One step of a run: the policy sets or lifts its limit, or executions finish.
-_STEP = st.one_of(st.tuples(st.just("limit"), st.none() | st.integers(0, 40)),
-                  st.tuples(st.just("finish"), st.integers(0, 12)))
+_STEP = st.one_of(
+    st.tuples(st.just("limit"), st.none() | st.integers(0, 40)),
+    st.tuples(st.just("finish"), st.integers(0, 12)),
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(sizes=st.lists(st.integers(1, 8), min_size=1, max_size=30),
-       start=st.integers(0, 30), steps=st.lists(_STEP, max_size=40))
+@given(
+    sizes=st.lists(st.integers(1, 8), min_size=1, max_size=30),
+    start=st.integers(0, 30),
+    steps=st.lists(_STEP, max_size=40),
+)
 def test_held_groups_wait_in_order_and_all_go_once_the_hold_lifts(sizes, start, steps):
     pending = list(enumerate(sizes))  # (group, executions), in dispatch order
     sent: list[int] = []

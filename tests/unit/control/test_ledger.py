@@ -104,10 +104,14 @@ def test_per_burst_counters():
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["dispatch", "launch", "close", "score", "retry", "assign"]),
-              st.integers(0, 40), st.sampled_from(list(CloseReason)),
-              st.one_of(st.none(), st.floats(-1, 1))),
-    max_size=200)
+    st.tuples(
+        st.sampled_from(["dispatch", "launch", "close", "score", "retry", "assign"]),
+        st.integers(0, 40),
+        st.sampled_from(list(CloseReason)),
+        st.one_of(st.none(), st.floats(-1, 1)),
+    ),
+    max_size=200,
+)
 
 
 @settings(max_examples=150, deadline=None)

@@ -24,18 +24,35 @@ def test_aggregation_rules_follow_verl():
     assert aggregation_type("dynamic_resource/train_allocated_time_s") == "sum"
     assert aggregation_type("timing_s/gen") == "time_sum"
     assert aggregation_type("fully_async/total_wait_time") == "sum"  # "total" in the name
-    agg = aggregate({"timing_s/step": [10.0, 20.0], "dynamic_resource/mq_size": [3.0, 1.0],
-                     "fully_async/total_wait_time": [1.0, 2.0]})
-    assert agg == {"timing_s/step": 30.0, "dynamic_resource/mq_size": 1.0,
-                   "fully_async/total_wait_time": 3.0}
+    agg = aggregate(
+        {
+            "timing_s/step": [10.0, 20.0],
+            "dynamic_resource/mq_size": [3.0, 1.0],
+            "fully_async/total_wait_time": [1.0, 2.0],
+        }
+    )
+    assert agg == {
+        "timing_s/step": 30.0,
+        "dynamic_resource/mq_size": 1.0,
+        "fully_async/total_wait_time": 3.0,
+    }
 
 
 def test_train_utilization_is_a_ratio_of_sums_and_idle_ratio_gen_over_step():
     # per-step ratios 0.5 and 0.9 (mean 0.7); verl sums first: 10 / 12
-    agg = special_metrics(aggregate({
-        "dynamic_resource/train_compute_time_s": [1.0, 9.0],
-        "dynamic_resource/train_allocated_time_s": [2.0, 10.0],
-        "timing_s/gen": [4.0, 1.0], "timing_s/step": [10.0, 15.0]}), None, 16, 16)
+    agg = special_metrics(
+        aggregate(
+            {
+                "dynamic_resource/train_compute_time_s": [1.0, 9.0],
+                "dynamic_resource/train_allocated_time_s": [2.0, 10.0],
+                "timing_s/gen": [4.0, 1.0],
+                "timing_s/step": [10.0, 15.0],
+            }
+        ),
+        None,
+        16,
+        16,
+    )
     assert agg["dynamic_resource/train_resource_utilization"] == pytest.approx(10 / 12)
     assert agg["fully_async/trainer/idle_ratio"] == pytest.approx(5 / 25)
     # verl adds the rollout and cluster figures only with the train one and a step time
@@ -54,8 +71,9 @@ def test_cluster_utilization_formula_uses_the_step_time():
     # a=16 hybrid, b=16 standalone, x = wait_for_enough_samples / step = 30/100
     u = resource_utilization(0.8, 0.6, 16, 16, wait_s=30.0, step_s=100.0)
     assert u == pytest.approx(((0.7 * 16 * 0.8) + (0.3 * 16 + 16) * 0.6) / 32)
-    assert resource_utilization(0.8, 0.6, 16, 16, wait_s=500.0, step_s=100.0) == \
-        pytest.approx(((0 * 16 * 0.8) + (16 + 16) * 0.6) / 32)  # x clipped to 1
+    assert resource_utilization(0.8, 0.6, 16, 16, wait_s=500.0, step_s=100.0) == pytest.approx(
+        ((0 * 16 * 0.8) + (16 + 16) * 0.6) / 32
+    )  # x clipped to 1
 
 
 def test_rollouter_idle_ratio_from_reset_staleness():
@@ -95,7 +113,8 @@ def test_one_version_through_verl_metrics():
     assert row["dynamic_resource/rollout_resource_utilization"] == pytest.approx(2 / 6)
     x = 5 / 20
     assert row["dynamic_resource/resource_utilization"] == pytest.approx(
-        ((1 - x) * 16 * (10 / 12) + (x * 16 + 16) * (2 / 6)) / 32)
+        ((1 - x) * 16 * (10 / 12) + (x * 16 + 16) * (2 / 6)) / 32
+    )
     assert row["fully_async/rollouter/idle_ratio"] == pytest.approx(5 / 40)
     assert row["fully_async/rollouter/step_generated_samples"] == 1.0
     assert row["version"] == 1.0
@@ -115,7 +134,10 @@ def test_role_timeline():
     tl.change(0, Role.MOVING_TO_TRAINING, 10.0)
     tl.change(0, Role.TRAINING, 12.0)
     segs = tl.close(20.0)
-    assert segs[0] == [(0.0, 10.0, Role.ROLLOUT), (10.0, 12.0, Role.MOVING_TO_TRAINING),
-                       (12.0, 20.0, Role.TRAINING)]
+    assert segs[0] == [
+        (0.0, 10.0, Role.ROLLOUT),
+        (10.0, 12.0, Role.MOVING_TO_TRAINING),
+        (12.0, 20.0, Role.TRAINING),
+    ]
     assert segs[1] == [(0.0, 20.0, Role.ROLLOUT)]
     assert tl.time_in(Role.TRAINING, 20.0) == [8.0, 0.0]

@@ -11,8 +11,12 @@ def test_waits_sum_per_execution_and_give_count_total_p99_and_max():
     q.add("c", 0.0)  # no wait
     f = q.figures()
     assert set(f) == set(KEYS)
-    assert f == {"queued_executions": 2, "queued_execution_s": 6.0,
-                 "queued_execution_p99_s": 5.0, "queued_execution_max_s": 5.0}
+    assert f == {
+        "queued_executions": 2,
+        "queued_execution_s": 6.0,
+        "queued_execution_p99_s": 5.0,
+        "queued_execution_max_s": 5.0,
+    }
     # a wait still going on counts up to now, without being recorded
     assert q.figures({"b": 9.0})["queued_execution_max_s"] == 10.0
     assert q.figures()["queued_execution_max_s"] == 5.0

@@ -65,8 +65,9 @@ def sit(
     )
     gpus = sum(x.gpus for x in cells if x.role is Role.TRAINING)
     rollout_gpus = 16 + sum(x.gpus for x in cells if x.role is Role.ROLLOUT)
-    return Situation(o, p, c, known, gpus, last, last_move_s, q, since, move_s, rollout_gpus,
-                     per_gpu, todo_peak)
+    return Situation(
+        o, p, c, known, gpus, last, last_move_s, q, since, move_s, rollout_gpus, per_gpu, todo_peak
+    )
 
 
 def test_measuring_holds_until_both_rates_are_known_unless_a_side_is_empty():
@@ -118,8 +119,9 @@ def test_idle_trainer_lends_or_holds_dispatch_at_the_capacity_after_the_move():
     nxt = s.obs.cells[0]
     d = rules.idle_trainer(s, K, nxt, 384)
     assert d.action is Action.TO_TRAINING and d.cells == (0,) and d.dispatch_limit is None
-    held = rules.idle_trainer(sit(roles=("rollout", "rollout"), waterlevel=450, ready=16), K, nxt,
-                              384)
+    held = rules.idle_trainer(
+        sit(roles=("rollout", "rollout"), waterlevel=450, ready=16), K, nxt, 384
+    )
     assert held.action is Action.HOLD and held.dispatch_limit == 384
     assert rules.idle_trainer(sit(roles=("rollout", "rollout"), ready=15), K, nxt, 384) is None
     assert rules.idle_trainer(sit(ready=16), K, nxt, 384) is None  # something trains
@@ -173,7 +175,8 @@ def test_tail_lend_only_while_the_trainer_is_the_bottleneck():
     d = rules.tail_lend_idle(fast, 256)
     assert d.action is Action.HOLD and d.reason == (
         "spare slots but the trainer waits for data: 64 groups take 80s to train, 440s to "
-        "produce (+0s move)")
+        "produce (+0s move)"
+    )
     assert rules.lend_next(fast, K).reason == d.reason
     # the lend's own duration counts against it: 500 s to train, 440 s + 100 s move
     assert rules.tail_lend_idle(sit(c=0.016, move_s=100.0), 256) is not None
@@ -224,8 +227,10 @@ def test_oversubscribe_moves_when_training_bought_exceeds_queueing_within_the_ca
     # the same move through the lend chain: it is the waterlevel-blocked case
     assert rules.waterlevel_blocked(s, ON, nxt, 256, -0.032).oversubscribe
     # queueing costs more than the training it buys (production dear, training cheap)
-    assert rules.oversubscribe(sit(waterlevel=300, ready=48, p=0.01, c=0.001, q=0.001),
-                               ON, nxt, 256) is None
+    assert (
+        rules.oversubscribe(sit(waterlevel=300, ready=48, p=0.01, c=0.001, q=0.001), ON, nxt, 256)
+        is None
+    )
     # caps: too many waiting, or the last would wait too long
     assert rules.oversubscribe(s, TidalPolicy(max_queued=43), nxt, 256) is None
     assert rules.oversubscribe(s, TidalPolicy(max_queued=256, max_wait_s=100.0), nxt, 256) is None
@@ -233,14 +238,34 @@ def test_oversubscribe_moves_when_training_bought_exceeds_queueing_within_the_ca
     assert rules.oversubscribe(s, K, nxt, 256) is None  # off by default
     # the ready queue does not cover the new split's training over the wait (20 < 0.01 * 16
     # GPUs * 172 s): the trainer would need the groups the waiting executions delay
-    assert rules.oversubscribe(sit(waterlevel=300, ready=20, p=0.0005, c=0.01, q=0.001),
-                               ON, nxt, 256) is None
+    assert (
+        rules.oversubscribe(sit(waterlevel=300, ready=20, p=0.0005, c=0.01, q=0.001), ON, nxt, 256)
+        is None
+    )
     # supply not held, or dwelling after a return
-    assert rules.oversubscribe(sit(waterlevel=300, ready=48, p=0.0005, c=0.01, q=0.001,
-                                   supply_ok=False), K, nxt, 256) is None
-    assert rules.oversubscribe(sit(waterlevel=300, ready=48, p=0.0005, c=0.01, q=0.001,
-                                   last=Action.TO_ROLLOUT, last_move_s=95.0),
-                               ON, nxt, 256) is None
+    assert (
+        rules.oversubscribe(
+            sit(waterlevel=300, ready=48, p=0.0005, c=0.01, q=0.001, supply_ok=False), K, nxt, 256
+        )
+        is None
+    )
+    assert (
+        rules.oversubscribe(
+            sit(
+                waterlevel=300,
+                ready=48,
+                p=0.0005,
+                c=0.01,
+                q=0.001,
+                last=Action.TO_ROLLOUT,
+                last_move_s=95.0,
+            ),
+            ON,
+            nxt,
+            256,
+        )
+        is None
+    )
 
 
 def test_wait_cap_returns_the_last_training_cell_once_executions_waited_too_long():
@@ -273,21 +298,35 @@ def test_a_lend_counts_the_throughput_the_engines_left_keep_past_their_knee():
 
 def test_past_their_knee_the_engines_get_back_the_block_that_raises_throughput():
     def knee(c):  # 300 to run fit the 384 slots; 5 executions per GPU: 120 at full speed
-        return sit(roles=("training", "training", "rollout"), waterlevel=300, ready=0,
-                   p=1e-4, c=c, per_gpu=5.0)
+        return sit(
+            roles=("training", "training", "rollout"),
+            waterlevel=300,
+            ready=0,
+            p=1e-4,
+            c=c,
+            per_gpu=5.0,
+        )
+
     d = rules.return_cells(knee(0.01), K)
     assert d.action is Action.TO_ROLLOUT and d.cells == (1,)
     assert d.reason.startswith("engines at their knee (300 executions to run, 120 at full")
     # min(production, consumption) 0.012 -> 0.012 groups/s: no gain, no return
     assert rules.return_cells(knee(0.0015), K) is None
-    assert rules.return_cells(sit(roles=("training", "training", "rollout"), waterlevel=300,
-                                  ready=0, p=1e-4, c=0.01), K) is None  # no knee: slots enough
+    assert (
+        rules.return_cells(
+            sit(roles=("training", "training", "rollout"), waterlevel=300, ready=0, p=1e-4, c=0.01),
+            K,
+        )
+        is None
+    )  # no knee: slots enough
 
 
 def test_a_return_for_slots_with_a_batch_ready_must_raise_throughput():
     def short(ready):  # 500 to run > 384 slots; production 0.0384 > consumption 0.016
-        return sit(roles=("training", "training", "rollout"), waterlevel=500, ready=ready,
-                   p=1e-4, c=0.001)
+        return sit(
+            roles=("training", "training", "rollout"), waterlevel=500, ready=ready, p=1e-4, c=0.001
+        )
+
     # the queue (20, a batch ready) projects below two batches, but returning cell 1 cuts
     # the split's throughput from 0.016 to 0.008 groups/s: it would only buy a lend back
     assert rules.return_cells(short(20), K) is None
@@ -301,7 +340,8 @@ def test_no_lend_that_the_next_versions_peak_would_bring_back():
     nxt = s.obs.next_to_train()
     d = rules.past_knee_at_peak(s, nxt, 256)
     assert d.action is Action.HOLD and d.reason.startswith(
-        "at the recent peak (200 executions) the engines left pass their knee (80)")
+        "at the recent peak (200 executions) the engines left pass their knee (80)"
+    )
     assert rules.lend_next(s, K).reason == d.reason
     assert rules.past_knee_at_peak(sit(c=0.05, per_gpu=5.0, todo_peak=200), nxt, 256) is None
     assert rules.past_knee_at_peak(sit(c=0.2, todo_peak=200), nxt, 256) is None  # no knee

@@ -53,11 +53,14 @@ def test_no_divergence_from_verls_policies(verl, name):
 
 def test_the_comparison_sees_a_divergence(verl):
     """The departures are real departures: the differential is not vacuous."""
-    fallback = vc.compare(verl, "static_fully_async",
-                          lambda n, r, oh: StaticHooks(r, oh, colocated_fallback=True), 300)
+    fallback = vc.compare(
+        verl,
+        "static_fully_async",
+        lambda n, r, oh: StaticHooks(r, oh, colocated_fallback=True),
+        300,
+    )
     assert fallback.answer_divergent > 0  # only-hybrid runs (~15 %) activate in tidal only
-    clamped = vc.compare(verl, "default",
-                         lambda n, r, oh: HOOKS[n](r, oh, clamp=True), 300)
+    clamped = vc.compare(verl, "default", lambda n, r, oh: HOOKS[n](r, oh, clamp=True), 300)
     assert clamped.state_divergent > 0
 
 
@@ -81,13 +84,22 @@ def test_metrics_aggregator_matches_verls(verl):
     torch and verl's trainer, the class needs numpy) against tidal's rules on random rows."""
     np = pytest.importorskip("numpy")
     cls = verl_wheel.load_class(
-        "verl/experimental/fully_async_policy/detach_utils.py", "MetricsAggregator",
-        {"defaultdict": defaultdict, "time": time, "np": np, "Any": object})
+        "verl/experimental/fully_async_policy/detach_utils.py",
+        "MetricsAggregator",
+        {"defaultdict": defaultdict, "time": time, "np": np, "Any": object},
+    )
     rng = random.Random(3)
-    keys = ["timing_s/step", "timing_s/gen", "timing_s/wait_for_enough_samples",
-            "timing_s/timing_s/param_sync", "timing_s/update_actor",
-            "dynamic_resource/train_compute_time_s", "dynamic_resource/train_allocated_time_s",
-            "dynamic_resource/mq_size", "fully_async/total_wait_time"]
+    keys = [
+        "timing_s/step",
+        "timing_s/gen",
+        "timing_s/wait_for_enough_samples",
+        "timing_s/timing_s/param_sync",
+        "timing_s/update_actor",
+        "dynamic_resource/train_compute_time_s",
+        "dynamic_resource/train_allocated_time_s",
+        "dynamic_resource/mq_size",
+        "fully_async/total_wait_time",
+    ]
     for _ in range(200):
         a, b = rng.choice([8, 16]), rng.choice([0, 8, 16])
         agg = cls(total_gpus=a + b, hybrid_gpus=a, standalone_gpus=b)
@@ -106,6 +118,7 @@ def test_metrics_aggregator_matches_verls(verl):
 
 def test_rollout_utilization_matches_verls(verl):
     """verl's ``_compute_rollout_resource_utilization`` on random event histories."""
+
     class Clock:
         t = 0.0
 
@@ -114,9 +127,11 @@ def test_rollout_utilization_matches_verls(verl):
 
     clock = Clock()
     cls = verl_wheel.load_class(
-        "verl/experimental/fully_async_policy/fully_async_rollouter.py", "FullyAsyncRollouter",
+        "verl/experimental/fully_async_policy/fully_async_rollouter.py",
+        "FullyAsyncRollouter",
         {"time": clock, "logger": logging.getLogger("verl")},
-        methods=("_compute_rollout_resource_utilization",))
+        methods=("_compute_rollout_resource_utilization",),
+    )
     rng = random.Random(5)
     for _ in range(300):
         rollouter = cls()

@@ -18,8 +18,13 @@ from tidal.types import CellKind
 
 
 def ctx(**kw):
-    base = dict(required_samples=10, trigger_parameter_sync_step=4, total_generated_samples=110,
-                expected_samples=100, buffer_samples=0)
+    base = dict(
+        required_samples=10,
+        trigger_parameter_sync_step=4,
+        total_generated_samples=110,
+        expected_samples=100,
+        buffer_samples=0,
+    )
     base.update(kw)
     return VerlContext(**base)
 
@@ -45,11 +50,13 @@ def test_worked_example_activation_gate():
     h = DefaultHooks(deactivate_ratio=0.5)
     assert h.gap(ctx()) == pytest.approx(10)  # 0.5 * 40 - (110 - 100)
     # 1 s of waits over 10 samples: benefit 10 * 0.1 = 1 s < switch cost 10 s.
-    assert not h.should_activate_after_step(1, False, ctx(step_wait_times=(1.0,),
-                                                          step_wait_samples=(10,)))
+    assert not h.should_activate_after_step(
+        1, False, ctx(step_wait_times=(1.0,), step_wait_samples=(10,))
+    )
     # 20 s over 10 samples: benefit 10 * 2 = 20 s > 10 s.
-    assert h.should_activate_after_step(2, False, ctx(step_wait_times=(20.0,),
-                                                      step_wait_samples=(10,)))
+    assert h.should_activate_after_step(
+        2, False, ctx(step_wait_times=(20.0,), step_wait_samples=(10,))
+    )
 
 
 def test_per_sample_time_only_refreshes_on_cycles_with_a_positive_gap():
@@ -61,9 +68,9 @@ def test_per_sample_time_only_refreshes_on_cycles_with_a_positive_gap():
     h.should_activate_after_step(2, False, ctx())  # no waits: previous estimate kept
     assert h.per_sample_time_s == 0.5
     # gap <= 0 (surplus 30 >= threshold 20): verl returns before estimating anything
-    assert not h.should_activate_after_step(3, False, ctx(total_generated_samples=130,
-                                                          step_wait_times=(9.0,),
-                                                          step_wait_samples=(3,)))
+    assert not h.should_activate_after_step(
+        3, False, ctx(total_generated_samples=130, step_wait_times=(9.0,), step_wait_samples=(3,))
+    )
     assert h.per_sample_time_s == 0.5
 
 
@@ -120,8 +127,9 @@ def test_only_hybrid_is_the_constructor_flag():
     assert h.deactivate_ratio == 1.0  # no adaptation
     # verl reads its own flag, not the context's
     g = DefaultHooks(deactivate_ratio=0.3)
-    assert not g.should_activate_after_step(1, False, ctx(only_hybrid=True,
-                                                          total_generated_samples=10**6))
+    assert not g.should_activate_after_step(
+        1, False, ctx(only_hybrid=True, total_generated_samples=10**6)
+    )
 
 
 def test_fixed_ratio_is_pure_gap_check_and_never_adapts():
@@ -179,9 +187,18 @@ def test_scheduler_hook_order(obs):
     p.decide(obs(roles="TT", trainer_waiting=True, last_deactivate_duration_s=2.0, **hyb))
     # After the sync of version 1: 4 steps waited 0 samples; 40 groups generated.
     # gap = 0.5*32 - (40 - 32) = 8 > 0, per-sample time still 1000 s: activate.
-    d = p.decide(obs(roles="TT", version=1, trainer_step=4, groups_generated=40,
-                     cycle_queue_at_start=(8, 8, 8, 8), cycle_wait_times_s=(0, 0, 0, 0),
-                     last_deactivate_duration_s=2.0, **hyb))
+    d = p.decide(
+        obs(
+            roles="TT",
+            version=1,
+            trainer_step=4,
+            groups_generated=40,
+            cycle_queue_at_start=(8, 8, 8, 8),
+            cycle_wait_times_s=(0, 0, 0, 0),
+            last_deactivate_duration_s=2.0,
+            **hyb,
+        )
+    )
     assert d.action is Action.TO_ROLLOUT
     assert p.hooks.deactivate_ratio == 0.5  # the update waits for the activation
     p.decide(obs(roles="RR", version=1, trainer_step=4, last_activate_duration_s=4.0, **hyb))
@@ -199,8 +216,18 @@ def test_static_without_standalone_is_refused_by_the_controller():
 
     cells = CellSet([Cell(i, 4, 8, CellKind.HYBRID) for i in range(2)])
     with pytest.raises(ConfigError, match="no rollout capacity"):
-        Controller(cells, make_policy("verl-static"), ManualClock(), None,
-                   ControllerSettings(batch_groups=2, updates_per_burst=1))
+        Controller(
+            cells,
+            make_policy("verl-static"),
+            ManualClock(),
+            None,
+            ControllerSettings(batch_groups=2, updates_per_burst=1),
+        )
     cells = CellSet([Cell(i, 4, 8, CellKind.HYBRID) for i in range(2)])
-    Controller(cells, make_policy("verl-static", {"colocated_fallback": True}), ManualClock(),
-               None, ControllerSettings(batch_groups=2, updates_per_burst=1))
+    Controller(
+        cells,
+        make_policy("verl-static", {"colocated_fallback": True}),
+        ManualClock(),
+        None,
+        ControllerSettings(batch_groups=2, updates_per_burst=1),
+    )

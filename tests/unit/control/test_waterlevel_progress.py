@@ -53,12 +53,24 @@ def build(policy, ncells, slots, nstand, hybrid, batch, group, quota, bursts):
     clock = ManualClock()
     act = AutoAck(clock)
     kind = CellKind.HYBRID if hybrid else CellKind.ELASTIC
-    cells = CellSet([Cell(i, slots, 8, kind) for i in range(ncells)],
-                    [Standalone(f"sa{j}", slots, 8) for j in range(nstand)])
-    ctl = Controller(cells, make_policy(*policy), clock, act,
-                     ControllerSettings(batch_groups=batch, updates_per_burst=1,
-                                        supply_fraction=0.5, supply_hold_s=0.0,
-                                        next_burst_quota=quota * group, total_bursts=bursts))
+    cells = CellSet(
+        [Cell(i, slots, 8, kind) for i in range(ncells)],
+        [Standalone(f"sa{j}", slots, 8) for j in range(nstand)],
+    )
+    ctl = Controller(
+        cells,
+        make_policy(*policy),
+        clock,
+        act,
+        ControllerSettings(
+            batch_groups=batch,
+            updates_per_burst=1,
+            supply_fraction=0.5,
+            supply_hold_s=0.0,
+            next_burst_quota=quota * group,
+            total_bursts=bursts,
+        ),
+    )
     act.ctl = ctl
     return clock, ctl
 
@@ -80,7 +92,7 @@ def end_burst(ctl, clock, step, version):
     """The trainer takes what is ready (up to a batch), finishes the burst's final update and
     publishes the next weights."""
     ctl.handle(TrainerReady(clock.now(), step))
-    take = tuple(ctl.ledger.ready_group_ids()[:ctl.settings.batch_groups])
+    take = tuple(ctl.ledger.ready_group_ids()[: ctl.settings.batch_groups])
     if take:
         ctl.handle(GroupsAssigned(clock.now(), take))
     clock.advance(5.0)
@@ -90,15 +102,24 @@ def end_burst(ctl, clock, step, version):
 
 
 @settings(max_examples=150, deadline=None)
-@given(policy=st.sampled_from(POLICIES), ncells=st.integers(1, 4), slots=st.integers(2, 8),
-       nstand=st.integers(1, 2), hybrid=st.booleans(), batch=st.integers(1, 4),
-       group=st.integers(1, 3), extra=st.integers(0, 4),
-       earlier=st.lists(st.floats(0.0, 1.0), max_size=3))
-def test_quiescent_system_always_gets_a_cell_to_train(policy, ncells, slots, nstand, hybrid,
-                                                       batch, group, extra, earlier):
+@given(
+    policy=st.sampled_from(POLICIES),
+    ncells=st.integers(1, 4),
+    slots=st.integers(2, 8),
+    nstand=st.integers(1, 2),
+    hybrid=st.booleans(),
+    batch=st.integers(1, 4),
+    group=st.integers(1, 3),
+    extra=st.integers(0, 4),
+    earlier=st.lists(st.floats(0.0, 1.0), max_size=3),
+)
+def test_quiescent_system_always_gets_a_cell_to_train(
+    policy, ncells, slots, nstand, hybrid, batch, group, extra, earlier
+):
     quota = batch + extra  # groups per burst: the last burst alone fills a batch
-    clock, ctl = build(policy, ncells, slots, nstand, hybrid, batch, group, quota,
-                       bursts=len(earlier) + 2)
+    clock, ctl = build(
+        policy, ncells, slots, nstand, hybrid, batch, group, quota, bursts=len(earlier) + 2
+    )
     dispatched = [round(f * quota) for f in earlier] + [quota]  # earlier: partly forfeited
     for b, k in enumerate(dispatched):
         if b:
@@ -115,7 +136,8 @@ def test_quiescent_system_always_gets_a_cell_to_train(policy, ncells, slots, nst
     assert obs.supply.ok
     assert ctl.cells.prefix_len > 0, (
         f"{policy[0]} holds with no cell training, nothing to dispatch and "
-        f"{obs.ready_groups} ready groups: {ctl.log.records[-1].get('reason')}")
+        f"{obs.ready_groups} ready groups: {ctl.log.records[-1].get('reason')}"
+    )
     assert obs.pending_dispatch == 0, f"a forfeited quota counts as pending: {ctl._announced}"
 
 

@@ -58,8 +58,13 @@ def test_without_verl_nothing_is_registered():
 
 
 def ctx(verl, **kw):
-    base = dict(required_samples=16, trigger_parameter_sync_step=4, total_generated_samples=0,
-                expected_samples=64, buffer_samples=64.0)
+    base = dict(
+        required_samples=16,
+        trigger_parameter_sync_step=4,
+        total_generated_samples=0,
+        expected_samples=64,
+        buffer_samples=64.0,
+    )
     base.update(kw)
     return verl.DynamicScheduleContext(**base)
 
@@ -67,11 +72,17 @@ def ctx(verl, **kw):
 def test_waterlevel_waits_until_the_standalone_capacity_covers_the_waterlevel(verl, bridge):
     """Standalone capacity 32 samples, 40 in generation, nothing left to dispatch, 10 in the
     queue: the move is safe once 8 more complete (32 >= 40 - 8); the supply (8 of 16) holds."""
-    st = {"monitor/active_tasks_size": 40, "monitor/queue/mq_queue_size": 10,
-          "static/max_concurrent_samples": 32, "static/max_required_samples": 96,
-          "count/staleness_samples": 96, "count/total_generated_samples": 50}
-    p = bridge.register(verl.base)["waterlevel"](0.3, False, stats=lambda: dict(st),
-                                                  clock=lambda: 0.0)
+    st = {
+        "monitor/active_tasks_size": 40,
+        "monitor/queue/mq_queue_size": 10,
+        "static/max_concurrent_samples": 32,
+        "static/max_required_samples": 96,
+        "count/staleness_samples": 96,
+        "count/total_generated_samples": 50,
+    }
+    p = bridge.register(verl.base)["waterlevel"](
+        0.3, False, stats=lambda: dict(st), clock=lambda: 0.0
+    )
     c = ctx(verl)
     assert p.should_activate_after_step(0, False, c) is False  # learns the standalone 32
     st["static/max_concurrent_samples"] = 64  # hybrids active: 32 more
@@ -91,8 +102,12 @@ def test_driven_by_recorded_contexts(verl, bridge):
     deactivation threshold is exactly where the tidal policy (a copy, in the same state) first
     moves the hybrid cell to training as samples complete."""
     lines = [json.loads(x) for x in FIXTURE.read_text().splitlines()]
-    assert {x["hook"] for x in lines} >= {"should_deactivate", "deactivate_wait_samples",
-                                          "should_activate_after_step", "update_after_step"}
+    assert {x["hook"] for x in lines} >= {
+        "should_deactivate",
+        "deactivate_wait_samples",
+        "should_activate_after_step",
+        "update_after_step",
+    }
     for name in ("waterlevel", "tidal"):
         p = verl.build_policy(name, deactivate_ratio=0.3, only_hybrid=False)
         active, acts, waits = False, [], []
@@ -109,13 +124,15 @@ def test_driven_by_recorded_contexts(verl, bridge):
                 ref = copy.deepcopy(p)
                 out = p.deactivate_wait_samples(c)
                 queue = line["stats"]["monitor/queue/mq_queue_size"]
-                first = ref.policy.decide(ref.observe(ref._step[0], True, c, True,
-                                                      line["stats"]))
+                first = ref.policy.decide(ref.observe(ref._step[0], True, c, True, line["stats"]))
                 k = out - queue
                 moves = [first.action is Action.TO_TRAINING] + [
-                    copy.deepcopy(ref.policy).decide(ref.observe(
-                        ref._step[0], True, c, True, line["stats"], done=j)).action
-                    is Action.TO_TRAINING for j in range(1, k + 1)]
+                    copy.deepcopy(ref.policy)
+                    .decide(ref.observe(ref._step[0], True, c, True, line["stats"], done=j))
+                    .action
+                    is Action.TO_TRAINING
+                    for j in range(1, k + 1)
+                ]
                 assert k >= 0 and not any(moves[:k])
                 assert moves[k] or "keeps the hybrids" in p.last_reason
                 waits.append(out)

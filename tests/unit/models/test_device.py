@@ -12,8 +12,12 @@ from tidal.models.device import DeviceError, describe_devices, resolve_device
 from tidal.models.kv import RaggedBatch
 from tidal.models.llama import SMOLLM2_135M, LlamaForCausalLM
 
-SMALL_LLAMA = {**SMOLLM2_135M, "num_hidden_layers": 2, "vocab_size": 256,
-               "max_position_embeddings": 128}
+SMALL_LLAMA = {
+    **SMOLLM2_135M,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+}
 
 
 def test_device_names_resolve_or_fail_in_one_line():
@@ -120,8 +124,11 @@ def test_every_tensor_a_forward_builds_is_on_the_models_device(kind):
     assert out.device == torch.device("meta") and out.shape == (2, 256)
     model.forward_cached([[1] * 70], [caches[0]])  # the cache grows where it lives
     assert caches[0].capacity == 128 and caches[0].buffers(0, 1)[0].is_meta
-    exported = {f"{kv}.{i}": torch.zeros(4, model.n_kv_heads, model.head_dim)
-                for kv in "kv" for i in range(model.n_layers)}
+    exported = {
+        f"{kv}.{i}": torch.zeros(4, model.n_kv_heads, model.head_dim)
+        for kv in "kv"
+        for i in range(model.n_layers)
+    }
     imported = model.cache_from_tensors(exported)  # CPU tensors in, device cache out
     assert imported.device == torch.device("meta") and imported.length == 4
     assert model.forward_cached([[8], [9]], [imported, caches[1]]).is_meta

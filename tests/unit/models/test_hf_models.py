@@ -36,21 +36,29 @@ def test_builtin_engine_matches_transformers(fixture, request):
     got, got_lp = _greedy_builtin(ours, prompt, 24)
     with torch.no_grad():
         x = torch.tensor([prompt])  # the prompt holds <|im_end|> (= pad): mask nothing
-        gen = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24,
-                           do_sample=False,
-                           output_logits=True, return_dict_in_generate=True,
-                           eos_token_id=None, pad_token_id=tok.eos_id)
-    want = gen.sequences[0, len(prompt):].tolist()
-    want_lp = [float(torch.log_softmax(s[0], -1)[t]) for s, t in zip(gen.logits, want,
-                                                                     strict=True)]
+        gen = ref.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=24,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=tok.eos_id,
+        )
+    want = gen.sequences[0, len(prompt) :].tolist()
+    want_lp = [float(torch.log_softmax(s[0], -1)[t]) for s, t in zip(gen.logits, want, strict=True)]
     assert got == want
     torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4, rtol=0)
 
 
 def test_cached_ragged_batch_matches_full_forward(tiny_dir):
     model, tok = load_model(tiny_dir)
-    seqs = [tok.encode("The agent reads the task and lists the files."),
-            tok.encode("12 plus 30 is 42"), tok.encode("Read the file")]
+    seqs = [
+        tok.encode("The agent reads the task and lists the files."),
+        tok.encode("12 plus 30 is 42"),
+        tok.encode("Read the file"),
+    ]
     full = [model(torch.tensor([s]))[0] for s in seqs]
     caches = [model.new_cache() for _ in seqs]
     cut = [5, 2, 1]  # different prefix lengths in one ragged call, then one token at a time
@@ -74,8 +82,9 @@ def test_kv_export_import_continues_identically(tiny_dir):
     model.forward_cached([ids[:-1]], [cache])
     moved = model.cache_from_tensors(cache.export_tensors())
     assert moved.length == len(ids) - 1
-    torch.testing.assert_close(model.forward_cached([ids[-1:]], [cache]),
-                               model.forward_cached([ids[-1:]], [moved]))
+    torch.testing.assert_close(
+        model.forward_cached([ids[-1:]], [cache]), model.forward_cached([ids[-1:]], [moved])
+    )
 
 
 def test_weights_load_in_place_and_free_and_restore(tiny_dir, tmp_path):

@@ -12,8 +12,9 @@ def test_llama_matches_transformers_on_smollm2(smollm2_dir):
     ours, tok = load_model(smollm2_dir)
     assert isinstance(ours, LlamaForCausalLM)
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir),
-                                                            torch_dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_dir), torch_dtype=torch.float32
+    ).eval()
     x = torch.tensor([ids])
     with torch.no_grad():
         expected = ref(x).logits[0]

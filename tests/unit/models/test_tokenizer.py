@@ -12,10 +12,12 @@ from tidal.models import HFTokenizer
 
 CHATS = [
     [{"role": "user", "content": "What is 12 plus 30?"}],
-    [{"role": "system", "content": "Answer with a number."},
-     {"role": "user", "content": "7 * 6 = ?"},
-     {"role": "assistant", "content": "42"},
-     {"role": "user", "content": "and 40 + 2?\n\nunicode: é ✓"}],
+    [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "7 * 6 = ?"},
+        {"role": "assistant", "content": "42"},
+        {"role": "user", "content": "and 40 + 2?\n\nunicode: é ✓"},
+    ],
 ]
 
 
@@ -25,8 +27,9 @@ def test_smollm2_template_parity_with_transformers(smollm2_dir, messages):
 
     ours = HFTokenizer(smollm2_dir)
     ref = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    want = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                   return_dict=False)
+    want = ref.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert ours.apply_chat_template(messages) == list(want)
     text = ours.render_chat(messages)
     assert text.endswith("<|im_start|>assistant\n") and messages[-1]["content"] in text
@@ -50,7 +53,8 @@ def test_template_helpers_and_errors(tiny_dir, tmp_path):
     (tmp_path / "m" / "chat_template.jinja").write_text(
         "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
         "{{ raise_exception('roles must be user or assistant') }}{% endif %}"
-        "{{ m['content'] | tojson }}{% endfor %}")
+        "{{ m['content'] | tojson }}{% endfor %}"
+    )
     tok = HFTokenizer(tmp_path / "m")
     assert tok.render_chat([{"role": "user", "content": 'say "hi"'}]) == '"say \\"hi\\""'
     with pytest.raises(TidalError, match="chat template: roles must be user or assistant"):

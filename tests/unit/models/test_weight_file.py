@@ -33,8 +33,11 @@ def test_a_file_that_is_not_safetensors_is_one_error_naming_it(tmp_path):
 
 
 def test_read_into_reads_each_tensor_straight_into_its_target(tmp_path):
-    sd = {"a.weight": torch.randn(3, 4), "b.bias": torch.arange(5, dtype=torch.float16),
-          "c": torch.randn(2, 2).to(torch.bfloat16)}
+    sd = {
+        "a.weight": torch.randn(3, 4),
+        "b.bias": torch.arange(5, dtype=torch.float16),
+        "c": torch.randn(2, 2).to(torch.bfloat16),
+    }
     save_file(sd, str(tmp_path / "w.safetensors"))
     wf = WeightFile(tmp_path / "w.safetensors")
     a = torch.empty(3, 4)
@@ -60,7 +63,9 @@ def test_a_truncated_file_is_one_error_naming_the_tensor(tmp_path):
     data = path.read_bytes()
     wf = WeightFile(path)
     path.write_bytes(data[:-100])  # cut after it was opened: the last tensor lacks bytes
-    last = max(wf._header.items(), key=lambda kv: kv[1]["data_offsets"][0]
-               if kv[0] != "__metadata__" else -1)[0]
+    last = max(
+        wf._header.items(),
+        key=lambda kv: kv[1]["data_offsets"][0] if kv[0] != "__metadata__" else -1,
+    )[0]
     with pytest.raises(TidalError, match=f"tensor {last} truncated"):
         wf.read_into(last, torch.empty(64))

@@ -40,13 +40,22 @@ def build(args: argparse.Namespace) -> FastAPI:
     app = FastAPI()
     fault = os.environ.get("TIDAL_SGLANG_SHAPED_FAULT", "")
     held: dict[str, bytearray] = {t: bytearray(b"\x07") * (MB[t] << 20) for t in TAGS}
-    state = {"weight_version": args.weight_version, "paused": False, "released": [],
-             "model_path": args.model_path, "loaded_tensors": 0, "pause_modes": []}
+    state = {
+        "weight_version": args.weight_version,
+        "paused": False,
+        "released": [],
+        "model_path": args.model_path,
+        "loaded_tensors": 0,
+        "pause_modes": [],
+    }
 
     @app.middleware("http")
     async def api_key(request: Request, call_next):
-        if (args.api_key and not request.url.path.startswith(("/health", "/metrics"))
-                and request.headers.get("authorization") != f"Bearer {args.api_key}"):
+        if (
+            args.api_key
+            and not request.url.path.startswith(("/health", "/metrics"))
+            and request.headers.get("authorization") != f"Bearer {args.api_key}"
+        ):
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return await call_next(request)
 
@@ -56,9 +65,13 @@ def build(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/get_model_info")
     async def model_info():
-        return {"model_path": state["model_path"], "tokenizer_path": args.model_path,
-                "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": state["weight_version"]}
+        return {
+            "model_path": state["model_path"],
+            "tokenizer_path": args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": state["weight_version"],
+        }
 
     @app.get("/get_weight_version")
     async def weight_version():
@@ -115,8 +128,14 @@ def build(args: argparse.Namespace) -> FastAPI:
         elif not list(d.glob("*.safetensors")):
             fail = f"{d}: no safetensors files"
         if fail:
-            return JSONResponse({"success": False, "message": f"Failed to update weights: "
-                                 f"{fail}", "num_paused_requests": 0}, status_code=400)
+            return JSONResponse(
+                {
+                    "success": False,
+                    "message": f"Failed to update weights: {fail}",
+                    "num_paused_requests": 0,
+                },
+                status_code=400,
+            )
         from safetensors import safe_open
 
         n = 0

@@ -25,8 +25,13 @@ def _state() -> dict:
 
 
 def _save(tmp_path, trainer=None):
-    st = checkpoint.RunState(step=2, bursts_published=1, published_version=1,
-                             published_path=str(tmp_path / "v1.bin"), trained_groups=["b0-g0"])
+    st = checkpoint.RunState(
+        step=2,
+        bursts_published=1,
+        published_version=1,
+        published_path=str(tmp_path / "v1.bin"),
+        trained_groups=["b0-g0"],
+    )
     recs = [ExecutionRecord(execution_id="b1-g0-e0", group_id="b1-g0", calls=[], reward=1.0)]
     return checkpoint.save(tmp_path, st, recs, trainer or _state())
 
@@ -34,8 +39,12 @@ def _save(tmp_path, trainer=None):
 def test_the_trainer_state_round_trips_without_pickle(tmp_path):
     want = _state()
     where = _save(tmp_path, want)
-    assert sorted(p.name for p in where.iterdir()) == ["records.jsonl", "state.json",
-                                                       "trainer.json", "trainer.safetensors"]
+    assert sorted(p.name for p in where.iterdir()) == [
+        "records.jsonl",
+        "state.json",
+        "trainer.json",
+        "trainer.safetensors",
+    ]
     for p in where.iterdir():
         assert not p.read_bytes().startswith(b"\x80"), f"{p.name} looks pickled"
     ck = checkpoint.load(tmp_path)
@@ -57,13 +66,16 @@ def test_the_trainer_state_round_trips_without_pickle(tmp_path):
     assert ck.state.trained_groups == ["b0-g0"] and ck.records[0].execution_id == "b1-g0-e0"
 
 
-@pytest.mark.parametrize(("name", "damage"), [
-    ("trainer.safetensors", lambda b: b[: len(b) // 2]),
-    ("trainer.safetensors", lambda b: b"\x00" * 16),
-    ("trainer.json", lambda b: b[:10]),
-    ("state.json", lambda b: b"{not json"),
-    ("records.jsonl", lambda b: b'{"execution_id": 1}\n'),
-])
+@pytest.mark.parametrize(
+    ("name", "damage"),
+    [
+        ("trainer.safetensors", lambda b: b[: len(b) // 2]),
+        ("trainer.safetensors", lambda b: b"\x00" * 16),
+        ("trainer.json", lambda b: b[:10]),
+        ("state.json", lambda b: b"{not json"),
+        ("records.jsonl", lambda b: b'{"execution_id": 1}\n'),
+    ],
+)
 def test_a_damaged_checkpoint_is_one_line(tmp_path, name, damage):
     where = _save(tmp_path)
     (where / name).write_bytes(damage((where / name).read_bytes()))
@@ -87,8 +99,12 @@ def test_tied_and_view_tensors_are_stored_once_each(tmp_path):
     stores no aliases, so each later alias is copied; values survive."""
     flat = torch.arange(12, dtype=torch.float32)
     emb = torch.randn(3, 4)
-    state = {"model": {"embed": emb, "head": emb, "a": flat[:6].view(2, 3), "b": flat[6:]},
-             "optimizer": {"state": {}, "param_groups": []}, "version": 1, "step": 1}
+    state = {
+        "model": {"embed": emb, "head": emb, "a": flat[:6].view(2, 3), "b": flat[6:]},
+        "optimizer": {"state": {}, "param_groups": []},
+        "version": 1,
+        "step": 1,
+    }
     _save(tmp_path, state)
     got = checkpoint.load(tmp_path).trainer["model"]
     assert torch.equal(got["embed"], emb) and torch.equal(got["head"], emb)
@@ -110,7 +126,10 @@ def test_sharded_state_is_written_inside_the_atomic_checkpoint(tmp_path):
     assert seen == [tmp_path / "checkpoint.tmp" / checkpoint.SHARDED]
     got = checkpoint.load(tmp_path).trainer
     assert got["dcp"] == str(where / checkpoint.SHARDED)
-    assert (where / checkpoint.SHARDED / "shard-00001-model-00001-of-00001.safetensors"
-            ).read_bytes() == b"shard"
+    assert (
+        where / checkpoint.SHARDED / "shard-00001-model-00001-of-00001.safetensors"
+    ).read_bytes() == b"shard"
     assert got["param_groups"][0]["betas"] == (0.9, 0.95) and (got["version"], got["step"]) == (
-        2, 5)
+        2,
+        5,
+    )

@@ -59,8 +59,10 @@ def _writable() -> bool:
 
 needs_cgroups = pytest.mark.skipif(not _writable(), reason="no writable cgroup v1 cpu controller")
 
-BUSY = ("import resource, time\nt = time.time()\nwhile time.time() - t < {s}: pass\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_utime)")
+BUSY = (
+    "import resource, time\nt = time.time()\nwhile time.time() - t < {s}: pass\n"
+    "print(resource.getrusage(resource.RUSAGE_SELF).ru_utime)"
+)
 
 
 @needs_cgroups
@@ -69,8 +71,9 @@ def test_a_group_holds_a_busy_process_and_a_busy_thread_to_its_share():
     try:
         assert groups.parent.is_dir() and groups.quota_us == 5000
         wall = 1.5
-        p = subprocess.Popen([sys.executable, "-c", BUSY.format(s=wall)],
-                             stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", BUSY.format(s=wall)], stdout=subprocess.PIPE, text=True
+        )
         join_process(groups.path("proc"), p.pid)
         out, _ = p.communicate(timeout=60)
         # a free busy loop uses ~1 core; held to 0.25 core (the interpreter's start-up ran
@@ -92,8 +95,10 @@ def test_a_group_holds_a_busy_process_and_a_busy_thread_to_its_share():
         st = groups.stats()
         # throttled, not merely slow: how long depends on how much CPU the loaded host gave it
         assert st["proc"]["throttled_periods"] > 0 and st["thread"]["throttled_periods"] > 0, st
-        assert str(threading.get_native_id()) not in \
-            (groups.groups["thread"] / "tasks").read_text().split()
+        assert (
+            str(threading.get_native_id())
+            not in (groups.groups["thread"] / "tasks").read_text().split()
+        )
     finally:
         assert groups.remove() == []
     assert not groups.parent.exists()
@@ -117,13 +122,19 @@ def test_set_overrides_one_value_and_rejects_bad_items():
     apply_set(data, "runtime.cell_cpus=0.5")
     apply_set(data, "control.bursts=3")
     apply_set(data, "runtime.model=smollm2-135m")
-    assert data == {"runtime": {"cell_cpus": 0.5, "model": "smollm2-135m"},
-                    "control": {"bursts": 3}}
+    assert data == {
+        "runtime": {"cell_cpus": 0.5, "model": "smollm2-135m"},
+        "control": {"bursts": 3},
+    }
     apply_set(data, "runtime.cell_cpus=null")
     assert data["runtime"]["cell_cpus"] is None
-    for bad, msg in (("runtime.cell_cpus", "KEY=VALUE"), ("=1", "KEY=VALUE"),
-                     ("nope.x=1", "not a config section"), ("runtime.model=[1, 2]", "scalar"),
-                     ("runtime..x=1", "KEY=VALUE")):
+    for bad, msg in (
+        ("runtime.cell_cpus", "KEY=VALUE"),
+        ("=1", "KEY=VALUE"),
+        ("nope.x=1", "not a config section"),
+        ("runtime.model=[1, 2]", "scalar"),
+        ("runtime..x=1", "KEY=VALUE"),
+    ):
         with pytest.raises(ConfigError, match=msg):
             apply_set(data, bad)
 

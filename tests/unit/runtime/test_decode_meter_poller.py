@@ -38,8 +38,9 @@ class FakeStats:
             await asyncio.sleep(30)
         if isinstance(step, int):
             return httpx.Response(step, json={"error": "down"})
-        return httpx.Response(200, json={"inflight": 1, "decode_meter": {
-            "tokens": step[0], "inflight_s": step[1]}})
+        return httpx.Response(
+            200, json={"inflight": 1, "decode_meter": {"tokens": step[0], "inflight_s": step[1]}}
+        )
 
 
 def _meter(script: list, clock: ManualClock, **kw) -> tuple[DecodeMeter, FakeStats]:
@@ -56,18 +57,21 @@ def test_the_controller_observes_the_latest_reading_and_keeps_it_over_failures(c
         seen = []
         for _ in range(5):
             await m.poll()
-            seen.append((m.ctl.decode_meter is None,
-                         m.ctl.observation("test").decode_meter, m.missed))
+            seen.append(
+                (m.ctl.decode_meter is None, m.ctl.observation("test").decode_meter, m.missed)
+            )
         await m.admin.aclose()
         return seen
 
     with caplog.at_level(logging.WARNING, logger="tidal.runtime.decode_meter"):
         seen = asyncio.run(main())
-    assert seen == [(True, None, 1),  # not metered before the first answer
-                    (False, (10.0, 1.5), 0),
-                    (False, (10.0, 1.5), 1),  # a hung poll is bounded, the last pair kept
-                    (False, (40.0, 4.0), 0),
-                    (False, (40.0, 4.0), 1)]
+    assert seen == [
+        (True, None, 1),  # not metered before the first answer
+        (False, (10.0, 1.5), 0),
+        (False, (10.0, 1.5), 1),  # a hung poll is bounded, the last pair kept
+        (False, (40.0, 4.0), 0),
+        (False, (40.0, 4.0), 1),
+    ]
     warned = [r.message for r in caplog.records if "keeping the last reading" in r.message]
     assert len(warned) == 3 and "HTTPStatusError" in warned[0] and "TimeoutError" in warned[1]
 
@@ -75,8 +79,9 @@ def test_the_controller_observes_the_latest_reading_and_keeps_it_over_failures(c
 def test_polls_failing_in_a_row_end_the_run_named():
     async def main():
         clock = ManualClock()
-        m, fake = _meter([(1, 0.1), 503, 503, (2, 0.2), 503, 503, 503], clock,
-                         every_s=2.0, missed_polls=3)
+        m, fake = _meter(
+            [(1, 0.1), 503, 503, (2, 0.2), 503, 503, 503], clock, every_s=2.0, missed_polls=3
+        )
         parts = Parts()
 
         async def forever():

@@ -14,10 +14,17 @@ from tidal.training.worker import GradientWorker
 
 
 def test_a_run_takes_each_trainers_largest_peak_and_each_engines():
-    metrics = [{"device_peak_mb": {"0": 900.0, "1": 700.5}}, {},
-               {"device_peak_mb": {"0": 950.0}}, {"device_peak_mb": {"1": 650.0}}]
-    engines = [{"name": "c0", "device_peak_mb": 1200.0}, {"name": "s0", "device_peak_mb": None},
-               {"name": "c1"}]
+    metrics = [
+        {"device_peak_mb": {"0": 900.0, "1": 700.5}},
+        {},
+        {"device_peak_mb": {"0": 950.0}},
+        {"device_peak_mb": {"1": 650.0}},
+    ]
+    engines = [
+        {"name": "c0", "device_peak_mb": 1200.0},
+        {"name": "s0", "device_peak_mb": None},
+        {"name": "c1"},
+    ]
     out = device_peaks(metrics, engines)
     assert out == {"engine-c0": 1200.0, "trainer-c0": 950.0, "trainer-c1": 700.5}
     check(Summary, {"device_peak_mb": out}, "summary.json")
@@ -37,7 +44,21 @@ def test_the_cpu_reports_no_device_peak():
 
 
 def _line() -> dict:
-    return {"t": 0.0, "burst": 0, "step": 0, "version": 0, "mean_reward": 0.0, "loss": 0.0,
-            "grad_norm": 0.0, "n_groups": 1, "n_tokens": 1, "max_staleness": 0,
-            "step_s": 0.0, "wait_s": 0.0, "waterlevel": 0, "ready_groups": 0,
-            "roles": ["training"], "training_cells": 1}
+    return {
+        "t": 0.0,
+        "burst": 0,
+        "step": 0,
+        "version": 0,
+        "mean_reward": 0.0,
+        "loss": 0.0,
+        "grad_norm": 0.0,
+        "n_groups": 1,
+        "n_tokens": 1,
+        "max_staleness": 0,
+        "step_s": 0.0,
+        "wait_s": 0.0,
+        "waterlevel": 0,
+        "ready_groups": 0,
+        "roles": ["training"],
+        "training_cells": 1,
+    }

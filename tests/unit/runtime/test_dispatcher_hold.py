@@ -28,12 +28,19 @@ from tidal.types import CloseReason, ExecutionClosed, ExecutionDispatched, Execu
 TINY = load_yaml(Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml")
 # a policy that never sets the limit itself (the test sets it, as the tidal policy would);
 # groups handed off back to back, so hand-offs the ledger has not counted yet matter
-CFG = TINY.model_copy(update={
-    "policy": TINY.policy.model_copy(update={"name": "static", "args": {"cells": 1}}),
-    "runtime": TINY.runtime.model_copy(update={"dispatch_interval_s": 0.0})})
+CFG = TINY.model_copy(
+    update={
+        "policy": TINY.policy.model_copy(update={"name": "static", "args": {"cells": 1}}),
+        "runtime": TINY.runtime.model_copy(update={"dispatch_interval_s": 0.0}),
+    }
+)
 SIZE = CFG.control.group_size
-ALL = [f"b{b}-g{g}-e{k}" for b in range(CFG.control.bursts)
-       for g in range(CFG.control.quota_executions // SIZE) for k in range(SIZE)]
+ALL = [
+    f"b{b}-g{g}-e{k}"
+    for b in range(CFG.control.bursts)
+    for g in range(CFG.control.quota_executions // SIZE)
+    for k in range(SIZE)
+]
 
 
 class _Pool:
@@ -125,8 +132,10 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-_STEP = st.one_of(st.tuples(st.just("limit"), st.none() | st.integers(0, 40)),
-                  st.tuples(st.just("finish"), st.integers(0, 10)))
+_STEP = st.one_of(
+    st.tuples(st.just("limit"), st.none() | st.integers(0, 40)),
+    st.tuples(st.just("finish"), st.integers(0, 10)),
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -153,7 +162,7 @@ def test_a_held_dispatch_never_passes_the_limit_and_resumes_when_it_lifts(steps,
             assert d.outstanding() == wl  # every hand-off has reached the ledger
             if lim is not None and len(pool.ran) > before:
                 assert wl <= lim, (wl, lim)  # new work only up to the limit
-            assert pool.ran == ALL[:len(pool.ran)]  # in plan order, none twice
+            assert pool.ran == ALL[: len(pool.ran)]  # in plan order, none twice
         _hold(ctl, handle, clock, None)  # lifted: held groups go at the next event
         await _settle()
         quota = CFG.control.quota_executions
@@ -170,6 +179,7 @@ def test_a_held_dispatch_never_passes_the_limit_and_resumes_when_it_lifts(steps,
 def test_a_hold_released_at_once_when_executions_finish():
     """Limit 8 (two groups of 4): two groups go; each finished group lets the next go at the
     close event itself, without waiting for a tick."""
+
     async def go():
         clock = WallClock()
         ctl, pool, d, handle = _wired(clock)
@@ -198,8 +208,11 @@ def test_a_hold_that_never_lifts_is_one_clear_error():
         _hold(ctl, handle, clock, 0)
         await d._dispatch(0, _plans())
 
-    with pytest.raises(TimeoutExpired, match=r"held by the policy at 0 executions.*"
-                                             r"runtime.execution_timeout_s"):
+    with pytest.raises(
+        TimeoutExpired,
+        match=r"held by the policy at 0 executions.*"
+        r"runtime.execution_timeout_s",
+    ):
         asyncio.run(go())
 
 

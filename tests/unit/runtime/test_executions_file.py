@@ -21,8 +21,9 @@ class _Controller:
 
 def test_one_line_per_execution_with_times_tokens_and_timings(tmp_path):
     clock = ManualClock(100.0)
-    bridge = LedgerBridge(_Controller().handle, clock, admin=None, buffer=None, group_size=2,
-                          parts=Parts())
+    bridge = LedgerBridge(
+        _Controller().handle, clock, admin=None, buffer=None, group_size=2, parts=Parts()
+    )
     bridge.burst = 1
     bridge.dispatched("b1-g0-e0", "b1-g0")
     clock.advance(0.5)
@@ -30,11 +31,19 @@ def test_one_line_per_execution_with_times_tokens_and_timings(tmp_path):
     bridge.timing["b1-g0-e0"]["closed"] = 104.0  # closed() needs a running loop
     bridge.timing["b1-g0-e0"]["calls"] = [
         CallLine(prompt_tokens=20, output_tokens=8, engines=["s0"]),
-        CallLine(prompt_tokens=40, output_tokens=5, engines=["c1", "s0"])]
-    result = ExecutionOutcome(execution_id="b1-g0-e0", group_id="b1-g0", outcome=Outcome(
-        reward=1.0, transcript=[Turn(action="read a", observation="a: 1", t_call=100.75,
-                                     call_s=1.0, tool_s=0.25),
-                                Turn(action="done", t_call=102.25, call_s=1.25, tool_s=0.5)]))
+        CallLine(prompt_tokens=40, output_tokens=5, engines=["c1", "s0"]),
+    ]
+    result = ExecutionOutcome(
+        execution_id="b1-g0-e0",
+        group_id="b1-g0",
+        outcome=Outcome(
+            reward=1.0,
+            transcript=[
+                Turn(action="read a", observation="a: 1", t_call=100.75, call_s=1.0, tool_s=0.25),
+                Turn(action="done", t_call=102.25, call_s=1.25, tool_s=0.5),
+            ],
+        ),
+    )
     path = tmp_path / "executions.jsonl"
     bridge.write_executions(path, [result], t0=100.0)
     (line,) = [json.loads(x) for x in path.read_text().splitlines()]
@@ -61,13 +70,17 @@ def test_lines_are_written_as_groups_end_and_a_resume_keeps_those_of_its_checkpo
     path = tmp_path / "executions.jsonl"
 
     def result(eid):
-        return ExecutionOutcome(execution_id=eid, group_id=eid[:5],
-                                outcome=Outcome(reward=0.5))
+        return ExecutionOutcome(execution_id=eid, group_id=eid[:5], outcome=Outcome(reward=0.5))
 
     async def incarnation(append, n_lines, groups, restored=()):
-        bridge = LedgerBridge(_Controller().handle, ManualClock(1.0), admin=None,
-                              buffer=SimpleNamespace(add=lambda rec: None), group_size=2,
-                              parts=Parts())
+        bridge = LedgerBridge(
+            _Controller().handle,
+            ManualClock(1.0),
+            admin=None,
+            buffer=SimpleNamespace(add=lambda rec: None),
+            group_size=2,
+            parts=Parts(),
+        )
         bridge.file, bridge.t0 = ExecutionsFile(path, append), lambda: 0.0
         if append:
             bridge.file.restore(n_lines)
@@ -85,8 +98,7 @@ def test_lines_are_written_as_groups_end_and_a_resume_keeps_those_of_its_checkpo
             counts.append(bridge.file.lines)
         return counts
 
-    first = asyncio.run(incarnation(False, 0, [["b0-g0-e0", "b0-g0-e1"],
-                                               ["b0-g1-e0", "b0-g1-e1"]]))
+    first = asyncio.run(incarnation(False, 0, [["b0-g0-e0", "b0-g0-e1"], ["b0-g1-e0", "b0-g1-e1"]]))
     assert first == [2, 4]  # the checkpoint after group 0 holds 2 lines; then the kill
     held = ExecutionRecord(execution_id="b0-g2-e0", group_id="b0-g2", calls=[], reward=1.0)
     asyncio.run(incarnation(True, 2, [["b0-g1-e0", "b0-g1-e1"]], restored=[held]))

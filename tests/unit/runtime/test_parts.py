@@ -37,38 +37,44 @@ SIZE = CFG.control.group_size
 
 
 def _record(eid: str) -> ExecutionRecord:
-    return ExecutionRecord(execution_id=eid, group_id=eid.rsplit("-", 1)[0], calls=[],
-                           reward=0.0)
+    return ExecutionRecord(execution_id=eid, group_id=eid.rsplit("-", 1)[0], calls=[], reward=0.0)
 
 
 @settings(max_examples=60, deadline=None)
-@given(burst=st.integers(0, 3), trained=st.sets(st.integers(0, GROUPS - 1)),
-       held=st.sets(st.tuples(st.integers(0, GROUPS - 1), st.integers(0, SIZE - 1))))
+@given(
+    burst=st.integers(0, 3),
+    trained=st.sets(st.integers(0, GROUPS - 1)),
+    held=st.sets(st.tuples(st.integers(0, GROUPS - 1), st.integers(0, SIZE - 1))),
+)
 def test_a_burst_plan_covers_every_execution_once(burst, trained, held):
     """Trained groups are skipped, held records restored, the rest run: together exactly
     the uninterrupted burst, and the quota counts what the ledger will see."""
     trained_ids = {f"b{burst}-g{g}" for g in trained}
-    held_recs = {f"b{burst}-g{g}-e{k}": _record(f"b{burst}-g{g}-e{k}") for g, k in held
-                 if g not in trained}
+    held_recs = {
+        f"b{burst}-g{g}-e{k}": _record(f"b{burst}-g{g}-e{k}") for g, k in held if g not in trained
+    }
     quota, plans = plan_burst(CFG, burst, trained_ids, held_recs)
     ran = [e for p in plans for e in p.run]
     restored = [r.execution_id for p in plans for r in p.restore]
     skipped = [f"{g}-e{k}" for g in trained_ids for k in range(SIZE)]
     everything = sorted(ran + restored + skipped)
-    assert everything == sorted(f"b{burst}-g{g}-e{k}" for g in range(GROUPS)
-                                for k in range(SIZE))
+    assert everything == sorted(f"b{burst}-g{g}-e{k}" for g in range(GROUPS) for k in range(SIZE))
     assert len(set(everything)) == len(everything)
     assert sorted(restored) == sorted(held_recs)
     assert quota == len(ran) + len(restored)
-    assert [p.group_id for p in plans] == sorted((p.group_id for p in plans),
-                                                 key=lambda g: int(g.rsplit("g", 1)[1]))
+    assert [p.group_id for p in plans] == sorted(
+        (p.group_id for p in plans), key=lambda g: int(g.rsplit("g", 1)[1])
+    )
 
 
 def test_group_task_seeds_never_repeat_across_bursts():
     """Every group of every burst draws its task from its own seed, however many groups a
     burst has (a burst of 1500 groups once gave group 1000 of burst b burst b+1's group 0)."""
-    big = CFG.model_copy(update={"control": CFG.control.model_copy(
-        update={"batch_groups": 750, "updates_per_burst": 2})})
+    big = CFG.model_copy(
+        update={
+            "control": CFG.control.model_copy(update={"batch_groups": 750, "updates_per_burst": 2})
+        }
+    )
     seeds = [p.seed for b in range(3) for p in plan_burst(big, b, set(), {})[1]]
     assert len(seeds) == 3 * 1500 and len(set(seeds)) == len(seeds)
     again = [p.seed for p in plan_burst(big, 1, set(), {})[1]]
@@ -99,15 +105,24 @@ class _Bridge:
 
 def test_dispatch_of_a_resumed_run_runs_only_what_was_not_closed():
     """Resume at burst 1 with group 0 trained and one record of group 1 held."""
+
     async def go():
         events, published = [], []
         pool, bridge, parts = _Pool(), _Bridge(), Parts()
         held = {"b1-g1-e0": _record("b1-g1-e0")}
         clock = ManualClock()
-        d = Dispatcher(CFG, pool, bridge, events.append, clock, parts,
-                       trained={"b1-g0"}, held=held,
-                       ctl=build_controller(CFG, clock, FakeActuator(clock)),
-                       workload=Workload(CFG))
+        d = Dispatcher(
+            CFG,
+            pool,
+            bridge,
+            events.append,
+            clock,
+            parts,
+            trained={"b1-g0"},
+            held=held,
+            ctl=build_controller(CFG, clock, FakeActuator(clock)),
+            workload=Workload(CFG),
+        )
 
         async def wait_published(b):
             published.append(b)
@@ -148,22 +163,40 @@ class _Actor:
 def _engines(actors: dict, nodes: dict, driver_node: str | None) -> SimpleNamespace:
     """The placement half of ``Engines`` (its own methods) over plain actors; ``ray.put``
     hands back what it was given, so a test sees which bytes crossed nodes."""
-    e = SimpleNamespace(actors=actors, vllm=False, nodes=nodes, driver_node=driver_node,
-                        _blob=None, ray=SimpleNamespace(put=lambda b: ("object", b)),
-                        is_vllm=lambda eid: False, is_server=lambda eid: False)
+    e = SimpleNamespace(
+        actors=actors,
+        vllm=False,
+        nodes=nodes,
+        driver_node=driver_node,
+        _blob=None,
+        ray=SimpleNamespace(put=lambda b: ("object", b)),
+        is_vllm=lambda eid: False,
+        is_server=lambda eid: False,
+    )
     for name in ("transport", "blob", "load"):
         setattr(e, name, functools.partial(getattr(Engines, name), e))
     return e
 
 
 def test_publication_loads_every_serving_engine_and_skips_asleep_cells(tmp_path):
-    actors = {EngineId("s", 0): _Actor(), EngineId.cell(0): _Actor(),
-              EngineId.cell(1): _Actor(), EngineId.cell(2): _Actor(fail=True)}
+    actors = {
+        EngineId("s", 0): _Actor(),
+        EngineId.cell(0): _Actor(),
+        EngineId.cell(1): _Actor(),
+        EngineId.cell(2): _Actor(fail=True),
+    }
     engines = _engines(actors, {}, None)  # embedded: no placement known, every load a file
     cells = SimpleNamespace(is_asleep=lambda i: i == 0, forget_satellite=lambda i: None)
     events: list = []
-    pub = Publisher(engines, cells, None, Weights(), lambda v: f"{tmp_path}/v{v}.bin",
-                    events.append, ManualClock())
+    pub = Publisher(
+        engines,
+        cells,
+        None,
+        Weights(),
+        lambda v: f"{tmp_path}/v{v}.bin",
+        events.append,
+        ManualClock(),
+    )
     asyncio.run(pub.publish(3))
     assert (pub.weights.version, pub.weights.label) == (3, "v3")
     assert actors[EngineId("s", 0)].loaded == [(f"{tmp_path}/v3.bin", "v3")]
@@ -181,8 +214,15 @@ def test_publication_sends_weights_across_nodes_through_the_object_store(tmp_pat
     engines = _engines(actors, {s0: "head", c0: "head", c1: "node-2"}, "head")
     events: list = []
     cells = SimpleNamespace(is_asleep=lambda i: False)
-    pub = Publisher(engines, cells, None, Weights(), lambda v: f"{tmp_path}/v{v}.bin",
-                    events.append, ManualClock())
+    pub = Publisher(
+        engines,
+        cells,
+        None,
+        Weights(),
+        lambda v: f"{tmp_path}/v{v}.bin",
+        events.append,
+        ManualClock(),
+    )
     asyncio.run(pub.publish(1))
     assert actors[s0].loaded == actors[c0].loaded == [(f"{tmp_path}/v1.bin", "v1")]
     assert actors[c1].loaded == [(("object", b"weights of v1"), "v1")]  # the file's bytes
@@ -192,9 +232,15 @@ def test_publication_sends_weights_across_nodes_through_the_object_store(tmp_pat
 
 
 def test_a_resumed_publisher_refuses_weights_that_are_gone(tmp_path):
-    pub = Publisher(SimpleNamespace(actors={}, is_vllm=lambda eid: False,
-                                    is_server=lambda eid: False), None, None,
-                    Weights(), str, lambda e: None, ManualClock())
+    pub = Publisher(
+        SimpleNamespace(actors={}, is_vllm=lambda eid: False, is_server=lambda eid: False),
+        None,
+        None,
+        Weights(),
+        str,
+        lambda e: None,
+        ManualClock(),
+    )
     with pytest.raises(Exception, match=r"published weights .* are gone"):
         pub.restore(2, str(tmp_path / "v2.bin"))
 
@@ -241,8 +287,9 @@ def test_a_failing_task_or_event_stops_the_run_with_its_cause():
 
         await parts.run(main(), timeout_s=30)
 
-    with pytest.raises(PartFailed, match="controller handling Tick failed: "
-                                         "InvariantViolation: ledger broke") as info:
+    with pytest.raises(
+        PartFailed, match="controller handling Tick failed: InvariantViolation: ledger broke"
+    ) as info:
         asyncio.run(with_event())
     assert info.value.exit_code == 3
 
@@ -283,24 +330,36 @@ def test_a_publication_by_handoff_names_each_engines_carrier_and_writes_the_file
 
     model = torch.nn.Linear(4, 3)
     layout = ParamLayout.of(model)
-    writer = VersionWriter(FilePublisher(tmp_path / "weights", layout),
-                           SegmentRing(tmp_path / "shm", layout))
+    writer = VersionWriter(
+        FilePublisher(tmp_path / "weights", layout), SegmentRing(tmp_path / "shm", layout)
+    )
     writer.publish_stream(1, ((n, p.detach()) for n, p in model.named_parameters()))
     s0, c1, c2 = EngineId("s", 0), EngineId.cell(1), EngineId.cell(2)
     actors = {s0: _LoadingActor(), c1: _LoadingActor(), c2: _LoadingActor(fail=True)}
     engines = _engines(actors, {}, None)
     events: list = []
     cells = SimpleNamespace(is_asleep=lambda i: False)
-    pub = Publisher(engines, cells, None, Weights(), writer.path, events.append,
-                    ManualClock(), handoff=Handoff(engines, writer))
+    pub = Publisher(
+        engines,
+        cells,
+        None,
+        Weights(),
+        writer.path,
+        events.append,
+        ManualClock(),
+        handoff=Handoff(engines, writer),
+    )
     asyncio.run(pub.publish(1))
     seg = str(tmp_path / "shm" / "v1.safetensors")
     assert actors[s0].read == actors[c1].read == [(seg, "v1", writer.segments.nbytes)]
     (done,) = events
     assert dict(done.transports) == {"s0": "shm", "c1": "shm"}  # c2 failed: logged, left out
-    assert done.detail["engines"]["s0"] == {"carrier": "shm", "bytes": writer.segments.nbytes,
-                                            "seconds": done.detail["engines"]["s0"]["seconds"],
-                                            "pause_s": 0.002}
+    assert done.detail["engines"]["s0"] == {
+        "carrier": "shm",
+        "bytes": writer.segments.nbytes,
+        "seconds": done.detail["engines"]["s0"]["seconds"],
+        "pause_s": 0.002,
+    }
     assert Path(writer.path(1)).read_bytes() == Path(seg).read_bytes()  # the checkpoint's file
     report = pub.report()
     assert report["carriers"] == {"shm": 2} and report["memcpy_gbps"] > 0

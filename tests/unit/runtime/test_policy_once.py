@@ -23,8 +23,9 @@ class Started(Exception):
     """Where the stubbed run stops: after the preflight and the controller's construction."""
 
 
-@pytest.mark.parametrize("argv", [[], ["--policy", "static:cells=1"],
-                                  ["--set", "control.supply_fraction=0.5"]])
+@pytest.mark.parametrize(
+    "argv", [[], ["--policy", "static:cells=1"], ["--set", "control.supply_fraction=0.5"]]
+)
 def test_a_run_builds_its_policy_once_and_checks_once(argv, tmp_path, monkeypatch):
     counts = {"make_policy": 0, "check_known": 0}
     made = []
@@ -36,6 +37,7 @@ def test_a_run_builds_its_policy_once_and_checks_once(argv, tmp_path, monkeypatc
             if name == "make_policy":
                 made.append(out)
             return out
+
         return wrapper
 
     monkeypatch.setattr(factory, "make_policy", counted("make_policy", factory.make_policy))
@@ -63,8 +65,13 @@ def test_a_runtime_built_in_code_builds_its_own_policy_once(tmp_path, monkeypatc
     counts = {"make_policy": 0, "check_known": 0}
     for name in counts:
         fn = getattr(factory, name)
-        monkeypatch.setattr(factory, name, lambda *a, _n=name, _f=fn, **k: (
-            counts.__setitem__(_n, counts[_n] + 1), _f(*a, **k))[1])
+        monkeypatch.setattr(
+            factory,
+            name,
+            lambda *a, _n=name, _f=fn, **k: (counts.__setitem__(_n, counts[_n] + 1), _f(*a, **k))[
+                1
+            ],
+        )
     rt = Runtime(load_yaml(ROOT / "configs" / "tiny.yaml"), tmp_path / "run")
     assert counts == {"make_policy": 1, "check_known": 1}
     assert rt.policy.name == "waterlevel"

@@ -40,8 +40,10 @@ def test_lost_names_the_signal_and_the_resume_command(proc):
     line = str(gone)
     assert "\n" not in line and f"(pid {proc.pid}) killed by SIGKILL" in line
     # no checkpoint in runs/x: resuming would refuse, so the line says to start again
-    assert line.endswith("It stopped before its first checkpoint, so it cannot be resumed; "
-                         "start it again with: tidal run runs/x/config.yaml --out runs/x")
+    assert line.endswith(
+        "It stopped before its first checkpoint, so it cannot be resumed; "
+        "start it again with: tidal run runs/x/config.yaml --out runs/x"
+    )
     assert "--resume" not in line
 
 
@@ -50,8 +52,9 @@ def test_a_run_with_a_checkpoint_is_told_to_resume(proc, tmp_path):
     (tmp_path / "checkpoint" / "state.json").write_text("{}")
     proc.send_signal(signal.SIGKILL)
     line = str(proxy_watch.lost(proc, tmp_path, grace_s=10))
-    assert line.endswith(f"(see {tmp_path}/logs/proxy.log). Continue the run with: "
-                         f"tidal run --resume {tmp_path}")
+    assert line.endswith(
+        f"(see {tmp_path}/logs/proxy.log). Continue the run with: tidal run --resume {tmp_path}"
+    )
 
 
 def test_the_watch_ends_the_run_within_a_poll(proc):

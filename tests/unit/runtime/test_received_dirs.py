@@ -11,8 +11,12 @@ from tidal.runtime.cell import remove_orphan_received_dirs
 
 
 def test_only_directories_of_ended_hosts_are_removed(tmp_path):
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     dead = tmp_path / f"tidal-c1-{done.stdout.strip()}"  # its process has exited
     live = tmp_path / f"tidal-s0-{os.getpid()}"
     other = tmp_path / "tidal-vllm"  # a named shared-memory segment, not a host's directory

@@ -10,8 +10,9 @@ from tidal.runtime import checkpoint
 
 
 def _save(root, step: int, keep: int) -> None:
-    st = checkpoint.RunState(step=step, bursts_published=0, published_version=step,
-                             published_path=None)
+    st = checkpoint.RunState(
+        step=step, bursts_published=0, published_version=step, published_path=None
+    )
     checkpoint.save(root, st, [], {"w": torch.full((256,), float(step)), "step": step}, keep)
 
 

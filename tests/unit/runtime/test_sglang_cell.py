@@ -40,7 +40,8 @@ def sglang_site(tmp_path) -> str:
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "launch_server.py").write_text(
-        f"import runpy\nrunpy.run_path({str(SERVER)!r}, run_name='__main__')\n")
+        f"import runpy\nrunpy.run_path({str(SERVER)!r}, run_name='__main__')\n"
+    )
     return str(pkg.parent)
 
 
@@ -57,9 +58,20 @@ def model_dir(tmp_path) -> Path:
 def _host(tmp_path, model_dir, site, fault="", monkeypatch=None) -> SGLangCellHost:
     monkeypatch.setenv("TIDAL_SGLANG_SHAPED_FAULT", fault)
     monkeypatch.setenv("TIDAL_ENGINE_TOKEN", "tok-1")
-    return SGLangCellHost("c1", str(model_dir), 4, str(tmp_path), {
-        "python": sys.executable, "mem_fraction": 0.3, "dtype": "float32",
-        "pythonpath": site, "args": ["--context-length", "256"]}, device="cpu")
+    return SGLangCellHost(
+        "c1",
+        str(model_dir),
+        4,
+        str(tmp_path),
+        {
+            "python": sys.executable,
+            "mem_fraction": 0.3,
+            "dtype": "float32",
+            "pythonpath": site,
+            "args": ["--context-length", "256"],
+        },
+        device="cpu",
+    )
 
 
 @contextlib.contextmanager
@@ -87,7 +99,8 @@ def _info(host) -> dict:
 
 @pytest.mark.timeout(120)
 def test_an_sglang_cell_sleeps_wakes_and_loads_over_sglangs_routes(
-        tmp_path, model_dir, sglang_site, monkeypatch):
+    tmp_path, model_dir, sglang_site, monkeypatch
+):
     with _started(tmp_path, model_dir, sglang_site, monkeypatch) as (host, url):
         assert httpx.get(f"{url}/get_weight_version").status_code == 401  # the token guards
         # ... which no other local user can read off the server's command line (issue 29)
@@ -115,7 +128,10 @@ def test_an_sglang_cell_sleeps_wakes_and_loads_over_sglangs_routes(
         version_dir = Path(info["model_path"])
         assert info["weight_version"] == "v1" and info["loaded_tensors"] == 4
         assert sorted(p.name for p in version_dir.iterdir()) == [
-            "config.json", "model.safetensors", "tokenizer.json"]
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+        ]
         assert (version_dir / "model.safetensors").resolve() == Path(path).resolve()
         assert host.load_weights(_publish(tmp_path, 2), "v2") == "v2"
         assert not version_dir.exists()  # the earlier version's directory is gone
@@ -125,7 +141,8 @@ def test_an_sglang_cell_sleeps_wakes_and_loads_over_sglangs_routes(
 
 @pytest.mark.timeout(120)
 def test_a_release_that_frees_nothing_is_one_line_and_the_server_serves_on(
-        tmp_path, model_dir, sglang_site, monkeypatch):
+    tmp_path, model_dir, sglang_site, monkeypatch
+):
     with _started(tmp_path, model_dir, sglang_site, monkeypatch, "no_release") as (host, _):
         with pytest.raises(RuntimeFailure, match="freed nothing"):
             host.sleep()
@@ -135,7 +152,8 @@ def test_a_release_that_frees_nothing_is_one_line_and_the_server_serves_on(
 
 @pytest.mark.timeout(120)
 def test_a_load_whose_served_version_differs_is_one_line(
-        tmp_path, model_dir, sglang_site, monkeypatch):
+    tmp_path, model_dir, sglang_site, monkeypatch
+):
     with _started(tmp_path, model_dir, sglang_site, monkeypatch, "drops_version") as (host, _):
         with pytest.raises(RuntimeFailure, match="serves 'v0' after loading 'v1'"):
             host.load_weights(_publish(tmp_path, 1), "v1")
@@ -146,7 +164,8 @@ def test_a_load_whose_served_version_differs_is_one_line(
 
 @pytest.mark.timeout(120)
 def test_a_load_while_released_and_a_server_that_cannot_start_are_one_line(
-        tmp_path, model_dir, sglang_site, monkeypatch):
+    tmp_path, model_dir, sglang_site, monkeypatch
+):
     with _started(tmp_path, model_dir, sglang_site, monkeypatch) as (host, _):
         host.sleep()
         with pytest.raises(RuntimeFailure, match=r"HTTP 400 .*resume memory occupation first"):
@@ -176,17 +195,29 @@ def _cfg(**runtime):
     return SimpleNamespace(runtime=rt, cluster=SimpleNamespace(cell_specs=lambda: [cell]))
 
 
-@pytest.mark.parametrize("runtime, field, words", [
-    ({}, "runtime.cell_backend", "CUDA-only"),
-    ({"use_gpus": True, "device": "cpu"}, "runtime.cell_backend", "use_gpus"),
-    ({"use_gpus": True, "model": "tiny"}, "runtime.cell_backend", "tiny"),
-    ({"use_gpus": True}, "runtime.sglang.python", "pip install sglang"),
-    ({"use_gpus": True, "sglang": {"python": "/nonexistent/python"}}, "runtime.sglang.python",
-     "not an executable"),
-    ({"use_gpus": True, "sglang": {"args": "--schedule-policy lpm --mem-fraction-static=0.9"}},
-     "runtime.sglang.args", "--mem-fraction-static=0.9: tidal sets --mem-fraction-static of "
-     "each SGLang server itself (runtime.sglang.mem_fraction)"),
-])
+@pytest.mark.parametrize(
+    "runtime, field, words",
+    [
+        ({}, "runtime.cell_backend", "CUDA-only"),
+        ({"use_gpus": True, "device": "cpu"}, "runtime.cell_backend", "use_gpus"),
+        ({"use_gpus": True, "model": "tiny"}, "runtime.cell_backend", "tiny"),
+        ({"use_gpus": True}, "runtime.sglang.python", "pip install sglang"),
+        (
+            {"use_gpus": True, "sglang": {"python": "/nonexistent/python"}},
+            "runtime.sglang.python",
+            "not an executable",
+        ),
+        (
+            {
+                "use_gpus": True,
+                "sglang": {"args": "--schedule-policy lpm --mem-fraction-static=0.9"},
+            },
+            "runtime.sglang.args",
+            "--mem-fraction-static=0.9: tidal sets --mem-fraction-static of "
+            "each SGLang server itself (runtime.sglang.mem_fraction)",
+        ),
+    ],
+)
 def test_what_sglang_cells_need_is_checked(monkeypatch, runtime, field, words):
     monkeypatch.delenv("TIDAL_SGLANG_PYTHON", raising=False)
     with pytest.raises(ConfigError) as info:
@@ -211,8 +242,7 @@ def test_an_sglang_cell_on_another_node_gets_versions_by_the_object_store_out_of
     from tidal.runtime.engines import EngineId, Engines
 
     c1 = EngineId.cell(1)
-    e = SimpleNamespace(nodes={c1: "node-b"}, driver_node="node-a",
-                        backend=lambda eid: "sglang")
+    e = SimpleNamespace(nodes={c1: "node-b"}, driver_node="node-a", backend=lambda eid: "sglang")
     e.is_server = partial(Engines.is_server, e)
     assert e.is_server(c1)
     assert Engines.transport(e, c1) == "object"

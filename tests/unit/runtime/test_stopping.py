@@ -60,9 +60,12 @@ def test_sigterm_stops_a_stuck_tidal_process_within_seconds(tmp_path):
     (tmp_path / "stuck_cmd.py").write_text(STUCK)
     (tmp_path / "main.py").write_text(MAIN)
     path = f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "main.py")], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                            "PYTHONPATH": path})
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "main.py")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path},
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(0.3)

@@ -57,7 +57,10 @@ def test_vllm_args_reach_each_servers_settings(vllm_python):
     cfg = _cfg(vllm={"args": "--enable-prefix-caching --max-num-batched-tokens 4096"})
     check_config(cfg)
     assert vllm_settings(cfg.runtime)["args"] == [
-        "--enable-prefix-caching", "--max-num-batched-tokens", "4096"]
+        "--enable-prefix-caching",
+        "--max-num-batched-tokens",
+        "4096",
+    ]
 
 
 def test_a_cell_may_name_its_own_backend(vllm_python):
@@ -65,20 +68,39 @@ def test_a_cell_may_name_its_own_backend(vllm_python):
     assert [cell_backend(cfg, i) for i in range(2)] == ["vllm", "builtin"]
 
 
-@pytest.mark.parametrize("runtime, cells, field, words", [
-    ({"cell_backend": "sglang"}, None, "runtime.cell_backend", "CUDA-only"),
-    ({"cell_backend": "builtin"}, [{"gpus": 1, "backend": "sglang"}], "runtime.cell_backend",
-     "sglang"),
-    ({"model": "tiny", "standalone_backend": "builtin"}, None, "runtime.cell_backend", "tiny"),
-    ({"cell_cpus": 1.0, "standalone_backend": "builtin"}, None, "runtime.cell_cpus", "vLLM"),
-    ({"vllm": {"args": "--enable-prefix-caching --max-num-seqs 8"}}, None, "runtime.vllm.args",
-     "--max-num-seqs: tidal sets --max-num-seqs of each vLLM server itself "
-     "(runtime.engine_max_batch)"),
-    ({"vllm": {"args": ["--max_model_len=1024"]}}, None, "runtime.vllm.args",
-     "(runtime.vllm.max_model_len)"),  # vLLM's underscore spelling, with its value attached
-    ({"vllm": {"args": ["-tp", "2"]}, "standalone_backend": "builtin"}, None, "runtime.vllm.args",
-     "(runtime.vllm.tensor_parallel)"),
-])
+@pytest.mark.parametrize(
+    "runtime, cells, field, words",
+    [
+        ({"cell_backend": "sglang"}, None, "runtime.cell_backend", "CUDA-only"),
+        (
+            {"cell_backend": "builtin"},
+            [{"gpus": 1, "backend": "sglang"}],
+            "runtime.cell_backend",
+            "sglang",
+        ),
+        ({"model": "tiny", "standalone_backend": "builtin"}, None, "runtime.cell_backend", "tiny"),
+        ({"cell_cpus": 1.0, "standalone_backend": "builtin"}, None, "runtime.cell_cpus", "vLLM"),
+        (
+            {"vllm": {"args": "--enable-prefix-caching --max-num-seqs 8"}},
+            None,
+            "runtime.vllm.args",
+            "--max-num-seqs: tidal sets --max-num-seqs of each vLLM server itself "
+            "(runtime.engine_max_batch)",
+        ),
+        (
+            {"vllm": {"args": ["--max_model_len=1024"]}},
+            None,
+            "runtime.vllm.args",
+            "(runtime.vllm.max_model_len)",
+        ),  # vLLM's underscore spelling, with its value attached
+        (
+            {"vllm": {"args": ["-tp", "2"]}, "standalone_backend": "builtin"},
+            None,
+            "runtime.vllm.args",
+            "(runtime.vllm.tensor_parallel)",
+        ),
+    ],
+)
 def test_what_vllm_cells_cannot_do_is_refused(vllm_python, runtime, cells, field, words):
     with pytest.raises(ConfigError) as info:
         check_config(_cfg(cells=cells, **runtime))
@@ -95,9 +117,16 @@ def test_an_unknown_cell_backend_names_its_field():
 
 
 def test_rss_of_a_process_group_counts_its_processes():
-    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); "
-                              "b[::4096] = b'x' * len(b[::4096]); time.sleep(30)"],
-                             start_new_session=True, stdout=subprocess.PIPE)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; b = bytearray(64 << 20); "
+            "b[::4096] = b'x' * len(b[::4096]); time.sleep(30)",
+        ],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+    )
     try:
         deadline = 0
         while group_rss_bytes(child.pid) < 64 << 20 and deadline < 200:
@@ -110,8 +139,12 @@ def test_rss_of_a_process_group_counts_its_processes():
     assert group_rss_bytes(child.pid) == 0  # no process left in the group
 
 
-@given(st.lists(st.tuples(st.sampled_from(list(Direction)),
-                          st.floats(0.0, 100.0, allow_nan=False)), max_size=20))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(list(Direction)), st.floats(0.0, 100.0, allow_nan=False)),
+        max_size=20,
+    )
+)
 def test_switch_times_per_direction(plans):
     done = [(SimpleNamespace(direction=d), s) for d, s in plans]
     out = switch_times(done)
@@ -126,21 +159,23 @@ def test_switch_times_per_direction(plans):
 
 
 def test_tokens_come_with_their_logprobs():
-    ids, lps = chunk_tokens({"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -2]}},
-                            "u")
+    ids, lps = chunk_tokens({"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -2]}}, "u")
     assert ids == [5, 6] and lps == [-0.5, -2.0]
     assert chunk_tokens({"token_ids": [], "text": "", "finish_reason": "stop"}, "u") == ([], [])
     assert chunk_tokens({"text": "", "finish_reason": "abort"}, "u") == ([], [])
 
 
-@pytest.mark.parametrize("choice, words", [
-    ({"token_ids": [5], "logprobs": None}, "1 token ids with no log-probs"),
-    ({"token_ids": [5, 6], "logprobs": {"token_logprobs": [-1.0]}}, "2 token ids with 1"),
-    ({"token_ids": [5], "logprobs": {"token_logprobs": [None]}}, "not a number"),
-    ({"token_ids": [5], "logprobs": {"token_logprobs": [0.5]}}, "outside"),
-    ({"token_ids": [5], "logprobs": {"token_logprobs": [float("nan")]}}, "outside"),
-    ({"text": "hi"}, "text without token_ids"),
-])
+@pytest.mark.parametrize(
+    "choice, words",
+    [
+        ({"token_ids": [5], "logprobs": None}, "1 token ids with no log-probs"),
+        ({"token_ids": [5, 6], "logprobs": {"token_logprobs": [-1.0]}}, "2 token ids with 1"),
+        ({"token_ids": [5], "logprobs": {"token_logprobs": [None]}}, "not a number"),
+        ({"token_ids": [5], "logprobs": {"token_logprobs": [0.5]}}, "outside"),
+        ({"token_ids": [5], "logprobs": {"token_logprobs": [float("nan")]}}, "outside"),
+        ({"text": "hi"}, "text without token_ids"),
+    ],
+)
 def test_missing_or_wrong_logprobs_are_errors_never_zeros(choice, words):
     with pytest.raises(EngineError, match=words):
         chunk_tokens(choice, "http://x")
@@ -164,9 +199,11 @@ def _actuator(cells: dict[int, _Cell], kv_handoff: bool = True):
     from tidal.runtime.tasks import Parts
 
     # the driver's node holds every cell: each load is a file load (``Engines.load``)
-    engines = SimpleNamespace(cell=lambda i: cells[i], transport=lambda eid: "file",
-                              load=lambda eid, actor, path, label:
-                              actor.load_weights.remote(path, label))
+    engines = SimpleNamespace(
+        cell=lambda i: cells[i],
+        transport=lambda eid: "file",
+        load=lambda eid, actor, path, label: actor.load_weights.remote(path, label),
+    )
     weights = Weights(version=2, path="/w/v2.safetensors")
     return RayActuator(ManualClock(), None, engines, weights, kv_handoff, Parts(), CoreLink())
 
@@ -189,30 +226,45 @@ def test_the_kv_handoff_step_accepts_a_reprefill_only_where_the_engine_cannot_ha
     from tidal.runtime.cell import RuntimeFailure
 
     act = _actuator({})
-    act.drains = [{"cell": 0, "kv_handoff": False, "kv_capable": False, "moved": 2,
-                   "reprefill_tokens": 70},
-                  {"cell": 1, "kv_handoff": False, "kv_capable": True, "moved": 1}]
+    act.drains = [
+        {"cell": 0, "kv_handoff": False, "kv_capable": False, "moved": 2, "reprefill_tokens": 70},
+        {"cell": 1, "kv_handoff": False, "kv_capable": True, "moved": 1},
+    ]
     out = asyncio.run(act._check_handoff(0, StepKind.KV_HANDOFF))  # vLLM: re-prefilled
     assert out["choice"] == "reprefill" and out["reprefill_tokens"] == 70 and out["why"]
     with pytest.raises(RuntimeFailure, match="did not use the KV handoff"):
         asyncio.run(act._check_handoff(1, StepKind.KV_HANDOFF))  # built-in: it should have
 
 
-@pytest.mark.parametrize("settings, device, gpus, expected", [
-    # the CPU: float32 (log-probs comparable to the trainer's), one worker, eager
-    ({}, "cpu", [], ["--dtype", "float32", "--tensor-parallel-size", "1", "--enforce-eager"]),
-    ({"dtype": "auto", "tensor_parallel": None}, "cpu", ["0", "1"],
-     ["--dtype", "float32", "--tensor-parallel-size", "1", "--enforce-eager"]),
-    ({"tensor_parallel": 2}, "cpu", [],
-     ["--dtype", "float32", "--tensor-parallel-size", "2", "--enforce-eager"]),
-    # CUDA: bfloat16, every GPU of the engine, CUDA graphs
-    ({}, "cuda", ["4", "5", "6", "7"],
-     ["--dtype", "bfloat16", "--tensor-parallel-size", "4"]),
-    ({"tensor_parallel": 2, "dtype": "float16", "cuda_graphs": False}, "cuda", ["0", "1"],
-     ["--dtype", "float16", "--tensor-parallel-size", "2", "--enforce-eager"]),
-    # outside Ray (no GPU ids): the GPUs CUDA_VISIBLE_DEVICES shows, one unless told
-    ({}, "cuda", [], ["--dtype", "bfloat16", "--tensor-parallel-size", "1"]),
-])
+@pytest.mark.parametrize(
+    "settings, device, gpus, expected",
+    [
+        # the CPU: float32 (log-probs comparable to the trainer's), one worker, eager
+        ({}, "cpu", [], ["--dtype", "float32", "--tensor-parallel-size", "1", "--enforce-eager"]),
+        (
+            {"dtype": "auto", "tensor_parallel": None},
+            "cpu",
+            ["0", "1"],
+            ["--dtype", "float32", "--tensor-parallel-size", "1", "--enforce-eager"],
+        ),
+        (
+            {"tensor_parallel": 2},
+            "cpu",
+            [],
+            ["--dtype", "float32", "--tensor-parallel-size", "2", "--enforce-eager"],
+        ),
+        # CUDA: bfloat16, every GPU of the engine, CUDA graphs
+        ({}, "cuda", ["4", "5", "6", "7"], ["--dtype", "bfloat16", "--tensor-parallel-size", "4"]),
+        (
+            {"tensor_parallel": 2, "dtype": "float16", "cuda_graphs": False},
+            "cuda",
+            ["0", "1"],
+            ["--dtype", "float16", "--tensor-parallel-size", "2", "--enforce-eager"],
+        ),
+        # outside Ray (no GPU ids): the GPUs CUDA_VISIBLE_DEVICES shows, one unless told
+        ({}, "cuda", [], ["--dtype", "bfloat16", "--tensor-parallel-size", "1"]),
+    ],
+)
 def test_vllm_serves_with_the_engines_hardware(settings, device, gpus, expected):
     from tidal.runtime.vllm_host import serve_args
 
@@ -223,8 +275,11 @@ def test_a_parallel_size_beyond_the_engines_gpus_is_one_line():
     from tidal.runtime.cell import RuntimeFailure
     from tidal.runtime.vllm_host import serve_args
 
-    with pytest.raises(RuntimeFailure, match=r"runtime.vllm.tensor_parallel: 4 GPUs per vLLM "
-                                             r"engine, but Ray gave this engine 2"):
+    with pytest.raises(
+        RuntimeFailure,
+        match=r"runtime.vllm.tensor_parallel: 4 GPUs per vLLM "
+        r"engine, but Ray gave this engine 2",
+    ):
         serve_args({"tensor_parallel": 4}, "cuda", ["0", "1"])
 
 
@@ -234,7 +289,11 @@ def test_the_vllm_settings_come_from_the_config(vllm_python):
     cfg = _cfg(vllm={"tensor_parallel": 2, "dtype": "bfloat16", "cuda_graphs": False})
     got = vllm_settings(cfg.runtime)
     assert (got["tensor_parallel"], got["dtype"], got["cuda_graphs"], got["device"]) == (
-        2, "bfloat16", False, "cpu")
+        2,
+        "bfloat16",
+        False,
+        "cpu",
+    )
     for field, value in [("tensor_parallel", 0), ("dtype", "fp8")]:
         with pytest.raises(ConfigError, match=f"runtime.vllm.{field}"):
             _cfg(vllm={field: value})
@@ -242,9 +301,15 @@ def test_the_vllm_settings_come_from_the_config(vllm_python):
         _cfg(vllm_args=["--enable-prefix-caching"])
 
 
-@pytest.mark.parametrize("tp, cpus, expected", [
-    (2, [0, 1], "0|1"), (2, [3, 0, 1, 2], "0,1|2,3"), (3, [0, 1, 2, 3, 4, 5, 6], "0,1|2,3|4,5"),
-    (1, [5, 7], "5,7")])
+@pytest.mark.parametrize(
+    "tp, cpus, expected",
+    [
+        (2, [0, 1], "0|1"),
+        (2, [3, 0, 1, 2], "0,1|2,3"),
+        (3, [0, 1, 2, 3, 4, 5, 6], "0,1|2,3|4,5"),
+        (1, [5, 7], "5,7"),
+    ],
+)
 def test_cpu_workers_get_equal_shares_of_the_engines_cpus(tp, cpus, expected):
     from tidal.runtime.vllm_host import cpu_thread_bind
 

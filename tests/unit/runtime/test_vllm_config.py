@@ -55,10 +55,13 @@ def test_the_field_wins_over_the_environment(monkeypatch, tmp_path):
     assert cfg.runtime.resolved_vllm_python() == str(exe)
 
 
-@pytest.mark.parametrize("runtime, cluster, field, words", [
-    ({"model": "tiny"}, {}, "runtime.standalone_backend", "tiny"),
-    ({}, {"standalone_count": 0}, "runtime.standalone_backend", "standalone_count"),
-])
+@pytest.mark.parametrize(
+    "runtime, cluster, field, words",
+    [
+        ({"model": "tiny"}, {}, "runtime.standalone_backend", "tiny"),
+        ({}, {"standalone_count": 0}, "runtime.standalone_backend", "standalone_count"),
+    ],
+)
 def test_what_vllm_cannot_serve_is_refused(monkeypatch, runtime, cluster, field, words):
     monkeypatch.setenv("TIDAL_VLLM_PYTHON", os.path.realpath("/bin/sh"))
     base = load_yaml("configs/vllm.yaml").model_dump(mode="json")
@@ -84,14 +87,42 @@ def test_kv_cache_is_positive():
 
 
 def test_the_bridge_counts_tokens_by_engine_and_version_and_moves_between_engines():
-    calls = [{"prompt_token_ids": [1], "segments": [
-        {"engine_id": "c0", "request_id": "r0", "token_ids": [5, 6], "logprobs": [-1.0, -1.0],
-         "versions": ["v0", "v0"], "ended_by": "abort"},
-        {"engine_id": "s0", "request_id": "r1", "token_ids": [7], "logprobs": [-1.0],
-         "versions": ["v2"], "ended_by": "length"}]},
-        {"prompt_token_ids": [1], "segments": [
-            {"engine_id": "s0", "request_id": "r2", "token_ids": [8], "logprobs": [-1.0],
-             "versions": ["v2"], "ended_by": "stop"}]}]
+    calls = [
+        {
+            "prompt_token_ids": [1],
+            "segments": [
+                {
+                    "engine_id": "c0",
+                    "request_id": "r0",
+                    "token_ids": [5, 6],
+                    "logprobs": [-1.0, -1.0],
+                    "versions": ["v0", "v0"],
+                    "ended_by": "abort",
+                },
+                {
+                    "engine_id": "s0",
+                    "request_id": "r1",
+                    "token_ids": [7],
+                    "logprobs": [-1.0],
+                    "versions": ["v2"],
+                    "ended_by": "length",
+                },
+            ],
+        },
+        {
+            "prompt_token_ids": [1],
+            "segments": [
+                {
+                    "engine_id": "s0",
+                    "request_id": "r2",
+                    "token_ids": [8],
+                    "logprobs": [-1.0],
+                    "versions": ["v2"],
+                    "ended_by": "stop",
+                }
+            ],
+        },
+    ]
     b = LedgerBridge(None, None, httpx.AsyncClient(), None, 4, Parts())
     b._count([CallRecord.model_validate(c) for c in calls])
     assert b.tokens_by_engine_version == {"c0": {"v0": 2}, "s0": {"v2": 2}}

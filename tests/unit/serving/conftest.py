@@ -28,9 +28,17 @@ def serve_asgi():
     @contextlib.asynccontextmanager
     async def serve(app, port: int | None = None, **limits):
         port = port or free_port()
-        server = uvicorn.Server(uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio",
-            http=bounded_protocol(**limits), timeout_keep_alive=120))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=port,
+                log_level="warning",
+                loop="asyncio",
+                http=bounded_protocol(**limits),
+                timeout_keep_alive=120,
+            )
+        )
         server.install_signal_handlers = lambda: None  # older uvicorn
         task = asyncio.create_task(server.serve())
         for _ in range(500):

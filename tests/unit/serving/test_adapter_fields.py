@@ -26,20 +26,48 @@ def _capture() -> FastAPI:
         async def events():
             yield f"data: {json.dumps(event)}\n\n"
             yield "data: [DONE]\n\n"
+
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await one_token(request, {
-            "choices": [{"index": 0, "text": "a", "token_ids": [7], "finish_reason": "stop",
-                         "prompt_token_ids": [3], "logprobs": {"token_logprobs": [-0.5]}}],
-            "tidal": {"token_ids": [7], "logprobs": [-0.5], "versions": ["v0"], "text": "a",
-                      "finish_reason": "stop", "prompt_token_ids": [3], "cached_tokens": 0}})
+        return await one_token(
+            request,
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "a",
+                        "token_ids": [7],
+                        "finish_reason": "stop",
+                        "prompt_token_ids": [3],
+                        "logprobs": {"token_logprobs": [-0.5]},
+                    }
+                ],
+                "tidal": {
+                    "token_ids": [7],
+                    "logprobs": [-0.5],
+                    "versions": ["v0"],
+                    "text": "a",
+                    "finish_reason": "stop",
+                    "prompt_token_ids": [3],
+                    "cached_tokens": 0,
+                },
+            },
+        )
 
     @app.post("/generate")
     async def generate(request: Request):
-        return await one_token(request, {"text": "a", "meta_info": {
-            "finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, 7, None]]}})
+        return await one_token(
+            request,
+            {
+                "text": "a",
+                "meta_info": {
+                    "finish_reason": {"type": "stop"},
+                    "output_token_logprobs": [[-0.5, 7, None]],
+                },
+            },
+        )
 
     @app.get("/v1/models")
     async def models():
@@ -53,8 +81,9 @@ def _capture() -> FastAPI:
 
 
 def test_sampling_fields_reach_every_backend(serve_asgi):
-    params = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.5, top_k=4, seed=9,
-                            stop=["END"], stop_token_ids=[2])
+    params = SamplingParams(
+        max_tokens=5, temperature=0.7, top_p=0.5, top_k=4, seed=9, stop=["END"], stop_token_ids=[2]
+    )
 
     async def main():
         app = _capture()
@@ -69,7 +98,16 @@ def test_sampling_fields_reach_every_backend(serve_asgi):
     (_, builtin), (_, vllm), (_, sglang) = asyncio.run(main())
     assert (builtin["top_p"], builtin["stop"], builtin["top_k"]) == (0.5, ["END"], 4)
     assert (vllm["top_p"], vllm["stop"], vllm["stop_token_ids"], vllm["seed"]) == (
-        0.5, ["END"], [2], 9)
+        0.5,
+        ["END"],
+        [2],
+        9,
+    )
     sp = sglang["sampling_params"]
     assert (sp["top_p"], sp["stop"], sp["stop_token_ids"], sp["top_k"], sp["sampling_seed"]) == (
-        0.5, ["END"], [2], 4, 9)
+        0.5,
+        ["END"],
+        [2],
+        4,
+        9,
+    )

@@ -38,9 +38,17 @@ def _slow_engine(tiny_dir, step_s: float) -> Engine:
 async def _streamed(c: httpx.AsyncClient, max_tokens: int) -> int:
     """Completion tokens of one streamed call (its text chunks' token counts)."""
     n = 0
-    async with c.stream("POST", "/v1/completions", json={
-            "prompt": [3, 4], "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}) as resp:
+    async with c.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "prompt": [3, 4],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as resp:
         assert resp.status_code == 200
         async for line in resp.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -56,16 +64,23 @@ def test_decode_meter_counts_tokens_and_in_flight_seconds(tiny_dir, serve_asgi):
         async with serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as engine_url:
             proxy = Proxy(ProxyConfig(admin_token=TOKEN))
             await proxy.join("e0", engine_url)
-            async with serve_asgi(build_proxy_app(proxy)) as url, \
-                    httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async with (
+                serve_asgi(build_proxy_app(proxy)) as url,
+                httpx.AsyncClient(base_url=url, timeout=60) as c,
+            ):
+
                 async def meter():
                     s = (await c.get("/tidal/stats", headers=ADMIN)).json()
                     return s["decode_meter"], s["inflight"]
 
                 seen = [await meter()]
-                plain = [c.post("/v1/completions", json={
-                    "prompt": [3, 4, i], "max_tokens": n, "ignore_eos": True})
-                    for i, n in enumerate((5, 7, 9))]
+                plain = [
+                    c.post(
+                        "/v1/completions",
+                        json={"prompt": [3, 4, i], "max_tokens": n, "ignore_eos": True},
+                    )
+                    for i, n in enumerate((5, 7, 9))
+                ]
                 answers = await asyncio.gather(*plain, _streamed(c, 11))
                 counts = [a.json()["usage"]["completion_tokens"] for a in answers[:3]]
                 counts.append(answers[3])

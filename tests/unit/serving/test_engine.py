@@ -31,8 +31,9 @@ async def _aborted_mid_stream(tiny_dir):
     await a.start()
     await b.start()
     prompt = [7, 8, 9, 10]
-    task = asyncio.create_task(_collect(a, "x", prompt, max_tokens=400, temperature=0,
-                                        ignore_eos=True))
+    task = asyncio.create_task(
+        _collect(a, "x", prompt, max_tokens=400, temperature=0, ignore_eos=True)
+    )
     while len(a._requests.get("x").tokens if "x" in a._requests else []) < 5:
         await asyncio.sleep(0.005)
     assert a.abort(["x"], keep_kv=True) == 1
@@ -48,9 +49,12 @@ def test_concurrent_requests_match_unbatched_greedy(tiny_dir):
         eng = _engine(tiny_dir, max_batch=8)
         await eng.start()
         prompts = [[5 + i] * (3 + 2 * i) for i in range(6)]
-        results = await asyncio.gather(*[
-            _collect(eng, f"r{i}", p, max_tokens=12, temperature=0, ignore_eos=True)
-            for i, p in enumerate(prompts)])
+        results = await asyncio.gather(
+            *[
+                _collect(eng, f"r{i}", p, max_tokens=12, temperature=0, ignore_eos=True)
+                for i, p in enumerate(prompts)
+            ]
+        )
         await eng.stop()
         return eng, prompts, results
 
@@ -77,12 +81,16 @@ def test_abort_returns_partial_tokens_and_pins_kv_for_handoff(tiny_dir):
         handle, covered = await b.import_kv(blob)
         assert covered == len(prompt) + len(partial) - 1
         assert a.release_kv("x")
-        req = GenerateRequest("y", prompt + partial,
-                              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
-                              kv_handle=handle)
+        req = GenerateRequest(
+            "y",
+            prompt + partial,
+            SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+            kv_handle=handle,
+        )
         cont = [c async for c in b.generate(req)]
-        _ref, ref_toks = await _collect(a, "z", prompt, max_tokens=len(partial) + 5,
-                                       temperature=0, ignore_eos=True)
+        _ref, ref_toks = await _collect(
+            a, "z", prompt, max_tokens=len(partial) + 5, temperature=0, ignore_eos=True
+        )
         await a.stop()
         await b.stop()
         return partial, cont, ref_toks, b
@@ -97,6 +105,7 @@ def test_a_step_that_appends_after_the_pin_does_not_spoil_the_export(tiny_dir):
     """An abort with keep_kv that lands while a step runs pins the tokens so far; the step
     then writes one more position into the same cache. The export covers the pinned tokens
     only, so the next engine takes it (it refused a blob of 195 positions for 194 tokens)."""
+
     async def main():
         a, b, prompt, (_chunks, partial) = await _aborted_mid_stream(tiny_dir)
         tokens, cache, _ = a.kv._entries["x"]
@@ -153,18 +162,15 @@ def test_sleep_frees_memory_and_weight_versions_tag_tokens(tiny_dir, tmp_path):
     async def main():
         eng = _engine(tiny_dir)
         await eng.start()
-        before = await _collect(eng, "a", [1, 2, 3], max_tokens=8, temperature=0,
-                                ignore_eos=True)
+        before = await _collect(eng, "a", [1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True)
         await eng.sleep(1)
         s = eng.stats()
         assert eng.is_sleeping and s["weights_bytes"] == 0 and s["kv_bytes"] == 0
         await eng.wake_up()
-        again = await _collect(eng, "b", [1, 2, 3], max_tokens=8, temperature=0,
-                               ignore_eos=True)
+        again = await _collect(eng, "b", [1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True)
         assert again[1] == before[1]
         LlamaForCausalLM.random(eng.model.cfg.model_dump(), seed=5).save(tmp_path / "w2")
-        task = asyncio.create_task(_collect(eng, "c", [1, 2, 3], max_tokens=200,
-                                            ignore_eos=True))
+        task = asyncio.create_task(_collect(eng, "c", [1, 2, 3], max_tokens=200, ignore_eos=True))
         await asyncio.sleep(0.05)
         await eng.update_weights(tmp_path / "w2" / "model.safetensors", "v2")
         chunks, _toks = await task
@@ -180,7 +186,8 @@ def test_sleep_frees_memory_and_weight_versions_tag_tokens(tiny_dir, tmp_path):
 
 
 def test_a_sleeping_engine_wakes_into_a_version_in_one_pass_and_refuses_a_bad_one(
-        tiny_dir, tmp_path):
+    tiny_dir, tmp_path
+):
     """A load into a sleeping engine (a cell moving back to rollout) reads the file once,
     straight into the weights: the engine then serves exactly that version; a version holding
     a NaN leaves it asleep, with nothing materialised, and the next good load serves."""
@@ -205,12 +212,12 @@ def test_a_sleeping_engine_wakes_into_a_version_in_one_pass_and_refuses_a_bad_on
         assert eng.weight_version == "v0"
         await eng.update_weights(tmp_path / "w2" / "model.safetensors", "v2")
         assert not eng.is_sleeping and eng.weight_version == "v2"
-        for (n, p), (_, q) in zip(eng.model.named_parameters(), ref.model.named_parameters(),
-                                  strict=True):
+        for (n, p), (_, q) in zip(
+            eng.model.named_parameters(), ref.model.named_parameters(), strict=True
+        ):
             assert torch.equal(p, q), n
         got = await _collect(eng, "a", [1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True)
-        want = await _collect(ref, "a", [1, 2, 3], max_tokens=8, temperature=0,
-                              ignore_eos=True)
+        want = await _collect(ref, "a", [1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True)
         assert got[1] == want[1]
         await eng.stop()
         await ref.stop()
@@ -253,17 +260,21 @@ def test_abort_of_an_id_not_seen_yet_ends_that_request_on_arrival(tiny_dir):
         assert len(again) == 8  # the memory is used once
         # a handed-off request aborted (keep_kv) before it arrived at its destination
         prompt = [7, 8, 9, 10, 11, 12]
-        task = asyncio.create_task(_collect(a, "x", prompt, max_tokens=400, temperature=0,
-                                            ignore_eos=True))
+        task = asyncio.create_task(
+            _collect(a, "x", prompt, max_tokens=400, temperature=0, ignore_eos=True)
+        )
         while len(a._requests["x"].tokens if "x" in a._requests else []) < 3:
             await asyncio.sleep(0.005)
         a.abort(["x"], keep_kv=True)
         _, partial = await task
         handle, covered = await b.import_kv(await a.export_kv("x"))
         b.abort(["y"], keep_kv=True)
-        req = GenerateRequest("y", prompt + partial,
-                              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
-                              kv_handle=handle)
+        req = GenerateRequest(
+            "y",
+            prompt + partial,
+            SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+            kv_handle=handle,
+        )
         cont = [c async for c in b.generate(req)]
         pinned = b.kv.export("y")
         await a.stop()
@@ -294,8 +305,7 @@ def test_a_level_1_sleep_spills_into_its_spill_dir_only_and_leaves_nothing(tiny_
         assert [p.name.startswith("tidal-spill-c1-") for p in spilled.iterdir()] == [True]
         await eng.wake_up()
         assert list(spilled.iterdir()) == []
-        again = await _collect(eng, "b", [1, 2, 3], max_tokens=8, temperature=0,
-                               ignore_eos=True)
+        again = await _collect(eng, "b", [1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True)
         assert again[1] == ref[1]
         await eng.sleep(1)
         await eng.stop()  # a sleeping engine that ends removes its spill
@@ -306,8 +316,7 @@ def test_a_level_1_sleep_spills_into_its_spill_dir_only_and_leaves_nothing(tiny_
         await held.sleep(1)
         assert held.stats()["weights_bytes"] == 0
         await held.wake_up()
-        again = await _collect(held, "c", [1, 2, 3], max_tokens=8, temperature=0,
-                               ignore_eos=True)
+        again = await _collect(held, "c", [1, 2, 3], max_tokens=8, temperature=0, ignore_eos=True)
         assert again[1] == ref[1]
         await held.stop()
 

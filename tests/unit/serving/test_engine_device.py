@@ -20,8 +20,9 @@ async def _generate(engine: Engine, prompts: list[list[int]], **params):
     for i, p in enumerate(prompts):
         req = GenerateRequest(f"r{i}", p, SamplingParams(**params))
         chunks = [c async for c in engine.generate(req)]
-        outs.append(([t for c in chunks for t in c.token_ids],
-                     [lp for c in chunks for lp in c.logprobs]))
+        outs.append(
+            ([t for c in chunks for t in c.token_ids], [lp for c in chunks for lp in c.logprobs])
+        )
     return outs
 
 
@@ -40,8 +41,9 @@ def test_explicit_cpu_device_samples_exactly_like_the_default(tiny_dir):
         model, tok = load_model(tiny_dir)
         engine = Engine(model, tok, tiny_dir, cfg)
         assert engine.device == torch.device("cpu")
-        runs.append(asyncio.run(_run(engine, prompts, max_tokens=10, temperature=1.0,
-                                     ignore_eos=True)))
+        runs.append(
+            asyncio.run(_run(engine, prompts, max_tokens=10, temperature=1.0, ignore_eos=True))
+        )
     assert runs[0] == runs[1]
 
 
@@ -50,15 +52,15 @@ def test_sleep_and_wake_on_cpu_restore_the_same_greedy_output(tiny_dir):
         model, tok = load_model(tiny_dir)
         engine = Engine(model, tok, tiny_dir, EngineConfig(device="cpu"))
         await engine.start()
-        first = await _generate(engine, [[4, 5, 6]], max_tokens=8, temperature=0,
-                                ignore_eos=True)
+        first = await _generate(engine, [[4, 5, 6]], max_tokens=8, temperature=0, ignore_eos=True)
         for level in (1, 2):
             await engine.sleep(level)
             assert engine.model.device == torch.device("cpu")
             await engine.wake_up()
             assert all(p.device.type == "cpu" for p in engine.model.parameters())
-            again = await _generate(engine, [[4, 5, 6]], max_tokens=8, temperature=0,
-                                    ignore_eos=True)
+            again = await _generate(
+                engine, [[4, 5, 6]], max_tokens=8, temperature=0, ignore_eos=True
+            )
             assert again == first
         await engine.stop()
 

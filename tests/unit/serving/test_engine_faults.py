@@ -41,16 +41,27 @@ def test_aborts_during_threaded_steps_never_fail_a_step(tiny_dir):
         await eng.start()
         ends = []
         for rnd in range(120):
-            reqs = [GenerateRequest(f"r{rnd}-{i}", [3 + i, 4, 5], SamplingParams(
-                max_tokens=6, temperature=0, ignore_eos=True)) for i in range(8)]
+            reqs = [
+                GenerateRequest(
+                    f"r{rnd}-{i}",
+                    [3 + i, 4, 5],
+                    SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                )
+                for i in range(8)
+            ]
             tasks = [asyncio.create_task(_drain(eng, r)) for r in reqs]
             for _ in range(rng.randrange(1, 6)):
                 await asyncio.sleep(0)
             victims = [r.request_id for r in reqs if rng.random() < 0.5]
             eng.abort(victims, keep_kv=rng.random() < 0.5)
             for r, chunks in zip(reqs, await asyncio.gather(*tasks), strict=True):
-                ends.append((r.request_id in victims, chunks[-1].finish_reason,
-                             sum(len(c.token_ids) for c in chunks)))
+                ends.append(
+                    (
+                        r.request_id in victims,
+                        chunks[-1].finish_reason,
+                        sum(len(c.token_ids) for c in chunks),
+                    )
+                )
         await eng.stop()
         return eng.totals, ends
 
@@ -76,10 +87,12 @@ def test_a_failing_step_is_counted_and_ends_its_requests_with_error(tiny_dir):
 
         eng.model.forward_cached = flaky
         await eng.start()
-        chunks = await _drain(eng, GenerateRequest("a", [3, 4], SamplingParams(
-            max_tokens=8, ignore_eos=True)))
-        again = await _drain(eng, GenerateRequest("b", [3, 4], SamplingParams(
-            max_tokens=8, ignore_eos=True)))
+        chunks = await _drain(
+            eng, GenerateRequest("a", [3, 4], SamplingParams(max_tokens=8, ignore_eos=True))
+        )
+        again = await _drain(
+            eng, GenerateRequest("b", [3, 4], SamplingParams(max_tokens=8, ignore_eos=True))
+        )
         await eng.stop()
         return eng.totals, chunks[-1].finish_reason, again[-1].finish_reason
 
@@ -90,20 +103,29 @@ def test_a_failing_step_is_counted_and_ends_its_requests_with_error(tiny_dir):
 def test_engine_http_bounds_and_token(tiny_dir, serve_asgi):
     async def main():
         eng = _engine(tiny_dir, step_in_thread=True)
-        async with serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as url, \
-                httpx.AsyncClient(base_url=url, timeout=30) as c:
+        async with (
+            serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as c,
+        ):
             out = {}
-            for method, path in (("GET", "/health"), ("POST", "/sleep"),
-                                 ("POST", "/update_weight_version"), ("POST", "/abort_requests"),
-                                 ("POST", "/update_weights"), ("GET", "/docs"),
-                                 ("GET", "/openapi.json"), ("POST", "/v1/completions")):
+            for method, path in (
+                ("GET", "/health"),
+                ("POST", "/sleep"),
+                ("POST", "/update_weight_version"),
+                ("POST", "/abort_requests"),
+                ("POST", "/update_weights"),
+                ("GET", "/docs"),
+                ("GET", "/openapi.json"),
+                ("POST", "/v1/completions"),
+            ):
                 out[path] = (await c.request(method, path)).status_code
             body = {"prompt": [3, 4], "max_tokens": 2, "seed": 2**63}
             big_seed = await c.post("/v1/completions", json=body, headers=AUTH)
             ok = await c.post("/v1/completions", json={**body, "seed": 2**63 - 1}, headers=AUTH)
             too_long = await c.post("/tokenize", json={"prompt": "a" * 200_000}, headers=AUTH)
-            weights = await c.post("/update_weights", headers=AUTH,
-                                   json={"path": "/", "weight_version": "x"})
+            weights = await c.post(
+                "/update_weights", headers=AUTH, json={"path": "/", "weight_version": "x"}
+            )
             return out, big_seed, ok, too_long, weights, eng.weight_version
 
     out, big_seed, ok, too_long, weights, version = asyncio.run(main())
@@ -139,8 +161,10 @@ def test_tokenizing_a_long_prompt_leaves_the_loop_free(tiny_dir, serve_asgi):
     async def main():
         eng = _engine(tiny_dir)
         eng.tokenizer = _HeldTokenizer(eng.tokenizer)
-        async with serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as url, \
-                httpx.AsyncClient(base_url=url, timeout=60, headers=AUTH) as c:
+        async with (
+            serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as url,
+            httpx.AsyncClient(base_url=url, timeout=60, headers=AUTH) as c,
+        ):
             t0 = time.monotonic()
             work = asyncio.create_task(c.post("/tokenize", json={"prompt": text}))
             probes = []
@@ -164,8 +188,13 @@ def test_a_non_streamed_caller_that_hangs_up_aborts_its_request(tiny_dir, serve_
         eng = _engine(tiny_dir, step_in_thread=True)
         async with serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as url:
             async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=30) as c:
-                await _hang_up_once_running(eng, c.post("/v1/completions", json={
-                    "prompt": [3, 4], "max_tokens": 500, "ignore_eos": True}))
+                await _hang_up_once_running(
+                    eng,
+                    c.post(
+                        "/v1/completions",
+                        json={"prompt": [3, 4], "max_tokens": 500, "ignore_eos": True},
+                    ),
+                )
             t_gone = time.monotonic()
             while eng.stats()["running"] and time.monotonic() - t_gone < 10:
                 await asyncio.sleep(0.02)

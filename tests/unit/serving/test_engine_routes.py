@@ -45,8 +45,7 @@ def _bad_weights(model, tmp_path) -> dict[str, str]:
     return out
 
 
-def test_bad_weights_are_refused_and_the_old_version_keeps_serving(tiny_dir, serve_asgi,
-                                                                    tmp_path):
+def test_bad_weights_are_refused_and_the_old_version_keeps_serving(tiny_dir, serve_asgi, tmp_path):
     model, tok = load_model(tiny_dir)
     eng = Engine(model, tok, tiny_dir, EngineConfig())
     bad = _bad_weights(model, tmp_path)
@@ -64,15 +63,20 @@ def test_bad_weights_are_refused_and_the_old_version_keeps_serving(tiny_dir, ser
     }
 
     async def main():
-        async with serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as url, \
-                httpx.AsyncClient(base_url=url, timeout=60, headers=AUTH) as c:
+        async with (
+            serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as url,
+            httpx.AsyncClient(base_url=url, timeout=60, headers=AUTH) as c,
+        ):
             before = (await c.post("/v1/completions", json=CALL)).json()["choices"][0]
-            answers = {name: await c.post("/update_weights", json={
-                "path": path, "weight_version": f"bad-{name}"}) for name, path in paths.items()}
+            answers = {
+                name: await c.post(
+                    "/update_weights", json={"path": path, "weight_version": f"bad-{name}"}
+                )
+                for name, path in paths.items()
+            }
             after = (await c.post("/v1/completions", json=CALL)).json()["choices"][0]
             version = (await c.get("/weight_info")).json()["weight_version"]
-            good = await c.post("/update_weights", json={"path": good_path,
-                                                         "weight_version": "v1"})
+            good = await c.post("/update_weights", json={"path": good_path, "weight_version": "v1"})
             return before, answers, after, version, good
 
     good_path = str(tmp_path / "good.safetensors")
@@ -109,8 +113,7 @@ def test_garbage_kv_bodies_are_4xx_naming_the_body(tiny_dir, serve_asgi):
         "metadata a list": _header_blob({"__metadata__": [1]}),
         "no tokens": _header_blob({"__metadata__": {"fingerprint": fp}}),
         "tokens not json": _header_blob({"__metadata__": {"fingerprint": fp, "tokens": "[1,"}}),
-        "tokens not ints": _header_blob({"__metadata__": {"fingerprint": fp,
-                                                          "tokens": '["a"]'}}),
+        "tokens not ints": _header_blob({"__metadata__": {"fingerprint": fp, "tokens": '["a"]'}}),
         "no tensors": _header_blob({"__metadata__": {"fingerprint": fp, "tokens": "[1, 2]"}}),
     }
     wrong_shape = {"k.0": torch.zeros(1, 2), "v.0": torch.zeros(1, 2)}
@@ -119,8 +122,10 @@ def test_garbage_kv_bodies_are_4xx_naming_the_body(tiny_dir, serve_asgi):
     bodies["wrong tensors"] = save(wrong_shape, metadata={"fingerprint": fp, "tokens": "[1]"})
 
     async def main():
-        async with serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as url, \
-                httpx.AsyncClient(base_url=url, timeout=60, headers=AUTH) as c:
+        async with (
+            serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as url,
+            httpx.AsyncClient(base_url=url, timeout=60, headers=AUTH) as c,
+        ):
             out = {n: await c.post("/tidal/kv", content=b) for n, b in bodies.items()}
             ok = await c.post("/v1/completions", json=CALL)
             return out, ok

@@ -32,6 +32,7 @@ def _run(tiny_dir, body):
         finally:
             for e in engines:
                 await e.stop()
+
     return asyncio.run(main())
 
 
@@ -44,9 +45,12 @@ def test_same_call_seed_same_tokens_on_two_engines(tiny_dir):
             _tokens(a, "x", PROMPT, max_tokens=24, seed=s0),
             _tokens(b, "x", PROMPT, max_tokens=24, seed=s0),
             _tokens(b, "y", [3, 4], max_tokens=24),
-            _tokens(c, "z", PROMPT, max_tokens=24, seed=s1))
-        top_k = [await _tokens(e, "k", PROMPT, max_tokens=16, seed=s0, top_k=8,
-                               temperature=0.8) for e in (a, c)]
+            _tokens(c, "z", PROMPT, max_tokens=24, seed=s1),
+        )
+        top_k = [
+            await _tokens(e, "k", PROMPT, max_tokens=16, seed=s0, top_k=8, temperature=0.8)
+            for e in (a, c)
+        ]
         return same_a, same_b, other, top_k
 
     same_a, same_b, other, top_k = _run(tiny_dir, body)
@@ -62,8 +66,7 @@ def test_continued_call_keeps_its_stream_position(tiny_dir):
         whole = await _tokens(a, "w", PROMPT, max_tokens=20, seed=seed)
         head = await _tokens(b, "h", PROMPT, max_tokens=n, seed=seed)
         # what the proxy sends the next engine after a drain: prompt + tokens so far
-        tail = await _tokens(c, "t", PROMPT + head, max_tokens=20 - n,
-                             seed=continued_seed(seed, n))
+        tail = await _tokens(c, "t", PROMPT + head, max_tokens=20 - n, seed=continued_seed(seed, n))
         restarted = await _tokens(c, "r", PROMPT + head, max_tokens=20 - n, seed=seed)
         return whole, head, tail, restarted
 

@@ -48,10 +48,12 @@ def _run(app, check, **limits):
 def test_token_required_on_every_route(serve_asgi):
     async def check(url):
         async with httpx.AsyncClient(base_url=url) as c:
-            out = [(await c.get("/ok")).status_code,
-                   (await c.get("/ok", headers={"Authorization": "Bearer wrong"})).status_code,
-                   (await c.get("/ok", headers={"Authorization": f"Basic {TOKEN}"})).status_code,
-                   (await c.get("/ok", headers={"Authorization": f"Bearer {TOKEN}"})).status_code]
+            out = [
+                (await c.get("/ok")).status_code,
+                (await c.get("/ok", headers={"Authorization": "Bearer wrong"})).status_code,
+                (await c.get("/ok", headers={"Authorization": f"Basic {TOKEN}"})).status_code,
+                (await c.get("/ok", headers={"Authorization": f"Bearer {TOKEN}"})).status_code,
+            ]
             body = (await c.get("/nope")).json()
             return out, body
 
@@ -63,15 +65,17 @@ def test_token_required_on_every_route(serve_asgi):
 def test_a_route_bug_is_a_500_and_the_connection_stays(serve_asgi):
     async def check(url):
         conns = []
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"},
-                                     limits=httpx.Limits(max_connections=1)) as c:
+        async with httpx.AsyncClient(
+            base_url=url,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            limits=httpx.Limits(max_connections=1),
+        ) as c:
             r1 = await c.get("/boom", extensions={"trace": _trace(conns)})
             r2 = await c.get("/ok", extensions={"trace": _trace(conns)})
         return r1, r2, conns
 
     r1, r2, conns = asyncio.run(_run(_app(), check)(serve_asgi))
-    assert r1.status_code == 500 and r1.json()["error"]["message"] == \
-        "internal error: RuntimeError"
+    assert r1.status_code == 500 and r1.json()["error"]["message"] == "internal error: RuntimeError"
     assert r2.status_code == 200
     assert conns.count("connection.connect_tcp.complete") == 1  # one connection for both
 
@@ -79,23 +83,27 @@ def test_a_route_bug_is_a_500_and_the_connection_stays(serve_asgi):
 def _trace(events: list):
     async def trace(name, info):
         events.append(name)
+
     return trace
 
 
 def test_body_limits_by_length_and_by_chunks(serve_asgi):
     async def check(url):
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}
-                                     ) as c:
+        async with httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as c:
             big = b'{"a": "' + b"x" * 5000 + b'"}'
-            by_length = await c.post("/echo", content=big,
-                                     headers={"content-type": "application/json"})
+            by_length = await c.post(
+                "/echo", content=big, headers={"content-type": "application/json"}
+            )
 
             async def chunks():
                 yield big[:3000]
                 yield big[3000:]
 
-            by_chunks = await c.post("/echo", content=chunks(),
-                                     headers={"content-type": "application/json"})
+            by_chunks = await c.post(
+                "/echo", content=chunks(), headers={"content-type": "application/json"}
+            )
             small = await c.post("/echo", json={"a": 1})
             return by_length, by_chunks, small
 
@@ -109,8 +117,11 @@ def test_half_sent_requests_are_closed_at_the_read_deadline(serve_asgi):
     async def check(url):
         host, port = url.removeprefix("http://").split(":")
         out = []
-        for partial in (b"", b"GET /ok HTTP/1.1\r\nHost: x\r\n",
-                        b"POST /echo HTTP/1.1\r\nHost: x\r\ncontent-length: 50\r\n\r\n{"):
+        for partial in (
+            b"",
+            b"GET /ok HTTP/1.1\r\nHost: x\r\n",
+            b"POST /echo HTTP/1.1\r\nHost: x\r\ncontent-length: 50\r\n\r\n{",
+        ):
             reader, writer = await asyncio.open_connection(host, int(port))
             writer.write(partial)
             t0 = time.monotonic()
@@ -119,8 +130,9 @@ def test_half_sent_requests_are_closed_at_the_read_deadline(serve_asgi):
             writer.close()
         return out
 
-    results = asyncio.run(_run(_app(None, needs_token=lambda _: False), check,
-                               read_timeout_s=0.5)(serve_asgi))
+    results = asyncio.run(
+        _run(_app(None, needs_token=lambda _: False), check, read_timeout_s=0.5)(serve_asgi)
+    )
     for took, data in results:
         assert 0.3 < took < 5 and data == b""
 
@@ -132,15 +144,24 @@ def test_an_oversized_head_is_a_431(serve_asgi):
             fine = await c.get("/ok", headers={"x-small": "a" * 1000})
             return big, fine
 
-    big, fine = asyncio.run(_run(_app(None, needs_token=lambda _: False), check,
-                                 max_header_bytes=16_384)(serve_asgi))
+    big, fine = asyncio.run(
+        _run(_app(None, needs_token=lambda _: False), check, max_header_bytes=16_384)(serve_asgi)
+    )
     assert big.status_code == 431 and b"16384" in big.content
     assert fine.status_code == 200
 
 
-@pytest.mark.parametrize("host,loop", [("127.0.0.1", True), ("::1", True),
-                                       ("localhost", True), ("0.0.0.0", False),
-                                       ("10.1.2.3", False), ("example.org", False)])
+@pytest.mark.parametrize(
+    "host,loop",
+    [
+        ("127.0.0.1", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("10.1.2.3", False),
+        ("example.org", False),
+    ],
+)
 def test_loopback_hosts(host, loop):
     assert is_loopback(host) is loop
 

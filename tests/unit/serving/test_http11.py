@@ -33,8 +33,14 @@ async def _serve(handler):
 
 async def _read_request(reader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length")), 0)
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        ),
+        0,
+    )
     return await reader.readexactly(length)
 
 
@@ -43,8 +49,10 @@ async def _echo_keepalive(reader, writer, state, close_after: int | None = None)
     while True:
         body = await _read_request(reader)
         out = b'{"got": %d}' % len(body)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (len(out), out))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(out), out)
+        )
         await writer.drain()
         served += 1
         if close_after is not None and served >= close_after:
@@ -81,7 +89,7 @@ def test_keep_alive_reuse_and_a_connection_closed_while_idle():
 
 
 def test_chunked_stream_lines_and_the_connection_goes_back_idle():
-    events = [b"data: {\"n\": 1}\n", b"\ndata: {\"n\"", b": 2}\n\ndata: [DONE]\n\n"]
+    events = [b'data: {"n": 1}\n', b'\ndata: {"n"', b": 2}\n\ndata: [DONE]\n\n"]
 
     async def chunked(reader, writer, state):
         while True:
@@ -108,8 +116,9 @@ def test_chunked_stream_lines_and_the_connection_goes_back_idle():
         return got, state["connections"]
 
     got, opened = asyncio.run(main())
-    assert got[0] == got[1] == [b'data: {"n": 1}', b"", b'data: {"n": 2}', b"",
-                                b"data: [DONE]", b""]
+    assert (
+        got[0] == got[1] == [b'data: {"n": 1}', b"", b'data: {"n": 2}', b"", b"data: [DONE]", b""]
+    )
     assert opened == 1
 
 
@@ -166,8 +175,10 @@ def _fetch(raw: bytes, method: str = "GET", timeout_s: float = 3.0):
 
 
 def test_interim_answers_are_skipped():
-    raw = (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
-           b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    raw = (
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    )
     first, second = _fetch(raw)
     assert (first.status_code, first.content) == (200, b"ok")
     assert (second.status_code, second.content) == (200, b"ok")

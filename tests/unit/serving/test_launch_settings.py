@@ -14,18 +14,47 @@ from tidal.contracts.launch import EngineSettings, ProxySettings
 from tidal.serving.launch import engine_args, proxy_args
 
 PROXY = ProxySettings(
-    port=9123, host="0.0.0.0", engines=["http://a:1", "http://b:2"], cells=["http://c:3"],
-    backend="vllm", backend_modules=["my.backends"], cap=7, kv_handoff=False, wait_s=3.5,
-    require_registration=True, request_timeout_s=12.5, read_timeout_s=4.0, seed=-3,
-    admission="0.05", admission_order="shortest_remaining",
-    engine_curve=[(1, 200.0), (32, 3200.5)], tool_call_parser="hermes", affinity=False)
+    port=9123,
+    host="0.0.0.0",
+    engines=["http://a:1", "http://b:2"],
+    cells=["http://c:3"],
+    backend="vllm",
+    backend_modules=["my.backends"],
+    cap=7,
+    kv_handoff=False,
+    wait_s=3.5,
+    require_registration=True,
+    request_timeout_s=12.5,
+    read_timeout_s=4.0,
+    seed=-3,
+    admission="0.05",
+    admission_order="shortest_remaining",
+    engine_curve=[(1, 200.0), (32, 3200.5)],
+    tool_call_parser="hermes",
+    affinity=False,
+)
 ENGINE = EngineSettings(
-    model_dir="/models/tiny", port=9124, host="0.0.0.0", name="tiny", max_batch=5,
-    max_waiting=9, threads=2, weight_version="v3", seed=11, step_in_thread=True,
-    device="cuda:1", spill_dir="/tmp/spill", read_timeout_s=2.0, tool_call_parser="hermes",
-    prefix_cache_mb=64.0, deterministic=True)
-CASES = [(proxy.command, ProxySettings, PROXY, proxy_args),
-         (engine.command, EngineSettings, ENGINE, engine_args)]
+    model_dir="/models/tiny",
+    port=9124,
+    host="0.0.0.0",
+    name="tiny",
+    max_batch=5,
+    max_waiting=9,
+    threads=2,
+    weight_version="v3",
+    seed=11,
+    step_in_thread=True,
+    device="cuda:1",
+    spill_dir="/tmp/spill",
+    read_timeout_s=2.0,
+    tool_call_parser="hermes",
+    prefix_cache_mb=64.0,
+    deterministic=True,
+)
+CASES = [
+    (proxy.command, ProxySettings, PROXY, proxy_args),
+    (engine.command, EngineSettings, ENGINE, engine_args),
+]
 
 
 def _parsed(command: click.Command, model: type, args: list[str]):
@@ -36,14 +65,14 @@ def _parsed(command: click.Command, model: type, args: list[str]):
 
 
 @pytest.mark.parametrize(("command", "model", "value", "launch_args"), CASES)
-def test_the_launch_command_line_parses_back_to_its_settings(command, model, value,
-                                                             launch_args):
+def test_the_launch_command_line_parses_back_to_its_settings(command, model, value, launch_args):
     args = launch_args(value)
     assert args[0] == command.name
     assert _parsed(command, model, args[1:]) == value
     every = set(model.model_fields)
     assert {k for k, v in value if v != model.model_fields[k].default} == every - {
-        "tool_call_parser"}  # every field but the one-choice parser differs from its default
+        "tool_call_parser"
+    }  # every field but the one-choice parser differs from its default
 
 
 @pytest.mark.parametrize(("command", "model", "value", "launch_args"), CASES)

@@ -4,11 +4,13 @@ from tidal.serving.adapters import HTTPEngineBase
 
 
 class _Canned(HTTPEngineBase):
-    text = ('# HELP vllm:num_requests_running running\n'
-            'vllm:num_requests_running{model_name="a"} 3\n'
-            'vllm:num_requests_running{model_name="b"} 2\n'
-            'vllm:num_requests_waiting 1.0\n'
-            'sglang:num_running_reqs 7\n')
+    text = (
+        "# HELP vllm:num_requests_running running\n"
+        'vllm:num_requests_running{model_name="a"} 3\n'
+        'vllm:num_requests_running{model_name="b"} 2\n'
+        "vllm:num_requests_waiting 1.0\n"
+        "sglang:num_running_reqs 7\n"
+    )
 
     async def _call(self, method, path, **kw):
         assert (method, path) == ("GET", "/metrics")

@@ -32,11 +32,18 @@ def test_engines_are_capped_at_their_target_and_calls_queue(tiny_dir, serve_asgi
         model, tok = load_model(tiny_dir)
         app = build_engine_app(Engine(model, tok, tiny_dir, EngineConfig(seed=1)), "tiny", TOKEN)
         async with serve_asgi(app) as url:
-            proxy = Proxy(ProxyConfig(admin_token=TOKEN, admission="saturation",
-                                      engine_curve=CURVE))
+            proxy = Proxy(
+                ProxyConfig(admin_token=TOKEN, admission="saturation", engine_curve=CURVE)
+            )
             member = await proxy.join("e0", url, cap=32)
-            calls = [proxy.complete(f"b0-g{i}-e0", [3, 4, 5], SamplingParams(
-                max_tokens=24, temperature=1.0, ignore_eos=True)) for i in range(5)]
+            calls = [
+                proxy.complete(
+                    f"b0-g{i}-e0",
+                    [3, 4, 5],
+                    SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True),
+                )
+                for i in range(5)
+            ]
             results = await asyncio.wait_for(asyncio.gather(*calls), 60)
             stats = {**proxy.queue.stats(), **proxy.queued_waits.figures()}
             await proxy.close()
@@ -68,10 +75,12 @@ def test_run_passes_admission_to_the_proxy_command(monkeypatch):
 
     seen: list = []
     monkeypatch.setattr(launch, "ServerProcess", lambda args, *a, **kw: seen.append(args))
-    launch.start_proxy([], [], "tok", port=9, admission="saturation",
-                       engine_curve=[(1, 100.0), (32, 2000.0)])
+    launch.start_proxy(
+        [], [], "tok", port=9, admission="saturation", engine_curve=[(1, 100.0), (32, 2000.0)]
+    )
     launch.start_proxy([], [], "tok", port=9)
-    on, off = (ProxySettings.model_validate_json(args[args.index("--settings") + 1])
-               for args in seen)
+    on, off = (
+        ProxySettings.model_validate_json(args[args.index("--settings") + 1]) for args in seen
+    )
     assert on.admission == "saturation" and on.engine_curve == [(1, 100.0), (32, 2000.0)]
     assert off.admission == "off" and off.engine_curve is None

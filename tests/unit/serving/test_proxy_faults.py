@@ -70,14 +70,16 @@ def test_admission_is_first_come_first_served_and_bounded():
 def test_calls_queue_past_a_busy_engine_within_their_own_timeout(tiny_dir, serve_asgi):
     """Twelve calls on one engine with room for two: ten wait in the queue for a slot (no
     admission bound of its own), and all finish in full."""
+
     async def main():
         eng = _engine(tiny_dir, max_batch=2)
         async with serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as url:
             proxy = _proxy(request_timeout_s=60)
             await proxy.join("e0", url, cap=2)
             params = SamplingParams(max_tokens=24, ignore_eos=True)
-            results = await asyncio.gather(*[proxy.complete(f"x{i}", [3, 4, i], params)
-                                             for i in range(12)])
+            results = await asyncio.gather(
+                *[proxy.complete(f"x{i}", [3, 4, i], params) for i in range(12)]
+            )
             stats = proxy.stats()
             await proxy.close()
             return results, stats
@@ -88,8 +90,7 @@ def test_calls_queue_past_a_busy_engine_within_their_own_timeout(tiny_dir, serve
     assert stats["failed_calls"] == 0
 
 
-def test_a_5xx_is_retried_a_bounded_few_times_and_the_failure_logged(tiny_dir, serve_asgi,
-                                                                     caplog):
+def test_a_5xx_is_retried_a_bounded_few_times_and_the_failure_logged(tiny_dir, serve_asgi, caplog):
     async def main():
         eng = _engine(tiny_dir)
         seen = {"n": 0}
@@ -134,8 +135,7 @@ def test_a_failed_step_is_counted_and_the_call_still_completes(tiny_dir, serve_a
         async with serve_asgi(build_engine_app(eng, "tiny", TOKEN)) as url:
             proxy = _proxy()
             await proxy.join("e0", url)
-            res = await proxy.complete("ex", [3, 4], SamplingParams(max_tokens=10,
-                                                                    ignore_eos=True))
+            res = await proxy.complete("ex", [3, 4], SamplingParams(max_tokens=10, ignore_eos=True))
             stats = proxy.stats()
             await proxy.close()
             return res, stats, eng.totals
@@ -148,6 +148,7 @@ def test_a_failed_step_is_counted_and_the_call_still_completes(tiny_dir, serve_a
 def test_a_silent_engine_leaves_and_comes_back_on_its_address(tiny_dir, serve_asgi):
     """No call in flight: the health monitor notices the engine gone (and /health's count of
     serving engines drops to 0), then re-admits it when it answers on the same port."""
+
     async def main():
         port = free_port()
         proxy = _proxy()
@@ -205,15 +206,20 @@ def test_a_caller_hanging_up_on_the_proxy_aborts_the_engine_request(tiny_dir, se
             await proxy.join("e0", engine_url)
             async with serve_asgi(build_proxy_app(proxy)) as url:
                 async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-                    call = asyncio.ensure_future(c.post("/v1/completions", json={
-                        "prompt": [3, 4], "max_tokens": 500, "ignore_eos": True}))
+                    call = asyncio.ensure_future(
+                        c.post(
+                            "/v1/completions",
+                            json={"prompt": [3, 4], "max_tokens": 500, "ignore_eos": True},
+                        )
+                    )
                     await _until(lambda: eng.stats()["generated_tokens"] or call.done(), 10)
                     call.cancel()  # the caller hangs up mid-generation
                     with contextlib.suppress(asyncio.CancelledError):
                         await call
                 t_gone = time.monotonic()
-                await _until(lambda: not eng.stats()["running"] and not proxy.stats()[
-                    "inflight"], 10)
+                await _until(
+                    lambda: not eng.stats()["running"] and not proxy.stats()["inflight"], 10
+                )
                 took = time.monotonic() - t_gone
             return eng.stats(), took
 
@@ -224,6 +230,7 @@ def test_a_caller_hanging_up_on_the_proxy_aborts_the_engine_request(tiny_dir, se
 def test_a_drained_engine_is_its_owners_and_comes_back_drained(tiny_dir, serve_asgi):
     """The monitor leaves a drained member alone (the runtime puts it to sleep, which may hold
     its loop); one lost while drained is re-admitted drained, never routed to while asleep."""
+
     async def main():
         port, proxy, seen = free_port(), _proxy(), []
         async with serve_asgi(build_engine_app(_engine(tiny_dir), "tiny", TOKEN), port) as url:
@@ -245,6 +252,7 @@ def test_a_drained_engine_is_its_owners_and_comes_back_drained(tiny_dir, serve_a
 def test_tokenizing_waits_for_an_engine_to_join(tiny_dir, serve_asgi):
     """Every engine lost (e.g. all replaced at once): a text call waits for one to join, within
     its timeout, instead of failing at once."""
+
     async def main():
         proxy = _proxy()
         with pytest.raises(Overloaded, match="tokenize"):

@@ -24,12 +24,20 @@ def _engine(tiny_dir, **cfg) -> Engine:
 def test_calls_get_seeds_from_run_seed_execution_and_index():
     proxy = Proxy(ProxyConfig(seed=5))
     plain = SamplingParams(max_tokens=4)
-    got = [proxy._seeded("e1", plain).seed, proxy._seeded("e2", plain).seed,
-           proxy._seeded("e1", plain).seed,
-           proxy._seeded("e1", SamplingParams(seed=99)).seed,  # the harness's own, kept
-           proxy._seeded("e1", plain).seed]  # ... and counted: this is e1's 4th call
-    assert got == [call_seed(5, "e1", 0), call_seed(5, "e2", 0), call_seed(5, "e1", 1), 99,
-                   call_seed(5, "e1", 3)]
+    got = [
+        proxy._seeded("e1", plain).seed,
+        proxy._seeded("e2", plain).seed,
+        proxy._seeded("e1", plain).seed,
+        proxy._seeded("e1", SamplingParams(seed=99)).seed,  # the harness's own, kept
+        proxy._seeded("e1", plain).seed,
+    ]  # ... and counted: this is e1's 4th call
+    assert got == [
+        call_seed(5, "e1", 0),
+        call_seed(5, "e2", 0),
+        call_seed(5, "e1", 1),
+        99,
+        call_seed(5, "e1", 3),
+    ]
     assert proxy._seeded(None, plain).seed is None
     assert Proxy(ProxyConfig())._seeded("e1", plain).seed is None
 
@@ -45,6 +53,7 @@ def test_call_counts_are_bounded():
 def test_a_rerouted_call_samples_what_an_undisturbed_one_does(tiny_dir, serve_asgi):
     """Drained mid-call, the call goes on at another engine (with its KV) at the derived seed
     + tokens so far: the same tokens as the same call served by one engine."""
+
     async def call(urls, drain: bool):
         proxy = Proxy(ProxyConfig(admin_token=TOKEN, seed=5))
         for i, url in enumerate(urls):
@@ -55,8 +64,12 @@ def test_a_rerouted_call_samples_what_an_undisturbed_one_does(tiny_dir, serve_as
             if drain and not drained:
                 drained.append(asyncio.create_task(proxy.drain("e0")))
 
-        res = await proxy.complete("b0-g0-e0", [3, 4, 5], SamplingParams(
-            max_tokens=120, temperature=1.0, ignore_eos=True), on_chunk=on_chunk)
+        res = await proxy.complete(
+            "b0-g0-e0",
+            [3, 4, 5],
+            SamplingParams(max_tokens=120, temperature=1.0, ignore_eos=True),
+            on_chunk=on_chunk,
+        )
         await asyncio.gather(*drained)
         engines = [s.engine_id for c in proxy.records.calls("b0-g0-e0") for s in c.segments]
         await proxy.close()

@@ -28,16 +28,25 @@ def test_registration_metadata_is_capped_and_dropped_at_close(serve_asgi):
         app = build_proxy_app(proxy)
         registry = app.state.registry
         # registering is the driver's (the admin token); naming by header with it too
-        async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url, timeout=30,
-                                                             headers=ADMIN) as c:
+        async with (
+            serve_asgi(app) as url,
+            httpx.AsyncClient(base_url=url, timeout=30, headers=ADMIN) as c,
+        ):
             big = await c.post("/tidal/executions", json={"metadata": {"b": "a" * 5000}})
-            ids = [(await c.post("/tidal/executions", json={"metadata": {"b": blob}})
-                    ).json()["execution_id"] for _ in range(300)]
+            ids = [
+                (await c.post("/tidal/executions", json={"metadata": {"b": blob}})).json()[
+                    "execution_id"
+                ]
+                for _ in range(300)
+            ]
             held_open = (await c.get("/tidal/stats", headers=ADMIN)).json()
             for eid in ids:
                 await c.post(f"/tidal/executions/{eid}/close", json={}, headers=ADMIN)
-            closed = (await c.post("/v1/completions", headers={"X-Tidal-Execution": ids[0]},
-                                   json={"prompt": [1], "max_tokens": 1}))
+            closed = await c.post(
+                "/v1/completions",
+                headers={"X-Tidal-Execution": ids[0]},
+                json={"prompt": [1], "max_tokens": 1},
+            )
             held_closed = (await c.get("/tidal/stats", headers=ADMIN)).json()
         return big, held_open, held_closed, closed, registry
 

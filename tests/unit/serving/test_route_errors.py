@@ -24,31 +24,43 @@ def _answers(tiny_dir, serve_asgi, calls: list[tuple[str, dict]]) -> list[httpx.
         async with serve_asgi(engine_app) as engine_url:
             proxy = Proxy(ProxyConfig())
             await proxy.join("e0", engine_url)
-            async with serve_asgi(build_proxy_app(proxy)) as url, httpx.AsyncClient(
-                    base_url=url, timeout=60) as c:
-                return [await c.post(path, content=json.dumps(body),
-                                     headers={"content-type": "application/json"})
-                        for path, body in calls]
+            async with (
+                serve_asgi(build_proxy_app(proxy)) as url,
+                httpx.AsyncClient(base_url=url, timeout=60) as c,
+            ):
+                return [
+                    await c.post(
+                        path, content=json.dumps(body), headers={"content-type": "application/json"}
+                    )
+                    for path, body in calls
+                ]
 
     return asyncio.run(main())
 
 
 def test_errors_name_the_route_called_and_token_in_takes_large_bodies(tiny_dir, serve_asgi):
     long_chat = {"messages": [{"role": "user", "content": "hi " * 600}], "max_tokens": 4}
-    generate, chat, streamed, completion, large = _answers(tiny_dir, serve_asgi, [
-        ("/inference/v1/generate", {"token_ids": [10**6], "sampling_params": {"max_tokens": 2}}),
-        ("/v1/chat/completions", long_chat),
-        ("/v1/chat/completions", {**long_chat, "stream": True}),
-        ("/v1/completions", {"prompt": [10**6], "max_tokens": 2}),
-        # a token-in body over 1 MiB: answered by the route itself (its length limit)
-        ("/inference/v1/generate", {"token_ids": [5] * 300_000}),
-    ])
+    generate, chat, streamed, completion, large = _answers(
+        tiny_dir,
+        serve_asgi,
+        [
+            (
+                "/inference/v1/generate",
+                {"token_ids": [10**6], "sampling_params": {"max_tokens": 2}},
+            ),
+            ("/v1/chat/completions", long_chat),
+            ("/v1/chat/completions", {**long_chat, "stream": True}),
+            ("/v1/completions", {"prompt": [10**6], "max_tokens": 2}),
+            # a token-in body over 1 MiB: answered by the route itself (its length limit)
+            ("/inference/v1/generate", {"token_ids": [5] * 300_000}),
+        ],
+    )
     assert generate.status_code == 400
     assert generate.json()["error"]["message"].startswith(
-        "/inference/v1/generate: token id 1000000 outside vocabulary"), generate.text
+        "/inference/v1/generate: token id 1000000 outside vocabulary"
+    ), generate.text
     assert chat.status_code == 400
-    assert chat.json()["error"]["message"].startswith(
-        "/v1/chat/completions: prompt of "), chat.text
+    assert chat.json()["error"]["message"].startswith("/v1/chat/completions: prompt of "), chat.text
     assert '"/v1/chat/completions: prompt of ' in streamed.text, streamed.text
     assert completion.json()["error"]["message"].startswith("/v1/completions: token id")
     assert large.status_code == 400, large.text[:200]

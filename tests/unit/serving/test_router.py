@@ -33,8 +33,13 @@ def test_admission_caps_are_respected():
 
 
 def test_destinations_standalone_first_then_cells_descending():
-    r = _router(("c0", "cell", 0, 4), ("c1", "cell", 1, 4), ("c2", "cell", 2, 4),
-                ("s0", "standalone", 0, 4), ("s1", "standalone", 0, 4))
+    r = _router(
+        ("c0", "cell", 0, 4),
+        ("c1", "cell", 1, 4),
+        ("c2", "cell", 2, 4),
+        ("s0", "standalone", 0, 4),
+        ("s1", "standalone", 0, 4),
+    )
     r.members["s0"].inflight["x"] = object()
     order = [m.engine_id for m in r.destinations(exclude="c1")]
     assert order == ["s1", "s0", "c2", "c0"]

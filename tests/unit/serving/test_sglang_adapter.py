@@ -31,9 +31,15 @@ def _sglang_shaped(engine: Engine) -> FastAPI:
     async def generate(request: Request):
         body = await request.json()
         sp = body["sampling_params"]
-        req = GenerateRequest(body["rid"], body["input_ids"], SamplingParams(
-            max_tokens=sp["max_new_tokens"], temperature=sp["temperature"],
-            ignore_eos=sp.get("ignore_eos", False)))
+        req = GenerateRequest(
+            body["rid"],
+            body["input_ids"],
+            SamplingParams(
+                max_tokens=sp["max_new_tokens"],
+                temperature=sp["temperature"],
+                ignore_eos=sp.get("ignore_eos", False),
+            ),
+        )
 
         async def events():
             ids, lps, text = [], [], ""
@@ -43,8 +49,13 @@ def _sglang_shaped(engine: Engine) -> FastAPI:
                 text += chunk.text
                 fin = {"type": chunk.finish_reason} if chunk.finish_reason else None
                 pairs = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
-                meta = {"id": req.request_id, "finish_reason": fin, "weight_version": "v0",
-                        "output_token_logprobs": pairs, "cached_tokens": 0}
+                meta = {
+                    "id": req.request_id,
+                    "finish_reason": fin,
+                    "weight_version": "v0",
+                    "output_token_logprobs": pairs,
+                    "cached_tokens": 0,
+                }
                 yield f"data: {json.dumps({'text': text, 'meta_info': meta})}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -82,8 +93,10 @@ def _sglang_shaped(engine: Engine) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         s = engine.stats()
-        return PlainTextResponse(f'sglang:num_running_reqs{{model="m"}} {s["running"]}\n'
-                                 f'sglang:num_queue_reqs{{model="m"}} {s["waiting"]}\n')
+        return PlainTextResponse(
+            f'sglang:num_running_reqs{{model="m"}} {s["running"]}\n'
+            f'sglang:num_queue_reqs{{model="m"}} {s["waiting"]}\n'
+        )
 
     @app.get("/health")
     async def health():
@@ -106,6 +119,7 @@ def test_sglang_adapter_against_an_sglang_shaped_server(tiny_dir):
             loop_ready.set()
             await server.serve()
             await engine.stop()
+
         asyncio.run(main())
 
     thread = threading.Thread(target=serve, daemon=True)

@@ -16,13 +16,17 @@ def test_a_token_id_that_is_not_an_integer_is_refused(bad):
         TokenInRequest.model_validate({"token_ids": [3, bad]})
     assert err.value.errors()[0]["loc"] == ("token_ids", 1)
     with pytest.raises(ValidationError):
-        TokenInRequest.model_validate({"token_ids": [3], "sampling_params": {
-            "stop_token_ids": [bad]}})
+        TokenInRequest.model_validate(
+            {"token_ids": [3], "sampling_params": {"stop_token_ids": [bad]}}
+        )
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"prompt": [3, bad]})
 
 
 def test_integer_token_ids_pass():
     assert TokenInRequest.model_validate_json('{"token_ids": [0, 4, 2147483647]}').token_ids == [
-        0, 4, 2147483647]
+        0,
+        4,
+        2147483647,
+    ]
     assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompt == [1, 2]

@@ -62,8 +62,9 @@ def test_kv_between_engine_kinds_is_not_imported_and_counted_as_mixed(tmp_path):
     vllm = VLLMAdapter("http://127.0.0.1:9")
     vllm.kv_dir = tmp_path
     builtin = BuiltinAdapter("http://127.0.0.1:9")
-    vllm_blob = MAGIC + json.dumps({"key": "ab" * 20, "num_tokens": 5,
-                                    "dir": str(tmp_path)}).encode()
+    vllm_blob = (
+        MAGIC + json.dumps({"key": "ab" * 20, "num_tokens": 5, "dir": str(tmp_path)}).encode()
+    )
 
     async def main():
         for adapter, blob in ((builtin, vllm_blob), (vllm, b"built-in KV")):

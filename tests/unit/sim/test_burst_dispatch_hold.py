@@ -40,8 +40,10 @@ class _ScheduledHold(StaticPolicy):
     def decide(self, obs: Observation) -> Decision:
         i = int(obs.now_s // self.period_s)
         self.dispatch_limit = self.limits[i] if i < len(self.limits) else None
-        return Decision.hold(f"holding dispatch at {self.dispatch_limit} executions",
-                             dispatch_limit=self.dispatch_limit)
+        return Decision.hold(
+            f"holding dispatch at {self.dispatch_limit} executions",
+            dispatch_limit=self.dispatch_limit,
+        )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,9 +59,16 @@ def _scenario(limits: list[int | None], period_s: float, interval_s: float = 0.0
     return tiny_scenario(
         control={"group_size": 4, "batch_groups": 4, "updates_per_burst": 2, "bursts": 3},
         sim={"dispatch_interval_s": interval_s, "max_virtual_s": 86400.0},
-        profiles={NAME: {"dispatch": "burst", "trainer": "batch", "sync": "keep",
-                         "staleness_threshold": 0.0}},
-        policy_args={NAME: {"limits": limits, "period_s": period_s}})
+        profiles={
+            NAME: {
+                "dispatch": "burst",
+                "trainer": "batch",
+                "sync": "keep",
+                "staleness_threshold": 0.0,
+            }
+        },
+        policy_args={NAME: {"limits": limits, "period_s": period_s}},
+    )
 
 
 def _run(sc, monkeypatch):
@@ -89,8 +98,9 @@ def _run(sc, monkeypatch):
 
     def checked() -> None:  # after every simulated event: a held group is one the rule refuses
         check()
-        assert not (w.burst_held and may_dispatch(w.ledger.waterlevel, 4,
-                                                  w.controller.dispatch_limit))
+        assert not (
+            w.burst_held and may_dispatch(w.ledger.waterlevel, 4, w.controller.dispatch_limit)
+        )
 
     monkeypatch.setattr(w.controller, "handle", seen)
     monkeypatch.setattr(w, "check_invariants", checked)
@@ -126,18 +136,26 @@ def test_held_groups_go_as_soon_as_the_hold_lifts(interval_s, monkeypatch):
     first = [t for t, b, _, _ in sent if b == 0]
     assert first[0] == pytest.approx(30.0)
     assert [b - a for a, b in itertools.pairwise(first)] == pytest.approx(
-        [interval_s] * (len(first) - 1))
+        [interval_s] * (len(first) - 1)
+    )
 
 
 _LIMITS = st.lists(st.none() | st.integers(0, 40), min_size=1, max_size=6)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
-@given(limits=_LIMITS, period_s=st.sampled_from([7.0, 30.0, 90.0]),
-       interval_s=st.sampled_from([0.0, 3.0]))
-def test_a_changing_hold_admits_only_what_the_rule_admits(limits, period_s, interval_s,
-                                                          monkeypatch):
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    limits=_LIMITS,
+    period_s=st.sampled_from([7.0, 30.0, 90.0]),
+    interval_s=st.sampled_from([0.0, 3.0]),
+)
+def test_a_changing_hold_admits_only_what_the_rule_admits(
+    limits, period_s, interval_s, monkeypatch
+):
     sc = _scenario(limits, period_s, interval_s)
     w, sent, events, _ = _run(sc, monkeypatch)
     _no_loss(w, sc, events)

@@ -5,10 +5,21 @@ import json
 from tidal.cli import main
 from tidal.sim.scenario import available, resolve
 
-FIELDS = ("policy", "makespan_s", "oracle_makespan_s", "train_utilization",
-          "rollout_utilization", "cluster_utilization", "switches", "reroutes",
-          "queued_executions", "queued_execution_s", "queued_execution_p99_s",
-          "queued_execution_max_s", "rollout_floor_s")
+FIELDS = (
+    "policy",
+    "makespan_s",
+    "oracle_makespan_s",
+    "train_utilization",
+    "rollout_utilization",
+    "cluster_utilization",
+    "switches",
+    "reroutes",
+    "queued_executions",
+    "queued_execution_s",
+    "queued_execution_p99_s",
+    "queued_execution_max_s",
+    "rollout_floor_s",
+)
 
 
 def test_shipped_scenarios_are_found_by_name():
@@ -18,8 +29,22 @@ def test_shipped_scenarios_are_found_by_name():
 
 def test_simulate_writes_summary_decisions_and_plots(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main(["simulate", "dapo-math-32gpu", "--bursts", "2", "-p", "static:train=16",
-               "-p", "verl-default", "-p", "tidal", "--out", str(out)])
+    rc = main(
+        [
+            "simulate",
+            "dapo-math-32gpu",
+            "--bursts",
+            "2",
+            "-p",
+            "static:train=16",
+            "-p",
+            "verl-default",
+            "-p",
+            "tidal",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "makespan" in text and "speed-up" in text and "verl-default" in text
@@ -44,8 +69,19 @@ def test_simulate_replays_a_trace(tmp_path, capsys):
 
     trace = tmp_path / "t.jsonl"
     write_trace(trace, [ClassWorkload([ExecutionClass()], 1).group(8) for _ in range(20)])
-    rc = main(["simulate", "dapo-math-32gpu", "--bursts", "1", "-p", "tidal", "--trace",
-               str(trace), "--no-plots"])
+    rc = main(
+        [
+            "simulate",
+            "dapo-math-32gpu",
+            "--bursts",
+            "1",
+            "-p",
+            "tidal",
+            "--trace",
+            str(trace),
+            "--no-plots",
+        ]
+    )
     assert rc == 0 and "tidal" in capsys.readouterr().out
 
 
@@ -64,8 +100,23 @@ def test_demo_runs(tmp_path, capsys):
 
 def test_simulate_runs_every_policy_with_the_mechanics_asked(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main(["simulate", "dapo-math-32gpu", "--bursts", "1", "-p", "static:train=16",
-               "-p", "verl-default", "--mechanics", "tidal", "--no-plots", "--out", str(out)])
+    rc = main(
+        [
+            "simulate",
+            "dapo-math-32gpu",
+            "--bursts",
+            "1",
+            "-p",
+            "static:train=16",
+            "-p",
+            "verl-default",
+            "--mechanics",
+            "tidal",
+            "--no-plots",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert "demand/stream/keep/kv" in capsys.readouterr().out
     runs = json.loads((out / "summary.json").read_text())["runs"]
@@ -75,8 +126,23 @@ def test_simulate_runs_every_policy_with_the_mechanics_asked(tmp_path, capsys):
 
 def test_simulate_sweeps_static_splits_as_the_baseline(tmp_path, capsys):
     out = tmp_path / "sweep"
-    rc = main(["simulate", "dapo-math-32gpu", "--bursts", "2", "--sweep", "static",
-               "--admission", "saturation", "-p", "tidal", "--out", str(out), "--no-plots"])
+    rc = main(
+        [
+            "simulate",
+            "dapo-math-32gpu",
+            "--bursts",
+            "2",
+            "--sweep",
+            "static",
+            "--admission",
+            "saturation",
+            "-p",
+            "tidal",
+            "--out",
+            str(out),
+            "--no-plots",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "static splits" in text and "baseline" in text and "(best)" in text
@@ -93,8 +159,9 @@ def test_calibrate_fits_a_verl_log_and_compares_policies(tmp_path, capsys):
 
     log = write_verl_log(tmp_path / "verl.jsonl", verl_rows(steps=4, seed=2))
     out = tmp_path / "fitted.yaml"
-    rc = main(["calibrate", "--verl-log", str(log), "--group-size", "8", "--out", str(out),
-               "--compare"])
+    rc = main(
+        ["calibrate", "--verl-log", str(log), "--group-size", "8", "--out", str(out), "--compare"]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "samples_per_step" in text and "baseline" in text and "(best)" in text

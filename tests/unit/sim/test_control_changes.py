@@ -26,11 +26,17 @@ def test_supply_passes_with_everything_a_partly_assigned_batch_still_needs():
 
 
 def verl_controller(ratio=0.5):
-    cfg = RunConfig.model_validate({
-        "cluster": {"cells": [{"gpus": 8, "slots": 128, "kind": "hybrid"}] * 2,
-                    "standalone_count": 2, "standalone_slots": 128},
-        "control": {"batch_groups": 10, "updates_per_burst": 4},
-        "policy": {"name": "verl-default", "args": {"deactivate_ratio": ratio}}})
+    cfg = RunConfig.model_validate(
+        {
+            "cluster": {
+                "cells": [{"gpus": 8, "slots": 128, "kind": "hybrid"}] * 2,
+                "standalone_count": 2,
+                "standalone_slots": 128,
+            },
+            "control": {"batch_groups": 10, "updates_per_burst": 4},
+            "policy": {"name": "verl-default", "args": {"deactivate_ratio": ratio}},
+        }
+    )
     clock = ManualClock()
     act = FakeActuator(clock)
     ctl = build_controller(cfg, clock, act)
@@ -43,9 +49,15 @@ def test_verl_sees_the_closed_cycle_after_the_weight_sync():
     hooks = ctl.policy.hooks
     ctl.handle(TrainerReady(0.0, 0))
     for step in range(4):  # 20 s waited over 10 missing samples in the cycle
-        ctl.handle(TrainerStepDone(1.0 + step, step, wait_s=5.0 if step < 2 else 0.0,
-                                   queue_at_start=5 if step < 2 else 10,
-                                   final_of_burst=step == 3))
+        ctl.handle(
+            TrainerStepDone(
+                1.0 + step,
+                step,
+                wait_s=5.0 if step < 2 else 0.0,
+                queue_at_start=5 if step < 2 else 10,
+                final_of_burst=step == 3,
+            )
+        )
     ctl.handle(WeightSyncDone(10.0, 1))
     assert hooks.per_sample_time_s == 1.0  # 10 s / 10 samples, not the 1000 s prior
     assert hooks.deactivate_ratio == 0.1  # waited: the ratio grows by clip(10/40, .02, .1)

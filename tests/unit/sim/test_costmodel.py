@@ -16,8 +16,10 @@ from tidal.sim.workloads import ClassWorkload
 from tidal.testing.sim_scenarios import tiny_scenario
 
 
-@pytest.mark.parametrize(("name", "total_b", "active_b"), [
-    ("qwen2.5-7b", 7.6, 7.6), ("qwen3-30b-a3b", 30.5, 3.3), ("qwen3.5-35b-a3b", 35.0, 3.0)])
+@pytest.mark.parametrize(
+    ("name", "total_b", "active_b"),
+    [("qwen2.5-7b", 7.6, 7.6), ("qwen3-30b-a3b", 30.5, 3.3), ("qwen3.5-35b-a3b", 35.0, 3.0)],
+)
 def test_parameter_counts_match_the_published_sizes(name, total_b, active_b):
     m = load_model(name)
     assert m.total_params / 1e9 == pytest.approx(total_b, rel=0.05)
@@ -36,15 +38,26 @@ def test_bad_profiles_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="num_hidden_layers"):
         model_from_config({"hidden_size": 8, "num_attention_heads": 2, "vocab_size": 8}, "x")
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 100,
-                               "num_attention_heads": 4, "intermediate_size": 128}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "vocab_size": 100,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+            }
+        )
+    )
     assert load_model(str(cfg)).total_params == pytest.approx(
-        2 * 100 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128))
+        2 * 100 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128)
+    )
 
 
 def engine(mem_fraction=0.85, gpu="H20", tp=8):
-    return perf.build_engine(load_gpu(gpu), load_model("qwen3.5-35b-a3b"), tp, mem_fraction,
-                             0.27, 0.44, 0.003)
+    return perf.build_engine(
+        load_gpu(gpu), load_model("qwen3.5-35b-a3b"), tp, mem_fraction, 0.27, 0.44, 0.003
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -56,8 +69,10 @@ def test_decode_roofline_keeps_the_oracles_bounds(n, ctx, mem):
     assert e.seq_rate(n + 1, (n + 1) * ctx) <= r  # more sequences never speed one up
     assert e.seq_rate(n, n * (ctx + 1000)) <= r  # nor does more context
     # Throughput never falls with the batch and never beats the zero-context peak.
-    assert e.throughput_tok_s(n + 1, ctx) >= e.throughput_tok_s(n, ctx) * (1 - 1e-9) \
+    assert (
+        e.throughput_tok_s(n + 1, ctx) >= e.throughput_tok_s(n, ctx) * (1 - 1e-9)
         or e.kv_capacity_seqs(ctx) < n + 1
+    )
     assert e.throughput_tok_s(n, ctx) <= e.throughput_tok_s(n, 0.0) * (1 + 1e-9)
 
 
@@ -93,12 +108,14 @@ def test_resolve_derives_speeds_and_is_idempotent():
     with_ref = sc.model_copy(update={"costmodel": cm.model_copy(update={"ref_log_prob": True})})
     # fwd+bwd (3) + recompute (1) + old log-probs (1) = 5 passes; a reference pass makes 6.
     assert perf.resolve(with_ref).trainer.train_tok_s_per_gpu == pytest.approx(
-        r.trainer.train_tok_s_per_gpu * 5 / 6)
+        r.trainer.train_tok_s_per_gpu * 5 / 6
+    )
 
 
 def test_drift_lengthens_responses_in_draw_order():
-    cls = ExecutionClass(decode_tokens={"median": 1000, "sigma": 0.0},
-                         drift=Drift(decode_growth_per_step=0.5))
+    cls = ExecutionClass(
+        decode_tokens={"median": 1000, "sigma": 0.0}, drift=Drift(decode_growth_per_step=0.5)
+    )
     wl = ClassWorkload([cls], 3, batch_groups=2)
     lengths = [wl.group(2)[0].decode_tokens for _ in range(6)]
     assert lengths == [1000, 1250, 1500, 1750, 2000, 2250]
@@ -123,8 +140,15 @@ def test_unknown_mechanics_is_an_error():
 
 def test_without_partial_rollout_an_aborted_turn_starts_over():
     base = tiny_scenario(control={"bursts": 3})
-    off = base.model_copy(update={"profiles": {"verl-default": base.profile_for(
-        "verl-default").model_copy(update={"partial_rollout": False})}})
+    off = base.model_copy(
+        update={
+            "profiles": {
+                "verl-default": base.profile_for("verl-default").model_copy(
+                    update={"partial_rollout": False}
+                )
+            }
+        }
+    )
     kept = run_policy(base, "verl-default", keep_log=False).summary
     lost = run_policy(off, "verl-default", keep_log=False).summary
     assert kept["wasted_tokens"] == 0 < lost["wasted_tokens"]
@@ -134,9 +158,11 @@ def test_a_scenario_with_an_unknown_gpu_is_refused_at_load(tmp_path):
     from tidal.sim.scenario import load as load_scenario
 
     f = tmp_path / "bad.yaml"
-    f.write_text("name: bad\ncluster: {cell_count: 1}\ncontrol: {bursts: 1}\n"
-                 "costmodel: {gpu: Z9, model: qwen2.5-7b, "
-                 "efficiency: {decode: 0.3, mfu: 0.4}}\n")
+    f.write_text(
+        "name: bad\ncluster: {cell_count: 1}\ncontrol: {bursts: 1}\n"
+        "costmodel: {gpu: Z9, model: qwen2.5-7b, "
+        "efficiency: {decode: 0.3, mfu: 0.4}}\n"
+    )
     with pytest.raises(ConfigError, match="unknown GPU 'Z9'"):
         load_scenario(str(f))
 

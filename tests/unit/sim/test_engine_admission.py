@@ -23,12 +23,17 @@ def specs(cells: int, standalone: int) -> list[str]:
     cells = cells if standalone else cells - 1
     out: list[str] = []
     for name in sorted(registered()):
-        out += sorted({"static:cells=1", f"static:cells={cells}"}) if name == "static" \
-            else [name]
+        out += sorted({"static:cells=1", f"static:cells={cells}"}) if name == "static" else [name]
     return out
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "remove", "finish"]),
-                         st.integers(0, 3), st.floats(1.0, 500.0)), min_size=1, max_size=60)
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "remove", "finish"]), st.integers(0, 3), st.floats(1.0, 500.0)
+    ),
+    min_size=1,
+    max_size=60,
+)
 
 
 @settings(max_examples=80, deadline=None)
@@ -81,9 +86,16 @@ def test_world_keeps_the_invariants_with_admission_on():
 def test_no_policy_beats_the_bound_with_admission_on(scenario, rule):
     factor, bursts = CASES[scenario]
     base = load(scenario).scaled(factor, bursts=bursts)
-    sc = base.model_copy(update={"control": base.control.model_copy(
-        update={"admission": rule, "admission_order": "shortest_remaining"
-                if rule == 0.02 else "longest_waiting"})})
+    sc = base.model_copy(
+        update={
+            "control": base.control.model_copy(
+                update={
+                    "admission": rule,
+                    "admission_order": "shortest_remaining" if rule == 0.02 else "longest_waiting",
+                }
+            )
+        }
+    )
     bound = oracle_bound(sc)
     for spec in specs(len(sc.cluster.cell_specs()), sc.cluster.standalone_count):
         res = run_policy(sc, spec, oracle=bound, keep_log=False)

@@ -59,8 +59,9 @@ def test_the_decode_meter_reads_tokens_and_sequence_seconds_without_advancing():
 def test_a_prefill_with_a_rounding_hair_left_finishes_at_its_due_time():
     """Its timer fires at ``now`` (``t + 3e-18 == t``): the prefill must end there, or the
     timer re-fires at ``now`` for ever (a generated scenario hung so)."""
-    e = Engine("e", gpus=8, slots=64, throughput_tok_s=1000.0, seq_cap_tok_s=100.0,
-               prefill_equiv=1.0)
+    e = Engine(
+        "e", gpus=8, slots=64, throughput_tok_s=1000.0, seq_cap_tok_s=100.0, prefill_equiv=1.0
+    )
     e.add(1, 100.0, now=0.0, ctx_tokens=100.0, prefill_tokens=100.0)
     assert e.prefilling == 1
     due = e.next_finish()

@@ -27,10 +27,23 @@ CAL = RUNS / "tiny-calibration"
 def _lines(rows: list[dict]) -> list[ExecutionLine]:
     """Rows as the run directory's line models (what the fits read), the fields a row here
     leaves out at neutral values."""
-    return [ExecutionLine.model_validate({
-        "execution": "e", "group": "g", "burst": None, "reason": "completed", "reward": 0.0,
-        **r, "calls": [{"prompt_tokens": 0, "output_tokens": 0, "engines": [], **c}
-                       for c in r.get("calls", [])]}) for r in rows]
+    return [
+        ExecutionLine.model_validate(
+            {
+                "execution": "e",
+                "group": "g",
+                "burst": None,
+                "reason": "completed",
+                "reward": 0.0,
+                **r,
+                "calls": [
+                    {"prompt_tokens": 0, "output_tokens": 0, "engines": [], **c}
+                    for c in r.get("calls", [])
+                ],
+            }
+        )
+        for r in rows
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +55,12 @@ def test_cluster_control_and_mechanics_come_from_the_config(fitted):
     sc, _ = fitted
     assert sc.cluster.cell_count == 2 and sc.cluster.standalone_count == 1
     assert sc.cluster.cell_slots == 4 and sc.cluster.standalone_slots == 4
-    assert (sc.control.group_size, sc.control.batch_groups, sc.control.updates_per_burst,
-            sc.control.bursts) == (4, 3, 2, 2)
+    assert (
+        sc.control.group_size,
+        sc.control.batch_groups,
+        sc.control.updates_per_burst,
+        sc.control.bursts,
+    ) == (4, 3, 2, 2)
     assert sc.control.supply_fraction == 0.6 and sc.control.supply_hold_s == 0.2
     assert sc.policies == ["waterlevel"]
     prof = sc.profile_for("waterlevel")
@@ -57,23 +74,43 @@ def test_cluster_control_and_mechanics_come_from_the_config(fitted):
 
 
 def test_dispatch_interval_is_the_mean_gap_within_bursts():
-    execs = [{"burst": b, "group": f"b{b}g{g}", "dispatched_s": t}
-             for b, g, t in [(0, 0, 0.0), (0, 1, 0.5), (0, 2, 1.5), (1, 0, 10.0), (1, 1, 10.5)]]
+    execs = [
+        {"burst": b, "group": f"b{b}g{g}", "dispatched_s": t}
+        for b, g, t in [(0, 0, 0.0), (0, 1, 0.5), (0, 2, 1.5), (1, 0, 10.0), (1, 1, 10.5)]
+    ]
     assert dispatch_interval_s(_lines(execs), 0.4) == pytest.approx((0.5 + 1.0 + 0.5) / 3, abs=1e-4)
     assert dispatch_interval_s(_lines(execs), 0.0) == 0.0  # all at once stays all at once
 
 
 def test_trace_lines_replay_the_calls_of_each_execution():
-    execs = [{"execution": "e0", "group": "g", "reward": 1.0, "calls": [
-        {"prompt_tokens": 100, "output_tokens": 20, "tool_s": 0.5},
-        {"prompt_tokens": 150, "output_tokens": 10, "tool_s": 0.1}]}]
+    execs = [
+        {
+            "execution": "e0",
+            "group": "g",
+            "reward": 1.0,
+            "calls": [
+                {"prompt_tokens": 100, "output_tokens": 20, "tool_s": 0.5},
+                {"prompt_tokens": 150, "output_tokens": 10, "tool_s": 0.1},
+            ],
+        }
+    ]
     (line,) = trace_lines(_lines(execs))  # untimed calls: their tool steps, no setup
     assert line["prompt_tokens"] == 100 and line["reward"] == 1.0 and line["setup_s"] == 0.0
-    assert line["turns"] == [{"decode_tokens": 20, "tool_s": 0.5, "tool_output_tokens": 30},
-                             {"decode_tokens": 10, "tool_s": 0.1, "tool_output_tokens": 0}]
-    timed = [{**execs[0], "launched_s": 1.0, "closed_s": 6.0, "calls": [
-        {**execs[0]["calls"][0], "start_s": 1.25, "call_s": 2.0},
-        {**execs[0]["calls"][1], "start_s": 4.0, "call_s": 1.5}]}]
+    assert line["turns"] == [
+        {"decode_tokens": 20, "tool_s": 0.5, "tool_output_tokens": 30},
+        {"decode_tokens": 10, "tool_s": 0.1, "tool_output_tokens": 0},
+    ]
+    timed = [
+        {
+            **execs[0],
+            "launched_s": 1.0,
+            "closed_s": 6.0,
+            "calls": [
+                {**execs[0]["calls"][0], "start_s": 1.25, "call_s": 2.0},
+                {**execs[0]["calls"][1], "start_s": 4.0, "call_s": 1.5},
+            ],
+        }
+    ]
     (line,) = trace_lines(_lines(timed))  # launch 1.0, calls 1.25-3.25 and 4.0-5.5, close 6.0
     assert line["setup_s"] == 0.25
     assert [t["tool_s"] for t in line["turns"]] == [0.75, 0.5]
@@ -90,12 +127,14 @@ def test_trainer_overheads_and_publication_by_hand(fitted):
     assert sc.costs.sync_s == pytest.approx(sum(finals) / 2 - o, abs=1e-4)
     # The four steps do not fit a line with a positive intercept: the flat ratio is used.
     # Work = final context (last prompt + last output) of every execution: 4164 tokens.
-    tokens = sum(json.loads(x)["calls"][-1]["prompt_tokens"]
-                 + json.loads(x)["calls"][-1]["output_tokens"]
-                 for x in (CAL / "executions.jsonl").read_text().splitlines())
+    tokens = sum(
+        json.loads(x)["calls"][-1]["prompt_tokens"] + json.loads(x)["calls"][-1]["output_tokens"]
+        for x in (CAL / "executions.jsonl").read_text().splitlines()
+    )
     assert tokens == 4164
-    assert sc.trainer.train_tok_s_per_gpu == pytest.approx(4164 / (0.428 + 0.285 + 0.357 + 0.277),
-                                                           rel=1e-4)
+    assert sc.trainer.train_tok_s_per_gpu == pytest.approx(
+        4164 / (0.428 + 0.285 + 0.357 + 0.277), rel=1e-4
+    )
     assert sc.trainer.optimizer_s == pytest.approx(o, abs=1e-4)
 
 
@@ -120,10 +159,10 @@ def test_workload_from_the_executions(fitted):
 
 
 def test_dist_is_median_log_std_max_min():
-    d = dist([1.0, math.e, math.e ** 2])
+    d = dist([1.0, math.e, math.e**2])
     assert d["median"] == pytest.approx(math.e, abs=1e-4)
     assert d["sigma"] == pytest.approx(math.sqrt(2 / 3), abs=1e-4)
-    assert (d["cap"], d["lo"]) == (pytest.approx(math.e ** 2, abs=1e-4), 1.0)
+    assert (d["cap"], d["lo"]) == (pytest.approx(math.e**2, abs=1e-4), 1.0)
 
 
 def _calls(t_s: float, c_s: float, h_s: float):
@@ -141,9 +180,22 @@ def _calls(t_s: float, c_s: float, h_s: float):
             longest = max(longest, d)
             for _ in range(n):
                 k += 1
-                execs.append({"execution": f"e{k}", "group": f"g{k}", "reason": "completed",
-                              "calls": [{"prompt_tokens": 10, "output_tokens": 60,
-                                         "engines": [eng], "start_s": t, "call_s": d}]})
+                execs.append(
+                    {
+                        "execution": f"e{k}",
+                        "group": f"g{k}",
+                        "reason": "completed",
+                        "calls": [
+                            {
+                                "prompt_tokens": 10,
+                                "output_tokens": 60,
+                                "engines": [eng],
+                                "start_s": t,
+                                "call_s": d,
+                            }
+                        ],
+                    }
+                )
         t += longest
     return execs
 
@@ -262,20 +314,24 @@ def test_timed_steps_give_the_optimizer_time_and_the_compute_rate_directly():
     execs = [json.loads(x) for x in (CAL / "executions.jsonl").read_text().splitlines()]
     metrics = [json.loads(x) for x in (CAL / "metrics.jsonl").read_text().splitlines()]
     base, base_publish, _ = fit_trainer(metrics, _lines(execs), 2, shared_host=False)
-    timed = [dict(m, compute_s=c, update_s=u) for m, c, u in
-             zip(metrics, (0.3, 0.2, 0.25, 0.2), (0.1, 0.15, 0.12, 0.17), strict=True)]
+    timed = [
+        dict(m, compute_s=c, update_s=u)
+        for m, c, u in zip(metrics, (0.3, 0.2, 0.25, 0.2), (0.1, 0.15, 0.12, 0.17), strict=True)
+    ]
     fit, publish, notes = fit_trainer(timed, _lines(execs), 2, shared_host=False)
     assert notes["from"] == "timed steps" and notes["step_intercept_s"] == pytest.approx(0.11)
     assert fit["optimizer_s"] == pytest.approx(0.11 + notes["between_steps_s"], abs=1e-4)
     assert publish == pytest.approx(base_publish + (0.16 - 0.11), abs=1e-4)
     eff = fit["scaling_efficiency"]
-    work = sum(json.loads(x)["calls"][-1]["prompt_tokens"]
-               + json.loads(x)["calls"][-1]["output_tokens"]
-               for x in (CAL / "executions.jsonl").read_text().splitlines())
+    work = sum(
+        json.loads(x)["calls"][-1]["prompt_tokens"] + json.loads(x)["calls"][-1]["output_tokens"]
+        for x in (CAL / "executions.jsonl").read_text().splitlines()
+    )
     cells = [1 + len(m.get("satellites") or []) for m in metrics]
     assert len(set(cells)) == 1  # one cell count in the fixture: the rate is a plain ratio
     assert fit["train_tok_s_per_gpu"] == pytest.approx(
-        work / speedup(cells[0], eff) / 0.95, rel=1e-3)
+        work / speedup(cells[0], eff) / 0.95, rel=1e-3
+    )
     assert base["train_tok_s_per_gpu"] != fit["train_tok_s_per_gpu"]
 
 
@@ -297,9 +353,17 @@ def test_the_cores_micro_steps_give_one_cells_speed_and_more_cells_the_efficienc
         n = 2 if k % 2 else 1  # odd steps ran on the core + one satellite
         # the core did half the work on two cells; two cells took 0.6 of one cell's time
         share, compute = (0.5, 0.6 * w / r1) if n == 2 else (1.0, w / r1)
-        steps.append(dict(m, satellites=[1] if n == 2 else [], compute_s=compute,
-                          update_s=0.1, n_tokens=100, core_tokens=round(100 * share),
-                          core_compute_s=share * w / r1))
+        steps.append(
+            dict(
+                m,
+                satellites=[1] if n == 2 else [],
+                compute_s=compute,
+                update_s=0.1,
+                n_tokens=100,
+                core_tokens=round(100 * share),
+                core_compute_s=share * w / r1,
+            )
+        )
     fit, _, _ = fit_trainer(steps, _lines(execs), 2, shared_host=False)
     assert fit["train_tok_s_per_gpu"] == pytest.approx(r1, rel=1e-3)
     # speed-up 1 / 0.6 on two cells = 2 * e: e = 0.8333

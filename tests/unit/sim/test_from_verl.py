@@ -8,14 +8,23 @@ from tidal.errors import ConfigError
 from tidal.sim.from_verl import expected_max_normal, read_verl_log, scenario_from_verl
 from tidal.testing.verl_logs import verl_rows, write_verl_log
 
-TRUTH = {"samples": 128, "gpus": 16, "median": 3000.0, "sigma": 0.6, "cap": 16384.0,
-         "prompt": 400, "tok_s_per_gpu": 900.0, "seq_cap": 60.0,
-         "train_tok_s_per_gpu": 2500.0, "sync_s": 4.0}
+TRUTH = {
+    "samples": 128,
+    "gpus": 16,
+    "median": 3000.0,
+    "sigma": 0.6,
+    "cap": 16384.0,
+    "prompt": 400,
+    "tok_s_per_gpu": 900.0,
+    "seq_cap": 60.0,
+    "train_tok_s_per_gpu": 2500.0,
+    "sync_s": 4.0,
+}
 
 
 def test_expected_max_of_normals():
     assert expected_max_normal(1) == 0.0
-    assert expected_max_normal(2) == pytest.approx(1 / 3.14159265 ** 0.5, rel=1e-4)
+    assert expected_max_normal(2) == pytest.approx(1 / 3.14159265**0.5, rel=1e-4)
     assert expected_max_normal(100) == pytest.approx(2.5076, abs=1e-3)
 
 

@@ -53,10 +53,14 @@ def bound_before(sc: Scenario) -> float:
     cl, eng, tr, ctrl = sc.cluster, sc.engine, sc.trainer, sc.control
     gpus = sum(c.gpus for c in cl.cell_specs()) + cl.standalone_count * cl.standalone_gpus
     slots = sum(c.slots for c in cl.cell_specs()) + cl.standalone_count * cl.standalone_slots
-    stale = max([sc.sim.staleness_threshold]
-                + [p.staleness_threshold for p in (*MECHANICS_SETS.values(),
-                                                   *sc.profiles.values())
-                   if p.staleness_threshold is not None])
+    stale = max(
+        [sc.sim.staleness_threshold]
+        + [
+            p.staleness_threshold
+            for p in (*MECHANICS_SETS.values(), *sc.profiles.values())
+            if p.staleness_threshold is not None
+        ]
+    )
     steps, n = sc.total_steps, sc.total_steps * ctrl.batch_groups
     budget = dispatch_budget(ctrl.batch_groups, stale, ctrl.updates_per_burst)
     m = max(n, n - ctrl.batch_groups * ctrl.updates_per_burst + budget)
@@ -65,8 +69,9 @@ def bound_before(sc: Scenario) -> float:
     for _ in range(m):
         roll = train = longest = slot_s = tok = 0.0
         for spec in wl.group(ctrl.group_size):
-            roll += (spec.decode_tokens + spec.prefill_tokens * eng.prefill_equiv) \
-                / eng.decode_tok_s_per_gpu + kv_context_tokens(spec) * eng.kv_gpu_s_per_ctx_token
+            roll += (
+                spec.decode_tokens + spec.prefill_tokens * eng.prefill_equiv
+            ) / eng.decode_tok_s_per_gpu + kv_context_tokens(spec) * eng.kv_gpu_s_per_ctx_token
             train += train_work_tokens(spec.train_tokens, tr) / tr.train_tok_s_per_gpu
             d = spec.min_duration_s(eng.seq_cap_tok_s)
             if spec.timeout_s is not None:
@@ -79,8 +84,10 @@ def bound_before(sc: Scenario) -> float:
         duration.append(longest)
         held.append(slot_s)
     one_batch_s = sum(sorted(tokens)[:n]) / steps / (tr.train_tok_s_per_gpu * gpus)
-    critical = max(sorted(duration)[n - 1] + one_batch_s + tr.optimizer_s,
-                   steps * (one_batch_s + tr.optimizer_s))
+    critical = max(
+        sorted(duration)[n - 1] + one_batch_s + tr.optimizer_s,
+        steps * (one_batch_s + tr.optimizer_s),
+    )
     return max(sum(sorted(work)[:n]) / gpus, critical, sum(sorted(held)[:n]) / slots)
 
 
@@ -90,8 +97,7 @@ def specs(cells: int, standalone: int = 1) -> list[str]:
     cells = cells if standalone else cells - 1
     out = []
     for name in sorted(registered()):
-        out += sorted({"static:cells=1", f"static:cells={cells}"}) if name == "static" \
-            else [name]
+        out += sorted({"static:cells=1", f"static:cells={cells}"}) if name == "static" else [name]
     return out
 
 
@@ -102,8 +108,9 @@ def test_no_policy_finishes_below_the_bound(scenario, seed):
     sc = load(scenario).scaled(factor, bursts=bursts).model_copy(update={"seed": seed})
     bound = oracle_bound(sc)
     assert bound.makespan_s >= bound.legacy_s == pytest.approx(bound_before(sc), rel=1e-9)
-    assert bound.makespan_s == max(bound.work_s, bound.critical_path_s, bound.slots_s,
-                                   bound.trainer_lp_s, bound.pipeline_s)
+    assert bound.makespan_s == max(
+        bound.work_s, bound.critical_path_s, bound.slots_s, bound.trainer_lp_s, bound.pipeline_s
+    )
     for spec in specs(len(sc.cluster.cell_specs()), sc.cluster.standalone_count):
         makespan = run_policy(sc, spec, oracle=bound, keep_log=False).summary["makespan_s"]
         assert makespan >= bound.makespan_s, (spec, makespan, bound)
@@ -122,8 +129,7 @@ def sync_heavy(seed: int) -> Scenario:
 def f7_holds(sc: Scenario) -> bool:
     sc = perf.resolve(sc)
     cand = draw_candidates(sc)
-    step_min_s = sum(sorted(cand.train_tok_timeout)[:sc.control.batch_groups]) \
-        / hull_rate_max(sc)
+    step_min_s = sum(sorted(cand.train_tok_timeout)[: sc.control.batch_groups]) / hull_rate_max(sc)
     return sync_stops_every_cell(sc, step_min_s, cand.max_context_tokens)
 
 
@@ -168,9 +174,10 @@ def test_training_hull_time_shares_cells():
 def test_pipeline_waits_for_the_budget_and_the_cap():
     # One group per step, budget = one version: each version's group cannot start before the
     # previous update is published, so the versions add up.
-    sc = tiny_scenario(control={"group_size": 1, "batch_groups": 1, "updates_per_burst": 1,
-                                "bursts": 3},
-                       sim={"staleness_threshold": 0.0})
+    sc = tiny_scenario(
+        control={"group_size": 1, "batch_groups": 1, "updates_per_burst": 1, "bursts": 3},
+        sim={"staleness_threshold": 0.0},
+    )
     fastest = [100.0, 10.0, 10.0, 10.0]
     tokens = [1.0] * 4
     end = pipeline_bound(sc, fastest, tokens)
@@ -183,8 +190,7 @@ def test_pipeline_waits_for_the_budget_and_the_cap():
 @pytest.mark.parametrize("scenario", ["dapo-math-32gpu", "qwengyre-long-tail"])
 def test_no_policy_beats_the_bound_under_any_mechanics(scenario, mechanics):
     factor, bursts = CASES[scenario]
-    sc = load(scenario).scaled(factor, bursts=bursts).model_copy(
-        update={"mechanics": mechanics})
+    sc = load(scenario).scaled(factor, bursts=bursts).model_copy(update={"mechanics": mechanics})
     bound = oracle_bound(sc)
     for spec in specs(len(sc.cluster.cell_specs()), sc.cluster.standalone_count):
         makespan = run_policy(sc, spec, oracle=bound, keep_log=False).summary["makespan_s"]

@@ -11,8 +11,9 @@ from tidal.sim.scenario import CostModelConfig, Dist, TrainerConfig, train_work_
 
 
 def _cm(**kw):
-    return CostModelConfig(gpu="H20", model="qwen2.5-7b", engine_tp=4,
-                           efficiency={"decode": 0.3, "mfu": 0.4}, **kw)
+    return CostModelConfig(
+        gpu="H20", model="qwen2.5-7b", engine_tp=4, efficiency={"decode": 0.3, "mfu": 0.4}, **kw
+    )
 
 
 def test_qwen2_5_7b_training_flops_match_the_hand_computation():
@@ -38,7 +39,8 @@ def test_the_trainers_token_equivalents_carry_the_same_flops():
     tr = TrainerConfig(attn_tokens_per_pair=perf.attn_tokens_per_pair(load_model(cm.model)))
     for tokens in (300, 4_000, 28_672):
         assert train_work_tokens(tokens, tr) * perf.train_flops_per_token(cm) == pytest.approx(
-            perf.train_sequence_flops(cm, tokens), rel=1e-12)
+            perf.train_sequence_flops(cm, tokens), rel=1e-12
+        )
     # attention adds 1.4% to a 1K-token sample of the 7B and 41% to a 28K one
     assert train_work_tokens(1000, tr) / 1000 == pytest.approx(1.0142, abs=1e-4)
     assert train_work_tokens(28_672, tr) / 28_672 == pytest.approx(1.4070, abs=1e-3)
@@ -47,8 +49,13 @@ def test_the_trainers_token_equivalents_carry_the_same_flops():
 def test_a_tied_embedding_stays_a_matmul():
     from tidal.sim.profiles import model_from_config
 
-    cfg = {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 100,
-           "num_attention_heads": 4, "intermediate_size": 128}
+    cfg = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "vocab_size": 100,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+    }
     untied = model_from_config(cfg, "u")
     tied = model_from_config({**cfg, "tie_word_embeddings": True}, "t")
     assert untied.matmul_params == tied.matmul_params == tied.active_params
@@ -58,8 +65,9 @@ def test_a_tied_embedding_stays_a_matmul():
 def test_a_published_mean_length_gives_the_median():
     d = Dist(mean=12_720, sigma=0.75, cap=32_768)
     z = np.random.default_rng(0).standard_normal(1_000_000)
-    assert np.minimum(d.median * np.exp(0.75 * z), 32_768).mean() == pytest.approx(12_720,
-                                                                                  rel=0.002)
+    assert np.minimum(d.median * np.exp(0.75 * z), 32_768).mean() == pytest.approx(
+        12_720, rel=0.002
+    )
     assert Dist(**d.model_dump()).median == d.median  # round-trips
     with pytest.raises(ValueError, match="not both"):
         Dist(mean=12_720, median=5_000, sigma=0.75, cap=32_768)

@@ -174,8 +174,15 @@ def test_published_files_define_scenarios_inline_and_compare_speed_ups(tmp_path,
 def test_a_bad_inline_scenario_or_row_names_its_field(tmp_path):
     f = _published(
         tmp_path,
-        [{"id": "r", "scenario": "nowhere", "policy": "tidal", "published": 1.0,
-          "workload": "known"}],
+        [
+            {
+                "id": "r",
+                "scenario": "nowhere",
+                "policy": "tidal",
+                "published": 1.0,
+                "workload": "known",
+            }
+        ],
     )
     with pytest.raises(ConfigError, match="nowhere"):
         P.load(str(f))

@@ -20,8 +20,9 @@ def test_previously_stuck_generated_scenario_trains_every_group(mechanics):
     sc = generate(2026, 37).scaled(1.0, bursts=2).model_copy(update={"mechanics": mechanics})
     ob = oracle_bound(sc)
     # a stuck run raises SimulationError once virtual time passes the limit
-    sc = sc.model_copy(update={"sim": sc.sim.model_copy(
-        update={"max_virtual_s": 20 * ob.makespan_s})})
+    sc = sc.model_copy(
+        update={"sim": sc.sim.model_copy(update={"max_virtual_s": 20 * ob.makespan_s})}
+    )
     res = run_policy(sc, "waterlevel", oracle=ob, check=True, keep_log=False)
     s, lg = res.summary, res.world.ledger
     assert s["trainer_steps"] == sc.total_steps

@@ -29,8 +29,11 @@ def test_group_share_correlates_lengths_within_a_group():
 
 
 def test_multi_turn_executions_have_tools_between_turns_only():
-    cls = ExecutionClass(turns=Dist(median=5, sigma=0.0), tool_s=Dist(median=2.0),
-                         tool_output_tokens=Dist(median=100))
+    cls = ExecutionClass(
+        turns=Dist(median=5, sigma=0.0),
+        tool_s=Dist(median=2.0),
+        tool_output_tokens=Dist(median=100),
+    )
     spec = ClassWorkload([cls], 0).group(1)[0]
     assert len(spec.turns) == 5
     assert spec.turns[-1][1] == 0.0 and spec.turns[-1][2] == 0
@@ -41,8 +44,9 @@ def test_trace_round_trip_and_cycling(tmp_path):
     groups = [ClassWorkload([ExecutionClass()], 2).group(3) for _ in range(2)]
     path = tmp_path / "t.jsonl"
     write_trace(path, groups)
-    assert [[s.turns for s in g] for g in load_trace(path)] == \
-        [[s.turns for s in g] for g in groups]
+    assert [[s.turns for s in g] for g in load_trace(path)] == [
+        [s.turns for s in g] for g in groups
+    ]
     wl = TraceWorkload(path)
     assert [wl.group(3) for _ in range(3)][2][0].turns == groups[0][0].turns
 

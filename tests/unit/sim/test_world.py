@@ -9,8 +9,16 @@ from tidal.sim.runner import compare, run_policy
 from tidal.sim.world import SimulationError, World
 from tidal.testing.sim_scenarios import tiny_scenario as tiny
 
-SUMMARY_FIELDS = ("policy", "makespan_s", "oracle_makespan_s", "train_utilization",
-                  "rollout_utilization", "cluster_utilization", "switches", "reroutes")
+SUMMARY_FIELDS = (
+    "policy",
+    "makespan_s",
+    "oracle_makespan_s",
+    "train_utilization",
+    "rollout_utilization",
+    "cluster_utilization",
+    "switches",
+    "reroutes",
+)
 
 
 def specs():
@@ -35,11 +43,19 @@ def test_every_policy_finishes_with_invariants_checked_at_every_event(spec):
 
 
 def test_multi_turn_agents_with_timeouts_keep_invariants():
-    sc = tiny(workload={"classes": [{"turns": {"median": 6, "sigma": 0.5},
-                                     "decode_tokens": {"median": 300, "sigma": 0.8},
-                                     "tool_s": {"median": 2.0, "sigma": 1.5, "cap": 200},
-                                     "tool_output_tokens": {"median": 300},
-                                     "timeout_s": 120.0}]})
+    sc = tiny(
+        workload={
+            "classes": [
+                {
+                    "turns": {"median": 6, "sigma": 0.5},
+                    "decode_tokens": {"median": 300, "sigma": 0.8},
+                    "tool_s": {"median": 2.0, "sigma": 1.5, "cap": 200},
+                    "tool_output_tokens": {"median": 300},
+                    "timeout_s": 120.0,
+                }
+            ]
+        }
+    )
     for spec in ("verl-default", "waterlevel", "tidal"):
         res = run_policy(sc, spec, check=True)
         assert res.summary["trainer_steps"] == sc.total_steps
@@ -57,8 +73,11 @@ def test_moves_reroute_live_executions_and_kv_handoff_saves_prefill():
 
     base = load("dapo-math-32gpu").scaled(1.0, bursts=3)
     with_kv = base.model_copy(update={"profiles": {"tidal": MECHANICS_SETS["tidal"]}})
-    no_kv = base.model_copy(update={"profiles": {"tidal": MECHANICS_SETS["tidal"].model_copy(
-        update={"kv_handoff": False})}})
+    no_kv = base.model_copy(
+        update={
+            "profiles": {"tidal": MECHANICS_SETS["tidal"].model_copy(update={"kv_handoff": False})}
+        }
+    )
     a = run_policy(with_kv, "tidal", check=True).summary
     b = run_policy(no_kv, "tidal", check=True).summary
     assert a["switches"] > 0 and a["reroutes"] > 0 and b["reroutes"] > 0
@@ -110,13 +129,20 @@ def test_trace_replay(tmp_path):
 
 
 def test_max_policy_lag_restarts_executions_that_fall_too_far_behind():
-    agents = {"classes": [{"turns": {"median": 8, "sigma": 0.8},
-                           "decode_tokens": {"median": 300, "sigma": 0.8},
-                           "tool_s": {"median": 20.0, "sigma": 1.0, "cap": 300},
-                           "tool_output_tokens": {"median": 200}}]}
+    agents = {
+        "classes": [
+            {
+                "turns": {"median": 8, "sigma": 0.8},
+                "decode_tokens": {"median": 300, "sigma": 0.8},
+                "tool_s": {"median": 20.0, "sigma": 1.0, "cap": 300},
+                "tool_output_tokens": {"median": 200},
+            }
+        ]
+    }
     free = run_policy(tiny(workload=agents), "tidal", check=True).summary
-    bounded = run_policy(tiny(workload=agents, sim={"max_policy_lag": 1}), "tidal",
-                         check=True).summary
+    bounded = run_policy(
+        tiny(workload=agents, sim={"max_policy_lag": 1}), "tidal", check=True
+    ).summary
     assert free["wasted_tokens"] == 0
     assert bounded["wasted_tokens"] > 0
     assert bounded["trainer_steps"] == free["trainer_steps"]
@@ -135,8 +161,7 @@ def test_failing_plan_steps_are_retried_or_aborted_and_nothing_is_lost(spec):
     from tidal.sim.scenario import load
 
     base = load("dapo-math-32gpu").scaled(1.0, bursts=3)
-    sc = base.model_copy(update={"sim": base.sim.model_copy(
-        update={"step_failure_rate": 0.35})})
+    sc = base.model_copy(update={"sim": base.sim.model_copy(update={"step_failure_rate": 0.35})})
     res = run_policy(sc, spec, check=True)
     assert res.summary["trainer_steps"] == sc.total_steps
     assert res.world.actuator.failures > 0

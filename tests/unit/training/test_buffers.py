@@ -20,34 +20,37 @@ from tidal.training.trajectory_buffer import (
 )
 
 
-def rec(eid: str, gid: str, version: int = 0, reward: float = 0.0, n_out: int = 5,
-        n_prompt: int = 3) -> ExecutionRecord:
-    return single_call_record(eid, gid, list(range(1, n_prompt + 1)), [7] * n_out,
-                              [-1.0] * n_out, version, reward)
+def rec(
+    eid: str, gid: str, version: int = 0, reward: float = 0.0, n_out: int = 5, n_prompt: int = 3
+) -> ExecutionRecord:
+    return single_call_record(
+        eid, gid, list(range(1, n_prompt + 1)), [7] * n_out, [-1.0] * n_out, version, reward
+    )
 
 
-def _call(prompt: list[int], out: list[int], logprobs: list[float],
-          versions: list[str]) -> CallRecord:
-    seg = Segment(engine_id="e0", request_id="r", token_ids=out, logprobs=logprobs,
-                  versions=versions)
+def _call(
+    prompt: list[int], out: list[int], logprobs: list[float], versions: list[str]
+) -> CallRecord:
+    seg = Segment(
+        engine_id="e0", request_id="r", token_ids=out, logprobs=logprobs, versions=versions
+    )
     return CallRecord(prompt_token_ids=prompt, segments=[seg])
 
 
 def test_multi_turn_record_chains_calls_and_masks_injected_tokens():
     calls = [
-        _call([1, 2], [3, 4], [-.1, -.2], ["v3", "v4"]),
+        _call([1, 2], [3, 4], [-0.1, -0.2], ["v3", "v4"]),
         # The harness appends a tool result (5, 6) before the next call: context, not trainable.
-        _call([1, 2, 3, 4, 5, 6], [7], [-.3], ["v4"]),
+        _call([1, 2, 3, 4, 5, 6], [7], [-0.3], ["v4"]),
         # Context compaction: the prompt no longer extends the stream -> a new sequence.
-        _call([9, 7], [8], [-.4], ["v5"]),
+        _call([9, 7], [8], [-0.4], ["v5"]),
     ]
-    r = ExecutionRecord(execution_id="e", group_id="g", calls=calls, reward=1.0,
-                        reason="timeout")
+    r = ExecutionRecord(execution_id="e", group_id="g", calls=calls, reward=1.0, reason="timeout")
     first, second = record_to_sequences(r)
     assert first.token_ids == [1, 2, 3, 4, 5, 6, 7]
     assert first.trainable == [False, False, True, True, False, False, True]
     assert first.versions == [-1, -1, 3, 4, -1, -1, 4]
-    assert first.behaviour_logprobs[2:4] == [-.1, -.2]
+    assert first.behaviour_logprobs[2:4] == [-0.1, -0.2]
     assert second.token_ids == [9, 7, 8] and second.trainable == [False, False, True]
     assert r.min_version() == 3 and r.trainable_tokens() == 4
 
@@ -111,8 +114,9 @@ def _groups(n_groups: int, sizes: list[int]):
     buf = TrajectoryBuffer(TrajectoryBufferConfig(group_size=2), ManualClock())
     for g in range(n_groups):
         for i in range(2):
-            buf.add(rec(f"g{g}e{i}", f"g{g}", n_out=sizes[(2 * g + i) % len(sizes)],
-                        reward=float(i)))
+            buf.add(
+                rec(f"g{g}e{i}", f"g{g}", n_out=sizes[(2 * g + i) % len(sizes)], reward=float(i))
+            )
     return buf.take(n_groups, version=0)
 
 
@@ -121,12 +125,15 @@ def _groups(n_groups: int, sizes: list[int]):
     sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12),
     n_groups=st.integers(1, 6),
     budget=st.integers(8, 64),
-    ops=st.lists(st.tuples(st.sampled_from(["claim", "complete", "tick", "die"]),
-                           st.integers(0, 2)), max_size=80),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["claim", "complete", "tick", "die"]), st.integers(0, 2)),
+        max_size=80,
+    ),
     seed=st.integers(0, 1000),
 )
 def test_every_micro_step_is_done_exactly_once_despite_deaths_and_expiry(
-        sizes, n_groups, budget, ops, seed):
+    sizes, n_groups, budget, ops, seed
+):
     clock = ManualClock()
     pb = PackingBuffer(PackingConfig(token_budget=budget, claim_timeout_s=5.0), clock)
     pb.open_batch(0, version=0)

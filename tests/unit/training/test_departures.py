@@ -13,16 +13,21 @@ from tidal.training.packing import PackingBuffer, PackingConfig
 
 def _coordinator() -> Coordinator:
     clock = ManualClock()
-    coord = Coordinator(CoordinatorConfig(), PackingBuffer(PackingConfig(token_budget=64), clock),
-                        GroupRegistry(0, "127.0.0.1", 0, "core"), clock)
+    coord = Coordinator(
+        CoordinatorConfig(),
+        PackingBuffer(PackingConfig(token_budget=64), clock),
+        GroupRegistry(0, "127.0.0.1", 0, "core"),
+        clock,
+    )
     coord.fingerprint, coord.numel, coord.loss = "fp", 1, {}
     return coord
 
 
 def _join(coord: Coordinator, cell: int) -> dict:
     session: dict = {}
-    coord.handle({"op": "hello", "cell": cell, "incarnation": f"i{cell}", "fingerprint": "fp"},
-                 session)
+    coord.handle(
+        {"op": "hello", "cell": cell, "incarnation": f"i{cell}", "fingerprint": "fp"}, session
+    )
     return session
 
 
@@ -31,20 +36,31 @@ def test_planned_departures_are_info_unannounced_losses_warnings(caplog):
     stopped, said_bye, dropped = _join(coord, 1), _join(coord, 2), _join(coord, 3)
     coord.expect_departure(1)  # what the runtime's actuator does before stopping cell 1
     coord.handle({"op": "bye"}, said_bye)
-    with caplog.at_level(logging.INFO, logger="tidal.training.coordinator"), \
-            counting_warnings() as counter:
+    with (
+        caplog.at_level(logging.INFO, logger="tidal.training.coordinator"),
+        counting_warnings() as counter,
+    ):
         for session in (stopped, said_bye, dropped):
             coord.on_disconnect(session)
     by_level = {(r.levelno, r.getMessage()) for r in caplog.records if "cell" in r.getMessage()}
-    assert (logging.INFO, "cell 1 (i1) left training: the runtime stopped it (the cell returns "
-                          "to rollout); 0 micro-steps reopened") in by_level
-    assert (logging.INFO, "cell 2 (i2) left training: it said bye; 0 micro-steps reopened") \
-        in by_level
-    assert (logging.WARNING, "cell 3 (i3) lost: its connection closed without a bye; "
-                             "0 micro-steps reopened") in by_level
+    assert (
+        logging.INFO,
+        "cell 1 (i1) left training: the runtime stopped it (the cell returns "
+        "to rollout); 0 micro-steps reopened",
+    ) in by_level
+    assert (
+        logging.INFO,
+        "cell 2 (i2) left training: it said bye; 0 micro-steps reopened",
+    ) in by_level
+    assert (
+        logging.WARNING,
+        "cell 3 (i3) lost: its connection closed without a bye; 0 micro-steps reopened",
+    ) in by_level
     assert counter.total == 1
-    assert counter.line() == ('warnings: 1 (1 × tidal.training.coordinator '
-                              '"cell %d (%s) lost: %s; %d micro-steps reopened")')
+    assert counter.line() == (
+        "warnings: 1 (1 × tidal.training.coordinator "
+        '"cell %d (%s) lost: %s; %d micro-steps reopened")'
+    )
 
 
 def test_no_warning_is_the_line_warnings_none():
@@ -62,8 +78,10 @@ def test_a_replaced_incarnations_late_disconnect_never_loses_the_newcomer(caplog
     coord.expect_departure(1)
     new: dict = {}
     coord.handle({"op": "hello", "cell": 1, "incarnation": "i1-new", "fingerprint": "fp"}, new)
-    with caplog.at_level(logging.INFO, logger="tidal.training.coordinator"), \
-            counting_warnings() as counter:
+    with (
+        caplog.at_level(logging.INFO, logger="tidal.training.coordinator"),
+        counting_warnings() as counter,
+    ):
         coord.on_disconnect(old)  # late: after the newcomer's hello
     assert coord.registered() == [1] and coord._sats[1].incarnation == "i1-new"
     assert counter.total == 0

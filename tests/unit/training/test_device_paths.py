@@ -17,10 +17,19 @@ from tidal.training.worker import forward_logits
 
 
 def test_forward_backward_flat_gradients_and_adamw_stay_on_the_device():
-    model = tiny_model("llama", 0, 64, n_layers=1, n_heads=2, d_model=16, d_ff=32,
-                       max_seq_len=32)
-    seqs = [PackedSequence(f"e{i}", [1, 2, 3, 4, 5], [False, False, True, True, True],
-                           [-1.0] * 5, [0] * 5, 1.0, 1 / 3) for i in range(2)]
+    model = tiny_model("llama", 0, 64, n_layers=1, n_heads=2, d_model=16, d_ff=32, max_seq_len=32)
+    seqs = [
+        PackedSequence(
+            f"e{i}",
+            [1, 2, 3, 4, 5],
+            [False, False, True, True, True],
+            [-1.0] * 5,
+            [0] * 5,
+            1.0,
+            1 / 3,
+        )
+        for i in range(2)
+    ]
     t = micro_step_tensors(MicroStep(0, 0, 0, seqs))
     assert {x.to("meta").device.type for x in vars(t).values()} == {"meta"}  # as the worker does
     logp = target_logprobs(forward_logits(model, t.input_ids), t.input_ids)

@@ -25,9 +25,14 @@ torch.set_num_threads(1)
 def tensors(logp, behav, adv, weight) -> MicroStepTensors:
     row = lambda v: torch.tensor([v], dtype=torch.float32)  # noqa: E731
     n = len(logp)
-    return MicroStepTensors(torch.zeros(1, n + 1, dtype=torch.long),
-                            torch.ones(1, n, dtype=torch.bool), row(behav), row(adv), row(weight),
-                            torch.zeros(1, n, dtype=torch.long))
+    return MicroStepTensors(
+        torch.zeros(1, n + 1, dtype=torch.long),
+        torch.ones(1, n, dtype=torch.bool),
+        row(behav),
+        row(adv),
+        row(weight),
+        torch.zeros(1, n, dtype=torch.long),
+    )
 
 
 def test_ratio_clipping_and_weights():

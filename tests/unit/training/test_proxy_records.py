@@ -9,12 +9,29 @@ from tidal.training.records import RecordError, record_from_proxy, record_to_seq
 
 def _rerouted_call() -> CallRecord:
     # 3 tokens from engine A at v1, drained; 2 more at engine B, the last one after B loaded v2
-    a = Segment(engine_id="A", request_id="r1", token_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3],
-                versions=["v1", "v1", "v1"], ended_by="drain")
-    b = Segment(engine_id="B", request_id="r2", token_ids=[8, 9], logprobs=[-0.4, -0.5],
-                versions=["v1", "v2"], cached_tokens=12)
-    return CallRecord(call_id="c0", prompt_token_ids=[1, 2, 3], max_tokens=5, segments=[a, b],
-                      finish_reason="length")
+    a = Segment(
+        engine_id="A",
+        request_id="r1",
+        token_ids=[5, 6, 7],
+        logprobs=[-0.1, -0.2, -0.3],
+        versions=["v1", "v1", "v1"],
+        ended_by="drain",
+    )
+    b = Segment(
+        engine_id="B",
+        request_id="r2",
+        token_ids=[8, 9],
+        logprobs=[-0.4, -0.5],
+        versions=["v1", "v2"],
+        cached_tokens=12,
+    )
+    return CallRecord(
+        call_id="c0",
+        prompt_token_ids=[1, 2, 3],
+        max_tokens=5,
+        segments=[a, b],
+        finish_reason="length",
+    )
 
 
 def test_rerouted_call_keeps_every_token_logprob_and_version():

@@ -34,8 +34,9 @@ ERR = CloseReason.REWARD_ERROR
 def _rec(eid: str, gid: str, reward: float | None) -> ExecutionRecord:
     r = single_call_record(eid, gid, [1, 2], [7, 7], [-1.0, -1.0], 0, 0.0)
     if reward is None:
-        return ExecutionRecord(execution_id=eid, group_id=gid, calls=r.calls, reward=None,
-                               reason=ERR)
+        return ExecutionRecord(
+            execution_id=eid, group_id=gid, calls=r.calls, reward=None, reason=ERR
+        )
     return ExecutionRecord(execution_id=eid, group_id=gid, calls=r.calls, reward=reward)
 
 
@@ -77,8 +78,9 @@ def test_a_record_has_a_reward_exactly_when_it_was_scored():
     calls = _rec("e", "g", 1.0).calls
     for reward, reason in ((None, CloseReason.COMPLETED), (0.0, ERR), (math.nan, "completed")):
         with pytest.raises(ValidationError):
-            ExecutionRecord(execution_id="e", group_id="g", calls=calls, reward=reward,
-                            reason=reason)
+            ExecutionRecord(
+                execution_id="e", group_id="g", calls=calls, reward=reward, reason=reason
+            )
 
 
 def test_the_buffer_applies_the_same_rule():
@@ -88,8 +90,7 @@ def test_the_buffer_applies_the_same_rule():
     for k, r in enumerate([None, 1.0, None, None]):
         buf.add(_rec(f"g1-e{k}", "g1", r))
     (g,) = buf.take(2, version=0)
-    assert g.group_id == "g0" and [r.execution_id for r in g.records] == ["g0-e0", "g0-e2",
-                                                                           "g0-e3"]
+    assert g.group_id == "g0" and [r.execution_id for r in g.records] == ["g0-e0", "g0-e2", "g0-e3"]
     assert g.advantages == pytest.approx(group_advantages([1.0, 0.0, 1.0]))
     assert [r.execution_id for r in g.unscored] == ["g0-e1"]
     assert g.mean_reward() == pytest.approx(2 / 3)
@@ -114,8 +115,9 @@ def test_an_ordered_buffer_goes_on_past_a_dropped_group():
     assert [g.group_id for g in buf.take(1, version=0)] == ["g1"]
 
 
-@pytest.mark.parametrize("rewards", [[1e308, 0.0, -1e308, 5.0], [1e308] * 4,
-                                     [1.7e308, 1.7e308, 1.6e308], [1e-320, 0.0]])
+@pytest.mark.parametrize(
+    "rewards", [[1e308, 0.0, -1e308, 5.0], [1e308] * 4, [1.7e308, 1.7e308, 1.6e308], [1e-320, 0.0]]
+)
 def test_advantages_of_huge_finite_rewards_are_finite(rewards):
     adv = group_advantages(rewards)  # main: inf - inf -> NaN for 1e308
     assert all(math.isfinite(a) for a in adv)
@@ -151,12 +153,16 @@ def _loop(buffer: TrajectoryBuffer, settled, step_data_timeout_s: float = 30.0):
     from tidal.testing.actuator import FakeActuator
 
     tiny = load_yaml(Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml")
-    cfg = tiny.model_copy(update={"runtime": tiny.runtime.model_copy(
-        update={"step_data_timeout_s": step_data_timeout_s})})
+    cfg = tiny.model_copy(
+        update={
+            "runtime": tiny.runtime.model_copy(update={"step_data_timeout_s": step_data_timeout_s})
+        }
+    )
     clock = WallClock()
     ctl = build_controller(cfg, clock, FakeActuator())
-    loop = TrainerLoop(cfg, None, buffer, _Actuator(), None, None, ctl, ctl.handle, clock,
-                       None, None, dict)
+    loop = TrainerLoop(
+        cfg, None, buffer, _Actuator(), None, None, ctl, ctl.handle, clock, None, None, dict
+    )
     loop.settled = settled
     return loop, ctl
 

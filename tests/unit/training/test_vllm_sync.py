@@ -53,8 +53,9 @@ def test_extension_loads_a_published_version_from_shared_memory():
         shm.publish(7, layout.params_to_flat(trainer))
         served = VLLMStyleModel(tiny_model("llama", 1, 64, **SHAPE))
         assert Worker(served).tidal_load_shm(SHM, min_version=7) == 7
-        for (n, a), (_, b) in zip(trainer.named_parameters(),
-                                  served.inner.named_parameters(), strict=True):
+        for (n, a), (_, b) in zip(
+            trainer.named_parameters(), served.inner.named_parameters(), strict=True
+        ):
             assert torch.equal(a, b), n
     finally:
         shm.close()

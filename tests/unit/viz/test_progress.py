@@ -6,9 +6,20 @@ from rich.console import Console
 from tidal.clock import ManualClock
 from tidal.viz.progress import Heartbeat, RunProgress, clock_text
 
-STATE = {"burst": 0, "step": 1, "version": 1, "reward": 0.25, "waterlevel": 7, "queued": 1,
-         "running": 6, "ready_groups": 0, "roles": ["training", "rollout"], "switches": 2,
-         "replaced": 0, "closed": 12}
+STATE = {
+    "burst": 0,
+    "step": 1,
+    "version": 1,
+    "reward": 0.25,
+    "waterlevel": 7,
+    "queued": 1,
+    "running": 6,
+    "ready_groups": 0,
+    "roles": ["training", "rollout"],
+    "switches": 2,
+    "replaced": 0,
+    "closed": 12,
+}
 
 
 def test_heartbeat_speaks_after_every_s_of_silence_only():
@@ -36,11 +47,13 @@ def test_line_has_burst_step_waterlevel_roles_executions_elapsed_and_eta():
     progress.on_step({"step": 1})
     # progress: (12/48 + 2/4) / 2 = 0.375 after 30 s since the first dispatch: 50 s left
     assert progress.fraction() == 0.375
-    assert progress.line() == ("[0:01:30] burst 0 step 2/4 w 7 roles training rollout "
-                               "executions 12/48 38% ETA 0:00:50")
+    assert progress.line() == (
+        "[0:01:30] burst 0 step 2/4 w 7 roles training rollout executions 12/48 38% ETA 0:00:50"
+    )
     progress.finish({"trainer_steps": 4, "closed": 48, "version": 4})
-    assert progress.line().endswith("step 4/4 w 7 roles training rollout executions 48/48 "
-                                    "100% ETA 0:00:00")
+    assert progress.line().endswith(
+        "step 4/4 w 7 roles training rollout executions 48/48 100% ETA 0:00:00"
+    )
 
 
 def test_panel_has_fixed_widths_and_its_last_frame_is_the_final_state():

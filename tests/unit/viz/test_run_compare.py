@@ -32,11 +32,15 @@ def test_compare_writes_plot_markdown_json_with_the_right_ratio(run_copy, tmp_pa
     assert data["rows"][1]["rerouted_requests"] == w["rerouted_requests"]
     assert data["notes"] == []  # same config apart from the policy
     text = (tmp_path / "cmp" / "compare.md").read_text()
-    assert (f"| static / waterlevel | {s['run_time_s'] / w['run_time_s']:.3f} | "
-            f"{s['bursts_s'] / w['bursts_s']:.3f} |") in text
+    assert (
+        f"| static / waterlevel | {s['run_time_s'] / w['run_time_s']:.3f} | "
+        f"{s['bursts_s'] / w['bursts_s']:.3f} |"
+    ) in text
     vs = w["run_time_s"] / s["run_time_s"], w["bursts_s"] / s["bursts_s"]
-    assert (f"| waterlevel | {w['run_time_s']:.2f} | {w['bursts_s']:.2f} | {vs[0]:.3f} | "
-            f"{vs[1]:.3f} | 4 |") in text
+    assert (
+        f"| waterlevel | {w['run_time_s']:.2f} | {w['bursts_s']:.2f} | {vs[0]:.3f} | "
+        f"{vs[1]:.3f} | 4 |"
+    ) in text
     assert "](reward_compare.png)" in text
 
 
@@ -50,7 +54,8 @@ def test_ratio_follows_the_order_given_and_three_runs_give_three_pairs(run_copy,
     assert [(p["numerator"], p["denominator"]) for p in three.ratios] == [
         ("static (tiny-static)", "waterlevel"),
         ("static (tiny-static)", "static (static-again)"),
-        ("waterlevel", "static (static-again)")]
+        ("waterlevel", "static (static-again)"),
+    ]
     assert three.ratios[1]["run_time_s"] == pytest.approx(1.0)
     # each run against the best of the others: the two statics are each other's best
     times = [summary(d)["bursts_s"] for d in (static, elastic, other)]
@@ -69,7 +74,9 @@ def test_reward_quarters_per_run(run_copy, tmp_path):
     comp = compare_runs([static, elastic], tmp_path / "cmp")
     assert (comp.rows[0]["reward_first_quarter"], comp.rows[0]["reward_last_quarter"]) == (0, 0)
     assert (comp.rows[1]["reward_first_quarter"], comp.rows[1]["reward_last_quarter"]) == (
-        0.25, 0.75)
+        0.25,
+        0.75,
+    )
 
 
 def test_configs_that_differ_beyond_the_policy_are_noted(run_copy, tmp_path):
@@ -78,8 +85,9 @@ def test_configs_that_differ_beyond_the_policy_are_noted(run_copy, tmp_path):
     cfg["control"]["bursts"] = 3
     (elastic / "config.yaml").write_text(yaml.safe_dump(cfg))
     comp = compare_runs([static, elastic], tmp_path / "cmp")
-    assert comp.notes == ["tiny-waterlevel differs from tiny-static beyond the policy: "
-                          "control.bursts"]
+    assert comp.notes == [
+        "tiny-waterlevel differs from tiny-static beyond the policy: control.bursts"
+    ]
     assert "control.bursts" in (tmp_path / "cmp" / "compare.md").read_text()
 
 
@@ -98,8 +106,10 @@ def test_cli_report_one_run(run_copy):
     run = run_copy("tiny-waterlevel")
     result = CliRunner().invoke(cli, ["report", str(run)])
     assert result.exit_code == 0, result.output
-    assert ("roles.png, reward.png, waterlevel.png, utilization.png, trace.json, report.md"
-            in result.output)
+    assert (
+        "roles.png, reward.png, waterlevel.png, utilization.png, trace.json, report.md"
+        in result.output
+    )
     assert (run / "report.md").is_file()
 
 
@@ -113,8 +123,9 @@ def test_cli_report_compares_into_the_default_and_a_given_dir(run_copy, tmp_path
     assert (tmp_path / "compare" / "compare.json").is_file()  # the first run's parent
     for run in (static, elastic):
         assert (run / "report.md").is_file()
-    result = CliRunner().invoke(cli, ["report", str(static), str(elastic), "--out",
-                                      str(tmp_path / "elsewhere")])
+    result = CliRunner().invoke(
+        cli, ["report", str(static), str(elastic), "--out", str(tmp_path / "elsewhere")]
+    )
     assert result.exit_code == 0, result.output
     assert (tmp_path / "elsewhere" / "reward_compare.png").stat().st_size > 5000
 
@@ -133,9 +144,18 @@ def test_cli_errors_are_one_line(run_copy, tmp_path, capsys):
 
 
 def _write_executions(run, rewards_by_group):
-    lines = [{"execution": f"{g}-e{i}", "group": g, "burst": 0, "reason": "completed",
-              "reward": r, "calls": []}
-             for g, rs in rewards_by_group.items() for i, r in enumerate(rs)]
+    lines = [
+        {
+            "execution": f"{g}-e{i}",
+            "group": g,
+            "burst": 0,
+            "reason": "completed",
+            "reward": r,
+            "calls": [],
+        }
+        for g, rs in rewards_by_group.items()
+        for i, r in enumerate(rs)
+    ]
     (run / "executions.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
@@ -145,7 +165,7 @@ def test_reward_noise_is_the_standard_error_over_groups_and_pairs_get_z(run_copy
     _write_executions(static, {"b0-g0": [0.0, 0.5], "b0-g1": [0.5, 0.5], "b0-g2": [1.0, 0.5]})
     _write_executions(elastic, {"b0-g0": [0.5, 0.5], "b0-g1": [0.5, 0.5], "b0-g2": [0.5, 0.5]})
     comp = compare_runs([static, elastic], tmp_path / "cmp")
-    se = 0.25 / 3 ** 0.5
+    se = 0.25 / 3**0.5
     assert comp.rows[0]["reward_mean"] == pytest.approx(0.5)
     assert comp.rows[0]["reward_se"] == pytest.approx(se)
     assert comp.rows[0]["reward_groups"] == 3
@@ -161,7 +181,8 @@ def test_reward_noise_is_the_standard_error_over_groups_and_pairs_get_z(run_copy
 
 
 def test_runs_without_executions_have_no_reward_noise_and_bad_lines_are_one_error(
-        run_copy, tmp_path):
+    run_copy, tmp_path
+):
     static, elastic = run_copy("tiny-static"), run_copy("tiny-waterlevel")
     comp = compare_runs([static, elastic], tmp_path / "cmp")
     assert comp.rows[0]["reward_mean"] is None and comp.ratios[0]["reward_z"] is None
@@ -174,22 +195,39 @@ def test_runs_without_executions_have_no_reward_noise_and_bad_lines_are_one_erro
 def test_reward_change_compares_the_groups_of_the_first_and_last_quarter(tmp_path):
     from tidal.rundir import RunData
 
-    steps = [["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"], ["i", "j"], ["k", "l"],
-             ["m", "n"], ["o", "p"]]
-    rewards = dict(zip("abcdefghijklmnop", [0.1, 0.3, 0.2, 0.2] + [0.5] * 8
-                       + [0.6, 0.8, 0.7, 0.7], strict=True))
-    metrics = [{"t": i, "burst": 0, "step": i, "mean_reward": 0.0, "groups": g}
-               for i, g in enumerate(steps)]
+    steps = [
+        ["a", "b"],
+        ["c", "d"],
+        ["e", "f"],
+        ["g", "h"],
+        ["i", "j"],
+        ["k", "l"],
+        ["m", "n"],
+        ["o", "p"],
+    ]
+    rewards = dict(
+        zip(
+            "abcdefghijklmnop", [0.1, 0.3, 0.2, 0.2] + [0.5] * 8 + [0.6, 0.8, 0.7, 0.7], strict=True
+        )
+    )
+    metrics = [
+        {"t": i, "burst": 0, "step": i, "mean_reward": 0.0, "groups": g}
+        for i, g in enumerate(steps)
+    ]
     run = RunData(tmp_path, {}, None, metrics, None, None, rewards)
     c = run.reward_change()
     assert c["steps_each"] == 2 and c["first_groups"] == c["last_groups"] == 4
     assert c["first"] == pytest.approx(0.2) and c["last"] == pytest.approx(0.7)
-    se = (0.0816496580927726 / 2)  # stdev of (0.1, 0.3, 0.2, 0.2) over sqrt(4)
+    se = 0.0816496580927726 / 2  # stdev of (0.1, 0.3, 0.2, 0.2) over sqrt(4)
     assert c["first_se"] == pytest.approx(se) and c["last_se"] == pytest.approx(se)
-    assert c["change_se"] == pytest.approx(se * 2 ** 0.5)
-    assert c["z"] == pytest.approx(0.5 / (se * 2 ** 0.5))
+    assert c["change_se"] == pytest.approx(se * 2**0.5)
+    assert c["z"] == pytest.approx(0.5 / (se * 2**0.5))
     # without per-step group lists, or one group a quarter, there is no figure (never a 0)
-    assert RunData(tmp_path, {}, None, [{**m, "groups": None} for m in metrics], None, None,
-                   rewards).reward_change() is None
+    assert (
+        RunData(
+            tmp_path, {}, None, [{**m, "groups": None} for m in metrics], None, None, rewards
+        ).reward_change()
+        is None
+    )
     single = [{**m, "groups": m["groups"][:1]} for m in metrics[:4]]
     assert RunData(tmp_path, {}, None, single, None, None, rewards).reward_change() is None

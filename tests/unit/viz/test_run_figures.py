@@ -31,7 +31,8 @@ def test_utilisation_per_step_from_compute_time_and_busy_slots(run_copy):
     cap = rollout_capacity(run)
     samples = [s for s in run.states if 0.0 < s["t"] <= m0["t"]]
     assert rows[0]["rollout"] == pytest.approx(
-        sum(s["running"] / capacity_at(cap, s["t"]) for s in samples) / len(samples))
+        sum(s["running"] / capacity_at(cap, s["t"]) for s in samples) / len(samples)
+    )
     assert all(0.0 <= r["train"] <= 1.0 for r in rows)
 
 
@@ -49,5 +50,7 @@ def test_reward_spread_per_step_over_its_groups_executions(run_copy):
     assert rows[0][2] == pytest.approx(statistics.stdev(want))
     write_report(path)
     mean, se, n = run.reward_noise()
-    assert f"| mean reward over GRPO groups | {mean:.3f} ± {se:.3f} (standard error over {n} " \
-           in (path / "report.md").read_text()
+    assert (
+        f"| mean reward over GRPO groups | {mean:.3f} ± {se:.3f} (standard error over {n} "
+        in (path / "report.md").read_text()
+    )

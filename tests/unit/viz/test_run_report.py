@@ -42,11 +42,15 @@ def test_report_numbers_come_from_the_files(run_copy):
     text = (run / "report.md").read_text()
     assert "policy `waterlevel` · 2 cells × 1 GPU (4 slots) + 1 standalone engine" in text
     assert "model `tiny` · task `arithmetic` · 2 bursts × 2 updates × 3 groups of 4" in text
-    assert f"| run time | {summary['run_time_s']:.2f} s (first dispatch to last publication " \
-           f"{summary['bursts_s']:.2f} s) |" in text
+    assert (
+        f"| run time | {summary['run_time_s']:.2f} s (first dispatch to last publication "
+        f"{summary['bursts_s']:.2f} s) |" in text
+    )
     assert f"| optimizer steps | {len(metrics)} |" in text
-    assert (f"| switches | {summary['switches_to_training']} to training, "
-            f"{summary['switches_to_rollout']} to rollout |") in text
+    assert (
+        f"| switches | {summary['switches_to_training']} to training, "
+        f"{summary['switches_to_rollout']} to rollout |"
+    ) in text
     assert f"| rerouted requests | {summary['rerouted_requests']} |" in text
     assert f"| failed requests | {summary['failed_requests']} |" in text
     assert f"| lost executions | {summary['lost_executions']} |" in text
@@ -56,8 +60,10 @@ def test_report_numbers_come_from_the_files(run_copy):
         lines = [m for m in metrics if m["burst"] == burst]
         end, final = lines[-1]["t"], lines[-1]
         util = final["dynamic_resource/rollout_resource_utilization"]
-        assert (f"| {burst} | {len(lines)} | {prev:.2f} | {end:.2f} | {end - prev:.2f} "
-                f"| {final['version']} | ") in text
+        assert (
+            f"| {burst} | {len(lines)} | {prev:.2f} | {end:.2f} | {end - prev:.2f} "
+            f"| {final['version']} | "
+        ) in text
         assert f"| {util:.3f} |" in text
         prev = end
 

@@ -12,8 +12,9 @@ from tidal.viz import trace_format
 
 def _events(path, ph=None, cat=None):
     evs = json.loads(path.read_text())["traceEvents"]
-    return [e for e in evs
-            if (ph is None or e["ph"] == ph) and (cat is None or e.get("cat") == cat)]
+    return [
+        e for e in evs if (ph is None or e["ph"] == ph) and (cat is None or e.get("cat") == cat)
+    ]
 
 
 @pytest.mark.parametrize("name", ["tiny-calibration", "tiny-waterlevel", "tiny-static"])
@@ -30,8 +31,11 @@ def test_report_writes_a_valid_trace_showing_every_move(run_copy, name):
     assert len(_events(path, "X", "step")) == len(steps)
     for mv in moves:  # each move holds its own steps, in order
         plan = int(mv["name"].split()[1])
-        inside = [s["name"] for s in _events(path, "X", "step")
-                  if mv["ts"] <= s["ts"] and s["ts"] + s["dur"] <= mv["ts"] + mv["dur"] + 1e-3]
+        inside = [
+            s["name"]
+            for s in _events(path, "X", "step")
+            if mv["ts"] <= s["ts"] and s["ts"] + s["dur"] <= mv["ts"] + mv["dur"] + 1e-3
+        ]
         want = [s["step"] for s in steps if s["plan_id"] == plan]
         assert sorted(inside) == sorted(want)
     metrics = read_jsonl(run / "metrics.jsonl")
@@ -47,8 +51,7 @@ def test_report_writes_a_valid_trace_showing_every_move(run_copy, name):
     # the executions counter: one sample per state.jsonl line, with the rollout capacity
     counters = _events(path, "C")
     assert len(counters) == len(read_jsonl(run / "state.jsonl"))
-    assert all({"waterlevel", "running", "queued", "capacity"} <= set(c["args"])
-               for c in counters)
+    assert all({"waterlevel", "running", "queued", "capacity"} <= set(c["args"]) for c in counters)
 
 
 def test_reroutes_are_flow_arrows_between_engine_tracks(run_copy):
@@ -66,8 +69,24 @@ def test_reroutes_are_flow_arrows_between_engine_tracks(run_copy):
 
 def test_simulation_trace_is_valid_with_a_process_per_policy(tmp_path):
     out = tmp_path / "sim"
-    assert main(["simulate", "dapo-math-32gpu", "--bursts", "2", "-p", "tidal", "-p",
-                 "verl-default", "--out", str(out), "--no-plots"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "dapo-math-32gpu",
+                "--bursts",
+                "2",
+                "-p",
+                "tidal",
+                "-p",
+                "verl-default",
+                "--out",
+                str(out),
+                "--no-plots",
+            ]
+        )
+        == 0
+    )
     trace = json.loads((out / "trace.json").read_text())
     assert trace_format.validate(trace) == []
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
@@ -89,25 +108,53 @@ def test_simulation_trace_is_valid_with_a_process_per_policy(tmp_path):
     assert arrows > 0
 
 
-@pytest.mark.parametrize(("trace", "problem"), [
-    ({"traceEvents": [{"ph": "Q", "name": "a", "pid": 1, "tid": 1, "ts": 0}]}, "phase"),
-    ({"traceEvents": [{"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 0}]}, "dur"),
-    ({"traceEvents": [{"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 5, "dur": 1},
-                      {"ph": "X", "name": "b", "pid": 1, "tid": 1, "ts": 2, "dur": 1}]},
-     "monotonic"),
-    ({"traceEvents": [{"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 0, "dur": 5},
-                      {"ph": "X", "name": "b", "pid": 1, "tid": 1, "ts": 3, "dur": 5}]}, "nest"),
-    ({"traceEvents": [{"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 0, "dur": 5},
-                      {"ph": "s", "name": "r", "cat": "c", "id": 1, "pid": 1, "tid": 1,
-                       "ts": 1}]}, "one of each"),
-    ({"traceEvents": [{"ph": "s", "name": "r", "cat": "c", "id": 1, "pid": 1, "tid": 1, "ts": 1},
-                      {"ph": "f", "name": "r", "cat": "c", "id": 1, "pid": 1, "tid": 2,
-                       "ts": 2}]}, "no slice"),
-    ({"traceEvents": [{"ph": "s", "name": "r", "pid": 1, "tid": 1, "ts": 1}]}, "cat"),
-    ({"traceEvents": [{"ph": "M", "name": "thread_name", "pid": 1, "tid": 1}]}, "args.name"),
-    ({"traceEvents": [{"ph": "B", "name": "a", "pid": 1, "tid": 1, "ts": 1}]}, "never ended"),
-    ({"traceEvents": [], "displayTimeUnit": "s"}, "displayTimeUnit"),
-])
+@pytest.mark.parametrize(
+    ("trace", "problem"),
+    [
+        ({"traceEvents": [{"ph": "Q", "name": "a", "pid": 1, "tid": 1, "ts": 0}]}, "phase"),
+        ({"traceEvents": [{"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 0}]}, "dur"),
+        (
+            {
+                "traceEvents": [
+                    {"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 5, "dur": 1},
+                    {"ph": "X", "name": "b", "pid": 1, "tid": 1, "ts": 2, "dur": 1},
+                ]
+            },
+            "monotonic",
+        ),
+        (
+            {
+                "traceEvents": [
+                    {"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 0, "dur": 5},
+                    {"ph": "X", "name": "b", "pid": 1, "tid": 1, "ts": 3, "dur": 5},
+                ]
+            },
+            "nest",
+        ),
+        (
+            {
+                "traceEvents": [
+                    {"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 0, "dur": 5},
+                    {"ph": "s", "name": "r", "cat": "c", "id": 1, "pid": 1, "tid": 1, "ts": 1},
+                ]
+            },
+            "one of each",
+        ),
+        (
+            {
+                "traceEvents": [
+                    {"ph": "s", "name": "r", "cat": "c", "id": 1, "pid": 1, "tid": 1, "ts": 1},
+                    {"ph": "f", "name": "r", "cat": "c", "id": 1, "pid": 1, "tid": 2, "ts": 2},
+                ]
+            },
+            "no slice",
+        ),
+        ({"traceEvents": [{"ph": "s", "name": "r", "pid": 1, "tid": 1, "ts": 1}]}, "cat"),
+        ({"traceEvents": [{"ph": "M", "name": "thread_name", "pid": 1, "tid": 1}]}, "args.name"),
+        ({"traceEvents": [{"ph": "B", "name": "a", "pid": 1, "tid": 1, "ts": 1}]}, "never ended"),
+        ({"traceEvents": [], "displayTimeUnit": "s"}, "displayTimeUnit"),
+    ],
+)
 def test_the_validator_refuses_what_the_format_forbids(trace, problem):
     problems = trace_format.validate(trace)
     assert problems and problem in " ".join(problems)
