@@ -72,6 +72,12 @@ MKDOCS   := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
 docs: $(STAMP)
 	$(MKDOCS) build --strict --quiet --site-dir $(SITE_DIR)
 
+# The agent harnesses people run, from npm, unmodified, into ./harnesses (ignored by git; Node 20):
+# Claude Code and Codex CLI, what configs/claude-code.yaml and configs/codex.yaml run
+# (docs/agents.md). About 660 MB; 8 to 12 s measured (2026-12-06).
+HARNESSES := harnesses
+HARNESS_PACKAGES := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+
 # -rfE: each failure and error by name at the end; --durations=15: the 15 slowest tests
 PYTEST_REPORT ?= -rfE --durations=15
 test: $(STAMP) $(HARNESSES)/.stamp
@@ -83,11 +89,6 @@ test: $(STAMP) $(HARNESSES)/.stamp
 	# (test_check_kit.py: the GPU check, benchmarks/gpu/check.py, with tiny sizes on the CPU)
 	TIDAL_TEST_DEVICE=cpu $(BIN)/python -m pytest tests/gpu
 
-# The agent harnesses people run, from npm, unmodified, into ./harnesses (ignored by git; Node 20):
-# Claude Code and Codex CLI, what configs/claude-code.yaml and configs/codex.yaml run
-# (docs/agents.md). About 660 MB; 8 to 12 s measured (2026-12-06).
-HARNESSES := harnesses
-HARNESS_PACKAGES := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
 $(HARNESSES)/.stamp:
 	npm install --prefix $(HARNESSES) --no-audit --no-fund --save-exact $(HARNESS_PACKAGES)
 	touch $@
