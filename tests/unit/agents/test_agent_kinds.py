@@ -2,7 +2,7 @@
 group (exit code, output tails, ended with its execution: nothing outlives it), the reward is
 computed after it exits (``reward_error`` logged with the execution id), and every bad input
 is one line naming the field. (The per-execution identity a black box carries, at the proxy:
-``tests/unit/serving/test_execution_identity.py``.)"""
+``tests/unit/serving/test_identity_rules.py``.)"""
 
 from __future__ import annotations
 
