@@ -76,6 +76,12 @@ def kind(name: str) -> str:
 class MemorySampler:
     def __init__(self, root_pid: int, interval_s: float = 0.5) -> None:
         self.root = psutil.Process(root_pid)
+        # processes the root had before the run (an earlier run's parts still ending, in the
+        # same process: tests) are not this run's
+        try:
+            self.before = {p.pid for p in self.root.children(recursive=True)}
+        except psutil.Error:
+            self.before = set()
         self.interval_s = min(max(interval_s, 0.05), 10.0)
         self.peak_mb: dict[int, float] = {}
         self.labels: dict[int, str] = {}
@@ -107,6 +113,8 @@ class MemorySampler:
         except psutil.Error:
             procs = []
         for p in procs:
+            if p.pid in self.before:
+                continue
             try:
                 rss = p.memory_info().rss / _MB
                 if p.pid not in self.labels:
