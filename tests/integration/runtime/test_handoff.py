@@ -52,13 +52,23 @@ def engine(tmp_path_factory):
     from tidal.models import create_tiny, load_model
 
     tmp = tmp_path_factory.mktemp("handoff")
+    # the engine host reads the run's token from the environment, as in a cell actor; put back
+    # after the module: a token left in this process's environment would reach every engine
+    # later tests start, and their proxies (without it) would be refused (CI 2026-12-06)
+    before = os.environ.get("TIDAL_ENGINE_TOKEN")
     os.environ["TIDAL_ENGINE_TOKEN"] = TOKEN
-    model_dir = create_tiny(tmp / "tiny", seed=5)
-    model, _ = load_model(model_dir)
-    host = EngineHost("c0", str(model_dir), 4, str(tmp))
-    host.start(120, None)
-    yield SimpleNamespace(host=host, actor=AsActor(host), model=model, tmp=tmp)
-    host.stop()
+    try:
+        model_dir = create_tiny(tmp / "tiny", seed=5)
+        model, _ = load_model(model_dir)
+        host = EngineHost("c0", str(model_dir), 4, str(tmp))
+        host.start(120, None)
+        yield SimpleNamespace(host=host, actor=AsActor(host), model=model, tmp=tmp)
+        host.stop()
+    finally:
+        if before is None:
+            os.environ.pop("TIDAL_ENGINE_TOKEN", None)
+        else:
+            os.environ["TIDAL_ENGINE_TOKEN"] = before
 
 
 def _writer(e, name: str) -> VersionWriter:
