@@ -87,7 +87,9 @@ def _inflight(driver: int, name: str) -> int:
             token = p.environ()["TIDAL_ADMIN_TOKEN"]
         except (psutil.Error, KeyError):
             continue
-        url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}/tidal/engines"
+        # tidal starts its proxy with ``--settings JSON`` (``contracts.launch.ProxySettings``)
+        port = json.loads(cmd[cmd.index("--settings") + 1])["port"]
+        url = f"http://127.0.0.1:{port}/tidal/engines"
         try:
             listed = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=5).json()[
                 "engines"
