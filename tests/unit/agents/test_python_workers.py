@@ -123,6 +123,8 @@ def test_an_agent_gets_its_context_and_its_answer_comes_back(tmp_path):
 def test_a_reward_that_never_returns_is_killed_and_leaves_no_thread(tmp_path):
     (tmp_path / "hang_q.py").write_text("import time\ndef score(answer):\n    time.sleep(600)\n")
     reward = Reward(RewardConfig(function=f"{tmp_path / 'hang_q.py'}:score", timeout_s=1.0))
+    # threads earlier tests of this process left (a run's pools, in the full suite) are not its
+    before = set(threading.enumerate())
     t0 = time.monotonic()
 
     async def scored():
@@ -135,7 +137,9 @@ def test_a_reward_that_never_returns_is_killed_and_leaves_no_thread(tmp_path):
     assert asyncio.run(scored()) == "no reward within 1 s (task.reward.timeout_s)"
     assert time.monotonic() - t0 < 1.0 + CANCEL_GRACE_S + 10
     held = [
-        t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()
+        t.name
+        for t in threading.enumerate()
+        if not t.daemon and t is not threading.main_thread() and t not in before
     ]
     assert not held, held
 
