@@ -158,7 +158,8 @@ def two_servers(smollm2, tmp_path_factory):
 def call(c: httpx.Client, i: int, run: str) -> dict:
     r = c.post(
         "/v1/completions",
-        headers={"X-Tidal-Execution": f"{run}-{i}"},
+        # the admin token may name an execution (the driver's own harness pool does)
+        headers={**H, "X-Tidal-Execution": f"{run}-{i}"},
         json={
             "model": "smollm2",
             "prompt": _prompt(i),
