@@ -10,7 +10,9 @@ equivalents, training tokens/s per GPU, optimizer, offload / onload, weight sync
 The decode step of ``n`` resident sequences with ``S`` context tokens in all (roofline):
 ``max(bytes / (tp * HBM * e_dec), n * 2 * M / (tp * FLOPs * e_dec)) + overhead`` (``M`` below),
 with ``bytes = dense weights + routed experts * (1 - (1 - k/E)**n) + kv * S + state * n``
-(reading the experts a batch touches; reading the KV cache and the linear-attention state).
+(reading the experts a batch touches; reading the KV cache and the linear-attention state;
+``kv`` counts every copy: with fewer KV heads than ``tp`` ranks each rank keeps and reads a
+whole head, ``ModelProfile.kv_bytes_per_token_tp``).
 When the cache holds only a share ``f`` of the sequences (``tp * HBM * mem_fraction - weights``
 over what they need), ``f`` of them decode at a time: every sequence advances at ``f / step``.
 Training: per pass (3 for forward and backward, + recompute + old-log-prob + reference) a
@@ -145,7 +147,7 @@ def build_engine(
         dense_bytes=model.dense_params * nb,
         expert_bytes=model.expert_params * nb,
         keep_prob=1.0 - (model.experts_per_tok / model.experts if model.experts else 0.0),
-        kv_bytes_per_token=model.kv_bytes_per_token,
+        kv_bytes_per_token=model.kv_bytes_per_token_tp(tp),  # KV heads replicated past tp
         state_bytes_per_seq=2 * model.state_bytes_per_seq,  # read and written every step
         flops_per_token=2 * model.matmul_params,
         bytes_s=tp * gpu.hbm_bytes_s * e_dec,
@@ -200,7 +202,7 @@ def resolve(sc: Scenario) -> Scenario:
     # The oracle may add the KV reads per context token only where the peak is memory-bound
     # (then every decode step's time is at least its bytes over the bandwidth).
     kv_term = (
-        model.kv_bytes_per_token / (gpu.hbm_bytes_s * cm.efficiency.decode)
+        std.kv_bytes_per_token / cm.engine_tp / (gpu.hbm_bytes_s * cm.efficiency.decode)
         if all(e.memory_bound(max(1, n)) for e, n in engines)
         else 0.0
     )

@@ -58,6 +58,17 @@ class ModelProfile:
     bytes_per_param: int
     attn_dim: int = 0  # query heads x head dim (attention scores and values per context token)
     input_embed_params: float = 0.0  # an untied input embedding: a lookup, no FLOPs
+    kv_heads: int = 0  # KV heads of a full-attention layer (0: unknown, never replicated)
+
+    def kv_bytes_per_token_tp(self, tp: int) -> float:
+        """KV-cache bytes one context token takes on a replica of ``tp`` GPUs, every copy
+        counted: each rank keeps ``max(1, kv_heads // tp)`` heads, so with fewer KV heads than
+        ranks the heads are replicated (vLLM and SGLang ``ModelConfig.get_num_kv_heads``:
+        ``max(1, total_num_kv_heads // tensor_parallel_size)``) and every rank reads its copy
+        at each decode step: ``tp / kv_heads`` times the logical bytes."""
+        if self.kv_heads <= 0 or tp <= self.kv_heads:
+            return self.kv_bytes_per_token
+        return self.kv_bytes_per_token * tp * max(1, self.kv_heads // tp) / self.kv_heads
 
     @property
     def matmul_params(self) -> float:
@@ -238,4 +249,5 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelProfile:
         bytes_per_param=nbytes,
         attn_dim=heads * head_dim,
         input_embed_params=0.0 if tied else float(vocab * hidden),
+        kv_heads=kv_heads,
     )

@@ -32,6 +32,30 @@ def test_linear_attention_shrinks_the_kv_cache_and_adds_state():
     assert hybrid.kv_bytes_per_token < dense_attn.kv_bytes_per_token / 4
 
 
+def test_kv_heads_are_replicated_past_the_tensor_parallel_degree():
+    # vLLM / SGLang keep max(1, kv_heads // tp) KV heads per rank: Qwen3.5-35B-A3B has 2, so
+    # TP4 holds (and every decode step reads) 2 copies of each head, TP8 4 copies
+    m = load_model("qwen3.5-35b-a3b")
+    assert m.kv_heads == 2
+    assert [m.kv_bytes_per_token_tp(tp) / m.kv_bytes_per_token for tp in (1, 2, 4, 8)] == [
+        1.0,
+        1.0,
+        2.0,
+        4.0,
+    ]
+    dense = load_model("qwen3-30b-a3b")  # 4 KV heads: sharded, never replicated up to TP4
+    assert dense.kv_bytes_per_token_tp(4) == dense.kv_bytes_per_token
+    assert dense.kv_bytes_per_token_tp(8) == 2 * dense.kv_bytes_per_token
+    tp4, tp8 = engine(gpu="H100", tp=4), engine(gpu="H100", tp=8)
+    assert tp8.kv_bytes_per_token == 2 * tp4.kv_bytes_per_token
+    # the same context costs each rank the same KV read at TP4 and TP8 (one head per rank)
+    assert tp8.kv_bytes_per_token / 8 == tp4.kv_bytes_per_token / 4
+    # and the replicas fill the cache: capacity in tokens counts every copy
+    assert tp4.kv_capacity_seqs(10_000) < tp4.kv_capacity_bytes / (
+        m.kv_bytes_per_token * 10_000 + tp4.state_bytes_per_seq
+    )
+
+
 def test_bad_profiles_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"costmodel\.gpu"):
         load_gpu("Z9000")
