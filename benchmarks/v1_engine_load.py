@@ -5,7 +5,8 @@ In: the shipped ``verl-v1-trainer`` file. Out: per no-switch scenario the makesp
 sequences decoding per TP replica and the engines' decode tokens/s (sampled at every tick of
 the simulation), beside the response tokens/s the published run implies (64 prompts x 8
 responses x its mean response length per published step time; in these modes the standalone
-GPUs generate every trained token).
+GPUs generate every trained token). Then the sync run's seconds per step, the trainer's compute
+among them, against the published step (its time over 150 steps).
 
     .venv/bin/python benchmarks/v1_engine_load.py
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import statistics as st
 
 from tidal.sim import published as P
+from tidal.sim.runner import run_policy
 from tidal.sim.world import World
 
 RUNS = (  # scenario, policy, published hours, steps
@@ -55,6 +57,14 @@ def main() -> None:
             f"{st.mean(tok_s):,.0f} tok/s, the published run implies {implied:,.0f} "
             f"({st.mean(tok_s) / implied - 1:+.0%})"
         )
+    res = run_policy(P.scenario_in(pf, "sync-32"), "colocate", keep_log=False)
+    log = res.world.trainer.steps_log
+    step = res.summary["makespan_s"] / len(log)
+    train = st.mean(s["compute_s"] for s in log)
+    print(
+        f"sync-32: simulated {step:.0f} s a step (published {22.79 * 3600 / 150:.0f} s), "
+        f"of which the trainer computes {train:.0f} s"
+    )
 
 
 if __name__ == "__main__":
