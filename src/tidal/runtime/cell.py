@@ -222,6 +222,19 @@ class EngineHost:
             "pause_s": self._pause_s if self._pause_s is not None else took,
         }
 
+    def load_ipc(self, handles: list[dict], version: str) -> dict:
+        """The ``ipc`` carrier's end: the core's device tensors as CUDA IPC handles, mapped by
+        the engine (on the same GPU) and copied into its weights (``POST /tidal/weights/ipc``);
+        timed as ``load_version``."""
+        import time
+
+        t0 = time.perf_counter()
+        out = self._post("/tidal/weights/ipc", json={"handles": handles, "weight_version": version})
+        self.loaded_version, self.loaded_path = out["weight_version"], None
+        self.state = "awake"
+        took = time.perf_counter() - t0
+        return {"label": self.loaded_version, "seconds": took, "pause_s": out.get("pause_s", took)}
+
     def receive_segment(
         self, host: str, port: int, key: str, version: str, timeout_s: float
     ) -> dict:

@@ -329,8 +329,16 @@ def wire(
     bridge = LedgerBridge(
         handle, clock, admin, buffer, c.group_size, parts, tokens=rt.deterministic
     )
-    from tidal.runtime.handoff import Handoff
+    from tidal.runtime.handoff import Handoff, core_ipc_source, core_placement
 
+    handoff = Handoff(
+        engines,
+        files,
+        rt.weight_carrier,
+        host=host,
+        same_device=core_placement(engines, str(core.device)),  # cell 0's engine on its GPU
+        ipc_source=core_ipc_source(core),
+    )
     publisher = Publisher(
         engines,
         actuator,
@@ -339,7 +347,7 @@ def wire(
         files.path,
         handle,
         clock,
-        handoff=Handoff(engines, files, rt.weight_carrier, host=host),
+        handoff=handoff,
     )
     # executions.jsonl line by line as groups end (a killed run keeps what it closed)
     bridge.file, bridge.t0 = outputs.executions, lambda: outputs.t0
