@@ -331,14 +331,6 @@ def wire(
     )
     from tidal.runtime.handoff import Handoff, core_ipc_source, core_placement
 
-    handoff = Handoff(
-        engines,
-        files,
-        rt.weight_carrier,
-        host=host,
-        same_device=core_placement(engines, str(core.device)),  # cell 0's engine on its GPU
-        ipc_source=core_ipc_source(core),
-    )
     publisher = Publisher(
         engines,
         actuator,
@@ -347,8 +339,11 @@ def wire(
         files.path,
         handle,
         clock,
-        handoff=handoff,
+        handoff=Handoff(engines, files, rt.weight_carrier, host=host),
     )
+    if publisher.handoff is not None:  # cell 0's engine on the core's GPU: CUDA IPC first
+        publisher.handoff.same_device = core_placement(engines, str(core.device))
+        publisher.handoff.ipc_source = core_ipc_source(core)
     # executions.jsonl line by line as groups end (a killed run keeps what it closed)
     bridge.file, bridge.t0 = outputs.executions, lambda: outputs.t0
     if ck is not None:
