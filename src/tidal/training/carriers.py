@@ -36,6 +36,7 @@ import os
 import shutil
 import struct
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,8 @@ SHM_ROOT = Path("/dev/shm")
 BUCKET_BYTES = 64 * 2**20  # a broadcast bucket: big enough for link speed, small to stage
 STAGE_BYTES = 32 * 2**20  # a device (GPU) piece on its way into a segment
 CHECK_PIECE = 2**16  # elements copied, then checked finite while in the cache (see _fill)
+BATCH_BYTES = 64 * 2**20  # CPU tensors copied together (bounded: a sharded stream's are copies)
+_NUMPY_DTYPES = (torch.float32, torch.float16)
 CAST_PIECE = 2**15  # a piece cast into a segment: below torch's grain (one thread, no pool)
 _DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
@@ -189,7 +192,8 @@ class SegmentRing:
                 whole[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
                 lay = self.layout
                 names = iter(zip(lay.names, lay.shapes, lay.offsets, strict=True))
-                size = self.dtype.itemsize
+                size, batch, held = self.dtype.itemsize, [], 0
+                bad: str | None = None
                 for name, tensor in params:
                     want, shape, off = next(names, (None, (), 0))
                     if name != want:
@@ -199,11 +203,21 @@ class SegmentRing:
                     flat = tensor.detach().reshape(-1)
                     at = self._head_len + off * size
                     dst = whole[at : at + flat.numel() * size].view(self.dtype)
-                    if not self._fill(dst, flat):
-                        raise TransportError(
-                            f"v{version}: parameter {name} holds NaN or "
-                            "infinite values; not published"
-                        )
+                    if flat.device.type == "cpu" and flat.dtype == dst.dtype in _NUMPY_DTYPES:
+                        # copied below by the writer's threads, a batch at a time
+                        batch.append((name, dst.numpy(), flat.contiguous().numpy()))
+                        held += dst.numel() * size
+                        if held >= BATCH_BYTES:
+                            bad, batch, held = bad or self._copy_batch(batch), [], 0
+                    elif not self._fill(dst, flat):
+                        bad = bad or name
+                    if bad is not None:
+                        break
+                bad = bad or self._copy_batch(batch)
+                if bad is not None:
+                    raise TransportError(
+                        f"v{version}: parameter {bad} holds NaN or infinite values; not published"
+                    )
                 if next(names, None) is not None:
                     raise TransportError(f"publication of v{version} ended early")
             finally:  # unlocked first: the mapping holds a duplicate of the descriptor
@@ -228,6 +242,28 @@ class SegmentRing:
         for ino in [i for i in self._maps if i not in inodes]:
             del self._maps[ino]
 
+    _pool: ThreadPoolExecutor | None = None
+
+    def _copy_batch(self, batch: list[tuple[str, np.ndarray, np.ndarray]]) -> str | None:
+        """Each (name, segment view, values) of ``batch`` copied in and checked, in pieces split
+        between as many threads as torch uses (the memcpy it is compared with uses them too;
+        numpy lets go of the GIL in its copy and its sum); the name of a non-finite one."""
+        pieces = [
+            (name, d[a : a + CHECK_PIECE], v[a : a + CHECK_PIECE])
+            for name, d, v in batch
+            for a in range(0, v.size, CHECK_PIECE)
+        ]
+        k = max(1, min(4, torch.get_num_threads(), len(pieces)))
+        if k == 1:
+            return _copy_checked(pieces)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(3, thread_name_prefix="segment-write")
+        cut = [len(pieces) * i // k for i in range(k + 1)]
+        parts = [pieces[cut[i] : cut[i + 1]] for i in range(k)]
+        others = [self._pool.submit(_copy_checked, part) for part in parts[1:]]
+        first = _copy_checked(parts[0])
+        return first or next((b for b in (f.result() for f in others) if b), None)
+
     _stage: torch.Tensor | None = None
 
     def _fill(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -251,17 +287,6 @@ class SegmentRing:
                 buf.copy_(part)
                 dst[a : a + k].copy_(buf)
             return True
-        if src.dtype == dst.dtype and src.dtype in (torch.float32, torch.float16):
-            # numpy's copy and sum: one thread each, no thread pool to wake per piece (torch's
-            # parallel copy of small pieces measured 10-40x slower on two busy cores)
-            s, d = src.contiguous().numpy(), dst.numpy()
-            with np.errstate(over="ignore", invalid="ignore"):
-                for a in range(0, n, CHECK_PIECE):
-                    piece = d[a : a + CHECK_PIECE]
-                    np.copyto(piece, s[a : a + CHECK_PIECE])
-                    if not np.isfinite(np.add.reduce(piece)) and not np.isfinite(piece).all():
-                        return False
-            return True
         for a in range(0, n, CAST_PIECE):  # a cast: torch's copy below its threading grain
             part = src[a : a + CAST_PIECE]
             dst[a : a + CAST_PIECE].copy_(part)
@@ -270,6 +295,9 @@ class SegmentRing:
         return True
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._maps.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
         self.published.clear()
@@ -299,6 +327,20 @@ def read_header(path: str | os.PathLike) -> tuple[str, dict, int]:
         head = json.loads(f.read(n))
     meta = head.pop("__metadata__", {}) or {}
     return str(meta.get("weight_version", "")), head, 8 + n
+
+
+def _copy_checked(pieces: list[tuple[str, np.ndarray, np.ndarray]]) -> str | None:
+    """Each (name, destination, values) piece copied, then checked finite while it is in the
+    cache (its sum is finite whenever every value is; only an overflowed sum needs the exact
+    check): numpy's copy and sum, one thread each, no thread pool woken per piece (torch's
+    parallel copy of small pieces measured 10-40x slower on two busy cores). The name of the
+    first non-finite piece, or None."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        for name, d, v in pieces:
+            np.copyto(d, v)
+            if not np.isfinite(np.add.reduce(d)) and not np.isfinite(d).all():
+                return name
+    return None
 
 
 # -- broadcast -------------------------------------------------------------------------------
