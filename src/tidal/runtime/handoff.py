@@ -156,8 +156,12 @@ def version_writer(files: FilePublisher, out: Path) -> VersionWriter:
         tag = hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:8]
         try:
             segments = SegmentRing(segment_root(tag), files.layout, keep=2, dtype=files.dtype)
-        except OSError as exc:
+            segments.prepare()  # the ring's pages now, not at the first publications
+        except (OSError, TransportError) as exc:
             log.warning("no shared memory for weight versions (%s); the file carries them", exc)
+            if segments is not None:
+                segments.close()
+                segments = None
     return VersionWriter(files, segments)
 
 

@@ -78,6 +78,7 @@ class Engine:
         # the shared-memory segments this engine loaded, and the one it serves from (its
         # weights are then views of the segment's pages: ``tidal.training.segment_maps``)
         self._segments = SegmentMaps()
+        self._premap: asyncio.Future | None = None
         self._wakeup = asyncio.Event()
         self._step_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
@@ -109,6 +110,8 @@ class Engine:
                 await asyncio.gather(self._task, return_exceptions=True)
         if self._spill is not None:  # a sleeping engine that ends leaves no weights behind
             self._spill.unlink(missing_ok=True)
+        if self._premap is not None:
+            await asyncio.gather(self._premap, return_exceptions=True)
         self._segments.close()
 
     # -- requests --------------------------------------------------------------------------
@@ -357,7 +360,12 @@ class Engine:
         its weights, checks them there and stays asleep if they do not fit."""
         seg = await asyncio.to_thread(self._segments.open, path, version)
         if seg is not None:
-            return await self._load_segment(seg, version)
+            await self._load_segment(seg, version)
+            if self._premap is None or self._premap.done():  # the ring's other files, ahead
+                self._premap = asyncio.ensure_future(
+                    asyncio.to_thread(self._segments.premap, seg.path)
+                )
+            return
         # read tensor by tensor, twice (checked whole, then copied in): never a second copy
         sd = await asyncio.to_thread(open_weights, path)
         if self._sleeping:  # nothing serves that a bad version could spoil: one pass

@@ -23,6 +23,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ class SegmentMaps:
     def __init__(self) -> None:
         # (device, inode, size) -> (a descriptor kept to see the file unlinked, its mapping)
         self._maps: dict[tuple[int, int, int], tuple[int, mmap.mmap]] = {}
+        self._lock = threading.Lock()  # ``premap`` runs in a thread of its own
         self.serving: Mapped | None = None
 
     def open(self, path: str | os.PathLike, label: str) -> Mapped | None:
@@ -128,23 +130,53 @@ class SegmentMaps:
 
     def _mapping(self, fd: int, st: os.stat_result) -> mmap.mmap:
         key = (st.st_dev, st.st_ino, st.st_size)
-        kept = self._maps.get(key)
-        if kept is not None:
-            return kept[1]
-        if st.st_size < 8:
-            raise TransportError(f"segment of {st.st_size} bytes: torn")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(fd, st.st_size, flags, mmap.PROT_READ)
-        self._maps[key] = (os.dup(fd), mm)
-        return mm
+        with self._lock:
+            kept = self._maps.get(key)
+            if kept is not None:
+                return kept[1]
+            if st.st_size < 8:
+                raise TransportError(f"segment of {st.st_size} bytes: torn")
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, st.st_size, flags, mmap.PROT_READ)
+            self._maps[key] = (os.dup(fd), mm)
+            return mm
+
+    def premap(self, path: str | os.PathLike) -> int:
+        """Map ahead the other files of ``path``'s ring of the same size (its writer's spares
+        and published segments): a later version written into one of them then needs no new
+        mapping (entering 0.54 GB of pages measured 0.05-0.15 s). Once per file, off the
+        load's path (the engine runs it after its reply). Returns how many it mapped."""
+        here, n = os.path.realpath(path), 0
+        try:
+            size, names = os.path.getsize(here), os.listdir(os.path.dirname(here))
+        except OSError:  # renamed or gone meanwhile: nothing ahead this time
+            return 0
+        for name in names:
+            if not (name.endswith(".safetensors") or name.startswith(".spare-")):
+                continue
+            try:
+                fd = os.open(os.path.join(os.path.dirname(here), name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if st.st_size == size and (st.st_dev, st.st_ino, size) not in self._maps:
+                    self._mapping(fd, st)
+                    n += 1
+            except (OSError, ValueError):
+                pass
+            finally:
+                os.close(fd)
+        return n
 
     def _prune(self) -> None:
         """Mappings of files that are gone (unlinked by their writer) are dropped, except the
         one served from (its views keep it mapped anyway)."""
-        for key, (fd, _) in list(self._maps.items()):
-            if os.fstat(fd).st_nlink == 0:
-                os.close(fd)
-                del self._maps[key]  # unmapped once no view of it is left
+        with self._lock:
+            for key, (fd, _) in list(self._maps.items()):
+                if os.fstat(fd).st_nlink == 0:
+                    os.close(fd)
+                    del self._maps[key]  # unmapped once no view of it is left
 
     def serve(self, seg: Mapped | None) -> None:
         """``seg`` is what the engine now serves from (None: its own memory); the previous one's
@@ -155,9 +187,10 @@ class SegmentMaps:
 
     def close(self) -> None:
         self.serve(None)
-        for fd, _ in self._maps.values():
-            os.close(fd)
-        self._maps.clear()
+        with self._lock:
+            for fd, _ in self._maps.values():
+                os.close(fd)
+            self._maps.clear()
 
 
 def _views(mm: mmap.mmap, path: str, size: int) -> tuple[str | None, dict[str, torch.Tensor], bool]:

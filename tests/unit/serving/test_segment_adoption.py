@@ -205,3 +205,30 @@ def test_a_nan_deep_inside_a_tensor_stops_the_writer(tmp_path):
     with pytest.raises(TransportError, match="weight holds NaN"):
         ring.publish_stream(1, ((n, p.detach()) for n, p in big.named_parameters()))
     assert not any(tmp_path.joinpath("seg").iterdir())
+
+
+def test_a_prepared_ring_is_mapped_ahead_and_later_versions_need_no_new_mapping(tiny_dir):
+    p = Parts(tiny_dir)
+    try:
+        p.ring.prepare()  # its two files made ahead, as tidal run's writer does at start
+        spares = sorted(f.name for f in p.ring.dir.iterdir())
+        assert spares == [".spare-0", ".spare-1"]
+
+        async def main():
+            e = p.engine
+            p.publish(1)  # into a spare: its pages and the writer's mapping made ahead
+            await e.update_weights(p.ring.path(1), "v1")
+            await e._premap  # the engine maps the ring's other file after its reply
+            maps = dict(e._segments._maps)
+            assert len(maps) == 2
+            for v in (2, 3, 4):
+                want = p.publish(v)
+                await e.update_weights(p.ring.path(v), f"v{v}")
+                assert p.served() == want and _is_view_of_segment(e)
+            assert e._segments._maps.keys() == maps.keys()  # no new mapping since
+            await e.stop()
+
+        asyncio.run(main())
+    finally:
+        p.engine._segments.close()
+        p.ring.close()
