@@ -8,7 +8,8 @@ reroute (standalone engines first, then rollout cells in descending order) -> ca
 outstanding requests -> optional KV handoff -> release rollout memory -> restore training state.
 Training -> rollout: offload training state -> wake engine -> load current weights -> resume
 admission. verl activate: offload training state -> wake -> sync weights -> add to load balancer
--> resume generation [-> rebalance]; verl deactivate: remove from load balancer -> abort
+-> resume generation [-> rebalance] (``clear_sticky``: the V1 trainer's redistribution of the
+requests in flight over every replica); verl deactivate: remove from load balancer -> abort
 in-flight (retries go to standalone) -> sleep -> restore training state (the order is critical).
 """
 
@@ -129,6 +130,11 @@ def build_plan(
             args["destinations"] = list(destinations)
         if kind in (StepKind.LOAD_WEIGHTS, StepKind.SYNC_WEIGHTS):
             args["version"] = version
+        if kind is StepKind.ADD_TO_LOAD_BALANCER and decision.options.get("clear_sticky"):
+            # verl V1: the sticky cache is cleared as the replicas join, so the requests the
+            # next weight sync aborts retry least-loaded over every replica (the simulator
+            # redistributes them; a runtime that only undrains routes new requests alone).
+            args["clear_sticky"] = True
         steps.append(PlanStep(i, kind, decision.cells, args))
     return TransitionPlan(
         plan_id=plan_id,

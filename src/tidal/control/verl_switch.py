@@ -21,7 +21,9 @@ per_sample_time x (1 - standalone / (hybrid + standalone))`` beats the cost, the
 to-rollout plus the mean to-trainer switch time over the last ``window`` of each).
 ``tests/unit/control/test_verl_conformance.py`` drives it against verl's own methods.
 
-``SwitchScheduler`` is the tidal ``Policy``: the hybrid cells switch together (verl plans), a
+``SwitchScheduler`` is the tidal ``Policy``: the hybrid cells switch together (verl plans; a
+move to rollout clears the sticky cache as ``on_step_end`` does before the standalone weight
+sync, so the requests in flight spread over every replica: ``clear_sticky``), a
 step begins at the first trainer request of a version, its mini-batches are the controller's
 per-step wait times and queue sizes (taken when the trainer has its GPUs, as verl's sampling
 starts after the switch), it ends at the weight sync. tidal's trainer never asks for the step
@@ -273,6 +275,7 @@ class SwitchScheduler:
                     Action.TO_ROLLOUT,
                     Role.ROLLOUT,
                     f"lend hybrids to rollout: {short} groups short of the threshold",
+                    {"clear_sticky": True},
                 )
             return Decision.hold("hybrids stay in training after the step")
         if obs.trainer_waiting and obs.steps_in_version == 0 and self._begun_version < obs.version:
@@ -308,9 +311,11 @@ class SwitchScheduler:
             return self._move(Action.TO_TRAINING, Role.TRAINING, "take the hybrids back")
         return Decision.hold("hybrids in rollout" if in_rollout else "hybrids training")
 
-    def _move(self, action: Action, target: Role, reason: str) -> Decision:
+    def _move(
+        self, action: Action, target: Role, reason: str, options: dict[str, Any] | None = None
+    ) -> Decision:
         self._moving = target
-        return Decision(action, self._hybrid, reason, PlanStyle.VERL)
+        return Decision(action, self._hybrid, reason, PlanStyle.VERL, dict(options or {}))
 
 
 def _switch_settings(**kw: object) -> SwitchSettings:

@@ -10,7 +10,9 @@ destinations in ``step.args["destinations"]`` order (standalone first, then roll
 descending order), paying re-prefill of the context unless the plan has a kv_handoff step (then
 the executions wait at the destination until the handoff completes); abort_inflight moves them
 least-loaded with re-prefill (verl's partial rollout); rebalance aborts in-flight requests
-everywhere once the activated replicas admit, and spreads executions least-loaded.
+everywhere once the activated replicas admit, and spreads executions least-loaded; an
+add_to_load_balancer step with ``clear_sticky`` (verl V1) spreads the requests in flight over
+every replica once the activated replicas admit, without aborting those that stay.
 Admission itself follows the cell roles the controller sets (a cell admits only in ROLLOUT).
 ``sim.step_failure_rate`` injects step failures (seeded) to exercise retries and aborts.
 """
@@ -66,6 +68,8 @@ class SimActuator:
             dur = kv_handoff_s(sum(ex.context_now() for ex in held), w.scenario.costs)
         elif kind is StepKind.REBALANCE:
             w.pending_rebalance = True
+        elif kind is StepKind.ADD_TO_LOAD_BALANCER and step.args.get("clear_sticky"):
+            w.pending_redistribute = True
         w.schedule_ack(plan, step, dur)
 
     def finish(self, plan: TransitionPlan, step: PlanStep, dur: float) -> None:

@@ -1,4 +1,5 @@
-"""Moving executions between engines: reroutes, aborts, KV holds and verl's rebalance.
+"""Moving executions between engines: reroutes, aborts, KV holds, verl's rebalance and its V1
+trainer's redistribution.
 
 In: an execution and a destination engine (or none: it waits for a free slot, keeping its
 progress). Out: the execution bound to its new engine; re-prefill of its context paid unless
@@ -77,3 +78,49 @@ def rebalance(w: World) -> None:
             ex.cached = 0  # an aborted request's blocks are freed: it prefills again
             w.emit(RequestRetried(w.now, ex.eid))
             w.start_seq(ex, rem)
+
+
+def redistribute(w: World) -> None:
+    """verl's V1 separate-async switch to rollout: the hybrids join the load balancer with its
+    sticky cache cleared just before the standalone weight sync aborts every standalone
+    request, so each retry goes to the least-loaded replica of all (standalone and hybrid);
+    the requests that land on the standalone replicas are not aborted a second time.
+    Here: requests move from engines above their replicas' share of the requests in flight
+    to engines below it, those whose prefill has not started first (in verl they were
+    never placed on the standalone engine), then the others in a seeded random order (verl's
+    placement is arbitrary); each moved request prefills its context where it lands.
+    Executions between turns (tool waits) stay where they are."""
+    import random
+
+    ready = [e for e in w.engines if e.admitting]
+    if len(ready) < 2:
+        return
+    live = {
+        e: [ex for ex in e.members if ex.seg is not None or ex.pending is not None] for e in ready
+    }
+    total = sum(len(v) for v in live.values())
+    replicas = sum(e.replicas for e in ready)
+    share = {e: total * e.replicas / replicas for e in ready}
+    rng = random.Random(w.scenario.seed * 1000003 + w.version)
+    movers: list[ExecRec] = []
+    for e in ready:
+        excess = len(live[e]) - round(share[e])
+        if excess <= 0:
+            continue
+        execs = sorted(live[e], key=lambda x: x.seq_no)
+        rng.shuffle(execs)
+        queued = [p[0] for p in e.prefills()]
+        waiting = {w.seqs[s] for s in queued[1:] if s in w.seqs}  # the head is under way
+        execs.sort(key=lambda x: 0 if (x.seg is None or x in waiting) else 1)
+        movers += execs[:excess]
+    for ex in movers:
+        dest = min(
+            (d for d in ready if d.free_slots > 0),
+            key=lambda d: (len(live[d]) - share[d], d.name),
+            default=None,
+        )
+        if dest is None or len(live[dest]) + 1 > share[dest] + 0.5:
+            break
+        live[ex.engine].remove(ex)
+        live[dest].append(ex)
+        w.move(ex, dest, kv=False, hold=False)

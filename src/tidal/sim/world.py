@@ -193,6 +193,7 @@ class World:
         self.n_exec = 0
         self.syncing = False
         self.pending_rebalance = False
+        self.pending_redistribute = False  # verl V1: spread requests once the hybrids admit
         self.done = False
         self.makespan_s = 0.0
         self._sig: tuple[int, int, int] = (-1, -1, -1)
@@ -358,6 +359,9 @@ class World:
         if self.pending_rebalance and fl is None:
             self.pending_rebalance = False
             moves.rebalance(self)
+        if self.pending_redistribute and fl is None:
+            self.pending_redistribute = False
+            moves.redistribute(self)
         self.trainer.set_gpus(gpus, cells, self.now)
         dispatch.fill(self)
 

@@ -379,3 +379,21 @@ def test_waterlevel_without_any_rollout_capacity_is_a_config_error():
 
     with pytest.raises(ConfigError, match="no rollout capacity"):
         make("waterlevel", cells=2, kind=CellKind.HYBRID)
+
+
+def test_a_verl_lending_plan_carries_clear_sticky_on_its_load_balancer_step_only():
+    from tidal.control.plans import build_plan
+    from tidal.control.policy import Action, Decision, PlanStyle
+
+    def plan(options):
+        d = Decision(Action.TO_ROLLOUT, (0, 1), "lend", PlanStyle.VERL, options)
+        return build_plan(1, d, 0.0, destinations=[], version=3, kv_handoff=False)
+
+    sticky = {s.kind: s.args for s in plan({"clear_sticky": True}).steps}
+    assert sticky[StepKind.ADD_TO_LOAD_BALANCER] == {"clear_sticky": True}
+    assert [k for k, a in sticky.items() if a.get("clear_sticky")] == [
+        StepKind.ADD_TO_LOAD_BALANCER
+    ]
+    assert StepKind.REBALANCE not in sticky  # no abort of every replica's requests
+    plain = plan({}).steps
+    assert all("clear_sticky" not in s.args for s in plain)

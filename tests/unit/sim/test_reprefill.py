@@ -1,7 +1,8 @@
 """Re-prefill is charged once per reroute or sync, at prefill speed, never as decode work.
 
 A property test drives a small world and, between events, aborts engines (a weight sync's
-flush), moves executions (with and without KV handoff, held or not) and rebalances, in random
+flush), moves executions (with and without KV handoff, held or not), rebalances and
+redistributes (verl V1), in random
 order; after every event and every action the world's invariants hold, including: a request's
 pending or remaining work never exceeds its turn's decode tokens, and a queued prefill never
 exceeds one prefill of the request's whole context. Then a multi-turn fully-async run on the
@@ -19,7 +20,9 @@ from tidal.testing.sim_scenarios import tiny_scenario
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["events", "abort", "resume", "move", "rebalance", "release"]),
+        st.sampled_from(
+            ["events", "abort", "resume", "move", "rebalance", "redistribute", "release"]
+        ),
         st.integers(0, 10_000),
         st.booleans(),
     ),
@@ -80,6 +83,8 @@ def test_random_syncs_and_moves_never_compound_prefill(seed, ops):
                 held.append(ex)
         elif op == "rebalance":
             moves.rebalance(w)
+        elif op == "redistribute":
+            moves.redistribute(w)
         elif op == "release" and held:
             moves.release_hold(w, held.pop(0), kv=flag)
         w.check_invariants()

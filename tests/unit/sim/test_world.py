@@ -156,6 +156,48 @@ def test_verl_rebalance_spreads_executions_over_the_activated_replicas():
     assert rebal["reprefill_tokens"] > plain["reprefill_tokens"]
 
 
+def test_verl_switch_lends_hybrids_the_requests_in_flight(monkeypatch):
+    # verl V1: lending the hybrids clears the sticky cache before the standalone weight sync
+    # aborts every request, so the retries spread over all replicas. Without that spread the
+    # lent hybrids would only get new dispatches (none while the pool is full) and idle.
+    from tidal.sim import moves
+
+    seen = []
+    real = moves.redistribute
+
+    def spy(w):
+        before = sum(len(e.members) for e in w.cell_engines)
+        real(w)
+        seen.append((before, sum(len(e.members) for e in w.cell_engines)))
+
+    monkeypatch.setattr(moves, "redistribute", spy)
+    sc = tiny(sim={"max_inflight_groups": 6}, control={"bursts": 8})
+    res = run_policy(sc, "verl-switch", check=True)
+    assert res.summary["trainer_steps"] == sc.total_steps
+    assert len(seen) == res.summary["switches_to_rollout"] >= 1
+    assert all(after > before for before, after in seen)
+
+
+def test_redistribute_moves_requests_to_their_replicas_share_without_aborting_stayers():
+    from tidal.sim import moves
+
+    w = World(tiny(), "verl-switch", check=True)
+    w.run_events(1)
+    std = [e for e in w.engines if e.cell is None]
+    for e in w.cell_engines:
+        e.admitting = True  # the lent hybrids admit
+    while sum(len(e.members) for e in std) < 24:
+        assert w.run_events(1)
+    stay = {ex.eid: ex.seg for e in std for ex in e.members}
+    total = sum(len(e.members) for e in w.engines)
+    moves.redistribute(w)
+    w.check_invariants()
+    share = total / len(w.engines)  # every engine here has one replica
+    assert all(abs(len(e.members) - share) <= 1 for e in w.engines)
+    left = [ex for e in std for ex in e.members]
+    assert left and all(stay[ex.eid] == ex.seg for ex in left)  # not aborted again
+
+
 @pytest.mark.parametrize("spec", ["tidal", "waterlevel", "verl-default"])
 def test_failing_plan_steps_are_retried_or_aborted_and_nothing_is_lost(spec):
     from tidal.sim.scenario import load
