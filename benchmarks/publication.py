@@ -2,13 +2,17 @@
 
 One process, a randomly initialised Llama of SmolLM2-135M's shape (0.54 GB float32; no weights
 on disk needed) serving in the built-in ``Engine``. Per carrier, best of ``--repeats``:
-- write: the core's write of the version (``SegmentRing`` into /dev/shm, reusing the pages of
-  the version before last; ``FilePublisher`` into the run directory's disk);
-- load: ``Engine.update_weights`` from that path (checked whole, then read into its weights);
+- write: the core's write of the version (``SegmentRing`` into /dev/shm: one pass, each piece
+  copied into the writer's kept mapping of a reused segment and checked finite in the cache;
+  ``FilePublisher`` into the run directory's disk);
+- load: ``Engine.update_weights`` from that path until it returns, i.e. until the engine serves
+  the version (a segment: mapped, checked whole, its pages adopted as the weights, no copy; the
+  file: checked whole, then read into the weights);
 - GB/s: the version's bytes over write + load;
-beside memcpy: ``dst.copy_(src)`` of the same bytes between two buffers already in memory.
-(``tidal run`` adds a Ray call and an HTTP request per engine: the decision log's
-``weights_published`` has those figures per run.)
+beside memcpy: ``dst.copy_(src)`` of the same bytes between two buffers already in memory (best
+of 3, as ``tidal run`` measures it at start). ``tidal run`` adds a Ray call and an HTTP request
+per engine: the summary's ``publication`` has the span from the first byte written to the last
+engine's reply, per run.
 
 Run: ``.venv/bin/python benchmarks/publication.py [--repeats 3] [--dir /tmp]``.
 """

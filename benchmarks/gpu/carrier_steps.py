@@ -115,7 +115,7 @@ def _ipc_engine(shape: dict, handles: list[dict], out) -> None:
     try:
         from engine_steps import new_engine
 
-        from tidal.training.carriers import ipc_import
+        from tidal.training.cuda_ipc import ipc_import
 
         device = torch.device("cuda", torch.cuda.current_device())
         engine = new_engine(engine_model(shape, device, torch.bfloat16, seed=0), device, 4)
@@ -131,7 +131,7 @@ def _ipc_engine(shape: dict, handles: list[dict], out) -> None:
 
 
 def _ipc(ctx, figs, own: dict, nbytes: int, d2d: float) -> None:
-    from tidal.training.carriers import ipc_export
+    from tidal.training.cuda_ipc import ipc_export
 
     t0 = time.perf_counter()
     handles = ipc_export(own)

@@ -1,7 +1,7 @@
 """Weight carriers and the built-in engine's pinned sleep on a CUDA device.
 
 - CUDA IPC (the trainer's own GPU): the trainer's device tensors exported as handles
-  (``carriers.ipc_export``), mapped in another process that serves them in a built-in engine
+  (``cuda_ipc.ipc_export``), mapped in another process that serves them in a built-in engine
   (``Engine.update_weights_from``, what ``POST /tidal/weights/ipc`` runs): every weight the
   engine serves has the trainer's sha256;
 - a segment written from device tensors (``SegmentRing``: through its staging buffer, pinned on
@@ -51,7 +51,7 @@ def _sha(named) -> dict[str, str]:
 def _serve_from_ipc(handles: list[dict], out: mp.Queue) -> None:
     """The engine's process: map the trainer's tensors, load them, report what it serves."""
     try:
-        from tidal.training.carriers import ipc_import
+        from tidal.training.cuda_ipc import ipc_import
 
         model = LlamaForCausalLM.random(SMOLLM2_135M, seed=9)
 
@@ -67,7 +67,7 @@ def _serve_from_ipc(handles: list[dict], out: mp.Queue) -> None:
 
 
 def test_cuda_ipc_hands_the_trainers_tensors_to_an_engine_bit_for_bit():
-    from tidal.training.carriers import ipc_export
+    from tidal.training.cuda_ipc import ipc_export
     from tidal.training.transport import TransportError
 
     trainer = LlamaForCausalLM.random(SMOLLM2_135M, seed=0).to(DEVICE)

@@ -7,6 +7,9 @@ run directory's file of each version (the checkpoint's and the fallback's, copie
 segment after the engines loaded, off their pause).
 
 Carriers, in order of preference per placement (``Handoff.carriers``):
+- the core trainer's own CUDA device (cell 0's built-in engine on a GPU): ``ipc`` first while
+  the core's parameters on the device hold the version (not offloaded, no later step: CUDA IPC
+  handles of them, the engine copies device to device, cast to its dtype), then as below;
 - same node as the driver: ``shm`` (the segment's path in /dev/shm: the built-in engine reads it
   straight into its weights, vLLM workers and SGLang load it as a safetensors path), then
   ``file``;
@@ -30,7 +33,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CARRIERS = ("auto", "shm", "broadcast", "file", "object")
+# the core's parameters on its CUDA device while they hold the version asked for, else None
+IpcSource = Callable[[int], Mapping[str, torch.Tensor] | None]
 
 
 class SegmentUnavailable(TransportError):
@@ -66,6 +71,7 @@ class VersionWriter:
         self.version = 0
         self.segment: str | None = None  # the newest version's segment (None: file only)
         self.write_s = 0.0  # how long the newest version took to write
+        self.started = 0.0  # when its write began (``time.perf_counter``)
         self._file_lock = threading.Lock()  # a publication's and a wake's fallback
 
     def path(self, version: int) -> str:
@@ -75,7 +81,7 @@ class VersionWriter:
         self.publish_stream(version, iter(self.files.layout.views(flat).items()))
 
     def publish_stream(self, version: int, params: Iterator[tuple[str, torch.Tensor]]) -> None:
-        t0 = time.perf_counter()
+        t0 = self.started = time.perf_counter()
         self.version, self.segment = version, None
         if self.segments is not None:
             try:
@@ -150,8 +156,12 @@ def version_writer(files: FilePublisher, out: Path) -> VersionWriter:
         tag = hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:8]
         try:
             segments = SegmentRing(segment_root(tag), files.layout, keep=2, dtype=files.dtype)
-        except OSError as exc:
+            segments.prepare()  # the ring's pages now, not at the first publications
+        except (OSError, TransportError) as exc:
             log.warning("no shared memory for weight versions (%s); the file carries them", exc)
+            if segments is not None:
+                segments.close()
+                segments = None
     return VersionWriter(files, segments)
 
 
@@ -190,14 +200,26 @@ class Handoff:
     group_timeout_s: float = 60.0
     host: str = "127.0.0.1"  # the driver node's address (a broadcast group's store)
     deliveries: list[Delivery] = field(default_factory=list)
+    # whether an engine serves on the core trainer's CUDA device (``core_placement``), and the
+    # core's device parameters of a version (``core_ipc_source``): the ``ipc`` carrier's
+    same_device: Callable[[EngineId], bool] = field(default=lambda eid: False)
+    ipc_source: IpcSource | None = None
     # engine id -> (its actor, the side group, its key): the broadcast group kept per engine
     _links: dict[Any, tuple[Any, Any, str]] = field(default_factory=dict)
 
-    def carriers(self, eid: EngineId) -> list[str]:
+    def carriers(self, eid: EngineId, version: int | None = None) -> list[str]:
         local = self.engines.transport(eid) == "file"
         order = ["shm", "file"] if local else ["broadcast", "object"]
         if self.writer.segment is None:  # no segment of this version: what reads the file
             order = [c for c in order if c not in ("shm", "broadcast")]
+        v = self.writer.version if version is None else version
+        if (
+            local
+            and self.ipc_source is not None
+            and self.same_device(eid)
+            and self.ipc_source(v) is not None
+        ):
+            order = ["ipc", *order]
         if self.force != "auto":
             if self.force in ("shm", "broadcast") and self.writer.segment is None:
                 return order
@@ -218,7 +240,7 @@ class Handoff:
         from tidal.runtime.tasks import remote
 
         failed: list[str] = []
-        order = self.carriers(eid)
+        order = self.carriers(eid, version)
         for carrier in order:
             t0 = time.perf_counter()
             try:
@@ -255,6 +277,8 @@ class Handoff:
     ) -> tuple[Callable[[], Awaitable[Any]], int]:
         """The Ray call that loads ``label`` by ``carrier`` and its bytes."""
         w = self.writer
+        if carrier == "ipc":
+            return self._ipc(actor, version, label)
         if carrier == "shm":
             seg = _existing(w.segment, carrier)
             return (lambda: actor.load_version.remote(seg, label)), os.path.getsize(seg)
@@ -267,6 +291,21 @@ class Handoff:
             blob = await asyncio.to_thread(self.engines.blob, path)
             return (lambda: actor.load_weights_blob.remote(blob, label)), os.path.getsize(path)
         raise TransportError(f"unknown weight carrier {carrier!r}")
+
+    def _ipc(
+        self, actor: ActorHandle, version: int, label: str
+    ) -> tuple[Callable[[], Awaitable[Any]], int]:
+        """CUDA IPC handles of the core's device parameters of ``version`` (they stay as they
+        are until the engine replied: the core takes no step while its version is published,
+        and an offload keeps an exported block alive until the engine let go)."""
+        from tidal.training.cuda_ipc import ipc_export
+
+        named = self.ipc_source(version) if self.ipc_source is not None else None
+        if named is None:
+            raise TransportError(f"ipc: the core's device parameters no longer hold v{version}")
+        handles = ipc_export(named)
+        nbytes = sum(t.numel() * t.element_size() for t in named.values())
+        return (lambda: actor.load_ipc.remote(handles, label)), nbytes
 
     def _broadcast(
         self, eid: EngineId, actor: ActorHandle, seg: str, version: int, label: str
@@ -315,3 +354,34 @@ def _existing(path: str | None, carrier: str) -> str:
     if path is None or not Path(path).exists():
         raise TransportError(f"{carrier}: the version's segment is gone")
     return path
+
+
+def core_placement(engines: Engines, core_device: str) -> Callable[[EngineId], bool]:
+    """Whether an engine serves on the core trainer's CUDA device: cell 0's built-in engine on
+    the driver's node when the core runs on a GPU (it trains on cell 0's first GPU)."""
+    from tidal.runtime.engines import EngineId
+
+    on_gpu = torch.device(core_device).type == "cuda"
+    return lambda eid: (
+        on_gpu
+        and eid == EngineId.cell(0)
+        and not engines.is_server(eid)
+        and engines.transport(eid) == "file"
+    )
+
+
+def core_ipc_source(core: Any) -> IpcSource:
+    """The core's parameters (name -> its tensor on the device, no copy) while they hold
+    ``version``: on a CUDA device, not offloaded, not sharded, no step since; else None."""
+
+    def source(version: int) -> Mapping[str, torch.Tensor] | None:
+        if (
+            core.device.type != "cuda"
+            or core.sharded is not None
+            or core.offloaded
+            or core.version != version
+        ):
+            return None
+        return {n: p.detach() for n, p in core.model.named_parameters()}
+
+    return source

@@ -10,8 +10,10 @@ written from the segment (the checkpoint's; off the engines' pause); ``Weights``
 cell that wakes later, or a replaced engine, loads it through the same handoff), and one
 ``WeightSyncDone`` goes to the controller with each engine's carrier, bytes, seconds and pause
 (the decision log's ``weights_published``), the version's write time and the publication's
-GB/s (bytes over write + slowest engine's load). ``report`` sums them up for the summary,
-beside the machine's memcpy GB/s measured at the publisher's start.
+GB/s: its bytes over the span from the core's first written byte to the last engine's reply
+that it serves the version (``span_s``). ``report`` sums them up for the summary, beside the
+machine's memcpy GB/s measured at the publisher's start (the same bytes-over-seconds of one
+``copy_`` between two buffers already in memory).
 Invariant 6 is kept by the engines (each later token carries the new label); an engine lost during
 a load is the cell supervisor's to replace, with this version.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,6 +116,7 @@ class Publisher:
                 return_exceptions=True,
             )
         loaded_s = self.clock.now() - t0
+        ready = time.perf_counter()  # every engine that took it serves it from its next step
         done = {}
         for (eid, _), out in zip(targets, outs, strict=True):
             if isinstance(out, BaseException):  # its engine is replaced with this version
@@ -123,12 +127,14 @@ class Publisher:
                 done[str(eid)] = out
         await asyncio.to_thread(h.writer.ensure_file, version)  # the checkpoint's file
         nbytes = max((d.bytes for d in done.values()), default=0)
-        slowest = max((d.seconds for d in done.values()), default=0.0)
-        took = h.writer.write_s + slowest
+        # the span: from the first byte the core wrote to the last engine ready to serve it
+        # (its reply after the load; a built-in engine's, after the step in flight)
+        span = ready - h.writer.started if h.writer.version == version else 0.0
         detail = {
             "write_s": round(h.writer.write_s, 4),
+            "span_s": round(span, 4),
             "bytes": nbytes,
-            "gbps": round(nbytes / took / 1e9, 3) if took > 0 and nbytes else None,
+            "gbps": round(nbytes / span / 1e9, 3) if span > 0 and nbytes else None,
             "engines": {e: d.record() for e, d in sorted(done.items())},
         }
         self.records.append(detail)
@@ -166,6 +172,7 @@ class Publisher:
             "memcpy_gbps": self.memcpy_gbps,
             "gbps": _p50_max([r["gbps"] for r in recs if r["gbps"]]),
             "write_s": _p50_max([r["write_s"] for r in recs]),
+            "span_s": _p50_max([r["span_s"] for r in recs if r["gbps"]]),
             "engine_load_s": _p50_max([d["seconds"] for d in loads]),
             "engine_pause_s": _p50_max([d["pause_s"] for d in loads]),
             "carriers": dict(sorted(carriers.items())),

@@ -335,7 +335,7 @@ def wire(
     bridge = LedgerBridge(
         handle, clock, admin, buffer, c.group_size, parts, tokens=rt.deterministic
     )
-    from tidal.runtime.handoff import Handoff
+    from tidal.runtime.handoff import Handoff, core_ipc_source, core_placement
 
     publisher = Publisher(
         engines,
@@ -348,6 +348,9 @@ def wire(
         # an emulated version is a marker the engines load in the scenario's time
         handoff=None if rt.emulate else Handoff(engines, files, rt.weight_carrier, host=host),
     )
+    if publisher.handoff is not None:  # cell 0's engine on the core's GPU: CUDA IPC first
+        publisher.handoff.same_device = core_placement(engines, str(core.device))
+        publisher.handoff.ipc_source = core_ipc_source(core)
     # executions.jsonl line by line as groups end (a killed run keeps what it closed)
     bridge.file, bridge.t0 = outputs.executions, lambda: outputs.t0
     if ck is not None:

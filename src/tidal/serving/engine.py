@@ -38,6 +38,7 @@ from tidal.serving.engine_config import EngineConfig, spill_path
 from tidal.serving.engine_state import KVStore, RateMeter, Request, sample_batch
 from tidal.serving.prefix_cache import PrefixCache
 from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, StopText, TokenChunk
+from tidal.training.segment_maps import Mapped, SegmentMaps, adopt, adoptable
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -74,6 +75,10 @@ class Engine:
         # level 1's pinned host buffers (on CUDA; CPU tensors stay as they are), allocated at
         # the first sleep and reused by every later one: a copy at the host link's speed
         self._stash = HostStash()
+        # the shared-memory segments this engine loaded, and the one it serves from (its
+        # weights are then views of the segment's pages: ``tidal.training.segment_maps``)
+        self._segments = SegmentMaps()
+        self._premap: asyncio.Future | None = None
         self._wakeup = asyncio.Event()
         self._step_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
@@ -105,6 +110,9 @@ class Engine:
                 await asyncio.gather(self._task, return_exceptions=True)
         if self._spill is not None:  # a sleeping engine that ends leaves no weights behind
             self._spill.unlink(missing_ok=True)
+        if self._premap is not None:
+            await asyncio.gather(self._premap, return_exceptions=True)
+        self._segments.close()
 
     # -- requests --------------------------------------------------------------------------
     async def generate(
@@ -300,6 +308,8 @@ class Engine:
                     # off the loop: /health and control routes keep answering while it writes
                     await asyncio.to_thread(save_file, sd, str(self._spill))
                     del sd
+            if self._held is None:  # level 1 in memory keeps the served segment's views
+                self._segments.serve(None)
             self.model.free_weights()
             self._sleeping = True
         log.info("engine %s asleep (level %d)", self.config.name, level)
@@ -307,6 +317,17 @@ class Engine:
     async def wake_up(self) -> None:
         async with self._step_lock:
             if not self._sleeping:
+                return
+            seg = None
+            if self._held is None and self._spill is None and self._weights_source is not None:
+                seg = await asyncio.to_thread(
+                    self._segments.open, self._weights_source, self.weight_version
+                )
+            if seg is not None:  # the segment it served before (still that version): adopted
+                await self._checked(seg)
+                self._serve_segment(seg)
+                self._wakeup.set()
+                log.info("engine %s awake", self.config.name)
                 return
             if self._held is not None:
                 sd = self._held
@@ -319,6 +340,7 @@ class Engine:
                 sd = await asyncio.to_thread(open_weights, self._spill or self._weights_source)
             self.model.materialize(self.device)
             self.model.load_weights(sd)  # strict: materialised memory is garbage until loaded
+            self._segments.serve(None)  # a level-1 sleep's views of a segment: copied now
             self._drop_spill()
             self._sleeping = False
             self._wakeup.set()
@@ -336,6 +358,14 @@ class Engine:
         that does not fit raises a ``TidalError`` and the loaded one keeps serving. A sleeping
         engine serves nothing a bad version could spoil: it reads the file once, straight into
         its weights, checks them there and stays asleep if they do not fit."""
+        seg = await asyncio.to_thread(self._segments.open, path, version)
+        if seg is not None:
+            await self._load_segment(seg, version)
+            if self._premap is None or self._premap.done():  # the ring's other files, ahead
+                self._premap = asyncio.ensure_future(
+                    asyncio.to_thread(self._segments.premap, seg.path)
+                )
+            return
         # read tensor by tensor, twice (checked whole, then copied in): never a second copy
         sd = await asyncio.to_thread(open_weights, path)
         if self._sleeping:  # nothing serves that a bad version could spoil: one pass
@@ -349,13 +379,56 @@ class Engine:
         await asyncio.to_thread(self.model.check_weights, sd)
         async with self._step_lock:
             t0 = self.clock.now()
-            if self._sleeping:
-                self.model.materialize(self.device)
-                self._sleeping = False
-                self._drop_spill()
+            self._own_weights()
             self.model.load_weights(sd)
             self._after_load(path, version)
             self.last_pause_s = self.clock.now() - t0  # no step ran meanwhile
+
+    async def _load_segment(self, seg: Mapped, version: str) -> None:
+        """A version in a shared-memory segment (mapped, locked, its label checked): names and
+        shapes checked whole (values too unless its writer checked them as it wrote), then,
+        between two steps, served straight from its pages (a CPU engine of its dtype: no copy)
+        or copied in, one ``copy_`` per tensor. A sleeping engine wakes into it."""
+        await self._checked(seg)
+        async with self._step_lock:
+            t0 = self.clock.now()
+            self._serve_segment(seg)
+            self._after_load(seg.path, version)
+            self.last_pause_s = self.clock.now() - t0
+
+    async def _checked(self, seg: Mapped) -> None:
+        """Names and shapes of ``seg`` checked whole, values too unless its writer did (its
+        lock goes if it does not fit)."""
+        try:
+            await asyncio.to_thread(self.model.check_weights, seg, True, not seg.checked)
+        except BaseException:
+            seg.close()
+            raise
+
+    def _serve_segment(self, seg: Mapped) -> None:
+        """``seg`` (checked) becomes the weights, under the step lock: adopted, or copied in
+        (its lock then goes)."""
+        try:
+            if adoptable(self.model, seg, self.device):
+                adopt(self.model, seg)
+                self._segments.serve(seg)
+            else:
+                self._own_weights()
+                self.model.load_weights(seg)
+        finally:
+            if self._segments.serving is not seg:
+                seg.close()
+        self._sleeping = False
+        self._drop_spill()
+
+    def _own_weights(self) -> None:
+        """Memory of the engine's own for its weights, before a copy into them: a sleeping
+        engine's (freed), or one serving from a segment's read-only pages."""
+        if self._sleeping or self._segments.serving is not None:
+            self.model.materialize(self.device)
+            self._segments.serve(None)
+            self._sleeping = False
+            self._drop_spill()
 
     async def update_weights_from(self, named: Mapping[str, torch.Tensor], version: str) -> None:
         """A version handed over in memory (CUDA IPC: the trainer's device tensors mapped into
@@ -364,10 +437,7 @@ class Engine:
         await asyncio.to_thread(self.model.check_weights, named)
         async with self._step_lock:
             t0 = self.clock.now()
-            if self._sleeping:
-                self.model.materialize(self.device)
-                self._sleeping = False
-                self._drop_spill()
+            self._own_weights()
             self.model.load_weights(named)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the sender may free its tensors next
@@ -390,6 +460,7 @@ class Engine:
             self.model.free_weights()
             raise TidalError(f"weight {bad}: holds NaN or infinite values")
         self._sleeping = False
+        self._segments.serve(None)  # a level-1 sleep's views of a segment are not needed
         self._drop_spill()
 
     def _after_load(self, path: str | Path, version: str) -> None:

@@ -88,7 +88,7 @@ class WeightsBody(BaseModel):
 
 
 class IpcBody(BaseModel):
-    """A version as CUDA IPC handles (``tidal.training.carriers.ipc_export``)."""
+    """A version as CUDA IPC handles (``tidal.training.cuda_ipc.ipc_export``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -255,7 +255,7 @@ class EngineHandlers:
         }
 
     async def update_weights_ipc(self, body: IpcBody) -> dict:
-        from tidal.training.carriers import ipc_import
+        from tidal.training.cuda_ipc import ipc_import
 
         try:
             named = ipc_import(body.handles)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +23,8 @@ import torch
 from tidal.runtime.cell import EngineHost
 from tidal.runtime.engines import EngineId
 from tidal.runtime.handoff import Handoff, VersionWriter
-from tidal.training.carriers import SegmentRing
+from tidal.training import carriers
+from tidal.training.carriers import SegmentRing, segment_root
 from tidal.training.flat import ParamLayout
 from tidal.training.transport import FilePublisher
 
@@ -72,9 +74,10 @@ def engine(tmp_path_factory):
 
 
 def _writer(e, name: str) -> VersionWriter:
+    """As ``tidal run``'s: segments in /dev/shm (the engine serves from their pages)."""
     layout = ParamLayout.of(e.model)
     files = FilePublisher(e.tmp / f"weights-{name}", layout)
-    return VersionWriter(files, SegmentRing(e.tmp / f"shm-{name}", layout))
+    return VersionWriter(files, SegmentRing(segment_root(f"handoff-{name}"), layout))
 
 
 def _version(e, writer: VersionWriter, version: int) -> dict[str, str]:
@@ -85,9 +88,9 @@ def _version(e, writer: VersionWriter, version: int) -> dict[str, str]:
     return _hashes(params)
 
 
-def _handoff(writer: VersionWriter, force: str) -> Handoff:
+def _handoff(writer: VersionWriter, force: str, group_timeout_s: float = 30) -> Handoff:
     engines = SimpleNamespace(transport=lambda eid: "file", blob=None)
-    return Handoff(engines, writer, force, call_timeout_s=60, group_timeout_s=30)
+    return Handoff(engines, writer, force, call_timeout_s=60, group_timeout_s=group_timeout_s)
 
 
 @pytest.mark.timeout(300)
@@ -100,6 +103,8 @@ def test_each_carrier_delivers_the_version_bit_for_bit(engine, carrier):
     assert d.bytes >= 4 * ParamLayout.of(engine.model).numel and d.pause_s <= d.seconds
     served = engine.host.weight_hashes()
     assert served["weight_version"] == "v1" and served["hashes"] == want
+    if carrier == "shm":  # served from the segment's own pages: the engine maps it
+        assert writer.segment in Path(f"/proc/{engine.host.proc.proc.pid}/maps").read_text()
     if carrier == "broadcast":  # the next version over the same group, kept by both ends
         h = _handoff(writer, carrier)
         asyncio.run(h.deliver(EngineId.cell(0), engine.actor, 1, "v1"))
@@ -132,4 +137,37 @@ def test_a_torn_segment_falls_back_to_the_file_and_nothing_half_loaded_is_served
         asyncio.run(h.deliver(EngineId.cell(0), engine.actor, 3, "v3"))
     after = engine.host.weight_hashes()
     assert after == before and after["hashes"] != want3  # still all of v2, nothing of v3
+    writer.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_broadcast_lost_mid_version_falls_back_logged_and_nothing_half_received_serves(
+    engine, monkeypatch, caplog
+):
+    """The sender sends the first half of the segment's buckets, then its link is gone: the
+    engine's receiver times out without a loadable segment, the handoff logs it and delivers
+    the version by the next carrier (shm); the engine serves all of it."""
+    writer = _writer(engine, "lost")
+    want = _version(engine, writer, 4)
+
+    def half_then_lost(g, path, version, bucket_bytes=carriers.BUCKET_BYTES, timeout_s=60.0):
+        size = os.path.getsize(path)
+        bucket = -(-size // 2)
+        carriers._bcast(g, torch.tensor([size, version, bucket], dtype=torch.int64), timeout_s)
+        with open(path, "rb") as f:
+            first = torch.frombuffer(bytearray(f.read(bucket)), dtype=torch.uint8)
+        carriers._bcast(g, first, timeout_s)
+        raise carriers.TransportError("broadcast failed: the link went down")
+
+    monkeypatch.setattr(carriers, "send_segment", half_then_lost)
+    h = _handoff(writer, "broadcast", group_timeout_s=3)
+    assert h.carriers(EngineId.cell(0)) == ["broadcast", "shm", "file"]
+    with caplog.at_level("WARNING", logger="tidal.runtime.handoff"):
+        d = asyncio.run(h.deliver(EngineId.cell(0), engine.actor, 4, "v4"))
+    assert d.carrier == "shm" and d.failed and d.failed[0].startswith("broadcast: ")
+    assert any("did not load by broadcast" in r.getMessage() for r in caplog.records)
+    received = engine.host.received_dir()
+    assert not list(received.glob("v4*")) and not list(received.glob(".v4*"))  # nothing half
+    served = engine.host.weight_hashes()
+    assert served["weight_version"] == "v4" and served["hashes"] == want
     writer.close()
