@@ -50,6 +50,16 @@ class PoolConfig(BaseModel):
     timeout_s: float = Field(300.0, gt=0)
     request_timeout_s: float = Field(300.0, gt=0)
     token: str | None = None  # the run's token: registering and closing executions need it
+    # several proxy processes (tidal.serving.proxy_set): each execution's calls go to its owner
+    proxy_urls: list[str] = Field(default_factory=list)
+
+    def url_for(self, execution_id: str) -> str:
+        """The proxy that serves ``execution_id`` (``proxy_url`` with one process)."""
+        if len(self.proxy_urls) < 2:
+            return self.proxy_url
+        from tidal.serving.proxy_set import owner
+
+        return self.proxy_urls[owner(execution_id, len(self.proxy_urls))]
 
 
 class HarnessPool:
@@ -118,9 +128,9 @@ class HarnessPool:
                     group,
                     job.row,
                     ws,
-                    execution_url(cfg.proxy_url, eid),
+                    execution_url(cfg.url_for(eid), eid),
                     execution_key(cfg.token or "", eid),
-                    cfg.proxy_url,
+                    cfg.url_for(eid),
                     await self._served_model(admin),
                     cfg.timeout_s,
                     cfg.max_tokens_per_turn,
