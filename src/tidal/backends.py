@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 BACKEND_GROUP = "tidal.backends"  # the entry point group of installed backends
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # what a config may name
-BUILTIN_BACKENDS = ("builtin", "vllm", "sglang")
+BUILTIN_BACKENDS = ("builtin", "vllm", "sglang", "emulated")
 
 
 @dataclass(frozen=True)
@@ -222,5 +222,16 @@ register_backend(
         server=True,
         package="sglang",
         python_field="sglang_python",
+    )
+)
+register_backend(
+    EngineBackend(
+        name="emulated",
+        label="emulated",  # a test double at scale: seeded tokens at a scenario's rates
+        adapter="tidal.serving.adapters:BuiltinAdapter",  # it serves the built-in engine's routes
+        cell_host="tidal.runtime.emulated_host:EmulatedHost",
+        standalone_host="tidal.runtime.emulated_host:EmulatedHost",
+        settings="tidal.runtime.emulated_host:emulated_settings",
+        check="tidal.runtime.emulated_host:check",
     )
 )

@@ -248,6 +248,17 @@ MOVED_TO_TASK = {
 }
 
 
+class EmulateSettings(Strict):
+    """An emulated run (``tidal run --emulate SCENARIO``; docs/emulate.md): engines and trainer
+    are test doubles timed by a simulator scenario's cost model, every duration over ``k``."""
+
+    scenario: str = Field(..., min_length=1, description="simulator scenario: name or YAML path")
+    k: float = Field(1.0, gt=0.0, description="time scale: every emulated duration over k")
+    stream_tick_s: float = Field(
+        1.0, gt=0.0, description="real seconds between an emulated stream's progress chunks"
+    )
+
+
 class RuntimeConfig(Strict):
     """What ``tidal run`` needs beyond the control plane: model, engines, task, trainer."""
 
@@ -431,6 +442,11 @@ class RuntimeConfig(Strict):
 
     vllm: VllmSettings = Field(
         default_factory=lambda: VllmSettings(), description="the vLLM servers of a 'vllm' backend"
+    )
+    emulate: EmulateSettings | None = Field(
+        None,
+        description="the scenario and time scale of the 'emulated' backend's engines "
+        "(tidal run --emulate sets it)",
     )
     sglang: SglangSettings = Field(
         default_factory=lambda: SglangSettings(),

@@ -25,8 +25,8 @@ from tidal.serving.protocol import BadRequest
 from tidal.user_modules import loaded_from_file
 
 
-def test_the_three_backends_are_registered_and_every_reference_loads():
-    assert backend_names() == ("builtin", "vllm", "sglang")
+def test_tidals_backends_are_registered_and_every_reference_loads():
+    assert backend_names() == ("builtin", "vllm", "sglang", "emulated")
     for name in backend_names():
         b = engine_backend(name)
         for ref in (b.adapter, b.cell_host, b.standalone_host, b.settings, b.check):
@@ -41,8 +41,10 @@ def test_the_proxy_builds_each_backends_adapter_and_refuses_an_unknown_one():
         "BuiltinAdapter",
         "VLLMAdapter",
         "SGLangAdapter",
+        "BuiltinAdapter",  # the emulated engine serves the built-in engine's routes
     ]
-    with pytest.raises(BadRequest, match=r"unknown engine backend 'x' \(builtin, vllm, sglang\)"):
+    known = r"\(builtin, vllm, sglang, emulated\)"
+    with pytest.raises(BadRequest, match=rf"unknown engine backend 'x' {known}"):
         make_adapter("x", "http://127.0.0.1:1")
     with pytest.raises(ConfigError, match="unknown engine backend 'x'"):
         engine_backend("x")
@@ -109,8 +111,8 @@ def test_unknown_or_unfit_backend_names_are_refused_naming_the_field():
         (
             {"runtime": {"cell_backend": "trt"}},
             "runtime.cell_backend",
-            "unknown engine backend 'trt' (registered: builtin, vllm, sglang; a backend of your "
-            "own registers from runtime.backend_modules)",
+            "unknown engine backend 'trt' (registered: builtin, vllm, sglang, emulated; a "
+            "backend of your own registers from runtime.backend_modules)",
         ),
         (
             {"cluster": {"cells": [{"gpus": 1, "backend": "trt"}]}},
@@ -166,7 +168,7 @@ def test_a_bad_backend_module_is_one_line_and_registers_nothing(isolated, tmp_pa
             validate_model(RunConfig, {"runtime": {"backend_modules": [str(module)]}})
         assert info.value.field == "runtime.backend_modules"
         assert words in info.value.message and "\n" not in str(info.value)
-        assert backend_names() == ("builtin", "vllm", "sglang")
+        assert backend_names() == ("builtin", "vllm", "sglang", "emulated")
 
 
 @pytest.mark.parametrize(
@@ -214,7 +216,7 @@ def test_the_proxy_command_refuses_an_unknown_backend_in_one_line(isolated_backe
     result = CliRunner().invoke(command, ["--backend", "audited-builtin"])
     assert result.exit_code == 2
     assert (
-        "unknown engine backend 'audited-builtin' (registered: builtin, vllm, sglang)"
+        "unknown engine backend 'audited-builtin' (registered: builtin, vllm, sglang, emulated)"
         in result.output
     )
     result = CliRunner().invoke(command, ["--backend-module", "no/such/file.py"])
@@ -244,6 +246,7 @@ def test_tidal_backends_lists_the_registered_and_a_users_module(isolated, capsys
         ["builtin", "cells+standalone", "process"],
         ["vllm", "cells+standalone", "server"],
         ["sglang", "cells", "server"],
+        ["emulated", "cells+standalone", "process"],
     ]
     assert main(["backends", "--module", str(EXAMPLE)]) == 0
     last = capsys.readouterr().out.splitlines()[-1].split()
