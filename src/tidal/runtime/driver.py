@@ -204,9 +204,12 @@ class Runtime:
             ray, self.cfg, self.out, model_dir, self.placement, self.cpu_groups, self.engine_token
         )
         ctl = self.cfg.control
+        cl = self.cfg.cluster  # every slot's execution may be open at one proxy process
+        slots = cl.standalone_count * cl.standalone_slots + sum(s.slots for s in cl.cell_specs())
         self.proxy = start_proxies(
             rt.proxy_processes,
             self.token,
+            max_open_executions=max(10_000, slots),
             engine_token=self.engine_token,
             kv_handoff=ctl.kv_handoff,
             log_path=self.out / "logs" / "proxy.log",
