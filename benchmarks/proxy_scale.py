@@ -18,6 +18,7 @@ with the engines and the load generator give: the CPU per call is the figure tha
 (calls/s one proxy core carries = 1000 / proxy CPU ms per call).
 
     .venv/bin/python benchmarks/proxy_scale.py                       # 1 2 4 processes, 20 s each
+    .venv/bin/python benchmarks/proxy_scale.py --open 10240 --processes 1 2   # the registry bound
 """
 
 from __future__ import annotations
@@ -147,7 +148,65 @@ async def run_level(processes: int, farm, args, direct) -> None:
         proxies.stop()
 
 
+async def open_executions(args: argparse.Namespace) -> None:
+    """``--open N``: N executions registered at once (each at its owner process) and held
+    open, against 1 process with the former fixed bound (10,000), then each of
+    ``--processes`` with the bound ``tidal run`` now sets (the run's slots): refused
+    registrations, registrations/s, and each process's resident memory per 1,000 open."""
+    print(
+        f"open executions: {args.open} registered at once and held open (no engine needed); "
+        f"{time.strftime('%Y-%m-%d %H:%M')} UTC, load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    for processes, bound in [(1, 10_000)] + [(n, max(10_000, args.open)) for n in args.processes]:
+        proxies = start_proxies(processes, TOKEN, max_open_executions=bound)
+        try:
+            proxies.wait_healthy(60)
+            rss0 = [_rss_mb(p.pid) for p in proxies.procs]
+            cpu0 = sum(cpu_s(p.pid) for p in proxies.procs)
+            limits = httpx.Limits(max_connections=64)
+            async with httpx.AsyncClient(
+                base_url=proxies.url,
+                headers=ADMIN,
+                timeout=120,
+                limits=limits,
+                transport=proxies.transport(),
+            ) as admin:
+
+                async def register(i: int, sem: asyncio.Semaphore) -> int:
+                    async with sem:
+                        body = {"execution_id": f"o{i}", "group_id": f"g{i // 16}"}
+                        return (await admin.post("/tidal/executions", json=body)).status_code
+
+                t0 = time.perf_counter()
+                sem = asyncio.Semaphore(64)
+                codes = await asyncio.gather(*[register(i, sem) for i in range(args.open)])
+                wall = time.perf_counter() - t0
+                stats = (await admin.get("/tidal/stats")).json()
+            grown = [_rss_mb(p.pid) - r for p, r in zip(proxies.procs, rss0, strict=True)]
+            cpu = sum(cpu_s(p.pid) for p in proxies.procs) - cpu0
+            per_k = 1e3 * sum(grown) / max(1, stats["open_executions"])
+            print(
+                f"  {processes} process(es), bound {bound:,} each: {stats['open_executions']:,} "
+                f"open, {sum(c != 200 for c in codes):,} refused "
+                f"({sorted({c for c in codes if c != 200})}), {len(codes) / wall:.0f} "
+                f"registrations/s, proxy CPU {1e3 * cpu / len(codes):.2f} ms per registration, "
+                f"proxy memory {per_k:.2f} MB per 1,000 open",
+                flush=True,
+            )
+        finally:
+            proxies.stop()
+
+
+def _rss_mb(pid: int) -> float:
+    pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.open:
+        await open_executions(args)
+        return
     print(
         f"EMULATED ENGINES (a test double at scale: no model runs): scenario {args.scenario}, "
         f"time scale k={args.k:g}; proxy throughput against its process count",
@@ -196,4 +255,7 @@ if __name__ == "__main__":
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--cap", type=int, default=128, help="each engine's cap at the proxy")
+    ap.add_argument(
+        "--open", type=int, default=0, help="instead: register this many executions at once"
+    )
     asyncio.run(main(ap.parse_args()))
