@@ -51,14 +51,25 @@ class RunData:
     group_rewards: dict[str, float] | None = None  # GRPO group -> mean reward of its executions
 
     @property
+    def emulated(self) -> dict[str, Any] | None:
+        """An emulated run's ``runtime.emulate`` (scenario, k); None for a real run."""
+        emu = ((self.config or {}).get("runtime") or {}).get("emulate")
+        if isinstance(emu, dict):
+            return emu
+        return {"banner": self.summary["emulated"]} if "emulated" in self.summary else None
+
+    @property
     def policy(self) -> str:
-        """The policy spec: ``name[:k=v,...]`` from the resolved config, else the summary's."""
+        """The policy spec: ``name[:k=v,...]`` from the resolved config, else the summary's;
+        an emulated run's says so first (every figure's title starts with it)."""
+        emu = self.emulated
+        mark = "EMULATED" + (f" k={emu['k']:g}" if "k" in (emu or {}) else "") + " " if emu else ""
         pol = (self.config or {}).get("policy")
         if isinstance(pol, dict) and pol.get("name"):
             args = pol.get("args") or {}
             spec = ",".join(f"{k}={v}" for k, v in sorted(args.items()))
-            return f"{pol['name']}:{spec}" if spec else str(pol["name"])
-        return str(self.summary.get("policy", self.path.name))
+            return mark + (f"{pol['name']}:{spec}" if spec else str(pol["name"]))
+        return mark + str(self.summary.get("policy", self.path.name))
 
     def rewards(self) -> tuple[list[int], list[float]]:
         """Optimizer steps and their mean rewards (metrics.jsonl, else the summary's list)."""

@@ -158,6 +158,12 @@ def _validate(names: tuple[str, ...], p: dict) -> None:
     """Loads and validates the configs, scenarios and published files the command names."""
     if names == ("run",) and p["config"] is not None:
         _run_config(p)
+    elif names == ("run",) and p.get("emulate"):  # the config --emulate builds, validated
+        from tidal.config import RunConfig, validate_model
+        from tidal.control.factory import check_policy
+        from tidal.runtime.emulated_run import emulated_config
+
+        check_policy(validate_model(RunConfig, emulated_config(p["emulate"], p["k"], p["policy"])))
     elif names == ("check",):
         from tidal.config import RunConfig, load_yaml
         from tidal.control.factory import check_policy

@@ -66,6 +66,7 @@ _PLUGINS = (
     "tidal.agents.agent_python",
     "tidal.agents.agent_command",
     "tidal.agents.verifiers_kind",
+    "tidal.agents.emulated_agent",
 )
 _loaded = False
 

@@ -47,6 +47,22 @@ if TYPE_CHECKING:
     help="Override one config value (a YAML scalar), e.g. "
     "'--set runtime.cell_cpus=0.5'; repeatable.",
 )
+@click.option(
+    "--emulate",
+    "emulate",
+    default=None,
+    metavar="SCENARIO",
+    help="Run a simulator scenario with emulated engines and trainer (a test double at "
+    "scale: no model runs; docs/emulate.md) instead of CONFIG.",
+)
+@click.option(
+    "--k",
+    "k",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="With --emulate: the time scale; every emulated duration is divided by k.",
+)
 def command(
     config: str | None,
     out: str | None,
@@ -55,6 +71,8 @@ def command(
     address: str | None,
     bursts: int | None,
     sets: tuple[str, ...],
+    emulate: str | None = None,
+    k: float = 10.0,
 ) -> None:
     import json
     from pathlib import Path
@@ -80,6 +98,11 @@ def command(
         if not (Path(resume) / "config.yaml").is_file():
             raise ConfigError("--resume", f"{resume} is not a run directory (no config.yaml)")
         config, out = str(Path(resume) / "config.yaml"), resume
+    elif emulate is not None:
+        if config is not None:
+            raise ConfigError("--emulate", "takes a scenario instead of a run config, not both")
+        config = _emulated_config_file(emulate, k, policy)
+        policy = None  # in the file, with the scenario's arguments for it
     elif config is None:
         raise ConfigError("config", "give a run config (e.g. configs/tiny.yaml) or --resume DIR")
     cfg, built = checked_run(config, policy, address, bursts, sets)
@@ -192,6 +215,23 @@ def _run(
             f"tidal: run interrupted; its parts are stopped. {how_to_continue(run_dir)}", err=True
         )
         raise SystemExit(130) from None
+
+
+def _emulated_config_file(scenario: str, k: float, policy: str | None) -> str:
+    """The run config of ``tidal run --emulate`` written to a file of its own (the run's
+    ``config.yaml`` holds it again, resolved)."""
+    import tempfile
+
+    import yaml
+
+    from tidal.runtime.emulated_run import emulated_config
+
+    data = emulated_config(scenario, k, policy)
+    with tempfile.NamedTemporaryFile(
+        "w", prefix=f"tidal-{data['name']}-", suffix=".yaml", delete=False
+    ) as f:
+        f.write(yaml.safe_dump(data, sort_keys=False))
+    return f.name
 
 
 def build_config(

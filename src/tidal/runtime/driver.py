@@ -139,6 +139,10 @@ class Runtime:
         if self.rt.cell_cpus is not None:
             out["cell_cpus"] = self.rt.cell_cpus
             out["cpu_throttled_s"] = {k: v["throttled_s"] for k, v in self.cpu_stats.items()}
+        if self.rt.emulate is not None:  # its first key says so (a test double's figures)
+            from tidal.runtime.emulated_run import emulated_banner
+
+            out = {"emulated": emulated_banner(self.rt.emulate), **out}
         schema.check(schema.Summary, out, "summary.json (written)")
         (self.out / "summary.json").write_text(json.dumps(out, indent=2))
         # a successful run: nothing to resume, only what the user asked to keep stays

@@ -194,6 +194,10 @@ def _core(
 ):
     """The trajectory buffer, the core trainer and the file publisher it writes versions to;
     ``host``: the driver node's address, where satellites of other nodes reach the core."""
+    if cfg.runtime.emulate is not None:  # an emulated run: the scenario's trainer, timed
+        from tidal.training.emulated import emulated_core
+
+        return emulated_core(cfg, out, clock)
     import torch
 
     from tidal.contracts.trainer import ShardConfig
@@ -319,6 +323,8 @@ def wire(
     )
     weights = Weights()
     actuator = RayActuator(clock, admin, engines, weights, c.kv_handoff, parts, link)
+    if rt.emulate is not None:  # the emulated core trains at the rate of the cells training
+        core.bind(lambda: actuator.training)
     ctl = build_controller(
         cfg,
         clock,
@@ -355,7 +361,8 @@ def wire(
         files.path,
         handle,
         clock,
-        handoff=Handoff(engines, files, rt.weight_carrier, host=host),
+        # an emulated version is a marker the engines load in the scenario's time
+        handoff=None if rt.emulate else Handoff(engines, files, rt.weight_carrier, host=host),
     )
     # executions.jsonl line by line as groups end (a killed run keeps what it closed)
     bridge.file, bridge.t0 = outputs.executions, lambda: outputs.t0

@@ -54,6 +54,12 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> Comparison:
     if dupes:
         raise ConfigError("run_dirs", f"the same run given twice: {', '.join(dupes)}")
     runs = [load_run(p) for p in run_dirs]
+    emulated = {r.path.name for r in runs if r.emulated}
+    if emulated and len(emulated) < len(runs):  # a test double's figures never mix with real
+        raise ConfigError(
+            "run_dirs",
+            f"emulated runs ({', '.join(sorted(emulated))}) cannot be compared with real runs",
+        )
     labels = run_labels(runs)
     rows = vs_best_other([run_row(r, label) for r, label in zip(runs, labels, strict=True)])
     out = Path(out_dir)

@@ -102,6 +102,9 @@ def render_report(
     s = run.summary
     name = (run.config or {}).get("name", run.path.name)
     out = [f"# tidal run report: {name} ({run.policy})", "", run.config_line(), ""]
+    if run.emulated:  # its first line says so: a test double's figures are never a real run's
+        banner = s.get("emulated") or f"EMULATED RUN (test double: {run.emulated})"
+        out = [f"**{banner}**", "", *out]
     bursts_s = s.get("bursts_s")
     rows: list[tuple[str, str]] = [
         (
