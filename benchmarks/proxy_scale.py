@@ -38,6 +38,7 @@ from tidal.serving.proxy_set import owner, start_proxies
 TOKEN = "bench"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+PROMPT = [0]  # prompt token ids beyond the 4 of every call (--prompt-tokens)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -71,7 +72,7 @@ async def load(
         k = 0
         while time.perf_counter() < end:
             body = {
-                "prompt": [1 + i % 300, 2, 3, 4 + k],
+                "prompt": [1 + i % 300, 2, 3, 4 + k, *range(5, 5 + PROMPT[0])],
                 "ignore_eos": True,
                 "max_tokens": max_tokens,
             }
@@ -219,8 +220,9 @@ async def main(args: argparse.Namespace) -> None:
             f"cores: {os.cpu_count()} (N proxy processes share them with the engines' process "
             f"and this load generator: on 2 cores throughput cannot exceed 2x one process's); "
             f"load average at start {os.getloadavg()[0]:.1f}; {len(engines)} engines, cap "
-            f"{args.cap} each; {args.concurrency} concurrent executions, max_tokens "
-            f"{args.max_tokens}, {args.seconds:g} s per level; {time.strftime('%Y-%m-%d %H:%M')}"
+            f"{args.cap} each; {args.concurrency} concurrent executions, prompt "
+            f"{4 + args.prompt_tokens} tokens, max_tokens {args.max_tokens}, "
+            f"{args.seconds:g} s per level; {time.strftime('%Y-%m-%d %H:%M')}"
             " UTC",
             flush=True,
         )
@@ -255,7 +257,10 @@ if __name__ == "__main__":
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--cap", type=int, default=128, help="each engine's cap at the proxy")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="prompt ids beyond 4 a call")
     ap.add_argument(
         "--open", type=int, default=0, help="instead: register this many executions at once"
     )
-    asyncio.run(main(ap.parse_args()))
+    parsed = ap.parse_args()
+    PROMPT[0] = parsed.prompt_tokens
+    asyncio.run(main(parsed))
