@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
 PREFIX_KEY = 16  # tokens that key the prefix cache (distinct conversations differ in them)
 MIN_SHARED_TOKENS = 4
+POOL = 1 << 16  # seeded generated ids: a request reads them from a seeded offset (cheap at scale)
 
 
 class EmulatedTokenizer:
@@ -94,7 +96,7 @@ class _Request:
     prompt: list[int]
     work: int  # tokens it decodes
     stop_at_eos: bool
-    rng: random.Random
+    offset: int  # where its ids start in the engine's pool (seeded)
     cached_tokens: int
     tokens: list[int] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
@@ -121,6 +123,7 @@ class EmulatedEngine:
         self.clock = clock or WallClock()
         self.weight_version = weight_version
         self.tokenizer = EmulatedTokenizer()
+        self._pool = _pool(self.tokenizer.first_generated, self.tokenizer.vocab_size)
         self.model = EmulatedModel(vocab_size=self.tokenizer.vocab_size)
         self.capacity = timing.slot.slots
         self.max_waiting = max_waiting
@@ -242,7 +245,7 @@ class EmulatedEngine:
             prompt,
             work,
             stop_at_eos=not p.ignore_eos and work == p.max_tokens,
-            rng=random.Random(str(seed)),
+            offset=random.Random(str(seed)).randrange(POOL),
             cached_tokens=cached,
         )
         self._requests[r.id] = r
@@ -262,8 +265,11 @@ class EmulatedEngine:
             return
         last = r.stop_at_eos and upto == r.work
         k = n - 1 if last else n
-        lo, hi = self.tokenizer.first_generated, self.tokenizer.vocab_size
-        r.tokens.extend(r.rng.randrange(lo, hi) for _ in range(k))
+        start = (r.offset + len(r.tokens)) % POOL
+        while k > 0:  # the request's seeded place in the engine's seeded pool of ids
+            take = min(k, POOL - start)
+            r.tokens.extend(self._pool[start : start + take])
+            k, start = k - take, 0
         if last:
             r.tokens.append(self.tokenizer.eos_id)
         r.versions.extend([self.weight_version] * n)
@@ -445,6 +451,13 @@ class EmulatedEngine:
             "device_peak_mb": None,
             **self.totals,
         }
+
+
+@functools.cache
+def _pool(lo: int, hi: int) -> list[int]:
+    """One seeded pool of generated ids for every engine: a seed gives the same ids anywhere."""
+    rng = random.Random(0)
+    return [rng.randrange(lo, hi) for _ in range(POOL)]
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,7 +28,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.errors import TidalError
 from tidal.serving.chat import MAX_PROMPT_CHARS, MAX_TOOLS, ChatMessage, Tool, tool_parser
-from tidal.serving.engine import Engine
 from tidal.serving.fast_path import unless_gone
 from tidal.serving.guard import CatchAll, Guard
 from tidal.serving.openai_api import (
@@ -47,6 +46,9 @@ from tidal.serving.openai_api import (
     versions_header,
 )
 from tidal.serving.protocol import BadRequest, GenerateRequest, NotFound
+
+if TYPE_CHECKING:  # the emulated engine serves these routes without torch
+    from tidal.serving.engine import Engine
 
 MAX_KV_BLOB_BYTES = 1 << 30
 
