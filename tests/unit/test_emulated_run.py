@@ -26,7 +26,10 @@ SC = resolved_scenario("dapo-math-32gpu")
 
 def test_the_config_is_the_scenarios_with_emulated_engines_trainer_and_workload():
     cfg = validate_model(RunConfig, emulated_config("dapo-math-32gpu", 20.0, "verl-default"))
-    assert cfg.cluster == SC.cluster and cfg.control == SC.control and cfg.seed == SC.seed
+    assert cfg.cluster == SC.cluster and cfg.seed == SC.seed
+    assert cfg.control == SC.control.model_copy(update={"kv_handoff": False})  # verl's: none
+    tidal = validate_model(RunConfig, emulated_config("dapo-math-32gpu", 20.0, "tidal"))
+    assert tidal.control.kv_handoff is True  # the tidal policy's mechanics hand KV over
     assert cfg.runtime.cell_backend == cfg.runtime.standalone_backend == "emulated"
     assert (cfg.runtime.emulate.scenario, cfg.runtime.emulate.k) == ("dapo-math-32gpu", 20.0)
     assert cfg.policy.args == {"deactivate_ratio": 0.6}  # the scenario's policy_args

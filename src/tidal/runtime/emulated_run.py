@@ -3,8 +3,9 @@
 In: a scenario (shipped name or YAML path), the time scale ``k`` and the policy (a spec; default
 ``tidal``, its arguments from the scenario's ``policy_args``). Out: the run config's data (a
 dict, validated as a ``RunConfig`` by ``tidal run``) whose cluster, control section and seed are
-the scenario's, whose engines are emulated (``runtime.cell_backend`` and
-``runtime.standalone_backend`` ``emulated``, ``runtime.emulate``), whose trainer is emulated
+the scenario's (KV handoff on moves as the policy's mechanics say, as the simulator runs it),
+whose engines are emulated (``runtime.cell_backend`` and ``runtime.standalone_backend``
+``emulated``, ``runtime.emulate``), whose trainer is emulated
 (``training.emulated``) and whose task is the scenario's workload (the ``emulated`` agent kind:
 its lengths, turns, tool latencies and rewards), driven through the real harness pool and proxy.
 The controller ticks at the scenario's tick over ``k``. The same file runs in the simulator
@@ -34,11 +35,16 @@ def emulated_config(scenario: str, k: float, policy: str | None = None) -> dict[
     name, args = parse_policy_spec(policy or "tidal")
     args = {**sc.policy_args.get(name, {}), **args}
     emulate = {"scenario": scenario, "k": k}
+    from tidal.control.policy import policy_mechanics
+
+    control = sc.control.model_dump(mode="json")
+    # a move hands its KV over where the policy's mechanics do in the simulator
+    control["kv_handoff"] = bool(policy_mechanics(name).kv_handoff)
     return {
         "name": f"emulated-{sc.name}",
         "seed": sc.seed,
         "cluster": sc.cluster.model_dump(mode="json"),
-        "control": sc.control.model_dump(mode="json"),
+        "control": control,
         "policy": {"name": name, "args": args},
         "runtime": {
             "cell_backend": "emulated",
