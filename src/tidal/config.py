@@ -365,6 +365,14 @@ class RuntimeConfig(Strict):
         "run here passes only small objects through it, and "
         "weights across nodes, one version at a time)",
     )
+    proxy_processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="proxy processes (tidal.serving.proxy_set): executions partitioned by id, "
+        "every process sees every engine; more than one when one core cannot carry the "
+        "run's call rate (docs/scale.md)",
+    )
     memory_sample_s: float = Field(
         0.5, ge=0.05, le=10.0, description="peak memory sampling period (summary.json: memory)"
     )

@@ -50,6 +50,16 @@ class PoolConfig(BaseModel):
     timeout_s: float = Field(300.0, gt=0)
     request_timeout_s: float = Field(300.0, gt=0)
     token: str | None = None  # the run's token: registering and closing executions need it
+    # several proxy processes (tidal.serving.proxy_set): each execution's calls go to its owner
+    proxy_urls: list[str] = Field(default_factory=list)
+
+    def url_for(self, execution_id: str) -> str:
+        """The proxy that serves ``execution_id`` (``proxy_url`` with one process)."""
+        if len(self.proxy_urls) < 2:
+            return self.proxy_url
+        from tidal.serving.proxy_set import owner
+
+        return self.proxy_urls[owner(execution_id, len(self.proxy_urls))]
 
 
 class HarnessPool:
@@ -61,6 +71,14 @@ class HarnessPool:
         transport: httpx.AsyncBaseTransport | None = None,  # the proxy's, for the admin calls
     ) -> None:
         self.config = config
+        # one transport for every group's admin client: an ``httpx.AsyncClient`` of its own
+        # costs ~15 ms of CPU and ~0.9 MB (its TLS context), per group (docs/scale.md)
+        if transport is None:
+            from tidal.serving.proxy_set import FanOut
+
+            limits = httpx.Limits(max_connections=config.max_concurrent + 4)
+            inner = httpx.AsyncHTTPTransport(limits=limits)
+            transport = FanOut([config.proxy_url], inner, keep_open=True)
         self._transport = transport
         self.workspace_root = Path(workspace_root)
         self.events = events or EventLog()
@@ -118,9 +136,9 @@ class HarnessPool:
                     group,
                     job.row,
                     ws,
-                    execution_url(cfg.proxy_url, eid),
+                    execution_url(cfg.url_for(eid), eid),
                     execution_key(cfg.token or "", eid),
-                    cfg.proxy_url,
+                    cfg.url_for(eid),
                     await self._served_model(admin),
                     cfg.timeout_s,
                     cfg.max_tokens_per_turn,

@@ -86,7 +86,7 @@ def serve(s: ProxySettings, admin_token: str | None, engine_token: str | None) -
         for i, url in enumerate(s.cells):
             await proxy.join(f"c{i}", url, s.backend, "cell", i, s.cap, wait_healthy_s=s.wait_s)
 
-    app = build_proxy_app(proxy, on_startup=join_all)
+    app = build_proxy_app(proxy, on_startup=join_all, max_open=s.max_open_executions)
     # uvloop and httptools are used when installed (the ``serve`` extra)
     run_server(app, s.host, s.port, read_timeout_s=s.read_timeout_s)
 

@@ -45,6 +45,12 @@ class ProxySettings(BaseModel):
         "repeatable), as runtime.backend_modules.",
     )
     cap: int = Field(32, ge=1, description="Admission cap per engine.")
+    max_open_executions: int = Field(
+        10_000,
+        ge=1,
+        description="Registered executions open at once at most (a registration beyond is "
+        "refused, 409); tidal run sets it to the run's slots (docs/scale.md).",
+    )
     kv_handoff: bool = Field(
         True, description="Move a rerouted request's KV cache to its new engine (else it prefills)."
     )

@@ -208,6 +208,9 @@ class Summary(_Line):
     # versions, bytes_per_version, memcpy_gbps, gbps / write_s / engine_load_s /
     # engine_pause_s as {p50, max}, carriers (loads per carrier), fallbacks
     publication: dict[str, Any] | None = None
+    # the control plane's own costs (tidal.runtime.control_plane): proxy calls/s, tokens/s,
+    # CPU per call and added latency; controller decision latency; driver loop lag; memory
+    control_plane: dict[str, Any] | None = None
     # GPU runs: torch's allocator peak per process (engine-<id>, trainer-c<cell>), MB
     device_peak_mb: dict[str, float] | None = None
     # runtime.deterministic: on or off; seconds dispatch waited at weight-version boundaries

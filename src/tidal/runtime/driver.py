@@ -94,7 +94,10 @@ class Runtime:
         """The dead proxy as the root cause of a failure (None: it runs, or never started)."""
         if self.proxy is None:
             return None
-        return proxy_watch.lost(self.proxy.proc, self.out, grace_s=0.5)
+        return next(
+            (x for p in self.proxy.procs if (x := proxy_watch.lost(p, self.out, grace_s=0.5))),
+            None,
+        )
 
     # ------------------------------------------------------------------ setup / teardown
     def run(self) -> dict[str, Any]:
@@ -121,6 +124,7 @@ class Runtime:
         try:
             self._start_parts(ray)
             sampler.rename({pid: f"engine-{eid}" for eid, pid in self.engines.start_pids.items()})
+            sampler.rename({p.pid: f"proxy-{i}" for i, p in enumerate(self.proxy.procs) if i})
             # a stop bounds the tasks' end and never waits for a stuck thread (``stopping``)
             out = run_loop(self._supervised())
         finally:
@@ -153,7 +157,7 @@ class Runtime:
         return out
 
     def _start_parts(self, ray: Any) -> None:
-        from tidal.serving.launch import start_proxy
+        from tidal.serving.proxy_set import start_proxies
 
         rt, self.ray = self.rt, ray
         ctl = self.cfg.control
@@ -204,10 +208,12 @@ class Runtime:
             ray, self.cfg, self.out, model_dir, self.placement, self.cpu_groups, self.engine_token
         )
         ctl = self.cfg.control
-        self.proxy = start_proxy(
-            [],
-            [],
+        cl = self.cfg.cluster  # every slot's execution may be open at one proxy process
+        slots = cl.standalone_count * cl.standalone_slots + sum(s.slots for s in cl.cell_specs())
+        self.proxy = start_proxies(
+            rt.proxy_processes,
             self.token,
+            max_open_executions=max(10_000, slots),
             engine_token=self.engine_token,
             kv_handoff=ctl.kv_handoff,
             log_path=self.out / "logs" / "proxy.log",
@@ -254,6 +260,7 @@ class Runtime:
             self.node.ip,
             self.workload,
             self.policy,
+            proxies=self.proxy,
         )
         if self.ck is not None:
             log.warning(
@@ -265,13 +272,17 @@ class Runtime:
                 len(self.ck.records),
             )
         # the proxy is a part of the run: its death stops the run in one line (``proxy_watch``)
-        self.parts.spawn("proxy", proxy_watch.watch(self.proxy.proc, self.out, self.clock))
+        for i, proc in enumerate(self.proxy.procs):
+            name = "proxy" if i == 0 else f"proxy {i}"
+            self.parts.spawn(name, proxy_watch.watch(proc, self.out, self.clock))
         try:
             if self.ck is not None:
                 await w.publisher.load_published()
             await self._join_engines(w)
             await w.satellites_up(self.rt.start_timeout_s)
             outputs.start_clock()
+            await w.plane.begin(w.admin)  # the proxy's counts at the first dispatch
+            self.parts.spawn("control plane", w.plane.run())
             self.parts.spawn(
                 "controller ticks",
                 outputs.sample_state(

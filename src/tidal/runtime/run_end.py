@@ -74,6 +74,7 @@ async def finish(run: Runtime, w: Wired, bursts_s: float) -> dict[str, Any]:
         "nodes_lost": len(lost),
         "engines_undescribed": sorted(undescribed),
         "deterministic": run.rt.deterministic,
+        "control_plane": w.plane.report(stats, bursts_s),
         **(w.dispatcher.gate.hold.report() if w.dispatcher.gate else {}),
         **summary(
             ctl=w.ctl,

@@ -34,6 +34,7 @@ from tidal.runtime.actuator import CoreLink, RayActuator, Weights
 from tidal.runtime.bridge import LedgerBridge
 from tidal.runtime.cell import trainer_device
 from tidal.runtime.checkpoint import Checkpoint
+from tidal.runtime.control_plane import ControlPlane
 from tidal.runtime.decode_meter import DecodeMeter
 from tidal.runtime.dispatcher import Dispatcher
 from tidal.runtime.engines import EngineId, Engines
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from tidal.agents.workload import Workload
     from tidal.control.controller import Controller
     from tidal.control.policy import Policy
+    from tidal.serving.proxy_set import ProxySet
     from tidal.training.core import CoreTrainer
     from tidal.training.trajectory_buffer import TrajectoryBuffer
     from tidal.types import Event
@@ -113,6 +115,7 @@ class Wired:
     dispatcher: Dispatcher
     clock: Clock
     meter: DecodeMeter  # the proxy's decode counts for the controller (``ctl.decode_meter``)
+    plane: ControlPlane  # the control plane's own costs (summary.json: control_plane)
     proxy_queued: int | None = None  # calls waiting at the proxy for a slot (None: unknown)
 
     def state(self) -> dict[str, Any]:
@@ -282,8 +285,10 @@ def wire(
     host: str = "127.0.0.1",
     workload: Workload | None = None,
     policy: Policy | None = None,
+    proxies: ProxySet | None = None,
 ) -> Wired:
-    """``workload``: the one ``check_config`` built (None: built here)."""
+    """``workload``: the one ``check_config`` built (None: built here); ``proxies``: the run's
+    proxy processes (several: executions partitioned by id, ``serving.proxy_set``)."""
     from tidal.agents.pool import HarnessPool, PoolConfig
     from tidal.agents.workload import Workload
     from tidal.control.decision_log import DecisionLog, jsonl_file_sink
@@ -293,8 +298,12 @@ def wire(
     buffer, core, files = _core(
         cfg, out, engines.model_dir, clock, engines.gpu_ids.get(EngineId.cell(0), []), host
     )
+    fan_out = proxies.transport() if proxies is not None else None
     admin = httpx.AsyncClient(
-        base_url=proxy_url, timeout=300.0, headers={"Authorization": f"Bearer {token}"}
+        base_url=proxy_url,
+        timeout=300.0,
+        headers={"Authorization": f"Bearer {token}"},
+        transport=fan_out,
     )
     decisions = open(out / "decisions.jsonl", outputs.mode)  # noqa: SIM115 - Wired.close
     if ck is not None:
@@ -324,7 +333,14 @@ def wire(
         policy,
     )
     ctl.metrics.budget_groups = c.batch_groups * c.updates_per_burst  # per burst
-    guarded, listeners = parts.guard_handler(ctl.handle), []
+    plane = ControlPlane(
+        lambda: ctl.ledger.total.queued + ctl.ledger.total.running,
+        lambda: {
+            "ledger_execution": (ctl.ledger.executions, len(ctl.ledger.executions)),
+            "buffer_trajectory": (buffer, len(buffer)),
+        },
+    )
+    guarded, listeners = plane.timed(parts.guard_handler(ctl.handle)), []
 
     def handle(event: Event) -> None:  # then wake whoever waits on the ledger or the policy
         guarded(event)
@@ -383,9 +399,11 @@ def wire(
             temperature=rt.temperature,
             timeout_s=rt.execution_timeout_s,
             token=token,
+            proxy_urls=proxies.urls if proxies is not None else [],
         ),
         out / "workspaces",
         bridge,
+        proxies.transport(keep_open=True) if proxies is not None else None,
     )
     held = {r.execution_id: r for r in ck.records} if ck else {}
     gate = (
@@ -424,4 +442,5 @@ def wire(
         dispatcher,
         clock,
         DecodeMeter(admin, ctl, clock),
+        plane,
     )

@@ -152,14 +152,16 @@ def build_proxy_app(
     proxy: Proxy,
     registry: ExecutionRegistry | None = None,
     on_startup: Callable[[], Awaitable[None]] | None = None,
+    max_open: int = 10_000,
 ) -> ExecutionIdentity:
     """The proxy's ASGI app: ``ExecutionIdentity`` (who calls, for which execution) over
     ``Guard`` (body limits) over the fast OpenAI path over FastAPI (routes: ``ROUTES``,
-    handled by ``proxy_handlers.ProxyHandlers``)."""
+    handled by ``proxy_handlers.ProxyHandlers``). ``max_open``: registered executions open at
+    once (the registry keeps as many closed ones)."""
     registry = registry or ExecutionRegistry(
-        EventLog(max_events=30_000),
-        max_open=10_000,
-        max_closed=10_000,
+        EventLog(max_events=3 * max_open),
+        max_open=max_open,
+        max_closed=max_open,
         idle_s=proxy.config.execution_idle_s + proxy.config.request_timeout_s,
     )
     handlers = ProxyHandlers(proxy, registry)

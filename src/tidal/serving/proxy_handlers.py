@@ -42,6 +42,7 @@ from tidal.serving.openai_api import (
     versions_header,
 )
 from tidal.serving.protocol import BadRequest, NotFound, SamplingParams, ServingError, TokenChunk
+from tidal.serving.proxy_set import process_figures
 from tidal.serving.proxy_stream import stream_choices
 from tidal.serving.token_in import TokenInRequest, token_in_response
 
@@ -486,6 +487,7 @@ class ProxyHandlers:
             "registered_executions": len(registry),
             "expired_executions": registry.expired,
             "duplicate_closes": registry.duplicate_closes,
+            "process": process_figures(),  # this process's CPU seconds and memory
         }
 
 

@@ -31,12 +31,15 @@ def expected_groups(cfg: dict) -> list[str]:
 
 
 # one rank per cell trains the plain model by default (FSDP2 would shard nothing); 'on' runs
-# the same job on one-rank FSDP2 cells, so the sharded path stays covered end to end
+# the same job on one-rank FSDP2 cells, so the sharded path stays covered end to end, and with
+# two proxy processes (executions partitioned by id; the drains reach both: no failed request)
 @pytest.mark.parametrize("fsdp", ["auto", "on"])
 def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path, caplog, capsys, fsdp):
     out = tmp_path / "run"
+    proxies = 2 if fsdp == "on" else 1
+    args = ["--set", f"runtime.fsdp={fsdp}", "--set", f"runtime.proxy_processes={proxies}"]
     with caplog.at_level(logging.WARNING):
-        assert main(["run", str(CONFIG), "--out", str(out), "--set", f"runtime.fsdp={fsdp}"]) == 0
+        assert main(["run", str(CONFIG), "--out", str(out), *args]) == 0
     # a run where nothing went wrong warns about nothing (satellite departures are INFO)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     printed = capsys.readouterr().out.splitlines()
@@ -46,6 +49,10 @@ def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path, caplog, cap
     assert not (out / "spill").exists()  # asleep engines' weights gone with the run (issue 29)
 
     assert summary["policy"] == "waterlevel"
+    plane = summary["control_plane"]  # the control plane's own costs (docs/scale.md)
+    assert plane["proxy"]["processes"] == proxies and plane["proxy"]["calls"] > 0
+    assert plane["proxy"]["cpu_ms_per_call"] > 0 and plane["controller_decision"]["n"] > 0
+    assert plane["driver"]["loop_lag"]["n"] > 0 and plane["memory"]["peak_open_executions"] > 0
     assert summary["switches_to_training"] >= 1 and summary["switches_to_rollout"] >= 1
     assert summary["plans_aborted"] == 0
     # Whether the core still holds a live request when it leaves rollout is a race at this

@@ -21,6 +21,7 @@ PROXY = ProxySettings(
     backend="vllm",
     backend_modules=["my.backends"],
     cap=7,
+    max_open_executions=20_480,
     kv_handoff=False,
     wait_s=3.5,
     require_registration=True,
