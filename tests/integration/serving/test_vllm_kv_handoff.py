@@ -11,17 +11,15 @@ starts and the unmoved reference calls are 2 min 39 s of it).
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tidal.serving.launch import free_port, start_proxy
-from tidal.serving.vllm_kv import kv_transfer_config
+from tidal.serving.launch import start_proxy
+from tidal.testing.vllm_servers import counters, spawn_vllm
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
 pytestmark = [
@@ -55,74 +53,8 @@ def _prompt(i: int) -> str:
     return f"An essay on {topic}.\n{body}\nIn conclusion, {topic}"
 
 
-def _start(python: str, model: str, log, kv_dir: str) -> tuple[subprocess.Popen, str]:
-    from tidal.runtime.vllm_host import _tidal_path
-
-    port = free_port()
-    env = {
-        **os.environ,
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "PYTHONPATH": _tidal_path(log.parent / "pythonpath"),
-    }
-    proc = subprocess.Popen(
-        [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--served-model-name",
-            "smollm2",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-model-len",
-            "2048",
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--kv-transfer-config",
-            kv_transfer_config(kv_dir),
-        ],
-        stdout=open(log, "wb"),  # noqa: SIM115 (the server outlives this function)
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"vLLM did not start: {log.read_text()[-2000:]}")
-
-
 def _metrics(url: str) -> dict[str, float]:
-    """vLLM's prompt-token counters, by source (``local_compute``, ``external_kv_transfer``,
-    ``local_cache_hit``), and its running / generated counts."""
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        m = re.match(
-            r"vllm:(prompt_tokens_by_source_total|generation_tokens_total|"
-            r"num_requests_running)\{(.*?)\} (\S+)$",
-            line,
-        )
-        if m:
-            src = re.search(r'source="(\w+)"', m.group(2))
-            name = src.group(1) if src else m.group(1)
-            out[name] = out.get(name, 0.0) + float(m.group(3))
-    return out
+    return counters(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 @pytest.fixture(scope="module")
@@ -130,28 +62,18 @@ def two_servers(smollm2, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-kv")
     kv_dir = f"/dev/shm/tidal-kv-tier-{os.getpid()}"
     proxy = start_proxy([], [], TOKEN, log_path=logs / "proxy.log")
-    procs = []
+    servers = []
     try:
         for name in ("a", "b"):
-            procs.append(
-                (
-                    *_start(VLLM_PYTHON, str(smollm2), logs / f"{name}.log", kv_dir),
-                    logs / f"{name}.log",
-                )
-            )
-        for proc, url, log in procs:
-            _wait_healthy(proc, url, log)
+            servers.append(spawn_vllm(VLLM_PYTHON, str(smollm2), logs / f"{name}.log", kv_dir))
+        for server in servers:
+            server.wait_healthy(300)
         proxy.wait_healthy(60)
-        yield procs[0][1], procs[1][1], proxy, kv_dir
+        yield servers[0].url, servers[1].url, proxy, kv_dir
     finally:
         proxy.stop()
-        for proc, _, _ in procs:
-            proc.terminate()
-        for proc, _, _ in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
+        for server in servers:
+            server.stop()
         shutil.rmtree(kv_dir, ignore_errors=True)
 
 
