@@ -35,7 +35,7 @@ from tidal.runtime.checkpoint import end_log_writers
 from tidal.runtime.driver import Runtime
 from tidal.runtime.engines import EngineId
 
-from .busy import wait_until_busy
+from .busy import engines_listed, wait_until_busy
 from .clusters import four_node_cluster
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
@@ -74,12 +74,7 @@ def _watch_kv_counters(runtime: Runtime, seen: dict, stop: threading.Event) -> N
         if runtime.wired is None:
             continue
         try:
-            listed = httpx.get(
-                f"{runtime.proxy.url}/tidal/engines",
-                timeout=5,
-                headers={"Authorization": f"Bearer {runtime.token}"},
-            ).json()["engines"]
-            for e in listed:
+            for e in engines_listed(runtime):
                 text = httpx.get(f"{e['url']}/metrics", timeout=5, headers=token).text
                 seen[(e["id"], e["url"])] = counters(text)
         except (httpx.HTTPError, KeyError, ValueError):
