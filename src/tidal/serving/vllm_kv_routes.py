@@ -36,6 +36,7 @@ import ipaddress
 import json
 import os
 import shutil
+import threading
 import time
 import urllib.request
 import uuid
@@ -106,6 +107,31 @@ def recv_export(folder: Path, key: str, store: Any, group: str, timeout_s: float
         )
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """``fn(*args)`` on a thread of its own (never the loop's shared executor: a pull's
+    receiver waits there for its sender, and eight moved calls at once would fill it)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(out: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(out)
+        else:
+            fut.set_exception(exc)
+
+    def run() -> None:
+        try:
+            out, exc = fn(*args), None
+        except BaseException as e:  # handed to the awaiting request, never lost
+            out, exc = None, e
+        loop.call_soon_threadsafe(settle, out, exc)
+
+    threading.Thread(target=run, name="tidal-kv", daemon=True).start()
+    return fut
 
 
 def _gloo_iface(host: str) -> None:
@@ -209,7 +235,7 @@ class KVRoutes:
             if not isinstance(port, int) or not isinstance(group, str):
                 raise RouteError("send: port (int) and group (str) expected")
             t0 = time.perf_counter()
-            n = await asyncio.to_thread(send_export, d, key, str(body.get("host")), port, group, t)
+            n = await _in_thread(send_export, d, key, str(body.get("host")), port, group, t)
             for p in d.glob(f"{key}.*"):  # the export moved to its adopter's node
                 p.unlink(missing_ok=True)
             return {"bytes": n, "seconds": round(time.perf_counter() - t0, 4)}
@@ -239,16 +265,16 @@ class KVRoutes:
         _gloo_iface(host)
         t0 = time.perf_counter()
         # the source still holds it (else no receiver waits for a sender that never comes)
-        if not (await asyncio.to_thread(_post, f"{source}{PREFIX}has", {"key": key}, t))["exists"]:
+        if not (await _in_thread(_post, f"{source}{PREFIX}has", {"key": key}, t))["exists"]:
             raise RouteError(f"{source} holds no export {key[:12]} (its lease ended)")
-        store = await asyncio.to_thread(store_on, host, 0, 2, True, t)
+        store = await _in_thread(store_on, host, 0, 2, True, t)
         group = f"tidal-kv-{uuid.uuid4().hex}"
-        recv = asyncio.create_task(asyncio.to_thread(recv_export, self.dir, key, store, group, t))
+        recv = _in_thread(recv_export, self.dir, key, store, group, t)
         ask = {"key": key, "host": host, "port": store.port, "group": group, "timeout_s": t}
         try:
-            sent = await asyncio.to_thread(_post, f"{source}{PREFIX}send", ask, t + 10)
+            sent = await _in_thread(_post, f"{source}{PREFIX}send", ask, t + 10)
         except RouteError:
-            recv.cancel()  # its thread ends at its own timeout
+            recv.add_done_callback(lambda f: f.exception())  # its thread ends at its timeout
             raise
         n = await recv
         return {

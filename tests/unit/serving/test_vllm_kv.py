@@ -116,6 +116,32 @@ def test_an_export_is_carried_to_a_server_on_another_node(two_nodes):
     asyncio.run(main())
 
 
+def test_eight_exports_are_carried_at_once(two_nodes):
+    """A drain moves every live call at once: eight pulls to one server run together, each
+    whole and in its own place."""
+    src, dst = two_nodes
+    keys = [f"{i:040x}" for i in range(1, 9)]
+
+    async def main():
+        a, b = VLLMAdapter(src.url), VLLMAdapter(dst.url)
+        await a.probe_kv()
+        await b.probe_kv()
+        blobs = []
+        for i, key in enumerate(keys):
+            rid = f"call-{i}"
+            await a.mark_keep([(rid, f"cmpl-{rid}-0")])
+            _export(src.folder, key, [i] * 30, a._kv_nonces[rid], bytes([i]) * 300_000)
+            blobs.append(await a.export_kv(rid))
+        got = await asyncio.wait_for(asyncio.gather(*(b.import_kv(x) for x in blobs)), 60)
+        assert got == [(k, 30) for k in keys]
+        for i, key in enumerate(keys):
+            assert (dst.folder / f"{key}.0.kv").read_bytes() == bytes([i]) * 300_000
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+
+
 def test_a_vllm_server_refuses_what_it_cannot_load(two_nodes, tmp_path):
     src, dst = two_nodes
     key = "ab" * 20
