@@ -44,6 +44,9 @@ def kv_transfer_config(kv_dir: str, lease_s: float = 120.0) -> str:
             "kv_connector": CONNECTOR,
             "kv_connector_module_path": MODULE,
             "kv_role": "kv_both",
+            # a load that fails (an export gone) recomputes those blocks; vLLM's default fails
+            # the request
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"tidal_kv_dir": kv_dir, "lease_s": lease_s},
         }
     )

@@ -12,15 +12,16 @@ side is ``VLLMAdapter`` through the folder's routes, ``serving.vllm_kv_routes``)
   the request. vLLM calls ``request_finished`` before it frees the blocks: with a marker, the
   scheduler keeps the request's computed blocks (``True``: freed after the save), and the
   next step's workers copy them to ``<key>.<rank>.kv`` (``key``: a hash of the computed token
-  ids); the scheduler then writes ``<key>.json`` (the token ids, the model, the ranks) and
-  ``rec-<nonce>.json`` (the key and the token count) for the proxy. Without a marker an abort
+  ids and the nonce); the scheduler then writes ``<key>.json`` (the token ids, the model, the
+  ranks) and ``rec-<nonce>.json`` (the key and the token count) for the proxy. Without a marker an abort
   exports nothing; an export nobody adopts is removed after ``lease_s``.
 - destination: the continued request carries ``kv_transfer_params: {"tidal_kv": key}``. The
   scheduler (``get_num_new_matched_tokens``) checks the manifest's tokens are a prefix of the
   prompt and the model is its own, and offers them (at most the prompt less its last token),
   writes ``<key>.ack`` (the tokens adopted: the proxy's cached count), and the workers copy the
   blocks into the request's new blocks before its first step (``start_load_kv``), then delete
-  the files (the acknowledgement). A failed load reports its blocks, which vLLM recomputes.
+  the files (the acknowledgement). A failed load reports its blocks, which vLLM recomputes
+  (``kv_load_failure_policy: recompute``; the proxy counts the handoff as failed).
 
 Files are plain files in a tmpfs folder (``/dev/shm``), written under a temporary name and
 renamed, so a reader never sees half a file.
@@ -61,10 +62,12 @@ DEFAULT_DIR = "/dev/shm/tidal-kv"
 PARAM = "tidal_kv"  # the key in a request's kv_transfer_params
 
 
-def token_key(token_ids: list[int]) -> str:
-    """The export's name: a hash of the token ids whose KV it holds."""
+def token_key(token_ids: list[int], nonce: str) -> str:
+    """The export's name: a hash of the token ids whose KV it holds and of the abort's nonce
+    (two calls of one GRPO group share a prompt and often their first tokens: their exports
+    must not share a name, or the first adopter's load deletes the second's blocks)."""
     data = b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids)
-    return hashlib.sha256(data).hexdigest()[:40]
+    return hashlib.sha256(data + nonce.encode()).hexdigest()[:40]
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -195,7 +198,7 @@ class TidalKVConnector(KVConnectorBase_V1):
             write_atomic(self.dir / f"rec-{nonce}.json", json.dumps({"num_tokens": 0}).encode())
             return False, None
         tokens = [int(t) for t in request.all_token_ids[:n]]
-        key = token_key(tokens)
+        key = token_key(tokens, nonce)
         save = _Save(request.request_id, key, blocks)
         manifest = {
             "token_ids": tokens,
