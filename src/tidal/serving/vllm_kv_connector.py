@@ -13,8 +13,8 @@ side is ``VLLMAdapter`` through the folder's routes, ``serving.vllm_kv_routes``)
   scheduler keeps the request's computed blocks (``True``: freed after the save), and the
   next step's workers copy them to ``<key>.<rank>.kv`` (``key``: a hash of the computed token
   ids and the nonce); the scheduler then writes ``<key>.json`` (the token ids, the model, the
-  ranks) and ``rec-<nonce>.json`` (the key and the token count) for the proxy. Without a marker an abort
-  exports nothing; an export nobody adopts is removed after ``lease_s``.
+  ranks) and ``rec-<nonce>.json`` (the key and the token count) for the proxy. Without a
+  marker an abort exports nothing; an export nobody adopts is removed after ``lease_s``.
 - destination: the continued request carries ``kv_transfer_params: {"tidal_kv": key}``. The
   scheduler (``get_num_new_matched_tokens``) checks the manifest's tokens are a prefix of the
   prompt and the model is its own, and offers them (at most the prompt less its last token),
