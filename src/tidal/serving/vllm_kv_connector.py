@@ -18,9 +18,9 @@ side is ``VLLMAdapter`` through the folder's routes, ``serving.vllm_kv_routes``)
 - destination: the continued request carries ``kv_transfer_params: {"tidal_kv": key}``. The
   scheduler (``get_num_new_matched_tokens``) checks the manifest's tokens are a prefix of the
   prompt and the model is its own, and offers them (at most the prompt less its last token),
-  writes ``<key>.ack`` (the tokens adopted: the proxy's cached count), and the workers copy the
-  blocks into the request's new blocks before its first step (``start_load_kv``), then delete
-  the files (the acknowledgement). A failed load reports its blocks, which vLLM recomputes
+  and the workers copy the blocks into the request's new blocks before its first step
+  (``start_load_kv``), write ``<key>.ack`` (the tokens adopted: the proxy's cached count) and
+  delete the files. A failed load reports its blocks, which vLLM recomputes
   (``kv_load_failure_policy: recompute``; the proxy counts the handoff as failed).
 
 Files are plain files in a tmpfs folder (``/dev/shm``), written under a temporary name and
@@ -90,6 +90,7 @@ class _Load:
     key: str
     src_first: int  # first block of the export to copy
     block_ids: list[int]  # the request's blocks it fills
+    tokens: int = 0  # the prompt tokens the request then need not prefill (its ack)
 
 
 @dataclass
@@ -174,10 +175,8 @@ class TidalKVConnector(KVConnectorBase_V1):
             key, first, end = load
             bs = self.block_size
             first_block, end_block = first // bs, -(-end // bs)
-            meta.loads.append(
-                _Load(new.req_id, key, first_block, list(new.block_ids[0][first_block:end_block]))
-            )
-            write_atomic(self.dir / f"{key}.ack", str(end).encode())
+            blocks = list(new.block_ids[0][first_block:end_block])
+            meta.loads.append(_Load(new.req_id, key, first_block, blocks, end))
         self._loads.clear()  # requests not scheduled this step ask again
         return meta
 
@@ -252,8 +251,9 @@ class TidalKVConnector(KVConnectorBase_V1):
                 continue
             with contextlib.suppress(OSError):
                 path.unlink()
-            if _rank() == 0:
+            if _rank() == 0:  # acknowledged once loaded: a failed load acknowledges nothing
                 with contextlib.suppress(OSError):
+                    write_atomic(self.dir / f"{load.key}.ack", str(load.tokens).encode())
                     (self.dir / f"{load.key}.json").unlink()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
