@@ -84,6 +84,9 @@ class VLLMKVHandoff:
     kv_node: str | None = None  # the server's node name: same name, same folder
     _kv_nonces: dict[str, str]  # router request id -> its export's nonce (``mark_keep``)
     export_timeout_s = 30.0  # the export runs at the source's next engine step
+    # the connector records every marked abort it saw (0 tokens: never scheduled), so a call
+    # drained before its first chunk asks too (``kv_handoff.export_kv``)
+    kv_exports_unstarted = True
     pull_timeout_s = 60.0  # an export carried from another node
 
     @property
@@ -129,8 +132,8 @@ class VLLMKVHandoff:
 
     async def export_kv(self, request_id: str) -> bytes:
         """The reference to the export of the aborted ``request_id``, once the source's
-        workers wrote it. Nothing to export / too late: ``EngineError`` (the next engine
-        prefills)."""
+        workers wrote it; ``b""`` when the engine had computed nothing of it. Not asked for /
+        too late: ``EngineError`` (the next engine prefills)."""
         nonce = self._kv_nonces.pop(request_id, None)
         if self.kv_node is None or nonce is None:
             raise EngineError(f"no KV export was asked of {request_id}")
@@ -142,8 +145,8 @@ class VLLMKVHandoff:
             )
         except BadRequest as exc:
             raise EngineError(f"KV export of {request_id}: {exc}") from None
-        if not data.get("num_tokens"):
-            raise EngineError(f"KV export of {request_id}: the engine had computed nothing")
+        if not data.get("num_tokens"):  # aborted before it was scheduled: nothing to hand on
+            return b""
         ref = {
             "key": data["key"],
             "num_tokens": data["num_tokens"],

@@ -162,6 +162,10 @@ def test_a_vllm_server_refuses_what_it_cannot_load(two_nodes, tmp_path):
                 await b.import_kv(MAGIC + json.dumps(ref).encode())
         with pytest.raises(EngineError, match="no KV export was asked"):
             await b.export_kv("call-9")
+        await b.mark_keep([("call-3", "cmpl-call-3-0")])  # aborted before it was scheduled
+        nonce = (dst.folder / "keep-cmpl-call-3-0").read_text()
+        (dst.folder / f"rec-{nonce}.json").write_text(json.dumps({"num_tokens": 0}))
+        assert await b.export_kv("call-3") == b""  # nothing: the call keeps what it carried
         await b.mark_keep([("call-2", "cmpl-call-2-0")])
         b.export_timeout_s = 0.2  # the connector never wrote its record
         with pytest.raises(EngineError, match="no KV export"):
