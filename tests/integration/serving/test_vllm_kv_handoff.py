@@ -7,8 +7,8 @@ mid-call off one server: each keeps its KV at the other, by that server's own pr
 moved.
 
 Skipped unless ``TIDAL_VLLM_PYTHON`` names the vLLM venv's python (the Makefile target sets it).
-Measured: 3 min 31 s on 2 cores (2026-12-06, across the two folders; the two server starts and
-the unmoved reference calls are 2 min 25 s of it).
+Measured: 55 s on 2 lightly loaded cores, 3 min 31 s under load (2026-12-06, across the two
+folders; the two server starts and the unmoved reference calls are most of it).
 """
 
 from __future__ import annotations
