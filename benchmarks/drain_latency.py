@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -32,8 +30,8 @@ from pathlib import Path
 import httpx
 
 from tidal.models import create_tiny
-from tidal.serving.launch import free_port, start_engine, start_proxy
-from tidal.serving.vllm_kv import kv_transfer_config
+from tidal.serving.launch import start_engine, start_proxy
+from tidal.testing.vllm_servers import counters, spawn_vllm
 
 TOKEN = "bench"
 H = {"Authorization": f"Bearer {TOKEN}"}
@@ -142,73 +140,8 @@ async def main(args: argparse.Namespace) -> None:
 
 async def vllm_counters(url: str) -> dict[str, float]:
     """A vLLM server's prompt tokens by source, its TTFT sum / count, its running calls."""
-    out: dict[str, float] = {}
     async with httpx.AsyncClient(timeout=30) as c:
-        text = (await c.get(f"{url}/metrics")).text
-    for line in text.splitlines():
-        m = re.match(
-            r"vllm:(prompt_tokens_by_source_total|time_to_first_token_seconds_sum|"
-            r"time_to_first_token_seconds_count|num_requests_running|"
-            r"generation_tokens_total)\{(.*?)\} (\S+)$",
-            line,
-        )
-        if m:
-            src = re.search(r'source="(\w+)"', m.group(2))
-            name = src.group(1) if src else m.group(1)
-            out[name] = out.get(name, 0.0) + float(m.group(3))
-    return out
-
-
-def spawn_vllm(python: str, model: str, log: Path, kv_dir: str) -> tuple[subprocess.Popen, str]:
-    from tidal.runtime.vllm_host import _tidal_path
-
-    port = free_port()
-    env = {
-        **os.environ,
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "PYTHONPATH": _tidal_path(log.parent / "pythonpath"),
-    }
-    proc = subprocess.Popen(
-        [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--served-model-name",
-            "smollm2",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-model-len",
-            "2048",
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--kv-transfer-config",
-            kv_transfer_config(kv_dir),
-        ],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_vllm(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 400) -> None:
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(1)
-    raise SystemExit(f"vLLM did not start: {log.read_text()[-1500:]}")
+        return counters((await c.get(f"{url}/metrics")).text)
 
 
 async def run_vllm_mode(proxy_url: str, urls: list[str], handoff: bool, args) -> dict:
@@ -290,10 +223,11 @@ async def main_vllm(args: argparse.Namespace) -> None:
         servers = []
         proxy = None
         try:
-            servers = [spawn_vllm(python, model, logs / f"vllm{i}.log", kv_dir) for i in range(2)]
-            for i, (proc, url) in enumerate(servers):
-                wait_vllm(proc, url, logs / f"vllm{i}.log")
-            urls = [u for _, u in servers]
+            servers = [
+                spawn_vllm(python, model, logs / f"vllm{i}.log", kv_dir, kv_cache_gb=2)
+                for i in range(2)
+            ]
+            urls = [s.wait_healthy().url for s in servers]
             proxy = start_proxy([], [], TOKEN, log_path=logs / "proxy.log").wait_healthy(60)
             async with httpx.AsyncClient(base_url=proxy.url, timeout=60) as c:
                 for i, u in enumerate(urls):
@@ -321,13 +255,8 @@ async def main_vllm(args: argparse.Namespace) -> None:
         finally:
             if proxy is not None:
                 proxy.stop()
-            for proc, _ in servers:
-                proc.terminate()
-            for proc, _ in servers:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, 9)
+            for server in servers:
+                server.stop()
             import shutil
 
             shutil.rmtree(kv_dir, ignore_errors=True)

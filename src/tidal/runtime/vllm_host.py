@@ -9,7 +9,8 @@ address (the proxy reaches it from any node of a Ray cluster), in its own proces
 starts an engine-core child: both end together), with ``VLLM_SERVER_DEV_MODE=1``, tidal's
 worker extension (``tidal.training.vllm_sync``), tidal's KV connector (``kv_dir``: one
 shared-memory folder per run and node, so a call drained off one of the run's vLLM servers keeps
-its KV at another on the node; ``serving.vllm_kv``) and, with the run's token, tidal's guard in
+its KV at another of the run's servers, on this node or carried from another:
+``serving.vllm_kv``, ``serving.vllm_kv_routes``) and, with the run's token, tidal's guard in
 front of every route (``tidal.serving.server_guard``: vLLM's ``--api-key`` would leave its
 control routes open). A published version is loaded into the live server without a restart:
 generation paused, every worker reads the ``FilePublisher`` file (the driver's on its node;
@@ -54,20 +55,22 @@ VLLM_OWNED = {
     "--enforce-eager": "runtime.vllm.cuda_graphs",
     "--kv-cache-memory-bytes": "runtime.vllm.kv_cache_gb",
     "--worker-extension-cls": "tidal's weight loading",
-    "--middleware": "the run's token guard",
+    "--middleware": "the run's token guard and the KV folder's routes",
     "--api-key": "the run's token guard",
     "--enable-sleep-mode": "a cell's role switches",
     "--kv-transfer-config": "tidal's KV handoff between the run's vLLM servers",
 }
 
 
-def kv_dir(run_dir: Path) -> str:
+def kv_dir(run_dir: Path, node: str | None = None) -> str:
     """The node's shared-memory folder where the run's vLLM servers hand KV over: one per run
-    (its directory's hash), so two runs on a node never see each other's exports."""
+    and Ray node (a hash of both), so two runs never see each other's exports and servers on
+    other nodes get theirs carried (``serving.vllm_kv_routes``), even where nodes share a
+    filesystem (a test cluster of one machine)."""
     import hashlib
 
-    digest = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
-    return f"/dev/shm/tidal-kv-{digest}"
+    name = f"{run_dir.resolve()}|{node or ''}"
+    return f"/dev/shm/tidal-kv-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
 
 
 def vllm_settings(rt: RuntimeConfig) -> dict[str, Any]:
@@ -192,8 +195,9 @@ class VLLMEngineHost(EngineHost):
         adopt_token(token)
         from tidal.runtime.cell import actor_device
         from tidal.serving.server_guard import MIDDLEWARE
-        from tidal.serving.vllm_kv import kv_transfer_config
+        from tidal.serving.vllm_kv import kv_args, kv_env
 
+        folder = self.kv_folder()
         self.device = actor_device(self.device_setting, _gpu_ids())
         host = self.server.bind_host(self.node.ip)
         env = {
@@ -204,6 +208,7 @@ class VLLMEngineHost(EngineHost):
             "VLLM_HOST_IP": host,
             "PYTHONPATH": _tidal_path(self.log_path.parent / "vllm-pythonpath"),
             "TIDAL_VLLM_LAUNCHER_PID": str(os.getpid()),
+            **kv_env(folder, self.node.node_id or self.node.ip),
         }
         env.pop("VIRTUAL_ENV", None)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
@@ -229,8 +234,7 @@ class VLLMEngineHost(EngineHost):
             str(int(self.settings["kv_cache_gb"] * 2**30)),
             "--worker-extension-cls",
             "tidal.training.vllm_sync.TidalWorkerExtension",
-            "--kv-transfer-config",
-            kv_transfer_config(kv_dir(self.log_path.parent.parent)),
+            *kv_args(folder),  # the KV folder's routes: inside the guard (added after them)
             *self._extra_args(),
             *self.settings.get("args", []),
         ]
@@ -304,7 +308,11 @@ class VLLMEngineHost(EngineHost):
         self.state = "stopped"
         shutil.rmtree(self.received_dir(), ignore_errors=True)  # ``load_weights_blob``
         # the run's KV exports on this node (the run's servers stop together at its end)
-        shutil.rmtree(kv_dir(self.log_path.parent.parent), ignore_errors=True)
+        shutil.rmtree(self.kv_folder(), ignore_errors=True)
+
+    def kv_folder(self) -> str:
+        """This server's KV folder: the run's on this node (``kv_dir``)."""
+        return kv_dir(self.log_path.parent.parent, self.node.node_id)
 
 
 def _gpu_ids() -> list[str]:

@@ -47,15 +47,20 @@ class Attempt:
 async def export_kv(attempt: Attempt) -> bytes | None:
     """The KV a drained attempt left pinned at its engine, which then releases it."""
     src = attempt.member
+    # an adapter whose engine reports every marked abort (vLLM's connector: 0 tokens for one it
+    # never scheduled) is asked even before its first chunk; others only once it answered
+    asks_unstarted = attempt.sent and getattr(src.adapter, "kv_exports_unstarted", False)
     if (
         not src.adapter.supports_kv_handoff
         or attempt.kv_tokens == 0
-        or (not attempt.started and attempt.kv_tokens is None)
+        or (not attempt.started and attempt.kv_tokens is None and not asks_unstarted)
     ):  # the engine never had it
         return None
     t_up = time.perf_counter()
     try:
         blob = await src.adapter.export_kv(attempt.request_id)
+        if not blob:  # it computed nothing there: the call keeps what it carried in
+            return None
         with contextlib.suppress(ServingError):
             await src.adapter.release_kv(attempt.request_id)
     except ServingError as exc:

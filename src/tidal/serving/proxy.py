@@ -478,7 +478,11 @@ class Proxy:
                     attempt, seg, st.res, prompt, params, remaining, handle, st.prior_kv, on_chunk
                 )
                 if reason is None and attempt.keep_kv:
-                    st.blob = await export_kv(attempt)
+                    blob = await export_kv(attempt)
+                    # drained again before its engine answered: the export it carried in
+                    # (if that engine did not take it) is still the call's KV
+                    if blob is not None or attempt.started or attempt.kv_result:
+                        st.blob = blob
         except BadRequest:
             if attempt_no == 1 and not st.res.token_ids:
                 raise

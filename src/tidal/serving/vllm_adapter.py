@@ -117,7 +117,9 @@ class VLLMAdapter(VLLMKVHandoff, HTTPEngineBase):
             if first:
                 chunk.prompt_token_ids = choice.get("prompt_token_ids") or req.prompt_token_ids
                 # the tokens vLLM's scheduler loaded instead of prefilling (its ack)
-                chunk.cached_tokens = 0 if req.kv_handle is None else self.adopted(req.kv_handle)
+                chunk.cached_tokens = (
+                    0 if req.kv_handle is None else await self.adopted(req.kv_handle)
+                )
                 first = False
             yield chunk
 
@@ -134,7 +136,7 @@ class VLLMAdapter(VLLMKVHandoff, HTTPEngineBase):
     async def abort(self, request_ids: list[str] | None, keep_kv: bool = False) -> int:
         ids = None if request_ids is None else [self.engine_request_id(r) for r in request_ids]
         if keep_kv and request_ids is not None:  # the connector exports these at the abort
-            self.mark_keep([(r, self.engine_request_id(r)) for r in request_ids])
+            await self.mark_keep([(r, self.engine_request_id(r)) for r in request_ids])
         resp = await self._call("POST", "/abort_requests", json={"request_ids": ids})
         return int(resp.json().get("aborted", 0))
 

@@ -1,24 +1,27 @@
 """tidal's KV connector for vLLM: a call drained off one vLLM server keeps its KV at the next
-one on the same node (loaded by ``--kv-transfer-config`` with ``kv_connector_module_path``
-``tidal.serving.vllm_kv_connector``; ``kv_connector_extra_config.tidal_kv_dir`` names the
-node's shared-memory folder, ``lease_s`` how long an export waits for its adopter).
+one (on another node its export is first carried into that node's folder). Loaded by
+``--kv-transfer-config`` with ``kv_connector_module_path`` ``tidal.serving.vllm_kv_connector``;
+``kv_connector_extra_config.tidal_kv_dir`` names the node's shared-memory folder, ``lease_s``
+how long an export waits for its adopter.
 
-Runs inside the vLLM server's processes, so it imports only vLLM, torch and the standard
-library. Flow (the proxy's side is ``VLLMAdapter``):
+Runs inside the vLLM server's processes, so it imports only vLLM, torch, the standard library
+and ``serving.kv_blocks`` (the block copies, any device and cache layout). Flow (the proxy's
+side is ``VLLMAdapter`` through the folder's routes, ``serving.vllm_kv_routes``):
 
-- source: the proxy writes ``keep-<engine request id>`` (a nonce) into the folder, then aborts
+- source: the proxy has ``keep-<engine request id>`` (a nonce) written into the folder, then aborts
   the request. vLLM calls ``request_finished`` before it frees the blocks: with a marker, the
   scheduler keeps the request's computed blocks (``True``: freed after the save), and the
   next step's workers copy them to ``<key>.<rank>.kv`` (``key``: a hash of the computed token
-  ids); the scheduler then writes ``<key>.json`` (the token ids, the model, the ranks) and
-  ``rec-<nonce>.json`` (the key and the token count) for the proxy. Without a marker an abort
-  exports nothing; an export nobody adopts is removed after ``lease_s``.
+  ids and the nonce); the scheduler then writes ``<key>.json`` (the token ids, the model, the
+  ranks) and ``rec-<nonce>.json`` (the key and the token count) for the proxy. Without a
+  marker an abort exports nothing; an export nobody adopts is removed after ``lease_s``.
 - destination: the continued request carries ``kv_transfer_params: {"tidal_kv": key}``. The
   scheduler (``get_num_new_matched_tokens``) checks the manifest's tokens are a prefix of the
   prompt and the model is its own, and offers them (at most the prompt less its last token),
-  writes ``<key>.ack`` (the tokens adopted: the proxy's cached count), and the workers copy the
-  blocks into the request's new blocks before its first step (``start_load_kv``), then delete
-  the files (the acknowledgement). A failed load reports its blocks, which vLLM recomputes.
+  and the workers copy the blocks into the request's new blocks before its first step
+  (``start_load_kv``), write ``<key>.ack`` (the tokens adopted: the proxy's cached count) and
+  delete the files. A failed load reports its blocks, which vLLM recomputes
+  (``kv_load_failure_policy: recompute``; the proxy counts the handoff as failed).
 
 Files are plain files in a tmpfs folder (``/dev/shm``), written under a temporary name and
 renamed, so a reader never sees half a file.
@@ -43,6 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from tidal.serving.kv_blocks import cache_layers, load_blocks, save_blocks
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -57,10 +62,12 @@ DEFAULT_DIR = "/dev/shm/tidal-kv"
 PARAM = "tidal_kv"  # the key in a request's kv_transfer_params
 
 
-def token_key(token_ids: list[int]) -> str:
-    """The export's name: a hash of the token ids whose KV it holds."""
+def token_key(token_ids: list[int], nonce: str) -> str:
+    """The export's name: a hash of the token ids whose KV it holds and of the abort's nonce
+    (two calls of one GRPO group share a prompt and often their first tokens: their exports
+    must not share a name, or the first adopter's load deletes the second's blocks)."""
     data = b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids)
-    return hashlib.sha256(data).hexdigest()[:40]
+    return hashlib.sha256(data + nonce.encode()).hexdigest()[:40]
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -83,6 +90,7 @@ class _Load:
     key: str
     src_first: int  # first block of the export to copy
     block_ids: list[int]  # the request's blocks it fills
+    tokens: int = 0  # the prompt tokens the request then need not prefill (its ack)
 
 
 @dataclass
@@ -167,10 +175,8 @@ class TidalKVConnector(KVConnectorBase_V1):
             key, first, end = load
             bs = self.block_size
             first_block, end_block = first // bs, -(-end // bs)
-            meta.loads.append(
-                _Load(new.req_id, key, first_block, list(new.block_ids[0][first_block:end_block]))
-            )
-            write_atomic(self.dir / f"{key}.ack", str(end).encode())
+            blocks = list(new.block_ids[0][first_block:end_block])
+            meta.loads.append(_Load(new.req_id, key, first_block, blocks, end))
         self._loads.clear()  # requests not scheduled this step ask again
         return meta
 
@@ -191,7 +197,7 @@ class TidalKVConnector(KVConnectorBase_V1):
             write_atomic(self.dir / f"rec-{nonce}.json", json.dumps({"num_tokens": 0}).encode())
             return False, None
         tokens = [int(t) for t in request.all_token_ids[:n]]
-        key = token_key(tokens)
+        key = token_key(tokens, nonce)
         save = _Save(request.request_id, key, blocks)
         manifest = {
             "token_ids": tokens,
@@ -228,17 +234,7 @@ class TidalKVConnector(KVConnectorBase_V1):
         self._kv = dict(sorted(kv_caches.items()))
 
     def _layers(self) -> list[tuple[torch.Tensor, int]]:
-        """Each distinct cache tensor and its block dimension (the one of ``num_blocks``
-        entries: 0 on vLLM-CPU, 1 for CUDA's [2, blocks, ...] layouts)."""
-        nblocks = getattr(self._kv_cache_config, "num_blocks", None)
-        seen, out = set(), []
-        for t in self._kv.values():
-            if t.data_ptr() in seen:
-                continue
-            seen.add(t.data_ptr())
-            dims = [d for d, n in enumerate(t.shape) if n == nblocks] or [0]
-            out.append((t, dims[0]))
-        return out
+        return cache_layers(self._kv, getattr(self._kv_cache_config, "num_blocks", None))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -246,35 +242,19 @@ class TidalKVConnector(KVConnectorBase_V1):
         for load in meta.loads:
             path = self.dir / f"{load.key}.{_rank()}.kv"
             try:
-                self._load(path, load)
+                size = path.stat().st_size
+                raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+                load_blocks(self._layers(), raw, load.src_first, load.block_ids)
             except (OSError, RuntimeError, ValueError) as exc:
                 logger.warning("tidal KV %s: load failed (%s): recomputed", load.key, exc)
                 self._load_errors.update(load.block_ids)
                 continue
             with contextlib.suppress(OSError):
                 path.unlink()
-            if _rank() == 0:
+            if _rank() == 0:  # acknowledged once loaded: a failed load acknowledges nothing
                 with contextlib.suppress(OSError):
+                    write_atomic(self.dir / f"{load.key}.ack", str(load.tokens).encode())
                     (self.dir / f"{load.key}.json").unlink()
-
-    def _load(self, path: Path, load: _Load) -> None:
-        layers = self._layers()
-        size = path.stat().st_size
-        raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-        per_block = sum(t.numel() // t.shape[d] * t.element_size() for t, d in layers)
-        n_src = size // per_block
-        n = len(load.block_ids)
-        if size % per_block or load.src_first + n > n_src:
-            raise ValueError(f"{size} bytes do not hold blocks {load.src_first}..+{n}")
-        dst = torch.tensor(load.block_ids, dtype=torch.long)
-        off = 0
-        for t, d in layers:
-            shape = list(t.shape)
-            shape[d] = n_src
-            nbytes = t.numel() // t.shape[d] * n_src * t.element_size()
-            src = raw[off : off + nbytes].view(t.dtype).view(shape)
-            t.index_copy_(d, dst.to(t.device), src.narrow(d, load.src_first, n).to(t.device))
-            off += nbytes
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -298,14 +278,10 @@ class TidalKVConnector(KVConnectorBase_V1):
         assert isinstance(meta, TidalKVMetadata)
         done = set()
         for save in meta.saves:
-            ids = torch.tensor(save.block_ids, dtype=torch.long)
-            parts = [
-                t.index_select(d, ids.to(t.device)).cpu().contiguous().view(torch.uint8).reshape(-1)
-                for t, d in self._layers()
-            ]
+            data = save_blocks(self._layers(), save.block_ids)
             path = self.dir / f"{save.key}.{_rank()}.kv"
             try:
-                write_atomic(path, torch.cat(parts).numpy().tobytes())
+                write_atomic(path, data.numpy().tobytes())
             except OSError as exc:  # the blocks are freed all the same; the record says 0
                 logger.warning("tidal KV %s: export failed (%s)", save.key, exc)
             done.add(save.req_id)

@@ -17,14 +17,19 @@ def wait_until_busy(runtime: Any, name: str, deadline_s: float) -> list[dict] | 
         wired = runtime.wired
         if wired is not None and wired.bridge.n_dispatched > 0 and runtime.engines is not None:
             try:
-                listed = httpx.get(
-                    f"{runtime.proxy.url}/tidal/engines",
-                    timeout=5,
-                    headers={"Authorization": f"Bearer {runtime.token}"},
-                ).json()["engines"]
+                listed = engines_listed(runtime)
             except httpx.HTTPError:
                 listed = []
             if any(e["id"] == name and e["inflight"] > 0 for e in listed):
                 return listed
         time.sleep(0.02)
     return None
+
+
+def engines_listed(runtime: Any) -> list[dict]:
+    """The proxy's engine list now (``httpx.HTTPError`` if it does not answer)."""
+    return httpx.get(
+        f"{runtime.proxy.url}/tidal/engines",
+        timeout=5,
+        headers={"Authorization": f"Bearer {runtime.token}"},
+    ).json()["engines"]

