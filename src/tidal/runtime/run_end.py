@@ -72,7 +72,7 @@ async def finish(run: Runtime, w: Wired, bursts_s: float) -> dict[str, Any]:
         "nodes": len(run.nodes_at_start),
         "policy_mechanics": mechanics,
         "nodes_lost": len(lost),
-        "engines_undescribed": sorted(undescribed),
+        "engines_undescribed": undescribed_names(undescribed),
         "deterministic": run.rt.deterministic,
         "control_plane": w.plane.report(stats, bursts_s),
         **(w.dispatcher.gate.hold.report() if w.dispatcher.gate else {}),
@@ -145,3 +145,9 @@ def stop_parts(run: Runtime, ray: Any) -> None:
         left = run.cpu_groups.remove()
         if left:
             log.warning("cgroups still busy, left in place: %s", ", ".join(left))
+
+
+def undescribed_names(undescribed: dict) -> list[str]:
+    """The summary's ``engines_undescribed``: engine ids as their names (``c0``, ``s1``), sorted
+    by id. The summary contract takes strings; an ``EngineId`` there made the run's end fail."""
+    return [str(eid) for eid in sorted(undescribed)]
