@@ -2,7 +2,8 @@
 Claude Code (npm ``@anthropic-ai/claude-code``, Anthropic Messages, streamed) and Codex CLI (npm
 ``@openai/codex``, OpenAI Responses, streamed), each started by its wrapper in
 ``configs/harnesses/`` from the shipped ``configs/claude-code.yaml`` / ``configs/codex.yaml``
-(shortened: one burst of four executions, the plumbing model written here). While their calls
+(shortened: one burst of four executions, the plumbing model written here, with 16384
+positions, and shorter system prompts than the harnesses' own: ``SHORTER``). While their calls
 are in flight the standalone engine is drained (its live calls move to the cells) and then a cell
 engine with calls in flight is SIGKILLed under its live actor (the supervisor replaces it; the
 proxy retries the lost calls elsewhere). Checked: 0 failed requests, 0 lost, every execution
@@ -12,7 +13,7 @@ hands to training has the token ids its engines sampled (the output ids equal th
 segments joined), with at least one call served by two engines.
 
 Needs ``make harnesses`` (a prerequisite of ``make test``); skipped without it. The model is the
-configs' plumbing model: tiny, random, 16384 positions, answers that end after a few tokens
+configs' plumbing model (16384 positions here): tiny, random, answers that end after a few tokens
 (``tidal model init-tiny --short-answers``)."""
 
 from __future__ import annotations
@@ -68,12 +69,37 @@ def plumbing_model(tmp_path_factory):
     return model
 
 
+# shorter prompts than the harnesses' own (~2.4K and ~5K tokens in place of ~48.6K and ~19K):
+# a 48.6K-token prefill of the plumbing model takes ~33 s of one core, and training on it more
+SHORTER = {
+    "claude-code.yaml": (
+        ["--tools", "Bash", "--system-prompt", "You fix bugs in the repository."],
+        {},
+    ),
+    "codex.yaml": (
+        [],
+        {
+            "CODEX_INSTRUCTIONS": "You are a coding agent. Run shell commands with exec_command "
+            "to fix the task, then answer briefly."
+        },
+    ),
+}
+
+
 def _short(config: str, model: Path) -> RunConfig:
     data = yaml.safe_load((ROOT / "configs" / config).read_text())
     data["control"].update(bursts=1, step_timeout_s=240)
     data["runtime"].update(
-        model=str(model), execution_timeout_s=240, step_data_timeout_s=300, run_timeout_s=600
+        model=str(model),
+        token_budget=16384,
+        execution_timeout_s=240,
+        step_data_timeout_s=300,
+        run_timeout_s=600,
     )
+    args, env = SHORTER[config]
+    agent = data["task"]["agent"]
+    agent["command"] += args
+    agent["env"] = {**agent.get("env", {}), **env}
     return validate_model(RunConfig, data)
 
 
