@@ -69,7 +69,7 @@ def plumbing_model(tmp_path_factory):
     return model
 
 
-# shorter prompts than the harnesses' own (~2.4K and ~5K tokens in place of ~48.6K and ~19K):
+# shorter prompts than the harnesses' own (~2.4K and ~5K tokens in place of ~48.6K and ~14.6K):
 # a 48.6K-token prefill of the plumbing model takes ~33 s of one core, and training on it more
 SHORTER = {
     "claude-code.yaml": (
