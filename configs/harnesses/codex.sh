@@ -3,23 +3,27 @@
 # execution: a model provider in the execution's own CODEX_HOME points at its proxy URL
 # (OPENAI_BASE_URL, .../x/<execution>/v1, set by the command agent kind) with its own key
 # (OPENAI_API_KEY) over the Responses wire API (Codex ignores OPENAI_BASE_URL alone). Offline: no
-# web search, no sub-agents, goals or skills; the instructions in $CODEX_INSTRUCTIONS (default: a
-# short coding-agent prompt) replace Codex's 17 KB built-in ones. The workspace is the
-# execution's own, so Codex runs without its sandbox. Arguments: the task prompt.
+# web search, no sub-agents, goals or skills. Codex keeps its own 17 KB instructions unless
+# $CODEX_INSTRUCTIONS is set (then that text replaces them: a shorter prompt for a small model).
+# The workspace is the execution's own, so Codex runs without its sandbox. Arguments: the task
+# prompt.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 codex="${TIDAL_HARNESSES:-$root/harnesses}/node_modules/.bin/codex"
 [ -x "$codex" ] || { echo "no $codex: run 'make harnesses' first" >&2; exit 127; }
 export CODEX_HOME="$PWD/.tidal/codex"  # the command kind runs it in the workspace
 mkdir -p "$CODEX_HOME"
-printf '%s\n' "${CODEX_INSTRUCTIONS:-You are a coding agent. Run shell commands with exec_command to fix the task, then answer briefly.}" \
-    > "$CODEX_HOME/instructions.md"
+instructions=""
+if [ -n "${CODEX_INSTRUCTIONS:-}" ]; then
+    printf '%s\n' "$CODEX_INSTRUCTIONS" > "$CODEX_HOME/instructions.md"
+    instructions="model_instructions_file = \"$CODEX_HOME/instructions.md\""
+fi
 cat > "$CODEX_HOME/config.toml" <<TOML
 model = "$OPENAI_MODEL"
 model_provider = "tidal"
 web_search = "disabled"
 model_reasoning_summary = "none"
-model_instructions_file = "$CODEX_HOME/instructions.md"
+$instructions
 include_apps_instructions = false
 include_collaboration_mode_instructions = false
 check_for_update_on_startup = false

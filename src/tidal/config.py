@@ -301,6 +301,12 @@ class RuntimeConfig(Strict):
     engine_max_batch: int = Field(16, ge=1)
     lr: float = Field(1e-3, gt=0.0)
     token_budget: int = Field(4096, ge=16, description="tokens per training micro-step")
+    max_prompt_tokens: int = Field(
+        32768,
+        ge=1,
+        description="longest prompt of one model call the proxy takes, in tokens (a longer "
+        "one gets a 400); the model's context bounds it too",
+    )
     step_data_timeout_s: float = Field(120.0, gt=0.0)
     checkpoint_every_steps: int = Field(
         1,

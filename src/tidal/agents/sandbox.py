@@ -52,7 +52,9 @@ class Sandbox:
         if self.mode == "group":
             return program
         spec = {
-            "workspace": str(workspace),
+            # absolute: the program starts in the workspace, so a relative path (a run's
+            # default --out, runs/<name>) would not be found from there
+            "workspace": str(Path(workspace).resolve()),
             "uid": self.uid,
             "gid": self.gid,
             "user": self.user,

@@ -8,8 +8,9 @@ Multi-turn: a task with an async ``feedback(data, trace) -> str | None`` method 
 verifiers 0.4.0 drives multi-turn only through harness programs) is asked after every model
 turn; a string is the next user message, ``None`` ends the episode, and so does ``max_turns``.
 The next turn's prompt is the conversation so far: ``TrainClient`` bridges it onto the
-previous turn's prompt and sampled ids (``renderer.bridge_to_next_turn``), so the trace's one
-branch holds every turn's sampled ids unchanged.
+previous turn's prompt and sampled ids (``renderer.bridge_to_next_turn``; for a model without a
+hand-coded renderer, ``verifiers_bridge.ChainRenderer``), so the trace's one branch and the
+proxy's record hold every turn's sampled ids unchanged: one token chain per episode.
 
 Why not ``Env.run_episode``: in verifiers 0.4.0 an episode runs a harness *program* (even the
 tool-less ``null`` harness) as a PEP 723 script through ``uv sync --script`` in a runtime,
@@ -56,11 +57,23 @@ def train_client(base_url: str, api_key: str, tokenizer_dir: str) -> TrainClient
     pinned to the local model directory ``tokenizer_dir``. Every execution has its own key:
     it goes in as the Authorization header (the client's own key variable is left unset)."""
     import verifiers.v1 as vf
+    from renderers.base import MODEL_RENDERER_MAP
+    from renderers.configs import CustomRendererConfig
     from verifiers.v1.clients.train import TrainClient
 
+    from tidal.agents.verifiers_bridge import IMPORT_PATH
+
+    # a model without a hand-coded renderer gets the template's own render, bridged across
+    # turns on the sampled ids (verifiers_bridge); a mapped one keeps its own renderer
+    renderer = (
+        None
+        if tokenizer_dir in MODEL_RENDERER_MAP
+        else CustomRendererConfig(import_path=IMPORT_PATH)
+    )
     return TrainClient(
         vf.TrainClientConfig(
             base_url=base_url,
+            renderer=renderer,
             renderer_model_name=tokenizer_dir,
             api_key_var="TIDAL_VERIFIERS_NO_KEY",
             headers={"Authorization": f"Bearer {api_key}"},

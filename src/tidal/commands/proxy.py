@@ -69,6 +69,7 @@ def serve(s: ProxySettings, admin_token: str | None, engine_token: str | None) -
             kv_handoff=s.kv_handoff,
             require_registration=s.require_registration,
             request_timeout_s=s.request_timeout_s,
+            max_prompt_tokens=s.max_prompt_tokens,
             seed=s.seed,
             admission=s.admission,
             admission_order=s.admission_order,

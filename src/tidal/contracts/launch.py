@@ -71,6 +71,12 @@ class ProxySettings(BaseModel):
     read_timeout_s: float = Field(
         30.0, gt=0, description="A request must arrive whole (head and body) within this time."
     )
+    max_prompt_tokens: int = Field(
+        32768,
+        ge=1,
+        description="Longest prompt of one model call, in tokens (a longer one gets a 400); "
+        "Claude Code's own first call is ~50K tokens of a small tokenizer.",
+    )
     seed: int | None = Field(
         None,
         ge=-(2**63),

@@ -23,6 +23,18 @@ from tidal.errors import TidalError
 from tidal.models.device import release_cached
 from tidal.models.kv import KVCache, RaggedBatch
 
+# A cached step's attention mask (sequences x new tokens x keys) above this many elements runs
+# chunked (``forward_cached``): 2^28 is more than any batch of 16 sequences of 2048 tokens, so
+# SmolLM2-sized prompts never chunk; chunks keep the mask at 2^26 (64 MiB of bools; the scores
+# are that times the heads, in the model's dtype).
+CHUNKED_STEP_ELEMENTS = 1 << 28
+CHUNK_ELEMENTS = 1 << 26
+
+
+def chunk_tokens(sequences: int, keys: int) -> int:
+    """New tokens per sequence of one chunked step over ``keys`` positions (at least 256)."""
+    return max(256, CHUNK_ELEMENTS // max(1, sequences * keys))
+
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding, ``rotate_half`` convention; ``x`` is ``[B, T, H, D]``."""
@@ -164,14 +176,33 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def forward_cached(self, tokens: list[list[int]], caches: list[KVCache]) -> torch.Tensor:
         """Feed ``tokens[i]`` to sequence ``i`` (appending to ``caches[i]``); return the logits at
-        each sequence's last new token, ``[B, V]``. Sequences may have any cache length."""
+        each sequence's last new token, ``[B, V]``. Sequences may have any cache length. A step
+        whose attention mask would pass ``CHUNKED_STEP_ELEMENTS`` (a long prompt: Claude Code's
+        first call is ~50K tokens) runs as several steps of at most ``chunk_tokens`` new tokens
+        per sequence, so its memory is that of a chunk, not of the whole prompt squared."""
         if not tokens or len(tokens) != len(caches) or any(not t for t in tokens):
             raise TidalError("forward_cached needs one non-empty token list per cache")
-        batch = RaggedBatch(caches, [len(t) for t in tokens])
-        if batch.max_total > self.max_seq_len:
-            raise TidalError(
-                f"sequence of {batch.max_total} tokens exceeds max_seq_len {self.max_seq_len}"
+        total = max(c.length + len(t) for c, t in zip(caches, tokens, strict=True))
+        if total > self.max_seq_len:
+            raise TidalError(f"sequence of {total} tokens exceeds max_seq_len {self.max_seq_len}")
+        longest = max(len(t) for t in tokens)
+        if len(tokens) * longest * total <= CHUNKED_STEP_ELEMENTS:
+            return self._step_cached(tokens, caches)
+        chunk = chunk_tokens(len(tokens), total)
+        last: list[torch.Tensor | None] = [None] * len(tokens)
+        for at in range(0, longest, chunk):
+            live = [i for i, t in enumerate(tokens) if at < len(t)]
+            logits = self._step_cached(
+                [tokens[i][at : at + chunk] for i in live], [caches[i] for i in live]
             )
+            for row, i in enumerate(live):
+                if at + chunk >= len(tokens[i]):
+                    last[i] = logits[row]
+        return torch.stack(last)  # type: ignore[arg-type]
+
+    def _step_cached(self, tokens: list[list[int]], caches: list[KVCache]) -> torch.Tensor:
+        """One forward step of ``forward_cached`` (its checks done)."""
+        batch = RaggedBatch(caches, [len(t) for t in tokens])
         ids = torch.zeros((len(tokens), batch.max_new), dtype=torch.long)
         for i, t in enumerate(tokens):
             ids[i, : len(t)] = torch.tensor(t)

@@ -222,6 +222,7 @@ class Runtime:
             admission_order=ctl.admission_order,
             engine_curve=ctl.engine_curve,
             backend_modules=rt.backend_modules,
+            max_prompt_tokens=rt.max_prompt_tokens,
         )
         self.engines.start()
         self.proxy.wait_healthy(rt.start_timeout_s)

@@ -7,7 +7,8 @@ engines sampled, as for chat.
 
 In: a dialect's raw body, its validating model and its translation to chat (``Dialect``). Out:
 ``Sampled`` (one choice's result with its text and parsed tool calls, whole) or, streamed, the
-``Piece`` events a dialect turns into its own SSE; errors become the dialect's error body.
+``Piece`` events a dialect turns into its own SSE; errors become the dialect's error body. A
+caller that hangs up, streamed or not, cancels its call (the engine request is aborted).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from tidal.serving.execution_identity import CALLER
+from tidal.serving.fast_path import unless_gone
 from tidal.serving.openai_api import (
     VERSIONS_HEADER,
     ChatRequest,
@@ -135,7 +137,10 @@ async def _route(h: ProxyHandlers, request: Request, d: Dialect) -> Response:
         return StreamingResponse(
             d.stream(body, model, len(call.prompt), pieces), media_type="text/event-stream"
         )
-    sampled = await sample_whole(h, call)
+    # a caller that hangs up cancels its call and so its engine request, as on the chat route
+    sampled = await unless_gone(sample_whole(h, call), request.receive)
+    if sampled is None:
+        return Response(status_code=499)  # nobody reads it
     out = d.answer(body, model, sampled)
     h.proxy.overhead_s.append(time.perf_counter() - t_entry - t_engine - sampled.result.upstream_s)
     return Response(

@@ -60,6 +60,9 @@ class TokenSampling(BaseModel):
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     include_stop_str_in_output: bool = False
+    # where a MoE's routed-expert ids start in the answer (verifiers sends it with a bridged
+    # multi-turn prompt); this route returns no routed experts, so it changes nothing
+    routed_experts_prompt_start: int | None = Field(None, ge=0, le=MAX_PROMPT_IDS)
 
     @field_validator("temperature")
     @classmethod

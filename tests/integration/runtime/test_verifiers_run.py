@@ -81,8 +81,9 @@ def test_multiturn_environment_trains_every_turn_as_sampled(tmp_path, monkeypatc
     """``configs/verifiers-multiturn.yaml`` shortened (a tiny model, one burst of two groups of
     four): every execution makes ``runtime.max_turns`` calls (the tiny model never answers
     right, so the feedback environment always asks again), each turn's prompt ids, sampled ids
-    and log-probs in the proxy's record are the ones verifiers received, and the record trains on
-    exactly every turn's sampled ids."""
+    and log-probs in the proxy's record are the ones verifiers received, each turn's prompt
+    extends the last turn's prompt and sampled ids (one chain: 0 chain breaks), and the record
+    trains on exactly every turn's sampled ids."""
     import tidal.runtime.bridge as bridge
     from tidal.models import create_tiny
     from tidal.training.records import record_to_sequences
@@ -126,8 +127,11 @@ def test_multiturn_environment_trains_every_turn_as_sampled(tmp_path, monkeypatc
         turns = trace["turns"]
         assert len(turns) == len(records[eid].calls) == 3
         assert [t["feedback"] is not None for t in turns] == [True, True, False]
-        for call, turn in zip(records[eid].calls, turns, strict=True):
+        for i, (call, turn) in enumerate(zip(records[eid].calls, turns, strict=True)):
             assert call.prompt_token_ids == turn["prompt_ids"]
+            if i:  # one chain: each prompt extends the last prompt and its sampled ids
+                last = turns[i - 1]["prompt_ids"] + turns[i - 1]["completion_ids"]
+                assert turn["prompt_ids"][: len(last)] == last and turn["bridged"], (eid, i)
             assert call.output_token_ids == turn["completion_ids"] and turn["completion_ids"]
             assert call.output_logprobs == pytest.approx(turn["logprobs"])
         trained = [

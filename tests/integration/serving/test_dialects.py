@@ -12,6 +12,7 @@ the round trips are the model's own greedy output, parsed back into ``tool_use``
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -359,3 +360,44 @@ def test_responses_refused_fields_are_named(served, extra, field):
         oa.responses.create(**body)
     assert field in str(info.value)
     assert _records(served, "r-refused") == []
+
+
+def _engine_stats(url: str) -> dict:
+    [engine] = httpx.get(f"{url}/tidal/engines", headers=ADMIN).json()["engines"]
+    return httpx.get(f"{engine['url']}/stats", headers=ADMIN).json()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/messages", {"max_tokens": 900, "messages": [{"role": "user", "content": "Go on"}]}),
+        ("/v1/responses", {"max_output_tokens": 900, "input": "Go on"}),
+    ],
+)
+def test_a_caller_that_hangs_up_cancels_its_whole_call(served, path, body):
+    """A non-streamed Messages or Responses call whose HTTP client goes away mid-generation
+    is cancelled as a chat call is: its engine request is aborted (the engine stops sampling
+    for it), nothing is left in flight, and no call is recorded for it."""
+    eid = f"gone{path.replace('/', '-')}"
+    url = execution_url(served, eid).removesuffix("/v1") + path
+    head = {"Authorization": f"Bearer {execution_key(TOKEN, eid)}"}
+    body = {"model": "tiny", "temperature": 0, **body}
+    # the same greedy call, whole, samples hundreds of tokens (so the one below is mid-way)
+    t0 = time.monotonic()
+    whole = httpx.post(url, json=body, headers=head, timeout=60)
+    took = time.monotonic() - t0
+    usage = whole.json()["usage"]
+    assert usage["output_tokens"] >= 500 and took > 0.5, (usage, took)
+    before = _engine_stats(served)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=body, headers=head, timeout=httpx.Timeout(60, read=took / 4))
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        stats, proxy = _engine_stats(served), httpx.get(f"{served}/tidal/stats", headers=ADMIN)
+        if stats["aborted"] > before["aborted"] and not proxy.json()["inflight"]:
+            break
+        time.sleep(0.05)
+    assert stats["aborted"] == before["aborted"] + 1 and not stats["running"], stats
+    sampled = stats["generated_tokens"] - before["generated_tokens"]
+    assert 0 < sampled < usage["output_tokens"], (sampled, usage)
+    assert len(_records(served, eid)) == 1  # the whole call's; the cancelled one is not kept

@@ -275,3 +275,15 @@ def test_checking_a_config_creates_no_user(monkeypatch):
             pwd.getpwnam("tidal-agent-never-made-q")
     finally:
         sandbox.sandbox_for.cache_clear()
+
+
+def test_a_relative_workspace_path_runs(run_dir, monkeypatch):
+    """A run's default output directory is relative (``runs/<name>``): the agent, started in
+    its workspace, still enters it (the sandbox is given the absolute path)."""
+    script = _script(run_dir, "pwd.py", "import os; open('pwd.txt', 'w').write(os.getcwd())\n")
+    agent = build_agent(AgentConfig(kind="command", command=["{python}", script]))
+    monkeypatch.chdir(run_dir.parent)
+    ws = Path("run") / "workspaces" / "b0-g0-e0"
+    out = asyncio.run(agent.run(_ctx(ws)))
+    assert out.exit_code == 0, out.stderr_tail
+    assert (ws / "pwd.txt").read_text() == str(ws.resolve())

@@ -124,3 +124,34 @@ def test_check_rows_names_the_environment_args(tiny_dir):
     kind.check_rows([TaskRow(i, prompt=t.data.prompt) for i, t in enumerate(kind.tasks)])
     with pytest.raises(ConfigError, match=r"task.agent.args.environment_args: task row 0"):
         kind.check_rows([TaskRow(0, prompt="Spell 'cat' backward.")])
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_chain_renderer_extends_the_sampled_ids(tiny_dir, stopped):
+    """The next turn's prompt is the last prompt and sampled ids verbatim, then what the chat
+    template adds (the assistant's close, less a sampled stop token; the new user turn; the
+    generation prompt): its text is the template's full render of the conversation, though
+    the sampled ids are not what re-tokenizing the answer's text gives."""
+    from transformers import AutoTokenizer
+
+    from tidal.agents.verifiers_bridge import ChainRenderer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    renderer = ChainRenderer(tok)
+    first = [{"role": "system", "content": "Reply briefly."}, {"role": "user", "content": "cat"}]
+    prompt = renderer.render(first, add_generation_prompt=True).token_ids
+    answer = "tac"
+    # sampled one character at a time: not the tokenizer's own split of "tac"
+    sampled = [i for ch in answer for i in tok.encode(ch, add_special_tokens=False)]
+    assert sampled != tok.encode(answer, add_special_tokens=False)
+    sampled += renderer.get_stop_token_ids()[:1] if stopped else []
+    new = [{"role": "user", "content": "Wrong, try again."}]
+    out = renderer.bridge_to_next_turn(prompt, sampled, new)
+    assert out.token_ids[: len(prompt) + len(sampled)] == prompt + sampled
+    full = [*first, {"role": "assistant", "content": answer}, *new]
+    assert tok.decode(out.token_ids) == tok.apply_chat_template(
+        full, tokenize=False, add_generation_prompt=True
+    )
+    added = out.message_indices[len(prompt) + len(sampled) :]
+    assert 0 in added and set(added) == {-1, 0}
+    assert renderer.bridge_to_next_turn(prompt, sampled, [full[2]]) is None  # an assistant turn

@@ -75,6 +75,36 @@ def test_cached_ragged_batch_matches_full_forward(tiny_dir):
     assert [c.length for c in caches] == [len(s) for s in seqs]
 
 
+def test_long_prefill_runs_chunked_with_the_same_logits(tiny_dir, monkeypatch):
+    """A step over the mask limit (a long prompt) runs in chunks of new tokens: the logits at
+    each sequence's last token and the caches match one unchunked step's, ragged batch and
+    cached prefixes included."""
+    from tidal.models import base
+
+    assert base.chunk_tokens(1, 52_000) == (1 << 26) // 52_000  # ~1290 of Claude Code's 50K
+    assert base.chunk_tokens(16, 1 << 20) == 256
+    model, tok = load_model(tiny_dir)
+    seqs = [
+        tok.encode("The agent reads the task and lists the files in the workspace. " * 12),
+        tok.encode("12 plus 30 is 42"),
+        tok.encode("Read the file notes.txt and fix the bug in calc.py " * 6),
+    ]
+    prefix = [3, 0, 7]  # already cached before the long step
+    whole, chunked = [model.new_cache() for _ in seqs], [model.new_cache() for _ in seqs]
+    for caches in (whole, chunked):
+        for s, p, c in zip(seqs, prefix, caches, strict=True):
+            if p:
+                model.forward_cached([s[:p]], [c])
+    ref = model.forward_cached([s[p:] for s, p in zip(seqs, prefix, strict=True)], whole)
+    monkeypatch.setattr(base, "CHUNKED_STEP_ELEMENTS", 64)
+    monkeypatch.setattr(base, "chunk_tokens", lambda sequences, keys: 16)
+    got = model.forward_cached([s[p:] for s, p in zip(seqs, prefix, strict=True)], chunked)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.length == b.length
+        torch.testing.assert_close(a.buffers(0, a.length), b.buffers(0, b.length))
+
+
 def test_kv_export_import_continues_identically(tiny_dir):
     model, tok = load_model(tiny_dir)
     ids = tok.encode("The workspace holds files such as notes.txt")

@@ -27,6 +27,7 @@ PROXY = ProxySettings(
     require_registration=True,
     request_timeout_s=12.5,
     read_timeout_s=4.0,
+    max_prompt_tokens=65536,
     seed=-3,
     admission="0.05",
     admission_order="shortest_remaining",
