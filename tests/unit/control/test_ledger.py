@@ -131,6 +131,11 @@ def test_invariant_1_under_random_events(seq, n):
         elif op == "launch" and known:
             lg.launch(eid)
         elif op == "close" and known:
+            if reason is CloseReason.REWARD_ERROR:  # a reward_error close carries no reward
+                if reward is not None and lg.executions[eid].state is not ExecState.CLOSED:
+                    with pytest.raises(LedgerError, match="reward_error with a reward"):
+                        lg.close(eid, reason, reward)
+                reward = None
             if lg.close(eid, reason, reward):
                 closes[eid] = closes.get(eid, 0) + 1
         elif op == "score" and known and lg.executions[eid].state is ExecState.CLOSED:
