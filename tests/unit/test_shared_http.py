@@ -96,3 +96,48 @@ def test_n_executions_share_one_transport_and_keep_their_own_url_and_key(
         assert {path for path, _ in seen} == {
             f"/x/g{i % 3}-e{i}/v1/chat/completions" for i in range(N)
         }
+
+
+AGENT = """
+async def agent(client, model):
+    msgs = [{"role": "user", "content": "q"}]
+    r = await client.chat.completions.create(model=model, messages=msgs)
+    return {"reward": 1.0, "answer": r.choices[0].message.content}
+"""
+
+
+def test_a_python_agents_openai_clients_share_one_transport_in_their_worker(tmp_path, monkeypatch):
+    from tidal.agents.python_workers import _agent
+
+    (tmp_path / "ag.py").write_text(AGENT)
+    made: list[object] = []
+    init = httpx.AsyncHTTPTransport.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "__init__", counting)
+    seen: list[tuple[str, str]] = []
+
+    async def main() -> list:
+        runner, url = await _serve(seen)
+        made.clear()
+        try:
+            msgs = [
+                {
+                    "ctx": _ctx(i, url, tmp_path),
+                    "fn": f"{tmp_path}/ag.py:agent",
+                    "names": ["client", "model"],
+                }
+                for i in range(N)
+            ]
+            return await asyncio.gather(*[_agent(m) for m in msgs])
+        finally:
+            await runner.cleanup()
+
+    outcomes = asyncio.run(main())
+    assert [o["answer"] for o in outcomes] == ["42"] * N
+    assert len(made) == 1, f"{len(made)} HTTP transports for {N} executions"
+    assert {auth for _, auth in seen} == {f"Bearer key-g{i % 3}-e{i}" for i in range(N)}
+    assert {p for p, _ in seen} == {f"/x/g{i % 3}-e{i}/v1/chat/completions" for i in range(N)}

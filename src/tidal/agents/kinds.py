@@ -22,6 +22,7 @@ import asyncio
 import importlib
 import inspect
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,26 @@ class SharedHTTP:
             headers={"Authorization": f"Bearer {api_key}"},
             transport=self.transport(),
         )
+
+
+_OPENAI_HTTP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def shared_openai_http() -> httpx.AsyncClient:
+    """The running loop's one ``httpx`` client for ``openai.AsyncOpenAI(http_client=...)``
+    (an ``AsyncOpenAI`` of its own per execution builds a client, TLS context and pool each
+    time: see ``SharedHTTP``). The ``AsyncOpenAI`` over it keeps the execution's URL and key;
+    it is not closed (that would close this client for every execution)."""
+    import openai
+
+    loop = asyncio.get_running_loop()
+    client = _OPENAI_HTTP.get(loop)
+    if client is None or client.is_closed:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        client = _OPENAI_HTTP[loop] = openai.DefaultAsyncHttpxClient(limits=limits)
+    return client
 
 
 class ChatKind:
