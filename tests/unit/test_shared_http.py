@@ -11,6 +11,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from tidal.agents import shared_http
 from tidal.agents.emulated_agent import EmulatedKind
 from tidal.agents.kinds import AgentContext, ChatKind
 from tidal.agents.tasks import TaskRow
@@ -72,6 +73,7 @@ def test_n_executions_share_one_transport_and_keep_their_own_url_and_key(
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(httpx.AsyncHTTPTransport, "__init__", counting)
+    monkeypatch.setattr(shared_http, "SHARDS", 4)  # N executions, 4 pools: never N
     if which == "chat":
         kind = ChatKind(AgentConfig(kind="chat"))
     else:
@@ -89,7 +91,7 @@ def test_n_executions_share_one_transport_and_keep_their_own_url_and_key(
 
     outcomes = asyncio.run(main())
     assert len(outcomes) == N
-    assert len(made) == 1, f"{len(made)} HTTP transports for {N} executions"
+    assert len(made) == 4, f"{len(made)} HTTP transports (4 pools) for {N} executions"
     keys = {auth for _, auth in seen}
     assert keys == {f"Bearer key-g{i % 3}-e{i}" for i in range(N)}
     if which == "chat":
@@ -118,6 +120,7 @@ def test_a_python_agents_openai_clients_share_one_transport_in_their_worker(tmp_
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(httpx.AsyncHTTPTransport, "__init__", counting)
+    monkeypatch.setattr(shared_http, "SHARDS", 4)  # N executions, 4 pools: never N
     seen: list[tuple[str, str]] = []
 
     async def main() -> list:
@@ -138,6 +141,6 @@ def test_a_python_agents_openai_clients_share_one_transport_in_their_worker(tmp_
 
     outcomes = asyncio.run(main())
     assert [o["answer"] for o in outcomes] == ["42"] * N
-    assert len(made) == 1, f"{len(made)} HTTP transports for {N} executions"
+    assert len(made) == 4, f"{len(made)} HTTP transports (4 pools) for {N} executions"
     assert {auth for _, auth in seen} == {f"Bearer key-g{i % 3}-e{i}" for i in range(N)}
     assert {p for p, _ in seen} == {f"/x/g{i % 3}-e{i}/v1/chat/completions" for i in range(N)}

@@ -18,7 +18,8 @@ import random
 import time
 from typing import Any
 
-from tidal.agents.kinds import AgentContext, SharedHTTP, register_agent_kind, unused
+from tidal.agents.kinds import AgentContext, register_agent_kind, unused
+from tidal.agents.shared_http import SharedHTTP
 from tidal.config import AgentConfig
 from tidal.contracts.executions import Outcome, Turn
 from tidal.errors import ConfigError

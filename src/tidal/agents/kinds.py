@@ -18,19 +18,16 @@ is written down in SHAPES.md (``verifiers`` registers from ``tidal.agents.verifi
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
-
 from tidal.agents.callables import load_callable, parameters
+from tidal.agents.shared_http import SharedHTTP
 from tidal.agents.tasks import TaskRow
 from tidal.config import AgentConfig
 from tidal.contracts.executions import Outcome, Turn
@@ -117,66 +114,6 @@ def unused(spec: AgentConfig, field: str, *names: str) -> None:
     for name in names:
         if getattr(spec, name):
             raise ConfigError(f"{field}.{name}", f"not used by the {spec.kind!r} agent kind")
-
-
-class _KeptOpen(httpx.AsyncBaseTransport):
-    """A client's close leaves the shared transport (and its connections) open."""
-
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
-        self.inner = inner
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        return await self.inner.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        return None
-
-
-class SharedHTTP:
-    """One HTTP transport for every execution of a run (per event loop): an
-    ``httpx.AsyncClient`` of its own per execution costs ~15 ms of CPU and ~0.9 MB (its TLS
-    context and connection pool); a client over this shared transport ~0.02 ms and ~3 KB
-    (docs/scale.md). Each execution's client keeps its own base URL, key and timeout."""
-
-    def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._transport: _KeptOpen | None = None
-
-    def transport(self) -> _KeptOpen:
-        loop = asyncio.get_running_loop()
-        if self._transport is None or self._loop is not loop:
-            inner = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=None))
-            self._loop, self._transport = loop, _KeptOpen(inner)
-        return self._transport
-
-    def client(self, base_url: str, api_key: str, timeout_s: float) -> httpx.AsyncClient:
-        """A client bound to one execution (its URL and key) over the shared transport."""
-        return httpx.AsyncClient(
-            base_url=base_url,
-            timeout=timeout_s,
-            headers={"Authorization": f"Bearer {api_key}"},
-            transport=self.transport(),
-        )
-
-
-_OPENAI_HTTP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def shared_openai_http() -> httpx.AsyncClient:
-    """The running loop's one ``httpx`` client for ``openai.AsyncOpenAI(http_client=...)``
-    (an ``AsyncOpenAI`` of its own per execution builds a client, TLS context and pool each
-    time: see ``SharedHTTP``). The ``AsyncOpenAI`` over it keeps the execution's URL and key;
-    it is not closed (that would close this client for every execution)."""
-    import openai
-
-    loop = asyncio.get_running_loop()
-    client = _OPENAI_HTTP.get(loop)
-    if client is None or client.is_closed:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        client = _OPENAI_HTTP[loop] = openai.DefaultAsyncHttpxClient(limits=limits)
-    return client
 
 
 class ChatKind:
