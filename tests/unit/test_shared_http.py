@@ -11,11 +11,11 @@ import httpx
 import pytest
 from aiohttp import web
 
-from tidal.agents import shared_http
 from tidal.agents.emulated_agent import EmulatedKind
 from tidal.agents.kinds import AgentContext, ChatKind
 from tidal.agents.tasks import TaskRow
 from tidal.config import AgentConfig
+from tidal.serving import shared_http
 
 N = 24
 

@@ -19,10 +19,10 @@ import time
 from typing import Any
 
 from tidal.agents.kinds import AgentContext, register_agent_kind, unused
-from tidal.agents.shared_http import SharedHTTP
 from tidal.config import AgentConfig
 from tidal.contracts.executions import Outcome, Turn
 from tidal.errors import ConfigError
+from tidal.serving.shared_http import SharedHTTP
 
 FIRST_ID, VOCAB = 257, 32000  # the emulated tokenizer's generated ids (serving.emulated)
 

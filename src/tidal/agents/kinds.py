@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tidal.agents.callables import load_callable, parameters
-from tidal.agents.shared_http import SharedHTTP
 from tidal.agents.tasks import TaskRow
 from tidal.config import AgentConfig
 from tidal.contracts.executions import Outcome, Turn
 from tidal.errors import ConfigError
+from tidal.serving.shared_http import SharedHTTP
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,8 @@ class HarnessPool:
         # one transport for every group's admin client: an ``httpx.AsyncClient`` of its own
         # costs ~15 ms of CPU and ~0.9 MB (its TLS context), per group (docs/scale.md)
         if transport is None:
-            from tidal.agents.shared_http import Sharded
             from tidal.serving.proxy_set import FanOut
+            from tidal.serving.shared_http import Sharded
 
             # several pools: httpcore's one pool scans all its connections per request, O(n^2)
             # at 10,000 executions in flight (docs/scale.md)

@@ -244,7 +244,7 @@ async def _agent(msg: dict) -> dict:
 
     from tidal.agents.agent_python import GIVEN, outcome_dict
     from tidal.agents.callables import load_callable
-    from tidal.agents.shared_http import shared_openai_http
+    from tidal.serving.shared_http import shared_openai_http
 
     ctx = msg["ctx"]
     fn = load_callable(msg["fn"], "task.agent.function")

@@ -81,7 +81,7 @@ async def run_episode(
 
     renderers_lock_for_this_loop()
 
-    from tidal.agents.shared_http import shared_openai_http
+    from tidal.serving.shared_http import shared_openai_http
 
     # bound to the execution (URL, key) over the loop's one HTTP client: not closed
     client = openai.AsyncOpenAI(
