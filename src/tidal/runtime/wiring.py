@@ -301,7 +301,7 @@ def wire(
     from tidal.serving.shared_http import Sharded
 
     # the admin calls (a record per execution) over several pools, never one (docs/scale.md)
-    fan_out = proxies.transport() if proxies is not None else Sharded()
+    fan_out = (proxies.transport() if proxies is not None else None) or Sharded()
     admin = httpx.AsyncClient(
         base_url=proxy_url,
         timeout=300.0,
