@@ -37,6 +37,14 @@ def test_the_config_is_the_scenarios_with_emulated_engines_trainer_and_workload(
     assert cfg.task.agent.kind == "emulated"
 
 
+def test_the_256_gpu_stress_passes_the_local_rays_cpu_preflight_without_a_set():
+    from tidal.runtime.preflight import Machine, check_machine
+
+    cfg = validate_model(RunConfig, emulated_config("benchmarks/scale/stress-256gpu.yaml", 20.0))
+    check_machine(cfg, Machine(cores=2, gpus=0))  # 32 engines: 1/32 CPU each, not 0.25
+    assert cfg.runtime.cpus_per_engine * 32 <= 1.0
+
+
 def test_the_agent_draws_the_simulators_groups_in_order():
     from tidal.agents.emulated_agent import EmulatedKind
     from tidal.sim.workloads import make_workload

@@ -18,12 +18,11 @@ import random
 import time
 from typing import Any
 
-import httpx
-
 from tidal.agents.kinds import AgentContext, register_agent_kind, unused
 from tidal.config import AgentConfig
 from tidal.contracts.executions import Outcome, Turn
 from tidal.errors import ConfigError
+from tidal.serving.shared_http import SharedHTTP
 
 FIRST_ID, VOCAB = 257, 32000  # the emulated tokenizer's generated ids (serving.emulated)
 
@@ -56,6 +55,7 @@ class EmulatedKind:
         self.workload = make_workload(sc.workload, sc.seed, sc.control.batch_groups)
         self.group_size = sc.control.group_size
         self._groups: dict[str, list[Any]] = {}
+        self.http = SharedHTTP()  # one transport per run, never one per execution
 
     def spec_for(self, group_id: str) -> Any:
         """The next member's draw of ``group_id`` (its group drawn when it first calls)."""
@@ -71,11 +71,7 @@ class EmulatedKind:
         rng = random.Random(f"{ctx.seed}:{ctx.execution_id}")
         ids = [rng.randrange(FIRST_ID, VOCAB) for _ in range(max(1, spec.prompt_tokens))]
         transcript: list[Turn] = []
-        async with httpx.AsyncClient(
-            base_url=ctx.proxy_url,
-            timeout=ctx.timeout_s,
-            headers={"Authorization": f"Bearer {ctx.api_key}"},
-        ) as client:
+        async with self.http.client(ctx.proxy_url, ctx.api_key, ctx.timeout_s) as client:
             for i, (decode, tool_s, tool_tokens) in enumerate(spec.turns):
                 t_call = time.monotonic()
                 resp = await client.post(

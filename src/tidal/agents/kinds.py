@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
-
 from tidal.agents.callables import load_callable, parameters
 from tidal.agents.tasks import TaskRow
 from tidal.config import AgentConfig
 from tidal.contracts.executions import Outcome, Turn
 from tidal.errors import ConfigError
+from tidal.serving.shared_http import SharedHTTP
 
 
 @dataclass(frozen=True)
@@ -135,15 +134,12 @@ class ChatKind:
                 f"{field}.args.{sorted(extra)[0]}",
                 "unknown argument of the 'chat' kind (known: system_prompt)",
             )
+        self.http = SharedHTTP()
 
     async def run(self, ctx: AgentContext) -> Outcome:
         answer, reward, transcript = "", None, []
         messages = ctx.row.chat(self.system_prompt)
-        async with httpx.AsyncClient(
-            base_url=ctx.base_url,
-            timeout=ctx.timeout_s,
-            headers={"Authorization": f"Bearer {ctx.api_key}"},
-        ) as client:
+        async with self.http.client(ctx.base_url, ctx.api_key, ctx.timeout_s) as client:
             for turn in range(ctx.max_turns):
                 t_call = time.monotonic()
                 resp = await client.post(

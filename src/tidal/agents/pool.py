@@ -75,15 +75,17 @@ class HarnessPool:
         # costs ~15 ms of CPU and ~0.9 MB (its TLS context), per group (docs/scale.md)
         if transport is None:
             from tidal.serving.proxy_set import FanOut
+            from tidal.serving.shared_http import Sharded
 
-            limits = httpx.Limits(max_connections=config.max_concurrent + 4)
-            inner = httpx.AsyncHTTPTransport(limits=limits)
-            transport = FanOut([config.proxy_url], inner, keep_open=True)
+            # several pools: httpcore's one pool scans all its connections per request, O(n^2)
+            # at 10,000 executions in flight (docs/scale.md)
+            transport = FanOut([config.proxy_url], Sharded(), keep_open=True)
         self._transport = transport
         self.workspace_root = Path(workspace_root)
         self.events = events or EventLog()
         self._slots = asyncio.Semaphore(config.max_concurrent)
         self._model: str | None = config.model
+        self._asking: asyncio.Future[str] | None = None  # the one /v1/models request
 
     async def run(
         self, tasks: list[tuple[str, AgentJob]], execution_ids: list[str] | None = None
@@ -189,10 +191,18 @@ class HarnessPool:
         return ended
 
     async def _served_model(self, client: httpx.AsyncClient) -> str:
-        """The model name the proxy serves (asked once)."""
-        if self._model is None:
-            resp = await client.get("/v1/models")
-            resp.raise_for_status()
-            data = resp.json()["data"]
-            self._model = data[0]["id"] if data else "tidal"
+        """The model name the proxy serves (asked once, by the first execution: the others
+        await that one answer, not 10,000 concurrent requests; a failure is asked again)."""
+        if self._model is not None:
+            return self._model
+        if self._asking is None or (self._asking.done() and self._asking.exception()):
+            self._asking = asyncio.ensure_future(self._ask_model(client))
+        self._model = await asyncio.shield(self._asking)
         return self._model
+
+    @staticmethod
+    async def _ask_model(client: httpx.AsyncClient) -> str:
+        resp = await client.get("/v1/models")
+        resp.raise_for_status()
+        data = resp.json()["data"]
+        return data[0]["id"] if data else "tidal"

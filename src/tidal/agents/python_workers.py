@@ -244,20 +244,26 @@ async def _agent(msg: dict) -> dict:
 
     from tidal.agents.agent_python import GIVEN, outcome_dict
     from tidal.agents.callables import load_callable
+    from tidal.serving.shared_http import shared_openai_http
 
     ctx = msg["ctx"]
     fn = load_callable(msg["fn"], "task.agent.function")
-    async with openai.AsyncOpenAI(
-        base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, timeout=ctx.timeout_s
-    ) as client:
-        given = {
-            "client": client,
-            "row": ctx.row,
-            "workspace": ctx.workspace,
-            "model": ctx.model,
-            "ctx": ctx,
-        }
-        res = await fn(**{n: given[n] for n in msg["names"] if n in GIVEN})
+    # bound to the execution (URL, key) over the worker's one HTTP client: not closed
+    client = openai.AsyncOpenAI(
+        base_url=ctx.base_url,
+        api_key=ctx.api_key,
+        max_retries=0,
+        timeout=ctx.timeout_s,
+        http_client=shared_openai_http(),
+    )
+    given = {
+        "client": client,
+        "row": ctx.row,
+        "workspace": ctx.workspace,
+        "model": ctx.model,
+        "ctx": ctx,
+    }
+    res = await fn(**{n: given[n] for n in msg["names"] if n in GIVEN})
     return outcome_dict(res)
 
 

@@ -81,15 +81,20 @@ async def run_episode(
 
     renderers_lock_for_this_loop()
 
-    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
-        return await generate(
-            client=client,
-            renderer=renderer,
-            model=model,
-            messages=messages,
-            sampling_params=dict(sampling),
-            extra_headers={"X-Session-ID": session, **(headers or {})},
-        )
+    from tidal.serving.shared_http import shared_openai_http
+
+    # bound to the execution (URL, key) over the loop's one HTTP client: not closed
+    client = openai.AsyncOpenAI(
+        base_url=base_url, api_key=api_key, max_retries=0, http_client=shared_openai_http()
+    )
+    return await generate(
+        client=client,
+        renderer=renderer,
+        model=model,
+        messages=messages,
+        sampling_params=dict(sampling),
+        extra_headers={"X-Session-ID": session, **(headers or {})},
+    )
 
 
 class VerifiersKind:

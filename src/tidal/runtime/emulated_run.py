@@ -40,6 +40,10 @@ def emulated_config(scenario: str, k: float, policy: str | None = None) -> dict[
     control = sc.control.model_dump(mode="json")
     # a move hands its KV over where the policy's mechanics do in the simulator
     control["kv_handoff"] = bool(policy_mechanics(name).kv_handoff)
+    # an emulated engine's actor idles (its engine generates no model): the engines together
+    # reserve at most one of the local Ray's CPUs, so 32-256 of them pass the preflight
+    engines = sc.cluster.standalone_count + len(sc.cluster.cell_specs())
+    cpus_per_engine = min(0.25, 1.0 / max(1, engines))
     return {
         "name": f"emulated-{sc.name}",
         "seed": sc.seed,
@@ -56,6 +60,7 @@ def emulated_config(scenario: str, k: float, policy: str | None = None) -> dict[
             "step_data_timeout_s": 3600.0 / k + 120.0,
             "run_timeout_s": 4 * 3600.0,
             "start_timeout_s": 120.0,
+            "cpus_per_engine": cpus_per_engine,
             "checkpoint_every_steps": 0,
         },
         "task": {

@@ -298,7 +298,10 @@ def wire(
     buffer, core, files = _core(
         cfg, out, engines.model_dir, clock, engines.gpu_ids.get(EngineId.cell(0), []), host
     )
-    fan_out = proxies.transport() if proxies is not None else None
+    from tidal.serving.shared_http import Sharded
+
+    # the admin calls (a record per execution) over several pools, never one (docs/scale.md)
+    fan_out = (proxies.transport() if proxies is not None else None) or Sharded()
     admin = httpx.AsyncClient(
         base_url=proxy_url,
         timeout=300.0,

@@ -167,7 +167,11 @@ class FanOut(httpx.AsyncBaseTransport):
         if not urls:
             raise ValueError("FanOut needs at least one proxy URL")
         self.urls = [httpx.URL(u) for u in urls]
-        self.inner = inner or httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=None))
+        if inner is None:  # several pools: one httpcore pool is O(n^2) at 10,000 connections
+            from tidal.serving.shared_http import Sharded
+
+            inner = Sharded()
+        self.inner = inner
         self.keep_open = keep_open
 
     def _to(

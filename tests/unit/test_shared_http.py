@@ -1,0 +1,146 @@
+"""Every agent kind's model client shares one HTTP transport per run, never one per execution
+(an ``httpx.AsyncClient`` of its own costs ~15 ms of CPU and ~0.9 MB: the 256-GPU stress's
+first ceiling, docs/scale.md), and each execution's calls still carry its own URL and key."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+from aiohttp import web
+
+from tidal.agents.emulated_agent import EmulatedKind
+from tidal.agents.kinds import AgentContext, ChatKind
+from tidal.agents.tasks import TaskRow
+from tidal.config import AgentConfig
+from tidal.serving import shared_http
+
+N = 24
+
+
+async def _serve(seen: list[tuple[str, str]]) -> tuple[web.AppRunner, str]:
+    async def chat(request: web.Request) -> web.Response:
+        seen.append((request.path, request.headers.get("Authorization", "")))
+        return web.json_response({"choices": [{"message": {"content": "42"}}]})
+
+    async def generate(request: web.Request) -> web.Response:
+        seen.append((request.path, request.headers.get("Authorization", "")))
+        body = await request.json()
+        n = body["sampling_params"]["max_tokens"]
+        return web.json_response({"choices": [{"token_ids": [300] * min(n, 4)}]})
+
+    app = web.Application()
+    app.router.add_post("/x/{eid}/v1/chat/completions", chat)
+    app.router.add_post("/inference/v1/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def _ctx(i: int, url: str, tmp: Path) -> AgentContext:
+    eid = f"g{i % 3}-e{i}"
+    return AgentContext(
+        execution_id=eid,
+        group_id=f"g{i % 3}",
+        row=TaskRow(index=i, prompt="2*21?"),
+        workspace=tmp / eid,
+        base_url=f"{url}/x/{eid}/v1",
+        api_key=f"key-{eid}",
+        proxy_url=url,
+        model="m",
+        timeout_s=30.0,
+        max_tokens=8,
+        max_turns=1,
+        temperature=1.0,
+        seed=i,
+    )
+
+
+@pytest.mark.parametrize("which", ["chat", "emulated"])
+def test_n_executions_share_one_transport_and_keep_their_own_url_and_key(
+    which, tmp_path, monkeypatch
+):
+    made: list[object] = []
+    init = httpx.AsyncHTTPTransport.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "__init__", counting)
+    monkeypatch.setattr(shared_http, "SHARDS", 4)  # N executions, 4 pools: never N
+    if which == "chat":
+        kind = ChatKind(AgentConfig(kind="chat"))
+    else:
+        spec = AgentConfig(kind="emulated", args={"scenario": "dapo-math-32gpu", "k": 1e9})
+        kind = EmulatedKind(spec)
+    seen: list[tuple[str, str]] = []
+
+    async def main() -> list:
+        runner, url = await _serve(seen)
+        made.clear()  # the server's own set-up is not counted
+        try:
+            return await asyncio.gather(*[kind.run(_ctx(i, url, tmp_path)) for i in range(N)])
+        finally:
+            await runner.cleanup()
+
+    outcomes = asyncio.run(main())
+    assert len(outcomes) == N
+    assert len(made) == 4, f"{len(made)} HTTP transports (4 pools) for {N} executions"
+    keys = {auth for _, auth in seen}
+    assert keys == {f"Bearer key-g{i % 3}-e{i}" for i in range(N)}
+    if which == "chat":
+        assert {path for path, _ in seen} == {
+            f"/x/g{i % 3}-e{i}/v1/chat/completions" for i in range(N)
+        }
+
+
+AGENT = """
+async def agent(client, model):
+    msgs = [{"role": "user", "content": "q"}]
+    r = await client.chat.completions.create(model=model, messages=msgs)
+    return {"reward": 1.0, "answer": r.choices[0].message.content}
+"""
+
+
+def test_a_python_agents_openai_clients_share_one_transport_in_their_worker(tmp_path, monkeypatch):
+    from tidal.agents.python_workers import _agent
+
+    (tmp_path / "ag.py").write_text(AGENT)
+    made: list[object] = []
+    init = httpx.AsyncHTTPTransport.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "__init__", counting)
+    monkeypatch.setattr(shared_http, "SHARDS", 4)  # N executions, 4 pools: never N
+    seen: list[tuple[str, str]] = []
+
+    async def main() -> list:
+        runner, url = await _serve(seen)
+        made.clear()
+        try:
+            msgs = [
+                {
+                    "ctx": _ctx(i, url, tmp_path),
+                    "fn": f"{tmp_path}/ag.py:agent",
+                    "names": ["client", "model"],
+                }
+                for i in range(N)
+            ]
+            return await asyncio.gather(*[_agent(m) for m in msgs])
+        finally:
+            await runner.cleanup()
+
+    outcomes = asyncio.run(main())
+    assert [o["answer"] for o in outcomes] == ["42"] * N
+    assert len(made) == 4, f"{len(made)} HTTP transports (4 pools) for {N} executions"
+    assert {auth for _, auth in seen} == {f"Bearer key-g{i % 3}-e{i}" for i in range(N)}
+    assert {p for p, _ in seen} == {f"/x/g{i % 3}-e{i}/v1/chat/completions" for i in range(N)}
