@@ -33,7 +33,13 @@ from dataclasses import dataclass, field
 
 from tidal.clock import Clock, WallClock
 from tidal.serving.emulated_timing import EmulatedTiming
-from tidal.serving.protocol import BadRequest, GenerateRequest, Overloaded, TokenChunk
+from tidal.serving.protocol import (
+    BadRequest,
+    GenerateRequest,
+    Overloaded,
+    TokenChunk,
+    common_prefix_len,
+)
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -236,7 +242,7 @@ class EmulatedEngine:
         cached = 0
         if req.kv_handle is not None:
             tokens, _ = self._pinned.pop(req.kv_handle, ([], 0.0))
-            cached = _common(tokens, prompt)
+            cached = common_prefix_len(tokens, prompt)
         else:
             cached = self._take_prefix(prompt)
         cached = min(cached, len(prompt) - 1)
@@ -310,7 +316,7 @@ class EmulatedEngine:
         tokens = self._prefix.pop(tuple(prompt[:PREFIX_KEY]), None)
         if tokens is None:
             return 0
-        n = _common(tokens, prompt)
+        n = common_prefix_len(tokens, prompt)
         return n if n >= MIN_SHARED_TOKENS else 0
 
     async def export_kv(self, request_id: str) -> bytes:
@@ -458,13 +464,3 @@ def _pool(lo: int, hi: int) -> list[int]:
     """One seeded pool of generated ids for every engine: a seed gives the same ids anywhere."""
     rng = random.Random(0)
     return [rng.randrange(lo, hi) for _ in range(POOL)]
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

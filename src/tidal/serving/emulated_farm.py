@@ -187,17 +187,9 @@ class FarmProcess:
         return self.proc.pid
 
     def stop(self) -> None:
-        import subprocess
+        from tidal.serving.launch import stop_child
 
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
+        stop_child(self.proc, self._log)
 
 
 def start_farm(

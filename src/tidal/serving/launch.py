@@ -122,15 +122,20 @@ class ServerProcess:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
+        stop_child(self.proc, self._log)
+
+
+def stop_child(proc: subprocess.Popen, log) -> None:
+    """Stop a child server: SIGTERM, 10 s, then SIGKILL; close its log file (not DEVNULL)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    if log is not subprocess.DEVNULL:
+        log.close()
 
 
 def start_engine(

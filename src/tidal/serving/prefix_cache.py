@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from tidal.models import KVCache
+from tidal.serving.protocol import common_prefix_len
 
 MIN_SHARED_TOKENS = 4  # a shorter common prefix (a shared system turn's first tokens) is noise
 
@@ -46,7 +47,7 @@ class PrefixCache:
         ``MIN_SHARED_TOKENS``."""
         best, best_n = None, 0
         for key, (tokens, _) in self._entries.items():
-            n = _common(tokens, prompt)
+            n = common_prefix_len(tokens, prompt)
             if n > best_n:
                 best, best_n = key, n
         if best is None or best_n < MIN_SHARED_TOKENS:
@@ -59,12 +60,3 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

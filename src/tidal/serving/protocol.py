@@ -1,5 +1,6 @@
 """Types that cross the serving plane: sampling parameters, generation requests and the token
-chunks every engine (built-in, vLLM, SGLang) streams back, plus the serving error tree.
+chunks every engine (built-in, vLLM, SGLang) streams back, the serving error tree, and the
+common prefix of two token lists (the prefix caches of the built-in and emulated engines).
 
 Invariant: every generated token travels with its log-prob and the weight version that produced it.
 """
@@ -174,3 +175,13 @@ class EngineUnavailable(ServingError):
 
 class EngineError(EngineUnavailable):
     """The engine answered, with a 5xx: it is alive, and the same call may fail there again."""
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
