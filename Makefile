@@ -8,7 +8,7 @@ comma  := ,
 STAMP  := $(VENV)/.stamp-$(subst $(comma),-,$(EXTRAS))
 OUT    ?= runs/quickstart
 
-.PHONY: venv demo compare sim-vs-real sim-demo docs test test-unit test-vllm test-vllm-run vllm-venv lint fmt clean \
+.PHONY: venv demo compare sim-vs-real sim-demo docs test test-unit test-vllm test-vllm-run test-vllm-multinode vllm-venv lint fmt clean \
 	gpu-kit gpu-check harnesses
 
 $(VENV)/bin/python:
@@ -119,7 +119,12 @@ test-vllm: $(STAMP) $(VLLM_VENV)/.stamp
 		tests/integration/serving/test_vllm_kv_handoff.py \
 		tests/integration/runtime/test_vllm_cell.py \
 		tests/integration/runtime/test_vllm_tensor_parallel.py \
-		tests/integration/runtime/test_vllm_run.py \
+		tests/integration/runtime/test_vllm_run.py
+
+# Three Ray nodes with vLLM engines: weights by broadcast and KV handed off between nodes
+# (about 2.5-4.5 min; kept out of CI's 40-minute budget since 2026-12-06, run it before a release).
+test-vllm-multinode: $(STAMP) $(VLLM_VENV)/.stamp
+	TIDAL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m vllm \
 		tests/integration/runtime/test_vllm_multinode.py
 
 # `tidal run configs/vllm.yaml` (also part of test-vllm) and configs/vllm-verl.yaml (verl's policy on

@@ -106,7 +106,11 @@ def test_tiny_waterlevel_run_moves_cells_and_loses_nothing(tmp_path, caplog, cap
         mem["processes_mb"]
     ), mem["processes_mb"]
     assert any(k.startswith("ray-") for k in mem["processes_mb"])
-    assert all(v > 10 for v in mem["processes_mb"].values()), mem["processes_mb"]
+    # every part of the run is a real process of some size (a short-lived helper the sampler
+    # caught exiting, e.g. ldconfig at 0 MB, is not a part of the run)
+    roles = ("driver", "proxy", "engine-", "satellite-", "ray-actor-")
+    parts = {k: v for k, v in mem["processes_mb"].items() if k.startswith(roles)}
+    assert all(v > 10 for v in parts.values()), mem["processes_mb"]
     assert mem["machine_peak_mb"] >= mem["machine_baseline_mb"] and mem["samples"] > 10
     # the satellite lives for the run: started once, parked between its cell's stints
     assert summary["satellite_starts"] == 1 and mem["processes_started"] == {}

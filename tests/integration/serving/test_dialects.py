@@ -387,7 +387,8 @@ def test_a_caller_that_hangs_up_cancels_its_whole_call(served, path, body):
     whole = httpx.post(url, json=body, headers=head, timeout=60)
     took = time.monotonic() - t0
     usage = whole.json()["usage"]
-    assert usage["output_tokens"] >= 500 and took > 0.5, (usage, took)
+    # long enough that a client hanging up at a quarter of it is mid-way (0.5 s on an idle CI)
+    assert usage["output_tokens"] >= 500 and took > 0.2, (usage, took)
     before = _engine_stats(served)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json=body, headers=head, timeout=httpx.Timeout(60, read=took / 4))
