@@ -246,6 +246,7 @@ class BuiltinAdapter(HTTPEngineBase):
             "stream": req.stream,
             "request_id": req.request_id,
             "kv_handle": req.kv_handle,
+            "output_context": req.output_context,
             "stream_interval_ms": self.stream_interval_ms,
             "logprobs": 0,
             "max_tokens": p.max_tokens,

@@ -137,6 +137,8 @@ class Engine:
                 # the text of a stop token (eos, stop_token_ids) is not the answer's (vLLM)
                 end = n - 1 if final and self._ended_by_stop_token(r) else n
                 text, texted = self._text(r, texted, max(texted, end), final=final)
+                if r.finish_reason == "abort":  # the call may go on elsewhere: a character
+                    text = text.rstrip("\ufffd")  # cut in half is the next engine's to send
                 chunk = TokenChunk(
                     r.tokens[sent:n],
                     r.logprobs[sent:n],
@@ -173,12 +175,19 @@ class Engine:
         """The text of tokens ``start:end`` and where the next chunk's text starts. Decoded
         with a few tokens of context and held back while it ends in a partial character, so
         the texts of a request's chunks add up to the same string however the tokens were
-        cut into chunks (byte-level tokens split characters)."""
+        cut into chunks (byte-level tokens split characters). A rerouted call's earlier
+        output (the prompt's last ``output_context`` tokens) is the context of its first
+        text, less a partial character at its end, which the engine before held back (an
+        abort sends no trailing U+FFFD): this engine sends that character whole."""
         if end <= start:
             return "", start
+        earlier = r.output_tail if start == 0 else []
         ctx = max(0, start - 6)
-        prefix = self.tokenizer.decode(r.tokens[ctx:start])
-        full = self.tokenizer.decode(r.tokens[ctx:end])
+        head = earlier + r.tokens[ctx:start]
+        prefix = self.tokenizer.decode(head)
+        if earlier:
+            prefix = prefix.rstrip("\ufffd")  # sent by no engine yet
+        full = self.tokenizer.decode(head + r.tokens[start:end])
         if not final and (full.endswith("\ufffd") or not full.startswith(prefix)):
             return "", start
         return full[len(prefix) :], end
@@ -199,6 +208,8 @@ class Engine:
         if len(self._waiting) >= self.config.max_waiting:
             raise Overloaded(f"engine {self.config.name}: {len(self._waiting)} requests waiting")
         r = Request(req.request_id, list(req.prompt_token_ids), req.params, self.clock.now())
+        if req.output_context:  # enough of the earlier output to finish a cut character
+            r.output_tail = r.prompt[-min(req.output_context, 16) :]
         tombstone = self._aborted_early.pop(r.id, None)
         if req.kv_handle is not None:
             r.cache, adopted = self.kv.adopt(req.kv_handle, r.prompt)

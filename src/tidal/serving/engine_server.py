@@ -135,7 +135,15 @@ class EngineHandlers:
         if body.n != 1:
             raise BadRequest("n: an engine serves one choice per request (the proxy serves n)")
         parse = self.parser if chat and body.parses_tools else None
-        req = GenerateRequest(rid, prompt, body.sampling(), kv_handle=body.kv_handle)
+        if body.output_context >= len(prompt):
+            raise BadRequest("output_context: must be shorter than the prompt")
+        req = GenerateRequest(
+            rid,
+            prompt,
+            body.sampling(),
+            kv_handle=body.kv_handle,
+            output_context=body.output_context,
+        )
         stream = self.engine.generate(req, min_interval_s=body.stream_interval_ms / 1000.0)
         first = await anext(stream)  # admission errors surface here, before any byte is sent
         res = Result(prompt)

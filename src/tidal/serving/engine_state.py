@@ -34,6 +34,7 @@ class Request:
     ) -> None:
         self.id, self.prompt, self.params, self.created_s = request_id, prompt, params, created_s
         self.tokens: list[int] = []
+        self.output_tail: list[int] = []  # a rerouted call's earlier output, as text context
         self.logprobs: list[float] = []
         self.versions: list[str] = []
         self.cache: KVCache | None = None

@@ -89,6 +89,9 @@ class _Body(BaseModel):
     return_token_ids: bool = False
     request_id: str | None = Field(None, max_length=256)
     kv_handle: str | None = Field(None, max_length=256)
+    output_context: int = Field(
+        0, ge=0, description="prompt tokens that are the call's earlier output (tidal extension)"
+    )
     stream_interval_ms: float = Field(
         0.0, ge=0.0, le=1000.0, description="coalesce streamed tokens (tidal extension)"
     )

@@ -69,6 +69,10 @@ class GenerateRequest:
     # False: the caller needs no chunk before the last (which carries every token, also on an
     # abort); an engine may then answer in one piece
     stream: bool = True
+    # the last N prompt tokens are this call's own output from earlier engines (a rerouted
+    # call): the engine decodes its text after theirs, so a character whose bytes were split
+    # between two engines is sent whole, once
+    output_context: int = 0
 
 
 @dataclass

@@ -573,6 +573,7 @@ class Proxy:
             params.model_copy(update=update),
             kv_handle,
             stream=on_chunk is not None,
+            output_context=len(res.token_ids),
         )
         reason = None
         attempt.sent = True

@@ -149,6 +149,9 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return params.model_copy(update={"seed": seed})
 
 
+ENGINE_FIELDS = ("kv_handle", "output_context")
+
+
 def validate_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     """The body validated straight from its bytes; errors take the 400 path of FastAPI's."""
     try:
@@ -274,6 +277,9 @@ class ProxyHandlers:
             raise BadRequest("X-Tidal-Execution: at most 128 characters")
         if session is not None and len(session) > 256:
             raise BadRequest("X-Session-ID: at most 256 characters")
+        for field in ENGINE_FIELDS:  # set by the proxy per attempt, never by a caller
+            if getattr(body, field, None):
+                raise BadRequest(f"{field}: an engine-side field the proxy sets itself")
         eid = self.execution_of(header_eid, body.user, caller)
         self.check_model(body.model)
         t_up = time.perf_counter()

@@ -8,6 +8,7 @@ import torch
 from tidal.errors import TidalError
 from tidal.models import LlamaForCausalLM, load_model
 from tidal.models.base import all_finite
+from tidal.seeding import continued_seed
 from tidal.serving.engine import Engine, EngineConfig
 from tidal.serving.protocol import BadRequest, GenerateRequest, SamplingParams
 
@@ -322,3 +323,47 @@ def test_a_level_1_sleep_spills_into_its_spill_dir_only_and_leaves_nothing(tiny_
 
     run(main())
     assert set(stale_in_tmp()) == before_tmp, tempfile.gettempdir()
+
+
+def test_a_character_cut_between_two_engines_is_sent_whole_once(tiny_dir):
+    """A call rerouted while its last token ends half a character: the engine it left sends
+    its text less that half (an abort's text ends with no U+FFFD), the next one gets the
+    earlier output as ``output_context`` and sends the character whole. The two engines'
+    texts add up to the uncut call's text, for every cut that splits a character."""
+
+    async def main():
+        a, b = _engine(tiny_dir), _engine(tiny_dir)
+        await a.start()
+        await b.start()
+        prompt = [7, 8, 9, 10]
+        sampled = {"temperature": 1.0, "seed": 11, "ignore_eos": True}
+        chunks, ref = await _collect(a, "ref", prompt, max_tokens=80, **sampled)
+        whole = "".join(c.text for c in chunks)
+        cuts = [  # a character cut in half that the next token completes
+            k
+            for k in range(1, len(ref))
+            if a.tokenizer.decode(ref[:k]).endswith("\ufffd")
+            and not a.tokenizer.decode(ref[: k + 1]).endswith("\ufffd")
+        ]
+        assert cuts, "the greedy answer splits no character: pick another prompt"
+        for k in cuts:
+            first = a._admit(GenerateRequest(f"p{k}", prompt, SamplingParams(max_tokens=1)))
+            first.tokens = ref[:k]
+            head = a._text(first, 0, k, final=True)[0].rstrip("\ufffd")  # as an abort sends
+            a._requests.pop(first.id)
+            req = GenerateRequest(
+                f"c{k}",
+                prompt + ref[:k],
+                SamplingParams(
+                    max_tokens=len(ref) - k, **sampled | {"seed": continued_seed(11, k)}
+                ),
+                output_context=k,
+            )
+            cont = [c async for c in b.generate(req)]
+            assert [t for c in cont for t in c.token_ids] == ref[k:]
+            assert head + "".join(c.text for c in cont) == whole, k
+        await a.stop()
+        await b.stop()
+        return cuts
+
+    assert run(main())
