@@ -33,3 +33,42 @@ def engines_listed(runtime: Any) -> list[dict]:
         timeout=5,
         headers={"Authorization": f"Bearer {runtime.token}"},
     ).json()["engines"]
+
+
+def drain_then_kill(runtime: Any, seen: dict, attempts: int = 8, deadline_s: float = 180) -> None:
+    """The chaos of the harness runs: drain the standalone engine ``s0`` while it serves a
+    call (again, up to ``attempts`` times, if the call ended before the drain landed), then
+    SIGKILL the engine process of a cell serving a call (its actor lives on; the supervisor
+    replaces the engine). ``seen`` gets the drain's answer (``drained``) and the killed cell
+    (``killed``); what never happened is absent, for the caller's assertions."""
+    import ray
+
+    from tidal.runtime.engines import EngineId
+
+    head = {"Authorization": f"Bearer {runtime.token}"}
+    url = None
+    for _ in range(attempts):
+        if wait_until_busy(runtime, "s0", deadline_s) is None:
+            return
+        url = runtime.proxy.url
+        seen["drained"] = httpx.post(
+            f"{url}/tidal/engines/s0/drain", headers=head, timeout=60
+        ).json()
+        httpx.post(f"{url}/tidal/engines/s0/undrain", headers=head, timeout=30)
+        if seen["drained"]["moved"]:
+            break
+    if url is None:
+        return
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            listed = engines_listed(runtime)
+        except httpx.HTTPError:
+            listed = []
+        busy = [e["id"] for e in listed if e["id"].startswith("c") and e["inflight"] > 0]
+        if busy:
+            seen["killed"] = busy[0]
+            actor = runtime.engines.actors[EngineId.parse(busy[0])]
+            ray.get(actor.kill_engine.remote(), timeout=30)
+            return
+        time.sleep(0.01)

@@ -12,18 +12,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import threading
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
 from tidal.config import RunConfig, validate_model
 from tidal.runtime.driver import Runtime
-from tidal.runtime.engines import EngineId
 
-from .busy import wait_until_busy
+from .busy import drain_then_kill
 
 if importlib.util.find_spec("minisweagent") is None:  # (importing it prints a banner)
     pytest.skip("mini-swe-agent is not installed (the 'swe' extra)", allow_module_level=True)
@@ -51,36 +48,10 @@ def _short() -> RunConfig:
     return validate_model(RunConfig, data)
 
 
-def _drain_then_kill(runtime: Runtime, seen: dict) -> None:
-    import ray
-
-    head = {"Authorization": f"Bearer {runtime.token}"}
-    for _ in range(5):  # a call may finish before the drain lands: drain again when busy
-        if wait_until_busy(runtime, "s0", 180) is None:
-            return
-        url = runtime.proxy.url
-        seen["drained"] = httpx.post(
-            f"{url}/tidal/engines/s0/drain", headers=head, timeout=60
-        ).json()
-        httpx.post(f"{url}/tidal/engines/s0/undrain", headers=head, timeout=30)
-        if seen["drained"]["moved"]:
-            break
-    for _ in range(2000):  # then a cell engine with calls in flight dies
-        listed = httpx.get(f"{url}/tidal/engines", headers=head, timeout=5).json()["engines"]
-        busy = [e["id"] for e in listed if e["id"].startswith("c") and e["inflight"] > 0]
-        if busy:
-            seen["killed"] = busy[0]
-            ray.get(
-                runtime.engines.actors[EngineId.parse(busy[0])].kill_engine.remote(), timeout=30
-            )
-            return
-        time.sleep(0.02)
-
-
 def test_mini_swe_agent_runs_unmodified_through_moves_and_a_crash(tmp_path):
     runtime = Runtime(_short(), tmp_path / "run")
     seen: dict = {}
-    chaos = threading.Thread(target=_drain_then_kill, args=(runtime, seen), daemon=True)
+    chaos = threading.Thread(target=drain_then_kill, args=(runtime, seen), daemon=True)
     chaos.start()
     summary = runtime.run()
     chaos.join(10)
