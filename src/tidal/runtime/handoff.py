@@ -336,7 +336,7 @@ class Handoff:
                 return g
 
             recv = actor.receive_segment.remote(self.host, store.port, key, label, timeout_s)
-            sent = asyncio.ensure_future(asyncio.to_thread(send))
+            sent = asyncio.ensure_future(in_daemon_thread(send, f"tidal-bcast-{eid}"))
             try:
                 out = await recv
                 formed = await sent
@@ -348,6 +348,34 @@ class Handoff:
             return out
 
         return run, os.path.getsize(seg)
+
+
+async def in_daemon_thread(fn: Callable[[], Any], name: str) -> Any:
+    """``fn()`` in a daemon thread of its own, awaited. For a blocking call that may outlive
+    its caller: a gloo group whose other member died can block in its constructor for
+    minutes, and in the default executor (``asyncio.to_thread``) that thread would hold the
+    process at exit; cancelling the await leaves the thread to end on its own timeout."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if done.done():
+            return
+        if ok:
+            done.set_result(value)
+        else:
+            done.set_exception(value)
+
+    def target() -> None:
+        try:
+            out = (True, fn())
+        except BaseException as exc:  # handed to the awaiting task, never lost
+            out = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *out)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return await done
 
 
 def _existing(path: str | None, carrier: str) -> str:

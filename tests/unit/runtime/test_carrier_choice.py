@@ -107,3 +107,38 @@ def test_the_ipc_source_is_the_cores_own_tensors(writer):
     named = core_ipc_source(_core(model))(3)
     assert named is not None and set(named) == set(ParamLayout.of(model).names)
     assert all(named[n].data_ptr() == p.data_ptr() for n, p in model.named_parameters())
+
+
+def test_a_blocked_broadcast_send_never_holds_the_process_at_exit():
+    """The broadcast's sending half runs in a daemon thread of its own: its result and its
+    error reach the awaiting task, and a send still blocked (a gloo group whose other member
+    died) when its caller gives up neither keeps the loop waiting nor holds the interpreter
+    at exit, as a worker of the default executor would (seen: pytest hung after a node loss)."""
+    import asyncio
+    import threading
+
+    from tidal.runtime.handoff import in_daemon_thread
+
+    release = threading.Event()
+
+    def boom():
+        raise OSError("the group broke")
+
+    async def main():
+        assert await in_daemon_thread(lambda: 7, "t-ok") == 7
+        try:
+            await in_daemon_thread(boom, "t-err")
+        except OSError as exc:
+            err = str(exc)
+        blocked = asyncio.ensure_future(in_daemon_thread(release.wait, "t-stuck"))
+        await asyncio.sleep(0.05)
+        blocked.cancel()
+        stuck = [t for t in threading.enumerate() if t.name == "t-stuck"]
+        return err, stuck
+
+    err, stuck = asyncio.run(main())  # returns although the send is still blocked
+    assert err == "the group broke"
+    assert len(stuck) == 1 and stuck[0].daemon and stuck[0].is_alive()
+    release.set()
+    stuck[0].join(5)
+    assert not stuck[0].is_alive()
