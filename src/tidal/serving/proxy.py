@@ -48,7 +48,7 @@ from tidal.seeding import call_seed, continued_seed
 from tidal.serving.adapters import make_adapter
 from tidal.serving.admission import AdmissionQueue
 from tidal.serving.drift import bridge
-from tidal.serving.health import HealthMonitor, Lost
+from tidal.serving.health import HealthMonitor
 from tidal.serving.kv_handoff import Attempt, export_kv, import_kv, release_import
 from tidal.serving.openai_api import Result
 from tidal.serving.protocol import (
@@ -222,38 +222,16 @@ class Proxy:
         if member is not None:
             await member.adapter.close()
 
-    def undrain(self, engine_id: str) -> dict:
-        lost = self._lost(engine_id)
-        if lost is not None:  # admits once it answers again (its re-admission keeps this)
-            lost.admitting = True
-            return {"id": engine_id, "admitting": True, "lost": True, "inflight": 0}
+    def undrain(self, engine_id: str) -> Member:
         member = self.router.set_admitting(engine_id, True)
         self.queue.notify()
-        return member.describe()
-
-    def _lost(self, engine_id: str) -> Lost | None:
-        """The engine, if it is out of routing after missed health probes (not a member)."""
-        if engine_id in self.router.members:
-            return None
-        return self.health.lost.get(engine_id)
+        return member
 
     async def drain(self, engine_id: str, handoff: bool | None = None) -> dict:
         """Stop admission, reserve destinations, re-route, cancel at the source; return once
         the source holds no request of ours and no KV a call still has to export from it
         (REFERENCE.md §1, harness-preserving change)."""
         t0 = self.clock.now()
-        lost = self._lost(engine_id)
-        if lost is not None:  # its calls already retry elsewhere: it holds none of ours
-            lost.admitting = False  # and it comes back drained
-            return {
-                "engine": engine_id,
-                "moved": 0,
-                "kv_handoff": False,
-                "kv_capable": False,
-                "reprefill_tokens": 0,
-                "duration_s": 0.0,
-                "lost": True,
-            }
         member = self.router.set_admitting(engine_id, False)
         use_kv = (
             self.config.kv_handoff if handoff is None else handoff

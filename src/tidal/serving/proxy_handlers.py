@@ -483,7 +483,7 @@ class ProxyHandlers:
             raise Conflict(str(exc)) from None
 
     async def undrain(self, engine_id: str) -> dict:
-        return self.proxy.undrain(engine_id)
+        return self.proxy.undrain(engine_id).describe()
 
     async def stats(self, reset_overhead: bool = Query(False)) -> dict:
         registry = self.registry
