@@ -212,14 +212,15 @@ class EmulatedCore:
 def emulated_core(cfg, out: Path, clock: Clock):
     """The trajectory buffer, the emulated core and its version publisher of an emulated run
     (``runtime.emulate``): what ``runtime.wiring`` builds instead of a model's."""
+    from tidal.control.carry_over import max_policy_lag
     from tidal.serving.emulated_timing import resolved_scenario
     from tidal.training.trajectory_buffer import TrajectoryBufferConfig
 
     emu, c = cfg.runtime.emulate, cfg.control
     sc = resolved_scenario(emu.scenario)
+    lag = max_policy_lag(c.updates_per_burst, c.staleness)  # carried groups train (carry_over)
     buffer = TrajectoryBuffer(
-        TrajectoryBufferConfig(group_size=c.group_size, max_policy_lag=c.updates_per_burst),
-        clock,
+        TrajectoryBufferConfig(group_size=c.group_size, max_policy_lag=lag), clock
     )
     versions = EmulatedVersions(out / "weights", sc.costs.weight_gb)
     core = EmulatedCore(
