@@ -170,9 +170,14 @@ def _run(
     from tidal.runtime.driver import Runtime
     from tidal.viz.progress import Heartbeat, RunProgress
 
+    from tidal.control.carry_over import budget_groups
+
     c = cfg.control
+    # a staleness budget dispatches its slack once more (tidal.control.carry_over)
+    slack = budget_groups(c.batch_groups, c.updates_per_burst, c.staleness) * c.group_size
+    slack = max(0, slack - c.batch_groups * c.updates_per_burst * c.group_size)
     progress = RunProgress(
-        (c.bursts or 0) * c.updates_per_burst, (c.bursts or 0) * c.quota_executions
+        (c.bursts or 0) * c.updates_per_burst, (c.bursts or 0) * c.quota_executions + slack
     )
     try:
         if console.is_terminal:
