@@ -167,10 +167,9 @@ def _run(
     its last frame the final state), or when piped its step lines and a heartbeat at least every
     10 s of silence (the report's plots included); Ctrl-C (or SIGTERM) ends it with the warnings
     line and the resume command. Out: the summary and what ``report()`` returned."""
+    from tidal.control.carry_over import budget_groups
     from tidal.runtime.driver import Runtime
     from tidal.viz.progress import Heartbeat, RunProgress
-
-    from tidal.control.carry_over import budget_groups
 
     c = cfg.control
     # a staleness budget dispatches its slack once more (tidal.control.carry_over)
