@@ -18,7 +18,8 @@ registry of its own. The agent talks to the proxy with its execution's own base 
 engine serves the execution; what an execution did is summed up in ``.tidal/outcome.json``.
 At the run's end (``end_open``, once the last version is published) executions still open,
 carried past it by the staleness budget (``tidal.control.carry_over``), stop and close
-``cancelled`` with no reward, through the same close and record path as every other.
+``cancelled`` (reward 0.0, never trained), through the same close and record path as every
+other.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ from tidal.contracts.executions import ExecutionOutcome, Outcome
 log = logging.getLogger(__name__)
 
 #: An execution open at the run's end (``HarnessPool.end_open``): carried past the last version
-#: by the staleness budget, it never trains; it has no reward (it never finished).
+#: by the staleness budget, it never trains; scored 0.0 as a failed one is (a record's reward is
+#: None only for ``reward_error``).
 ENDED = Outcome(
     reason=CloseReason.CANCELLED,
-    reward=None,
+    reward=0.0,
     detail="open at the run's end (carried past the last version): stopped, never trained",
 )
 
@@ -213,8 +215,8 @@ class HarnessPool:
             self._jobs.discard(work)
 
     def end_open(self) -> int:
-        """The run's end: every execution still open stops its agent and closes ``cancelled``
-        (at the proxy and in the ledger, as any close; its record, the calls it made, is
+        """The run's end: every execution still open stops its agent and closes ``cancelled``,
+        reward 0.0 (at the proxy and in the ledger, as any close; its record, the calls it made, is
         delivered as any other), and those not yet started close the same way without
         running. Returns the agents stopped."""
         self._ending = True

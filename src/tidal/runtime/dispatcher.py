@@ -163,7 +163,8 @@ class Dispatcher:
 
     def end_open(self) -> int:
         """The run's end (its last version published): executions still open were carried
-        past it and will never train; the pool stops them and closes them ``cancelled`` (their
+        past it and will never train; the pool stops them and closes them ``cancelled`` (reward
+        0.0; their
         records are delivered, none is lost; one whose agent had already returned closes as it
         ended). Returns how many were open."""
         n = self.outstanding()

@@ -122,7 +122,8 @@ class _Blocking:
 
 def test_the_runs_end_closes_open_executions_cancelled_at_the_proxy(tmp_path):
     """``end_open``: the running agents stop and those still waiting for a slot never start;
-    each closes ``cancelled`` with no reward, at the proxy and in the ledger, exactly once."""
+    each closes ``cancelled`` (reward 0.0), at the proxy and in the ledger, exactly once, and
+    its record is one the trajectory buffer takes."""
     proxy, agent, events = _Proxy(), _Blocking(), EventLog()
     pool = HarnessPool(
         PoolConfig(proxy_url="http://proxy.test", token=TOKEN, max_concurrent=2),
@@ -143,11 +144,15 @@ def test_the_runs_end_closes_open_executions_cancelled_at_the_proxy(tmp_path):
 
     done = asyncio.run(go())
     assert [d.outcome.reason for d in done] == [CloseReason.CANCELLED] * 3
-    assert all(d.outcome.reward is None for d in done)
+    assert all(d.outcome.reward == 0.0 for d in done)
     assert agent.started == agent.stopped == 2 and pool.ended == 3
-    assert proxy.closed == {e: ("cancelled", None) for e in ids}
+    assert proxy.closed == {e: ("cancelled", 0.0) for e in ids}
     closes = [e for e in events.events if e[0] == "closed"]
     assert sorted(c[1] for c in closes) == ids and {c[3] for c in closes} == {CloseReason.CANCELLED}
+    from tidal.training.records import record_from_proxy
+
+    rec = record_from_proxy("g-e0", "g", [], done[0].outcome.reward, done[0].outcome.reason)
+    assert rec.reason == CloseReason.CANCELLED  # the buffer takes it: not lost
 
 
 def test_a_pool_cancelled_from_outside_is_not_a_runs_end(tmp_path):

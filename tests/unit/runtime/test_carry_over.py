@@ -74,7 +74,7 @@ def test_the_rule():
 
 class _Pool:
     """The harness pool's timing: dispatches reported from the pool's own task; the test
-    closes whole groups; ``end_open`` closes the open ones ``cancelled``, no reward."""
+    closes whole groups; ``end_open`` closes the open ones ``cancelled``, reward 0.0."""
 
     def __init__(self, bridge) -> None:
         self.bridge, self.open, self.ran, self.cancelled = bridge, {}, [], []
@@ -101,7 +101,7 @@ class _Pool:
     def end_open(self) -> int:
         n = len(self.open)
         for eid, (_, fut) in list(self.open.items()):
-            self._close(eid, fut, CloseReason.CANCELLED, None)
+            self._close(eid, fut, CloseReason.CANCELLED, 0.0)
             self.cancelled.append(eid)
         self.ended += n
         return n
