@@ -323,3 +323,22 @@ def test_the_emulated_run_and_the_simulator_read_one_key():
         assert emu["control"]["staleness_threshold"] == cfg.control.staleness
         assert cfg.control.staleness == sc.staleness_for(profile)
     assert sc.run_config("waterlevel")[0].control.staleness == 0.5
+
+
+def test_a_streaming_policy_starts_a_step_with_one_group_where_the_core_streams():
+    """The trainer loop starts a step before its batch is ready only for a policy whose
+    mechanics stream (waterlevel, tidal: the simulator's streaming trainer) and a core that
+    takes the rest within the step (the emulated core); the real core waits for a batch."""
+    from tidal.runtime.trainer_loop import TrainerLoop
+    from tidal.training.emulated import EmulatedCore
+
+    def loop(policy, core):
+        cfg = _cfg(0.5).model_copy(
+            update={"policy": TINY.policy.model_copy(update={"name": policy})}
+        )
+        return TrainerLoop(cfg, core, None, None, None, None, None, None, None, None, None, None)
+
+    emulated = object.__new__(EmulatedCore)
+    assert loop("waterlevel", emulated).streaming and loop("tidal", emulated).streaming
+    assert not loop("verl-default", emulated).streaming  # verl's trainer takes whole batches
+    assert not loop("waterlevel", SimpleNamespace()).streaming  # a core without streaming steps
