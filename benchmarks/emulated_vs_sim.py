@@ -2,15 +2,16 @@
 --emulate`` (emulated engines and trainer, the real control plane), per policy.
 
 In: a scenario (default ``dapo-math-32gpu``), bursts, policies, the time scale ``k`` and an
-output directory. Out: one line per policy: the simulator's makespan (the scenario as shipped,
-and with ``sim.staleness_threshold`` 0: the runtime dispatches exactly a burst's quota and trains
-every group it dispatched, with no verl staleness budget), the emulated run's makespan
+output directory. Out: one line per policy: the simulator's makespan (the scenario as shipped:
+the like-for-like figure, since ``tidal run --emulate`` runs the same staleness budget,
+``control.staleness_threshold``; and with ``sim.staleness_threshold`` 0, no budget, for
+reference), the emulated run's makespan
 (``bursts_s`` times ``k``: first dispatch to last publication, in emulated seconds), its wall
 time, switches, reroutes, failed and lost counts, and the differences in percent. Runs bigger
 than a few engines belong under the machine's heavy lock (see RULES: ``flock``). A benchmark,
 never a timed test::
 
-    python benchmarks/emulated_vs_sim.py --bursts 2 --k 20 --out /tmp/emu-vs-sim
+    python benchmarks/emulated_vs_sim.py --bursts 2 --k 2 --out /tmp/emu-vs-sim
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def emulated(scenario: str, bursts: int, policy: str, k: float, out: Path) -> di
         "failed": s["failed_requests"],
         "lost": s["lost_executions"],
         "dispatched": s["dispatched"],
+        "trained": s["trained_executions"],
+        "carry_over": s.get("carry_over"),
     }
 
 

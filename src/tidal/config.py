@@ -105,6 +105,14 @@ class ControlConfig(Strict):
     )
     supply_fraction: float = Field(0.5, ge=0.0, le=1.0)
     supply_hold_s: float = Field(0.0, ge=0.0)
+    staleness_threshold: float | None = Field(
+        None,
+        ge=0.0,
+        description="verl's staleness budget (tidal.control.carry_over): a version dispatches "
+        "up to batch_groups * updates_per_burst * (1 + this) groups and trains those ready "
+        "first, carrying the stragglers into the next version (None: 0 in tidal run; in a "
+        "scenario, sim.staleness_threshold)",
+    )
     kv_handoff: bool = False
     step_timeout_s: float = Field(600.0, gt=0.0)
     max_step_retries: int = Field(2, ge=0)
@@ -135,6 +143,11 @@ class ControlConfig(Strict):
         ):
             raise FieldError("engine_curve", "needs [batch >= 1, tokens/s > 0] pairs")
         return self
+
+    @property
+    def staleness(self) -> float:
+        """The staleness budget in force (``staleness_threshold``, 0 when unset)."""
+        return self.staleness_threshold or 0.0
 
     @property
     def quota_executions(self) -> int:

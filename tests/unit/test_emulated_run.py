@@ -18,7 +18,7 @@ from tidal.runtime.emulated_run import emulated_config
 from tidal.serving.emulated_timing import resolved_scenario
 from tidal.sim.costs import train_rate_tok_s
 from tidal.sim.scenario import train_work_tokens
-from tidal.training.emulated import EmulatedCore, EmulatedVersions
+from tidal.training.emulated import POLL_S, EmulatedCore, EmulatedVersions
 from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
 
 SC = resolved_scenario("dapo-math-32gpu")
@@ -27,7 +27,9 @@ SC = resolved_scenario("dapo-math-32gpu")
 def test_the_config_is_the_scenarios_with_emulated_engines_trainer_and_workload():
     cfg = validate_model(RunConfig, emulated_config("dapo-math-32gpu", 20.0, "verl-default"))
     assert cfg.cluster == SC.cluster and cfg.seed == SC.seed
-    assert cfg.control == SC.control.model_copy(update={"kv_handoff": False})  # verl's: none
+    # verl's mechanics: no KV handoff; the simulator's staleness budget (sim.staleness_threshold)
+    want = SC.control.model_copy(update={"kv_handoff": False, "staleness_threshold": 0.5})
+    assert cfg.control == want
     tidal = validate_model(RunConfig, emulated_config("dapo-math-32gpu", 20.0, "tidal"))
     assert tidal.control.kv_handoff is True  # the tidal policy's mechanics hand KV over
     assert cfg.runtime.cell_backend == cfg.runtime.standalone_backend == "emulated"
@@ -112,6 +114,36 @@ def test_a_step_takes_the_simulators_trainer_time_over_k_and_publishes_a_marker(
     core.train_step(final=False, groups=2)
     alone = (work / train_rate_tok_s(8, 1, tr) + tr.optimizer_s + tr.fixed_step_s) / 10.0
     assert clock.now() - t0 == pytest.approx(alone, rel=0.01)
+
+
+def test_a_streaming_step_takes_groups_as_they_get_ready(tmp_path):
+    """A step started with 2 of its 4 groups (``TrainerLoop`` with a streaming policy) trains
+    them, waits for the rest without computing, takes each as it gets ready and ends one
+    group's work (plus the update) after the last one came, as the simulator's streaming
+    trainer; its compute time excludes the waits."""
+    tr = SC.trainer
+    per_group = 2 * train_work_tokens(4000, tr) / train_rate_tok_s(16, 2, tr) / 10.0
+    update = (tr.optimizer_s + tr.fixed_step_s + tr.aggregate_s_per_cell) / 10.0
+
+    due = [(3 * per_group, "c"), (5 * per_group, "d")]
+
+    class Arrivals(ManualClock):
+        def sleep(self, dt_s: float) -> None:
+            super().sleep(dt_s)
+            while due and due[0][0] <= self.now():
+                _group(buffer, due.pop(0)[1], 4000)
+
+    clock = Arrivals(0.0)
+    buffer = TrajectoryBuffer(TrajectoryBufferConfig(group_size=2, max_policy_lag=4), clock)
+    core = EmulatedCore(SC, 10.0, buffer, clock, EmulatedVersions(tmp_path, 1.0), 4, [8, 8])
+    core.bind(lambda: {0, 1})
+    for g in ("a", "b"):
+        _group(buffer, g, 4000)
+    report = core.train_step(final=False, groups=4)
+    assert report.group_ids == ["a", "b", "c", "d"] and report.n_executions == 8
+    # seen within one poll (POLL_S) of its arrival
+    assert clock.now() == pytest.approx(6 * per_group + update, abs=POLL_S + 1e-6)
+    assert report.compute_s == pytest.approx(4 * per_group, rel=0.05)
 
 
 def test_an_emulated_runs_report_says_so_first_and_is_never_compared_with_a_real_one(tmp_path):

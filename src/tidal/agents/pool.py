@@ -16,6 +16,10 @@ there (``POST /tidal/executions``, the run token) and closes it there
 registry of its own. The agent talks to the proxy with its execution's own base URL and key
 (``tidal.agents.identity``), never the run token. Workspaces persist on local disk whatever
 engine serves the execution; what an execution did is summed up in ``.tidal/outcome.json``.
+At the run's end (``end_open``, once the last version is published) executions still open,
+carried past it by the staleness budget (``tidal.control.carry_over``), stop and close
+``cancelled`` (reward 0.0, never trained), through the same close and record path as every
+other.
 """
 
 from __future__ import annotations
@@ -36,6 +40,15 @@ from tidal.contracts.close import CLOSE_REASONS, CloseReason
 from tidal.contracts.executions import ExecutionOutcome, Outcome
 
 log = logging.getLogger(__name__)
+
+#: An execution open at the run's end (``HarnessPool.end_open``): carried past the last version
+#: by the staleness budget, it never trains; scored 0.0 as a failed one is (a record's reward is
+#: None only for ``reward_error``).
+ENDED = Outcome(
+    reason=CloseReason.CANCELLED,
+    reward=0.0,
+    detail="open at the run's end (carried past the last version): stopped, never trained",
+)
 
 
 class PoolConfig(BaseModel):
@@ -86,6 +99,9 @@ class HarnessPool:
         self._slots = asyncio.Semaphore(config.max_concurrent)
         self._model: str | None = config.model
         self._asking: asyncio.Future[str] | None = None  # the one /v1/models request
+        self._jobs: set[asyncio.Task[Outcome]] = set()  # the agents running now
+        self._ending = False  # ``end_open`` was called: what is open closes ``cancelled``
+        self.ended = 0  # executions closed ``cancelled`` by the run's end
 
     async def run(
         self, tasks: list[tuple[str, AgentJob]], execution_ids: list[str] | None = None
@@ -149,7 +165,7 @@ class HarnessPool:
                     job.seed,
                     job.args,
                 )
-                outcome = await run_job(job, ctx)
+                outcome = await self._job(job, ctx)
                 write_outcome(ws, outcome)
             except (httpx.HTTPError, OSError, ValueError) as exc:
                 log.warning("execution %s failed: %s", eid, exc)
@@ -178,6 +194,36 @@ class HarnessPool:
             log.warning("execution %s: close not reported to the proxy: %s", eid, exc)
         self.events.closed(eid, group, outcome.reason, outcome.reward)
         return outcome
+
+    async def _job(self, job: AgentJob, ctx: AgentContext) -> Outcome:
+        """The agent's run, or a ``cancelled`` outcome once ``end_open`` ends it (or at once,
+        for an execution that gets its slot after the end)."""
+        if self._ending:
+            self.ended += 1
+            return ENDED
+        work = asyncio.ensure_future(run_job(job, ctx))
+        self._jobs.add(work)
+        try:
+            return await work
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not (self._ending and work.cancelled()) or (task and task.cancelling()):
+                raise  # our own cancellation, not the run's end
+            self.ended += 1
+            return ENDED
+        finally:
+            self._jobs.discard(work)
+
+    def end_open(self) -> int:
+        """The run's end: every execution still open stops its agent and closes ``cancelled``,
+        reward 0.0 (at the proxy and in the ledger, as any close; its record, the calls it made, is
+        delivered as any other), and those not yet started close the same way without
+        running. Returns the agents stopped."""
+        self._ending = True
+        jobs = list(self._jobs)
+        for work in jobs:
+            work.cancel()
+        return len(jobs)
 
     @staticmethod
     def end_all() -> int:

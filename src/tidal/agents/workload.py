@@ -53,7 +53,15 @@ class Workload:
     def __init__(self, cfg: RunConfig) -> None:
         task = cfg.task.with_builtin_defaults()  # a built-in source's step and reward
         c = cfg.control
-        self.groups_per_burst = c.quota_executions // c.group_size
+        # rows per burst: the staleness budget's most (tidal.control.carry_over), so no two
+        # groups of a run share a row within an epoch
+        from tidal.control.carry_over import budget_groups
+
+        self.groups_per_burst = (
+            budget_groups(c.batch_groups, c.updates_per_burst, c.staleness)
+            if c.staleness > 0
+            else c.quota_executions // c.group_size
+        )
         self.seed = cfg.seed
         self.source = task.source
         self.max_turns = task.max_turns

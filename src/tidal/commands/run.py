@@ -167,12 +167,16 @@ def _run(
     its last frame the final state), or when piped its step lines and a heartbeat at least every
     10 s of silence (the report's plots included); Ctrl-C (or SIGTERM) ends it with the warnings
     line and the resume command. Out: the summary and what ``report()`` returned."""
+    from tidal.control.carry_over import budget_groups
     from tidal.runtime.driver import Runtime
     from tidal.viz.progress import Heartbeat, RunProgress
 
     c = cfg.control
+    # a staleness budget dispatches its slack once more (tidal.control.carry_over)
+    slack = budget_groups(c.batch_groups, c.updates_per_burst, c.staleness) * c.group_size
+    slack = max(0, slack - c.batch_groups * c.updates_per_burst * c.group_size)
     progress = RunProgress(
-        (c.bursts or 0) * c.updates_per_burst, (c.bursts or 0) * c.quota_executions
+        (c.bursts or 0) * c.updates_per_burst, (c.bursts or 0) * c.quota_executions + slack
     )
     try:
         if console.is_terminal:

@@ -27,6 +27,7 @@ from tidal.clock import Clock
 from tidal.config import RunConfig
 from tidal.contracts.calls import ExecutionRecord
 from tidal.contracts.executions import ExecutionOutcome
+from tidal.control.carry_over import budget_groups, carried_groups, quota_groups
 from tidal.control.dispatch_hold import may_dispatch
 from tidal.errors import TimeoutExpired
 from tidal.runtime.tasks import Parts
@@ -55,14 +56,20 @@ class GroupPlan:
 
 
 def plan_burst(
-    cfg: RunConfig, burst: int, trained: set[str], held: dict[str, ExecutionRecord]
+    cfg: RunConfig,
+    burst: int,
+    trained: set[str],
+    held: dict[str, ExecutionRecord],
+    groups: int | None = None,
 ) -> tuple[int, list[GroupPlan]]:
     """The quota of ``burst`` (less the executions of groups trained before a resume) and its
-    groups in order. Pure: what a fresh and a resumed run dispatch is decided here."""
+    groups in order: ``groups`` of them (the staleness budget's quota,
+    ``tidal.control.carry_over``; default: ``batch_groups * updates_per_burst``). Pure: what a
+    fresh and a resumed run dispatch is decided here."""
     c = cfg.control
-    quota_groups = c.quota_executions // c.group_size
+    quota_groups = c.quota_executions // c.group_size if groups is None else groups
     done = sum(f"b{burst}-g{g}" in trained for g in range(quota_groups))
-    quota = c.quota_executions - done * c.group_size
+    quota = (quota_groups - done) * c.group_size
     plans = []
     for g in range(quota_groups):
         gid = f"b{burst}-g{g}"
@@ -108,6 +115,11 @@ class Dispatcher:
         # bridge); the bridge counts each one when its dispatch reaches the ledger
         self.issued = 0
         self.dispatched_bursts = 0  # bursts whose every group was handed off (or restored)
+        # the staleness budget (tidal.control.carry_over): groups a version may have out
+        c = cfg.control
+        self.budget_groups = budget_groups(c.batch_groups, c.updates_per_burst, c.staleness)
+        self.group_ids: list[str] = []  # every group dispatched, in dispatch order
+        self.carried_by_burst: list[int] = []  # groups carried into each burst at its start
         self._changed = asyncio.Event()  # set after every event the controller handled
 
     async def run(
@@ -122,12 +134,57 @@ class Dispatcher:
         for b in range(first_burst, self.cfg.control.bursts or 0):
             await wait_published(b)
             self.bridge.burst = b
-            quota, groups = plan_burst(self.cfg, b, self.trained, self.held)
+            # with no staleness budget a version trains every group it dispatched; one it
+            # could not (a record lost) is not carried, and each burst has its whole quota
+            carried = self.carried() if self.cfg.control.staleness > 0 else 0
+            self.carried_by_burst.append(carried)
+            quota, groups = plan_burst(
+                self.cfg, b, self.trained, self.held, quota_groups(self.budget_groups, carried)
+            )
+            if carried:
+                log.info(
+                    "burst %d: %d groups carried over, %d new (budget %d groups)",
+                    b,
+                    carried,
+                    len(groups),
+                    self.budget_groups,
+                )
             if self.gate is not None:
                 await self.gate.at(b, f"v{version()}", [g.group_id for g in groups])
             self.handle(BurstStarted(self.clock.now(), b, quota, version()))
             await self._dispatch(b, groups)
             self.dispatched_bursts = b + 1
+
+    def carried(self) -> int:
+        """Groups dispatched and neither trained nor dropped: what the staleness budget
+        carries into the next version (``tidal.control.carry_over.carried_groups``)."""
+        stale = set(self.bridge.buffer.stats.dropped_group_ids)
+        return carried_groups(self.group_ids, self.ctl.ledger, stale)
+
+    def end_open(self) -> int:
+        """The run's end (its last version published): executions still open were carried
+        past it and will never train; the pool stops them and closes them ``cancelled`` (reward
+        0.0; their
+        records are delivered, none is lost; one whose agent had already returned closes as it
+        ended). Returns how many were open."""
+        n = self.outstanding()
+        if n:
+            log.info(
+                "run end: %d executions open, carried past the last version: stopped, "
+                "closed as cancelled, never trained",
+                n,
+            )
+            self.pool.end_open()
+        return n
+
+    def carry_report(self) -> dict[str, object]:
+        """The staleness budget as this run used it (``summary.json``'s ``carry_over``)."""
+        return {
+            "staleness_threshold": self.cfg.control.staleness,
+            "budget_groups": self.budget_groups,
+            "carried_groups_by_burst": list(self.carried_by_burst),
+            "open_executions_cancelled_at_end": self.pool.ended,
+        }
 
     def notify(self) -> None:
         """The controller handled an event: the waterlevel or the dispatch hold may have
@@ -164,6 +221,7 @@ class Dispatcher:
             # every execution of a group runs the same job (GRPO compares answers to one prompt)
             job = self.workload.job(burst, grp.index, grp.seed)
             self.issued += len(grp.run)
+            self.group_ids.append(grp.group_id)
             self.runs.append(
                 self.parts.spawn(
                     f"harness pool, group {grp.group_id}",

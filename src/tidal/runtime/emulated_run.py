@@ -3,7 +3,8 @@
 In: a scenario (shipped name or YAML path), the time scale ``k`` and the policy (a spec; default
 ``tidal``, its arguments from the scenario's ``policy_args``). Out: the run config's data (a
 dict, validated as a ``RunConfig`` by ``tidal run``) whose cluster, control section and seed are
-the scenario's (KV handoff on moves as the policy's mechanics say, as the simulator runs it),
+the scenario's (KV handoff on moves as the policy's mechanics say, and the staleness budget the
+simulator gives the policy, ``control.staleness_threshold``: as the simulator runs it),
 whose engines are emulated (``runtime.cell_backend`` and ``runtime.standalone_backend``
 ``emulated``, ``runtime.emulate``), whose trainer is emulated
 (``training.emulated``) and whose task is the scenario's workload (the ``emulated`` agent kind:
@@ -40,6 +41,8 @@ def emulated_config(scenario: str, k: float, policy: str | None = None) -> dict[
     control = sc.control.model_dump(mode="json")
     # a move hands its KV over where the policy's mechanics do in the simulator
     control["kv_handoff"] = bool(policy_mechanics(name).kv_handoff)
+    # the staleness budget the simulator runs this policy with (tidal.control.carry_over)
+    control["staleness_threshold"] = sc.staleness_for(sc.profile_for(name))
     # an emulated engine's actor idles (its engine generates no model): the engines together
     # reserve at most one of the local Ray's CPUs, so 32-256 of them pass the preflight
     engines = sc.cluster.standalone_count + len(sc.cluster.cell_specs())

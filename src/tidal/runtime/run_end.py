@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 async def finish(run: Runtime, w: Wired, bursts_s: float) -> dict[str, Any]:
     """After the last publication: every record delivered, ``executions.jsonl``, the
-    controller settled, the timeline and the summary."""
+    controller settled, the timeline and the summary. Executions still open (carried past
+    the last version by the staleness budget) close ``cancelled`` first."""
+    w.dispatcher.end_open()
     results = await w.dispatcher.results()
     await w.bridge.flush(60.0)
     w.bridge.write_executions(run.out / "executions.jsonl", results, w.outputs.t0, w.outputs.mode)
@@ -75,6 +77,7 @@ async def finish(run: Runtime, w: Wired, bursts_s: float) -> dict[str, Any]:
         "engines_undescribed": undescribed_names(undescribed),
         "deterministic": run.rt.deterministic,
         "control_plane": w.plane.report(stats, bursts_s),
+        "carry_over": w.dispatcher.carry_report(),
         **(w.dispatcher.gate.hold.report() if w.dispatcher.gate else {}),
         **summary(
             ctl=w.ctl,

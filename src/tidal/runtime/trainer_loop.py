@@ -8,7 +8,9 @@ final step of a burst the publisher loads the new version and ``bursts_published
 (the dispatcher waits on it). Invariant 7's second half: each group is trained exactly once
 (``trained_groups``, restored from the checkpoint on a resume).
 
-Every wait for data is bounded. A step waits for ``control.batch_groups`` ready groups; once
+Every wait for data is bounded. A step waits for ``control.batch_groups`` ready groups (a
+streaming trainer, where the policy's mechanics and the core say so: for one, and the core takes
+the rest as they get ready); once
 nothing more can arrive before its burst is published (``settled``: the burst fully dispatched,
 every execution closed and its record delivered, so groups dropped by the ledger's rule or lost
 will not come), it trains on its share of what is ready (``BatchShort`` tells the controller),
@@ -30,6 +32,8 @@ from typing import TYPE_CHECKING
 
 from tidal.clock import Clock
 from tidal.config import RunConfig
+from tidal.control.mechanics import TrainerStyle
+from tidal.control.policy import policy_mechanics
 from tidal.control.step_inputs import StepInputs
 from tidal.errors import TimeoutExpired
 from tidal.runtime import checkpoint
@@ -97,6 +101,13 @@ class TrainerLoop:
         # burst -> True once no more data can arrive before it is published (wired to the
         # dispatcher: ``Dispatcher.settled``); None: always wait for a full batch
         self.settled: Callable[[int], bool] | None = None
+        # a streaming trainer (the policy's mechanics, as the simulator runs it:
+        # ``TrainerStyle.STREAMING``) starts a step once a group is ready and takes the rest
+        # as they get ready, where the core can (``streams_steps``: the emulated core; the
+        # real core's step data bound is shorter than a rollout, so it waits for a full batch)
+        self.streaming = bool(getattr(core, "streams_steps", False)) and (
+            policy_mechanics(cfg.policy.name).trainer is TrainerStyle.STREAMING
+        )
 
     async def wait_published(self, burst: int, trainer: asyncio.Task) -> None:
         """Until ``burst`` bursts are published (the dispatcher starts the next one then)."""
@@ -194,7 +205,7 @@ class TrainerLoop:
                     )
                 need = -(-have // left)  # this step's share of what is left
                 self.handle(BatchShort(self.clock.now(), step, need))
-            if training and have >= need:
+            if training and (have >= need or (self.streaming and have > 0)):
                 return self.clock.now() - t0, need
             fl = self.ctl.inflight  # a move of cells: its steps are bounded on their own
             mark = (

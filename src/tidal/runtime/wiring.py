@@ -28,6 +28,7 @@ import httpx
 from tidal.backends import configured_backends, engine_backend, load, published_dtype
 from tidal.clock import Clock, await_until
 from tidal.config import RunConfig
+from tidal.control.carry_over import max_policy_lag
 from tidal.errors import ConfigError
 from tidal.runtime import deterministic
 from tidal.runtime.actuator import CoreLink, RayActuator, Weights
@@ -68,6 +69,13 @@ def check_config(cfg: RunConfig) -> Workload:
             "control.quota_groups",
             "this runtime trains every dispatched group: "
             "quota_groups must equal batch_groups * updates_per_burst",
+        )
+    if c.staleness > 0 and (cfg.runtime.checkpoint_every_steps or cfg.runtime.deterministic):
+        raise ConfigError(
+            "control.staleness_threshold",
+            "carried groups are not checkpointed and have no fixed training order yet: "
+            "a staleness budget needs runtime.checkpoint_every_steps 0 and "
+            "runtime.deterministic off",
         )
     if cfg.policy.args.get("rebalance"):
         raise ConfigError(
@@ -212,7 +220,9 @@ def _core(
     rt, c = cfg.runtime, cfg.control
     buffer = TrajectoryBuffer(
         TrajectoryBufferConfig(
-            group_size=c.group_size, max_policy_lag=c.updates_per_burst, ordered=rt.deterministic
+            group_size=c.group_size,
+            max_policy_lag=max_policy_lag(c.updates_per_burst, c.staleness),
+            ordered=rt.deterministic,
         ),
         clock,
     )

@@ -44,6 +44,23 @@ class Lost:
     model: str
     admitting: bool  # a drained engine comes back drained: its owner undrains it
 
+    def describe(self) -> dict:
+        """As ``Member.describe`` says it, for an engine out of routing (down, not left)."""
+        return {
+            "id": self.engine_id,
+            "url": self.url,
+            "kind": self.kind,
+            "cell_index": self.cell_index,
+            "cap": self.cap,
+            "backend": self.backend,
+            "model": self.model,
+            "admitting": self.admitting,
+            "alive": False,
+            "inflight": 0,
+            "reserved": 0,
+            "lost": True,
+        }
+
 
 class HealthMonitor:
     def __init__(

@@ -48,7 +48,7 @@ from tidal.seeding import call_seed, continued_seed
 from tidal.serving.adapters import make_adapter
 from tidal.serving.admission import AdmissionQueue
 from tidal.serving.drift import bridge
-from tidal.serving.health import HealthMonitor
+from tidal.serving.health import HealthMonitor, Lost
 from tidal.serving.kv_handoff import Attempt, export_kv, import_kv, release_import
 from tidal.serving.openai_api import Result
 from tidal.serving.protocol import (
@@ -222,16 +222,47 @@ class Proxy:
         if member is not None:
             await member.adapter.close()
 
-    def undrain(self, engine_id: str) -> Member:
+    def undrain(self, engine_id: str) -> Member | Lost:
+        lost = self._lost_owned(engine_id, admitting=True)
+        if lost is not None:
+            return lost
         member = self.router.set_admitting(engine_id, True)
         self.queue.notify()
         return member
 
+    def _lost_owned(self, engine_id: str, admitting: bool) -> Lost | None:
+        """An engine the health monitor took out of routing (missed probes) is still its
+        owner's: a drain or undrain of it is kept on its record, so it comes back as its owner
+        left it (its calls moved when it left). None: it is no lost engine."""
+        lost = self.health.lost.get(engine_id)
+        if engine_id in self.router.members or lost is None:
+            return None
+        lost.admitting = admitting
+        log.info(
+            "%s %s while it is out of routing (down): it comes back %s",
+            "undrained" if admitting else "drained",
+            engine_id,
+            "admitting" if admitting else "drained",
+        )
+        return lost
+
     async def drain(self, engine_id: str, handoff: bool | None = None) -> dict:
         """Stop admission, reserve destinations, re-route, cancel at the source; return once
         the source holds no request of ours and no KV a call still has to export from it
-        (REFERENCE.md §1, harness-preserving change)."""
+        (REFERENCE.md §1, harness-preserving change). An engine down (out of routing) holds
+        no call of ours: its drain is kept for its return and moves nothing."""
         t0 = self.clock.now()
+        lost = self._lost_owned(engine_id, admitting=False)
+        if lost is not None:
+            return {
+                "engine": engine_id,
+                "moved": 0,
+                "kv_handoff": False,
+                "kv_capable": False,
+                "reprefill_tokens": 0,
+                "duration_s": 0.0,
+                "lost": True,
+            }
         member = self.router.set_admitting(engine_id, False)
         use_kv = (
             self.config.kv_handoff if handoff is None else handoff

@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+from tidal.control.carry_over import quota_groups
 from tidal.control.dispatch_hold import may_dispatch
 from tidal.control.mechanics import DispatchStyle
 from tidal.sim import slot_waits
@@ -87,7 +88,7 @@ class ExecRec:
 def start_burst(w: World) -> None:
     w.burst += 1
     carried = len(w.group_open) + w.ledger.ready_unassigned
-    quota = max(0, w.budget_groups - carried)
+    quota = quota_groups(w.budget_groups, carried)  # the runtime dispatcher's rule
     w.quota_left = quota
     w.burst_held = False  # a group the last version held is drawn within this quota
     w.emit(BurstStarted(w.now, w.burst, quota * w.group_size, w.version))

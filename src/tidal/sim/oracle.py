@@ -88,7 +88,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from tidal.control.mechanics import MECHANICS_SETS
+from tidal.control.mechanics import MECHANICS_SETS, Mechanics
 from tidal.control.plans import QWENGYRE_TO_ROLLOUT, VERL_ACTIVATE, StepKind
 from tidal.control.policy import registered_mechanics
 from tidal.control.verl import dispatch_budget
@@ -140,7 +140,7 @@ def max_staleness(sc: Scenario) -> float:
     mechanics set, every registered policy's declaration and the scenario's own profiles."""
     every = (*MECHANICS_SETS.values(), *registered_mechanics().values(), *sc.profiles.values())
     return max(
-        [sc.sim.staleness_threshold]
+        [sc.staleness_for(Mechanics())]  # the scenario's own (control, else sim section)
         + [p.staleness_threshold for p in every if p.staleness_threshold is not None]
     )
 

@@ -453,8 +453,14 @@ class Scenario(Strict):
         )
 
     def staleness_for(self, profile: Mechanics) -> float:
+        """The staleness budget a policy with ``profile`` runs with here: the profile's, else
+        the scenario's ``control.staleness_threshold``, else its ``sim.staleness_threshold``
+        (``run_config`` puts it into the run config's ``control.staleness_threshold``, the
+        one key the simulator and ``tidal run`` read)."""
         if profile.staleness_threshold is not None:
             return profile.staleness_threshold
+        if self.control.staleness_threshold is not None:
+            return self.control.staleness_threshold
         return self.sim.staleness_threshold
 
     def run_config(self, spec: str) -> tuple[RunConfig, Mechanics]:
@@ -466,7 +472,12 @@ class Scenario(Strict):
         merged = {**self.policy_args.get(name, {}), **args}
         profile = self.profile_for(name)
         policy = validate_model(PolicyConfig, {"name": name, "args": merged}, "policy")
-        control = self.control.model_copy(update={"kv_handoff": profile.kv_handoff})
+        control = self.control.model_copy(
+            update={
+                "kv_handoff": profile.kv_handoff,
+                "staleness_threshold": self.staleness_for(profile),
+            }
+        )
         if control.admission == "off":
             control = control.model_copy(update={"admission": profile.admission})
         elif profile.admission != control.admission:  # the row's label names what runs

@@ -27,11 +27,11 @@ from typing import Any
 from tidal.clock import ManualClock
 from tidal.contracts.close import CloseReason
 from tidal.control.admission import AdmissionRule
+from tidal.control.carry_over import budget_groups
 from tidal.control.decision_log import DecisionLog, Sink
 from tidal.control.factory import build_controller
 from tidal.control.plans import PlanStep, TransitionPlan
 from tidal.control.queued_waits import QueuedWaits
-from tidal.control.verl import dispatch_budget
 from tidal.errors import TidalError
 from tidal.sim import (
     admission,
@@ -123,8 +123,9 @@ class World:
         self.waterlevel_safe = self.controller.policy.waterlevel_safe
         ctrl, eng = scenario.control, scenario.engine
         self.group_size = ctrl.group_size
-        self.budget_groups = dispatch_budget(
-            ctrl.batch_groups, scenario.staleness_for(self.profile), ctrl.updates_per_burst
+        # the run config's control.staleness_threshold: the key tidal run's dispatcher reads
+        self.budget_groups = budget_groups(
+            ctrl.batch_groups, ctrl.updates_per_burst, self.cfg.control.staleness
         )
         self.controller.metrics.budget_groups = self.budget_groups  # verl's capacity cap
         self.workload = make_workload(scenario.workload, scenario.seed, ctrl.batch_groups)

@@ -103,6 +103,11 @@ class EmulatedCore:
         self._training: Callable[[], Iterable[int]] = lambda: [0]
         self._stop = threading.Event()
         self.busy_gpu_s = 0.0  # emulated GPU-seconds of training
+        # a streaming step (the policy's mechanics: ``TrainerLoop`` starts it with the groups
+        # ready so far): groups taken as they get ready until the step has its share, as the
+        # simulator's streaming trainer claims them; a step with no new group for
+        # ``stream_wait_s`` (real seconds) trains on what it has
+        self.stream_wait_s = 120.0
 
     def bind(self, training: Callable[[], Iterable[int]]) -> None:
         """Where the cells in training are read (the actuator's ``training``)."""
@@ -124,6 +129,10 @@ class EmulatedCore:
         tr = self.sc.trainer
         return float(sum(train_work_tokens(len(s), tr) for seqs in group.sequences for s in seqs))
 
+    #: ``TrainerLoop`` may start a step before its batch is ready (a streaming trainer):
+    #: ``train_step`` takes the rest as it gets ready
+    streams_steps = True
+
     def train_step(self, final: bool = True, groups: int | None = None) -> StepReport | None:
         want = groups or self.groups_per_step
         taken = self.trajectories.take(want, self.version, timeout_s=5.0)
@@ -133,10 +142,26 @@ class EmulatedCore:
             return None
         work = sum(self.work_of(g) for g in taken)
         t0 = self.clock.now()
-        done, cells_seen = 0.0, 1
+        done, cells_seen, idle_s = 0.0, 1, 0.0
         rate, gpus, cells = self.rate()
-        last = t0
+        last = fed = t0
         while not self._stop.is_set():  # a fluid, re-rated as cells change
+            if done >= work * (1 - 1e-9):  # what it holds is done: more to stream, or the end
+                done = work
+                if len(taken) >= want:
+                    break
+                more = self.trajectories.take(want - len(taken), version, timeout_s=0.0)
+                if more:
+                    taken += more
+                    work += sum(self.work_of(g) for g in more)
+                    fed = self.clock.now()
+                elif self.clock.now() - fed > self.stream_wait_s:
+                    break  # no group came for long: the step trains on what it has
+                else:
+                    self.clock.sleep(POLL_S)  # waiting for data: no compute
+                    idle_s += self.clock.now() - last
+                    last = self.clock.now()
+                    continue
             cells_seen = max(cells_seen, cells)
             left_s = (work - done) / rate / self.k if rate > 0 else POLL_S
             self.clock.sleep(min(POLL_S, left_s))
@@ -145,8 +170,6 @@ class EmulatedCore:
             last = now
             done += rate * dt
             self.busy_gpu_s += gpus * dt
-            if done >= work * (1 - 1e-9):
-                break
             rate, gpus, cells = self.rate()
         t_update = self.clock.now()
         tr = self.sc.trainer
@@ -178,9 +201,9 @@ class EmulatedCore:
             max((version - g.min_version() for g in taken), default=0),
             list(range(cells_seen)),
             [g.group_id for g in taken],
-            t_update - t0,
+            t_update - t0 - idle_s,  # compute: a streaming step's waits for data excluded
             self.clock.now() - t_update,
-            t_update - t0,
+            t_update - t0 - idle_s,
             n_tokens,
         )
 
@@ -212,14 +235,15 @@ class EmulatedCore:
 def emulated_core(cfg, out: Path, clock: Clock):
     """The trajectory buffer, the emulated core and its version publisher of an emulated run
     (``runtime.emulate``): what ``runtime.wiring`` builds instead of a model's."""
+    from tidal.control.carry_over import max_policy_lag
     from tidal.serving.emulated_timing import resolved_scenario
     from tidal.training.trajectory_buffer import TrajectoryBufferConfig
 
     emu, c = cfg.runtime.emulate, cfg.control
     sc = resolved_scenario(emu.scenario)
+    lag = max_policy_lag(c.updates_per_burst, c.staleness)  # carried groups train (carry_over)
     buffer = TrajectoryBuffer(
-        TrajectoryBufferConfig(group_size=c.group_size, max_policy_lag=c.updates_per_burst),
-        clock,
+        TrajectoryBufferConfig(group_size=c.group_size, max_policy_lag=lag), clock
     )
     versions = EmulatedVersions(out / "weights", sc.costs.weight_gb)
     core = EmulatedCore(

@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from tidal.agents import EventLog, HarnessPool, PoolConfig
 from tidal.agents.tasks import TaskRow
@@ -102,3 +103,74 @@ def test_a_refused_registration_fails_the_execution_without_running_it(tmp_path)
     (done,), events = _run(tmp_path, _Proxy(refuse=True), agent, ["g-e0"])
     assert done.outcome.reason == CloseReason.FAILED and "409" in done.outcome.detail
     assert not agent.contexts and events.events[-1][3] == CloseReason.FAILED
+
+
+class _Blocking:
+    """An agent that runs until it is stopped (a straggler at the run's end)."""
+
+    def __init__(self) -> None:
+        self.started, self.stopped = 0, 0
+
+    async def run(self, ctx) -> Outcome:
+        self.started += 1
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.stopped += 1
+        raise AssertionError("never returns")
+
+
+def test_the_runs_end_closes_open_executions_cancelled_at_the_proxy(tmp_path):
+    """``end_open``: the running agents stop and those still waiting for a slot never start;
+    each closes ``cancelled`` (reward 0.0), at the proxy and in the ledger, exactly once, and
+    its record is one the trajectory buffer takes."""
+    proxy, agent, events = _Proxy(), _Blocking(), EventLog()
+    pool = HarnessPool(
+        PoolConfig(proxy_url="http://proxy.test", token=TOKEN, max_concurrent=2),
+        tmp_path,
+        events,
+        transport=httpx.MockTransport(proxy),
+    )
+    job = AgentJob(TaskRow(0, prompt="q"), agent, None, 0, {})
+    ids = ["g-e0", "g-e1", "g-e2"]
+
+    async def go():
+        run = asyncio.ensure_future(pool.run([("g", job)] * 3, ids))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert agent.started == 2  # the third waits for a slot
+        assert pool.end_open() == 2
+        return await asyncio.wait_for(run, 5.0)
+
+    done = asyncio.run(go())
+    assert [d.outcome.reason for d in done] == [CloseReason.CANCELLED] * 3
+    assert all(d.outcome.reward == 0.0 for d in done)
+    assert agent.started == agent.stopped == 2 and pool.ended == 3
+    assert proxy.closed == {e: ("cancelled", 0.0) for e in ids}
+    closes = [e for e in events.events if e[0] == "closed"]
+    assert sorted(c[1] for c in closes) == ids and {c[3] for c in closes} == {CloseReason.CANCELLED}
+    from tidal.training.records import record_from_proxy
+
+    rec = record_from_proxy("g-e0", "g", [], done[0].outcome.reward, done[0].outcome.reason)
+    assert rec.reason == CloseReason.CANCELLED  # the buffer takes it: not lost
+
+
+def test_a_pool_cancelled_from_outside_is_not_a_runs_end(tmp_path):
+    """Cancelling the pool's own task (the run stopping on a failure) still cancels it."""
+    pool = HarnessPool(
+        PoolConfig(proxy_url="http://proxy.test", token=TOKEN),
+        tmp_path,
+        EventLog(),
+        transport=httpx.MockTransport(_Proxy()),
+    )
+    job = AgentJob(TaskRow(0, prompt="q"), _Blocking(), None, 0, {})
+
+    async def go():
+        run = asyncio.ensure_future(pool.run([("g", job)], ["g-e0"]))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+
+    asyncio.run(go())

@@ -268,3 +268,30 @@ def test_tokenizing_waits_for_an_engine_to_join(tiny_dir, serve_asgi):
 
     early, ids = asyncio.run(main())
     assert not early and len(ids) > 0
+
+
+def test_a_drain_of_an_engine_out_of_routing_is_kept_for_its_return(tiny_dir, serve_asgi):
+    """An engine that missed its probes is out of routing, not unknown: a move's drain of it
+    (stop admission) succeeds, moving nothing, and it comes back drained; an undrain while
+    it is down lets it come back admitting (was: HTTP 404 ``unknown engine``)."""
+
+    async def main():
+        port, proxy, seen = free_port(), _proxy(), []
+        async with serve_asgi(build_engine_app(_engine(tiny_dir), "tiny", TOKEN), port) as url:
+            await proxy.join("e0", url)
+            proxy.health.mark_down(proxy.router.members["e0"], "missed probes")
+            moved = await proxy.drain("e0")
+            seen.append((moved["moved"], moved.get("lost"), proxy.health.lost["e0"].admitting))
+            proxy.health.start()
+            await _until(lambda: "e0" in proxy.router.members, 10)
+            seen.append(proxy.router.members["e0"].admitting)
+            proxy.health.mark_down(proxy.router.members["e0"], "missed probes")
+            seen.append(proxy.undrain("e0").describe()["admitting"])
+            await _until(lambda: "e0" in proxy.router.members, 10)
+            seen.append(proxy.router.members["e0"].admitting)
+        with pytest.raises(Exception, match="unknown engine 'e9'"):
+            await proxy.drain("e9")
+        await proxy.close()
+        return seen
+
+    assert asyncio.run(main()) == [(0, True, False), False, True, True]
