@@ -35,29 +35,38 @@ def engines_listed(runtime: Any) -> list[dict]:
     ).json()["engines"]
 
 
+def drain_when_busy(
+    runtime: Any, name: str, seen: dict, attempts: int = 8, deadline_s: float = 180
+) -> bool:
+    """Drain engine ``name`` (then undrain it) while it serves a call, again (up to
+    ``attempts`` times) if the call ended before the drain landed. ``seen["drained"]`` is the
+    last drain's answer; True once a drain moved a live call."""
+    head = {"Authorization": f"Bearer {runtime.token}"}
+    for _ in range(attempts):
+        if wait_until_busy(runtime, name, deadline_s) is None:
+            return False
+        url = runtime.proxy.url
+        seen["drained"] = httpx.post(
+            f"{url}/tidal/engines/{name}/drain", headers=head, timeout=60
+        ).json()
+        httpx.post(f"{url}/tidal/engines/{name}/undrain", headers=head, timeout=30)
+        if seen["drained"].get("moved"):
+            return True
+    return False
+
+
 def drain_then_kill(runtime: Any, seen: dict, attempts: int = 8, deadline_s: float = 180) -> None:
     """The chaos of the harness runs: drain the standalone engine ``s0`` while it serves a
-    call (again, up to ``attempts`` times, if the call ended before the drain landed), then
-    SIGKILL the engine process of a cell serving a call (its actor lives on; the supervisor
-    replaces the engine). ``seen`` gets the drain's answer (``drained``) and the killed cell
-    (``killed``); what never happened is absent, for the caller's assertions."""
+    call (``drain_when_busy``), then SIGKILL the engine process of a cell serving a call (its
+    actor lives on; the supervisor replaces the engine). ``seen`` gets the drain's answer
+    (``drained``) and the killed cell (``killed``); what never happened is absent, for the
+    caller's assertions."""
     import ray
 
     from tidal.runtime.engines import EngineId
 
-    head = {"Authorization": f"Bearer {runtime.token}"}
-    url = None
-    for _ in range(attempts):
-        if wait_until_busy(runtime, "s0", deadline_s) is None:
-            return
-        url = runtime.proxy.url
-        seen["drained"] = httpx.post(
-            f"{url}/tidal/engines/s0/drain", headers=head, timeout=60
-        ).json()
-        httpx.post(f"{url}/tidal/engines/s0/undrain", headers=head, timeout=30)
-        if seen["drained"]["moved"]:
-            break
-    if url is None:
+    drain_when_busy(runtime, "s0", seen, attempts, deadline_s)
+    if "drained" not in seen:
         return
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:

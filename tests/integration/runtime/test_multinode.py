@@ -32,7 +32,7 @@ from tidal.runtime.checkpoint import end_log_writers
 from tidal.runtime.driver import Runtime
 from tidal.runtime.engines import EngineId
 
-from .busy import wait_until_busy
+from .busy import drain_when_busy, wait_until_busy
 from .clusters import four_node_cluster
 from .test_tiny_run import CONFIG, expected_groups
 
@@ -71,10 +71,17 @@ def _nothing_lost(s: dict, out) -> None:
 
 def test_tiny_run_spreads_its_engines_over_three_nodes(cluster, tmp_path):
     out = tmp_path / "run"
-    # calls long enough (and all of a burst at once) that a cell's drain finds some in flight
-    s = Runtime(
+    # calls long enough (and all of a burst at once) that a cell's drain may find some in
+    # flight; besides the plans' drains, the standalone engine is drained while it serves a
+    # call, so at least one call moves between nodes with its KV whatever the timing
+    runtime = Runtime(
         _config(cluster, "STRICT_SPREAD", max_tokens=160, dispatch_interval_s=0.0), out
-    ).run()
+    )
+    seen: dict = {}
+    mover = threading.Thread(target=drain_when_busy, args=(runtime, "s0", seen), daemon=True)
+    mover.start()
+    s = runtime.run()
+    mover.join(10)
     workers = {
         n["id"]: n["ip"]
         for n in localcluster.alive_nodes(cluster)
@@ -85,6 +92,7 @@ def test_tiny_run_spreads_its_engines_over_three_nodes(cluster, tmp_path):
         json.dumps(
             {
                 "placed": placed,
+                "seen": seen,
                 **{
                     k: s[k]
                     for k in ("run_time_s", "engine_handoffs", "drained_requests", "kv_handoffs")
@@ -98,6 +106,7 @@ def test_tiny_run_spreads_its_engines_over_three_nodes(cluster, tmp_path):
     if cluster.mode == "netns":  # each engine on its own namespace's bridge address
         assert not any(ipaddress.ip_address(ip).is_loopback for _, ip in placed.values())
     # a drained call moved with its KV cache, from one node's engine to another's
+    assert seen.get("drained", {}).get("moved", 0) >= 1, seen
     assert s["drained_requests"] >= 1 and s["kv_handoffs"] >= 1, s
     assert s["nodes"] == 4 and s["nodes_lost"] == 0
     assert s["switches_to_training"] >= 1 and s["switches_to_rollout"] >= 1
