@@ -44,7 +44,7 @@ from tidal.serving.openai_api import (
 from tidal.serving.protocol import BadRequest, NotFound, SamplingParams, ServingError, TokenChunk
 from tidal.serving.proxy_set import process_figures
 from tidal.serving.proxy_stream import stream_choices
-from tidal.serving.token_in import TokenInRequest, token_in_response
+from tidal.serving.token_in import TokenInRequest, token_in_json
 
 if TYPE_CHECKING:
     from tidal.serving.proxy import Proxy
@@ -165,8 +165,10 @@ class ProxyHandlers:
         self.parser = tool_parser(proxy.config.tool_call_parser)
 
     # -- helpers of the hot path ---------------------------------------------------------
-    def admin(self, creds: AdminCreds) -> None:
-        """The dependency of admin routes: the run's admin token as bearer."""
+    async def admin(self, creds: AdminCreds) -> None:
+        """The dependency of admin routes: the run's admin token as bearer (a coroutine: FastAPI
+        runs a plain function's dependency in its thread pool, a thread hop for each of the
+        three admin calls every execution makes)."""
         token = self.proxy.config.admin_token
         if not token:
             raise Unauthorized("admin routes are disabled: no admin token configured")
@@ -315,14 +317,20 @@ class ProxyHandlers:
         # one choice: awaited in this task (it takes its engine slot at once, in the
         # order calls arrive); n: side by side
         results = [await calls[0]] if n == 1 else list(await asyncio.gather(*calls))
-        texts = [[f"token_id:{t}" for t in r.token_ids] for r in results]
-        if c.kind == "generate":
-            out = token_in_response(rid, model, results[0])
-        elif c.kind == "chat":
-            out = chat_response(rid, model, results, body.logprobs, texts, parse)
+        headers = {VERSIONS_HEADER: versions_header(results)}
+        if c.kind == "generate":  # serialised as text (its per-token entries: docs/scale.md)
+            resp = Response(
+                token_in_json(rid, model, results[0]),
+                media_type="application/json",
+                headers=headers,
+            )
         else:
-            out = completion_response(rid, model, results, body.logprobs is not None, texts)
-        resp = json_response(out, {VERSIONS_HEADER: versions_header(results)})
+            texts = [[f"token_id:{t}" for t in r.token_ids] for r in results]
+            if c.kind == "chat":
+                out = chat_response(rid, model, results, body.logprobs, texts, parse)
+            else:
+                out = completion_response(rid, model, results, body.logprobs is not None, texts)
+            resp = json_response(out, headers)
         # the handler's own time: parsing, routing, records, serialising the answer
         proxy.overhead_s.append(time.perf_counter() - t_entry - max(r.upstream_s for r in results))
         return resp
