@@ -188,3 +188,33 @@ def test_the_emulated_agent_continues_from_each_answer_and_decodes_no_last_one(t
     assert len(first) == 5
     assert second[:5] == first and second[5:8] == [1001] * 3 and len(second) == 10
     assert third[:10] == second and third[10:13] == [1002] * 3 and len(third) == 15
+
+
+def test_an_idempotent_admin_request_is_sent_again_after_a_connection_failure():
+    """Two connection failures, then an answer: three sends, waits 0.5 then 1 s; a fourth
+    failure in a row (attempts=3) is raised; an HTTP error answer is not repeated."""
+    sends: list[int] = []
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    def sender(failures: int, status: int = 200):
+        async def send() -> httpx.Response:
+            sends.append(1)
+            if len(sends) <= failures:
+                raise httpx.ReadError("")
+            return httpx.Response(status)
+
+        return send
+
+    resp = asyncio.run(shared_http.idempotent(sender(2), sleep=sleep))
+    assert resp.status_code == 200 and len(sends) == 3 and waits == [0.5, 1.0]
+    sends.clear()
+    with pytest.raises(httpx.ReadError):
+        asyncio.run(shared_http.idempotent(sender(3), sleep=sleep))
+    assert len(sends) == 3
+    sends.clear()
+    assert asyncio.run(shared_http.idempotent(sender(0, 503), sleep=sleep)).status_code == 503
+    assert len(sends) == 1
+    assert shared_http.why(httpx.ReadError("")) == "ReadError"
