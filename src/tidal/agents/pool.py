@@ -171,7 +171,8 @@ class HarnessPool:
                 lambda: admin.post(
                     f"/tidal/executions/{eid}/close",
                     json={"reward": outcome.reward, "reason": outcome.reason},
-                )
+                ),
+                f"execution {eid}: close",
             )
             resp.raise_for_status()
             body = resp.json()

@@ -146,7 +146,10 @@ class LedgerBridge:
 
     async def _record(self, eid: str, gid: str, reason: str, reward: float | None) -> None:
         try:
-            resp = await idempotent(lambda: self.admin.get(f"/tidal/executions/{eid}/records"))
+            resp = await idempotent(
+                lambda: self.admin.get(f"/tidal/executions/{eid}/records"),
+                f"execution {eid}: records",
+            )
             resp.raise_for_status()
             rec = record_from_proxy(eid, gid, resp.json()["calls"], reward, reason)
             self.timing.setdefault(eid, {})["calls"] = [

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import weakref
 import zlib
 from collections.abc import Awaitable, Callable
 
 import httpx
+
+log = logging.getLogger(__name__)
 
 SHARDS = 64  # pools per run: 10,240 executions -> 160 connections per pool
 
@@ -107,6 +110,7 @@ def shared_openai_http() -> httpx.AsyncClient:
 
 async def idempotent(
     send: Callable[[], Awaitable[httpx.Response]],
+    what: str = "admin request",
     attempts: int = 3,
     wait_s: float = 0.5,
     sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
@@ -119,9 +123,10 @@ async def idempotent(
     for attempt in range(1, attempts + 1):
         try:
             return await send()
-        except httpx.TransportError:
+        except httpx.TransportError as exc:
             if attempt == attempts:
                 raise
+            log.warning("%s: %s, sent again (%d of %d)", what, why(exc), attempt + 1, attempts)
             await sleep(wait_s * 2 ** (attempt - 1))
     raise AssertionError("unreachable")
 
