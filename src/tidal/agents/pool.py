@@ -38,6 +38,7 @@ from tidal.agents.kinds import AgentContext
 from tidal.agents.workload import AgentJob, closed, run_job, write_outcome
 from tidal.contracts.close import CLOSE_REASONS, CloseReason
 from tidal.contracts.executions import ExecutionOutcome, Outcome
+from tidal.serving.shared_http import idempotent, why
 
 log = logging.getLogger(__name__)
 
@@ -182,16 +183,19 @@ class HarnessPool:
         the proxy's if it had closed it already; ours if the proxy cannot be reached (the
         ledger's own close-once still holds)."""
         try:
-            resp = await admin.post(
-                f"/tidal/executions/{eid}/close",
-                json={"reward": outcome.reward, "reason": outcome.reason},
+            resp = await idempotent(  # a close is kept once: a repeat changes nothing
+                lambda: admin.post(
+                    f"/tidal/executions/{eid}/close",
+                    json={"reward": outcome.reward, "reason": outcome.reason},
+                ),
+                f"execution {eid}: close",
             )
             resp.raise_for_status()
             body = resp.json()
             if body.get("duplicate") and body.get("reason") in CLOSE_REASONS:
                 outcome = closed(outcome, CloseReason(body["reason"]), body.get("reward"))
         except (httpx.HTTPError, ValueError) as exc:
-            log.warning("execution %s: close not reported to the proxy: %s", eid, exc)
+            log.warning("execution %s: close not reported to the proxy: %s", eid, why(exc))
         self.events.closed(eid, group, outcome.reason, outcome.reward)
         return outcome
 

@@ -31,6 +31,7 @@ from tidal.contracts.close import CloseReason
 from tidal.contracts.executions import ExecutionOutcome, Outcome
 from tidal.runtime.executions_file import ExecutionsFile
 from tidal.runtime.tasks import Parts
+from tidal.serving.shared_http import idempotent, why
 from tidal.training.records import record_from_proxy
 from tidal.training.trajectory_buffer import TrajectoryBuffer
 from tidal.types import (
@@ -145,7 +146,10 @@ class LedgerBridge:
 
     async def _record(self, eid: str, gid: str, reason: str, reward: float | None) -> None:
         try:
-            resp = await self.admin.get(f"/tidal/executions/{eid}/records")
+            resp = await idempotent(
+                lambda: self.admin.get(f"/tidal/executions/{eid}/records"),
+                f"execution {eid}: records",
+            )
             resp.raise_for_status()
             rec = record_from_proxy(eid, gid, resp.json()["calls"], reward, reason)
             self.timing.setdefault(eid, {})["calls"] = [
@@ -155,7 +159,7 @@ class LedgerBridge:
             await asyncio.to_thread(self.buffer.add, rec)
             self.recorded += 1
         except Exception as exc:
-            log.error("execution %s: record not delivered to training: %s", eid, exc)
+            log.error("execution %s: record not delivered to training: %s", eid, why(exc))
             self.record_errors.append(f"{eid}: {exc}")
 
     def write_executions(

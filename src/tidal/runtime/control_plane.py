@@ -151,9 +151,13 @@ class ControlPlane:
         except Exception as exc:  # a figure, never the run's failure
             log.warning("control plane: the proxy's stats at the start: %s", exc)
 
-    def report(self, stats: dict[str, Any], bursts_s: float) -> dict[str, Any]:
+    def report(
+        self, stats: dict[str, Any], bursts_s: float, meter: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """The ``control_plane`` section: ``stats`` the proxy's at the end (``self.proxy_start``
-        its stats at the first dispatch, when set), ``bursts_s`` the run's bursts' seconds."""
+        its stats at the first dispatch, when set), ``bursts_s`` the run's bursts' seconds,
+        ``meter`` the decode meter's polls (``DecodeMeter.figures``: its misses, its longest
+        time without a reading)."""
         start = self.proxy_start or {}
         calls = stats.get("calls", 0) - start.get("calls", 0)
         tokens = _tokens(stats) - _tokens(start)
@@ -193,6 +197,7 @@ class ControlPlane:
                 ),
                 "bytes_per_entry": dict(self.bytes_per_entry),
             },
+            **({"decode_meter": meter} if meter is not None else {}),
         }
 
 

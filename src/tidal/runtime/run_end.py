@@ -76,7 +76,7 @@ async def finish(run: Runtime, w: Wired, bursts_s: float) -> dict[str, Any]:
         "nodes_lost": len(lost),
         "engines_undescribed": undescribed_names(undescribed),
         "deterministic": run.rt.deterministic,
-        "control_plane": w.plane.report(stats, bursts_s),
+        "control_plane": w.plane.report(stats, bursts_s, w.meter.figures()),
         "carry_over": w.dispatcher.carry_report(),
         **(w.dispatcher.gate.hold.report() if w.dispatcher.gate else {}),
         **summary(

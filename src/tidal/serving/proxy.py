@@ -328,8 +328,10 @@ class Proxy:
         }
 
     async def _release_slot(self, member: Member, request_id: str) -> None:
-        if member.inflight.pop(request_id, None) is not None:
+        attempt = member.inflight.pop(request_id, None)
+        if attempt is not None:
             self._hold(-1)
+            member.streamed_tokens -= getattr(attempt, "streamed_tokens", 0)
         self.queue.notify()
         async with self._released:
             self._released.notify_all()
@@ -652,6 +654,8 @@ class Proxy:
                 seg.token_ids += chunk.token_ids
                 attempt.context_tokens += len(chunk.token_ids)
                 attempt.streamed_tokens += len(chunk.token_ids)
+                if attempt.request_id in member.inflight:  # its slot not yet released
+                    member.streamed_tokens += len(chunk.token_ids)
                 self.decoded_tokens += len(chunk.token_ids)
                 seg.logprobs += chunk.logprobs
                 seg.versions += chunk.versions

@@ -10,6 +10,8 @@ does not implement is a 400 naming it, a neutral value is accepted). Out: vLLM's
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -116,6 +118,42 @@ class TokenInRequest(BaseModel):
     @classmethod
     def _one_piece(cls, v):
         return _only(v, False, "this route answers in one piece")
+
+
+def _logprob_json(lp: float) -> str:
+    # a finite float: its repr is what ``json.dumps`` writes; NaN / infinities as it writes them
+    return repr(lp) if math.isfinite(lp) else json.dumps(lp)
+
+
+def token_in_json(rid: str, model: str, res: Result) -> bytes:
+    """``token_in_response`` serialised, the same JSON (keys in another order): the per-token
+    log-prob entries written as text, not built as dicts and encoded (2.2x faster for 2,000
+    tokens; the token-in answer was half of the proxy's CPU in the 256-GPU stress,
+    docs/scale.md)."""
+    content = ",".join(
+        [
+            f'{{"token":"token_id:{int(t)}","logprob":{_logprob_json(lp)}}}'
+            for t, lp in zip(res.token_ids, res.logprobs, strict=True)
+        ]
+    )
+    choice = {
+        "index": 0,
+        "token_ids": res.token_ids,
+        "finish_reason": res.finish_reason,
+        "weight_versions": version_spans(res.versions),
+    }
+    body = {
+        "request_id": rid,
+        "model": model,
+        "prompt_token_ids": res.prompt_token_ids,
+        "usage": _usage([res]),
+    }
+    choice_json = f'{_dumps(choice)[:-1]},"logprobs":{{"content":[{content}]}}}}'
+    return f'{_dumps(body)[:-1]},"choices":[{choice_json}]}}'.encode()
+
+
+def _dumps(obj: dict) -> str:
+    return json.dumps(obj, separators=(",", ":"))
 
 
 def token_in_response(rid: str, model: str, res: Result) -> dict:

@@ -73,7 +73,33 @@ def test_the_controller_observes_the_latest_reading_and_keeps_it_over_failures(c
         (False, (40.0, 4.0), 1),
     ]
     warned = [r.message for r in caplog.records if "keeping the last reading" in r.message]
-    assert len(warned) == 3 and "HTTPStatusError" in warned[0] and "TimeoutError" in warned[1]
+    assert len(warned) == 3 and "HTTPStatusError" in warned[0] and "no answer within" in warned[1]
+    assert all("nothing is lost" in w for w in warned)
+
+
+def test_the_bound_follows_the_load_and_misses_are_counted():
+    """A timed-out poll doubles the next bound (up to the maximum); an answer sets it to 4x
+    its own time (at least the base); misses and the longest gap reach the figures."""
+
+    async def main():
+        clock = ManualClock()
+        m, _ = _meter(["hang", "hang", "hang", (5, 0.5)], clock, timeout_s=0.02, max_timeout_s=0.05)
+        bounds = []
+        for _ in range(3):
+            await m.poll()
+            clock.advance(2.0)
+            bounds.append(m.bound_s)
+        await m.poll()
+        bounds.append(m.bound_s)
+        await m.admin.aclose()
+        return bounds, m.figures(), m.read()
+
+    bounds, figures, reading = asyncio.run(main())
+    assert bounds[:3] == [0.04, 0.05, 0.05]  # doubled, then held at the maximum
+    assert bounds[3] == 0.02  # an answer: 4x its (fast) time, at least the base
+    assert reading == (5.0, 0.5)  # the cumulative pair: the misses lost nothing
+    assert figures["polls"] == 4 and figures["missed"] == 3
+    assert figures["longest_gap_s"] == 6.0
 
 
 def test_polls_failing_in_a_row_end_the_run_named():
