@@ -267,7 +267,7 @@ class SegmentRing:
     def _copy_batch(self, batch: list[tuple[str, np.ndarray, np.ndarray]]) -> str | None:
         """Each (name, segment view, values) of ``batch`` copied in and checked, in pieces split
         between as many threads as torch uses (the memcpy it is compared with uses them too;
-        numpy lets go of the GIL in its copy and its sum); the name of a non-finite one."""
+        numpy lets go of the GIL in its copy and its dot product); the name of a non-finite one."""
         pieces = [
             (name, d[a : a + CHECK_PIECE], v[a : a + CHECK_PIECE])
             for name, d, v in batch
