@@ -12,6 +12,7 @@ import os
 import subprocess
 import time
 import types
+from pathlib import Path
 
 import httpx
 import pytest
@@ -333,13 +334,11 @@ def _vllm_handoff(url, smollm2, tmp_path, carrier, group_timeout_s=60):
 
     files = FilePublisher(tmp_path / "weights", layout)
     writer = VersionWriter(files, SegmentRing(tmp_path / "shm", layout))
-    handoff = Handoff(
-        types.SimpleNamespace(transport=lambda eid: "file"),
-        writer,
-        carrier,
-        call_timeout_s=120,
-        group_timeout_s=group_timeout_s,
+    # ``blob``: the file's bytes, as Ray's object store hands them to the actor (``object``)
+    engines = types.SimpleNamespace(
+        transport=lambda eid: "file", blob=lambda path: Path(path).read_bytes()
     )
+    handoff = Handoff(engines, writer, carrier, call_timeout_s=120, group_timeout_s=group_timeout_s)
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     return types.SimpleNamespace(
         host=host, actor=AsActor(), writer=writer, handoff=handoff, original=original
@@ -361,13 +360,14 @@ def _restore(v) -> None:
     v.writer.close()
 
 
-@pytest.mark.parametrize("carrier", ["shm", "broadcast", "file"])
+@pytest.mark.parametrize("carrier", ["shm", "broadcast", "file", "object"])
 def test_each_carrier_of_tidal_run_delivers_bit_for_bit_into_vllm_workers(
     servers, smollm2, tmp_path, carrier
 ):
     """``tidal run``'s handoff (``runtime.handoff``) into a vLLM engine host: the core's
     version as a shared-memory segment (``shm``: the workers load it from /dev/shm), received
-    over a gloo side group into the host's node (``broadcast``), or the run's file; every
+    over a gloo side group into the host's node (``broadcast``), the run's file, or the file's
+    bytes through Ray's object store into the host's node (``object``); every
     tensor the workers received has the trainer's sha256, the server's label is the version;
     then the original weights are back under v0."""
     from tidal.runtime.engines import EngineId
