@@ -13,7 +13,13 @@ over HTTP ``POST /collective_rpc``. Three carriers:
   the broadcast while the trainer sends it;
 - ``file`` (``load_file``): a version another publisher wrote (``FilePublisher``: safetensors,
   the trainer's parameter names), read by each worker's ``tidal_load_file``; what ``tidal run``
-  uses for vLLM standalone engines (``tidal.runtime.vllm_host``).
+  uses for every vLLM engine (``tidal.runtime.vllm_host``), with the path of the version's
+  shared-memory segment on the engine's node (a safetensors image: the core's segment, or one
+  the engine host received by broadcast from another node), the run's file as the fallback.
+  ``tidal run`` does not put the workers in the trainer's group (``tidal_receive``): a sender
+  lost mid-version would leave them blocked in a collective (up to the group's timeout, 300 s)
+  inside the server, while the host receiving into a segment times out alone and the server
+  keeps serving the old version.
 
 Workers load through vLLM's in-place ``reload_weights`` (the checkpoint-format loader and the
 post-load processing: the CPU backend repacks weights for its GEMM kernels, so writing into

@@ -4,7 +4,8 @@ version.
 
 Real parts: the core's ``VersionWriter`` (a shared-memory segment per version, the run's file),
 the ``Handoff`` of ``tidal run``, an ``EngineHost`` with its own built-in engine process (the
-tiny model), a gloo side group for the broadcast. Not Ray: the host is called the way Ray calls
+tiny model), a gloo side group for the broadcast, the file's bytes as Ray's object store hands
+them to an actor (``object``). Not Ray: the host is called the way Ray calls
 an actor (``.method.remote(...)`` in a thread; see test_load_abort.py). Each tensor's sha256 as
 the engine serves it (``/tidal/weights/hashes``) is compared with the trainer's.
 """
@@ -89,12 +90,13 @@ def _version(e, writer: VersionWriter, version: int) -> dict[str, str]:
 
 
 def _handoff(writer: VersionWriter, force: str, group_timeout_s: float = 30) -> Handoff:
-    engines = SimpleNamespace(transport=lambda eid: "file", blob=None)
+    # ``blob``: what Ray's object store hands the actor (``Engines.blob`` puts the file's bytes)
+    engines = SimpleNamespace(transport=lambda eid: "file", blob=lambda p: Path(p).read_bytes())
     return Handoff(engines, writer, force, call_timeout_s=60, group_timeout_s=group_timeout_s)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("carrier", ["shm", "broadcast", "file"])
+@pytest.mark.parametrize("carrier", ["shm", "broadcast", "file", "object"])
 def test_each_carrier_delivers_the_version_bit_for_bit(engine, carrier):
     writer = _writer(engine, carrier)
     want = _version(engine, writer, 1)

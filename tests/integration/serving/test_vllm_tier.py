@@ -12,6 +12,7 @@ import os
 import subprocess
 import time
 import types
+from pathlib import Path
 
 import httpx
 import pytest
@@ -301,30 +302,21 @@ def test_shm_publication_loads_into_the_live_server(servers, smollm2):
     assert vllm_logprobs()[0] == ids0
 
 
-@pytest.mark.parametrize("carrier", ["shm", "broadcast", "file"])
-def test_each_carrier_of_tidal_run_delivers_bit_for_bit_into_vllm_workers(
-    servers, smollm2, tmp_path, carrier
-):
-    """``tidal run``'s handoff (``runtime.handoff``) into a vLLM engine host: the core's
-    version as a shared-memory segment (``shm``: the workers load it from /dev/shm), received
-    over a gloo side group into the host's node (``broadcast``), or the run's file; every
-    tensor the workers received has the trainer's sha256, the server's label is the version;
-    then the original weights are back under v0."""
-    import torch
-
+def _vllm_handoff(url, smollm2, tmp_path, carrier, group_timeout_s=60):
+    """``tidal run``'s handoff parts around this module's server: the engine host of a
+    standalone vLLM engine bound to it (called the way Ray calls an actor), the core's
+    ``VersionWriter`` (a segment ring and the run's file) and a ``Handoff`` with ``carrier``
+    first; plus the model's parameters as loaded (v0)."""
     from tidal.models import load_model
-    from tidal.runtime.engines import EngineId
     from tidal.runtime.handoff import Handoff, VersionWriter
     from tidal.runtime.vllm_host import VLLMEngineHost
     from tidal.training.carriers import SegmentRing
     from tidal.training.flat import ParamLayout
     from tidal.training.transport import FilePublisher
-    from tidal.training.vllm_sync import VLLMWeightPublisher, tensor_sha
+    from tidal.training.vllm_sync import VLLMWeightPublisher
 
-    url, _, _ = servers
     model, _ = load_model(smollm2)
     layout = ParamLayout.of(model)
-    # the engine host of a standalone vLLM engine, bound to this module's server
     host = VLLMEngineHost("s0", str(smollm2), 4, str(tmp_path), {"device": "cpu"})
     host._sync = VLLMWeightPublisher(url, None, "file")
     host.alive = lambda: True  # the fixture's server: its process is the fixture's
@@ -342,25 +334,120 @@ def test_each_carrier_of_tidal_run_delivers_bit_for_bit_into_vllm_workers(
 
     files = FilePublisher(tmp_path / "weights", layout)
     writer = VersionWriter(files, SegmentRing(tmp_path / "shm", layout))
-    handoff = Handoff(
-        types.SimpleNamespace(transport=lambda eid: "file"),
-        writer,
-        carrier,
-        call_timeout_s=120,
-        group_timeout_s=60,
+    # ``blob``: the file's bytes, as Ray's object store hands them to the actor (``object``)
+    engines = types.SimpleNamespace(
+        transport=lambda eid: "file", blob=lambda path: Path(path).read_bytes()
     )
+    handoff = Handoff(engines, writer, carrier, call_timeout_s=120, group_timeout_s=group_timeout_s)
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.manual_seed(2)
-    moved = {n: p * (1 + 0.01 * torch.randn_like(p)) for n, p in original.items()}
+    return types.SimpleNamespace(
+        host=host, actor=AsActor(), writer=writer, handoff=handoff, original=original
+    )
+
+
+def _moved(original, seed):
+    import torch
+
+    torch.manual_seed(seed)
+    return {n: p * (1 + 0.01 * torch.randn_like(p)) for n, p in original.items()}
+
+
+def _restore(v) -> None:
+    """The other tests' server as it was: the original weights under v0."""
+    v.writer.publish_stream(0, iter(v.original.items()))
+    v.host._sync.load_file(v.writer.ensure_file(0), "v0")
+    v.host._sync.close()
+    v.writer.close()
+
+
+@pytest.mark.parametrize("carrier", ["shm", "broadcast", "file", "object"])
+def test_each_carrier_of_tidal_run_delivers_bit_for_bit_into_vllm_workers(
+    servers, smollm2, tmp_path, carrier
+):
+    """``tidal run``'s handoff (``runtime.handoff``) into a vLLM engine host: the core's
+    version as a shared-memory segment (``shm``: the workers load it from /dev/shm), received
+    over a gloo side group into the host's node (``broadcast``), the run's file, or the file's
+    bytes through Ray's object store into the host's node (``object``); every
+    tensor the workers received has the trainer's sha256, the server's label is the version;
+    then the original weights are back under v0."""
+    from tidal.runtime.engines import EngineId
+    from tidal.training.vllm_sync import tensor_sha
+
+    url, _, _ = servers
+    v = _vllm_handoff(url, smollm2, tmp_path, carrier)
+    moved = _moved(v.original, 2)
     try:
-        writer.publish_stream(5, iter(moved.items()))
-        d = asyncio.run(handoff.deliver(EngineId("s", 0), AsActor(), 5, "v5"))
+        v.writer.publish_stream(5, iter(moved.items()))
+        d = asyncio.run(v.handoff.deliver(EngineId("s", 0), v.actor, 5, "v5"))
         assert (d.carrier, d.label, d.failed) == (carrier, "v5", ())
-        (got,) = host._sync.rpc("tidal_received_hashes")
+        (got,) = v.host._sync.rpc("tidal_received_hashes")
         assert got == {n: tensor_sha(t) for n, t in moved.items()}
-        assert host._sync.version() == "v5"
+        assert v.host._sync.version() == "v5"
     finally:
-        writer.publish_stream(0, iter(original.items()))
-        host._sync.load_file(writer.ensure_file(0), "v0")  # the other tests' server as it was
-        host._sync.close()
-        writer.close()
+        _restore(v)
+
+
+@pytest.mark.parametrize("failure", ["torn segment", "broadcast lost"])
+def test_a_carrier_failing_mid_version_falls_back_and_vllm_serves_no_half_version(
+    servers, smollm2, tmp_path, monkeypatch, caplog, failure
+):
+    """A vLLM engine's carrier fails in the middle of a version: a segment torn (half of it
+    gone: ``shm`` -> ``file``) or a broadcast whose sender is lost after half the buckets
+    (``broadcast`` -> ``shm``). The handoff logs it and the next carrier delivers the whole
+    version (every tensor's sha256 the trainer's, the label read back). With no carrier left
+    (a torn segment, no file, no trainer to write one), the load fails and the server still
+    serves all of the previous version under its label: nothing of the failed one."""
+    import torch
+
+    from tidal.runtime.engines import EngineId
+    from tidal.training import carriers
+    from tidal.training.vllm_sync import tensor_sha
+
+    url, _, _ = servers
+    first = "shm" if failure == "torn segment" else "broadcast"
+    v = _vllm_handoff(url, smollm2, tmp_path, first, group_timeout_s=3)
+    moved = _moved(v.original, 3)
+    eid = EngineId("s", 0)
+    try:
+        v.writer.restream = lambda: iter(moved.items())
+        v.writer.publish_stream(6, iter(moved.items()))
+        if failure == "torn segment":
+            os.truncate(v.writer.segment, os.path.getsize(v.writer.segment) // 2)
+        else:
+
+            def half_then_lost(
+                g, path, version, bucket_bytes=carriers.BUCKET_BYTES, timeout_s=60.0
+            ):
+                size = os.path.getsize(path)
+                bucket = -(-size // 2)
+                head = torch.tensor([size, version, bucket], dtype=torch.int64)
+                carriers._bcast(g, head, timeout_s)
+                with open(path, "rb") as f:
+                    half = torch.frombuffer(bytearray(f.read(bucket)), dtype=torch.uint8)
+                carriers._bcast(g, half, timeout_s)
+                raise carriers.TransportError("broadcast failed: the link went down")
+
+            monkeypatch.setattr(carriers, "send_segment", half_then_lost)
+        with caplog.at_level("WARNING", logger="tidal.runtime.handoff"):
+            d = asyncio.run(v.handoff.deliver(eid, v.actor, 6, "v6"))
+        then = "file" if failure == "torn segment" else "shm"
+        assert d.carrier == then and d.failed and d.failed[0].startswith(f"{first}: "), d
+        assert any(f"did not load by {first}" in r.getMessage() for r in caplog.records)
+        want6 = {n: tensor_sha(t) for n, t in moved.items()}
+        (got,) = v.host._sync.rpc("tidal_received_hashes")
+        assert got == want6 and v.host._sync.version() == "v6"
+        if failure == "broadcast lost":  # nothing half-received is left to load
+            received = v.host.received_dir()
+            assert not list(received.glob("v6*")) and not list(received.glob(".v6*"))
+            return
+        # no carrier left: the server keeps v6 whole, under its label
+        moved7 = _moved(v.original, 4)
+        v.writer.publish_stream(7, iter(moved7.items()))
+        os.truncate(v.writer.segment, 100)
+        v.writer.restream = None
+        with pytest.raises(Exception, match="v7"):
+            asyncio.run(v.handoff.deliver(eid, v.actor, 7, "v7"))
+        (got,) = v.host._sync.rpc("tidal_received_hashes")
+        assert got == want6 and v.host._sync.version() == "v6"
+    finally:
+        _restore(v)

@@ -196,15 +196,33 @@ def test_a_segment_of_another_dtype_is_copied_in(tiny_dir):
         p.ring.close()
 
 
-def test_a_nan_deep_inside_a_tensor_stops_the_writer(tmp_path):
-    big = torch.nn.Linear(CHECK_PIECE // 64 + 7, 256)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_value_deep_inside_a_tensor_stops_the_writer(tmp_path, bad, dtype):
+    big = torch.nn.Linear(CHECK_PIECE // 64 + 7, 256).to(dtype)
     layout = ParamLayout.of(big)
-    ring = SegmentRing(tmp_path / "seg", layout)
+    ring = SegmentRing(tmp_path / "seg", layout, dtype=dtype)
     with torch.no_grad():
-        big.weight.view(-1)[CHECK_PIECE * 2 + 3] = float("nan")
+        big.weight.view(-1)[CHECK_PIECE * 2 + 3] = bad
     with pytest.raises(TransportError, match="weight holds NaN"):
         ring.publish_stream(1, ((n, p.detach()) for n, p in big.named_parameters()))
     assert not any(tmp_path.joinpath("seg").iterdir())
+
+
+def test_huge_finite_values_are_published_whole(tmp_path):
+    """Values whose squares (the float32 check's reduction) overflow are still finite: the
+    exact check decides, and the version is written bit for bit."""
+    big = torch.nn.Linear(CHECK_PIECE // 64 + 7, 256)
+    with torch.no_grad():
+        big.weight.view(-1)[CHECK_PIECE + 5] = 3e38
+        big.weight.view(-1)[CHECK_PIECE + 6] = -3e38
+    ring = SegmentRing(tmp_path / "seg", ParamLayout.of(big))
+    named = [(n, p.detach()) for n, p in big.named_parameters()]
+    ring.publish_stream(1, iter(named))
+    from safetensors.torch import load_file
+
+    assert _hashes(load_file(ring.path(1)).items()) == _hashes(named)
+    ring.close()
 
 
 def test_a_prepared_ring_is_mapped_ahead_and_later_versions_need_no_new_mapping(tiny_dir):
