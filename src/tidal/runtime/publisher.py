@@ -130,11 +130,15 @@ class Publisher:
         # the span: from the first byte the core wrote to the last engine ready to serve it
         # (its reply after the load; a built-in engine's, after the step in flight)
         span = ready - h.writer.started if h.writer.version == version else 0.0
+        # the copy speed now, beside this publication (after it: not on its path), as the
+        # machine's load at this moment, not only at the run's start, is what it competed with
+        beside = await asyncio.to_thread(memcpy_gbps)
         detail = {
             "write_s": round(h.writer.write_s, 4),
             "span_s": round(span, 4),
             "bytes": nbytes,
             "gbps": round(nbytes / span / 1e9, 3) if span > 0 and nbytes else None,
+            "memcpy_gbps": beside,
             "engines": {e: d.record() for e, d in sorted(done.items())},
         }
         self.records.append(detail)
@@ -171,6 +175,11 @@ class Publisher:
             "bytes_per_version": recs[-1]["bytes"] if recs else 0,
             "memcpy_gbps": self.memcpy_gbps,
             "gbps": _p50_max([r["gbps"] for r in recs if r["gbps"]]),
+            # memcpy measured right after each publication, and each version's GB/s over it
+            "memcpy_beside_gbps": _p50_max([r["memcpy_gbps"] for r in recs]),
+            "share_of_memcpy_beside": _p50_max(
+                [r["gbps"] / r["memcpy_gbps"] for r in recs if r["gbps"] and r["memcpy_gbps"]]
+            ),
             "write_s": _p50_max([r["write_s"] for r in recs]),
             "span_s": _p50_max([r["span_s"] for r in recs if r["gbps"]]),
             "engine_load_s": _p50_max([d["seconds"] for d in loads]),

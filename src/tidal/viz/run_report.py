@@ -189,7 +189,10 @@ def render_report(
             (
                 "weight publication",
                 f"{_num(g.get('p50'), 2)} GB/s p50 (max {_num(g.get('max'), 2)}) beside "
-                f"memcpy {_num(pub.get('memcpy_gbps'), 1)} GB/s; write p50 "
+                f"memcpy {_num(pub.get('memcpy_gbps'), 1)} GB/s at the start, "
+                f"{_num((pub.get('memcpy_beside_gbps') or {}).get('p50'), 1)} GB/s p50 beside "
+                f"each version ({_pct((pub.get('share_of_memcpy_beside') or {}).get('p50'))} "
+                "of it); write p50 "
                 f"{_num(w.get('p50'), 3)} s, engine load p50 {_num(ld.get('p50'), 3)} s; "
                 f"{_num(pub.get('bytes_per_version'))} bytes a version; carriers "
                 + ", ".join(f"{k} {v}" for k, v in (pub.get("carriers") or {}).items())
@@ -266,6 +269,10 @@ def _num(val: object, digits: int | None = None) -> str:
     if digits is not None and isinstance(val, int | float) and not isinstance(val, bool):
         return f"{val:.{digits}f}"
     return str(val)
+
+
+def _pct(share: object) -> str:
+    return "–" if not isinstance(share, int | float) else f"{100 * share:.0f} %"
 
 
 def moving_average(values: list[float], window: int) -> list[float]:

@@ -363,4 +363,9 @@ def test_a_publication_by_handoff_names_each_engines_carrier_and_writes_the_file
     assert Path(writer.path(1)).read_bytes() == Path(seg).read_bytes()  # the checkpoint's file
     report = pub.report()
     assert report["carriers"] == {"shm": 2} and report["memcpy_gbps"] > 0
+    # the copy speed measured beside each version too, and each version's share of it
+    assert done.detail["memcpy_gbps"] > 0 and report["memcpy_beside_gbps"]["p50"] > 0
+    share = (done.detail["gbps"] or 0) / done.detail["memcpy_gbps"]  # 60 bytes: about 0
+    expect = {"p50": round(share, 4), "max": round(share, 4)} if done.detail["gbps"] else None
+    assert report["share_of_memcpy_beside"] == expect
     assert pub.weights.handoff is pub.handoff  # the actuator's loads take the same road
