@@ -101,6 +101,8 @@ def _short(config: str, model: Path) -> RunConfig:
     return validate_model(RunConfig, data)
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("config", ["claude-code.yaml", "codex.yaml"])
 def test_harness_runs_unmodified_through_a_drain_and_an_engine_kill(
     plumbing_model, tmp_path, monkeypatch, config
 ):
