@@ -124,6 +124,13 @@ def test_a_held_dispatch_never_passes_the_limit_and_every_group_still_trains(tmp
     assert unheld > LIMIT  # once lifted, burst 1 went at once: the hold was what kept it
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason="depends on this machine's speed: whether a batch is ready while groups are still "
+    "due decides whether the policy holds (failed 3 of 6 runs on 2026-12-06, also at f53a92f); "
+    "to be rebuilt with a trigger that does not race the dispatch (the held-static test checks "
+    "the hold itself)",
+)
 def test_the_tidal_policy_holds_dispatch_so_a_cell_can_train(tmp_path, caplog):
     """The tidal policy itself: every cell starts in rollout and one burst of 12 groups is
     dispatched 0.1 s apart, so the waterlevel stands above the capacity after lending cell 0
