@@ -35,6 +35,7 @@ class Attempt:
     sent: bool = False  # the generate request may have reached the engine
     started: bool = False  # a chunk came back: the engine admitted it
     ended: bool = False  # the engine's stream ended; a KV export may still run
+    finished: bool = False  # the engine finished the call (stop/length): a drain did not move it
     kv_tokens: int | None = None
     upstream_s: float = 0.0
     abort_sent: bool = False

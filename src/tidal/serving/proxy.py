@@ -257,6 +257,7 @@ class Proxy:
             return {
                 "engine": engine_id,
                 "moved": 0,
+                "finished_at_source": 0,
                 "kv_handoff": False,
                 "kv_capable": False,
                 "reprefill_tokens": 0,
@@ -283,18 +284,23 @@ class Proxy:
         await self._wait_empty(member)
         self.totals["drains"] += 1
         took = self.clock.now() - t0
+        # a call the engine finished before the abort reached it stayed where it was: only
+        # the others moved (``rerouted_requests`` counts the same calls from the other side)
+        moved = [a for a in attempts if not a.finished]
         log.info(
-            "drained %s: %d calls moved in %.3f s (kv handoff %s)",
+            "drained %s: %d calls moved, %d finished there first, in %.3f s (kv handoff %s)",
             engine_id,
-            len(attempts),
+            len(moved),
+            len(attempts) - len(moved),
             took,
             use_kv,
         )
         # the cost of each move without a handoff: its context is prefilled again elsewhere
-        reprefill = 0 if use_kv else sum(a.context_tokens for a in attempts)
+        reprefill = 0 if use_kv else sum(a.context_tokens for a in moved)
         return {
             "engine": engine_id,
-            "moved": len(attempts),
+            "moved": len(moved),
+            "finished_at_source": len(attempts) - len(moved),
             "kv_handoff": use_kv,
             "kv_capable": member.adapter.supports_kv_handoff,
             "reprefill_tokens": reprefill,
@@ -666,6 +672,7 @@ class Proxy:
                 reason = chunk.finish_reason
                 attempt.kv_tokens = seg.kv_tokens = chunk.kv_tokens
         attempt.ended = True
+        attempt.finished = reason in ("stop", "length")
         seg.ended_by = reason or "lost"
         return reason if reason != "abort" else None
 

@@ -269,3 +269,47 @@ def test_a_call_drained_from_a_queue_after_its_engine_died_counts_its_reprefill_
     assert c.cached_tokens == 0 and c.reprefill_tokens == lost
     assert proxy.totals["reprefill_tokens"] == lost
     assert out_b["moved"] == 1
+
+
+class AbortAfter:
+    """A's real adapter, except that an abort reaches the engine only once the engine has
+    finished every request it ran (its ``/stats`` show nothing running or waiting)."""
+
+    def __init__(self, inner, url: str) -> None:
+        self.inner, self.url = inner, url
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    async def abort(self, request_ids, keep_kv: bool = False):
+        await _until_stats(self.url, lambda s: s["running"] == 0 and s["waiting"] == 0, "A idle")
+        return await self.inner.abort(request_ids, keep_kv=keep_kv)
+
+
+@pytest.mark.parametrize("handoff", [True, False], ids=["kv", "plain"])
+def test_a_call_that_finishes_before_its_drains_abort_lands_is_not_counted_moved(
+    engines, handoff
+):
+    """The drain's abort reaches A only after the call has finished there: the call ran on A
+    alone, and the drain says it moved nothing (it counts the call as finished at the source)
+    and charged no re-prefill, so the run's ``drained_requests`` never exceeds the calls that
+    really went elsewhere (``rerouted_requests``)."""
+
+    async def main():
+        proxy = await _proxy(engines)
+        a = proxy.router.members["A"]
+        a.adapter = AbortAfter(a.adapter, engines["A"].url)
+        try:
+            task = await _start_call(proxy, "x4", engines["A"].url, stream=True)
+            out = await asyncio.wait_for(proxy.drain("A", handoff), 60)
+            res = await asyncio.wait_for(task, 60)
+            return proxy, res, out
+        finally:
+            await proxy.close()
+
+    proxy, res, out = asyncio.run(main())
+    assert res.finish_reason == "length" and len(res.token_ids) == BUDGET
+    [call] = proxy.records.calls("x4")
+    assert [(s.engine_id, s.ended_by) for s in call.segments] == [("A", "length")]
+    assert out["moved"] == 0 and out["finished_at_source"] == 1, out
+    assert out["reprefill_tokens"] == 0 and proxy.totals["retries"] == 0
