@@ -367,6 +367,14 @@ class RuntimeConfig(Strict):
     satellite_timeout_s: float = Field(
         600.0, gt=0.0, description="bound on a satellite's waits (join window, pulls, claims)"
     )
+    satellite_gather_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="bound on the core's wait, at the end of a step, for the micro-steps "
+        "joined satellites claimed: a satellite that has not delivered by then is lost for "
+        "the step and its claims are redone by the core (raise it when one micro-step takes "
+        "longer, e.g. a large model on a slow device)",
+    )
     tick_s: float = Field(0.2, gt=0.0, description="controller tick period")
     state_every_s: float = Field(
         0.5, gt=0.0, description="live state sample period (state.jsonl and the live display)"

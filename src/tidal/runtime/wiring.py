@@ -47,10 +47,11 @@ from tidal.runtime.trainer_loop import TrainerLoop
 
 if TYPE_CHECKING:
     from tidal.agents.workload import Workload
+    from tidal.contracts.trainer import ShardConfig
     from tidal.control.controller import Controller
     from tidal.control.policy import Policy
     from tidal.serving.proxy_set import ProxySet
-    from tidal.training.core import CoreTrainer
+    from tidal.training.core import CoreTrainer, TrainerConfig
     from tidal.training.trajectory_buffer import TrajectoryBuffer
     from tidal.types import Event
 
@@ -210,10 +211,8 @@ def _core(
 
     from tidal.contracts.trainer import ShardConfig
     from tidal.models import HFTokenizer, load_training_model
-    from tidal.training.coordinator import CoordinatorConfig
-    from tidal.training.core import CoreTrainer, TrainerConfig
+    from tidal.training.core import CoreTrainer
     from tidal.training.flat import ParamLayout
-    from tidal.training.packing import PackingConfig
     from tidal.training.trajectory_buffer import TrajectoryBuffer, TrajectoryBufferConfig
     from tidal.training.transport import FilePublisher
 
@@ -262,16 +261,7 @@ def _core(
         )
     core = CoreTrainer(
         model,
-        TrainerConfig(
-            lr=rt.lr,
-            groups_per_step=c.batch_groups,
-            step_data_timeout_s=rt.step_data_timeout_s,
-            packing=PackingConfig(token_budget=rt.token_budget),
-            device=device,
-            coordinator=CoordinatorConfig(join_timeout_s=rt.satellite_timeout_s),
-            shard=shard,
-            host=host,
-        ),
+        trainer_config(cfg, device, shard, host),
         buffer,
         clock,
         publishers=[files],
@@ -279,6 +269,30 @@ def _core(
     )
     files.restream = core.stream_params
     return buffer, core, files
+
+
+def trainer_config(
+    cfg: RunConfig, device: str, shard: ShardConfig | None, host: str
+) -> TrainerConfig:
+    """The core trainer's settings from the run's config (its bounds are the runtime's)."""
+    from tidal.training.coordinator import CoordinatorConfig
+    from tidal.training.core import TrainerConfig
+    from tidal.training.packing import PackingConfig
+
+    rt, c = cfg.runtime, cfg.control
+    return TrainerConfig(
+        lr=rt.lr,
+        groups_per_step=c.batch_groups,
+        step_data_timeout_s=rt.step_data_timeout_s,
+        packing=PackingConfig(token_budget=rt.token_budget),
+        device=device,
+        coordinator=CoordinatorConfig(
+            join_timeout_s=rt.satellite_timeout_s,
+            gather_timeout_s=rt.satellite_gather_timeout_s,
+        ),
+        shard=shard,
+        host=host,
+    )
 
 
 def wire(

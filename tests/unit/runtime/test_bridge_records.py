@@ -85,3 +85,21 @@ def test_unknown_runtime_field_is_named():
     with pytest.raises(ConfigError) as info:
         validate_model(RunConfig, {"runtime": {"engines": 3}})
     assert info.value.field == "runtime.engines"
+
+
+def test_the_satellite_bounds_reach_the_core_trainer_and_a_bad_one_is_named():
+    from tidal.runtime.wiring import trainer_config
+
+    cfg = validate_model(
+        RunConfig,
+        {
+            "control": {"bursts": 1},
+            "runtime": {"satellite_timeout_s": 300, "satellite_gather_timeout_s": 240},
+        },
+    )
+    tc = trainer_config(cfg, "cpu", None, "127.0.0.1")
+    assert tc.coordinator.join_timeout_s == 300 and tc.coordinator.gather_timeout_s == 240
+    assert tc.step_data_timeout_s == cfg.runtime.step_data_timeout_s
+    with pytest.raises(ConfigError) as info:
+        validate_model(RunConfig, {"runtime": {"satellite_gather_timeout_s": 0}})
+    assert info.value.field == "runtime.satellite_gather_timeout_s"
