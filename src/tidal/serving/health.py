@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from tidal.serving.adapters import make_adapter
 from tidal.serving.protocol import ServingError
+from tidal.serving.router import engine_view
 
 if TYPE_CHECKING:
     from tidal.serving.proxy import Proxy
@@ -46,20 +47,7 @@ class Lost:
 
     def describe(self) -> dict:
         """As ``Member.describe`` says it, for an engine out of routing (down, not left)."""
-        return {
-            "id": self.engine_id,
-            "url": self.url,
-            "kind": self.kind,
-            "cell_index": self.cell_index,
-            "cap": self.cap,
-            "backend": self.backend,
-            "model": self.model,
-            "admitting": self.admitting,
-            "alive": False,
-            "inflight": 0,
-            "reserved": 0,
-            "lost": True,
-        }
+        return engine_view(self, self.url, alive=False, lost=True)
 
 
 class HealthMonitor:

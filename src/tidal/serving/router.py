@@ -48,24 +48,54 @@ class Member:
         return self.admitting and self.alive
 
     def describe(self) -> dict:
-        return {
-            "id": self.engine_id,
-            "url": self.adapter.url,
-            "kind": self.kind,
-            "cell_index": self.cell_index,
-            "cap": self.cap,
-            "backend": self.backend,
-            "model": self.model,
-            "admitting": self.admitting,
-            "alive": self.alive,
-            "inflight": len(self.inflight),
-            "reserved": self.reserved,
-            # tokens the calls in flight here got back so far (a move continues from them)
-            "inflight_tokens": self.streamed_tokens,
-            "kv_handoff": self.adapter.supports_kv_handoff,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-        }
+        return engine_view(
+            self,
+            self.adapter.url,
+            alive=self.alive,
+            inflight=len(self.inflight),
+            reserved=self.reserved,
+            inflight_tokens=self.streamed_tokens,
+            kv_handoff=self.adapter.supports_kv_handoff,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+        )
+
+
+def engine_view(
+    e,
+    url: str,
+    *,
+    alive: bool,
+    inflight: int = 0,
+    reserved: int = 0,
+    inflight_tokens: int = 0,
+    kv_handoff: bool = False,
+    prompt_tokens: int = 0,
+    cached_tokens: int = 0,
+    lost: bool = False,
+) -> dict:
+    """How ``/tidal/engines`` and the drain/undrain answers describe an engine, a member or
+    one out of routing (``e``: anything with its id, kind, cell index, cap, backend, model
+    and admission; ``lost``: down, out of routing, not left)."""
+    return {
+        "id": e.engine_id,
+        "url": url,
+        "kind": e.kind,
+        "cell_index": e.cell_index,
+        "cap": e.cap,
+        "backend": e.backend,
+        "model": e.model,
+        "admitting": e.admitting,
+        "alive": alive,
+        "inflight": inflight,
+        "reserved": reserved,
+        # tokens the calls in flight here got back so far (a move continues from them)
+        "inflight_tokens": inflight_tokens,
+        "kv_handoff": kv_handoff,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "lost": lost,
+    }
 
 
 class Router:
