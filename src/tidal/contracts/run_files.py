@@ -206,7 +206,8 @@ class Summary(_Line):
     # direction -> plan step -> n, p50_s, max_s (each step's measured cost)
     switch_steps_s: dict[str, dict[str, dict[str, float]]] | None = None
     # versions, bytes_per_version, memcpy_gbps, gbps / write_s / engine_load_s /
-    # engine_pause_s as {p50, max}, carriers (loads per carrier), fallbacks
+    # engine_pause_s / engine_prepare_s / engine_step_wait_s as {p50, max}, carriers (loads
+    # per carrier), fallbacks
     publication: dict[str, Any] | None = None
     # the control plane's own costs (tidal.runtime.control_plane): proxy calls/s, tokens/s,
     # CPU per call and added latency; controller decision latency; driver loop lag; memory

@@ -118,6 +118,7 @@ class EngineHost:
         self.state = "stopped"
         self.loaded_version = "v0"
         self.loaded_path: str | None = None  # the file of the loaded version (None: model_dir)
+        self._load_parts: dict[str, float] = {}  # the engine's parts of its last load
         self.satellite: subprocess.Popen | None = None
         self.satellite_starts = 0
 
@@ -192,6 +193,7 @@ class EngineHost:
         self.loaded_path = path
         self.state = "awake"
         self._pause_s = out.get("pause_s")
+        self._load_parts = {k: out[k] for k in ("prepare_s", "step_wait_s") if k in out}
         return self.loaded_version
 
     _pause_s: float | None = None
@@ -216,13 +218,14 @@ class EngineHost:
         import time
 
         t0 = time.perf_counter()
-        self._pause_s = None
+        self._pause_s, self._load_parts = None, {}
         label = self.load_weights(path, version)
         took = time.perf_counter() - t0
         return {
             "label": label,
             "seconds": took,
             "pause_s": self._pause_s if self._pause_s is not None else took,
+            **self._load_parts,  # the engine's own: prepare_s, step_wait_s
         }
 
     def load_ipc(self, handles: list[dict], version: str) -> dict:

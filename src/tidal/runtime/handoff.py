@@ -176,6 +176,9 @@ class Delivery:
     seconds: float
     pause_s: float
     failed: tuple[str, ...] = ()  # "carrier: reason" of the carriers tried before
+    # the engine's own parts of ``seconds`` where it reports them (the built-in engine):
+    # prepare_s (opened and checked) and step_wait_s (waiting for its step in flight)
+    parts: tuple[tuple[str, float], ...] = ()
 
     def record(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -183,6 +186,7 @@ class Delivery:
             "bytes": self.bytes,
             "seconds": round(self.seconds, 4),
             "pause_s": round(self.pause_s, 4),
+            **{k: round(v, 4) for k, v in self.parts},
         }
         if self.failed:
             out["fell_back_from"] = list(self.failed)
@@ -267,7 +271,12 @@ class Handoff:
             served, pause_s = (
                 (out["label"], out["pause_s"]) if isinstance(out, dict) else (out, took)
             )
-            d = Delivery(str(eid), carrier, served, nbytes, took, pause_s, tuple(failed))
+            parts = (
+                tuple((k, float(out[k])) for k in ("prepare_s", "step_wait_s") if k in out)
+                if isinstance(out, dict)
+                else ()
+            )
+            d = Delivery(str(eid), carrier, served, nbytes, took, pause_s, tuple(failed), parts)
             self.deliveries.append(d)
             return d
         raise TransportError(f"{eid}: no carrier for {label}")

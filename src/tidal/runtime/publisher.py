@@ -184,6 +184,9 @@ class Publisher:
             "span_s": _p50_max([r["span_s"] for r in recs if r["gbps"]]),
             "engine_load_s": _p50_max([d["seconds"] for d in loads]),
             "engine_pause_s": _p50_max([d["pause_s"] for d in loads]),
+            # of the engine load: opened and checked, then waiting for the step in flight
+            "engine_prepare_s": _p50_max([d["prepare_s"] for d in loads if "prepare_s" in d]),
+            "engine_step_wait_s": _p50_max([d["step_wait_s"] for d in loads if "step_wait_s" in d]),
             "carriers": dict(sorted(carriers.items())),
             "fallbacks": sum(len(d.get("fell_back_from", [])) for d in loads),
         }

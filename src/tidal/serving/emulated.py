@@ -136,6 +136,7 @@ class EmulatedEngine:
         self.stream_tick_s, self.kv_lease_s = stream_tick_s, kv_lease_s
         self.wait_timeout_s = wait_timeout_s
         self.last_pause_s = 0.0
+        self.last_load_parts: dict[str, float] = {}  # an emulated load has no parts to time
         self._requests: dict[str, _Request] = {}
         self._aborted_early: OrderedDict[str, bool] = OrderedDict()
         self._pinned: dict[str, tuple[list[int], float]] = {}  # key -> (tokens, expiry)

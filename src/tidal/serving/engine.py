@@ -61,6 +61,9 @@ class Engine:
         self.clock = clock or WallClock()
         self.weight_version = weight_version
         self.last_pause_s = 0.0  # how long the last weight load held the engine's steps
+        # the last load's parts: ``prepare_s`` (opened and checked, off the step path) and
+        # ``step_wait_s`` (waiting for the step in flight to end before the swap)
+        self.last_load_parts: dict[str, float] = {}
         self._weights_source: Path | None = Path(model_dir)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -369,9 +372,11 @@ class Engine:
         that does not fit raises a ``TidalError`` and the loaded one keeps serving. A sleeping
         engine serves nothing a bad version could spoil: it reads the file once, straight into
         its weights, checks them there and stays asleep if they do not fit."""
+        t_start = self.clock.now()
+        self.last_load_parts = {}
         seg = await asyncio.to_thread(self._segments.open, path, version)
         if seg is not None:
-            await self._load_segment(seg, version)
+            await self._load_segment(seg, version, t_start)
             if self._premap is None or self._premap.done():  # the ring's other files, ahead
                 self._premap = asyncio.ensure_future(
                     asyncio.to_thread(self._segments.premap, seg.path)
@@ -388,24 +393,34 @@ class Engine:
                     self.last_pause_s = self.clock.now() - t0
                     return
         await asyncio.to_thread(self.model.check_weights, sd)
+        t_ready = self.clock.now()
         async with self._step_lock:
             t0 = self.clock.now()
             self._own_weights()
             self.model.load_weights(sd)
             self._after_load(path, version)
             self.last_pause_s = self.clock.now() - t0  # no step ran meanwhile
+        self._load_parts(t_start, t_ready, t0)
 
-    async def _load_segment(self, seg: Mapped, version: str) -> None:
+    def _load_parts(self, t_start: float, t_ready: float, t_locked: float) -> None:
+        self.last_load_parts = {
+            "prepare_s": round(t_ready - t_start, 6),
+            "step_wait_s": round(t_locked - t_ready, 6),
+        }
+
+    async def _load_segment(self, seg: Mapped, version: str, t_start: float) -> None:
         """A version in a shared-memory segment (mapped, locked, its label checked): names and
         shapes checked whole (values too unless its writer checked them as it wrote), then,
         between two steps, served straight from its pages (a CPU engine of its dtype: no copy)
         or copied in, one ``copy_`` per tensor. A sleeping engine wakes into it."""
         await self._checked(seg)
+        t_ready = self.clock.now()
         async with self._step_lock:
             t0 = self.clock.now()
             self._serve_segment(seg)
             self._after_load(seg.path, version)
             self.last_pause_s = self.clock.now() - t0
+        self._load_parts(t_start, t_ready, t0)
 
     async def _checked(self, seg: Mapped) -> None:
         """Names and shapes of ``seg`` checked whole, values too unless its writer did (its

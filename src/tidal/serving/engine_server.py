@@ -260,6 +260,7 @@ class EngineHandlers:
             "status": "ok",
             "weight_version": self.engine.weight_version,
             "pause_s": round(self.engine.last_pause_s, 6),
+            **self.engine.last_load_parts,  # prepare_s, step_wait_s (an awake engine's load)
         }
 
     async def update_weights_ipc(self, body: IpcBody) -> dict:

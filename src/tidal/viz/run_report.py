@@ -193,7 +193,9 @@ def render_report(
                 f"{_num((pub.get('memcpy_beside_gbps') or {}).get('p50'), 1)} GB/s p50 beside "
                 f"each version ({_pct((pub.get('share_of_memcpy_beside') or {}).get('p50'))} "
                 "of it); write p50 "
-                f"{_num(w.get('p50'), 3)} s, engine load p50 {_num(ld.get('p50'), 3)} s; "
+                f"{_num(w.get('p50'), 3)} s, engine load p50 {_num(ld.get('p50'), 3)} s "
+                f"(of it, waiting for the step in flight "
+                f"{_num((pub.get('engine_step_wait_s') or {}).get('p50'), 3)} s); "
                 f"{_num(pub.get('bytes_per_version'))} bytes a version; carriers "
                 + ", ".join(f"{k} {v}" for k, v in (pub.get("carriers") or {}).items())
                 + f"; {_num(pub.get('fallbacks'))} fallbacks",

@@ -103,6 +103,13 @@ def test_each_carrier_delivers_the_version_bit_for_bit(engine, carrier):
     d = asyncio.run(_handoff(writer, carrier).deliver(EngineId.cell(0), engine.actor, 1, "v1"))
     assert (d.carrier, d.label, d.failed) == (carrier, "v1", ())
     assert d.bytes >= 4 * ParamLayout.of(engine.model).numel and d.pause_s <= d.seconds
+    # the engine's own parts of the load: opened and checked, then the wait for its step
+    # (Ray's object store hands the actor bytes it loads as a label alone: no parts)
+    parts = dict(d.parts)
+    if carrier != "object":
+        assert sorted(parts) == ["prepare_s", "step_wait_s"] and min(parts.values()) >= 0
+        assert sum(parts.values()) + d.pause_s <= d.seconds
+        assert d.record()["step_wait_s"] == round(parts["step_wait_s"], 4)
     served = engine.host.weight_hashes()
     assert served["weight_version"] == "v1" and served["hashes"] == want
     if carrier == "shm":  # served from the segment's own pages: the engine maps it

@@ -287,9 +287,7 @@ class AbortAfter:
 
 
 @pytest.mark.parametrize("handoff", [True, False], ids=["kv", "plain"])
-def test_a_call_that_finishes_before_its_drains_abort_lands_is_not_counted_moved(
-    engines, handoff
-):
+def test_a_call_that_finishes_before_its_drains_abort_lands_is_not_counted_moved(engines, handoff):
     """The drain's abort reaches A only after the call has finished there: the call ran on A
     alone, and the drain says it moved nothing (it counts the call as finished at the source)
     and charged no re-prefill, so the run's ``drained_requests`` never exceeds the calls that

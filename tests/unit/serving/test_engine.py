@@ -186,6 +186,39 @@ def test_sleep_frees_memory_and_weight_versions_tag_tokens(tiny_dir, tmp_path):
     run(main())
 
 
+def test_a_load_says_how_long_it_waited_for_the_step_in_flight(tiny_dir, tmp_path):
+    """A version's load is itemised: ``prepare_s`` (read and checked, off the step path),
+    ``step_wait_s`` (waiting for the step in flight to end) and ``last_pause_s`` (the swap,
+    steps held). A step held for 0.3 s (the step lock, as a long step holds it) shows as the
+    wait, not as the pause."""
+    LlamaForCausalLM.random(load_model(tiny_dir)[0].cfg.model_dump(), seed=5).save(tmp_path / "w")
+
+    async def main():
+        eng = _engine(tiny_dir)
+        await eng.start()
+        held = asyncio.Event()
+
+        async def long_step():
+            async with eng._step_lock:
+                held.set()
+                await asyncio.sleep(0.3)
+
+        step = asyncio.create_task(long_step())
+        await held.wait()
+        await eng.update_weights(tmp_path / "w" / "model.safetensors", "v1")
+        await step
+        parts, pause = dict(eng.last_load_parts), eng.last_pause_s
+        await eng.update_weights(tmp_path / "w" / "model.safetensors", "v2")  # nothing in flight
+        idle = dict(eng.last_load_parts)
+        await eng.stop()
+        return parts, pause, idle
+
+    parts, pause, idle = run(main())
+    assert sorted(parts) == ["prepare_s", "step_wait_s"]
+    assert 0.1 <= parts["step_wait_s"] <= 0.35 and pause < 0.1, (parts, pause)
+    assert idle["step_wait_s"] < 0.05, idle
+
+
 def test_a_sleeping_engine_wakes_into_a_version_in_one_pass_and_refuses_a_bad_one(
     tiny_dir, tmp_path
 ):
