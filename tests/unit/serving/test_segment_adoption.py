@@ -209,6 +209,18 @@ def test_a_non_finite_value_deep_inside_a_tensor_stops_the_writer(tmp_path, bad,
     assert not any(tmp_path.joinpath("seg").iterdir())
 
 
+def test_a_non_finite_value_in_a_small_tensor_checked_with_its_neighbours_is_named(tmp_path):
+    """Tensors written back to back are checked together (one reduction per ``CHECK_SPAN``
+    bytes); a NaN in the small one among them is still found and named."""
+    big = torch.nn.Linear(CHECK_PIECE // 64 + 7, 256)
+    with torch.no_grad():
+        big.bias.view(-1)[7] = float("nan")
+    ring = SegmentRing(tmp_path / "seg", ParamLayout.of(big))
+    with pytest.raises(TransportError, match="parameter bias holds NaN"):
+        ring.publish_stream(1, ((n, p.detach()) for n, p in big.named_parameters()))
+    assert not any(tmp_path.joinpath("seg").iterdir())
+
+
 def test_huge_finite_values_are_published_whole(tmp_path):
     """Values whose squares (the float32 check's reduction) overflow are still finite: the
     exact check decides, and the version is written bit for bit."""
