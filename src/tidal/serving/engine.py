@@ -335,10 +335,9 @@ class Engine:
             seg = None
             if self._held is None and self._spill is None and self._weights_source is not None:
                 seg = await asyncio.to_thread(
-                    self._segments.open, self._weights_source, self.weight_version
+                    self._open_checked, self._weights_source, self.weight_version
                 )
             if seg is not None:  # the segment it served before (still that version): adopted
-                await self._checked(seg)
                 self._serve_segment(seg)
                 self._wakeup.set()
                 log.info("engine %s awake", self.config.name)
@@ -374,7 +373,8 @@ class Engine:
         its weights, checks them there and stays asleep if they do not fit."""
         t_start = self.clock.now()
         self.last_load_parts = {}
-        seg = await asyncio.to_thread(self._segments.open, path, version)
+        # a segment opened and checked in one trip off the loop (each trip waits for the loop)
+        seg = await asyncio.to_thread(self._open_checked, path, version)
         if seg is not None:
             await self._load_segment(seg, version, t_start)
             if self._premap is None or self._premap.done():  # the ring's other files, ahead
@@ -410,10 +410,10 @@ class Engine:
 
     async def _load_segment(self, seg: Mapped, version: str, t_start: float) -> None:
         """A version in a shared-memory segment (mapped, locked, its label checked): names and
-        shapes checked whole (values too unless its writer checked them as it wrote), then,
-        between two steps, served straight from its pages (a CPU engine of its dtype: no copy)
-        or copied in, one ``copy_`` per tensor. A sleeping engine wakes into it."""
-        await self._checked(seg)
+        shapes checked whole (values too unless its writer checked them as it wrote:
+        ``_open_checked``), then, between two steps, served straight from its pages (a CPU
+        engine of its dtype: no copy) or copied in, one ``copy_`` per tensor. A sleeping engine
+        wakes into it."""
         t_ready = self.clock.now()
         async with self._step_lock:
             t0 = self.clock.now()
@@ -422,14 +422,17 @@ class Engine:
             self.last_pause_s = self.clock.now() - t0
         self._load_parts(t_start, t_ready, t0)
 
-    async def _checked(self, seg: Mapped) -> None:
-        """Names and shapes of ``seg`` checked whole, values too unless its writer did (its
-        lock goes if it does not fit)."""
-        try:
-            await asyncio.to_thread(self.model.check_weights, seg, True, not seg.checked)
-        except BaseException:
-            seg.close()
-            raise
+    def _open_checked(self, path: str | Path, version: str) -> Mapped | None:
+        """``path`` as a mapped segment (None: not a segment) with names and shapes checked
+        whole, values too unless its writer did (its lock goes if it does not fit)."""
+        seg = self._segments.open(path, version)
+        if seg is not None:
+            try:
+                self.model.check_weights(seg, True, not seg.checked)
+            except BaseException:
+                seg.close()
+                raise
+        return seg
 
     def _serve_segment(self, seg: Mapped) -> None:
         """``seg`` (checked) becomes the weights, under the step lock: adopted, or copied in
