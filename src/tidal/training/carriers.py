@@ -52,7 +52,7 @@ SHM_ROOT = Path("/dev/shm")
 BUCKET_BYTES = 64 * 2**20  # a broadcast bucket: big enough for link speed, small to stage
 STAGE_BYTES = 32 * 2**20  # a device (GPU) piece on its way into a segment
 CHECK_PIECE = 2**18  # elements copied by one call (see _copy_checked)
-CHECK_SPAN = 4 * 2**20  # bytes copied, then checked finite by one reduction while in the cache
+CHECK_SPAN = 2**20  # bytes copied, then checked finite by one reduction while in the cache
 BATCH_BYTES = 64 * 2**20  # CPU tensors copied together (bounded: a sharded stream's are copies)
 _NUMPY_DTYPES = (torch.float32, torch.float16)
 CAST_PIECE = 2**15  # a piece cast into a segment: below torch's grain (one thread, no pool)
@@ -355,53 +355,32 @@ def read_header(path: str | os.PathLike) -> tuple[str, dict, int]:
 
 
 def _copy_checked(base: np.ndarray, pieces: list[tuple[str, int, np.ndarray]]) -> str | None:
-    """Each (name, byte offset in ``base``, values) piece copied into ``base``; every
-    ``CHECK_SPAN`` bytes written back to back are then checked finite by one reduction while
-    they are still in the cache. The name of the first non-finite piece, or None.
+    """Each (name, byte offset in ``base``, values) piece copied into ``base``; each run of up
+    to ``CHECK_SPAN`` bytes written back to back is then checked finite by one reduction while
+    it is in the cache, and on a non-finite result each of its pieces exactly (naming it). The
+    name of the first non-finite piece, or None. The reduction of float32 values is
+    ``dot(x, x)``: every term is >= 0, so it is NaN or inf whenever a value is (nothing can
+    cancel it), and finite otherwise unless a square overflowed (a value above ~1.8e19: the
+    exact check decides). float16 values are summed (no BLAS kernel). 1 MiB pieces and runs
+    (small tensors share one): each numpy call gives the GIL back and takes it again, each
+    retake waiting up to 5 ms for a busy driver loop (docs/weights.md: fewer calls, 2.2x)."""
+    span: list[tuple[str, int, int]] = []
 
-    The reduction of float32 values is their dot product with themselves, ``sum(x*x)``: every
-    term is >= 0, so it is NaN or infinite whenever one value is (NaN propagates, inf*inf is
-    inf and no term can cancel it) and finite otherwise unless the squares overflowed (a value
-    above ~1.8e19), when the exact check of each piece decides (and names it). float16 values
-    are summed (no BLAS kernel), the exact check deciding on an overflow too.
+    def bad_in(dt: np.dtype) -> str | None:
+        s = base[span[0][1] : span[-1][2]].view(dt)
+        if np.isfinite(np.dot(s, s) if dt == np.float32 else np.add.reduce(s)):
+            return None
+        return next((n for n, a, e in span if not np.isfinite(base[a:e].view(dt)).all()), None)
 
-    Why 1 MiB pieces and 4 MiB spans: each numpy call gives the GIL back and takes it again,
-    and a thread that wants it back waits for whoever holds it (up to the interpreter's 5 ms
-    switch interval). The driver's event loop shares the trainer's process, so the fewer the
-    calls, the less a busy loop slows the write. Measured 2026-12-06 on 2 cores, SmolLM2-135M's
-    0.54 GB, two threads, beside a Python thread busy 0 / 30 / 100 % of the time: 256 KiB
-    pieces each checked alone (2,233 pieces) 0.025 / 0.047 / 7.8 s; 1 MiB pieces checked per
-    4 MiB (709 pieces) 0.021 / 0.030 / 2.5 s; one ``copy_`` of the same bytes 0.023 s."""
-    dt, start, end, span = None, -1, -1, []
     with np.errstate(over="ignore", invalid="ignore"):
-
-        def bad_in_span() -> str | None:
-            s = base[start:end].view(dt)
-            r = np.dot(s, s) if dt == np.float32 else np.add.reduce(s)
-            if np.isfinite(r):
-                return None
-            return next((n for n, a, e in span if not np.isfinite(base[a:e].view(dt)).all()), None)
-
         for name, at, v in pieces:
-            if dt is None:
-                dt = v.dtype
-            stop = at + v.nbytes
-            np.copyto(base[at:stop].view(dt), v)
-            if span and at != end:  # not back to back with the span: check it first
-                bad = bad_in_span()
+            if span and (at != span[-1][2] or span[-1][2] - span[0][1] >= CHECK_SPAN):
+                bad, span = bad_in(v.dtype), []  # a run ends: not back to back, or full
                 if bad is not None:
                     return bad
-                span = []
-            if not span:
-                start = at
-            span.append((name, at, stop))
-            end = stop
-            if end - start >= CHECK_SPAN:
-                bad = bad_in_span()
-                if bad is not None:
-                    return bad
-                span = []
-        return bad_in_span() if span else None
+            np.copyto(base[at : at + v.nbytes].view(v.dtype), v)
+            span.append((name, at, at + v.nbytes))
+        return bad_in(pieces[-1][2].dtype) if span else None
 
 
 # -- broadcast -------------------------------------------------------------------------------

@@ -107,7 +107,11 @@ def test_tiny_run_spreads_its_engines_over_three_nodes(cluster, tmp_path):
         assert not any(ipaddress.ip_address(ip).is_loopback for _, ip in placed.values())
     # a drained call moved with its KV cache, from one node's engine to another's
     assert seen.get("drained", {}).get("moved", 0) >= 1, seen
-    assert s["drained_requests"] >= 1 and s["kv_handoffs"] >= 1, s
+    # every call the test's drain moved was handed its KV (the plans' drains may add more;
+    # whether they find a call still running is timing, and a call its engine finished
+    # before the abort landed is not counted as moved: ``drained_requests`` sums theirs)
+    assert s["kv_handoffs"] >= seen["drained"]["moved"], (s["kv_handoffs"], seen)
+    assert s["drained_requests"] <= s["rerouted_requests"], s
     assert s["nodes"] == 4 and s["nodes_lost"] == 0
     assert s["switches_to_training"] >= 1 and s["switches_to_rollout"] >= 1
     assert s["plans_aborted"] == 0
