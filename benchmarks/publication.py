@@ -14,7 +14,12 @@ of 3, as ``tidal run`` measures it at start). ``tidal run`` adds a Ray call and 
 per engine: the summary's ``publication`` has the span from the first byte written to the last
 engine's reply, per run.
 
-Run: ``.venv/bin/python benchmarks/publication.py [--repeats 3] [--dir /tmp]``.
+``--busy F``: a Python thread of the same process busy a fraction F of every millisecond
+meanwhile (as a driver's event loop beside the trainer): each numpy call of the write gives
+the GIL back and waits to take it again (2026-12-06: F=1 made the 0.54 GB write 8.8 s with
+256 KiB pieces, 4.0 s with 1 MiB ones; docs/weights.md).
+
+Run: ``.venv/bin/python benchmarks/publication.py [--repeats 3] [--dir /tmp] [--busy 0.3]``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,11 +53,26 @@ def model() -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig.model_validate(SMOLLM2_135M))
 
 
+def _busy(fraction: float, stop: threading.Event) -> None:
+    """Pure Python work ``fraction`` of each millisecond (it holds the GIL), asleep the rest."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < fraction * 1e-3:
+            pass
+        if fraction < 1:
+            time.sleep((1 - fraction) * 1e-3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the file goes (disk)")
+    ap.add_argument(
+        "--busy", type=float, default=0.0, help="a Python thread busy this fraction of each ms"
+    )
     args = ap.parse_args()
+    if not 0.0 <= args.busy <= 1.0:
+        ap.error("--busy: a fraction from 0 to 1")
     trainer = model()
     layout = ParamLayout.of(trainer)
     nbytes = layout.numel * 4
@@ -70,6 +91,10 @@ def main() -> None:
         await engine.update_weights(path, label)
         return time.perf_counter() - t0
 
+    stop = threading.Event()
+    if args.busy > 0:
+        threading.Thread(target=_busy, args=(args.busy, stop), daemon=True).start()
+        print(f"a Python thread busy {args.busy:.0%} of each millisecond meanwhile")
     for name, writer in carriers.items():
         best = None
         for r in range(args.repeats + 2):  # the first two fill the ring (new pages)
@@ -86,6 +111,7 @@ def main() -> None:
             f"{name:5s} write {best[0]:.3f} s, load {best[1]:.3f} s (pause "
             f"{engine.last_pause_s:.3f} s): {nbytes / total / 1e9:.2f} GB/s"
         )
+    stop.set()
     carriers["shm"].close()
     import shutil
 
