@@ -253,12 +253,15 @@ class Coordinator:
                     return
                 stopped = cell in self._departing
                 self._departing.discard(cell)
-            if stopped or session.get("closing"):
+                ended = self._shutdown  # the core closed its server: the run is over
+            if stopped or session.get("closing") or ended:
                 self.lose(
                     cell,
                     "the runtime stopped it (the cell returns to rollout)"
                     if stopped
-                    else "it said bye",
+                    else "it said bye"
+                    if session.get("closing")
+                    else "the run ended (the core shut down)",
                     planned=True,
                 )
             else:

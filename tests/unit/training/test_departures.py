@@ -63,6 +63,24 @@ def test_planned_departures_are_info_unannounced_losses_warnings(caplog):
     )
 
 
+def test_a_connection_closed_once_the_core_shut_down_is_the_runs_end_not_a_loss(caplog):
+    """At a run's end the core closes its server before the runtime stops the satellites:
+    their connections then close without a bye, which is the run ending (CI 2026-12-06:
+    ``warnings: 1`` on a clean tiny run whose last step had a satellite training)."""
+    coord = _coordinator()
+    session = _join(coord, 1)
+    coord.shutdown()
+    with (
+        caplog.at_level(logging.INFO, logger="tidal.training.coordinator"),
+        counting_warnings() as counter,
+    ):
+        coord.on_disconnect(session)
+    assert counter.total == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "cell 1 (i1) left training: the run ended (the core shut down); 0 micro-steps reopened"
+    ]
+
+
 def test_no_warning_is_the_line_warnings_none():
     with counting_warnings() as counter:
         logging.getLogger("tidal.x").info("a normal event")
