@@ -131,6 +131,8 @@ class Chaos(threading.Thread):
             if victim is None or self.stop.wait(self.gap_s):
                 return
             busy = self._wait(lambda n=name: _inflight(self.driver, n), 60.0) or 0
+            if self.stop.is_set():  # told to stop while waiting: this kill is the next run's
+                return
             try:
                 target = victim if kind == "engine" else victim.parent()
                 target.send_signal(signal.SIGKILL)
